@@ -1,0 +1,41 @@
+# gemray: `make demo` (set-up + data + main job on ML-1M) and `make test`.
+SHELL := /bin/bash
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+DATA_SRC ?= ../shared/data/ml-1m
+OUT ?= runs/demo
+DEMO_EPOCHS ?= 12
+
+# Pinned CPU stack (see README "Install"). torch first from the CPU wheel; torchrec --no-deps because its
+# metadata asks for the CUDA fbgemm-gpu, which would overwrite fbgemm-gpu-cpu (same fbgemm_gpu folder).
+TORCH_PIN := torch==2.13.0
+STACK := fbgemm-gpu-cpu==1.8.0 "ray[data,train,default]==2.60.0" "pyarrow>=14" triton==3.9.0 \
+	tensordict "torchmetrics==1.0.3" pyre-extensions iopath tqdm numpy matplotlib
+TORCHREC := torchrec==1.8.0
+TEST_DEPS := pytest jsonschema pyyaml
+
+.PHONY: venv install demo test data clean
+
+$(BIN)/.installed: pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(TORCH_PIN)
+	$(BIN)/pip install -q $(TORCH_PIN) $(STACK) $(TEST_DEPS)
+	$(BIN)/pip install -q --no-deps $(TORCHREC)
+	$(BIN)/pip install -q --no-deps -e .
+	touch $@
+
+venv install: $(BIN)/.installed
+
+data: $(BIN)/.installed
+	$(BIN)/gemray prepare movielens --src $(DATA_SRC) --out data/ml-1m
+
+demo: $(BIN)/.installed data
+	$(BIN)/gemray train --config configs/ml-1m.toml --set train.epochs=$(DEMO_EPOCHS) --output $(OUT)
+
+test: $(BIN)/.installed
+	$(BIN)/python -m pytest -x -q tests
+
+clean:
+	rm -rf $(VENV) runs data .pytest_cache

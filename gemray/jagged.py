@@ -1,0 +1,130 @@
+"""The jagged batch: B variable-length user histories stored back to back, no padding.
+
+Shape key: B sequences, T = offsets[-1] total tokens, L_b = offsets[b+1] - offsets[b].
+
+A ``JaggedBatch`` is what ``gemray.pipelines`` yields and what the model consumes. Sequence b occupies
+rows ``offsets[b]:offsets[b+1]`` of every per-token tensor. Example (B=3, lengths 2, 0, 3)::
+
+    offsets   = [0, 2, 2, 5]
+    item_ids  = [7, 3, 9, 9, 1]        # user 0: 7, 3; user 1: empty; user 2: 9, 9, 1
+
+Padded conversions exist for references and tests only; the model path stays jagged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+# Feature names of the KeyedJaggedTensor given to the TorchRec EmbeddingCollection.
+ITEM_FEATURE = "item_id"
+RATING_FEATURE = "rating"
+TIME_FEATURE = "time_gap"
+
+
+@dataclass
+class JaggedBatch:
+    """A batch of jagged user histories.
+
+    user_ids:   [B] int64, the dataset's user id of each row.
+    offsets:    [B+1] int64, offsets[0] == 0, non-decreasing, offsets[-1] == T.
+    item_ids:   [T] int64, dense item ids in 1..num_items (0 is never used: reserved for padding).
+    ratings:    [T] int64, rating in half stars (1..10; ML-1M's 4 stars -> 8).
+    timestamps: [T] int64, unix seconds, non-decreasing within each sequence.
+    targets:    [B] int64 or None. Evaluation batches: the held-out next item of each sequence
+                (leave-one-out). Training batches: None (every position predicts the next item).
+    """
+
+    user_ids: torch.Tensor
+    offsets: torch.Tensor
+    item_ids: torch.Tensor
+    ratings: torch.Tensor
+    timestamps: torch.Tensor
+    targets: torch.Tensor | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.offsets.numel() - 1)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.offsets[-1])
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """[B] int64 sequence lengths."""
+        return self.offsets[1:] - self.offsets[:-1]
+
+    @property
+    def max_len(self) -> int:
+        return int(self.lengths.max()) if self.batch_size else 0
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "JaggedBatch":
+        kw = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            kw[f.name] = v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor) else v
+        return JaggedBatch(**kw)
+
+    def validate(self) -> "JaggedBatch":
+        """Check the invariants above; raises ValueError naming the broken field."""
+        o = self.offsets
+        if o.dtype != torch.int64 or o.dim() != 1 or o.numel() < 1:
+            raise ValueError(f"offsets: expected 1-D int64 [B+1], got {o.dtype} {tuple(o.shape)}")
+        if int(o[0]) != 0 or bool((o[1:] < o[:-1]).any()):
+            raise ValueError("offsets: must start at 0 and be non-decreasing")
+        t = int(o[-1])
+        for name in ("item_ids", "ratings", "timestamps"):
+            v = getattr(self, name)
+            if v.dim() != 1 or v.numel() != t:
+                raise ValueError(f"{name}: expected [T={t}], got {tuple(v.shape)}")
+        if self.user_ids.numel() != self.batch_size:
+            raise ValueError(f"user_ids: expected [B={self.batch_size}], got {tuple(self.user_ids.shape)}")
+        if self.targets is not None and self.targets.numel() != self.batch_size:
+            raise ValueError(f"targets: expected [B={self.batch_size}], got {tuple(self.targets.shape)}")
+        return self
+
+    def with_(self, **changes) -> "JaggedBatch":
+        return replace(self, **changes)
+
+
+def lengths_to_offsets(lengths: torch.Tensor) -> torch.Tensor:
+    """[B] int -> [B+1] int64 offsets (exclusive cumulative sum)."""
+    out = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
+    torch.cumsum(lengths.to(torch.int64), 0, out=out[1:])
+    return out
+
+
+def segment_ids(offsets: torch.Tensor) -> torch.Tensor:
+    """[B+1] offsets -> [T] int64 index of the sequence each token belongs to."""
+    lengths = offsets[1:] - offsets[:-1]
+    return torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths)
+
+
+def positions(offsets: torch.Tensor) -> torch.Tensor:
+    """[B+1] offsets -> [T] int64 position of each token inside its sequence (0-based)."""
+    seg = segment_ids(offsets)
+    return torch.arange(seg.numel(), device=offsets.device) - offsets[:-1][seg]
+
+
+def jagged_to_padded(values: torch.Tensor, offsets: torch.Tensor, max_len: int,
+                     padding_value: float = 0.0) -> torch.Tensor:
+    """values [T, *F] -> padded [B, max_len, *F]; rows past a sequence's length hold ``padding_value``.
+
+    Sequences longer than ``max_len`` raise ValueError (no silent truncation). Reference/test use only.
+    """
+    b = offsets.numel() - 1
+    lengths = offsets[1:] - offsets[:-1]
+    if b and int(lengths.max()) > max_len:
+        raise ValueError(f"jagged_to_padded: a sequence of length {int(lengths.max())} > max_len {max_len}")
+    out = values.new_full((b, max_len, *values.shape[1:]), padding_value)
+    seg = segment_ids(offsets)
+    out[seg, positions(offsets)] = values
+    return out
+
+
+def padded_to_jagged(padded: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """padded [B, N, *F] -> values [T, *F] keeping the first L_b rows of each sequence."""
+    seg = segment_ids(offsets)
+    return padded[seg, positions(offsets)]
