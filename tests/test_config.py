@@ -1,0 +1,64 @@
+"""Config tree: TOML loading, --set overrides, validation errors that name the field."""
+
+from pathlib import Path
+
+import pytest
+
+from gemray.config import JobConfig, apply_overrides, load_config, to_toml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("name", ["ml-1m.toml", "ml-latest-small.toml"])
+def test_shipped_configs_load(name):
+    cfg = load_config(ROOT / "configs" / name)
+    assert cfg.model.num_blocks >= 1
+    assert cfg.data.batch_size % cfg.data.sub_batch_size == 0
+
+
+def test_ml1m_is_hstu_large_shape():
+    cfg = load_config(ROOT / "configs" / "ml-1m.toml")
+    m = cfg.model
+    assert (m.num_blocks, m.num_heads, m.attention_dim, m.embedding_dim) == (8, 2, 25, 50)
+    assert (cfg.data.max_seq_len, m.num_negatives, m.temperature) == (200, 128, 0.05)
+
+
+def test_overrides_coerce_types():
+    cfg = apply_overrides(JobConfig(), ["train.epochs=3", "train.lr=5e-4", "data.bbs=false",
+                                        "train.eval_ks=[5,10]", "name=x"])
+    assert cfg.train.epochs == 3 and cfg.train.lr == 5e-4 and cfg.data.bbs is False
+    assert cfg.train.eval_ks == [5, 10] and cfg.name == "x"
+
+
+@pytest.mark.parametrize("item,needle", [
+    ("train.epochs=abc", "train.epochs"),
+    ("train.epochs=0", "train.epochs"),
+    ("train.nope=1", "train.nope"),
+    ("nosection.x=1", "nosection"),
+    ("model.negatives=hard", "model.negatives"),
+    ("data.on_bad_rows=ignore", "data.on_bad_rows"),
+    ("data.batch_size=100", "data.batch_size"),
+    ("train.epochs", "section.key=value"),
+])
+def test_bad_overrides_name_the_field(item, needle):
+    with pytest.raises(ValueError, match=needle.replace(".", r"\.").replace("[", r"\[")):
+        apply_overrides(JobConfig(), [item])
+
+
+def test_toml_round_trip(tmp_path):
+    cfg = apply_overrides(JobConfig(), ["train.epochs=7", "model.attn_activation=softmax"])
+    p = tmp_path / "c.toml"
+    p.write_text(to_toml(cfg))
+    assert load_config(p) == cfg
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        load_config(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train]\nepochs = 'many'\n")
+    with pytest.raises(ValueError, match="train.epochs"):
+        load_config(bad)
+    bad.write_text("[train\n")
+    with pytest.raises(ValueError, match="invalid TOML"):
+        load_config(bad)
