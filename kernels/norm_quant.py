@@ -1,0 +1,408 @@
+"""Fused LayerNorm / RMSNorm + FP8 (e4m3) block quantization, in Triton (issue 3).
+
+One pass over the input row produces three outputs:
+
+* ``y``       [N, D] in ``x.dtype``: the normalized, affine-transformed row (differentiable);
+* ``y_fp8``   [N, D] ``torch.float8_e4m3fn``: ``y`` quantized with one scale per block of
+  ``block_size`` consecutive columns of a row (non-differentiable side output);
+* ``scales``  [N, D // block_size] float32: ``amax(|y_block|) / 448`` (448 = largest finite e4m3fn
+  value), so that ``y ~= y_fp8.float() * scales.repeat_interleave(block_size, dim=1)``.
+
+Shape key: N rows (tokens), D features, G = D // block_size scale groups per row.
+
+The quantized copy is what the next matmul consumes (1 x ``block_size`` tile-wise activation scaling as in
+the DeepSeek-V3 technical report, sec. 3.3.2, arXiv:2412.19437); fusing it into the normalization saves
+re-reading ``y`` and the several element-wise passes an eager quantize needs. The norms follow
+Ba et al. 2016 (LayerNorm, arXiv:1607.06450) and Zhang & Sennrich 2019 (RMSNorm, arXiv:1910.07467); the
+kernel structure (one row per program forward; row-chunked backward with per-program partial weight
+gradients) follows the Triton "Layer Normalization" tutorial.
+
+Quantization details (shared by the Triton kernel and the reference, so both give the same bytes):
+``y`` is first rounded to ``x.dtype`` (the value the caller sees), then per block
+``amax = max |y|``, ``scale = amax / 448``, ``q = clamp(y * (448 / amax), -448, 448)`` cast to e4m3fn
+with round-to-nearest-even; an all-zero block gets ``scale = 0`` and ``q = 0``.
+
+Notes:
+
+* ``torch.float8_e4m3fn`` tensors work on CPU and in the Triton interpreter (``TRITON_INTERPRET=1``,
+  triton 3.9): the kernel stores e4m3 directly, no uint8 view is needed (checked in the tests).
+* ``D`` must be a multiple of ``block_size`` and ``block_size`` a power of two (ValueError otherwise).
+* ``backend="auto"`` runs Triton on CUDA tensors and the PyTorch reference elsewhere; it never falls back
+  silently from an explicit ``backend="triton"``.
+
+This file imports only torch and triton, so it can be loaded on the benchmark machine without installing
+gemray (see ``bench_norm_quant``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+log = logging.getLogger(__name__)
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+_KINDS = ("layer", "rms")
+_BACKENDS = ("auto", "triton", "reference")
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Input checks (shared by both backends)
+# ----------------------------------------------------------------------------------------------------------
+def _check_inputs(x, weight, bias, kind, eps, block_size, backend=None):
+    if backend is not None and backend not in _BACKENDS:
+        raise ValueError(f"norm_quant: backend must be one of {_BACKENDS}, got {backend!r}")
+    if kind not in _KINDS:
+        raise ValueError(f"norm_quant: kind must be one of {_KINDS}, got {kind!r}")
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"norm_quant: x must be a 2-D tensor [N, D], got {shape}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"norm_quant: x.dtype must be one of {_FLOAT_DTYPES}, got {x.dtype}")
+    d = x.shape[1]
+    if d == 0:
+        raise ValueError("norm_quant: x has D == 0 features; nothing to normalize")
+    if not isinstance(block_size, int) or block_size <= 0 or block_size & (block_size - 1):
+        raise ValueError(f"norm_quant: block_size must be a positive power of two, got {block_size!r}")
+    if d % block_size:
+        raise ValueError(
+            f"norm_quant: D={d} is not a multiple of block_size={block_size}; pad the feature dim or "
+            f"pick a block_size that divides it"
+        )
+    if not (isinstance(eps, (int, float)) and eps > 0 and math.isfinite(eps)):
+        raise ValueError(f"norm_quant: eps must be a positive finite float, got {eps!r}")
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is None:
+            continue
+        if not isinstance(p, torch.Tensor) or tuple(p.shape) != (d,):
+            shape = tuple(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__
+            raise ValueError(f"norm_quant: {name} must have shape [D]=[{d}], got {shape}")
+        if p.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"norm_quant: {name}.dtype must be one of {_FLOAT_DTYPES}, got {p.dtype}")
+        if p.device != x.device:
+            raise ValueError(f"norm_quant: {name} is on {p.device} but x is on {x.device}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# PyTorch reference (the spec)
+# ----------------------------------------------------------------------------------------------------------
+def quantize_blocks_ref(y: torch.Tensor, block_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row-block FP8 e4m3 quantization in plain PyTorch (the unfused "separate quantize pass").
+
+    y: [N, D] float32/float16/bfloat16, D a multiple of ``block_size``.
+    Returns ``(y_fp8 [N, D] float8_e4m3fn, scales [N, D // block_size] float32)`` with
+    ``scales = amax / 448`` and ``y_fp8 = clamp(y * (448 / amax), -448, 448)`` (0 where amax == 0).
+    Raises ValueError if D is not a multiple of ``block_size``.
+    """
+    n, d = y.shape
+    if d % block_size:
+        raise ValueError(f"quantize_blocks_ref: D={d} is not a multiple of block_size={block_size}")
+    yb = y.detach().float().view(n, d // block_size, block_size)
+    amax = yb.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, FP8_MAX / amax, torch.zeros_like(amax))
+    q = (yb * inv).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.view(n, d), (amax / FP8_MAX).squeeze(-1)
+
+
+def norm_quant_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None = None,
+    *,
+    kind: str = "layer",
+    eps: float = 1e-5,
+    block_size: int = 128,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reference LayerNorm/RMSNorm + FP8 block quantization (differentiable in ``y`` through autograd).
+
+    x: [N, D]; weight, bias: [D] or None. The norm is computed in float32 and ``y`` rounded to ``x.dtype``.
+    kind="layer": ``y = (x - mean) / sqrt(var + eps) * weight + bias`` (biased variance);
+    kind="rms":   ``y = x / sqrt(mean(x^2) + eps) * weight + bias``.
+    Returns ``(y [N, D] x.dtype, y_fp8 [N, D] float8_e4m3fn, scales [N, D // block_size] float32)``.
+    Raises ValueError on bad shapes/dtypes/kind/block_size (see ``norm_quant``).
+    """
+    _check_inputs(x, weight, bias, kind, eps, block_size)
+    d = x.shape[1]
+    xf = x.float()
+    wf = None if weight is None else weight.float()
+    if kind == "layer":
+        yf = F.layer_norm(xf, (d,), wf, None, eps)
+    else:
+        yf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+        if wf is not None:
+            yf = yf * wf
+    if bias is not None:
+        yf = yf + bias.float()
+    y = yf.to(x.dtype)
+    q, scales = quantize_blocks_ref(y, block_size)
+    return y, q, scales
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------------------
+@triton.jit
+def _round_to_e4m3(v):
+    """Round float32 ``v`` (|v| <= 448) to the nearest e4m3fn value, ties to even; returns float32.
+
+    Why: triton 3.9's interpreter converts fp32 -> fp8e4nv by adding the first dropped bit without carrying
+    into the exponent (125.06 -> 64.0 instead of 128.0) and without ties-to-even. Rounding here first makes
+    the later ``.to(float8e4nv)`` exact on the interpreter and on GPUs alike (costs a few integer ops on a
+    memory-bound kernel). Normal range (|v| >= 2^-6): RTNE on the fp32 bits to 3 mantissa bits (the carry
+    moves into the exponent by itself). Subnormal range: fixed 2^-9 grid via the fp32 magic-number
+    trick ``(v + 1.5 * 2^14) - 1.5 * 2^14``, whose ulp is 2^-9.
+    """
+    bits = v.to(tl.uint32, bitcast=True)
+    lsb = (bits >> 20) & 1
+    normal = ((bits + (0x7FFFF + lsb)) & 0xFFF00000).to(tl.float32, bitcast=True)
+    mag = tl.abs(v)
+    sub_mag = ((mag + 24576.0) - 24576.0).to(tl.uint32, bitcast=True)
+    sub = (sub_mag | (bits & 0x80000000)).to(tl.float32, bitcast=True)  # keep the sign of -0.0
+    return tl.where(mag < 0.015625, sub, normal)
+
+
+@triton.jit
+def _norm_quant_fwd(
+    X, W, B, Y, Q, S, MEAN, RSTD,
+    stride_x, stride_y, stride_q, stride_s,
+    D, G, eps,
+    IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, STORE_STATS: tl.constexpr,
+    BLOCK: tl.constexpr, NG: tl.constexpr,
+):
+    """One program per row. The row is held as an [NG, BLOCK] tile: NG (power of two >= G) scale groups
+    of BLOCK columns, so the per-group amax is a reduction over axis 1 (no reshape needed)."""
+    row = tl.program_id(0).to(tl.int64)
+    grp = tl.arange(0, NG)
+    offs = grp[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]  # [NG, BLOCK]
+    mask = offs < D
+    x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    if IS_RMS:
+        mean = 0.0
+        ms = tl.sum(tl.sum(x * x, axis=1), axis=0) / D
+        rstd = 1.0 / tl.sqrt(ms + eps)
+        xhat = x * rstd
+    else:
+        mean = tl.sum(tl.sum(x, axis=1), axis=0) / D
+        xc = tl.where(mask, x - mean, 0.0)
+        var = tl.sum(tl.sum(xc * xc, axis=1), axis=0) / D
+        rstd = 1.0 / tl.sqrt(var + eps)
+        xhat = xc * rstd
+    y = xhat
+    if HAS_W:
+        y = y * tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_B:
+        y = y + tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)
+    y_out = y.to(Y.dtype.element_ty)
+    tl.store(Y + row * stride_y + offs, y_out, mask=mask)
+    # Quantize the value the caller sees (y rounded to x.dtype), exactly as quantize_blocks_ref does.
+    yq = tl.where(mask, y_out.to(tl.float32), 0.0)
+    amax = tl.max(tl.abs(yq), axis=1)  # [NG]
+    inv = tl.where(amax > 0.0, 448.0 / amax, 0.0)
+    q = yq * inv[:, None]
+    q = _round_to_e4m3(tl.minimum(tl.maximum(q, -448.0), 448.0))
+    tl.store(Q + row * stride_q + offs, q.to(Q.dtype.element_ty), mask=mask)
+    tl.store(S + row * stride_s + grp, amax / 448.0, mask=grp < G)
+    if STORE_STATS:
+        if not IS_RMS:
+            tl.store(MEAN + row, mean)
+        tl.store(RSTD + row, rstd)
+
+
+@triton.jit
+def _norm_bwd(
+    X, W, DY, DX, MEAN, RSTD, DW, DB,
+    stride_x, stride_dy, stride_dx,
+    N, D, rows_per_prog,
+    IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Program p handles rows [p * rows_per_prog, min((p + 1) * rows_per_prog, N)); it writes dx for its
+    rows and its partial dweight/dbias sums (float32) into row p of DW/DB [P, D] (summed on the host)."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < D
+    if HAS_W:
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    db_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    row_start = pid * rows_per_prog
+    row_end = tl.minimum(row_start + rows_per_prog, N)
+    for r in range(row_start, row_end):
+        row = tl.cast(r, tl.int64)
+        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + row)
+        if IS_RMS:
+            xhat = x * rstd
+        else:
+            mean = tl.load(MEAN + row)
+            xhat = tl.where(mask, (x - mean) * rstd, 0.0)
+        if HAS_W:
+            wdy = dy * w
+        else:
+            wdy = dy
+        c1 = tl.sum(xhat * wdy, axis=0) / D
+        if IS_RMS:
+            dx = (wdy - xhat * c1) * rstd
+        else:
+            c2 = tl.sum(wdy, axis=0) / D
+            dx = (wdy - (xhat * c1 + c2)) * rstd
+        tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
+        if HAS_W:
+            dw_acc += dy * xhat
+        if HAS_B:
+            db_acc += dy
+    if HAS_W:
+        tl.store(DW + pid * D + cols, dw_acc, mask=mask)
+    if HAS_B:
+        tl.store(DB + pid * D + cols, db_acc, mask=mask)
+
+
+def _fwd_num_warps(d: int) -> int:
+    # Triton tutorial heuristic: ~256 elements per warp, 1..16 warps.
+    return min(max(triton.next_power_of_2(d) // 256, 1), 16)
+
+
+def _launch_fwd(x, weight, bias, kind, eps, block_size, store_stats, num_warps=None):
+    """Launch the forward kernel. x: [N, D] with unit column stride. Returns (y, y_fp8, scales, mean, rstd);
+    mean/rstd are [N] float32 (mean unused for kind="rms") or None when ``store_stats`` is False."""
+    n, d = x.shape
+    g = d // block_size
+    y = torch.empty_like(x)
+    q = torch.empty((n, d), dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty((n, g), dtype=torch.float32, device=x.device)
+    mean = torch.empty(n, dtype=torch.float32, device=x.device) if store_stats else None
+    rstd = torch.empty(n, dtype=torch.float32, device=x.device) if store_stats else None
+    if n == 0:
+        return y, q, s, mean, rstd
+    dummy = s  # never dereferenced when the matching constexpr flag is off
+    _norm_quant_fwd[(n,)](
+        x, weight if weight is not None else dummy, bias if bias is not None else dummy, y, q, s,
+        mean if store_stats else dummy, rstd if store_stats else dummy,
+        x.stride(0), y.stride(0), q.stride(0), s.stride(0),
+        d, g, float(eps),
+        IS_RMS=kind == "rms", HAS_W=weight is not None, HAS_B=bias is not None, STORE_STATS=store_stats,
+        BLOCK=block_size, NG=triton.next_power_of_2(g),
+        num_warps=num_warps or _fwd_num_warps(d),
+    )
+    return y, q, s, mean, rstd
+
+
+def _bwd_programs(n: int, device: torch.device) -> int:
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return max(1, min(n, 4 * sms))
+    return max(1, min(n, 4))  # interpreter: few programs, it runs them one after another
+
+
+def _launch_bwd(dy, x, weight, has_bias, mean, rstd, kind):
+    """Backward of y w.r.t. x, weight, bias. dy, x: [N, D]. Returns (dx [N, D] x.dtype,
+    dweight [D] weight.dtype or None, dbias [D] float32 or None)."""
+    n, d = x.shape
+    dx = torch.empty_like(x)
+    has_w = weight is not None
+    if n == 0:
+        dw = torch.zeros(d, dtype=torch.float32, device=x.device) if has_w else None
+        db = torch.zeros(d, dtype=torch.float32, device=x.device) if has_bias else None
+        return dx, dw, db
+    p = _bwd_programs(n, x.device)
+    rows_per_prog = triton.cdiv(n, p)
+    p = triton.cdiv(n, rows_per_prog)
+    dw_part = torch.empty((p, d), dtype=torch.float32, device=x.device) if has_w else None
+    db_part = torch.empty((p, d), dtype=torch.float32, device=x.device) if has_bias else None
+    dummy = rstd
+    block_d = triton.next_power_of_2(d)
+    _norm_bwd[(p,)](
+        x, weight if has_w else dummy, dy, dx, mean if kind == "layer" else dummy, rstd,
+        dw_part if has_w else dummy, db_part if has_bias else dummy,
+        x.stride(0), dy.stride(0), dx.stride(0),
+        n, d, rows_per_prog,
+        IS_RMS=kind == "rms", HAS_W=has_w, HAS_B=has_bias, BLOCK_D=block_d,
+        num_warps=min(max(block_d // 256, 1), 16),
+    )
+    dw = dw_part.sum(dim=0) if has_w else None
+    db = db_part.sum(dim=0) if has_bias else None
+    return dx, dw, db
+
+
+class NormQuantFunction(torch.autograd.Function):
+    """autograd wrapper: forward -> (y, y_fp8, scales); only ``y`` is differentiable."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, kind, eps, block_size):
+        needs_grad = any(ctx.needs_input_grad[:3])
+        y, q, s, mean, rstd = _launch_fwd(x, weight, bias, kind, eps, block_size, store_stats=needs_grad)
+        ctx.mark_non_differentiable(q, s)
+        ctx.kind = kind
+        ctx.has_bias = bias is not None
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        if needs_grad:
+            ctx.save_for_backward(x, weight, mean, rstd)
+        return y, q, s
+
+    @staticmethod
+    def backward(ctx, dy, _dq, _ds):
+        x, weight, mean, rstd = ctx.saved_tensors
+        dx, dw, db = _launch_bwd(dy.contiguous(), x, weight, ctx.has_bias, mean, rstd, ctx.kind)
+        dw = None if dw is None else dw.to(weight.dtype)
+        db = None if db is None else db.to(ctx.bias_dtype)
+        return dx, dw, db, None, None, None
+
+
+def norm_quant_triton(x, weight, bias=None, *, kind="layer", eps=1e-5, block_size=128):
+    """Triton forward+backward of :func:`norm_quant` (inputs already validated). See ``norm_quant``."""
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    weight = None if weight is None else weight.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    return NormQuantFunction.apply(x, weight, bias, kind, eps, block_size)
+
+
+def norm_quant(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None = None,
+    *,
+    kind: str = "layer",
+    eps: float = 1e-5,
+    block_size: int = 128,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """LayerNorm/RMSNorm that also emits an FP8 e4m3 copy of its output with per-row-block scales.
+
+    Args:
+        x: [N, D] float32/float16/bfloat16 (N may be 0; D > 0 and a multiple of ``block_size``).
+        weight: [D] or None (no scale). bias: [D] or None.
+        kind: "layer" (LayerNorm, biased variance) or "rms" (RMSNorm).
+        eps: added to the variance / mean square, > 0.
+        block_size: columns per scale group, a power of two dividing D (128 = DeepSeek-V3's 1x128 tiles).
+        backend: "auto" (Triton on CUDA, reference elsewhere), "triton" (also on CPU under
+            ``TRITON_INTERPRET=1``) or "reference" (plain PyTorch, autograd).
+
+    Returns:
+        y: [N, D] in ``x.dtype``, differentiable w.r.t. x, weight, bias.
+        y_fp8: [N, D] ``torch.float8_e4m3fn``, not differentiable.
+        scales: [N, D // block_size] float32, ``amax / 448`` per block; dequantize with
+            ``y_fp8.float() * scales.repeat_interleave(block_size, 1)``.
+
+    Raises:
+        ValueError: bad kind/backend/eps/block_size, x not 2-D or not floating, D == 0, D not a multiple of
+            ``block_size``, weight/bias not of shape [D] or on another device.
+
+    Example (N=2, D=4, block_size=2)::
+
+        y, q, s = norm_quant(torch.tensor([[1., 2., 3., 4.], [0., 0., 0., 1.]]), None, block_size=2)
+        # s.shape == (2, 2); (q.float() * s.repeat_interleave(2, 1) - y).abs().max() small (e4m3 rounding)
+    """
+    _check_inputs(x, weight, bias, kind, eps, block_size, backend)
+    if backend == "auto":
+        backend = "triton" if x.is_cuda else "reference"
+    if backend == "reference":
+        return norm_quant_ref(x, weight, bias, kind=kind, eps=eps, block_size=block_size)
+    return norm_quant_triton(x, weight, bias, kind=kind, eps=eps, block_size=block_size)
