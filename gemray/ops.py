@@ -1,0 +1,137 @@
+"""Op dispatch: one jagged attention entry point, routed to a Triton kernel or the PyTorch reference.
+
+Shape key: T total tokens, B sequences, H heads, Dqk / Dv per-head widths, N = max_len.
+
+Backends:
+    "reference": ``gemray.kernels.reference.jagged_attention_ref`` (any device; the spec).
+    "triton":    ``gemray.kernels.jagged_attention.jagged_attention_triton`` (CUDA tensors only). Raises
+                 RuntimeError when the module is missing or the tensors are not on CUDA: no silent fallback.
+    "auto":      Triton when the tensors are on CUDA and the Triton module imports, else the reference;
+                 the choice is logged once at INFO per (backend, device type).
+
+Relative attention bias can be handed over either materialised (``attn_bias`` [B, n', n']) or as its raw
+ingredients (``rel_bias``: a ``RelativeBiasInputs``); a kernel whose signature accepts ``rel_bias`` gets
+the ingredients, the others get the dense tensor built by ``kernels.reference.relative_bias_ref``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from gemray.kernels import reference as _ref
+
+log = logging.getLogger(__name__)
+
+TRITON_MODULE = "gemray.kernels.jagged_attention"
+TRITON_FUNCTION = "jagged_attention_triton"
+BACKENDS = ("auto", "triton", "reference")
+
+
+@dataclass
+class RelativeBiasInputs:
+    """Ingredients of the HSTU relative attention bias (see ``kernels.reference.relative_bias_ref``).
+
+    timestamps: [T] int64 unix seconds; pos_weights: [P] float (relative-position buckets,
+    ``position_bucket_ref``); ts_weights: [Q] float (time-difference buckets, ``time_bucket_ref``);
+    max_len: N used by the position bucketing. Shared by all heads.
+    """
+
+    timestamps: torch.Tensor
+    pos_weights: torch.Tensor
+    ts_weights: torch.Tensor
+    max_len: int
+
+    def dense(self, offsets: torch.Tensor, n: int) -> torch.Tensor:
+        """Materialise to [B, n, n] float (differentiable in the weights)."""
+        return _ref.relative_bias_ref(self.timestamps, offsets, n, self.pos_weights, self.ts_weights,
+                                      self.max_len)
+
+
+@functools.lru_cache(maxsize=None)
+def _load_triton() -> Callable | None:
+    try:
+        mod = importlib.import_module(TRITON_MODULE)
+    except ImportError as e:  # the kernel (or triton itself) is not installed
+        log.debug("Triton attention unavailable: %s", e)
+        return None
+    return getattr(mod, TRITON_FUNCTION, None)
+
+
+@functools.lru_cache(maxsize=None)
+def _log_choice(backend: str, device_type: str) -> None:
+    log.info("gemray.ops.attention: using the %s backend on %s", backend, device_type)
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """Return "triton" or "reference" for a requested backend and the tensors' device.
+
+    Raises ValueError for an unknown backend name and RuntimeError when "triton" is forced but the kernel
+    module is not importable or the device is not CUDA.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "reference":
+        return "reference"
+    on_cuda = device.type == "cuda"
+    fn = _load_triton() if on_cuda or backend == "triton" else None
+    if backend == "triton":
+        if fn is None:
+            raise RuntimeError(f"attention backend 'triton' requested but {TRITON_MODULE}.{TRITON_FUNCTION} "
+                               "is not importable (is triton installed and the kernel written?)")
+        if not on_cuda:
+            raise RuntimeError(f"attention backend 'triton' requested but the tensors are on {device}; "
+                               "the Triton kernel needs CUDA (use backend='reference' or 'auto')")
+        return "triton"
+    return "triton" if (on_cuda and fn is not None) else "reference"
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, max_len: int, *,
+              activation: str = "silu", causal: bool = True, attn_bias: torch.Tensor | None = None,
+              rel_bias: RelativeBiasInputs | None = None, alpha: float | None = None,
+              num_targets: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
+    """Jagged attention ``q [T,H,Dqk], k [T,H,Dqk], v [T,H,Dv], offsets [B+1] int64 -> [T,H,Dv]``.
+
+    Semantics (masks, activations, alpha default, N normaliser) are those of
+    ``gemray.kernels.reference.jagged_attention_ref``. ``attn_bias`` ([B, n', n'] or [B, H, n', n']) and
+    ``rel_bias`` (ingredients) are mutually exclusive. ``backend`` as in the module docstring.
+
+    Raises ValueError (bad arguments) or RuntimeError (forced Triton unavailable).
+    """
+    if attn_bias is not None and rel_bias is not None:
+        raise ValueError("attention: pass attn_bias or rel_bias, not both")
+    chosen = resolve_backend(backend, q.device)
+    _log_choice(chosen, q.device.type)
+    if chosen == "triton":
+        fn = _load_triton()
+        assert fn is not None
+        kwargs = dict(activation=activation, causal=causal, alpha=alpha, num_targets=num_targets)
+        if rel_bias is not None and "rel_bias" in _params(fn):
+            kwargs["rel_bias"] = rel_bias
+        else:
+            if rel_bias is not None:
+                attn_bias = rel_bias.dense(offsets, _longest(offsets))
+            kwargs["attn_bias"] = attn_bias
+        return fn(q, k, v, offsets, max_len, **kwargs)
+    if rel_bias is not None:
+        attn_bias = rel_bias.dense(offsets, _longest(offsets))
+    return _ref.jagged_attention_ref(q, k, v, offsets, max_len, activation=activation, causal=causal,
+                                     attn_bias=attn_bias, alpha=alpha, num_targets=num_targets)
+
+
+def _longest(offsets: torch.Tensor) -> int:
+    return int((offsets[1:] - offsets[:-1]).max()) if offsets.numel() > 1 else 0
+
+
+@functools.lru_cache(maxsize=None)
+def _params(fn: Callable) -> frozenset[str]:
+    try:
+        return frozenset(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return frozenset()

@@ -1,0 +1,221 @@
+"""Plain-PyTorch references (the spec the Triton kernels in ``gemray.kernels`` must match).
+
+Shape key: B sequences, T = offsets[-1] total tokens, H heads, Dqk per-head query/key width, Dv per-head
+value width, N = ``max_len`` (the longest sequence the caller allows; also the HSTU normaliser), n = the
+padded length the reference actually uses (the batch's longest sequence, n <= N).
+
+Attention follows HSTU (Zhai et al. 2024, "Actions Speak Louder than Words", arXiv:2402.17152, eq. 2):
+pointwise ``silu(alpha * q.k + bias) / N`` instead of a softmax, causal, computed over jagged sequences.
+The reference pads (index_copy / index_select) to [B, H, n, n] and uses batched matmuls: fast enough for CPU training at B=128, N=200.
+
+Relative attention bias follows generative-recommenders' ``RelativeBucketedTimeAndPositionBasedBias``
+(learned weight per bucketed relative position plus one per bucketed time difference), with one change:
+the time difference of query i and key j is ``ts[i] - ts[j]`` (the query's own timestamp, so training and
+evaluation see the same thing), not generative-recommenders' ``ts[i+1] - ts[j]``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+ACTIVATIONS = ("silu", "softmax", "gelu", "none")
+
+# generative-recommenders' time bucketisation: floor(ln(max(|dt|, 1)) / 0.301), i.e. log base ~1.35.
+_TIME_LOG_DIVISOR = 0.301
+
+
+def _flat_index(offsets: torch.Tensor, n: int) -> torch.Tensor:
+    """[B+1] offsets -> [T] int64 row of each token in a [B*n] padded layout."""
+    lengths = offsets[1:] - offsets[:-1]
+    seg = torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths)
+    pos = torch.arange(seg.numel(), device=offsets.device) - offsets[:-1][seg]
+    return seg * n + pos
+
+
+def _pad(values: torch.Tensor, offsets: torch.Tensor, n: int,
+         index: torch.Tensor | None = None) -> torch.Tensor:
+    """values [T, F] -> [B, n, F] zero-padded; differentiable, any dtype (fbgemm's CPU op lacks float64)."""
+    B = offsets.numel() - 1
+    idx = _flat_index(offsets, n) if index is None else index
+    out = values.new_zeros((B * n, values.shape[1])).index_copy(0, idx, values)
+    return out.view(B, n, values.shape[1])
+
+
+def _unpad(padded: torch.Tensor, offsets: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
+    """padded [B, n, F] -> [T, F]; differentiable."""
+    B, n, F_ = padded.shape
+    idx = _flat_index(offsets, n) if index is None else index
+    return padded.reshape(B * n, F_).index_select(0, idx)
+
+
+def valid_attn_mask_ref(lengths: torch.Tensor, n: int, *, causal: bool = True,
+                        num_targets: torch.Tensor | None = None) -> torch.Tensor:
+    """Which (query i, key j) pairs may interact, from index arithmetic only.
+
+    lengths: [B] int64 sequence lengths (<= n); num_targets: optional [B] int64, 0 <= num_targets <= length.
+    Returns [B, n, n] bool. Pair (i, j) is valid when both i, j < length and: j <= i (causal) or always
+    (non-causal). With ``num_targets``, the last num_targets[b] tokens are targets: they see the history
+    and themselves but not each other, and history tokens never see targets (as generative-recommenders'
+    ``_get_valid_attn_mask``: target ids are clamped to ``length - num_targets``).
+    Padding rows (i >= length) get only their diagonal so that a softmax over them stays finite; their
+    outputs are dropped when un-padding.
+    """
+    dev = lengths.device
+    ids = torch.arange(n, device=dev)
+    L = lengths.view(-1, 1, 1)
+    row = ids.view(1, n, 1)
+    col = ids.view(1, 1, n)
+    inside = (row < L) & (col < L)
+    if num_targets is not None:
+        hist = (lengths - num_targets).view(-1, 1, 1)
+        rid = torch.minimum(row, hist)
+        cid = torch.minimum(col, hist)
+    else:
+        rid, cid = row, col
+    if causal:
+        rel = (rid - cid) > 0
+    else:
+        rel = rid != cid
+    diag = row == col
+    valid = inside & (rel | diag)
+    return valid | (diag & (row >= L))
+
+
+def jagged_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
+                         max_len: int, *, activation: str = "silu", causal: bool = True,
+                         attn_bias: torch.Tensor | None = None, alpha: float | None = None,
+                         num_targets: torch.Tensor | None = None) -> torch.Tensor:
+    """Jagged multi-head attention (HSTU pointwise or softmax), reference implementation.
+
+    Args:
+        q: [T, H, Dqk] float; k: [T, H, Dqk]; v: [T, H, Dv] (same dtype and device).
+        offsets: [B+1] int64, offsets[0] == 0, non-decreasing, offsets[-1] == T.
+        max_len: N, the longest allowed sequence; "silu"/"gelu"/"none" divide by N (HSTU; as
+            generative-recommenders, a constant so the scale does not depend on the batch).
+        activation: "silu": ``silu(alpha*qk + bias) / N`` (HSTU); "gelu": ``gelu(alpha*qk + bias) / N``;
+            "none": ``(alpha*qk + bias) / N``; "softmax": ``softmax(alpha*qk + bias)`` over valid keys.
+        causal: query i sees keys j <= i of its own sequence (else every key of its sequence).
+        attn_bias: optional float [B, n', n'] (shared by heads) or [B, H, n', n'], padded, added to the
+            scaled logits; n' may be N or anything between the batch's longest sequence and N (the
+            reference uses the top-left [n, n] block, n = longest sequence).
+        alpha: logit scale; default 1/sqrt(Dqk) for "softmax" and 1.0 otherwise (generative-recommenders'
+            ML-1M HSTU uses no scaling).
+        num_targets: optional [B] int64: the last num_targets[b] tokens of sequence b are targets that
+            attend to the history and themselves but not to each other (see ``valid_attn_mask_ref``).
+
+    Returns:
+        [T, H, Dv], same dtype as v. Differentiable in q, k, v and attn_bias.
+
+    Raises:
+        ValueError: bad shapes/dtypes, unknown activation, a sequence longer than max_len, bias too small.
+    """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"jagged_attention_ref: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or v.shape[:2] != q.shape[:2]:
+        raise ValueError(f"jagged_attention_ref: expected q,k [T,H,Dqk] and v [T,H,Dv], got q "
+                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if offsets.dtype != torch.int64 or offsets.dim() != 1 or offsets.numel() < 1:
+        raise ValueError(f"jagged_attention_ref: offsets must be 1-D int64 [B+1], got {offsets.dtype} "
+                         f"{tuple(offsets.shape)}")
+    T, H, Dqk = q.shape
+    Dv = v.shape[2]
+    B = offsets.numel() - 1
+    if int(offsets[-1]) != T:
+        raise ValueError(f"jagged_attention_ref: offsets[-1]={int(offsets[-1])} != T={T}")
+    lengths = offsets[1:] - offsets[:-1]
+    n = int(lengths.max()) if B else 0
+    if n > max_len:
+        raise ValueError(f"jagged_attention_ref: a sequence of length {n} > max_len {max_len}")
+    if num_targets is not None:
+        if num_targets.shape != (B,):
+            raise ValueError(f"jagged_attention_ref: num_targets must be [B={B}], got {tuple(num_targets.shape)}")
+        if bool(((num_targets < 0) | (num_targets > lengths)).any()):
+            raise ValueError("jagged_attention_ref: num_targets must satisfy 0 <= num_targets[b] <= length[b]")
+    if attn_bias is not None:
+        if attn_bias.dim() not in (3, 4) or attn_bias.shape[0] != B or (
+                attn_bias.dim() == 4 and attn_bias.shape[1] != H) or attn_bias.shape[-1] < n \
+                or attn_bias.shape[-2] < n:
+            raise ValueError(f"jagged_attention_ref: attn_bias must be [B={B}, n', n'] or [B, H={H}, n', n'] "
+                             f"with n' >= {n}, got {tuple(attn_bias.shape)}")
+    if alpha is None:
+        alpha = 1.0 / math.sqrt(Dqk) if activation == "softmax" else 1.0
+
+    if T == 0 or n == 0:
+        # Keep the graph connected to every input (a distributed backward must see all of them).
+        out = v * 0.0 + (q.sum() + k.sum()) * 0.0
+        if attn_bias is not None:
+            out = out + attn_bias.sum() * 0.0
+        return out
+
+    idx = _flat_index(offsets, n)
+    pq = _pad(q.reshape(T, H * Dqk), offsets, n, idx).view(B, n, H, Dqk).transpose(1, 2)  # [B, H, n, Dqk]
+    pk = _pad(k.reshape(T, H * Dqk), offsets, n, idx).view(B, n, H, Dqk).transpose(1, 2)
+    pv = _pad(v.reshape(T, H * Dv), offsets, n, idx).view(B, n, H, Dv).transpose(1, 2)   # [B, H, n, Dv]
+    logits = torch.matmul(pq, pk.transpose(-1, -2))  # [B, H, n, n]
+    if alpha != 1.0:
+        logits = logits * alpha
+    if attn_bias is not None:
+        bias = attn_bias[..., :n, :n].to(logits.dtype)
+        logits = logits + (bias.unsqueeze(1) if bias.dim() == 3 else bias)
+    valid = valid_attn_mask_ref(lengths, n, causal=causal, num_targets=num_targets).unsqueeze(1)
+    if activation == "softmax":
+        attn = torch.softmax(logits.masked_fill(~valid, float("-inf")), dim=-1)
+    else:
+        if activation == "silu":
+            attn = F.silu(logits)
+        elif activation == "gelu":
+            attn = F.gelu(logits)
+        else:
+            attn = logits
+        attn = (attn / max_len) * valid
+    out = torch.matmul(attn, pv)  # [B, H, n, Dv]
+    return _unpad(out.transpose(1, 2).reshape(B, n, H * Dv), offsets, idx).view(T, H, Dv)
+
+
+def time_bucket_ref(seconds: torch.Tensor, num_buckets: int) -> torch.Tensor:
+    """Log-bucketise time spans: ``clamp(floor(ln(max(|s|, 1)) / 0.301), 0, num_buckets - 1)``.
+
+    seconds: int64 or float tensor of any shape (unix-second differences). Returns int64, same shape, in
+    [0, num_buckets). The 0.301 divisor is generative-recommenders' (ML-1M configs): ~1.35x per bucket,
+    so one year (3.2e7 s) lands in bucket 57.
+    """
+    s = seconds.abs().to(torch.float64).clamp(min=1.0)
+    return torch.clamp((torch.log(s) / _TIME_LOG_DIVISOR).floor().to(torch.int64), 0, num_buckets - 1)
+
+
+def position_bucket_ref(distance: torch.Tensor, num_buckets: int, max_len: int) -> torch.Tensor:
+    """Bucketise relative positions |i - j| (T5-style): exact below num_buckets // 2, log-spaced above.
+
+    distance: int64 tensor (any shape). Returns int64 in [0, num_buckets). Distances up to ``max_len``
+    use all buckets; larger ones share the last. With num_buckets >= max_len every distance is exact.
+    """
+    d = distance.abs()
+    if num_buckets >= max_len:
+        return d.clamp(max=num_buckets - 1)
+    exact = num_buckets // 2
+    span = num_buckets - exact
+    log_ratio = torch.log(d.clamp(min=exact).to(torch.float64) / exact) / math.log(max(max_len, exact + 1) / exact)
+    large = exact + (log_ratio * (span - 1)).floor().to(torch.int64)
+    return torch.where(d < exact, d, large.clamp(max=num_buckets - 1))
+
+
+def relative_bias_ref(timestamps: torch.Tensor, offsets: torch.Tensor, n: int, pos_weights: torch.Tensor,
+                      ts_weights: torch.Tensor, max_len: int) -> torch.Tensor:
+    """Dense relative attention bias from its ingredients (HSTU "rab^{p,t}").
+
+    timestamps: [T] int64 unix seconds; offsets: [B+1] int64; n: padded size (>= longest sequence);
+    pos_weights: [P] float (one per relative-position bucket, ``position_bucket_ref(i-j, P, max_len)``);
+    ts_weights: [Q] float (one per time bucket, ``time_bucket_ref(ts[i] - ts[j], Q)``); shared by heads.
+    Returns [B, n, n] float: ``pos_weights[pb(i-j)] + ts_weights[tb(ts_i - ts_j)]``. Entries outside a
+    sequence hold finite garbage: the attention mask removes them.
+    """
+    B = offsets.numel() - 1
+    ts = _pad(timestamps.view(-1, 1).to(torch.float64), offsets, n).view(B, n) if n else \
+        timestamps.new_zeros((B, 0), dtype=torch.float64)
+    ids = torch.arange(n, device=offsets.device)
+    pb = position_bucket_ref(ids.view(n, 1) - ids.view(1, n), pos_weights.numel(), max_len)  # [n, n]
+    tb = time_bucket_ref(ts.unsqueeze(2) - ts.unsqueeze(1), ts_weights.numel())             # [B, n, n]
+    return pos_weights[pb].unsqueeze(0) + ts_weights[tb]
