@@ -1,0 +1,502 @@
+"""MovieLens raw ratings -> per-user history Parquet (+ items map + manifest), atomically.
+
+Supported sources (detected by which file the source folder holds; exactly one must be present):
+
+| format            | file          | row layout                                   | ratings          |
+|-------------------|---------------|----------------------------------------------|------------------|
+| ``ml-1m``         | ratings.dat   | ``UserID::MovieID::Rating::Timestamp``       | integer 1..5     |
+| ``ml-100k``       | u.data        | ``user id<TAB>item id<TAB>rating<TAB>timestamp`` | integer 1..5 |
+| ``ml-latest-small`` | ratings.csv | header ``userId,movieId,rating,timestamp``   | 0.5..5.0 by 0.5  |
+
+The output layout, units and split protocol are documented in :mod:`gemray.pipelines.schema`.
+
+Parsing: a fast path hands the whole file to ``pyarrow.csv`` (multi-threaded) with strict types and
+checks the value ranges vectorised; if anything at all is off (a conversion error, a bad field count,
+a value out of range, a byte that is not ASCII) the file is re-read line by line by a strict Python
+parser that finds every bad row with its 1-based line number. The two paths accept exactly the same
+rows (tested), so the fast path is only an optimisation. Bad rows either stop the conversion
+(``on_bad_rows="error"`` -> :class:`BadRowError`) or go to ``quarantine.jsonl`` with their counts in the
+manifest (``"quarantine"``); the manifest checks ``data lines == interactions + quarantined``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+import logging
+import os
+import re
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+
+from .schema import (HISTORIES_DIR, HISTORY_SCHEMA, ITEMS_FILE, ITEMS_SCHEMA, MANIFEST_FILE,
+                     MANIFEST_VERSION, MAX_ID, MIN_HISTORY_FOR_SPLITS, QUARANTINE_FILE, SPLIT_PROTOCOL,
+                     BadRowError)
+
+log = logging.getLogger(__name__)
+
+__all__ = ["BadRowError", "FORMATS", "prepare_movielens", "load_manifest", "detect_format", "format_summary"]
+
+ROW_GROUPS_PER_FILE = 4
+_BOM = b"\xef\xbb\xbf"
+_INT_RE = re.compile(r"-?[0-9]+")
+_DEC_RE = re.compile(r"-?[0-9]+(\.[0-9]+)?")
+_HEADERISH_RE = re.compile(r"[A-Za-z_][A-Za-z_ ]*")
+_MAX_TS = 2**63 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class MovieLensFormat:
+    """One raw MovieLens ratings layout: file name, separator, header, field names, rating scale."""
+
+    name: str
+    filename: str
+    delimiter: str
+    fields: tuple[str, str, str, str]  # names as the source documents them, for error messages
+    header: str | None  # the exact first line (csv) or None (no header allowed)
+    half_stars: bool  # ratings given in 0.5 steps (csv) rather than integer stars
+
+
+FORMATS: dict[str, MovieLensFormat] = {
+    f.name: f for f in (
+        MovieLensFormat("ml-1m", "ratings.dat", "::", ("UserID", "MovieID", "Rating", "Timestamp"),
+                        None, False),
+        MovieLensFormat("ml-100k", "u.data", "\t", ("user id", "item id", "rating", "timestamp"),
+                        None, False),
+        MovieLensFormat("ml-latest-small", "ratings.csv", ",", ("userId", "movieId", "rating", "timestamp"),
+                        "userId,movieId,rating,timestamp", True),
+    )
+}
+
+
+def detect_format(src: str | Path) -> tuple[MovieLensFormat, Path]:
+    """Find the ratings file in ``src`` (a folder, or the ratings file itself).
+
+    Returns (format, path of the ratings file). Raises FileNotFoundError when ``src`` does not exist or
+    holds none of ratings.dat / u.data / ratings.csv, ValueError when it holds several.
+    """
+    src = Path(src)
+    if src.is_file():
+        for fmt in FORMATS.values():
+            if src.name == fmt.filename:
+                return fmt, src
+        raise ValueError(f"{src}: not a MovieLens ratings file (expected one of "
+                         f"{[f.filename for f in FORMATS.values()]})")
+    if not src.is_dir():
+        raise FileNotFoundError(f"MovieLens source {src} does not exist")
+    found = [(fmt, src / fmt.filename) for fmt in FORMATS.values() if (src / fmt.filename).is_file()]
+    if not found:
+        raise FileNotFoundError(f"{src}: no MovieLens ratings file found (looked for "
+                                f"{', '.join(f.filename for f in FORMATS.values())})")
+    if len(found) > 1:
+        raise ValueError(f"{src}: several MovieLens ratings files found ({', '.join(p.name for _, p in found)}); "
+                         f"point --src at a folder with exactly one")
+    return found[0]
+
+
+# --------------------------------------------------------------------------------------------- parsing
+
+@dataclasses.dataclass
+class _Parsed:
+    users: np.ndarray  # [N] int64
+    items: np.ndarray  # [N] int64 raw ids
+    ratings: np.ndarray  # [N] int8 half stars
+    timestamps: np.ndarray  # [N] int64
+    data_lines: int  # lines that are not the (line-1, csv) header
+    bad: list[dict[str, Any]]  # quarantined rows
+
+
+def _parse_fast(data: bytes, fmt: MovieLensFormat) -> _Parsed | None:
+    """Vectorised parse with pyarrow.csv. Returns None whenever anything is off (the slow path decides)."""
+    if fmt.header is not None:
+        if data.startswith(_BOM):
+            data = data[len(_BOM):]
+        first, _, _ = data.partition(b"\n")
+        if first.rstrip(b"\r") != fmt.header.encode():
+            return None
+    elif data.startswith(_BOM):
+        return None
+    if not data.isascii() or b"+" in data:
+        return None
+    names = ["u", "i", "r", "t"]
+    delim, columns = fmt.delimiter, names
+    if delim == "::":
+        # Split on ":" (pyarrow takes one-byte delimiters): a good row has empty fields between the
+        # pairs of colons; anything else (":::", a lone ":") changes the field count or fills a gap.
+        delim, columns = ":", ["u", "_1", "i", "_2", "r", "_3", "t"]
+    try:
+        table = pacsv.read_csv(
+            io.BytesIO(data),
+            read_options=pacsv.ReadOptions(column_names=columns, skip_rows=1 if fmt.header else 0),
+            parse_options=pacsv.ParseOptions(delimiter=delim, quote_char=False, double_quote=False,
+                                             escape_char=False, newlines_in_values=False,
+                                             ignore_empty_lines=False),
+            convert_options=pacsv.ConvertOptions(
+                column_types={"u": pa.int64(), "i": pa.int64(), "t": pa.int64(),
+                              "r": pa.float64() if fmt.half_stars else pa.int64(),
+                              **{c: pa.string() for c in columns if c not in names}},
+                null_values=[], strings_can_be_null=False, quoted_strings_can_be_null=False),
+        )
+    except (pa.ArrowException, ValueError):
+        return None
+    if any(table.column(n).null_count for n in names):
+        return None
+    for gap in set(columns) - set(names):
+        col = table.column(gap)
+        if col.num_chunks and pc.max(pc.binary_length(col)).as_py() not in (None, 0):
+            return None
+    u, i, t = (table.column(n).to_numpy() for n in ("u", "i", "t"))
+    r = table.column("r").to_numpy()
+    if u.size and ((u < 1).any() or (u > MAX_ID).any() or (i < 1).any() or (i > MAX_ID).any()
+                   or (t < 0).any()):
+        return None
+    if fmt.half_stars:
+        r2 = r * 2.0
+        if r.size and (not np.isfinite(r2).all() or (r2 != np.round(r2)).any() or (r2 < 1).any()
+                       or (r2 > 10).any()):
+            return None
+        half = r2.astype(np.int8)
+    else:
+        if r.size and ((r < 1).any() or (r > 5).any()):
+            return None
+        half = (r * 2).astype(np.int8)
+    # Lines the file holds: the csv reader would have rejected blank lines, so rows == data lines.
+    return _Parsed(u.astype(np.int64), i.astype(np.int64), half, t.astype(np.int64), table.num_rows, [])
+
+
+def _check_int(text: str, field: str, lo: int, hi: int, where: tuple[str, int]) -> int:
+    if not _INT_RE.fullmatch(text):
+        raise BadRowError(*where, field, "non_numeric", f"{text!r} is not an integer")
+    v = int(text)
+    if not lo <= v <= hi:
+        raise BadRowError(*where, field, "out_of_range", f"{v} outside {lo}..{hi}")
+    return v
+
+
+def _parse_line(raw: bytes, lineno: int, fmt: MovieLensFormat, fname: str) -> tuple[int, int, int, int]:
+    """Strict parse of one source line (without its newline). Raises BadRowError."""
+    where = (fname, lineno)
+    try:
+        text = raw.decode("ascii")
+    except UnicodeDecodeError as e:
+        raise BadRowError(*where, "bytes", "encoding",
+                          f"undecodable byte 0x{raw[e.start]:02x} at column {e.start + 1} "
+                          f"(MovieLens ratings files are plain ASCII)") from None
+    parts = text.split(fmt.delimiter)
+    if (fmt.header is not None and text.strip().lower() == fmt.header.lower()) or (
+            len(parts) > 1 and all(_HEADERISH_RE.fullmatch(p.strip()) for p in parts)):
+        raise BadRowError(*where, "row", "header",
+                          f"header line {text!r} "
+                          + ("repeated after line 1" if fmt.header else f"not allowed in {fmt.filename}"))
+    if len(parts) != 4:
+        raise BadRowError(*where, "row", "field_count",
+                          f"expected 4 fields separated by {fmt.delimiter!r}, got {len(parts)}: {text!r}")
+    fu, fi, fr, ft = fmt.fields
+    u = _check_int(parts[0], fu, 1, MAX_ID, where)
+    i = _check_int(parts[1], fi, 1, MAX_ID, where)
+    if fmt.half_stars:
+        if not _DEC_RE.fullmatch(parts[2]):
+            raise BadRowError(*where, fr, "non_numeric", f"{parts[2]!r} is not a number")
+        r2 = float(parts[2]) * 2.0
+        if r2 != round(r2) or not 1 <= r2 <= 10:
+            raise BadRowError(*where, fr, "out_of_range", f"{parts[2]} is not one of 0.5, 1.0, ..., 5.0")
+        r = int(r2)
+    else:
+        r = 2 * _check_int(parts[2], fr, 1, 5, where)
+    t = _check_int(parts[3], ft, 0, _MAX_TS, where)
+    return u, i, r, t
+
+
+def _parse_slow(data: bytes, fmt: MovieLensFormat, fname: str, quarantine: bool) -> _Parsed:
+    """Line-by-line strict parse; raises the first BadRowError, or collects bad rows when quarantining."""
+    us: list[int] = []
+    it: list[int] = []
+    rs: list[int] = []
+    ts: list[int] = []
+    bad: list[dict[str, Any]] = []
+    data_lines = 0
+    lines = data.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()  # the file's final newline
+    for lineno, raw in enumerate(lines, 1):
+        if raw.endswith(b"\r"):
+            raw = raw[:-1]
+        if lineno == 1 and fmt.header is not None:
+            if raw.startswith(_BOM):
+                raw = raw[len(_BOM):]
+            if raw == fmt.header.encode():
+                continue
+            # A missing header is a bad first line, not silently data.
+            err = BadRowError(fname, 1, "row", "header", f"line 1 must be the header {fmt.header!r}, got "
+                              f"{raw.decode('ascii', 'backslashreplace')!r}")
+            data_lines += 1
+            if not quarantine:
+                raise err
+            bad.append(_bad_record(err, raw))
+            continue
+        data_lines += 1
+        try:
+            u, i, r, t = _parse_line(raw, lineno, fmt, fname)
+        except BadRowError as err:
+            if not quarantine:
+                raise
+            bad.append(_bad_record(err, raw))
+            continue
+        us.append(u)
+        it.append(i)
+        rs.append(r)
+        ts.append(t)
+    return _Parsed(np.array(us, dtype=np.int64), np.array(it, dtype=np.int64), np.array(rs, dtype=np.int8),
+                   np.array(ts, dtype=np.int64), data_lines, bad)
+
+
+def _bad_record(err: BadRowError, raw: bytes) -> dict[str, Any]:
+    return {"file": err.file, "line": err.line, "field": err.field, "reason": err.reason,
+            "problem": err.problem, "raw": raw.decode("utf-8", "backslashreplace")}
+
+
+# --------------------------------------------------------------------------------------------- writing
+
+def _sha256_check(path: Path, digest: str) -> str:
+    """'matched' / 'not listed' / 'no SHA256SUMS'; a mismatch raises ValueError naming the file."""
+    sums = path.parent / "SHA256SUMS"
+    if not sums.is_file():
+        return "no SHA256SUMS"
+    for n, line in enumerate(sums.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        parts = line.split()
+        if len(parts) == 2 and parts[1].lstrip("*") == path.name:
+            if parts[0].lower() != digest:
+                raise ValueError(f"{path}: sha256 {digest} does not match {parts[0]} listed in {sums}:{n}; "
+                                 f"the file is corrupt or not the GroupLens original")
+            return "matched"
+    return "not listed"
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _list_array(offsets: np.ndarray, values: np.ndarray, typ: pa.DataType) -> pa.ListArray:
+    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32), pa.int32()), pa.array(values, typ))
+
+
+def prepare_movielens(src: str | Path, out: str | Path, *, on_bad_rows: str = "error", num_files: int = 8,
+                      row_groups_per_file: int = ROW_GROUPS_PER_FILE) -> dict[str, Any]:
+    """Convert a MovieLens ratings file to per-user history Parquet; returns the manifest (also written).
+
+    src: folder holding exactly one of ratings.dat (ML-1M), u.data (ML-100K), ratings.csv
+        (ml-latest-small), or that file itself. If the folder has a ``SHA256SUMS`` file listing it, the
+        checksum must match (ValueError naming the file otherwise).
+    out: output folder, built in a temp folder next to it, fsynced, then renamed into place; an existing
+        prepared folder (one with a manifest.json) is replaced; any other non-empty folder is refused.
+    on_bad_rows: "error" raises :class:`BadRowError` (a ValueError: ``<file>:<line>: field <name>:
+        <problem>``) at the first bad row; "quarantine" writes each bad row to ``quarantine.jsonl``
+        ({file, line, field, reason, problem, raw}) and counts them by reason in the manifest.
+    num_files: history files (users split into contiguous user-id ranges; capped at the user count).
+    row_groups_per_file: Parquet row groups per file; each row group is one logical shard for
+        :func:`gemray.pipelines.stream.assign_shards`.
+
+    Output layout and units: see :mod:`gemray.pipelines.schema` (ratings in half stars, int8; item ids
+    dense 1..num_items in ascending raw-id order). Raises ValueError for bad arguments or when no valid
+    row is left, FileNotFoundError for a missing source.
+    """
+    t0 = time.perf_counter()
+    if on_bad_rows not in ("error", "quarantine"):
+        raise ValueError(f"on_bad_rows: expected 'error' or 'quarantine', got {on_bad_rows!r}")
+    if num_files < 1 or row_groups_per_file < 1:
+        raise ValueError(f"num_files ({num_files}) and row_groups_per_file ({row_groups_per_file}) must be >= 1")
+    fmt, path = detect_format(src)
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MANIFEST_FILE).is_file())):
+        raise ValueError(f"{out}: exists and is not a prepared gemray folder (no {MANIFEST_FILE}); "
+                         f"refusing to replace it")
+
+    data = path.read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    sha_status = _sha256_check(path, digest)
+    quarantine = on_bad_rows == "quarantine"
+    parsed = _parse_fast(data, fmt)
+    fast = parsed is not None
+    if parsed is None:
+        parsed = _parse_slow(data, fmt, str(path), quarantine)
+    del data
+    n_rows = int(parsed.users.size)
+    if n_rows + len(parsed.bad) != parsed.data_lines:  # invariant: nothing silently dropped
+        raise AssertionError(f"{path}: {parsed.data_lines} data lines != {n_rows} rows + {len(parsed.bad)} bad")
+    if n_rows == 0:
+        raise ValueError(f"{path}: no valid rating rows ({len(parsed.bad)} bad rows quarantined)")
+
+    # Sort by (user, timestamp), stable: equal timestamps keep file order.
+    order = np.lexsort((parsed.timestamps, parsed.users))  # lexsort is stable
+    users = parsed.users[order]
+    raw_items = parsed.items[order]
+    ratings = parsed.ratings[order]
+    stamps = parsed.timestamps[order]
+    item_vocab, inverse = np.unique(raw_items, return_inverse=True)
+    dense = inverse.reshape(-1).astype(np.int64) + 1
+    user_ids, user_start, user_len = np.unique(users, return_index=True, return_counts=True)
+    n_users = int(user_ids.size)
+    offsets = np.concatenate([user_start, [n_rows]]).astype(np.int64)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        (tmp / HISTORIES_DIR).mkdir(parents=True)
+        files, shards = [], []
+        n_files = min(num_files, n_users)
+        for k, rows in enumerate(np.array_split(np.arange(n_users), n_files)):
+            a, b = int(rows[0]), int(rows[-1]) + 1
+            lo, hi = int(offsets[a]), int(offsets[b])
+            o = offsets[a:b + 1] - lo
+            table = pa.Table.from_arrays([
+                pa.array(user_ids[a:b], pa.int64()),
+                _list_array(o, dense[lo:hi], pa.int64()),
+                _list_array(o, ratings[lo:hi], pa.int8()),
+                _list_array(o, stamps[lo:hi], pa.int64()),
+            ], schema=HISTORY_SCHEMA)
+            rel = f"{HISTORIES_DIR}/part-{k:05d}.parquet"
+            rg_rows = -(-(b - a) // row_groups_per_file)
+            pq.write_table(table, tmp / rel, row_group_size=rg_rows)
+            _fsync_path(tmp / rel)
+            lens = user_len[a:b]
+            for g, s in enumerate(range(0, b - a, rg_rows)):
+                gl = lens[s:s + rg_rows]
+                shards.append({
+                    "index": len(shards), "file": rel, "row_group": g, "rows": int(gl.size),
+                    "tokens": int(gl.sum()), "first_user_id": int(user_ids[a + s]),
+                    "last_user_id": int(user_ids[a + s + gl.size - 1]),
+                    "split_users": int((gl >= MIN_HISTORY_FOR_SPLITS).sum()),
+                })
+            files.append({"path": rel, "rows": b - a, "tokens": hi - lo,
+                          "row_groups": pq.ParquetFile(tmp / rel).num_row_groups,
+                          "first_user_id": int(user_ids[a]), "last_user_id": int(user_ids[b - 1])})
+            if files[-1]["row_groups"] != sum(1 for s in shards if s["file"] == rel):
+                raise AssertionError(f"{rel}: row groups written differ from the shard plan")
+
+        items = pa.Table.from_arrays([pa.array(np.arange(1, item_vocab.size + 1), pa.int64()),
+                                      pa.array(item_vocab, pa.int64())], schema=ITEMS_SCHEMA)
+        pq.write_table(items, tmp / ITEMS_FILE)
+        _fsync_path(tmp / ITEMS_FILE)
+
+        reasons: dict[str, int] = {}
+        if quarantine:
+            with open(tmp / QUARANTINE_FILE, "w", encoding="utf-8") as f:
+                for rec in parsed.bad:
+                    reasons[rec["reason"]] = reasons.get(rec["reason"], 0) + 1
+                    f.write(json.dumps(rec, sort_keys=True) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+
+        from gemray import __version__
+        too_short = int((user_len < MIN_HISTORY_FOR_SPLITS).sum())
+        manifest: dict[str, Any] = {
+            "manifest_version": MANIFEST_VERSION,
+            "gemray_version": __version__,
+            "format": fmt.name,
+            "on_bad_rows": on_bad_rows,
+            "created_unix": int(time.time()),
+            "source": {"dir": str(path.parent.resolve()), "files": [{
+                "name": path.name, "sha256": digest, "bytes": path.stat().st_size,
+                "sha256sums": sha_status}]},
+            "counts": {"users": n_users, "items": int(item_vocab.size), "interactions": n_rows,
+                       "source_data_lines": parsed.data_lines, "quarantined": len(parsed.bad),
+                       "rows_per_file": [f["rows"] for f in files],
+                       "tokens_per_file": [f["tokens"] for f in files]},
+            "vocab": {"num_items": int(item_vocab.size), "max_item_id": int(item_vocab.size),
+                      "max_raw_item_id": int(item_vocab[-1]), "max_user_id": int(user_ids[-1]),
+                      "rating_unit": "half-star (int8, stars*2)",
+                      "rating_values": [int(v) for v in np.unique(ratings)]},
+            "history_length": {"min": int(user_len.min()), "median": float(np.median(user_len)),
+                               "max": int(user_len.max())},
+            "splits": {"protocol": SPLIT_PROTOCOL, "min_history": MIN_HISTORY_FOR_SPLITS,
+                       "users": n_users - too_short, "too_short_users": too_short},
+            "quarantine": {"file": QUARANTINE_FILE if quarantine else None, "total": len(parsed.bad),
+                           "by_reason": dict(sorted(reasons.items()))},
+            "files": files,
+            "items_file": ITEMS_FILE,
+            "shards": shards,
+            "conversion": {"parser": "pyarrow.csv" if fast else "python-strict",
+                           "seconds": round(time.perf_counter() - t0, 3)},
+        }
+        with open(tmp / MANIFEST_FILE, "w", encoding="utf-8") as f:
+            json.dump(manifest, f, indent=2)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        for d in (tmp / HISTORIES_DIR, tmp):
+            _fsync_path(d)
+
+        old = None
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            os.rename(out, old)
+        os.rename(tmp, out)
+        _fsync_path(out.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("%s", format_summary(manifest, out))
+    return manifest
+
+
+def format_summary(manifest: dict[str, Any], out: str | Path | None = None) -> str:
+    """One-paragraph human summary of a prepare run (what the CLI prints), incl. the quarantine count."""
+    c, q, s = manifest["counts"], manifest["quarantine"], manifest["splits"]
+    where = f" -> {out}" if out is not None else ""
+    text = (f"prepared {manifest['format']}{where}: {c['users']} users, {c['items']} items, "
+            f"{c['interactions']} interactions in {len(manifest['files'])} files; "
+            f"{s['users']} users in the splits, {s['too_short_users']} too short (< {s['min_history']}); "
+            f"{q['total']} bad rows quarantined")
+    if q["by_reason"]:
+        text += " (" + ", ".join(f"{k}: {v}" for k, v in q["by_reason"].items()) + f"; see {q['file']})"
+    return text
+
+
+def load_manifest(prepared_dir: str | Path) -> dict[str, Any]:
+    """Read ``<prepared_dir>/manifest.json`` and check that every file it lists exists.
+
+    Returns the manifest dict (with ``"prepared_dir"`` set to the resolved folder). Raises
+    FileNotFoundError (telling you to run ``gemray prepare movielens``) when the folder, the manifest or a
+    listed file is missing, ValueError for an unreadable or newer-version manifest.
+    """
+    d = Path(prepared_dir)
+    mpath = d / MANIFEST_FILE
+    hint = f"run `gemray prepare movielens --src <MovieLens folder> --out {d}` first"
+    if not mpath.is_file():
+        raise FileNotFoundError(f"{d}: no {MANIFEST_FILE}, not a prepared data folder; {hint}")
+    try:
+        manifest = json.loads(mpath.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{mpath}: unreadable manifest ({e}); {hint}") from None
+    version = manifest.get("manifest_version")
+    if not isinstance(version, int) or version > MANIFEST_VERSION:
+        raise ValueError(f"{mpath}: manifest_version {version!r} not supported (this gemray reads "
+                         f"<= {MANIFEST_VERSION}); {hint}")
+    for key in ("files", "shards", "counts", "splits"):
+        if key not in manifest:
+            raise ValueError(f"{mpath}: missing key {key!r}; {hint}")
+    listed = [f["path"] for f in manifest["files"]] + [manifest.get("items_file", ITEMS_FILE)]
+    if manifest.get("quarantine", {}).get("file"):
+        listed.append(manifest["quarantine"]["file"])
+    for rel in listed:
+        if not (d / rel).is_file():
+            raise FileNotFoundError(f"{d}: manifest lists {rel} but it is missing; {hint}")
+    manifest["prepared_dir"] = str(d.resolve())
+    return manifest
