@@ -1,0 +1,89 @@
+"""Retrieval metrics, HSTU protocol: leave-one-out, full ranking over all items, HR@K and NDCG@K.
+
+Shape key: B users, N items (ids 1..N; id 0 is padding).
+
+Protocol (Zhai et al. 2024, arXiv:2402.17152, sec. 4.1.1; generative-recommenders ``eval.py``): each user's
+held-out next item is ranked against every item; ``rank`` = how many real items score *strictly* higher
+than the target (0 = top). Ties count in the target's favour (optimistic); with float scores from
+distinct embeddings exact ties are rare. HR@K = mean(rank < K), NDCG@K = mean(1 / log2(rank + 2) if
+rank < K else 0) (one relevant item, so IDCG = 1).
+
+Distributed use: every rank ``update``s with its users, ``all_reduce``s ``sums()`` and calls
+``compute(summed)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def target_ranks(scores: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """0-based rank of each target among all real items.
+
+    Args:
+        scores: [B, N+1] float, column j = score of item id j; column 0 (padding id) is excluded.
+        targets: [B] int64 in 1..N.
+    Returns:
+        [B] int64: number of real items (ids 1..N) scoring strictly higher than the target.
+    Raises:
+        ValueError: shape mismatch or a target outside 1..N.
+    """
+    if scores.dim() != 2 or targets.dim() != 1 or scores.shape[0] != targets.shape[0]:
+        raise ValueError(f"target_ranks: expected scores [B, N+1] and targets [B], got "
+                         f"{tuple(scores.shape)} and {tuple(targets.shape)}")
+    n_items = scores.shape[1] - 1
+    if targets.numel() and (int(targets.min()) < 1 or int(targets.max()) > n_items):
+        raise ValueError(f"target_ranks: targets must be item ids in 1..{n_items}, got range "
+                         f"[{int(targets.min())}, {int(targets.max())}]")
+    tgt = scores.gather(1, targets.view(-1, 1))  # [B, 1]
+    return (scores[:, 1:] > tgt).sum(dim=1).to(torch.int64)
+
+
+class RetrievalMetrics:
+    """Accumulates HR@K / NDCG@K over batches of ranks.
+
+    ``ks``: cut-offs, e.g. [10, 50, 200]. ``sums()`` is a float64 vector
+    [num_users, hits@k..., ndcg@k...] (sum over users) that can be all-reduced across ranks.
+    """
+
+    def __init__(self, ks: list[int] | tuple[int, ...]):
+        ks = [int(k) for k in ks]
+        if not ks or any(k <= 0 for k in ks):
+            raise ValueError(f"RetrievalMetrics: ks must be positive cut-offs, got {ks}")
+        self.ks = ks
+        self._sums = torch.zeros(1 + 2 * len(ks), dtype=torch.float64)
+
+    def reset(self) -> None:
+        self._sums.zero_()
+
+    def update(self, ranks: torch.Tensor) -> None:
+        """Add a batch: ranks [B] int64 (from ``target_ranks``), >= 0."""
+        r = ranks.detach().to("cpu", torch.float64).view(-1)
+        if r.numel() and float(r.min()) < 0:
+            raise ValueError("RetrievalMetrics.update: ranks must be >= 0")
+        self._sums[0] += r.numel()
+        gain = 1.0 / torch.log2(r + 2.0)
+        for i, k in enumerate(self.ks):
+            hit = r < k
+            self._sums[1 + i] += hit.sum()
+            self._sums[1 + len(self.ks) + i] += (gain * hit).sum()
+
+    def sums(self) -> torch.Tensor:
+        """[1 + 2*len(ks)] float64 copy: num_users, hits per k, ndcg sums per k."""
+        return self._sums.clone()
+
+    def compute(self, sums: torch.Tensor | None = None) -> dict[str, float]:
+        """{"hr@K": .., "ndcg@K": .., "num_users": ..} from ``sums`` (e.g. all-reduced) or the local ones.
+
+        With zero users every metric is 0.0.
+        """
+        s = (self._sums if sums is None else sums).to(torch.float64).cpu()
+        if s.numel() != self._sums.numel():
+            raise ValueError(f"RetrievalMetrics.compute: sums must have {self._sums.numel()} entries")
+        n = float(s[0])
+        out: dict[str, float] = {}
+        for i, k in enumerate(self.ks):
+            out[f"hr@{k}"] = float(s[1 + i]) / n if n else 0.0
+            out[f"ndcg@{k}"] = float(s[1 + len(self.ks) + i]) / n if n else 0.0
+        out["num_users"] = n
+        return out

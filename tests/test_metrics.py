@@ -1,0 +1,65 @@
+"""gemray.metrics on a hand-checked example."""
+
+import math
+
+import pytest
+import torch
+
+from gemray.metrics import RetrievalMetrics, target_ranks
+
+
+def test_target_ranks_by_hand():
+    # 5 items (ids 1..5), column 0 is padding and is ignored even when it scores highest.
+    scores = torch.tensor([
+        [9.0, 0.1, 0.9, 0.5, 0.3, 0.2],   # target 3 (0.5): only item 2 (0.9) higher -> rank 1
+        [9.0, 0.8, 0.1, 0.2, 0.3, 0.4],   # target 1 (0.8): best -> rank 0
+        [0.0, 0.5, 0.4, 0.3, 0.2, 0.1],   # target 5 (0.1): 4 higher -> rank 4
+        [0.0, 0.3, 0.3, 0.3, 0.1, 0.2],   # target 2 (0.3): ties with 1 and 3 don't count -> rank 0
+    ])
+    targets = torch.tensor([3, 1, 5, 2])
+    ranks = target_ranks(scores, targets)
+    assert ranks.dtype == torch.int64
+    assert ranks.tolist() == [1, 0, 4, 0]
+
+
+def test_metrics_by_hand():
+    # ranks 1, 0, 4, 0 and k in {1, 3}:
+    #   HR@1 = mean([0,1,0,1]) = 0.5;  HR@3 = mean([1,1,0,1]) = 0.75
+    #   NDCG@1 = (0 + 1 + 0 + 1)/4 = 0.5
+    #   NDCG@3 = (1/log2(3) + 1 + 0 + 1)/4 = (0.63093 + 2)/4 = 0.65773
+    m = RetrievalMetrics([1, 3])
+    m.update(torch.tensor([1, 0]))
+    m.update(torch.tensor([4, 0]))
+    out = m.compute()
+    assert out["num_users"] == 4
+    assert out["hr@1"] == pytest.approx(0.5)
+    assert out["hr@3"] == pytest.approx(0.75)
+    assert out["ndcg@1"] == pytest.approx(0.5)
+    assert out["ndcg@3"] == pytest.approx((1 / math.log2(3) + 2) / 4)
+    assert out["ndcg@3"] == pytest.approx(0.657733, abs=1e-6)
+
+
+def test_sums_combine_like_all_reduce():
+    a, b, both = RetrievalMetrics([2]), RetrievalMetrics([2]), RetrievalMetrics([2])
+    a.update(torch.tensor([0, 5]))
+    b.update(torch.tensor([1]))
+    both.update(torch.tensor([0, 5, 1]))
+    summed = a.sums() + b.sums()
+    assert a.compute(summed) == pytest.approx(both.compute())
+    # HR@2 = 2/3; NDCG@2 = (1 + 1/log2(3)) / 3
+    assert both.compute()["hr@2"] == pytest.approx(2 / 3)
+    assert both.compute()["ndcg@2"] == pytest.approx((1 + 1 / math.log2(3)) / 3)
+
+
+def test_empty_and_errors():
+    m = RetrievalMetrics([10])
+    m.update(torch.zeros(0, dtype=torch.int64))
+    assert m.compute() == {"hr@10": 0.0, "ndcg@10": 0.0, "num_users": 0.0}
+    with pytest.raises(ValueError, match="ks"):
+        RetrievalMetrics([0])
+    with pytest.raises(ValueError, match="targets"):
+        target_ranks(torch.zeros(1, 4), torch.tensor([0]))
+    with pytest.raises(ValueError, match="targets"):
+        target_ranks(torch.zeros(1, 4), torch.tensor([4]))
+    with pytest.raises(ValueError, match="ranks"):
+        m.update(torch.tensor([-1]))
