@@ -1,0 +1,775 @@
+"""Generalized dot-product attention (GDPA) over jagged sequences, in Triton.
+
+One kernel family covers the attention-like patterns of GEM / HSTU generative recommenders:
+
+* activation ``softmax`` (jagged flash attention, online softmax, LSE saved for the backward),
+  ``silu`` (HSTU: ``silu(alpha * q.k) / N``), ``gelu`` (``gelu(alpha * q.k) / N``, erf form) and
+  ``none`` (``alpha * q.k / N``), N = the normaliser (``max_len`` for self-attention);
+* self-attention (q, k, v share ``offsets``), causal or not, with an optional per-sequence number of
+  target tokens (targets attend to the history and to themselves, not to each other);
+* cross-attention (jagged q against a different jagged kv with the same batch size; a dense kv
+  ``[B, Nk, H, D]`` is passed as a view with uniform offsets, no copy);
+* pooled multi-head attention (PMA: S learned seed queries per head, shared by all sequences, against the
+  jagged history; output ``[B, S, H, Dv]``);
+* block attention (each query sees only keys of its own fixed block of ``block_size`` positions) and
+  sliding-window attention (``|i - j| < window``), whose cost grows linearly with the history length.
+
+Shape key: B sequences; T = offsets[-1] total tokens; H heads; Dqk query/key width; Dv value width;
+L_b = offsets[b+1] - offsets[b]. Tensors stay in gemray's jagged layout ``[T, H, D]`` with
+``offsets [B+1] int64`` (see gemray/jagged.py); nothing is padded or converted.
+
+Design (after FlashAttention-2, Dao 2023, and the HSTU kernels of Zhai et al. 2024, "Actions Speak Louder
+than Words", arXiv:2402.17152; written from the papers, not copied):
+
+* Work items are (sequence, tile) pairs built on the device from ``offsets`` (no host sync) and sorted
+  longest-first (most key tiles first), so the long sequences of a heavy-tailed batch start first and the
+  short ones fill the SMs at the end. Items past a sequence's end are sorted last and exit at once.
+* Masks are index arithmetic on the tile's positions, never a materialised 2-D tensor; tiles that are
+  entirely valid skip the mask (causal tile skipping: tiles above the diagonal are never visited).
+* Backward: one kernel computes dK/dV (loops over query tiles), another dQ (loops over key tiles): no
+  atomics. PMA sums its per-sequence dQ over the batch with one torch reduction.
+
+Public entry points: :func:`jagged_attention_triton` (same signature as
+``gemray.kernels.reference.jagged_attention_ref``), :func:`jagged_cross_attention_triton`,
+:func:`pma_triton`, :func:`jagged_block_attention_triton`, and the generic :func:`gdpa_triton`.
+Works with triton 3.6 on CUDA and with ``TRITON_INTERPRET=1`` (triton 3.9) on CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+log = logging.getLogger(__name__)
+
+ACTIVATIONS = {"softmax": 0, "silu": 1, "gelu": 2, "none": 3}
+_LOG2E = 1.4426950408889634
+
+# Tile configurations: (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel. The benchmark may override
+# entries (kernels/bench.py --tiles); keys are "fwd", "dkdv", "dq", each a dict keyed by Dqk bucket.
+TILES: dict[str, dict[int, tuple[int, int, int, int]]] = {
+    "fwd": {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
+    "dkdv": {64: (64, 128, 8, 3), 128: (64, 128, 8, 2), 256: (32, 64, 4, 2)},
+    "dq": {64: (128, 64, 8, 3), 128: (128, 64, 8, 2), 256: (64, 32, 4, 2)},
+}
+_INTERPRET_TILES = (16, 16, 4, 1)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _tiles(kind: str, d: int) -> tuple[int, int, int, int]:
+    if _interpreting():
+        return _INTERPRET_TILES
+    table = TILES[kind]
+    for bucket in sorted(table):
+        if d <= bucket:
+            return table[bucket]
+    raise ValueError(f"gdpa: head dim {d} > 256 is not supported")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Triton helpers
+# ----------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _act(s, ACT: tl.constexpr):
+    """Pointwise activation of the scaled score s (fp32)."""
+    if ACT == 1:
+        out = s * tl.sigmoid(s)
+    elif ACT == 2:
+        out = 0.5 * s * (1.0 + tl.erf(s * 0.7071067811865476))
+    else:
+        out = s
+    return out
+
+
+@triton.jit
+def _act_grad(s, ACT: tl.constexpr):
+    """d act(s) / ds for the pointwise activations (fp32)."""
+    if ACT == 1:
+        sig = tl.sigmoid(s)
+        out = sig * (1.0 + s * (1.0 - sig))
+    elif ACT == 2:
+        out = 0.5 * (1.0 + tl.erf(s * 0.7071067811865476)) + s * 0.3989422804014327 * tl.exp(-0.5 * s * s)
+    else:
+        out = s * 0.0 + 1.0
+    return out
+
+
+@triton.jit
+def _valid(qpos, kpos, lq, lk, n_hist, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
+           ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr):
+    """Boolean validity of (query position, key position) pairs; qpos/kpos broadcast to a 2-D tile."""
+    ok = (qpos < lq) & (kpos < lk)
+    if CAUSAL:
+        ok = ok & (kpos <= qpos)
+    if HAS_TARGETS:
+        ok = ok & ((kpos < n_hist) | (kpos == qpos))
+    if ATT_BLOCK > 0:
+        ok = ok & ((kpos // ATT_BLOCK) == (qpos // ATT_BLOCK))
+    if WINDOW > 0:
+        ok = ok & ((qpos - kpos) < WINDOW) & ((kpos - qpos) < WINDOW)
+    return ok
+
+
+@triton.jit
+def _key_range(m0, lk, n_hist, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, ATT_BLOCK: tl.constexpr,
+               WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key tiles a query tile [m0, m0+BLOCK_M) visits: [lo, hi); [lo, full_hi) needs no mask."""
+    lo = m0 * 0
+    hi = lk
+    if CAUSAL:
+        hi = tl.minimum(hi, m0 + BLOCK_M)
+    if ATT_BLOCK > 0:
+        lo = (m0 // ATT_BLOCK) * ATT_BLOCK
+        hi = tl.minimum(hi, ((m0 + BLOCK_M - 1) // ATT_BLOCK + 1) * ATT_BLOCK)
+    if WINDOW > 0:
+        lo = tl.maximum(m0 - WINDOW + 1, 0)
+        if not CAUSAL:
+            hi = tl.minimum(hi, m0 + BLOCK_M - 1 + WINDOW)
+    lo = (lo // BLOCK_N) * BLOCK_N
+    if (ATT_BLOCK > 0) or (WINDOW > 0):
+        full_hi = lo
+    else:
+        if CAUSAL:
+            full_hi = (tl.minimum(m0 + 1, lk) // BLOCK_N) * BLOCK_N
+        else:
+            full_hi = (lk // BLOCK_N) * BLOCK_N
+        if HAS_TARGETS:
+            full_hi = tl.minimum(full_hi, (n_hist // BLOCK_N) * BLOCK_N)
+        full_hi = tl.maximum(full_hi, lo)
+    return lo, hi, full_hi
+
+
+@triton.jit
+def _query_range(n0, lq, n_hist, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, ATT_BLOCK: tl.constexpr,
+                 WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Query tiles a key tile [n0, n0+BLOCK_N) is seen by: [lo, hi); [full_lo, hi) needs no mask."""
+    lo = n0 * 0
+    hi = lq
+    if CAUSAL:
+        lo = n0
+    if HAS_TARGETS:
+        # keys among the targets are seen only by themselves
+        hi = tl.where(n0 + BLOCK_N > n_hist, tl.minimum(hi, n0 + BLOCK_N), hi)
+    if ATT_BLOCK > 0:
+        lo = tl.maximum(lo, (n0 // ATT_BLOCK) * ATT_BLOCK)
+        hi = tl.minimum(hi, ((n0 + BLOCK_N - 1) // ATT_BLOCK + 1) * ATT_BLOCK)
+    if WINDOW > 0:
+        hi = tl.minimum(hi, n0 + BLOCK_N - 1 + WINDOW)
+        if not CAUSAL:
+            lo = tl.maximum(lo, n0 - WINDOW + 1)
+    lo = (lo // BLOCK_M) * BLOCK_M
+    if (ATT_BLOCK > 0) or (WINDOW > 0):
+        full_lo = hi
+    else:
+        if CAUSAL:
+            full_lo = tl.cdiv(n0 + BLOCK_N - 1, BLOCK_M) * BLOCK_M
+        else:
+            full_lo = lo
+        if HAS_TARGETS:
+            full_lo = tl.where(n0 + BLOCK_N > n_hist, hi, full_lo)
+        full_lo = tl.maximum(full_lo, lo)
+    return lo, hi, full_lo
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Forward
+# ----------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, lq, lk, n_hist, alpha_s,
+               inv_n, lo, hi, offs_dk, offs_dv, D_QK, D_V,
+               ACT: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
+               ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, EVEN_D: tl.constexpr,
+               BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr):
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        kt_ptrs = k_base + offs_n[None, :] * stride_kt + offs_dk[:, None]
+        v_ptrs = v_base + offs_n[:, None] * stride_vt + offs_dv[None, :]
+        if MASKED:
+            kt = tl.load(kt_ptrs, mask=(offs_n[None, :] < lk) & (offs_dk[:, None] < D_QK), other=0.0)
+            v = tl.load(v_ptrs, mask=(offs_n[:, None] < lk) & (offs_dv[None, :] < D_V), other=0.0)
+        elif EVEN_D:
+            kt = tl.load(kt_ptrs)
+            v = tl.load(v_ptrs)
+        else:
+            kt = tl.load(kt_ptrs, mask=offs_dk[:, None] < D_QK, other=0.0)
+            v = tl.load(v_ptrs, mask=offs_dv[None, :] < D_V, other=0.0)
+        s = tl.dot(q, kt, input_precision=DOT_PREC) * alpha_s
+        if ACT == 0:
+            if MASKED:
+                ok = _valid(offs_m[:, None], offs_n[None, :], lq, lk, n_hist, CAUSAL, HAS_TARGETS,
+                            ATT_BLOCK, WINDOW)
+                s = tl.where(ok, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            corr = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * corr + tl.sum(p, 1)
+            acc = acc * corr[:, None]
+            m_i = m_new
+        else:
+            p = _act(s, ACT) * inv_n
+            if MASKED:
+                ok = _valid(offs_m[:, None], offs_n[None, :], lq, lk, n_hist, CAUSAL, HAS_TARGETS,
+                            ATT_BLOCK, WINDOW)
+                p = tl.where(ok, p, 0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _gdpa_fwd(Q, K, V, O, LSE, Q_OFF, KV_OFF, NT, WORK,
+              stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+              stride_lh, alpha, inv_n, n_tiles, D_QK, D_V,
+              ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
+              ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, Q_BCAST: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
+              BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr):
+    w = tl.load(WORK + tl.program_id(0))
+    if w < 0:
+        return
+    h = tl.program_id(1).to(tl.int64)
+    b = w // n_tiles
+    m0 = (w % n_tiles) * BLOCK_M
+    q_start = tl.load(Q_OFF + b)
+    lq = (tl.load(Q_OFF + b + 1) - q_start).to(tl.int32)
+    kv_start = tl.load(KV_OFF + b)
+    lk = (tl.load(KV_OFF + b + 1) - kv_start).to(tl.int32)
+    n_hist = lk
+    if HAS_TARGETS:
+        n_hist = lk - tl.load(NT + b).to(tl.int32)
+    q_row = q_start
+    if Q_BCAST:
+        q_row = q_start * 0
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_dk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q_ptrs = Q + (q_row + offs_m[:, None]) * stride_qt + h * stride_qh + offs_dk[None, :]
+    q = tl.load(q_ptrs, mask=(offs_m[:, None] < lq) & (offs_dk[None, :] < D_QK), other=0.0)
+    k_base = K + kv_start * stride_kt + h * stride_kh
+    v_base = V + kv_start * stride_vt + h * stride_vh
+
+    if ACT == 0:
+        alpha_s = alpha * 1.4426950408889634  # softmax in base 2
+    else:
+        alpha_s = alpha
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    lo, hi, full_hi = _key_range(m0, lk, n_hist, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, BLOCK_M, BLOCK_N)
+    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, lq, lk,
+                               n_hist, alpha_s, inv_n, lo, full_hi, offs_dk, offs_dv, D_QK, D_V,
+                               ACT, False, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, EVEN_D, BLOCK_N,
+                               DOT_PREC)
+    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, lq, lk,
+                               n_hist, alpha_s, inv_n, full_hi, hi, offs_dk, offs_dv, D_QK, D_V,
+                               ACT, True, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, EVEN_D, BLOCK_N,
+                               DOT_PREC)
+    row_ok = offs_m < lq
+    if ACT == 0:
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        acc = acc / l_safe[:, None]
+        lse = tl.where(l_i == 0.0, float("inf"), m_i + tl.log2(l_safe))
+        tl.store(LSE + h * stride_lh + q_start + offs_m, lse, mask=row_ok)
+    o_ptrs = O + (q_start + offs_m[:, None]) * stride_ot + h * stride_oh + offs_dv[None, :]
+    tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < D_V))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Backward: dK/dV (loop over query tiles) and dQ (loop over key tiles); no atomics.
+# ----------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n, lq,
+                lk, n_hist, alpha_s, inv_n, lo, hi, offs_dk, offs_dv, D_QK, D_V,
+                ACT: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
+                ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,
+                DOT_PREC: tl.constexpr):
+    for m0 in range(lo, hi, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < lq
+        qt = tl.load(q_base + offs_m[None, :] * stride_qt + offs_dk[:, None],
+                     mask=row_ok[None, :] & (offs_dk[:, None] < D_QK), other=0.0)
+        do = tl.load(do_base + offs_m[:, None] * stride_dot + offs_dv[None, :],
+                     mask=row_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
+        st = tl.dot(k, qt, input_precision=DOT_PREC) * alpha_s  # [BLOCK_N, BLOCK_M]
+        dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
+        if ACT == 0:
+            lse = tl.load(lse_base + offs_m, mask=row_ok, other=float("inf"))
+            delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
+            pt = tl.exp2(st - lse[None, :])
+            if MASKED:
+                ok = _valid(offs_m[None, :], offs_n[:, None], lq, lk, n_hist, CAUSAL, HAS_TARGETS,
+                            ATT_BLOCK, WINDOW)
+                pt = tl.where(ok, pt, 0.0)
+            dst = pt * (dpt - delta[None, :])
+        else:
+            pt = _act(st, ACT) * inv_n
+            dst = dpt * _act_grad(st, ACT) * inv_n
+            if MASKED:
+                ok = _valid(offs_m[None, :], offs_n[:, None], lq, lk, n_hist, CAUSAL, HAS_TARGETS,
+                            ATT_BLOCK, WINDOW)
+                pt = tl.where(ok, pt, 0.0)
+                dst = tl.where(ok, dst, 0.0)
+        dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PREC)
+        dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk, input_precision=DOT_PREC)
+    return dk, dv
+
+
+@triton.jit
+def _gdpa_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, Q_OFF, KV_OFF, NT, WORK,
+                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+                   stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
+                   alpha, inv_n, n_tiles, D_QK, D_V,
+                   ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
+                   ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, Q_BCAST: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
+                   BLOCK_DV: tl.constexpr, DOT_PREC: tl.constexpr):
+    w = tl.load(WORK + tl.program_id(0))
+    if w < 0:
+        return
+    h = tl.program_id(1).to(tl.int64)
+    b = w // n_tiles
+    n0 = (w % n_tiles) * BLOCK_N
+    q_start = tl.load(Q_OFF + b)
+    lq = (tl.load(Q_OFF + b + 1) - q_start).to(tl.int32)
+    kv_start = tl.load(KV_OFF + b)
+    lk = (tl.load(KV_OFF + b + 1) - kv_start).to(tl.int32)
+    n_hist = lk
+    if HAS_TARGETS:
+        n_hist = lk - tl.load(NT + b).to(tl.int32)
+    q_row = q_start
+    if Q_BCAST:
+        q_row = q_start * 0
+
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_dk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    col_ok = offs_n < lk
+    k = tl.load(K + (kv_start + offs_n[:, None]) * stride_kt + h * stride_kh + offs_dk[None, :],
+                mask=col_ok[:, None] & (offs_dk[None, :] < D_QK), other=0.0)
+    v = tl.load(V + (kv_start + offs_n[:, None]) * stride_vt + h * stride_vh + offs_dv[None, :],
+                mask=col_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
+    if ACT == 0:
+        alpha_s = alpha * 1.4426950408889634
+    else:
+        alpha_s = alpha
+    dk = tl.zeros([BLOCK_N, BLOCK_DQK], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    q_base = Q + q_row * stride_qt + h * stride_qh
+    do_base = DO + q_start * stride_dot + h * stride_doh
+    lse_base = LSE + h * stride_lh + q_start
+    delta_base = DELTA + h * stride_lh + q_start
+    lo, hi, full_lo = _query_range(n0, lq, n_hist, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, BLOCK_M,
+                                   BLOCK_N)
+    dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n,
+                         lq, lk, n_hist, alpha_s, inv_n, lo, full_lo, offs_dk, offs_dv, D_QK, D_V,
+                         ACT, True, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, BLOCK_M, DOT_PREC)
+    dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n,
+                         lq, lk, n_hist, alpha_s, inv_n, full_lo, hi, offs_dk, offs_dv, D_QK, D_V,
+                         ACT, False, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, BLOCK_M, DOT_PREC)
+    dk = dk * alpha
+    tl.store(DK + (kv_start + offs_n[:, None]) * stride_dkt + h * stride_dkh + offs_dk[None, :],
+             dk.to(DK.dtype.element_ty), mask=col_ok[:, None] & (offs_dk[None, :] < D_QK))
+    tl.store(DV + (kv_start + offs_n[:, None]) * stride_dvt + h * stride_dvh + offs_dv[None, :],
+             dv.to(DV.dtype.element_ty), mask=col_ok[:, None] & (offs_dv[None, :] < D_V))
+
+
+@triton.jit
+def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_m, lq, lk, n_hist, alpha_s,
+              inv_n, lo, hi, offs_dk, offs_dv, D_QK, D_V,
+              ACT: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
+              ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
+              DOT_PREC: tl.constexpr):
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        col_ok = offs_n < lk
+        kt = tl.load(k_base + offs_n[None, :] * stride_kt + offs_dk[:, None],
+                     mask=col_ok[None, :] & (offs_dk[:, None] < D_QK), other=0.0)
+        vt = tl.load(v_base + offs_n[None, :] * stride_vt + offs_dv[:, None],
+                     mask=col_ok[None, :] & (offs_dv[:, None] < D_V), other=0.0)
+        s = tl.dot(q, kt, input_precision=DOT_PREC) * alpha_s
+        dp = tl.dot(do, vt, input_precision=DOT_PREC)
+        if ACT == 0:
+            p = tl.exp2(s - lse[:, None])
+            if MASKED:
+                ok = _valid(offs_m[:, None], offs_n[None, :], lq, lk, n_hist, CAUSAL, HAS_TARGETS,
+                            ATT_BLOCK, WINDOW)
+                p = tl.where(ok, p, 0.0)
+            ds = p * (dp - delta[:, None])
+        else:
+            ds = dp * _act_grad(s, ACT) * inv_n
+            if MASKED:
+                ok = _valid(offs_m[:, None], offs_n[None, :], lq, lk, n_hist, CAUSAL, HAS_TARGETS,
+                            ATT_BLOCK, WINDOW)
+                ds = tl.where(ok, ds, 0.0)
+        dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq, input_precision=DOT_PREC)
+    return dq
+
+
+@triton.jit
+def _gdpa_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, Q_OFF, KV_OFF, NT, WORK,
+                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+                 stride_dqt, stride_dqh, stride_lh, alpha, inv_n, n_tiles, D_QK, D_V,
+                 ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
+                 ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, Q_BCAST: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
+                 BLOCK_DV: tl.constexpr, DOT_PREC: tl.constexpr):
+    w = tl.load(WORK + tl.program_id(0))
+    if w < 0:
+        return
+    h = tl.program_id(1).to(tl.int64)
+    b = w // n_tiles
+    m0 = (w % n_tiles) * BLOCK_M
+    q_start = tl.load(Q_OFF + b)
+    lq = (tl.load(Q_OFF + b + 1) - q_start).to(tl.int32)
+    kv_start = tl.load(KV_OFF + b)
+    lk = (tl.load(KV_OFF + b + 1) - kv_start).to(tl.int32)
+    n_hist = lk
+    if HAS_TARGETS:
+        n_hist = lk - tl.load(NT + b).to(tl.int32)
+    q_row = q_start
+    if Q_BCAST:
+        q_row = q_start * 0
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_dk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < lq
+    q = tl.load(Q + (q_row + offs_m[:, None]) * stride_qt + h * stride_qh + offs_dk[None, :],
+                mask=row_ok[:, None] & (offs_dk[None, :] < D_QK), other=0.0)
+    do = tl.load(DO + (q_start + offs_m[:, None]) * stride_dot + h * stride_doh + offs_dv[None, :],
+                 mask=row_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
+    if ACT == 0:
+        alpha_s = alpha * 1.4426950408889634
+        lse = tl.load(LSE + h * stride_lh + q_start + offs_m, mask=row_ok, other=float("inf"))
+        delta = tl.load(DELTA + h * stride_lh + q_start + offs_m, mask=row_ok, other=0.0)
+    else:
+        alpha_s = alpha
+        lse = tl.zeros([BLOCK_M], dtype=tl.float32)
+        delta = lse
+    dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
+    k_base = K + kv_start * stride_kt + h * stride_kh
+    v_base = V + kv_start * stride_vt + h * stride_vh
+    lo, hi, full_hi = _key_range(m0, lk, n_hist, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, BLOCK_M, BLOCK_N)
+    dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_m, lq, lk, n_hist,
+                   alpha_s, inv_n, lo, full_hi, offs_dk, offs_dv, D_QK, D_V, ACT, False, CAUSAL,
+                   HAS_TARGETS, ATT_BLOCK, WINDOW, BLOCK_N, DOT_PREC)
+    dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_m, lq, lk, n_hist,
+                   alpha_s, inv_n, full_hi, hi, offs_dk, offs_dv, D_QK, D_V, ACT, True, CAUSAL,
+                   HAS_TARGETS, ATT_BLOCK, WINDOW, BLOCK_N, DOT_PREC)
+    dq = dq * alpha
+    tl.store(DQ + (q_start + offs_m[:, None]) * stride_dqt + h * stride_dqh + offs_dk[None, :],
+             dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (offs_dk[None, :] < D_QK))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Host side: work tables, launchers, autograd
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Spec:
+    act: int
+    causal: bool
+    alpha: float
+    inv_n: float
+    att_block: int
+    window: int
+    q_bcast: bool
+    max_q_len: int
+    max_kv_len: int
+
+
+def _work_table(tile_len: torch.Tensor, max_len: int, block: int, cost: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, int]:
+    """Sorted (sequence, tile) work items, computed on the device without a host sync.
+
+    tile_len: [B] int64 length of the tiled axis of each sequence; max_len: bound on it (host int);
+    block: tile size; cost: [B, n_tiles] relative cost of each item (default: 1). Returns (table [B *
+    n_tiles] int32 holding ``b * n_tiles + tile`` sorted by decreasing cost, -1 for items past a
+    sequence's end, which sort last), n_tiles).
+    """
+    n_tiles = max(1, triton.cdiv(max_len, block))
+    bsz = tile_len.numel()
+    dev = tile_len.device
+    t = torch.arange(n_tiles, device=dev, dtype=torch.int64)
+    valid = (t[None, :] * block) < tile_len[:, None]
+    if cost is None:
+        cost = torch.ones((bsz, n_tiles), device=dev, dtype=torch.int64)
+    key = torch.where(valid, cost, torch.full_like(cost, -1)).flatten()
+    order = torch.argsort(key, descending=True, stable=True)
+    ids = torch.arange(bsz * n_tiles, device=dev, dtype=torch.int64)
+    table = torch.where(valid.flatten()[order], ids[order], torch.full_like(ids, -1))
+    return table.to(torch.int32), n_tiles
+
+
+def _q_tile_cost(spec: _Spec, lk: torch.Tensor, n_tiles: int, block_m: int) -> torch.Tensor:
+    """Approximate key positions a query tile visits: [B, n_tiles] int64."""
+    t = torch.arange(n_tiles, device=lk.device, dtype=torch.int64)
+    if spec.att_block or spec.window:
+        return torch.ones((lk.numel(), n_tiles), device=lk.device, dtype=torch.int64)
+    if spec.causal:
+        return torch.minimum((t[None, :] + 1) * block_m, lk[:, None])
+    return lk[:, None].expand(-1, n_tiles).contiguous()
+
+
+def _k_tile_cost(spec: _Spec, lq: torch.Tensor, n_tiles: int, block_n: int) -> torch.Tensor:
+    t = torch.arange(n_tiles, device=lq.device, dtype=torch.int64)
+    if spec.att_block or spec.window:
+        return torch.ones((lq.numel(), n_tiles), device=lq.device, dtype=torch.int64)
+    if spec.causal:
+        return lq[:, None] - t[None, :] * block_n
+    return lq[:, None].expand(-1, n_tiles).contiguous()
+
+
+def _dot_prec(dtype: torch.dtype) -> str:
+    # fp32 inputs: exact IEEE products (the tests' 1e-3 bound); bf16/fp16 use the tensor cores anyway.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _block_d(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))
+
+
+class _GDPA(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, q_off, kv_off, nt, spec: _Spec, t_out: int):
+        h = k.shape[1]
+        d_qk, d_v = q.shape[2], v.shape[2]
+        bdk, bdv = _block_d(d_qk), _block_d(d_v)
+        lq = q_off[1:] - q_off[:-1]
+        lk = kv_off[1:] - kv_off[:-1]
+        bm, bn, warps, stages = _tiles("fwd", d_qk)
+        n_tiles = max(1, triton.cdiv(spec.max_q_len, bm))
+        table, n_tiles = _work_table(lq, spec.max_q_len, bm, _q_tile_cost(spec, lk, n_tiles, bm))
+        o = q.new_empty((t_out, h, d_v))
+        lse = torch.empty((h, t_out), device=q.device, dtype=torch.float32)
+        nt_arg = nt if nt is not None else q_off
+        grid = (table.numel(), h)
+        _gdpa_fwd[grid](
+            q, k, v, o, lse, q_off, kv_off, nt_arg, table,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            o.stride(0), o.stride(1), lse.stride(0), spec.alpha, spec.inv_n, n_tiles, d_qk, d_v,
+            ACT=spec.act, CAUSAL=spec.causal, HAS_TARGETS=nt is not None, ATT_BLOCK=spec.att_block,
+            WINDOW=spec.window, Q_BCAST=spec.q_bcast, BLOCK_M=bm, BLOCK_N=bn, BLOCK_DQK=bdk,
+            BLOCK_DV=bdv, EVEN_D=(bdk == d_qk and bdv == d_v), DOT_PREC=_dot_prec(q.dtype),
+            num_warps=warps, num_stages=stages)
+        ctx.save_for_backward(q, k, v, o, lse, q_off, kv_off, nt)
+        ctx.spec = spec
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, q_off, kv_off, nt = ctx.saved_tensors
+        spec: _Spec = ctx.spec
+        do = do.contiguous() if do.stride(-1) != 1 else do
+        h = k.shape[1]
+        d_qk, d_v = q.shape[2], v.shape[2]
+        bdk, bdv = _block_d(d_qk), _block_d(d_v)
+        lq = q_off[1:] - q_off[:-1]
+        lk = kv_off[1:] - kv_off[:-1]
+        if spec.act == 0:
+            delta = (do.float() * o.float()).sum(-1).t().contiguous()  # [H, T_out]
+        else:
+            delta = lse
+        nt_arg = nt if nt is not None else q_off
+        common = dict(ACT=spec.act, CAUSAL=spec.causal, HAS_TARGETS=nt is not None,
+                      ATT_BLOCK=spec.att_block, WINDOW=spec.window, Q_BCAST=spec.q_bcast,
+                      BLOCK_DQK=bdk, BLOCK_DV=bdv, DOT_PREC=_dot_prec(q.dtype))
+
+        dk = torch.empty_like(k)
+        dv = torch.empty_like(v)
+        bm, bn, warps, stages = _tiles("dkdv", d_qk)
+        n_tiles = max(1, triton.cdiv(spec.max_kv_len, bn))
+        table, n_tiles = _work_table(lk, spec.max_kv_len, bn, _k_tile_cost(spec, lq, n_tiles, bn))
+        _gdpa_bwd_dkdv[(table.numel(), h)](
+            q, k, v, do, lse, delta, dk, dv, q_off, kv_off, nt_arg, table,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+            lse.stride(0), spec.alpha, spec.inv_n, n_tiles, d_qk, d_v,
+            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common)
+
+        t_out = o.shape[0]
+        dq = q.new_empty((t_out, h, d_qk)) if spec.q_bcast else torch.empty_like(q)
+        bm, bn, warps, stages = _tiles("dq", d_qk)
+        n_tiles = max(1, triton.cdiv(spec.max_q_len, bm))
+        table, n_tiles = _work_table(lq, spec.max_q_len, bm, _q_tile_cost(spec, lk, n_tiles, bm))
+        _gdpa_bwd_dq[(table.numel(), h)](
+            q, k, v, do, lse, delta, dq, q_off, kv_off, nt_arg, table,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), lse.stride(0),
+            spec.alpha, spec.inv_n, n_tiles, d_qk, d_v,
+            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common)
+        if spec.q_bcast:
+            dq = dq.view(-1, q.shape[0], h, d_qk).sum(0, dtype=torch.float32).to(q.dtype)
+        return dq, dk, dv, None, None, None, None, None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _check_offsets(name: str, offsets: torch.Tensor, t: int, device: torch.device) -> None:
+    if offsets.dtype != torch.int64 or offsets.dim() != 1 or offsets.numel() < 1:
+        raise ValueError(f"gdpa: {name} must be 1-D int64 [B+1], got {offsets.dtype} {tuple(offsets.shape)}")
+    if offsets.device != device:
+        raise ValueError(f"gdpa: {name} is on {offsets.device}, tensors on {device}")
+
+
+def _prep(x: torch.Tensor, name: str) -> torch.Tensor:
+    if x.dim() != 3:
+        raise ValueError(f"gdpa: {name} must be [T, H, D], got shape {tuple(x.shape)}")
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def gdpa_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor,
+                kv_offsets: torch.Tensor, max_q_len: int, max_kv_len: int, *, activation: str = "silu",
+                causal: bool = False, alpha: float | None = None, norm: float | None = None,
+                num_targets: torch.Tensor | None = None, block_size: int = 0, window: int = 0,
+                q_broadcast: bool = False) -> torch.Tensor:
+    """Generalized jagged attention: ``out_i = sum_j f(alpha * q_i.k_j) v_j`` over the valid pairs.
+
+    Args:
+        q: [Tq, H, Dqk] (or [S, H, Dqk] seeds shared by every sequence when ``q_broadcast``);
+            float32, bfloat16 or float16. k: [Tk, H, Dqk]; v: [Tk, H, Dv], same dtype.
+        q_offsets: [B+1] int64 offsets of the query rows (and of the output rows); with
+            ``q_broadcast`` it must be ``arange(B+1) * S``.
+        kv_offsets: [B+1] int64 offsets of the key/value rows; ``kv_offsets is q_offsets`` for self-attn.
+        max_q_len / max_kv_len: host ints bounding every sequence's length (tiles beyond are not run:
+            a longer sequence triggers an asynchronous device assertion).
+        activation: "softmax" (f = row softmax) | "silu" | "gelu" | "none" (f(s) = act(s) / norm).
+        causal: key position <= query position (positions counted from each sequence's start).
+        alpha: score scale; default 1/sqrt(Dqk). norm: N of the pointwise activations; default max_kv_len.
+        num_targets: [B] int64 or None: the last num_targets[b] positions of sequence b are targets that
+            attend to the history and to themselves only (requires causal self-attention).
+        block_size: > 0 restricts attention to the query's own block of positions [k*bs, (k+1)*bs).
+        window: > 0 restricts attention to |i - j| < window.
+    Returns:
+        out: [Tq, H, Dv] (q_broadcast: [B*S, H, Dv]) in q's dtype; rows with no valid key are 0.
+    Raises:
+        ValueError: on bad shapes, dtypes, devices, or option combinations.
+    """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"gdpa: activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+    q, k, v = _prep(q, "q"), _prep(k, "k"), _prep(v, "v")
+    if k.shape[:2] != v.shape[:2] or q.shape[1] != k.shape[1] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"gdpa: shape mismatch q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"gdpa: q/k/v must share a float dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.shape[2] > 256 or v.shape[2] > 256:
+        raise ValueError(f"gdpa: head dims up to 256 supported, got {q.shape[2]}, {v.shape[2]}")
+    _check_offsets("q_offsets", q_offsets, q.shape[0], q.device)
+    _check_offsets("kv_offsets", kv_offsets, k.shape[0], q.device)
+    if q_offsets.numel() != kv_offsets.numel():
+        raise ValueError(f"gdpa: q_offsets has B={q_offsets.numel() - 1}, kv_offsets B={kv_offsets.numel() - 1}")
+    if num_targets is not None:
+        if not causal or q_offsets is not kv_offsets and not torch.equal(q_offsets, kv_offsets):
+            raise ValueError("gdpa: num_targets needs causal self-attention")
+        if num_targets.numel() != q_offsets.numel() - 1:
+            raise ValueError(f"gdpa: num_targets must be [B={q_offsets.numel() - 1}], got {tuple(num_targets.shape)}")
+        num_targets = num_targets.to(device=q.device, dtype=torch.int64).contiguous()
+    if block_size < 0 or window < 0 or (block_size and window):
+        raise ValueError(f"gdpa: use at most one of block_size ({block_size}) and window ({window}), >= 0")
+    if q_broadcast and causal:
+        raise ValueError("gdpa: q_broadcast (PMA) is not causal")
+    if max_q_len < 0 or max_kv_len < 0:
+        raise ValueError("gdpa: max lengths must be >= 0")
+    bsz = q_offsets.numel() - 1
+    if q_broadcast:
+        t_out = bsz * q.shape[0]
+    else:
+        t_out = q.shape[0]
+    if bsz:
+        lq = q_offsets[1:] - q_offsets[:-1]
+        lk = kv_offsets[1:] - kv_offsets[:-1]
+        torch._assert_async((lq.max() <= max_q_len) & (lk.max() <= max_kv_len))
+    if alpha is None:
+        alpha = 1.0 / math.sqrt(q.shape[2])
+    if norm is None:
+        norm = float(max(max_kv_len, 1))
+    spec = _Spec(act=ACTIVATIONS[activation], causal=bool(causal), alpha=float(alpha), inv_n=1.0 / float(norm),
+                 att_block=int(block_size), window=int(window), q_bcast=bool(q_broadcast),
+                 max_q_len=int(max_q_len), max_kv_len=int(max_kv_len))
+    if t_out == 0 or bsz == 0:
+        out = q.new_zeros((t_out, q.shape[1], v.shape[2]))
+        return out + 0.0 * (q.sum() + k.sum() + v.sum())  # keeps the graph for autograd
+    return _GDPA.apply(q, k, v, q_offsets, kv_offsets, num_targets, spec, t_out)
+
+
+def jagged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
+                            max_len: int, *, activation: str = "silu", causal: bool = True,
+                            attn_bias: torch.Tensor | None = None, alpha: float | None = None,
+                            num_targets: torch.Tensor | None = None) -> torch.Tensor:
+    """Jagged self-attention (JFA for softmax, HSTU for silu); signature of ``jagged_attention_ref``.
+
+    q: [T, H, Dqk], k: [T, H, Dqk], v: [T, H, Dv]; offsets: [B+1] int64; max_len: host int >= every
+    length, also the N of ``silu(alpha*qk)/N``. num_targets: [B] int64 or None. Returns [T, H, Dv].
+    Raises NotImplementedError for ``attn_bias`` (relative position/time bias is not in the kernel yet).
+    """
+    if attn_bias is not None:
+        raise NotImplementedError("jagged_attention_triton: attn_bias is not supported by the Triton kernel")
+    return gdpa_triton(q, k, v, offsets, offsets, max_len, max_len, activation=activation, causal=causal,
+                       alpha=alpha, norm=float(max(max_len, 1)), num_targets=num_targets)
+
+
+def jagged_cross_attention_triton(q: torch.Tensor, q_offsets: torch.Tensor, k: torch.Tensor,
+                                  v: torch.Tensor, kv_offsets: torch.Tensor, max_q_len: int,
+                                  max_kv_len: int, *, activation: str = "softmax",
+                                  alpha: float | None = None) -> torch.Tensor:
+    """Cross-attention: jagged q [Tq, H, Dqk] (offsets q_offsets [B+1]) against jagged k [Tk, H, Dqk],
+    v [Tk, H, Dv] (kv_offsets [B+1]), non-causal; pointwise activations use N = max_kv_len.
+
+    For a dense kv [B, Nk, H, D] pass ``kv.view(B * Nk, H, D)`` and ``kv_offsets = arange(B+1) * Nk``.
+    Returns [Tq, H, Dv]. Follows ``gemray.kernels.reference.jagged_cross_attention_ref``.
+    """
+    return gdpa_triton(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, activation=activation,
+                       causal=False, alpha=alpha)
+
+
+def pma_triton(seeds: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_offsets: torch.Tensor,
+               max_kv_len: int, *, activation: str = "softmax", alpha: float | None = None) -> torch.Tensor:
+    """Pooled multi-head attention: seeds [S, H, Dqk] (shared learned queries) against the jagged history
+    k [T, H, Dqk], v [T, H, Dv] with kv_offsets [B+1]. Returns [B, S, H, Dv]; an empty history gives 0.
+    Follows ``gemray.kernels.reference.pma_ref``.
+    """
+    if seeds.dim() != 3:
+        raise ValueError(f"pma: seeds must be [S, H, D], got {tuple(seeds.shape)}")
+    bsz = kv_offsets.numel() - 1
+    s = seeds.shape[0]
+    q_off = torch.arange(bsz + 1, device=kv_offsets.device, dtype=torch.int64) * s
+    out = gdpa_triton(seeds, k, v, q_off, kv_offsets, s, max_kv_len, activation=activation, causal=False,
+                      alpha=alpha, q_broadcast=True)
+    return out.view(bsz, s, seeds.shape[1], v.shape[2])
+
+
+def jagged_block_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
+                                  max_len: int, *, block_size: int = 64, window: int = 0,
+                                  activation: str = "softmax", causal: bool = True,
+                                  alpha: float | None = None) -> torch.Tensor:
+    """Block-local self-attention: a query at position i sees keys j with j // block_size == i //
+    block_size (or, with ``window`` > 0 instead, |i - j| < window), causal or not; cost is linear in
+    the length. q/k: [T, H, Dqk], v: [T, H, Dv], offsets [B+1] int64. Pointwise activations use
+    N = max_len. Returns [T, H, Dv]. Follows ``gemray.kernels.reference.jagged_block_attention_ref``.
+    """
+    if window:
+        block_size = 0
+    elif block_size <= 0:
+        raise ValueError(f"block attention: block_size must be > 0, got {block_size}")
+    return gdpa_triton(q, k, v, offsets, offsets, max_len, max_len, activation=activation, causal=causal,
+                       alpha=alpha, norm=float(max(max_len, 1)), block_size=block_size, window=window)
