@@ -204,7 +204,8 @@ def _norm_quant_fwd(
     # Quantize the value the caller sees (y rounded to x.dtype), exactly as quantize_blocks_ref does.
     yq = tl.where(mask, y_out.to(tl.float32), 0.0)
     amax = tl.max(tl.abs(yq), axis=1)  # [NG]
-    inv = tl.where(amax > 0.0, 448.0 / amax, 0.0)
+    nz = amax > 0.0
+    inv = tl.where(nz, 448.0 / tl.where(nz, amax, 1.0), 0.0)  # all-zero (or padding) group -> q = 0
     q = yq * inv[:, None]
     q = _round_to_e4m3(tl.minimum(tl.maximum(q, -448.0), 448.0))
     tl.store(Q + row * stride_q + offs, q.to(Q.dtype.element_ty), mask=mask)
