@@ -13,7 +13,7 @@ TORCH_PIN := torch==2.13.0
 STACK := fbgemm-gpu-cpu==1.8.0 "ray[data,train,default]==2.60.0" "pyarrow>=14" triton==3.9.0 \
 	tensordict "torchmetrics==1.0.3" pyre-extensions iopath tqdm numpy matplotlib
 TORCHREC := torchrec==1.8.0
-TEST_DEPS := pytest jsonschema pyyaml
+TEST_DEPS := pytest jsonschema pyyaml kubernetes-validate==1.37.0
 
 .PHONY: venv install demo test data clean
 
