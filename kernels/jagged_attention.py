@@ -655,7 +655,7 @@ def gdpa_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: to
             a longer sequence triggers an asynchronous device assertion).
         activation: "softmax" (f = row softmax) | "silu" | "gelu" | "none" (f(s) = act(s) / norm).
         causal: key position <= query position (positions counted from each sequence's start).
-        alpha: score scale; default 1/sqrt(Dqk). norm: N of the pointwise activations; default max_kv_len.
+        alpha: score scale; default 1/sqrt(Dqk) for softmax, 1.0 otherwise (as the reference). norm: N of the pointwise activations; default max_kv_len.
         num_targets: [B] int64 or None: the last num_targets[b] positions of sequence b are targets that
             attend to the history and to themselves only (requires causal self-attention).
         block_size: > 0 restricts attention to the query's own block of positions [k*bs, (k+1)*bs).
@@ -679,7 +679,7 @@ def gdpa_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: to
     if q_offsets.numel() != kv_offsets.numel():
         raise ValueError(f"gdpa: q_offsets has B={q_offsets.numel() - 1}, kv_offsets B={kv_offsets.numel() - 1}")
     if num_targets is not None:
-        if not causal or q_offsets is not kv_offsets and not torch.equal(q_offsets, kv_offsets):
+        if not causal or (q_offsets is not kv_offsets and not torch.equal(q_offsets, kv_offsets)):
             raise ValueError("gdpa: num_targets needs causal self-attention")
         if num_targets.numel() != q_offsets.numel() - 1:
             raise ValueError(f"gdpa: num_targets must be [B={q_offsets.numel() - 1}], got {tuple(num_targets.shape)}")
@@ -698,9 +698,12 @@ def gdpa_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: to
     if bsz:
         lq = q_offsets[1:] - q_offsets[:-1]
         lk = kv_offsets[1:] - kv_offsets[:-1]
+        # asynchronous (no host sync on CUDA): a sequence longer than max_len would silently lose tiles
         torch._assert_async((lq.max() <= max_q_len) & (lk.max() <= max_kv_len))
-    if alpha is None:
-        alpha = 1.0 / math.sqrt(q.shape[2])
+        if num_targets is not None:
+            torch._assert_async(((num_targets >= 0) & (num_targets <= lq)).all())
+    if alpha is None:  # the reference's convention (gemray.kernels.reference.jagged_attention_ref)
+        alpha = 1.0 / math.sqrt(q.shape[2]) if activation == "softmax" else 1.0
     if norm is None:
         norm = float(max(max_kv_len, 1))
     spec = _Spec(act=ACTIVATIONS[activation], causal=bool(causal), alpha=float(alpha), inv_n=1.0 / float(norm),

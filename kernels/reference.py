@@ -219,3 +219,139 @@ def relative_bias_ref(timestamps: torch.Tensor, offsets: torch.Tensor, n: int, p
     pb = position_bucket_ref(ids.view(n, 1) - ids.view(1, n), pos_weights.numel(), max_len)  # [n, n]
     tb = time_bucket_ref(ts.unsqueeze(2) - ts.unsqueeze(1), ts_weights.numel())             # [B, n, n]
     return pos_weights[pb].unsqueeze(0) + ts_weights[tb]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Cross-attention, pooled multi-head attention (PMA) and block-local attention (owner: kernels helper D;
+# the spec of gemray.kernels.jagged_attention's cross / PMA / block kernels).
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _attend_padded_ref(pq: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor, valid: torch.Tensor,
+                       activation: str, alpha: float, norm: float) -> torch.Tensor:
+    """pq [B, H, m, Dqk], pk [B, H, n, Dqk], pv [B, H, n, Dv], valid [B, 1, m, n] bool -> [B, H, m, Dv].
+
+    softmax over the valid keys (a row with none gives 0); pointwise activations give act(alpha*qk)/norm
+    on valid pairs.
+    """
+    logits = torch.matmul(pq, pk.transpose(-1, -2)) * alpha
+    if activation == "softmax":
+        row_any = valid.any(-1, keepdim=True)
+        attn = torch.softmax(logits.masked_fill(~(valid | ~row_any), float("-inf")), dim=-1)
+        attn = attn * (valid & row_any)
+    else:
+        act = {"silu": F.silu, "gelu": F.gelu, "none": lambda x: x}[activation]
+        attn = act(logits) / norm * valid
+    return torch.matmul(attn, pv)
+
+
+def _default_alpha(activation: str, alpha: float | None, d: int) -> float:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if alpha is not None:
+        return float(alpha)
+    return 1.0 / math.sqrt(d) if activation == "softmax" else 1.0
+
+
+def _check_jagged(name: str, x: torch.Tensor, offsets: torch.Tensor) -> int:
+    if x.dim() != 3:
+        raise ValueError(f"{name}: expected [T, H, D], got {tuple(x.shape)}")
+    if offsets.dtype != torch.int64 or offsets.dim() != 1 or offsets.numel() < 1:
+        raise ValueError(f"{name} offsets: expected 1-D int64 [B+1], got {offsets.dtype} {tuple(offsets.shape)}")
+    if int(offsets[-1]) != x.shape[0]:
+        raise ValueError(f"{name}: offsets[-1]={int(offsets[-1])} != T={x.shape[0]}")
+    lengths = offsets[1:] - offsets[:-1]
+    return int(lengths.max()) if lengths.numel() else 0
+
+
+def jagged_cross_attention_ref(q: torch.Tensor, q_offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               kv_offsets: torch.Tensor, max_q_len: int, max_kv_len: int, *,
+                               activation: str = "softmax", alpha: float | None = None) -> torch.Tensor:
+    """Cross-attention of jagged queries against a different jagged key/value set (non-causal).
+
+    q: [Tq, H, Dqk] with q_offsets [B+1] int64 (e.g. candidate items per user); k: [Tk, H, Dqk],
+    v: [Tk, H, Dv] with kv_offsets [B+1] (e.g. the user history). Query row of sequence b attends to every
+    key of sequence b. activation/alpha as ``jagged_attention_ref``; pointwise activations divide by
+    N = max_kv_len. A sequence with no keys gives 0. Returns [Tq, H, Dv].
+    Raises ValueError on bad shapes, batch-size mismatch or a sequence longer than its max length.
+    """
+    mq = _check_jagged("jagged_cross_attention_ref q", q, q_offsets)
+    mk = _check_jagged("jagged_cross_attention_ref k", k, kv_offsets)
+    if q_offsets.numel() != kv_offsets.numel() or v.shape[:2] != k.shape[:2] or q.shape[1:] != k.shape[1:]:
+        raise ValueError(f"jagged_cross_attention_ref: mismatched q {tuple(q.shape)} / k {tuple(k.shape)} / "
+                         f"v {tuple(v.shape)} or batch sizes")
+    if mq > max_q_len or mk > max_kv_len:
+        raise ValueError(f"jagged_cross_attention_ref: lengths ({mq}, {mk}) exceed ({max_q_len}, {max_kv_len})")
+    alpha = _default_alpha(activation, alpha, q.shape[2])
+    B, (Tq, H, Dqk), Dv = q_offsets.numel() - 1, q.shape, v.shape[2]
+    if Tq == 0 or mk == 0:
+        return q.new_zeros((Tq, H, Dv)) + (q.sum() + k.sum() + v.sum()) * 0.0
+    pq = _pad(q.reshape(Tq, H * Dqk), q_offsets, mq).view(B, mq, H, Dqk).transpose(1, 2)
+    pk = _pad(k.reshape(-1, H * Dqk), kv_offsets, mk).view(B, mk, H, Dqk).transpose(1, 2)
+    pv = _pad(v.reshape(-1, H * Dv), kv_offsets, mk).view(B, mk, H, Dv).transpose(1, 2)
+    lk = (kv_offsets[1:] - kv_offsets[:-1]).view(B, 1, 1, 1)
+    valid = (torch.arange(mk, device=q.device).view(1, 1, 1, mk) < lk).expand(B, 1, mq, mk)
+    out = _attend_padded_ref(pq, pk, pv, valid, activation, alpha, float(max(max_kv_len, 1)))
+    return _unpad(out.transpose(1, 2).reshape(B, mq, H * Dv), q_offsets).view(Tq, H, Dv)
+
+
+def pma_ref(seeds: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_offsets: torch.Tensor, max_kv_len: int,
+            *, activation: str = "softmax", alpha: float | None = None) -> torch.Tensor:
+    """Pooled multi-head attention (Set Transformer's PMA, Lee et al. 2019): S learned seed queries per
+    head, shared by all sequences, attend to each jagged history.
+
+    seeds: [S, H, Dqk]; k: [T, H, Dqk], v: [T, H, Dv]; kv_offsets [B+1] int64. activation/alpha as
+    ``jagged_attention_ref`` (pointwise: divide by N = max_kv_len). An empty history gives 0.
+    Returns [B, S, H, Dv]. Raises ValueError on bad shapes or a history longer than max_kv_len.
+    """
+    mk = _check_jagged("pma_ref k", k, kv_offsets)
+    if seeds.dim() != 3 or seeds.shape[1:] != k.shape[1:] or v.shape[:2] != k.shape[:2]:
+        raise ValueError(f"pma_ref: seeds {tuple(seeds.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} mismatch")
+    if mk > max_kv_len:
+        raise ValueError(f"pma_ref: a history of length {mk} > max_kv_len {max_kv_len}")
+    alpha = _default_alpha(activation, alpha, seeds.shape[2])
+    B, (S, H, Dqk), Dv = kv_offsets.numel() - 1, seeds.shape, v.shape[2]
+    if B == 0 or mk == 0:
+        return seeds.new_zeros((B, S, H, Dv)) + (seeds.sum() + k.sum() + v.sum()) * 0.0
+    pq = seeds.transpose(0, 1).unsqueeze(0)  # [1, H, S, Dqk]
+    pk = _pad(k.reshape(-1, H * Dqk), kv_offsets, mk).view(B, mk, H, Dqk).transpose(1, 2)
+    pv = _pad(v.reshape(-1, H * Dv), kv_offsets, mk).view(B, mk, H, Dv).transpose(1, 2)
+    lk = (kv_offsets[1:] - kv_offsets[:-1]).view(B, 1, 1, 1)
+    valid = (torch.arange(mk, device=k.device).view(1, 1, 1, mk) < lk).expand(B, 1, S, mk)
+    out = _attend_padded_ref(pq, pk, pv, valid, activation, alpha, float(max(max_kv_len, 1)))
+    return out.transpose(1, 2)  # [B, S, H, Dv]
+
+
+def jagged_block_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
+                               max_len: int, *, block_size: int = 64, window: int = 0,
+                               activation: str = "softmax", causal: bool = True,
+                               alpha: float | None = None) -> torch.Tensor:
+    """Block-local jagged self-attention: query position i sees key j of its sequence only when
+    ``i // block_size == j // block_size`` (or, when ``window`` > 0, only when ``|i - j| < window``),
+    and j <= i if causal. q/k: [T, H, Dqk], v: [T, H, Dv], offsets [B+1] int64. activation/alpha as
+    ``jagged_attention_ref`` (pointwise: divide by N = max_len). Returns [T, H, Dv].
+    Raises ValueError on bad shapes, block_size <= 0 without a window, or a sequence longer than max_len.
+    """
+    n = _check_jagged("jagged_block_attention_ref q", q, offsets)
+    if k.shape != q.shape or v.shape[:2] != q.shape[:2]:
+        raise ValueError(f"jagged_block_attention_ref: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if window <= 0 and block_size <= 0:
+        raise ValueError(f"jagged_block_attention_ref: block_size must be > 0, got {block_size}")
+    if n > max_len:
+        raise ValueError(f"jagged_block_attention_ref: a sequence of length {n} > max_len {max_len}")
+    alpha = _default_alpha(activation, alpha, q.shape[2])
+    B, (T, H, Dqk), Dv = offsets.numel() - 1, q.shape, v.shape[2]
+    if T == 0:
+        return v * 0.0 + (q.sum() + k.sum()) * 0.0
+    pq = _pad(q.reshape(T, H * Dqk), offsets, n).view(B, n, H, Dqk).transpose(1, 2)
+    pk = _pad(k.reshape(T, H * Dqk), offsets, n).view(B, n, H, Dqk).transpose(1, 2)
+    pv = _pad(v.reshape(T, H * Dv), offsets, n).view(B, n, H, Dv).transpose(1, 2)
+    ids = torch.arange(n, device=q.device)
+    i, j = ids.view(n, 1), ids.view(1, n)
+    L = (offsets[1:] - offsets[:-1]).view(B, 1, 1, 1)
+    local = ((i - j).abs() < window) if window > 0 else ((i // block_size) == (j // block_size))
+    if causal:
+        local = local & (j <= i)
+    valid = local.view(1, 1, n, n) & (i.view(1, 1, n, 1) < L) & (j.view(1, 1, 1, n) < L)
+    out = _attend_padded_ref(pq, pk, pv, valid, activation, alpha, float(max(max_len, 1)))
+    return _unpad(out.transpose(1, 2).reshape(B, n, H * Dv), offsets).view(T, H, Dv)

@@ -1,0 +1,289 @@
+"""Triton jagged attention kernels (gemray.kernels.jagged_attention) against the PyTorch references.
+
+CPU: run under TRITON_INTERPRET=1 (set below when no CUDA device is present), float32, relative error of
+forward and of every gradient < 1e-4 (the bound asked for is 1e-3). Batches include empty sequences,
+length 1, all-equal lengths and one sequence much longer than the rest (several tiles, so the causal
+diagonal, the unmasked interior and the partial last tile are all exercised).
+GPU (@pytest.mark.gpu): the same patterns at realistic sizes in bf16 on CUDA.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from gemray.kernels import reference as ref  # noqa: E402
+from gemray.kernels.jagged_attention import (  # noqa: E402
+    _work_table, gdpa_triton, jagged_attention_triton, jagged_block_attention_triton,
+    jagged_cross_attention_triton, pma_triton)
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+cpu_only = pytest.mark.skipif(not INTERPRET, reason="CPU tests need TRITON_INTERPRET=1")
+ACTS = ("softmax", "silu", "gelu", "none")
+
+BATCHES = {
+    "mixed": [0, 1, 5, 37, 3, 0, 16],  # empty, length 1, one much longer than the rest
+    "equal": [8, 8, 8, 8],
+    "one_token": [1],
+    "long_tail": [70, 2, 0],
+}
+
+
+def _offsets(lengths, device="cpu"):
+    return torch.tensor([0] + list(lengths), device=device).cumsum(0)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    assert torch.isfinite(a).all(), "non-finite values in the kernel's result"
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def _leaf(*shape, dtype=torch.float32, device="cpu", scale=1.0):
+    return (torch.randn(*shape, dtype=torch.float32, device=device) * scale).to(dtype).requires_grad_(True)
+
+
+def _check(kernel_fn, ref_fn, tensors, tol):
+    """Forward and all gradients of kernel_fn(*tensors) vs ref_fn on float32 copies (same grad_output)."""
+    out = kernel_fn(*tensors)
+    ref_t = [t.detach().float().requires_grad_(True) for t in tensors]
+    expect = ref_fn(*ref_t)
+    assert out.shape == expect.shape, (out.shape, expect.shape)
+    if expect.numel() and expect.norm() > 0:
+        assert _rel(out, expect) < tol, f"forward rel err {_rel(out, expect):.2e}"
+    do = torch.randn_like(expect)
+    grads = torch.autograd.grad(out, tensors, do.to(out.dtype))
+    ref_grads = torch.autograd.grad(expect, ref_t, do)
+    for name, g, gr in zip("qkv", grads, ref_grads):
+        assert g.shape == gr.shape
+        if gr.norm() > 1e-6 * do.norm():
+            assert _rel(g, gr) < tol, f"d{name} rel err {_rel(g, gr):.2e}"
+        else:  # e.g. softmax over one key: dq = dk = 0 up to rounding
+            assert float(g.detach().float().norm()) < tol * float(do.norm()), f"d{name} should be ~0" 
+    return out, expect
+
+
+# ---------------------------------------------------------------------------------------------- CPU tests
+
+
+@cpu_only
+@pytest.mark.parametrize("batch", sorted(BATCHES))
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+def test_self_attention_causal_matches_reference(batch, activation):
+    torch.manual_seed(1)
+    lengths = BATCHES[batch]
+    off = _offsets(lengths)
+    t, h, d = int(off[-1]), 2, 16
+    max_len = max(lengths) + 3
+    q, k, v = _leaf(t, h, d), _leaf(t, h, d), _leaf(t, h, 24)
+    _check(lambda a, b, c: jagged_attention_triton(a, b, c, off, max_len, activation=activation),
+           lambda a, b, c: ref.jagged_attention_ref(a, b, c, off, max_len, activation=activation),
+           (q, k, v), 1e-4)
+
+
+@cpu_only
+@pytest.mark.parametrize("activation", ACTS)
+@pytest.mark.parametrize("pattern", ["causal", "full", "targets"])
+def test_self_attention_patterns_all_activations(activation, pattern):
+    torch.manual_seed(2)
+    lengths = BATCHES["mixed"]
+    off = _offsets(lengths)
+    t, h, d = int(off[-1]), 2, 25  # 25: the model's default attention_dim, not a power of two
+    causal = pattern != "full"
+    nt = torch.tensor([0, 1, 2, 5, 3, 0, 16]) if pattern == "targets" else None
+    alpha = 0.3 if activation != "softmax" else None
+    q, k, v = _leaf(t, h, d), _leaf(t, h, d), _leaf(t, h, d)
+    _check(lambda a, b, c: jagged_attention_triton(a, b, c, off, 40, activation=activation, causal=causal,
+                                                   alpha=alpha, num_targets=nt),
+           lambda a, b, c: ref.jagged_attention_ref(a, b, c, off, 40, activation=activation, causal=causal,
+                                                    alpha=alpha, num_targets=nt),
+           (q, k, v), 1e-4)
+
+
+@cpu_only
+@pytest.mark.parametrize("activation", ACTS)
+def test_cross_attention_matches_reference(activation):
+    torch.manual_seed(3)
+    q_len = [2, 1, 3, 0, 4, 1]
+    kv_len = [0, 5, 1, 6, 37, 8]  # an empty history: its queries get 0
+    qo, ko = _offsets(q_len), _offsets(kv_len)
+    h, d = 2, 16
+    q, k, v = _leaf(int(qo[-1]), h, d), _leaf(int(ko[-1]), h, d), _leaf(int(ko[-1]), h, 32)
+    out, _ = _check(
+        lambda a, b, c: jagged_cross_attention_triton(a, qo, b, c, ko, 4, 40, activation=activation),
+        lambda a, b, c: ref.jagged_cross_attention_ref(a, qo, b, c, ko, 4, 40, activation=activation),
+        (q, k, v), 1e-4)
+    assert out[:2].abs().max() == 0  # sequence 0 has no keys
+
+
+@cpu_only
+def test_cross_attention_dense_kv_view():
+    """A dense kv [B, Nk, H, D] goes in as a view with uniform offsets (no copy)."""
+    torch.manual_seed(4)
+    b, nk, h, d = 3, 9, 2, 16
+    kv = torch.randn(b, nk, h, d)
+    k_flat = kv.view(b * nk, h, d)
+    assert k_flat.data_ptr() == kv.data_ptr()
+    ko = torch.arange(b + 1) * nk
+    qo = _offsets([2, 0, 5])
+    q = torch.randn(int(qo[-1]), h, d)
+    out = jagged_cross_attention_triton(q, qo, k_flat, k_flat, ko, 5, nk, activation="softmax")
+    # dense equivalent: padded softmax attention per sequence
+    for i in (0, 2):  # sequence 1 has no queries
+        qi = q[qo[i]:qo[i + 1]].transpose(0, 1)  # [H, Lq, D]
+        ki = kv[i].transpose(0, 1)
+        expect = torch.softmax(qi @ ki.transpose(-1, -2) / math.sqrt(d), -1) @ ki
+        assert _rel(out[qo[i]:qo[i + 1]].transpose(0, 1), expect) < 1e-5
+
+
+@cpu_only
+@pytest.mark.parametrize("activation", ACTS)
+def test_pma_matches_reference(activation):
+    torch.manual_seed(5)
+    kv_len = [0, 1, 7, 37, 7]
+    ko = _offsets(kv_len)
+    s, h, d = 3, 2, 16
+    seeds, k, v = _leaf(s, h, d), _leaf(int(ko[-1]), h, d), _leaf(int(ko[-1]), h, 16)
+    out, _ = _check(lambda a, b, c: pma_triton(a, b, c, ko, 40, activation=activation),
+                    lambda a, b, c: ref.pma_ref(a, b, c, ko, 40, activation=activation),
+                    (seeds, k, v), 1e-4)
+    assert out.shape == (5, s, h, 16)
+    assert out[0].abs().max() == 0  # empty history
+
+
+@cpu_only
+@pytest.mark.parametrize("activation", ACTS)
+@pytest.mark.parametrize("mode", ["block_causal", "block_full", "window_causal", "window_full"])
+def test_block_attention_matches_reference(activation, mode):
+    torch.manual_seed(6)
+    lengths = [0, 1, 9, 53, 8, 20]
+    off = _offsets(lengths)
+    t, h, d = int(off[-1]), 2, 16
+    kw = dict(block_size=8, window=0) if mode.startswith("block") else dict(block_size=0, window=6)
+    causal = mode.endswith("causal")
+    q, k, v = _leaf(t, h, d), _leaf(t, h, d), _leaf(t, h, d)
+    _check(lambda a, b, c: jagged_block_attention_triton(a, b, c, off, 60, activation=activation,
+                                                         causal=causal, **kw),
+           lambda a, b, c: ref.jagged_block_attention_ref(a, b, c, off, 60, activation=activation,
+                                                          causal=causal, **kw),
+           (q, k, v), 1e-4)
+
+
+@cpu_only
+def test_block_attention_is_local():
+    """Changing keys outside a query's block must not change its output (catches a wrong key range)."""
+    torch.manual_seed(7)
+    off = _offsets([40])
+    q, k, v = torch.randn(40, 1, 16), torch.randn(40, 1, 16), torch.randn(40, 1, 16)
+    out = jagged_block_attention_triton(q, k, v, off, 40, block_size=16, activation="softmax")
+    k2, v2 = k.clone(), v.clone()
+    k2[16:32] += 5.0
+    v2[16:32] -= 3.0
+    out2 = jagged_block_attention_triton(q, k2, v2, off, 40, block_size=16, activation="softmax")
+    assert torch.equal(out[:16], out2[:16]) and torch.equal(out[32:], out2[32:])
+    assert not torch.allclose(out[16:32], out2[16:32])
+
+
+@cpu_only
+def test_all_empty_batch_keeps_graph():
+    off = torch.zeros(3, dtype=torch.int64)
+    q, k, v = _leaf(0, 2, 16), _leaf(0, 2, 16), _leaf(0, 2, 16)
+    out = jagged_attention_triton(q, k, v, off, 4, activation="silu")
+    assert out.shape == (0, 2, 16)
+    out.sum().backward()
+    assert q.grad is not None and q.grad.shape == q.shape
+
+
+def test_work_table_longest_first_covers_every_tile():
+    lengths = torch.tensor([3, 0, 70, 17, 1])
+    block = 16
+    n_tiles = math.ceil(70 / block)
+    t = torch.arange(n_tiles)
+    cost = (t[None, :] + 1).expand(5, -1)
+    table, nt = _work_table(lengths, 70, block, cost)
+    assert nt == n_tiles and table.dtype == torch.int32
+    items = [int(x) for x in table if x >= 0]
+    expected = {(b, m) for b in range(5) for m in range(n_tiles) if m * block < int(lengths[b])}
+    assert {(i // nt, i % nt) for i in items} == expected and len(items) == len(expected)
+    costs = [i % nt + 1 for i in items]
+    assert costs == sorted(costs, reverse=True)  # longest first
+    assert all(x < 0 for x in table[len(items):])  # invalid items sorted last
+
+
+def test_bad_arguments_raise():
+    off = _offsets([2, 3])
+    q = torch.randn(5, 2, 16)
+    with pytest.raises(ValueError, match="activation"):
+        jagged_attention_triton(q, q, q, off, 4, activation="relu")
+    with pytest.raises(NotImplementedError, match="attn_bias"):
+        jagged_attention_triton(q, q, q, off, 4, attn_bias=torch.zeros(2, 4, 4))
+    with pytest.raises(ValueError, match="int64"):
+        jagged_attention_triton(q, q, q, off.int(), 4)
+    with pytest.raises(ValueError, match=r"\[T, H, D\]"):
+        jagged_attention_triton(q[0], q, q, off, 4)
+    with pytest.raises(ValueError, match="num_targets"):
+        gdpa_triton(q, q, q, off, off, 4, 4, causal=False, num_targets=torch.tensor([1, 1]))
+    with pytest.raises(ValueError, match="block_size"):
+        jagged_block_attention_triton(q, q, q, off, 4, block_size=0)
+
+
+# ---------------------------------------------------------------------------------------------- GPU tests
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs CUDA (compiled)")
+
+
+def _heavy_lengths(b, n):
+    """b log-normal lengths with median n/16, clipped to [1, n]."""
+    lens = torch.distributions.LogNormal(math.log(n / 16), 1.0).sample((b,))
+    return lens.clamp(1, n).long().tolist()
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("activation", ACTS)
+@pytest.mark.parametrize("pattern", ["causal", "targets", "full"])
+def test_gpu_self_attention_bf16(activation, pattern):
+    torch.manual_seed(10)
+    lengths = _heavy_lengths(32, 2048) + [0, 1, 2048]
+    off = _offsets(lengths, "cuda")
+    t, h, d = int(off[-1]), 4, 128
+    nt = (torch.tensor(lengths, device="cuda") // 8) if pattern == "targets" else None
+    q, k, v = (_leaf(t, h, d, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+    _check(lambda a, b, c: jagged_attention_triton(a, b, c, off, 2048, activation=activation,
+                                                   causal=pattern != "full", num_targets=nt,
+                                                   alpha=0.05 if activation != "softmax" else None),
+           lambda a, b, c: ref.jagged_attention_ref(a, b, c, off, 2048, activation=activation,
+                                                    causal=pattern != "full", num_targets=nt,
+                                                    alpha=0.05 if activation != "softmax" else None),
+           (q, k, v), 2e-2)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+def test_gpu_cross_pma_block_bf16(activation):
+    torch.manual_seed(11)
+    h, d = 4, 128
+    kv_len = _heavy_lengths(32, 2048) + [0, 2048]
+    ko = _offsets(kv_len, "cuda")
+    qo = _offsets([64] * len(kv_len), "cuda")
+    bf = dict(dtype=torch.bfloat16, device="cuda")
+    q, k, v = _leaf(int(qo[-1]), h, d, **bf), _leaf(int(ko[-1]), h, d, **bf), _leaf(int(ko[-1]), h, d, **bf)
+    _check(lambda a, b, c: jagged_cross_attention_triton(a, qo, b, c, ko, 64, 2048, activation=activation),
+           lambda a, b, c: ref.jagged_cross_attention_ref(a, qo, b, c, ko, 64, 2048, activation=activation),
+           (q, k, v), 2e-2)
+    seeds = _leaf(8, h, d, **bf)
+    _check(lambda a, b, c: pma_triton(a, b, c, ko, 2048, activation=activation),
+           lambda a, b, c: ref.pma_ref(a, b, c, ko, 2048, activation=activation), (seeds, k, v), 2e-2)
+    _check(lambda a, b, c: jagged_block_attention_triton(a, b, c, ko, 2048, block_size=64,
+                                                         activation=activation),
+           lambda a, b, c: ref.jagged_block_attention_ref(a, b, c, ko, 2048, block_size=64,
+                                                          activation=activation),
+           (k.detach().clone().requires_grad_(True), k, v), 2e-2)
