@@ -1,0 +1,303 @@
+"""prepare_movielens / load_manifest: real MovieLens files, independent recounts, bad rows, atomic output."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from gemray.pipelines import movielens as ml
+from gemray.pipelines.movielens import BadRowError, load_manifest, prepare_movielens
+from gemray.pipelines.schema import HISTORY_SCHEMA, ITEMS_SCHEMA
+
+DATA = Path("/work/shared/data")
+ML1M_SLICE_LINES = 20_000
+
+
+def _recount(path: Path, fmt: str) -> dict[int, list[tuple[int, int, int]]]:
+    """Independent reference: user -> [(raw item, half-star rating, timestamp)] in stable time order."""
+    per_user: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
+    lines = path.read_text(encoding="latin-1").splitlines()
+    if fmt == "ml-latest-small":
+        assert lines[0] == "userId,movieId,rating,timestamp"
+        lines = lines[1:]
+    sep = {"ml-1m": "::", "ml-100k": "\t", "ml-latest-small": ","}[fmt]
+    for line in lines:
+        u, i, r, t = line.split(sep)
+        per_user[int(u)].append((int(i), round(float(r) * 2), int(t)))
+    return {u: sorted(v, key=lambda x: x[2]) for u, v in per_user.items()}  # sorted() is stable
+
+
+def _read_histories(out: Path, manifest: dict) -> dict[int, list[tuple[int, int, int]]]:
+    items = pq.read_table(out / "items.parquet")
+    assert items.schema == ITEMS_SCHEMA
+    raw_of = dict(zip(items.column("item_id").to_pylist(), items.column("raw_item_id").to_pylist()))
+    got: dict[int, list[tuple[int, int, int]]] = {}
+    prev_last = 0
+    for f in manifest["files"]:
+        pf = pq.ParquetFile(out / f["path"])
+        assert pf.schema_arrow == HISTORY_SCHEMA
+        assert pf.num_row_groups == f["row_groups"]
+        t = pf.read()
+        uids = t.column("user_id").to_pylist()
+        assert uids == sorted(uids) and uids[0] > prev_last  # contiguous ascending user ranges
+        prev_last = uids[-1]
+        for row in t.to_pylist():
+            assert len(row["item_ids"]) == len(row["ratings"]) == len(row["timestamps"])
+            assert row["timestamps"] == sorted(row["timestamps"])
+            got[row["user_id"]] = [(raw_of[i], r, ts) for i, r, ts in
+                                   zip(row["item_ids"], row["ratings"], row["timestamps"])]
+    return got
+
+
+@pytest.fixture(scope="module")
+def ml1m_slice(tmp_path_factory) -> Path:
+    """The first lines of the real ML-1M ratings.dat (with a SHA256SUMS for the slice)."""
+    d = tmp_path_factory.mktemp("ml1m_slice")
+    with open(DATA / "ml-1m" / "ratings.dat", "rb") as f:
+        data = b"".join(f.readline() for _ in range(ML1M_SLICE_LINES))
+    (d / "ratings.dat").write_bytes(data)
+    (d / "SHA256SUMS").write_text(f"{hashlib.sha256(data).hexdigest()}  ratings.dat\n")
+    return d
+
+
+@pytest.mark.parametrize("fmt", ["ml-1m", "ml-100k", "ml-latest-small"])
+def test_real_formats_convert_exactly(fmt, ml1m_slice, tmp_path):
+    src = ml1m_slice if fmt == "ml-1m" else DATA / fmt
+    fname = ml.FORMATS[fmt].filename
+    out = tmp_path / "prepared"
+    m = prepare_movielens(src, out, num_files=4)
+    assert m["format"] == fmt and m["on_bad_rows"] == "error"
+    on_disk = load_manifest(out)
+    assert on_disk["counts"] == m["counts"] and on_disk["shards"] == m["shards"]
+
+    ref = _recount(src / fname, fmt)
+    got = _read_histories(out, m)
+    assert got == ref  # every user, item, rating, timestamp, in stable time order
+    n_inter = sum(len(v) for v in ref.values())
+    raw_items = sorted({i for v in ref.values() for i, _, _ in v})
+    c = m["counts"]
+    assert (c["users"], c["items"], c["interactions"], c["quarantined"]) == (len(ref), len(raw_items), n_inter, 0)
+    assert sum(c["rows_per_file"]) == len(ref) and sum(c["tokens_per_file"]) == n_inter
+    assert len(m["files"]) == 4 and all(f["row_groups"] > 1 for f in m["files"])
+    assert sum(s["rows"] for s in m["shards"]) == len(ref)
+
+    # dense ids: 1..num_items in ascending raw order, 0 unused
+    items = pq.read_table(out / "items.parquet")
+    assert items.column("item_id").to_pylist() == list(range(1, len(raw_items) + 1))
+    assert items.column("raw_item_id").to_pylist() == raw_items
+    assert m["vocab"]["num_items"] == m["vocab"]["max_item_id"] == len(raw_items)
+
+    lens = np.array([len(v) for v in ref.values()])
+    assert m["history_length"] == {"min": int(lens.min()), "median": float(np.median(lens)), "max": int(lens.max())}
+    assert m["splits"]["too_short_users"] == int((lens < 3).sum())
+    assert m["splits"]["users"] == int((lens >= 3).sum())
+    assert "h[:-2]" in m["splits"]["protocol"]
+
+    src_file = m["source"]["files"][0]
+    assert src_file["name"] == fname
+    assert src_file["sha256"] == hashlib.sha256((src / fname).read_bytes()).hexdigest()
+    assert src_file["sha256sums"] == "matched"
+    expected_ratings = list(range(1, 11)) if fmt == "ml-latest-small" else [2, 4, 6, 8, 10]
+    assert m["vocab"]["rating_values"] == expected_ratings
+
+
+def test_half_star_units(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "ratings.csv").write_text("userId,movieId,rating,timestamp\n1,10,3.5,5\n1,20,0.5,6\n1,30,5.0,7\n")
+    prepare_movielens(src, tmp_path / "o")
+    assert pq.read_table(tmp_path / "o/histories/part-00000.parquet").column("ratings").to_pylist() == [[7, 1, 10]]
+    (src / "ratings.csv").unlink()
+    (src / "ratings.dat").write_text("1::10::4::5\n")
+    prepare_movielens(src, tmp_path / "o")  # replaces the previous output
+    t = pq.read_table(tmp_path / "o/histories/part-00000.parquet")
+    assert t.column("ratings").to_pylist() == [[8]]
+    assert load_manifest(tmp_path / "o")["format"] == "ml-1m"
+
+
+def test_fast_and_strict_parsers_agree():
+    for fmt in ("ml-100k", "ml-latest-small"):
+        f = ml.FORMATS[fmt]
+        data = (DATA / fmt / f.filename).read_bytes()
+        fast = ml._parse_fast(data, f)
+        slow = ml._parse_slow(data, f, f.filename, quarantine=False)
+        assert fast is not None
+        for name in ("users", "items", "ratings", "timestamps"):
+            np.testing.assert_array_equal(getattr(fast, name), getattr(slow, name))
+        assert fast.data_lines == slow.data_lines == fast.users.size
+
+
+def test_ties_keep_file_order_and_short_users_counted(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    rows = ["5\t300\t3\t100", "5\t100\t4\t50", "5\t200\t5\t100", "5\t400\t1\t100",  # ties at t=100
+            "7\t100\t2\t9",  # 1 interaction
+            "9\t100\t2\t9", "9\t300\t2\t8",  # 2 interactions
+            "8\t42\t3\t1", "8\t43\t3\t1", "8\t44\t3\t1"]  # exactly 3, all tied
+    (src / "u.data").write_text("\n".join(rows) + "\n")
+    m = prepare_movielens(src, tmp_path / "o", num_files=8)
+    assert len(m["files"]) == 4  # capped at the user count
+    got = _read_histories(tmp_path / "o", m)
+    assert [i for i, _, _ in got[5]] == [100, 300, 200, 400]
+    assert [i for i, _, _ in got[8]] == [42, 43, 44]
+    assert m["splits"]["too_short_users"] == 2 and m["splits"]["users"] == 2
+    assert m["counts"]["users"] == 4 and m["history_length"]["min"] == 1
+
+
+# ---------------------------------------------------------------------------------------------- bad rows
+
+GOOD = {
+    "ml-1m": ["1::10::4::100", "1::11::5::101", "2::10::3::102", "2::12::1::103"],
+    "ml-100k": ["1\t10\t4\t100", "1\t11\t5\t101", "2\t10\t3\t102", "2\t12\t1\t103"],
+    "ml-latest-small": ["1,10,4.0,100", "1,11,4.5,101", "2,10,3.0,102", "2,12,0.5,103"],
+}
+HEADER = {"ml-1m": "UserID::MovieID::Rating::Timestamp", "ml-100k": "user id\titem id\trating\ttimestamp",
+          "ml-latest-small": "userId,movieId,rating,timestamp"}
+
+
+def _bad_cases(fmt: str) -> list[tuple[str, bytes, str, str]]:
+    """(case, bad line bytes, expected reason, expected field name)."""
+    sep = {"ml-1m": "::", "ml-100k": "\t", "ml-latest-small": ","}[fmt]
+    names = ml.FORMATS[fmt].fields
+    j = sep.join
+    bad_rating = "5.5" if fmt == "ml-latest-small" else "6"
+    return [
+        ("too_few_fields", j(["3", "10", "4"]).encode(), "field_count", "row"),
+        ("too_many_fields", j(["3", "10", "4", "100", "7"]).encode(), "field_count", "row"),
+        ("non_numeric", j(["3", "x10", "4", "100"]).encode(), "non_numeric", names[1]),
+        ("undecodable", j(["3", "10", "4", "100"]).encode() + b"\xff\xfe", "encoding", "bytes"),
+        ("user_zero", j(["0", "10", "4", "100"]).encode(), "out_of_range", names[0]),
+        ("item_too_big", j(["3", str(2**31), "4", "100"]).encode(), "out_of_range", names[1]),
+        ("rating_range", j(["3", "10", bad_rating, "100"]).encode(), "out_of_range", names[2]),
+        ("negative_ts", j(["3", "10", "4", "-1"]).encode(), "out_of_range", names[3]),
+        ("duplicate_header", HEADER[fmt].encode(), "header", "row"),
+    ]
+
+
+def _write_src(tmp_path: Path, fmt: str, bad: bytes, at: int = 2) -> tuple[Path, int]:
+    """Good rows with ``bad`` inserted; returns (folder, 1-based line number of the bad row)."""
+    src = tmp_path / "src"
+    src.mkdir(exist_ok=True)
+    lines = [g.encode() for g in GOOD[fmt]]
+    lines.insert(at, bad)
+    line = at + 1
+    if fmt == "ml-latest-small":
+        lines.insert(0, HEADER[fmt].encode())
+        line += 1
+    (src / ml.FORMATS[fmt].filename).write_bytes(b"\n".join(lines) + b"\n")
+    return src, line
+
+
+@pytest.mark.parametrize("fmt", ["ml-1m", "ml-100k", "ml-latest-small"])
+def test_bad_rows_error_and_quarantine(fmt, tmp_path):
+    for case, bad, reason, field in _bad_cases(fmt):
+        d = tmp_path / case
+        d.mkdir()
+        src, line = _write_src(d, fmt, bad)
+        fname = ml.FORMATS[fmt].filename
+        with pytest.raises(BadRowError) as ei:
+            prepare_movielens(src, d / "out")
+        e = ei.value
+        assert isinstance(e, ValueError)
+        assert (e.line, e.reason, e.field) == (line, reason, field), case
+        assert f"{fname}:{line}:" in str(e) and repr(field) in str(e)
+        assert not (d / "out").exists()  # nothing half-written
+        assert not any(p.name.startswith(".out.tmp") for p in d.iterdir())
+
+        m = prepare_movielens(src, d / "out", on_bad_rows="quarantine")
+        assert m["quarantine"] == {"file": "quarantine.jsonl", "total": 1, "by_reason": {reason: 1}}, case
+        assert m["counts"]["interactions"] == len(GOOD[fmt])  # all good rows kept
+        assert m["counts"]["source_data_lines"] == len(GOOD[fmt]) + 1
+        assert "1 bad rows quarantined" in ml.format_summary(m)
+        recs = [json.loads(x) for x in (d / "out/quarantine.jsonl").read_text().splitlines()]
+        assert len(recs) == 1 and recs[0]["line"] == line and recs[0]["reason"] == reason
+        assert recs[0]["file"].endswith(fname) and recs[0]["raw"]
+
+
+def test_many_bad_rows_are_all_counted(tmp_path):
+    cases = _bad_cases("ml-1m")
+    src = tmp_path / "src"
+    src.mkdir()
+    lines = [g.encode() for g in GOOD["ml-1m"]] + [b for _, b, _, _ in cases] + [b"", b"4::10::2::5"]
+    (src / "ratings.dat").write_bytes(b"\n".join(lines) + b"\n")
+    m = prepare_movielens(src, tmp_path / "o", on_bad_rows="quarantine")
+    assert m["quarantine"]["total"] == len(cases) + 1  # + the blank line (field_count)
+    assert m["counts"]["interactions"] == len(GOOD["ml-1m"]) + 1
+    assert m["counts"]["interactions"] + m["quarantine"]["total"] == m["counts"]["source_data_lines"]
+    want: dict[str, int] = defaultdict(int)
+    for _, _, r, _ in cases:
+        want[r] += 1
+    want["field_count"] += 1
+    assert m["quarantine"]["by_reason"] == dict(sorted(want.items()))
+
+
+def test_csv_header_must_be_line_one(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "ratings.csv").write_text("1,10,4.0,100\n2,10,3.0,5\n")
+    with pytest.raises(BadRowError, match=r"ratings.csv:1: field 'row'.*header"):
+        prepare_movielens(src, tmp_path / "o")
+
+
+# ------------------------------------------------------------------------------- sources and output folder
+
+def test_detect_none_or_several(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no MovieLens ratings file"):
+        prepare_movielens(tmp_path, tmp_path / "o")
+    (tmp_path / "u.data").write_text("1\t2\t3\t4\n")
+    (tmp_path / "ratings.csv").write_text("userId,movieId,rating,timestamp\n1,2,3.0,4\n")
+    with pytest.raises(ValueError, match="several"):
+        prepare_movielens(tmp_path, tmp_path / "o")
+    with pytest.raises(FileNotFoundError):
+        prepare_movielens(tmp_path / "missing", tmp_path / "o")
+
+
+def test_checksum_mismatch_names_file(ml1m_slice, tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "ratings.dat").write_bytes((ml1m_slice / "ratings.dat").read_bytes())
+    (src / "SHA256SUMS").write_text("0" * 64 + "  ratings.dat\n")
+    with pytest.raises(ValueError, match=r"ratings.dat: sha256 .* does not match"):
+        prepare_movielens(src, tmp_path / "o")
+    (src / "SHA256SUMS").write_text("0" * 64 + "  other.dat\n")
+    assert prepare_movielens(src, tmp_path / "o")["source"]["files"][0]["sha256sums"] == "not listed"
+
+
+def test_output_replaced_atomically_and_foreign_folder_refused(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "u.data").write_text("1\t2\t3\t4\n1\t3\t3\t5\n")
+    out = tmp_path / "o"
+    prepare_movielens(src, out)
+    (out / "stale.txt").write_text("from an older run")
+    (src / "u.data").write_text("1\t2\t3\t4\n1\t3\t3\t5\n2\t9\t1\t1\n")
+    m = prepare_movielens(src, out)
+    assert m["counts"]["interactions"] == 3 and not (out / "stale.txt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o", "src"]  # no temp folders left
+    foreign = tmp_path / "notes"
+    foreign.mkdir()
+    (foreign / "x.txt").write_text("keep me")
+    with pytest.raises(ValueError, match="refusing"):
+        prepare_movielens(src, foreign)
+    assert (foreign / "x.txt").read_text() == "keep me"
+
+
+def test_load_manifest_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="gemray prepare movielens"):
+        load_manifest(tmp_path / "nothing")
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "u.data").write_text("1\t2\t3\t4\n")
+    prepare_movielens(src, tmp_path / "o", num_files=1)
+    (tmp_path / "o/histories/part-00000.parquet").unlink()
+    with pytest.raises(FileNotFoundError, match=r"part-00000.parquet.*gemray prepare movielens"):
+        load_manifest(tmp_path / "o")
+    (tmp_path / "o/manifest.json").write_text("{not json")
+    with pytest.raises(ValueError, match="unreadable manifest"):
+        load_manifest(tmp_path / "o")
