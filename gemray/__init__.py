@@ -2,12 +2,13 @@
 
 Python entry points (imported lazily so that ``import gemray`` stays light):
     gemray.fit(config) -> Result        train on the current or an embedded Ray cluster
+    gemray.submit(config, address=...) -> JobHandle   submit as a Ray job (status/logs/wait/result)
     gemray.load_config(path, overrides) -> JobConfig
 """
 
 from gemray.config import JobConfig, load_config
 
-__all__ = ["JobConfig", "load_config", "fit"]
+__all__ = ["JobConfig", "load_config", "fit", "submit"]
 __version__ = "0.1.0"
 
 
@@ -16,3 +17,11 @@ def fit(config, **kwargs):
     from gemray.controller.run import fit as _fit
 
     return _fit(config, **kwargs)
+
+
+def submit(config, address=None, **kwargs):
+    """Submit ``config`` (a JobConfig or a TOML path) as a Ray job to the cluster at ``address``
+    (``http://host:8265``); returns a JobHandle. See gemray.controller.submit.submit."""
+    from gemray.controller.submit import submit as _submit
+
+    return _submit(config, address, **kwargs)

@@ -1,0 +1,297 @@
+"""Submit a gemray job to a running Ray cluster as a Ray job; follow it through a :class:`JobHandle`.
+
+``gemray.submit(config, address=...)`` is the remote twin of ``gemray.fit(config)``: it ships the
+validated config (as TOML in the job's ``runtime_env`` environment) to the cluster's job server through
+:class:`ray.job_submission.JobSubmissionClient` and returns at once. On the cluster the job runs
+``python -m gemray.controller.submit`` (this module), which rebuilds the config and runs the task:
+
+* ``"train"``: ``gemray.fit(config)`` on that cluster (RAY_ADDRESS is set by Ray's job supervisor);
+* ``"prepare"``: MovieLens raw files -> Parquet (``data.raw_dir`` -> ``data.prepared_dir``) on the
+  cluster's file system, which is how a shared volume gets its data.
+
+The job prints one line ``GEMRAY_RESULT {json}`` at the end; :meth:`JobHandle.result` finds it in the
+job's logs, so results come back even when the storage path is not visible from the client.
+
+Authentication: Ray 2.60 clusters run with token authentication. The client uses Ray's own lookup
+(``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH``, then ``~/.ray/auth_token``, when ``RAY_AUTH_MODE=token``);
+pass ``token=`` to send one explicitly (it is put in a header, never in the job or its logs).
+
+Example::
+
+    handle = gemray.submit("configs/ml-latest-small.toml", address="http://127.0.0.1:8265",
+                           overrides=["train.epochs=1"])
+    handle.wait(timeout_s=600)   # "SUCCEEDED"
+    handle.result()              # {"task": "train", "metrics": {...}, ...}
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import tomllib
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gemray.config import JobConfig, apply_overrides, from_dict, load_config, to_toml
+
+logger = logging.getLogger(__name__)
+
+CONFIG_ENV = "GEMRAY_CONFIG_TOML"
+TASK_ENV = "GEMRAY_TASK"
+RESULT_MARKER = "GEMRAY_RESULT "
+TASKS = ("train", "prepare")
+TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
+AUTH_HEADER = "authorization"
+
+
+def _resolve_config(config: JobConfig | str | os.PathLike, overrides: list[str] | None) -> JobConfig:
+    if isinstance(config, JobConfig):
+        # Round-trip through TOML: validates, copies, and is exactly what the job will see.
+        cfg = from_dict(tomllib.loads(to_toml(config)))
+        return apply_overrides(cfg, list(overrides or []))
+    if isinstance(config, (str, os.PathLike)):
+        return load_config(config, list(overrides or []))
+    raise TypeError(f"config: expected a JobConfig or a TOML path, got {type(config).__name__}")
+
+
+def _resolve_address(address: str | None, cfg: JobConfig) -> str | None:
+    """``address`` or, if empty, ``cfg.ray.address`` when it is an http(s) URL, else None (Ray then reads
+    ``RAY_ADDRESS``)."""
+    if address:
+        return address
+    if cfg.ray.address.startswith(("http://", "https://")):
+        return cfg.ray.address
+    return None
+
+
+@dataclass
+class JobHandle:
+    """A submitted gemray job. ``status()`` / ``logs()`` / ``wait()`` / ``result()`` / ``stop()``.
+
+    submission_id: the Ray job submission id (``ray job status <id>`` works with it too).
+    client: the :class:`ray.job_submission.JobSubmissionClient` it was submitted with.
+    """
+
+    submission_id: str
+    client: Any = field(repr=False)
+    task: str = "train"
+
+    def status(self) -> str:
+        """The Ray job status as a string: PENDING, RUNNING, SUCCEEDED, FAILED or STOPPED."""
+        st = self.client.get_job_status(self.submission_id)
+        return str(getattr(st, "value", st))
+
+    def logs(self) -> str:
+        """The job's driver log so far (stdout + stderr of the entrypoint), as text."""
+        return self.client.get_job_logs(self.submission_id)
+
+    def info(self) -> Any:
+        """Ray's JobDetails (status, message, start/end times in ms, entrypoint, metadata)."""
+        return self.client.get_job_info(self.submission_id)
+
+    def wait(self, timeout_s: float = 3600.0, poll_s: float = 1.0) -> str:
+        """Block until the job is SUCCEEDED, FAILED or STOPPED and return that status.
+
+        Raises TimeoutError (naming the job and its last status) after ``timeout_s`` seconds.
+        """
+        if timeout_s <= 0 or poll_s <= 0:
+            raise ValueError(f"wait: timeout_s ({timeout_s}) and poll_s ({poll_s}) must be > 0")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            st = self.status()
+            if st in TERMINAL:
+                return st
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"job {self.submission_id}: still {st} after {timeout_s:.0f} s")
+            time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())) or poll_s)
+
+    def result(self, timeout_s: float = 3600.0) -> dict[str, Any]:
+        """Wait for the job and return its result dict (the ``GEMRAY_RESULT`` line of its logs).
+
+        For "train": ``{"task", "metrics", "path", "checkpoint"}`` as gemray.fit reported them; for
+        "prepare": ``{"task", "prepared_dir", "manifest"}``. Raises RuntimeError with the job's message
+        and the tail of its logs if it did not succeed, or if it succeeded without a result line.
+        """
+        st = self.wait(timeout_s)
+        logs = self.logs()
+        if st != "SUCCEEDED":
+            msg = getattr(self.info(), "message", "") or ""
+            tail = "\n".join(logs.splitlines()[-30:])
+            raise RuntimeError(f"job {self.submission_id} {st}: {msg}\n--- last log lines ---\n{tail}")
+        return parse_result(logs, self.submission_id)
+
+    def stop(self) -> bool:
+        """Ask Ray to stop the job; True if a stop was requested (False if it had already ended)."""
+        return bool(self.client.stop_job(self.submission_id))
+
+
+def parse_result(logs: str, where: str = "job") -> dict[str, Any]:
+    """The JSON object on the last ``GEMRAY_RESULT {...}`` line of ``logs``.
+
+    Raises RuntimeError if there is none, ValueError if it is not valid JSON.
+    """
+    for line in reversed(logs.splitlines()):
+        i = line.find(RESULT_MARKER)
+        if i >= 0:
+            payload = line[i + len(RESULT_MARKER):]
+            try:
+                return json.loads(payload)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: bad {RESULT_MARKER.strip()} line: {e}") from None
+    raise RuntimeError(f"{where}: finished but printed no {RESULT_MARKER.strip()} line")
+
+
+def make_client(address: str | None = None, token: str | None = None, headers: dict | None = None) -> Any:
+    """A JobSubmissionClient for ``address`` (``http://host:8265``; None = ``RAY_ADDRESS``).
+
+    ``token`` adds ``Authorization: Bearer <token>``; without it Ray's own token lookup applies.
+    """
+    from ray.job_submission import JobSubmissionClient
+
+    hdrs = dict(headers or {})
+    if token:
+        hdrs[AUTH_HEADER] = f"Bearer {token}"
+    return JobSubmissionClient(address, headers=hdrs or None)
+
+
+def submit(config: JobConfig | str | os.PathLike, address: str | None = None, *,
+           overrides: list[str] | None = None, task: str = "train", working_dir: str | None = None,
+           runtime_env: dict[str, Any] | None = None, submission_id: str | None = None,
+           python: str = "python", entrypoint_num_cpus: float | None = None,
+           token: str | None = None, client: Any = None) -> JobHandle:
+    """Submit ``config`` as a Ray job to the cluster at ``address``; returns a :class:`JobHandle` at once.
+
+    config: a JobConfig or a TOML path; ``overrides`` (``section.key=value``) are applied and the result
+        is validated here, so bad input fails before anything is sent (ValueError naming the field).
+    address: the job server, ``http://host:8265``; None: ``cfg.ray.address`` if it is an http URL, else
+        ``RAY_ADDRESS``. task: "train" or "prepare". working_dir: a local folder Ray uploads and runs the
+        job in (e.g. the repo, for code not installed on the cluster; it is put first on PYTHONPATH).
+    runtime_env: extra Ray runtime_env entries (env_vars are merged). python: interpreter on the
+        cluster. token: Ray auth token sent as a header (default: Ray's own lookup). client: an existing
+        JobSubmissionClient (tests). Paths in the config (storage, data) are read on the cluster.
+    Raises ValueError for a bad config/task, and Ray's errors (ConnectionError, RuntimeError with HTTP
+    401 for a missing/wrong token) from the job server.
+    """
+    if task not in TASKS:
+        raise ValueError(f"task: expected one of {TASKS}, got {task!r}")
+    cfg = _resolve_config(config, overrides)
+    env = dict(runtime_env or {})
+    env_vars = {str(k): str(v) for k, v in (env.pop("env_vars", None) or {}).items()}
+    env_vars[CONFIG_ENV] = to_toml(cfg)
+    env_vars[TASK_ENV] = task
+    if working_dir:
+        wd = Path(working_dir).resolve()
+        if not wd.is_dir():
+            raise ValueError(f"working_dir: {wd} is not a folder")
+        env["working_dir"] = str(wd)
+    env["env_vars"] = env_vars
+    if client is None:
+        client = make_client(_resolve_address(address, cfg), token=token)
+    sid = submission_id or f"gemray-{task}-{cfg.name}-{uuid.uuid4().hex[:8]}"
+    kwargs: dict[str, Any] = {}
+    if entrypoint_num_cpus is not None:
+        kwargs["entrypoint_num_cpus"] = entrypoint_num_cpus
+    sid = client.submit_job(
+        entrypoint=f"{python} -m gemray.controller.submit",
+        runtime_env=env,
+        submission_id=sid,
+        metadata={"gemray_task": task, "gemray_config": cfg.name},
+        **kwargs,
+    )
+    logger.info("submitted %s job %s (config %s)", task, sid, cfg.name)
+    return JobHandle(submission_id=sid, client=client, task=task)
+
+
+# ------------------------------------------------------------------------------------------------
+# The job side: `python -m gemray.controller.submit` inside the Ray job.
+
+
+def _summarize_fit(result: Any) -> dict[str, Any]:
+    """JSON-ready view of whatever gemray.fit returned (a ray.train.Result or a plain dict)."""
+    if isinstance(result, dict):
+        return {"task": "train", **result}
+    out: dict[str, Any] = {"task": "train"}
+    metrics = getattr(result, "metrics", None)
+    out["metrics"] = dict(metrics) if isinstance(metrics, dict) else metrics
+    out["path"] = getattr(result, "path", None)
+    ckpt = getattr(result, "checkpoint", None)
+    out["checkpoint"] = getattr(ckpt, "path", None) if ckpt is not None else None
+    err = getattr(result, "error", None)
+    if err is not None:
+        out["error"] = repr(err)
+    return out
+
+
+def run_task(cfg: JobConfig, task: str) -> dict[str, Any]:
+    """Run ``task`` for ``cfg`` in this process (the job's entrypoint) and return its result dict."""
+    if task == "prepare":
+        from gemray.pipelines.movielens import prepare_movielens
+
+        manifest = prepare_movielens(cfg.data.raw_dir, cfg.data.prepared_dir,
+                                     on_bad_rows=cfg.data.on_bad_rows, num_files=cfg.data.num_files)
+        return {"task": "prepare", "prepared_dir": str(Path(cfg.data.prepared_dir).resolve()),
+                "manifest": manifest}
+    if task == "train":
+        import gemray
+
+        result = gemray.fit(cfg)
+        out = _summarize_fit(result)
+        if out.get("error"):
+            raise RuntimeError(f"gemray.fit failed: {out['error']}")
+        return out
+    raise ValueError(f"{TASK_ENV}: expected one of {TASKS}, got {task!r}")
+
+
+def job_main() -> int:
+    """Entrypoint of the Ray job: config from ``$GEMRAY_CONFIG_TOML``, task from ``$GEMRAY_TASK``;
+    prints ``GEMRAY_RESULT {json}``. Returns 0 (errors propagate and fail the job)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    text = os.environ.get(CONFIG_ENV)
+    if not text:
+        raise ValueError(f"${CONFIG_ENV} is empty: start this module through gemray.submit")
+    try:
+        cfg = from_dict(tomllib.loads(text))
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"${CONFIG_ENV}: invalid TOML: {e}") from None
+    out = run_task(cfg, os.environ.get(TASK_ENV, "train"))
+    print(RESULT_MARKER + json.dumps(out, default=str, sort_keys=True), flush=True)
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------
+# `gemray submit` (registered in gemray/cli.py).
+
+
+def add_submit_arguments(p: Any) -> None:
+    """Add the ``gemray submit`` options to an argparse parser."""
+    p.add_argument("--config", required=True, help="gemray TOML config")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--address", default=None,
+                   help="Ray job server, e.g. http://127.0.0.1:8265 (default: $RAY_ADDRESS)")
+    p.add_argument("--task", choices=TASKS, default="train")
+    p.add_argument("--working-dir", default=None, help="folder to upload and run in (e.g. .)")
+    p.add_argument("--python", default="python", help="interpreter on the cluster")
+    p.add_argument("--no-wait", action="store_true", help="print the submission id and return")
+    p.add_argument("--timeout", type=float, default=24 * 3600.0, help="seconds to wait (default 1 day)")
+
+
+def cli_submit(ns: Any) -> int:
+    """Run ``gemray submit``: submit, then (unless --no-wait) wait, print the logs and the result JSON.
+    Returns the exit status (0 on SUCCEEDED)."""
+    handle = submit(ns.config, ns.address, overrides=ns.overrides, task=ns.task,
+                    working_dir=ns.working_dir, python=ns.python)
+    print(f"submitted: {handle.submission_id}")
+    if ns.no_wait:
+        return 0
+    st = handle.wait(timeout_s=ns.timeout)
+    print(handle.logs(), end="")
+    print(f"status: {st}")
+    return 0 if st == "SUCCEEDED" else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(job_main())
