@@ -355,3 +355,102 @@ def jagged_block_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     valid = local.view(1, 1, n, n) & (i.view(1, 1, n, 1) < L) & (j.view(1, 1, 1, n) < L)
     out = _attend_padded_ref(pq, pk, pv, valid, activation, alpha, float(max(max_len, 1)))
     return _unpad(out.transpose(1, 2).reshape(B, n, H * Dv), offsets).view(T, H, Dv)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Fused norm + FP8 quantize (kernels/norm_quant.py): input checks shared by both backends, and the spec
+# ----------------------------------------------------------------------------------------------------------
+# Quantization: per row, per block of ``block_size`` columns, scale = amax / 448, q = clamp(y * 448 / amax)
+# cast to e4m3fn (round to nearest even), all-zero block -> scale 0, q 0 (DeepSeek-V3 1x128 tiles).
+NORM_QUANT_FP8_DTYPE = torch.float8_e4m3fn
+NORM_QUANT_FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+_NORM_QUANT_KINDS = ("layer", "rms")
+_NORM_QUANT_BACKENDS = ("auto", "triton", "reference")
+_NORM_QUANT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_norm_quant_inputs(x, weight, bias, kind, eps, block_size, backend=None):
+    """Validate ``norm_quant`` arguments (see gemray.kernels.norm_quant.norm_quant); raises ValueError."""
+    if backend is not None and backend not in _NORM_QUANT_BACKENDS:
+        raise ValueError(f"norm_quant: backend must be one of {_NORM_QUANT_BACKENDS}, got {backend!r}")
+    if kind not in _NORM_QUANT_KINDS:
+        raise ValueError(f"norm_quant: kind must be one of {_NORM_QUANT_KINDS}, got {kind!r}")
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"norm_quant: x must be a 2-D tensor [N, D], got {shape}")
+    if x.dtype not in _NORM_QUANT_DTYPES:
+        raise ValueError(f"norm_quant: x.dtype must be one of {_NORM_QUANT_DTYPES}, got {x.dtype}")
+    d = x.shape[1]
+    if d == 0:
+        raise ValueError("norm_quant: x has D == 0 features; nothing to normalize")
+    if not isinstance(block_size, int) or block_size <= 0 or block_size & (block_size - 1):
+        raise ValueError(f"norm_quant: block_size must be a positive power of two, got {block_size!r}")
+    if d % block_size:
+        raise ValueError(
+            f"norm_quant: D={d} is not a multiple of block_size={block_size}; pad the feature dim or "
+            f"pick a block_size that divides it"
+        )
+    if not (isinstance(eps, (int, float)) and eps > 0 and math.isfinite(eps)):
+        raise ValueError(f"norm_quant: eps must be a positive finite float, got {eps!r}")
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is None:
+            continue
+        if not isinstance(p, torch.Tensor) or tuple(p.shape) != (d,):
+            shape = tuple(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__
+            raise ValueError(f"norm_quant: {name} must have shape [D]=[{d}], got {shape}")
+        if p.dtype not in _NORM_QUANT_DTYPES:
+            raise ValueError(f"norm_quant: {name}.dtype must be one of {_NORM_QUANT_DTYPES}, got {p.dtype}")
+        if p.device != x.device:
+            raise ValueError(f"norm_quant: {name} is on {p.device} but x is on {x.device}")
+
+
+def quantize_blocks_ref(y: torch.Tensor, block_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row-block FP8 e4m3 quantization in plain PyTorch (the unfused "separate quantize pass").
+
+    y: [N, D] float32/float16/bfloat16, D a multiple of ``block_size``.
+    Returns ``(y_fp8 [N, D] float8_e4m3fn, scales [N, D // block_size] float32)`` with
+    ``scales = amax / 448`` and ``y_fp8 = clamp(y * (448 / amax), -448, 448)`` (0 where amax == 0).
+    Raises ValueError if D is not a multiple of ``block_size``.
+    """
+    n, d = y.shape
+    if d % block_size:
+        raise ValueError(f"quantize_blocks_ref: D={d} is not a multiple of block_size={block_size}")
+    yb = y.detach().float().view(n, d // block_size, block_size)
+    amax = yb.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, NORM_QUANT_FP8_MAX / amax, torch.zeros_like(amax))
+    q = (yb * inv).clamp_(-NORM_QUANT_FP8_MAX, NORM_QUANT_FP8_MAX).to(NORM_QUANT_FP8_DTYPE)
+    return q.view(n, d), (amax / NORM_QUANT_FP8_MAX).squeeze(-1)
+
+
+def norm_quant_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None = None,
+    *,
+    kind: str = "layer",
+    eps: float = 1e-5,
+    block_size: int = 128,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reference LayerNorm/RMSNorm + FP8 block quantization (differentiable in ``y`` through autograd).
+
+    x: [N, D]; weight, bias: [D] or None. The norm is computed in float32 and ``y`` rounded to ``x.dtype``.
+    kind="layer": ``y = (x - mean) / sqrt(var + eps) * weight + bias`` (biased variance);
+    kind="rms":   ``y = x / sqrt(mean(x^2) + eps) * weight + bias``.
+    Returns ``(y [N, D] x.dtype, y_fp8 [N, D] float8_e4m3fn, scales [N, D // block_size] float32)``.
+    Raises ValueError on bad shapes/dtypes/kind/block_size (see ``norm_quant``).
+    """
+    check_norm_quant_inputs(x, weight, bias, kind, eps, block_size)
+    d = x.shape[1]
+    xf = x.float()
+    wf = None if weight is None else weight.float()
+    if kind == "layer":
+        yf = F.layer_norm(xf, (d,), wf, None, eps)
+    else:
+        yf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+        if wf is not None:
+            yf = yf * wf
+    if bias is not None:
+        yf = yf + bias.float()
+    y = yf.to(x.dtype)
+    q, scales = quantize_blocks_ref(y, block_size)
+    return y, q, scales
