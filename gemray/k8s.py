@@ -416,6 +416,87 @@ def to_yaml(manifest: dict[str, Any], command: str | None = None) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------
+# Validation against the KubeRay CRDs (needs jsonschema + PyYAML: `pip install jsonschema pyyaml`).
+
+CRD_FILES = {"RayJob": "ray.io_rayjobs.yaml", "RayCluster": "ray.io_rayclusters.yaml"}
+_VALIDATORS: dict[tuple[str, str], Any] = {}
+
+
+def crd_validator(kind: str, crd_dir: str) -> Any:
+    """A cached ``jsonschema.Draft7Validator`` for ``kind`` from ``crd_dir/<CRD file>``'s
+    ``spec.versions[name=v1].schema.openAPIV3Schema``. Raises FileNotFoundError / ValueError."""
+    import jsonschema
+    import yaml
+    from pathlib import Path
+
+    if kind not in CRD_FILES:
+        raise ValueError(f"no KubeRay CRD for kind {kind!r} (known: {sorted(CRD_FILES)})")
+    path = Path(crd_dir) / CRD_FILES[kind]
+    key = (kind, str(path.resolve()))
+    if key not in _VALIDATORS:
+        if not path.is_file():
+            raise FileNotFoundError(f"KubeRay CRD not found: {path}")
+        loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # the CRDs are ~1 MB of YAML
+        crd = yaml.load(path.read_text(), Loader=loader)
+        versions = [v for v in crd.get("spec", {}).get("versions", []) if v.get("name") == "v1"]
+        if len(versions) != 1:
+            raise ValueError(f"{path}: expected exactly one 'v1' version")
+        schema = versions[0]["schema"]["openAPIV3Schema"]
+        jsonschema.Draft7Validator.check_schema(schema)
+        _VALIDATORS[key] = jsonschema.Draft7Validator(schema)
+    return _VALIDATORS[key]
+
+
+def validate_manifest(manifest: dict[str, Any], crd_dir: str) -> None:
+    """Validate a RayJob/RayCluster dict against its KubeRay v1 CRD schema.
+
+    Raises ``jsonschema.ValidationError`` (the most relevant error, with its path) when invalid, and
+    ValueError for a wrong apiVersion or a kind without a CRD here (built-in kinds: use
+    kubernetes-validate, which in turn passes Ray kinds blindly).
+    """
+    import jsonschema
+
+    kind = manifest.get("kind")
+    if manifest.get("apiVersion") != "ray.io/v1":
+        raise ValueError(f"{kind}: apiVersion must be ray.io/v1, got {manifest.get('apiVersion')!r}")
+    err = jsonschema.exceptions.best_match(crd_validator(kind, crd_dir).iter_errors(manifest))
+    if err is not None:
+        raise err
+
+
+def validate_files(paths: list[str], crd_dir: str) -> list[str]:
+    """Validate YAML files (one or more documents each); returns ``"<file>: <kind> <name>: ok"`` lines.
+
+    Ray kinds go against the CRDs; built-in kinds (PVC, Secret, ...) through kubernetes-validate when it
+    is installed (strict, Kubernetes 1.32). Raises ValueError naming the file and document on failure.
+    """
+    import yaml
+    from pathlib import Path
+
+    out = []
+    for p in paths:
+        for i, doc in enumerate(yaml.safe_load_all(Path(p).read_text())):
+            if doc is None:
+                continue
+            where = f"{p} (document {i + 1}, {doc.get('kind')} {doc.get('metadata', {}).get('name')})"
+            try:
+                if doc.get("kind") in CRD_FILES:
+                    validate_manifest(doc, crd_dir)
+                else:
+                    import kubernetes_validate
+
+                    kubernetes_validate.validate(doc, "1.32", strict=True)
+            except ImportError as e:
+                raise ValueError(f"{where}: cannot validate a built-in kind: {e}") from None
+            except Exception as e:  # jsonschema / kubernetes_validate errors
+                msg = getattr(e, "message", None) or str(e)
+                path = "/".join(str(x) for x in getattr(e, "absolute_path", []) or [])
+                raise ValueError(f"{where}: invalid at '{path}': {msg}") from None
+            out.append(f"{where}: ok")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
 # Command line: `gemray k8s render ...` (registered in gemray/cli.py) and `python -m gemray.k8s render`.
 
 
@@ -516,12 +597,38 @@ def regenerate(path: str) -> str:
     return render_cli(shlex.split(first[0][len(prefix):]))
 
 
+def add_validate_arguments(p: Any) -> None:
+    """Add the ``gemray k8s validate`` options to an argparse parser."""
+    p.add_argument("files", nargs="+", help="manifest YAML files")
+    p.add_argument("--crds", default="../shared/k8s/crds",
+                   help="folder with ray.io_rayjobs.yaml and ray.io_rayclusters.yaml (KubeRay CRDs)")
+
+
+def cli_validate(ns: Any) -> int:
+    """Run ``gemray k8s validate``: print one ok line per document, or the first error; exit status."""
+    import sys
+
+    try:
+        for line in validate_files(ns.files, ns.crds):
+            print(line)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m gemray.k8s render ...``: print (or write) a manifest; ``regenerate FILES``: rewrite
     rendered manifests in place from their ``# Generated by:`` lines. Returns the exit status."""
     import sys
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "validate":
+        import argparse
+
+        p = argparse.ArgumentParser(prog="gemray k8s validate")
+        add_validate_arguments(p)
+        return cli_validate(p.parse_args(argv[1:]))
     if argv and argv[0] == "regenerate":
         for path in argv[1:]:
             from pathlib import Path
@@ -530,6 +637,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not argv or argv[0] != "render":
         print("usage: python -m gemray.k8s render --config FILE [options]\n"
+              "       python -m gemray.k8s validate FILES [--crds DIR]\n"
               "       python -m gemray.k8s regenerate deploy/*.yaml", file=sys.stderr)
         return 2
     text = render_cli(argv[1:])
