@@ -1,0 +1,5 @@
+"""Driver side: ``fit`` (Ray Train job) and its ``Result``."""
+
+from gemray.controller.run import Result, fit
+
+__all__ = ["Result", "fit"]

@@ -1,0 +1,170 @@
+"""``fit``: run one gemray job on Ray Train (an existing cluster or an embedded local one).
+
+Steps: load/override/validate the config -> resolve data paths to absolute -> prepare the data if its
+manifest is missing -> connect to Ray ($RAY_ADDRESS / ``ray.address``) or start an embedded cluster ->
+``TorchTrainer(train_loop_per_worker, ...)`` with FailureConfig/CheckpointConfig -> write
+``metrics.json``, ``curves.png``, ``config.toml`` into the output folder and print a comparison table.
+
+Re-running with the same output folder and job name resumes from its latest committed checkpoint (Ray
+Train V2 restores a run by ``RunConfig(name, storage_path)``).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gemray.config import JobConfig, apply_overrides, load_config, to_toml
+
+log = logging.getLogger(__name__)
+
+#: Published ML-1M results (HR@10, NDCG@10), Zhai et al. 2024 (HSTU) table 2.
+PUBLISHED_ML1M = {"SASRec": (0.2853, 0.1603), "HSTU": (0.3097, 0.1720), "HSTU-large": (0.3294, 0.1893)}
+FINAL_KEYS = ("hr@10", "ndcg@10", "hr@50", "ndcg@50", "hr@200", "ndcg@200")
+
+
+@dataclass
+class Result:
+    """What ``fit`` returns: final metrics (test split + throughput), the last committed checkpoint's
+    path (None if none was committed) and the output folder (absolute)."""
+
+    metrics: dict[str, Any] = field(default_factory=dict)
+    checkpoint_path: str | None = None
+    output_dir: str = ""
+
+
+def _resolve(cfg: JobConfig, config_path: Path | None) -> JobConfig:
+    """Make data paths absolute (relative to the current directory) so workers anywhere find them."""
+    for name in ("raw_dir", "prepared_dir"):
+        p = Path(getattr(cfg.data, name)).expanduser()
+        setattr(cfg.data, name, str(p if p.is_absolute() else (Path.cwd() / p).resolve()))
+    return cfg
+
+
+def _ensure_prepared(cfg: JobConfig) -> dict[str, Any]:
+    from gemray.pipelines.movielens import format_summary, load_manifest, prepare_movielens
+
+    try:
+        return load_manifest(cfg.data.prepared_dir)
+    except FileNotFoundError:
+        log.info("prepared data missing at %s: preparing it from %s", cfg.data.prepared_dir, cfg.data.raw_dir)
+        if not Path(cfg.data.raw_dir).exists():
+            raise FileNotFoundError(f"data.raw_dir {cfg.data.raw_dir} does not exist and data.prepared_dir "
+                                    f"{cfg.data.prepared_dir} is not prepared") from None
+        manifest = prepare_movielens(cfg.data.raw_dir, cfg.data.prepared_dir, on_bad_rows=cfg.data.on_bad_rows,
+                                     num_files=cfg.data.num_files)
+        print(format_summary(manifest, cfg.data.prepared_dir))
+        return manifest
+
+
+def _connect_ray(cfg: JobConfig) -> bool:
+    """Connect to the configured cluster or start an embedded one; True if we started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = cfg.ray.address or os.environ.get("RAY_ADDRESS", "")
+    if address:
+        ray.init(address=address)
+        return False
+    # 2 workers + Ray Data read tasks starve on 2 real CPUs: advertise more CPUs than cores.
+    num_cpus = cfg.ray.num_cpus or max(4, 2 * max(cfg.ray.num_workers, cfg.ray.max_workers))
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+    log.info("started an embedded Ray cluster advertising %d CPUs", num_cpus)
+    return True
+
+
+def comparison_table(metrics: dict[str, Any]) -> str:
+    """Plain-text table of this run's HR@10/NDCG@10 next to the published ML-1M numbers."""
+    rows = [("this run", metrics.get("hr@10", float("nan")), metrics.get("ndcg@10", float("nan")))]
+    rows += [(name, hr, nd) for name, (hr, nd) in PUBLISHED_ML1M.items()]
+    lines = [f"{'model':<22}{'HR@10':>8}{'NDCG@10':>9}", "-" * 39]
+    lines += [f"{n:<22}{hr:>8.4f}{nd:>9.4f}" for n, hr, nd in rows]
+    lines.append("(published rows: ML-1M, Zhai et al. 2024; compare only against an ML-1M run)")
+    return "\n".join(lines)
+
+
+def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
+        overrides: list[str] | None = None) -> Result:
+    """Train ``config`` with Ray Train and write results; returns :class:`Result`.
+
+    config: a JobConfig or a TOML path; overrides: ``section.key=value`` strings applied on top.
+    output_dir: where ``metrics.json``, ``curves.png``, ``config.toml`` and ``ray/`` (Ray Train storage:
+        checkpoints) go; default ``runs/<name>``.
+    metrics.json: test-split ``hr@K``/``ndcg@K`` (K in train.eval_ks), ``samples_per_s`` (mean over
+    epochs, global), ``wall_s`` (seconds, whole fit), ``epochs``, ``world_size``, ``bbs_imbalance`` (mean
+    measured token imbalance max/mean across ranks), ``history`` (per-epoch dicts).
+    Raises FileNotFoundError / ValueError for a bad config or data path (before any worker starts), and
+    Ray's TrainingFailedError when training fails beyond ``ray.max_failures``.
+    """
+    import ray
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from gemray.plots import plot_curves
+    from gemray.train_loop import train_loop_per_worker
+
+    t0 = time.perf_counter()
+    if isinstance(config, JobConfig):
+        cfg = apply_overrides(copy.deepcopy(config), overrides or [])
+        config_path = None
+    else:
+        config_path = Path(config)
+        cfg = load_config(config_path, overrides)
+    cfg = _resolve(cfg, config_path)
+    out = Path(output_dir or Path("runs") / cfg.name).expanduser().resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.toml").write_text(to_toml(cfg))
+    _ensure_prepared(cfg)
+
+    started = _connect_ray(cfg)
+    try:
+        workers: Any = cfg.ray.num_workers
+        if cfg.ray.min_workers and cfg.ray.max_workers:
+            workers = (cfg.ray.min_workers, cfg.ray.max_workers)
+        storage = Path(cfg.ray.storage_path).resolve() if cfg.ray.storage_path else out / "ray"
+        trainer = TorchTrainer(
+            train_loop_per_worker,
+            train_loop_config=cfg.to_dict(),
+            scaling_config=ScalingConfig(num_workers=workers, use_gpu=cfg.ray.use_gpu,
+                                         resources_per_worker={"CPU": cfg.ray.cpus_per_worker}),
+            run_config=RunConfig(name=cfg.name, storage_path=str(storage),
+                                 failure_config=FailureConfig(max_failures=cfg.ray.max_failures),
+                                 checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep)),
+            torch_config=TorchConfig(backend="nccl" if cfg.ray.use_gpu else "gloo"),
+        )
+        result = trainer.fit()
+    finally:
+        if started:
+            ray.shutdown()
+
+    reported = dict(result.metrics or {})
+    history = list(reported.pop("history", []))
+    metrics: dict[str, Any] = {k: reported[f"test_{k}"] for k in
+                               [f"{m}@{k}" for k in cfg.train.eval_ks for m in ("hr", "ndcg")]
+                               if f"test_{k}" in reported}
+    metrics["num_test_users"] = reported.get("test_num_users")
+    tput = [h["samples_per_s"] for h in history if "samples_per_s" in h]
+    imb = [h["token_imbalance"] for h in history if "token_imbalance" in h]
+    metrics.update({
+        "samples_per_s": sum(tput) / len(tput) if tput else 0.0,
+        "wall_s": time.perf_counter() - t0,
+        "epochs": int(reported.get("epoch", len(history))),
+        "world_size": int(reported.get("world_size", cfg.ray.num_workers)),
+        "bbs": cfg.data.bbs,
+        "bbs_imbalance": sum(imb) / len(imb) if imb else 1.0,
+        "history": history,
+    })
+    ckpt = result.checkpoint.path if result.checkpoint is not None else None
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
+    if history:
+        plot_curves(history, out / "curves.png")
+    print(comparison_table(metrics))
+    log.info("results in %s (checkpoint %s)", out, ckpt)
+    return Result(metrics=metrics, checkpoint_path=ckpt, output_dir=str(out))
