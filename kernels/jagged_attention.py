@@ -51,13 +51,21 @@ log = logging.getLogger(__name__)
 ACTIVATIONS = {"softmax": 0, "silu": 1, "gelu": 2, "none": 3}
 _LOG2E = 1.4426950408889634
 
-# Tile configurations: (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel. The benchmark may override
-# entries (kernels/bench.py --tiles); keys are "fwd", "dkdv", "dq", each a dict keyed by Dqk bucket.
+# Tile configurations: (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel ("fwd", "dkdv", "dq"), keyed by
+# the smallest head-dim bucket >= Dqk. "dkdv" tiles the keys by BLOCK_N and loops over queries by BLOCK_M.
+# TILES_SHORT is used when the mean sequence length (T / B: no host sync) is below SHORT_MEAN_LEN, where
+# smaller tiles waste less work on short sequences. kernels/bench.py sweeps and may override entries.
 TILES: dict[str, dict[int, tuple[int, int, int, int]]] = {
     "fwd": {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
     "dkdv": {64: (64, 128, 8, 3), 128: (64, 128, 8, 2), 256: (32, 64, 4, 2)},
     "dq": {64: (128, 64, 8, 3), 128: (128, 64, 8, 2), 256: (64, 32, 4, 2)},
 }
+TILES_SHORT: dict[str, dict[int, tuple[int, int, int, int]]] = {
+    "fwd": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 2)},
+    "dkdv": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (32, 64, 4, 2)},
+    "dq": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 2)},
+}
+SHORT_MEAN_LEN = 256
 _INTERPRET_TILES = (16, 16, 4, 1)
 
 
@@ -65,13 +73,19 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _tiles(kind: str, d: int) -> tuple[int, int, int, int]:
+def _tiles(kind: str, d: int, short: bool = False, max_q_len: int | None = None) -> tuple[int, int, int, int]:
+    """Tile config for a kernel; ``max_q_len`` <= 64 (cross/PMA with few queries) shrinks BLOCK_M."""
     if _interpreting():
         return _INTERPRET_TILES
-    table = TILES[kind]
+    table = (TILES_SHORT if short else TILES)[kind]
     for bucket in sorted(table):
         if d <= bucket:
-            return table[bucket]
+            bm, bn, warps, stages = table[bucket]
+            if max_q_len is not None and kind in ("fwd", "dq") and max_q_len <= 64:
+                bm, warps = max(16, triton.next_power_of_2(max_q_len)), 4
+            if max_q_len is not None and kind == "dkdv" and max_q_len <= 64:
+                bm = max(16, triton.next_power_of_2(max_q_len))
+            return bm, bn, warps, stages
     raise ValueError(f"gdpa: head dim {d} > 256 is not supported")
 
 
@@ -159,8 +173,8 @@ def _query_range(n0, lq, n_hist, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr
     if CAUSAL:
         lo = n0
     if HAS_TARGETS:
-        # keys among the targets are seen only by themselves
-        hi = tl.where(n0 + BLOCK_N > n_hist, tl.minimum(hi, n0 + BLOCK_N), hi)
+        # a key tile made only of targets is seen only by those targets themselves
+        hi = tl.where(n0 >= n_hist, tl.minimum(hi, n0 + BLOCK_N), hi)
     if ATT_BLOCK > 0:
         lo = tl.maximum(lo, (n0 // ATT_BLOCK) * ATT_BLOCK)
         hi = tl.minimum(hi, ((n0 + BLOCK_N - 1) // ATT_BLOCK + 1) * ATT_BLOCK)
@@ -537,9 +551,9 @@ def _k_tile_cost(spec: _Spec, lq: torch.Tensor, n_tiles: int, block_n: int) -> t
     return lq[:, None].expand(-1, n_tiles).contiguous()
 
 
-def _dot_prec(dtype: torch.dtype) -> str:
-    # fp32 inputs: exact IEEE products (the tests' 1e-3 bound); bf16/fp16 use the tensor cores anyway.
-    return "ieee" if dtype == torch.float32 else "tf32"
+def _dot_prec(dtype: torch.dtype) -> str | None:
+    # fp32 inputs: exact IEEE products (the tests' 1e-3 bound); bf16/fp16: Triton's default (tensor cores).
+    return "ieee" if dtype == torch.float32 else None
 
 
 def _block_d(d: int) -> int:
@@ -554,7 +568,8 @@ class _GDPA(torch.autograd.Function):
         bdk, bdv = _block_d(d_qk), _block_d(d_v)
         lq = q_off[1:] - q_off[:-1]
         lk = kv_off[1:] - kv_off[:-1]
-        bm, bn, warps, stages = _tiles("fwd", d_qk)
+        short = t_out < SHORT_MEAN_LEN * max(1, q_off.numel() - 1)
+        bm, bn, warps, stages = _tiles("fwd", d_qk, short, spec.max_q_len)
         n_tiles = max(1, triton.cdiv(spec.max_q_len, bm))
         table, n_tiles = _work_table(lq, spec.max_q_len, bm, _q_tile_cost(spec, lk, n_tiles, bm))
         o = q.new_empty((t_out, h, d_v))
@@ -594,7 +609,8 @@ class _GDPA(torch.autograd.Function):
 
         dk = torch.empty_like(k)
         dv = torch.empty_like(v)
-        bm, bn, warps, stages = _tiles("dkdv", d_qk)
+        short = k.shape[0] < SHORT_MEAN_LEN * max(1, q_off.numel() - 1)
+        bm, bn, warps, stages = _tiles("dkdv", d_qk, short, spec.max_q_len)
         n_tiles = max(1, triton.cdiv(spec.max_kv_len, bn))
         table, n_tiles = _work_table(lk, spec.max_kv_len, bn, _k_tile_cost(spec, lq, n_tiles, bn))
         _gdpa_bwd_dkdv[(table.numel(), h)](
@@ -606,7 +622,7 @@ class _GDPA(torch.autograd.Function):
 
         t_out = o.shape[0]
         dq = q.new_empty((t_out, h, d_qk)) if spec.q_bcast else torch.empty_like(q)
-        bm, bn, warps, stages = _tiles("dq", d_qk)
+        bm, bn, warps, stages = _tiles("dq", d_qk, short, spec.max_q_len)
         n_tiles = max(1, triton.cdiv(spec.max_q_len, bm))
         table, n_tiles = _work_table(lq, spec.max_q_len, bm, _q_tile_cost(spec, lk, n_tiles, bm))
         _gdpa_bwd_dq[(table.numel(), h)](

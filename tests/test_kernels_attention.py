@@ -176,6 +176,52 @@ def test_block_attention_matches_reference(activation, mode):
 
 
 @cpu_only
+@pytest.mark.parametrize("tiles", [(16, 32, 4, 1), (32, 16, 4, 1)])
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+def test_unequal_tiles(monkeypatch, tiles, activation):
+    """BLOCK_M != BLOCK_N: the causal/target tile ranges must still cover every valid pair exactly once."""
+    from gemray.kernels import jagged_attention as ja
+
+    monkeypatch.setattr(ja, "_INTERPRET_TILES", tiles)
+    torch.manual_seed(8)
+    lengths = [0, 1, 33, 70, 17]
+    off = _offsets(lengths)
+    nt = torch.tensor([0, 1, 5, 20, 0])
+    t = int(off[-1])
+    q, k, v = _leaf(t, 2, 16), _leaf(t, 2, 16), _leaf(t, 2, 16)
+    _check(lambda a, b, c: jagged_attention_triton(a, b, c, off, 70, activation=activation, num_targets=nt),
+           lambda a, b, c: ref.jagged_attention_ref(a, b, c, off, 70, activation=activation, num_targets=nt),
+           (q, k, v), 1e-4)
+
+
+def test_bench_bookkeeping():
+    from gemray.kernels import bench
+
+    lens = bench.make_lengths("heavy", 256, 4096)
+    assert len(lens) == 256 and min(lens) >= 1 and max(lens) <= 4096
+    med = sorted(lens)[128]
+    assert 4096 / 16 / 2 < med < 4096 / 16 * 2  # median about N/16
+    assert bench.make_lengths("uniform", 3, 7) == [7, 7, 7]
+    assert bench.causal_flops_fwd([1, 2], h=1, d=1) == 4.0 * (1 + 3)
+
+
+@cpu_only
+def test_bench_subset_check_runs_on_cpu():
+    """bench.check_self (the GPU run's correctness check) compares the right rows: tiny CPU batch."""
+    from gemray.kernels import bench
+
+    torch.manual_seed(9)
+    lengths = [3, 0, 20, 1]
+    off = _offsets(lengths)
+    t = int(off[-1])
+    q, k, v = torch.randn(t, 2, 16), torch.randn(t, 2, 16), torch.randn(t, 2, 16)
+    errs = bench.check_self(lambda a, b, c: jagged_attention_triton(a, b, c, off, 20, activation="silu"),
+                            lambda a, b, c, o: ref.jagged_attention_ref(a, b, c, o, 20, activation="silu"),
+                            q, k, v, off, lengths, seqs=[0, 2, 3])
+    assert all(errs[key] < 1e-4 for key in ("err_fwd", "err_dq", "err_dk", "err_dv")), errs
+
+
+@cpu_only
 def test_block_attention_is_local():
     """Changing keys outside a query's block must not change its output (catches a wrong key range)."""
     torch.manual_seed(7)
@@ -247,8 +293,8 @@ def _heavy_lengths(b, n):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("activation", ACTS)
-@pytest.mark.parametrize("pattern", ["causal", "targets", "full"])
+@pytest.mark.parametrize("activation,pattern", [(a, "causal") for a in ACTS] + [
+    ("softmax", "targets"), ("silu", "targets"), ("softmax", "full"), ("silu", "full")])
 def test_gpu_self_attention_bf16(activation, pattern):
     torch.manual_seed(10)
     lengths = _heavy_lengths(32, 2048) + [0, 1, 2048]

@@ -1,0 +1,531 @@
+"""``gemray bench kernels``: correctness (bf16, against the references) and speed of the jagged attention
+kernels and their PyTorch baselines on one CUDA device, in one run.
+
+Batches (H=4, D=128, bf16, causal): uniform lengths B=128 N=1024 and B=64 N=4096; heavy-tailed
+(log-normal, median N/16, sigma 1, clipped to [1, N]) B=128 N=1024 and B=256 N=4096.
+Useful TFLOP/s counts causal pairs only: forward = 4 * H * D * sum_b L_b (L_b + 1) / 2; forward+backward
+= 3.5 x forward (the backward's 5 useful matmuls; recomputation is not counted). Padded baselines get the
+same useful count (their padding work is not counted). Times are medians of ``triton.testing.do_bench``.
+
+Variants per batch: ours ``jfa`` (softmax) and ``gdpa_silu`` (HSTU silu(alpha qk)/N); baselines
+``varlen`` (torch.nn.attention.varlen.varlen_attn), ``sdpa_padded`` (F.scaled_dot_product_attention on
+[B, H, n, D], is_causal), ``silu_padded`` (PyTorch matmul/silu/mask/matmul on padded tensors) and
+``flex`` (FlexAttention, document + causal block mask over the packed batch, torch.compile).
+Then cross-attention (64 candidates per user against the heavy history) and PMA (8 seeds) against
+padded SDPA with a key-padding mask, block attention (block 64) at N=4096 vs N=16384, and the fused
+norm+FP8 quantize benchmark of gemray.kernels.norm_quant when it is importable.
+
+Correctness: for every kernel and batch, the rows of a subset of sequences (the 6 longest, 6 random,
+plus the shortest) are recomputed by the float32 PyTorch reference from the same bf16 inputs and the
+same output gradient; forward and dq/dk/dv relative errors are reported (bf16: expect 1e-3 .. 1e-2).
+
+Usage: ``python -m gemray.kernels.bench [--out DIR] [--skip flex,norm,...] [--quick]``. Writes
+``DIR/bench_kernels.jsonl`` (one record per measurement, written as it is made) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import logging
+import math
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("gemray.kernels.bench")
+
+H, D = 4, 128
+BATCHES = [("uniform", 128, 1024), ("heavy", 128, 1024), ("uniform", 64, 4096), ("heavy", 256, 4096)]
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+def make_lengths(kind: str, b: int, n: int, seed: int = 0) -> list[int]:
+    """Sequence lengths: "uniform" -> all n; "heavy" -> log-normal, median n/16, sigma 1, in [1, n]."""
+    if kind == "uniform":
+        return [n] * b
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(b, generator=g)
+    return (torch.exp(math.log(n / 16) + z)).round().clamp(1, n).long().tolist()
+
+
+def offsets_of(lengths: list[int], device: str = "cuda") -> torch.Tensor:
+    return torch.tensor([0] + lengths, device=device, dtype=torch.int64).cumsum(0)
+
+
+def causal_flops_fwd(lengths: list[int], h: int = H, d: int = D) -> float:
+    return 4.0 * h * d * sum(ln * (ln + 1) / 2 for ln in lengths)
+
+
+def _bench(fn, grad_to_none=None) -> float:
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median"))
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    if not torch.isfinite(a).all():
+        return float("nan")
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+class Recorder:
+    """Collects result records, appends each to a JSONL file at once (partial runs still leave data)."""
+
+    def __init__(self, out_dir: Path):
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.path = out_dir / "bench_kernels.jsonl"
+        self.rows: list[dict] = []
+
+    def add(self, **rec) -> dict:
+        self.rows.append(rec)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        msg = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in rec.items())
+        print(msg, flush=True)
+        return rec
+
+
+def _sub_batch(x: torch.Tensor, off: torch.Tensor, seqs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = torch.cat([torch.arange(int(off[s]), int(off[s + 1]), device=x.device) for s in seqs])
+    lens = [int(off[s + 1] - off[s]) for s in seqs]
+    return rows, offsets_of(lens, str(x.device))
+
+
+def _subset(lengths: list[int], seed: int = 0) -> list[int]:
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    g = torch.Generator().manual_seed(seed)
+    rand = torch.randperm(len(lengths), generator=g)[:6].tolist()
+    return sorted(set(order[:6]) | set(rand) | {order[-1]})
+
+
+def check_self(fn, ref_fn, q, k, v, off, lengths, seqs=None) -> dict:
+    """Kernel fn(q,k,v) on the whole batch vs ref_fn on float32 copies of a subset of its sequences.
+
+    Outputs and gradients of a sequence depend only on that sequence's rows, so the subset's rows of the
+    full-batch result must match the reference on the sub-batch. Returns relative errors.
+    """
+    seqs = _subset(lengths) if seqs is None else seqs
+    qq, kk, vv = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+    out = fn(qq, kk, vv)
+    do = torch.randn_like(out)
+    out.backward(do)
+    rows, sub_off = _sub_batch(q, off, seqs)
+    rq, rk, rv = (x.detach()[rows].float().requires_grad_(True) for x in (q, k, v))
+    expect = ref_fn(rq, rk, rv, sub_off)
+    expect.backward(do[rows].float())
+    return {"err_fwd": _rel(out[rows], expect), "err_dq": _rel(qq.grad[rows], rq.grad),
+            "err_dk": _rel(kk.grad[rows], rk.grad), "err_dv": _rel(vv.grad[rows], rv.grad),
+            "checked_seqs": len(seqs)}
+
+
+def _time_fwd_bwd(fn, inputs) -> tuple[float, float]:
+    """(fwd ms, fwd+bwd ms) of fn(*inputs) with a fixed random output gradient."""
+    with torch.no_grad():
+        t_fwd = _bench(lambda: fn(*inputs))
+    out = fn(*inputs)
+    do = torch.randn_like(out)
+    del out
+
+    def step():
+        fn(*inputs).backward(do)
+
+    t_fb = _bench(step, grad_to_none=list(inputs))
+    return t_fwd, t_fb
+
+
+def _pad(x: torch.Tensor, off: torch.Tensor, n: int) -> torch.Tensor:
+    """[T, H, D] -> [B, H, n, D] zero-padded (baselines only)."""
+    from gemray.jagged import jagged_to_padded
+
+    return jagged_to_padded(x, off, n).transpose(1, 2).contiguous()
+
+
+# ---------------------------------------------------------------------------------------------- sections
+
+
+def bench_self(rec: Recorder, skip: set[str], quick: bool) -> None:
+    from gemray.kernels import reference as ref
+    from gemray.kernels.jagged_attention import jagged_attention_triton
+
+    batches = BATCHES[:2] if quick else BATCHES
+    for kind, b, n in batches:
+        torch.manual_seed(0)
+        lengths = make_lengths(kind, b, n)
+        off = offsets_of(lengths)
+        t = int(off[-1])
+        nmax = max(lengths)
+        flops = causal_flops_fwd(lengths)
+        tag = f"{kind} B={b} N={n}"
+        log.info("batch %s: T=%d, longest %d, padded fill %.1f%%", tag, t, nmax, 100.0 * t / (b * nmax))
+        q, k, v = (torch.randn(t, H, D, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
+                   for _ in range(3))
+        alpha_silu = 1.0 / math.sqrt(D)
+
+        ours = {
+            "jfa": (lambda a, bb, c: jagged_attention_triton(a, bb, c, off, n, activation="softmax"),
+                    lambda a, bb, c, o: ref.jagged_attention_ref(a, bb, c, o, n, activation="softmax")),
+            "gdpa_silu": (lambda a, bb, c: jagged_attention_triton(a, bb, c, off, n, activation="silu",
+                                                                   alpha=alpha_silu),
+                          lambda a, bb, c, o: ref.jagged_attention_ref(a, bb, c, o, n, activation="silu",
+                                                                       alpha=alpha_silu)),
+        }
+        for name, (fn, ref_fn) in ours.items():
+            try:
+                errs = check_self(fn, ref_fn, q, k, v, off, lengths)
+                t_f, t_fb = _time_fwd_bwd(fn, (q, k, v))
+                rec.add(section="self", batch=tag, variant=name, ms_fwd=t_f, ms_fwd_bwd=t_fb,
+                        tflops_fwd=flops / t_f / 1e9, tflops_fwd_bwd=3.5 * flops / t_fb / 1e9, **errs)
+            except Exception as e:  # a failing variant must not hide the others
+                rec.add(section="self", batch=tag, variant=name, error=repr(e)[:300])
+                traceback.print_exc()
+
+        baselines = {}
+        if "varlen" not in skip:
+            from torch.nn.attention.varlen import varlen_attn
+
+            params = inspect.signature(varlen_attn).parameters
+            cu = off.to(torch.int32)
+            causal_kw = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+            baselines["varlen"] = lambda a, bb, c: varlen_attn(a, bb, c, cu, cu, nmax, nmax, **causal_kw)
+        if "sdpa" not in skip:
+            baselines["sdpa_padded"] = "padded"
+        if "silu_padded" not in skip:
+            baselines["silu_padded"] = "padded"
+        for name, fn in baselines.items():
+            try:
+                if fn == "padded":
+                    pq, pk, pv = (_pad(x.detach(), off, nmax).requires_grad_(True) for x in (q, k, v))
+                    if name == "sdpa_padded":
+                        def f(a, bb, c):
+                            return F.scaled_dot_product_attention(a, bb, c, is_causal=True)
+                    else:
+                        mask = torch.ones(nmax, nmax, device="cuda", dtype=torch.bool).tril()
+
+                        def f(a, bb, c, mask=mask):
+                            s = torch.matmul(a, bb.transpose(-1, -2)) * alpha_silu
+                            return torch.matmul((F.silu(s) / n) * mask, c)
+                    t_f, t_fb = _time_fwd_bwd(f, (pq, pk, pv))
+                    del pq, pk, pv
+                else:
+                    if name == "varlen":  # cross-check our softmax kernel against FlashAttention's
+                        with torch.no_grad():
+                            ours_out = jagged_attention_triton(q, k, v, off, n, activation="softmax")
+                            rec.add(section="self", batch=tag, variant="jfa_vs_varlen_out",
+                                    rel_diff=_rel(ours_out, fn(q, k, v)))
+                    t_f, t_fb = _time_fwd_bwd(fn, (q, k, v))
+                rec.add(section="self", batch=tag, variant=name, ms_fwd=t_f, ms_fwd_bwd=t_fb,
+                        tflops_fwd=flops / t_f / 1e9, tflops_fwd_bwd=3.5 * flops / t_fb / 1e9)
+            except torch.OutOfMemoryError as e:
+                rec.add(section="self", batch=tag, variant=name, error="OOM " + str(e)[:120])
+            except Exception as e:
+                rec.add(section="self", batch=tag, variant=name, error=repr(e)[:300])
+                traceback.print_exc()
+            torch.cuda.empty_cache()
+
+
+def bench_flex(rec: Recorder, quick: bool) -> None:
+    """FlexAttention baseline, run last: its torch.compile per batch shape is the slowest step."""
+    batches = BATCHES[:2] if quick else BATCHES
+    for kind, b, n in batches:
+        torch.manual_seed(0)
+        lengths = make_lengths(kind, b, n)
+        off = offsets_of(lengths)
+        t = int(off[-1])
+        flops = causal_flops_fwd(lengths)
+        tag = f"{kind} B={b} N={n}"
+        q, k, v = (torch.randn(t, H, D, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
+                   for _ in range(3))
+        try:
+            t_f, t_fb = _flex_times(q, k, v, off, t)
+            rec.add(section="self", batch=tag, variant="flex", ms_fwd=t_f, ms_fwd_bwd=t_fb,
+                    tflops_fwd=flops / t_f / 1e9, tflops_fwd_bwd=3.5 * flops / t_fb / 1e9)
+        except Exception as e:
+            rec.add(section="self", batch=tag, variant="flex", error=repr(e)[:300])
+            traceback.print_exc()
+        torch.cuda.empty_cache()
+
+
+def _flex_times(q, k, v, off, t) -> tuple[float, float]:
+    from gemray.jagged import segment_ids
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    doc = segment_ids(off)
+
+    def mask_mod(b, h, qi, ki):
+        return (doc[qi] == doc[ki]) & (qi >= ki)
+
+    bm = create_block_mask(mask_mod, 1, None, t, t, device="cuda")
+    flex = torch.compile(flex_attention, dynamic=False)
+
+    def f(a, bb, c):
+        return flex(a.transpose(0, 1).unsqueeze(0), bb.transpose(0, 1).unsqueeze(0),
+                    c.transpose(0, 1).unsqueeze(0), block_mask=bm)
+
+    fq, fk, fv = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+    return _time_fwd_bwd(f, (fq, fk, fv))
+
+
+def bench_cross_pma(rec: Recorder, skip: set[str]) -> None:
+    from gemray.kernels import reference as ref
+    from gemray.kernels.jagged_attention import jagged_cross_attention_triton, pma_triton
+
+    torch.manual_seed(1)
+    b, n, mq, s = 256, 4096, 64, 8
+    lengths = make_lengths("heavy", b, n, seed=1)
+    ko = offsets_of(lengths)
+    qo = offsets_of([mq] * b)
+    tk, nmax = int(ko[-1]), max(lengths)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(tk, H, D, **bf).requires_grad_(True) for _ in range(2))
+    q = torch.randn(b * mq, H, D, **bf).requires_grad_(True)
+    seeds = torch.randn(s, H, D, **bf).requires_grad_(True)
+    pk, pv = (_pad(x.detach(), ko, nmax).requires_grad_(True) for x in (k, v))
+    keymask = (torch.arange(nmax, device="cuda")[None, :] < torch.tensor(lengths, device="cuda")[:, None])
+    keymask = keymask[:, None, None, :]  # [B, 1, 1, n]
+    pairs_cross = 4.0 * H * D * mq * sum(lengths)
+    pairs_pma = 4.0 * H * D * s * sum(lengths)
+    tag = f"heavy B={b} N={n}"
+
+    # correctness on a subset of users (rows of a user depend only on that user)
+    seqs = _subset(lengths)
+    for act in ("softmax", "silu"):
+        try:
+            qq, kk, vv = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+            out = jagged_cross_attention_triton(qq, qo, kk, vv, ko, mq, n, activation=act)
+            do = torch.randn_like(out)
+            out.backward(do)
+            qrows, sub_qo = _sub_batch(q, qo, seqs)
+            krows, sub_ko = _sub_batch(k, ko, seqs)
+            rq = q.detach()[qrows].float().requires_grad_(True)
+            rk, rv = (x.detach()[krows].float().requires_grad_(True) for x in (k, v))
+            e = ref.jagged_cross_attention_ref(rq, sub_qo, rk, rv, sub_ko, mq, n, activation=act)
+            e.backward(do[qrows].float())
+            errs = dict(err_fwd=_rel(out[qrows], e), err_dq=_rel(qq.grad[qrows], rq.grad),
+                        err_dk=_rel(kk.grad[krows], rk.grad), err_dv=_rel(vv.grad[krows], rv.grad))
+
+            ss = seeds.detach().clone().requires_grad_(True)
+            kk, vv = (x.detach().clone().requires_grad_(True) for x in (k, v))
+            out = pma_triton(ss, kk, vv, ko, n, activation=act)
+            do = torch.randn_like(out)
+            # reference: all users' seeds-gradient contributions, so use the full batch in chunks of users
+            out.backward(do)
+            rs = seeds.detach().float().requires_grad_(True)
+            rk, rv = (x.detach()[krows].float().requires_grad_(True) for x in (k, v))
+            e = ref.pma_ref(rs, rk, rv, sub_ko, n, activation=act)
+            e.backward(do[seqs].float())
+            errs_p = dict(err_fwd=_rel(out[seqs], e), err_dk=_rel(kk.grad[krows], rk.grad),
+                          err_dv=_rel(vv.grad[krows], rv.grad))
+            # dseeds sums over all users: check it against the reference on the whole batch, chunked
+            ds_ref = torch.zeros_like(rs)
+            for c0 in range(0, b, 32):
+                cs = list(range(c0, min(b, c0 + 32)))
+                crow, c_off = _sub_batch(k, ko, cs)
+                rs2 = seeds.detach().float().requires_grad_(True)
+                e2 = ref.pma_ref(rs2, k.detach()[crow].float(), v.detach()[crow].float(), c_off, n,
+                                 activation=act)
+                e2.backward(do[cs].float())
+                ds_ref += rs2.grad
+            errs_p["err_dseeds"] = _rel(ss.grad, ds_ref)
+            rec.add(section="cross", batch=tag, variant=f"check_cross_{act}", **errs)
+            rec.add(section="pma", batch=tag, variant=f"check_pma_{act}", **errs_p)
+        except Exception as e:
+            rec.add(section="cross", batch=tag, variant=f"check_{act}", error=repr(e)[:300])
+            traceback.print_exc()
+
+    runs = {
+        ("cross", "ours_softmax"): (lambda a, bb, c: jagged_cross_attention_triton(a, qo, bb, c, ko, mq, n,
+                                                                                   activation="softmax"),
+                                    (q, k, v), pairs_cross),
+        ("cross", "ours_silu"): (lambda a, bb, c: jagged_cross_attention_triton(a, qo, bb, c, ko, mq, n,
+                                                                                activation="silu"),
+                                 (q, k, v), pairs_cross),
+        ("cross", "sdpa_padded"): (lambda a, bb, c: F.scaled_dot_product_attention(
+            a, bb, c, attn_mask=keymask), (q.detach().view(b, mq, H, D).transpose(1, 2).contiguous()
+                                           .requires_grad_(True), pk, pv), pairs_cross),
+        ("pma", "ours_softmax"): (lambda a, bb, c: pma_triton(a, bb, c, ko, n, activation="softmax"),
+                                  (seeds, k, v), pairs_pma),
+        ("pma", "ours_silu"): (lambda a, bb, c: pma_triton(a, bb, c, ko, n, activation="silu"),
+                               (seeds, k, v), pairs_pma),
+        ("pma", "sdpa_padded"): (lambda a, bb, c: F.scaled_dot_product_attention(
+            a.transpose(0, 1).unsqueeze(0).expand(b, -1, -1, -1), bb, c, attn_mask=keymask),
+            (seeds, pk, pv), pairs_pma),
+    }
+    for (section, name), (fn, inputs, flops) in runs.items():
+        try:
+            t_f, t_fb = _time_fwd_bwd(fn, inputs)
+            rec.add(section=section, batch=tag, variant=name, ms_fwd=t_f, ms_fwd_bwd=t_fb,
+                    tflops_fwd=flops / t_f / 1e9, tflops_fwd_bwd=3.5 * flops / t_fb / 1e9)
+        except Exception as e:
+            rec.add(section=section, batch=tag, variant=name, error=repr(e)[:300])
+            traceback.print_exc()
+
+
+def bench_block(rec: Recorder) -> None:
+    from gemray.kernels import reference as ref
+    from gemray.kernels.jagged_attention import jagged_block_attention_triton
+
+    b, bs = 16, 64
+    for n in (4096, 16384):
+        torch.manual_seed(2)
+        lengths = [n] * b
+        off = offsets_of(lengths)
+        t = int(off[-1])
+        q, k, v = (torch.randn(t, H, D, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
+                   for _ in range(3))
+        useful = 4.0 * H * D * b * (n // bs) * bs * (bs + 1) / 2
+        for act in ("softmax", "silu"):
+            tag = f"uniform B={b} N={n} block={bs}"
+            fn = (lambda a, bb, c, act=act: jagged_block_attention_triton(a, bb, c, off, n, block_size=bs,
+                                                                          activation=act))
+            try:
+                errs = {}
+                if n == 4096:
+                    errs = check_self(fn, lambda a, bb, c, o, act=act: ref.jagged_block_attention_ref(
+                        a, bb, c, o, n, block_size=bs, activation=act), q, k, v, off, lengths, seqs=[0, 5])
+                t_f, t_fb = _time_fwd_bwd(fn, (q, k, v))
+                rec.add(section="block", batch=tag, variant=f"ours_{act}", n=n, ms_fwd=t_f, ms_fwd_bwd=t_fb,
+                        tflops_fwd=useful / t_f / 1e9, tflops_fwd_bwd=3.5 * useful / t_fb / 1e9, **errs)
+            except Exception as e:
+                rec.add(section="block", batch=tag, variant=f"ours_{act}", error=repr(e)[:300])
+                traceback.print_exc()
+
+
+def bench_norm(rec: Recorder) -> None:
+    try:
+        from gemray.kernels.norm_quant import bench_norm_quant
+    except ImportError as e:
+        rec.add(section="norm_quant", error=f"not importable: {e!r}"[:300])
+        return
+    try:
+        for row in bench_norm_quant():
+            rec.add(section="norm_quant", **{k: (v if isinstance(v, (int, float, str, bool)) else str(v))
+                                             for k, v in row.items()})
+    except Exception as e:
+        rec.add(section="norm_quant", error=repr(e)[:300])
+        traceback.print_exc()
+
+
+SWEEP = {
+    "fwd": [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 4, 3), (64, 128, 4, 2)],
+    "dkdv": [(64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3), (32, 64, 4, 2)],
+    "dq": [(128, 64, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3), (128, 64, 8, 3), (64, 32, 4, 2)],
+}
+
+
+def sweep_tiles(rec: Recorder) -> None:
+    """Pick each kernel's tiles (D=128) by timing the candidates in SWEEP: the long-sequence table on the
+    heavy B=256 N=4096 batch, the short-sequence table on heavy B=128 N=1024 (mean length < 256). The
+    winners are written into jagged_attention.TILES / TILES_SHORT for the rest of the run. Softmax is
+    timed (silu shares the tiles)."""
+    from gemray.kernels import jagged_attention as ja
+
+    for table, (kind, b, n) in ((ja.TILES, ("heavy", 256, 4096)), (ja.TILES_SHORT, ("heavy", 128, 1024))):
+        torch.manual_seed(0)
+        lengths = make_lengths(kind, b, n)
+        off = offsets_of(lengths)
+        t = int(off[-1])
+        q, k, v = (torch.randn(t, H, D, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
+                   for _ in range(3))
+        which = "long" if table is ja.TILES else "short"
+        assert (t < ja.SHORT_MEAN_LEN * b) == (which == "short")
+
+        def fn(a, bb, c):
+            return ja.jagged_attention_triton(a, bb, c, off, n, activation="softmax")
+
+        for kern in ("fwd", "dkdv", "dq"):
+            best, best_ms = table[kern][128], float("inf")
+            for cfg in SWEEP[kern]:
+                table[kern][128] = cfg
+                try:
+                    if kern == "fwd":
+                        with torch.no_grad():
+                            ms = _bench(lambda: fn(q, k, v))
+                    else:
+                        ms = _time_fwd_bwd(fn, (q, k, v))[1]
+                except Exception as e:  # e.g. out of shared memory for this tile
+                    rec.add(section="sweep", table=which, kernel=kern, cfg=list(cfg), error=repr(e)[:200])
+                    continue
+                rec.add(section="sweep", table=which, kernel=kern, cfg=list(cfg), ms=ms)
+                if ms < best_ms:
+                    best, best_ms = cfg, ms
+            table[kern][128] = best
+            rec.add(section="sweep", table=which, kernel=kern, chosen=list(best), ms=best_ms)
+
+
+def print_table(rows: list[dict]) -> None:
+    print("\n| section | batch | variant | ms fwd | ms fwd+bwd | TFLOP/s fwd | TFLOP/s fwd+bwd | err fwd/dq/dk/dv |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if r.get("section") in ("norm_quant", "sweep", "env", "tiles", "done"):
+            continue
+        errs = "/".join(f"{r[k]:.1e}" for k in ("err_fwd", "err_dq", "err_dk", "err_dv", "err_dseeds",
+                                                 "rel_diff") if k in r)
+        if "error" in r:
+            errs = "ERROR " + r["error"][:60]
+
+        def fmt(key, spec):
+            return format(r[key], spec) if key in r else ""
+
+        print(f"| {r.get('section')} | {r.get('batch', '')} | {r.get('variant', '')} | {fmt('ms_fwd', '.3f')} "
+              f"| {fmt('ms_fwd_bwd', '.3f')} | {fmt('tflops_fwd', '.0f')} | {fmt('tflops_fwd_bwd', '.0f')} "
+              f"| {errs} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``gemray bench kernels``; returns a process exit code (0 ok, 2 no CUDA)."""
+    p = argparse.ArgumentParser(prog="gemray bench kernels", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=os.environ.get("OUT", "runs/bench"), help="output folder")
+    p.add_argument("--skip", default="", help="comma list of: self,cross,block,norm,flex,varlen,sdpa,silu_padded")
+    p.add_argument("--quick", action="store_true", help="only the two N=1024 batches")
+    p.add_argument("--sweep", action="store_true", help="sweep tile configs first and use the best")
+    p.add_argument("--tiles", default="", help='JSON override of TILES, e.g. {"fwd": {"128": [128,64,8,3]}}')
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if not torch.cuda.is_available():
+        print("gemray bench kernels: needs a CUDA device", file=sys.stderr)
+        return 2
+    import triton
+
+    from gemray.kernels import jagged_attention as ja
+
+    if args.tiles:  # {"long"|"short": {"fwd": {"128": [bm, bn, warps, stages]}}}
+        for which, kinds in json.loads(args.tiles).items():
+            target = ja.TILES if which == "long" else ja.TILES_SHORT
+            for kind, table in kinds.items():
+                for dk, cfg in table.items():
+                    target[kind][int(dk)] = tuple(cfg)
+    skip = {s for s in args.skip.split(",") if s}
+    rec = Recorder(Path(args.out))
+    rec.add(section="env", torch=torch.__version__, triton=triton.__version__,
+            device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d %H:%M:%S"))
+    t0 = time.time()
+    if args.sweep:
+        sweep_tiles(rec)
+    rec.add(section="tiles", long=json.dumps(ja.TILES), short=json.dumps(ja.TILES_SHORT))
+    if "self" not in skip:
+        bench_self(rec, skip, args.quick)
+    if "cross" not in skip:
+        bench_cross_pma(rec, skip)
+    if "block" not in skip:
+        bench_block(rec)
+    if "norm" not in skip:
+        bench_norm(rec)
+    if "flex" not in skip and "self" not in skip:
+        bench_flex(rec, args.quick)
+    rec.add(section="done", seconds=time.time() - t0)
+    print_table(rec.rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
