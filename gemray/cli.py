@@ -1,0 +1,152 @@
+"""The ``gemray`` command line.
+
+    gemray prepare movielens --src DIR --out DIR [--on-bad-rows error|quarantine] [--num-files N]
+    gemray train --config FILE [--set section.key=value ...] [--output DIR]
+    gemray bench bbs --config FILE [--world-size N] [--set ...]
+    gemray bench kernels [ARGS...]        (gemray.kernels.bench.main)
+    gemray submit --config FILE [--address URL] ...   (gemray.controller.submit)
+
+User errors (bad config values, unknown keys, missing files, bad data rows) print one line
+``gemray: error: ...`` and exit with status 2; a training failure exits with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError)
+
+
+def _fail(msg: str, code: int = 2) -> int:
+    print(f"gemray: error: {msg}", file=sys.stderr)
+    return code
+
+
+def _add_set(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--set", dest="overrides", nargs="+", action="extend", default=[],
+                   metavar="SECTION.KEY=VALUE", help="override config values, e.g. train.epochs=2")
+
+
+def _cmd_prepare(ns: argparse.Namespace) -> int:
+    from gemray.pipelines.movielens import format_summary, prepare_movielens
+
+    manifest = prepare_movielens(ns.src, ns.out, on_bad_rows=ns.on_bad_rows, num_files=ns.num_files)
+    print(format_summary(manifest, ns.out))
+    return 0
+
+
+def _cmd_train(ns: argparse.Namespace) -> int:
+    from gemray.config import load_config
+    from gemray.controller.run import fit
+
+    cfg = load_config(ns.config, ns.overrides)  # validate before anything starts
+    try:
+        res = fit(cfg, output_dir=ns.output)
+    except USER_ERRORS:
+        raise
+    except Exception as e:  # Ray's TrainingFailedError and friends: not a usage error
+        print(f"gemray: training failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    print(f"outputs: {res.output_dir} (metrics.json, curves.png, config.toml); "
+          f"checkpoint: {res.checkpoint_path}")
+    return 0
+
+
+def _cmd_bench_bbs(ns: argparse.Namespace) -> int:
+    from gemray.config import load_config
+    from gemray.pipelines.bbs import simulate_imbalance
+
+    cfg = load_config(ns.config, ns.overrides)
+    world = ns.world_size or cfg.ray.num_workers
+    d = cfg.data
+    rows = []
+    for bbs in (False, True):
+        r = simulate_imbalance(Path(d.prepared_dir).resolve(), split="train", world_size=world,
+                               batch_size=d.batch_size, max_seq_len=d.max_seq_len,
+                               sub_batch_size=d.sub_batch_size, window_batches=d.bbs_window_batches,
+                               bbs=bbs, seed=cfg.train.seed)
+        rows.append(("with BBS" if bbs else "without BBS", r))
+    print(f"token imbalance (max/mean tokens per rank per step, mean over steps), {d.prepared_dir}, "
+          f"world size {world}, batch {d.batch_size}:")
+    for name, r in rows:
+        print(f"  {name:<12} {r['imbalance']:.3f}  ({r['steps']} steps, "
+              f"{r['tokens_per_step_mean']:.0f} tokens per rank-step)")
+    return 0
+
+
+def _cmd_bench_kernels(ns: argparse.Namespace) -> int:
+    from gemray.kernels import bench
+
+    return int(bench.main(ns.args) or 0)
+
+
+def _cmd_submit(ns: argparse.Namespace) -> int:
+    from gemray.controller.submit import cli_submit
+
+    return cli_submit(ns)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse tree (exposed for tests and docs)."""
+    ap = argparse.ArgumentParser(prog="gemray", description="Ray-orchestrated GEM/HSTU training")
+    ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    prep = sub.add_parser("prepare", help="convert raw data to Parquet histories")
+    prep_sub = prep.add_subparsers(dest="dataset", required=True)
+    ml = prep_sub.add_parser("movielens", help="MovieLens ml-1m / ml-100k / ml-latest(-small)")
+    ml.add_argument("--src", required=True, help="folder with ratings.dat, u.data or ratings.csv")
+    ml.add_argument("--out", required=True, help="output folder (prepared Parquet + manifest.json)")
+    ml.add_argument("--on-bad-rows", choices=("error", "quarantine"), default="error")
+    ml.add_argument("--num-files", type=int, default=8)
+    ml.set_defaults(func=_cmd_prepare)
+
+    tr = sub.add_parser("train", help="train with Ray Train (embedded local cluster unless RAY_ADDRESS)")
+    tr.add_argument("--config", required=True, help="TOML config, e.g. configs/ml-1m.toml")
+    _add_set(tr)
+    tr.add_argument("--output", default=None, help="output folder (default runs/<name>)")
+    tr.set_defaults(func=_cmd_train)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bsub = bench.add_subparsers(dest="bench", required=True)
+    bb = bsub.add_parser("bbs", help="token imbalance across ranks with and without BBS")
+    bb.add_argument("--config", required=True)
+    bb.add_argument("--world-size", type=int, default=0, help="default: ray.num_workers")
+    _add_set(bb)
+    bb.set_defaults(func=_cmd_bench_bbs)
+    bk = bsub.add_parser("kernels", help="Triton kernel benchmarks (gemray.kernels.bench)")
+    bk.add_argument("args", nargs=argparse.REMAINDER, help="passed to gemray.kernels.bench")
+    bk.set_defaults(func=_cmd_bench_kernels)
+
+    try:
+        from gemray.controller.submit import add_submit_arguments
+    except ImportError:  # pragma: no cover - submit needs ray[default]'s job client
+        add_submit_arguments = None
+    if add_submit_arguments is not None:
+        sm = sub.add_parser("submit", help="submit a job to a running Ray cluster (ray job submit)")
+        add_submit_arguments(sm)
+        sm.set_defaults(func=_cmd_submit)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``gemray`` console script; returns the exit status."""
+    ap = build_parser()
+    ns = ap.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if ns.verbose else logging.INFO,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    if getattr(ns, "world_size", 0) and ns.world_size < 0:
+        return _fail(f"--world-size must be >= 1, got {ns.world_size}")
+    try:
+        return ns.func(ns)
+    except USER_ERRORS as e:
+        return _fail(str(e))
+    except KeyboardInterrupt:
+        return _fail("interrupted", 130)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
