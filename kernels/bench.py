@@ -415,10 +415,17 @@ def bench_norm(rec: Recorder) -> None:
         traceback.print_exc()
 
 
-SWEEP = {
-    "fwd": [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 4, 3), (64, 128, 4, 2)],
-    "dkdv": [(64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3), (32, 64, 4, 2)],
-    "dq": [(128, 64, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3), (128, 64, 8, 3), (64, 32, 4, 2)],
+SWEEP = {  # (BLOCK_M, BLOCK_N, num_warps, num_stages); the first entry of each is the default
+    "long": {
+        "fwd": [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 4, 3)],
+        "dkdv": [(64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3)],
+        "dq": [(128, 64, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3), (128, 64, 8, 3)],
+    },
+    "short": {
+        "fwd": [(64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 3)],
+        "dkdv": [(64, 64, 4, 3), (32, 64, 4, 3), (64, 128, 8, 2)],
+        "dq": [(64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 8, 2)],
+    },
 }
 
 
@@ -444,7 +451,7 @@ def sweep_tiles(rec: Recorder) -> None:
 
         for kern in ("fwd", "dkdv", "dq"):
             best, best_ms = table[kern][128], float("inf")
-            for cfg in SWEEP[kern]:
+            for cfg in SWEEP[which][kern]:
                 table[kern][128] = cfg
                 try:
                     if kern == "fwd":
