@@ -12,6 +12,8 @@ Backends:
 Relative attention bias can be handed over either materialised (``attn_bias`` [B, n', n']) or as its raw
 ingredients (``rel_bias``: a ``RelativeBiasInputs``); a kernel whose signature accepts ``rel_bias`` gets
 the ingredients, the others get the dense tensor built by ``kernels.reference.relative_bias_ref``.
+With "auto", a kernel that raises NotImplementedError for an argument (say, attn_bias) hands the call to
+the reference (logged once); with "triton" the error propagates.
 """
 
 from __future__ import annotations
@@ -41,17 +43,40 @@ class RelativeBiasInputs:
     timestamps: [T] int64 unix seconds; pos_weights: [P] float (relative-position buckets,
     ``position_bucket_ref``); ts_weights: [Q] float (time-difference buckets, ``time_bucket_ref``);
     max_len: N used by the position bucketing. Shared by all heads.
+    buckets: optional precomputed ``relative_bias_buckets(...)`` (pos [n, n], time [B, n, n]) so that
+    several blocks sharing timestamps bucketise once.
     """
 
     timestamps: torch.Tensor
     pos_weights: torch.Tensor
     ts_weights: torch.Tensor
     max_len: int
+    buckets: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def dense(self, offsets: torch.Tensor, n: int) -> torch.Tensor:
         """Materialise to [B, n, n] float (differentiable in the weights)."""
+        if self.buckets is not None and self.buckets[0].shape[-1] == n:
+            pb, tb = self.buckets
+            return self.pos_weights[pb].unsqueeze(0) + self.ts_weights[tb]
         return _ref.relative_bias_ref(self.timestamps, offsets, n, self.pos_weights, self.ts_weights,
                                       self.max_len)
+
+
+def relative_bias_buckets(timestamps: torch.Tensor, offsets: torch.Tensor, n: int, num_pos_buckets: int,
+                          num_time_buckets: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bucket indices of the relative bias: (pos [n, n] int64, time [B, n, n] int64).
+
+    Same bucketing as ``kernels.reference.relative_bias_ref`` (position |i-j|, time ts_i - ts_j).
+    timestamps: [T] int64; offsets: [B+1] int64; n >= the longest sequence.
+    """
+    B = offsets.numel() - 1
+    ids = torch.arange(n, device=offsets.device)
+    pb = _ref.position_bucket_ref(ids.view(n, 1) - ids.view(1, n), num_pos_buckets, max_len)
+    if n == 0:
+        return pb, torch.zeros((B, 0, 0), dtype=torch.int64, device=offsets.device)
+    ts = _ref._pad(timestamps.view(-1, 1).to(torch.float64), offsets, n).view(B, n)
+    tb = _ref.time_bucket_ref(ts.unsqueeze(2) - ts.unsqueeze(1), num_time_buckets)
+    return pb, tb
 
 
 @functools.lru_cache(maxsize=None)
@@ -116,13 +141,24 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.
             kwargs["rel_bias"] = rel_bias
         else:
             if rel_bias is not None:
-                attn_bias = rel_bias.dense(offsets, _longest(offsets))
+                attn_bias, rel_bias = rel_bias.dense(offsets, _longest(offsets)), None
             kwargs["attn_bias"] = attn_bias
-        return fn(q, k, v, offsets, max_len, **kwargs)
+        try:
+            return fn(q, k, v, offsets, max_len, **kwargs)
+        except NotImplementedError as e:
+            if backend == "triton":
+                raise
+            # "auto": the kernel declined an argument (e.g. a bias it cannot take): say so once, use the spec.
+            _log_decline(str(e))
     if rel_bias is not None:
         attn_bias = rel_bias.dense(offsets, _longest(offsets))
     return _ref.jagged_attention_ref(q, k, v, offsets, max_len, activation=activation, causal=causal,
                                      attn_bias=attn_bias, alpha=alpha, num_targets=num_targets)
+
+
+@functools.lru_cache(maxsize=None)
+def _log_decline(reason: str) -> None:
+    log.info("gemray.ops.attention: Triton kernel declined (%s); using the reference backend", reason)
 
 
 def _longest(offsets: torch.Tensor) -> int:

@@ -1,0 +1,43 @@
+"""The sparse part of the model: one TorchRec EmbeddingCollection (the trainer shards it with DMP).
+
+Tables (all ``cfg.embedding_dim`` wide: an EmbeddingCollection needs one width):
+    "item"      num_items + 1 rows (row 0 = padding id, never looked up), features item_id, neg_item_id
+    "rating"    11 rows (half stars 0..10), feature rating    (if cfg.use_rating_feature)
+    "time_gap"  cfg.num_time_buckets rows, feature time_gap   (if cfg.use_time_feature)
+Weights start uniform in +-0.02*sqrt(3) (std 0.02, as generative-recommenders' truncated normal 0.02), set
+through ``weight_init_min/max`` so unsharded (``init_fn``) and sharded (FBGEMM kernels) builds agree.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torchrec import EmbeddingCollection, EmbeddingConfig
+
+from gemray.config import ModelConfig
+from gemray.jagged import ITEM_FEATURE, RATING_FEATURE, TIME_FEATURE
+from gemray.model.features import NEG_ITEM_FEATURE, NUM_RATINGS
+
+INIT_STD = 0.02
+
+
+def make_embedding_collection(cfg: ModelConfig, num_items: int,
+                              device: torch.device | str = "cpu") -> EmbeddingCollection:
+    """EmbeddingCollection for ``cfg`` on ``device`` ("cpu", "cuda" or "meta" for sharding later).
+
+    Raises ValueError when num_items < 1.
+    """
+    if num_items < 1:
+        raise ValueError(f"num_items: expected >= 1, got {num_items}")
+    bound = INIT_STD * math.sqrt(3.0)
+    kw = dict(embedding_dim=cfg.embedding_dim, weight_init_min=-bound, weight_init_max=bound)
+    tables = [EmbeddingConfig(name="item", num_embeddings=num_items + 1,
+                              feature_names=[ITEM_FEATURE, NEG_ITEM_FEATURE], **kw)]
+    if cfg.use_rating_feature:
+        tables.append(EmbeddingConfig(name="rating", num_embeddings=NUM_RATINGS,
+                                      feature_names=[RATING_FEATURE], **kw))
+    if cfg.use_time_feature:
+        tables.append(EmbeddingConfig(name="time_gap", num_embeddings=cfg.num_time_buckets,
+                                      feature_names=[TIME_FEATURE], **kw))
+    return EmbeddingCollection(tables=tables, device=torch.device(device))

@@ -1,0 +1,109 @@
+"""GEM-like generative retrieval model: TorchRec embeddings -> jagged HSTU encoder -> sampled softmax.
+
+Shape key: B sequences, T tokens, D = embedding_dim, N = num_items (ids 1..N), R = num_negatives.
+
+All sparse lookups go through ``self.embeddings`` (a ``torchrec.EmbeddingCollection``) so the trainer can
+replace it with its sharded version through DistributedModelParallel; everything else is dense.
+
+Example::
+
+    model = GEM(cfg.model, num_items=3706, max_seq_len=cfg.data.max_seq_len)
+    model.seed_sampling(cfg.train.seed)
+    loss, stats = model(train_batch)            # every position predicts the next item
+    users = model.user_embeddings(eval_batch)   # [B, D], unit norm
+    items = model.item_embeddings(torch.arange(1, 3707))  # [N, D], unit norm
+    scores = users @ items.T
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gemray.config import ModelConfig
+from gemray.jagged import ITEM_FEATURE, RATING_FEATURE, TIME_FEATURE, JaggedBatch
+from gemray.model.embeddings import make_embedding_collection
+from gemray.model.features import NEG_ITEM_FEATURE, item_id_features, sparse_features
+from gemray.model.heads import RetrievalHead, sample_uniform
+from gemray.model.hstu import HSTUEncoder
+
+
+class GEM(nn.Module):
+    """The model. ``embeddings``: EmbeddingCollection; ``encoder``: HSTUEncoder; ``head``: RetrievalHead.
+
+    Args:
+        cfg: ModelConfig (validated here).
+        num_items: N; the item table has N+1 rows (row 0 = padding id, never looked up).
+        device: where parameters live ("cpu", "cuda", or "meta" to be sharded/materialised later; every
+            dense module has ``reset_parameters`` for that).
+        max_seq_len: longest history the encoder accepts (positional table size and the HSTU 1/N
+            normaliser); pass ``cfg.data.max_seq_len``.
+    """
+
+    def __init__(self, cfg: ModelConfig, num_items: int, device: torch.device | str = "cpu", *,
+                 max_seq_len: int = 200):
+        super().__init__()
+        cfg.validate()
+        if num_items < 1:
+            raise ValueError(f"num_items: expected >= 1, got {num_items}")
+        self.cfg = cfg
+        self.num_items = num_items
+        self.max_seq_len = max_seq_len
+        self.embeddings = make_embedding_collection(cfg, num_items, device)
+        self.encoder = HSTUEncoder(cfg, max_seq_len, device=device)
+        self.head = RetrievalHead(cfg.negatives, cfg.num_negatives, cfg.temperature)
+        self._generator = torch.Generator()
+
+    def seed_sampling(self, seed: int) -> None:
+        """Seed the CPU generator used for negative sampling when ``forward`` gets no generator."""
+        self._generator.manual_seed(int(seed))
+
+    def _encode(self, batch: JaggedBatch, neg_ids: torch.Tensor | None):
+        kjt = sparse_features(batch, neg_ids=neg_ids, cfg=self.cfg)
+        emb = self.embeddings(kjt)
+        item_emb = emb[ITEM_FEATURE].values()                       # [T, D]
+        tok = item_emb
+        if self.cfg.use_rating_feature:
+            tok = tok + emb[RATING_FEATURE].values()
+        if self.cfg.use_time_feature:
+            tok = tok + emb[TIME_FEATURE].values()
+        states = self.encoder(tok, batch.offsets, batch.timestamps)  # [T, D], unit norm
+        return states, item_emb, emb[NEG_ITEM_FEATURE].values()
+
+    def forward(self, batch: JaggedBatch, generator: torch.Generator | None = None
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Training step: (loss scalar, stats {"num_targets", "pos_logit"}).
+
+        Every position with a next item in its sequence predicts that item (``batch.targets`` is not
+        used). An empty batch (B=0) or one without any next item gives loss 0 connected to all parameters.
+        Negatives are drawn from ``generator`` (default: the model's, see ``seed_sampling``).
+        """
+        g = generator if generator is not None else self._generator
+        neg_ids = None
+        if self.cfg.negatives == "uniform" and batch.batch_size > 0:
+            neg_ids = sample_uniform(batch.batch_size, self.cfg.num_negatives, self.num_items, g,
+                                     batch.offsets.device)
+        states, item_emb, neg_emb = self._encode(batch, neg_ids)
+        return self.head(states, batch.offsets, batch.item_ids, item_emb,
+                         neg_ids=neg_ids, neg_emb=neg_emb if neg_ids is not None else None, generator=g)
+
+    def user_embeddings(self, batch: JaggedBatch) -> torch.Tensor:
+        """[B, D] unit-norm state at each sequence's last position (zeros for an empty sequence).
+
+        Call under ``model.eval()`` and ``torch.no_grad()`` for evaluation; ``batch.targets`` is ignored.
+        """
+        states, _, _ = self._encode(batch, None)
+        lengths = batch.lengths
+        out = states.new_zeros((batch.batch_size, states.shape[1]))
+        has = lengths > 0
+        out[has] = states[batch.offsets[1:][has] - 1]
+        return out
+
+    def item_embeddings(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [N] int64 -> [N, D] unit-norm item embeddings, looked up through ``self.embeddings``.
+
+        Sharded use: every rank must call this with the same ids (the lookup is collective).
+        """
+        emb = self.embeddings(item_id_features(ids, self.cfg))[ITEM_FEATURE].values()
+        return F.normalize(emb, dim=-1, eps=1e-6)

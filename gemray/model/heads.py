@@ -1,0 +1,102 @@
+"""Retrieval head: next-item sampled softmax over L2-normalised states and item embeddings.
+
+Shape key: T tokens, B sequences, D width, M = positions that have a next item (sum of max(L_b - 1, 0)),
+R = number of negatives.
+
+As generative-recommenders' ``SampledSoftmaxLoss`` (arXiv:2402.17152 sec. 4.1.1): for each position t
+with a next item p = item_ids[t+1] of the same sequence, logits are
+``[<h_t, e_p>, <h_t, e_n1>, ..., <h_t, e_nR>] / temperature`` with h, e unit-norm, and the loss is the
+cross-entropy of the positive, averaged over the M positions. A negative equal to the positive is
+masked out (-inf).
+
+Negatives:
+    "uniform":  R = num_negatives ids drawn uniformly from 1..num_items per sequence (``sample_uniform``),
+                shared by that sequence's positions; their embeddings come from the caller's lookup.
+    "in_batch": R = num_negatives draws (with replacement, so popularity-weighted) from the batch's own
+                positive targets, shared by the whole batch; their embeddings are the targets' embeddings.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gemray.jagged import jagged_to_padded, padded_to_jagged, positions, segment_ids
+
+
+def sample_uniform(batch_size: int, num_negatives: int, num_items: int,
+                   generator: torch.Generator | None = None, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[B, R] int64 ids uniform in 1..num_items (drawn on the generator's device, then moved to ``device``)."""
+    gdev = generator.device if generator is not None else torch.device("cpu")
+    ids = torch.randint(1, num_items + 1, (batch_size, num_negatives), generator=generator, device=gdev)
+    return ids.to(device)
+
+
+def next_item_index(offsets: torch.Tensor) -> torch.Tensor:
+    """[B+1] offsets -> [M] int64 token indices t that have a next item t+1 in the same sequence."""
+    lengths = offsets[1:] - offsets[:-1]
+    pos = positions(offsets)
+    seg = segment_ids(offsets)
+    return torch.nonzero(pos < (lengths[seg] - 1)).view(-1)
+
+
+class RetrievalHead(nn.Module):
+    """Sampled-softmax next-item loss (no parameters; the item embeddings live in the EmbeddingCollection).
+
+    negatives: "uniform" or "in_batch"; num_negatives: R; temperature: logit divisor (> 0).
+    """
+
+    def __init__(self, negatives: str, num_negatives: int, temperature: float):
+        super().__init__()
+        if negatives not in ("uniform", "in_batch"):
+            raise ValueError(f"model.negatives: expected 'uniform' or 'in_batch', got {negatives!r}")
+        if num_negatives < 1 or temperature <= 0:
+            raise ValueError("RetrievalHead: num_negatives must be >= 1 and temperature > 0")
+        self.negatives = negatives
+        self.num_negatives = num_negatives
+        self.temperature = temperature
+
+    def forward(self, states: torch.Tensor, offsets: torch.Tensor, item_ids: torch.Tensor,
+                item_emb: torch.Tensor, neg_ids: torch.Tensor | None = None,
+                neg_emb: torch.Tensor | None = None,
+                generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Loss and stats for a training batch.
+
+        states: [T, D] unit-norm user states; offsets [B+1] int64; item_ids [T] int64;
+        item_emb: [T, D] raw item embeddings of ``item_ids`` (targets are item t+1: no second lookup);
+        neg_ids [B, R] int64 + neg_emb [B*R, D] for "uniform"; generator seeds "in_batch" draws.
+        Returns (loss: scalar, {"num_targets": float tensor, "pos_logit": mean positive cosine}).
+        With M == 0 the loss is 0 but stays connected to every input (distributed backward).
+        """
+        idx = next_item_index(offsets)
+        M = idx.numel()
+        target_ids = item_ids[idx + 1]
+        zero = states.sum() * 0.0 + item_emb.sum() * 0.0
+        if neg_emb is not None:
+            zero = zero + neg_emb.sum() * 0.0
+        if M == 0:
+            return zero, {"num_targets": states.new_zeros(()), "pos_logit": states.new_zeros(())}
+        h = states[idx]                                            # [M, D]
+        e_all = F.normalize(item_emb, dim=-1, eps=1e-6)
+        pos = (h * e_all[idx + 1]).sum(-1, keepdim=True)           # [M, 1]
+        if self.negatives == "uniform":
+            if neg_ids is None or neg_emb is None:
+                raise ValueError("RetrievalHead: 'uniform' negatives need neg_ids and neg_emb")
+            B, R = neg_ids.shape
+            e_neg = F.normalize(neg_emb, dim=-1, eps=1e-6).view(B, R, -1)
+            n = int((offsets[1:] - offsets[:-1]).max())
+            padded = jagged_to_padded(states, offsets, n)           # [B, n, D]
+            neg = padded_to_jagged(torch.bmm(padded, e_neg.transpose(1, 2)), offsets)[idx]  # [M, R]
+            same = neg_ids[segment_ids(offsets)[idx]] == target_ids.view(-1, 1)
+        else:
+            R = self.num_negatives
+            draw = torch.randint(0, M, (R,), generator=generator,
+                                 device=generator.device if generator is not None else "cpu").to(idx.device)
+            e_neg = e_all[idx[draw] + 1]                            # [R, D]
+            neg = h @ e_neg.T                                       # [M, R]
+            same = target_ids[draw].view(1, R) == target_ids.view(-1, 1)
+        logits = torch.cat([pos, neg.masked_fill(same, float("-inf"))], dim=1) / self.temperature
+        loss = (torch.logsumexp(logits, dim=1) - logits[:, 0]).mean() + zero
+        stats = {"num_targets": torch.tensor(float(M)), "pos_logit": pos.detach().mean()}
+        return loss, stats

@@ -1,0 +1,155 @@
+"""HSTU blocks and encoder, jagged end to end (Zhai et al. 2024, arXiv:2402.17152, sec. 3.1, eqs. 1-3).
+
+Shape key: T tokens, B sequences, D = embedding_dim (residual width), H heads, A = attention_dim
+(per-head q/k width), V = linear_dim (per-head u/v width), N = max_seq_len, n = longest sequence.
+
+One block (generative-recommenders' ``SequentialTransductionUnitJagged``, "uvqk" + "rel_bias")::
+
+    x_norm     = LayerNorm(x)                                  [T, D]   (no affine, eps 1e-6)
+    u, v, q, k = split(silu(x_norm @ W_uvqk + b_uvqk))         [T, H*V], [T, H*V], [T, H*A], [T, H*A]
+    a          = silu(q k^T * alpha + rab^{p,t}) / N, causal   per head, via gemray.ops.attention
+    y          = LayerNorm(a @ v) * u                          [T, H*V]
+    x          = x + Dropout(y @ W_o + b_o)                    [T, D]
+
+rab^{p,t}: learned bias per bucketed relative position |i-j| plus per bucketed time difference
+ts_i - ts_j (``gemray.kernels.reference.relative_bias_ref``), one per block, shared across heads.
+
+Parameters are owned directly by the modules that initialise them and every such module has
+``reset_parameters()``, so a model built on device "meta" can be materialised by TorchRec's
+DistributedModelParallel (which calls ``reset_parameters`` on modules whose own parameters are meta).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gemray import ops
+from gemray.config import ModelConfig
+from gemray.jagged import positions
+
+LN_EPS = 1e-6
+
+
+class RelativeBucketedBias(nn.Module):
+    """Learned relative attention bias: position buckets + time-difference buckets (HSTU rab^{p,t}).
+
+    pos_w: [num_position_buckets], ts_w: [num_time_buckets], init normal(0, 0.02) as generative-recommenders.
+    """
+
+    def __init__(self, num_position_buckets: int, num_time_buckets: int, max_len: int, device=None):
+        super().__init__()
+        self.max_len = max_len
+        self.pos_w = nn.Parameter(torch.empty(num_position_buckets, device=device))
+        self.ts_w = nn.Parameter(torch.empty(num_time_buckets, device=device))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.pos_w, std=0.02)
+        nn.init.normal_(self.ts_w, std=0.02)
+
+    def inputs(self, timestamps: torch.Tensor,
+               buckets: tuple[torch.Tensor, torch.Tensor] | None = None) -> ops.RelativeBiasInputs:
+        """The ingredients for ``ops.attention(rel_bias=...)``: timestamps [T] int64 + this block's weights."""
+        return ops.RelativeBiasInputs(timestamps, self.pos_w, self.ts_w, self.max_len, buckets)
+
+    def forward(self, timestamps: torch.Tensor, offsets: torch.Tensor, n: int) -> torch.Tensor:
+        """timestamps [T] int64, offsets [B+1] -> dense bias [B, n, n]."""
+        return self.inputs(timestamps).dense(offsets, n)
+
+
+class HSTUBlock(nn.Module):
+    """One HSTU layer over jagged tokens ``x [T, D]`` (see module docstring for the exact math)."""
+
+    def __init__(self, cfg: ModelConfig, max_seq_len: int, device=None):
+        super().__init__()
+        if cfg.attn_dropout > 0:
+            raise ValueError("model.attn_dropout: attention dropout is not implemented (use 0.0)")
+        self.d, self.h, self.a, self.v = cfg.embedding_dim, cfg.num_heads, cfg.attention_dim, cfg.linear_dim
+        self.max_seq_len = max_seq_len
+        self.activation = cfg.attn_activation
+        self.backend = cfg.attention_backend
+        width = 2 * self.h * self.v + 2 * self.h * self.a
+        self.uvqk_weight = nn.Parameter(torch.empty(self.d, width, device=device))
+        self.uvqk_bias = nn.Parameter(torch.empty(width, device=device))
+        self.o_weight = nn.Parameter(torch.empty(self.d, self.h * self.v, device=device))
+        self.o_bias = nn.Parameter(torch.empty(self.d, device=device))
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.rel_bias = RelativeBucketedBias(cfg.num_position_buckets, cfg.num_time_buckets, max_seq_len,
+                                             device=device)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.uvqk_weight, std=0.02)   # generative-recommenders' _uvqk init
+        nn.init.zeros_(self.uvqk_bias)
+        nn.init.xavier_uniform_(self.o_weight)        # generative-recommenders' _o init
+        nn.init.zeros_(self.o_bias)
+
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor, timestamps: torch.Tensor,
+                buckets: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x [T, D] float, offsets [B+1] int64, timestamps [T] int64 -> [T, D].
+
+        buckets: optional shared ``ops.relative_bias_buckets`` for this batch (computed once per forward).
+        """
+        T = x.shape[0]
+        x_norm = F.layer_norm(x, (self.d,), eps=LN_EPS)
+        uvqk = F.silu(torch.addmm(self.uvqk_bias, x_norm, self.uvqk_weight))
+        u, v, q, k = torch.split(uvqk, [self.h * self.v, self.h * self.v, self.h * self.a, self.h * self.a], 1)
+        attn = ops.attention(
+            q.reshape(T, self.h, self.a), k.reshape(T, self.h, self.a), v.reshape(T, self.h, self.v),
+            offsets, self.max_seq_len, activation=self.activation, causal=True,
+            rel_bias=self.rel_bias.inputs(timestamps, buckets), backend=self.backend)
+        y = F.layer_norm(attn.reshape(T, self.h * self.v), (self.h * self.v,), eps=LN_EPS) * u
+        return x + self.dropout(F.linear(y, self.o_weight, self.o_bias))
+
+
+class HSTUEncoder(nn.Module):
+    """Token embeddings -> L2-normalised user states, jagged.
+
+    Input preprocessing as generative-recommenders' ``LearnablePositionalEmbeddingInputFeaturesPreprocessor``:
+    ``x = tok_emb * sqrt(D) + pos_emb[position]`` then dropout; ``tok_emb`` is the item embedding plus the
+    optional rating / time-gap embeddings. Then ``num_blocks`` HSTU blocks and an L2 normalisation
+    (generative-recommenders' ``L2NormEmbeddingPostprocessor``).
+
+    pos_emb: [max_seq_len, D], truncated normal std sqrt(1/D). Positions count from each sequence's start.
+    """
+
+    def __init__(self, cfg: ModelConfig, max_seq_len: int = 200, device=None):
+        super().__init__()
+        if max_seq_len < 1:
+            raise ValueError(f"max_seq_len: expected >= 1, got {max_seq_len}")
+        self.cfg = cfg
+        self.d = cfg.embedding_dim
+        self.max_seq_len = max_seq_len
+        self.pos_emb = nn.Parameter(torch.empty(max_seq_len, self.d, device=device))
+        self.input_dropout = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(HSTUBlock(cfg, max_seq_len, device=device) for _ in range(cfg.num_blocks))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        std = math.sqrt(1.0 / self.d)
+        nn.init.trunc_normal_(self.pos_emb, std=std, a=-2 * std, b=2 * std)
+
+    def forward(self, tok_emb: torch.Tensor, offsets: torch.Tensor, timestamps: torch.Tensor) -> torch.Tensor:
+        """tok_emb [T, D] float, offsets [B+1] int64, timestamps [T] int64 -> states [T, D], unit L2 norm.
+
+        Raises ValueError when a sequence is longer than ``max_seq_len``.
+        """
+        lengths = offsets[1:] - offsets[:-1]
+        n = int(lengths.max()) if lengths.numel() else 0
+        if n > self.max_seq_len:
+            raise ValueError(f"HSTUEncoder: a sequence of length {n} > max_seq_len {self.max_seq_len}")
+        pos = positions(offsets)
+        x = tok_emb * math.sqrt(self.d) + self.pos_emb[pos]
+        x = self.input_dropout(x)
+        buckets = ops.relative_bias_buckets(timestamps, offsets, n, self.cfg.num_position_buckets,
+                                            self.cfg.num_time_buckets, self.max_seq_len)
+        for block in self.blocks:
+            x = block(x, offsets, timestamps, buckets)
+        return F.normalize(x, dim=-1, eps=1e-6)

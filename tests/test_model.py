@@ -1,0 +1,210 @@
+"""GEM end to end on CPU: features KJT, embeddings, forward/backward, empty batches, overfitting, meta build."""
+
+import math
+
+import pytest
+import torch
+
+from gemray.config import ModelConfig
+from gemray.jagged import JaggedBatch, lengths_to_offsets
+from gemray.kernels.reference import time_bucket_ref
+from gemray.model import GEM, feature_names, make_embedding_collection, sparse_features
+from gemray.model.features import time_gap_buckets
+from gemray.model.heads import next_item_index
+
+
+def tiny_cfg(**kw):
+    base = dict(embedding_dim=16, num_blocks=2, num_heads=2, attention_dim=4, linear_dim=4, dropout=0.0,
+                num_negatives=8, temperature=0.1, num_time_buckets=32, num_position_buckets=16)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def random_batch(lengths, num_items=40, seed=0, targets=False):
+    g = torch.Generator().manual_seed(seed)
+    offsets = lengths_to_offsets(torch.tensor(lengths, dtype=torch.int64))
+    T = int(offsets[-1])
+    return JaggedBatch(
+        user_ids=torch.arange(len(lengths)), offsets=offsets,
+        item_ids=torch.randint(1, num_items + 1, (T,), generator=g),
+        ratings=torch.randint(1, 11, (T,), generator=g),
+        timestamps=torch.cumsum(torch.randint(0, 10 ** 5, (T,), generator=g), 0),
+        targets=torch.randint(1, num_items + 1, (len(lengths),), generator=g) if targets else None,
+    ).validate()
+
+
+def test_sparse_features_content():
+    cfg = tiny_cfg()
+    b = JaggedBatch(user_ids=torch.tensor([5, 6, 7]), offsets=torch.tensor([0, 2, 2, 5]),
+                    item_ids=torch.tensor([7, 3, 9, 9, 1]), ratings=torch.tensor([8, 10, 2, 4, 6]),
+                    timestamps=torch.tensor([100, 102, 50, 50, 1050]))
+    neg = torch.tensor([[11, 12], [13, 14], [15, 16]])
+    kjt = sparse_features(b, neg_ids=neg, cfg=cfg)
+    assert kjt.keys() == ["item_id", "neg_item_id", "rating", "time_gap"] == feature_names(cfg)
+    d = kjt.to_dict()
+    assert d["item_id"].values().tolist() == [7, 3, 9, 9, 1]
+    assert d["item_id"].lengths().tolist() == [2, 0, 3]
+    assert d["neg_item_id"].values().tolist() == [11, 12, 13, 14, 15, 16]
+    assert d["neg_item_id"].lengths().tolist() == [2, 2, 2]
+    assert d["rating"].values().tolist() == [8, 10, 2, 4, 6]
+    # gaps: seq0: first -> 0, 2 s -> 1 + floor(ln 2 / 0.301) = 3; seq2: first 0, 0 s -> 1 + 0 = 1,
+    # 1000 s -> 1 + floor(ln 1000 / 0.301) = 1 + 22 = 23
+    assert d["time_gap"].values().tolist() == [0, 3, 0, 1, 23]
+    assert int(math.log(1000) / 0.301) == 22
+    # without negatives / features
+    kjt2 = sparse_features(b, neg_ids=None, cfg=tiny_cfg(use_rating_feature=False, use_time_feature=False))
+    assert kjt2.keys() == ["item_id", "neg_item_id"]
+    assert kjt2.to_dict()["neg_item_id"].lengths().tolist() == [0, 0, 0]
+
+
+def test_sparse_features_errors_and_empty():
+    cfg = tiny_cfg()
+    b = random_batch([2, 1])
+    with pytest.raises(ValueError, match="ratings"):
+        sparse_features(b.with_(ratings=torch.tensor([1, 11, 3])), neg_ids=None, cfg=cfg)
+    with pytest.raises(ValueError, match="neg_ids"):
+        sparse_features(b, neg_ids=torch.ones(3, 2, dtype=torch.int64), cfg=cfg)
+    with pytest.raises(ValueError, match="timestamps"):
+        time_gap_buckets(torch.tensor([5, 3]), torch.tensor([0, 2]), 32)
+    kjt = sparse_features(random_batch([]), neg_ids=None, cfg=cfg)
+    assert kjt.stride() == 1 and kjt.values().numel() == 0
+    assert time_gap_buckets(torch.tensor([10 ** 12, 0]), torch.tensor([0, 1, 2]), 32).tolist() == [0, 0]
+    assert int(time_bucket_ref(torch.tensor([10 ** 12]), 31)) == 30
+
+
+def test_embedding_collection_tables_and_meta():
+    cfg = tiny_cfg()
+    ec = make_embedding_collection(cfg, 40, "cpu")
+    w = ec.embeddings["item"].weight
+    assert w.shape == (41, 16)
+    assert 0.01 < float(w.detach().std()) < 0.03 and float(w.detach().abs().max()) <= 0.02 * math.sqrt(3) + 1e-6
+    assert ec.embeddings["rating"].weight.shape == (11, 16)
+    assert ec.embeddings["time_gap"].weight.shape == (32, 16)
+    meta = make_embedding_collection(cfg, 40, "meta")
+    assert meta.embeddings["item"].weight.device.type == "meta"
+    with pytest.raises(ValueError, match="num_items"):
+        make_embedding_collection(cfg, 0)
+
+
+@pytest.mark.parametrize("negatives", ["uniform", "in_batch"])
+def test_gem_forward_backward(negatives):
+    torch.manual_seed(0)
+    model = GEM(tiny_cfg(negatives=negatives), num_items=40, max_seq_len=12)
+    batch = random_batch([3, 0, 1, 12, 5, 2])
+    loss, stats = model(batch, generator=torch.Generator().manual_seed(0))
+    # positions with a next item: 2 + 0 + 0 + 11 + 4 + 1 = 18
+    assert float(stats["num_targets"]) == 18 == next_item_index(batch.offsets).numel()
+    assert loss.dim() == 0 and torch.isfinite(loss)
+    # chance level is ~ln(1 + 8) for 8 negatives at init (cosines ~ 0)
+    assert abs(float(loss) - math.log(9)) < 1.5
+    loss.backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None]
+    assert not missing
+    assert model.embeddings.embeddings["item"].weight.grad.abs().sum() > 0
+    assert model.encoder.blocks[0].rel_bias.ts_w.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("lengths", [[], [1, 1, 0], [0]])
+def test_gem_batches_without_targets_keep_graph(lengths):
+    model = GEM(tiny_cfg(), num_items=40, max_seq_len=12)
+    loss, stats = model(random_batch(lengths))
+    assert float(loss) == 0.0 and float(stats["num_targets"]) == 0
+    assert loss.grad_fn is not None
+    loss.backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None]
+    assert not missing
+
+
+def test_negative_sampling_is_seeded():
+    model = GEM(tiny_cfg(dropout=0.0), num_items=40, max_seq_len=12)
+    batch = random_batch([4, 6])
+    l1, _ = model(batch, generator=torch.Generator().manual_seed(3))
+    l2, _ = model(batch, generator=torch.Generator().manual_seed(3))
+    l3, _ = model(batch, generator=torch.Generator().manual_seed(4))
+    assert float(l1) == float(l2) and float(l1) != float(l3)
+    model.seed_sampling(7)
+    a, _ = model(batch)
+    model.seed_sampling(7)
+    b, _ = model(batch)
+    assert float(a) == float(b)
+
+
+def test_user_and_item_embeddings():
+    model = GEM(tiny_cfg(), num_items=40, max_seq_len=12).eval()
+    batch = random_batch([3, 0, 1, 12], targets=True)
+    with torch.no_grad():
+        users = model.user_embeddings(batch)
+        items = model.item_embeddings(torch.arange(1, 41))
+    assert users.shape == (4, 16) and items.shape == (40, 16)
+    assert torch.allclose(items.norm(dim=-1), torch.ones(40), atol=1e-5)
+    assert torch.allclose(users.norm(dim=-1), torch.tensor([1.0, 0.0, 1.0, 1.0]), atol=1e-5)
+    # the last state of sequence 0 depends only on sequence 0
+    alone = model.user_embeddings(random_batch([3], targets=True).with_(
+        item_ids=batch.item_ids[:3], ratings=batch.ratings[:3], timestamps=batch.timestamps[:3]))
+    torch.testing.assert_close(alone[0], users[0], rtol=1e-5, atol=1e-6)
+    raw = model.embeddings.embeddings["item"].weight[5]
+    torch.testing.assert_close(items[4], raw / raw.norm())
+
+
+@pytest.mark.parametrize("negatives", ["uniform", "in_batch"])
+def test_overfits_tiny_problem(negatives):
+    # 8 users whose histories follow item i -> i+1 (mod 20): the model must learn the successor rule.
+    torch.manual_seed(0)
+    cfg = tiny_cfg(negatives=negatives, num_negatives=16, embedding_dim=16)
+    model = GEM(cfg, num_items=20, max_seq_len=10)
+    lengths = [10, 7, 5, 10, 8, 3, 9, 6]
+    starts = torch.arange(8) * 3
+    items = torch.cat([(s + torch.arange(L)) % 20 + 1 for s, L in zip(starts, lengths)])
+    batch = random_batch(lengths, num_items=20).with_(item_ids=items)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(60):
+        loss, _ = model(batch, generator=g)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    assert losses[-1] < 0.3 * losses[0], losses[::10]
+    # and it ranks each trained next item near the top: histories without their last item must
+    # predict that last item (a target seen in training)
+    model.eval()
+    short = [L - 1 for L in lengths]
+    keep = torch.cat([torch.arange(int(o), int(o) + L) for o, L in zip(batch.offsets[:-1], short)])
+    trunc = random_batch(short, num_items=20).with_(item_ids=items[keep], ratings=batch.ratings[keep],
+                                                     timestamps=batch.timestamps[keep])
+    with torch.no_grad():
+        scores = model.user_embeddings(trunc) @ model.item_embeddings(torch.arange(1, 21)).T
+    succ = items[batch.offsets[1:] - 1]
+    ranks = (scores > scores.gather(1, (succ - 1).view(-1, 1))).sum(1)
+    assert float((ranks < 3).float().mean()) >= 0.75, ranks
+
+
+def test_meta_build_then_materialise():
+    cfg = tiny_cfg()
+    model = GEM(cfg, num_items=40, device="meta", max_seq_len=12)
+    assert all(p.device.type == "meta" for p in model.parameters())
+    # what DistributedModelParallel does for dense modules: allocate each module's own meta params and
+    # call its reset_parameters (every module owning parameters must have one)
+    for mod in model.modules():
+        own = [n for n, p in mod.named_parameters(recurse=False)]
+        if not own or mod is model.embeddings or mod in model.embeddings.modules():
+            continue
+        assert hasattr(mod, "reset_parameters"), type(mod).__name__
+        mod.to_empty(device="cpu", recurse=False)
+        mod.reset_parameters()
+    model.embeddings = make_embedding_collection(cfg, 40, "cpu")
+    loss, _ = model(random_batch([4, 3]))
+    assert torch.isfinite(loss)
+    blk = model.encoder.blocks[0]
+    assert 0.01 < float(blk.uvqk_weight.std()) < 0.03 and float(blk.uvqk_bias.abs().sum()) == 0
+
+
+def test_bad_config_and_sequence_raise():
+    with pytest.raises(ValueError, match="negatives"):
+        GEM(tiny_cfg(negatives="random"), num_items=10)
+    with pytest.raises(ValueError, match="attn_dropout"):
+        GEM(tiny_cfg(attn_dropout=0.1), num_items=10)
+    model = GEM(tiny_cfg(), num_items=40, max_seq_len=4)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        model(random_batch([5]))
