@@ -204,13 +204,15 @@ def test_submit_train_job_reports_metrics_and_checkpoints(head, tmp_path):
     overrides = _small_overrides(tmp_path) + ["train.epochs=1", "train.max_steps_per_epoch=5",
                                               "ray.num_workers=2", "ray.cpus_per_worker=0.5"]
     handle = gemray.submit(REPO / "configs/ml-latest-small.toml", head.address, overrides=overrides,
-                           token=head.token)
+                           output_dir=str(tmp_path / "out"), token=head.token)
     st = handle.wait(timeout_s=300, poll_s=2)
     assert st == "SUCCEEDED", handle.logs()[-4000:]
     res = handle.result(timeout_s=10)
     assert res["task"] == "train" and res["metrics"], res
     assert any(k.lower().startswith(("hr", "ndcg", "test/", "val")) for k in _flat_keys(res["metrics"]))
     assert any((tmp_path / "runs").rglob("*")), "nothing written under ray.storage_path"
+    assert res["path"] == str(tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "metrics.json").read_text())["hr@10"] == res["metrics"]["hr@10"]
 
 
 def _flat_keys(d, prefix=""):
@@ -334,6 +336,19 @@ def test_parse_result_takes_last_line_and_checks_json():
         sub.parse_result("GEMRAY_RESULT {not json")
     with pytest.raises(RuntimeError):
         sub.parse_result("")
+
+
+def test_summarize_fit_gemray_result():
+    from dataclasses import dataclass, field
+
+    @dataclass
+    class Result:  # the shape of gemray.controller.run.Result
+        metrics: dict = field(default_factory=dict)
+        checkpoint_path: str | None = None
+        output_dir: str = ""
+
+    out = sub._summarize_fit(Result({"hr@10": 0.2}, "/r/ckpt", "/r"))
+    assert out == {"task": "train", "metrics": {"hr@10": 0.2}, "path": "/r", "checkpoint": "/r/ckpt"}
 
 
 def test_summarize_fit_result_object():

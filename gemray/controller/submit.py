@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 CONFIG_ENV = "GEMRAY_CONFIG_TOML"
 TASK_ENV = "GEMRAY_TASK"
+OUTPUT_ENV = "GEMRAY_OUTPUT_DIR"
 RESULT_MARKER = "GEMRAY_RESULT "
 TASKS = ("train", "prepare")
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
@@ -161,7 +162,8 @@ def make_client(address: str | None = None, token: str | None = None, headers: d
 def submit(config: JobConfig | str | os.PathLike, address: str | None = None, *,
            overrides: list[str] | None = None, task: str = "train", working_dir: str | None = None,
            runtime_env: dict[str, Any] | None = None, submission_id: str | None = None,
-           python: str = "python", entrypoint_num_cpus: float | None = None,
+           output_dir: str | None = None, python: str = "python",
+           entrypoint_num_cpus: float | None = None,
            token: str | None = None, client: Any = None) -> JobHandle:
     """Submit ``config`` as a Ray job to the cluster at ``address``; returns a :class:`JobHandle` at once.
 
@@ -170,6 +172,8 @@ def submit(config: JobConfig | str | os.PathLike, address: str | None = None, *,
     address: the job server, ``http://host:8265``; None: ``cfg.ray.address`` if it is an http URL, else
         ``RAY_ADDRESS``. task: "train" or "prepare". working_dir: a local folder Ray uploads and runs the
         job in (e.g. the repo, for code not installed on the cluster; it is put first on PYTHONPATH).
+    output_dir: for "train", where gemray.fit writes metrics.json/curves/config on the cluster (default:
+        fit's own, ``runs/<name>`` under the job's working dir; give an absolute shared path to keep it).
     runtime_env: extra Ray runtime_env entries (env_vars are merged). python: interpreter on the
         cluster. token: Ray auth token sent as a header (default: Ray's own lookup). client: an existing
         JobSubmissionClient (tests). Paths in the config (storage, data) are read on the cluster.
@@ -183,6 +187,8 @@ def submit(config: JobConfig | str | os.PathLike, address: str | None = None, *,
     env_vars = {str(k): str(v) for k, v in (env.pop("env_vars", None) or {}).items()}
     env_vars[CONFIG_ENV] = to_toml(cfg)
     env_vars[TASK_ENV] = task
+    if output_dir:
+        env_vars[OUTPUT_ENV] = str(output_dir)
     if working_dir:
         wd = Path(working_dir).resolve()
         if not wd.is_dir():
@@ -217,9 +223,10 @@ def _summarize_fit(result: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"task": "train"}
     metrics = getattr(result, "metrics", None)
     out["metrics"] = dict(metrics) if isinstance(metrics, dict) else metrics
-    out["path"] = getattr(result, "path", None)
+    out["path"] = getattr(result, "output_dir", None) or getattr(result, "path", None)
     ckpt = getattr(result, "checkpoint", None)
-    out["checkpoint"] = getattr(ckpt, "path", None) if ckpt is not None else None
+    out["checkpoint"] = (getattr(result, "checkpoint_path", None)
+                         or (getattr(ckpt, "path", None) if ckpt is not None else None))
     err = getattr(result, "error", None)
     if err is not None:
         out["error"] = repr(err)
@@ -238,7 +245,8 @@ def run_task(cfg: JobConfig, task: str) -> dict[str, Any]:
     if task == "train":
         import gemray
 
-        result = gemray.fit(cfg)
+        output_dir = os.environ.get(OUTPUT_ENV) or None
+        result = gemray.fit(cfg, output_dir=output_dir) if output_dir else gemray.fit(cfg)
         out = _summarize_fit(result)
         if out.get("error"):
             raise RuntimeError(f"gemray.fit failed: {out['error']}")
@@ -275,6 +283,7 @@ def add_submit_arguments(p: Any) -> None:
     p.add_argument("--task", choices=TASKS, default="train")
     p.add_argument("--working-dir", default=None, help="folder to upload and run in (e.g. .)")
     p.add_argument("--python", default="python", help="interpreter on the cluster")
+    p.add_argument("--output", default=None, help="train: output folder on the cluster (absolute)")
     p.add_argument("--no-wait", action="store_true", help="print the submission id and return")
     p.add_argument("--timeout", type=float, default=24 * 3600.0, help="seconds to wait (default 1 day)")
 
@@ -283,7 +292,7 @@ def cli_submit(ns: Any) -> int:
     """Run ``gemray submit``: submit, then (unless --no-wait) wait, print the logs and the result JSON.
     Returns the exit status (0 on SUCCEEDED)."""
     handle = submit(ns.config, ns.address, overrides=ns.overrides, task=ns.task,
-                    working_dir=ns.working_dir, python=ns.python)
+                    working_dir=ns.working_dir, output_dir=ns.output, python=ns.python)
     print(f"submitted: {handle.submission_id}")
     if ns.no_wait:
         return 0
