@@ -127,7 +127,13 @@ def _parse_fast(data: bytes, fmt: MovieLensFormat) -> _Parsed | None:
             return None
     elif data.startswith(_BOM):
         return None
-    if not data.isascii() or b"+" in data:
+    # Only the bytes a well-formed file can hold: pyarrow's converters are laxer than _parse_line
+    # (they trim spaces and take "0x1", "4e0", "4.", ".5"); anything unusual goes to the strict parser.
+    allowed = b"0123456789-\r\n" + fmt.delimiter[0].encode() + (b"." if fmt.half_stars else b"")
+    body = data.partition(b"\n")[2] if fmt.header is not None else data
+    if body.translate(None, allowed) or data.count(b"\r") != data.count(b"\r\n"):
+        return None
+    if fmt.half_stars and (b",." in body or b".," in body):
         return None
     names = ["u", "i", "r", "t"]
     delim, columns = fmt.delimiter, names

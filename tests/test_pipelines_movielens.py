@@ -301,3 +301,30 @@ def test_load_manifest_errors(tmp_path):
     (tmp_path / "o/manifest.json").write_text("{not json")
     with pytest.raises(ValueError, match="unreadable manifest"):
         load_manifest(tmp_path / "o")
+
+
+TRICKY = {
+    "ml-1m": [b"1::10::4::100\r\n2::11::5::101\r\n", b"1::10::4::100", b"1::010::4::100\n", b"1:: 10::4::100\n",
+              b"1::10 ::4::100\n", b"1::10::4::1e3\n", b"1::10::4.0::100\n", b"1::10::4::100::\n", b"1::10:4::100\n",
+              b"1::10::4::100\n\n", b"1::10::4::00\n", b"1::0x1::4::5\n", b"1\t::10::4::5\n", b"+1::10::4::5\n",
+              b"1::10::4::5\r2::11::4::6\n", b'"1"::10::4::5\n', b"1::10::4::5\n::::::\n"],
+    "ml-100k": [b"1\t10\t4\t100\n", b"1\t10\t4\t100 \n", b"1 \t10\t4\t100\n", b"1\t10\t4\t100\t\n", b"1\t\t4\t100\n"],
+    "ml-latest-small": [b"\xef\xbb\xbfuserId,movieId,rating,timestamp\n1,10,4.0,100\n",
+                        b"userId,movieId,rating,timestamp\r\n1,10,4,100\r\n", b"userId,movieId,rating,timestamp\n",
+                        *(b"userId,movieId,rating,timestamp\n1,10," + r + b",100\n"
+                          for r in (b"4.", b".5", b"4.50", b"nan", b" 4.0", b"4e0", b"4..5", b"-4.0", b"4.25"))],
+}
+
+
+@pytest.mark.parametrize("fmt", list(TRICKY))
+def test_fast_path_never_accepts_what_the_strict_parser_rejects(fmt):
+    f = ml.FORMATS[fmt]
+    for data in TRICKY[fmt]:
+        fast = ml._parse_fast(data, f)
+        slow = ml._parse_slow(data, f, f.filename, quarantine=True)
+        if fast is None:
+            continue
+        assert not slow.bad, data
+        for name in ("users", "items", "ratings", "timestamps"):
+            np.testing.assert_array_equal(getattr(fast, name), getattr(slow, name), err_msg=repr(data))
+    assert ml._parse_fast(TRICKY[fmt][0], f) is not None  # the well-formed first case takes the fast path
