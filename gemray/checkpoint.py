@@ -80,7 +80,8 @@ def save_checkpoint(directory: str | Path, model: torch.nn.Module, optimizer: An
 
     Every rank of the default process group must call this (DCP is collective). Writes
     ``manifest_rank<r>.json`` listing the sha256 of every file this rank wrote. ``trainer`` holds plain
-    Python values (epoch, step, global_step, history); this rank's RNG state is added under
+    Python values (epoch, step, global_step, history) and must be identical on every rank: DCP
+    deduplicates same-named entries and keeps rank 0's copy. This rank's RNG state is added under
     ``rng_rank<r>``. Returns the directory.
     """
     import torch.distributed.checkpoint as dcp
