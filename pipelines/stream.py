@@ -133,7 +133,9 @@ def _read_rank_table_uncached(manifest: dict[str, Any], shards: list[dict[str, A
     for s in shards:
         term = (user >= s["first_user_id"]) & (user <= s["last_user_id"])
         expr = term if expr is None else expr | term
-    ds = ray.data.read_parquet(paths, columns=HISTORY_SCHEMA.names, filter=expr)
+    # Small CPU ask per read task: inside Ray Train the workers hold most CPUs, and read tasks that wait
+    # for a whole free CPU can stall the step (NOTES.md: 2 workers + a read on 2 CPUs hung).
+    ds = ray.data.read_parquet(paths, columns=HISTORY_SCHEMA.names, filter=expr, num_cpus=0.25)
     parts = [b for b in ds.iter_batches(batch_format="pyarrow", batch_size=None) if b.num_rows]
     table = pa.concat_tables(parts).select(HISTORY_SCHEMA.names).cast(HISTORY_SCHEMA) if parts \
         else HISTORY_SCHEMA.empty_table()
