@@ -328,3 +328,14 @@ def test_fast_path_never_accepts_what_the_strict_parser_rejects(fmt):
         for name in ("users", "items", "ratings", "timestamps"):
             np.testing.assert_array_equal(getattr(fast, name), getattr(slow, name), err_msg=repr(data))
     assert ml._parse_fast(TRICKY[fmt][0], f) is not None  # the well-formed first case takes the fast path
+
+
+def test_only_bad_rows_is_an_error_even_when_quarantining(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "u.data").write_bytes(b"x\ty\tz\tw\n1\t2\n")
+    with pytest.raises(ValueError, match=r"no valid rating rows \(2 bad rows"):
+        prepare_movielens(src, tmp_path / "o", on_bad_rows="quarantine")
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(ValueError, match="on_bad_rows"):
+        prepare_movielens(src, tmp_path / "o", on_bad_rows="skip")
