@@ -5,6 +5,8 @@
     gemray bench bbs --config FILE [--world-size N] [--set ...]
     gemray bench kernels [ARGS...]        (gemray.kernels.bench.main)
     gemray submit --config FILE [--address URL] ...   (gemray.controller.submit)
+    gemray k8s render --config FILE [--kind rayjob|raycluster|pvc] [--gpu] [--image ...] [--storage ...]
+    gemray k8s validate FILES [--crds DIR]             (gemray.k8s)
 
 User errors (bad config values, unknown keys, missing files, bad data rows) print one line
 ``gemray: error: ...`` and exit with status 2; a training failure exits with status 1.
@@ -89,6 +91,12 @@ def _cmd_submit(ns: argparse.Namespace) -> int:
     return cli_submit(ns)
 
 
+def _cmd_k8s(ns: argparse.Namespace) -> int:
+    from gemray.k8s import main as k8s_main
+
+    return k8s_main([ns.k8s_command, *ns.args])
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argparse tree (exposed for tests and docs)."""
     ap = argparse.ArgumentParser(prog="gemray", description="Ray-orchestrated GEM/HSTU training")
@@ -129,6 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
         sm = sub.add_parser("submit", help="submit a job to a running Ray cluster (ray job submit)")
         add_submit_arguments(sm)
         sm.set_defaults(func=_cmd_submit)
+    k8 = sub.add_parser("k8s", help="KubeRay manifests: render from a config, validate against the CRDs",
+                        prefix_chars="+")  # options after the subcommand go to gemray.k8s untouched
+    k8.add_argument("k8s_command", choices=("render", "validate", "regenerate"))
+    k8.add_argument("args", nargs=argparse.REMAINDER, help="see `gemray k8s render --help`")
+    k8.set_defaults(func=_cmd_k8s)
     return ap
 
 
