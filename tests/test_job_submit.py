@@ -222,29 +222,8 @@ def _flat_keys(d, prefix=""):
             yield from _flat_keys(v, f"{prefix}{k}/")
 
 
-def _cli_train_available() -> bool:
-    try:
-        src = (REPO / "gemray" / "cli.py").read_text()
-    except OSError:
-        return False
-    return _train_available() and '"train"' in src
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not _cli_train_available(), reason="`gemray train` CLI not built yet")
-@pytest.mark.skipif(not RAW_SMALL.is_dir(), reason="ml-latest-small not found in shared/data")
-def test_ray_job_submit_cli_working_dir(head, tmp_path):
-    """The README flow: `ray job submit --working-dir . -- gemray train --config ...` with the token
-    taken from RAY_AUTH_TOKEN_PATH (as a user would after `ray start --head`)."""
-    sets = []
-    for o in _small_overrides(tmp_path) + ["train.epochs=1", "train.max_steps_per_epoch=5"]:
-        sets += ["--set", o]
-    cmd = [str(VENV_BIN / "ray"), "job", "submit", "--address", head.address, "--working-dir", ".",
-           "--", "gemray", "train", "--config", "configs/ml-latest-small.toml", *sets]
-    out = subprocess.run(cmd, cwd=REPO, env=head.env, capture_output=True, text=True, timeout=400)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "SUCCEEDED" in out.stdout + out.stderr
-    assert any((tmp_path / "runs").rglob("*"))
+# The `ray job submit --working-dir . -- gemray train ...` flow is run by tests/test_deploy_readme.py
+# (README "Cluster (ray job submit)"), so it is not repeated here.
 
 
 # ---- JobHandle logic without a cluster (a recording fake of JobSubmissionClient) -------------
