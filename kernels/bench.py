@@ -264,7 +264,7 @@ def _flex_times(q, k, v, off, t) -> tuple[float, float]:
     def mask_mod(b, h, qi, ki):
         return (doc[qi] == doc[ki]) & (qi >= ki)
 
-    bm = create_block_mask(mask_mod, 1, None, t, t, device="cuda")
+    bm = create_block_mask(mask_mod, 1, None, t, t, device="cuda", _compile=True)  # no T x T tensor
     flex = torch.compile(flex_attention, dynamic=False)
 
     def f(a, bb, c):
@@ -374,7 +374,7 @@ def bench_block(rec: Recorder) -> None:
     from gemray.kernels import reference as ref
     from gemray.kernels.jagged_attention import jagged_block_attention_triton
 
-    b, bs = 16, 64
+    b, bs = 64, 64
     for n in (4096, 16384):
         torch.manual_seed(2)
         lengths = [n] * b
@@ -415,36 +415,41 @@ def bench_norm(rec: Recorder) -> None:
         traceback.print_exc()
 
 
-SWEEP = {  # (BLOCK_M, BLOCK_N, num_warps, num_stages); the first entry of each is the default
+SWEEP = {  # regime -> kernel -> candidate (BLOCK_M, BLOCK_N, num_warps, num_stages); first = default
     "long": {
-        "fwd": [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 4, 3)],
-        "dkdv": [(64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3)],
-        "dq": [(128, 64, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3), (128, 64, 8, 3)],
+        "fwd": [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3)],
+        "dkdv": [(64, 128, 8, 2), (64, 128, 8, 3), (128, 128, 8, 2), (32, 128, 4, 3)],
+        "dq": [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3)],
+    },
+    "medium": {
+        "fwd": [(64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 3), (128, 128, 8, 2)],
+        "dkdv": [(64, 128, 8, 2), (64, 64, 4, 3), (32, 128, 4, 3)],
+        "dq": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3)],
     },
     "short": {
-        "fwd": [(64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 3)],
-        "dkdv": [(64, 64, 4, 3), (32, 64, 4, 3), (64, 128, 8, 2)],
-        "dq": [(64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 8, 2)],
+        "fwd": [(64, 32, 4, 3), (64, 64, 4, 3), (32, 32, 4, 3)],
+        "dkdv": [(64, 128, 8, 2), (32, 64, 4, 3), (64, 64, 4, 3)],
+        "dq": [(64, 64, 4, 3), (64, 32, 4, 3), (32, 64, 4, 3)],
     },
 }
+SWEEP_BATCH = {"short": ("heavy", 128, 1024), "medium": ("heavy", 256, 4096), "long": ("uniform", 64, 4096)}
 
 
 def sweep_tiles(rec: Recorder) -> None:
-    """Pick each kernel's tiles (D=128) by timing the candidates in SWEEP: the long-sequence table on the
-    heavy B=256 N=4096 batch, the short-sequence table on heavy B=128 N=1024 (mean length < 256). The
-    winners are written into jagged_attention.TILES / TILES_SHORT for the rest of the run. Softmax is
-    timed (silu shares the tiles)."""
+    """Pick each kernel's tiles (D=128) per regime by timing the candidates in SWEEP on that regime's
+    representative batch (SWEEP_BATCH); the winners go into jagged_attention.TILES for the rest of the
+    run. Softmax is timed (silu shares the tiles); dK/dV and dQ candidates are timed as fwd+bwd."""
     from gemray.kernels import jagged_attention as ja
 
-    for table, (kind, b, n) in ((ja.TILES, ("heavy", 256, 4096)), (ja.TILES_SHORT, ("heavy", 128, 1024))):
+    for which, (kind, b, n) in SWEEP_BATCH.items():
         torch.manual_seed(0)
         lengths = make_lengths(kind, b, n)
         off = offsets_of(lengths)
         t = int(off[-1])
+        assert ja.regime(t, b) == which, (which, t, b)
         q, k, v = (torch.randn(t, H, D, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
                    for _ in range(3))
-        which = "long" if table is ja.TILES else "short"
-        assert (t < ja.SHORT_MEAN_LEN * b) == (which == "short")
+        table = ja.TILES[which]
 
         def fn(a, bb, c):
             return ja.jagged_attention_triton(a, bb, c, off, n, activation="softmax")
@@ -505,12 +510,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from gemray.kernels import jagged_attention as ja
 
-    if args.tiles:  # {"long"|"short": {"fwd": {"128": [bm, bn, warps, stages]}}}
+    if args.tiles:  # {"long"|"medium"|"short": {"fwd": {"128": [bm, bn, warps, stages]}}}
         for which, kinds in json.loads(args.tiles).items():
-            target = ja.TILES if which == "long" else ja.TILES_SHORT
             for kind, table in kinds.items():
                 for dk, cfg in table.items():
-                    target[kind][int(dk)] = tuple(cfg)
+                    ja.TILES[which][kind][int(dk)] = tuple(cfg)
     skip = {s for s in args.skip.split(",") if s}
     rec = Recorder(Path(args.out))
     rec.add(section="env", torch=torch.__version__, triton=triton.__version__,
@@ -518,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     if args.sweep:
         sweep_tiles(rec)
-    rec.add(section="tiles", long=json.dumps(ja.TILES), short=json.dumps(ja.TILES_SHORT))
+    rec.add(section="tiles", tiles=json.dumps({r: {k: v[128] for k, v in t.items()} for r, t in ja.TILES.items()}))
     if "self" not in skip:
         bench_self(rec, skip, args.quick)
     if "cross" not in skip:

@@ -40,6 +40,8 @@ from __future__ import annotations
 import logging
 import math
 import os
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -51,21 +53,29 @@ log = logging.getLogger(__name__)
 ACTIVATIONS = {"softmax": 0, "silu": 1, "gelu": 2, "none": 3}
 _LOG2E = 1.4426950408889634
 
-# Tile configurations: (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel ("fwd", "dkdv", "dq"), keyed by
-# the smallest head-dim bucket >= Dqk. "dkdv" tiles the keys by BLOCK_N and loops over queries by BLOCK_M.
-# TILES_SHORT is used when the mean sequence length (T / B: no host sync) is below SHORT_MEAN_LEN, where
-# smaller tiles waste less work on short sequences. kernels/bench.py sweeps and may override entries.
-TILES: dict[str, dict[int, tuple[int, int, int, int]]] = {
-    "fwd": {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
-    "dkdv": {64: (64, 128, 8, 3), 128: (64, 128, 8, 2), 256: (32, 64, 4, 2)},
-    "dq": {64: (128, 64, 8, 3), 128: (128, 64, 8, 2), 256: (64, 32, 4, 2)},
+# Tile configurations: (BLOCK_M, BLOCK_N, num_warps, num_stages) per regime and kernel ("fwd", "dkdv",
+# "dq"), keyed by the smallest head-dim bucket >= Dqk. "dkdv" tiles the keys by BLOCK_N and loops over the
+# queries by BLOCK_M. The regime comes from the mean sequence length T / B (known on the host, no sync):
+# "short" below REGIME_MEAN_LEN[0], "medium" below REGIME_MEAN_LEN[1], else "long"; smaller tiles waste
+# less work on short sequences. kernels/bench.py sweeps candidates on the H200 and records the winners.
+TILES: dict[str, dict[str, dict[int, tuple[int, int, int, int]]]] = {
+    "short": {
+        "fwd": {64: (64, 32, 4, 3), 128: (64, 32, 4, 3), 256: (64, 32, 4, 2)},
+        "dkdv": {64: (64, 128, 8, 2), 128: (64, 128, 8, 2), 256: (32, 64, 4, 2)},
+        "dq": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 2)},
+    },
+    "medium": {
+        "fwd": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 2)},
+        "dkdv": {64: (64, 128, 8, 2), 128: (64, 128, 8, 2), 256: (32, 64, 4, 2)},
+        "dq": {64: (128, 64, 8, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
+    },
+    "long": {
+        "fwd": {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
+        "dkdv": {64: (64, 128, 8, 2), 128: (64, 128, 8, 2), 256: (32, 64, 4, 2)},
+        "dq": {64: (128, 64, 8, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
+    },
 }
-TILES_SHORT: dict[str, dict[int, tuple[int, int, int, int]]] = {
-    "fwd": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 2)},
-    "dkdv": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (32, 64, 4, 2)},
-    "dq": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 2)},
-}
-SHORT_MEAN_LEN = 256
+REGIME_MEAN_LEN = (256, 1024)
 _INTERPRET_TILES = (16, 16, 4, 1)
 
 
@@ -73,20 +83,55 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _tiles(kind: str, d: int, short: bool = False, max_q_len: int | None = None) -> tuple[int, int, int, int]:
+def regime(total: int, batch: int) -> str:
+    """Tile regime from the mean sequence length total / batch (host ints)."""
+    mean = total / max(1, batch)
+    if mean < REGIME_MEAN_LEN[0]:
+        return "short"
+    return "medium" if mean < REGIME_MEAN_LEN[1] else "long"
+
+
+def _tiles(kind: str, d: int, reg: str = "long", max_q_len: int | None = None) -> tuple[int, int, int, int]:
     """Tile config for a kernel; ``max_q_len`` <= 64 (cross/PMA with few queries) shrinks BLOCK_M."""
     if _interpreting():
         return _INTERPRET_TILES
-    table = (TILES_SHORT if short else TILES)[kind]
+    table = TILES[reg][kind]
     for bucket in sorted(table):
         if d <= bucket:
             bm, bn, warps, stages = table[bucket]
-            if max_q_len is not None and kind in ("fwd", "dq") and max_q_len <= 64:
-                bm, warps = max(16, triton.next_power_of_2(max_q_len)), 4
-            if max_q_len is not None and kind == "dkdv" and max_q_len <= 64:
-                bm = max(16, triton.next_power_of_2(max_q_len))
+            if max_q_len is not None and max_q_len <= 64:
+                small = max(16, triton.next_power_of_2(max_q_len))
+                if kind in ("fwd", "dq"):
+                    bm, warps = small, 4
+                else:
+                    bm = min(bm, small)
             return bm, bn, warps, stages
     raise ValueError(f"gdpa: head dim {d} > 256 is not supported")
+
+
+_CACHE: OrderedDict = OrderedDict()
+_CACHE_SIZE = 256
+
+
+def _cached(tensors: tuple, extra: tuple, make):
+    """Memoise ``make()`` on the identity and version of ``tensors`` (e.g. offsets) plus ``extra``.
+
+    A jagged batch's offsets tensor is shared by every layer and by forward and backward, so the work
+    tables (and the length checks) are built once per batch. Identity is checked through weak references
+    (an id reused by a new tensor never hits) and in-place edits bump ``_version``.
+    """
+    key = tuple((id(t), t._version) if t is not None else None for t in tensors) + extra
+    hit = _CACHE.get(key)
+    if hit is not None:
+        refs, val = hit
+        if all((r is None) if t is None else (r is not None and r() is t) for r, t in zip(refs, tensors)):
+            _CACHE.move_to_end(key)
+            return val
+    val = make()
+    _CACHE[key] = (tuple(None if t is None else weakref.ref(t) for t in tensors), val)
+    while len(_CACHE) > _CACHE_SIZE:
+        _CACHE.popitem(last=False)
+    return val
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -560,23 +605,56 @@ def _block_d(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
+def _q_table(spec: _Spec, q_off: torch.Tensor, kv_off: torch.Tensor, bm: int) -> tuple[torch.Tensor, int]:
+    """Cached work table of query tiles (fwd and dQ kernels)."""
+    def make():
+        lq = q_off[1:] - q_off[:-1]
+        lk = kv_off[1:] - kv_off[:-1]
+        n_tiles = max(1, triton.cdiv(spec.max_q_len, bm))
+        return _work_table(lq, spec.max_q_len, bm, _q_tile_cost(spec, lk, n_tiles, bm))
+
+    return _cached((q_off, kv_off), ("q", bm, spec.max_q_len, spec.max_kv_len, spec.causal,
+                                     spec.att_block, spec.window), make)
+
+
+def _k_table(spec: _Spec, q_off: torch.Tensor, kv_off: torch.Tensor, bn: int) -> tuple[torch.Tensor, int]:
+    """Cached work table of key tiles (dK/dV kernel)."""
+    def make():
+        lq = q_off[1:] - q_off[:-1]
+        lk = kv_off[1:] - kv_off[:-1]
+        n_tiles = max(1, triton.cdiv(spec.max_kv_len, bn))
+        return _work_table(lk, spec.max_kv_len, bn, _k_tile_cost(spec, lq, n_tiles, bn))
+
+    return _cached((q_off, kv_off), ("k", bn, spec.max_q_len, spec.max_kv_len, spec.causal,
+                                     spec.att_block, spec.window), make)
+
+
+@triton.jit
+def _bwd_delta(O, DO, DELTA, T, stride_ot, stride_oh, stride_dot, stride_doh, stride_lh, D_V,
+               BLOCK_T: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """delta[h, t] = sum_d o[t, h, d] * do[t, h, d] in fp32 (softmax backward)."""
+    h = tl.program_id(1).to(tl.int64)
+    offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, BLOCK_DV)
+    m = (offs_t[:, None] < T) & (offs_d[None, :] < D_V)
+    o = tl.load(O + offs_t[:, None] * stride_ot + h * stride_oh + offs_d[None, :], mask=m, other=0.0)
+    do = tl.load(DO + offs_t[:, None] * stride_dot + h * stride_doh + offs_d[None, :], mask=m, other=0.0)
+    tl.store(DELTA + h * stride_lh + offs_t, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=offs_t < T)
+
+
 class _GDPA(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, q_off, kv_off, nt, spec: _Spec, t_out: int):
         h = k.shape[1]
         d_qk, d_v = q.shape[2], v.shape[2]
         bdk, bdv = _block_d(d_qk), _block_d(d_v)
-        lq = q_off[1:] - q_off[:-1]
-        lk = kv_off[1:] - kv_off[:-1]
-        short = t_out < SHORT_MEAN_LEN * max(1, q_off.numel() - 1)
-        bm, bn, warps, stages = _tiles("fwd", d_qk, short, spec.max_q_len)
-        n_tiles = max(1, triton.cdiv(spec.max_q_len, bm))
-        table, n_tiles = _work_table(lq, spec.max_q_len, bm, _q_tile_cost(spec, lk, n_tiles, bm))
+        reg = regime(t_out, q_off.numel() - 1)
+        bm, bn, warps, stages = _tiles("fwd", d_qk, reg, spec.max_q_len)
+        table, n_tiles = _q_table(spec, q_off, kv_off, bm)
         o = q.new_empty((t_out, h, d_v))
         lse = torch.empty((h, t_out), device=q.device, dtype=torch.float32)
         nt_arg = nt if nt is not None else q_off
-        grid = (table.numel(), h)
-        _gdpa_fwd[grid](
+        _gdpa_fwd[(table.numel(), h)](
             q, k, v, o, lse, q_off, kv_off, nt_arg, table,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             o.stride(0), o.stride(1), lse.stride(0), spec.alpha, spec.inv_n, n_tiles, d_qk, d_v,
@@ -596,10 +674,12 @@ class _GDPA(torch.autograd.Function):
         h = k.shape[1]
         d_qk, d_v = q.shape[2], v.shape[2]
         bdk, bdv = _block_d(d_qk), _block_d(d_v)
-        lq = q_off[1:] - q_off[:-1]
-        lk = kv_off[1:] - kv_off[:-1]
+        t_out = o.shape[0]
         if spec.act == 0:
-            delta = (do.float() * o.float()).sum(-1).t().contiguous()  # [H, T_out]
+            delta = torch.empty_like(lse)  # [H, T_out]
+            _bwd_delta[(triton.cdiv(t_out, 64), h)](
+                o, do, delta, t_out, o.stride(0), o.stride(1), do.stride(0), do.stride(1), delta.stride(0),
+                d_v, BLOCK_T=64, BLOCK_DV=bdv, num_warps=4)
         else:
             delta = lse
         nt_arg = nt if nt is not None else q_off
@@ -609,10 +689,9 @@ class _GDPA(torch.autograd.Function):
 
         dk = torch.empty_like(k)
         dv = torch.empty_like(v)
-        short = k.shape[0] < SHORT_MEAN_LEN * max(1, q_off.numel() - 1)
-        bm, bn, warps, stages = _tiles("dkdv", d_qk, short, spec.max_q_len)
-        n_tiles = max(1, triton.cdiv(spec.max_kv_len, bn))
-        table, n_tiles = _work_table(lk, spec.max_kv_len, bn, _k_tile_cost(spec, lq, n_tiles, bn))
+        reg = regime(t_out, q_off.numel() - 1)
+        bm, bn, warps, stages = _tiles("dkdv", d_qk, reg, spec.max_q_len)
+        table, n_tiles = _k_table(spec, q_off, kv_off, bn)
         _gdpa_bwd_dkdv[(table.numel(), h)](
             q, k, v, do, lse, delta, dk, dv, q_off, kv_off, nt_arg, table,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -620,11 +699,9 @@ class _GDPA(torch.autograd.Function):
             lse.stride(0), spec.alpha, spec.inv_n, n_tiles, d_qk, d_v,
             BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common)
 
-        t_out = o.shape[0]
         dq = q.new_empty((t_out, h, d_qk)) if spec.q_bcast else torch.empty_like(q)
-        bm, bn, warps, stages = _tiles("dq", d_qk, short, spec.max_q_len)
-        n_tiles = max(1, triton.cdiv(spec.max_q_len, bm))
-        table, n_tiles = _work_table(lq, spec.max_q_len, bm, _q_tile_cost(spec, lk, n_tiles, bm))
+        bm, bn, warps, stages = _tiles("dq", d_qk, reg, spec.max_q_len)
+        table, n_tiles = _q_table(spec, q_off, kv_off, bm)
         _gdpa_bwd_dq[(table.numel(), h)](
             q, k, v, do, lse, delta, dq, q_off, kv_off, nt_arg, table,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -712,12 +789,16 @@ def gdpa_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: to
     else:
         t_out = q.shape[0]
     if bsz:
-        lq = q_offsets[1:] - q_offsets[:-1]
-        lk = kv_offsets[1:] - kv_offsets[:-1]
-        # asynchronous (no host sync on CUDA): a sequence longer than max_len would silently lose tiles
-        torch._assert_async((lq.max() <= max_q_len) & (lk.max() <= max_kv_len))
-        if num_targets is not None:
-            torch._assert_async(((num_targets >= 0) & (num_targets <= lq)).all())
+        def check():
+            # asynchronous (no host sync on CUDA): a sequence longer than max_len would lose tiles
+            lq = q_offsets[1:] - q_offsets[:-1]
+            lk = kv_offsets[1:] - kv_offsets[:-1]
+            torch._assert_async((lq.max() <= max_q_len) & (lk.max() <= max_kv_len))
+            if num_targets is not None:
+                torch._assert_async(((num_targets >= 0) & (num_targets <= lq)).all())
+            return True
+
+        _cached((q_offsets, kv_offsets, num_targets), ("check", max_q_len, max_kv_len), check)
     if alpha is None:  # the reference's convention (gemray.kernels.reference.jagged_attention_ref)
         alpha = 1.0 / math.sqrt(q.shape[2]) if activation == "softmax" else 1.0
     if norm is None:
