@@ -125,7 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     bb.add_argument("--world-size", type=int, default=0, help="default: ray.num_workers")
     _add_set(bb)
     bb.set_defaults(func=_cmd_bench_bbs)
-    bk = bsub.add_parser("kernels", help="Triton kernel benchmarks (gemray.kernels.bench)")
+    bk = bsub.add_parser("kernels", help="Triton kernel benchmarks (gemray.kernels.bench)",
+                         prefix_chars="+")  # every option after `kernels` goes to gemray.kernels.bench
     bk.add_argument("args", nargs=argparse.REMAINDER, help="passed to gemray.kernels.bench")
     bk.set_defaults(func=_cmd_bench_kernels)
 

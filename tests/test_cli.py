@@ -1,0 +1,85 @@
+"""The ``gemray`` CLI: argument parsing, one-line user errors with exit status 2, prepare + bench bbs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gemray.cli import build_parser, main
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = str(REPO / "configs" / "ml-latest-small.toml")
+SMALL = Path("/work/shared/data/ml-latest-small")
+
+
+def _err_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err  # one line, no traceback
+    assert err[0].startswith("gemray: error: ")
+    return err[0]
+
+
+@pytest.mark.parametrize("sets, needle", [
+    (["train.epochs=abc"], "train.epochs: expected int, got 'abc'"),
+    (["bogus.x=1"], "unknown section 'bogus'"),
+    (["train.nope=1"], "unknown key train.nope"),
+    (["train.epochs"], "expected section.key=value"),
+    (["train.epochs=0"], "train.epochs: expected > 0"),
+])
+def test_bad_set_is_one_line_exit_2(capsys, sets, needle):
+    assert main(["train", "--config", CONFIG, "--set", *sets]) == 2
+    assert needle in _err_line(capsys)
+
+
+def test_missing_config_and_source(capsys, tmp_path):
+    assert main(["train", "--config", str(tmp_path / "none.toml")]) == 2
+    assert "config file not found" in _err_line(capsys)
+    assert main(["prepare", "movielens", "--src", str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == 2
+    assert "does not exist" in _err_line(capsys)
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train\nepochs = 1\n")
+    assert main(["bench", "bbs", "--config", str(bad)]) == 2
+    assert "invalid TOML" in _err_line(capsys)
+
+
+def test_bench_bbs_needs_prepared_data(capsys, tmp_path):
+    assert main(["bench", "bbs", "--config", CONFIG, "--set", f"data.prepared_dir={tmp_path / 'x'}"]) == 2
+    assert "gemray prepare movielens" in _err_line(capsys)
+
+
+def test_set_accepts_several_values_and_repeats():
+    ns = build_parser().parse_args(["train", "--config", "c.toml", "--set", "a.b=1", "c.d=2",
+                                    "--set", "e.f=3", "--output", "o"])
+    assert ns.overrides == ["a.b=1", "c.d=2", "e.f=3"] and ns.output == "o"
+    ns = build_parser().parse_args(["bench", "kernels", "--skip", "flex"])
+    assert ns.args == ["--skip", "flex"]
+
+
+@pytest.mark.skipif(not SMALL.is_dir(), reason="ml-latest-small not available")
+def test_prepare_then_bench_bbs(capsys, tmp_path):
+    out = tmp_path / "prep"
+    assert main(["prepare", "movielens", "--src", str(SMALL), "--out", str(out), "--num-files", "2",
+                 "--on-bad-rows", "quarantine"]) == 0
+    text = capsys.readouterr().out
+    assert "610 users" in text and "0 bad rows quarantined" in text
+    assert main(["bench", "bbs", "--config", CONFIG, "--world-size", "2",
+                 "--set", f"data.prepared_dir={out}"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    without = [ln for ln in lines if "without BBS" in ln]
+    with_ = [ln for ln in lines if "with BBS" in ln]
+    assert len(without) == 1 and len(with_) == 1
+    vals = [float(ln.split()[2]) for ln in (without[0], with_[0])]
+    assert all(v >= 1.0 for v in vals)
+
+
+def test_console_script_exit_code(tmp_path):
+    exe = Path(sys.executable).with_name("gemray")
+    if not exe.exists():
+        pytest.skip("gemray console script not installed (pip install -e .)")
+    p = subprocess.run([str(exe), "train", "--config", CONFIG, "--set", "model.dropout=2"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    assert p.stderr.strip() == "gemray: error: model.dropout: expected 0 <= dropout < 1, got 2.0"
