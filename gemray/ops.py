@@ -52,14 +52,58 @@ class RelativeBiasInputs:
     ts_weights: torch.Tensor
     max_len: int
     buckets: tuple[torch.Tensor, torch.Tensor] | None = None
+    cache: dict | None = None  # shared by the blocks of one forward: per-group bucket slices
 
     def dense(self, offsets: torch.Tensor, n: int) -> torch.Tensor:
         """Materialise to [B, n, n] float (differentiable in the weights)."""
         if self.buckets is not None and self.buckets[0].shape[-1] == n:
             pb, tb = self.buckets
-            return self.pos_weights[pb].unsqueeze(0) + self.ts_weights[tb]
+            return bucket_gather(self.pos_weights, pb).unsqueeze(0) + bucket_gather(self.ts_weights, tb)
         return _ref.relative_bias_ref(self.timestamps, offsets, n, self.pos_weights, self.ts_weights,
                                       self.max_len)
+
+    def group_bias_fn(self, offsets: torch.Tensor) -> Callable[[torch.Tensor, int], torch.Tensor]:
+        """``(seqs [G] int64, m) -> [G, 1, m, m]`` bias of those sequences (for the grouped reference)."""
+        n = _longest(offsets)
+        if self.buckets is not None and self.buckets[0].shape[-1] >= n:
+            pb, tb = self.buckets
+        else:
+            pb, tb = relative_bias_buckets(self.timestamps, offsets, n, self.pos_weights.numel(),
+                                           self.ts_weights.numel(), self.max_len)
+
+        cache = self.cache if self.cache is not None else {}
+
+        def fn(seqs: torch.Tensor, m: int) -> torch.Tensor:
+            key = (int(seqs[0]) if seqs.numel() else -1, seqs.numel(), m)
+            if key not in cache:
+                cache[key] = (pb[:m, :m].contiguous(), tb[:, :m, :m][seqs])
+            pbm, tbg = cache[key]
+            return (bucket_gather(self.pos_weights, pbm).unsqueeze(0)
+                    + bucket_gather(self.ts_weights, tbg)).unsqueeze(1)
+
+        return fn
+
+
+class _BucketGather(torch.autograd.Function):
+    """weights[idx] whose backward is one ``bincount`` (the default index backward sorts millions of
+    indices into a few dozen buckets, which dominated CPU step time)."""
+
+    @staticmethod
+    def forward(ctx, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(idx)
+        ctx.num = weights.numel()
+        return weights[idx]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (idx,) = ctx.saved_tensors
+        g = torch.bincount(idx.reshape(-1), weights=grad.reshape(-1), minlength=ctx.num)
+        return g.to(grad.dtype), None
+
+
+def bucket_gather(weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """weights [Q] float, idx int64 (any shape, values in [0, Q)) -> weights[idx], same shape as idx."""
+    return _BucketGather.apply(weights, idx)
 
 
 def relative_bias_buckets(timestamps: torch.Tensor, offsets: torch.Tensor, n: int, num_pos_buckets: int,
@@ -151,7 +195,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.
             # "auto": the kernel declined an argument (e.g. a bias it cannot take): say so once, use the spec.
             _log_decline(str(e))
     if rel_bias is not None:
-        attn_bias = rel_bias.dense(offsets, _longest(offsets))
+        alpha = _ref.check_attention_args(q, k, v, offsets, max_len, activation=activation, attn_bias=None,
+                                          alpha=alpha, num_targets=num_targets)
+        return _ref.jagged_attention_grouped_ref(q, k, v, offsets, max_len, activation=activation,
+                                                 causal=causal, alpha=alpha, num_targets=num_targets,
+                                                 bias_fn=rel_bias.group_bias_fn(offsets))
     return _ref.jagged_attention_ref(q, k, v, offsets, max_len, activation=activation, causal=causal,
                                      attn_bias=attn_bias, alpha=alpha, num_targets=num_targets)
 

@@ -84,6 +84,44 @@ def valid_attn_mask_ref(lengths: torch.Tensor, n: int, *, causal: bool = True,
     return valid | (diag & (row >= L))
 
 
+def check_attention_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
+                         max_len: int, *, activation: str, attn_bias: torch.Tensor | None,
+                         alpha: float | None, num_targets: torch.Tensor | None) -> float:
+    """Validate ``jagged_attention_ref`` arguments (shapes, dtypes, lengths <= max_len, targets, bias size);
+    return alpha with its default filled in. Raises ValueError naming the bad argument.
+    """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"jagged_attention_ref: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or v.shape[:2] != q.shape[:2]:
+        raise ValueError(f"jagged_attention_ref: expected q,k [T,H,Dqk] and v [T,H,Dv], got q "
+                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if offsets.dtype != torch.int64 or offsets.dim() != 1 or offsets.numel() < 1:
+        raise ValueError(f"jagged_attention_ref: offsets must be 1-D int64 [B+1], got {offsets.dtype} "
+                         f"{tuple(offsets.shape)}")
+    T, H, Dqk = q.shape
+    B = offsets.numel() - 1
+    if int(offsets[-1]) != T:
+        raise ValueError(f"jagged_attention_ref: offsets[-1]={int(offsets[-1])} != T={T}")
+    lengths = offsets[1:] - offsets[:-1]
+    n = int(lengths.max()) if B else 0
+    if n > max_len:
+        raise ValueError(f"jagged_attention_ref: a sequence of length {n} > max_len {max_len}")
+    if num_targets is not None:
+        if num_targets.shape != (B,):
+            raise ValueError(f"jagged_attention_ref: num_targets must be [B={B}], got {tuple(num_targets.shape)}")
+        if bool(((num_targets < 0) | (num_targets > lengths)).any()):
+            raise ValueError("jagged_attention_ref: num_targets must satisfy 0 <= num_targets[b] <= length[b]")
+    if attn_bias is not None:
+        if attn_bias.dim() not in (3, 4) or attn_bias.shape[0] != B or (
+                attn_bias.dim() == 4 and attn_bias.shape[1] != H) or attn_bias.shape[-1] < n \
+                or attn_bias.shape[-2] < n:
+            raise ValueError(f"jagged_attention_ref: attn_bias must be [B={B}, n', n'] or [B, H={H}, n', n'] "
+                             f"with n' >= {n}, got {tuple(attn_bias.shape)}")
+    if alpha is None:
+        alpha = 1.0 / math.sqrt(Dqk) if activation == "softmax" else 1.0
+    return float(alpha)
+
+
 def jagged_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
                          max_len: int, *, activation: str = "silu", causal: bool = True,
                          attn_bias: torch.Tensor | None = None, alpha: float | None = None,
@@ -112,67 +150,121 @@ def jagged_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offs
     Raises:
         ValueError: bad shapes/dtypes, unknown activation, a sequence longer than max_len, bias too small.
     """
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"jagged_attention_ref: activation must be one of {ACTIVATIONS}, got {activation!r}")
-    if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or v.shape[:2] != q.shape[:2]:
-        raise ValueError(f"jagged_attention_ref: expected q,k [T,H,Dqk] and v [T,H,Dv], got q "
-                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if offsets.dtype != torch.int64 or offsets.dim() != 1 or offsets.numel() < 1:
-        raise ValueError(f"jagged_attention_ref: offsets must be 1-D int64 [B+1], got {offsets.dtype} "
-                         f"{tuple(offsets.shape)}")
+    alpha = check_attention_args(q, k, v, offsets, max_len, activation=activation, attn_bias=attn_bias,
+                                 alpha=alpha, num_targets=num_targets)
+    if attn_bias is None:
+        bias_fn = None
+    elif attn_bias.dim() == 3:
+        bias_fn = lambda seqs, m: attn_bias[:, :m, :m][seqs].unsqueeze(1)  # noqa: E731
+    else:
+        bias_fn = lambda seqs, m: attn_bias[:, :, :m, :m][seqs]  # noqa: E731
+    return jagged_attention_grouped_ref(q, k, v, offsets, max_len, activation=activation, causal=causal,
+                                        alpha=alpha, num_targets=num_targets, bias_fn=bias_fn)
+
+
+def length_groups(lengths: torch.Tensor, min_group: int = 16, max_groups: int = 8
+                  ) -> list[tuple[torch.Tensor, int]]:
+    """Split sequences into groups of similar length so that padding each group to its own longest
+    sequence wastes little: sort by length, cut into up to ``max_groups`` equal-count chunks of at least
+    ``min_group`` sequences. Returns [(sequence indices [G] int64, padded length n_g)], skipping groups
+    whose sequences are all empty. Pure bookkeeping: results do not depend on the grouping.
+    """
+    B = lengths.numel()
+    if B == 0:
+        return []
+    order = torch.argsort(lengths, stable=True)
+    num = max(1, min(max_groups, B // max(min_group, 1)))
+    bounds = [round(i * B / num) for i in range(num + 1)]
+    srt = lengths[order].tolist()
+    out = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        if hi > lo and srt[hi - 1] > 0:
+            out.append((order[lo:hi], int(srt[hi - 1])))
+    return out
+
+
+_LAYOUT_CACHE: dict = {}
+
+
+def _group_layouts(offsets: torch.Tensor, lengths: torch.Tensor, groups: list, causal: bool,
+                   num_targets: torch.Tensor | None) -> list:
+    """Per group: (seqs, n, tok [Tg] rows in q/k/v, flat [Tg] rows in the [G*n] padding, valid [G,1,n,n]).
+
+    Cached for the last batch seen (key: lengths, causal, num_targets), so the blocks of one forward and
+    its backward build the index bookkeeping and masks once.
+    """
+    key = (offsets.device, tuple(lengths.tolist()), causal,
+           None if num_targets is None else tuple(num_targets.tolist()),
+           tuple((seqs.numel(), n) for seqs, n in groups))
+    hit = _LAYOUT_CACHE.get("key")
+    if hit == key:
+        return _LAYOUT_CACHE["value"]
+    starts = offsets[:-1]
+    value = []
+    for seqs, n in groups:
+        Lg = lengths[seqs]
+        G = seqs.numel()
+        seg = torch.repeat_interleave(torch.arange(G, device=offsets.device), Lg)
+        og = torch.zeros(G + 1, dtype=torch.int64, device=offsets.device)
+        torch.cumsum(Lg, 0, out=og[1:])
+        pos = torch.arange(seg.numel(), device=offsets.device) - og[:-1][seg]
+        tok = starts[seqs][seg] + pos            # [Tg] rows of this group's tokens in q/k/v
+        flat = seg * n + pos                      # [Tg] rows in the [G*n] padded layout
+        nt = num_targets[seqs] if num_targets is not None else None
+        valid = valid_attn_mask_ref(Lg, n, causal=causal, num_targets=nt).unsqueeze(1)  # [G, 1, n, n]
+        value.append((seqs, n, tok, flat, valid))
+    _LAYOUT_CACHE["key"], _LAYOUT_CACHE["value"] = key, value
+    return value
+
+
+def jagged_attention_grouped_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
+                                 max_len: int, *, activation: str, causal: bool, alpha: float,
+                                 num_targets: torch.Tensor | None = None, bias_fn=None,
+                                 min_group: int = 16, max_groups: int = 8) -> torch.Tensor:
+    """The computation of ``jagged_attention_ref`` (arguments already checked there), padded per length
+    group (``length_groups``) instead of to the batch's longest sequence: same result, ~2x less work on
+    MovieLens-like length mixes.
+
+    bias_fn: optional ``(seqs [G] int64, n_g) -> [G, 1 or H, n_g, n_g]`` bias of those sequences, top-left
+    n_g block (lets a caller build a relative bias per group instead of one [B, n, n] tensor).
+    Returns [T, H, Dv]; every input (q, k, v, bias) stays in the graph even when T == 0.
+    """
     T, H, Dqk = q.shape
     Dv = v.shape[2]
-    B = offsets.numel() - 1
-    if int(offsets[-1]) != T:
-        raise ValueError(f"jagged_attention_ref: offsets[-1]={int(offsets[-1])} != T={T}")
     lengths = offsets[1:] - offsets[:-1]
-    n = int(lengths.max()) if B else 0
-    if n > max_len:
-        raise ValueError(f"jagged_attention_ref: a sequence of length {n} > max_len {max_len}")
-    if num_targets is not None:
-        if num_targets.shape != (B,):
-            raise ValueError(f"jagged_attention_ref: num_targets must be [B={B}], got {tuple(num_targets.shape)}")
-        if bool(((num_targets < 0) | (num_targets > lengths)).any()):
-            raise ValueError("jagged_attention_ref: num_targets must satisfy 0 <= num_targets[b] <= length[b]")
-    if attn_bias is not None:
-        if attn_bias.dim() not in (3, 4) or attn_bias.shape[0] != B or (
-                attn_bias.dim() == 4 and attn_bias.shape[1] != H) or attn_bias.shape[-1] < n \
-                or attn_bias.shape[-2] < n:
-            raise ValueError(f"jagged_attention_ref: attn_bias must be [B={B}, n', n'] or [B, H={H}, n', n'] "
-                             f"with n' >= {n}, got {tuple(attn_bias.shape)}")
-    if alpha is None:
-        alpha = 1.0 / math.sqrt(Dqk) if activation == "softmax" else 1.0
-
-    if T == 0 or n == 0:
-        # Keep the graph connected to every input (a distributed backward must see all of them).
+    groups = length_groups(lengths, min_group, max_groups)
+    if T == 0 or not groups:
         out = v * 0.0 + (q.sum() + k.sum()) * 0.0
-        if attn_bias is not None:
-            out = out + attn_bias.sum() * 0.0
+        if bias_fn is not None:
+            out = out + bias_fn(torch.arange(lengths.numel(), device=q.device), 0).sum() * 0.0
         return out
+    q2, k2, v2 = q.reshape(T, H * Dqk), k.reshape(T, H * Dqk), v.reshape(T, H * Dv)
+    outs, toks = [], []
+    for seqs, n, tok, flat, valid in _group_layouts(offsets, lengths, groups, causal, num_targets):
+        G = seqs.numel()
 
-    idx = _flat_index(offsets, n)
-    pq = _pad(q.reshape(T, H * Dqk), offsets, n, idx).view(B, n, H, Dqk).transpose(1, 2)  # [B, H, n, Dqk]
-    pk = _pad(k.reshape(T, H * Dqk), offsets, n, idx).view(B, n, H, Dqk).transpose(1, 2)
-    pv = _pad(v.reshape(T, H * Dv), offsets, n, idx).view(B, n, H, Dv).transpose(1, 2)   # [B, H, n, Dv]
-    logits = torch.matmul(pq, pk.transpose(-1, -2))  # [B, H, n, n]
-    if alpha != 1.0:
-        logits = logits * alpha
-    if attn_bias is not None:
-        bias = attn_bias[..., :n, :n].to(logits.dtype)
-        logits = logits + (bias.unsqueeze(1) if bias.dim() == 3 else bias)
-    valid = valid_attn_mask_ref(lengths, n, causal=causal, num_targets=num_targets).unsqueeze(1)
-    if activation == "softmax":
-        attn = torch.softmax(logits.masked_fill(~valid, float("-inf")), dim=-1)
-    else:
-        if activation == "silu":
-            attn = F.silu(logits)
-        elif activation == "gelu":
-            attn = F.gelu(logits)
+        def pad(x: torch.Tensor) -> torch.Tensor:
+            return x.new_zeros((G * n, x.shape[1])).index_copy(0, flat, x.index_select(0, tok))
+
+        pq = pad(q2).view(G, n, H, Dqk).transpose(1, 2)   # [G, H, n, Dqk]
+        pk = pad(k2).view(G, n, H, Dqk).transpose(1, 2)
+        pv = pad(v2).view(G, n, H, Dv).transpose(1, 2)    # [G, H, n, Dv]
+        logits = torch.matmul(pq, pk.transpose(-1, -2))   # [G, H, n, n]
+        if alpha != 1.0:
+            logits = logits * alpha
+        if bias_fn is not None:
+            logits = logits + bias_fn(seqs, n).to(logits.dtype)
+        if activation == "softmax":
+            attn = torch.softmax(logits.masked_fill(~valid, float("-inf")), dim=-1)
         else:
-            attn = logits
-        attn = (attn / max_len) * valid
-    out = torch.matmul(attn, pv)  # [B, H, n, Dv]
-    return _unpad(out.transpose(1, 2).reshape(B, n, H * Dv), offsets, idx).view(T, H, Dv)
+            act = {"silu": F.silu, "gelu": F.gelu, "none": lambda x: x}[activation]
+            attn = act(logits) * (valid.to(logits.dtype) / max_len)
+        out = torch.matmul(attn, pv).transpose(1, 2).reshape(G * n, H * Dv)
+        outs.append(out.index_select(0, flat))
+        toks.append(tok)
+    out = torch.cat(outs)
+    full = out.new_zeros((T, H * Dv)).index_copy(0, torch.cat(toks), out)
+    return full.view(T, H, Dv)
 
 
 def time_bucket_ref(seconds: torch.Tensor, num_buckets: int) -> torch.Tensor:

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from gemray.jagged import lengths_to_offsets
-from gemray.kernels.reference import (jagged_attention_ref, position_bucket_ref, relative_bias_ref,
+from gemray.kernels.reference import (jagged_attention_grouped_ref, jagged_attention_ref, length_groups, position_bucket_ref, relative_bias_ref,
                                       time_bucket_ref, valid_attn_mask_ref)
 from gemray import ops
 
@@ -118,6 +118,29 @@ def test_num_targets(causal, activation):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
 
 
+@pytest.mark.parametrize("activation", ["silu", "softmax"])
+def test_many_length_groups_match_loop(activation):
+    # 40 sequences -> several length groups (min_group 16 -> 2 groups; min_group 4 -> 8 groups)
+    g = torch.Generator().manual_seed(5)
+    lengths = torch.randint(0, 13, (40,), generator=g)
+    lengths[3], lengths[7] = 12, 1
+    q, k, v, offsets, g = make_batch(lengths.tolist(), seed=9)
+    bias = torch.randn(40, 12, 12, generator=g, dtype=q.dtype, requires_grad=True)
+    nt = torch.minimum(lengths, torch.randint(0, 3, (40,), generator=g))
+    exp = loop_attention(q, k, v, offsets, 12, activation, True, bias, None, nt)
+    gb = torch.autograd.grad(exp.square().sum(), [q, k, v, bias])
+    for min_group in (16, 4, 1):
+        alpha = 1 / math.sqrt(5) if activation == "softmax" else 1.0
+        bias_fn = lambda seqs, m: bias[:, :m, :m][seqs].unsqueeze(1)  # noqa: E731
+        out = jagged_attention_grouped_ref(q, k, v, offsets, 12, activation=activation, causal=True,
+                                           alpha=alpha, num_targets=nt, bias_fn=bias_fn, min_group=min_group)
+        torch.testing.assert_close(out, exp, rtol=1e-10, atol=1e-12)
+        ga = torch.autograd.grad(out.square().sum(), [q, k, v, bias])
+        for a, b in zip(ga, gb):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+    assert len(length_groups(lengths, 4)) >= 7
+
+
 def test_causal_output_ignores_future_tokens():
     q, k, v, offsets, _ = make_batch([6], seed=1)
     out = jagged_attention_ref(q, k, v, offsets, 6)
@@ -215,7 +238,19 @@ def test_ops_rel_bias_ingredients_equal_dense_bias():
     a = ops.attention(q, k, v, offsets, 4, rel_bias=rb, backend="reference")
     b = ops.attention(q, k, v, offsets, 4, attn_bias=relative_bias_ref(ts, offsets, 4, pw, tw, 4))
     torch.testing.assert_close(a, b)
-    (gw,) = torch.autograd.grad(a.sum(), [tw])
-    assert gw.abs().sum() > 0
+    ga = torch.autograd.grad(a.square().sum(), [pw, tw, q])
+    gb = torch.autograd.grad(b.square().sum(), [pw, tw, q])
+    for x, y in zip(ga, gb):
+        torch.testing.assert_close(x, y)
+    assert ga[1].abs().sum() > 0
+    # precomputed buckets give the same bias and gradients (bincount backward)
+    bk = ops.relative_bias_buckets(ts, offsets, 4, 6, 16, 4)
+    dense = ops.RelativeBiasInputs(ts, pw, tw, 4, bk).dense(offsets, 4)
+    torch.testing.assert_close(dense, relative_bias_ref(ts, offsets, 4, pw, tw, 4))
+    w = torch.randn(dense.shape, dtype=dense.dtype)
+    g1 = torch.autograd.grad((dense * w).sum(), [pw, tw])
+    g2 = torch.autograd.grad((relative_bias_ref(ts, offsets, 4, pw, tw, 4) * w).sum(), [pw, tw])
+    for x, y in zip(g1, g2):
+        torch.testing.assert_close(x, y)
     with pytest.raises(ValueError, match="not both"):
         ops.attention(q, k, v, offsets, 4, rel_bias=rb, attn_bias=torch.zeros(3, 4, 4))

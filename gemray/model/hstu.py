@@ -52,10 +52,13 @@ class RelativeBucketedBias(nn.Module):
         nn.init.normal_(self.pos_w, std=0.02)
         nn.init.normal_(self.ts_w, std=0.02)
 
-    def inputs(self, timestamps: torch.Tensor,
-               buckets: tuple[torch.Tensor, torch.Tensor] | None = None) -> ops.RelativeBiasInputs:
-        """The ingredients for ``ops.attention(rel_bias=...)``: timestamps [T] int64 + this block's weights."""
-        return ops.RelativeBiasInputs(timestamps, self.pos_w, self.ts_w, self.max_len, buckets)
+    def inputs(self, timestamps: torch.Tensor, buckets: tuple[torch.Tensor, torch.Tensor] | None = None,
+               cache: dict | None = None) -> ops.RelativeBiasInputs:
+        """The ingredients for ``ops.attention(rel_bias=...)``: timestamps [T] int64 + this block's weights.
+
+        buckets / cache: shared by the blocks of one forward (``ops.relative_bias_buckets``, a dict).
+        """
+        return ops.RelativeBiasInputs(timestamps, self.pos_w, self.ts_w, self.max_len, buckets, cache)
 
     def forward(self, timestamps: torch.Tensor, offsets: torch.Tensor, n: int) -> torch.Tensor:
         """timestamps [T] int64, offsets [B+1] -> dense bias [B, n, n]."""
@@ -91,10 +94,12 @@ class HSTUBlock(nn.Module):
         nn.init.zeros_(self.o_bias)
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor, timestamps: torch.Tensor,
-                buckets: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                buckets: tuple[torch.Tensor, torch.Tensor] | None = None,
+                cache: dict | None = None) -> torch.Tensor:
         """x [T, D] float, offsets [B+1] int64, timestamps [T] int64 -> [T, D].
 
-        buckets: optional shared ``ops.relative_bias_buckets`` for this batch (computed once per forward).
+        buckets / cache: optional ``ops.relative_bias_buckets`` of this batch and a dict, both shared by
+        the blocks of one forward (bucketise and slice once).
         """
         T = x.shape[0]
         x_norm = F.layer_norm(x, (self.d,), eps=LN_EPS)
@@ -103,7 +108,7 @@ class HSTUBlock(nn.Module):
         attn = ops.attention(
             q.reshape(T, self.h, self.a), k.reshape(T, self.h, self.a), v.reshape(T, self.h, self.v),
             offsets, self.max_seq_len, activation=self.activation, causal=True,
-            rel_bias=self.rel_bias.inputs(timestamps, buckets), backend=self.backend)
+            rel_bias=self.rel_bias.inputs(timestamps, buckets, cache), backend=self.backend)
         y = F.layer_norm(attn.reshape(T, self.h * self.v), (self.h * self.v,), eps=LN_EPS) * u
         return x + self.dropout(F.linear(y, self.o_weight, self.o_bias))
 
@@ -150,6 +155,7 @@ class HSTUEncoder(nn.Module):
         x = self.input_dropout(x)
         buckets = ops.relative_bias_buckets(timestamps, offsets, n, self.cfg.num_position_buckets,
                                             self.cfg.num_time_buckets, self.max_seq_len)
+        cache: dict = {}
         for block in self.blocks:
-            x = block(x, offsets, timestamps, buckets)
+            x = block(x, offsets, timestamps, buckets, cache)
         return F.normalize(x, dim=-1, eps=1e-6)
