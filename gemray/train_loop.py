@@ -200,7 +200,10 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         if done % cfg.train.eval_every == 0 or done == cfg.train.epochs:
             valid = evaluate(dmp, streams["valid"], num_items=num_items, ks=ks, device=device)
             metrics.update({f"valid_{k}": v for k, v in valid.items() if k != "num_users"})
-        metrics["epoch_s"] = time.perf_counter() - t0
+        # History must be identical on every rank (DCP keeps one copy of the trainer state): max over ranks.
+        epoch_s = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(epoch_s, op=dist.ReduceOp.MAX)
+        metrics["epoch_s"] = float(epoch_s)
         history.append(dict(metrics))
         log.info("epoch %d done: %s", done, ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else
                                                       f"{k}={v}" for k, v in metrics.items()))
