@@ -14,8 +14,9 @@ same-named entries); it is restored only when the rank existed in the saved run.
 
 World size: DCP reshards on load (row-wise TorchRec ShardedTensors are read back by offset), so a
 checkpoint saved by N ranks loads on M ranks as long as the new sharding plan is also row-/table-/
-column-wise (see pytorch/torchrec#2534 for the DTensor/ShardedTensor caveats). Tested: same world size
-(tests/test_checkpoint.py) and 2 -> 1.
+column-wise (see pytorch/torchrec#2534 for the DTensor/ShardedTensor caveats). Tested in
+tests/test_checkpoint.py: same world size (exact parameters and optimizer state) and 2 -> 1 (the
+row-wise tables and row-wise optimizer state come back as the concatenation of the two ranks' rows).
 
 Follows torch.distributed.checkpoint docs ("Getting started with DCP") and Ray Train's
 "distributed checkpointing" guide (every rank reports its own directory).

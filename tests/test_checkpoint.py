@@ -123,6 +123,32 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
         dist.destroy_process_group()
 
 
+def _worker_one_rank(rank: int, port: int, root: str) -> None:
+    """World size 1 loads the 2-rank checkpoint: DCP reshards the row-wise tables back together."""
+    import torch.distributed as dist
+
+    from gemray.checkpoint import load_checkpoint
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        cfg = _cfg()
+        cfg.train.seed = 999
+        dmp, opt = _build(cfg, 1)
+        got = load_checkpoint(Path(root) / "merged", dmp, opt)
+        assert got["epoch"] == 3 and got["world_size"] == 2
+        e0, e1 = (torch.load(Path(root) / f"expected{r}.pt") for r in (0, 1))
+        after = _snapshot(dmp, opt)
+        assert after.keys() == e0.keys()
+        for k in e0:
+            replicated = e0[k].shape == e1[k].shape and torch.equal(e0[k], e1[k])
+            want = e0[k] if replicated else torch.cat([e0[k], e1[k]])  # row-wise: rank 0 rows first
+            assert torch.equal(after[k], want), k
+        (Path(root) / "ok_ws1").write_text("ok")
+    finally:
+        dist.destroy_process_group()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -147,6 +173,14 @@ def test_restore_equals_saved_on_two_ranks(merged_checkpoint):
     assert info["world_size"] == 2
     m0 = json.loads((merged_checkpoint / "manifest_rank0.json").read_text())
     assert set(m0["files"]) == {".metadata", "__0_0.distcp"}  # rank 0 is DCP's coordinator
+
+
+def test_load_at_world_size_one(merged_checkpoint):
+    import torch.multiprocessing as mp
+
+    root = merged_checkpoint.parent
+    mp.spawn(_worker_one_rank, args=(_free_port(), str(root)), nprocs=1, join=True)
+    assert (root / "ok_ws1").exists()
 
 
 def test_corrupted_file_is_named(merged_checkpoint, tmp_path):
