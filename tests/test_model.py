@@ -208,3 +208,31 @@ def test_bad_config_and_sequence_raise():
     model = GEM(tiny_cfg(), num_items=40, max_seq_len=4)
     with pytest.raises(ValueError, match="max_seq_len"):
         model(random_batch([5]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_head_uniform_loss_matches_loop(dtype):
+    from gemray.model.heads import RetrievalHead
+
+    g = torch.Generator().manual_seed(0)
+    offsets = torch.tensor([0, 3, 3, 4, 6])           # lengths 3, 0, 1, 2 -> next-item positions 0, 1, 4
+    item_ids = torch.tensor([5, 6, 7, 8, 9, 5])
+    states = torch.nn.functional.normalize(torch.randn(6, 4, generator=g, dtype=dtype), dim=-1)
+    item_emb = torch.randn(6, 4, generator=g, dtype=dtype)
+    neg_ids = torch.tensor([[6, 1], [2, 3], [4, 4], [5, 2]])   # seq 0 draws its own target 6; seq 3 draws 5
+    neg_emb = torch.randn(8, 4, generator=g, dtype=dtype)
+    head = RetrievalHead("uniform", 2, temperature=0.5)
+    loss, stats = head(states, offsets, item_ids, item_emb, neg_ids=neg_ids, neg_emb=neg_emb)
+    e = torch.nn.functional.normalize(item_emb, dim=-1)
+    en = torch.nn.functional.normalize(neg_emb, dim=-1).view(4, 2, 4)
+    terms = []
+    for t, b in [(0, 0), (1, 0), (4, 3)]:
+        logits = [states[t] @ e[t + 1]]
+        for r in range(2):
+            if int(neg_ids[b, r]) != int(item_ids[t + 1]):
+                logits.append(states[t] @ en[b, r])
+        logits = torch.stack(logits) / 0.5
+        terms.append(torch.logsumexp(logits, 0) - logits[0])
+    # position 0 (target 6) drops negative 6; position 4 (target 5) drops negative 5
+    torch.testing.assert_close(loss, torch.stack(terms).mean())
+    assert float(stats["num_targets"]) == 3

@@ -41,6 +41,22 @@ def next_item_index(offsets: torch.Tensor) -> torch.Tensor:
     return torch.nonzero(pos < (lengths[seg] - 1)).view(-1)
 
 
+def _jagged_dense_bmm(x: torch.Tensor, offsets: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """x [T, D] jagged by offsets [B+1], y [B, D, R] -> [T, R] (row t times y of its sequence).
+
+    FBGEMM's jagged_dense_bmm (CPU and CUDA, float32/half/bf16); other dtypes pad through gemray.jagged.
+    """
+    n = int((offsets[1:] - offsets[:-1]).max()) if offsets.numel() > 1 else 0
+    if x.dtype in (torch.float32, torch.float16, torch.bfloat16):
+        try:
+            import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
+
+            return torch.ops.fbgemm.jagged_dense_bmm(x, offsets, y, n)[0]
+        except (ImportError, AttributeError, RuntimeError, NotImplementedError):
+            pass
+    return padded_to_jagged(torch.bmm(jagged_to_padded(x, offsets, n), y), offsets)
+
+
 class RetrievalHead(nn.Module):
     """Sampled-softmax next-item loss (no parameters; the item embeddings live in the EmbeddingCollection).
 
@@ -85,9 +101,7 @@ class RetrievalHead(nn.Module):
                 raise ValueError("RetrievalHead: 'uniform' negatives need neg_ids and neg_emb")
             B, R = neg_ids.shape
             e_neg = F.normalize(neg_emb, dim=-1, eps=1e-6).view(B, R, -1)
-            n = int((offsets[1:] - offsets[:-1]).max())
-            padded = jagged_to_padded(states, offsets, n)           # [B, n, D]
-            neg = padded_to_jagged(torch.bmm(padded, e_neg.transpose(1, 2)), offsets)[idx]  # [M, R]
+            neg = _jagged_dense_bmm(states, offsets, e_neg.transpose(1, 2))[idx]  # [M, R]
             same = neg_ids[segment_ids(offsets)[idx]] == target_ids.view(-1, 1)
         else:
             R = self.num_negatives
