@@ -24,9 +24,23 @@ def test_bad_layout(world, dev, msg):
 def test_parallelize_needs_process_group():
     import torch
 
-    from gemray.config import JobConfig
+    from gemray.config import load_config
     from gemray.parallel import parallelize
 
+    cfg = load_config(None, ["model.embedding_dim=8"])
     with pytest.raises(ValueError, match="not initialised"):
-        parallelize(torch.nn.Linear(2, 2), layout=plan_layout(1, "cpu"), cfg=JobConfig(),
+        parallelize(torch.nn.Linear(2, 2), layout=plan_layout(1, "cpu"), cfg=cfg,
                     device=torch.device("cpu"))
+
+
+def test_embedding_dim_must_be_multiple_of_4(capsys):
+    from gemray.cli import main
+    from gemray.config import ModelConfig
+    from gemray.parallel import check_shardable
+
+    check_shardable(ModelConfig(embedding_dim=52))
+    with pytest.raises(ValueError, match="model.embedding_dim=50.*multiple of 4 \\(try 48 or 52\\)"):
+        check_shardable(ModelConfig(embedding_dim=50))
+    # the CLI refuses it before starting Ray: one line, exit status 2
+    assert main(["train", "--config", "configs/ml-latest-small.toml", "--set", "model.embedding_dim=30"]) == 2
+    assert "multiple of 4" in capsys.readouterr().err

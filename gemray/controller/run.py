@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from gemray.config import JobConfig, apply_overrides, load_config, to_toml
+from gemray.parallel.sharding import check_shardable
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +119,7 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
         config_path = Path(config)
         cfg = load_config(config_path, overrides)
     cfg = _resolve(cfg, config_path)
+    check_shardable(cfg.model)  # fail here, in one line, not in every worker after Ray started
     out = Path(output_dir or Path("runs") / cfg.name).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.toml").write_text(to_toml(cfg))

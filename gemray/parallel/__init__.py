@@ -1,5 +1,5 @@
 """Parallelism: ``plan_layout`` (pure decision from world size) and ``parallelize`` (TorchRec DMP)."""
 
-from gemray.parallel.sharding import Layout, parallelize, plan_layout
+from gemray.parallel.sharding import Layout, check_shardable, parallelize, plan_layout
 
-__all__ = ["Layout", "parallelize", "plan_layout"]
+__all__ = ["Layout", "check_shardable", "parallelize", "plan_layout"]

@@ -57,6 +57,19 @@ def plan_layout(world_size: int, device_type: str) -> Layout:
     raise ValueError(f"plan_layout: device_type must be 'cpu' or 'cuda', got {device_type!r}")
 
 
+def check_shardable(model_cfg) -> None:
+    """Raise ValueError if ``model_cfg`` cannot be sharded by TorchRec/FBGEMM.
+
+    FBGEMM's table-batched embedding kernels (CPU and CUDA) need every table's width to be a multiple
+    of 4 (they assert ``embedding_dim % 4 == 0``); all gemray tables are ``model.embedding_dim`` wide.
+    """
+    d = int(model_cfg.embedding_dim)
+    if d % 4:
+        lo, hi = d - d % 4, d - d % 4 + 4
+        raise ValueError(f"model.embedding_dim={d}: sharded TorchRec/FBGEMM embedding tables need a "
+                         f"multiple of 4 (try {lo} or {hi})")
+
+
 def _sparse_optimizer(layout: Layout) -> tuple[type[torch.optim.Optimizer], list[str]]:
     """(optimizer class, allowed compute kernels) for the embedding tables.
 
@@ -86,7 +99,8 @@ def parallelize(model: nn.Module, *, layout: Layout, cfg: JobConfig, device: tor
     Returns ``(DistributedModelParallel, CombinedOptimizer)``: call ``optimizer.step()`` after backward
     (the sparse part has already stepped inside backward; its state is in the CombinedOptimizer's
     state_dict under ``"sparse."``-free fused keys).
-    Raises ValueError if the process group is not initialised, its size differs from the layout, or the
+    Raises ValueError if model.embedding_dim is not a multiple of 4 (FBGEMM), the process group is not
+    initialised, its size differs from the layout, or the
     model has no ``embeddings`` EmbeddingCollection.
     """
     import torch.distributed as dist
@@ -98,6 +112,7 @@ def parallelize(model: nn.Module, *, layout: Layout, cfg: JobConfig, device: tor
     from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
+    check_shardable(cfg.model)
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("parallelize: torch.distributed is not initialised (run inside Ray Train)")
     pg = pg or dist.GroupMember.WORLD
