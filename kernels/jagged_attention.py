@@ -142,8 +142,8 @@ def _cached(tensors: tuple, extra: tuple, make):
 @triton.jit
 def _act(s, ACT: tl.constexpr):
     """Pointwise activation of the scaled score s (fp32)."""
-    if ACT == 1:
-        out = s * tl.sigmoid(s)
+    if ACT == 1:  # s * sigmoid(s), with the fast (approximate, 2 ulp) division
+        out = tl.fdiv(s, 1.0 + tl.exp2(-1.4426950408889634 * s), ieee_rounding=False)
     elif ACT == 2:
         out = 0.5 * s * (1.0 + tl.erf(s * 0.7071067811865476))
     else:
@@ -155,7 +155,7 @@ def _act(s, ACT: tl.constexpr):
 def _act_grad(s, ACT: tl.constexpr):
     """d act(s) / ds for the pointwise activations (fp32)."""
     if ACT == 1:
-        sig = tl.sigmoid(s)
+        sig = tl.fdiv(s * 0.0 + 1.0, 1.0 + tl.exp2(-1.4426950408889634 * s), ieee_rounding=False)
         out = sig * (1.0 + s * (1.0 - sig))
     elif ACT == 2:
         out = 0.5 * (1.0 + tl.erf(s * 0.7071067811865476)) + s * 0.3989422804014327 * tl.exp(-0.5 * s * s)
@@ -265,21 +265,22 @@ def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, l
         else:
             kt = tl.load(kt_ptrs, mask=offs_dk[:, None] < D_QK, other=0.0)
             v = tl.load(v_ptrs, mask=offs_dv[None, :] < D_V, other=0.0)
-        s = tl.dot(q, kt, input_precision=DOT_PREC) * alpha_s
+        s = tl.dot(q, kt, input_precision=DOT_PREC)
         if ACT == 0:
             if MASKED:
                 ok = _valid(offs_m[:, None], offs_n[None, :], lq, lk, n_hist, CAUSAL, HAS_TARGETS,
                             ATT_BLOCK, WINDOW)
                 s = tl.where(ok, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # alpha_s > 0 (checked on the host): max of the scaled scores = scaled max; one FMA per score
+            m_new = tl.maximum(m_i, tl.max(s, 1) * alpha_s)
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             corr = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
+            p = tl.exp2(s * alpha_s - m_safe[:, None])
             l_i = l_i * corr + tl.sum(p, 1)
             acc = acc * corr[:, None]
             m_i = m_new
         else:
-            p = _act(s, ACT) * inv_n
+            p = _act(s * alpha_s, ACT) * inv_n
             if MASKED:
                 ok = _valid(offs_m[:, None], offs_n[None, :], lq, lk, n_hist, CAUSAL, HAS_TARGETS,
                             ATT_BLOCK, WINDOW)
@@ -554,14 +555,16 @@ class _Spec:
     max_kv_len: int
 
 
-def _work_table(tile_len: torch.Tensor, max_len: int, block: int, cost: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, int]:
+def _work_table(tile_len: torch.Tensor, max_len: int, block: int, cost: torch.Tensor | None = None,
+                total: int | None = None) -> tuple[torch.Tensor, int]:
     """Sorted (sequence, tile) work items, computed on the device without a host sync.
 
     tile_len: [B] int64 length of the tiled axis of each sequence; max_len: bound on it (host int);
     block: tile size; cost: [B, n_tiles] relative cost of each item (default: 1). Returns (table [B *
     n_tiles] int32 holding ``b * n_tiles + tile`` sorted by decreasing cost, -1 for items past a
-    sequence's end, which sort last), n_tiles).
+    sequence's end, which sort last), n_tiles). ``total`` (host int, = sum of tile_len) trims the table
+    to ``total // block + B`` >= the number of valid items, so that few empty programs are launched
+    (each still costs a block launch; without the bound a heavy-tailed batch launches ~10x too many).
     """
     n_tiles = max(1, triton.cdiv(max_len, block))
     bsz = tile_len.numel()
@@ -574,7 +577,9 @@ def _work_table(tile_len: torch.Tensor, max_len: int, block: int, cost: torch.Te
     order = torch.argsort(key, descending=True, stable=True)
     ids = torch.arange(bsz * n_tiles, device=dev, dtype=torch.int64)
     table = torch.where(valid.flatten()[order], ids[order], torch.full_like(ids, -1))
-    return table.to(torch.int32), n_tiles
+    if total is not None:
+        table = table[: max(1, min(table.numel(), total // block + bsz))]
+    return table.to(torch.int32).contiguous(), n_tiles
 
 
 def _q_tile_cost(spec: _Spec, lk: torch.Tensor, n_tiles: int, block_m: int) -> torch.Tensor:
@@ -605,28 +610,30 @@ def _block_d(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
-def _q_table(spec: _Spec, q_off: torch.Tensor, kv_off: torch.Tensor, bm: int) -> tuple[torch.Tensor, int]:
-    """Cached work table of query tiles (fwd and dQ kernels)."""
+def _q_table(spec: _Spec, q_off: torch.Tensor, kv_off: torch.Tensor, bm: int, t_q: int
+             ) -> tuple[torch.Tensor, int]:
+    """Cached work table of query tiles (fwd and dQ kernels); t_q = number of output rows."""
     def make():
         lq = q_off[1:] - q_off[:-1]
         lk = kv_off[1:] - kv_off[:-1]
         n_tiles = max(1, triton.cdiv(spec.max_q_len, bm))
-        return _work_table(lq, spec.max_q_len, bm, _q_tile_cost(spec, lk, n_tiles, bm))
+        return _work_table(lq, spec.max_q_len, bm, _q_tile_cost(spec, lk, n_tiles, bm), total=t_q)
 
     return _cached((q_off, kv_off), ("q", bm, spec.max_q_len, spec.max_kv_len, spec.causal,
-                                     spec.att_block, spec.window), make)
+                                     spec.att_block, spec.window, t_q), make)
 
 
-def _k_table(spec: _Spec, q_off: torch.Tensor, kv_off: torch.Tensor, bn: int) -> tuple[torch.Tensor, int]:
-    """Cached work table of key tiles (dK/dV kernel)."""
+def _k_table(spec: _Spec, q_off: torch.Tensor, kv_off: torch.Tensor, bn: int, t_k: int
+             ) -> tuple[torch.Tensor, int]:
+    """Cached work table of key tiles (dK/dV kernel); t_k = number of key rows."""
     def make():
         lq = q_off[1:] - q_off[:-1]
         lk = kv_off[1:] - kv_off[:-1]
         n_tiles = max(1, triton.cdiv(spec.max_kv_len, bn))
-        return _work_table(lk, spec.max_kv_len, bn, _k_tile_cost(spec, lq, n_tiles, bn))
+        return _work_table(lk, spec.max_kv_len, bn, _k_tile_cost(spec, lq, n_tiles, bn), total=t_k)
 
     return _cached((q_off, kv_off), ("k", bn, spec.max_q_len, spec.max_kv_len, spec.causal,
-                                     spec.att_block, spec.window), make)
+                                     spec.att_block, spec.window, t_k), make)
 
 
 @triton.jit
@@ -650,7 +657,7 @@ class _GDPA(torch.autograd.Function):
         bdk, bdv = _block_d(d_qk), _block_d(d_v)
         reg = regime(t_out, q_off.numel() - 1)
         bm, bn, warps, stages = _tiles("fwd", d_qk, reg, spec.max_q_len)
-        table, n_tiles = _q_table(spec, q_off, kv_off, bm)
+        table, n_tiles = _q_table(spec, q_off, kv_off, bm, t_out)
         o = q.new_empty((t_out, h, d_v))
         lse = torch.empty((h, t_out), device=q.device, dtype=torch.float32)
         nt_arg = nt if nt is not None else q_off
@@ -691,7 +698,7 @@ class _GDPA(torch.autograd.Function):
         dv = torch.empty_like(v)
         reg = regime(t_out, q_off.numel() - 1)
         bm, bn, warps, stages = _tiles("dkdv", d_qk, reg, spec.max_q_len)
-        table, n_tiles = _k_table(spec, q_off, kv_off, bn)
+        table, n_tiles = _k_table(spec, q_off, kv_off, bn, k.shape[0])
         _gdpa_bwd_dkdv[(table.numel(), h)](
             q, k, v, do, lse, delta, dk, dv, q_off, kv_off, nt_arg, table,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -701,7 +708,7 @@ class _GDPA(torch.autograd.Function):
 
         dq = q.new_empty((t_out, h, d_qk)) if spec.q_bcast else torch.empty_like(q)
         bm, bn, warps, stages = _tiles("dq", d_qk, reg, spec.max_q_len)
-        table, n_tiles = _q_table(spec, q_off, kv_off, bm)
+        table, n_tiles = _q_table(spec, q_off, kv_off, bm, t_out)
         _gdpa_bwd_dq[(table.numel(), h)](
             q, k, v, do, lse, delta, dq, q_off, kv_off, nt_arg, table,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -801,6 +808,8 @@ def gdpa_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: to
         _cached((q_offsets, kv_offsets, num_targets), ("check", max_q_len, max_kv_len), check)
     if alpha is None:  # the reference's convention (gemray.kernels.reference.jagged_attention_ref)
         alpha = 1.0 / math.sqrt(q.shape[2]) if activation == "softmax" else 1.0
+    if not alpha > 0:
+        raise ValueError(f"gdpa: alpha must be > 0 for the Triton kernels, got {alpha}")
     if norm is None:
         norm = float(max(max_kv_len, 1))
     spec = _Spec(act=ACTIVATIONS[activation], causal=bool(causal), alpha=float(alpha), inv_n=1.0 / float(norm),
@@ -852,7 +861,9 @@ def pma_triton(seeds: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_offsets
         raise ValueError(f"pma: seeds must be [S, H, D], got {tuple(seeds.shape)}")
     bsz = kv_offsets.numel() - 1
     s = seeds.shape[0]
-    q_off = torch.arange(bsz + 1, device=kv_offsets.device, dtype=torch.int64) * s
+    # cached per kv_offsets object so that the work tables keyed on it are reused across calls
+    q_off = _cached((kv_offsets,), ("pma_q_off", s),
+                    lambda: torch.arange(bsz + 1, device=kv_offsets.device, dtype=torch.int64) * s)
     out = gdpa_triton(seeds, k, v, q_off, kv_offsets, s, max_kv_len, activation=activation, causal=False,
                       alpha=alpha, q_broadcast=True)
     return out.view(bsz, s, seeds.shape[1], v.shape[2])

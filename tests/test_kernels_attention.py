@@ -260,6 +260,8 @@ def test_work_table_longest_first_covers_every_tile():
     costs = [i % nt + 1 for i in items]
     assert costs == sorted(costs, reverse=True)  # longest first
     assert all(x < 0 for x in table[len(items):])  # invalid items sorted last
+    trimmed, _ = _work_table(lengths, 70, block, cost, total=int(lengths.sum()))
+    assert len(trimmed) < len(table) and torch.equal(trimmed[:len(items)], table[:len(items)])
 
 
 def test_bad_arguments_raise():
@@ -275,6 +277,8 @@ def test_bad_arguments_raise():
         jagged_attention_triton(q[0], q, q, off, 4)
     with pytest.raises(ValueError, match="num_targets"):
         gdpa_triton(q, q, q, off, off, 4, 4, causal=False, num_targets=torch.tensor([1, 1]))
+    with pytest.raises(ValueError, match="alpha"):
+        jagged_attention_triton(q, q, q, off, 4, alpha=-1.0)
     with pytest.raises(ValueError, match="block_size"):
         jagged_block_attention_triton(q, q, q, off, 4, block_size=0)
 
