@@ -100,7 +100,7 @@ def train_epoch(dmp: torch.nn.Module, optimizer: Any, stream: Any, *, epoch: int
         tok_log += batch.num_tokens
         if rank == 0 and (step + 1) % cfg.train.log_every == 0:
             dt = max(time.perf_counter() - t_log, 1e-9)
-            log.info("epoch %d step %d/%d loss %.4f rank0 %.0f samples/s %.0f tokens/s", epoch, step + 1,
+            log.info("epoch %d step %d/%d loss %.4f rank0 %.0f samples/s %.0f tokens/s", epoch + 1, step + 1,
                      steps, float(loss.detach()), n_log / dt, tok_log / dt)
             t_log, n_log, tok_log = time.perf_counter(), 0, 0
     wall = time.perf_counter() - t0

@@ -120,6 +120,10 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
         cfg = load_config(config_path, overrides)
     cfg = _resolve(cfg, config_path)
     check_shardable(cfg.model)  # fail here, in one line, not in every worker after Ray started
+    if cfg.checkpoint.every_steps:
+        log.warning("checkpoint.every_steps=%d is not implemented yet: checkpoints are taken every "
+                    "checkpoint.every_epochs=%d epoch(s)", cfg.checkpoint.every_steps,
+                    cfg.checkpoint.every_epochs)
     out = Path(output_dir or Path("runs") / cfg.name).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.toml").write_text(to_toml(cfg))
