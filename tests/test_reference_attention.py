@@ -254,3 +254,39 @@ def test_ops_rel_bias_ingredients_equal_dense_bias():
         torch.testing.assert_close(x, y)
     with pytest.raises(ValueError, match="not both"):
         ops.attention(q, k, v, offsets, 4, rel_bias=rb, attn_bias=torch.zeros(3, 4, 4))
+
+
+def test_dispatch_decisions_with_fake_kernel(monkeypatch):
+    calls = []
+
+    def fake_kernel(q, k, v, offsets, max_len, *, activation, causal, alpha, num_targets, attn_bias=None):
+        calls.append(attn_bias is not None)
+        if attn_bias is not None:
+            raise NotImplementedError("no bias in this kernel")
+        return jagged_attention_ref(q, k, v, offsets, max_len, activation=activation, causal=causal,
+                                    alpha=alpha, num_targets=num_targets) + 1.0
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(ops, "_load_triton", lambda: None)
+    assert ops.resolve_backend("auto", cuda) == "reference"
+    with pytest.raises(RuntimeError, match="not importable"):
+        ops.resolve_backend("triton", cuda)
+    monkeypatch.setattr(ops, "_load_triton", lambda: fake_kernel)
+    assert ops.resolve_backend("auto", cuda) == "triton"
+    assert ops.resolve_backend("auto", torch.device("cpu")) == "reference"
+    with pytest.raises(RuntimeError, match="CUDA"):
+        ops.resolve_backend("triton", torch.device("cpu"))
+
+    # pretend the CPU tensors are on CUDA to exercise the call path
+    monkeypatch.setattr(ops, "resolve_backend", lambda backend, device: "triton")
+    q, k, v, offsets, g = make_batch([3, 0, 2])
+    ref = jagged_attention_ref(q, k, v, offsets, 4)
+    torch.testing.assert_close(ops.attention(q, k, v, offsets, 4, backend="triton"), ref + 1.0)
+    bias = torch.randn(3, 4, 4, generator=g, dtype=q.dtype)
+    # "auto": the kernel declines the bias -> the reference answers (with the bias)
+    torch.testing.assert_close(ops.attention(q, k, v, offsets, 4, attn_bias=bias, backend="auto"),
+                               jagged_attention_ref(q, k, v, offsets, 4, attn_bias=bias))
+    # forced "triton": no silent fallback
+    with pytest.raises(NotImplementedError):
+        ops.attention(q, k, v, offsets, 4, attn_bias=bias, backend="triton")
+    assert calls == [False, True, True]
