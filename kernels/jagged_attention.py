@@ -59,10 +59,11 @@ _LOG2E = 1.4426950408889634
 # "short" below REGIME_MEAN_LEN[0], "medium" below REGIME_MEAN_LEN[1], else "long"; smaller tiles waste
 # less work on short sequences. kernels/bench.py sweeps candidates on the H200 and records the winners.
 TILES: dict[str, dict[str, dict[int, tuple[int, int, int, int]]]] = {
+    # D=128 entries: the winners of the H200 sweep of 2026-11-30 (kernels/NOTES.md, run 3).
     "short": {
-        "fwd": {64: (64, 32, 4, 3), 128: (64, 32, 4, 3), 256: (64, 32, 4, 2)},
+        "fwd": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 2)},
         "dkdv": {64: (64, 128, 8, 2), 128: (64, 128, 8, 2), 256: (32, 64, 4, 2)},
-        "dq": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 2)},
+        "dq": {64: (32, 64, 4, 3), 128: (32, 64, 4, 3), 256: (64, 32, 4, 2)},
     },
     "medium": {
         "fwd": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 2)},
