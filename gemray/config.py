@@ -114,6 +114,9 @@ class TrainConfig:
     seed: int = 42
     log_every: int = 10
     max_steps_per_epoch: int = 0  # 0 = whole epoch; >0 caps steps (smoke tests only)
+    # Embedding-table optimizer, fused into the FBGEMM backward: "auto" = rowwise_adam on CUDA,
+    # rowwise_adagrad on CPU (FBGEMM's CPU kernels have no Adam); "adam"/"rowwise_adam" need CUDA.
+    sparse_optimizer: str = "auto"
 
     def validate(self) -> None:
         _positive(self, "epochs", "lr", "sparse_lr", "eval_every", "log_every")
@@ -123,6 +126,7 @@ class TrainConfig:
             raise ValueError(f"train.eval_ks: expected positive cut-offs, got {self.eval_ks}")
         if self.max_steps_per_epoch < 0:
             raise ValueError("train.max_steps_per_epoch: expected >= 0")
+        _choice(self, "sparse_optimizer", ("auto", "rowwise_adam", "adam", "rowwise_adagrad", "adagrad"))
 
 
 @dataclass

@@ -70,20 +70,27 @@ def check_shardable(model_cfg) -> None:
                          f"multiple of 4 (try {lo} or {hi})")
 
 
-def _sparse_optimizer(layout: Layout) -> tuple[type[torch.optim.Optimizer], list[str]]:
-    """(optimizer class, allowed compute kernels) for the embedding tables.
+def _sparse_optimizer(layout: Layout, name: str = "auto") -> tuple[type[torch.optim.Optimizer], list[str]]:
+    """(optimizer class, allowed compute kernels) for the embedding tables, from ``train.sparse_optimizer``.
 
-    CUDA: FBGEMM's fused TBE with partial row-wise Adam (one second-moment scalar per row).
-    CPU: FBGEMM's CPU TBE implements only SGD/Adagrad variants (fbgemm_gpu 1.8 asserts so), and
-    TorchRec allows the non-fused "dense" kernel only for data-parallel tables, which EC cannot use; so
-    CPU runs use exact row-wise Adagrad (``torchrec.optim.RowWiseAdagrad``) at ``train.sparse_lr``.
+    "auto": CUDA -> FBGEMM's partial row-wise Adam (one second-moment scalar per row); CPU -> exact
+    row-wise Adagrad, because FBGEMM's CPU TBE implements only SGD/Adagrad variants (fbgemm_gpu 1.8
+    asserts so) and TorchRec allows the non-fused "dense" kernel only for data-parallel tables, which
+    EmbeddingCollection cannot use. "adam"/"rowwise_adam" on CPU raise ValueError.
     """
     from torchrec.optim import optimizers as trec_optim
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
-    if layout.device_type == "cuda":
-        return trec_optim.PartialRowWiseAdam, ["fused"]
-    return RowWiseAdagrad, ["fused"]
+    if name == "auto":
+        name = "rowwise_adam" if layout.device_type == "cuda" else "rowwise_adagrad"
+    table = {"rowwise_adam": trec_optim.PartialRowWiseAdam, "adam": torch.optim.Adam,
+             "rowwise_adagrad": RowWiseAdagrad, "adagrad": torch.optim.Adagrad}
+    if name not in table:
+        raise ValueError(f"train.sparse_optimizer: unknown {name!r} (known: auto, {', '.join(table)})")
+    if layout.device_type != "cuda" and name in ("rowwise_adam", "adam"):
+        raise ValueError(f"train.sparse_optimizer={name!r} needs CUDA (FBGEMM's CPU kernels have no Adam); "
+                         f"use 'rowwise_adagrad' or 'auto' on CPU")
+    return table[name], ["fused"]
 
 
 def parallelize(model: nn.Module, *, layout: Layout, cfg: JobConfig, device: torch.device,
@@ -93,12 +100,12 @@ def parallelize(model: nn.Module, *, layout: Layout, cfg: JobConfig, device: tor
     model: a plain module (e.g. ``gemray.model.gem.GEM``) with an ``embeddings`` attribute holding a
         TorchRec ``EmbeddingCollection`` built on ``device="meta"``; other parameters are dense.
     layout: from :func:`plan_layout`; its world size must match the process group's.
-    cfg: the job config; uses ``train.lr``, ``train.weight_decay`` (dense AdamW) and ``train.sparse_lr``
-        (fused row-wise Adam applied inside the embedding backward).
+    cfg: the job config; uses ``train.lr``, ``train.weight_decay`` (dense AdamW), ``train.sparse_optimizer``
+        and ``train.sparse_lr`` (the embedding optimizer, fused into the FBGEMM backward).
     device: this rank's device (``cuda:<local_rank>`` or ``cpu``).
     Returns ``(DistributedModelParallel, CombinedOptimizer)``: call ``optimizer.step()`` after backward
-    (the sparse part has already stepped inside backward; its state is in the CombinedOptimizer's
-    state_dict under ``"sparse."``-free fused keys).
+    (the sparse part has already stepped inside backward); the combined state_dict names parameters
+    ``"sparse.<fqn>"`` (fused embedding optimizer) and ``"dense.<fqn>"`` (AdamW).
     Raises ValueError if model.embedding_dim is not a multiple of 4 (FBGEMM), the process group is not
     initialised, its size differs from the layout, or the
     model has no ``embeddings`` EmbeddingCollection.
@@ -125,7 +132,7 @@ def parallelize(model: nn.Module, *, layout: Layout, cfg: JobConfig, device: tor
                          f"{type(ec).__name__}")
 
     # 1. Fused sparse optimizer, applied in backward, before sharding.
-    sparse_cls, kernels = _sparse_optimizer(layout)
+    sparse_cls, kernels = _sparse_optimizer(layout, cfg.train.sparse_optimizer)
     apply_optimizer_in_backward(sparse_cls, ec.parameters(), {"lr": cfg.train.sparse_lr})
 
     # 2. Planner over the topology; constrain every table to the layout's sharding types.
