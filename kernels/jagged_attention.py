@@ -248,11 +248,21 @@ def _query_range(n0, lq, n_hist, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr
 
 
 @triton.jit
+def _load_bias(bias_base, qpos, kpos, stride_bi, stride_bj, lq, lk, ACT: tl.constexpr):
+    """Bias tile (fp32) at broadcastable query/key positions; base 2 for softmax. Masked to the sequence."""
+    b = tl.load(bias_base + qpos * stride_bi + kpos * stride_bj, mask=(qpos < lq) & (kpos < lk), other=0.0)
+    b = b.to(tl.float32)
+    if ACT == 0:
+        b = b * 1.4426950408889634
+    return b
+
+
+@triton.jit
 def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, lq, lk, n_hist, alpha_s,
-               inv_n, lo, hi, offs_dk, offs_dv, D_QK, D_V,
+               inv_n, lo, hi, offs_dk, offs_dv, D_QK, D_V, bias_base, stride_bi, stride_bj,
                ACT: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
                ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, EVEN_D: tl.constexpr,
-               BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr):
+               BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr):
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         kt_ptrs = k_base + offs_n[None, :] * stride_kt + offs_dk[:, None]
@@ -267,21 +277,27 @@ def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, l
             kt = tl.load(kt_ptrs, mask=offs_dk[:, None] < D_QK, other=0.0)
             v = tl.load(v_ptrs, mask=offs_dv[None, :] < D_V, other=0.0)
         s = tl.dot(q, kt, input_precision=DOT_PREC)
+        if HAS_BIAS:
+            s = s * alpha_s + _load_bias(bias_base, offs_m[:, None], offs_n[None, :], stride_bi, stride_bj,
+                                         lq, lk, ACT)
+            sc = 1.0
+        else:
+            sc = alpha_s
         if ACT == 0:
             if MASKED:
                 ok = _valid(offs_m[:, None], offs_n[None, :], lq, lk, n_hist, CAUSAL, HAS_TARGETS,
                             ATT_BLOCK, WINDOW)
                 s = tl.where(ok, s, float("-inf"))
-            # alpha_s > 0 (checked on the host): max of the scaled scores = scaled max; one FMA per score
-            m_new = tl.maximum(m_i, tl.max(s, 1) * alpha_s)
+            # sc > 0 (alpha checked on the host): max of the scaled scores = scaled max; one FMA per score
+            m_new = tl.maximum(m_i, tl.max(s, 1) * sc)
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             corr = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s * alpha_s - m_safe[:, None])
+            p = tl.exp2(s * sc - m_safe[:, None])
             l_i = l_i * corr + tl.sum(p, 1)
             acc = acc * corr[:, None]
             m_i = m_new
         else:
-            p = _act(s * alpha_s, ACT) * inv_n
+            p = _act(s * sc, ACT) * inv_n
             if MASKED:
                 ok = _valid(offs_m[:, None], offs_n[None, :], lq, lk, n_hist, CAUSAL, HAS_TARGETS,
                             ATT_BLOCK, WINDOW)
@@ -291,13 +307,13 @@ def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, l
 
 
 @triton.jit
-def _gdpa_fwd(Q, K, V, O, LSE, Q_OFF, KV_OFF, NT, WORK,
+def _gdpa_fwd(Q, K, V, O, LSE, Q_OFF, KV_OFF, NT, WORK, BIAS,
               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-              stride_lh, alpha, inv_n, n_tiles, D_QK, D_V,
+              stride_lh, stride_bb, stride_bh, stride_bi, stride_bj, alpha, inv_n, n_tiles, D_QK, D_V,
               ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
               ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, Q_BCAST: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
-              BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr):
+              BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr):
     w = tl.load(WORK + tl.program_id(0))
     if w < 0:
         return
@@ -327,18 +343,21 @@ def _gdpa_fwd(Q, K, V, O, LSE, Q_OFF, KV_OFF, NT, WORK,
         alpha_s = alpha * 1.4426950408889634  # softmax in base 2
     else:
         alpha_s = alpha
+    bias_base = BIAS + b.to(tl.int64) * stride_bb + h * stride_bh
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     lo, hi, full_hi = _key_range(m0, lk, n_hist, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, BLOCK_M, BLOCK_N)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, lq, lk,
                                n_hist, alpha_s, inv_n, lo, full_hi, offs_dk, offs_dv, D_QK, D_V,
+                               bias_base, stride_bi, stride_bj,
                                ACT, False, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, EVEN_D, BLOCK_N,
-                               DOT_PREC)
+                               DOT_PREC, HAS_BIAS)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, lq, lk,
                                n_hist, alpha_s, inv_n, full_hi, hi, offs_dk, offs_dv, D_QK, D_V,
+                               bias_base, stride_bi, stride_bj,
                                ACT, True, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, EVEN_D, BLOCK_N,
-                               DOT_PREC)
+                               DOT_PREC, HAS_BIAS)
     row_ok = offs_m < lq
     if ACT == 0:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -356,10 +375,10 @@ def _gdpa_fwd(Q, K, V, O, LSE, Q_OFF, KV_OFF, NT, WORK,
 
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n, lq,
-                lk, n_hist, alpha_s, inv_n, lo, hi, offs_dk, offs_dv, D_QK, D_V,
+                lk, n_hist, alpha_s, inv_n, lo, hi, offs_dk, offs_dv, D_QK, D_V, bias_base, stride_bi, stride_bj,
                 ACT: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
                 ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,
-                DOT_PREC: tl.constexpr):
+                DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr):
     for m0 in range(lo, hi, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         row_ok = offs_m < lq
@@ -368,6 +387,8 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, 
         do = tl.load(do_base + offs_m[:, None] * stride_dot + offs_dv[None, :],
                      mask=row_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
         st = tl.dot(k, qt, input_precision=DOT_PREC) * alpha_s  # [BLOCK_N, BLOCK_M]
+        if HAS_BIAS:
+            st = st + _load_bias(bias_base, offs_m[None, :], offs_n[:, None], stride_bi, stride_bj, lq, lk, ACT)
         dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
         if ACT == 0:
             lse = tl.load(lse_base + offs_m, mask=row_ok, other=float("inf"))
@@ -392,14 +413,14 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, 
 
 
 @triton.jit
-def _gdpa_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, Q_OFF, KV_OFF, NT, WORK,
+def _gdpa_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, Q_OFF, KV_OFF, NT, WORK, BIAS,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                    stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
-                   alpha, inv_n, n_tiles, D_QK, D_V,
+                   stride_bb, stride_bh, stride_bi, stride_bj, alpha, inv_n, n_tiles, D_QK, D_V,
                    ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
                    ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, Q_BCAST: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
-                   BLOCK_DV: tl.constexpr, DOT_PREC: tl.constexpr):
+                   BLOCK_DV: tl.constexpr, DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr):
     w = tl.load(WORK + tl.program_id(0))
     if w < 0:
         return
@@ -431,6 +452,7 @@ def _gdpa_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, Q_OFF, KV_OFF, NT, WORK,
         alpha_s = alpha
     dk = tl.zeros([BLOCK_N, BLOCK_DQK], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    bias_base = BIAS + b.to(tl.int64) * stride_bb + h * stride_bh
     q_base = Q + q_row * stride_qt + h * stride_qh
     do_base = DO + q_start * stride_dot + h * stride_doh
     lse_base = LSE + h * stride_lh + q_start
@@ -439,10 +461,12 @@ def _gdpa_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, Q_OFF, KV_OFF, NT, WORK,
                                    BLOCK_N)
     dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n,
                          lq, lk, n_hist, alpha_s, inv_n, lo, full_lo, offs_dk, offs_dv, D_QK, D_V,
-                         ACT, True, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, BLOCK_M, DOT_PREC)
+                         bias_base, stride_bi, stride_bj,
+                         ACT, True, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, BLOCK_M, DOT_PREC, HAS_BIAS)
     dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n,
                          lq, lk, n_hist, alpha_s, inv_n, full_lo, hi, offs_dk, offs_dv, D_QK, D_V,
-                         ACT, False, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, BLOCK_M, DOT_PREC)
+                         bias_base, stride_bi, stride_bj,
+                         ACT, False, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, BLOCK_M, DOT_PREC, HAS_BIAS)
     dk = dk * alpha
     tl.store(DK + (kv_start + offs_n[:, None]) * stride_dkt + h * stride_dkh + offs_dk[None, :],
              dk.to(DK.dtype.element_ty), mask=col_ok[:, None] & (offs_dk[None, :] < D_QK))
@@ -452,10 +476,11 @@ def _gdpa_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, Q_OFF, KV_OFF, NT, WORK,
 
 @triton.jit
 def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_m, lq, lk, n_hist, alpha_s,
-              inv_n, lo, hi, offs_dk, offs_dv, D_QK, D_V,
+              inv_n, lo, hi, offs_dk, offs_dv, D_QK, D_V, bias_base, stride_bi, stride_bj, dbias_base,
+              stride_dbi, stride_dbj,
               ACT: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
               ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
-              DOT_PREC: tl.constexpr):
+              DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_DBIAS: tl.constexpr):
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         col_ok = offs_n < lk
@@ -464,6 +489,8 @@ def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_
         vt = tl.load(v_base + offs_n[None, :] * stride_vt + offs_dv[:, None],
                      mask=col_ok[None, :] & (offs_dv[:, None] < D_V), other=0.0)
         s = tl.dot(q, kt, input_precision=DOT_PREC) * alpha_s
+        if HAS_BIAS:
+            s = s + _load_bias(bias_base, offs_m[:, None], offs_n[None, :], stride_bi, stride_bj, lq, lk, ACT)
         dp = tl.dot(do, vt, input_precision=DOT_PREC)
         if ACT == 0:
             p = tl.exp2(s - lse[:, None])
@@ -478,18 +505,23 @@ def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_
                 ok = _valid(offs_m[:, None], offs_n[None, :], lq, lk, n_hist, CAUSAL, HAS_TARGETS,
                             ATT_BLOCK, WINDOW)
                 ds = tl.where(ok, ds, 0.0)
+        if STORE_DBIAS:  # d logits = d bias; every (row, key) pair is written by exactly one program
+            tl.store(dbias_base + offs_m[:, None] * stride_dbi + offs_n[None, :] * stride_dbj, ds,
+                     mask=(offs_m[:, None] < lq) & (offs_n[None, :] < lk))
         dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq, input_precision=DOT_PREC)
     return dq
 
 
 @triton.jit
-def _gdpa_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, Q_OFF, KV_OFF, NT, WORK,
+def _gdpa_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, Q_OFF, KV_OFF, NT, WORK, BIAS, DBIAS,
                  stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-                 stride_dqt, stride_dqh, stride_lh, alpha, inv_n, n_tiles, D_QK, D_V,
+                 stride_dqt, stride_dqh, stride_lh, stride_bb, stride_bh, stride_bi, stride_bj,
+                 stride_dbb, stride_dbh, stride_dbi, stride_dbj, alpha, inv_n, n_tiles, D_QK, D_V,
                  ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
                  ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, Q_BCAST: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
-                 BLOCK_DV: tl.constexpr, DOT_PREC: tl.constexpr):
+                 BLOCK_DV: tl.constexpr, DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 STORE_DBIAS: tl.constexpr):
     w = tl.load(WORK + tl.program_id(0))
     if w < 0:
         return
@@ -527,12 +559,16 @@ def _gdpa_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, Q_OFF, KV_OFF, NT, WORK,
     k_base = K + kv_start * stride_kt + h * stride_kh
     v_base = V + kv_start * stride_vt + h * stride_vh
     lo, hi, full_hi = _key_range(m0, lk, n_hist, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, BLOCK_M, BLOCK_N)
+    bias_base = BIAS + b.to(tl.int64) * stride_bb + h * stride_bh
+    dbias_base = DBIAS + b.to(tl.int64) * stride_dbb + h * stride_dbh
     dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_m, lq, lk, n_hist,
-                   alpha_s, inv_n, lo, full_hi, offs_dk, offs_dv, D_QK, D_V, ACT, False, CAUSAL,
-                   HAS_TARGETS, ATT_BLOCK, WINDOW, BLOCK_N, DOT_PREC)
+                   alpha_s, inv_n, lo, full_hi, offs_dk, offs_dv, D_QK, D_V, bias_base, stride_bi, stride_bj,
+                   dbias_base, stride_dbi, stride_dbj, ACT, False, CAUSAL,
+                   HAS_TARGETS, ATT_BLOCK, WINDOW, BLOCK_N, DOT_PREC, HAS_BIAS, STORE_DBIAS)
     dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_m, lq, lk, n_hist,
-                   alpha_s, inv_n, full_hi, hi, offs_dk, offs_dv, D_QK, D_V, ACT, True, CAUSAL,
-                   HAS_TARGETS, ATT_BLOCK, WINDOW, BLOCK_N, DOT_PREC)
+                   alpha_s, inv_n, full_hi, hi, offs_dk, offs_dv, D_QK, D_V, bias_base, stride_bi, stride_bj,
+                   dbias_base, stride_dbi, stride_dbj, ACT, True, CAUSAL,
+                   HAS_TARGETS, ATT_BLOCK, WINDOW, BLOCK_N, DOT_PREC, HAS_BIAS, STORE_DBIAS)
     dq = dq * alpha
     tl.store(DQ + (q_start + offs_m[:, None]) * stride_dqt + h * stride_dqh + offs_dk[None, :],
              dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (offs_dk[None, :] < D_QK))
@@ -611,6 +647,15 @@ def _block_d(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
+def _bias_strides(bias: torch.Tensor | None) -> tuple[int, int, int, int]:
+    """(batch, head, row, col) strides of a [B, n1, n2] (head stride 0) or [B, H, n1, n2] bias."""
+    if bias is None:
+        return (0, 0, 0, 0)
+    if bias.dim() == 3:
+        return (bias.stride(0), 0, bias.stride(1), bias.stride(2))
+    return tuple(bias.stride())
+
+
 def _q_table(spec: _Spec, q_off: torch.Tensor, kv_off: torch.Tensor, bm: int, t_q: int
              ) -> tuple[torch.Tensor, int]:
     """Cached work table of query tiles (fwd and dQ kernels); t_q = number of output rows."""
@@ -652,7 +697,7 @@ def _bwd_delta(O, DO, DELTA, T, stride_ot, stride_oh, stride_dot, stride_doh, st
 
 class _GDPA(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, q_off, kv_off, nt, spec: _Spec, t_out: int):
+    def forward(ctx, q, k, v, bias, q_off, kv_off, nt, spec: _Spec, t_out: int):
         h = k.shape[1]
         d_qk, d_v = q.shape[2], v.shape[2]
         bdk, bdv = _block_d(d_qk), _block_d(d_v)
@@ -663,20 +708,21 @@ class _GDPA(torch.autograd.Function):
         lse = torch.empty((h, t_out), device=q.device, dtype=torch.float32)
         nt_arg = nt if nt is not None else q_off
         _gdpa_fwd[(table.numel(), h)](
-            q, k, v, o, lse, q_off, kv_off, nt_arg, table,
+            q, k, v, o, lse, q_off, kv_off, nt_arg, table, bias if bias is not None else q,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            o.stride(0), o.stride(1), lse.stride(0), spec.alpha, spec.inv_n, n_tiles, d_qk, d_v,
+            o.stride(0), o.stride(1), lse.stride(0), *_bias_strides(bias),
+            spec.alpha, spec.inv_n, n_tiles, d_qk, d_v, HAS_BIAS=bias is not None,
             ACT=spec.act, CAUSAL=spec.causal, HAS_TARGETS=nt is not None, ATT_BLOCK=spec.att_block,
             WINDOW=spec.window, Q_BCAST=spec.q_bcast, BLOCK_M=bm, BLOCK_N=bn, BLOCK_DQK=bdk,
             BLOCK_DV=bdv, EVEN_D=(bdk == d_qk and bdv == d_v), DOT_PREC=_dot_prec(q.dtype),
             num_warps=warps, num_stages=stages)
-        ctx.save_for_backward(q, k, v, o, lse, q_off, kv_off, nt)
+        ctx.save_for_backward(q, k, v, bias, o, lse, q_off, kv_off, nt)
         ctx.spec = spec
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse, q_off, kv_off, nt = ctx.saved_tensors
+        q, k, v, bias, o, lse, q_off, kv_off, nt = ctx.saved_tensors
         spec: _Spec = ctx.spec
         do = do.contiguous() if do.stride(-1) != 1 else do
         h = k.shape[1]
@@ -691,7 +737,7 @@ class _GDPA(torch.autograd.Function):
         else:
             delta = lse
         nt_arg = nt if nt is not None else q_off
-        common = dict(ACT=spec.act, CAUSAL=spec.causal, HAS_TARGETS=nt is not None,
+        common = dict(ACT=spec.act, CAUSAL=spec.causal, HAS_TARGETS=nt is not None, HAS_BIAS=bias is not None,
                       ATT_BLOCK=spec.att_block, WINDOW=spec.window, Q_BCAST=spec.q_bcast,
                       BLOCK_DQK=bdk, BLOCK_DV=bdv, DOT_PREC=_dot_prec(q.dtype))
 
@@ -701,24 +747,32 @@ class _GDPA(torch.autograd.Function):
         bm, bn, warps, stages = _tiles("dkdv", d_qk, reg, spec.max_q_len)
         table, n_tiles = _k_table(spec, q_off, kv_off, bn, k.shape[0])
         _gdpa_bwd_dkdv[(table.numel(), h)](
-            q, k, v, do, lse, delta, dk, dv, q_off, kv_off, nt_arg, table,
+            q, k, v, do, lse, delta, dk, dv, q_off, kv_off, nt_arg, table, bias if bias is not None else q,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-            lse.stride(0), spec.alpha, spec.inv_n, n_tiles, d_qk, d_v,
+            lse.stride(0), *_bias_strides(bias), spec.alpha, spec.inv_n, n_tiles, d_qk, d_v,
             BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common)
 
         dq = q.new_empty((t_out, h, d_qk)) if spec.q_bcast else torch.empty_like(q)
         bm, bn, warps, stages = _tiles("dq", d_qk, reg, spec.max_q_len)
         table, n_tiles = _q_table(spec, q_off, kv_off, bm, t_out)
+        want_dbias = bias is not None and ctx.needs_input_grad[3]
+        # dbias per head, fp32, zero where no program writes (pairs outside the mask / key range)
+        dbias = (torch.zeros((bias.shape[0], h, bias.shape[-2], bias.shape[-1]), device=q.device,
+                             dtype=torch.float32) if want_dbias else None)
         _gdpa_bwd_dq[(table.numel(), h)](
-            q, k, v, do, lse, delta, dq, q_off, kv_off, nt_arg, table,
+            q, k, v, do, lse, delta, dq, q_off, kv_off, nt_arg, table, bias if bias is not None else q,
+            dbias if dbias is not None else q,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), lse.stride(0),
-            spec.alpha, spec.inv_n, n_tiles, d_qk, d_v,
+            do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), lse.stride(0), *_bias_strides(bias),
+            *(dbias.stride() if dbias is not None else (0, 0, 0, 0)),
+            spec.alpha, spec.inv_n, n_tiles, d_qk, d_v, STORE_DBIAS=want_dbias,
             BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common)
         if spec.q_bcast:
             dq = dq.view(-1, q.shape[0], h, d_qk).sum(0, dtype=torch.float32).to(q.dtype)
-        return dq, dk, dv, None, None, None, None, None
+        if dbias is not None:
+            dbias = (dbias if bias.dim() == 4 else dbias.sum(1)).to(bias.dtype)
+        return dq, dk, dv, dbias, None, None, None, None, None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -743,8 +797,8 @@ def gdpa_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: to
                 kv_offsets: torch.Tensor, max_q_len: int, max_kv_len: int, *, activation: str = "silu",
                 causal: bool = False, alpha: float | None = None, norm: float | None = None,
                 num_targets: torch.Tensor | None = None, block_size: int = 0, window: int = 0,
-                q_broadcast: bool = False) -> torch.Tensor:
-    """Generalized jagged attention: ``out_i = sum_j f(alpha * q_i.k_j) v_j`` over the valid pairs.
+                q_broadcast: bool = False, attn_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Generalized jagged attention: ``out_i = sum_j f(alpha * q_i.k_j + bias_ij) v_j`` over valid pairs.
 
     Args:
         q: [Tq, H, Dqk] (or [S, H, Dqk] seeds shared by every sequence when ``q_broadcast``);
@@ -761,6 +815,10 @@ def gdpa_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: to
             attend to the history and to themselves only (requires causal self-attention).
         block_size: > 0 restricts attention to the query's own block of positions [k*bs, (k+1)*bs).
         window: > 0 restricts attention to |i - j| < window.
+        attn_bias: optional float [B, n1, n2] (shared by heads) or [B, H, n1, n2], padded, added to the
+            scaled logits at (query position, key position) of each sequence, as in
+            ``jagged_attention_ref``; n1 / n2 must be >= the longest query / key sequence (checked by an
+            asynchronous device assertion). Differentiable: dbias is written by the dQ kernel.
     Returns:
         out: [Tq, H, Dv] (q_broadcast: [B*S, H, Dv]) in q's dtype; rows with no valid key are 0.
     Raises:
@@ -792,6 +850,12 @@ def gdpa_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: to
     if max_q_len < 0 or max_kv_len < 0:
         raise ValueError("gdpa: max lengths must be >= 0")
     bsz = q_offsets.numel() - 1
+    if attn_bias is not None:
+        if (attn_bias.dim() not in (3, 4) or attn_bias.shape[0] != bsz
+                or (attn_bias.dim() == 4 and attn_bias.shape[1] != q.shape[1])
+                or not attn_bias.is_floating_point() or attn_bias.device != q.device):
+            raise ValueError(f"gdpa: attn_bias must be float [B={bsz}, n1, n2] or [B, H={q.shape[1]}, n1, n2] "
+                             f"on {q.device}, got {attn_bias.dtype} {tuple(attn_bias.shape)} on {attn_bias.device}")
     if q_broadcast:
         t_out = bsz * q.shape[0]
     else:
@@ -804,9 +868,12 @@ def gdpa_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: to
             torch._assert_async((lq.max() <= max_q_len) & (lk.max() <= max_kv_len))
             if num_targets is not None:
                 torch._assert_async(((num_targets >= 0) & (num_targets <= lq)).all())
+            if attn_bias is not None:
+                torch._assert_async((lq.max() <= attn_bias.shape[-2]) & (lk.max() <= attn_bias.shape[-1]))
             return True
 
-        _cached((q_offsets, kv_offsets, num_targets), ("check", max_q_len, max_kv_len), check)
+        bias_shape = tuple(attn_bias.shape[-2:]) if attn_bias is not None else None
+        _cached((q_offsets, kv_offsets, num_targets), ("check", max_q_len, max_kv_len, bias_shape), check)
     if alpha is None:  # the reference's convention (gemray.kernels.reference.jagged_attention_ref)
         alpha = 1.0 / math.sqrt(q.shape[2]) if activation == "softmax" else 1.0
     if not alpha > 0:
@@ -818,8 +885,9 @@ def gdpa_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: to
                  max_q_len=int(max_q_len), max_kv_len=int(max_kv_len))
     if t_out == 0 or bsz == 0:
         out = q.new_zeros((t_out, q.shape[1], v.shape[2]))
-        return out + 0.0 * (q.sum() + k.sum() + v.sum())  # keeps the graph for autograd
-    return _GDPA.apply(q, k, v, q_offsets, kv_offsets, num_targets, spec, t_out)
+        out = out + 0.0 * (q.sum() + k.sum() + v.sum())  # keeps the graph for autograd
+        return out + 0.0 * attn_bias.sum() if attn_bias is not None else out
+    return _GDPA.apply(q, k, v, attn_bias, q_offsets, kv_offsets, num_targets, spec, t_out)
 
 
 def jagged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
@@ -829,13 +897,12 @@ def jagged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o
     """Jagged self-attention (JFA for softmax, HSTU for silu); signature of ``jagged_attention_ref``.
 
     q: [T, H, Dqk], k: [T, H, Dqk], v: [T, H, Dv]; offsets: [B+1] int64; max_len: host int >= every
-    length, also the N of ``silu(alpha*qk)/N``. num_targets: [B] int64 or None. Returns [T, H, Dv].
-    Raises NotImplementedError for ``attn_bias`` (relative position/time bias is not in the kernel yet).
+    length, also the N of ``silu(alpha*qk + bias)/N``. attn_bias: optional float [B, n', n'] or
+    [B, H, n', n'] (n' >= longest sequence), added to the scaled logits, differentiable.
+    num_targets: [B] int64 or None (causal only). Returns [T, H, Dv].
     """
-    if attn_bias is not None:
-        raise NotImplementedError("jagged_attention_triton: attn_bias is not supported by the Triton kernel")
     return gdpa_triton(q, k, v, offsets, offsets, max_len, max_len, activation=activation, causal=causal,
-                       alpha=alpha, norm=float(max(max_len, 1)), num_targets=num_targets)
+                       alpha=alpha, norm=float(max(max_len, 1)), num_targets=num_targets, attn_bias=attn_bias)
 
 
 def jagged_cross_attention_triton(q: torch.Tensor, q_offsets: torch.Tensor, k: torch.Tensor,

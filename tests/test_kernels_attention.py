@@ -60,7 +60,7 @@ def _check(kernel_fn, ref_fn, tensors, tol):
     do = torch.randn_like(expect)
     grads = torch.autograd.grad(out, tensors, do.to(out.dtype))
     ref_grads = torch.autograd.grad(expect, ref_t, do)
-    for name, g, gr in zip("qkv", grads, ref_grads):
+    for name, g, gr in zip(("q", "k", "v", "bias"), grads, ref_grads):
         assert g.shape == gr.shape
         if gr.norm() > 1e-6 * do.norm():
             assert _rel(g, gr) < tol, f"d{name} rel err {_rel(g, gr):.2e}"
@@ -104,6 +104,25 @@ def test_self_attention_patterns_all_activations(activation, pattern):
            lambda a, b, c: ref.jagged_attention_ref(a, b, c, off, 40, activation=activation, causal=causal,
                                                     alpha=alpha, num_targets=nt),
            (q, k, v), 1e-4)
+
+
+@cpu_only
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+@pytest.mark.parametrize("per_head", [False, True])
+def test_attn_bias_matches_reference_with_dbias(activation, per_head):
+    """attn_bias [B, n', n'] (shared) or [B, H, n', n'] (n' > longest): output and d(q, k, v, bias)."""
+    torch.manual_seed(12)
+    lengths = [0, 1, 5, 37, 3, 16]
+    off = _offsets(lengths)
+    t, h, d = int(off[-1]), 2, 16
+    nt = torch.tensor([0, 1, 2, 5, 0, 3])
+    shape = (len(lengths), h, 40, 40) if per_head else (len(lengths), 40, 40)
+    q, k, v, bias = _leaf(t, h, d), _leaf(t, h, d), _leaf(t, h, d), _leaf(*shape)
+    _check(lambda a, b, c, e: jagged_attention_triton(a, b, c, off, 40, activation=activation, attn_bias=e,
+                                                      num_targets=nt),
+           lambda a, b, c, e: ref.jagged_attention_ref(a, b, c, off, 40, activation=activation, attn_bias=e,
+                                                       num_targets=nt),
+           (q, k, v, bias), 1e-4)
 
 
 @cpu_only
@@ -269,8 +288,8 @@ def test_bad_arguments_raise():
     q = torch.randn(5, 2, 16)
     with pytest.raises(ValueError, match="activation"):
         jagged_attention_triton(q, q, q, off, 4, activation="relu")
-    with pytest.raises(NotImplementedError, match="attn_bias"):
-        jagged_attention_triton(q, q, q, off, 4, attn_bias=torch.zeros(2, 4, 4))
+    with pytest.raises(ValueError, match="attn_bias"):
+        jagged_attention_triton(q, q, q, off, 4, attn_bias=torch.zeros(3, 4, 4))
     with pytest.raises(ValueError, match="int64"):
         jagged_attention_triton(q, q, q, off.int(), 4)
     with pytest.raises(ValueError, match=r"\[T, H, D\]"):
