@@ -12,7 +12,9 @@ One kernel family covers the attention-like patterns of GEM / HSTU generative re
 * pooled multi-head attention (PMA: S learned seed queries per head, shared by all sequences, against the
   jagged history; output ``[B, S, H, Dv]``);
 * block attention (each query sees only keys of its own fixed block of ``block_size`` positions) and
-  sliding-window attention (``|i - j| < window``), whose cost grows linearly with the history length.
+  sliding-window attention (``|i - j| < window``), whose cost grows linearly with the history length;
+* an optional additive bias ``attn_bias`` ([B, n, n] shared by heads or [B, H, n, n], e.g. HSTU's
+  relative position/time bias), differentiable (dbias written by the dQ kernel).
 
 Shape key: B sequences; T = offsets[-1] total tokens; H heads; Dqk query/key width; Dv value width;
 L_b = offsets[b+1] - offsets[b]. Tensors stay in gemray's jagged layout ``[T, H, D]`` with

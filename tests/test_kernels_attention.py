@@ -337,6 +337,21 @@ def test_gpu_self_attention_bf16(activation, pattern):
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("activation", ["softmax", "silu"])
+def test_gpu_attn_bias_bf16(activation):
+    torch.manual_seed(12)
+    lengths = _heavy_lengths(16, 1024) + [0, 1, 1024]
+    off = _offsets(lengths, "cuda")
+    t, h, d = int(off[-1]), 4, 128
+    q, k, v = (_leaf(t, h, d, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+    bias = _leaf(len(lengths), 1024, 1024, device="cuda")
+    _check(lambda a, b, c, e: jagged_attention_triton(a, b, c, off, 1024, activation=activation, attn_bias=e),
+           lambda a, b, c, e: ref.jagged_attention_ref(a, b, c, off, 1024, activation=activation, attn_bias=e),
+           (q, k, v, bias), 2e-2)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
 def test_gpu_cross_pma_block_bf16(activation):
     torch.manual_seed(11)
     h, d = 4, 128
