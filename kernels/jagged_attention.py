@@ -169,11 +169,14 @@ def _act_grad(s, ACT: tl.constexpr):
 
 @triton.jit
 def _valid(qpos, kpos, lq, lk, n_hist, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
-           ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr):
+           ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, CONTEXT: tl.constexpr):
     """Boolean validity of (query position, key position) pairs; qpos/kpos broadcast to a 2-D tile."""
     ok = (qpos < lq) & (kpos < lk)
     if CAUSAL:
-        ok = ok & (kpos <= qpos)
+        if CONTEXT > 0:  # the first CONTEXT positions form a bidirectional prefix
+            ok = ok & ((kpos <= qpos) | ((qpos < CONTEXT) & (kpos < CONTEXT)))
+        else:
+            ok = ok & (kpos <= qpos)
     if HAS_TARGETS:
         ok = ok & ((kpos < n_hist) | (kpos == qpos))
     if ATT_BLOCK > 0:
@@ -185,12 +188,14 @@ def _valid(qpos, kpos, lq, lk, n_hist, CAUSAL: tl.constexpr, HAS_TARGETS: tl.con
 
 @triton.jit
 def _key_range(m0, lk, n_hist, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, ATT_BLOCK: tl.constexpr,
-               WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+               WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CONTEXT: tl.constexpr):
     """Key tiles a query tile [m0, m0+BLOCK_M) visits: [lo, hi); [lo, full_hi) needs no mask."""
     lo = m0 * 0
     hi = lk
     if CAUSAL:
         hi = tl.minimum(hi, m0 + BLOCK_M)
+        if CONTEXT > 0:  # prefix queries also see the prefix keys after them
+            hi = tl.where(m0 < CONTEXT, tl.maximum(hi, tl.minimum(lk, CONTEXT)), hi)
     if ATT_BLOCK > 0:
         lo = (m0 // ATT_BLOCK) * ATT_BLOCK
         hi = tl.minimum(hi, ((m0 + BLOCK_M - 1) // ATT_BLOCK + 1) * ATT_BLOCK)
@@ -214,15 +219,17 @@ def _key_range(m0, lk, n_hist, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, 
 
 @triton.jit
 def _query_range(n0, lq, n_hist, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, ATT_BLOCK: tl.constexpr,
-                 WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                 WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CONTEXT: tl.constexpr):
     """Query tiles a key tile [n0, n0+BLOCK_N) is seen by: [lo, hi); [full_lo, hi) needs no mask."""
     lo = n0 * 0
     hi = lq
     if CAUSAL:
         lo = n0
+        if CONTEXT > 0:  # prefix keys are also seen by the prefix queries before them
+            lo = tl.where(n0 < CONTEXT, 0, lo)
     if HAS_TARGETS:
-        # a key tile made only of targets is seen only by those targets themselves
-        hi = tl.where(n0 >= n_hist, tl.minimum(hi, n0 + BLOCK_N), hi)
+        # a key tile made only of targets (and no prefix) is seen only by those targets themselves
+        hi = tl.where((n0 >= n_hist) & (n0 >= CONTEXT), tl.minimum(hi, n0 + BLOCK_N), hi)
     if ATT_BLOCK > 0:
         lo = tl.maximum(lo, (n0 // ATT_BLOCK) * ATT_BLOCK)
         hi = tl.minimum(hi, ((n0 + BLOCK_N - 1) // ATT_BLOCK + 1) * ATT_BLOCK)
@@ -264,7 +271,8 @@ def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, l
                inv_n, lo, hi, offs_dk, offs_dv, D_QK, D_V, bias_base, stride_bi, stride_bj,
                ACT: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
                ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, EVEN_D: tl.constexpr,
-               BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr):
+               BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr,
+               CONTEXT: tl.constexpr):
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         kt_ptrs = k_base + offs_n[None, :] * stride_kt + offs_dk[:, None]
@@ -288,7 +296,7 @@ def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, l
         if ACT == 0:
             if MASKED:
                 ok = _valid(offs_m[:, None], offs_n[None, :], lq, lk, n_hist, CAUSAL, HAS_TARGETS,
-                            ATT_BLOCK, WINDOW)
+                            ATT_BLOCK, WINDOW, CONTEXT)
                 s = tl.where(ok, s, float("-inf"))
             # sc > 0 (alpha checked on the host): max of the scaled scores = scaled max; one FMA per score
             m_new = tl.maximum(m_i, tl.max(s, 1) * sc)
@@ -302,7 +310,7 @@ def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, l
             p = _act(s * sc, ACT) * inv_n
             if MASKED:
                 ok = _valid(offs_m[:, None], offs_n[None, :], lq, lk, n_hist, CAUSAL, HAS_TARGETS,
-                            ATT_BLOCK, WINDOW)
+                            ATT_BLOCK, WINDOW, CONTEXT)
                 p = tl.where(ok, p, 0.0)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
     return acc, m_i, l_i
@@ -315,7 +323,8 @@ def _gdpa_fwd(Q, K, V, O, LSE, Q_OFF, KV_OFF, NT, WORK, BIAS,
               ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
               ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, Q_BCAST: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
-              BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr):
+              BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr,
+              CONTEXT: tl.constexpr):
     w = tl.load(WORK + tl.program_id(0))
     if w < 0:
         return
@@ -349,17 +358,17 @@ def _gdpa_fwd(Q, K, V, O, LSE, Q_OFF, KV_OFF, NT, WORK, BIAS,
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    lo, hi, full_hi = _key_range(m0, lk, n_hist, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, BLOCK_M, BLOCK_N)
+    lo, hi, full_hi = _key_range(m0, lk, n_hist, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, BLOCK_M, BLOCK_N, CONTEXT)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, lq, lk,
                                n_hist, alpha_s, inv_n, lo, full_hi, offs_dk, offs_dv, D_QK, D_V,
                                bias_base, stride_bi, stride_bj,
                                ACT, False, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, EVEN_D, BLOCK_N,
-                               DOT_PREC, HAS_BIAS)
+                               DOT_PREC, HAS_BIAS, CONTEXT)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, lq, lk,
                                n_hist, alpha_s, inv_n, full_hi, hi, offs_dk, offs_dv, D_QK, D_V,
                                bias_base, stride_bi, stride_bj,
                                ACT, True, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, EVEN_D, BLOCK_N,
-                               DOT_PREC, HAS_BIAS)
+                               DOT_PREC, HAS_BIAS, CONTEXT)
     row_ok = offs_m < lq
     if ACT == 0:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -380,7 +389,7 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, 
                 lk, n_hist, alpha_s, inv_n, lo, hi, offs_dk, offs_dv, D_QK, D_V, bias_base, stride_bi, stride_bj,
                 ACT: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
                 ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,
-                DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr):
+                DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr, CONTEXT: tl.constexpr):
     for m0 in range(lo, hi, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         row_ok = offs_m < lq
@@ -398,7 +407,7 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, 
             pt = tl.exp2(st - lse[None, :])
             if MASKED:
                 ok = _valid(offs_m[None, :], offs_n[:, None], lq, lk, n_hist, CAUSAL, HAS_TARGETS,
-                            ATT_BLOCK, WINDOW)
+                            ATT_BLOCK, WINDOW, CONTEXT)
                 pt = tl.where(ok, pt, 0.0)
             dst = pt * (dpt - delta[None, :])
         else:
@@ -406,7 +415,7 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, 
             dst = dpt * _act_grad(st, ACT) * inv_n
             if MASKED:
                 ok = _valid(offs_m[None, :], offs_n[:, None], lq, lk, n_hist, CAUSAL, HAS_TARGETS,
-                            ATT_BLOCK, WINDOW)
+                            ATT_BLOCK, WINDOW, CONTEXT)
                 pt = tl.where(ok, pt, 0.0)
                 dst = tl.where(ok, dst, 0.0)
         dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PREC)
@@ -422,7 +431,8 @@ def _gdpa_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, Q_OFF, KV_OFF, NT, WORK, BIA
                    ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
                    ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, Q_BCAST: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
-                   BLOCK_DV: tl.constexpr, DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr):
+                   BLOCK_DV: tl.constexpr, DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   CONTEXT: tl.constexpr):
     w = tl.load(WORK + tl.program_id(0))
     if w < 0:
         return
@@ -460,15 +470,15 @@ def _gdpa_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, Q_OFF, KV_OFF, NT, WORK, BIA
     lse_base = LSE + h * stride_lh + q_start
     delta_base = DELTA + h * stride_lh + q_start
     lo, hi, full_lo = _query_range(n0, lq, n_hist, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, BLOCK_M,
-                                   BLOCK_N)
+                                   BLOCK_N, CONTEXT)
     dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n,
                          lq, lk, n_hist, alpha_s, inv_n, lo, full_lo, offs_dk, offs_dv, D_QK, D_V,
                          bias_base, stride_bi, stride_bj,
-                         ACT, True, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, BLOCK_M, DOT_PREC, HAS_BIAS)
+                         ACT, True, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, BLOCK_M, DOT_PREC, HAS_BIAS, CONTEXT)
     dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n,
                          lq, lk, n_hist, alpha_s, inv_n, full_lo, hi, offs_dk, offs_dv, D_QK, D_V,
                          bias_base, stride_bi, stride_bj,
-                         ACT, False, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, BLOCK_M, DOT_PREC, HAS_BIAS)
+                         ACT, False, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, BLOCK_M, DOT_PREC, HAS_BIAS, CONTEXT)
     dk = dk * alpha
     tl.store(DK + (kv_start + offs_n[:, None]) * stride_dkt + h * stride_dkh + offs_dk[None, :],
              dk.to(DK.dtype.element_ty), mask=col_ok[:, None] & (offs_dk[None, :] < D_QK))
@@ -482,7 +492,8 @@ def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_
               stride_dbi, stride_dbj,
               ACT: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
               ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
-              DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_DBIAS: tl.constexpr):
+              DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_DBIAS: tl.constexpr,
+              CONTEXT: tl.constexpr):
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         col_ok = offs_n < lk
@@ -498,14 +509,14 @@ def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_
             p = tl.exp2(s - lse[:, None])
             if MASKED:
                 ok = _valid(offs_m[:, None], offs_n[None, :], lq, lk, n_hist, CAUSAL, HAS_TARGETS,
-                            ATT_BLOCK, WINDOW)
+                            ATT_BLOCK, WINDOW, CONTEXT)
                 p = tl.where(ok, p, 0.0)
             ds = p * (dp - delta[:, None])
         else:
             ds = dp * _act_grad(s, ACT) * inv_n
             if MASKED:
                 ok = _valid(offs_m[:, None], offs_n[None, :], lq, lk, n_hist, CAUSAL, HAS_TARGETS,
-                            ATT_BLOCK, WINDOW)
+                            ATT_BLOCK, WINDOW, CONTEXT)
                 ds = tl.where(ok, ds, 0.0)
         if STORE_DBIAS:  # d logits = d bias; every (row, key) pair is written by exactly one program
             tl.store(dbias_base + offs_m[:, None] * stride_dbi + offs_n[None, :] * stride_dbj, ds,
@@ -523,7 +534,7 @@ def _gdpa_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, Q_OFF, KV_OFF, NT, WORK, BIAS, DBI
                  ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, Q_BCAST: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
                  BLOCK_DV: tl.constexpr, DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 STORE_DBIAS: tl.constexpr):
+                 STORE_DBIAS: tl.constexpr, CONTEXT: tl.constexpr):
     w = tl.load(WORK + tl.program_id(0))
     if w < 0:
         return
@@ -560,17 +571,17 @@ def _gdpa_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, Q_OFF, KV_OFF, NT, WORK, BIAS, DBI
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
     k_base = K + kv_start * stride_kt + h * stride_kh
     v_base = V + kv_start * stride_vt + h * stride_vh
-    lo, hi, full_hi = _key_range(m0, lk, n_hist, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, BLOCK_M, BLOCK_N)
+    lo, hi, full_hi = _key_range(m0, lk, n_hist, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, BLOCK_M, BLOCK_N, CONTEXT)
     bias_base = BIAS + b.to(tl.int64) * stride_bb + h * stride_bh
     dbias_base = DBIAS + b.to(tl.int64) * stride_dbb + h * stride_dbh
     dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_m, lq, lk, n_hist,
                    alpha_s, inv_n, lo, full_hi, offs_dk, offs_dv, D_QK, D_V, bias_base, stride_bi, stride_bj,
                    dbias_base, stride_dbi, stride_dbj, ACT, False, CAUSAL,
-                   HAS_TARGETS, ATT_BLOCK, WINDOW, BLOCK_N, DOT_PREC, HAS_BIAS, STORE_DBIAS)
+                   HAS_TARGETS, ATT_BLOCK, WINDOW, BLOCK_N, DOT_PREC, HAS_BIAS, STORE_DBIAS, CONTEXT)
     dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_m, lq, lk, n_hist,
                    alpha_s, inv_n, full_hi, hi, offs_dk, offs_dv, D_QK, D_V, bias_base, stride_bi, stride_bj,
                    dbias_base, stride_dbi, stride_dbj, ACT, True, CAUSAL,
-                   HAS_TARGETS, ATT_BLOCK, WINDOW, BLOCK_N, DOT_PREC, HAS_BIAS, STORE_DBIAS)
+                   HAS_TARGETS, ATT_BLOCK, WINDOW, BLOCK_N, DOT_PREC, HAS_BIAS, STORE_DBIAS, CONTEXT)
     dq = dq * alpha
     tl.store(DQ + (q_start + offs_m[:, None]) * stride_dqt + h * stride_dqh + offs_dk[None, :],
              dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (offs_dk[None, :] < D_QK))
@@ -592,6 +603,7 @@ class _Spec:
     q_bcast: bool
     max_q_len: int
     max_kv_len: int
+    context: int = 0
 
 
 def _work_table(tile_len: torch.Tensor, max_len: int, block: int, cost: torch.Tensor | None = None,
@@ -715,7 +727,7 @@ class _GDPA(torch.autograd.Function):
             o.stride(0), o.stride(1), lse.stride(0), *_bias_strides(bias),
             spec.alpha, spec.inv_n, n_tiles, d_qk, d_v, HAS_BIAS=bias is not None,
             ACT=spec.act, CAUSAL=spec.causal, HAS_TARGETS=nt is not None, ATT_BLOCK=spec.att_block,
-            WINDOW=spec.window, Q_BCAST=spec.q_bcast, BLOCK_M=bm, BLOCK_N=bn, BLOCK_DQK=bdk,
+            WINDOW=spec.window, Q_BCAST=spec.q_bcast, CONTEXT=spec.context, BLOCK_M=bm, BLOCK_N=bn, BLOCK_DQK=bdk,
             BLOCK_DV=bdv, EVEN_D=(bdk == d_qk and bdv == d_v), DOT_PREC=_dot_prec(q.dtype),
             num_warps=warps, num_stages=stages)
         ctx.save_for_backward(q, k, v, bias, o, lse, q_off, kv_off, nt)
@@ -740,7 +752,7 @@ class _GDPA(torch.autograd.Function):
             delta = lse
         nt_arg = nt if nt is not None else q_off
         common = dict(ACT=spec.act, CAUSAL=spec.causal, HAS_TARGETS=nt is not None, HAS_BIAS=bias is not None,
-                      ATT_BLOCK=spec.att_block, WINDOW=spec.window, Q_BCAST=spec.q_bcast,
+                      ATT_BLOCK=spec.att_block, WINDOW=spec.window, Q_BCAST=spec.q_bcast, CONTEXT=spec.context,
                       BLOCK_DQK=bdk, BLOCK_DV=bdv, DOT_PREC=_dot_prec(q.dtype))
 
         dk = torch.empty_like(k)
@@ -799,7 +811,8 @@ def gdpa_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: to
                 kv_offsets: torch.Tensor, max_q_len: int, max_kv_len: int, *, activation: str = "silu",
                 causal: bool = False, alpha: float | None = None, norm: float | None = None,
                 num_targets: torch.Tensor | None = None, block_size: int = 0, window: int = 0,
-                q_broadcast: bool = False, attn_bias: torch.Tensor | None = None) -> torch.Tensor:
+                q_broadcast: bool = False, attn_bias: torch.Tensor | None = None,
+                contextual_len: int = 0) -> torch.Tensor:
     """Generalized jagged attention: ``out_i = sum_j f(alpha * q_i.k_j + bias_ij) v_j`` over valid pairs.
 
     Args:
@@ -821,6 +834,8 @@ def gdpa_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: to
             scaled logits at (query position, key position) of each sequence, as in
             ``jagged_attention_ref``; n1 / n2 must be >= the longest query / key sequence (checked by an
             asynchronous device assertion). Differentiable: dbias is written by the dQ kernel.
+        contextual_len: > 0 (causal only): the first contextual_len positions of every sequence form a
+            bidirectional prefix (they see each other; later positions see them causally anyway).
     Returns:
         out: [Tq, H, Dv] (q_broadcast: [B*S, H, Dv]) in q's dtype; rows with no valid key are 0.
     Raises:
@@ -849,6 +864,8 @@ def gdpa_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: to
         raise ValueError(f"gdpa: use at most one of block_size ({block_size}) and window ({window}), >= 0")
     if q_broadcast and causal:
         raise ValueError("gdpa: q_broadcast (PMA) is not causal")
+    if contextual_len < 0 or (contextual_len and not causal):
+        raise ValueError(f"gdpa: contextual_len ({contextual_len}) must be >= 0 and needs causal attention")
     if max_q_len < 0 or max_kv_len < 0:
         raise ValueError("gdpa: max lengths must be >= 0")
     bsz = q_offsets.numel() - 1
@@ -884,7 +901,7 @@ def gdpa_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: to
         norm = float(max(max_kv_len, 1))
     spec = _Spec(act=ACTIVATIONS[activation], causal=bool(causal), alpha=float(alpha), inv_n=1.0 / float(norm),
                  att_block=int(block_size), window=int(window), q_bcast=bool(q_broadcast),
-                 max_q_len=int(max_q_len), max_kv_len=int(max_kv_len))
+                 max_q_len=int(max_q_len), max_kv_len=int(max_kv_len), context=int(contextual_len))
     if t_out == 0 or bsz == 0:
         out = q.new_zeros((t_out, q.shape[1], v.shape[2]))
         out = out + 0.0 * (q.sum() + k.sum() + v.sum())  # keeps the graph for autograd
@@ -895,8 +912,9 @@ def gdpa_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: to
 def jagged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
                             max_len: int, *, activation: str = "silu", causal: bool = True,
                             attn_bias: torch.Tensor | None = None, alpha: float | None = None,
-                            num_targets: torch.Tensor | None = None) -> torch.Tensor:
-    """Jagged self-attention (JFA for softmax, HSTU for silu); signature of ``jagged_attention_ref``.
+                            num_targets: torch.Tensor | None = None, contextual_len: int = 0) -> torch.Tensor:
+    """Jagged self-attention (JFA for softmax, HSTU for silu); signature of ``jagged_attention_ref``
+    plus ``contextual_len`` (bidirectional prefix of that many positions, see ``gdpa_triton``).
 
     q: [T, H, Dqk], k: [T, H, Dqk], v: [T, H, Dv]; offsets: [B+1] int64; max_len: host int >= every
     length, also the N of ``silu(alpha*qk + bias)/N``. attn_bias: optional float [B, n', n'] or
@@ -904,7 +922,8 @@ def jagged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o
     num_targets: [B] int64 or None (causal only). Returns [T, H, Dv].
     """
     return gdpa_triton(q, k, v, offsets, offsets, max_len, max_len, activation=activation, causal=causal,
-                       alpha=alpha, norm=float(max(max_len, 1)), num_targets=num_targets, attn_bias=attn_bias)
+                       alpha=alpha, norm=float(max(max_len, 1)), num_targets=num_targets, attn_bias=attn_bias,
+                       contextual_len=contextual_len)
 
 
 def jagged_cross_attention_triton(q: torch.Tensor, q_offsets: torch.Tensor, k: torch.Tensor,

@@ -546,3 +546,40 @@ def norm_quant_ref(
     y = yf.to(x.dtype)
     q, scales = quantize_blocks_ref(y, block_size)
     return y, q, scales
+
+
+def jagged_contextual_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
+                                    max_len: int, *, contextual_len: int, activation: str = "silu",
+                                    alpha: float | None = None,
+                                    num_targets: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal jagged self-attention whose first ``contextual_len`` positions form a bidirectional prefix
+    (contextual features: they see each other; later positions see them causally anyway). Otherwise as
+    ``jagged_attention_ref`` (masks from ``valid_attn_mask_ref``, N = max_len, alpha default).
+
+    q/k: [T, H, Dqk], v: [T, H, Dv], offsets [B+1] int64. Returns [T, H, Dv].
+    Raises ValueError on bad shapes, contextual_len < 0 or a sequence longer than max_len.
+    """
+    n = _check_jagged("jagged_contextual_attention_ref q", q, offsets)
+    if k.shape != q.shape or v.shape[:2] != q.shape[:2]:
+        raise ValueError(f"jagged_contextual_attention_ref: q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}")
+    if contextual_len < 0 or n > max_len:
+        raise ValueError(f"jagged_contextual_attention_ref: contextual_len {contextual_len} < 0 or a "
+                         f"sequence of length {n} > max_len {max_len}")
+    alpha = _default_alpha(activation, alpha, q.shape[2])
+    B, (T, H, Dqk), Dv = offsets.numel() - 1, q.shape, v.shape[2]
+    if T == 0:
+        return v * 0.0 + (q.sum() + k.sum()) * 0.0
+    lengths = offsets[1:] - offsets[:-1]
+    valid = valid_attn_mask_ref(lengths, n, causal=True, num_targets=num_targets)  # [B, n, n]
+    ids = torch.arange(n, device=q.device)
+    L = lengths.view(B, 1, 1)
+    prefix = (ids.view(1, n, 1) < contextual_len) & (ids.view(1, 1, n) < contextual_len)
+    prefix = prefix & (ids.view(1, n, 1) < L) & (ids.view(1, 1, n) < L)
+    inside = (ids.view(1, n, 1) < L) & (ids.view(1, 1, n) < L)
+    valid = ((valid & inside) | prefix).unsqueeze(1)
+    pq = _pad(q.reshape(T, H * Dqk), offsets, n).view(B, n, H, Dqk).transpose(1, 2)
+    pk = _pad(k.reshape(T, H * Dqk), offsets, n).view(B, n, H, Dqk).transpose(1, 2)
+    pv = _pad(v.reshape(T, H * Dv), offsets, n).view(B, n, H, Dv).transpose(1, 2)
+    out = _attend_padded_ref(pq, pk, pv, valid, activation, alpha, float(max(max_len, 1)))
+    return _unpad(out.transpose(1, 2).reshape(B, n, H * Dv), offsets).view(T, H, Dv)

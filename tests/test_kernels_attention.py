@@ -126,6 +126,29 @@ def test_attn_bias_matches_reference_with_dbias(activation, per_head):
 
 
 @cpu_only
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+@pytest.mark.parametrize("ctx", [1, 5, 20])
+def test_contextual_prefix_matches_reference(activation, ctx):
+    """Bidirectional prefix of ctx positions (ctx=20 spans two interpreter tiles) with targets."""
+    torch.manual_seed(13)
+    lengths = [0, 1, 5, 37, 3, 16]
+    off = _offsets(lengths)
+    t, h, d = int(off[-1]), 2, 16
+    nt = torch.tensor([0, 0, 0, 6, 0, 0])
+    q, k, v = _leaf(t, h, d), _leaf(t, h, d), _leaf(t, h, d)
+    _check(lambda a, b, c: jagged_attention_triton(a, b, c, off, 40, activation=activation, num_targets=nt,
+                                                   contextual_len=ctx),
+           lambda a, b, c: ref.jagged_contextual_attention_ref(a, b, c, off, 40, contextual_len=ctx,
+                                                               activation=activation, num_targets=nt),
+           (q, k, v), 1e-4)
+    if ctx == 1:  # a prefix of one position is plain causal attention
+        _check(lambda a, b, c: jagged_attention_triton(a, b, c, off, 40, activation=activation,
+                                                       contextual_len=1),
+               lambda a, b, c: ref.jagged_attention_ref(a, b, c, off, 40, activation=activation),
+               (q, k, v), 1e-4)
+
+
+@cpu_only
 @pytest.mark.parametrize("activation", ACTS)
 def test_cross_attention_matches_reference(activation):
     torch.manual_seed(3)
@@ -210,6 +233,11 @@ def test_unequal_tiles(monkeypatch, tiles, activation):
     q, k, v = _leaf(t, 2, 16), _leaf(t, 2, 16), _leaf(t, 2, 16)
     _check(lambda a, b, c: jagged_attention_triton(a, b, c, off, 70, activation=activation, num_targets=nt),
            lambda a, b, c: ref.jagged_attention_ref(a, b, c, off, 70, activation=activation, num_targets=nt),
+           (q, k, v), 1e-4)
+    _check(lambda a, b, c: jagged_attention_triton(a, b, c, off, 70, activation=activation, num_targets=nt,
+                                                   contextual_len=19),
+           lambda a, b, c: ref.jagged_contextual_attention_ref(a, b, c, off, 70, contextual_len=19,
+                                                               activation=activation, num_targets=nt),
            (q, k, v), 1e-4)
 
 
@@ -298,6 +326,8 @@ def test_bad_arguments_raise():
         gdpa_triton(q, q, q, off, off, 4, 4, causal=False, num_targets=torch.tensor([1, 1]))
     with pytest.raises(ValueError, match="alpha"):
         jagged_attention_triton(q, q, q, off, 4, alpha=-1.0)
+    with pytest.raises(ValueError, match="contextual_len"):
+        gdpa_triton(q, q, q, off, off, 4, 4, causal=False, contextual_len=2)
     with pytest.raises(ValueError, match="block_size"):
         jagged_block_attention_triton(q, q, q, off, 4, block_size=0)
 
