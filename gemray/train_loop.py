@@ -105,14 +105,17 @@ def train_epoch(dmp: torch.nn.Module, optimizer: Any, stream: Any, *, epoch: int
             t_log, n_log, tok_log = time.perf_counter(), 0, 0
     wall = time.perf_counter() - t0
     # Exact global figures: gather the per-step token counts of every rank once per epoch.
-    local = torch.from_numpy(np.stack([tokens, samples]))
+    # Collectives run on the process group's device (NCCL has no CPU tensors), results come back to CPU.
+    local = torch.from_numpy(np.stack([tokens, samples])).to(device)
     gathered = [torch.zeros_like(local) for _ in range(world)]
     dist.all_gather(gathered, local)
+    gathered = [g.cpu() for g in gathered]
     per_rank_tokens = torch.stack([g[0] for g in gathered], dim=1).numpy()  # [steps, world]
     total_samples = int(sum(int(g[1].sum()) for g in gathered))
-    sums = torch.tensor([loss_sum, target_sum, wall], dtype=torch.float64)
+    sums = torch.tensor([loss_sum, target_sum, wall], dtype=torch.float64, device=device)
     dist.all_reduce(sums)
-    wall_max = torch.tensor([wall], dtype=torch.float64)
+    sums = sums.cpu()
+    wall_max = torch.tensor([wall], dtype=torch.float64, device=device)
     dist.all_reduce(wall_max, op=dist.ReduceOp.MAX)
     w = max(float(wall_max), 1e-9)
     return {"train_loss": float(sums[0] / sums[1]) if float(sums[1]) else 0.0,
@@ -139,10 +142,10 @@ def evaluate(dmp: torch.nn.Module, stream: Any, *, num_items: int, ks: list[int]
         users = model.user_embeddings(batch)  # [B, D]
         if batch.batch_size:
             metrics.update(target_ranks(users @ items.T, batch.targets))
-    sums = metrics.sums()
+    sums = metrics.sums().to(device)
     dist.all_reduce(sums)
     dmp.train()
-    return metrics.compute(sums)
+    return metrics.compute(sums.cpu())
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
@@ -201,7 +204,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             valid = evaluate(dmp, streams["valid"], num_items=num_items, ks=ks, device=device)
             metrics.update({f"valid_{k}": v for k, v in valid.items() if k != "num_users"})
         # History must be identical on every rank (DCP keeps one copy of the trainer state): max over ranks.
-        epoch_s = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        epoch_s = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
         dist.all_reduce(epoch_s, op=dist.ReduceOp.MAX)
         metrics["epoch_s"] = float(epoch_s)
         history.append(dict(metrics))
