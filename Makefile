@@ -10,6 +10,9 @@ DEMO_EPOCHS ?= 12
 # Pinned CPU stack (see README "Install"). torch first from the CPU wheel; torchrec --no-deps because its
 # metadata asks for the CUDA fbgemm-gpu, which would overwrite fbgemm-gpu-cpu (same fbgemm_gpu folder).
 TORCH_PIN := torch==2.13.0
+# Where the CPU torch wheel comes from. Empty = pip's configured indexes (this project's machines keep the
+# CPU wheel on local disk). Elsewhere use: make demo TORCH_INDEX="--index-url https://download.pytorch.org/whl/cpu"
+TORCH_INDEX ?=
 STACK := fbgemm-gpu-cpu==1.8.0 "ray[data,train,default]==2.60.0" "pyarrow>=14" triton==3.9.0 \
 	tensordict "torchmetrics==1.0.3" pyre-extensions iopath tqdm numpy matplotlib
 TORCHREC := torchrec==1.8.0
@@ -19,8 +22,7 @@ TEST_DEPS := pytest jsonschema pyyaml kubernetes-validate==1.37.0
 
 $(BIN)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q $(TORCH_PIN)
+	$(BIN)/pip install -q $(TORCH_INDEX) $(TORCH_PIN)
 	$(BIN)/pip install -q $(TORCH_PIN) $(STACK) $(TEST_DEPS)
 	$(BIN)/pip install -q --no-deps $(TORCHREC)
 	$(BIN)/pip install -q --no-deps -e .
