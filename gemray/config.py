@@ -63,7 +63,9 @@ class ModelConfig:
     embedding_dim: item embedding width (also the residual stream width).
     num_blocks / num_heads / attention_dim (per-head q,k width) / linear_dim (per-head v,u width).
     attn_activation: "silu" (HSTU: silu(qk + bias)/N) or "softmax".
-    num_negatives / temperature: sampled softmax; negatives: "uniform" or "in_batch".
+    num_negatives / temperature: sampled softmax; negatives: "uniform" (R uniform ids per position, as
+    generative-recommenders' LocalNegativesSampler), "uniform_shared" (R ids per sequence, shared by its
+    positions: cheaper) or "in_batch" (the batch's own targets).
     attention_backend: "auto" (Triton on CUDA, reference elsewhere), "triton" or "reference".
     """
 
@@ -92,7 +94,7 @@ class ModelConfig:
         if self.temperature <= 0:
             raise ValueError(f"model.temperature: expected > 0, got {self.temperature}")
         _choice(self, "attn_activation", ("silu", "softmax", "gelu", "none"))
-        _choice(self, "negatives", ("uniform", "in_batch"))
+        _choice(self, "negatives", ("uniform", "uniform_shared", "in_batch"))
         _choice(self, "attention_backend", ("auto", "triton", "reference"))
 
 

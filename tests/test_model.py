@@ -86,7 +86,7 @@ def test_embedding_collection_tables_and_meta():
         make_embedding_collection(cfg, 0)
 
 
-@pytest.mark.parametrize("negatives", ["uniform", "in_batch"])
+@pytest.mark.parametrize("negatives", ["uniform", "uniform_shared", "in_batch"])
 def test_gem_forward_backward(negatives):
     torch.manual_seed(0)
     model = GEM(tiny_cfg(negatives=negatives), num_items=40, max_seq_len=12)
@@ -104,9 +104,10 @@ def test_gem_forward_backward(negatives):
     assert model.encoder.blocks[0].rel_bias.ts_w.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("negatives", ["uniform", "uniform_shared", "in_batch"])
 @pytest.mark.parametrize("lengths", [[], [1, 1, 0], [0]])
-def test_gem_batches_without_targets_keep_graph(lengths):
-    model = GEM(tiny_cfg(), num_items=40, max_seq_len=12)
+def test_gem_batches_without_targets_keep_graph(lengths, negatives):
+    model = GEM(tiny_cfg(negatives=negatives), num_items=40, max_seq_len=12)
     loss, stats = model(random_batch(lengths))
     assert float(loss.detach()) == 0.0 and float(stats["num_targets"]) == 0
     assert loss.grad_fn is not None
@@ -146,7 +147,7 @@ def test_user_and_item_embeddings():
     torch.testing.assert_close(items[4], raw / raw.norm())
 
 
-@pytest.mark.parametrize("negatives", ["uniform", "in_batch"])
+@pytest.mark.parametrize("negatives", ["uniform", "uniform_shared", "in_batch"])
 def test_overfits_tiny_problem(negatives):
     # 8 users whose histories follow item i -> i+1 (mod 20): the model must learn the successor rule.
     torch.manual_seed(0)
@@ -211,7 +212,7 @@ def test_bad_config_and_sequence_raise():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_head_uniform_loss_matches_loop(dtype):
+def test_head_uniform_shared_loss_matches_loop(dtype):
     from gemray.model.heads import RetrievalHead
 
     g = torch.Generator().manual_seed(0)
@@ -221,7 +222,7 @@ def test_head_uniform_loss_matches_loop(dtype):
     item_emb = torch.randn(6, 4, generator=g, dtype=dtype)
     neg_ids = torch.tensor([[6, 1], [2, 3], [4, 4], [5, 2]])   # seq 0 draws its own target 6; seq 3 draws 5
     neg_emb = torch.randn(8, 4, generator=g, dtype=dtype)
-    head = RetrievalHead("uniform", 2, temperature=0.5)
+    head = RetrievalHead("uniform_shared", 2, temperature=0.5)
     loss, stats = head(states, offsets, item_ids, item_emb, neg_ids=neg_ids, neg_emb=neg_emb)
     e = torch.nn.functional.normalize(item_emb, dim=-1)
     en = torch.nn.functional.normalize(neg_emb, dim=-1).view(4, 2, 4)

@@ -1,10 +1,12 @@
 """Sparse features of a JaggedBatch as a TorchRec KeyedJaggedTensor (what the EmbeddingCollection eats).
 
-Shape key: B sequences, T tokens, R negatives per sequence.
+Shape key: B sequences, T tokens, R negatives per row, K rows of negatives (K = B when each sequence
+shares one row, K = M = sum(max(L_b - 1, 0)) with one row per position that has a next item).
 
 Keys, in the EmbeddingCollection's feature order (see ``feature_names``), every one with lengths [B]:
     "item_id"      history item ids (T values, the batch's own lengths);
-    "neg_item_id"  sampled negative item ids (B*R values, R per sequence; lengths 0 when none);
+    "neg_item_id"  sampled negative item ids (K*R values; sequence b holds rows_b*R of them, rows_b = 1
+                   for per-sequence negatives, max(L_b - 1, 0) for per-position ones; lengths 0 when none);
     "rating"       half-star ratings 0..10 (T values; only with ``use_rating_feature``);
     "time_gap"     log-bucketised seconds since the previous interaction of the same sequence, the first
                    interaction gets bucket 0 (T values; only with ``use_time_feature``).
@@ -12,7 +14,7 @@ An empty batch (B=0) is given one empty row (stride 1, all lengths 0) because To
 stride-0 KJT; lookups still run, so a sharded backward sees every rank.
 
 Example (B=2, lengths 2, 1, R=1): item_id values [7, 3, 9] lengths [2, 1]; neg_item_id values [4, 8]
-lengths [1, 1]; time_gap for timestamps [10, 12, 50] -> [0, 1 + bucket(2 s), 0].
+lengths [1, 1] (per sequence), or per position (rows [1, 0], R=2): values [4, 8] lengths [2, 0]; time_gap for timestamps [10, 12, 50] -> [0, 1 + bucket(2 s), 0].
 """
 
 from __future__ import annotations
@@ -57,11 +59,15 @@ def time_gap_buckets(timestamps: torch.Tensor, offsets: torch.Tensor, num_bucket
     return torch.where(first, torch.zeros_like(b), b).clamp(max=num_buckets - 1)
 
 
-def sparse_features(batch: JaggedBatch, *, neg_ids: torch.Tensor | None, cfg: ModelConfig) -> KeyedJaggedTensor:
+def sparse_features(batch: JaggedBatch, *, neg_ids: torch.Tensor | None, cfg: ModelConfig,
+                    neg_rows: torch.Tensor | None = None) -> KeyedJaggedTensor:
     """Build the KJT for ``batch`` (keys ``feature_names(cfg)``, lengths [B] per key, stride max(B, 1)).
 
-    neg_ids: optional [B, R] int64 item ids shared by each sequence's positions (uniform negatives).
-    Raises ValueError for ratings outside 0..10 or a neg_ids shape that is not [B, R].
+    neg_ids: optional [K, R] int64 negative item ids, rows grouped by sequence in batch order.
+    neg_rows: optional [B] int64, how many of the K rows belong to each sequence (sum K); None means one
+        row per sequence (K = B: negatives shared by the sequence's positions). Per-position negatives
+        pass ``max(lengths - 1, 0)`` (see ``gemray.model.heads.sample_uniform_per_position``).
+    Raises ValueError for ratings outside 0..10, a neg_ids that is not 2-D, or rows that do not add up.
     """
     B = batch.batch_size
     dev = batch.offsets.device
@@ -73,10 +79,20 @@ def sparse_features(batch: JaggedBatch, *, neg_ids: torch.Tensor | None, cfg: Mo
     values = [batch.item_ids.to(torch.int64)]
     lens = [lengths]
     if neg_ids is not None:
-        if neg_ids.dim() != 2 or neg_ids.shape[0] != B:
-            raise ValueError(f"neg_ids: expected [B={B}, R], got {tuple(neg_ids.shape)}")
+        if neg_rows is None:
+            if neg_ids.dim() != 2 or neg_ids.shape[0] != B:
+                raise ValueError(f"neg_ids: expected [B={B}, R], got {tuple(neg_ids.shape)}")
+            neg_lens = torch.full((B,), neg_ids.shape[1], dtype=torch.int64, device=dev)
+        else:
+            if neg_ids.dim() != 2:
+                raise ValueError(f"neg_ids: expected [K, R], got {tuple(neg_ids.shape)}")
+            if neg_rows.shape != (B,) or int(neg_rows.sum()) != neg_ids.shape[0] or \
+                    (neg_rows.numel() and int(neg_rows.min()) < 0):
+                raise ValueError(f"neg_rows: expected [B={B}] non-negative counts adding up to "
+                                 f"K={neg_ids.shape[0]}, got shape {tuple(neg_rows.shape)} sum {int(neg_rows.sum())}")
+            neg_lens = neg_rows.to(device=dev, dtype=torch.int64) * neg_ids.shape[1]
         values.append(neg_ids.reshape(-1).to(torch.int64))
-        lens.append(torch.full((B,), neg_ids.shape[1], dtype=torch.int64, device=dev))
+        lens.append(neg_lens)
     else:
         lens.append(torch.zeros(B, dtype=torch.int64, device=dev))
     if cfg.use_rating_feature:

@@ -25,7 +25,7 @@ from gemray.config import ModelConfig
 from gemray.jagged import ITEM_FEATURE, RATING_FEATURE, TIME_FEATURE, JaggedBatch
 from gemray.model.embeddings import make_embedding_collection
 from gemray.model.features import NEG_ITEM_FEATURE, item_id_features, sparse_features
-from gemray.model.heads import RetrievalHead, sample_uniform
+from gemray.model.heads import RetrievalHead, sample_uniform, sample_uniform_per_position
 from gemray.model.hstu import HSTUEncoder
 
 
@@ -59,8 +59,8 @@ class GEM(nn.Module):
         """Seed the CPU generator used for negative sampling when ``forward`` gets no generator."""
         self._generator.manual_seed(int(seed))
 
-    def _encode(self, batch: JaggedBatch, neg_ids: torch.Tensor | None):
-        kjt = sparse_features(batch, neg_ids=neg_ids, cfg=self.cfg)
+    def _encode(self, batch: JaggedBatch, neg_ids: torch.Tensor | None, neg_rows: torch.Tensor | None = None):
+        kjt = sparse_features(batch, neg_ids=neg_ids, cfg=self.cfg, neg_rows=neg_rows)
         emb = self.embeddings(kjt)
         item_emb = emb[ITEM_FEATURE].values()                       # [T, D]
         tok = item_emb
@@ -77,14 +77,20 @@ class GEM(nn.Module):
 
         Every position with a next item in its sequence predicts that item (``batch.targets`` is not
         used). An empty batch (B=0) or one without any next item gives loss 0 connected to all parameters.
-        Negatives are drawn from ``generator`` (default: the model's, see ``seed_sampling``).
+        Negatives are drawn from ``generator`` (default: the model's, see ``seed_sampling``): "uniform"
+        draws R ids per position with a next item (M*R lookups of the "neg_item_id" feature),
+        "uniform_shared" R ids per sequence (B*R lookups), "in_batch" reuses the batch's targets.
         """
         g = generator if generator is not None else self._generator
-        neg_ids = None
-        if self.cfg.negatives == "uniform" and batch.batch_size > 0:
-            neg_ids = sample_uniform(batch.batch_size, self.cfg.num_negatives, self.num_items, g,
-                                     batch.offsets.device)
-        states, item_emb, neg_emb = self._encode(batch, neg_ids)
+        neg_ids = neg_rows = None
+        if batch.batch_size > 0:
+            if self.cfg.negatives == "uniform":
+                neg_ids, neg_rows = sample_uniform_per_position(batch.offsets, self.cfg.num_negatives,
+                                                                self.num_items, g)
+            elif self.cfg.negatives == "uniform_shared":
+                neg_ids = sample_uniform(batch.batch_size, self.cfg.num_negatives, self.num_items, g,
+                                         batch.offsets.device)
+        states, item_emb, neg_emb = self._encode(batch, neg_ids, neg_rows)
         return self.head(states, batch.offsets, batch.item_ids, item_emb,
                          neg_ids=neg_ids, neg_emb=neg_emb if neg_ids is not None else None, generator=g)
 

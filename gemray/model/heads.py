@@ -10,8 +10,13 @@ cross-entropy of the positive, averaged over the M positions. A negative equal t
 masked out (-inf).
 
 Negatives:
-    "uniform":  R = num_negatives ids drawn uniformly from 1..num_items per sequence (``sample_uniform``),
-                shared by that sequence's positions; their embeddings come from the caller's lookup.
+    "uniform":  as generative-recommenders' ``LocalNegativesSampler``: every one of the M positions gets
+                its own R = num_negatives ids drawn uniformly from 1..num_items
+                (``sample_uniform_per_position``: neg_ids [M, R]); their embeddings [M*R, D] come from the
+                caller's lookup (the "neg_item_id" feature, so it works sharded).
+    "uniform_shared": R ids per sequence (``sample_uniform``: neg_ids [B, R]), shared by that sequence's
+                positions (cheaper: B*R lookups instead of M*R, but the positions of one sequence see
+                the same negatives).
     "in_batch": R = num_negatives draws (with replacement, so popularity-weighted) from the batch's own
                 positive targets, shared by the whole batch; their embeddings are the targets' embeddings.
 """
@@ -31,6 +36,23 @@ def sample_uniform(batch_size: int, num_negatives: int, num_items: int,
     gdev = generator.device if generator is not None else torch.device("cpu")
     ids = torch.randint(1, num_items + 1, (batch_size, num_negatives), generator=generator, device=gdev)
     return ids.to(device)
+
+
+def sample_uniform_per_position(offsets: torch.Tensor, num_negatives: int, num_items: int,
+                                generator: torch.Generator | None = None
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row of R uniform negatives per position that has a next item (LocalNegativesSampler).
+
+    offsets: [B+1] int64. Returns (neg_ids [M, R] int64 in 1..num_items, rows [B] int64 = max(L_b - 1, 0)),
+    rows ordered as ``next_item_index(offsets)`` (by sequence, then position). Drawn on the generator's
+    device, returned on ``offsets.device``. Raises ValueError when num_negatives < 1 or num_items < 1.
+    """
+    if num_negatives < 1 or num_items < 1:
+        raise ValueError(f"sample_uniform_per_position: num_negatives ({num_negatives}) and num_items "
+                         f"({num_items}) must be >= 1")
+    rows = (offsets[1:] - offsets[:-1] - 1).clamp(min=0)
+    M = int(rows.sum()) if rows.numel() else 0
+    return sample_uniform(M, num_negatives, num_items, generator, offsets.device), rows
 
 
 def next_item_index(offsets: torch.Tensor) -> torch.Tensor:
@@ -60,13 +82,15 @@ def _jagged_dense_bmm(x: torch.Tensor, offsets: torch.Tensor, y: torch.Tensor) -
 class RetrievalHead(nn.Module):
     """Sampled-softmax next-item loss (no parameters; the item embeddings live in the EmbeddingCollection).
 
-    negatives: "uniform" or "in_batch"; num_negatives: R; temperature: logit divisor (> 0).
+    negatives: one of ``NEGATIVES``; num_negatives: R; temperature: logit divisor (> 0).
     """
+
+    NEGATIVES = ("uniform", "uniform_shared", "in_batch")
 
     def __init__(self, negatives: str, num_negatives: int, temperature: float):
         super().__init__()
-        if negatives not in ("uniform", "in_batch"):
-            raise ValueError(f"model.negatives: expected 'uniform' or 'in_batch', got {negatives!r}")
+        if negatives not in self.NEGATIVES:
+            raise ValueError(f"model.negatives: expected one of {self.NEGATIVES}, got {negatives!r}")
         if num_negatives < 1 or temperature <= 0:
             raise ValueError("RetrievalHead: num_negatives must be >= 1 and temperature > 0")
         self.negatives = negatives
@@ -81,7 +105,9 @@ class RetrievalHead(nn.Module):
 
         states: [T, D] unit-norm user states; offsets [B+1] int64; item_ids [T] int64;
         item_emb: [T, D] raw item embeddings of ``item_ids`` (targets are item t+1: no second lookup);
-        neg_ids [B, R] int64 + neg_emb [B*R, D] for "uniform"; generator seeds "in_batch" draws.
+        neg_ids + neg_emb: [M, R] int64 + [M*R, D] for "uniform" (rows in ``next_item_index`` order),
+        [B, R] int64 + [B*R, D] for "uniform_shared"; generator seeds "in_batch" draws.
+        Raises ValueError when the negatives a mode needs are missing or mis-shaped.
         Returns (loss: scalar, {"num_targets": float tensor, "pos_logit": mean positive cosine}).
         With M == 0 the loss is 0 but stays connected to every input (distributed backward).
         """
@@ -97,8 +123,20 @@ class RetrievalHead(nn.Module):
         e_all = F.normalize(item_emb, dim=-1, eps=1e-6)
         pos = (h * e_all[idx + 1]).sum(-1, keepdim=True)           # [M, 1]
         if self.negatives == "uniform":
+            if neg_ids is None or neg_emb is None or neg_ids.dim() != 2 or neg_ids.shape[0] != M \
+                    or neg_emb.shape[0] != neg_ids.numel():
+                raise ValueError(f"RetrievalHead: 'uniform' negatives need neg_ids [M={M}, R] and neg_emb "
+                                 f"[M*R, D], got {None if neg_ids is None else tuple(neg_ids.shape)} and "
+                                 f"{None if neg_emb is None else tuple(neg_emb.shape)}")
+            R = neg_ids.shape[1]
+            e_neg = neg_emb.view(M, R, -1)                              # raw, [M, R, D]
+            # <h, e/|e|> without a normalised [M, R, D] copy (the largest tensor of the step)
+            dots = torch.bmm(e_neg, h.unsqueeze(-1)).squeeze(-1)        # [M, R]
+            neg = dots / torch.linalg.vector_norm(e_neg, dim=-1).clamp(min=1e-6)
+            same = neg_ids == target_ids.view(-1, 1)
+        elif self.negatives == "uniform_shared":
             if neg_ids is None or neg_emb is None:
-                raise ValueError("RetrievalHead: 'uniform' negatives need neg_ids and neg_emb")
+                raise ValueError("RetrievalHead: 'uniform_shared' negatives need neg_ids and neg_emb")
             B, R = neg_ids.shape
             e_neg = F.normalize(neg_emb, dim=-1, eps=1e-6).view(B, R, -1)
             neg = _jagged_dense_bmm(states, offsets, e_neg.transpose(1, 2))[idx]  # [M, R]

@@ -9,7 +9,7 @@ One block (generative-recommenders' ``SequentialTransductionUnitJagged``, "uvqk"
     u, v, q, k = split(silu(x_norm @ W_uvqk + b_uvqk))         [T, H*V], [T, H*V], [T, H*A], [T, H*A]
     a          = silu(q k^T * alpha + rab^{p,t}) / N, causal   per head, via gemray.ops.attention
     y          = LayerNorm(a @ v) * u                          [T, H*V]
-    x          = x + Dropout(y @ W_o + b_o)                    [T, D]
+    x          = x + Dropout(y) @ W_o + b_o                    [T, D]   (dropout before W_o, as GR)
 
 rab^{p,t}: learned bias per bucketed relative position |i-j| plus per bucketed time difference
 ts_i - ts_j (``gemray.kernels.reference.relative_bias_ref``), one per block, shared across heads.
@@ -110,7 +110,7 @@ class HSTUBlock(nn.Module):
             offsets, self.max_seq_len, activation=self.activation, causal=True,
             rel_bias=self.rel_bias.inputs(timestamps, buckets, cache), backend=self.backend)
         y = F.layer_norm(attn.reshape(T, self.h * self.v), (self.h * self.v,), eps=LN_EPS) * u
-        return x + self.dropout(F.linear(y, self.o_weight, self.o_bias))
+        return x + F.linear(self.dropout(y), self.o_weight, self.o_bias)
 
 
 class HSTUEncoder(nn.Module):
