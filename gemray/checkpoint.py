@@ -27,6 +27,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -102,10 +104,26 @@ def save_checkpoint(directory: str | Path, model: torch.nn.Module, optimizer: An
     before = {p.name for p in directory.iterdir()}
     dcp.save(state, checkpoint_id=str(directory))
     written = sorted(p.name for p in directory.iterdir() if p.is_file() and p.name not in before)
+    for name in written:  # durable before the manifest that vouches for them
+        _fsync(directory / name)
     manifest = {"rank": rank, "world_size": world,
                 "files": {name: _sha256(directory / name) for name in written}}
-    (directory / f"manifest_rank{rank}.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    # Atomic manifest: temp file, fsync, rename, fsync the directory. A checkpoint killed mid-write has
+    # no manifest for this rank and fails verify_checkpoint.
+    tmp = directory / f".manifest_rank{rank}.json.tmp"
+    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    _fsync(tmp)
+    os.replace(tmp, directory / f"manifest_rank{rank}.json")
+    _fsync(directory)
     return directory
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def verify_checkpoint(directory: str | Path) -> dict[str, Any]:
@@ -207,15 +225,97 @@ def report_with_checkpoint(metrics: dict[str, Any], model: torch.nn.Module, opti
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def restore_from_ray(model: torch.nn.Module, optimizer: Any) -> dict[str, Any] | None:
-    """If Ray Train has a committed checkpoint (``ray.train.get_checkpoint()``), verify and load it.
+def checkpoint_reason(global_step: int, every_steps: int, *, preempt: bool, epoch_end: bool,
+                      done_epochs: int = 0, every_epochs: int = 1, last_epoch: bool = False) -> str | None:
+    """Pure decision: why to checkpoint after this step, or None.
 
-    Returns the trainer dict, or None on a fresh start. Raises ValueError for a corrupt checkpoint.
+    "final" (last epoch done), "epoch" (every ``every_epochs`` epochs), "emergency" (some rank got a
+    preemption notice/SIGTERM and the group is still healthy enough to agree, see train_loop),
+    "periodic" (every ``every_steps`` global steps; 0 = off). Raises ValueError for negative intervals.
+    """
+    if every_steps < 0 or every_epochs < 1:
+        raise ValueError(f"checkpoint_reason: every_steps={every_steps} (>= 0), every_epochs={every_epochs} (>= 1)")
+    if epoch_end and last_epoch:
+        return "final"
+    if epoch_end and done_epochs % every_epochs == 0:
+        return "epoch"
+    if preempt:
+        return "emergency"
+    if every_steps and global_step % every_steps == 0:
+        return "periodic"
+    return None
+
+
+_CKPT_NAME = re.compile(r"checkpoint_[0-9A-Za-z_.:-]+")
+
+
+def committed_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Checkpoint dirs of a Ray Train V2 run that Ray committed, newest first.
+
+    Committed = named in Ray's ``checkpoint_manager_snapshot.json`` (written by the controller after it
+    registers a reported checkpoint); directories left by an uncommitted report are ignored. Ray names
+    checkpoints ``checkpoint_<YYYY-MM-DD_HH-MM-SS.ffffff>``, so name order is time order. Returns []
+    when the snapshot is missing or unreadable.
+    """
+    run_dir = Path(run_dir)
+    snap = run_dir / "checkpoint_manager_snapshot.json"
+    try:
+        names = set(_CKPT_NAME.findall(snap.read_text()))
+    except OSError:
+        return []
+    return sorted((run_dir / n for n in names if (run_dir / n).is_dir()), key=lambda p: p.name, reverse=True)
+
+
+def choose_checkpoint(candidates: list[Path], verify=None) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """Pure decision: the first of ``candidates`` (newest first) that verifies; skipped ones with why.
+
+    verify: callable(path) raising ValueError for a bad checkpoint (default :func:`verify_checkpoint`).
+    Returns (chosen path or None, [(skipped path, reason)]).
+    """
+    verify = verify or verify_checkpoint
+    skipped: list[tuple[Path, str]] = []
+    seen = set()
+    for c in candidates:
+        c = Path(c)
+        if c in seen:
+            continue
+        seen.add(c)
+        try:
+            verify(c)
+            return c, skipped
+        except ValueError as e:
+            skipped.append((c, str(e)))
+    return None, skipped
+
+
+def restore_from_ray(model: torch.nn.Module, optimizer: Any) -> dict[str, Any] | None:
+    """Restore the newest good checkpoint Ray Train committed; None on a fresh start.
+
+    Starts from ``ray.train.get_checkpoint()`` (the latest committed). If it fails verification
+    (corrupt or partial: see :func:`verify_checkpoint`), logs a WARNING naming it and the reason and
+    falls back to older committed checkpoints of the same run (:func:`committed_checkpoints`, local or
+    shared-filesystem storage). The returned trainer dict gains ``restored_from`` (path) and
+    ``skipped_checkpoints`` ([[path, reason]]). Raises ValueError when no committed checkpoint verifies.
     """
     import ray.train
 
     ckpt = ray.train.get_checkpoint()
     if ckpt is None:
         return None
-    with ckpt.as_directory() as d:
-        return load_checkpoint(d, model, optimizer)
+    latest = Path(ckpt.path)
+    if not latest.is_dir():  # remote storage: no siblings to fall back to; verify what Ray hands us
+        with ckpt.as_directory() as d:
+            return load_checkpoint(d, model, optimizer)
+    chosen, skipped = choose_checkpoint([latest] + committed_checkpoints(latest.parent))
+    for path, why in skipped:
+        log.warning("checkpoint %s is unusable (%s); falling back to the previous committed checkpoint",
+                    path.name, why)
+    if chosen is None:
+        raise ValueError(f"no committed checkpoint of {latest.parent} verifies: "
+                         + "; ".join(f"{p.name}: {w}" for p, w in skipped))
+    if skipped:
+        log.warning("restoring from %s instead of the latest %s", chosen.name, latest.name)
+    out = load_checkpoint(chosen, model, optimizer, verify=False)
+    out["restored_from"] = str(chosen)
+    out["skipped_checkpoints"] = [[str(p), w] for p, w in skipped]
+    return out

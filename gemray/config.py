@@ -119,6 +119,10 @@ class TrainConfig:
     # Embedding-table optimizer, fused into the FBGEMM backward: "auto" = rowwise_adam on CUDA,
     # rowwise_adagrad on CPU (FBGEMM's CPU kernels have no Adam); "adam"/"rowwise_adam" need CUDA.
     sparse_optimizer: str = "auto"
+    # Per-sample ledger (gemray.ledger): JSONL of the sample ids each rank trained per step; "" = off.
+    ledger_dir: str = ""
+    # Controller events (gemray.events), JSONL written by rank 0; "" = fit uses <output_dir>/events.jsonl.
+    events_path: str = ""
 
     def validate(self) -> None:
         _positive(self, "epochs", "lr", "sparse_lr", "eval_every", "log_every")
@@ -163,16 +167,20 @@ class RayConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Checkpointing: every_epochs (DCP via ray.train.report), every_steps (0 = off), keep (latest N)."""
+    """Checkpointing: every_epochs (DCP via ray.train.report), every_steps (global steps, 0 = off),
+    keep (latest N committed), preempt_poll_steps (ask Ray Train for a preemption notice every N steps
+    and take an emergency checkpoint when one comes; 0 = off; SIGTERM is always honoured where a
+    handler can be installed)."""
 
     every_epochs: int = 1
     every_steps: int = 0
     keep: int = 2
+    preempt_poll_steps: int = 0
 
     def validate(self) -> None:
         _positive(self, "every_epochs", "keep")
-        if self.every_steps < 0:
-            raise ValueError("checkpoint.every_steps: expected >= 0")
+        if self.every_steps < 0 or self.preempt_poll_steps < 0:
+            raise ValueError("checkpoint.every_steps / checkpoint.preempt_poll_steps: expected >= 0")
 
 
 @dataclass

@@ -21,6 +21,8 @@ last epoch always checkpoints.
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 import time
 from typing import Any
 
@@ -28,8 +30,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from gemray.checkpoint import report_with_checkpoint, restore_from_ray
+from gemray.checkpoint import checkpoint_reason, report_with_checkpoint, restore_from_ray
 from gemray.config import JobConfig, from_dict
+from gemray.events import EventLog, failure_events, read_events
 from gemray.metrics import RetrievalMetrics, target_ranks
 from gemray.parallel import parallelize, plan_layout
 
@@ -61,67 +64,99 @@ def build_model(cfg: JobConfig, num_items: int, device: torch.device) -> torch.n
     return model
 
 
-def _epoch_seed(seed: int, epoch: int, rank: int) -> int:
-    return (int(seed) * 1_000_003 + int(epoch) * 7_919 + int(rank) * 104_729) % (2**63 - 1)
+def _step_seed(seed: int, global_step: int, rank: int) -> int:
+    """Seed for dropout / negative sampling at one global step of one rank: a function of (seed, step,
+    rank) only, so a run resumed mid-epoch draws exactly what an uninterrupted run would have drawn."""
+    return (int(seed) * 1_000_003 + int(global_step) * 7_919 + int(rank) * 104_729) % (2**63 - 1)
 
 
-def train_epoch(dmp: torch.nn.Module, optimizer: Any, stream: Any, *, epoch: int, cfg: JobConfig,
-                device: torch.device, rank: int, world: int) -> dict[str, float]:
-    """One epoch over this rank's train batches; returns global stats (identical on every rank).
+# Preemption notice: set by SIGTERM (where a handler can be installed) or by Ray Train's preemption info.
+_PREEMPT = threading.Event()
 
-    Returns {"train_loss": target-weighted mean loss over all ranks, "samples_per_s", "tokens_per_s"
-    (global, over the epoch's training wall time in seconds), "token_imbalance", "steps"}.
+
+def _install_sigterm_handler() -> bool:
+    """SIGTERM -> set the preemption flag (the step loop takes an emergency checkpoint). Only possible
+    from the main thread (Ray Train V2 runs the train function in a thread: then it returns False)."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def handler(signum, frame):  # noqa: ARG001
+        log.warning("SIGTERM received: emergency checkpoint at the next step boundary")
+        _PREEMPT.set()
+        signal.signal(signal.SIGTERM, previous if callable(previous) else signal.SIG_DFL)
+
+    signal.signal(signal.SIGTERM, handler)
+    return True
+
+
+class _EpochStats:
+    """Running global statistics of one epoch, reducible at any step boundary (for mid-epoch checkpoints).
+
+    Local part: per-step token and sample counts of this rank, loss and target sums, wall seconds.
+    ``reduce()`` (collective) folds them into the global part ``g``: {"loss_sum", "target_sum",
+    "samples", "tokens", "imb_sum", "imb_steps", "train_s"}, which is identical on every rank and is
+    what a checkpoint stores.
     """
-    from gemray.pipelines.bbs import imbalance
 
-    dmp.train()
-    steps = stream.num_batches()
-    if cfg.train.max_steps_per_epoch:
-        steps = min(steps, cfg.train.max_steps_per_epoch)
-    tokens = np.zeros(steps, np.int64)
-    samples = np.zeros(steps, np.int64)
-    loss_sum = 0.0
-    target_sum = 0.0
-    t0 = time.perf_counter()
-    t_log, n_log, tok_log = t0, 0, 0
-    for step, batch in enumerate(stream.iter_epoch(epoch)):
-        if step >= steps:
-            break
-        batch = batch.to(device)
-        loss, stats = dmp(batch)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        n_t = float(stats.get("num_targets", 0)) if isinstance(stats, dict) else 0.0
-        loss_sum += float(loss.detach()) * n_t
-        target_sum += n_t
-        tokens[step], samples[step] = batch.num_tokens, batch.batch_size
-        n_log += batch.batch_size
-        tok_log += batch.num_tokens
-        if rank == 0 and (step + 1) % cfg.train.log_every == 0:
-            dt = max(time.perf_counter() - t_log, 1e-9)
-            log.info("epoch %d step %d/%d loss %.4f rank0 %.0f samples/s %.0f tokens/s", epoch + 1, step + 1,
-                     steps, float(loss.detach()), n_log / dt, tok_log / dt)
-            t_log, n_log, tok_log = time.perf_counter(), 0, 0
-    wall = time.perf_counter() - t0
-    # Exact global figures: gather the per-step token counts of every rank once per epoch.
-    # Collectives run on the process group's device (NCCL has no CPU tensors), results come back to CPU.
-    local = torch.from_numpy(np.stack([tokens, samples])).to(device)
-    gathered = [torch.zeros_like(local) for _ in range(world)]
-    dist.all_gather(gathered, local)
-    gathered = [g.cpu() for g in gathered]
-    per_rank_tokens = torch.stack([g[0] for g in gathered], dim=1).numpy()  # [steps, world]
-    total_samples = int(sum(int(g[1].sum()) for g in gathered))
-    sums = torch.tensor([loss_sum, target_sum, wall], dtype=torch.float64, device=device)
-    dist.all_reduce(sums)
-    sums = sums.cpu()
-    wall_max = torch.tensor([wall], dtype=torch.float64, device=device)
-    dist.all_reduce(wall_max, op=dist.ReduceOp.MAX)
-    w = max(float(wall_max), 1e-9)
-    return {"train_loss": float(sums[0] / sums[1]) if float(sums[1]) else 0.0,
-            "samples_per_s": total_samples / w, "tokens_per_s": float(per_rank_tokens.sum()) / w,
-            "token_imbalance": imbalance(per_rank_tokens) if steps else 1.0, "steps": steps,
-            "train_s": w}
+    KEYS = ("loss_sum", "target_sum", "samples", "tokens", "imb_sum", "imb_steps", "train_s")
+
+    def __init__(self, saved: dict[str, float] | None = None):
+        self.g = {k: float((saved or {}).get(k, 0.0)) for k in self.KEYS}
+        self._clear()
+
+    def _clear(self) -> None:
+        self.tokens: list[int] = []
+        self.samples: list[int] = []
+        self.loss_sum = self.target_sum = 0.0
+        self.t0 = time.perf_counter()
+
+    def add(self, loss: float, num_targets: float, tokens: int, samples: int) -> None:
+        self.loss_sum += loss * num_targets
+        self.target_sum += num_targets
+        self.tokens.append(tokens)
+        self.samples.append(samples)
+
+    def reduce(self, device: torch.device, world: int) -> dict[str, float]:
+        """Collective: fold this rank's steps since the last reduce into the global sums; returns them."""
+        wall = time.perf_counter() - self.t0
+        local = torch.tensor([self.tokens, self.samples], dtype=torch.int64, device=device).reshape(2, -1)
+        gathered = [torch.zeros_like(local) for _ in range(world)]
+        dist.all_gather(gathered, local)
+        per_rank = torch.stack([g[0].cpu() for g in gathered], dim=1).to(torch.float64)  # [steps, world]
+        mean = per_rank.mean(dim=1)
+        busy = mean > 0
+        sums = torch.tensor([self.loss_sum, self.target_sum], dtype=torch.float64, device=device)
+        dist.all_reduce(sums)
+        wall_t = torch.tensor([wall], dtype=torch.float64, device=device)
+        dist.all_reduce(wall_t, op=dist.ReduceOp.MAX)
+        sums = sums.cpu()
+        self.g["loss_sum"] += float(sums[0])
+        self.g["target_sum"] += float(sums[1])
+        self.g["samples"] += float(sum(int(g[1].sum()) for g in gathered))
+        self.g["tokens"] += float(per_rank.sum())
+        self.g["imb_sum"] += float((per_rank[busy].max(dim=1).values / mean[busy]).sum()) if bool(busy.any()) else 0.0
+        self.g["imb_steps"] += float(busy.sum())
+        self.g["train_s"] += float(wall_t.cpu())
+        self._clear()
+        return dict(self.g)
+
+    def result(self) -> dict[str, float]:
+        g, w = self.g, max(self.g["train_s"], 1e-9)
+        return {"train_loss": g["loss_sum"] / g["target_sum"] if g["target_sum"] else 0.0,
+                "samples_per_s": g["samples"] / w, "tokens_per_s": g["tokens"] / w,
+                "token_imbalance": g["imb_sum"] / g["imb_steps"] if g["imb_steps"] else 1.0, "train_s": w}
+
+
+def train_step(dmp: torch.nn.Module, optimizer: Any, batch: Any, device: torch.device) -> tuple[float, float]:
+    """Forward, backward (the fused sparse optimizer steps inside), dense step. Returns (loss, targets)."""
+    batch = batch.to(device)
+    loss, stats = dmp(batch)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    n_t = float(stats.get("num_targets", 0)) if isinstance(stats, dict) else 0.0
+    return float(loss.detach()), n_t
 
 
 @torch.no_grad()
@@ -148,14 +183,46 @@ def evaluate(dmp: torch.nn.Module, stream: Any, *, num_items: int, ks: list[int]
     return metrics.compute(sums.cpu())
 
 
-def train_loop_per_worker(config: dict[str, Any]) -> None:
-    """Ray Train entry point. ``config``: ``JobConfig.to_dict()`` with absolute data paths."""
+def _agree_attempt(rank: int, device: torch.device) -> int:
+    """One id for this start of the worker group: rank 0's clock in ns, shared with every rank."""
+    t = torch.tensor([time.time_ns() if rank == 0 else 0], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.cpu())
+
+
+def _agree_preempt(cfg: JobConfig, global_step: int, device: torch.device, world: int) -> bool:
+    """Collective: True if any rank got SIGTERM, or Ray Train reports a preemption notice (polled every
+    ``checkpoint.preempt_poll_steps`` steps; that call is itself a barrier over the workers)."""
     import ray.train
 
-    from gemray.pipelines.movielens import load_manifest
-    from gemray.pipelines.stream import HistoryStream
+    local = _PREEMPT.is_set()
+    poll = cfg.checkpoint.preempt_poll_steps
+    if poll and global_step % poll == 0:
+        get = getattr(ray.train, "get_preemption_info", None)
+        if get is not None and get() is not None:
+            local = True
+    votes = torch.tensor([1 if local else 0], dtype=torch.int64, device=device)
+    dist.all_reduce(votes)
+    return int(votes.cpu()) > 0  # the vote completed on every rank: the group is healthy
 
-    # 1. Who am I, where do I run.
+
+def train_loop_per_worker(config: dict[str, Any]) -> None:
+    """Ray Train entry point. ``config``: ``JobConfig.to_dict()`` with absolute data paths.
+
+    Elastic contract (see gemray.controller.policy): on every (re)start, derive the layout from the
+    current world size, shard anew, restore the newest good committed checkpoint (DCP reshards it),
+    continue the epoch at the saved global data position (``consumed`` samples of the epoch's global
+    order: ElasticTrainStream), checkpoint every ``checkpoint.every_steps`` global steps, at epoch ends,
+    and on a preemption notice agreed by all ranks.
+    """
+    import ray.train
+
+    from gemray.ledger import LedgerWriter
+    from gemray.pipelines.movielens import load_manifest
+    from gemray.pipelines.stream import ElasticTrainStream, HistoryStream
+
+    t_start = time.time()
+    # 1. Who am I, where do I run; this attempt's id and event log.
     cfg = from_dict(config)
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
@@ -168,36 +235,104 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     else:
         device = torch.device("cpu")
     layout = plan_layout(world, device.type)
+    attempt = _agree_attempt(rank, device)
+    previous = read_events(cfg.train.events_path) if cfg.train.events_path and rank == 0 else []
+    events = EventLog(cfg.train.events_path, attempt=attempt, write=rank == 0)
+    failed = failure_events(previous)
+    if failed:
+        events.emit("failure_detected", **failed)
+    events.emit("attempt_start", world_size=world, t_start=t_start, sharding_types=list(layout.sharding_types))
     log.info("rank %d/%d on %s (%s); job %s", rank, world, device, layout.backend, cfg.name)
+    _PREEMPT.clear()
+    _install_sigterm_handler()
 
-    # 2. Data and model.
+    # 2. Data and model (a fresh TorchRec plan for this world size).
     import ray.data
 
     ray.data.DataContext.get_current().enable_progress_bars = False
     manifest = load_manifest(cfg.data.prepared_dir)
     num_items = int(manifest["counts"]["items"])
+    train_stream = ElasticTrainStream.from_config(cfg.data, rank=rank, world_size=world, seed=cfg.train.seed)
     streams = {split: HistoryStream.from_config(cfg.data, split, rank=rank, world_size=world,
-                                                seed=cfg.train.seed) for split in ("train", "valid", "test")}
+                                                seed=cfg.train.seed) for split in ("valid", "test")}
     model = build_model(cfg, num_items, device)
     dmp, optimizer = parallelize(model, layout=layout, cfg=cfg, device=device)
 
-    # 3. Restore (Ray hands back the latest committed checkpoint after a failure or a resize).
-    trainer = restore_from_ray(dmp, optimizer) or {"epoch": 0, "step": 0, "global_step": 0, "history": []}
+    # 3. Restore (Ray hands back the latest committed checkpoint after a failure or a resize; a corrupt
+    #    one is skipped for the previous good one).
+    trainer = restore_from_ray(dmp, optimizer)
+    fresh = trainer is None
+    trainer = trainer or {"epoch": 0, "consumed": 0, "epoch_step": 0, "global_step": 0, "history": []}
     start_epoch, history = int(trainer["epoch"]), list(trainer.get("history", []))
     global_step = int(trainer.get("global_step", 0))
-    if start_epoch:
-        log.info("resuming at epoch %d (global step %d), checkpoint saved by %s ranks, now %d", start_epoch,
-                 global_step, trainer.get("world_size"), world)
+    position = {"consumed": int(trainer.get("consumed", 0)), "epoch_step": int(trainer.get("epoch_step", 0)),
+                "partial": trainer.get("partial")}
+    if not fresh:
+        saved_world = trainer.get("world_size")
+        for path, why in trainer.get("skipped_checkpoints", []):
+            events.emit("checkpoint_fallback", skipped=path, reason=why, used=trainer.get("restored_from"))
+        if saved_world != world:
+            events.emit("resize", from_world_size=saved_world, to_world_size=world,
+                        sharding_types=list(layout.sharding_types), dense_mesh=[world, 1])
+        events.emit("checkpoint_restored", global_step=global_step, epoch=start_epoch,
+                    consumed=position["consumed"], saved_world_size=saved_world, world_size=world,
+                    path=trainer.get("restored_from"))
+        log.info("resuming at epoch %d, sample %d of its order (global step %d), checkpoint saved by %s "
+                 "ranks, now %d", start_epoch + 1, position["consumed"], global_step, saved_world, world)
+    ledger = (LedgerWriter(cfg.train.ledger_dir, attempt=attempt, rank=rank, world_size=world,
+                           restored_global_step=global_step) if cfg.train.ledger_dir else None)
 
-    # 4. Epochs.
+    # 4. Epochs, step by step.
     ks = list(cfg.train.eval_ks)
+    first_step_logged = fresh
     for epoch in range(start_epoch, cfg.train.epochs):
         t0 = time.perf_counter()
-        torch.manual_seed(_epoch_seed(cfg.train.seed, epoch, rank))  # dropout
-        dmp.module.seed_sampling(_epoch_seed(cfg.train.seed + 1, epoch, rank))  # negatives
-        stats = train_epoch(dmp, optimizer, streams["train"], epoch=epoch, cfg=cfg, device=device,
-                            rank=rank, world=world)
-        global_step += stats.pop("steps")
+        pos = position if epoch == start_epoch else {"consumed": 0, "epoch_step": 0, "partial": None}
+        consumed, epoch_step = int(pos["consumed"]), int(pos["epoch_step"])
+        acc = _EpochStats(pos["partial"])
+        steps = train_stream.num_steps(consumed)
+        if cfg.train.max_steps_per_epoch:
+            steps = min(steps, max(0, cfg.train.max_steps_per_epoch - epoch_step))
+        dmp.train()
+        t_log, n_log, tok_log = time.perf_counter(), 0, 0
+        batches = train_stream.iter_epoch(epoch, consumed)
+        for i in range(steps):
+            batch, consumed = next(batches)
+            torch.manual_seed(_step_seed(cfg.train.seed, global_step, rank))  # dropout
+            dmp.module.seed_sampling(_step_seed(cfg.train.seed + 1, global_step, rank))  # negatives
+            loss, n_t = train_step(dmp, optimizer, batch, device)
+            acc.add(loss, n_t, batch.num_tokens, batch.batch_size)
+            global_step += 1
+            epoch_step += 1
+            if ledger is not None:
+                ledger.step(epoch, global_step, batch.user_ids.tolist())
+            events.emit("step", quiet=True, global_step=global_step, epoch=epoch, consumed=consumed)
+            if not first_step_logged:
+                events.emit("first_step", global_step=global_step, since_start_s=time.time() - t_start)
+                first_step_logged = True
+            n_log += batch.batch_size
+            tok_log += batch.num_tokens
+            if rank == 0 and epoch_step % cfg.train.log_every == 0:
+                dt = max(time.perf_counter() - t_log, 1e-9)
+                log.info("epoch %d step %d (global %d) loss %.4f rank0 %.0f samples/s %.0f tokens/s",
+                         epoch + 1, epoch_step, global_step, loss, n_log / dt, tok_log / dt)
+                t_log, n_log, tok_log = time.perf_counter(), 0, 0
+            if i == steps - 1:
+                break  # the epoch-end checkpoint below covers the last step
+            reason = checkpoint_reason(global_step, cfg.checkpoint.every_steps,
+                                       preempt=_agree_preempt(cfg, global_step, device, world), epoch_end=False)
+            if reason:
+                partial = acc.reduce(device, world)
+                state = {"epoch": epoch, "consumed": consumed, "epoch_step": epoch_step,
+                         "global_step": global_step, "history": history, "partial": partial}
+                report_with_checkpoint({"epoch": epoch, "global_step": global_step, "checkpoint": reason},
+                                       dmp, optimizer, state)
+                events.emit("checkpoint_saved", reason=reason, global_step=global_step, epoch=epoch,
+                            consumed=consumed)
+                if reason == "emergency":
+                    _PREEMPT.clear()
+        acc.reduce(device, world)
+        stats = acc.result()
         done = epoch + 1
         metrics: dict[str, Any] = {"epoch": done, "global_step": global_step, **stats}
         if done % cfg.train.eval_every == 0 or done == cfg.train.epochs:
@@ -216,11 +351,19 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             log.info("test: %s", ", ".join(f"{k}={v:.4f}" for k, v in test.items()))
             metrics.update({f"test_{k}": v for k, v in test.items()})
             metrics.update({"final": True, "world_size": world, "history": list(history)})
-        state = {"epoch": done, "step": 0, "global_step": global_step, "history": history}
-        if done % cfg.checkpoint.every_epochs == 0 or done == cfg.train.epochs:
+        state = {"epoch": done, "consumed": 0, "epoch_step": 0, "global_step": global_step, "history": history,
+                 "partial": None}
+        reason = checkpoint_reason(global_step, cfg.checkpoint.every_steps, preempt=False, epoch_end=True,
+                                   done_epochs=done, every_epochs=cfg.checkpoint.every_epochs,
+                                   last_epoch=done == cfg.train.epochs)
+        if reason:
             report_with_checkpoint(metrics, dmp, optimizer, state)
+            events.emit("checkpoint_saved", reason=reason, global_step=global_step, epoch=done, consumed=0)
         else:
             ray.train.report(metrics)
     if start_epoch >= cfg.train.epochs:
         log.info("all %d epochs already done in the restored checkpoint; nothing to train",
                  cfg.train.epochs)
+    if ledger is not None:
+        ledger.close()
+    events.emit("finished", global_step=global_step)

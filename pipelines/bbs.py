@@ -27,7 +27,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["form_batches", "imbalance", "plan_epoch", "simulate_imbalance", "epoch_rng"]
+__all__ = ["form_batches", "imbalance", "plan_epoch", "simulate_imbalance", "epoch_rng", "global_epoch_order",
+           "plan_global_step", "global_steps_left"]
 
 
 def form_batches(token_counts: np.ndarray, batch_size: int, sub_batch_size: int,
@@ -127,6 +128,56 @@ def imbalance(tokens_per_rank_per_step: np.ndarray) -> float:
 def epoch_rng(seed: int, epoch: int, rank: int) -> np.random.Generator:
     """The generator behind a rank's epoch order: a function of (seed, epoch, rank) only."""
     return np.random.default_rng([int(seed), int(epoch), int(rank)])
+
+
+def global_epoch_order(num_samples: int, *, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+    """[N] int64: the epoch's global sample order, a function of (seed, epoch) only (never of world size).
+
+    Elastic training consumes this order as a growing prefix (see :func:`plan_global_step`), so the data
+    position of an epoch is one integer, ``consumed``, valid at any world size. ``shuffle=False``: 0..N-1.
+    """
+    if num_samples < 0:
+        raise ValueError(f"num_samples: expected >= 0, got {num_samples}")
+    if not shuffle:
+        return np.arange(num_samples, dtype=np.int64)
+    return np.random.default_rng([int(seed), int(epoch), 0x6E4A]).permutation(num_samples).astype(np.int64)
+
+
+def global_steps_left(num_samples: int, consumed: int, world_size: int, batch_size: int) -> int:
+    """Steps left in the epoch: ceil((N - consumed) / (world_size * batch_size)); same on every rank."""
+    if world_size < 1 or batch_size < 1 or not 0 <= consumed <= num_samples:
+        raise ValueError(f"global_steps_left: bad arguments num_samples={num_samples}, consumed={consumed}, "
+                         f"world_size={world_size}, batch_size={batch_size}")
+    return -(-(num_samples - consumed) // (world_size * batch_size))
+
+
+def plan_global_step(order: np.ndarray, input_lengths: np.ndarray, *, consumed: int, world_size: int,
+                     batch_size: int, bbs: bool, sub_batch_size: int, seed: int, epoch: int
+                     ) -> tuple[list[np.ndarray], int]:
+    """One global step of the elastic plan: the next ``world_size * batch_size`` samples of ``order``.
+
+    order: [N] int64 from :func:`global_epoch_order`; input_lengths: [N] model-input tokens per sample.
+    consumed: samples of ``order`` already trained this epoch (a prefix). The step takes
+    ``chunk = order[consumed : consumed + world_size * batch_size]`` and, with ``bbs``, balances it over
+    the ranks with :func:`form_batches` (rng seeded by (seed, epoch, consumed): the same on every rank,
+    no communication), else cuts it into consecutive slices. Returns (``world_size`` int64 index arrays
+    into the samples, one per rank, some possibly empty at the epoch's end; the new ``consumed``).
+    Because every step consumes a prefix of ``order``, a restart at any world size resumes exactly at
+    ``consumed``: every sample is trained once per epoch. Raises ValueError for consumed outside 0..N.
+    """
+    n = int(np.asarray(order).size)
+    if not 0 <= consumed <= n:
+        raise ValueError(f"plan_global_step: consumed={consumed} outside 0..{n}")
+    if world_size < 1 or batch_size < 1:
+        raise ValueError(f"plan_global_step: world_size ({world_size}) and batch_size ({batch_size}) must be >= 1")
+    chunk = np.asarray(order[consumed:consumed + world_size * batch_size], dtype=np.int64)
+    if bbs:
+        rng = np.random.default_rng([int(seed), int(epoch), int(consumed), 0xBB5])
+        parts = [chunk[b] for b in form_batches(np.asarray(input_lengths)[chunk], batch_size, sub_batch_size, rng)]
+    else:
+        parts = [chunk[k:k + batch_size] for k in range(0, chunk.size, batch_size)]
+    parts.extend(np.empty(0, np.int64) for _ in range(world_size - len(parts)))
+    return [p.astype(np.int64, copy=False) for p in parts], consumed + int(chunk.size)
 
 
 def plan_epoch(input_lengths: np.ndarray, *, num_batches: int, batch_size: int, bbs: bool,

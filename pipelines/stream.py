@@ -41,13 +41,13 @@ import torch
 from gemray.config import DataConfig
 from gemray.jagged import JaggedBatch, lengths_to_offsets
 
-from .bbs import plan_epoch
+from .bbs import global_epoch_order, global_steps_left, plan_epoch, plan_global_step
 from .movielens import load_manifest
 from .schema import HISTORY_SCHEMA, MIN_HISTORY_FOR_SPLITS, check_split, split_input_bounds
 
 log = logging.getLogger(__name__)
 
-__all__ = ["HistoryStream", "assign_shards", "num_batches_for", "read_shard_lengths"]
+__all__ = ["ElasticTrainStream", "HistoryStream", "assign_shards", "num_batches_for", "read_shard_lengths"]
 
 
 def _check_rank(world_size: int, rank: int) -> None:
@@ -258,3 +258,59 @@ class HistoryStream:
             user_ids=torch.from_numpy(d["user_ids"][idx]), offsets=offsets,
             item_ids=torch.from_numpy(d["item_ids"][gather]), ratings=torch.from_numpy(d["ratings"][gather]),
             timestamps=torch.from_numpy(d["timestamps"][gather]), targets=targets)
+
+
+class ElasticTrainStream:
+    """The train split as one global, world-size-independent plan: exactly-once data across restarts.
+
+    Every rank holds all split-eligible train samples (read once through :class:`HistoryStream` with
+    world_size 1, so all Parquet row groups; ML-1M: ~17 MB per rank). The epoch's order is
+    :func:`gemray.pipelines.bbs.global_epoch_order` (seed, epoch); each step consumes the next
+    ``world_size * batch_size`` samples of it and BBS deals them to the ranks
+    (:func:`gemray.pipelines.bbs.plan_global_step`). The data position is therefore one integer per
+    epoch, ``consumed`` (a prefix of the order); a checkpoint storing (epoch, consumed) resumes at any
+    world size with every sample trained exactly once per epoch.
+
+    Yields ``(batch, consumed_after)`` pairs: the rank's :class:`gemray.jagged.JaggedBatch` (B may be 0
+    at the epoch's end) and the global prefix consumed once this step is done (same on every rank).
+    """
+
+    def __init__(self, base: "HistoryStream", *, rank: int, world_size: int):
+        _check_rank(world_size, rank)
+        if base.split != "train" or base.world_size != 1:
+            raise ValueError("ElasticTrainStream: base must be the train HistoryStream of world_size 1")
+        self.base, self.rank, self.world_size = base, rank, world_size
+
+    @classmethod
+    def from_config(cls, data_cfg: DataConfig, *, rank: int, world_size: int, seed: int) -> "ElasticTrainStream":
+        """Build from ``DataConfig`` (batch_size per rank, bbs, sub_batch_size, shuffle)."""
+        base = HistoryStream.from_config(data_cfg, "train", rank=0, world_size=1, seed=seed)
+        return cls(base, rank=rank, world_size=world_size)
+
+    def num_samples(self) -> int:
+        """N: split-eligible train users (all ranks together)."""
+        return self.base.num_samples()
+
+    def sample_ids(self) -> np.ndarray:
+        """[N] int64 user ids in canonical (ascending) order: what a per-sample ledger should cover."""
+        return self.base._load()["user_ids"].copy()
+
+    def num_steps(self, consumed: int = 0) -> int:
+        """Steps left in an epoch from position ``consumed`` at this world size (same on every rank)."""
+        return global_steps_left(self.num_samples(), consumed, self.world_size, self.base.batch_size)
+
+    def iter_epoch(self, epoch: int, consumed: int = 0) -> Iterator[tuple[JaggedBatch, int]]:
+        """Yield this rank's batch and the new global position for each remaining step of ``epoch``."""
+        if epoch < 0:
+            raise ValueError(f"iter_epoch: epoch must be >= 0, got {epoch}")
+        d = self.base._load()
+        lengths = d["stop"] - d["start"]
+        order = global_epoch_order(lengths.size, seed=self.base.seed, epoch=epoch, shuffle=self.base.shuffle)
+        if not 0 <= consumed <= order.size:
+            raise ValueError(f"iter_epoch: consumed={consumed} outside 0..{order.size}")
+        while consumed < order.size:
+            parts, consumed = plan_global_step(order, lengths, consumed=consumed, world_size=self.world_size,
+                                               batch_size=self.base.batch_size, bbs=self.base.bbs,
+                                               sub_batch_size=self.base.sub_batch_size, seed=self.base.seed,
+                                               epoch=epoch)
+            yield self.base._collate(parts[self.rank]), consumed

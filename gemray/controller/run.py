@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from gemray.config import JobConfig, apply_overrides, load_config, to_toml
+from gemray.events import read_events, summarize_recovery
 from gemray.parallel.sharding import check_shardable
 
 log = logging.getLogger(__name__)
@@ -100,7 +101,10 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
         checkpoints) go; default ``runs/<name>``.
     metrics.json: test-split ``hr@K``/``ndcg@K`` (K in train.eval_ks), ``samples_per_s`` (mean over
     epochs, global), ``wall_s`` (seconds, whole fit), ``epochs``, ``world_size``, ``bbs_imbalance`` (mean
-    measured token imbalance max/mean across ranks), ``history`` (per-epoch dicts).
+    measured token imbalance max/mean across ranks), ``history`` (per-epoch dicts), ``events``
+    (controller events of this fit: failure_detected, resize, checkpoint_restored/_fallback/_saved,
+    first_step, ...; also in ``events.jsonl`` with per-step heartbeats) and ``recovery`` (per restart:
+    steps_lost, seconds_to_first_step; see gemray.events.summarize_recovery).
     Raises FileNotFoundError / ValueError for a bad config or data path (before any worker starts), and
     Ray's TrainingFailedError when training fails beyond ``ray.max_failures``.
     """
@@ -120,12 +124,11 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
         cfg = load_config(config_path, overrides)
     cfg = _resolve(cfg, config_path)
     check_shardable(cfg.model)  # fail here, in one line, not in every worker after Ray started
-    if cfg.checkpoint.every_steps:
-        log.warning("checkpoint.every_steps=%d is not implemented yet: checkpoints are taken every "
-                    "checkpoint.every_epochs=%d epoch(s)", cfg.checkpoint.every_steps,
-                    cfg.checkpoint.every_epochs)
     out = Path(output_dir or Path("runs") / cfg.name).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
+    if not cfg.train.events_path:
+        cfg.train.events_path = str(out / "events.jsonl")
+    events_from = len(read_events(cfg.train.events_path))  # a resumed run appends to the same log
     (out / "config.toml").write_text(to_toml(cfg))
     _ensure_prepared(cfg)
 
@@ -167,6 +170,14 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
         "bbs_imbalance": sum(imb) / len(imb) if imb else 1.0,
         "history": history,
     })
+    events = read_events(cfg.train.events_path)[events_from:]
+    metrics["events"] = [e for e in events if e["kind"] != "step"]  # per-step heartbeats stay in events.jsonl
+    metrics["recovery"] = summarize_recovery(events)
+    for r in metrics["recovery"]:
+        log.info("recovery: attempt %s -> %s, world %s -> %s, %s step(s) lost, %.1f s from the last step "
+                 "before the failure to the first resumed step", r["failed_attempt"], r["attempt"],
+                 r["world_size_before"], r["world_size_after"], r["steps_lost"],
+                 r["seconds_to_first_step"] if r["seconds_to_first_step"] is not None else float("nan"))
     ckpt = result.checkpoint.path if result.checkpoint is not None else None
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
     if history:

@@ -1,0 +1,133 @@
+"""Controller events (failure detected, resize, checkpoint restored/saved, steps) and recovery figures.
+
+Rank 0 of every attempt appends :class:`Event` dicts as JSON lines to ``train.events_path`` (``fit``
+sets it to ``<output_dir>/events.jsonl``) and logs each one; :func:`summarize_recovery` turns the log
+into seconds-from-failure-to-first-resumed-step and steps lost per restart (metrics.json
+``recovery``). Pure except :class:`EventLog` (a file appender).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("gemray.events")
+
+__all__ = ["EVENT_KINDS", "Event", "EventLog", "failure_events", "read_events", "summarize_recovery"]
+
+EVENT_KINDS = ("attempt_start", "failure_detected", "resize", "checkpoint_restored", "checkpoint_fallback",
+               "first_step", "step", "checkpoint_saved", "finished")
+
+
+@dataclass
+class Event:
+    """One controller event: ``kind`` in EVENT_KINDS, ``t`` unix seconds, ``attempt`` id, details."""
+
+    kind: str
+    t: float = field(default_factory=time.time)
+    attempt: int = 0
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kind not in EVENT_KINDS:
+            raise ValueError(f"Event.kind: expected one of {EVENT_KINDS}, got {self.kind!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class EventLog:
+    """Append events of one attempt to a JSONL file (rank 0 only writes; every rank may call ``emit``)."""
+
+    def __init__(self, path: str | Path | None, *, attempt: int, write: bool):
+        self.path = Path(path) if path else None
+        self.attempt, self.write = int(attempt), bool(write)
+        if self.path and self.write:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def emit(self, kind: str, quiet: bool = False, **detail: Any) -> Event:
+        """Record one event (``quiet``: file only, no log line: used for per-step heartbeats)."""
+        ev = Event(kind, attempt=self.attempt, detail=detail)
+        if self.write:
+            if not quiet:
+                log.info("event %s: %s", kind, json.dumps(detail, sort_keys=True, default=str))
+            if self.path:
+                with open(self.path, "a") as f:
+                    f.write(json.dumps(ev.to_dict(), default=str) + "\n")
+        return ev
+
+
+def read_events(path: str | Path) -> list[dict[str, Any]]:
+    """The events in ``path`` (a missing file gives []; a torn last line is ignored)."""
+    p = Path(path)
+    if not p.is_file():
+        return []
+    out = []
+    for line in p.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def failure_events(events: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """What a new attempt can tell about the previous one from the event log (dicts of :class:`Event`).
+
+    Returns None when there is no previous attempt or it finished cleanly; else ``{"attempt",
+    "last_global_step", "last_step_t", "world_size"}`` of the attempt that died.
+    """
+    starts = [e for e in events if e["kind"] == "attempt_start"]
+    if not starts:
+        return None
+    prev = starts[-1]["attempt"]
+    mine = [e for e in events if e["attempt"] == prev]
+    if any(e["kind"] == "finished" for e in mine):
+        return None
+    steps = [e for e in mine if e["kind"] == "step"]
+    last = steps[-1] if steps else starts[-1]
+    return {"attempt": prev, "last_global_step": last["detail"].get("global_step"), "last_step_t": last["t"],
+            "world_size": starts[-1]["detail"].get("world_size")}
+
+
+def summarize_recovery(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One dict per restart after a failure: how long it took and how much work was lost.
+
+    ``failed_attempt`` / ``attempt``; ``world_size_before`` / ``world_size_after``; ``last_step`` (the
+    last global step the failed attempt finished) and ``restored_step`` (of the checkpoint restored);
+    ``steps_lost`` = last_step - restored_step; ``seconds_to_first_step`` = time of the first step of
+    the new attempt minus time of the failed attempt's last step (an upper bound on failure ->
+    first resumed step; the failure itself happened in between); ``restore_s`` = restored - attempt
+    start. Attempts without a step yet are reported with ``seconds_to_first_step`` None.
+    """
+    by_attempt: dict[int, list[dict[str, Any]]] = {}
+    order: list[int] = []
+    for e in events:
+        if e["attempt"] not in by_attempt:
+            order.append(e["attempt"])
+        by_attempt.setdefault(e["attempt"], []).append(e)
+    out = []
+    for prev, cur in zip(order, order[1:]):
+        p, c = by_attempt[prev], by_attempt[cur]
+        if any(e["kind"] == "finished" for e in p):
+            continue  # a planned resume (new fit on the same run), not a failure
+        steps = [e for e in p if e["kind"] == "step"]
+        start_p = next((e for e in p if e["kind"] == "attempt_start"), p[0])
+        start_c = next((e for e in c if e["kind"] == "attempt_start"), c[0])
+        restored = next((e for e in c if e["kind"] == "checkpoint_restored"), None)
+        first = next((e for e in c if e["kind"] in ("first_step", "step")), None)
+        last_t = steps[-1]["t"] if steps else start_p["t"]
+        last_step = steps[-1]["detail"]["global_step"] if steps else start_p["detail"].get("global_step", 0)
+        restored_step = restored["detail"]["global_step"] if restored else 0
+        out.append({"failed_attempt": prev, "attempt": cur,
+                    "world_size_before": start_p["detail"].get("world_size"),
+                    "world_size_after": start_c["detail"].get("world_size"),
+                    "last_step": last_step, "restored_step": restored_step,
+                    "steps_lost": max(0, last_step - restored_step),
+                    "seconds_to_first_step": (first["t"] - last_t) if first else None,
+                    "restore_s": (restored["t"] - start_c["t"]) if restored else None})
+    return out

@@ -1,0 +1,182 @@
+"""Pure elastic-controller decisions (no Ray): world size, layout, checkpoint choice and timing, the
+world-size-independent data plan (exactly once across resizes), the ledger audit and recovery figures."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gemray.checkpoint import checkpoint_reason, choose_checkpoint, committed_checkpoints
+from gemray.controller.policy import (Event, decide_layout, decide_world_size, failure_events,
+                                      should_emergency_checkpoint, summarize_recovery)
+from gemray.ledger import LedgerWriter, audit
+from gemray.pipelines.bbs import global_epoch_order, global_steps_left, plan_global_step
+
+
+def test_decide_world_size():
+    assert decide_world_size(5, 1, 4) == 4
+    assert decide_world_size(1, 1, 2) == 1
+    assert decide_world_size(2, 2, 2) == 2
+    with pytest.raises(ValueError, match="fewer than min_workers=2"):
+        decide_world_size(1, 2, 4)
+    with pytest.raises(ValueError, match="min_workers"):
+        decide_world_size(3, 3, 2)
+
+
+def test_decide_layout():
+    p = decide_layout(3, "cpu")
+    assert p.world_size == 3 and p.dense_mesh == (3, 1)
+    assert p.sparse.backend == "gloo" and "row_wise" in p.sparse.sharding_types
+    assert decide_layout(1, "cuda").sparse.backend == "nccl"
+    with pytest.raises(ValueError):
+        decide_layout(0, "cpu")
+
+
+def test_checkpoint_reason():
+    kw = dict(preempt=False, epoch_end=False)
+    assert [checkpoint_reason(g, 3, **kw) for g in range(1, 7)] == [None, None, "periodic", None, None, "periodic"]
+    assert checkpoint_reason(3, 0, **kw) is None  # every_steps=0: off
+    assert checkpoint_reason(1, 3, preempt=True, epoch_end=False) == "emergency"
+    assert checkpoint_reason(4, 3, preempt=False, epoch_end=True, done_epochs=2, every_epochs=2) == "epoch"
+    assert checkpoint_reason(4, 0, preempt=False, epoch_end=True, done_epochs=1, every_epochs=2) is None
+    assert checkpoint_reason(4, 0, preempt=False, epoch_end=True, done_epochs=3, every_epochs=2,
+                             last_epoch=True) == "final"
+    with pytest.raises(ValueError):
+        checkpoint_reason(1, -1, **kw)
+    assert should_emergency_checkpoint(1, 2) and not should_emergency_checkpoint(0, 2)
+    assert not should_emergency_checkpoint(2, 2, healthy=False)
+    with pytest.raises(ValueError):
+        should_emergency_checkpoint(3, 2)
+
+
+def test_choose_checkpoint_falls_back(tmp_path):
+    dirs = [tmp_path / n for n in ("c3", "c2", "c1")]
+    bad = {"c3": "file __1_0.distcp is corrupted", "c2": "missing manifest for rank(s) [1]"}
+
+    def verify(p):
+        if p.name in bad:
+            raise ValueError(bad[p.name])
+
+    chosen, skipped = choose_checkpoint(dirs, verify)
+    assert chosen == dirs[2]
+    assert [(p.name, w) for p, w in skipped] == [("c3", bad["c3"]), ("c2", bad["c2"])]
+    assert choose_checkpoint(dirs[:2], verify)[0] is None
+    assert choose_checkpoint([], verify) == (None, [])
+
+
+def test_committed_checkpoints_reads_ray_snapshot(tmp_path):
+    names = ["checkpoint_2026-11-30_11-00-01.000001", "checkpoint_2026-11-30_11-00-09.000002",
+             "checkpoint_2026-11-30_11-00-05.000003"]
+    for n in names + ["checkpoint_2026-11-30_11-00-12.000004"]:  # the last: reported, never committed
+        (tmp_path / n).mkdir()
+    assert committed_checkpoints(tmp_path) == []  # no snapshot: nothing is known committed
+    (tmp_path / "checkpoint_manager_snapshot.json").write_text(
+        json.dumps({"checkpoint_results": [{"checkpoint_dir_name": n} for n in names]}))
+    assert [p.name for p in committed_checkpoints(tmp_path)] == sorted(names, reverse=True)
+
+
+def _run_plan(n, lengths, epoch, worlds_per_step, batch_size, bbs):
+    """Consume one epoch with the world size changing per step; returns per-step per-rank index arrays."""
+    order = global_epoch_order(n, seed=7, epoch=epoch, shuffle=True)
+    consumed, steps, w_iter = 0, [], iter(worlds_per_step)
+    while consumed < n:
+        w = next(w_iter)
+        parts, consumed = plan_global_step(order, lengths, consumed=consumed, world_size=w, batch_size=batch_size,
+                                           bbs=bbs, sub_batch_size=2, seed=7, epoch=epoch)
+        assert len(parts) == w
+        steps.append(parts)
+    return steps
+
+
+@pytest.mark.parametrize("bbs", [True, False])
+def test_global_plan_exactly_once_across_resizes(bbs):
+    rng = np.random.default_rng(0)
+    n = 53
+    lengths = rng.integers(1, 40, n)
+    lengths[0] = 1  # a length-1 sequence
+    for worlds in ([2] * 20, [2, 2, 1, 1, 3, 2, 1, 2] + [2] * 20, [1] * 30):
+        steps = _run_plan(n, lengths, 0, worlds, 4, bbs)
+        flat = np.concatenate([p for parts in steps for p in parts])
+        assert np.array_equal(np.sort(flat), np.arange(n))  # every sample once: 0 lost, 0 duplicated
+        assert all(p.size <= 4 for parts in steps for p in parts)
+    # the plan up to a resize is the uninterrupted plan: a same-size restart replays the same batches
+    a = _run_plan(n, lengths, 0, [2] * 20, 4, bbs)
+    b = _run_plan(n, lengths, 0, [2, 2, 2] + [2] * 20, 4, bbs)
+    assert all(np.array_equal(x, y) for pa, pb in zip(a, b) for x, y in zip(pa, pb))
+    # another epoch: another order
+    assert not np.array_equal(global_epoch_order(n, seed=7, epoch=1, shuffle=True),
+                              global_epoch_order(n, seed=7, epoch=0, shuffle=True))
+    assert np.array_equal(global_epoch_order(5, seed=7, epoch=0, shuffle=False), np.arange(5))
+
+
+def test_global_plan_edges():
+    order = global_epoch_order(0, seed=0, epoch=0, shuffle=True)
+    assert order.size == 0 and global_steps_left(0, 0, 2, 4) == 0
+    assert global_steps_left(9, 0, 2, 4) == 2 and global_steps_left(9, 8, 2, 4) == 1
+    parts, c = plan_global_step(np.arange(1), np.array([1]), consumed=0, world_size=3, batch_size=4, bbs=True,
+                                sub_batch_size=2, seed=0, epoch=0)
+    assert c == 1 and [p.tolist() for p in parts] == [[0], [], []]  # one sample, two empty ranks
+    with pytest.raises(ValueError, match="consumed=5 outside 0..1"):
+        plan_global_step(np.arange(1), np.array([1]), consumed=5, world_size=1, batch_size=4, bbs=False,
+                         sub_batch_size=2, seed=0, epoch=0)
+    # BBS balances the ranks of a step: sorted lengths would give 2 very unequal halves without it
+    lengths = np.arange(1, 17) ** 2
+    parts, _ = plan_global_step(np.arange(16), lengths, consumed=0, world_size=2, batch_size=8, bbs=True,
+                                sub_batch_size=2, seed=0, epoch=0)
+    tok = [int(lengths[p].sum()) for p in parts]
+    plain, _ = plan_global_step(np.arange(16), lengths, consumed=0, world_size=2, batch_size=8, bbs=False,
+                                sub_batch_size=2, seed=0, epoch=0)
+    tok_plain = [int(lengths[p].sum()) for p in plain]
+    assert max(tok) / min(tok) < 1.1 < max(tok_plain) / min(tok_plain)
+
+
+def test_ledger_audit_drops_rolled_back_steps(tmp_path):
+    ids = list(range(100, 110))
+    # attempt 1 (2 ranks) trains steps 1..3; checkpoint committed at step 2; crash after step 3
+    w = [LedgerWriter(tmp_path, attempt=1, rank=r, world_size=2, restored_global_step=0) for r in range(2)]
+    w[0].step(0, 1, [100, 101]), w[1].step(0, 1, [102, 103])
+    w[0].step(0, 2, [104]), w[1].step(0, 2, [105])
+    w[0].step(0, 3, [106]), w[1].step(0, 3, [107])  # rolled back
+    # attempt 2 (1 rank) restores step 2 and finishes the epoch
+    w2 = LedgerWriter(tmp_path, attempt=2, rank=0, world_size=1, restored_global_step=2)
+    w2.step(0, 3, [106, 107]), w2.step(0, 4, [108, 109])
+    for x in w + [w2]:
+        x.close()
+    with open(w2.path, "a") as f:
+        f.write('{"e": 0, "g": 5, "ids": [1')  # torn line from a kill mid-write: ignored
+    rep = audit(tmp_path, ids, epochs=1)
+    assert rep["attempts"] == 2 and rep["rolled_back_steps"] == 2
+    assert rep["epochs"][0] == {"trained": 10, "lost": [], "duplicated": [], "unexpected": []}
+    # without the rollback rule 106/107 would be duplicated; a missing step shows up as lost
+    (tmp_path / "attempt-00000000000000000002" / "rank0.jsonl").write_text(
+        json.dumps({"header": True, "rank": 0, "restored_global_step": 3}) + "\n")
+    rep = audit(tmp_path, ids, epochs=1)
+    assert rep["epochs"][0]["lost"] == [108, 109] and rep["epochs"][0]["duplicated"] == []
+
+
+def _ev(kind, t, attempt, **d):
+    return Event(kind, t=t, attempt=attempt, detail=d).to_dict()
+
+
+def test_summarize_recovery_and_failure_events():
+    events = [_ev("attempt_start", 0.0, 1, world_size=2), _ev("step", 1.0, 1, global_step=1),
+              _ev("checkpoint_saved", 1.1, 1, global_step=1), _ev("step", 2.0, 1, global_step=2),
+              _ev("step", 3.0, 1, global_step=3)]
+    assert failure_events(events) == {"attempt": 1, "last_global_step": 3, "last_step_t": 3.0, "world_size": 2}
+    events += [_ev("failure_detected", 10.0, 2), _ev("attempt_start", 10.0, 2, world_size=1),
+               _ev("checkpoint_restored", 14.0, 2, global_step=1), _ev("first_step", 15.5, 2, global_step=2),
+               _ev("step", 15.5, 2, global_step=2), _ev("finished", 20.0, 2)]
+    rec = summarize_recovery(events)
+    assert rec == [{"failed_attempt": 1, "attempt": 2, "world_size_before": 2, "world_size_after": 1,
+                    "last_step": 3, "restored_step": 1, "steps_lost": 2, "seconds_to_first_step": 12.5,
+                    "restore_s": 4.0}]
+    assert failure_events(events) is None  # the last attempt finished
+    # a planned resume of a finished run is not a failure
+    events += [_ev("attempt_start", 30.0, 3, world_size=2), _ev("step", 31.0, 3, global_step=3)]
+    assert len(summarize_recovery(events)) == 1
+    assert summarize_recovery([]) == [] and failure_events([]) is None
+    with pytest.raises(ValueError, match="Event.kind"):
+        Event("exploded")
