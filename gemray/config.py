@@ -155,11 +155,16 @@ class RayConfig:
     num_cpus: int = 0
     max_failures: int = 3
     storage_path: str = ""
+    # Elastic runs (min_workers/max_workers set): how often Ray Train looks for room to grow, in seconds
+    # (ScalingConfig.elastic_resize_monitor_interval_s; growing restarts the group from the last checkpoint).
+    resize_interval_s: float = 60.0
 
     def validate(self) -> None:
         _positive(self, "num_workers", "cpus_per_worker")
         if self.min_workers < 0 or self.max_workers < 0:
             raise ValueError("ray.min_workers / ray.max_workers: expected >= 0")
+        if self.resize_interval_s < 0:
+            raise ValueError(f"ray.resize_interval_s: expected >= 0, got {self.resize_interval_s}")
         if self.min_workers and self.max_workers and self.min_workers > self.max_workers:
             raise ValueError(
                 f"ray.min_workers ({self.min_workers}) > ray.max_workers ({self.max_workers})")

@@ -135,14 +135,18 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
     started = _connect_ray(cfg)
     try:
         workers: Any = cfg.ray.num_workers
+        elastic: dict[str, Any] = {}
         if cfg.ray.min_workers and cfg.ray.max_workers:
+            # Elastic: Ray Train V2 restarts the group at min(available, max) workers after a failure
+            # (gemray.controller.policy.decide_world_size states the rule) and grows it when room appears.
             workers = (cfg.ray.min_workers, cfg.ray.max_workers)
+            elastic["elastic_resize_monitor_interval_s"] = cfg.ray.resize_interval_s
         storage = Path(cfg.ray.storage_path).resolve() if cfg.ray.storage_path else out / "ray"
         trainer = TorchTrainer(
             train_loop_per_worker,
             train_loop_config=cfg.to_dict(),
             scaling_config=ScalingConfig(num_workers=workers, use_gpu=cfg.ray.use_gpu,
-                                         resources_per_worker={"CPU": cfg.ray.cpus_per_worker}),
+                                         resources_per_worker={"CPU": cfg.ray.cpus_per_worker}, **elastic),
             run_config=RunConfig(name=cfg.name, storage_path=str(storage),
                                  failure_config=FailureConfig(max_failures=cfg.ray.max_failures),
                                  checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep)),
