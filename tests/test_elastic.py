@@ -224,3 +224,90 @@ def test_corrupt_and_partial_checkpoints_fall_back(baseline):
         ep = rep["epochs"][e]
         assert ep["trained"] == 610 and ep["lost"] == [] and ep["duplicated"] == [], (e, ep)
 
+
+def test_resize_two_one_two(tmp_path):
+    """Two 3-CPU "nodes", workers ask 2 CPUs (one per node; Ray Data's 1-CPU read tasks need the 1 left): remove a
+    node mid-epoch (2 -> 1 workers), add one back (1 -> 2). Every resize restarts the group, which
+    builds a new TorchRec plan and restores the last checkpoint resharded by DCP."""
+    if not SRC.is_dir():
+        pytest.skip(f"{SRC} not available")
+    import ray
+    from ray.cluster_utils import Cluster
+
+    import gemray
+
+    # After a node is removed Ray Train first retries the old size until this startup timeout (60 s default)
+    # expires; the raylets (and the Train controller they start) inherit it from this process.
+    os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = "15"
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "include_dashboard": False})
+    nodes = {"extra": cluster.add_node(num_cpus=3)}
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=True)
+    ledger = tmp_path / "ledger-resize"
+    marks: dict = {}
+
+    def resize(attempts):
+        worlds = [a["ranks"][min(a["ranks"])]["world_size"] for a in attempts if a["ranks"]]
+        if "removed" not in marks:
+            if attempts and worlds[0] == 2 and max([s["g"] for s in attempts[0]["steps"]], default=0) >= 8:
+                cluster.remove_node(nodes.pop("extra"))
+                marks["removed"] = time.time()
+            return False
+        one = [a for a, w in zip(attempts, worlds) if w == 1]
+        if one and len(one[-1]["steps"]) >= 6:
+            nodes["extra"] = cluster.add_node(num_cpus=3)
+            marks["added"] = time.time()
+            return True
+        return False
+
+    # Cluster.add_node installs signal handlers: only the main thread may call it, so fit runs in a thread.
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["res"] = gemray.fit(CONFIG, output_dir=tmp_path / "out", overrides=_overrides(
+                tmp_path, "resize", extra=["ray.min_workers=1", "ray.max_workers=2", "ray.cpus_per_worker=2",
+                                           "ray.resize_interval_s=2", "ray.max_failures=5"]))
+        except BaseException as e:  # surfaced below
+            out["error"] = e
+
+    th = threading.Thread(target=run, daemon=True)
+    try:
+        th.start()
+        t0 = time.time()
+        while th.is_alive() and time.time() - t0 < 400 and not resize(_steps(ledger)):
+            time.sleep(0.05)
+        th.join(timeout=400)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        os.environ.pop("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", None)
+    assert "error" not in out, out.get("error")
+    res = out["res"]
+    assert "removed" in marks and "added" in marks, marks
+
+    attempts = read_attempts(ledger)
+    worlds = [a["ranks"][min(a["ranks"])]["world_size"] for a in attempts]
+    assert worlds[0] == 2 and worlds[-1] == 2 and 1 in worlds, worlds
+    rep = audit(ledger, _all_user_ids(tmp_path / "prepared"), EPOCHS)
+    for e in range(EPOCHS):
+        ep = rep["epochs"][e]
+        assert ep["trained"] == 610 and ep["lost"] == [] and ep["duplicated"] == [], (e, ep)
+    resizes = [(e["detail"]["from_world_size"], e["detail"]["to_world_size"])
+               for e in res.metrics["events"] if e["kind"] == "resize"]
+    assert (2, 1) in resizes and (1, 2) in resizes, resizes
+    assert res.metrics["world_size"] == 2 and [h["epoch"] for h in res.metrics["history"]] == [1, 2]
+
+    events = read_events(tmp_path / "out" / "events.jsonl")
+    starts = {e["attempt"]: e["detail"]["world_size"] for e in events if e["kind"] == "attempt_start"}
+    rec = res.metrics["recovery"]
+    for mark, world in (("removed", 1), ("added", 2)):
+        r = next(r for r in rec if r["world_size_after"] == world and
+                 next(e["t"] for e in events if e["kind"] == "attempt_start" and e["attempt"] == r["attempt"])
+                 > marks[mark])
+        first = next(e for e in events if e["kind"] == "first_step" and e["attempt"] == r["attempt"])
+        _figures({"scenario": f"{'remove' if mark == 'removed' else 'add'} a node, "
+                              f"{r['world_size_before']} -> {starts[r['attempt']]}",
+                  "seconds_event_to_first_step": round(first["t"] - marks[mark], 1),
+                  "steps_lost": r["steps_lost"], "restored_step": r["restored_step"],
+                  "restore_s": round(r["restore_s"], 1)})
