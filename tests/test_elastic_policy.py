@@ -180,3 +180,44 @@ def test_summarize_recovery_and_failure_events():
     assert summarize_recovery([]) == [] and failure_events([]) is None
     with pytest.raises(ValueError, match="Event.kind"):
         Event("exploded")
+
+
+def _preempt_worker(rank: int, port: int, root: str) -> None:
+    import os
+    import signal
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from gemray import train_loop as tl
+    from gemray.config import load_config
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        cfg = load_config(None)  # checkpoint.preempt_poll_steps=0: SIGTERM only, no Ray call
+        assert tl._install_sigterm_handler()  # spawned process: the main thread may install it
+        votes = [tl._agree_preempt(cfg, 1, torch.device("cpu"), 2)]
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # a preemption notice to one rank only
+            time.sleep(0.2)
+        votes.append(tl._agree_preempt(cfg, 2, torch.device("cpu"), 2))
+        (Path(root) / f"votes{rank}.json").write_text(json.dumps(votes))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sigterm_on_one_rank_makes_every_rank_checkpoint(tmp_path):
+    """SIGTERM to rank 1 sets its flag; at the next step boundary both ranks agree (all_reduce) on an
+    emergency checkpoint, and the process survived the signal (the handler replaced the default)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_preempt_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
+    for r in (0, 1):
+        assert json.loads((tmp_path / f"votes{r}.json").read_text()) == [False, True]
