@@ -271,14 +271,17 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         saved_world = trainer.get("world_size")
         for path, why in trainer.get("skipped_checkpoints", []):
             events.emit("checkpoint_fallback", skipped=path, reason=why, used=trainer.get("restored_from"))
-        if saved_world != world:
-            events.emit("resize", from_world_size=saved_world, to_world_size=world,
-                        sharding_types=list(layout.sharding_types), dense_mesh=[world, 1])
         events.emit("checkpoint_restored", global_step=global_step, epoch=start_epoch,
                     consumed=position["consumed"], saved_world_size=saved_world, world_size=world,
                     path=trainer.get("restored_from"))
         log.info("resuming at epoch %d, sample %d of its order (global step %d), checkpoint saved by %s "
                  "ranks, now %d", start_epoch + 1, position["consumed"], global_step, saved_world, world)
+    # A resize: the previous attempt (from the event log) or the restored checkpoint ran at another size.
+    prev_world = (failed or {}).get("world_size") or (None if fresh else trainer.get("world_size"))
+    if prev_world is not None and prev_world != world:
+        events.emit("resize", from_world_size=prev_world, to_world_size=world,
+                    resharded_from=None if fresh else trainer.get("world_size"),
+                    sharding_types=list(layout.sharding_types), dense_mesh=[world, 1])
     ledger = (LedgerWriter(cfg.train.ledger_dir, attempt=attempt, rank=rank, world_size=world,
                            restored_global_step=global_step) if cfg.train.ledger_dir else None)
 
