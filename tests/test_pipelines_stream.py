@@ -27,7 +27,7 @@ LENGTHS = [1, 2, 3, 2, 4, 5, 6, 9, 10, 11, 12, 17, 25, 40, 2, 7, 8, 3, 30, 13, 6
 def local_ray():
     started = not ray.is_initialized()  # reuse a cluster another test module left running
     if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     ray.data.DataContext.get_current().enable_progress_bars = False
     yield
     if started:

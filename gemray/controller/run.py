@@ -77,7 +77,8 @@ def _connect_ray(cfg: JobConfig) -> bool:
         return False
     # 2 workers + Ray Data read tasks starve on 2 real CPUs: advertise more CPUs than cores.
     num_cpus = cfg.ray.num_cpus or max(4, 2 * max(cfg.ray.num_workers, cfg.ray.max_workers))
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+    # address="local": always a new cluster, never one that `ray start` left running on this machine.
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
     log.info("started an embedded Ray cluster advertising %d CPUs", num_cpus)
     return True
 
