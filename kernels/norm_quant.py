@@ -384,7 +384,7 @@ def bench_norm_quant(
 
     GB/s counts useful bytes only (read x + weight (+ bias), write y + fp8 + scales; see ``_useful_bytes``),
     ``pct_ceiling`` is the fused GB/s over ``copy_ceiling_gbs`` (4.2 TB/s device-to-device copy measured on
-    the H200, /work/shared/NOTES.md), ``speedup`` = ms_unfused / ms_fused. Correctness is checked first:
+    the H200, ../shared/NOTES.md), ``speedup`` = ms_unfused / ms_fused. Correctness is checked first:
     ``max_abs_err_y`` vs the unfused y and ``fp8_match`` = fraction of identical fp8 bytes.
 
     Returns one dict per (kind, N, D) and prints a table. Raises RuntimeError if ``device`` is "cuda" and

@@ -12,7 +12,7 @@ from gemray.cli import build_parser, main
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = str(REPO / "configs" / "ml-latest-small.toml")
-SMALL = Path("/work/shared/data/ml-latest-small")
+SMALL = Path(__file__).resolve().parents[2] / "shared" / "data" / "ml-latest-small"  # ../shared beside the checkout
 
 
 def _err_line(capsys) -> str:
@@ -83,3 +83,11 @@ def test_console_script_exit_code(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
     assert p.stderr.strip() == "gemray: error: model.dropout: expected 0 <= dropout < 1, got 2.0"
+
+
+def test_output_that_is_a_file_is_a_user_error(capsys, tmp_path):
+    out = tmp_path / "a-file"
+    out.write_text("not a folder")
+    assert main(["train", "--config", CONFIG, "--output", str(out)]) == 2
+    assert "is not a folder" in _err_line(capsys)
+    assert out.read_text() == "not a folder"

@@ -34,7 +34,7 @@ from gemray.ledger import audit, read_attempts
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
-SRC = Path("/work/shared/data/ml-latest-small")
+SRC = Path(__file__).resolve().parents[2] / "shared" / "data" / "ml-latest-small"  # ../shared beside the checkout
 CONFIG = REPO / "configs" / "ml-latest-small.toml"
 EPOCHS = 2
 EVERY = 5

@@ -10,7 +10,7 @@ import pytest
 from gemray.pipelines import prepare_movielens
 from gemray.pipelines.bbs import form_batches, imbalance, plan_epoch, simulate_imbalance
 
-DATA = Path("/work/shared/data")
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"  # ../shared beside the checkout
 
 
 def test_hand_example():

@@ -15,7 +15,7 @@ from gemray.pipelines import movielens as ml
 from gemray.pipelines.movielens import BadRowError, load_manifest, prepare_movielens
 from gemray.pipelines.schema import HISTORY_SCHEMA, ITEMS_SCHEMA
 
-DATA = Path("/work/shared/data")
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"  # ../shared beside the checkout
 ML1M_SLICE_LINES = 20_000
 
 

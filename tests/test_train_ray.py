@@ -19,7 +19,7 @@ from gemray.config import load_config
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
-SRC = Path("/work/shared/data/ml-latest-small")
+SRC = Path(__file__).resolve().parents[2] / "shared" / "data" / "ml-latest-small"  # ../shared beside the checkout
 KEYS = ("hr@10", "ndcg@10", "hr@50", "ndcg@50", "hr@200", "ndcg@200")
 
 

@@ -126,12 +126,14 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
     cfg = _resolve(cfg, config_path)
     check_shardable(cfg.model)  # fail here, in one line, not in every worker after Ray started
     out = Path(output_dir or Path("runs") / cfg.name).expanduser().resolve()
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"output folder {out} exists and is not a folder (--output / output_dir)")
+    _ensure_prepared(cfg)  # bad data paths fail before anything is written to the output folder
     out.mkdir(parents=True, exist_ok=True)
     if not cfg.train.events_path:
         cfg.train.events_path = str(out / "events.jsonl")
     events_from = len(read_events(cfg.train.events_path))  # a resumed run appends to the same log
     (out / "config.toml").write_text(to_toml(cfg))
-    _ensure_prepared(cfg)
 
     started = _connect_ray(cfg)
     try:

@@ -6,7 +6,7 @@ its EmbeddingCollection on the ``meta`` device, attach the fused sparse optimize
 with ``DistributedModelParallel`` (embeddings sharded, dense part DDP), then optimise the dense parameters
 with AdamW and combine both optimizers in one ``CombinedOptimizer``.
 
-Measured on the CPU stack (see /work/shared/NOTES.md): with gloo, EmbeddingCollection tables are sharded
+Measured on the CPU stack (see ../shared/NOTES.md): with gloo, EmbeddingCollection tables are sharded
 row-wise automatically; table-wise and column-wise also work; data-parallel EC fails, so it is never
 allowed here.
 """
