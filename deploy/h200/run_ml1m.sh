@@ -17,8 +17,9 @@ python3 -c "import torch, triton, torchrec, fbgemm_gpu, ray; print('torch', torc
 COMMON=(--config configs/ml-1m.toml --set data.prepared_dir="$REPO/data/ml-1m" ray.use_gpu=true
         ray.num_workers=1 ray.cpus_per_worker=8 ray.num_cpus=16 train.sparse_optimizer=adam train.sparse_lr=1e-3)
 if [ -n "${EPOCHS:-}" ]; then   # known epoch count: no timing run
-  python3 -m gemray.cli train "${COMMON[@]}" train.epochs="$EPOCHS" "$@" --output "$OUT/full" 2>&1 | tail -40
-  exit 0
+  python3 -m gemray.cli train "${COMMON[@]}" train.epochs="$EPOCHS" "$@" --output "$OUT/full" 2>&1 \
+    | grep --line-buffered -v "FBGEMM\|fbgemm_gpu\|UserWarning\|warnings.warn"
+  exit "${PIPESTATUS[0]}"
 fi
 t0=$(date +%s)
 python3 -m gemray.cli train "${COMMON[@]}" train.epochs=1 "$@" --output "$OUT/epoch1" 2>&1 | tail -25
