@@ -67,6 +67,9 @@ class ModelConfig:
     generative-recommenders' LocalNegativesSampler), "uniform_shared" (R ids per sequence, shared by its
     positions: cheaper) or "in_batch" (the batch's own targets).
     attention_backend: "auto" (Triton on CUDA, reference elsewhere), "triton" or "reference".
+    time_bias_query: query time of the relative time bias: "next" (the time of the item a position
+    predicts, at evaluation the target's time = the request time; as generative-recommenders' HSTU) or
+    "self" (the position's own timestamp).
     """
 
     embedding_dim: int = 50
@@ -85,6 +88,7 @@ class ModelConfig:
     num_negatives: int = 128
     temperature: float = 0.05
     attention_backend: str = "auto"
+    time_bias_query: str = "next"
 
     def validate(self) -> None:
         _positive(self, "embedding_dim", "num_blocks", "num_heads", "attention_dim", "linear_dim",
@@ -96,6 +100,7 @@ class ModelConfig:
         _choice(self, "attn_activation", ("silu", "softmax", "gelu", "none"))
         _choice(self, "negatives", ("uniform", "uniform_shared", "in_batch"))
         _choice(self, "attention_backend", ("auto", "triton", "reference"))
+        _choice(self, "time_bias_query", ("next", "self"))
 
 
 @dataclass
@@ -111,6 +116,9 @@ class TrainConfig:
     lr: float = 1e-3
     sparse_lr: float = 1e-3
     weight_decay: float = 0.0
+    # Adam(W) (beta1, beta2) for the dense part and the Adam kinds of sparse optimizer; (0.9, 0.98) as
+    # generative-recommenders' ML-1M recipe.
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.98])
     eval_every: int = 5
     eval_ks: list[int] = field(default_factory=lambda: [10, 50, 200])
     seed: int = 42
@@ -130,6 +138,8 @@ class TrainConfig:
             raise ValueError(f"train.weight_decay: expected >= 0, got {self.weight_decay}")
         if not self.eval_ks or any(int(k) <= 0 for k in self.eval_ks):
             raise ValueError(f"train.eval_ks: expected positive cut-offs, got {self.eval_ks}")
+        if len(self.adam_betas) != 2 or not all(0.0 <= float(b) < 1.0 for b in self.adam_betas):
+            raise ValueError(f"train.adam_betas: expected [beta1, beta2] each in [0, 1), got {self.adam_betas}")
         if self.max_steps_per_epoch < 0:
             raise ValueError("train.max_steps_per_epoch: expected >= 0")
         _choice(self, "sparse_optimizer", ("auto", "rowwise_adam", "adam", "rowwise_adagrad", "adagrad"))

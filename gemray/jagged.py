@@ -34,6 +34,9 @@ class JaggedBatch:
     timestamps: [T] int64, unix seconds, non-decreasing within each sequence.
     targets:    [B] int64 or None. Evaluation batches: the held-out next item of each sequence
                 (leave-one-out). Training batches: None (every position predicts the next item).
+    target_timestamps: [B] int64 or None: unix seconds of each target (evaluation batches). It is the
+                request time a server knows when it asks for the next item; HSTU's time bias uses it as
+                the last position's query time (see ``query_timestamps``).
     """
 
     user_ids: torch.Tensor
@@ -42,6 +45,7 @@ class JaggedBatch:
     ratings: torch.Tensor
     timestamps: torch.Tensor
     targets: torch.Tensor | None = None
+    target_timestamps: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -83,6 +87,9 @@ class JaggedBatch:
             raise ValueError(f"user_ids: expected [B={self.batch_size}], got {tuple(self.user_ids.shape)}")
         if self.targets is not None and self.targets.numel() != self.batch_size:
             raise ValueError(f"targets: expected [B={self.batch_size}], got {tuple(self.targets.shape)}")
+        if self.target_timestamps is not None and self.target_timestamps.numel() != self.batch_size:
+            raise ValueError(f"target_timestamps: expected [B={self.batch_size}], got "
+                             f"{tuple(self.target_timestamps.shape)}")
         return self
 
     def with_(self, **changes) -> "JaggedBatch":
@@ -106,6 +113,26 @@ def positions(offsets: torch.Tensor) -> torch.Tensor:
     """[B+1] offsets -> [T] int64 position of each token inside its sequence (0-based)."""
     seg = segment_ids(offsets)
     return torch.arange(seg.numel(), device=offsets.device) - offsets[:-1][seg]
+
+
+def query_timestamps(timestamps: torch.Tensor, offsets: torch.Tensor,
+                     last: torch.Tensor | None = None) -> torch.Tensor:
+    """The time each position's prediction is made for: the timestamp of the next item of its sequence.
+
+    timestamps: [T] int64 unix seconds; offsets: [B+1] int64; last: optional [B] int64 query time of
+    each sequence's last position (the held-out target's time at evaluation); without it the last
+    position keeps its own timestamp (in training it predicts nothing). Returns [T] int64.
+    As generative-recommenders' RelativeBucketedTimeAndPositionBasedBias, whose time bias buckets
+    ``ts[i+1] - ts[j]`` with the target's timestamp scattered after the history (arXiv:2402.17152).
+    """
+    out = timestamps.clone()
+    if out.numel() > 1:
+        out[:-1] = timestamps[1:]
+    lengths = offsets[1:] - offsets[:-1]
+    has = lengths > 0
+    ends = offsets[1:][has] - 1
+    out[ends] = timestamps[ends] if last is None else last[has].to(timestamps.dtype)
+    return out
 
 
 def jagged_to_padded(values: torch.Tensor, offsets: torch.Tensor, max_len: int,

@@ -53,11 +53,18 @@ class RelativeBiasInputs:
     max_len: int
     buckets: tuple[torch.Tensor, torch.Tensor] | None = None
     cache: dict | None = None  # shared by the blocks of one forward: per-group bucket slices
+    # [T] int64 query time of each position (``gemray.jagged.query_timestamps``); None = ``timestamps``,
+    # i.e. the time bias buckets ts_i - ts_j instead of HSTU's ts_{i+1} - ts_j.
+    query_timestamps: torch.Tensor | None = None
 
     def dense(self, offsets: torch.Tensor, n: int) -> torch.Tensor:
         """Materialise to [B, n, n] float (differentiable in the weights)."""
         if self.buckets is not None and self.buckets[0].shape[-1] == n:
             pb, tb = self.buckets
+            return bucket_gather(self.pos_weights, pb).unsqueeze(0) + bucket_gather(self.ts_weights, tb)
+        if self.query_timestamps is not None:
+            pb, tb = relative_bias_buckets(self.timestamps, offsets, n, self.pos_weights.numel(),
+                                           self.ts_weights.numel(), self.max_len, self.query_timestamps)
             return bucket_gather(self.pos_weights, pb).unsqueeze(0) + bucket_gather(self.ts_weights, tb)
         return _ref.relative_bias_ref(self.timestamps, offsets, n, self.pos_weights, self.ts_weights,
                                       self.max_len)
@@ -69,7 +76,7 @@ class RelativeBiasInputs:
             pb, tb = self.buckets
         else:
             pb, tb = relative_bias_buckets(self.timestamps, offsets, n, self.pos_weights.numel(),
-                                           self.ts_weights.numel(), self.max_len)
+                                           self.ts_weights.numel(), self.max_len, self.query_timestamps)
 
         cache = self.cache if self.cache is not None else {}
 
@@ -107,11 +114,14 @@ def bucket_gather(weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 
 def relative_bias_buckets(timestamps: torch.Tensor, offsets: torch.Tensor, n: int, num_pos_buckets: int,
-                          num_time_buckets: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+                          num_time_buckets: int, max_len: int, query_timestamps: torch.Tensor | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """Bucket indices of the relative bias: (pos [n, n] int64, time [B, n, n] int64).
 
-    Same bucketing as ``kernels.reference.relative_bias_ref`` (position |i-j|, time ts_i - ts_j).
-    timestamps: [T] int64; offsets: [B+1] int64; n >= the longest sequence.
+    Same bucketing as ``kernels.reference.relative_bias_ref`` (position |i-j|, time tq_i - ts_j).
+    timestamps: [T] int64 (keys); offsets: [B+1] int64; n >= the longest sequence; query_timestamps:
+    optional [T] int64 query times tq (default ``timestamps``; HSTU: the next item's time, see
+    ``gemray.jagged.query_timestamps``).
     """
     B = offsets.numel() - 1
     ids = torch.arange(n, device=offsets.device)
@@ -119,7 +129,9 @@ def relative_bias_buckets(timestamps: torch.Tensor, offsets: torch.Tensor, n: in
     if n == 0:
         return pb, torch.zeros((B, 0, 0), dtype=torch.int64, device=offsets.device)
     ts = _ref._pad(timestamps.view(-1, 1).to(torch.float64), offsets, n).view(B, n)
-    tb = _ref.time_bucket_ref(ts.unsqueeze(2) - ts.unsqueeze(1), num_time_buckets)
+    tq = ts if query_timestamps is None else \
+        _ref._pad(query_timestamps.view(-1, 1).to(torch.float64), offsets, n).view(B, n)
+    tb = _ref.time_bucket_ref(tq.unsqueeze(2) - ts.unsqueeze(1), num_time_buckets)
     return pb, tb
 
 

@@ -160,7 +160,8 @@ class HistoryStream:
     Valid and test are never shuffled nor BBS'd: batches follow ascending user_id.
 
     Yields :class:`gemray.jagged.JaggedBatch` on CPU: user_ids [B], offsets [B+1], item_ids / ratings
-    (half stars) / timestamps [T], all int64; targets [B] int64 for valid/test. Raises ValueError for
+    (half stars) / timestamps [T], all int64; targets and target_timestamps (the target's unix seconds)
+    [B] int64 for valid/test. Raises ValueError for
     bad arguments, FileNotFoundError when the folder is not prepared.
     """
 
@@ -251,13 +252,15 @@ class HistoryStream:
         base = d["row_start"][idx] + start
         total = int(lens.sum())
         gather = np.repeat(base - offsets[:-1].numpy(), lens) + np.arange(total, dtype=np.int64)
-        targets = None
+        targets = target_ts = None
         if self.split != "train":
             targets = torch.from_numpy(d["item_ids"][d["row_start"][idx] + stop])
+            target_ts = torch.from_numpy(d["timestamps"][d["row_start"][idx] + stop])
         return JaggedBatch(
             user_ids=torch.from_numpy(d["user_ids"][idx]), offsets=offsets,
             item_ids=torch.from_numpy(d["item_ids"][gather]), ratings=torch.from_numpy(d["ratings"][gather]),
-            timestamps=torch.from_numpy(d["timestamps"][gather]), targets=targets)
+            timestamps=torch.from_numpy(d["timestamps"][gather]), targets=targets,
+            target_timestamps=target_ts)
 
 
 class ElasticTrainStream:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from gemray.jagged import (JaggedBatch, jagged_to_padded, lengths_to_offsets, padded_to_jagged,
+from gemray.jagged import (JaggedBatch, jagged_to_padded, lengths_to_offsets, padded_to_jagged, query_timestamps,
                            positions, segment_ids)
 
 
@@ -37,3 +37,22 @@ def test_validate_names_field():
         b.with_(ratings=torch.tensor([1])).validate()
     with pytest.raises(ValueError, match="offsets"):
         b.with_(offsets=torch.tensor([0, 3, 2])).validate()
+
+
+def test_query_timestamps_next_item_then_target():
+    # sequences [10, 20, 30], [5], [], [7, 8]
+    ts = torch.tensor([10, 20, 30, 5, 7, 8])
+    offsets = torch.tensor([0, 3, 4, 4, 6])
+    assert query_timestamps(ts, offsets).tolist() == [20, 30, 30, 5, 8, 8]
+    last = torch.tensor([100, 200, 300, 400])
+    assert query_timestamps(ts, offsets, last).tolist() == [20, 30, 100, 200, 8, 400]
+    assert query_timestamps(ts[:0], torch.tensor([0, 0]), torch.tensor([9])).numel() == 0
+    assert ts.tolist() == [10, 20, 30, 5, 7, 8]  # input untouched
+
+
+def test_validate_target_timestamps_shape():
+    b = JaggedBatch(user_ids=torch.arange(2), offsets=torch.tensor([0, 1, 2]), item_ids=torch.tensor([1, 2]),
+                    ratings=torch.tensor([8, 8]), timestamps=torch.tensor([1, 2]), targets=torch.tensor([3, 4]),
+                    target_timestamps=torch.tensor([5]))
+    with pytest.raises(ValueError, match="target_timestamps"):
+        b.validate()

@@ -237,3 +237,41 @@ def test_head_uniform_shared_loss_matches_loop(dtype):
     # position 0 (target 6) drops negative 6; position 4 (target 5) drops negative 5
     torch.testing.assert_close(loss, torch.stack(terms).mean())
     assert float(stats["num_targets"]) == 3
+
+
+@pytest.mark.parametrize("mode", ["next", "self"])
+def test_time_bias_query_uses_target_time(mode):
+    """HSTU's time bias is keyed by the time of the predicted item: at evaluation the user state at the last
+    position must depend on the target's timestamp ("next") and must not with "self"."""
+    torch.manual_seed(0)
+    model = GEM(tiny_cfg(time_bias_query=mode, use_time_feature=False), num_items=40, max_seq_len=12).eval()
+    with torch.no_grad():  # make the time bias matter: distinct weights per bucket
+        for blk in model.encoder.blocks:
+            blk.rel_bias.ts_w.copy_(torch.linspace(-3.0, 3.0, blk.rel_bias.ts_w.numel()))
+    batch = random_batch([3, 5], targets=True)
+    last = batch.timestamps[batch.offsets[1:] - 1]
+    soon, late = last + 1, last + 10 ** 8
+    with torch.no_grad():
+        a = model.user_embeddings(batch.with_(target_timestamps=soon))
+        b = model.user_embeddings(batch.with_(target_timestamps=late))
+        c = model.user_embeddings(batch.with_(target_timestamps=soon))
+    torch.testing.assert_close(a, c)
+    if mode == "next":
+        assert (a - b).abs().max() > 1e-3
+    else:
+        torch.testing.assert_close(a, b)
+
+
+def test_time_bias_buckets_follow_query_times():
+    from gemray import ops
+    ts = torch.tensor([0, 10, 1000, 50])
+    offsets = torch.tensor([0, 3, 4])
+    tq = torch.tensor([10, 1000, 10 ** 6, 7])
+    pb, tb_self = ops.relative_bias_buckets(ts, offsets, 3, 8, 64, 12)
+    _, tb_next = ops.relative_bias_buckets(ts, offsets, 3, 8, 64, 12, tq)
+    _, tb_same = ops.relative_bias_buckets(ts, offsets, 3, 8, 64, 12, ts)
+    assert torch.equal(tb_self, tb_same)
+    assert int(tb_next[0, 2, 0]) == int(time_bucket_ref(torch.tensor(10 ** 6 - 0), 64))
+    assert int(tb_next[0, 1, 0]) == int(time_bucket_ref(torch.tensor(1000), 64))
+    assert int(tb_next[1, 0, 0]) == int(time_bucket_ref(torch.tensor(7 - 50), 64))
+    assert int(tb_self[0, 2, 0]) == int(time_bucket_ref(torch.tensor(1000), 64))

@@ -61,7 +61,7 @@ def _reference(prepared: Path, split: str, max_len: int) -> dict[int, tuple[list
                 continue
             stop = n - 1 if split == "test" else n - 2
             sl = slice(max(0, stop - max_len), stop)
-            target = None if split == "train" else row["item_ids"][stop]
+            target = None if split == "train" else (row["item_ids"][stop], row["timestamps"][stop])
             out[row["user_id"]] = (row["item_ids"][sl], row["ratings"][sl], row["timestamps"][sl], target)
     return out
 
@@ -74,7 +74,8 @@ def _rows(batch) -> dict[int, tuple[list, list, list, int | None]]:
     rows = {}
     for b, u in enumerate(batch.user_ids.tolist()):
         s = slice(o[b], o[b + 1])
-        tgt = None if batch.targets is None else int(batch.targets[b])
+        assert (batch.targets is None) == (batch.target_timestamps is None)
+        tgt = None if batch.targets is None else (int(batch.targets[b]), int(batch.target_timestamps[b]))
         rows[u] = (batch.item_ids[s].tolist(), batch.ratings[s].tolist(), batch.timestamps[s].tolist(), tgt)
     return rows
 
@@ -101,7 +102,7 @@ def test_splits_match_reference_once_per_epoch(synthetic, world_size):
                 assert b.offsets.tolist() == [0] and b.item_ids.numel() == 0 and b.num_tokens == 0
                 assert (b.targets is None) == (split == "train")
                 if b.targets is not None:
-                    assert b.targets.numel() == 0
+                    assert b.targets.numel() == 0 and b.target_timestamps.numel() == 0
             for b in batches:
                 rows = _rows(b)
                 assert not set(rows) & set(seen)  # no user twice

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gemray.config import ModelConfig
-from gemray.jagged import ITEM_FEATURE, RATING_FEATURE, TIME_FEATURE, JaggedBatch
+from gemray.jagged import ITEM_FEATURE, RATING_FEATURE, TIME_FEATURE, JaggedBatch, query_timestamps
 from gemray.model.embeddings import make_embedding_collection
 from gemray.model.features import NEG_ITEM_FEATURE, item_id_features, sparse_features
 from gemray.model.heads import RetrievalHead, sample_uniform, sample_uniform_per_position
@@ -68,7 +68,10 @@ class GEM(nn.Module):
             tok = tok + emb[RATING_FEATURE].values()
         if self.cfg.use_time_feature:
             tok = tok + emb[TIME_FEATURE].values()
-        states = self.encoder(tok, batch.offsets, batch.timestamps)  # [T, D], unit norm
+        tq = None
+        if self.cfg.time_bias_query == "next":   # HSTU: bias by the time of the item being predicted
+            tq = query_timestamps(batch.timestamps, batch.offsets, batch.target_timestamps)
+        states = self.encoder(tok, batch.offsets, batch.timestamps, tq)  # [T, D], unit norm
         return states, item_emb, emb[NEG_ITEM_FEATURE].values()
 
     def forward(self, batch: JaggedBatch, generator: torch.Generator | None = None

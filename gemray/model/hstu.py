@@ -12,7 +12,10 @@ One block (generative-recommenders' ``SequentialTransductionUnitJagged``, "uvqk"
     x          = x + Dropout(y) @ W_o + b_o                    [T, D]   (dropout before W_o, as GR)
 
 rab^{p,t}: learned bias per bucketed relative position |i-j| plus per bucketed time difference
-ts_i - ts_j (``gemray.kernels.reference.relative_bias_ref``), one per block, shared across heads.
+tq_i - ts_j (``gemray.ops.relative_bias_buckets``), one per block, shared across heads. tq_i is the query
+time of position i: with ``model.time_bias_query = "next"`` (default, as generative-recommenders) the
+timestamp of the item position i predicts (its next item; at evaluation the held-out target's time, i.e.
+the request time), with "self" its own timestamp ts_i.
 
 Parameters are owned directly by the modules that initialise them and every such module has
 ``reset_parameters()``, so a model built on device "meta" can be materialised by TorchRec's
@@ -53,12 +56,15 @@ class RelativeBucketedBias(nn.Module):
         nn.init.normal_(self.ts_w, std=0.02)
 
     def inputs(self, timestamps: torch.Tensor, buckets: tuple[torch.Tensor, torch.Tensor] | None = None,
-               cache: dict | None = None) -> ops.RelativeBiasInputs:
+               cache: dict | None = None, query_timestamps: torch.Tensor | None = None
+               ) -> ops.RelativeBiasInputs:
         """The ingredients for ``ops.attention(rel_bias=...)``: timestamps [T] int64 + this block's weights.
 
-        buckets / cache: shared by the blocks of one forward (``ops.relative_bias_buckets``, a dict).
+        buckets / cache: shared by the blocks of one forward (``ops.relative_bias_buckets``, a dict);
+        query_timestamps: optional [T] int64 query times (default: ``timestamps``).
         """
-        return ops.RelativeBiasInputs(timestamps, self.pos_w, self.ts_w, self.max_len, buckets, cache)
+        return ops.RelativeBiasInputs(timestamps, self.pos_w, self.ts_w, self.max_len, buckets, cache,
+                                      query_timestamps)
 
     def forward(self, timestamps: torch.Tensor, offsets: torch.Tensor, n: int) -> torch.Tensor:
         """timestamps [T] int64, offsets [B+1] -> dense bias [B, n, n]."""
@@ -95,11 +101,12 @@ class HSTUBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor, timestamps: torch.Tensor,
                 buckets: tuple[torch.Tensor, torch.Tensor] | None = None,
-                cache: dict | None = None) -> torch.Tensor:
+                cache: dict | None = None, query_timestamps: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, D] float, offsets [B+1] int64, timestamps [T] int64 -> [T, D].
 
         buckets / cache: optional ``ops.relative_bias_buckets`` of this batch and a dict, both shared by
-        the blocks of one forward (bucketise and slice once).
+        the blocks of one forward (bucketise and slice once). query_timestamps: optional [T] int64 query
+        times of the time bias (default ``timestamps``; ignored when ``buckets`` are given).
         """
         T = x.shape[0]
         x_norm = F.layer_norm(x, (self.d,), eps=LN_EPS)
@@ -108,7 +115,7 @@ class HSTUBlock(nn.Module):
         attn = ops.attention(
             q.reshape(T, self.h, self.a), k.reshape(T, self.h, self.a), v.reshape(T, self.h, self.v),
             offsets, self.max_seq_len, activation=self.activation, causal=True,
-            rel_bias=self.rel_bias.inputs(timestamps, buckets, cache), backend=self.backend)
+            rel_bias=self.rel_bias.inputs(timestamps, buckets, cache, query_timestamps), backend=self.backend)
         y = F.layer_norm(attn.reshape(T, self.h * self.v), (self.h * self.v,), eps=LN_EPS) * u
         return x + F.linear(self.dropout(y), self.o_weight, self.o_bias)
 
@@ -141,8 +148,12 @@ class HSTUEncoder(nn.Module):
         std = math.sqrt(1.0 / self.d)
         nn.init.trunc_normal_(self.pos_emb, std=std, a=-2 * std, b=2 * std)
 
-    def forward(self, tok_emb: torch.Tensor, offsets: torch.Tensor, timestamps: torch.Tensor) -> torch.Tensor:
+    def forward(self, tok_emb: torch.Tensor, offsets: torch.Tensor, timestamps: torch.Tensor,
+                query_timestamps: torch.Tensor | None = None) -> torch.Tensor:
         """tok_emb [T, D] float, offsets [B+1] int64, timestamps [T] int64 -> states [T, D], unit L2 norm.
+
+        query_timestamps: optional [T] int64 query time of each position for the time bias (default
+        ``timestamps``; the model passes ``gemray.jagged.query_timestamps``, see the module docstring).
 
         Raises ValueError when a sequence is longer than ``max_seq_len``.
         """
@@ -154,7 +165,7 @@ class HSTUEncoder(nn.Module):
         x = tok_emb * math.sqrt(self.d) + self.pos_emb[pos]
         x = self.input_dropout(x)
         buckets = ops.relative_bias_buckets(timestamps, offsets, n, self.cfg.num_position_buckets,
-                                            self.cfg.num_time_buckets, self.max_seq_len)
+                                            self.cfg.num_time_buckets, self.max_seq_len, query_timestamps)
         cache: dict = {}
         for block in self.blocks:
             x = block(x, offsets, timestamps, buckets, cache)

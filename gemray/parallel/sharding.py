@@ -100,8 +100,9 @@ def parallelize(model: nn.Module, *, layout: Layout, cfg: JobConfig, device: tor
     model: a plain module (e.g. ``gemray.model.gem.GEM``) with an ``embeddings`` attribute holding a
         TorchRec ``EmbeddingCollection`` built on ``device="meta"``; other parameters are dense.
     layout: from :func:`plan_layout`; its world size must match the process group's.
-    cfg: the job config; uses ``train.lr``, ``train.weight_decay`` (dense AdamW), ``train.sparse_optimizer``
-        and ``train.sparse_lr`` (the embedding optimizer, fused into the FBGEMM backward).
+    cfg: the job config; uses ``train.lr``, ``train.adam_betas``, ``train.weight_decay`` (dense AdamW),
+        ``train.sparse_optimizer`` and ``train.sparse_lr`` (the embedding optimizer, fused into the FBGEMM
+        backward; the Adam kinds also take ``train.adam_betas``).
     device: this rank's device (``cuda:<local_rank>`` or ``cpu``).
     Returns ``(DistributedModelParallel, CombinedOptimizer)``: call ``optimizer.step()`` after backward
     (the sparse part has already stepped inside backward); the combined state_dict names parameters
@@ -115,6 +116,7 @@ def parallelize(model: nn.Module, *, layout: Layout, cfg: JobConfig, device: tor
     from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
     from torchrec.distributed.planner.types import ParameterConstraints
     from torchrec.modules.embedding_modules import EmbeddingCollection
+    from torchrec.optim import optimizers as trec_optim
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
     from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
     from torchrec.optim.optimizers import in_backward_optimizer_filter
@@ -133,7 +135,10 @@ def parallelize(model: nn.Module, *, layout: Layout, cfg: JobConfig, device: tor
 
     # 1. Fused sparse optimizer, applied in backward, before sharding.
     sparse_cls, kernels = _sparse_optimizer(layout, cfg.train.sparse_optimizer)
-    apply_optimizer_in_backward(sparse_cls, ec.parameters(), {"lr": cfg.train.sparse_lr})
+    sparse_kwargs: dict = {"lr": cfg.train.sparse_lr}
+    if sparse_cls in (torch.optim.Adam, trec_optim.PartialRowWiseAdam):  # FBGEMM TBE's names for the betas
+        sparse_kwargs.update(beta1=cfg.train.adam_betas[0], beta2=cfg.train.adam_betas[1])
+    apply_optimizer_in_backward(sparse_cls, ec.parameters(), sparse_kwargs)
 
     # 2. Planner over the topology; constrain every table to the layout's sharding types.
     constraints = {t.name: ParameterConstraints(sharding_types=list(layout.sharding_types),
@@ -153,7 +158,8 @@ def parallelize(model: nn.Module, *, layout: Layout, cfg: JobConfig, device: tor
     dense_params = dict(in_backward_optimizer_filter(dmp.named_parameters()))
     dense_opt = KeyedOptimizerWrapper(
         dense_params,
-        lambda params: torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay))
+        lambda params: torch.optim.AdamW(params, lr=cfg.train.lr, betas=tuple(cfg.train.adam_betas),
+                                         weight_decay=cfg.train.weight_decay))
     optimizer = CombinedOptimizer([("sparse", dmp.fused_optimizer), ("dense", dense_opt)])
     return dmp, optimizer
 
