@@ -44,3 +44,31 @@ def test_embedding_dim_must_be_multiple_of_4(capsys):
     # the CLI refuses it before starting Ray: one line, exit status 2
     assert main(["train", "--config", "configs/ml-latest-small.toml", "--set", "model.embedding_dim=30"]) == 2
     assert "multiple of 4" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["rowwise_adam", "adam", "rowwise_adagrad", "adagrad"])
+def test_sparse_optimizer_kwargs_fit_both_consumers(name):
+    """TorchRec builds ``cls([param], **kwargs)`` AND hands the same kwargs to FBGEMM's TBE as fused params
+    (``lr`` renamed ``learning_rate``). torch.optim.Adam with beta1/beta2 failed the first; this checks both
+    consumers for every choice, on CPU, although the Adam kinds only shard on CUDA."""
+    import inspect
+
+    import torch
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
+
+    from gemray.config import JobConfig
+    from gemray.parallel.sharding import _sparse_optimizer, sparse_optimizer_kwargs
+
+    cfg = JobConfig()
+    cfg.train.adam_betas = [0.8, 0.97]
+    cls, _ = _sparse_optimizer(plan_layout(1, "cuda"), name)
+    kwargs = sparse_optimizer_kwargs(cls, cfg)
+    cls([torch.nn.Parameter(torch.randn(4, 4))], **dict(kwargs))
+    tbe = set(inspect.signature(SplitTableBatchedEmbeddingBagsCodegen.__init__).parameters)
+    fused = {("learning_rate" if k == "lr" else k) for k in kwargs}
+    assert fused <= tbe, fused - tbe
+    assert kwargs["lr"] == cfg.train.sparse_lr
+    if "adam" in name:
+        assert (kwargs["beta1"], kwargs["beta2"]) == (0.8, 0.97)
+    else:
+        assert "beta1" not in kwargs

@@ -7,8 +7,8 @@
 # as fit in BUDGET_S. Extra arguments are more `--set` values (e.g. model.negatives=uniform).
 set -euo pipefail
 OUT=${OUT:-/tmp/out}; BUDGET_S=${BUDGET_S:-420}; MAX_EPOCHS=${MAX_EPOCHS:-100}
-P=/tmp/gemray-pkg
-rm -rf "$P" && mkdir -p "$P" && cp -r gemray "$P/" && cp -r kernels "$P/gemray/kernels" \
+P=$(mktemp -d /tmp/gemray-pkg.XXXX)   # one per run: two runs side by side must not share it
+cp -r gemray "$P/" && cp -r kernels "$P/gemray/kernels" \
   && cp -r pipelines "$P/gemray/pipelines" && cp -r configs "$P/"
 REPO=$PWD; cd "$P"   # run outside the checkout: its gemray/ lacks the mapped kernels/ and pipelines/
 export PYTHONPATH=$P:/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1

@@ -83,7 +83,9 @@ def _sparse_optimizer(layout: Layout, name: str = "auto") -> tuple[type[torch.op
 
     if name == "auto":
         name = "rowwise_adam" if layout.device_type == "cuda" else "rowwise_adagrad"
-    table = {"rowwise_adam": trec_optim.PartialRowWiseAdam, "adam": torch.optim.Adam,
+    # TorchRec's placeholders for the Adam kinds: their kwargs go to FBGEMM's TBE unchanged (beta1/beta2),
+    # which torch.optim.Adam's constructor would reject.
+    table = {"rowwise_adam": trec_optim.PartialRowWiseAdam, "adam": trec_optim.Adam,
              "rowwise_adagrad": RowWiseAdagrad, "adagrad": torch.optim.Adagrad}
     if name not in table:
         raise ValueError(f"train.sparse_optimizer: unknown {name!r} (known: auto, {', '.join(table)})")
@@ -91,6 +93,19 @@ def _sparse_optimizer(layout: Layout, name: str = "auto") -> tuple[type[torch.op
         raise ValueError(f"train.sparse_optimizer={name!r} needs CUDA (FBGEMM's CPU kernels have no Adam); "
                          f"use 'rowwise_adagrad' or 'auto' on CPU")
     return table[name], ["fused"]
+
+
+def sparse_optimizer_kwargs(sparse_cls: type, cfg: JobConfig) -> dict:
+    """Keyword arguments of the fused embedding optimizer, in FBGEMM TBE's names (TorchRec passes them on
+    as fused params, renaming only ``lr`` to ``learning_rate``): ``lr`` = ``train.sparse_lr``, plus
+    ``beta1``/``beta2`` = ``train.adam_betas`` for the Adam kinds.
+    """
+    from torchrec.optim import optimizers as trec_optim
+
+    kwargs: dict = {"lr": cfg.train.sparse_lr}
+    if sparse_cls in (trec_optim.Adam, trec_optim.PartialRowWiseAdam):
+        kwargs.update(beta1=float(cfg.train.adam_betas[0]), beta2=float(cfg.train.adam_betas[1]))
+    return kwargs
 
 
 def parallelize(model: nn.Module, *, layout: Layout, cfg: JobConfig, device: torch.device,
@@ -116,7 +131,6 @@ def parallelize(model: nn.Module, *, layout: Layout, cfg: JobConfig, device: tor
     from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
     from torchrec.distributed.planner.types import ParameterConstraints
     from torchrec.modules.embedding_modules import EmbeddingCollection
-    from torchrec.optim import optimizers as trec_optim
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
     from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
     from torchrec.optim.optimizers import in_backward_optimizer_filter
@@ -135,10 +149,7 @@ def parallelize(model: nn.Module, *, layout: Layout, cfg: JobConfig, device: tor
 
     # 1. Fused sparse optimizer, applied in backward, before sharding.
     sparse_cls, kernels = _sparse_optimizer(layout, cfg.train.sparse_optimizer)
-    sparse_kwargs: dict = {"lr": cfg.train.sparse_lr}
-    if sparse_cls in (torch.optim.Adam, trec_optim.PartialRowWiseAdam):  # FBGEMM TBE's names for the betas
-        sparse_kwargs.update(beta1=cfg.train.adam_betas[0], beta2=cfg.train.adam_betas[1])
-    apply_optimizer_in_backward(sparse_cls, ec.parameters(), sparse_kwargs)
+    apply_optimizer_in_backward(sparse_cls, ec.parameters(), sparse_optimizer_kwargs(sparse_cls, cfg))
 
     # 2. Planner over the topology; constrain every table to the layout's sharding types.
     constraints = {t.name: ParameterConstraints(sharding_types=list(layout.sharding_types),
