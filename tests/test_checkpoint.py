@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 from pathlib import Path
 
 import pytest
 import torch
+from proc_utils import free_port
 
 from gemray.checkpoint import verify_checkpoint
 
@@ -149,18 +149,12 @@ def _worker_one_rank(rank: int, port: int, root: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def merged_checkpoint(tmp_path_factory) -> Path:
     import torch.multiprocessing as mp
 
     root = tmp_path_factory.mktemp("ckpt")
-    mp.spawn(_worker, args=(2, _free_port(), str(root)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), str(root)), nprocs=2, join=True)
     assert (root / "ok0").exists() and (root / "ok1").exists()
     return root / "merged"
 
@@ -179,7 +173,7 @@ def test_load_at_world_size_one(merged_checkpoint):
     import torch.multiprocessing as mp
 
     root = merged_checkpoint.parent
-    mp.spawn(_worker_one_rank, args=(_free_port(), str(root)), nprocs=1, join=True)
+    mp.spawn(_worker_one_rank, args=(free_port(), str(root)), nprocs=1, join=True)
     assert (root / "ok_ws1").exists()
 
 

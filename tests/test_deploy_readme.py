@@ -16,10 +16,10 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
+from proc_utils import free_port, kill_marked
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
@@ -66,14 +66,6 @@ def test_section_parser_skips_marked_blocks():
     assert section_blocks(text, "C") == []
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _script(blocks: list[tuple[str, str]]) -> str:
     parts = ["set -euo pipefail"]
     for lang, code in blocks:
@@ -106,25 +98,6 @@ def _has_cli(*words: str) -> bool:
     return r.returncode == 0
 
 
-def _kill_marked(marker: str) -> None:
-    for sig, pause in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 1.0)):
-        pids = []
-        for d in Path("/proc").iterdir():
-            if d.name.isdigit() and int(d.name) != os.getpid():
-                try:
-                    if marker.encode() in (d / "cmdline").read_bytes():
-                        pids.append(int(d.name))
-                except OSError:
-                    pass
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        if pids:
-            time.sleep(pause)
-
-
 @pytest.mark.skipif(not (REPO.parent / "shared" / "k8s" / "crds").is_dir(), reason="no KubeRay CRDs")
 def test_kubernetes_section_runs_up_to_validation(tmp_path):
     if not _has_cli("k8s", "render"):
@@ -151,12 +124,12 @@ def test_cluster_section_runs_as_written(tmp_path):
     blocks = section_blocks(doc.read_text(), "Cluster (ray job submit)")
     clone, env = _sandbox(tmp_path)
     ray_tmp = Path(tempfile.mkdtemp(prefix="grr", dir="/tmp"))  # short: Ray's socket paths
-    dash = _free_port()
-    iso = (f" --port {_free_port()} --dashboard-port {dash} --temp-dir {ray_tmp}"
-           f" --dashboard-agent-listen-port {_free_port()} --dashboard-agent-grpc-port {_free_port()}"
-           f" --runtime-env-agent-port {_free_port()} --metrics-export-port {_free_port()}"
-           f" --node-manager-port {_free_port()} --object-manager-port {_free_port()}"
-           f" --ray-client-server-port {_free_port()} --object-store-memory {300 * 1024**2}"
+    dash = free_port()
+    iso = (f" --port {free_port()} --dashboard-port {dash} --temp-dir {ray_tmp}"
+           f" --dashboard-agent-listen-port {free_port()} --dashboard-agent-grpc-port {free_port()}"
+           f" --runtime-env-agent-port {free_port()} --metrics-export-port {free_port()}"
+           f" --node-manager-port {free_port()} --object-manager-port {free_port()}"
+           f" --ray-client-server-port {free_port()} --object-store-memory {300 * 1024**2}"
            " --disable-usage-stats")
     fixed = []
     for lang, code in blocks:
@@ -178,7 +151,7 @@ def test_cluster_section_runs_as_written(tmp_path):
             os.killpg(proc.pid, signal.SIGTERM)
         except ProcessLookupError:
             pass
-        _kill_marked(str(ray_tmp))
+        kill_marked(str(ray_tmp))
     assert proc.returncode == 0, out[-4000:]
     assert "SUCCEEDED" in out
     assert any((clone / "runs" / "cluster").rglob("*")) and any((clone / "runs" / "cluster-py").rglob("*"))

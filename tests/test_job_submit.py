@@ -13,7 +13,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from proc_utils import free_port, kill_marked
 
 from gemray.config import load_config
 from gemray.controller import submit as sub
@@ -30,24 +30,6 @@ REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 RAW_SMALL = REPO.parent / "shared" / "data" / "ml-latest-small"
 START_TIMEOUT_S = 90
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _pids_using(marker: str) -> list[int]:
-    pids = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit() and int(d.name) != os.getpid():
-            try:
-                if marker.encode() in (d / "cmdline").read_bytes():
-                    pids.append(int(d.name))
-            except OSError:
-                pass
-    return pids
 
 
 class Head:
@@ -59,8 +41,8 @@ class Head:
         token_path = self.tmp / "auth_token"
         token_path.write_text(self.token)
         token_path.chmod(0o600)
-        self.dash_port = _free_port()
-        self.gcs_port = _free_port()
+        self.dash_port = free_port()
+        self.gcs_port = free_port()
         self.address = f"http://127.0.0.1:{self.dash_port}"
         self.env = {**os.environ,
                     "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path),
@@ -71,13 +53,13 @@ class Head:
                "--node-ip-address", "127.0.0.1", "--port", str(self.gcs_port),
                "--dashboard-host", "127.0.0.1", "--dashboard-port", str(self.dash_port),
                "--include-dashboard", "true",
-               "--dashboard-agent-listen-port", str(_free_port()),
-               "--dashboard-agent-grpc-port", str(_free_port()),
-               "--runtime-env-agent-port", str(_free_port()),
-               "--metrics-export-port", str(_free_port()),
-               "--node-manager-port", str(_free_port()),
-               "--object-manager-port", str(_free_port()),
-               "--ray-client-server-port", str(_free_port()),
+               "--dashboard-agent-listen-port", str(free_port()),
+               "--dashboard-agent-grpc-port", str(free_port()),
+               "--runtime-env-agent-port", str(free_port()),
+               "--metrics-export-port", str(free_port()),
+               "--node-manager-port", str(free_port()),
+               "--object-manager-port", str(free_port()),
+               "--ray-client-server-port", str(free_port()),
                "--num-cpus", "4", "--object-store-memory", str(300 * 1024**2),
                "--temp-dir", str(self.tmp / "ray"), "--disable-usage-stats"]
         self.log = open(self.tmp / "head.log", "wb")
@@ -121,16 +103,7 @@ class Head:
             except ProcessLookupError:
                 pass
             self.proc.wait(timeout=10)
-        marker = str(self.tmp)
-        for sig, pause in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 1.0)):
-            pids = _pids_using(marker)
-            for pid in pids:
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
-            if pids:
-                time.sleep(pause)
+        kill_marked(str(self.tmp))
         self.log.close()
         shutil.rmtree(self.tmp, ignore_errors=True)
 

@@ -5,32 +5,12 @@ import math
 import pytest
 import torch
 
-from gemray.config import ModelConfig
-from gemray.jagged import JaggedBatch, lengths_to_offsets
+from gemray.jagged import JaggedBatch
 from gemray.kernels.reference import time_bucket_ref
 from gemray.model import GEM, feature_names, make_embedding_collection, sparse_features
 from gemray.model.features import time_gap_buckets
 from gemray.model.heads import next_item_index
-
-
-def tiny_cfg(**kw):
-    base = dict(embedding_dim=16, num_blocks=2, num_heads=2, attention_dim=4, linear_dim=4, dropout=0.0,
-                num_negatives=8, temperature=0.1, num_time_buckets=32, num_position_buckets=16)
-    base.update(kw)
-    return ModelConfig(**base)
-
-
-def random_batch(lengths, num_items=40, seed=0, targets=False):
-    g = torch.Generator().manual_seed(seed)
-    offsets = lengths_to_offsets(torch.tensor(lengths, dtype=torch.int64))
-    T = int(offsets[-1])
-    return JaggedBatch(
-        user_ids=torch.arange(len(lengths)), offsets=offsets,
-        item_ids=torch.randint(1, num_items + 1, (T,), generator=g),
-        ratings=torch.randint(1, 11, (T,), generator=g),
-        timestamps=torch.cumsum(torch.randint(0, 10 ** 5, (T,), generator=g), 0),
-        targets=torch.randint(1, num_items + 1, (len(lengths),), generator=g) if targets else None,
-    ).validate()
+from model_utils import random_batch, tiny_cfg
 
 
 def test_sparse_features_content():

@@ -10,30 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gemray.config import ModelConfig
-from gemray.jagged import JaggedBatch, lengths_to_offsets, segment_ids
+from gemray.jagged import lengths_to_offsets, segment_ids
 from gemray.model import GEM, sparse_features
 from gemray.model.heads import RetrievalHead, next_item_index, sample_uniform_per_position
 from gemray.model.hstu import HSTUBlock
-
-
-def tiny_cfg(**kw):
-    base = dict(embedding_dim=16, num_blocks=2, num_heads=2, attention_dim=4, linear_dim=4, dropout=0.0,
-                num_negatives=8, temperature=0.1, num_time_buckets=32, num_position_buckets=16)
-    base.update(kw)
-    return ModelConfig(**base)
-
-
-def random_batch(lengths, num_items=40, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    offsets = lengths_to_offsets(torch.tensor(lengths, dtype=torch.int64))
-    T = int(offsets[-1])
-    return JaggedBatch(
-        user_ids=torch.arange(len(lengths)), offsets=offsets,
-        item_ids=torch.randint(1, num_items + 1, (T,), generator=g),
-        ratings=torch.randint(1, 11, (T,), generator=g),
-        timestamps=torch.cumsum(torch.randint(0, 10 ** 5, (T,), generator=g), 0),
-    ).validate()
+from model_utils import random_batch, tiny_cfg
 
 
 def test_sampler_rows_range_and_seed():
