@@ -168,13 +168,23 @@ class RayConfig:
     # Elastic runs (min_workers/max_workers set): how often Ray Train looks for room to grow, in seconds
     # (ScalingConfig.elastic_resize_monitor_interval_s; growing restarts the group from the last checkpoint).
     resize_interval_s: float = 60.0
+    # How often the Ray Train controller polls the workers (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S, Ray's default
+    # 2 s): a failure is seen, and a reported checkpoint committed, within one interval; a report waits for
+    # the previous one to be consumed, so this also bounds how often checkpoints can go out.
+    health_check_interval_s: float = 0.5
+    # How long Ray Train waits for a new worker group to start before it retries (possibly at a smaller
+    # size after a node loss): RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S, Ray's default 60 s. 0 = Ray's.
+    worker_start_timeout_s: float = 0.0
 
     def validate(self) -> None:
         _positive(self, "num_workers", "cpus_per_worker")
         if self.min_workers < 0 or self.max_workers < 0:
             raise ValueError("ray.min_workers / ray.max_workers: expected >= 0")
-        if self.resize_interval_s < 0:
-            raise ValueError(f"ray.resize_interval_s: expected >= 0, got {self.resize_interval_s}")
+        for name in ("resize_interval_s", "worker_start_timeout_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"ray.{name}: expected >= 0, got {getattr(self, name)}")
+        if self.health_check_interval_s <= 0:
+            raise ValueError(f"ray.health_check_interval_s: expected > 0, got {self.health_check_interval_s}")
         if self.min_workers and self.max_workers and self.min_workers > self.max_workers:
             raise ValueError(
                 f"ray.min_workers ({self.min_workers}) > ray.max_workers ({self.max_workers})")
@@ -183,14 +193,20 @@ class RayConfig:
 @dataclass
 class CheckpointConfig:
     """Checkpointing: every_epochs (DCP via ray.train.report), every_steps (global steps, 0 = off),
-    keep (latest N committed), preempt_poll_steps (ask Ray Train for a preemption notice every N steps
-    and take an emergency checkpoint when one comes; 0 = off; SIGTERM is always honoured where a
-    handler can be installed)."""
+    keep (latest N committed).
+
+    preempt_poll_steps: every N global steps the workers look for a preemption notice (the notice file,
+    Ray Train's node-drain info, SIGTERM where a worker can catch it) and vote on it with one
+    all-reduce; a job notice -> emergency checkpoint and stop, a node drain -> emergency checkpoint and
+    go on (see gemray.preemption); 0 = off. preempt_notice: the notice file ("" = ``<output>/PREEMPT``,
+    set by fit; ``gemray preempt`` and the driver's SIGTERM handler write it).
+    """
 
     every_epochs: int = 1
     every_steps: int = 0
     keep: int = 2
-    preempt_poll_steps: int = 0
+    preempt_poll_steps: int = 5
+    preempt_notice: str = ""
 
     def validate(self) -> None:
         _positive(self, "every_epochs", "keep")

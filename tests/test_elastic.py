@@ -7,6 +7,11 @@ must-shows.
 - ``test_corrupt_and_partial_checkpoints_fall_back``: the newest committed checkpoint corrupted, the one
   before it partial (a rank's manifest and shards missing, as when killed while writing): a resumed run
   restores the previous good one, says so in the log and events, and the ledger stays exact.
+- ``test_kill_mid_write_then_preempt_and_resume``: a real ``gemray train`` process; rank 1 is SIGKILLed
+  while it is inside the DCP write of the step-10 checkpoint (test hook ``GEMRAY_TEST_PAUSE_CKPT_WRITE``):
+  the group restarts from step 5 and says why. Then SIGTERM to the driver: the workers agree on an
+  emergency checkpoint at the next poll step, Ray commits it, the command exits 75; re-running the same
+  command resumes at exactly that step; the ledger is exact over the three attempts.
 - ``test_resize_two_one_two``: ray.cluster_utils.Cluster with two 1-CPU "nodes": remove one (2 -> 1
   workers), add it back (1 -> 2); training goes on through both resizes, resharding each time.
 
@@ -20,6 +25,8 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -224,6 +231,97 @@ def test_corrupt_and_partial_checkpoints_fall_back(baseline):
     for e in range(EPOCHS + 1):
         ep = rep["epochs"][e]
         assert ep["trained"] == 610 and ep["lost"] == [] and ep["duplicated"] == [], (e, ep)
+
+
+def _trainer_state(ckpt: str | Path) -> dict:
+    """The trainer JSON (epoch, global_step, consumed, ...) of a committed checkpoint."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = Path(str(ckpt)) / "_full.pt"
+    dcp_to_torch_save(str(ckpt), str(out))
+    state = torch.load(out, weights_only=False)
+    out.unlink()
+    return json.loads(state["trainer"]["json"])
+
+
+def _wait_for(what: str, cond, proc: subprocess.Popen, timeout: float = 240.0):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        got = cond()
+        if got:
+            return got
+        assert proc.poll() is None, f"gemray train exited ({proc.returncode}) before {what}"
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_kill_mid_write_then_preempt_and_resume(baseline):
+    tmp, _ = baseline
+    out, ledger, pause = tmp / "preempt", tmp / "ledger-preempt", tmp / "pause"
+    gemray_bin = Path(sys.executable).with_name("gemray")
+    cmd = [str(gemray_bin), "train", "--config", str(CONFIG), "--output", str(out), "--set",
+           *_overrides(tmp, "preempt", extra=["checkpoint.preempt_poll_steps=1"])]
+    env = dict(os.environ, GEMRAY_TEST_PAUSE_CKPT_WRITE=f"10:1:{pause}")
+    log1 = tmp / "preempt-run1.log"
+    with open(log1, "w") as f:
+        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=REPO)
+    try:
+        # 1. rank 1 is inside the DCP write of the step-10 checkpoint: SIGKILL it there
+        marker = pause / "paused-rank1.json"
+        _wait_for("the paused checkpoint write", marker.is_file, proc)
+        time.sleep(0.2)
+        victim = json.loads(marker.read_text())["pid"]
+        os.kill(victim, signal.SIGKILL)
+        t_kill = time.time()
+        # 2. the restarted group trains on; mid-epoch 2, SIGTERM to the driver (a preemption notice)
+        def second_attempt_at_23():
+            att = _steps(ledger)
+            return len(att) >= 2 and max([s["g"] for s in att[1]["steps"]], default=0) >= 23
+        _wait_for("the second attempt's step 23", second_attempt_at_23, proc)
+        proc.send_signal(signal.SIGTERM)
+        t_term = time.time()
+        rc = proc.wait(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log1.read_text()
+    assert rc == 75, text[-3000:]  # EX_TEMPFAIL: preempted, re-run to resume
+
+    events = read_events(out / "events.jsonl")
+    lost = [e["detail"] for e in events if e["kind"] == "checkpoint_uncommitted"]
+    assert lost == [{"global_step": 10, "state": "interrupted_write", "restored_global_step": 5}], lost
+    assert "checkpoint of global step 10 is not used: the attempt was killed while writing it" in text
+    (stop,) = [e for e in events if e["kind"] == "preempted"]
+    at = stop["detail"]["global_step"]
+    assert 23 < at < 40 and stop["detail"]["notice"]["reason"] == "SIGTERM to the driver"
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["global_step"] == at and metrics["preempted"]["reason"] == "SIGTERM to the driver"
+    newest = committed_checkpoints(out / "ray" / "preempt")[0]
+    assert _trainer_state(newest)["global_step"] == at  # Ray committed the emergency checkpoint
+    restart = next(e for e in events if e["kind"] == "first_step")
+
+    # 3. the same command again (no test hook): resumes at exactly the emergency checkpoint's step
+    run2 = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                          timeout=300)
+    assert run2.returncode == 0, run2.stdout[-3000:]
+    events2 = read_events(out / "events.jsonl")[len(events):]
+    restored = next(e["detail"] for e in events2 if e["kind"] == "checkpoint_restored")
+    first = next(e["detail"] for e in events2 if e["kind"] == "first_step")
+    assert restored["global_step"] == at and first["global_step"] == at + 1
+    assert not any(e["kind"] == "failure_detected" for e in events2)  # a planned stop, not a failure
+    assert not (out / "PREEMPT").exists()
+    rep = audit(ledger, _all_user_ids(tmp / "prepared"), EPOCHS)
+    assert rep["attempts"] == 3
+    for e in range(EPOCHS):
+        ep = rep["epochs"][e]
+        assert ep["trained"] == 610 and ep["lost"] == [] and ep["duplicated"] == [], (e, ep)
+    stop_t = stop["t"]
+    _figures({"scenario": "SIGKILL rank 1 inside the DCP write of step 10 (2 -> 2)",
+              "seconds_kill_to_first_step": round(restart["t"] - t_kill, 1), "restored_step": 5,
+              "phases": next(e["detail"] for e in events if e["kind"] == "startup" and e["attempt"] == restart["attempt"])})
+    _figures({"scenario": "SIGTERM to the gemray train driver (preemption notice), then re-run",
+              "seconds_sigterm_to_checkpoint_committed_and_stopped": round(stop_t - t_term, 2),
+              "emergency_step": at, "steps_lost_on_resume": 0})
 
 
 def test_resize_two_one_two(tmp_path):
