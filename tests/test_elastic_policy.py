@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gemray.checkpoint import checkpoint_reason, choose_checkpoint, committed_checkpoints
+from gemray.checkpoint import checkpoint_reason, choose_checkpoint, committed_checkpoints, uncommitted_checkpoints
 from gemray.controller.policy import (Event, decide_layout, decide_world_size, failure_events,
                                       preemption_action, should_emergency_checkpoint, summarize_recovery)
 from gemray.ledger import LedgerWriter, audit
@@ -73,9 +73,12 @@ def test_committed_checkpoints_reads_ray_snapshot(tmp_path):
     for n in names + ["checkpoint_2026-11-30_11-00-12.000004"]:  # the last: reported, never committed
         (tmp_path / n).mkdir()
     assert committed_checkpoints(tmp_path) == []  # no snapshot: nothing is known committed
+    assert uncommitted_checkpoints(tmp_path) == []
     (tmp_path / "checkpoint_manager_snapshot.json").write_text(
         json.dumps({"checkpoint_results": [{"checkpoint_dir_name": n} for n in names]}))
     assert [p.name for p in committed_checkpoints(tmp_path)] == sorted(names, reverse=True)
+    # the reported-but-never-committed one (e.g. a rank killed while writing/uploading) is told apart
+    assert [p.name for p in uncommitted_checkpoints(tmp_path)] == ["checkpoint_2026-11-30_11-00-12.000004"]
 
 
 def _run_plan(n, lengths, epoch, worlds_per_step, batch_size, bbs):

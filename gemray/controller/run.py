@@ -96,6 +96,50 @@ def _ray_train_env(cfg: JobConfig) -> dict[str, str]:
     return {k: v for k, v in env.items() if k not in os.environ}
 
 
+class _ResourceViewRefresher:
+    """Elastic runs: keep Ray Train's view of the cluster fresh.
+
+    Ray Train 2.60's elastic policy sizes the worker group from the cluster-wide AutoscalingCoordinator
+    actor (shared with Ray Data), which re-reads the node list only every 20 s (its TICK_INTERVAL_S, not
+    configurable). So a node that joined or left was seen up to 20 s late: a group restarted after a node
+    loss first retried the old size until the worker-group start timeout, and growing waited for the
+    tick. This driver thread asks the coordinator to re-read the node list (its public
+    ``get_reserved_resources(recompute=True)``, a no-op reservation for an unknown requester) every
+    ``interval_s``. Best effort: any error stops the thread with one log line; training is unaffected.
+    """
+
+    def __init__(self, interval_s: float):
+        import threading
+
+        self.interval_s = max(0.5, float(interval_s))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gemray-resource-view", daemon=True)
+
+    def start(self) -> "_ResourceViewRefresher":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        import ray
+
+        try:
+            from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+                get_or_create_autoscaling_coordinator)
+
+            coordinator = get_or_create_autoscaling_coordinator()
+            while not self._stop.wait(self.interval_s):
+                ray.get(coordinator.get_reserved_resources.remote("gemray-resource-view", recompute=True),
+                        timeout=10)
+        except Exception as e:  # an internal Ray API: never let it break training
+            if not self._stop.is_set():
+                log.info("not refreshing Ray Train's cluster view any more (%s: %s); resizes may be seen "
+                         "up to 20 s late", type(e).__name__, e)
+
+
 def _preempted_result(cfg: JobConfig, out: Path, result: Any, reported: dict[str, Any], events_from: int,
                       t0: float) -> Result:
     """The run stopped on a preemption notice after its emergency checkpoint: write metrics.json with
@@ -194,7 +238,12 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
                                  checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep)),
             torch_config=TorchConfig(backend="nccl" if cfg.ray.use_gpu else "gloo"),
         )
-        result = trainer.fit()
+        refresher = _ResourceViewRefresher(min(cfg.ray.resize_interval_s, 1.0)).start() if elastic else None
+        try:
+            result = trainer.fit()
+        finally:
+            if refresher is not None:
+                refresher.stop()
     finally:
         restore_sigterm()
         for k, v in saved_env.items():
