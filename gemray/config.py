@@ -31,6 +31,10 @@ class DataConfig:
     bbs: base batch shuffling on/off; sub_batch_size: samples per BBS sub-batch;
     bbs_window_batches: how many rank batches one BBS window forms at once.
     on_bad_rows: "error" (stop with file:line) or "quarantine" (write bad rows aside, count them).
+    reader: how a worker reads its Parquet shards: "ray_data" (``ray.data.read_parquet`` tasks) or "arrow"
+    (pyarrow in the worker process itself: no Ray tasks, so a worker group restarted on a fresh node does
+    not wait for cold Ray Data worker processes there, ~11 s on the 2-core test box; same files, same
+    table, same shared-path requirement).
     """
 
     raw_dir: str = "../shared/data/ml-1m"
@@ -44,10 +48,13 @@ class DataConfig:
     shuffle: bool = True
     on_bad_rows: str = "error"
     num_files: int = 8
+    reader: str = "ray_data"
 
     def validate(self) -> None:
         _positive(self, "max_seq_len", "batch_size", "eval_batch_size", "sub_batch_size",
                   "bbs_window_batches", "num_files")
+        if self.reader not in ("ray_data", "arrow"):
+            raise ValueError(f"data.reader: expected 'ray_data' or 'arrow', got {self.reader!r}")
         if self.on_bad_rows not in ("error", "quarantine"):
             raise ValueError(f"data.on_bad_rows: expected 'error' or 'quarantine', got {self.on_bad_rows!r}")
         if self.batch_size % self.sub_batch_size:
