@@ -435,6 +435,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                                    done_epochs=done, every_epochs=cfg.checkpoint.every_epochs,
                                    last_epoch=done == cfg.train.epochs)
         if reason:
+            events.emit("checkpoint_begin", quiet=True, reason=reason, global_step=global_step)
             report_with_checkpoint(metrics, dmp, optimizer, state)
             events.emit("checkpoint_saved", reason=reason, global_step=global_step, epoch=done, consumed=0)
         else:
