@@ -72,7 +72,8 @@ def _step_seed(seed: int, global_step: int, rank: int) -> int:
     return (int(seed) * 1_000_003 + int(global_step) * 7_919 + int(rank) * 104_729) % (2**63 - 1)
 
 
-# Preemption notice: set by SIGTERM (where a handler can be installed) or by Ray Train's preemption info.
+# This process got SIGTERM (only where a handler can be installed: plain torch.distributed processes, not
+# Ray Train workers; inside Ray the notice comes as a file, see gemray.preemption).
 _PREEMPT = threading.Event()
 
 
@@ -84,7 +85,7 @@ def _install_sigterm_handler() -> bool:
     previous = signal.getsignal(signal.SIGTERM)
 
     def handler(signum, frame):  # noqa: ARG001
-        log.warning("SIGTERM received: emergency checkpoint at the next step boundary")
+        log.warning("SIGTERM received: emergency checkpoint at the next poll step, then stop")
         _PREEMPT.set()
         signal.signal(signal.SIGTERM, previous if callable(previous) else signal.SIG_DFL)
 
@@ -257,7 +258,10 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     current world size, shard anew, restore the newest good committed checkpoint (DCP reshards it),
     continue the epoch at the saved global data position (``consumed`` samples of the epoch's global
     order: ElasticTrainStream), checkpoint every ``checkpoint.every_steps`` global steps, at epoch ends,
-    and on a preemption notice agreed by all ranks.
+    and on a preemption notice agreed by all ranks (polled every ``checkpoint.preempt_poll_steps``
+    steps): a job notice (gemray.preemption) -> emergency checkpoint, then return, so that Ray Train ends
+    the run with that checkpoint committed; Ray's node-drain notice -> emergency checkpoint, go on.
+    Every attempt logs a ``startup`` event with its phase timings.
     """
     import ray.train
 
@@ -327,7 +331,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                  "ranks, now %d", start_epoch + 1, position["consumed"], global_step, saved_world, world)
     lost = _interrupted_checkpoint(failed, global_step)
     if lost:
-        how = ("was killed while writing it (no rank reported it, so Ray never committed it)"
+        how = ("was killed while writing it (its report never completed, so Ray never committed it)"
                if lost["state"] == "interrupted_write" else
                "reported it, but Ray had not committed it before the failure")
         log.warning("the previous attempt's checkpoint of global step %d is not used: the attempt %s; resuming "
