@@ -2,6 +2,7 @@
 
     gemray prepare movielens --src DIR --out DIR [--on-bad-rows error|quarantine] [--num-files N]
     gemray train --config FILE [--set section.key=value ...] [--output DIR]
+    gemray preempt --output DIR [--reason TEXT]   (ask a running `gemray train` to checkpoint and stop)
     gemray bench bbs --config FILE [--world-size N] [--set ...]
     gemray bench kernels [ARGS...]        (gemray.kernels.bench.main)
     gemray submit --config FILE [--address URL] ...   (gemray.controller.submit)
@@ -9,7 +10,9 @@
     gemray k8s validate FILES [--crds DIR]             (gemray.k8s)
 
 User errors (bad config values, unknown keys, missing files, bad data rows) print one line
-``gemray: error: ...`` and exit with status 2; a training failure exits with status 1.
+``gemray: error: ...`` and exit with status 2; a training failure exits with status 1; a run stopped by a
+preemption notice (SIGTERM to ``gemray train``, or ``gemray preempt``) after its emergency checkpoint exits
+with status 75 (EX_TEMPFAIL: re-run the same command to resume).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import sys
 from pathlib import Path
 
 USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError)
+EXIT_PREEMPTED = 75  # sysexits EX_TEMPFAIL: stopped on a preemption notice; re-run to resume
 
 
 def _fail(msg: str, code: int = 2) -> int:
@@ -52,8 +56,24 @@ def _cmd_train(ns: argparse.Namespace) -> int:
     except Exception as e:  # Ray's TrainingFailedError and friends: not a usage error
         print(f"gemray: training failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
+    if res.metrics.get("preempted"):
+        print(f"preempted: emergency checkpoint of global step {res.metrics['global_step']} committed at "
+              f"{res.checkpoint_path}; re-run the same command to resume there")
+        return EXIT_PREEMPTED
     print(f"outputs: {res.output_dir} (metrics.json, curves.png, config.toml); "
           f"checkpoint: {res.checkpoint_path}")
+    return 0
+
+
+def _cmd_preempt(ns: argparse.Namespace) -> int:
+    from gemray.preemption import NOTICE_NAME, write_notice
+
+    out = Path(ns.output)
+    if not out.is_dir():
+        raise NotADirectoryError(f"--output {out}: no such folder (the --output of the running `gemray train`)")
+    path = write_notice(out / NOTICE_NAME, ns.reason)
+    print(f"preemption notice written to {path}: the run checkpoints at its next poll step "
+          "(checkpoint.preempt_poll_steps) and stops")
     return 0
 
 
@@ -117,6 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_set(tr)
     tr.add_argument("--output", default=None, help="output folder (default runs/<name>)")
     tr.set_defaults(func=_cmd_train)
+
+    pre = sub.add_parser("preempt", help="ask a running `gemray train` to take an emergency checkpoint and stop")
+    pre.add_argument("--output", required=True, help="the run's output folder (its --output, default runs/<name>)")
+    pre.add_argument("--reason", default="gemray preempt", help="recorded in the notice and the events")
+    pre.set_defaults(func=_cmd_preempt)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench", required=True)

@@ -31,6 +31,10 @@ class DataConfig:
     bbs: base batch shuffling on/off; sub_batch_size: samples per BBS sub-batch;
     bbs_window_batches: how many rank batches one BBS window forms at once.
     on_bad_rows: "error" (stop with file:line) or "quarantine" (write bad rows aside, count them).
+    reader: how a worker reads its Parquet shards: "ray_data" (``ray.data.read_parquet`` tasks) or "arrow"
+    (pyarrow in the worker process itself: no Ray tasks, so a worker group restarted on a fresh node does
+    not wait for cold Ray Data worker processes there, ~11 s on the 2-core test box; same files, same
+    table, same shared-path requirement).
     """
 
     raw_dir: str = "../shared/data/ml-1m"
@@ -44,10 +48,13 @@ class DataConfig:
     shuffle: bool = True
     on_bad_rows: str = "error"
     num_files: int = 8
+    reader: str = "ray_data"
 
     def validate(self) -> None:
         _positive(self, "max_seq_len", "batch_size", "eval_batch_size", "sub_batch_size",
                   "bbs_window_batches", "num_files")
+        if self.reader not in ("ray_data", "arrow"):
+            raise ValueError(f"data.reader: expected 'ray_data' or 'arrow', got {self.reader!r}")
         if self.on_bad_rows not in ("error", "quarantine"):
             raise ValueError(f"data.on_bad_rows: expected 'error' or 'quarantine', got {self.on_bad_rows!r}")
         if self.batch_size % self.sub_batch_size:
@@ -168,13 +175,23 @@ class RayConfig:
     # Elastic runs (min_workers/max_workers set): how often Ray Train looks for room to grow, in seconds
     # (ScalingConfig.elastic_resize_monitor_interval_s; growing restarts the group from the last checkpoint).
     resize_interval_s: float = 60.0
+    # How often the Ray Train controller polls the workers (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S, Ray's default
+    # 2 s): a failure is seen, and a reported checkpoint committed, within one interval; a report waits for
+    # the previous one to be consumed, so this also bounds how often checkpoints can go out.
+    health_check_interval_s: float = 0.5
+    # How long Ray Train waits for a new worker group to start before it retries (possibly at a smaller
+    # size after a node loss): RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S, Ray's default 60 s. 0 = Ray's.
+    worker_start_timeout_s: float = 0.0
 
     def validate(self) -> None:
         _positive(self, "num_workers", "cpus_per_worker")
         if self.min_workers < 0 or self.max_workers < 0:
             raise ValueError("ray.min_workers / ray.max_workers: expected >= 0")
-        if self.resize_interval_s < 0:
-            raise ValueError(f"ray.resize_interval_s: expected >= 0, got {self.resize_interval_s}")
+        for name in ("resize_interval_s", "worker_start_timeout_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"ray.{name}: expected >= 0, got {getattr(self, name)}")
+        if self.health_check_interval_s <= 0:
+            raise ValueError(f"ray.health_check_interval_s: expected > 0, got {self.health_check_interval_s}")
         if self.min_workers and self.max_workers and self.min_workers > self.max_workers:
             raise ValueError(
                 f"ray.min_workers ({self.min_workers}) > ray.max_workers ({self.max_workers})")
@@ -183,14 +200,20 @@ class RayConfig:
 @dataclass
 class CheckpointConfig:
     """Checkpointing: every_epochs (DCP via ray.train.report), every_steps (global steps, 0 = off),
-    keep (latest N committed), preempt_poll_steps (ask Ray Train for a preemption notice every N steps
-    and take an emergency checkpoint when one comes; 0 = off; SIGTERM is always honoured where a
-    handler can be installed)."""
+    keep (latest N committed).
+
+    preempt_poll_steps: every N global steps the workers look for a preemption notice (the notice file,
+    Ray Train's node-drain info, SIGTERM where a worker can catch it) and vote on it with one
+    all-reduce; a job notice -> emergency checkpoint and stop, a node drain -> emergency checkpoint and
+    go on (see gemray.preemption); 0 = off. preempt_notice: the notice file ("" = ``<output>/PREEMPT``,
+    set by fit; ``gemray preempt`` and the driver's SIGTERM handler write it).
+    """
 
     every_epochs: int = 1
     every_steps: int = 0
     keep: int = 2
-    preempt_poll_steps: int = 0
+    preempt_poll_steps: int = 5
+    preempt_notice: str = ""
 
     def validate(self) -> None:
         _positive(self, "every_epochs", "keep")

@@ -17,10 +17,13 @@ from typing import Any
 
 log = logging.getLogger("gemray.events")
 
-__all__ = ["EVENT_KINDS", "Event", "EventLog", "failure_events", "read_events", "summarize_recovery"]
+__all__ = ["EVENT_KINDS", "PLANNED_END", "Event", "EventLog", "failure_events", "read_events", "summarize_recovery"]
 
 EVENT_KINDS = ("attempt_start", "failure_detected", "resize", "checkpoint_restored", "checkpoint_fallback",
-               "first_step", "step", "checkpoint_saved", "finished")
+               "checkpoint_uncommitted", "startup", "first_step", "step", "checkpoint_begin", "checkpoint_saved",
+               "preempted", "finished")
+#: Kinds that end an attempt on purpose: the next attempt is a planned resume, not a recovery.
+PLANNED_END = ("finished", "preempted")
 
 
 @dataclass
@@ -78,20 +81,27 @@ def read_events(path: str | Path) -> list[dict[str, Any]]:
 def failure_events(events: list[dict[str, Any]]) -> dict[str, Any] | None:
     """What a new attempt can tell about the previous one from the event log (dicts of :class:`Event`).
 
-    Returns None when there is no previous attempt or it finished cleanly; else ``{"attempt",
-    "last_global_step", "last_step_t", "world_size"}`` of the attempt that died.
+    Returns None when there is no previous attempt or it ended on purpose (finished, or stopped after a
+    preemption notice); else ``{"attempt", "last_global_step", "last_step_t", "world_size",
+    "last_checkpoint_begun", "last_checkpoint_saved"}`` of the attempt that died (the global steps of
+    its newest checkpoint write started / reported, None if none).
     """
     starts = [e for e in events if e["kind"] == "attempt_start"]
     if not starts:
         return None
     prev = starts[-1]["attempt"]
     mine = [e for e in events if e["attempt"] == prev]
-    if any(e["kind"] == "finished" for e in mine):
+    if any(e["kind"] in PLANNED_END for e in mine):
         return None
     steps = [e for e in mine if e["kind"] == "step"]
     last = steps[-1] if steps else starts[-1]
+
+    def newest(kind: str) -> int | None:
+        return max((e["detail"]["global_step"] for e in mine if e["kind"] == kind), default=None)
+
     return {"attempt": prev, "last_global_step": last["detail"].get("global_step"), "last_step_t": last["t"],
-            "world_size": starts[-1]["detail"].get("world_size")}
+            "world_size": starts[-1]["detail"].get("world_size"),
+            "last_checkpoint_begun": newest("checkpoint_begin"), "last_checkpoint_saved": newest("checkpoint_saved")}
 
 
 def summarize_recovery(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -103,6 +113,10 @@ def summarize_recovery(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     the new attempt minus time of the failed attempt's last step (an upper bound on failure ->
     first resumed step; the failure itself happened in between); ``restore_s`` = restored - attempt
     start. Attempts without a step yet are reported with ``seconds_to_first_step`` None.
+    Where the seconds go: ``to_train_fn_s`` = last step -> the new train function starting (Ray Train
+    detects the failure, stops the old group, starts new worker processes, sets up torch.distributed);
+    ``phases`` = the new attempt's ``startup`` event (process_to_train_fn_s, setup_and_data_s,
+    build_and_shard_s, restore_s), when it logged one.
     """
     by_attempt: dict[int, list[dict[str, Any]]] = {}
     order: list[int] = []
@@ -113,13 +127,15 @@ def summarize_recovery(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for prev, cur in zip(order, order[1:]):
         p, c = by_attempt[prev], by_attempt[cur]
-        if any(e["kind"] == "finished" for e in p):
-            continue  # a planned resume (new fit on the same run), not a failure
+        if any(e["kind"] in PLANNED_END for e in p):
+            continue  # a planned resume (new fit on the same run, e.g. after a preemption), not a failure
         steps = [e for e in p if e["kind"] == "step"]
         start_p = next((e for e in p if e["kind"] == "attempt_start"), p[0])
         start_c = next((e for e in c if e["kind"] == "attempt_start"), c[0])
         restored = next((e for e in c if e["kind"] == "checkpoint_restored"), None)
         first = next((e for e in c if e["kind"] in ("first_step", "step")), None)
+        startup = next((e for e in c if e["kind"] == "startup"), None)
+        t_fn = start_c["detail"].get("t_start")
         last_t = steps[-1]["t"] if steps else start_p["t"]
         last_step = steps[-1]["detail"]["global_step"] if steps else start_p["detail"].get("global_step", 0)
         restored_step = restored["detail"]["global_step"] if restored else 0
@@ -129,5 +145,7 @@ def summarize_recovery(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "last_step": last_step, "restored_step": restored_step,
                     "steps_lost": max(0, last_step - restored_step),
                     "seconds_to_first_step": (first["t"] - last_t) if first else None,
-                    "restore_s": (restored["t"] - start_c["t"]) if restored else None})
+                    "restore_s": (restored["t"] - start_c["t"]) if restored else None,
+                    "to_train_fn_s": (t_fn - last_t) if t_fn else None,
+                    "phases": dict(startup["detail"]) if startup else None})
     return out

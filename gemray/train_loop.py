@@ -24,6 +24,7 @@ import logging
 import signal
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -35,6 +36,7 @@ from gemray.config import JobConfig, from_dict
 from gemray.events import EventLog, failure_events, read_events
 from gemray.metrics import RetrievalMetrics, target_ranks
 from gemray.parallel import parallelize, plan_layout
+from gemray.preemption import preemption_action, read_notice
 
 log = logging.getLogger("gemray.train")
 
@@ -70,7 +72,8 @@ def _step_seed(seed: int, global_step: int, rank: int) -> int:
     return (int(seed) * 1_000_003 + int(global_step) * 7_919 + int(rank) * 104_729) % (2**63 - 1)
 
 
-# Preemption notice: set by SIGTERM (where a handler can be installed) or by Ray Train's preemption info.
+# This process got SIGTERM (only where a handler can be installed: plain torch.distributed processes, not
+# Ray Train workers; inside Ray the notice comes as a file, see gemray.preemption).
 _PREEMPT = threading.Event()
 
 
@@ -82,7 +85,7 @@ def _install_sigterm_handler() -> bool:
     previous = signal.getsignal(signal.SIGTERM)
 
     def handler(signum, frame):  # noqa: ARG001
-        log.warning("SIGTERM received: emergency checkpoint at the next step boundary")
+        log.warning("SIGTERM received: emergency checkpoint at the next poll step, then stop")
         _PREEMPT.set()
         signal.signal(signal.SIGTERM, previous if callable(previous) else signal.SIG_DFL)
 
@@ -183,6 +186,26 @@ def evaluate(dmp: torch.nn.Module, stream: Any, *, num_items: int, ks: list[int]
     return metrics.compute(sums.cpu())
 
 
+def _process_start_time() -> float:
+    """Unix time this worker process started (Ray starts a fresh process per worker-group start)."""
+    try:
+        import psutil
+
+        return float(psutil.Process().create_time())
+    except Exception:  # psutil comes with ray[default]; without it the phase reads 0
+        return time.time()
+
+
+def _uncommitted_note(restored_from: str | None) -> str:
+    """Names the checkpoint folders next to the restored one that Ray never committed (partial writes)."""
+    if not restored_from:
+        return ""
+    from gemray.checkpoint import uncommitted_checkpoints
+
+    left = uncommitted_checkpoints(Path(restored_from).parent)
+    return f"; ignoring uncommitted folder(s) {[p.name for p in left]}" if left else ""
+
+
 def _agree_attempt(rank: int, device: torch.device) -> int:
     """One id for this start of the worker group: rank 0's clock in ns, shared with every rank."""
     t = torch.tensor([time.time_ns() if rank == 0 else 0], dtype=torch.int64, device=device)
@@ -190,20 +213,42 @@ def _agree_attempt(rank: int, device: torch.device) -> int:
     return int(t.cpu())
 
 
-def _agree_preempt(cfg: JobConfig, global_step: int, device: torch.device, world: int) -> bool:
-    """Collective: True if any rank got SIGTERM, or Ray Train reports a preemption notice (polled every
-    ``checkpoint.preempt_poll_steps`` steps; that call is itself a barrier over the workers)."""
-    import ray.train
+def _ray_preemption_info() -> Any:
+    """Ray Train's node-drain notice for this worker group (None outside Ray Train or when none)."""
+    try:
+        import ray.train
 
-    local = _PREEMPT.is_set()
-    poll = cfg.checkpoint.preempt_poll_steps
-    if poll and global_step % poll == 0:
         get = getattr(ray.train, "get_preemption_info", None)
-        if get is not None and get() is not None:
-            local = True
-    votes = torch.tensor([1 if local else 0], dtype=torch.int64, device=device)
+        return get() if get is not None else None
+    except Exception:  # no Ray Train context (plain torch.distributed processes)
+        return None
+
+
+def _agree_preempt(cfg: JobConfig, device: torch.device, world: int, *, drain_handled: bool = False
+                   ) -> str | None:
+    """Collective preemption vote (every rank calls it at the same global step; the loop calls it every
+    ``checkpoint.preempt_poll_steps`` steps). Returns ``gemray.preemption.preemption_action``'s verdict:
+    "stop" if any rank sees the job's notice file (``checkpoint.preempt_notice``) or got SIGTERM itself,
+    "checkpoint" if any rank has Ray Train's node-drain notice (ignored once ``drain_handled``), else
+    None. The all-reduce completing on every rank is what shows the group is still healthy."""
+    stop = _PREEMPT.is_set() or read_notice(cfg.checkpoint.preempt_notice) is not None
+    drain = not drain_handled and _ray_preemption_info() is not None
+    votes = torch.tensor([int(stop), int(drain)], dtype=torch.int64, device=device)
     dist.all_reduce(votes)
-    return int(votes.cpu()) > 0  # the vote completed on every rank: the group is healthy
+    votes = votes.cpu()
+    return preemption_action(int(votes[0]), int(votes[1]), world)
+
+
+def _interrupted_checkpoint(failed: dict[str, Any] | None, restored_step: int) -> dict[str, Any] | None:
+    """What became of the failed attempt's newest checkpoint, if it is not the one restored: ``{"global_step",
+    "state"}`` with state "interrupted_write" (begun, never reported: killed while writing) or
+    "not_committed" (reported, but Ray had not committed it before the failure). None otherwise."""
+    if not failed or failed.get("last_checkpoint_begun") is None:
+        return None
+    begun, saved = failed["last_checkpoint_begun"], failed.get("last_checkpoint_saved")
+    if begun <= restored_step:
+        return None
+    return {"global_step": begun, "state": "interrupted_write" if saved != begun else "not_committed"}
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
@@ -213,7 +258,10 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     current world size, shard anew, restore the newest good committed checkpoint (DCP reshards it),
     continue the epoch at the saved global data position (``consumed`` samples of the epoch's global
     order: ElasticTrainStream), checkpoint every ``checkpoint.every_steps`` global steps, at epoch ends,
-    and on a preemption notice agreed by all ranks.
+    and on a preemption notice agreed by all ranks (polled every ``checkpoint.preempt_poll_steps``
+    steps): a job notice (gemray.preemption) -> emergency checkpoint, then return, so that Ray Train ends
+    the run with that checkpoint committed; Ray's node-drain notice -> emergency checkpoint, go on.
+    Every attempt logs a ``startup`` event with its phase timings.
     """
     import ray.train
 
@@ -236,6 +284,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         device = torch.device("cpu")
     layout = plan_layout(world, device.type)
     attempt = _agree_attempt(rank, device)
+    phases = {"process_to_train_fn_s": t_start - _process_start_time()}
+    t_phase = time.time()
     previous = read_events(cfg.train.events_path) if cfg.train.events_path and rank == 0 else []
     events = EventLog(cfg.train.events_path, attempt=attempt, write=rank == 0)
     failed = failure_events(previous)
@@ -255,12 +305,15 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     train_stream = ElasticTrainStream.from_config(cfg.data, rank=rank, world_size=world, seed=cfg.train.seed)
     streams = {split: HistoryStream.from_config(cfg.data, split, rank=rank, world_size=world,
                                                 seed=cfg.train.seed) for split in ("valid", "test")}
+    phases["setup_and_data_s"], t_phase = time.time() - t_phase, time.time()
     model = build_model(cfg, num_items, device)
     dmp, optimizer = parallelize(model, layout=layout, cfg=cfg, device=device)
+    phases["build_and_shard_s"], t_phase = time.time() - t_phase, time.time()
 
     # 3. Restore (Ray hands back the latest committed checkpoint after a failure or a resize; a corrupt
     #    one is skipped for the previous good one).
     trainer = restore_from_ray(dmp, optimizer)
+    phases["restore_s"] = time.time() - t_phase
     fresh = trainer is None
     trainer = trainer or {"epoch": 0, "consumed": 0, "epoch_step": 0, "global_step": 0, "history": []}
     start_epoch, history = int(trainer["epoch"]), list(trainer.get("history", []))
@@ -276,6 +329,16 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                     path=trainer.get("restored_from"))
         log.info("resuming at epoch %d, sample %d of its order (global step %d), checkpoint saved by %s "
                  "ranks, now %d", start_epoch + 1, position["consumed"], global_step, saved_world, world)
+    lost = _interrupted_checkpoint(failed, global_step)
+    if lost:
+        how = ("was killed while writing it (its report never completed, so Ray never committed it)"
+               if lost["state"] == "interrupted_write" else
+               "reported it, but Ray had not committed it before the failure")
+        log.warning("the previous attempt's checkpoint of global step %d is not used: the attempt %s; resuming "
+                    "from the last committed checkpoint (global step %d)%s", lost["global_step"], how,
+                    global_step, _uncommitted_note(trainer.get("restored_from")))
+        events.emit("checkpoint_uncommitted", restored_global_step=global_step, **lost)
+    events.emit("startup", **{k: round(v, 3) for k, v in phases.items()})
     # A resize: the previous attempt (from the event log) or the restored checkpoint ran at another size.
     prev_world = (failed or {}).get("world_size") or (None if fresh else trainer.get("world_size"))
     if prev_world is not None and prev_world != world:
@@ -288,6 +351,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     # 4. Epochs, step by step.
     ks = list(cfg.train.eval_ks)
     first_step_logged = fresh
+    poll, drain_handled, stopped = cfg.checkpoint.preempt_poll_steps, False, False
     for epoch in range(start_epoch, cfg.train.epochs):
         t0 = time.perf_counter()
         pos = position if epoch == start_epoch else {"consumed": 0, "epoch_step": 0, "partial": None}
@@ -322,18 +386,33 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                 t_log, n_log, tok_log = time.perf_counter(), 0, 0
             if i == steps - 1:
                 break  # the epoch-end checkpoint below covers the last step
-            reason = checkpoint_reason(global_step, cfg.checkpoint.every_steps,
-                                       preempt=_agree_preempt(cfg, global_step, device, world), epoch_end=False)
+            action = (_agree_preempt(cfg, device, world, drain_handled=drain_handled)
+                      if poll and global_step % poll == 0 else None)
+            drain_handled = drain_handled or action == "checkpoint"
+            reason = checkpoint_reason(global_step, cfg.checkpoint.every_steps, preempt=action is not None,
+                                       epoch_end=False)
             if reason:
                 partial = acc.reduce(device, world)
                 state = {"epoch": epoch, "consumed": consumed, "epoch_step": epoch_step,
                          "global_step": global_step, "history": history, "partial": partial}
-                report_with_checkpoint({"epoch": epoch, "global_step": global_step, "checkpoint": reason},
-                                       dmp, optimizer, state)
+                events.emit("checkpoint_begin", quiet=True, reason=reason, global_step=global_step)
+                report_with_checkpoint({"epoch": epoch, "global_step": global_step, "checkpoint": reason,
+                                        "preempted": action == "stop"}, dmp, optimizer, state)
                 events.emit("checkpoint_saved", reason=reason, global_step=global_step, epoch=epoch,
                             consumed=consumed)
+                if action == "stop":
+                    notice = read_notice(cfg.checkpoint.preempt_notice) or {"reason": "SIGTERM to a worker"}
+                    log.warning("preemption notice (%s): emergency checkpoint of global step %d reported; "
+                                "stopping. Re-run the same command to resume at this step.",
+                                notice.get("reason"), global_step)
+                    events.emit("preempted", global_step=global_step, epoch=epoch, consumed=consumed,
+                                notice=notice)
+                    stopped = True
+                    break
                 if reason == "emergency":
                     _PREEMPT.clear()
+        if stopped:
+            break
         acc.reduce(device, world)
         stats = acc.result()
         done = epoch + 1
@@ -360,13 +439,16 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                                    done_epochs=done, every_epochs=cfg.checkpoint.every_epochs,
                                    last_epoch=done == cfg.train.epochs)
         if reason:
+            events.emit("checkpoint_begin", quiet=True, reason=reason, global_step=global_step)
             report_with_checkpoint(metrics, dmp, optimizer, state)
             events.emit("checkpoint_saved", reason=reason, global_step=global_step, epoch=done, consumed=0)
         else:
             ray.train.report(metrics)
+    if ledger is not None:
+        ledger.close()
+    if stopped:
+        return  # the run ends here; Ray Train commits the emergency checkpoint as the run's latest
     if start_epoch >= cfg.train.epochs:
         log.info("all %d epochs already done in the restored checkpoint; nothing to train",
                  cfg.train.epochs)
-    if ledger is not None:
-        ledger.close()
     events.emit("finished", global_step=global_step)

@@ -104,8 +104,13 @@ _READ_CACHE: dict[tuple, pa.Table] = {}
 _READ_CACHE_SIZE = 4
 
 
-def _read_rank_table(manifest: dict[str, Any], shards: list[dict[str, Any]]) -> pa.Table:
-    """Read this rank's shards with Ray Data (cached per process); a HISTORY_SCHEMA table by user_id."""
+def _read_rank_table(manifest: dict[str, Any], shards: list[dict[str, Any]], reader: str = "ray_data") -> pa.Table:
+    """Read this rank's shards (cached per process); a HISTORY_SCHEMA table by user_id.
+
+    reader: "ray_data" (``ray.data.read_parquet`` tasks) or "arrow" (pyarrow in this process). Raises
+    ValueError for another reader or when the rows read differ from the manifest's count."""
+    if reader not in ("ray_data", "arrow"):
+        raise ValueError(f"reader: expected 'ray_data' or 'arrow', got {reader!r}")
     if not shards:
         return HISTORY_SCHEMA.empty_table()
     root = Path(manifest["prepared_dir"])
@@ -113,30 +118,27 @@ def _read_rank_table(manifest: dict[str, Any], shards: list[dict[str, Any]]) -> 
     if key not in _READ_CACHE:
         while len(_READ_CACHE) >= _READ_CACHE_SIZE:
             _READ_CACHE.pop(next(iter(_READ_CACHE)))
-        _READ_CACHE[key] = _read_rank_table_uncached(manifest, shards)
+        _READ_CACHE[key] = _read_rank_table_uncached(manifest, shards, reader)
     return _READ_CACHE[key]
 
 
-def _read_rank_table_uncached(manifest: dict[str, Any], shards: list[dict[str, Any]]) -> pa.Table:
-    import ray
-    import ray.data
-
-    if not ray.is_initialized():
-        raise RuntimeError("HistoryStream reads with Ray Data: call ray.init(...) first "
-                           "(inside Ray Train workers Ray is already initialised)")
-    ray.data.DataContext.get_current().use_datasource_v2 = False
+def _read_rank_table_uncached(manifest: dict[str, Any], shards: list[dict[str, Any]],
+                              reader: str = "ray_data") -> pa.Table:
     root = Path(manifest["prepared_dir"])
-    log.info("reading shards %s of %s with Ray Data", [s["index"] for s in shards], root)
     paths = [str(root / f) for f in sorted({s["file"] for s in shards})]
     user = pc.field("user_id")
     expr = None
     for s in shards:
         term = (user >= s["first_user_id"]) & (user <= s["last_user_id"])
         expr = term if expr is None else expr | term
-    # Small CPU ask per read task: inside Ray Train the workers hold most CPUs, and read tasks that wait
-    # for a whole free CPU can stall the step (NOTES.md: 2 workers + a read on 2 CPUs hung).
-    ds = ray.data.read_parquet(paths, columns=HISTORY_SCHEMA.names, filter=expr, num_cpus=0.25)
-    parts = [b for b in ds.iter_batches(batch_format="pyarrow", batch_size=None) if b.num_rows]
+    if reader == "arrow":
+        import pyarrow.dataset as pads
+
+        log.info("reading shards %s of %s with pyarrow", [s["index"] for s in shards], root)
+        read = pads.dataset(paths, format="parquet").to_table(columns=HISTORY_SCHEMA.names, filter=expr)
+        parts = [read] if read.num_rows else []
+    else:
+        parts = _read_with_ray_data(paths, expr, root, shards)
     table = pa.concat_tables(parts).select(HISTORY_SCHEMA.names).cast(HISTORY_SCHEMA) if parts \
         else HISTORY_SCHEMA.empty_table()
     want = sum(s["rows"] for s in shards)
@@ -144,6 +146,21 @@ def _read_rank_table_uncached(manifest: dict[str, Any], shards: list[dict[str, A
         raise ValueError(f"{root}: read {table.num_rows} rows for shards {[s['index'] for s in shards]}, "
                          f"manifest says {want}; the prepared folder changed since its manifest was written")
     return table.sort_by("user_id")
+
+
+def _read_with_ray_data(paths: list[str], expr: Any, root: Path, shards: list[dict[str, Any]]) -> list[pa.Table]:
+    import ray
+    import ray.data
+
+    if not ray.is_initialized():
+        raise RuntimeError("HistoryStream reads with Ray Data: call ray.init(...) first "
+                           "(inside Ray Train workers Ray is already initialised)")
+    ray.data.DataContext.get_current().use_datasource_v2 = False
+    log.info("reading shards %s of %s with Ray Data", [s["index"] for s in shards], root)
+    # Small CPU ask per read task: inside Ray Train the workers hold most CPUs, and read tasks that wait
+    # for a whole free CPU can stall the step (NOTES.md: 2 workers + a read on 2 CPUs hung).
+    ds = ray.data.read_parquet(paths, columns=HISTORY_SCHEMA.names, filter=expr, num_cpus=0.25)
+    return [b for b in ds.iter_batches(batch_format="pyarrow", batch_size=None) if b.num_rows]
 
 
 class HistoryStream:
@@ -158,6 +175,8 @@ class HistoryStream:
     bbs / sub_batch_size / bbs_window_batches: base batch shuffling (:mod:`gemray.pipelines.bbs`);
         train only. shuffle: seeded permutation by (seed, epoch, rank); train only.
     Valid and test are never shuffled nor BBS'd: batches follow ascending user_id.
+    reader: "ray_data" (``ray.data.read_parquet`` tasks; needs Ray initialised) or "arrow" (pyarrow in
+        this process; no Ray tasks): same table either way.
 
     Yields :class:`gemray.jagged.JaggedBatch` on CPU: user_ids [B], offsets [B+1], item_ids / ratings
     (half stars) / timestamps [T], all int64; targets and target_timestamps (the target's unix seconds)
@@ -167,7 +186,7 @@ class HistoryStream:
 
     def __init__(self, prepared_dir: str | Path, split: str, *, rank: int, world_size: int,
                  batch_size: int, max_seq_len: int, bbs: bool = True, sub_batch_size: int = 16,
-                 bbs_window_batches: int = 8, shuffle: bool = True, seed: int = 0):
+                 bbs_window_batches: int = 8, shuffle: bool = True, seed: int = 0, reader: str = "ray_data"):
         check_split(split)
         _check_rank(world_size, rank)
         if batch_size < 1 or max_seq_len < 1:
@@ -180,6 +199,9 @@ class HistoryStream:
         if self.bbs and (sub_batch_size < 1 or bbs_window_batches < 1 or batch_size % sub_batch_size):
             raise ValueError(f"bbs: batch_size ({batch_size}) must be a positive multiple of sub_batch_size "
                              f"({sub_batch_size}) and bbs_window_batches ({bbs_window_batches}) >= 1")
+        if reader not in ("ray_data", "arrow"):
+            raise ValueError(f"reader: expected 'ray_data' or 'arrow', got {reader!r}")
+        self.reader = reader
         self.manifest = load_manifest(prepared_dir)
         self.shards = assign_shards(self.manifest, world_size, rank)
         self._num_batches = num_batches_for(self.manifest, world_size, batch_size)
@@ -192,7 +214,8 @@ class HistoryStream:
         return cls(data_cfg.prepared_dir, split, rank=rank, world_size=world_size,
                    batch_size=data_cfg.batch_size if split == "train" else data_cfg.eval_batch_size,
                    max_seq_len=data_cfg.max_seq_len, bbs=data_cfg.bbs, sub_batch_size=data_cfg.sub_batch_size,
-                   bbs_window_batches=data_cfg.bbs_window_batches, shuffle=data_cfg.shuffle, seed=seed)
+                   bbs_window_batches=data_cfg.bbs_window_batches, shuffle=data_cfg.shuffle, seed=seed,
+                   reader=data_cfg.reader)
 
     def num_batches(self) -> int:
         """Batches per epoch, identical on every rank (from the manifest alone; trailing ones may be empty)."""
@@ -204,7 +227,7 @@ class HistoryStream:
 
     def _load(self) -> dict[str, np.ndarray]:
         if self._data is None:
-            table = _eligible(_read_rank_table(self.manifest, self.shards))
+            table = _eligible(_read_rank_table(self.manifest, self.shards, self.reader))
             n = pc.list_value_length(table.column("item_ids")).to_numpy().astype(np.int64)
             start, stop = split_input_bounds(n, self.split, self.max_seq_len)
             row_start = np.zeros(n.size, np.int64)

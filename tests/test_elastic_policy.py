@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gemray.checkpoint import checkpoint_reason, choose_checkpoint, committed_checkpoints
+from gemray.checkpoint import checkpoint_reason, choose_checkpoint, committed_checkpoints, uncommitted_checkpoints
 from gemray.controller.policy import (Event, decide_layout, decide_world_size, failure_events,
-                                      should_emergency_checkpoint, summarize_recovery)
+                                      preemption_action, should_emergency_checkpoint, summarize_recovery)
 from gemray.ledger import LedgerWriter, audit
 from gemray.pipelines.bbs import global_epoch_order, global_steps_left, plan_global_step
 
@@ -73,9 +73,12 @@ def test_committed_checkpoints_reads_ray_snapshot(tmp_path):
     for n in names + ["checkpoint_2026-11-30_11-00-12.000004"]:  # the last: reported, never committed
         (tmp_path / n).mkdir()
     assert committed_checkpoints(tmp_path) == []  # no snapshot: nothing is known committed
+    assert uncommitted_checkpoints(tmp_path) == []
     (tmp_path / "checkpoint_manager_snapshot.json").write_text(
         json.dumps({"checkpoint_results": [{"checkpoint_dir_name": n} for n in names]}))
     assert [p.name for p in committed_checkpoints(tmp_path)] == sorted(names, reverse=True)
+    # the reported-but-never-committed one (e.g. a rank killed while writing/uploading) is told apart
+    assert [p.name for p in uncommitted_checkpoints(tmp_path)] == ["checkpoint_2026-11-30_11-00-12.000004"]
 
 
 def _run_plan(n, lengths, epoch, worlds_per_step, batch_size, bbs):
@@ -165,14 +168,18 @@ def test_summarize_recovery_and_failure_events():
     events = [_ev("attempt_start", 0.0, 1, world_size=2), _ev("step", 1.0, 1, global_step=1),
               _ev("checkpoint_saved", 1.1, 1, global_step=1), _ev("step", 2.0, 1, global_step=2),
               _ev("step", 3.0, 1, global_step=3)]
-    assert failure_events(events) == {"attempt": 1, "last_global_step": 3, "last_step_t": 3.0, "world_size": 2}
-    events += [_ev("failure_detected", 10.0, 2), _ev("attempt_start", 10.0, 2, world_size=1),
-               _ev("checkpoint_restored", 14.0, 2, global_step=1), _ev("first_step", 15.5, 2, global_step=2),
+    assert failure_events(events) == {"attempt": 1, "last_global_step": 3, "last_step_t": 3.0, "world_size": 2,
+                                      "last_checkpoint_begun": None, "last_checkpoint_saved": 1}
+    events += [_ev("failure_detected", 10.0, 2), _ev("attempt_start", 10.0, 2, world_size=1, t_start=9.0),
+               _ev("checkpoint_restored", 14.0, 2, global_step=1),
+               _ev("startup", 14.0, 2, process_to_train_fn_s=3.0, restore_s=1.5),
+               _ev("first_step", 15.5, 2, global_step=2),
                _ev("step", 15.5, 2, global_step=2), _ev("finished", 20.0, 2)]
     rec = summarize_recovery(events)
     assert rec == [{"failed_attempt": 1, "attempt": 2, "world_size_before": 2, "world_size_after": 1,
                     "last_step": 3, "restored_step": 1, "steps_lost": 2, "seconds_to_first_step": 12.5,
-                    "restore_s": 4.0}]
+                    "restore_s": 4.0, "to_train_fn_s": 6.0,
+                    "phases": {"process_to_train_fn_s": 3.0, "restore_s": 1.5}}]
     assert failure_events(events) is None  # the last attempt finished
     # a planned resume of a finished run is not a failure
     events += [_ev("attempt_start", 30.0, 3, world_size=2), _ev("step", 31.0, 3, global_step=3)]
@@ -192,25 +199,37 @@ def _preempt_worker(rank: int, port: int, root: str) -> None:
 
     from gemray import train_loop as tl
     from gemray.config import load_config
+    from gemray.preemption import clear_notice, write_notice
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        cfg = load_config(None)  # checkpoint.preempt_poll_steps=0: SIGTERM only, no Ray call
+        cfg = load_config(None)
+        cfg.checkpoint.preempt_notice = str(Path(root) / "PREEMPT")
+        cpu = torch.device("cpu")
         assert tl._install_sigterm_handler()  # spawned process: the main thread may install it
-        votes = [tl._agree_preempt(cfg, 1, torch.device("cpu"), 2)]
+        votes = [tl._agree_preempt(cfg, cpu, 2)]
+        if rank == 0:
+            write_notice(cfg.checkpoint.preempt_notice, "test")  # the job's notice, seen by rank 0 at least
+        votes.append(tl._agree_preempt(cfg, cpu, 2))
+        dist.barrier()
+        if rank == 0:
+            clear_notice(cfg.checkpoint.preempt_notice)
+        dist.barrier()
+        votes.append(tl._agree_preempt(cfg, cpu, 2))
         if rank == 1:
             os.kill(os.getpid(), signal.SIGTERM)  # a preemption notice to one rank only
             time.sleep(0.2)
-        votes.append(tl._agree_preempt(cfg, 2, torch.device("cpu"), 2))
+        votes.append(tl._agree_preempt(cfg, cpu, 2))
         (Path(root) / f"votes{rank}.json").write_text(json.dumps(votes))
     finally:
         dist.destroy_process_group()
 
 
-def test_sigterm_on_one_rank_makes_every_rank_checkpoint(tmp_path):
-    """SIGTERM to rank 1 sets its flag; at the next step boundary both ranks agree (all_reduce) on an
-    emergency checkpoint, and the process survived the signal (the handler replaced the default)."""
+def test_preemption_notice_or_sigterm_on_one_rank_stops_every_rank(tmp_path):
+    """A notice file (as `gemray preempt` / the driver's SIGTERM handler write it) or a SIGTERM to rank 1
+    alone: at the next poll both ranks agree (all_reduce) on "stop" (emergency checkpoint, end the run);
+    the process survived the signal (the handler replaced the default)."""
     import socket
 
     import torch.multiprocessing as mp
@@ -220,4 +239,44 @@ def test_sigterm_on_one_rank_makes_every_rank_checkpoint(tmp_path):
         port = s.getsockname()[1]
     mp.spawn(_preempt_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
     for r in (0, 1):
-        assert json.loads((tmp_path / f"votes{r}.json").read_text()) == [False, True]
+        assert json.loads((tmp_path / f"votes{r}.json").read_text()) == [None, "stop", None, "stop"]
+
+
+def test_preemption_action_and_notice_files(tmp_path):
+    from gemray.cli import main
+    from gemray.preemption import NOTICE_NAME, clear_notice, read_notice
+
+    assert preemption_action(0, 0, 2) is None
+    assert preemption_action(1, 0, 2) == "stop" and preemption_action(2, 2, 2) == "stop"
+    assert preemption_action(0, 1, 2) == "checkpoint"  # Ray's node drain: checkpoint, keep going
+    with pytest.raises(ValueError, match="stop_votes=3 outside 0..2"):
+        preemption_action(3, 0, 2)
+    assert read_notice(tmp_path / NOTICE_NAME) is None and read_notice("") is None
+    assert main(["preempt", "--output", str(tmp_path), "--reason", "spot reclaim"]) == 0
+    assert read_notice(tmp_path / NOTICE_NAME)["reason"] == "spot reclaim"
+    assert clear_notice(tmp_path / NOTICE_NAME) and not clear_notice(tmp_path / NOTICE_NAME)
+    (tmp_path / NOTICE_NAME).touch()  # a node agent's plain `touch` counts too
+    assert read_notice(tmp_path / NOTICE_NAME) == {"reason": "notice file"}
+    assert main(["preempt", "--output", str(tmp_path / "missing")]) == 2
+
+
+def test_failure_events_know_planned_stops_and_interrupted_writes():
+    from gemray.train_loop import _interrupted_checkpoint
+
+    def ev(kind, t, **d):
+        return Event(kind, t=t, attempt=1, detail=d).to_dict()
+
+    died = [ev("attempt_start", 0, world_size=2), ev("step", 1, global_step=5), ev("checkpoint_begin", 1, global_step=5),
+            ev("checkpoint_saved", 2, global_step=5), ev("step", 3, global_step=10),
+            ev("checkpoint_begin", 3, global_step=10)]
+    f = failure_events(died)
+    assert f["last_checkpoint_begun"] == 10 and f["last_checkpoint_saved"] == 5 and f["last_global_step"] == 10
+    assert _interrupted_checkpoint(f, 5) == {"global_step": 10, "state": "interrupted_write"}
+    reported = died + [ev("checkpoint_saved", 4, global_step=10)]
+    assert _interrupted_checkpoint(failure_events(reported), 5) == {"global_step": 10, "state": "not_committed"}
+    assert _interrupted_checkpoint(failure_events(reported), 10) is None
+    # an attempt stopped by a preemption notice is a planned end: no failure, no recovery row
+    stopped = reported + [ev("preempted", 5, global_step=10)]
+    assert failure_events(stopped) is None
+    nxt = [Event("attempt_start", t=9, attempt=2, detail={"world_size": 2}).to_dict()]
+    assert summarize_recovery(stopped + nxt) == [] and len(summarize_recovery(reported + nxt)) == 1

@@ -16,9 +16,11 @@ from dataclasses import dataclass
 from gemray.checkpoint import checkpoint_reason, choose_checkpoint
 from gemray.events import EVENT_KINDS, Event, failure_events, summarize_recovery
 from gemray.parallel.sharding import Layout, plan_layout
+from gemray.preemption import preemption_action
 
 __all__ = ["EVENT_KINDS", "Event", "ParallelPlan", "checkpoint_reason", "choose_checkpoint", "decide_layout",
-           "decide_world_size", "failure_events", "should_emergency_checkpoint", "summarize_recovery"]
+           "decide_world_size", "failure_events", "preemption_action", "should_emergency_checkpoint",
+           "summarize_recovery"]
 
 
 @dataclass(frozen=True)

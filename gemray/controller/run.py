@@ -23,6 +23,7 @@ from typing import Any
 from gemray.config import JobConfig, apply_overrides, load_config, to_toml
 from gemray.events import read_events, summarize_recovery
 from gemray.parallel.sharding import check_shardable
+from gemray.preemption import NOTICE_NAME, clear_notice, install_driver_sigterm
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,79 @@ def _connect_ray(cfg: JobConfig) -> bool:
     return True
 
 
+#: Per-step / per-write markers: kept in events.jsonl, left out of metrics.json.
+QUIET_KINDS = ("step", "checkpoint_begin")
+
+
+def _ray_train_env(cfg: JobConfig) -> dict[str, str]:
+    """Ray Train environment knobs from ``[ray]`` (an explicit environment variable wins)."""
+    env = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": str(cfg.ray.health_check_interval_s)}
+    if cfg.ray.worker_start_timeout_s:
+        env["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(cfg.ray.worker_start_timeout_s)
+    return {k: v for k, v in env.items() if k not in os.environ}
+
+
+class _ResourceViewRefresher:
+    """Elastic runs: keep Ray Train's view of the cluster fresh.
+
+    Ray Train 2.60's elastic policy sizes the worker group from the cluster-wide AutoscalingCoordinator
+    actor (shared with Ray Data), which re-reads the node list only every 20 s (its TICK_INTERVAL_S, not
+    configurable). So a node that joined or left was seen up to 20 s late: a group restarted after a node
+    loss first retried the old size until the worker-group start timeout, and growing waited for the
+    tick. This driver thread asks the coordinator to re-read the node list (its public
+    ``get_reserved_resources(recompute=True)``, a no-op reservation for an unknown requester) every
+    ``interval_s``. Best effort: any error stops the thread with one log line; training is unaffected.
+    """
+
+    def __init__(self, interval_s: float):
+        import threading
+
+        self.interval_s = max(0.5, float(interval_s))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gemray-resource-view", daemon=True)
+
+    def start(self) -> "_ResourceViewRefresher":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        import ray
+
+        try:
+            from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+                get_or_create_autoscaling_coordinator)
+
+            coordinator = get_or_create_autoscaling_coordinator()
+            while not self._stop.wait(self.interval_s):
+                ray.get(coordinator.get_reserved_resources.remote("gemray-resource-view", recompute=True),
+                        timeout=10)
+        except Exception as e:  # an internal Ray API: never let it break training
+            if not self._stop.is_set():
+                log.info("not refreshing Ray Train's cluster view any more (%s: %s); resizes may be seen "
+                         "up to 20 s late", type(e).__name__, e)
+
+
+def _preempted_result(cfg: JobConfig, out: Path, result: Any, reported: dict[str, Any], events_from: int,
+                      t0: float) -> Result:
+    """The run stopped on a preemption notice after its emergency checkpoint: write metrics.json with
+    ``preempted`` (the notice), ``global_step``/``epoch`` of the checkpoint and the events; no test metrics."""
+    events = read_events(cfg.train.events_path)[events_from:]
+    stop = next((e["detail"] for e in reversed(events) if e["kind"] == "preempted"), {})
+    ckpt = result.checkpoint.path if result.checkpoint is not None else None
+    metrics: dict[str, Any] = {
+        "preempted": stop.get("notice") or True, "global_step": int(reported.get("global_step", 0)),
+        "epoch": int(reported.get("epoch", 0)), "wall_s": time.perf_counter() - t0,
+        "events": [e for e in events if e["kind"] not in QUIET_KINDS], "recovery": summarize_recovery(events)}
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True, default=str))
+    log.warning("preempted: emergency checkpoint of global step %d committed (%s); re-run the same command "
+                "to resume there", metrics["global_step"], ckpt)
+    return Result(metrics=metrics, checkpoint_path=ckpt, output_dir=str(out))
+
+
 def comparison_table(metrics: dict[str, Any]) -> str:
     """Plain-text table of this run's HR@10/NDCG@10 next to the published ML-1M numbers."""
     rows = [("this run", metrics.get("hr@10", float("nan")), metrics.get("ndcg@10", float("nan")))]
@@ -133,10 +207,19 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
     if not cfg.train.events_path:
         cfg.train.events_path = str(out / "events.jsonl")
     events_from = len(read_events(cfg.train.events_path))  # a resumed run appends to the same log
+    if not cfg.checkpoint.preempt_notice:
+        cfg.checkpoint.preempt_notice = str(out / NOTICE_NAME)
+    if clear_notice(cfg.checkpoint.preempt_notice):
+        log.info("removed the preemption notice %s left by a previous run", cfg.checkpoint.preempt_notice)
     (out / "config.toml").write_text(to_toml(cfg))
 
     started = _connect_ray(cfg)
+    # After ray.init (which installs its own SIGTERM handler in the driver): SIGTERM -> preemption notice.
+    restore_sigterm = install_driver_sigterm(cfg.checkpoint.preempt_notice)
+    env = _ray_train_env(cfg)
+    saved_env = {k: os.environ.get(k) for k in env}
     try:
+        os.environ.update(env)  # read by TorchTrainer.fit and handed to the Train controller and workers
         workers: Any = cfg.ray.num_workers
         elastic: dict[str, Any] = {}
         if cfg.ray.min_workers and cfg.ray.max_workers:
@@ -155,12 +238,25 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
                                  checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep)),
             torch_config=TorchConfig(backend="nccl" if cfg.ray.use_gpu else "gloo"),
         )
-        result = trainer.fit()
+        refresher = _ResourceViewRefresher(min(cfg.ray.resize_interval_s, 1.0)).start() if elastic else None
+        try:
+            result = trainer.fit()
+        finally:
+            if refresher is not None:
+                refresher.stop()
     finally:
+        restore_sigterm()
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
         if started:
             ray.shutdown()
 
     reported = dict(result.metrics or {})
+    if reported.get("preempted"):
+        return _preempted_result(cfg, out, result, reported, events_from, t0)
     history = list(reported.pop("history", []))
     metrics: dict[str, Any] = {k: reported[f"test_{k}"] for k in
                                [f"{m}@{k}" for k in cfg.train.eval_ks for m in ("hr", "ndcg")]
@@ -178,7 +274,7 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
         "history": history,
     })
     events = read_events(cfg.train.events_path)[events_from:]
-    metrics["events"] = [e for e in events if e["kind"] != "step"]  # per-step heartbeats stay in events.jsonl
+    metrics["events"] = [e for e in events if e["kind"] not in QUIET_KINDS]  # heartbeats stay in events.jsonl
     metrics["recovery"] = summarize_recovery(events)
     for r in metrics["recovery"]:
         log.info("recovery: attempt %s -> %s, world %s -> %s, %s step(s) lost, %.1f s from the last step "
