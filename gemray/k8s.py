@@ -272,7 +272,7 @@ def render_cluster_spec(cfg: JobConfig, opts: DeployOptions) -> dict[str, Any]:
     rayClusterSpec``). Raises ValueError for bad options.
     """
     opts.validate()
-    name = resource_name(cfg, opts)
+    resource_name(cfg, opts)  # raises ValueError for a name Kubernetes would reject
     gpu = opts.gpu or cfg.ray.use_gpu
     image = opts.image or (DEFAULT_GPU_IMAGE if gpu else DEFAULT_IMAGE)
     volumes, mounts = _volumes(opts)
@@ -340,7 +340,7 @@ def render_rayjob(cfg: JobConfig, opts: DeployOptions | None = None, **kw: Any) 
     and the submitter pod carries the Ray token from the Secret. Raises ValueError for bad options.
     """
     opts = opts or DeployOptions(kind="rayjob", **kw)
-    name = resource_name(cfg, opts)
+    resource_name(cfg, opts)  # raises ValueError for a name Kubernetes would reject
     image = opts.image or (DEFAULT_GPU_IMAGE if (opts.gpu or cfg.ray.use_gpu) else DEFAULT_IMAGE)
     submitter = {
         "name": "ray-job-submitter",
