@@ -35,6 +35,9 @@ class DataConfig:
     (pyarrow in the worker process itself: no Ray tasks, so a worker group restarted on a fresh node does
     not wait for cold Ray Data worker processes there, ~11 s on the 2-core test box; same files, same
     table, same shared-path requirement).
+    train_includes_valid: train on each history up to and including the validation item (h[:-1]), as
+    generative-recommenders' ML-1M training data does; the test item stays held out, but validation
+    metrics then score items the model was trained on. Default False: train on h[:-2].
     """
 
     raw_dir: str = "../shared/data/ml-1m"
@@ -49,6 +52,7 @@ class DataConfig:
     on_bad_rows: str = "error"
     num_files: int = 8
     reader: str = "ray_data"
+    train_includes_valid: bool = False
 
     def validate(self) -> None:
         _positive(self, "max_seq_len", "batch_size", "eval_batch_size", "sub_batch_size",

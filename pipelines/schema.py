@@ -91,13 +91,15 @@ def check_split(split: str) -> str:
     return split
 
 
-def split_input_bounds(history_lengths: np.ndarray, split: str, max_seq_len: int
-                       ) -> tuple[np.ndarray, np.ndarray]:
+def split_input_bounds(history_lengths: np.ndarray, split: str, max_seq_len: int, *,
+                       train_includes_valid: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Where each user's model input lies inside its full history, for one split.
 
     history_lengths: [U] int, full history lengths n (every n must be >= 3, i.e. split-eligible).
     Returns (start [U] int64, stop [U] int64): the input is h[start:stop] with stop = n-2 (train, valid)
     or n-1 (test) and start = max(0, stop - max_seq_len). The target of valid/test is h[stop].
+    train_includes_valid: train on h[:n-1] instead (generative-recommenders' ML-1M training data keeps the
+    validation item; the test item stays held out, but validation metrics then score trained targets).
     Raises ValueError for an unknown split, max_seq_len < 1, or a history shorter than 3.
     """
     check_split(split)
@@ -107,12 +109,14 @@ def split_input_bounds(history_lengths: np.ndarray, split: str, max_seq_len: int
     if n.size and int(n.min()) < MIN_HISTORY_FOR_SPLITS:
         raise ValueError(f"history_lengths: split inputs need n >= {MIN_HISTORY_FOR_SPLITS}, "
                          f"got a history of length {int(n.min())}")
-    stop = n - (1 if split == "test" else 2)
+    stop = n - (1 if split == "test" or (split == "train" and train_includes_valid) else 2)
     start = np.maximum(stop - max_seq_len, 0)
     return start, stop
 
 
-def split_input_lengths(history_lengths: np.ndarray, split: str, max_seq_len: int) -> np.ndarray:
+def split_input_lengths(history_lengths: np.ndarray, split: str, max_seq_len: int, *,
+                        train_includes_valid: bool = False) -> np.ndarray:
     """[U] full history lengths (n >= 3) -> [U] int64 input token counts for ``split`` (see above)."""
-    start, stop = split_input_bounds(history_lengths, split, max_seq_len)
+    start, stop = split_input_bounds(history_lengths, split, max_seq_len,
+                                     train_includes_valid=train_includes_valid)
     return stop - start

@@ -186,7 +186,8 @@ class HistoryStream:
 
     def __init__(self, prepared_dir: str | Path, split: str, *, rank: int, world_size: int,
                  batch_size: int, max_seq_len: int, bbs: bool = True, sub_batch_size: int = 16,
-                 bbs_window_batches: int = 8, shuffle: bool = True, seed: int = 0, reader: str = "ray_data"):
+                 bbs_window_batches: int = 8, shuffle: bool = True, seed: int = 0, reader: str = "ray_data",
+                 train_includes_valid: bool = False):
         check_split(split)
         _check_rank(world_size, rank)
         if batch_size < 1 or max_seq_len < 1:
@@ -202,6 +203,7 @@ class HistoryStream:
         if reader not in ("ray_data", "arrow"):
             raise ValueError(f"reader: expected 'ray_data' or 'arrow', got {reader!r}")
         self.reader = reader
+        self.train_includes_valid = bool(train_includes_valid)
         self.manifest = load_manifest(prepared_dir)
         self.shards = assign_shards(self.manifest, world_size, rank)
         self._num_batches = num_batches_for(self.manifest, world_size, batch_size)
@@ -215,7 +217,7 @@ class HistoryStream:
                    batch_size=data_cfg.batch_size if split == "train" else data_cfg.eval_batch_size,
                    max_seq_len=data_cfg.max_seq_len, bbs=data_cfg.bbs, sub_batch_size=data_cfg.sub_batch_size,
                    bbs_window_batches=data_cfg.bbs_window_batches, shuffle=data_cfg.shuffle, seed=seed,
-                   reader=data_cfg.reader)
+                   reader=data_cfg.reader, train_includes_valid=data_cfg.train_includes_valid)
 
     def num_batches(self) -> int:
         """Batches per epoch, identical on every rank (from the manifest alone; trailing ones may be empty)."""
@@ -229,7 +231,8 @@ class HistoryStream:
         if self._data is None:
             table = _eligible(_read_rank_table(self.manifest, self.shards, self.reader))
             n = pc.list_value_length(table.column("item_ids")).to_numpy().astype(np.int64)
-            start, stop = split_input_bounds(n, self.split, self.max_seq_len)
+            start, stop = split_input_bounds(n, self.split, self.max_seq_len,
+                                             train_includes_valid=self.train_includes_valid)
             row_start = np.zeros(n.size, np.int64)
             np.cumsum(n[:-1], out=row_start[1:])
 

@@ -216,3 +216,18 @@ def test_bad_arguments(synthetic, tmp_path):
         HistoryStream(synthetic, "train", rank=0, world_size=1, batch_size=6, max_seq_len=4, sub_batch_size=4)
     with pytest.raises(FileNotFoundError, match="gemray prepare movielens"):
         HistoryStream(tmp_path / "nothing", "valid", rank=0, world_size=1, batch_size=4, max_seq_len=4)
+
+
+def test_train_includes_valid_trains_on_test_inputs(synthetic):
+    """With data.train_includes_valid the train split is h[:-1] (most recent max_seq_len items): exactly the
+    test split's inputs, without targets; the default train split stops one item earlier."""
+    ref_test = {u: (*v[:3], None) for u, v in _reference(synthetic, "test", MAX_LEN).items()}
+    ref_train = _reference(synthetic, "train", MAX_LEN)
+    for flag, want in ((True, ref_test), (False, ref_train)):
+        s = HistoryStream(synthetic, "train", rank=0, world_size=1, batch_size=4, max_seq_len=MAX_LEN,
+                          sub_batch_size=2, bbs_window_batches=2, seed=3, train_includes_valid=flag)
+        seen = {}
+        for b in s.iter_epoch(0):
+            seen.update(_rows(b))
+        assert seen == want
+    assert ref_test != ref_train

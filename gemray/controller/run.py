@@ -212,6 +212,9 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
     if clear_notice(cfg.checkpoint.preempt_notice):
         log.info("removed the preemption notice %s left by a previous run", cfg.checkpoint.preempt_notice)
     (out / "config.toml").write_text(to_toml(cfg))
+    if cfg.data.train_includes_valid:
+        log.warning("data.train_includes_valid: training uses each validation item, so validation HR/NDCG "
+                    "score trained targets; only the test split is held out")
 
     started = _connect_ray(cfg)
     # After ray.init (which installs its own SIGTERM handler in the driver): SIGTERM -> preemption notice.
