@@ -83,6 +83,9 @@ for _reg in TILES.values():  # silu forward: own entry (swept separately; starts
 # Backward as one launch (dK/dV and dQ items merged into one longest-first table; the dQ items fill the
 # dK/dV tail and one launch is saved) or as two launches with their own warps/stages, per regime.
 FUSED_BWD: dict[str, bool] = {"short": True, "medium": True, "long": False}
+# softmax backward: delta = rowsum(o * dO) computed by the backward programs themselves (an extra o tile
+# load per dK/dV step) instead of by a separate launch: one launch less where the host is the bound.
+DELTA_INLINE: dict[str, bool] = {"short": True, "medium": False, "long": False}
 FAST_ACT = True  # tanh.approx silu for bf16/fp16 on CUDA (see _act); the bench can turn it off to compare
 REGIME_MEAN_LEN = (256, 1024)
 _INTERPRET_TILES = (16, 16, 4, 1)
@@ -418,11 +421,12 @@ def _gdpa_fwd(Q, K, V, O, LSE, Q_OFF, KV_OFF, NT, WORK, BIAS,
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n, lq,
-                lk, n_hist, alpha_s, lo, hi, offs_dk, offs_dv, D_QK, D_V, bias_base, stride_bi, stride_bj,
-                ACT: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
-                ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,
-                DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr, CONTEXT: tl.constexpr, FAST: tl.constexpr):
+def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, o_base, stride_qt, stride_dot, stride_ot,
+                offs_n, lq, lk, n_hist, alpha_s, lo, hi, offs_dk, offs_dv, D_QK, D_V, bias_base, stride_bi,
+                stride_bj, ACT: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                HAS_TARGETS: tl.constexpr, ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,
+                DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr, CONTEXT: tl.constexpr, FAST: tl.constexpr,
+                DELTA_INLINE: tl.constexpr):
     for m0 in range(lo, hi, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         row_ok = offs_m < lq
@@ -436,7 +440,12 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, 
         dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
         if ACT == 0:
             lse = tl.load(lse_base + offs_m, mask=row_ok, other=float("inf"))
-            delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
+            if DELTA_INLINE:  # delta = rowsum(o * do) here instead of in a separate launch
+                o = tl.load(o_base + offs_m[:, None] * stride_ot + offs_dv[None, :],
+                            mask=row_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
+                delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+            else:
+                delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
             pt = tl.exp2(st - lse[None, :])
             if MASKED:
                 ok = _valid(offs_m[None, :], offs_n[:, None], lq, lk, n_hist, CAUSAL, HAS_TARGETS,
@@ -457,15 +466,16 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, 
 
 
 @triton.jit
-def _dkdv_tile(Q, K, V, DO, LSE, DELTA, DK, DV, Q_OFF, KV_OFF, NT, BIAS, b, n0, h,
+def _dkdv_tile(Q, K, V, DO, LSE, DELTA, O, DK, DV, Q_OFF, KV_OFF, NT, BIAS, b, n0, h,
                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+               stride_ot, stride_oh,
                stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
                stride_bb, stride_bh, stride_bi, stride_bj, alpha, inv_n, D_QK, D_V,
                ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
                ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, Q_BCAST: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
                BLOCK_DV: tl.constexpr, DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr,
-               CONTEXT: tl.constexpr, FAST: tl.constexpr):
+               CONTEXT: tl.constexpr, FAST: tl.constexpr, DELTA_INLINE: tl.constexpr):
     """dK, dV of keys [n0, n0 + BLOCK_N) of sequence b, head h."""
     q_start = tl.load(Q_OFF + b)
     lq = (tl.load(Q_OFF + b + 1) - q_start).to(tl.int32)
@@ -497,16 +507,17 @@ def _dkdv_tile(Q, K, V, DO, LSE, DELTA, DK, DV, Q_OFF, KV_OFF, NT, BIAS, b, n0, 
     do_base = DO + q_start * stride_dot + h * stride_doh
     lse_base = LSE + h * stride_lh + q_start
     delta_base = DELTA + h * stride_lh + q_start
+    o_base = O + q_start * stride_ot + h * stride_oh
     lo, hi, full_lo = _query_range(n0, lq, n_hist, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, BLOCK_M,
                                    BLOCK_N, CONTEXT)
-    dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n,
-                         lq, lk, n_hist, alpha_s, lo, full_lo, offs_dk, offs_dv, D_QK, D_V,
+    dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, o_base, stride_qt, stride_dot,
+                         stride_ot, offs_n, lq, lk, n_hist, alpha_s, lo, full_lo, offs_dk, offs_dv, D_QK, D_V,
                          bias_base, stride_bi, stride_bj, ACT, True, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW,
-                         BLOCK_M, DOT_PREC, HAS_BIAS, CONTEXT, FAST)
-    dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n,
-                         lq, lk, n_hist, alpha_s, full_lo, hi, offs_dk, offs_dv, D_QK, D_V,
+                         BLOCK_M, DOT_PREC, HAS_BIAS, CONTEXT, FAST, DELTA_INLINE)
+    dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, o_base, stride_qt, stride_dot,
+                         stride_ot, offs_n, lq, lk, n_hist, alpha_s, full_lo, hi, offs_dk, offs_dv, D_QK, D_V,
                          bias_base, stride_bi, stride_bj, ACT, False, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW,
-                         BLOCK_M, DOT_PREC, HAS_BIAS, CONTEXT, FAST)
+                         BLOCK_M, DOT_PREC, HAS_BIAS, CONTEXT, FAST, DELTA_INLINE)
     if ACT == 0:
         dk = dk * alpha
     else:
@@ -559,15 +570,16 @@ def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_
 
 
 @triton.jit
-def _dq_tile(Q, K, V, DO, LSE, DELTA, DQ, Q_OFF, KV_OFF, NT, BIAS, DBIAS, b, m0, h,
+def _dq_tile(Q, K, V, DO, LSE, DELTA, O, DQ, Q_OFF, KV_OFF, NT, BIAS, DBIAS, b, m0, h,
              stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+             stride_ot, stride_oh,
              stride_dqt, stride_dqh, stride_lh, stride_bb, stride_bh, stride_bi, stride_bj,
              stride_dbb, stride_dbh, stride_dbi, stride_dbj, alpha, inv_n, D_QK, D_V,
              ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
              ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, Q_BCAST: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
              BLOCK_DV: tl.constexpr, DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr,
-             STORE_DBIAS: tl.constexpr, CONTEXT: tl.constexpr, FAST: tl.constexpr):
+             STORE_DBIAS: tl.constexpr, CONTEXT: tl.constexpr, FAST: tl.constexpr, DELTA_INLINE: tl.constexpr):
     """dQ (and dbias) of query rows [m0, m0 + BLOCK_M) of sequence b, head h."""
     q_start = tl.load(Q_OFF + b)
     lq = (tl.load(Q_OFF + b + 1) - q_start).to(tl.int32)
@@ -592,7 +604,12 @@ def _dq_tile(Q, K, V, DO, LSE, DELTA, DQ, Q_OFF, KV_OFF, NT, BIAS, DBIAS, b, m0,
         alpha_s = alpha * 1.4426950408889634
         ds_scale = 1.0
         lse = tl.load(LSE + h * stride_lh + q_start + offs_m, mask=row_ok, other=float("inf"))
-        delta = tl.load(DELTA + h * stride_lh + q_start + offs_m, mask=row_ok, other=0.0)
+        if DELTA_INLINE:
+            o = tl.load(O + (q_start + offs_m[:, None]) * stride_ot + h * stride_oh + offs_dv[None, :],
+                        mask=row_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
+            delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+        else:
+            delta = tl.load(DELTA + h * stride_lh + q_start + offs_m, mask=row_ok, other=0.0)
     else:
         alpha_s = alpha
         ds_scale = inv_n
@@ -618,8 +635,9 @@ def _dq_tile(Q, K, V, DO, LSE, DELTA, DQ, Q_OFF, KV_OFF, NT, BIAS, DBIAS, b, m0,
 
 
 @triton.jit
-def _gdpa_bwd(Q, K, V, DO, LSE, DELTA, DK, DV, DQ, Q_OFF, KV_OFF, NT, WORK, BIAS, DBIAS,
+def _gdpa_bwd(Q, K, V, DO, LSE, DELTA, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, WORK, BIAS, DBIAS,
               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+              stride_ot, stride_oh,
               stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh, stride_lh,
               stride_bb, stride_bh, stride_bi, stride_bj, stride_dbb, stride_dbh, stride_dbi, stride_dbj,
               alpha, inv_n, n_k_items, n_tiles_k, n_tiles_q, D_QK, D_V,
@@ -627,7 +645,8 @@ def _gdpa_bwd(Q, K, V, DO, LSE, DELTA, DK, DV, DQ, Q_OFF, KV_OFF, NT, WORK, BIAS
               ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, Q_BCAST: tl.constexpr, PART: tl.constexpr,
               DK_BM: tl.constexpr, DK_BN: tl.constexpr, DQ_BM: tl.constexpr, DQ_BN: tl.constexpr,
               BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, DOT_PREC: tl.constexpr,
-              HAS_BIAS: tl.constexpr, STORE_DBIAS: tl.constexpr, CONTEXT: tl.constexpr, FAST: tl.constexpr):
+              HAS_BIAS: tl.constexpr, STORE_DBIAS: tl.constexpr, CONTEXT: tl.constexpr, FAST: tl.constexpr,
+              DELTA_INLINE: tl.constexpr):
     """Backward work item WORK[pid]: a dK/dV key tile (id < n_k_items: b * n_tiles_k + tile) or a dQ query
     tile (id - n_k_items = b * n_tiles_q + tile); PART 1 / 2 compile only the dK/dV / dQ branch."""
     w = tl.load(WORK + tl.program_id(0))
@@ -635,35 +654,35 @@ def _gdpa_bwd(Q, K, V, DO, LSE, DELTA, DK, DV, DQ, Q_OFF, KV_OFF, NT, WORK, BIAS
         return
     h = tl.program_id(1).to(tl.int64)
     if PART == 1:
-        _dkdv_tile(Q, K, V, DO, LSE, DELTA, DK, DV, Q_OFF, KV_OFF, NT, BIAS, w // n_tiles_k,
+        _dkdv_tile(Q, K, V, DO, LSE, DELTA, O, DK, DV, Q_OFF, KV_OFF, NT, BIAS, w // n_tiles_k,
                    (w % n_tiles_k) * DK_BN, h, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                   stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
+                   stride_dot, stride_doh, stride_ot, stride_oh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
                    stride_bb, stride_bh, stride_bi, stride_bj, alpha, inv_n, D_QK, D_V,
                    ACT, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, Q_BCAST, DK_BM, DK_BN, BLOCK_DQK, BLOCK_DV,
-                   DOT_PREC, HAS_BIAS, CONTEXT, FAST)
+                   DOT_PREC, HAS_BIAS, CONTEXT, FAST, DELTA_INLINE)
     elif PART == 2:
-        _dq_tile(Q, K, V, DO, LSE, DELTA, DQ, Q_OFF, KV_OFF, NT, BIAS, DBIAS, w // n_tiles_q,
+        _dq_tile(Q, K, V, DO, LSE, DELTA, O, DQ, Q_OFF, KV_OFF, NT, BIAS, DBIAS, w // n_tiles_q,
                  (w % n_tiles_q) * DQ_BM, h, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                 stride_dot, stride_doh, stride_dqt, stride_dqh, stride_lh, stride_bb, stride_bh, stride_bi,
+                 stride_dot, stride_doh, stride_ot, stride_oh, stride_dqt, stride_dqh, stride_lh, stride_bb, stride_bh, stride_bi,
                  stride_bj, stride_dbb, stride_dbh, stride_dbi, stride_dbj, alpha, inv_n, D_QK, D_V,
                  ACT, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, Q_BCAST, DQ_BM, DQ_BN, BLOCK_DQK, BLOCK_DV,
-                 DOT_PREC, HAS_BIAS, STORE_DBIAS, CONTEXT, FAST)
+                 DOT_PREC, HAS_BIAS, STORE_DBIAS, CONTEXT, FAST, DELTA_INLINE)
     else:
         if w < n_k_items:
-            _dkdv_tile(Q, K, V, DO, LSE, DELTA, DK, DV, Q_OFF, KV_OFF, NT, BIAS, w // n_tiles_k,
+            _dkdv_tile(Q, K, V, DO, LSE, DELTA, O, DK, DV, Q_OFF, KV_OFF, NT, BIAS, w // n_tiles_k,
                        (w % n_tiles_k) * DK_BN, h, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
-                       stride_vh, stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+                       stride_vh, stride_dot, stride_doh, stride_ot, stride_oh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
                        stride_lh, stride_bb, stride_bh, stride_bi, stride_bj, alpha, inv_n, D_QK, D_V,
                        ACT, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, Q_BCAST, DK_BM, DK_BN, BLOCK_DQK,
-                       BLOCK_DV, DOT_PREC, HAS_BIAS, CONTEXT, FAST)
+                       BLOCK_DV, DOT_PREC, HAS_BIAS, CONTEXT, FAST, DELTA_INLINE)
         else:
             wq = w - n_k_items
-            _dq_tile(Q, K, V, DO, LSE, DELTA, DQ, Q_OFF, KV_OFF, NT, BIAS, DBIAS, wq // n_tiles_q,
+            _dq_tile(Q, K, V, DO, LSE, DELTA, O, DQ, Q_OFF, KV_OFF, NT, BIAS, DBIAS, wq // n_tiles_q,
                      (wq % n_tiles_q) * DQ_BM, h, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
-                     stride_vh, stride_dot, stride_doh, stride_dqt, stride_dqh, stride_lh, stride_bb, stride_bh,
+                     stride_vh, stride_dot, stride_doh, stride_ot, stride_oh, stride_dqt, stride_dqh, stride_lh, stride_bb, stride_bh,
                      stride_bi, stride_bj, stride_dbb, stride_dbh, stride_dbi, stride_dbj, alpha, inv_n, D_QK,
                      D_V, ACT, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, Q_BCAST, DQ_BM, DQ_BN, BLOCK_DQK,
-                     BLOCK_DV, DOT_PREC, HAS_BIAS, STORE_DBIAS, CONTEXT, FAST)
+                     BLOCK_DV, DOT_PREC, HAS_BIAS, STORE_DBIAS, CONTEXT, FAST, DELTA_INLINE)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -862,7 +881,8 @@ class _GDPA(torch.autograd.Function):
         d_qk, d_v = q.shape[2], v.shape[2]
         bdk, bdv = _block_d(d_qk), _block_d(d_v)
         t_out = o.shape[0]
-        if spec.act == 0:
+        delta_inline = spec.act == 0 and DELTA_INLINE.get(reg, False)
+        if spec.act == 0 and not delta_inline:
             delta = torch.empty_like(lse)  # [H, T_out]
             _bwd_delta[(triton.cdiv(t_out, 64), h)](
                 o, do, delta, t_out, o.stride(0), o.stride(1), do.stride(0), do.stride(1), delta.stride(0),
@@ -878,28 +898,28 @@ class _GDPA(torch.autograd.Function):
                              dtype=torch.float32) if want_dbias else None)
         kbm, kbn, kwarps, kstages = _tiles("dkdv", d_qk, reg, spec.max_q_len)
         qbm, qbn, qwarps, qstages = _tiles("dq", d_qk, reg, spec.max_q_len)
-        args = [q, k, v, do, lse, delta, dk, dv, dq, q_off, kv_off, nt if nt is not None else q_off, None,
+        args = [q, k, v, do, lse, delta, o, dk, dv, dq, q_off, kv_off, nt if nt is not None else q_off, None,
                 bias if bias is not None else q, dbias if dbias is not None else q,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+                do.stride(0), do.stride(1), o.stride(0), o.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
                 dq.stride(0), dq.stride(1), lse.stride(0), *_bias_strides(bias),
                 *(dbias.stride() if dbias is not None else (0, 0, 0, 0)),
                 spec.alpha, spec.inv_n, 0, 1, 1, d_qk, d_v]
         consts = dict(ACT=spec.act, CAUSAL=spec.causal, HAS_TARGETS=nt is not None, HAS_BIAS=bias is not None,
                       ATT_BLOCK=spec.att_block, WINDOW=spec.window, Q_BCAST=spec.q_bcast, CONTEXT=spec.context,
                       BLOCK_DQK=bdk, BLOCK_DV=bdv, DOT_PREC=_dot_prec(q.dtype), STORE_DBIAS=want_dbias,
-                      FAST=_fast_act(q.dtype), DK_BM=kbm, DK_BN=kbn, DQ_BM=qbm, DQ_BN=qbn)
+                      FAST=_fast_act(q.dtype), DELTA_INLINE=delta_inline, DK_BM=kbm, DK_BN=kbn, DQ_BM=qbm, DQ_BN=qbn)
         if FUSED_BWD.get(reg, False):  # one launch: dK/dV and dQ items from one longest-first table
             table, n_k_items, ntk, ntq = _bwd_table(spec, q_off, kv_off, kbn, qbm, k.shape[0], t_out)
-            args[12], args[-5:-2] = table, (n_k_items, ntk, ntq)
+            args[13], args[-5:-2] = table, (n_k_items, ntk, ntq)
             _gdpa_bwd[(table.numel(), h)](*args, PART=0, num_warps=max(kwarps, qwarps),
                                           num_stages=min(kstages, qstages), **consts)
         else:
             table, ntk = _k_table(spec, q_off, kv_off, kbn, k.shape[0])
-            args[12], args[-5:-2] = table, (0, ntk, 1)
+            args[13], args[-5:-2] = table, (0, ntk, 1)
             _gdpa_bwd[(table.numel(), h)](*args, PART=1, num_warps=kwarps, num_stages=kstages, **consts)
             table, ntq = _q_table(spec, q_off, kv_off, qbm, t_out)
-            args[12], args[-5:-2] = table, (0, 1, ntq)
+            args[13], args[-5:-2] = table, (0, 1, ntq)
             _gdpa_bwd[(table.numel(), h)](*args, PART=2, num_warps=qwarps, num_stages=qstages, **consts)
         if spec.q_bcast:
             dq = dq.view(-1, q.shape[0], h, d_qk).sum(0, dtype=torch.float32).to(q.dtype)

@@ -241,15 +241,20 @@ def test_unequal_tiles(monkeypatch, tiles, activation):
            (q, k, v), 1e-4)
 
 
+BWD_MODES = [("softmax", False, False), ("softmax", True, False), ("softmax", False, True),
+             ("softmax", True, True), ("silu", False, False), ("silu", True, False)]
+
+
 @cpu_only
-@pytest.mark.parametrize("fused", [False, True])
-@pytest.mark.parametrize("activation", ["softmax", "silu"])
-def test_backward_one_or_two_launches(monkeypatch, fused, activation):
-    """The backward as one merged launch (FUSED_BWD) and as two launches give the same gradients as the
-    reference: targets + bias + unequal tiles (self), cross-attention and PMA."""
+@pytest.mark.parametrize("activation,fused,inline", BWD_MODES)
+def test_backward_launch_modes(monkeypatch, activation, fused, inline):
+    """The backward as one merged launch (FUSED_BWD) or two, with delta from its own launch or computed
+    inline (DELTA_INLINE, softmax), matches the reference: targets + bias + unequal tiles (self),
+    cross-attention and PMA."""
     from gemray.kernels import jagged_attention as ja
 
-    monkeypatch.setattr(ja, "FUSED_BWD", {r: fused for r in ("short", "medium", "long")})
+    monkeypatch.setattr(ja, "FUSED_BWD", {r: fused for r in ja.FUSED_BWD})
+    monkeypatch.setattr(ja, "DELTA_INLINE", {r: inline for r in ja.DELTA_INLINE})
     monkeypatch.setattr(ja, "_INTERPRET_TILES", (16, 32, 4, 1))
     torch.manual_seed(14)
     lengths = [0, 1, 33, 70, 17]
@@ -524,10 +529,11 @@ def _model_lengths_gpu(b=128, seed=17):
 @pytest.mark.parametrize("fused", [False, True])
 def test_gpu_model_call_rel_bias(monkeypatch, dtype, activation, fused):
     """The model's call at its shapes (H=2, D=25, max_len 200, dense relative bias) on the GPU, backward
-    as one or two launches; fp32 within 1e-3 of the reference, bf16 within 2e-2."""
+    as one launch with inline delta or as two launches; fp32 within 1e-3 of the reference, bf16 2e-2."""
     from gemray.kernels import jagged_attention as ja
 
-    monkeypatch.setattr(ja, "FUSED_BWD", {r: fused for r in ("short", "medium", "long")})
+    monkeypatch.setattr(ja, "FUSED_BWD", {r: fused for r in ja.FUSED_BWD})
+    monkeypatch.setattr(ja, "DELTA_INLINE", {r: fused for r in ja.DELTA_INLINE})
     _check_model_call(monkeypatch, _model_lengths_gpu(), dtype, "cuda", activation,
                       1e-3 if dtype == torch.float32 else 2e-2)
 
@@ -538,3 +544,27 @@ def test_gpu_model_call_rel_bias(monkeypatch, dtype, activation, fused):
 def test_gpu_model_shape_contextual_prefix(dtype):
     _check_model_contextual(_model_lengths_gpu(seed=18), dtype, "cuda", 12,
                             1e-3 if dtype == torch.float32 else 2e-2)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("activation,fused,inline", BWD_MODES)
+def test_gpu_backward_launch_modes(monkeypatch, activation, fused, inline):
+    """Each backward launch mode at bench-like sizes in bf16, with every regime's tiles (the regime is
+    forced, so short / medium / long tile tables all run on the same batch)."""
+    from gemray.kernels import jagged_attention as ja
+
+    monkeypatch.setattr(ja, "FUSED_BWD", {r: fused for r in ja.FUSED_BWD})
+    monkeypatch.setattr(ja, "DELTA_INLINE", {r: inline for r in ja.DELTA_INLINE})
+    torch.manual_seed(19)
+    lengths = _heavy_lengths(24, 2048) + [0, 1, 2048, 1000]
+    off = _offsets(lengths, "cuda")
+    t, h, d = int(off[-1]), 4, 128
+    q, k, v = (_leaf(t, h, d, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+    for reg in ja.TILES:
+        monkeypatch.setattr(ja, "regime", lambda total, batch, reg=reg: reg)
+        _check(lambda a, b, c: jagged_attention_triton(a, b, c, off, 2048, activation=activation,
+                                                       alpha=0.05 if activation != "softmax" else None),
+               lambda a, b, c: ref.jagged_attention_ref(a, b, c, off, 2048, activation=activation,
+                                                        alpha=0.05 if activation != "softmax" else None),
+               (q, k, v), 2e-2)
