@@ -58,8 +58,9 @@ _LOG2E = 1.4426950408889634
 # Tile configurations: (BLOCK_M, BLOCK_N, num_warps, num_stages) per regime and kernel ("fwd", "dkdv",
 # "dq"), keyed by the smallest head-dim bucket >= Dqk. "dkdv" tiles the keys by BLOCK_N and loops over the
 # queries by BLOCK_M. The regime comes from the mean sequence length T / B (known on the host, no sync):
-# "short" below REGIME_MEAN_LEN[0], "medium" below REGIME_MEAN_LEN[1], else "long"; smaller tiles waste
-# less work on short sequences. kernels/bench.py sweeps candidates on the H200 and records the winners.
+# "short" / "medium" / "long" below REGIME_MEAN_LEN[0] / [1] / [2], else "xlong"; smaller tiles waste
+# less work on short sequences. "fwd_silu" (silu forward) starts as a copy of "fwd". kernels/bench.py
+# sweeps candidates on the H200 and records the winners.
 TILES: dict[str, dict[str, dict[int, tuple[int, int, int, int]]]] = {
     # D=128 entries: the winners of the H200 sweep of 2026-11-30 (kernels/NOTES.md, run 3).
     "short": {
@@ -77,17 +78,24 @@ TILES: dict[str, dict[str, dict[int, tuple[int, int, int, int]]]] = {
         "dkdv": {64: (64, 128, 8, 2), 128: (64, 128, 8, 2), 256: (32, 64, 4, 2)},
         "dq": {64: (128, 64, 8, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
     },
+    # "xlong" (mean >= 2048) split off "long" after run 3: the run-3 "long" winners were timed on uniform
+    # B=64 N=4096 and are kept here; uniform B=128 N=1024 (mean 1024) now sweeps its own "long" table.
+    "xlong": {
+        "fwd": {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
+        "dkdv": {64: (64, 128, 8, 2), 128: (64, 128, 8, 2), 256: (32, 64, 4, 2)},
+        "dq": {64: (128, 64, 8, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
+    },
 }
 for _reg in TILES.values():  # silu forward: own entry (swept separately; starts as softmax's)
     _reg["fwd_silu"] = dict(_reg["fwd"])
 # Backward as one launch (dK/dV and dQ items merged into one longest-first table; the dQ items fill the
 # dK/dV tail and one launch is saved) or as two launches with their own warps/stages, per regime.
-FUSED_BWD: dict[str, bool] = {"short": True, "medium": True, "long": False}
+FUSED_BWD: dict[str, bool] = {"short": True, "medium": True, "long": True, "xlong": False}
 # softmax backward: delta = rowsum(o * dO) computed by the backward programs themselves (an extra o tile
 # load per dK/dV step) instead of by a separate launch: one launch less where the host is the bound.
-DELTA_INLINE: dict[str, bool] = {"short": True, "medium": False, "long": False}
+DELTA_INLINE: dict[str, bool] = {"short": True, "medium": False, "long": False, "xlong": False}
 FAST_ACT = True  # tanh.approx silu for bf16/fp16 on CUDA (see _act); the bench can turn it off to compare
-REGIME_MEAN_LEN = (256, 1024)
+REGIME_MEAN_LEN = (256, 1024, 2048)
 _INTERPRET_TILES = (16, 16, 4, 1)
 
 
@@ -96,11 +104,13 @@ def _interpreting() -> bool:
 
 
 def regime(total: int, batch: int) -> str:
-    """Tile regime from the mean sequence length total / batch (host ints)."""
+    """Tile regime from the mean sequence length total / batch (host ints): "short" / "medium" / "long" /
+    "xlong" below REGIME_MEAN_LEN[0] / [1] / [2] / above."""
     mean = total / max(1, batch)
-    if mean < REGIME_MEAN_LEN[0]:
-        return "short"
-    return "medium" if mean < REGIME_MEAN_LEN[1] else "long"
+    for name, bound in zip(("short", "medium", "long"), REGIME_MEAN_LEN):
+        if mean < bound:
+            return name
+    return "xlong"
 
 
 def _tiles(kind: str, d: int, reg: str = "long", max_q_len: int | None = None) -> tuple[int, int, int, int]:
@@ -656,14 +666,16 @@ def _gdpa_bwd(Q, K, V, DO, LSE, DELTA, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, WORK, B
     if PART == 1:
         _dkdv_tile(Q, K, V, DO, LSE, DELTA, O, DK, DV, Q_OFF, KV_OFF, NT, BIAS, w // n_tiles_k,
                    (w % n_tiles_k) * DK_BN, h, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                   stride_dot, stride_doh, stride_ot, stride_oh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
+                   stride_dot, stride_doh, stride_ot, stride_oh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+                   stride_lh,
                    stride_bb, stride_bh, stride_bi, stride_bj, alpha, inv_n, D_QK, D_V,
                    ACT, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, Q_BCAST, DK_BM, DK_BN, BLOCK_DQK, BLOCK_DV,
                    DOT_PREC, HAS_BIAS, CONTEXT, FAST, DELTA_INLINE)
     elif PART == 2:
         _dq_tile(Q, K, V, DO, LSE, DELTA, O, DQ, Q_OFF, KV_OFF, NT, BIAS, DBIAS, w // n_tiles_q,
                  (w % n_tiles_q) * DQ_BM, h, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                 stride_dot, stride_doh, stride_ot, stride_oh, stride_dqt, stride_dqh, stride_lh, stride_bb, stride_bh, stride_bi,
+                 stride_dot, stride_doh, stride_ot, stride_oh, stride_dqt, stride_dqh, stride_lh, stride_bb, stride_bh,
+                 stride_bi,
                  stride_bj, stride_dbb, stride_dbh, stride_dbi, stride_dbj, alpha, inv_n, D_QK, D_V,
                  ACT, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, Q_BCAST, DQ_BM, DQ_BN, BLOCK_DQK, BLOCK_DV,
                  DOT_PREC, HAS_BIAS, STORE_DBIAS, CONTEXT, FAST, DELTA_INLINE)
@@ -671,7 +683,8 @@ def _gdpa_bwd(Q, K, V, DO, LSE, DELTA, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, WORK, B
         if w < n_k_items:
             _dkdv_tile(Q, K, V, DO, LSE, DELTA, O, DK, DV, Q_OFF, KV_OFF, NT, BIAS, w // n_tiles_k,
                        (w % n_tiles_k) * DK_BN, h, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
-                       stride_vh, stride_dot, stride_doh, stride_ot, stride_oh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+                       stride_vh, stride_dot, stride_doh, stride_ot, stride_oh, stride_dkt, stride_dkh, stride_dvt,
+                       stride_dvh,
                        stride_lh, stride_bb, stride_bh, stride_bi, stride_bj, alpha, inv_n, D_QK, D_V,
                        ACT, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, Q_BCAST, DK_BM, DK_BN, BLOCK_DQK,
                        BLOCK_DV, DOT_PREC, HAS_BIAS, CONTEXT, FAST, DELTA_INLINE)
@@ -679,7 +692,8 @@ def _gdpa_bwd(Q, K, V, DO, LSE, DELTA, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, WORK, B
             wq = w - n_k_items
             _dq_tile(Q, K, V, DO, LSE, DELTA, O, DQ, Q_OFF, KV_OFF, NT, BIAS, DBIAS, wq // n_tiles_q,
                      (wq % n_tiles_q) * DQ_BM, h, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
-                     stride_vh, stride_dot, stride_doh, stride_ot, stride_oh, stride_dqt, stride_dqh, stride_lh, stride_bb, stride_bh,
+                     stride_vh, stride_dot, stride_doh, stride_ot, stride_oh, stride_dqt, stride_dqh, stride_lh, stride_bb,
+                     stride_bh,
                      stride_bi, stride_bj, stride_dbb, stride_dbh, stride_dbi, stride_dbj, alpha, inv_n, D_QK,
                      D_V, ACT, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, Q_BCAST, DQ_BM, DQ_BN, BLOCK_DQK,
                      BLOCK_DV, DOT_PREC, HAS_BIAS, STORE_DBIAS, CONTEXT, FAST, DELTA_INLINE)
@@ -901,26 +915,31 @@ class _GDPA(torch.autograd.Function):
         args = [q, k, v, do, lse, delta, o, dk, dv, dq, q_off, kv_off, nt if nt is not None else q_off, None,
                 bias if bias is not None else q, dbias if dbias is not None else q,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                do.stride(0), do.stride(1), o.stride(0), o.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+                do.stride(0), do.stride(1), o.stride(0), o.stride(1), dk.stride(0), dk.stride(1),
+                dv.stride(0), dv.stride(1),
                 dq.stride(0), dq.stride(1), lse.stride(0), *_bias_strides(bias),
                 *(dbias.stride() if dbias is not None else (0, 0, 0, 0)),
                 spec.alpha, spec.inv_n, 0, 1, 1, d_qk, d_v]
         consts = dict(ACT=spec.act, CAUSAL=spec.causal, HAS_TARGETS=nt is not None, HAS_BIAS=bias is not None,
                       ATT_BLOCK=spec.att_block, WINDOW=spec.window, Q_BCAST=spec.q_bcast, CONTEXT=spec.context,
                       BLOCK_DQK=bdk, BLOCK_DV=bdv, DOT_PREC=_dot_prec(q.dtype), STORE_DBIAS=want_dbias,
-                      FAST=_fast_act(q.dtype), DELTA_INLINE=delta_inline, DK_BM=kbm, DK_BN=kbn, DQ_BM=qbm, DQ_BN=qbn)
+                      FAST=_fast_act(q.dtype), DELTA_INLINE=delta_inline)
         if FUSED_BWD.get(reg, False):  # one launch: dK/dV and dQ items from one longest-first table
             table, n_k_items, ntk, ntq = _bwd_table(spec, q_off, kv_off, kbn, qbm, k.shape[0], t_out)
             args[13], args[-5:-2] = table, (n_k_items, ntk, ntq)
             _gdpa_bwd[(table.numel(), h)](*args, PART=0, num_warps=max(kwarps, qwarps),
-                                          num_stages=min(kstages, qstages), **consts)
+                                          num_stages=min(kstages, qstages), DK_BM=kbm, DK_BN=kbn, DQ_BM=qbm,
+                                          DQ_BN=qbn, **consts)
         else:
             table, ntk = _k_table(spec, q_off, kv_off, kbn, k.shape[0])
             args[13], args[-5:-2] = table, (0, ntk, 1)
-            _gdpa_bwd[(table.numel(), h)](*args, PART=1, num_warps=kwarps, num_stages=kstages, **consts)
+            # the other part's tile sizes are unused (pruned branch): 0 keeps one compiled variant per config
+            _gdpa_bwd[(table.numel(), h)](*args, PART=1, num_warps=kwarps, num_stages=kstages, DK_BM=kbm,
+                                          DK_BN=kbn, DQ_BM=0, DQ_BN=0, **consts)
             table, ntq = _q_table(spec, q_off, kv_off, qbm, t_out)
             args[13], args[-5:-2] = table, (0, 1, ntq)
-            _gdpa_bwd[(table.numel(), h)](*args, PART=2, num_warps=qwarps, num_stages=qstages, **consts)
+            _gdpa_bwd[(table.numel(), h)](*args, PART=2, num_warps=qwarps, num_stages=qstages, DK_BM=0, DK_BN=0,
+                                          DQ_BM=qbm, DQ_BN=qbn, **consts)
         if spec.q_bcast:
             dq = dq.view(-1, q.shape[0], h, d_qk).sum(0, dtype=torch.float32).to(q.dtype)
         if dbias is not None:

@@ -363,6 +363,50 @@ def test_bench_bookkeeping():
     assert 4096 / 16 / 2 < med < 4096 / 16 * 2  # median about N/16
     assert bench.make_lengths("uniform", 3, 7) == [7, 7, 7]
     assert bench.causal_flops_fwd([1, 2], h=1, d=1) == 4.0 * (1 + 3)
+    # every regime has a sweep batch of that regime and sweep candidates for every tile kind
+    from gemray.kernels import jagged_attention as ja
+
+    for reg, (kind, b, n) in bench.SWEEP_BATCH.items():
+        assert ja.regime(sum(bench.make_lengths(kind, b, n)), b) == reg
+        assert set(bench.SWEEP[reg]) == set(ja.TILES[reg]) and reg in ja.FUSED_BWD and reg in ja.DELTA_INLINE
+
+
+@cpu_only
+def test_bench_precompile_worker_runs_every_item_and_restores_state(monkeypatch):
+    """The sweep's precompile worker runs each (regime, kernel, candidate) once and leaves the tile tables
+    and launch modes as it found them (interpreter, tiny batch: the code path, not the compile)."""
+    from gemray.kernels import bench
+    from gemray.kernels import jagged_attention as ja
+
+    monkeypatch.setattr(bench, "SWEEP_BATCH", {"short": ("heavy", 3, 32)})
+    monkeypatch.setattr(bench, "H", 1)
+    monkeypatch.setattr(bench, "D", 16)
+    items = bench._sweep_items("short")
+    assert {kern for _, kern, _ in items} == {"fwd", "fwd_silu", "mode", "dkdv", "dq"}
+    before = (repr(ja.TILES), dict(ja.FUSED_BWD), dict(ja.DELTA_INLINE))
+    picked = [it for it in items if it[1] in ("fwd_silu", "mode", "dq")][:4]
+    assert bench._precompile_worker(picked, device="cpu", dtype=torch.float32) == 0
+    assert (repr(ja.TILES), dict(ja.FUSED_BWD), dict(ja.DELTA_INLINE)) == before
+
+
+def test_bench_report_tables(capsys):
+    """The summary compares JFA against varlen_attn per batch and flags missed bars."""
+    from gemray.kernels import bench
+
+    rows = [dict(section="self", batch="heavy B=128 N=1024", variant="jfa", ms_fwd=0.1, ms_fwd_bwd=0.5,
+                 tflops_fwd=1.0, tflops_fwd_bwd=2.0, host_ms_fwd_bwd=0.4, host_ms_fwd=0.1),
+            dict(section="self", batch="heavy B=128 N=1024", variant="varlen", ms_fwd_bwd=1.0),
+            dict(section="self", batch="uniform B=128 N=1024", variant="jfa", ms_fwd_bwd=1.0),
+            dict(section="self", batch="uniform B=128 N=1024", variant="varlen", ms_fwd_bwd=1.1),
+            dict(section="sweep", table="short", kernel="fwd", cfg=[64, 64, 4, 3], ms=0.2),
+            dict(section="sweep", table="short", kernel="fwd", chosen=[64, 64, 4, 3], ms=0.2, elapsed_s=3.0)]
+    bench.print_sweep(rows)
+    bench.print_table(rows)
+    bench.print_summary(rows)
+    out = capsys.readouterr().out
+    assert "| heavy B=128 N=1024 | 0.500 | 1.000 | 2.00x | 1.5x | met |" in out
+    assert "| uniform B=128 N=1024 | 1.000 | 1.100 | 1.10x | 1.2x | MISSED |" in out
+    assert "0.400 (0.100)" in out and "=> [64, 64, 4, 3]" in out
 
 
 @cpu_only
