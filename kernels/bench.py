@@ -174,6 +174,30 @@ def _host_ms_fwd(fn, inputs, n: int = 50) -> float:
     return (t1 - t0) / n * 1e3
 
 
+def launch_overhead(n: int = 300) -> dict:
+    """Host microseconds per launch of a tiny Triton kernel (jagged_attention._bwd_delta, 5 runtime args +
+    2 constexprs) and per tiny torch op, no sync in the loop: the floor under a host-bound step's time."""
+    from gemray.kernels import jagged_attention as ja
+
+    o = torch.randn(64, 1, 16, device="cuda")
+    delta = torch.empty(1, 64, device="cuda")
+
+    def launch():
+        ja._bwd_delta[(1, 1)](o, o, delta, 64, o.stride(0), o.stride(1), o.stride(0), o.stride(1),
+                              delta.stride(0), 16, BLOCK_T=64, BLOCK_DV=16, num_warps=4)
+
+    out = {}
+    for name, fn in (("triton_launch_us", launch), ("torch_empty_like_us", lambda: torch.empty_like(o))):
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        out[name] = (time.perf_counter() - t0) / n * 1e6
+        torch.cuda.synchronize()
+    return out
+
+
 def _pad(x: torch.Tensor, off: torch.Tensor, n: int) -> torch.Tensor:
     """[T, H, D] -> [B, H, n, D] zero-padded (baselines only)."""
     from gemray.jagged import jagged_to_padded
@@ -687,6 +711,10 @@ SILU_FWD_TARGET = ("heavy B=256 N=4096", 300.0)
 
 def print_summary(rows: list[dict]) -> None:
     """The issue's bars: JFA fwd+bwd speed-up over varlen_attn per batch, silu forward TFLOP/s."""
+    for r in rows:
+        if r.get("section") == "env" and "triton_launch_us" in r:
+            print(f"\nhost: {r['triton_launch_us']:.1f} us per tiny Triton launch, "
+                  f"{r['torch_empty_like_us']:.1f} us per torch.empty_like")
     ms = {(r.get("batch"), r.get("variant")): r.get("ms_fwd_bwd") for r in rows if r.get("section") == "self"}
     print("\n| batch | JFA ms fwd+bwd | varlen ms fwd+bwd | speed-up | bar | |")
     print("|---|---|---|---|---|---|")
@@ -789,6 +817,7 @@ def main(argv: list[str] | None = None) -> int:
     rec = Recorder(Path(args.out))
     rec.add(section="env", torch=torch.__version__, triton=triton.__version__,
             device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d %H:%M:%S"))
+    rec.add(section="env", **launch_overhead())
     t0 = time.time()
     if args.sweep:
         sweep_tiles(rec, args.sweep_budget)

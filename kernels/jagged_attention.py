@@ -349,7 +349,11 @@ def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, l
             acc = acc * corr[:, None]
             m_i = m_new
         else:
-            p = _act(s * sc, ACT, FAST)  # 1/N is applied to acc once, in the epilogue
+            if ACT == 1 and FAST:  # silu(x) = h + h tanh(h) with h = x / 2: the 1/2 folded into the scale
+                h = s * (0.5 * sc)
+                p = h * _tanh_approx(h) + h
+            else:
+                p = _act(s * sc, ACT, FAST)  # 1/N is applied to acc once, in the epilogue
             if MASKED:
                 ok = _valid(offs_m[:, None], offs_n[None, :], lq, lk, n_hist, CAUSAL, HAS_TARGETS,
                             ATT_BLOCK, WINDOW, CONTEXT)
