@@ -28,8 +28,16 @@ than Words", arXiv:2402.17152; written from the papers, not copied):
   short ones fill the SMs at the end. Items past a sequence's end are sorted last and exit at once.
 * Masks are index arithmetic on the tile's positions, never a materialised 2-D tensor; tiles that are
   entirely valid skip the mask (causal tile skipping: tiles above the diagonal are never visited).
-* Backward: one kernel computes dK/dV (loops over query tiles), another dQ (loops over key tiles): no
-  atomics. PMA sums its per-sequence dQ over the batch with one torch reduction.
+* Backward: dK/dV work items (a key tile, looping over query tiles) and dQ work items (a query tile,
+  looping over key tiles) are computed separately, so dQ needs no atomics. They run either as two launches
+  or as one launch over a merged longest-first table of both kinds (``FUSED_BWD`` per regime: the short dQ
+  items fill the tail of the dK/dV items, and a launch is saved). For softmax, delta = rowsum(o * dO) comes
+  from a small kernel or is computed by the backward programs themselves (``DELTA_INLINE``), so that a
+  host-bound step is two launches in all (forward, backward). PMA sums its per-sequence dQ over the batch
+  with one torch reduction.
+* silu on 16-bit inputs (CUDA): ``silu(x) = h + h tanh(h)``, h = x/2, with ``tanh.approx.f32`` (one MUFU op
+  per score instead of exp2 + reciprocal; act and act' share it in the backward); fp32 inputs and the
+  interpreter keep the exact sigmoid. The 1/N of the pointwise activations is applied once per output tile.
 
 Public entry points: :func:`jagged_attention_triton` (same signature as
 ``gemray.kernels.reference.jagged_attention_ref``), :func:`jagged_cross_attention_triton`,
