@@ -247,19 +247,18 @@ def bench_self(rec: Recorder, skip: set[str], quick: bool) -> None:
                 traceback.print_exc()
         # the silu kernels with the exact sigmoid (exp2 + division, two MUFU ops per score) for comparison,
         # on the batch of the silu bar only (each batch would compile two more kernels)
-        if tag != SILU_FWD_TARGET[0]:
-            continue
-        ja.FAST_ACT = False
-        try:
-            fn = ours["gdpa_silu"][0]
-            t_f, t_fb = _time_fwd_bwd(fn, (q, k, v))
-            rec.add(section="self", batch=tag, variant="gdpa_silu_exact_sigmoid", ms_fwd=t_f, ms_fwd_bwd=t_fb,
-                    tflops_fwd=flops / t_f / 1e9, tflops_fwd_bwd=3.5 * flops / t_fb / 1e9)
-        except Exception as e:
-            rec.add(section="self", batch=tag, variant="gdpa_silu_exact_sigmoid", error=repr(e)[:300])
-            traceback.print_exc()
-        finally:
-            ja.FAST_ACT = True
+        if tag == SILU_FWD_TARGET[0]:
+            ja.FAST_ACT = False
+            try:
+                fn = ours["gdpa_silu"][0]
+                t_f, t_fb = _time_fwd_bwd(fn, (q, k, v))
+                rec.add(section="self", batch=tag, variant="gdpa_silu_exact_sigmoid", ms_fwd=t_f,
+                        ms_fwd_bwd=t_fb, tflops_fwd=flops / t_f / 1e9, tflops_fwd_bwd=3.5 * flops / t_fb / 1e9)
+            except Exception as e:
+                rec.add(section="self", batch=tag, variant="gdpa_silu_exact_sigmoid", error=repr(e)[:300])
+                traceback.print_exc()
+            finally:
+                ja.FAST_ACT = True
 
         baselines = {}
         if "varlen" not in skip:
