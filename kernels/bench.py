@@ -723,7 +723,10 @@ def print_summary(rows: list[dict]) -> None:
             print(f"| {batch} | {ours:.3f} | {base:.3f} | {base / ours:.2f}x | {bar}x | "
                   f"{'met' if base / ours >= bar else 'MISSED'} |")
         else:
-            print(f"| {batch} | {ours} | {base} | n/a | {bar}x | |")
+            def fmt(x):
+                return f"{x:.3f}" if x else "missing"
+
+            print(f"| {batch} | {fmt(ours)} | {fmt(base)} | n/a | {bar}x | |")
     batch, bar = SILU_FWD_TARGET
     silu = [r for r in rows if r.get("section") == "self" and r.get("batch") == batch
             and r.get("variant") == "gdpa_silu" and "tflops_fwd" in r]
