@@ -19,12 +19,28 @@ cp -r gemray "$P/" && cp -r kernels "$P/gemray/kernels" && cp -r pipelines "$P/g
 cd "$P" || exit 1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw,memory.used --format=csv \
   > "$OUT/nvidia-smi.txt" 2>&1
-XDIST=""; python3 -c "import xdist" 2>/dev/null && XDIST="-n 8"
+TESTS="tests/test_kernels_attention.py tests/test_kernels_norm_quant.py"
+gpu_tests() {  # 8 pytest processes: pytest-xdist when installed, else the collected ids dealt 8 ways
+  if python3 -c "import xdist" 2>/dev/null; then
+    # shellcheck disable=SC2086
+    python3 -m pytest -n 8 -m gpu -q -p no:cacheprovider -rfE $TESTS > "$OUT/pytest.log" 2>&1
+    return
+  fi
+  # shellcheck disable=SC2086
+  python3 -m pytest --collect-only -q -m gpu -p no:cacheprovider $TESTS 2>/dev/null | grep '::' > "$OUT/gpu_ids.txt"
+  split -n r/8 "$OUT/gpu_ids.txt" "$OUT/gpu_chunk_"
+  for f in "$OUT"/gpu_chunk_*; do
+    # shellcheck disable=SC2046
+    python3 -m pytest -q -p no:cacheprovider -rfE $(cat "$f") > "$f.log" 2>&1 &
+  done
+  wait
+  cat "$OUT"/gpu_chunk_*.log > "$OUT/pytest.log"
+}
 # The GPU tests and the compilation of every sweep candidate (8 more processes, into the shared Triton
 # cache) run side by side: both are mostly compile time on the CPU; nothing is timed until both are done.
-echo "== $(date -u +%T) pytest -m gpu ($XDIST) + precompile"
-timeout -k 10 "$TEST_S" python3 -m pytest $XDIST -m gpu -q -p no:cacheprovider -rfE \
-  tests/test_kernels_attention.py tests/test_kernels_norm_quant.py > "$OUT/pytest.log" 2>&1 &
+echo "== $(date -u +%T) pytest -m gpu + precompile"
+export -f gpu_tests; export OUT TESTS
+timeout -k 10 "$TEST_S" bash -c gpu_tests &
 PYTEST_PID=$!
 if [ "$SWEEP" = 1 ]; then
   timeout -k 10 "$TEST_S" python3 -m gemray.kernels.bench --out "$OUT/precompile" --precompile 8 --precompile-only \
@@ -41,7 +57,8 @@ timeout -k 10 $(( LEFT + 5 )) python3 -m gemray.kernels.bench --out "$OUT" --tim
   > "$OUT/bench.log" 2>&1
 echo "bench rc=$? after $(( $(date +%s) - T0 )) s" >> "$OUT/bench.log"
 # the reply carries the last 12,000 characters: failures and the pytest summary, then the bench's tables
-echo "== pytest"; grep -E "^(FAILED|ERROR)|passed|failed|rc=" "$OUT/pytest.log" | tail -25
+echo "== pytest"; grep -E "^(FAILED|ERROR)|passed|failed|skipped|rc=" "$OUT/pytest.log" | tail -25
+[ -f "$OUT/gpu_ids.txt" ] && echo "(no xdist: $(wc -l < "$OUT/gpu_ids.txt") tests in 8 processes, one summary line each)"
 tail -2 "$OUT/precompile.log" 2>/dev/null
 echo "== bench"; grep -E "^chosen tiles" "$OUT/bench.log"
 sed -n '/^sweep (ms/,$p' "$OUT/bench.log" | grep -v "^| norm_quant"
