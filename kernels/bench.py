@@ -493,13 +493,13 @@ def bench_norm(rec: Recorder) -> None:
 
 
 SWEEP = {  # regime -> kernel -> candidate (BLOCK_M, BLOCK_N, num_warps, num_stages); the default goes first
-    # 64x64 / 8 warps: the dK/dV and dQ variants with the least local memory in an sm_90 compile (ptxas
-    # stack 320 / 40 bytes against 696 / 232 for the 64x128 / 128x64 defaults: the defaults spill)
+    # From sm_90 compiles (kernels/NOTES.md, run 4 plan): 64x64 / 8 warps dK/dV and dQ keep their loops
+    # free of spill stores; 128x128 dK/dV spills ~70 STL + ~100 LDL per step; BLOCK_M 32 gets no wgmma.
     "short": {
         "fwd": [(64, 64, 4, 3), (32, 64, 4, 3), (64, 32, 4, 3)],
         "fwd_silu": [(64, 64, 4, 3), (32, 64, 4, 3)],
-        "dkdv": [(64, 128, 8, 2), (64, 64, 8, 2), (64, 64, 4, 3)],
-        "dq": [(32, 64, 4, 3), (64, 64, 8, 2), (64, 64, 4, 3)],
+        "dkdv": [(64, 64, 8, 2), (64, 128, 8, 2), (64, 64, 4, 3)],
+        "dq": [(64, 64, 8, 2), (32, 64, 4, 3), (64, 64, 4, 3)],
     },
     "medium": {
         "fwd": [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3)],

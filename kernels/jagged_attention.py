@@ -71,10 +71,13 @@ _LOG2E = 1.4426950408889634
 # sweeps candidates on the H200 and records the winners.
 TILES: dict[str, dict[str, dict[int, tuple[int, int, int, int]]]] = {
     # D=128 entries: the winners of the H200 sweep of 2026-11-30 (kernels/NOTES.md, run 3).
+    # short, dK/dV and dQ: 64x64 / 8 warps since run 4's compile-only check (sm_90 SASS): the run-3 dQ
+    # winner 32x64/4w has no wgmma at all (BLOCK_M 32 < the 64 rows of a warpgroup MMA), and the inline
+    # delta spills inside the dK/dV loop with 64x128 tiles (~150 STL+LDL per step) but not with 64x64.
     "short": {
         "fwd": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 2)},
-        "dkdv": {64: (64, 128, 8, 2), 128: (64, 128, 8, 2), 256: (32, 64, 4, 2)},
-        "dq": {64: (32, 64, 4, 3), 128: (32, 64, 4, 3), 256: (64, 32, 4, 2)},
+        "dkdv": {64: (64, 64, 8, 2), 128: (64, 64, 8, 2), 256: (32, 64, 4, 2)},
+        "dq": {64: (64, 64, 8, 2), 128: (64, 64, 8, 2), 256: (64, 32, 4, 2)},
     },
     "medium": {
         "fwd": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 2)},
