@@ -612,3 +612,27 @@ def test_gpu_backward_launch_modes(monkeypatch, activation, fused, inline):
                lambda a, b, c: ref.jagged_attention_ref(a, b, c, off, 2048, activation=activation,
                                                         alpha=0.05 if activation != "softmax" else None),
                (q, k, v), 2e-2)
+
+
+def test_sass_check_compiles_for_hopper_without_a_gpu():
+    """gemray.kernels.sass_check compiles for sm_90 on the CPU machine (ptxas from the triton wheel) and
+    reads the SASS: the softmax forward uses wgmma with no spills in its loops; a 32-row dQ tile gets no
+    wgmma (warpgroup MMAs need 64 rows), which is why the short regime moved to 64x64 tiles."""
+    import json
+    import subprocess
+    import sys
+
+    import triton
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        pytest.skip("triton wheel without ptxas")
+    code = ("import json; from gemray.kernels import sass_check as s; "
+            "print(json.dumps([s.check(s.fwd_variant(0, 128, 64, 8, 3)), "
+            "s.check(s.bwd_variant(0, 2, (0, 0), (32, 64), 4, 3))]))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # JITFunction, not the interpreter
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    fwd, dq32 = json.loads(out.stdout.strip().splitlines()[-1])
+    assert fwd["hgmma"] > 0 and fwd["loops"] and all(st == 0 for _, _, st, _ in fwd["loops"])
+    assert dq32["hgmma"] == 0 and dq32["loops"]
