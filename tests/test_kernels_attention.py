@@ -298,14 +298,18 @@ def _model_inputs(lengths, dtype, device, seed):
     return off, qkv, ts, (pos_w, ts_w)
 
 
-def _check_model_call(monkeypatch, lengths, dtype, device, activation, tol, seed=15):
-    """ops.attention(backend="triton") vs ops.attention(backend="reference") on float32 copies."""
+def _check_model_call(monkeypatch, lengths, dtype, device, activation, tol, seed=15, buckets=True):
+    """ops.attention(backend="triton") vs ops.attention(backend="reference") on float32 copies. With
+    ``buckets`` the Triton side gets precomputed ``ops.relative_bias_buckets`` as HSTUEncoder passes them
+    (the bias is then gathered from them); the reference side always bucketises from the timestamps."""
     from gemray import ops
 
     if device == "cpu":  # the interpreter stands in for CUDA: same ops code path as on the GPU
         monkeypatch.setattr(ops, "resolve_backend", lambda backend, dev: "triton")
     off, (q, k, v), ts, (pos_w, ts_w) = _model_inputs(lengths, dtype, device, seed)
-    rel = ops.RelativeBiasInputs(ts, pos_w, ts_w, MODEL_MAX_LEN)
+    pre = (ops.relative_bias_buckets(ts, off, max(lengths), pos_w.numel(), ts_w.numel(), MODEL_MAX_LEN)
+           if buckets else None)
+    rel = ops.RelativeBiasInputs(ts, pos_w, ts_w, MODEL_MAX_LEN, pre)
     out = ops.attention(q, k, v, off, MODEL_MAX_LEN, activation=activation, causal=True, rel_bias=rel,
                         backend="triton")
     leaves = [x.detach().float().requires_grad_(True) for x in (q, k, v, pos_w, ts_w)]
@@ -335,9 +339,9 @@ MODEL_LENGTHS_CPU = [200, 1, 0, 57, 133, 16]
 
 
 @cpu_only
-@pytest.mark.parametrize("activation", ["silu", "softmax"])
-def test_model_call_rel_bias_fp32(monkeypatch, activation):
-    _check_model_call(monkeypatch, MODEL_LENGTHS_CPU, torch.float32, "cpu", activation, 1e-4)
+@pytest.mark.parametrize("activation,buckets", [("silu", True), ("silu", False), ("softmax", True)])
+def test_model_call_rel_bias_fp32(monkeypatch, activation, buckets):
+    _check_model_call(monkeypatch, MODEL_LENGTHS_CPU, torch.float32, "cpu", activation, 1e-4, buckets=buckets)
 
 
 @cpu_only

@@ -6,12 +6,13 @@
 # layout first (kernels/ -> gemray/kernels). From the repository root:
 #   OUT=$OUT bash deploy/h200/kernels_bench.sh
 # Knobs: TOTAL_S (default 340: whole script), TEST_S (150: pytest and precompile, side by side),
-# SWEEP_BUDGET (120: sweep timing, split evenly over the 4 regimes), BENCH_ARGS (extra
-# bench flags, e.g. --tiles '<JSON printed by an earlier run>' with SWEEP=0 to skip the sweep).
+# SWEEP_BUDGET (120: sweep timing, split evenly over the 4 regimes), SWEEP=0 (no precompile, no sweep),
+# TILES_JSON (the "chosen tiles" JSON an earlier run printed: pins tiles and launch modes), BENCH_ARGS
+# (extra bench flags without spaces inside a value, e.g. --skip=flex).
 set -uo pipefail
 T0=$(date +%s)
 OUT=${OUT:-/tmp/out}; P=${P:-/tmp/gemray-kern}; TOTAL_S=${TOTAL_S:-340}; TEST_S=${TEST_S:-150}
-SWEEP_BUDGET=${SWEEP_BUDGET:-120}; SWEEP=${SWEEP:-1}; BENCH_ARGS=${BENCH_ARGS:-}
+SWEEP_BUDGET=${SWEEP_BUDGET:-120}; SWEEP=${SWEEP:-1}; BENCH_ARGS=${BENCH_ARGS:-}; TILES_JSON=${TILES_JSON:-}
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/gemray-triton-cache}   # shared by the tests and the bench
 rm -rf "$P"; mkdir -p "$P" "$OUT"
 cp -r gemray "$P/" && cp -r kernels "$P/gemray/kernels" && cp -r pipelines "$P/gemray/pipelines" \
@@ -53,8 +54,9 @@ LEFT=$(( TOTAL_S - ($(date +%s) - T0) - 10 ))
 SW=""; [ "$SWEEP" = 1 ] && SW="--sweep --sweep-budget $SWEEP_BUDGET"
 echo "== $(date -u +%T) bench ($LEFT s left) $SW $BENCH_ARGS"
 # shellcheck disable=SC2086  # SW / BENCH_ARGS are flag lists
+TILES_ARG=(); [ -n "$TILES_JSON" ] && TILES_ARG=(--tiles "$TILES_JSON")
 timeout -k 10 $(( LEFT + 5 )) python3 -m gemray.kernels.bench --out "$OUT" --time-limit "$LEFT" $SW $BENCH_ARGS \
-  > "$OUT/bench.log" 2>&1
+  "${TILES_ARG[@]}" > "$OUT/bench.log" 2>&1
 echo "bench rc=$? after $(( $(date +%s) - T0 )) s" >> "$OUT/bench.log"
 # the reply carries the last 12,000 characters: failures and the pytest summary, then the bench's tables
 echo "== pytest"; grep -E "^(FAILED|ERROR)|passed|failed|skipped|rc=" "$OUT/pytest.log" | tail -25
