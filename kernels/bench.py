@@ -19,7 +19,8 @@ Correctness: for every kernel and batch, the rows of a subset of sequences (the 
 plus the shortest) are recomputed by the float32 PyTorch reference from the same bf16 inputs and the
 same output gradient; forward and dq/dk/dv relative errors are reported (bf16: expect 1e-3 .. 1e-2).
 
-Usage: ``python -m gemray.kernels.bench [--out DIR] [--skip flex,norm,...] [--quick]``. Writes
+Usage: ``python -m gemray.kernels.bench [--out DIR] [--skip flex,norm,...] [--quick] [--sweep]
+[--sweep-budget S] [--time-limit S] [--tiles JSON]``. Writes
 ``DIR/bench_kernels.jsonl`` (one record per measurement, written as it is made) and prints a table.
 """
 
@@ -160,6 +161,43 @@ def _host_ms(fn, inputs, n: int = 20) -> float:
     return (t1 - t0) / n * 1e3
 
 
+def _host_ms_fwd(fn, inputs, n: int = 50) -> float:
+    """CPU time (ms) to enqueue one forward without autograd (Python + launch overhead of the forward)."""
+    with torch.no_grad():
+        fn(*inputs)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn(*inputs)
+        t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / n * 1e3
+
+
+def launch_overhead(n: int = 300) -> dict:
+    """Host microseconds per launch of a tiny Triton kernel (jagged_attention._bwd_delta, 5 runtime args +
+    2 constexprs) and per tiny torch op, no sync in the loop: the floor under a host-bound step's time."""
+    from gemray.kernels import jagged_attention as ja
+
+    o = torch.randn(64, 1, 16, device="cuda")
+    delta = torch.empty(1, 64, device="cuda")
+
+    def launch():
+        ja._bwd_delta[(1, 1)](o, o, delta, 64, o.stride(0), o.stride(1), o.stride(0), o.stride(1),
+                              delta.stride(0), 16, BLOCK_T=64, BLOCK_DV=16, num_warps=4)
+
+    out = {}
+    for name, fn in (("triton_launch_us", launch), ("torch_empty_like_us", lambda: torch.empty_like(o))):
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        out[name] = (time.perf_counter() - t0) / n * 1e6
+        torch.cuda.synchronize()
+    return out
+
+
 def _pad(x: torch.Tensor, off: torch.Tensor, n: int) -> torch.Tensor:
     """[T, H, D] -> [B, H, n, D] zero-padded (baselines only)."""
     from gemray.jagged import jagged_to_padded
@@ -171,6 +209,7 @@ def _pad(x: torch.Tensor, off: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def bench_self(rec: Recorder, skip: set[str], quick: bool) -> None:
+    from gemray.kernels import jagged_attention as ja
     from gemray.kernels import reference as ref
     from gemray.kernels.jagged_attention import jagged_attention_triton
 
@@ -202,10 +241,24 @@ def bench_self(rec: Recorder, skip: set[str], quick: bool) -> None:
                 t_f, t_fb = _time_fwd_bwd(fn, (q, k, v))
                 rec.add(section="self", batch=tag, variant=name, ms_fwd=t_f, ms_fwd_bwd=t_fb,
                         tflops_fwd=flops / t_f / 1e9, tflops_fwd_bwd=3.5 * flops / t_fb / 1e9,
-                        host_ms_fwd_bwd=_host_ms(fn, (q, k, v)), **errs)
+                        host_ms_fwd_bwd=_host_ms(fn, (q, k, v)), host_ms_fwd=_host_ms_fwd(fn, (q, k, v)), **errs)
             except Exception as e:  # a failing variant must not hide the others
                 rec.add(section="self", batch=tag, variant=name, error=repr(e)[:300])
                 traceback.print_exc()
+        # the silu kernels with the exact sigmoid (exp2 + division, two MUFU ops per score) for comparison,
+        # on the batch of the silu bar only (each batch would compile two more kernels)
+        if tag == SILU_FWD_TARGET[0]:
+            ja.FAST_ACT = False
+            try:
+                fn = ours["gdpa_silu"][0]
+                t_f, t_fb = _time_fwd_bwd(fn, (q, k, v))
+                rec.add(section="self", batch=tag, variant="gdpa_silu_exact_sigmoid", ms_fwd=t_f,
+                        ms_fwd_bwd=t_fb, tflops_fwd=flops / t_f / 1e9, tflops_fwd_bwd=3.5 * flops / t_fb / 1e9)
+            except Exception as e:
+                rec.add(section="self", batch=tag, variant="gdpa_silu_exact_sigmoid", error=repr(e)[:300])
+                traceback.print_exc()
+            finally:
+                ja.FAST_ACT = True
 
         baselines = {}
         if "varlen" not in skip:
@@ -253,10 +306,14 @@ def bench_self(rec: Recorder, skip: set[str], quick: bool) -> None:
             torch.cuda.empty_cache()
 
 
-def bench_flex(rec: Recorder, quick: bool) -> None:
-    """FlexAttention baseline, run last: its torch.compile per batch shape is the slowest step."""
+def bench_flex(rec: Recorder, quick: bool, deadline: float = float("inf")) -> None:
+    """FlexAttention baseline, run last: its torch.compile per batch shape is the slowest step (a batch is
+    skipped when fewer than 30 s are left before ``deadline``, a time.time() value)."""
     batches = BATCHES[:2] if quick else BATCHES
     for kind, b, n in batches:
+        if time.time() + 30 > deadline:
+            rec.add(section="self", batch=f"{kind} B={b} N={n}", variant="flex", error="skipped: time limit")
+            continue
         torch.manual_seed(0)
         lengths = make_lengths(kind, b, n)
         off = offsets_of(lengths)
@@ -435,68 +492,273 @@ def bench_norm(rec: Recorder) -> None:
         traceback.print_exc()
 
 
-SWEEP = {  # regime -> kernel -> candidate (BLOCK_M, BLOCK_N, num_warps, num_stages); first = default
-    "long": {
-        "fwd": [(128, 64, 8, 3), (128, 32, 4, 3)],
-        "dkdv": [(128, 128, 8, 2), (64, 128, 8, 2)],
-        "dq": [(128, 64, 8, 3), (128, 128, 8, 2)],
+SWEEP = {  # regime -> kernel -> candidate (BLOCK_M, BLOCK_N, num_warps, num_stages); the default goes first
+    # From sm_90 compiles (kernels/NOTES.md, run 4 plan): 64x64 / 8 warps dK/dV and dQ keep their loops
+    # free of spill stores; 128x128 dK/dV spills ~70 STL + ~100 LDL per step; BLOCK_M 32 gets no wgmma.
+    "short": {
+        "fwd": [(64, 64, 4, 3), (32, 64, 4, 3), (64, 32, 4, 3)],
+        "fwd_silu": [(64, 64, 4, 3), (32, 64, 4, 3)],
+        "dkdv": [(64, 64, 8, 2), (64, 128, 8, 2), (64, 64, 4, 3)],
+        "dq": [(64, 64, 8, 2), (32, 64, 4, 3), (64, 64, 4, 3)],
     },
     "medium": {
-        "fwd": [(64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 8, 3)],
-        "dkdv": [(64, 128, 8, 2), (64, 64, 4, 3)],
-        "dq": [(128, 64, 8, 3), (128, 32, 4, 3)],
+        "fwd": [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3)],
+        "fwd_silu": [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 128, 4, 3)],
+        "dkdv": [(64, 128, 8, 2), (64, 64, 8, 2), (128, 128, 8, 2)],
+        "dq": [(128, 64, 8, 3), (64, 64, 8, 3), (128, 128, 8, 2)],
     },
-    "short": {
-        "fwd": [(64, 64, 4, 3), (32, 32, 4, 3)],
-        "dkdv": [(64, 64, 4, 3), (64, 128, 8, 2)],
-        "dq": [(32, 64, 4, 3), (64, 64, 4, 3)],
+    "long": {
+        "fwd": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 3)],
+        "fwd_silu": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 3)],
+        "dkdv": [(64, 128, 8, 2), (64, 64, 8, 2), (128, 128, 8, 2)],
+        "dq": [(128, 64, 8, 3), (64, 64, 8, 3), (128, 128, 8, 2)],
+    },
+    "xlong": {
+        "fwd": [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4)],
+        "fwd_silu": [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4)],
+        "dkdv": [(64, 128, 8, 2), (128, 128, 8, 2), (64, 64, 8, 2)],
+        "dq": [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 8, 3)],
     },
 }
-SWEEP_BATCH = {"short": ("heavy", 128, 1024), "medium": ("heavy", 256, 4096), "long": ("uniform", 64, 4096)}
+# backward launch modes (FUSED_BWD, DELTA_INLINE) tried per regime; the current default is tried first
+BWD_MODES = [(True, True), (True, False), (False, False)]
+SWEEP_BATCH = {"short": ("heavy", 128, 1024), "medium": ("heavy", 256, 4096), "long": ("uniform", 128, 1024),
+               "xlong": ("uniform", 64, 4096)}
 
 
-def sweep_tiles(rec: Recorder) -> None:
-    """Pick each kernel's tiles (D=128) per regime by timing the candidates in SWEEP on that regime's
-    representative batch (SWEEP_BATCH); the winners go into jagged_attention.TILES for the rest of the
-    run. Softmax is timed (silu shares the tiles); dK/dV and dQ candidates are timed as fwd+bwd."""
+def _sweep_items(which: str) -> list[tuple[str, str, tuple]]:
+    """(regime, kernel, candidate) items of the sweep for one regime, in the sweep's order (defaults first)."""
     from gemray.kernels import jagged_attention as ja
 
-    for which, (kind, b, n) in SWEEP_BATCH.items():
-        torch.manual_seed(0)
-        lengths = make_lengths(kind, b, n)
-        off = offsets_of(lengths)
-        t = int(off[-1])
-        assert ja.regime(t, b) == which, (which, t, b)
-        q, k, v = (torch.randn(t, H, D, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
-                   for _ in range(3))
+    items = []
+    for kern in ("fwd", "fwd_silu", "mode", "dkdv", "dq"):
+        if kern == "mode":
+            default = (ja.FUSED_BWD[which], ja.DELTA_INLINE[which])
+            cands = [default] + [m for m in BWD_MODES if m != default]
+        else:
+            default = ja.TILES[which][kern][128]
+            cands = [default] + [c for c in SWEEP[which][kern] if c != default]
+        items += [(which, kern, tuple(c)) for c in cands]
+    return items
+
+
+def _sweep_inputs(which: str, device: str = "cuda", dtype: torch.dtype = torch.bfloat16):
+    """(offsets, N, q, k, v) of regime ``which``'s sweep batch (requires grad)."""
+    kind, b, n = SWEEP_BATCH[which]
+    torch.manual_seed(0)
+    lengths = make_lengths(kind, b, n)
+    off = offsets_of(lengths, device)
+    t = int(off[-1])
+    q, k, v = (torch.randn(t, H, D, device=device, dtype=dtype).requires_grad_(True) for _ in range(3))
+    return off, n, q, k, v
+
+
+def _precompile_worker(items: list, device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> int:
+    """Run each sweep item once (forward, or forward+backward) so that its kernels land in the Triton disk
+    cache (TRITON_CACHE_DIR); runs in a spawned process, results are discarded. Returns the number of
+    items that raised (each is printed)."""
+    from gemray.kernels import jagged_attention as ja
+
+    inputs = {}
+    failed = 0
+    for which, kern, cfg in items:
+        if which == "section":  # a bench section run once per timing call: compiles exactly its variants
+            try:
+                _run_section_once(kern)
+            except Exception as e:
+                failed += 1
+                print(f"precompile section {kern}: {e!r}"[:300], flush=True)
+            continue
+        modes = (ja.FUSED_BWD[which], ja.DELTA_INLINE[which])
+        tiles = ja.TILES[which][kern][128] if kern != "mode" else None
+        try:
+            if which not in inputs:
+                inputs[which] = _sweep_inputs(which, device, dtype)
+            off, n, q, k, v = inputs[which]
+            if kern == "mode":
+                ja.FUSED_BWD[which], ja.DELTA_INLINE[which] = cfg
+            else:
+                ja.TILES[which][kern][128] = cfg
+            act = "silu" if kern == "fwd_silu" else "softmax"
+            out = ja.jagged_attention_triton(q, k, v, off, n, activation=act,
+                                             alpha=None if act == "softmax" else 1.0 / math.sqrt(D))
+            if kern not in ("fwd", "fwd_silu"):
+                out.backward(torch.ones_like(out))
+            if device == "cuda":
+                torch.cuda.synchronize()
+        except Exception as e:  # reported again (and recorded) by the sweep itself
+            failed += 1
+            print(f"precompile {which} {kern} {cfg}: {e!r}"[:300], flush=True)
+        finally:
+            if kern == "mode":
+                ja.FUSED_BWD[which], ja.DELTA_INLINE[which] = modes
+            else:
+                ja.TILES[which][kern][128] = tiles
+    return failed
+
+
+def _run_section_once(name: str) -> None:
+    """Run bench section ``name`` ("cross", "block") with every timing replaced by one call (precompile)."""
+    import tempfile
+
+    g = globals()
+    saved = {k: g[k] for k in ("_bench", "_host_ms", "_host_ms_fwd")}
+
+    def once(fn, grad_to_none=None):
+        fn()
+        return 1.0
+
+    g["_bench"] = once
+    g["_host_ms"] = g["_host_ms_fwd"] = lambda fn, inputs, n=1: 1.0
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            rec = Recorder(Path(tmp))
+            if name == "cross":
+                bench_cross_pma(rec, {"sdpa"})
+            elif name == "block":
+                bench_block(rec)
+    finally:
+        g.update(saved)
+
+
+def precompile(workers: int, timeout_s: float = 240.0) -> float:
+    """Compile every sweep candidate (and so the default variants the bench runs) in ``workers`` spawned
+    processes sharing the Triton disk cache; the sweep then times instead of compiling. Bwd items first
+    (slowest to compile), dealt round-robin. Returns the seconds spent."""
+    import multiprocessing as mp
+
+    t0 = time.time()
+    items = [it for which in SWEEP_BATCH for it in _sweep_items(which)]
+    items.sort(key=lambda it: it[1] in ("fwd", "fwd_silu"))
+    items = [("section", "cross", ()), ("section", "block", ())] + items
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_precompile_worker, args=(items[i::workers],)) for i in range(workers)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(max(1.0, timeout_s - (time.time() - t0)))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    return time.time() - t0
+
+
+def sweep_tiles(rec: Recorder, budget_s: float = 150.0) -> None:
+    """Pick, per regime on that regime's bench batch (SWEEP_BATCH), the forward tiles (softmax "fwd" and
+    silu "fwd_silu", timed forward only), the backward launch mode (one merged launch or two; delta inline
+    or not) and the dK/dV and dQ tiles (timed fwd+bwd, softmax). Winners go into jagged_attention.TILES /
+    FUSED_BWD / DELTA_INLINE for the rest of the run. Candidates are tried in order (the default first)
+    until ``budget_s`` seconds (compilation included) are spent; later candidates are then skipped."""
+    from gemray.kernels import jagged_attention as ja
+
+    t_start = time.time()
+    n_reg = len(SWEEP_BATCH)
+    for i_reg, which in enumerate(SWEEP_BATCH):
+        off, n, q, k, v = _sweep_inputs(which)
+        assert ja.regime(q.shape[0], off.numel() - 1) == which, which
         table = ja.TILES[which]
+        reg_deadline = t_start + budget_s * (i_reg + 1) / n_reg  # every regime gets its share of the budget
 
-        def fn(a, bb, c):
-            return ja.jagged_attention_triton(a, bb, c, off, n, activation="softmax")
+        def fn(a, bb, c, act="softmax"):
+            return ja.jagged_attention_triton(a, bb, c, off, n, activation=act,
+                                              alpha=None if act == "softmax" else 1.0 / math.sqrt(D))
 
-        for kern in ("fwd", "dkdv", "dq"):
-            best, best_ms = table[kern][128], float("inf")
-            for cfg in SWEEP[which][kern]:
-                table[kern][128] = cfg
+        def timed(kern):
+            if kern in ("fwd", "fwd_silu"):
+                act = "silu" if kern == "fwd_silu" else "softmax"
+                with torch.no_grad():
+                    return _bench(lambda: fn(q, k, v, act))
+            return _time_fwd_bwd(fn, (q, k, v))[1]
+
+        def over_budget() -> bool:
+            return time.time() > reg_deadline
+
+        items = _sweep_items(which)
+        for kern in ("fwd", "fwd_silu", "mode", "dkdv", "dq"):
+            cands = [c for (_, kk, c) in items if kk == kern]
+            best, best_ms = cands[0], float("inf")
+            for cfg in cands:
+                if best_ms < float("inf") and over_budget():
+                    rec.add(section="sweep", table=which, kernel=kern, cfg=list(cfg), skipped="budget")
+                    continue
+                if kern == "mode":
+                    ja.FUSED_BWD[which], ja.DELTA_INLINE[which] = cfg
+                else:
+                    table[kern][128] = cfg
                 try:
-                    if kern == "fwd":
-                        with torch.no_grad():
-                            ms = _bench(lambda: fn(q, k, v))
-                    else:
-                        ms = _time_fwd_bwd(fn, (q, k, v))[1]
+                    ms = timed(kern)
                 except Exception as e:  # e.g. out of shared memory for this tile
                     rec.add(section="sweep", table=which, kernel=kern, cfg=list(cfg), error=repr(e)[:200])
                     continue
                 rec.add(section="sweep", table=which, kernel=kern, cfg=list(cfg), ms=ms)
                 if ms < best_ms:
                     best, best_ms = cfg, ms
-            table[kern][128] = best
-            rec.add(section="sweep", table=which, kernel=kern, chosen=list(best), ms=best_ms)
+            if kern == "mode":
+                ja.FUSED_BWD[which], ja.DELTA_INLINE[which] = best
+            else:
+                table[kern][128] = best
+            rec.add(section="sweep", table=which, kernel=kern, chosen=list(best), ms=best_ms,
+                    elapsed_s=time.time() - t_start)
+        del q, k, v
+        torch.cuda.empty_cache()
+
+
+TARGETS = {"uniform B=128 N=1024": 1.2, "heavy B=128 N=1024": 1.5, "uniform B=64 N=4096": 1.2,
+           "heavy B=256 N=4096": 1.5}
+SILU_FWD_TARGET = ("heavy B=256 N=4096", 300.0)
+
+
+def print_summary(rows: list[dict]) -> None:
+    """The issue's bars: JFA fwd+bwd speed-up over varlen_attn per batch, silu forward TFLOP/s."""
+    for r in rows:
+        if r.get("section") == "env" and "triton_launch_us" in r:
+            print(f"\nhost: {r['triton_launch_us']:.1f} us per tiny Triton launch, "
+                  f"{r['torch_empty_like_us']:.1f} us per torch.empty_like")
+    ms = {(r.get("batch"), r.get("variant")): r.get("ms_fwd_bwd") for r in rows if r.get("section") == "self"}
+    print("\n| batch | JFA ms fwd+bwd | varlen ms fwd+bwd | speed-up | bar | |")
+    print("|---|---|---|---|---|---|")
+    for batch, bar in TARGETS.items():
+        ours, base = ms.get((batch, "jfa")), ms.get((batch, "varlen"))
+        if ours and base:
+            print(f"| {batch} | {ours:.3f} | {base:.3f} | {base / ours:.2f}x | {bar}x | "
+                  f"{'met' if base / ours >= bar else 'MISSED'} |")
+        else:
+            def fmt(x):
+                return f"{x:.3f}" if x else "missing"
+
+            print(f"| {batch} | {fmt(ours)} | {fmt(base)} | n/a | {bar}x | |")
+    batch, bar = SILU_FWD_TARGET
+    silu = [r for r in rows if r.get("section") == "self" and r.get("batch") == batch
+            and r.get("variant") == "gdpa_silu" and "tflops_fwd" in r]
+    if silu:
+        tf = silu[0]["tflops_fwd"]
+        print(f"\nGDPA silu fwd on {batch}: {tf:.0f} TFLOP/s (bar {bar:.0f}: {'met' if tf >= bar else 'MISSED'}), "
+              f"bwd rel err dq/dk/dv {silu[0].get('err_dq', float('nan')):.1e}/"
+              f"{silu[0].get('err_dk', float('nan')):.1e}/{silu[0].get('err_dv', float('nan')):.1e}")
+
+
+def print_sweep(rows: list[dict]) -> None:
+    """One line per swept regime and kernel: every candidate's ms, the chosen one marked with *."""
+    tried: dict[tuple, list[str]] = {}
+    for r in rows:
+        if r.get("section") != "sweep":
+            continue
+        key = (r["table"], r["kernel"])
+        if "chosen" in r:
+            tried.setdefault(key, []).append(f"=> {r['chosen']} ({r['elapsed_s']:.0f} s into the sweep)")
+        elif "ms" in r:
+            tried.setdefault(key, []).append(f"{r['cfg']} {r['ms']:.3f}")
+        else:
+            tried.setdefault(key, []).append(f"{r['cfg']} {'skipped' if 'skipped' in r else 'ERROR'}")
+    if tried:
+        print("\nsweep (ms; fwd kernels: forward only, others: fwd+bwd; mode = [one launch, delta inline]):")
+        for (reg, kern), items in tried.items():
+            print(f"  {reg:6s} {kern:8s} " + " | ".join(items))
 
 
 def print_table(rows: list[dict]) -> None:
     print("\n| section | batch | variant | ms fwd | ms fwd+bwd | TFLOP/s fwd | TFLOP/s fwd+bwd | host ms fwd+bwd "
-          "| err fwd/dq/dk/dv |")
+          "(fwd) | err fwd/dq/dk/dv |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if r.get("section") in ("norm_quant", "sweep", "env", "tiles", "done"):
@@ -509,9 +771,11 @@ def print_table(rows: list[dict]) -> None:
         def fmt(key, spec):
             return format(r[key], spec) if key in r else ""
 
+        host_fwd = f"({r['host_ms_fwd']:.3f})" if "host_ms_fwd" in r else ""
+
         print(f"| {r.get('section')} | {r.get('batch', '')} | {r.get('variant', '')} | {fmt('ms_fwd', '.3f')} "
               f"| {fmt('ms_fwd_bwd', '.3f')} | {fmt('tflops_fwd', '.0f')} | {fmt('tflops_fwd_bwd', '.0f')} "
-              f"| {fmt('host_ms_fwd_bwd', '.3f')} | {errs} |")
+              f"| {fmt('host_ms_fwd_bwd', '.3f')} {host_fwd} | {errs} |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -521,7 +785,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip", default="", help="comma list of: self,cross,block,norm,flex,varlen,sdpa,silu_padded")
     p.add_argument("--quick", action="store_true", help="only the two N=1024 batches")
     p.add_argument("--sweep", action="store_true", help="sweep tile configs first and use the best")
-    p.add_argument("--tiles", default="", help='JSON override of TILES, e.g. {"fwd": {"128": [128,64,8,3]}}')
+    p.add_argument("--time-limit", type=float, default=0.0,
+                   help="seconds for the whole run: later sections (flex last) are skipped when short of time")
+    p.add_argument("--precompile", type=int, default=0, metavar="N",
+                   help="first compile every sweep candidate in N processes (shared Triton disk cache)")
+    p.add_argument("--precompile-only", action="store_true", help="only --precompile, then exit")
+    p.add_argument("--sweep-budget", type=float, default=150.0, help="seconds the sweep may spend (compiles too)")
+    p.add_argument("--tiles", default="", help='JSON override of TILES per regime, e.g. '
+                   '{"long": {"fwd": {"128": [128,64,8,3]}, "mode": [true, false]}} (mode: fused, delta inline)')
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if not torch.cuda.is_available():
@@ -534,28 +805,53 @@ def main(argv: list[str] | None = None) -> int:
     if args.tiles:  # {"long"|"medium"|"short": {"fwd": {"128": [bm, bn, warps, stages]}}}
         for which, kinds in json.loads(args.tiles).items():
             for kind, table in kinds.items():
+                if kind == "mode":
+                    ja.FUSED_BWD[which], ja.DELTA_INLINE[which] = bool(table[0]), bool(table[1])
+                    continue
                 for dk, cfg in table.items():
                     ja.TILES[which][kind][int(dk)] = tuple(cfg)
     skip = {s for s in args.skip.split(",") if s}
+    if args.precompile:
+        secs = precompile(args.precompile)
+        print(f"precompiled the sweep candidates in {secs:.0f} s ({args.precompile} processes)", flush=True)
+        if args.precompile_only:
+            return 0
     rec = Recorder(Path(args.out))
     rec.add(section="env", torch=torch.__version__, triton=triton.__version__,
             device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d %H:%M:%S"))
+    rec.add(section="env", **launch_overhead())
     t0 = time.time()
     if args.sweep:
-        sweep_tiles(rec)
-    rec.add(section="tiles", tiles=json.dumps({r: {k: v[128] for k, v in t.items()} for r, t in ja.TILES.items()}))
-    if "self" not in skip:
+        sweep_tiles(rec, args.sweep_budget)
+    chosen = {r: dict({k: {"128": v[128]} for k, v in t.items()}, mode=[ja.FUSED_BWD[r], ja.DELTA_INLINE[r]])
+              for r, t in ja.TILES.items()}
+    rec.add(section="tiles", tiles=json.dumps(chosen))
+    print("chosen tiles (pass back with --tiles):", json.dumps(chosen), flush=True)
+    deadline = t0 + args.time_limit if args.time_limit > 0 else float("inf")
+
+    def section(name: str, reserve_s: float) -> bool:
+        """Run section ``name`` unless skipped or fewer than reserve_s seconds are left before the deadline."""
+        if name in skip:
+            return False
+        if time.time() + reserve_s > deadline:
+            rec.add(section=name, skipped=f"time limit ({args.time_limit:.0f} s)")
+            return False
+        return True
+
+    if section("self", 0):
         bench_self(rec, skip, args.quick)
-    if "cross" not in skip:
+    if section("cross", 20):
         bench_cross_pma(rec, skip)
-    if "block" not in skip:
+    if section("block", 15):
         bench_block(rec)
-    if "norm" not in skip:
+    if section("norm", 15):
         bench_norm(rec)
-    if "flex" not in skip and "self" not in skip:
-        bench_flex(rec, args.quick)
+    if "self" not in skip and section("flex", 30):
+        bench_flex(rec, args.quick, deadline)
     rec.add(section="done", seconds=time.time() - t0)
+    print_sweep(rec.rows)
     print_table(rec.rows)
+    print_summary(rec.rows)
     return 0
 
 

@@ -28,8 +28,16 @@ than Words", arXiv:2402.17152; written from the papers, not copied):
   short ones fill the SMs at the end. Items past a sequence's end are sorted last and exit at once.
 * Masks are index arithmetic on the tile's positions, never a materialised 2-D tensor; tiles that are
   entirely valid skip the mask (causal tile skipping: tiles above the diagonal are never visited).
-* Backward: one kernel computes dK/dV (loops over query tiles), another dQ (loops over key tiles): no
-  atomics. PMA sums its per-sequence dQ over the batch with one torch reduction.
+* Backward: dK/dV work items (a key tile, looping over query tiles) and dQ work items (a query tile,
+  looping over key tiles) are computed separately, so dQ needs no atomics. They run either as two launches
+  or as one launch over a merged longest-first table of both kinds (``FUSED_BWD`` per regime: the short dQ
+  items fill the tail of the dK/dV items, and a launch is saved). For softmax, delta = rowsum(o * dO) comes
+  from a small kernel or is computed by the backward programs themselves (``DELTA_INLINE``), so that a
+  host-bound step is two launches in all (forward, backward). PMA sums its per-sequence dQ over the batch
+  with one torch reduction.
+* silu on 16-bit inputs (CUDA): ``silu(x) = h + h tanh(h)``, h = x/2, with ``tanh.approx.f32`` (one MUFU op
+  per score instead of exp2 + reciprocal; act and act' share it in the backward); fp32 inputs and the
+  interpreter keep the exact sigmoid. The 1/N of the pointwise activations is applied once per output tile.
 
 Public entry points: :func:`jagged_attention_triton` (same signature as
 ``gemray.kernels.reference.jagged_attention_ref``), :func:`jagged_cross_attention_triton`,
@@ -58,14 +66,18 @@ _LOG2E = 1.4426950408889634
 # Tile configurations: (BLOCK_M, BLOCK_N, num_warps, num_stages) per regime and kernel ("fwd", "dkdv",
 # "dq"), keyed by the smallest head-dim bucket >= Dqk. "dkdv" tiles the keys by BLOCK_N and loops over the
 # queries by BLOCK_M. The regime comes from the mean sequence length T / B (known on the host, no sync):
-# "short" below REGIME_MEAN_LEN[0], "medium" below REGIME_MEAN_LEN[1], else "long"; smaller tiles waste
-# less work on short sequences. kernels/bench.py sweeps candidates on the H200 and records the winners.
+# "short" / "medium" / "long" below REGIME_MEAN_LEN[0] / [1] / [2], else "xlong"; smaller tiles waste
+# less work on short sequences. "fwd_silu" (silu forward) starts as a copy of "fwd". kernels/bench.py
+# sweeps candidates on the H200 and records the winners.
 TILES: dict[str, dict[str, dict[int, tuple[int, int, int, int]]]] = {
     # D=128 entries: the winners of the H200 sweep of 2026-11-30 (kernels/NOTES.md, run 3).
+    # short, dK/dV and dQ: 64x64 / 8 warps since run 4's compile-only check (sm_90 SASS): the run-3 dQ
+    # winner 32x64/4w has no wgmma at all (BLOCK_M 32 < the 64 rows of a warpgroup MMA), and the inline
+    # delta spills inside the dK/dV loop with 64x128 tiles (~150 STL+LDL per step) but not with 64x64.
     "short": {
         "fwd": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 2)},
-        "dkdv": {64: (64, 128, 8, 2), 128: (64, 128, 8, 2), 256: (32, 64, 4, 2)},
-        "dq": {64: (32, 64, 4, 3), 128: (32, 64, 4, 3), 256: (64, 32, 4, 2)},
+        "dkdv": {64: (64, 64, 8, 2), 128: (64, 64, 8, 2), 256: (32, 64, 4, 2)},
+        "dq": {64: (64, 64, 8, 2), 128: (64, 64, 8, 2), 256: (64, 32, 4, 2)},
     },
     "medium": {
         "fwd": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 2)},
@@ -77,8 +89,24 @@ TILES: dict[str, dict[str, dict[int, tuple[int, int, int, int]]]] = {
         "dkdv": {64: (64, 128, 8, 2), 128: (64, 128, 8, 2), 256: (32, 64, 4, 2)},
         "dq": {64: (128, 64, 8, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
     },
+    # "xlong" (mean >= 2048) split off "long" after run 3: the run-3 "long" winners were timed on uniform
+    # B=64 N=4096 and are kept here; uniform B=128 N=1024 (mean 1024) now sweeps its own "long" table.
+    "xlong": {
+        "fwd": {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
+        "dkdv": {64: (64, 128, 8, 2), 128: (64, 128, 8, 2), 256: (32, 64, 4, 2)},
+        "dq": {64: (128, 64, 8, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
+    },
 }
-REGIME_MEAN_LEN = (256, 1024)
+for _reg in TILES.values():  # silu forward: own entry (swept separately; starts as softmax's)
+    _reg["fwd_silu"] = dict(_reg["fwd"])
+# Backward as one launch (dK/dV and dQ items merged into one longest-first table; the dQ items fill the
+# dK/dV tail and one launch is saved) or as two launches with their own warps/stages, per regime.
+FUSED_BWD: dict[str, bool] = {"short": True, "medium": True, "long": True, "xlong": False}
+# softmax backward: delta = rowsum(o * dO) computed by the backward programs themselves (an extra o tile
+# load per dK/dV step) instead of by a separate launch: one launch less where the host is the bound.
+DELTA_INLINE: dict[str, bool] = {"short": True, "medium": False, "long": False, "xlong": False}
+FAST_ACT = True  # tanh.approx silu for bf16/fp16 on CUDA (see _act); the bench can turn it off to compare
+REGIME_MEAN_LEN = (256, 1024, 2048)
 _INTERPRET_TILES = (16, 16, 4, 1)
 
 
@@ -87,11 +115,13 @@ def _interpreting() -> bool:
 
 
 def regime(total: int, batch: int) -> str:
-    """Tile regime from the mean sequence length total / batch (host ints)."""
+    """Tile regime from the mean sequence length total / batch (host ints): "short" / "medium" / "long" /
+    "xlong" below REGIME_MEAN_LEN[0] / [1] / [2] / above."""
     mean = total / max(1, batch)
-    if mean < REGIME_MEAN_LEN[0]:
-        return "short"
-    return "medium" if mean < REGIME_MEAN_LEN[1] else "long"
+    for name, bound in zip(("short", "medium", "long"), REGIME_MEAN_LEN):
+        if mean < bound:
+            return name
+    return "xlong"
 
 
 def _tiles(kind: str, d: int, reg: str = "long", max_q_len: int | None = None) -> tuple[int, int, int, int]:
@@ -104,7 +134,7 @@ def _tiles(kind: str, d: int, reg: str = "long", max_q_len: int | None = None) -
             bm, bn, warps, stages = table[bucket]
             if max_q_len is not None and max_q_len <= 64:
                 small = max(16, triton.next_power_of_2(max_q_len))
-                if kind in ("fwd", "dq"):
+                if kind in ("fwd", "fwd_silu", "dq"):
                     bm, warps = small, 4
                 else:
                     bm = min(bm, small)
@@ -143,10 +173,23 @@ def _cached(tensors: tuple, extra: tuple, make):
 
 
 @triton.jit
-def _act(s, ACT: tl.constexpr):
-    """Pointwise activation of the scaled score s (fp32)."""
-    if ACT == 1:  # s * sigmoid(s), with the fast (approximate, 2 ulp) division
-        out = tl.fdiv(s, 1.0 + tl.exp2(-1.4426950408889634 * s), ieee_rounding=False)
+def _tanh_approx(x):
+    """tanh.approx.f32: one special-function (MUFU) op, max relative error about 2^-11 (compiled CUDA only)."""
+    return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
+def _act(s, ACT: tl.constexpr, FAST: tl.constexpr):
+    """Pointwise activation of the scaled score s (fp32), without the 1/N factor (applied once per tile
+    row at the end). FAST (bf16/fp16 on CUDA): silu(s) = h + h tanh(h), h = s / 2, one MUFU op per score
+    instead of two (exp2 + reciprocal), which bounded the silu kernels on the H200."""
+    if ACT == 1:
+        if FAST:
+            h = 0.5 * s
+            out = h * _tanh_approx(h) + h
+        else:  # s * sigmoid(s) with the fast (approximate, 2 ulp) division
+            out = tl.fdiv(s, 1.0 + tl.exp2(-1.4426950408889634 * s), ieee_rounding=False)
     elif ACT == 2:
         out = 0.5 * s * (1.0 + tl.erf(s * 0.7071067811865476))
     else:
@@ -155,16 +198,26 @@ def _act(s, ACT: tl.constexpr):
 
 
 @triton.jit
-def _act_grad(s, ACT: tl.constexpr):
-    """d act(s) / ds for the pointwise activations (fp32)."""
+def _act_and_grad(s, ACT: tl.constexpr, FAST: tl.constexpr):
+    """(act(s), d act(s) / ds) for the pointwise activations (fp32), sharing one sigmoid evaluation."""
     if ACT == 1:
-        sig = tl.fdiv(s * 0.0 + 1.0, 1.0 + tl.exp2(-1.4426950408889634 * s), ieee_rounding=False)
-        out = sig * (1.0 + s * (1.0 - sig))
+        if FAST:  # sigmoid = (1 + t) / 2 with t = tanh(s / 2); silu' = sig (1 + s (1 - sig))
+            h = 0.5 * s
+            t = _tanh_approx(h)
+            out = h * t + h
+            grad = (0.5 + 0.5 * t) * (1.0 + h - h * t)
+        else:
+            sig = tl.fdiv(s * 0.0 + 1.0, 1.0 + tl.exp2(-1.4426950408889634 * s), ieee_rounding=False)
+            out = s * sig
+            grad = sig * (1.0 + s * (1.0 - sig))
     elif ACT == 2:
-        out = 0.5 * (1.0 + tl.erf(s * 0.7071067811865476)) + s * 0.3989422804014327 * tl.exp(-0.5 * s * s)
+        cdf = 0.5 * (1.0 + tl.erf(s * 0.7071067811865476))
+        out = s * cdf
+        grad = cdf + s * 0.3989422804014327 * tl.exp(-0.5 * s * s)
     else:
-        out = s * 0.0 + 1.0
-    return out
+        out = s
+        grad = s * 0.0 + 1.0
+    return out, grad
 
 
 @triton.jit
@@ -272,7 +325,7 @@ def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, l
                ACT: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
                ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, EVEN_D: tl.constexpr,
                BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr,
-               CONTEXT: tl.constexpr):
+               CONTEXT: tl.constexpr, FAST: tl.constexpr):
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         kt_ptrs = k_base + offs_n[None, :] * stride_kt + offs_dk[:, None]
@@ -307,7 +360,11 @@ def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, l
             acc = acc * corr[:, None]
             m_i = m_new
         else:
-            p = _act(s * sc, ACT) * inv_n
+            if ACT == 1 and FAST:  # silu(x) = h + h tanh(h) with h = x / 2: the 1/2 folded into the scale
+                h = s * (0.5 * sc)
+                p = h * _tanh_approx(h) + h
+            else:
+                p = _act(s * sc, ACT, FAST)  # 1/N is applied to acc once, in the epilogue
             if MASKED:
                 ok = _valid(offs_m[:, None], offs_n[None, :], lq, lk, n_hist, CAUSAL, HAS_TARGETS,
                             ATT_BLOCK, WINDOW, CONTEXT)
@@ -324,7 +381,7 @@ def _gdpa_fwd(Q, K, V, O, LSE, Q_OFF, KV_OFF, NT, WORK, BIAS,
               ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, Q_BCAST: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
               BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr,
-              CONTEXT: tl.constexpr):
+              CONTEXT: tl.constexpr, FAST: tl.constexpr):
     w = tl.load(WORK + tl.program_id(0))
     if w < 0:
         return
@@ -363,33 +420,38 @@ def _gdpa_fwd(Q, K, V, O, LSE, Q_OFF, KV_OFF, NT, WORK, BIAS,
                                n_hist, alpha_s, inv_n, lo, full_hi, offs_dk, offs_dv, D_QK, D_V,
                                bias_base, stride_bi, stride_bj,
                                ACT, False, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, EVEN_D, BLOCK_N,
-                               DOT_PREC, HAS_BIAS, CONTEXT)
+                               DOT_PREC, HAS_BIAS, CONTEXT, FAST)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, lq, lk,
                                n_hist, alpha_s, inv_n, full_hi, hi, offs_dk, offs_dv, D_QK, D_V,
                                bias_base, stride_bi, stride_bj,
                                ACT, True, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, EVEN_D, BLOCK_N,
-                               DOT_PREC, HAS_BIAS, CONTEXT)
+                               DOT_PREC, HAS_BIAS, CONTEXT, FAST)
     row_ok = offs_m < lq
     if ACT == 0:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         acc = acc / l_safe[:, None]
         lse = tl.where(l_i == 0.0, float("inf"), m_i + tl.log2(l_safe))
         tl.store(LSE + h * stride_lh + q_start + offs_m, lse, mask=row_ok)
+    else:
+        acc = acc * inv_n
     o_ptrs = O + (q_start + offs_m[:, None]) * stride_ot + h * stride_oh + offs_dv[None, :]
     tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < D_V))
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Backward: dK/dV (loop over query tiles) and dQ (loop over key tiles); no atomics.
+# Backward: dK/dV (key tile, loop over query tiles) and dQ (query tile, loop over key tiles); no atomics.
+# One kernel, _gdpa_bwd, runs either kind of item (PART 1 / 2: one launch per kind) or both kinds from one
+# merged longest-first work table (PART 0: one launch, the short dQ items fill the tail of the dK/dV ones).
 # ----------------------------------------------------------------------------------------------------------
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n, lq,
-                lk, n_hist, alpha_s, inv_n, lo, hi, offs_dk, offs_dv, D_QK, D_V, bias_base, stride_bi, stride_bj,
-                ACT: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
-                ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,
-                DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr, CONTEXT: tl.constexpr):
+def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, o_base, stride_qt, stride_dot, stride_ot,
+                offs_n, lq, lk, n_hist, alpha_s, lo, hi, offs_dk, offs_dv, D_QK, D_V, bias_base, stride_bi,
+                stride_bj, ACT: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                HAS_TARGETS: tl.constexpr, ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,
+                DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr, CONTEXT: tl.constexpr, FAST: tl.constexpr,
+                DELTA_INLINE: tl.constexpr):
     for m0 in range(lo, hi, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         row_ok = offs_m < lq
@@ -403,16 +465,21 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, 
         dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
         if ACT == 0:
             lse = tl.load(lse_base + offs_m, mask=row_ok, other=float("inf"))
-            delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
+            if DELTA_INLINE:  # delta = rowsum(o * do) here instead of in a separate launch
+                o = tl.load(o_base + offs_m[:, None] * stride_ot + offs_dv[None, :],
+                            mask=row_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
+                delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+            else:
+                delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
             pt = tl.exp2(st - lse[None, :])
             if MASKED:
                 ok = _valid(offs_m[None, :], offs_n[:, None], lq, lk, n_hist, CAUSAL, HAS_TARGETS,
                             ATT_BLOCK, WINDOW, CONTEXT)
                 pt = tl.where(ok, pt, 0.0)
             dst = pt * (dpt - delta[None, :])
-        else:
-            pt = _act(st, ACT) * inv_n
-            dst = dpt * _act_grad(st, ACT) * inv_n
+        else:  # 1/N is applied to dk, dv once, in the epilogue
+            pt, gt = _act_and_grad(st, ACT, FAST)
+            dst = dpt * gt
             if MASKED:
                 ok = _valid(offs_m[None, :], offs_n[:, None], lq, lk, n_hist, CAUSAL, HAS_TARGETS,
                             ATT_BLOCK, WINDOW, CONTEXT)
@@ -424,21 +491,17 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, 
 
 
 @triton.jit
-def _gdpa_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, Q_OFF, KV_OFF, NT, WORK, BIAS,
-                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-                   stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
-                   stride_bb, stride_bh, stride_bi, stride_bj, alpha, inv_n, n_tiles, D_QK, D_V,
-                   ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
-                   ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, Q_BCAST: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
-                   BLOCK_DV: tl.constexpr, DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   CONTEXT: tl.constexpr):
-    w = tl.load(WORK + tl.program_id(0))
-    if w < 0:
-        return
-    h = tl.program_id(1).to(tl.int64)
-    b = w // n_tiles
-    n0 = (w % n_tiles) * BLOCK_N
+def _dkdv_tile(Q, K, V, DO, LSE, DELTA, O, DK, DV, Q_OFF, KV_OFF, NT, BIAS, b, n0, h,
+               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+               stride_ot, stride_oh,
+               stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
+               stride_bb, stride_bh, stride_bi, stride_bj, alpha, inv_n, D_QK, D_V,
+               ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
+               ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, Q_BCAST: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
+               BLOCK_DV: tl.constexpr, DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr,
+               CONTEXT: tl.constexpr, FAST: tl.constexpr, DELTA_INLINE: tl.constexpr):
+    """dK, dV of keys [n0, n0 + BLOCK_N) of sequence b, head h."""
     q_start = tl.load(Q_OFF + b)
     lq = (tl.load(Q_OFF + b + 1) - q_start).to(tl.int32)
     kv_start = tl.load(KV_OFF + b)
@@ -469,17 +532,22 @@ def _gdpa_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, Q_OFF, KV_OFF, NT, WORK, BIA
     do_base = DO + q_start * stride_dot + h * stride_doh
     lse_base = LSE + h * stride_lh + q_start
     delta_base = DELTA + h * stride_lh + q_start
+    o_base = O + q_start * stride_ot + h * stride_oh
     lo, hi, full_lo = _query_range(n0, lq, n_hist, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, BLOCK_M,
                                    BLOCK_N, CONTEXT)
-    dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n,
-                         lq, lk, n_hist, alpha_s, inv_n, lo, full_lo, offs_dk, offs_dv, D_QK, D_V,
-                         bias_base, stride_bi, stride_bj,
-                         ACT, True, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, BLOCK_M, DOT_PREC, HAS_BIAS, CONTEXT)
-    dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n,
-                         lq, lk, n_hist, alpha_s, inv_n, full_lo, hi, offs_dk, offs_dv, D_QK, D_V,
-                         bias_base, stride_bi, stride_bj,
-                         ACT, False, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, BLOCK_M, DOT_PREC, HAS_BIAS, CONTEXT)
-    dk = dk * alpha
+    dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, o_base, stride_qt, stride_dot,
+                         stride_ot, offs_n, lq, lk, n_hist, alpha_s, lo, full_lo, offs_dk, offs_dv, D_QK, D_V,
+                         bias_base, stride_bi, stride_bj, ACT, True, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW,
+                         BLOCK_M, DOT_PREC, HAS_BIAS, CONTEXT, FAST, DELTA_INLINE)
+    dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, o_base, stride_qt, stride_dot,
+                         stride_ot, offs_n, lq, lk, n_hist, alpha_s, full_lo, hi, offs_dk, offs_dv, D_QK, D_V,
+                         bias_base, stride_bi, stride_bj, ACT, False, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW,
+                         BLOCK_M, DOT_PREC, HAS_BIAS, CONTEXT, FAST, DELTA_INLINE)
+    if ACT == 0:
+        dk = dk * alpha
+    else:
+        dk = dk * (alpha * inv_n)
+        dv = dv * inv_n
     tl.store(DK + (kv_start + offs_n[:, None]) * stride_dkt + h * stride_dkh + offs_dk[None, :],
              dk.to(DK.dtype.element_ty), mask=col_ok[:, None] & (offs_dk[None, :] < D_QK))
     tl.store(DV + (kv_start + offs_n[:, None]) * stride_dvt + h * stride_dvh + offs_dv[None, :],
@@ -488,12 +556,12 @@ def _gdpa_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, Q_OFF, KV_OFF, NT, WORK, BIA
 
 @triton.jit
 def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_m, lq, lk, n_hist, alpha_s,
-              inv_n, lo, hi, offs_dk, offs_dv, D_QK, D_V, bias_base, stride_bi, stride_bj, dbias_base,
+              ds_scale, lo, hi, offs_dk, offs_dv, D_QK, D_V, bias_base, stride_bi, stride_bj, dbias_base,
               stride_dbi, stride_dbj,
               ACT: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
               ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
               DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_DBIAS: tl.constexpr,
-              CONTEXT: tl.constexpr):
+              CONTEXT: tl.constexpr, FAST: tl.constexpr):
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         col_ok = offs_n < lk
@@ -512,35 +580,32 @@ def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_
                             ATT_BLOCK, WINDOW, CONTEXT)
                 p = tl.where(ok, p, 0.0)
             ds = p * (dp - delta[:, None])
-        else:
-            ds = dp * _act_grad(s, ACT) * inv_n
+        else:  # without 1/N (ds_scale), applied to dq once in the epilogue
+            _unused, g = _act_and_grad(s, ACT, FAST)
+            ds = dp * g
             if MASKED:
                 ok = _valid(offs_m[:, None], offs_n[None, :], lq, lk, n_hist, CAUSAL, HAS_TARGETS,
                             ATT_BLOCK, WINDOW, CONTEXT)
                 ds = tl.where(ok, ds, 0.0)
         if STORE_DBIAS:  # d logits = d bias; every (row, key) pair is written by exactly one program
-            tl.store(dbias_base + offs_m[:, None] * stride_dbi + offs_n[None, :] * stride_dbj, ds,
+            tl.store(dbias_base + offs_m[:, None] * stride_dbi + offs_n[None, :] * stride_dbj, ds * ds_scale,
                      mask=(offs_m[:, None] < lq) & (offs_n[None, :] < lk))
         dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq, input_precision=DOT_PREC)
     return dq
 
 
 @triton.jit
-def _gdpa_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, Q_OFF, KV_OFF, NT, WORK, BIAS, DBIAS,
-                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-                 stride_dqt, stride_dqh, stride_lh, stride_bb, stride_bh, stride_bi, stride_bj,
-                 stride_dbb, stride_dbh, stride_dbi, stride_dbj, alpha, inv_n, n_tiles, D_QK, D_V,
-                 ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
-                 ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, Q_BCAST: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
-                 BLOCK_DV: tl.constexpr, DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 STORE_DBIAS: tl.constexpr, CONTEXT: tl.constexpr):
-    w = tl.load(WORK + tl.program_id(0))
-    if w < 0:
-        return
-    h = tl.program_id(1).to(tl.int64)
-    b = w // n_tiles
-    m0 = (w % n_tiles) * BLOCK_M
+def _dq_tile(Q, K, V, DO, LSE, DELTA, O, DQ, Q_OFF, KV_OFF, NT, BIAS, DBIAS, b, m0, h,
+             stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+             stride_ot, stride_oh,
+             stride_dqt, stride_dqh, stride_lh, stride_bb, stride_bh, stride_bi, stride_bj,
+             stride_dbb, stride_dbh, stride_dbi, stride_dbj, alpha, inv_n, D_QK, D_V,
+             ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
+             ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, Q_BCAST: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
+             BLOCK_DV: tl.constexpr, DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr,
+             STORE_DBIAS: tl.constexpr, CONTEXT: tl.constexpr, FAST: tl.constexpr, DELTA_INLINE: tl.constexpr):
+    """dQ (and dbias) of query rows [m0, m0 + BLOCK_M) of sequence b, head h."""
     q_start = tl.load(Q_OFF + b)
     lq = (tl.load(Q_OFF + b + 1) - q_start).to(tl.int32)
     kv_start = tl.load(KV_OFF + b)
@@ -562,10 +627,17 @@ def _gdpa_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, Q_OFF, KV_OFF, NT, WORK, BIAS, DBI
                  mask=row_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
     if ACT == 0:
         alpha_s = alpha * 1.4426950408889634
+        ds_scale = 1.0
         lse = tl.load(LSE + h * stride_lh + q_start + offs_m, mask=row_ok, other=float("inf"))
-        delta = tl.load(DELTA + h * stride_lh + q_start + offs_m, mask=row_ok, other=0.0)
+        if DELTA_INLINE:
+            o = tl.load(O + (q_start + offs_m[:, None]) * stride_ot + h * stride_oh + offs_dv[None, :],
+                        mask=row_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
+            delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+        else:
+            delta = tl.load(DELTA + h * stride_lh + q_start + offs_m, mask=row_ok, other=0.0)
     else:
         alpha_s = alpha
+        ds_scale = inv_n
         lse = tl.zeros([BLOCK_M], dtype=tl.float32)
         delta = lse
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
@@ -575,16 +647,71 @@ def _gdpa_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, Q_OFF, KV_OFF, NT, WORK, BIAS, DBI
     bias_base = BIAS + b.to(tl.int64) * stride_bb + h * stride_bh
     dbias_base = DBIAS + b.to(tl.int64) * stride_dbb + h * stride_dbh
     dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_m, lq, lk, n_hist,
-                   alpha_s, inv_n, lo, full_hi, offs_dk, offs_dv, D_QK, D_V, bias_base, stride_bi, stride_bj,
+                   alpha_s, ds_scale, lo, full_hi, offs_dk, offs_dv, D_QK, D_V, bias_base, stride_bi, stride_bj,
                    dbias_base, stride_dbi, stride_dbj, ACT, False, CAUSAL,
-                   HAS_TARGETS, ATT_BLOCK, WINDOW, BLOCK_N, DOT_PREC, HAS_BIAS, STORE_DBIAS, CONTEXT)
+                   HAS_TARGETS, ATT_BLOCK, WINDOW, BLOCK_N, DOT_PREC, HAS_BIAS, STORE_DBIAS, CONTEXT, FAST)
     dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_m, lq, lk, n_hist,
-                   alpha_s, inv_n, full_hi, hi, offs_dk, offs_dv, D_QK, D_V, bias_base, stride_bi, stride_bj,
+                   alpha_s, ds_scale, full_hi, hi, offs_dk, offs_dv, D_QK, D_V, bias_base, stride_bi, stride_bj,
                    dbias_base, stride_dbi, stride_dbj, ACT, True, CAUSAL,
-                   HAS_TARGETS, ATT_BLOCK, WINDOW, BLOCK_N, DOT_PREC, HAS_BIAS, STORE_DBIAS, CONTEXT)
-    dq = dq * alpha
+                   HAS_TARGETS, ATT_BLOCK, WINDOW, BLOCK_N, DOT_PREC, HAS_BIAS, STORE_DBIAS, CONTEXT, FAST)
+    dq = dq * (alpha * ds_scale)
     tl.store(DQ + (q_start + offs_m[:, None]) * stride_dqt + h * stride_dqh + offs_dk[None, :],
              dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (offs_dk[None, :] < D_QK))
+
+
+@triton.jit
+def _gdpa_bwd(Q, K, V, DO, LSE, DELTA, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, WORK, BIAS, DBIAS,
+              stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+              stride_ot, stride_oh,
+              stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh, stride_lh,
+              stride_bb, stride_bh, stride_bi, stride_bj, stride_dbb, stride_dbh, stride_dbi, stride_dbj,
+              alpha, inv_n, n_k_items, n_tiles_k, n_tiles_q, D_QK, D_V,
+              ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
+              ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, Q_BCAST: tl.constexpr, PART: tl.constexpr,
+              DK_BM: tl.constexpr, DK_BN: tl.constexpr, DQ_BM: tl.constexpr, DQ_BN: tl.constexpr,
+              BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, DOT_PREC: tl.constexpr,
+              HAS_BIAS: tl.constexpr, STORE_DBIAS: tl.constexpr, CONTEXT: tl.constexpr, FAST: tl.constexpr,
+              DELTA_INLINE: tl.constexpr):
+    """Backward work item WORK[pid]: a dK/dV key tile (id < n_k_items: b * n_tiles_k + tile) or a dQ query
+    tile (id - n_k_items = b * n_tiles_q + tile); PART 1 / 2 compile only the dK/dV / dQ branch."""
+    w = tl.load(WORK + tl.program_id(0))
+    if w < 0:
+        return
+    h = tl.program_id(1).to(tl.int64)
+    if PART == 1:
+        _dkdv_tile(Q, K, V, DO, LSE, DELTA, O, DK, DV, Q_OFF, KV_OFF, NT, BIAS, w // n_tiles_k,
+                   (w % n_tiles_k) * DK_BN, h, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                   stride_dot, stride_doh, stride_ot, stride_oh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+                   stride_lh,
+                   stride_bb, stride_bh, stride_bi, stride_bj, alpha, inv_n, D_QK, D_V,
+                   ACT, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, Q_BCAST, DK_BM, DK_BN, BLOCK_DQK, BLOCK_DV,
+                   DOT_PREC, HAS_BIAS, CONTEXT, FAST, DELTA_INLINE)
+    elif PART == 2:
+        _dq_tile(Q, K, V, DO, LSE, DELTA, O, DQ, Q_OFF, KV_OFF, NT, BIAS, DBIAS, w // n_tiles_q,
+                 (w % n_tiles_q) * DQ_BM, h, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                 stride_dot, stride_doh, stride_ot, stride_oh, stride_dqt, stride_dqh, stride_lh, stride_bb, stride_bh,
+                 stride_bi,
+                 stride_bj, stride_dbb, stride_dbh, stride_dbi, stride_dbj, alpha, inv_n, D_QK, D_V,
+                 ACT, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, Q_BCAST, DQ_BM, DQ_BN, BLOCK_DQK, BLOCK_DV,
+                 DOT_PREC, HAS_BIAS, STORE_DBIAS, CONTEXT, FAST, DELTA_INLINE)
+    else:
+        if w < n_k_items:
+            _dkdv_tile(Q, K, V, DO, LSE, DELTA, O, DK, DV, Q_OFF, KV_OFF, NT, BIAS, w // n_tiles_k,
+                       (w % n_tiles_k) * DK_BN, h, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+                       stride_vh, stride_dot, stride_doh, stride_ot, stride_oh, stride_dkt, stride_dkh, stride_dvt,
+                       stride_dvh,
+                       stride_lh, stride_bb, stride_bh, stride_bi, stride_bj, alpha, inv_n, D_QK, D_V,
+                       ACT, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, Q_BCAST, DK_BM, DK_BN, BLOCK_DQK,
+                       BLOCK_DV, DOT_PREC, HAS_BIAS, CONTEXT, FAST, DELTA_INLINE)
+        else:
+            wq = w - n_k_items
+            _dq_tile(Q, K, V, DO, LSE, DELTA, O, DQ, Q_OFF, KV_OFF, NT, BIAS, DBIAS, wq // n_tiles_q,
+                     (wq % n_tiles_q) * DQ_BM, h, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+                     stride_vh, stride_dot, stride_doh, stride_ot, stride_oh, stride_dqt, stride_dqh, stride_lh, stride_bb,
+                     stride_bh,
+                     stride_bi, stride_bj, stride_dbb, stride_dbh, stride_dbi, stride_dbj, alpha, inv_n, D_QK,
+                     D_V, ACT, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, Q_BCAST, DQ_BM, DQ_BN, BLOCK_DQK,
+                     BLOCK_DV, DOT_PREC, HAS_BIAS, STORE_DBIAS, CONTEXT, FAST, DELTA_INLINE)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -709,6 +836,44 @@ def _bwd_delta(O, DO, DELTA, T, stride_ot, stride_oh, stride_dot, stride_doh, st
     tl.store(DELTA + h * stride_lh + offs_t, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=offs_t < T)
 
 
+def _bwd_table(spec: _Spec, q_off: torch.Tensor, kv_off: torch.Tensor, bn_k: int, bm_q: int, t_k: int,
+               t_q: int) -> tuple[torch.Tensor, int, int, int]:
+    """Cached merged work table of the one-launch backward (PART 0): dK/dV key tiles (ids ``b * n_tiles_k
+    + tile``) and dQ query tiles (ids ``n_k_items + b * n_tiles_q + tile``), sorted together by decreasing
+    cost in tile-pair matmuls (4 per pair for dK/dV, 3 for dQ), -1 (invalid) last, trimmed to the bound on
+    valid items. Returns (table int32, n_k_items, n_tiles_k, n_tiles_q)."""
+    def make():
+        lq = q_off[1:] - q_off[:-1]
+        lk = kv_off[1:] - kv_off[:-1]
+        bsz = lq.numel()
+        ntk = max(1, triton.cdiv(spec.max_kv_len, bn_k))
+        ntq = max(1, triton.cdiv(spec.max_q_len, bm_q))
+        tk = torch.arange(ntk, device=lq.device, dtype=torch.int64)
+        tq = torch.arange(ntq, device=lq.device, dtype=torch.int64)
+        valid_k = (tk[None, :] * bn_k) < lk[:, None]
+        valid_q = (tq[None, :] * bm_q) < lq[:, None]
+        cost_k = _k_tile_cost(spec, lq, ntk, bn_k) * (4 * bn_k)
+        cost_q = _q_tile_cost(spec, lk, ntq, bm_q) * (3 * bm_q)
+        valid = torch.cat([valid_k.flatten(), valid_q.flatten()])
+        key = torch.cat([torch.where(valid_k, cost_k, torch.full_like(cost_k, -1)).flatten(),
+                         torch.where(valid_q, cost_q, torch.full_like(cost_q, -1)).flatten()])
+        order = torch.argsort(key, descending=True, stable=True)
+        ids = torch.arange(valid.numel(), device=lq.device, dtype=torch.int64)
+        table = torch.where(valid[order], ids[order], torch.full_like(ids, -1))
+        bound = t_k // bn_k + bsz + t_q // bm_q + bsz
+        table = table[: max(1, min(table.numel(), bound))]
+        return table.to(torch.int32).contiguous(), bsz * ntk, ntk, ntq
+
+    return _cached((q_off, kv_off), ("bwd", bn_k, bm_q, spec.max_q_len, spec.max_kv_len, spec.causal,
+                                     spec.att_block, spec.window, t_k, t_q), make)
+
+
+def _fast_act(dtype: torch.dtype) -> bool:
+    """tanh.approx silu (one MUFU op per score) for 16-bit inputs on CUDA; exact path for fp32 and the
+    interpreter (which cannot run inline PTX)."""
+    return FAST_ACT and dtype != torch.float32 and not _interpreting()
+
+
 class _GDPA(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bias, q_off, kv_off, nt, spec: _Spec, t_out: int):
@@ -716,7 +881,7 @@ class _GDPA(torch.autograd.Function):
         d_qk, d_v = q.shape[2], v.shape[2]
         bdk, bdv = _block_d(d_qk), _block_d(d_v)
         reg = regime(t_out, q_off.numel() - 1)
-        bm, bn, warps, stages = _tiles("fwd", d_qk, reg, spec.max_q_len)
+        bm, bn, warps, stages = _tiles("fwd_silu" if spec.act == 1 else "fwd", d_qk, reg, spec.max_q_len)
         table, n_tiles = _q_table(spec, q_off, kv_off, bm, t_out)
         o = q.new_empty((t_out, h, d_v))
         lse = torch.empty((h, t_out), device=q.device, dtype=torch.float32)
@@ -729,59 +894,67 @@ class _GDPA(torch.autograd.Function):
             ACT=spec.act, CAUSAL=spec.causal, HAS_TARGETS=nt is not None, ATT_BLOCK=spec.att_block,
             WINDOW=spec.window, Q_BCAST=spec.q_bcast, CONTEXT=spec.context, BLOCK_M=bm, BLOCK_N=bn, BLOCK_DQK=bdk,
             BLOCK_DV=bdv, EVEN_D=(bdk == d_qk and bdv == d_v), DOT_PREC=_dot_prec(q.dtype),
-            num_warps=warps, num_stages=stages)
+            FAST=_fast_act(q.dtype), num_warps=warps, num_stages=stages)
         ctx.save_for_backward(q, k, v, bias, o, lse, q_off, kv_off, nt)
         ctx.spec = spec
+        ctx.reg = reg
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, bias, o, lse, q_off, kv_off, nt = ctx.saved_tensors
         spec: _Spec = ctx.spec
+        reg: str = ctx.reg
         do = do.contiguous() if do.stride(-1) != 1 else do
         h = k.shape[1]
         d_qk, d_v = q.shape[2], v.shape[2]
         bdk, bdv = _block_d(d_qk), _block_d(d_v)
         t_out = o.shape[0]
-        if spec.act == 0:
+        delta_inline = spec.act == 0 and DELTA_INLINE.get(reg, False)
+        if spec.act == 0 and not delta_inline:
             delta = torch.empty_like(lse)  # [H, T_out]
             _bwd_delta[(triton.cdiv(t_out, 64), h)](
                 o, do, delta, t_out, o.stride(0), o.stride(1), do.stride(0), do.stride(1), delta.stride(0),
                 d_v, BLOCK_T=64, BLOCK_DV=bdv, num_warps=4)
         else:
             delta = lse
-        nt_arg = nt if nt is not None else q_off
-        common = dict(ACT=spec.act, CAUSAL=spec.causal, HAS_TARGETS=nt is not None, HAS_BIAS=bias is not None,
-                      ATT_BLOCK=spec.att_block, WINDOW=spec.window, Q_BCAST=spec.q_bcast, CONTEXT=spec.context,
-                      BLOCK_DQK=bdk, BLOCK_DV=bdv, DOT_PREC=_dot_prec(q.dtype))
-
         dk = torch.empty_like(k)
         dv = torch.empty_like(v)
-        reg = regime(t_out, q_off.numel() - 1)
-        bm, bn, warps, stages = _tiles("dkdv", d_qk, reg, spec.max_q_len)
-        table, n_tiles = _k_table(spec, q_off, kv_off, bn, k.shape[0])
-        _gdpa_bwd_dkdv[(table.numel(), h)](
-            q, k, v, do, lse, delta, dk, dv, q_off, kv_off, nt_arg, table, bias if bias is not None else q,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-            lse.stride(0), *_bias_strides(bias), spec.alpha, spec.inv_n, n_tiles, d_qk, d_v,
-            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common)
-
         dq = q.new_empty((t_out, h, d_qk)) if spec.q_bcast else torch.empty_like(q)
-        bm, bn, warps, stages = _tiles("dq", d_qk, reg, spec.max_q_len)
-        table, n_tiles = _q_table(spec, q_off, kv_off, bm, t_out)
         want_dbias = bias is not None and ctx.needs_input_grad[3]
         # dbias per head, fp32, zero where no program writes (pairs outside the mask / key range)
         dbias = (torch.zeros((bias.shape[0], h, bias.shape[-2], bias.shape[-1]), device=q.device,
                              dtype=torch.float32) if want_dbias else None)
-        _gdpa_bwd_dq[(table.numel(), h)](
-            q, k, v, do, lse, delta, dq, q_off, kv_off, nt_arg, table, bias if bias is not None else q,
-            dbias if dbias is not None else q,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), lse.stride(0), *_bias_strides(bias),
-            *(dbias.stride() if dbias is not None else (0, 0, 0, 0)),
-            spec.alpha, spec.inv_n, n_tiles, d_qk, d_v, STORE_DBIAS=want_dbias,
-            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common)
+        kbm, kbn, kwarps, kstages = _tiles("dkdv", d_qk, reg, spec.max_q_len)
+        qbm, qbn, qwarps, qstages = _tiles("dq", d_qk, reg, spec.max_q_len)
+        args = [q, k, v, do, lse, delta, o, dk, dv, dq, q_off, kv_off, nt if nt is not None else q_off, None,
+                bias if bias is not None else q, dbias if dbias is not None else q,
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                do.stride(0), do.stride(1), o.stride(0), o.stride(1), dk.stride(0), dk.stride(1),
+                dv.stride(0), dv.stride(1),
+                dq.stride(0), dq.stride(1), lse.stride(0), *_bias_strides(bias),
+                *(dbias.stride() if dbias is not None else (0, 0, 0, 0)),
+                spec.alpha, spec.inv_n, 0, 1, 1, d_qk, d_v]
+        consts = dict(ACT=spec.act, CAUSAL=spec.causal, HAS_TARGETS=nt is not None, HAS_BIAS=bias is not None,
+                      ATT_BLOCK=spec.att_block, WINDOW=spec.window, Q_BCAST=spec.q_bcast, CONTEXT=spec.context,
+                      BLOCK_DQK=bdk, BLOCK_DV=bdv, DOT_PREC=_dot_prec(q.dtype), STORE_DBIAS=want_dbias,
+                      FAST=_fast_act(q.dtype), DELTA_INLINE=delta_inline)
+        if FUSED_BWD.get(reg, False):  # one launch: dK/dV and dQ items from one longest-first table
+            table, n_k_items, ntk, ntq = _bwd_table(spec, q_off, kv_off, kbn, qbm, k.shape[0], t_out)
+            args[13], args[-5:-2] = table, (n_k_items, ntk, ntq)
+            _gdpa_bwd[(table.numel(), h)](*args, PART=0, num_warps=max(kwarps, qwarps),
+                                          num_stages=min(kstages, qstages), DK_BM=kbm, DK_BN=kbn, DQ_BM=qbm,
+                                          DQ_BN=qbn, **consts)
+        else:
+            table, ntk = _k_table(spec, q_off, kv_off, kbn, k.shape[0])
+            args[13], args[-5:-2] = table, (0, ntk, 1)
+            # the other part's tile sizes are unused (pruned branch): 0 keeps one compiled variant per config
+            _gdpa_bwd[(table.numel(), h)](*args, PART=1, num_warps=kwarps, num_stages=kstages, DK_BM=kbm,
+                                          DK_BN=kbn, DQ_BM=0, DQ_BN=0, **consts)
+            table, ntq = _q_table(spec, q_off, kv_off, qbm, t_out)
+            args[13], args[-5:-2] = table, (0, 1, ntq)
+            _gdpa_bwd[(table.numel(), h)](*args, PART=2, num_warps=qwarps, num_stages=qstages, DK_BM=0, DK_BN=0,
+                                          DQ_BM=qbm, DQ_BN=qbn, **consts)
         if spec.q_bcast:
             dq = dq.view(-1, q.shape[0], h, d_qk).sum(0, dtype=torch.float32).to(q.dtype)
         if dbias is not None:

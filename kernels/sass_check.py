@@ -1,0 +1,134 @@
+"""Compile-only check of the jagged attention kernels for Hopper (sm_90), no GPU needed.
+
+``python -m gemray.kernels.sass_check [--all]`` compiles kernel variants with ``triton.compile(...,
+target=GPUTarget("cuda", 90, 32))`` (ptxas and cuobjdump come with the triton wheel) and prints, per
+variant: shared memory, registers, ptxas stack (local memory) bytes, whether the matrix products use
+wgmma (HGMMA in SASS), and for each loop of the SASS (a backward branch and its target) the spill stores
+and loads (STL / LDL) executed per iteration. Spills inside a loop cost every tile; spills outside the
+loops (values kept across them) cost once per program. kernels/NOTES.md records what this showed.
+The device may run another triton version: re-check there when a number matters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from gemray.kernels import jagged_attention as ja
+
+_FWD_TYPES = dict(Q="*bf16", K="*bf16", V="*bf16", O="*bf16", LSE="*fp32", Q_OFF="*i64", KV_OFF="*i64",
+                  NT="*i64", WORK="*i32", BIAS="*bf16", alpha="fp32", inv_n="fp32")
+_BWD_TYPES = dict(Q="*bf16", K="*bf16", V="*bf16", DO="*bf16", LSE="*fp32", DELTA="*fp32", O="*bf16",
+                  DK="*bf16", DV="*bf16", DQ="*bf16", Q_OFF="*i64", KV_OFF="*i64", NT="*i64", WORK="*i32",
+                  BIAS="*fp32", DBIAS="*fp32", alpha="fp32", inv_n="fp32")
+_BASE = dict(CAUSAL=True, HAS_TARGETS=False, ATT_BLOCK=0, WINDOW=0, Q_BCAST=False, BLOCK_DQK=128, BLOCK_DV=128,
+             DOT_PREC=None, HAS_BIAS=False, CONTEXT=0, FAST=True)
+
+
+def fwd_variant(act: int, bm: int, bn: int, warps: int, stages: int) -> tuple:
+    """(name, jit fn, arg types, constexprs, warps, stages) of a bf16 D=128 causal forward."""
+    return (f"fwd act={act} {bm}x{bn}/{warps}w/{stages}s", ja._gdpa_fwd, _FWD_TYPES,
+            dict(_BASE, ACT=act, BLOCK_M=bm, BLOCK_N=bn, EVEN_D=True), warps, stages)
+
+
+def bwd_variant(act: int, part: int, dk: tuple[int, int], dq: tuple[int, int], warps: int, stages: int,
+                inline: bool = False) -> tuple:
+    """A bf16 D=128 causal backward: part 0 (one launch), 1 (dK/dV) or 2 (dQ); dk / dq = (BM, BN)."""
+    dk = dk if part != 2 else (0, 0)
+    dq = dq if part != 1 else (0, 0)
+    return (f"bwd act={act} part={part} dkdv={dk[0]}x{dk[1]} dq={dq[0]}x{dq[1]}/{warps}w/{stages}s"
+            f"{' delta-inline' if inline else ''}", ja._gdpa_bwd, _BWD_TYPES,
+            dict(_BASE, ACT=act, PART=part, DK_BM=dk[0], DK_BN=dk[1], DQ_BM=dq[0], DQ_BN=dq[1],
+                 STORE_DBIAS=False, DELTA_INLINE=inline), warps, stages)
+
+
+def _loops(sass: str) -> list[tuple[int, int, int, int]]:
+    """(instructions, HGMMA, STL, LDL) of every loop body (backward branch to a lower address)."""
+    ins = [(int(m.group(1), 16), m.group(2))
+           for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
+    out = []
+    for addr, text in ins:
+        m = re.search(r"BRA 0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr:
+            body = [t for a, t in ins if int(m.group(1), 16) <= a <= addr]
+            out.append((len(body), sum("HGMMA" in t for t in body), sum("STL" in t for t in body),
+                        sum("LDL" in t for t in body)))
+    return out
+
+
+def check(variant: tuple) -> dict:
+    """Compile one variant for sm_90 and return its resource and spill figures (raises on compile errors)."""
+    name, fn, types, consts, warps, stages = variant
+    sig = {a: ("constexpr" if a in consts else types.get(a, "i32")) for a in fn.arg_names}
+    k = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=warps, num_stages=stages))
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True,
+                               text=True, check=True).stdout
+        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+    return dict(name=name, shared=k.metadata.shared, regs=int(m.group(1)) if m else -1,
+                stack=int(m.group(2)) if m else -1, hgmma=sass.count("HGMMA"), loops=_loops(sass))
+
+
+def default_variants(full: bool = False) -> list[tuple]:
+    """The current D=128 defaults of every regime (and, with ``full``, the sweep's other candidates)."""
+    seen, out = set(), []
+    for reg, table in ja.TILES.items():
+        for act in (0, 1):
+            bm, bn, w, s = table["fwd_silu" if act else "fwd"][128]
+            out.append(fwd_variant(act, bm, bn, w, s))
+            k, q = table["dkdv"][128], table["dq"][128]
+            if ja.FUSED_BWD[reg]:
+                out.append(bwd_variant(act, 0, k[:2], q[:2], max(k[2], q[2]), min(k[3], q[3]),
+                                       act == 0 and ja.DELTA_INLINE[reg]))
+            else:
+                out.append(bwd_variant(act, 1, k[:2], q[:2], k[2], k[3]))
+                out.append(bwd_variant(act, 2, k[:2], q[:2], q[2], q[3]))
+    if full:
+        from gemray.kernels import bench
+
+        for reg, kinds in bench.SWEEP.items():
+            for bm, bn, w, s in kinds["dkdv"]:
+                out.append(bwd_variant(0, 1, (bm, bn), (0, 0), w, s))
+            for bm, bn, w, s in kinds["dq"]:
+                out.append(bwd_variant(0, 2, (0, 0), (bm, bn), w, s))
+    for v in out:
+        if v[0] not in seen:
+            seen.add(v[0])
+            yield v
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print one line per compiled variant; exit code 1 when a variant fails to compile."""
+    p = argparse.ArgumentParser(prog="python -m gemray.kernels.sass_check", description=__doc__.split("\n\n")[0])
+    p.add_argument("--all", action="store_true", help="also every dK/dV and dQ candidate of the bench sweep")
+    args = p.parse_args(argv)
+    os.environ.pop("TRITON_INTERPRET", None)
+    bad = 0
+    for v in default_variants(args.all):
+        try:
+            r = check(v)
+        except Exception as e:  # report and go on: one bad variant must not hide the others
+            bad += 1
+            print(f"{v[0]}: COMPILE FAILED {e!r}"[:400], flush=True)
+            continue
+        loops = " ".join(f"[{n} instr, {h} HGMMA, {st} STL, {ld} LDL]" for n, h, st, ld in r["loops"])
+        print(f"{r['name']}: smem {r['shared']} B, {r['regs']} regs, stack {r['stack']} B, "
+              f"{r['hgmma']} HGMMA; loops {loops}", flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
