@@ -79,7 +79,17 @@ def _connect_ray(cfg: JobConfig) -> bool:
     # 2 workers + Ray Data read tasks starve on 2 real CPUs: advertise more CPUs than cores.
     num_cpus = cfg.ray.num_cpus or max(4, 2 * max(cfg.ray.num_workers, cfg.ray.max_workers))
     # address="local": always a new cluster, never one that `ray start` left running on this machine.
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+    # Ray 2.60 gives a new raylet a fixed 30 s to register with the GCS; on an overloaded machine (seen at
+    # load average 22 on 2 cores) that can run out, so try a second time before giving up.
+    for attempt in (1, 2):
+        try:
+            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+            break
+        except Exception as e:  # Ray raises a bare Exception for this
+            if attempt == 2 or "timed out during startup" not in str(e):
+                raise
+            log.warning("the embedded Ray cluster did not start in time (%s); starting it once more", e)
+            ray.shutdown()
     log.info("started an embedded Ray cluster advertising %d CPUs", num_cpus)
     return True
 
