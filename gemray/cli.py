@@ -22,7 +22,7 @@ import logging
 import sys
 from pathlib import Path
 
-USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError)
+USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError)
 EXIT_PREEMPTED = 75  # sysexits EX_TEMPFAIL: stopped on a preemption notice; re-run to resume
 
 

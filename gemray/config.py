@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -83,7 +84,7 @@ class ModelConfig:
     "self" (the position's own timestamp).
     """
 
-    embedding_dim: int = 50
+    embedding_dim: int = 52  # HSTU's ML-1M uses 50; FBGEMM's sharded tables need a multiple of 4
     num_blocks: int = 8
     num_heads: int = 2
     attention_dim: int = 25
@@ -189,6 +190,10 @@ class RayConfig:
 
     def validate(self) -> None:
         _positive(self, "num_workers", "cpus_per_worker")
+        if self.num_cpus < 0:
+            raise ValueError(f"ray.num_cpus: expected >= 0 (0 = detect), got {self.num_cpus}")
+        if self.max_failures < -1:
+            raise ValueError(f"ray.max_failures: expected >= 0 or -1 (retry forever), got {self.max_failures}")
         if self.min_workers < 0 or self.max_workers < 0:
             raise ValueError("ray.min_workers / ray.max_workers: expected >= 0")
         for name in ("resize_interval_s", "worker_start_timeout_s"):
@@ -237,9 +242,17 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def validate(self) -> "JobConfig":
+        if not str(self.name).strip():
+            raise ValueError("name: expected a non-empty job name (it names the Ray Train run; resume finds "
+                             "the run by it)")
         for f in dataclasses.fields(self):
             sub = getattr(self, f.name)
             if dataclasses.is_dataclass(sub):
+                for sf in dataclasses.fields(sub):  # nan / inf pass every '> 0' check: refuse them first
+                    v = getattr(sub, sf.name)
+                    vals = v if isinstance(v, list) else [v]
+                    if any(isinstance(x, float) and not math.isfinite(x) for x in vals):
+                        raise ValueError(f"{f.name}.{sf.name}: expected a finite number, got {v}")
                 sub.validate()
         return self
 

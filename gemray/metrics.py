@@ -3,8 +3,9 @@
 Shape key: B users, N items (ids 1..N; id 0 is padding).
 
 Protocol (Zhai et al. 2024, arXiv:2402.17152, sec. 4.1.1; generative-recommenders ``eval.py``): each user's
-held-out next item is ranked against every item; ``rank`` = how many real items score *strictly* higher
-than the target (0 = top). Ties count in the target's favour (optimistic); with float scores from
+held-out next item is ranked against every item; ``rank`` = how many other real items score at least as
+high as the target (0 = top). Ties count against the target (pessimistic), and so does a NaN score: a
+collapsed model whose scores are all equal, or NaN, ranks last instead of first. With float scores from
 distinct embeddings exact ties are rare. HR@K = mean(rank < K), NDCG@K = mean(1 / log2(rank + 2) if
 rank < K else 0) (one relevant item, so IDCG = 1).
 
@@ -24,7 +25,8 @@ def target_ranks(scores: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         scores: [B, N+1] float, column j = score of item id j; column 0 (padding id) is excluded.
         targets: [B] int64 in 1..N.
     Returns:
-        [B] int64: number of real items (ids 1..N) scoring strictly higher than the target.
+        [B] int64: number of other real items (ids 1..N) that score >= the target or NaN (a NaN target
+        score ranks N-1, last).
     Raises:
         ValueError: shape mismatch or a target outside 1..N.
     """
@@ -36,7 +38,8 @@ def target_ranks(scores: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"target_ranks: targets must be item ids in 1..{n_items}, got range "
                          f"[{int(targets.min())}, {int(targets.max())}]")
     tgt = scores.gather(1, targets.view(-1, 1))  # [B, 1]
-    return (scores[:, 1:] > tgt).sum(dim=1).to(torch.int64)
+    # not (s < t) is true for s >= t and for NaN on either side; minus 1 for the target itself
+    return ((~(scores[:, 1:] < tgt)).sum(dim=1) - 1).to(torch.int64)
 
 
 class RetrievalMetrics:

@@ -21,6 +21,7 @@ last epoch always checkpoints.
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import threading
 import time
@@ -151,14 +152,22 @@ class _EpochStats:
 
 
 def train_step(dmp: torch.nn.Module, optimizer: Any, batch: Any, device: torch.device) -> tuple[float, float]:
-    """Forward, backward (the fused sparse optimizer steps inside), dense step. Returns (loss, targets)."""
+    """Forward, backward (the fused sparse optimizer steps inside), dense step. Returns (loss, targets).
+
+    Raises FloatingPointError, before any weight moves, when the loss is NaN or infinite (a diverged run
+    must fail, not go on to report metrics of NaN scores).
+    """
     batch = batch.to(device)
     loss, stats = dmp(batch)
+    value = float(loss.detach())
+    if not math.isfinite(value):
+        raise FloatingPointError(f"training loss is {value}: the model diverged (check train.lr, "
+                                 f"train.sparse_lr, model.temperature); no weights were updated by this step")
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     n_t = float(stats.get("num_targets", 0)) if isinstance(stats, dict) else 0.0
-    return float(loss.detach()), n_t
+    return value, n_t
 
 
 @torch.no_grad()

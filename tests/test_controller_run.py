@@ -51,3 +51,98 @@ def test_other_start_errors_and_a_second_timeout_propagate(fake_ray):
     with pytest.raises(Exception, match="timed out during startup"):
         run._connect_ray(JobConfig())
     assert (fake.calls, fake.shutdowns) == (2, 1)
+
+
+def _manifest(num_items=1000, src="/nowhere", files=()):
+    return {"vocab": {"num_items": num_items}, "source": {"dir": src, "files": list(files)}}
+
+
+def test_preflight_refuses_jobs_that_would_fail_in_the_workers(tmp_path):
+    ok = JobConfig()
+    run.preflight(ok, _manifest(), embedded=True)
+    cases = [
+        ("train.sparse_optimizer='adam' needs ray.use_gpu", dict(train={"sparse_optimizer": "adam"})),
+        ("model.attention_backend='triton' needs ray.use_gpu", dict(model={"attention_backend": "triton"})),
+        ("ray.cpus_per_worker=8.0 exceeds the 4 CPUs", dict(ray={"cpus_per_worker": 8.0})),
+        ("train.eval_ks=.*above the 1000 items", dict(train={"eval_ks": [10, 2000]})),
+    ]
+    for msg, changes in cases:
+        cfg = JobConfig()
+        for section, kv in changes.items():
+            for k, v in kv.items():
+                setattr(getattr(cfg, section), k, v)
+        with pytest.raises(ValueError, match=msg):
+            run.preflight(cfg, _manifest(), embedded=True)
+    gpu = JobConfig()
+    gpu.ray.use_gpu, gpu.train.sparse_optimizer, gpu.model.attention_backend = True, "adam", "triton"
+    run.preflight(gpu, _manifest(), embedded=True)
+    big = JobConfig()
+    big.ray.cpus_per_worker = 8.0
+    run.preflight(big, _manifest(), embedded=False)  # an external cluster may have the CPUs
+
+
+def test_preflight_compares_model_shape_with_the_previous_run():
+    prev, same, other = JobConfig(), JobConfig(), JobConfig()
+    same.model.dropout = 0.5                  # not a shape: resuming is fine
+    run.preflight(same, _manifest(), embedded=True, previous=prev)
+    other.model.num_blocks = 3
+    other.data.max_seq_len = 50
+    with pytest.raises(ValueError, match=r"model.num_blocks: 8 -> 3, data.max_seq_len: 200 -> 50.*new --output"):
+        run.preflight(other, _manifest(), embedded=True, previous=prev)
+
+
+def test_preflight_checks_prepared_data_came_from_raw_dir(tmp_path):
+    import hashlib
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    (a / "ratings.dat").write_bytes(b"1::2::5::978300760\n")
+    (b / "ratings.dat").write_bytes(b"1::3::5::978300760\n")
+    files = [{"name": "ratings.dat", "bytes": 19, "sha256": hashlib.sha256(b"1::2::5::978300760\n").hexdigest()}]
+    cfg = JobConfig()
+    cfg.data.raw_dir = str(b)
+    with pytest.raises(ValueError, match="was prepared from .*/a, whose ratings.dat is not the one in data.raw_dir"):
+        run.preflight(cfg, _manifest(src=str(a), files=files), embedded=True)
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    (copy / "ratings.dat").write_bytes((a / "ratings.dat").read_bytes())
+    cfg.data.raw_dir = str(copy)               # same bytes elsewhere: fine
+    run.preflight(cfg, _manifest(src=str(a), files=files), embedded=True)
+    cfg.data.raw_dir = str(tmp_path / "missing")  # raw data not here (e.g. a GPU box with only Parquet): fine
+    run.preflight(cfg, _manifest(src=str(a), files=files), embedded=True)
+
+
+def test_nan_loss_fails_the_step_before_any_update():
+    import torch
+
+    from gemray.jagged import JaggedBatch
+    from gemray.train_loop import train_step
+
+    class Diverged(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(1))
+
+        def forward(self, batch):
+            return self.w.sum() * float("nan"), {"num_targets": torch.tensor(1.0)}
+
+    model = Diverged()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    batch = JaggedBatch(user_ids=torch.arange(1), offsets=torch.tensor([0, 1]), item_ids=torch.tensor([1]),
+                        ratings=torch.tensor([8]), timestamps=torch.tensor([5]))
+    with pytest.raises(FloatingPointError, match="training loss is nan"):
+        train_step(model, opt, batch, torch.device("cpu"))
+    assert model.w.grad is None and float(model.w) == 1.0
+
+
+def test_config_refuses_non_finite_numbers_and_empty_name():
+    from gemray.config import apply_overrides
+
+    for bad, field in (("train.lr=nan", "train.lr"), ("model.temperature=inf", "model.temperature"),
+                       ("train.adam_betas=[0.9, nan]", "train.adam_betas")):
+        with pytest.raises(ValueError, match=f"{field}: expected a finite number"):
+            apply_overrides(JobConfig(), [bad]).validate()
+    for bad, msg in (("ray.num_cpus=-1", "ray.num_cpus"), ("ray.max_failures=-5", "ray.max_failures"),
+                     ("name=", "name: expected a non-empty")):
+        with pytest.raises(ValueError, match=msg):
+            apply_overrides(JobConfig(), [bad]).validate()

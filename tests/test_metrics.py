@@ -14,12 +14,24 @@ def test_target_ranks_by_hand():
         [9.0, 0.1, 0.9, 0.5, 0.3, 0.2],   # target 3 (0.5): only item 2 (0.9) higher -> rank 1
         [9.0, 0.8, 0.1, 0.2, 0.3, 0.4],   # target 1 (0.8): best -> rank 0
         [0.0, 0.5, 0.4, 0.3, 0.2, 0.1],   # target 5 (0.1): 4 higher -> rank 4
-        [0.0, 0.3, 0.3, 0.3, 0.1, 0.2],   # target 2 (0.3): ties with 1 and 3 don't count -> rank 0
+        [0.0, 0.3, 0.3, 0.3, 0.1, 0.2],   # target 2 (0.3): ties with 1 and 3 count against it -> rank 2
     ])
     targets = torch.tensor([3, 1, 5, 2])
     ranks = target_ranks(scores, targets)
     assert ranks.dtype == torch.int64
-    assert ranks.tolist() == [1, 0, 4, 0]
+    assert ranks.tolist() == [1, 0, 4, 2]
+
+
+def test_collapsed_or_nan_scores_rank_last():
+    """A model whose scores are all equal or NaN must not look perfect (it once printed HR@10 = 1.0)."""
+    nan = float("nan")
+    scores = torch.tensor([
+        [0.0, 0.7, 0.7, 0.7, 0.7],        # all equal: target 1 ranks behind the 3 others
+        [0.0, nan, nan, nan, nan],        # all NaN
+        [0.0, 0.1, nan, 0.9, 0.2],        # target 4 (0.2): item 3 higher, item 2 NaN -> rank 2
+        [0.0, 0.1, nan, 0.9, 0.2],        # target 2 is NaN -> last
+    ])
+    assert target_ranks(scores, torch.tensor([1, 3, 4, 2])).tolist() == [3, 3, 2, 3]
 
 
 def test_metrics_by_hand():

@@ -66,6 +66,74 @@ def _ensure_prepared(cfg: JobConfig) -> dict[str, Any]:
         return manifest
 
 
+def embedded_num_cpus(cfg: JobConfig) -> int:
+    """CPUs an embedded local cluster advertises: ``ray.num_cpus``, or 2 per worker (at least 4), since 2
+    workers + Ray Data read tasks starve on 2 real CPUs."""
+    return cfg.ray.num_cpus or max(4, 2 * max(cfg.ray.num_workers, cfg.ray.max_workers))
+
+
+#: Model fields that fix parameter shapes: a checkpoint made with other values cannot be restored.
+SHAPE_FIELDS = ("embedding_dim", "num_blocks", "num_heads", "attention_dim", "linear_dim", "use_rating_feature",
+                "use_time_feature", "num_time_buckets", "num_position_buckets")
+
+
+def preflight(cfg: JobConfig, manifest: dict[str, Any], *, embedded: bool,
+              previous: JobConfig | None = None) -> None:
+    """Refuse, before Ray starts, a job that would only fail (or hang) inside the workers.
+
+    cfg: resolved config; manifest: the prepared data's; embedded: whether fit will start its own Ray
+    cluster; previous: the config.toml of an earlier run in the same output folder that left checkpoints.
+    Raises ValueError naming the field: Adam kinds or forced Triton without a GPU, a worker asking more
+    CPUs than the embedded cluster has, a cut-off K above the catalogue, prepared data made from other
+    raw files than ``data.raw_dir`` holds, or an output folder holding a model of another shape.
+    """
+    gpu = cfg.ray.use_gpu
+    if not gpu and cfg.train.sparse_optimizer in ("adam", "rowwise_adam"):
+        raise ValueError(f"train.sparse_optimizer={cfg.train.sparse_optimizer!r} needs ray.use_gpu=true (FBGEMM's "
+                         "CPU kernels have no Adam); use 'rowwise_adagrad' or 'auto' on CPU")
+    if not gpu and cfg.model.attention_backend == "triton":
+        raise ValueError("model.attention_backend='triton' needs ray.use_gpu=true (the kernels run on CUDA); "
+                         "use 'auto' or 'reference' on CPU")
+    if embedded and cfg.ray.cpus_per_worker > embedded_num_cpus(cfg):
+        raise ValueError(f"ray.cpus_per_worker={cfg.ray.cpus_per_worker} exceeds the {embedded_num_cpus(cfg)} CPUs "
+                         "the embedded Ray cluster advertises (ray.num_cpus): the workers would never start")
+    n_items = int(manifest["vocab"]["num_items"])
+    if max(int(k) for k in cfg.train.eval_ks) > n_items:
+        raise ValueError(f"train.eval_ks={cfg.train.eval_ks}: a cut-off above the {n_items} items of the "
+                         "catalogue makes HR@K trivially 1")
+    _check_source(cfg, manifest)
+    if previous is not None:
+        changed = [f"model.{f}: {getattr(previous.model, f)} -> {getattr(cfg.model, f)}" for f in SHAPE_FIELDS
+                   if getattr(previous.model, f) != getattr(cfg.model, f)]
+        if previous.data.max_seq_len != cfg.data.max_seq_len:
+            changed.append(f"data.max_seq_len: {previous.data.max_seq_len} -> {cfg.data.max_seq_len}")
+        if changed:
+            raise ValueError("the output folder holds checkpoints of a model of another shape ("
+                             + ", ".join(changed) + "); use a new --output (re-running the same command "
+                             "resumes; a different model needs its own folder)")
+
+
+def _check_source(cfg: JobConfig, manifest: dict[str, Any]) -> None:
+    """The prepared data must come from the raw files in ``data.raw_dir`` when that folder exists."""
+    raw = Path(cfg.data.raw_dir)
+    src = manifest.get("source", {})
+    if not raw.is_dir() or Path(src.get("dir", "")).resolve() == raw.resolve():
+        return
+    for f in src.get("files", []):
+        p = raw / f["name"]
+        if not p.is_file() or p.stat().st_size != f["bytes"] or _sha256(p) != f["sha256"]:
+            raise ValueError(f"data.prepared_dir {cfg.data.prepared_dir} was prepared from {src.get('dir')}, whose "
+                             f"{f['name']} is not the one in data.raw_dir {raw}: point data.prepared_dir at a new "
+                             "folder (it is prepared there) or set data.raw_dir to the source it was made from")
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    with open(path, "rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
 def _connect_ray(cfg: JobConfig) -> bool:
     """Connect to the configured cluster or start an embedded one; True if we started it."""
     import ray
@@ -76,8 +144,7 @@ def _connect_ray(cfg: JobConfig) -> bool:
     if address:
         ray.init(address=address)
         return False
-    # 2 workers + Ray Data read tasks starve on 2 real CPUs: advertise more CPUs than cores.
-    num_cpus = cfg.ray.num_cpus or max(4, 2 * max(cfg.ray.num_workers, cfg.ray.max_workers))
+    num_cpus = embedded_num_cpus(cfg)
     # address="local": always a new cluster, never one that `ray start` left running on this machine.
     # Ray 2.60 gives a new raylet a fixed 30 s to register with the GCS; on an overloaded machine (seen at
     # load average 22 on 2 cores) that can run out, so try a second time before giving up.
@@ -212,7 +279,15 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
     out = Path(output_dir or Path("runs") / cfg.name).expanduser().resolve()
     if out.exists() and not out.is_dir():
         raise NotADirectoryError(f"output folder {out} exists and is not a folder (--output / output_dir)")
-    _ensure_prepared(cfg)  # bad data paths fail before anything is written to the output folder
+    manifest = _ensure_prepared(cfg)  # bad data paths fail before anything is written to the output folder
+    previous = None
+    if (out / "config.toml").is_file() and (out / "ray").is_dir():
+        try:
+            previous = load_config(out / "config.toml")
+        except (ValueError, OSError) as e:
+            log.warning("could not read the previous run's %s (%s): not comparing model shapes",
+                        out / "config.toml", e)
+    preflight(cfg, manifest, embedded=not (cfg.ray.address or os.environ.get("RAY_ADDRESS")), previous=previous)
     out.mkdir(parents=True, exist_ok=True)
     if not cfg.train.events_path:
         cfg.train.events_path = str(out / "events.jsonl")
