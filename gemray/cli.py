@@ -40,7 +40,7 @@ def _cmd_prepare(ns: argparse.Namespace) -> int:
     from gemray.pipelines.movielens import format_summary, prepare_movielens
 
     manifest = prepare_movielens(ns.src, ns.out, on_bad_rows=ns.on_bad_rows, num_files=ns.num_files)
-    print(format_summary(manifest, ns.out))
+    print(format_summary(manifest, ns.out))  # stdout; prepare_movielens also logs it (stderr)
     return 0
 
 

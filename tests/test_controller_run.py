@@ -132,7 +132,7 @@ def test_nan_loss_fails_the_step_before_any_update():
                         ratings=torch.tensor([8]), timestamps=torch.tensor([5]))
     with pytest.raises(FloatingPointError, match="training loss is nan"):
         train_step(model, opt, batch, torch.device("cpu"))
-    assert model.w.grad is None and float(model.w) == 1.0
+    assert model.w.grad is None and float(model.w.detach()) == 1.0
 
 
 def test_config_refuses_non_finite_numbers_and_empty_name():

@@ -268,6 +268,8 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
     from gemray.train_loop import train_loop_per_worker
 
     t0 = time.perf_counter()
+    if isinstance(overrides, str):  # one "section.key=value" given without a list
+        overrides = [overrides]
     if isinstance(config, JobConfig):
         cfg = apply_overrides(copy.deepcopy(config), overrides or [])
         config_path = None
