@@ -42,12 +42,10 @@ log = logging.getLogger(__name__)
 MANIFEST_GLOB = "manifest_rank*.json"
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
+def file_sha256(path: str | Path) -> str:
+    """Hex sha256 of a file's bytes (read in chunks by ``hashlib.file_digest``)."""
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _rank_world() -> tuple[int, int]:
@@ -108,7 +106,7 @@ def save_checkpoint(directory: str | Path, model: torch.nn.Module, optimizer: An
     for name in written:  # durable before the manifest that vouches for them
         _fsync(directory / name)
     manifest = {"rank": rank, "world_size": world,
-                "files": {name: _sha256(directory / name) for name in written}}
+                "files": {name: file_sha256(directory / name) for name in written}}
     # Atomic manifest: temp file, fsync, rename, fsync the directory. A checkpoint killed mid-write has
     # no manifest for this rank and fails verify_checkpoint.
     tmp = directory / f".manifest_rank{rank}.json.tmp"
@@ -199,7 +197,7 @@ def verify_checkpoint(directory: str | Path) -> dict[str, Any]:
         p = directory / name
         if not p.is_file():
             raise ValueError(f"checkpoint {directory}: file {name} listed in a manifest is missing")
-        got = _sha256(p)
+        got = file_sha256(p)
         if got != digest:
             raise ValueError(f"checkpoint {directory}: file {name} is corrupted "
                              f"(sha256 {got[:12]}.. != recorded {digest[:12]}..)")

@@ -146,3 +146,15 @@ def test_config_refuses_non_finite_numbers_and_empty_name():
                      ("name=", "name: expected a non-empty")):
         with pytest.raises(ValueError, match=msg):
             apply_overrides(JobConfig(), [bad]).validate()
+
+
+def test_worker_process_start_time_is_measured():
+    """The ``startup`` event's process_to_train_fn_s needs the process start time (from /proc; the fallback
+    would read 0): a child that sleeps 1.5 s after starting must see >= 1.4 s."""
+    import subprocess
+    import sys
+
+    code = ("import time; from gemray.train_loop import _process_start_time; time.sleep(1.5); "
+            "print(time.time() - _process_start_time())")
+    age = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    assert 1.4 <= age < 120

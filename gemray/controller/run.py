@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gemray.checkpoint import file_sha256
 from gemray.config import JobConfig, apply_overrides, load_config, to_toml
 from gemray.events import read_events, summarize_recovery
 from gemray.parallel.sharding import check_shardable
@@ -121,17 +122,15 @@ def _check_source(cfg: JobConfig, manifest: dict[str, Any]) -> None:
         return
     for f in src.get("files", []):
         p = raw / f["name"]
-        if not p.is_file() or p.stat().st_size != f["bytes"] or _sha256(p) != f["sha256"]:
+        if not p.is_file() or p.stat().st_size != f["bytes"] or file_sha256(p) != f["sha256"]:
             raise ValueError(f"data.prepared_dir {cfg.data.prepared_dir} was prepared from {src.get('dir')}, whose "
                              f"{f['name']} is not the one in data.raw_dir {raw}: point data.prepared_dir at a new "
                              "folder (it is prepared there) or set data.raw_dir to the source it was made from")
 
 
-def _sha256(path: Path) -> str:
-    import hashlib
-
-    with open(path, "rb") as fh:
-        return hashlib.file_digest(fh, "sha256").hexdigest()
+def _ray_address(cfg: JobConfig) -> str:
+    """The cluster to join: ``ray.address``, else $RAY_ADDRESS; "" = start an embedded local cluster."""
+    return cfg.ray.address or os.environ.get("RAY_ADDRESS", "")
 
 
 def _connect_ray(cfg: JobConfig) -> bool:
@@ -140,7 +139,7 @@ def _connect_ray(cfg: JobConfig) -> bool:
 
     if ray.is_initialized():
         return False
-    address = cfg.ray.address or os.environ.get("RAY_ADDRESS", "")
+    address = _ray_address(cfg)
     if address:
         ray.init(address=address)
         return False
@@ -289,7 +288,7 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
         except (ValueError, OSError) as e:
             log.warning("could not read the previous run's %s (%s): not comparing model shapes",
                         out / "config.toml", e)
-    preflight(cfg, manifest, embedded=not (cfg.ray.address or os.environ.get("RAY_ADDRESS")), previous=previous)
+    preflight(cfg, manifest, embedded=not _ray_address(cfg), previous=previous)
     out.mkdir(parents=True, exist_ok=True)
     if not cfg.train.events_path:
         cfg.train.events_path = str(out / "events.jsonl")
