@@ -34,7 +34,7 @@ import torch.distributed as dist
 from gemray.checkpoint import checkpoint_reason, report_with_checkpoint, restore_from_ray
 from gemray.config import JobConfig, from_dict
 from gemray.events import EventLog, failure_events, read_events
-from gemray.metrics import RetrievalMetrics, target_ranks
+from gemray.metrics import RetrievalMetrics, history_mask, target_ranks
 from gemray.parallel import parallelize, plan_layout
 from gemray.preemption import preemption_action, read_notice
 
@@ -172,26 +172,45 @@ def train_step(dmp: torch.nn.Module, optimizer: Any, batch: Any, device: torch.d
 
 @torch.no_grad()
 def evaluate(dmp: torch.nn.Module, stream: Any, *, num_items: int, ks: list[int],
-             device: torch.device) -> dict[str, float]:
+             device: torch.device, exclude_history: bool = True) -> dict[str, float]:
     """HR@K / NDCG@K over every rank's users of ``stream`` (valid or test split), full item ranking.
 
     Item table: ``item_embeddings(arange(0, N+1))`` -> [N+1, D] (same ids on every rank; column 0 is the
     padding id, excluded by ``target_ranks``). Per batch: users [B, D] @ items.T -> scores [B, N+1].
-    Returns {"hr@K", "ndcg@K", "num_users"} from all-reduced sums (identical on every rank).
+    With ``exclude_history`` the items of each user's input history are not ranked (``history_mask``,
+    generative-recommenders' protocol) and the all-items figures come back too, as ``hr@K_unfiltered``.
+    Returns {"hr@K", "ndcg@K", ["hr@K_unfiltered", "ndcg@K_unfiltered", "targets_in_history"],
+    "num_users"} from all-reduced sums (identical on every rank).
     """
     model = dmp.module
     dmp.eval()
     items = model.item_embeddings(torch.arange(0, num_items + 1, device=device))  # [N+1, D]
-    metrics = RetrievalMetrics(ks)
+    metrics, unfiltered = RetrievalMetrics(ks), RetrievalMetrics(ks)
+    in_history = torch.zeros(1, dtype=torch.float64)
     for batch in stream.iter_epoch(0):
         batch = batch.to(device)
         users = model.user_embeddings(batch)  # [B, D]
-        if batch.batch_size:
-            metrics.update(target_ranks(users @ items.T, batch.targets))
-    sums = metrics.sums().to(device)
+        if not batch.batch_size:
+            continue
+        scores = users @ items.T
+        if exclude_history:
+            seen = history_mask(batch.item_ids, batch.offsets, num_items)
+            metrics.update(target_ranks(scores, batch.targets, seen))
+            unfiltered.update(target_ranks(scores, batch.targets))
+            in_history += float(seen.gather(1, batch.targets.view(-1, 1)).sum())
+        else:
+            metrics.update(target_ranks(scores, batch.targets))
+    sums = torch.cat([metrics.sums(), unfiltered.sums(), in_history]).to(device)
     dist.all_reduce(sums)
     dmp.train()
-    return metrics.compute(sums.cpu())
+    sums = sums.cpu()
+    n = metrics.sums().numel()
+    out = metrics.compute(sums[:n])
+    if exclude_history:
+        out.update({f"{k}_unfiltered": v for k, v in unfiltered.compute(sums[n:2 * n]).items()
+                    if k != "num_users"})
+        out["targets_in_history"] = float(sums[2 * n])
+    return out
 
 
 def _process_start_time() -> float:
@@ -433,7 +452,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         done = epoch + 1
         metrics: dict[str, Any] = {"epoch": done, "global_step": global_step, **stats}
         if done % cfg.train.eval_every == 0 or done == cfg.train.epochs:
-            valid = evaluate(dmp, streams["valid"], num_items=num_items, ks=ks, device=device)
+            valid = evaluate(dmp, streams["valid"], num_items=num_items, ks=ks, device=device,
+                             exclude_history=cfg.train.eval_exclude_history)
             metrics.update({f"valid_{k}": v for k, v in valid.items() if k != "num_users"})
         # History must be identical on every rank (DCP keeps one copy of the trainer state): max over ranks.
         epoch_s = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
@@ -444,7 +464,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                                                       f"{k}={v}" for k, v in metrics.items()))
         if done == cfg.train.epochs:
             # Test split once, at the end; reported with the last checkpoint so Ray's Result carries it.
-            test = evaluate(dmp, streams["test"], num_items=num_items, ks=ks, device=device)
+            test = evaluate(dmp, streams["test"], num_items=num_items, ks=ks, device=device,
+                            exclude_history=cfg.train.eval_exclude_history)
             log.info("test: %s", ", ".join(f"{k}={v:.4f}" for k, v in test.items()))
             metrics.update({f"test_{k}": v for k, v in test.items()})
             metrics.update({"final": True, "world_size": world, "history": list(history)})

@@ -75,3 +75,30 @@ def test_empty_and_errors():
         target_ranks(torch.zeros(1, 4), torch.tensor([4]))
     with pytest.raises(ValueError, match="ranks"):
         m.update(torch.tensor([-1]))
+
+
+def test_history_excluded_from_ranking_by_hand():
+    """generative-recommenders' protocol: the user's history items are not ranked (filter_invalid_ids)."""
+    from gemray.metrics import history_mask
+
+    # 5 items; user 0 saw items 2 and 4, user 1 saw item 1 (its target later: a miss), user 2 saw nothing.
+    item_ids = torch.tensor([2, 4, 1])
+    offsets = torch.tensor([0, 2, 3, 3])
+    seen = history_mask(item_ids, offsets, num_items=5)
+    assert seen.tolist() == [[False, False, True, False, True, False],
+                             [False, True, False, False, False, False],
+                             [False] * 6]
+    scores = torch.tensor([
+        [9.0, 0.1, 0.9, 0.5, 0.8, 0.2],   # target 3 (0.5): 2 and 4 higher but seen -> rank 0 (unfiltered: 2)
+        [0.0, 0.9, 0.1, 0.2, 0.3, 0.4],   # target 1 is in the history -> a miss, ranked last (4)
+        [0.0, 0.5, 0.4, 0.3, 0.2, 0.1],   # nothing seen: target 5 -> rank 4 either way
+    ])
+    targets = torch.tensor([3, 1, 5])
+    assert target_ranks(scores, targets).tolist() == [2, 0, 4]
+    assert target_ranks(scores, targets, seen).tolist() == [0, 4, 4]
+    with pytest.raises(ValueError, match="exclude"):
+        target_ranks(scores, targets, seen[:, 1:])
+    with pytest.raises(ValueError, match="0..5"):
+        history_mask(torch.tensor([6]), torch.tensor([0, 1]), num_items=5)
+    with pytest.raises(ValueError, match="offsets"):
+        history_mask(item_ids, torch.tensor([0, 2]), num_items=5)

@@ -50,6 +50,12 @@ def test_two_worker_run_outputs(first_run):
     for k in KEYS:
         assert 0.0 <= m[k] <= 1.0, (k, m[k])
     assert m["hr@10"] <= m["hr@50"] <= m["hr@200"]
+    # published protocol: history items are not ranked; MovieLens never repeats a (user, item) pair, so no
+    # target is in its history and removing seen items can only lift a target's rank
+    assert m["eval_exclude_history"] is True and m["targets_in_history"] == 0
+    for k in KEYS:
+        assert m[k] >= m[f"{k}_unfiltered"], (k, m[k], m[f"{k}_unfiltered"])
+    assert m["ndcg@200"] > m["ndcg@200_unfiltered"]  # seen items above a top-200 target: it moves up
     assert m["num_test_users"] == 610  # every ml-latest-small user has >= 3 ratings
     assert m["epochs"] == 2 and m["world_size"] == 2
     assert m["samples_per_s"] > 0 and m["wall_s"] > 0

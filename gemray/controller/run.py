@@ -234,8 +234,17 @@ def _preempted_result(cfg: JobConfig, out: Path, result: Any, reported: dict[str
 
 
 def comparison_table(metrics: dict[str, Any]) -> str:
-    """Plain-text table of this run's HR@10/NDCG@10 next to the published ML-1M numbers."""
-    rows = [("this run", metrics.get("hr@10", float("nan")), metrics.get("ndcg@10", float("nan")))]
+    """Plain-text table of this run's HR@10/NDCG@10 next to the published ML-1M numbers.
+
+    The published numbers rank each target against the items outside the user's history
+    (generative-recommenders' evaluation); a run with ``train.eval_exclude_history=false`` ranks against all
+    items and says so in its row. The all-items figures of a filtered run get a row of their own.
+    """
+    label = "this run" if metrics.get("eval_exclude_history", True) else "this run (all items)"
+    rows = [(label, metrics.get("hr@10", float("nan")), metrics.get("ndcg@10", float("nan")))]
+    if "hr@10_unfiltered" in metrics:
+        rows.append(("this run (all items)", metrics["hr@10_unfiltered"], metrics.get("ndcg@10_unfiltered",
+                                                                                     float("nan"))))
     rows += [(name, hr, nd) for name, (hr, nd) in PUBLISHED_ML1M.items()]
     lines = [f"{'model':<22}{'HR@10':>8}{'NDCG@10':>9}", "-" * 39]
     lines += [f"{n:<22}{hr:>8.4f}{nd:>9.4f}" for n, hr, nd in rows]
@@ -250,7 +259,9 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
     config: a JobConfig or a TOML path; overrides: ``section.key=value`` strings applied on top.
     output_dir: where ``metrics.json``, ``curves.png``, ``config.toml`` and ``ray/`` (Ray Train storage:
         checkpoints) go; default ``runs/<name>``.
-    metrics.json: test-split ``hr@K``/``ndcg@K`` (K in train.eval_ks), ``samples_per_s`` (mean over
+    metrics.json: test-split ``hr@K``/``ndcg@K`` (K in train.eval_ks; history items excluded from the
+    ranking unless ``train.eval_exclude_history`` is false), with ``eval_exclude_history``, the all-items
+    ``hr@K_unfiltered``/``ndcg@K_unfiltered`` and ``targets_in_history``, ``samples_per_s`` (mean over
     epochs, global), ``wall_s`` (seconds, whole fit), ``epochs``, ``world_size``, ``bbs_imbalance`` (mean
     measured token imbalance max/mean across ranks), ``history`` (per-epoch dicts), ``events``
     (controller events of this fit: failure_detected, resize, checkpoint_restored/_fallback/_saved,
@@ -348,8 +359,10 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
         return _preempted_result(cfg, out, result, reported, events_from, t0)
     history = list(reported.pop("history", []))
     metrics: dict[str, Any] = {k: reported[f"test_{k}"] for k in
-                               [f"{m}@{k}" for k in cfg.train.eval_ks for m in ("hr", "ndcg")]
+                               [f"{m}@{k}{s}" for s in ("", "_unfiltered") for k in cfg.train.eval_ks
+                                for m in ("hr", "ndcg")] + ["targets_in_history"]
                                if f"test_{k}" in reported}
+    metrics["eval_exclude_history"] = cfg.train.eval_exclude_history
     metrics["num_test_users"] = reported.get("test_num_users")
     tput = [h["samples_per_s"] for h in history if "samples_per_s" in h]
     imb = [h["token_imbalance"] for h in history if "token_imbalance" in h]
