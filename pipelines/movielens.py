@@ -119,6 +119,8 @@ class _Parsed:
 
 def _parse_fast(data: bytes, fmt: MovieLensFormat) -> _Parsed | None:
     """Vectorised parse with pyarrow.csv. Returns None whenever anything is off (the slow path decides)."""
+    if data and not data.endswith(b"\n"):
+        return None  # a possibly truncated last line: the strict parser reports it
     if fmt.header is not None:
         if data.startswith(_BOM):
             data = data[len(_BOM):]
@@ -235,6 +237,9 @@ def _parse_slow(data: bytes, fmt: MovieLensFormat, fname: str, quarantine: bool)
     lines = data.split(b"\n")
     if lines and lines[-1] == b"":
         lines.pop()  # the file's final newline
+    # A last line without its newline is where a copy or download that stopped early ends: "6040::1::4::9787"
+    # cut from "...::978765432" still parses, with a wrong timestamp. It is a bad row, not data.
+    cut = len(lines) if data and not data.endswith(b"\n") else 0
     for lineno, raw in enumerate(lines, 1):
         if raw.endswith(b"\r"):
             raw = raw[:-1]
@@ -253,6 +258,11 @@ def _parse_slow(data: bytes, fmt: MovieLensFormat, fname: str, quarantine: bool)
             continue
         data_lines += 1
         try:
+            if lineno == cut:
+                raise BadRowError(fname, lineno, "row", "truncated",
+                                  f"the file ends inside this line (no final newline), so it may be cut short: "
+                                  f"{raw.decode('ascii', 'backslashreplace')!r}; re-download the file, or add "
+                                  f"the newline if the line is whole")
             u, i, r, t = _parse_line(raw, lineno, fmt, fname)
         except BadRowError as err:
             if not quarantine:

@@ -75,7 +75,8 @@ class BadRowError(ValueError):
 
     Attributes: ``file`` (source path as given), ``line`` (1-based line number), ``field`` (field name,
     or ``"row"`` / ``"bytes"`` when the row as a whole is bad), ``reason`` (a short key used for
-    quarantine counts: ``field_count``, ``non_numeric``, ``encoding``, ``out_of_range``, ``header``),
+    quarantine counts: ``field_count``, ``non_numeric``, ``encoding``, ``out_of_range``, ``header``,
+    ``truncated``: the last line of a file that does not end with a newline),
     ``problem`` (human-readable detail). The message reads ``<file>:<line>: field <field>: <problem>``.
     """
 

@@ -339,3 +339,20 @@ def test_only_bad_rows_is_an_error_even_when_quarantining(tmp_path):
     assert not (tmp_path / "o").exists()
     with pytest.raises(ValueError, match="on_bad_rows"):
         prepare_movielens(src, tmp_path / "o", on_bad_rows="skip")
+
+
+@pytest.mark.parametrize("fmt", ["ml-1m", "ml-100k", "ml-latest-small"])
+def test_file_cut_mid_line_is_a_bad_row(fmt, tmp_path):
+    """A copy that stopped early ends without a newline; its last line still parses (a shorter timestamp)."""
+    src, _ = _write_src(tmp_path, fmt, GOOD[fmt][0].encode())
+    path = src / ml.FORMATS[fmt].filename
+    data = path.read_bytes()
+    path.write_bytes(data[:-3])  # drop the newline and the timestamp's last two digits
+    last = data.count(b"\n")
+    with pytest.raises(BadRowError) as ei:
+        prepare_movielens(src, tmp_path / "out")
+    assert (ei.value.line, ei.value.reason) == (last, "truncated")
+    assert f"{ml.FORMATS[fmt].filename}:{last}:" in str(ei.value) and "newline" in str(ei.value)
+    m = prepare_movielens(src, tmp_path / "out", on_bad_rows="quarantine")
+    assert m["quarantine"]["by_reason"] == {"truncated": 1}
+    assert m["counts"]["interactions"] + 1 == m["counts"]["source_data_lines"]
