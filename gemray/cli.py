@@ -22,8 +22,9 @@ import logging
 import sys
 from pathlib import Path
 
+from gemray.preemption import EXIT_PREEMPTED  # 75, sysexits EX_TEMPFAIL
+
 USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError)
-EXIT_PREEMPTED = 75  # sysexits EX_TEMPFAIL: stopped on a preemption notice; re-run to resume
 
 
 def _fail(msg: str, code: int = 2) -> int:

@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 log = logging.getLogger(__name__)
 
+EXIT_PREEMPTED = 75  # sysexits EX_TEMPFAIL: stopped on a preemption notice; re-run the same command to resume
 NOTICE_NAME = "PREEMPT"
 #: What :func:`preemption_action` may decide.
 ACTIONS = ("stop", "checkpoint")

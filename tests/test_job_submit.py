@@ -310,3 +310,32 @@ def test_summarize_fit_result_object():
     assert out == {"task": "train", "metrics": {"ndcg@10": 0.1}, "path": "/x", "checkpoint": "/x/ckpt"}
     err = type("R", (), {"metrics": None, "path": None, "checkpoint": None, "error": ValueError("x")})()
     assert "ValueError" in sub._summarize_fit(err)["error"]
+
+
+@pytest.mark.parametrize("status, metrics, rc, says", [
+    ("SUCCEEDED", {"hr@10": 0.3}, 0, "status: SUCCEEDED"),
+    ("FAILED", None, 1, "status: FAILED"),
+    # a run stopped on a preemption notice: the job exits 75 (FAILED for Ray); submit says PREEMPTED
+    ("FAILED", {"preempted": True, "global_step": 40}, 75, "status: PREEMPTED"),
+])
+def test_cli_submit_exit_status(monkeypatch, capsys, status, metrics, rc, says):
+    import argparse
+    import json as _json
+
+    logs = "x\n" + ("" if metrics is None else "GEMRAY_RESULT " + _json.dumps({"task": "train", "metrics": metrics}))
+    handle = sub.JobHandle("j9", FakeClient([status], logs=logs + "\n"))
+    monkeypatch.setattr(sub, "submit", lambda *a, **k: handle)
+    ns = argparse.Namespace(config="c.toml", address=None, overrides=[], task="train", working_dir=None,
+                            output=None, python="python", no_wait=False, timeout=5.0)
+    assert sub.cli_submit(ns) == rc
+    assert says in capsys.readouterr().out
+
+
+def test_job_main_exits_75_when_preempted(monkeypatch, capsys):
+    cfg_text = (REPO / "configs/ml-latest-small.toml").read_text()
+    monkeypatch.setenv(sub.CONFIG_ENV, cfg_text)
+    monkeypatch.setattr(sub, "run_task", lambda cfg, task: {"task": "train", "metrics": {"preempted": True}})
+    assert sub.job_main() == 75
+    assert '"preempted": true' in capsys.readouterr().out
+    monkeypatch.setattr(sub, "run_task", lambda cfg, task: {"task": "train", "metrics": {"hr@10": 0.1}})
+    assert sub.job_main() == 0

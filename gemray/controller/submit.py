@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from gemray.config import JobConfig, apply_overrides, from_dict, load_config, to_toml
+from gemray.preemption import EXIT_PREEMPTED
 
 logger = logging.getLogger(__name__)
 
@@ -256,7 +257,9 @@ def run_task(cfg: JobConfig, task: str) -> dict[str, Any]:
 
 def job_main() -> int:
     """Entrypoint of the Ray job: config from ``$GEMRAY_CONFIG_TOML``, task from ``$GEMRAY_TASK``;
-    prints ``GEMRAY_RESULT {json}``. Returns 0 (errors propagate and fail the job)."""
+    prints ``GEMRAY_RESULT {json}``. Returns 0, or 75 (``EXIT_PREEMPTED``) when the run stopped on a preemption
+    notice after its emergency checkpoint, so that the job is not SUCCEEDED (a RayJob / retry loop then
+    re-submits it and it resumes); errors propagate and fail the job."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     text = os.environ.get(CONFIG_ENV)
     if not text:
@@ -267,7 +270,13 @@ def job_main() -> int:
         raise ValueError(f"${CONFIG_ENV}: invalid TOML: {e}") from None
     out = run_task(cfg, os.environ.get(TASK_ENV, "train"))
     print(RESULT_MARKER + json.dumps(out, default=str, sort_keys=True), flush=True)
-    return 0
+    return EXIT_PREEMPTED if _preempted(out) else 0
+
+
+def _preempted(out: dict[str, Any]) -> bool:
+    """Whether a task result dict (``GEMRAY_RESULT``) is a train run stopped on a preemption notice."""
+    metrics = out.get("metrics")
+    return isinstance(metrics, dict) and bool(metrics.get("preempted"))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -290,14 +299,24 @@ def add_submit_arguments(p: Any) -> None:
 
 def cli_submit(ns: Any) -> int:
     """Run ``gemray submit``: submit, then (unless --no-wait) wait, print the logs and the result JSON.
-    Returns the exit status (0 on SUCCEEDED)."""
+    Returns the exit status: 0 on SUCCEEDED, 75 when the job stopped on a preemption notice (its
+    emergency checkpoint is committed: submit the same command again to resume), 1 otherwise."""
     handle = submit(ns.config, ns.address, overrides=ns.overrides, task=ns.task,
                     working_dir=ns.working_dir, output_dir=ns.output, python=ns.python)
     print(f"submitted: {handle.submission_id}")
     if ns.no_wait:
         return 0
     st = handle.wait(timeout_s=ns.timeout)
-    print(handle.logs(), end="")
+    logs = handle.logs()
+    print(logs, end="")
+    try:
+        preempted = _preempted(parse_result(logs, handle.submission_id))
+    except (RuntimeError, ValueError):
+        preempted = False
+    if preempted:
+        print(f"status: PREEMPTED (Ray job {st}; emergency checkpoint committed: submit the same command "
+              f"again to resume)")
+        return EXIT_PREEMPTED
     print(f"status: {st}")
     return 0 if st == "SUCCEEDED" else 1
 
