@@ -67,44 +67,46 @@ _LOG2E = 1.4426950408889634
 # "dq"), keyed by the smallest head-dim bucket >= Dqk. "dkdv" tiles the keys by BLOCK_N and loops over the
 # queries by BLOCK_M. The regime comes from the mean sequence length T / B (known on the host, no sync):
 # "short" / "medium" / "long" below REGIME_MEAN_LEN[0] / [1] / [2], else "xlong"; smaller tiles waste
-# less work on short sequences. "fwd_silu" (silu forward) starts as a copy of "fwd". kernels/bench.py
+# less work on short sequences. "fwd_silu" is the silu forward (swept separately). kernels/bench.py
 # sweeps candidates on the H200 and records the winners.
 TILES: dict[str, dict[str, dict[int, tuple[int, int, int, int]]]] = {
-    # D=128 entries: the winners of the H200 sweep of 2026-11-30 (kernels/NOTES.md, run 3).
-    # short, dK/dV and dQ: 64x64 / 8 warps since run 4's compile-only check (sm_90 SASS): the run-3 dQ
-    # winner 32x64/4w has no wgmma at all (BLOCK_M 32 < the 64 rows of a warpgroup MMA), and the inline
-    # delta spills inside the dK/dV loop with 64x128 tiles (~150 STL+LDL per step) but not with 64x64.
+    # D=128 entries: the winners of the H200 sweep of run 4 (2026-11-30, kernels/NOTES.md), each timed on
+    # its regime's bench batch (short: heavy B=128 N=1024, medium: heavy B=256 N=4096, long: uniform
+    # B=128 N=1024, xlong: uniform B=64 N=4096). The short dQ winner 32x64/4w has no wgmma (BLOCK_M 32 <
+    # a warpgroup's 64 rows) but won on the host-bound short batch anyway. D=64 / 256 entries are not
+    # measured (kept from run 3).
     "short": {
         "fwd": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 2)},
-        "dkdv": {64: (64, 64, 8, 2), 128: (64, 64, 8, 2), 256: (32, 64, 4, 2)},
-        "dq": {64: (64, 64, 8, 2), 128: (64, 64, 8, 2), 256: (64, 32, 4, 2)},
+        "fwd_silu": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 2)},
+        "dkdv": {64: (64, 64, 8, 2), 128: (64, 64, 4, 3), 256: (32, 64, 4, 2)},
+        "dq": {64: (64, 64, 8, 2), 128: (32, 64, 4, 3), 256: (64, 32, 4, 2)},
     },
     "medium": {
         "fwd": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 2)},
+        "fwd_silu": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 2)},
         "dkdv": {64: (64, 128, 8, 2), 128: (64, 128, 8, 2), 256: (32, 64, 4, 2)},
         "dq": {64: (128, 64, 8, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
     },
     "long": {
-        "fwd": {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
+        "fwd": {64: (128, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 2)},
+        "fwd_silu": {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
         "dkdv": {64: (64, 128, 8, 2), 128: (64, 128, 8, 2), 256: (32, 64, 4, 2)},
         "dq": {64: (128, 64, 8, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
     },
-    # "xlong" (mean >= 2048) split off "long" after run 3: the run-3 "long" winners were timed on uniform
-    # B=64 N=4096 and are kept here; uniform B=128 N=1024 (mean 1024) now sweeps its own "long" table.
     "xlong": {
-        "fwd": {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
+        "fwd": {64: (128, 64, 4, 3), 128: (128, 128, 8, 3), 256: (64, 32, 4, 2)},
+        "fwd_silu": {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
         "dkdv": {64: (64, 128, 8, 2), 128: (64, 128, 8, 2), 256: (32, 64, 4, 2)},
         "dq": {64: (128, 64, 8, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
     },
 }
-for _reg in TILES.values():  # silu forward: own entry (swept separately; starts as softmax's)
-    _reg["fwd_silu"] = dict(_reg["fwd"])
 # Backward as one launch (dK/dV and dQ items merged into one longest-first table; the dQ items fill the
-# dK/dV tail and one launch is saved) or as two launches with their own warps/stages, per regime.
-FUSED_BWD: dict[str, bool] = {"short": True, "medium": True, "long": True, "xlong": False}
+# dK/dV tail and one launch is saved) or as two launches with their own warps/stages, per regime. Run 4:
+# two launches won in every regime (also on the host-bound short batch).
+FUSED_BWD: dict[str, bool] = {"short": False, "medium": False, "long": False, "xlong": False}
 # softmax backward: delta = rowsum(o * dO) computed by the backward programs themselves (an extra o tile
-# load per dK/dV step) instead of by a separate launch: one launch less where the host is the bound.
-DELTA_INLINE: dict[str, bool] = {"short": True, "medium": False, "long": False, "xlong": False}
+# load per dK/dV step) instead of by a separate launch. Run 4: slower in every regime.
+DELTA_INLINE: dict[str, bool] = {"short": False, "medium": False, "long": False, "xlong": False}
 FAST_ACT = True  # tanh.approx silu for bf16/fp16 on CUDA (see _act); the bench can turn it off to compare
 REGIME_MEAN_LEN = (256, 1024, 2048)
 _INTERPRET_TILES = (16, 16, 4, 1)
