@@ -180,11 +180,11 @@ def launch_overhead(n: int = 300) -> dict:
     from gemray.kernels import jagged_attention as ja
 
     o = torch.randn(64, 1, 16, device="cuda")
-    delta = torch.empty(1, 64, device="cuda")
+    lse = torch.empty(2, 1, 64, device="cuda")  # [2, H, T]: delta goes to lse[1]
 
     def launch():
-        ja._bwd_delta[(1, 1)](o, o, delta, 64, o.stride(0), o.stride(1), o.stride(0), o.stride(1),
-                              delta.stride(0), 16, BLOCK_T=64, BLOCK_DV=16, num_warps=4)
+        ja._bwd_delta[(1, 1)](o, o, lse, 64, o.stride(0), o.stride(1), o.stride(0), o.stride(1),
+                              lse.stride(1), 16, BLOCK_T=64, BLOCK_DV=16, num_warps=4)
 
     out = {}
     for name, fn in (("triton_launch_us", launch), ("torch_empty_like_us", lambda: torch.empty_like(o))):
@@ -196,6 +196,87 @@ def launch_overhead(n: int = 300) -> dict:
         out[name] = (time.perf_counter() - t0) / n * 1e6
         torch.cuda.synchronize()
     return out
+
+
+def host_profile(activation: str = "softmax", kind: str = "heavy", b: int = 128, n: int = 1024,
+                 device: str = "cpu", n_iter: int = 100, reps: int = 7) -> dict:
+    """Host cost of one jagged_attention_triton fwd+bwd with every Triton launch replaced by a stub that only
+    counts it (runs on the CPU, no GPU or interpreter needed): Triton launches and aten ops per fwd+bwd
+    (grads set to None each step, as do_bench does) and per no-grad forward, and the best-of-``reps``
+    microseconds of the Python/torch work around the launches (fwd+bwd and forward alone). The launches'
+    own host cost (one tiny launch: ``launch_overhead``) comes on top on the device."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from gemray.kernels import jagged_attention as ja
+
+    class _Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops: Counter = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[str(func).replace("aten.", "")] += 1
+            return func(*args, **(kwargs or {}))
+
+    launches: Counter = Counter()
+
+    class _Stub:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                launches[self.name + (f" part {kwargs['PART']}" if "PART" in kwargs else "")] += 1
+            return run
+
+    names = ("_gdpa_fwd", "_gdpa_bwd", "_bwd_delta")
+    saved = {k: getattr(ja, k) for k in names}
+    try:
+        for k in names:
+            setattr(ja, k, _Stub(k))
+        torch.manual_seed(0)
+        off = offsets_of(make_lengths(kind, b, n), device)
+        t = int(off[-1])
+        q, k, v = (torch.randn(t, H, D, device=device).requires_grad_(True) for _ in range(3))
+
+        def fwd():
+            return ja.jagged_attention_triton(q, k, v, off, n, activation=activation)
+
+        do = torch.randn_like(fwd())
+
+        def step():
+            fwd().backward(do)
+            q.grad = k.grad = v.grad = None
+
+        for _ in range(3):
+            step()
+        launches.clear()
+        with _Ops() as ops_fb:
+            step()
+        n_launch = dict(launches)
+        with torch.no_grad(), _Ops() as ops_f:
+            fwd()
+
+        def best_us(fn) -> float:
+            out = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                for _ in range(n_iter):
+                    fn()
+                out.append((time.perf_counter() - t0) / n_iter * 1e6)
+            return min(out)
+
+        us_fb = best_us(step)
+        with torch.no_grad():
+            us_f = best_us(fwd)
+    finally:
+        for k_, fn in saved.items():
+            setattr(ja, k_, fn)
+    return dict(activation=activation, batch=f"{kind} B={b} N={n}", launches=sum(n_launch.values()),
+                launch_kinds=n_launch, aten_ops=sum(ops_fb.ops.values()), aten_op_kinds=dict(ops_fb.ops),
+                aten_ops_fwd=sum(ops_f.ops.values()), python_us_fwd_bwd=us_fb, python_us_fwd=us_f)
 
 
 def _pad(x: torch.Tensor, off: torch.Tensor, n: int) -> torch.Tensor:
@@ -499,31 +580,68 @@ SWEEP = {  # regime -> kernel -> candidate (BLOCK_M, BLOCK_N, num_warps, num_sta
         "fwd": [(64, 64, 4, 3), (32, 64, 4, 3), (64, 32, 4, 3)],
         "fwd_silu": [(64, 64, 4, 3), (32, 64, 4, 3)],
         "dkdv": [(64, 64, 8, 2), (64, 128, 8, 2), (64, 64, 4, 3)],
+        "dkdv_atomic": [(64, 64, 8, 2), (64, 128, 8, 2), (64, 64, 8, 3)],
         "dq": [(64, 64, 8, 2), (32, 64, 4, 3), (64, 64, 4, 3)],
     },
     "medium": {
         "fwd": [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3)],
         "fwd_silu": [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 128, 4, 3)],
         "dkdv": [(64, 128, 8, 2), (64, 64, 8, 2), (128, 128, 8, 2)],
+        "dkdv_atomic": [(64, 64, 8, 2), (64, 128, 8, 2), (64, 64, 8, 3)],
         "dq": [(128, 64, 8, 3), (64, 64, 8, 3), (128, 128, 8, 2)],
     },
     "long": {
         "fwd": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 3)],
         "fwd_silu": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 3)],
         "dkdv": [(64, 128, 8, 2), (64, 64, 8, 2), (128, 128, 8, 2)],
+        "dkdv_atomic": [(64, 64, 8, 2), (64, 128, 8, 2), (64, 64, 8, 3)],
         "dq": [(128, 64, 8, 3), (64, 64, 8, 3), (128, 128, 8, 2)],
     },
     "xlong": {
         "fwd": [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4)],
         "fwd_silu": [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4)],
         "dkdv": [(64, 128, 8, 2), (128, 128, 8, 2), (64, 64, 8, 2)],
+        "dkdv_atomic": [(64, 64, 8, 2), (64, 128, 8, 2), (64, 64, 8, 3)],
         "dq": [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 8, 3)],
     },
 }
-# backward launch modes (FUSED_BWD, DELTA_INLINE) tried per regime; the current default is tried first
-BWD_MODES = [(True, True), (True, False), (False, False)]
+# backward launch modes (FUSED_BWD, DELTA_INLINE, ATOMIC_DQ) tried per regime; the current default is tried
+# first. Run 4: one launch and inline delta lost everywhere ((True, True) is no longer tried); new in run 5:
+# atomic dQ (one dK/dV launch that also accumulates dQ), with delta from its own launch or inline.
+BWD_MODES = [(False, False, False), (False, False, True), (False, True, True), (True, False, False)]
+
+
+def get_mode(which: str) -> tuple[bool, bool, bool]:
+    """(one launch, delta inline, atomic dQ) of regime ``which`` in jagged_attention."""
+    from gemray.kernels import jagged_attention as ja
+
+    return ja.FUSED_BWD[which], ja.DELTA_INLINE[which], ja.ATOMIC_DQ[which]
+
+
+def set_mode(which: str, mode) -> None:
+    """Set regime ``which``'s backward launch mode from [one launch, delta inline(, atomic dQ)] (run 4's
+    JSON has two entries: atomic dQ off)."""
+    from gemray.kernels import jagged_attention as ja
+
+    ja.FUSED_BWD[which], ja.DELTA_INLINE[which] = bool(mode[0]), bool(mode[1])
+    ja.ATOMIC_DQ[which] = bool(mode[2]) if len(mode) > 2 else False
 SWEEP_BATCH = {"short": ("heavy", 128, 1024), "medium": ("heavy", 256, 4096), "long": ("uniform", 128, 1024),
                "xlong": ("uniform", 64, 4096)}
+
+
+# what the sweep picks per regime, in order; "dkdv" / "dq" are timed only if the chosen mode is not atomic
+# dQ, "dkdv_atomic" only if it is
+KERNELS = ("fwd", "fwd_silu", "mode", "dkdv", "dkdv_atomic", "dq")
+
+
+def _mode_for(kern: str, mode: tuple[bool, bool, bool]) -> tuple[bool, bool, bool]:
+    """The backward launch mode under which tile kind ``kern`` is used (so that it is compiled / timed):
+    "dkdv_atomic" needs atomic dQ, "dkdv" / "dq" need it off; other kinds keep ``mode``."""
+    if kern == "dkdv_atomic" and not mode[2]:
+        return (False, mode[1], True)
+    if kern in ("dkdv", "dq") and mode[2]:
+        return (False, False, False)
+    return mode
 
 
 def _sweep_items(which: str) -> list[tuple[str, str, tuple]]:
@@ -531,9 +649,9 @@ def _sweep_items(which: str) -> list[tuple[str, str, tuple]]:
     from gemray.kernels import jagged_attention as ja
 
     items = []
-    for kern in ("fwd", "fwd_silu", "mode", "dkdv", "dq"):
+    for kern in KERNELS:
         if kern == "mode":
-            default = (ja.FUSED_BWD[which], ja.DELTA_INLINE[which])
+            default = get_mode(which)
             cands = [default] + [m for m in BWD_MODES if m != default]
         else:
             default = ja.TILES[which][kern][128]
@@ -569,14 +687,15 @@ def _precompile_worker(items: list, device: str = "cuda", dtype: torch.dtype = t
                 failed += 1
                 print(f"precompile section {kern}: {e!r}"[:300], flush=True)
             continue
-        modes = (ja.FUSED_BWD[which], ja.DELTA_INLINE[which])
+        modes = get_mode(which)
         tiles = ja.TILES[which][kern][128] if kern != "mode" else None
         try:
+            set_mode(which, _mode_for(kern, modes))
             if which not in inputs:
                 inputs[which] = _sweep_inputs(which, device, dtype)
             off, n, q, k, v = inputs[which]
             if kern == "mode":
-                ja.FUSED_BWD[which], ja.DELTA_INLINE[which] = cfg
+                set_mode(which, cfg)
             else:
                 ja.TILES[which][kern][128] = cfg
             act = "silu" if kern == "fwd_silu" else "softmax"
@@ -590,9 +709,8 @@ def _precompile_worker(items: list, device: str = "cuda", dtype: torch.dtype = t
             failed += 1
             print(f"precompile {which} {kern} {cfg}: {e!r}"[:300], flush=True)
         finally:
-            if kern == "mode":
-                ja.FUSED_BWD[which], ja.DELTA_INLINE[which] = modes
-            else:
+            set_mode(which, modes)
+            if kern != "mode":
                 ja.TILES[which][kern][128] = tiles
     return failed
 
@@ -645,10 +763,11 @@ def precompile(workers: int, timeout_s: float = 240.0) -> float:
 
 def sweep_tiles(rec: Recorder, budget_s: float = 150.0) -> None:
     """Pick, per regime on that regime's bench batch (SWEEP_BATCH), the forward tiles (softmax "fwd" and
-    silu "fwd_silu", timed forward only), the backward launch mode (one merged launch or two; delta inline
-    or not) and the dK/dV and dQ tiles (timed fwd+bwd, softmax). Winners go into jagged_attention.TILES /
-    FUSED_BWD / DELTA_INLINE for the rest of the run. Candidates are tried in order (the default first)
-    until ``budget_s`` seconds (compilation included) are spent; later candidates are then skipped."""
+    silu "fwd_silu", timed forward only), the backward launch mode (two launches, one merged launch, or one
+    dK/dV launch with atomic dQ; delta inline or not) and the dK/dV and dQ tiles (timed fwd+bwd, softmax).
+    Winners go into jagged_attention.TILES / FUSED_BWD / DELTA_INLINE / ATOMIC_DQ for the rest of the run.
+    Candidates are tried in order (the default first) until ``budget_s`` seconds (compilation included) are
+    spent; later candidates are then skipped."""
     from gemray.kernels import jagged_attention as ja
 
     t_start = time.time()
@@ -674,7 +793,11 @@ def sweep_tiles(rec: Recorder, budget_s: float = 150.0) -> None:
             return time.time() > reg_deadline
 
         items = _sweep_items(which)
-        for kern in ("fwd", "fwd_silu", "mode", "dkdv", "dq"):
+        for kern in KERNELS:
+            if kern not in ("fwd", "fwd_silu", "mode") and _mode_for(kern, get_mode(which)) != get_mode(which):
+                rec.add(section="sweep", table=which, kernel=kern,
+                        skipped=f"unused in mode {list(get_mode(which))}")
+                continue
             cands = [c for (_, kk, c) in items if kk == kern]
             best, best_ms = cands[0], float("inf")
             for cfg in cands:
@@ -682,7 +805,7 @@ def sweep_tiles(rec: Recorder, budget_s: float = 150.0) -> None:
                     rec.add(section="sweep", table=which, kernel=kern, cfg=list(cfg), skipped="budget")
                     continue
                 if kern == "mode":
-                    ja.FUSED_BWD[which], ja.DELTA_INLINE[which] = cfg
+                    set_mode(which, cfg)
                 else:
                     table[kern][128] = cfg
                 try:
@@ -694,7 +817,7 @@ def sweep_tiles(rec: Recorder, budget_s: float = 150.0) -> None:
                 if ms < best_ms:
                     best, best_ms = cfg, ms
             if kern == "mode":
-                ja.FUSED_BWD[which], ja.DELTA_INLINE[which] = best
+                set_mode(which, best)
             else:
                 table[kern][128] = best
             rec.add(section="sweep", table=which, kernel=kern, chosen=list(best), ms=best_ms,
@@ -749,11 +872,13 @@ def print_sweep(rows: list[dict]) -> None:
         elif "ms" in r:
             tried.setdefault(key, []).append(f"{r['cfg']} {r['ms']:.3f}")
         else:
-            tried.setdefault(key, []).append(f"{r['cfg']} {'skipped' if 'skipped' in r else 'ERROR'}")
+            what = ("skipped" if r["skipped"] == "budget" else r["skipped"]) if "skipped" in r else "ERROR"
+            tried.setdefault(key, []).append(f"{r.get('cfg', '')} {what}".strip())
     if tried:
-        print("\nsweep (ms; fwd kernels: forward only, others: fwd+bwd; mode = [one launch, delta inline]):")
+        print("\nsweep (ms; fwd kernels: forward only, others: fwd+bwd; "
+              "mode = [one launch, delta inline, atomic dQ]):")
         for (reg, kern), items in tried.items():
-            print(f"  {reg:6s} {kern:8s} " + " | ".join(items))
+            print(f"  {reg:6s} {kern:11s} " + " | ".join(items))
 
 
 def print_table(rows: list[dict]) -> None:
@@ -790,11 +915,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--precompile", type=int, default=0, metavar="N",
                    help="first compile every sweep candidate in N processes (shared Triton disk cache)")
     p.add_argument("--precompile-only", action="store_true", help="only --precompile, then exit")
+    p.add_argument("--host-profile", action="store_true",
+                   help="only count launches / aten ops and time the host work of one fwd+bwd with the "
+                   "launches stubbed (CPU is enough), then exit")
     p.add_argument("--sweep-budget", type=float, default=150.0, help="seconds the sweep may spend (compiles too)")
     p.add_argument("--tiles", default="", help='JSON override of TILES per regime, e.g. '
-                   '{"long": {"fwd": {"128": [128,64,8,3]}, "mode": [true, false]}} (mode: fused, delta inline)')
+                   '{"long": {"fwd": {"128": [128,64,8,3]}, "mode": [false, false, true]}} (mode: one launch, delta '
+                   'inline, atomic dQ; a two-entry mode means atomic dQ off)')
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.host_profile:
+        for act in ("softmax", "silu"):
+            print(json.dumps(host_profile(act)), flush=True)
+        return 0
     if not torch.cuda.is_available():
         print("gemray bench kernels: needs a CUDA device", file=sys.stderr)
         return 2
@@ -806,7 +939,7 @@ def main(argv: list[str] | None = None) -> int:
         for which, kinds in json.loads(args.tiles).items():
             for kind, table in kinds.items():
                 if kind == "mode":
-                    ja.FUSED_BWD[which], ja.DELTA_INLINE[which] = bool(table[0]), bool(table[1])
+                    set_mode(which, table)
                     continue
                 for dk, cfg in table.items():
                     ja.TILES[which][kind][int(dk)] = tuple(cfg)
@@ -823,7 +956,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     if args.sweep:
         sweep_tiles(rec, args.sweep_budget)
-    chosen = {r: dict({k: {"128": v[128]} for k, v in t.items()}, mode=[ja.FUSED_BWD[r], ja.DELTA_INLINE[r]])
+    chosen = {r: dict({k: {"128": v[128]} for k, v in t.items()}, mode=list(get_mode(r)))
               for r, t in ja.TILES.items()}
     rec.add(section="tiles", tiles=json.dumps(chosen))
     print("chosen tiles (pass back with --tiles):", json.dumps(chosen), flush=True)

@@ -29,12 +29,17 @@ than Words", arXiv:2402.17152; written from the papers, not copied):
 * Masks are index arithmetic on the tile's positions, never a materialised 2-D tensor; tiles that are
   entirely valid skip the mask (causal tile skipping: tiles above the diagonal are never visited).
 * Backward: dK/dV work items (a key tile, looping over query tiles) and dQ work items (a query tile,
-  looping over key tiles) are computed separately, so dQ needs no atomics. They run either as two launches
-  or as one launch over a merged longest-first table of both kinds (``FUSED_BWD`` per regime: the short dQ
-  items fill the tail of the dK/dV items, and a launch is saved). For softmax, delta = rowsum(o * dO) comes
-  from a small kernel or is computed by the backward programs themselves (``DELTA_INLINE``), so that a
-  host-bound step is two launches in all (forward, backward). PMA sums its per-sequence dQ over the batch
-  with one torch reduction.
+  looping over key tiles) are computed separately, so dQ needs no atomics. They run as two launches (dQ
+  first: for softmax it also writes delta = rowsum(o * dO) of its rows, which the dK/dV launch after it
+  reads, so no delta launch), or as one launch over a merged longest-first table of both kinds
+  (``FUSED_BWD``), or as one dK/dV launch whose programs also add their dS K into an fp32 dQ with atomics
+  (``ATOMIC_DQ``: 5 matmuls per tile pair instead of 7). Where no dQ launch writes delta it comes from a
+  small kernel or is computed by the backward programs themselves (``DELTA_INLINE``). The mode is chosen
+  per regime (kernels/bench.py sweeps it). PMA sums its per-sequence dQ over the batch with one torch
+  reduction.
+* Host cost per call (it bounds short, heavy-tailed batches): work tables and length checks are cached
+  per offsets object; a JFA fwd+bwd enqueues 3 Triton launches and 5 allocations (o, lse+delta, dq, dk,
+  dv), GDPA 3 launches and 4 allocations; ``kernels/bench.py --host-profile`` counts them.
 * silu on 16-bit inputs (CUDA): ``silu(x) = h + h tanh(h)``, h = x/2, with ``tanh.approx.f32`` (one MUFU op
   per score instead of exp2 + reciprocal; act and act' share it in the backward); fp32 inputs and the
   interpreter keep the exact sigmoid. The 1/N of the pointwise activations is applied once per output tile.
@@ -47,6 +52,7 @@ Works with triton 3.6 on CUDA and with ``TRITON_INTERPRET=1`` (triton 3.9) on CP
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -67,51 +73,70 @@ _LOG2E = 1.4426950408889634
 # "dq"), keyed by the smallest head-dim bucket >= Dqk. "dkdv" tiles the keys by BLOCK_N and loops over the
 # queries by BLOCK_M. The regime comes from the mean sequence length T / B (known on the host, no sync):
 # "short" / "medium" / "long" below REGIME_MEAN_LEN[0] / [1] / [2], else "xlong"; smaller tiles waste
-# less work on short sequences. "fwd_silu" (silu forward) starts as a copy of "fwd". kernels/bench.py
-# sweeps candidates on the H200 and records the winners.
+# less work on short sequences. "fwd_silu" is the silu forward (swept separately); "dkdv_atomic" is the
+# dK/dV kernel of the ATOMIC_DQ backward (its extra dS^T K product and atomics need more registers: in sm_90
+# SASS 64x128/8w spills ~50-65 STL + 70-110 LDL per loop step, 64x64/4w ~270 + ~380, 64x64/8w 0 STL and
+# 22-52 LDL, so it starts at 64x64/8w). kernels/bench.py sweeps candidates on the H200 and records the
+# winners.
 TILES: dict[str, dict[str, dict[int, tuple[int, int, int, int]]]] = {
-    # D=128 entries: the winners of the H200 sweep of 2026-11-30 (kernels/NOTES.md, run 3).
-    # short, dK/dV and dQ: 64x64 / 8 warps since run 4's compile-only check (sm_90 SASS): the run-3 dQ
-    # winner 32x64/4w has no wgmma at all (BLOCK_M 32 < the 64 rows of a warpgroup MMA), and the inline
-    # delta spills inside the dK/dV loop with 64x128 tiles (~150 STL+LDL per step) but not with 64x64.
+    # D=128 entries: the winners of the H200 sweep of run 4 (2026-11-30, kernels/NOTES.md), each timed on
+    # its regime's bench batch (short: heavy B=128 N=1024, medium: heavy B=256 N=4096, long: uniform
+    # B=128 N=1024, xlong: uniform B=64 N=4096). The short dQ winner 32x64/4w has no wgmma (BLOCK_M 32 <
+    # a warpgroup's 64 rows) but won on the host-bound short batch anyway. D=64 / 256 entries are not
+    # measured (kept from run 3).
     "short": {
         "fwd": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 2)},
-        "dkdv": {64: (64, 64, 8, 2), 128: (64, 64, 8, 2), 256: (32, 64, 4, 2)},
-        "dq": {64: (64, 64, 8, 2), 128: (64, 64, 8, 2), 256: (64, 32, 4, 2)},
+        "fwd_silu": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 2)},
+        "dkdv": {64: (64, 64, 8, 2), 128: (64, 64, 4, 3), 256: (32, 64, 4, 2)},
+        "dkdv_atomic": {64: (64, 64, 8, 2), 128: (64, 64, 8, 2), 256: (32, 64, 4, 2)},
+        "dq": {64: (64, 64, 8, 2), 128: (32, 64, 4, 3), 256: (64, 32, 4, 2)},
     },
     "medium": {
         "fwd": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 2)},
+        "fwd_silu": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 2)},
         "dkdv": {64: (64, 128, 8, 2), 128: (64, 128, 8, 2), 256: (32, 64, 4, 2)},
+        "dkdv_atomic": {64: (64, 64, 8, 2), 128: (64, 64, 8, 2), 256: (32, 64, 4, 2)},
         "dq": {64: (128, 64, 8, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
     },
     "long": {
-        "fwd": {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
+        "fwd": {64: (128, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 2)},
+        "fwd_silu": {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
         "dkdv": {64: (64, 128, 8, 2), 128: (64, 128, 8, 2), 256: (32, 64, 4, 2)},
+        "dkdv_atomic": {64: (64, 64, 8, 2), 128: (64, 64, 8, 2), 256: (32, 64, 4, 2)},
         "dq": {64: (128, 64, 8, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
     },
-    # "xlong" (mean >= 2048) split off "long" after run 3: the run-3 "long" winners were timed on uniform
-    # B=64 N=4096 and are kept here; uniform B=128 N=1024 (mean 1024) now sweeps its own "long" table.
     "xlong": {
-        "fwd": {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
+        "fwd": {64: (128, 64, 4, 3), 128: (128, 128, 8, 3), 256: (64, 32, 4, 2)},
+        "fwd_silu": {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
         "dkdv": {64: (64, 128, 8, 2), 128: (64, 128, 8, 2), 256: (32, 64, 4, 2)},
+        "dkdv_atomic": {64: (64, 64, 8, 2), 128: (64, 64, 8, 2), 256: (32, 64, 4, 2)},
         "dq": {64: (128, 64, 8, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
     },
 }
-for _reg in TILES.values():  # silu forward: own entry (swept separately; starts as softmax's)
-    _reg["fwd_silu"] = dict(_reg["fwd"])
 # Backward as one launch (dK/dV and dQ items merged into one longest-first table; the dQ items fill the
-# dK/dV tail and one launch is saved) or as two launches with their own warps/stages, per regime.
-FUSED_BWD: dict[str, bool] = {"short": True, "medium": True, "long": True, "xlong": False}
+# dK/dV tail and one launch is saved) or as two launches with their own warps/stages, per regime. Run 4:
+# two launches won in every regime (also on the host-bound short batch).
+FUSED_BWD: dict[str, bool] = {"short": False, "medium": False, "long": False, "xlong": False}
 # softmax backward: delta = rowsum(o * dO) computed by the backward programs themselves (an extra o tile
-# load per dK/dV step) instead of by a separate launch: one launch less where the host is the bound.
-DELTA_INLINE: dict[str, bool] = {"short": True, "medium": False, "long": False, "xlong": False}
+# load per dK/dV step) instead of by a separate launch. Run 4: slower in every regime.
+DELTA_INLINE: dict[str, bool] = {"short": False, "medium": False, "long": False, "xlong": False}
+# Backward as one dK/dV launch whose programs also add their dS K into dQ with fp32 atomics (FlashAttention-2
+# Triton style: 5 matmuls per tile pair instead of 7, no dQ launch; an fp32 dQ buffer is zeroed and cast
+# back, and softmax's delta comes from its own launch unless DELTA_INLINE). Off until a sweep picks it.
+ATOMIC_DQ: dict[str, bool] = {"short": False, "medium": False, "long": False, "xlong": False}
 FAST_ACT = True  # tanh.approx silu for bf16/fp16 on CUDA (see _act); the bench can turn it off to compare
 REGIME_MEAN_LEN = (256, 1024, 2048)
 _INTERPRET_TILES = (16, 16, 4, 1)
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+# triton picks the interpreter or the compiler when it decorates the kernels below, i.e. at import; read the
+# switch once here as well (an os.environ lookup per call was measurable host time)
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return _INTERPRET
 
 
 def regime(total: int, batch: int) -> str:
@@ -133,7 +158,7 @@ def _tiles(kind: str, d: int, reg: str = "long", max_q_len: int | None = None) -
         if d <= bucket:
             bm, bn, warps, stages = table[bucket]
             if max_q_len is not None and max_q_len <= 64:
-                small = max(16, triton.next_power_of_2(max_q_len))
+                small = max(16, 1 << (max_q_len - 1).bit_length())
                 if kind in ("fwd", "fwd_silu", "dq"):
                     bm, warps = small, 4
                 else:
@@ -153,11 +178,14 @@ def _cached(tensors: tuple, extra: tuple, make):
     tables (and the length checks) are built once per batch. Identity is checked through weak references
     (an id reused by a new tensor never hits) and in-place edits bump ``_version``.
     """
-    key = tuple((id(t), t._version) if t is not None else None for t in tensors) + extra
+    key = extra + tuple([None if t is None else (id(t), t._version) for t in tensors])
     hit = _CACHE.get(key)
     if hit is not None:
         refs, val = hit
-        if all((r is None) if t is None else (r is not None and r() is t) for r, t in zip(refs, tensors)):
+        for r, t in zip(refs, tensors):
+            if (None if r is None else r()) is not t:
+                break
+        else:
             _CACHE.move_to_end(key)
             return val
     val = make()
@@ -448,10 +476,11 @@ def _gdpa_fwd(Q, K, V, O, LSE, Q_OFF, KV_OFF, NT, WORK, BIAS,
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, o_base, stride_qt, stride_dot, stride_ot,
                 offs_n, lq, lk, n_hist, alpha_s, lo, hi, offs_dk, offs_dv, D_QK, D_V, bias_base, stride_bi,
-                stride_bj, ACT: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                stride_bj, dq_base, stride_dqt, dq_scale, dbias_base, stride_dbi, stride_dbj, ds_scale,
+                ACT: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                 HAS_TARGETS: tl.constexpr, ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,
                 DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr, CONTEXT: tl.constexpr, FAST: tl.constexpr,
-                DELTA_INLINE: tl.constexpr):
+                DELTA_INLINE: tl.constexpr, ATOMIC_DQ: tl.constexpr, STORE_DBIAS: tl.constexpr):
     for m0 in range(lo, hi, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         row_ok = offs_m < lq
@@ -486,22 +515,33 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, o_base, str
                 pt = tl.where(ok, pt, 0.0)
                 dst = tl.where(ok, dst, 0.0)
         dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PREC)
-        dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk, input_precision=DOT_PREC)
+        dst_lp = dst.to(qt.dtype)
+        dk = tl.dot(dst_lp, tl.trans(qt), dk, input_precision=DOT_PREC)
+        if ATOMIC_DQ:  # dQ[rows of this query tile] += scale * dS K: fp32 atomics (FlashAttention-2 Triton)
+            dq_part = tl.dot(tl.trans(dst_lp), k, input_precision=DOT_PREC) * dq_scale  # [BLOCK_M, BLOCK_DQK]
+            tl.atomic_add(dq_base + offs_m[:, None] * stride_dqt + offs_dk[None, :], dq_part,
+                          mask=row_ok[:, None] & (offs_dk[None, :] < D_QK), sem="relaxed")
+        if STORE_DBIAS:  # d logits = d bias; every (row, key) pair is in exactly one key tile's program
+            tl.store(dbias_base + offs_m[None, :] * stride_dbi + offs_n[:, None] * stride_dbj, dst * ds_scale,
+                     mask=row_ok[None, :] & (offs_n[:, None] < lk))
     return dk, dv
 
 
 @triton.jit
-def _dkdv_tile(Q, K, V, DO, LSE, DELTA, O, DK, DV, Q_OFF, KV_OFF, NT, BIAS, b, n0, h,
+def _dkdv_tile(Q, K, V, DO, LSE, DELTA, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, BIAS, DBIAS, b, n0, h,
                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                stride_ot, stride_oh,
-               stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
-               stride_bb, stride_bh, stride_bi, stride_bj, alpha, inv_n, D_QK, D_V,
+               stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh, stride_lh,
+               stride_bb, stride_bh, stride_bi, stride_bj, stride_dbb, stride_dbh, stride_dbi, stride_dbj,
+               alpha, inv_n, D_QK, D_V,
                ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
                ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, Q_BCAST: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
                BLOCK_DV: tl.constexpr, DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr,
-               CONTEXT: tl.constexpr, FAST: tl.constexpr, DELTA_INLINE: tl.constexpr):
-    """dK, dV of keys [n0, n0 + BLOCK_N) of sequence b, head h."""
+               CONTEXT: tl.constexpr, FAST: tl.constexpr, DELTA_INLINE: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+               STORE_DBIAS: tl.constexpr):
+    """dK, dV of keys [n0, n0 + BLOCK_N) of sequence b, head h; with ATOMIC_DQ also their share of dQ
+    (fp32 atomic adds into DQ, zeroed by the host) and, with STORE_DBIAS, dbias of their pairs."""
     q_start = tl.load(Q_OFF + b)
     lq = (tl.load(Q_OFF + b + 1) - q_start).to(tl.int32)
     kv_start = tl.load(KV_OFF + b)
@@ -533,16 +573,25 @@ def _dkdv_tile(Q, K, V, DO, LSE, DELTA, O, DK, DV, Q_OFF, KV_OFF, NT, BIAS, b, n
     lse_base = LSE + h * stride_lh + q_start
     delta_base = DELTA + h * stride_lh + q_start
     o_base = O + q_start * stride_ot + h * stride_oh
+    dq_base = DQ + q_start * stride_dqt + h * stride_dqh  # dQ rows are output rows (PMA: per sequence)
+    dbias_base = DBIAS + b.to(tl.int64) * stride_dbb + h * stride_dbh
+    if ACT == 0:
+        ds_scale = 1.0
+    else:
+        ds_scale = inv_n
+    dq_scale = alpha * ds_scale
     lo, hi, full_lo = _query_range(n0, lq, n_hist, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, BLOCK_M,
                                    BLOCK_N, CONTEXT)
     dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, o_base, stride_qt, stride_dot,
                          stride_ot, offs_n, lq, lk, n_hist, alpha_s, lo, full_lo, offs_dk, offs_dv, D_QK, D_V,
-                         bias_base, stride_bi, stride_bj, ACT, True, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW,
-                         BLOCK_M, DOT_PREC, HAS_BIAS, CONTEXT, FAST, DELTA_INLINE)
+                         bias_base, stride_bi, stride_bj, dq_base, stride_dqt, dq_scale, dbias_base, stride_dbi,
+                         stride_dbj, ds_scale, ACT, True, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW,
+                         BLOCK_M, DOT_PREC, HAS_BIAS, CONTEXT, FAST, DELTA_INLINE, ATOMIC_DQ, STORE_DBIAS)
     dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, o_base, stride_qt, stride_dot,
                          stride_ot, offs_n, lq, lk, n_hist, alpha_s, full_lo, hi, offs_dk, offs_dv, D_QK, D_V,
-                         bias_base, stride_bi, stride_bj, ACT, False, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW,
-                         BLOCK_M, DOT_PREC, HAS_BIAS, CONTEXT, FAST, DELTA_INLINE)
+                         bias_base, stride_bi, stride_bj, dq_base, stride_dqt, dq_scale, dbias_base, stride_dbi,
+                         stride_dbj, ds_scale, ACT, False, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW,
+                         BLOCK_M, DOT_PREC, HAS_BIAS, CONTEXT, FAST, DELTA_INLINE, ATOMIC_DQ, STORE_DBIAS)
     if ACT == 0:
         dk = dk * alpha
     else:
@@ -604,8 +653,11 @@ def _dq_tile(Q, K, V, DO, LSE, DELTA, O, DQ, Q_OFF, KV_OFF, NT, BIAS, DBIAS, b, 
              ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, Q_BCAST: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
              BLOCK_DV: tl.constexpr, DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr,
-             STORE_DBIAS: tl.constexpr, CONTEXT: tl.constexpr, FAST: tl.constexpr, DELTA_INLINE: tl.constexpr):
-    """dQ (and dbias) of query rows [m0, m0 + BLOCK_M) of sequence b, head h."""
+             STORE_DBIAS: tl.constexpr, CONTEXT: tl.constexpr, FAST: tl.constexpr, DELTA_INLINE: tl.constexpr,
+             STORE_DELTA: tl.constexpr):
+    """dQ (and dbias) of query rows [m0, m0 + BLOCK_M) of sequence b, head h. softmax: delta = rowsum(o *
+    dO) of these rows is computed here from o (DELTA_INLINE or STORE_DELTA) or loaded from DELTA;
+    STORE_DELTA also writes it to DELTA for the dK/dV launch that runs after this one."""
     q_start = tl.load(Q_OFF + b)
     lq = (tl.load(Q_OFF + b + 1) - q_start).to(tl.int32)
     kv_start = tl.load(KV_OFF + b)
@@ -629,10 +681,12 @@ def _dq_tile(Q, K, V, DO, LSE, DELTA, O, DQ, Q_OFF, KV_OFF, NT, BIAS, DBIAS, b, 
         alpha_s = alpha * 1.4426950408889634
         ds_scale = 1.0
         lse = tl.load(LSE + h * stride_lh + q_start + offs_m, mask=row_ok, other=float("inf"))
-        if DELTA_INLINE:
+        if DELTA_INLINE or STORE_DELTA:
             o = tl.load(O + (q_start + offs_m[:, None]) * stride_ot + h * stride_oh + offs_dv[None, :],
                         mask=row_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
             delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+            if STORE_DELTA:
+                tl.store(DELTA + h * stride_lh + q_start + offs_m, delta, mask=row_ok)
         else:
             delta = tl.load(DELTA + h * stride_lh + q_start + offs_m, mask=row_ok, other=0.0)
     else:
@@ -660,7 +714,7 @@ def _dq_tile(Q, K, V, DO, LSE, DELTA, O, DQ, Q_OFF, KV_OFF, NT, BIAS, DBIAS, b, 
 
 
 @triton.jit
-def _gdpa_bwd(Q, K, V, DO, LSE, DELTA, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, WORK, BIAS, DBIAS,
+def _gdpa_bwd(Q, K, V, DO, LSE, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, WORK, BIAS, DBIAS,
               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
               stride_ot, stride_oh,
               stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh, stride_lh,
@@ -671,21 +725,27 @@ def _gdpa_bwd(Q, K, V, DO, LSE, DELTA, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, WORK, B
               DK_BM: tl.constexpr, DK_BN: tl.constexpr, DQ_BM: tl.constexpr, DQ_BN: tl.constexpr,
               BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, DOT_PREC: tl.constexpr,
               HAS_BIAS: tl.constexpr, STORE_DBIAS: tl.constexpr, CONTEXT: tl.constexpr, FAST: tl.constexpr,
-              DELTA_INLINE: tl.constexpr):
+              DELTA_INLINE: tl.constexpr, STORE_DELTA: tl.constexpr, ATOMIC_DQ: tl.constexpr):
     """Backward work item WORK[pid]: a dK/dV key tile (id < n_k_items: b * n_tiles_k + tile) or a dQ query
-    tile (id - n_k_items = b * n_tiles_q + tile); PART 1 / 2 compile only the dK/dV / dQ branch."""
+    tile (id - n_k_items = b * n_tiles_q + tile); PART 1 / 2 compile only the dK/dV / dQ branch.
+    LSE is [2, H, T_out] fp32 (softmax): log-sum-exp, then delta (written by _bwd_delta or by the dQ
+    launch with STORE_DELTA, or computed per tile with DELTA_INLINE). ATOMIC_DQ (PART 1): the dK/dV items
+    also accumulate dQ into DQ (fp32, zeroed); STORE_DBIAS is set for the launch that writes dbias (the dQ
+    items', or the dK/dV items' with ATOMIC_DQ)."""
     w = tl.load(WORK + tl.program_id(0))
     if w < 0:
         return
     h = tl.program_id(1).to(tl.int64)
+    DELTA = LSE + tl.num_programs(1).to(tl.int64) * stride_lh
     if PART == 1:
-        _dkdv_tile(Q, K, V, DO, LSE, DELTA, O, DK, DV, Q_OFF, KV_OFF, NT, BIAS, w // n_tiles_k,
+        _dkdv_tile(Q, K, V, DO, LSE, DELTA, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, BIAS, DBIAS, w // n_tiles_k,
                    (w % n_tiles_k) * DK_BN, h, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                    stride_dot, stride_doh, stride_ot, stride_oh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-                   stride_lh,
-                   stride_bb, stride_bh, stride_bi, stride_bj, alpha, inv_n, D_QK, D_V,
+                   stride_dqt, stride_dqh, stride_lh,
+                   stride_bb, stride_bh, stride_bi, stride_bj, stride_dbb, stride_dbh, stride_dbi, stride_dbj,
+                   alpha, inv_n, D_QK, D_V,
                    ACT, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, Q_BCAST, DK_BM, DK_BN, BLOCK_DQK, BLOCK_DV,
-                   DOT_PREC, HAS_BIAS, CONTEXT, FAST, DELTA_INLINE)
+                   DOT_PREC, HAS_BIAS, CONTEXT, FAST, DELTA_INLINE, ATOMIC_DQ, STORE_DBIAS)
     elif PART == 2:
         _dq_tile(Q, K, V, DO, LSE, DELTA, O, DQ, Q_OFF, KV_OFF, NT, BIAS, DBIAS, w // n_tiles_q,
                  (w % n_tiles_q) * DQ_BM, h, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -693,16 +753,17 @@ def _gdpa_bwd(Q, K, V, DO, LSE, DELTA, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, WORK, B
                  stride_bi,
                  stride_bj, stride_dbb, stride_dbh, stride_dbi, stride_dbj, alpha, inv_n, D_QK, D_V,
                  ACT, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, Q_BCAST, DQ_BM, DQ_BN, BLOCK_DQK, BLOCK_DV,
-                 DOT_PREC, HAS_BIAS, STORE_DBIAS, CONTEXT, FAST, DELTA_INLINE)
+                 DOT_PREC, HAS_BIAS, STORE_DBIAS, CONTEXT, FAST, DELTA_INLINE, STORE_DELTA)
     else:
         if w < n_k_items:
-            _dkdv_tile(Q, K, V, DO, LSE, DELTA, O, DK, DV, Q_OFF, KV_OFF, NT, BIAS, w // n_tiles_k,
+            _dkdv_tile(Q, K, V, DO, LSE, DELTA, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, BIAS, DBIAS, w // n_tiles_k,
                        (w % n_tiles_k) * DK_BN, h, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
                        stride_vh, stride_dot, stride_doh, stride_ot, stride_oh, stride_dkt, stride_dkh, stride_dvt,
-                       stride_dvh,
-                       stride_lh, stride_bb, stride_bh, stride_bi, stride_bj, alpha, inv_n, D_QK, D_V,
+                       stride_dvh, stride_dqt, stride_dqh,
+                       stride_lh, stride_bb, stride_bh, stride_bi, stride_bj, stride_dbb, stride_dbh, stride_dbi,
+                       stride_dbj, alpha, inv_n, D_QK, D_V,
                        ACT, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, Q_BCAST, DK_BM, DK_BN, BLOCK_DQK,
-                       BLOCK_DV, DOT_PREC, HAS_BIAS, CONTEXT, FAST, DELTA_INLINE)
+                       BLOCK_DV, DOT_PREC, HAS_BIAS, CONTEXT, FAST, DELTA_INLINE, False, False)
         else:
             wq = w - n_k_items
             _dq_tile(Q, K, V, DO, LSE, DELTA, O, DQ, Q_OFF, KV_OFF, NT, BIAS, DBIAS, wq // n_tiles_q,
@@ -711,7 +772,7 @@ def _gdpa_bwd(Q, K, V, DO, LSE, DELTA, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, WORK, B
                      stride_bh,
                      stride_bi, stride_bj, stride_dbb, stride_dbh, stride_dbi, stride_dbj, alpha, inv_n, D_QK,
                      D_V, ACT, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, Q_BCAST, DQ_BM, DQ_BN, BLOCK_DQK,
-                     BLOCK_DV, DOT_PREC, HAS_BIAS, STORE_DBIAS, CONTEXT, FAST, DELTA_INLINE)
+                     BLOCK_DV, DOT_PREC, HAS_BIAS, STORE_DBIAS, CONTEXT, FAST, DELTA_INLINE, False)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -731,6 +792,13 @@ class _Spec:
     max_q_len: int
     max_kv_len: int
     context: int = 0
+
+
+@functools.lru_cache(maxsize=256)
+def _spec(act: int, causal: bool, alpha: float, inv_n: float, att_block: int, window: int, q_bcast: bool,
+          max_q_len: int, max_kv_len: int, context: int) -> _Spec:
+    """One shared _Spec per distinct call configuration (a frozen dataclass costs a few us to build)."""
+    return _Spec(act, causal, alpha, inv_n, att_block, window, q_bcast, max_q_len, max_kv_len, context)
 
 
 def _work_table(tile_len: torch.Tensor, max_len: int, block: int, cost: torch.Tensor | None = None,
@@ -785,7 +853,9 @@ def _dot_prec(dtype: torch.dtype) -> str | None:
 
 
 def _block_d(d: int) -> int:
-    return max(16, triton.next_power_of_2(d))
+    """Power-of-two tile width >= d (>= 16), in plain Python (triton.next_power_of_2 costs ~10 us a call
+    through its JIT wrapper on the host)."""
+    return max(16, 1 << (d - 1).bit_length())
 
 
 def _bias_strides(bias: torch.Tensor | None) -> tuple[int, int, int, int]:
@@ -824,10 +894,12 @@ def _k_table(spec: _Spec, q_off: torch.Tensor, kv_off: torch.Tensor, bn: int, t_
 
 
 @triton.jit
-def _bwd_delta(O, DO, DELTA, T, stride_ot, stride_oh, stride_dot, stride_doh, stride_lh, D_V,
+def _bwd_delta(O, DO, LSE, T, stride_ot, stride_oh, stride_dot, stride_doh, stride_lh, D_V,
                BLOCK_T: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """delta[h, t] = sum_d o[t, h, d] * do[t, h, d] in fp32 (softmax backward)."""
+    """delta[h, t] = sum_d o[t, h, d] * do[t, h, d] in fp32 (softmax backward), written to LSE[1, h, t] of
+    the [2, H, T] lse buffer (grid (cdiv(T, BLOCK_T), H))."""
     h = tl.program_id(1).to(tl.int64)
+    DELTA = LSE + tl.num_programs(1).to(tl.int64) * stride_lh
     offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_d = tl.arange(0, BLOCK_DV)
     m = (offs_t[:, None] < T) & (offs_d[None, :] < D_V)
@@ -875,8 +947,16 @@ def _fast_act(dtype: torch.dtype) -> bool:
 
 
 class _GDPA(torch.autograd.Function):
+    """Forward: one launch. Backward (per regime, see FUSED_BWD / DELTA_INLINE / ATOMIC_DQ): two launches
+    (dQ, which also writes softmax's delta, then dK/dV), one merged launch, or one dK/dV launch that also
+    accumulates dQ with atomics; a separate delta launch only where delta is neither inline nor written
+    by a dQ launch. Offsets, targets and the lse buffer ride on ctx (not save_for_backward: they are not
+    differentiable and not modified in place), which saves their unpacking per backward."""
+
     @staticmethod
-    def forward(ctx, q, k, v, bias, q_off, kv_off, nt, spec: _Spec, t_out: int):
+    def forward(ctx, q, k, v, bias, meta: tuple):
+        """meta = (q_off [B+1] int64, kv_off [B+1] int64, nt [B] int64 or None, spec, t_out)."""
+        q_off, kv_off, nt, spec, t_out = meta
         h = k.shape[1]
         d_qk, d_v = q.shape[2], v.shape[2]
         bdk, bdv = _block_d(d_qk), _block_d(d_v)
@@ -884,82 +964,109 @@ class _GDPA(torch.autograd.Function):
         bm, bn, warps, stages = _tiles("fwd_silu" if spec.act == 1 else "fwd", d_qk, reg, spec.max_q_len)
         table, n_tiles = _q_table(spec, q_off, kv_off, bm, t_out)
         o = q.new_empty((t_out, h, d_v))
-        lse = torch.empty((h, t_out), device=q.device, dtype=torch.float32)
-        nt_arg = nt if nt is not None else q_off
+        if spec.act == 0:  # [2, H, T_out] fp32: log-sum-exp, then delta (written in the backward)
+            lse = torch.empty((2, h, t_out), device=q.device, dtype=torch.float32)
+            lse_arg, stride_lh = lse, t_out
+        else:  # pointwise activations need neither: o stands in for the unused pointer
+            lse, lse_arg, stride_lh = None, o, 0
         _gdpa_fwd[(table.numel(), h)](
-            q, k, v, o, lse, q_off, kv_off, nt_arg, table, bias if bias is not None else q,
+            q, k, v, o, lse_arg, q_off, kv_off, nt if nt is not None else q_off, table,
+            bias if bias is not None else q,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            o.stride(0), o.stride(1), lse.stride(0), *_bias_strides(bias),
+            o.stride(0), o.stride(1), stride_lh, *_bias_strides(bias),
             spec.alpha, spec.inv_n, n_tiles, d_qk, d_v, HAS_BIAS=bias is not None,
             ACT=spec.act, CAUSAL=spec.causal, HAS_TARGETS=nt is not None, ATT_BLOCK=spec.att_block,
             WINDOW=spec.window, Q_BCAST=spec.q_bcast, CONTEXT=spec.context, BLOCK_M=bm, BLOCK_N=bn, BLOCK_DQK=bdk,
             BLOCK_DV=bdv, EVEN_D=(bdk == d_qk and bdv == d_v), DOT_PREC=_dot_prec(q.dtype),
             FAST=_fast_act(q.dtype), num_warps=warps, num_stages=stages)
-        ctx.save_for_backward(q, k, v, bias, o, lse, q_off, kv_off, nt)
+        # o only for softmax (delta = rowsum(o * dO)): saving an output costs a detach and its unpacking
+        ctx.save_for_backward(q, k, v, bias, o if spec.act == 0 else None)
+        ctx.lse, ctx.q_off, ctx.kv_off, ctx.nt = lse, q_off, kv_off, nt
         ctx.spec = spec
         ctx.reg = reg
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, bias, o, lse, q_off, kv_off, nt = ctx.saved_tensors
+        q, k, v, bias, o = ctx.saved_tensors
+        q_off, kv_off, nt = ctx.q_off, ctx.kv_off, ctx.nt
         spec: _Spec = ctx.spec
         reg: str = ctx.reg
-        do = do.contiguous() if do.stride(-1) != 1 else do
+        if do.stride(-1) != 1:
+            do = do.contiguous()
         h = k.shape[1]
         d_qk, d_v = q.shape[2], v.shape[2]
         bdk, bdv = _block_d(d_qk), _block_d(d_v)
-        t_out = o.shape[0]
-        delta_inline = spec.act == 0 and DELTA_INLINE.get(reg, False)
-        if spec.act == 0 and not delta_inline:
-            delta = torch.empty_like(lse)  # [H, T_out]
-            _bwd_delta[(triton.cdiv(t_out, 64), h)](
-                o, do, delta, t_out, o.stride(0), o.stride(1), do.stride(0), do.stride(1), delta.stride(0),
+        t_out = do.shape[0]
+        softmax = spec.act == 0
+        if softmax:
+            lse, stride_lh = ctx.lse, t_out
+        else:  # o and lse are not read by the pointwise activations: do stands in for both pointers
+            o, lse, stride_lh = do, do, 0
+        atomic = ATOMIC_DQ.get(reg, False)
+        fused = not atomic and FUSED_BWD.get(reg, False)
+        delta_inline = softmax and DELTA_INLINE.get(reg, False)
+        if softmax and not delta_inline and (fused or atomic):  # delta into lse[1] by its own launch
+            _bwd_delta[(-(-t_out // 64), h)](
+                o, do, lse, t_out, o.stride(0), o.stride(1), do.stride(0), do.stride(1), stride_lh,
                 d_v, BLOCK_T=64, BLOCK_DV=bdv, num_warps=4)
-        else:
-            delta = lse
         dk = torch.empty_like(k)
         dv = torch.empty_like(v)
-        dq = q.new_empty((t_out, h, d_qk)) if spec.q_bcast else torch.empty_like(q)
+        if atomic:  # fp32 accumulator for the atomic adds
+            dq = torch.zeros((t_out, h, d_qk), device=q.device, dtype=torch.float32)
+        else:
+            dq = q.new_empty((t_out, h, d_qk)) if spec.q_bcast else torch.empty_like(q)
         want_dbias = bias is not None and ctx.needs_input_grad[3]
         # dbias per head, fp32, zero where no program writes (pairs outside the mask / key range)
         dbias = (torch.zeros((bias.shape[0], h, bias.shape[-2], bias.shape[-1]), device=q.device,
                              dtype=torch.float32) if want_dbias else None)
-        kbm, kbn, kwarps, kstages = _tiles("dkdv", d_qk, reg, spec.max_q_len)
-        qbm, qbn, qwarps, qstages = _tiles("dq", d_qk, reg, spec.max_q_len)
-        args = [q, k, v, do, lse, delta, o, dk, dv, dq, q_off, kv_off, nt if nt is not None else q_off, None,
+        kbm, kbn, kwarps, kstages = _tiles("dkdv_atomic" if atomic else "dkdv", d_qk, reg, spec.max_q_len)
+        args = [q, k, v, do, lse, o, dk, dv, dq, q_off, kv_off, nt if nt is not None else q_off, None,
                 bias if bias is not None else q, dbias if dbias is not None else q,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 do.stride(0), do.stride(1), o.stride(0), o.stride(1), dk.stride(0), dk.stride(1),
                 dv.stride(0), dv.stride(1),
-                dq.stride(0), dq.stride(1), lse.stride(0), *_bias_strides(bias),
+                dq.stride(0), dq.stride(1), stride_lh, *_bias_strides(bias),
                 *(dbias.stride() if dbias is not None else (0, 0, 0, 0)),
                 spec.alpha, spec.inv_n, 0, 1, 1, d_qk, d_v]
         consts = dict(ACT=spec.act, CAUSAL=spec.causal, HAS_TARGETS=nt is not None, HAS_BIAS=bias is not None,
                       ATT_BLOCK=spec.att_block, WINDOW=spec.window, Q_BCAST=spec.q_bcast, CONTEXT=spec.context,
-                      BLOCK_DQK=bdk, BLOCK_DV=bdv, DOT_PREC=_dot_prec(q.dtype), STORE_DBIAS=want_dbias,
-                      FAST=_fast_act(q.dtype), DELTA_INLINE=delta_inline)
-        if FUSED_BWD.get(reg, False):  # one launch: dK/dV and dQ items from one longest-first table
+                      BLOCK_DQK=bdk, BLOCK_DV=bdv, DOT_PREC=_dot_prec(q.dtype), FAST=_fast_act(q.dtype),
+                      DELTA_INLINE=delta_inline)
+        if atomic:  # one launch: dK/dV items that also add their dS K into dQ (and write dbias)
+            table, ntk = _k_table(spec, q_off, kv_off, kbn, k.shape[0])
+            args[12], args[-5:-2] = table, (0, ntk, 1)
+            _gdpa_bwd[(table.numel(), h)](*args, PART=1, num_warps=kwarps, num_stages=kstages, DK_BM=kbm,
+                                          DK_BN=kbn, DQ_BM=0, DQ_BN=0, STORE_DBIAS=want_dbias,
+                                          STORE_DELTA=False, ATOMIC_DQ=True, **consts)
+        elif fused:  # one launch: dK/dV and dQ items from one longest-first table
+            qbm, qbn, qwarps, qstages = _tiles("dq", d_qk, reg, spec.max_q_len)
             table, n_k_items, ntk, ntq = _bwd_table(spec, q_off, kv_off, kbn, qbm, k.shape[0], t_out)
-            args[13], args[-5:-2] = table, (n_k_items, ntk, ntq)
+            args[12], args[-5:-2] = table, (n_k_items, ntk, ntq)
             _gdpa_bwd[(table.numel(), h)](*args, PART=0, num_warps=max(kwarps, qwarps),
                                           num_stages=min(kstages, qstages), DK_BM=kbm, DK_BN=kbn, DQ_BM=qbm,
-                                          DQ_BN=qbn, **consts)
-        else:
-            table, ntk = _k_table(spec, q_off, kv_off, kbn, k.shape[0])
-            args[13], args[-5:-2] = table, (0, ntk, 1)
-            # the other part's tile sizes are unused (pruned branch): 0 keeps one compiled variant per config
-            _gdpa_bwd[(table.numel(), h)](*args, PART=1, num_warps=kwarps, num_stages=kstages, DK_BM=kbm,
-                                          DK_BN=kbn, DQ_BM=0, DQ_BN=0, **consts)
+                                          DQ_BN=qbn, STORE_DBIAS=want_dbias, STORE_DELTA=False,
+                                          ATOMIC_DQ=False, **consts)
+        else:  # two launches: dQ first (it writes softmax's delta), then dK/dV (reads it)
+            qbm, qbn, qwarps, qstages = _tiles("dq", d_qk, reg, spec.max_q_len)
             table, ntq = _q_table(spec, q_off, kv_off, qbm, t_out)
-            args[13], args[-5:-2] = table, (0, 1, ntq)
+            args[12], args[-5:-2] = table, (0, 1, ntq)
+            # the other part's tile sizes are unused (pruned branch): 0 keeps one compiled variant per config
             _gdpa_bwd[(table.numel(), h)](*args, PART=2, num_warps=qwarps, num_stages=qstages, DK_BM=0, DK_BN=0,
-                                          DQ_BM=qbm, DQ_BN=qbn, **consts)
+                                          DQ_BM=qbm, DQ_BN=qbn, STORE_DBIAS=want_dbias,
+                                          STORE_DELTA=softmax and not delta_inline, ATOMIC_DQ=False, **consts)
+            table, ntk = _k_table(spec, q_off, kv_off, kbn, k.shape[0])
+            args[12], args[-5:-2] = table, (0, ntk, 1)
+            _gdpa_bwd[(table.numel(), h)](*args, PART=1, num_warps=kwarps, num_stages=kstages, DK_BM=kbm,
+                                          DK_BN=kbn, DQ_BM=0, DQ_BN=0, STORE_DBIAS=False, STORE_DELTA=False,
+                                          ATOMIC_DQ=False, **consts)
         if spec.q_bcast:
             dq = dq.view(-1, q.shape[0], h, d_qk).sum(0, dtype=torch.float32).to(q.dtype)
+        elif dq.dtype != q.dtype:  # the atomic path's fp32 accumulator
+            dq = dq.to(q.dtype)
         if dbias is not None:
             dbias = (dbias if bias.dim() == 4 else dbias.sum(1)).to(bias.dtype)
-        return dq, dk, dv, dbias, None, None, None, None, None
+        return dq, dk, dv, dbias, None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1017,14 +1124,15 @@ def gdpa_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: to
     if activation not in ACTIVATIONS:
         raise ValueError(f"gdpa: activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
     q, k, v = _prep(q, "q"), _prep(k, "k"), _prep(v, "v")
-    if k.shape[:2] != v.shape[:2] or q.shape[1] != k.shape[1] or q.shape[2] != k.shape[2]:
+    (tq, hq, dq), (tk, hk, dk), (tv, hv, dv) = q.shape, k.shape, v.shape  # ints (torch.Size slices compare slowly)
+    if tk != tv or hk != hv or hq != hk or dq != dk:
         raise ValueError(f"gdpa: shape mismatch q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _DTYPES:
         raise ValueError(f"gdpa: q/k/v must share a float dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if q.shape[2] > 256 or v.shape[2] > 256:
-        raise ValueError(f"gdpa: head dims up to 256 supported, got {q.shape[2]}, {v.shape[2]}")
-    _check_offsets("q_offsets", q_offsets, q.shape[0], q.device)
-    _check_offsets("kv_offsets", kv_offsets, k.shape[0], q.device)
+    if dq > 256 or dv > 256:
+        raise ValueError(f"gdpa: head dims up to 256 supported, got {dq}, {dv}")
+    _check_offsets("q_offsets", q_offsets, tq, q.device)
+    _check_offsets("kv_offsets", kv_offsets, tk, q.device)
     if q_offsets.numel() != kv_offsets.numel():
         raise ValueError(f"gdpa: q_offsets has B={q_offsets.numel() - 1}, kv_offsets B={kv_offsets.numel() - 1}")
     if num_targets is not None:
@@ -1048,10 +1156,7 @@ def gdpa_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: to
                 or not attn_bias.is_floating_point() or attn_bias.device != q.device):
             raise ValueError(f"gdpa: attn_bias must be float [B={bsz}, n1, n2] or [B, H={q.shape[1]}, n1, n2] "
                              f"on {q.device}, got {attn_bias.dtype} {tuple(attn_bias.shape)} on {attn_bias.device}")
-    if q_broadcast:
-        t_out = bsz * q.shape[0]
-    else:
-        t_out = q.shape[0]
+    t_out = bsz * tq if q_broadcast else tq
     if bsz:
         def check():
             # asynchronous (no host sync on CUDA): a sequence longer than max_len would lose tiles
@@ -1067,19 +1172,19 @@ def gdpa_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: to
         bias_shape = tuple(attn_bias.shape[-2:]) if attn_bias is not None else None
         _cached((q_offsets, kv_offsets, num_targets), ("check", max_q_len, max_kv_len, bias_shape), check)
     if alpha is None:  # the reference's convention (gemray.kernels.reference.jagged_attention_ref)
-        alpha = 1.0 / math.sqrt(q.shape[2]) if activation == "softmax" else 1.0
+        alpha = 1.0 / math.sqrt(dq) if activation == "softmax" else 1.0
     if not alpha > 0:
         raise ValueError(f"gdpa: alpha must be > 0 for the Triton kernels, got {alpha}")
     if norm is None:
         norm = float(max(max_kv_len, 1))
-    spec = _Spec(act=ACTIVATIONS[activation], causal=bool(causal), alpha=float(alpha), inv_n=1.0 / float(norm),
-                 att_block=int(block_size), window=int(window), q_bcast=bool(q_broadcast),
-                 max_q_len=int(max_q_len), max_kv_len=int(max_kv_len), context=int(contextual_len))
+    spec = _spec(ACTIVATIONS[activation], bool(causal), float(alpha), 1.0 / float(norm), int(block_size),
+                 int(window), bool(q_broadcast), int(max_q_len), int(max_kv_len), int(contextual_len))
     if t_out == 0 or bsz == 0:
-        out = q.new_zeros((t_out, q.shape[1], v.shape[2]))
+        out = q.new_zeros((t_out, hq, dv))
         out = out + 0.0 * (q.sum() + k.sum() + v.sum())  # keeps the graph for autograd
         return out + 0.0 * attn_bias.sum() if attn_bias is not None else out
-    return _GDPA.apply(q, k, v, attn_bias, q_offsets, kv_offsets, num_targets, spec, t_out)
+    # the non-differentiable arguments travel as one tuple: autograd.Function.apply's cost grows per argument
+    return _GDPA.apply(q, k, v, attn_bias, (q_offsets, kv_offsets, num_targets, spec, t_out))
 
 
 def jagged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,

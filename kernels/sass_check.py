@@ -26,7 +26,7 @@ from gemray.kernels import jagged_attention as ja
 
 _FWD_TYPES = dict(Q="*bf16", K="*bf16", V="*bf16", O="*bf16", LSE="*fp32", Q_OFF="*i64", KV_OFF="*i64",
                   NT="*i64", WORK="*i32", BIAS="*bf16", alpha="fp32", inv_n="fp32")
-_BWD_TYPES = dict(Q="*bf16", K="*bf16", V="*bf16", DO="*bf16", LSE="*fp32", DELTA="*fp32", O="*bf16",
+_BWD_TYPES = dict(Q="*bf16", K="*bf16", V="*bf16", DO="*bf16", LSE="*fp32", O="*bf16",
                   DK="*bf16", DV="*bf16", DQ="*bf16", Q_OFF="*i64", KV_OFF="*i64", NT="*i64", WORK="*i32",
                   BIAS="*fp32", DBIAS="*fp32", alpha="fp32", inv_n="fp32")
 _BASE = dict(CAUSAL=True, HAS_TARGETS=False, ATT_BLOCK=0, WINDOW=0, Q_BCAST=False, BLOCK_DQK=128, BLOCK_DV=128,
@@ -40,14 +40,17 @@ def fwd_variant(act: int, bm: int, bn: int, warps: int, stages: int) -> tuple:
 
 
 def bwd_variant(act: int, part: int, dk: tuple[int, int], dq: tuple[int, int], warps: int, stages: int,
-                inline: bool = False) -> tuple:
-    """A bf16 D=128 causal backward: part 0 (one launch), 1 (dK/dV) or 2 (dQ); dk / dq = (BM, BN)."""
+                inline: bool = False, atomic: bool = False) -> tuple:
+    """A bf16 D=128 causal backward: part 0 (one launch), 1 (dK/dV; with ``atomic`` also dQ by fp32 atomic
+    adds) or 2 (dQ; softmax: it also stores delta, as in the two-launch backward); dk / dq = (BM, BN)."""
     dk = dk if part != 2 else (0, 0)
     dq = dq if part != 1 else (0, 0)
+    types = dict(_BWD_TYPES, DQ="*fp32") if atomic else _BWD_TYPES
     return (f"bwd act={act} part={part} dkdv={dk[0]}x{dk[1]} dq={dq[0]}x{dq[1]}/{warps}w/{stages}s"
-            f"{' delta-inline' if inline else ''}", ja._gdpa_bwd, _BWD_TYPES,
+            f"{' delta-inline' if inline else ''}{' atomic-dq' if atomic else ''}", ja._gdpa_bwd, types,
             dict(_BASE, ACT=act, PART=part, DK_BM=dk[0], DK_BN=dk[1], DQ_BM=dq[0], DQ_BN=dq[1],
-                 STORE_DBIAS=False, DELTA_INLINE=inline), warps, stages)
+                 STORE_DBIAS=False, DELTA_INLINE=inline, STORE_DELTA=part == 2 and act == 0 and not inline,
+                 ATOMIC_DQ=atomic), warps, stages)
 
 
 def _loops(sass: str) -> list[tuple[int, int, int, int]]:
@@ -90,7 +93,10 @@ def default_variants(full: bool = False) -> list[tuple]:
             bm, bn, w, s = table["fwd_silu" if act else "fwd"][128]
             out.append(fwd_variant(act, bm, bn, w, s))
             k, q = table["dkdv"][128], table["dq"][128]
-            if ja.FUSED_BWD[reg]:
+            if ja.ATOMIC_DQ[reg]:
+                ka = table["dkdv_atomic"][128]
+                out.append(bwd_variant(act, 1, ka[:2], q[:2], ka[2], ka[3], act == 0 and ja.DELTA_INLINE[reg], True))
+            elif ja.FUSED_BWD[reg]:
                 out.append(bwd_variant(act, 0, k[:2], q[:2], max(k[2], q[2]), min(k[3], q[3]),
                                        act == 0 and ja.DELTA_INLINE[reg]))
             else:
@@ -102,6 +108,8 @@ def default_variants(full: bool = False) -> list[tuple]:
         for reg, kinds in bench.SWEEP.items():
             for bm, bn, w, s in kinds["dkdv"]:
                 out.append(bwd_variant(0, 1, (bm, bn), (0, 0), w, s))
+            for bm, bn, w, s in kinds["dkdv_atomic"]:
+                out.append(bwd_variant(0, 1, (bm, bn), (0, 0), w, s, atomic=True))
             for bm, bn, w, s in kinds["dq"]:
                 out.append(bwd_variant(0, 2, (0, 0), (bm, bn), w, s))
     for v in out:

@@ -241,20 +241,30 @@ def test_unequal_tiles(monkeypatch, tiles, activation):
            (q, k, v), 1e-4)
 
 
-BWD_MODES = [("softmax", False, False), ("softmax", True, False), ("softmax", False, True),
-             ("softmax", True, True), ("silu", False, False), ("silu", True, False)]
+# (activation, one launch, delta inline, atomic dQ): every backward launch mode the sweep can pick
+BWD_MODES = [("softmax", False, False, False), ("softmax", True, False, False), ("softmax", False, True, False),
+             ("softmax", True, True, False), ("silu", False, False, False), ("silu", True, False, False),
+             ("softmax", False, False, True), ("softmax", False, True, True), ("silu", False, False, True)]
 
 
-@cpu_only
-@pytest.mark.parametrize("activation,fused,inline", BWD_MODES)
-def test_backward_launch_modes(monkeypatch, activation, fused, inline):
-    """The backward as one merged launch (FUSED_BWD) or two, with delta from its own launch or computed
-    inline (DELTA_INLINE, softmax), matches the reference: targets + bias + unequal tiles (self),
-    cross-attention and PMA."""
+def _set_bwd_mode(monkeypatch, fused, inline, atomic):
     from gemray.kernels import jagged_attention as ja
 
     monkeypatch.setattr(ja, "FUSED_BWD", {r: fused for r in ja.FUSED_BWD})
     monkeypatch.setattr(ja, "DELTA_INLINE", {r: inline for r in ja.DELTA_INLINE})
+    monkeypatch.setattr(ja, "ATOMIC_DQ", {r: atomic for r in ja.ATOMIC_DQ})
+
+
+@cpu_only
+@pytest.mark.parametrize("activation,fused,inline,atomic", BWD_MODES)
+def test_backward_launch_modes(monkeypatch, activation, fused, inline, atomic):
+    """The backward as two launches (dQ, which writes softmax's delta, then dK/dV), one merged launch
+    (FUSED_BWD) or one dK/dV launch with atomic dQ (ATOMIC_DQ), with delta from its own launch or computed
+    inline (DELTA_INLINE, softmax), matches the reference: targets + bias (dbias) + unequal tiles (self),
+    cross-attention and PMA."""
+    from gemray.kernels import jagged_attention as ja
+
+    _set_bwd_mode(monkeypatch, fused, inline, atomic)
     monkeypatch.setattr(ja, "_INTERPRET_TILES", (16, 32, 4, 1))
     torch.manual_seed(14)
     lengths = [0, 1, 33, 70, 17]
@@ -274,6 +284,31 @@ def test_backward_launch_modes(monkeypatch, activation, fused, inline):
            (qc, k, v), 1e-4)
     _check(lambda a, b, c: pma_triton(a, b, c, off, 70, activation=activation),
            lambda a, b, c: ref.pma_ref(a, b, c, off, 70, activation=activation), (_leaf(3, 2, 16), k, v), 1e-4)
+
+
+@cpu_only
+@pytest.mark.parametrize("activation,causal,inline", [("softmax", True, False), ("softmax", False, True),
+                                                      ("silu", True, False), ("gelu", False, False)])
+def test_atomic_dq_random_jagged_batches(monkeypatch, activation, causal, inline):
+    """ATOMIC_DQ (dQ accumulated by the dK/dV programs with fp32 atomic adds): forward and dq/dk/dv match
+    the float32 reference (rel err < 1e-3) on random jagged batches that include empty and length-1
+    sequences, with unequal dK/dV tiles so that several key tiles add into the same dQ rows."""
+    _set_bwd_mode(monkeypatch, False, inline, True)
+    from gemray.kernels import jagged_attention as ja
+
+    monkeypatch.setattr(ja, "_INTERPRET_TILES", (16, 32, 4, 1))
+    for seed in (0, 1, 2):
+        g = torch.Generator().manual_seed(seed)
+        lengths = torch.randint(0, 60, (6,), generator=g).tolist() + [0, 1]
+        lengths = [lengths[i] for i in torch.randperm(len(lengths), generator=g).tolist()]
+        n = max(lengths)
+        off = _offsets(lengths)
+        t = int(off[-1])
+        torch.manual_seed(seed)
+        q, k, v = _leaf(t, 2, 16), _leaf(t, 2, 16), _leaf(t, 2, 24)
+        _check(lambda a, b, c: jagged_attention_triton(a, b, c, off, n, activation=activation, causal=causal),
+               lambda a, b, c: ref.jagged_attention_ref(a, b, c, off, n, activation=activation, causal=causal),
+               (q, k, v), 1e-3)
 
 
 # -------------------------------------------------------- the model's call: HSTU block through gemray.ops
@@ -372,7 +407,17 @@ def test_bench_bookkeeping():
 
     for reg, (kind, b, n) in bench.SWEEP_BATCH.items():
         assert ja.regime(sum(bench.make_lengths(kind, b, n)), b) == reg
-        assert set(bench.SWEEP[reg]) == set(ja.TILES[reg]) and reg in ja.FUSED_BWD and reg in ja.DELTA_INLINE
+        assert set(bench.SWEEP[reg]) == set(ja.TILES[reg])
+        assert reg in ja.FUSED_BWD and reg in ja.DELTA_INLINE and reg in ja.ATOMIC_DQ
+    # run 4's printed JSON has two-entry modes (atomic dQ off); run 5's has three
+    saved = bench.get_mode("short")
+    try:
+        bench.set_mode("short", [True, True])
+        assert bench.get_mode("short") == (True, True, False)
+        bench.set_mode("short", [False, False, True])
+        assert bench.get_mode("short") == (False, False, True)
+    finally:
+        bench.set_mode("short", saved)
 
 
 @cpu_only
@@ -386,11 +431,37 @@ def test_bench_precompile_worker_runs_every_item_and_restores_state(monkeypatch)
     monkeypatch.setattr(bench, "H", 1)
     monkeypatch.setattr(bench, "D", 16)
     items = bench._sweep_items("short")
-    assert {kern for _, kern, _ in items} == {"fwd", "fwd_silu", "mode", "dkdv", "dq"}
-    before = (repr(ja.TILES), dict(ja.FUSED_BWD), dict(ja.DELTA_INLINE))
-    picked = [it for it in items if it[1] in ("fwd_silu", "mode", "dq")][:4]
+    assert {kern for _, kern, _ in items} == set(bench.KERNELS) == set(ja.TILES["short"]) | {"mode"}
+    before = (repr(ja.TILES), dict(ja.FUSED_BWD), dict(ja.DELTA_INLINE), dict(ja.ATOMIC_DQ))
+    picked = ([it for it in items if it[1] == "fwd_silu"][:1] + [it for it in items if it[1] == "mode"][:2]
+              + [it for it in items if it[1] == "dkdv_atomic"][:1])
+    assert any(it[1] == "mode" and it[2][2] for it in picked)  # an atomic-dQ mode is among them
     assert bench._precompile_worker(picked, device="cpu", dtype=torch.float32) == 0
-    assert (repr(ja.TILES), dict(ja.FUSED_BWD), dict(ja.DELTA_INLINE)) == before
+    assert (repr(ja.TILES), dict(ja.FUSED_BWD), dict(ja.DELTA_INLINE), dict(ja.ATOMIC_DQ)) == before
+
+
+@pytest.mark.parametrize("activation,fused,inline,atomic,launches", [
+    ("softmax", False, False, False, ["_gdpa_fwd", "_gdpa_bwd part 2", "_gdpa_bwd part 1"]),
+    ("silu", False, False, False, ["_gdpa_fwd", "_gdpa_bwd part 2", "_gdpa_bwd part 1"]),
+    ("softmax", True, False, False, ["_gdpa_fwd", "_bwd_delta", "_gdpa_bwd part 0"]),
+    ("softmax", True, True, False, ["_gdpa_fwd", "_gdpa_bwd part 0"]),
+    ("softmax", False, False, True, ["_gdpa_fwd", "_bwd_delta", "_gdpa_bwd part 1"]),
+    ("softmax", False, True, True, ["_gdpa_fwd", "_gdpa_bwd part 1"]),
+    ("silu", False, False, True, ["_gdpa_fwd", "_gdpa_bwd part 1"])])
+def test_host_profile_launches_and_ops(monkeypatch, activation, fused, inline, atomic, launches):
+    """bench.host_profile (launches stubbed, runs on the CPU) counts what one fwd+bwd enqueues: the two-launch
+    backward has no delta launch (the dQ launch writes delta) and allocates only o, lse (softmax) and dq /
+    dk / dv; the atomic-dQ backward zeroes an fp32 dQ and casts nothing for fp32 inputs."""
+    from gemray.kernels import bench
+
+    _set_bwd_mode(monkeypatch, fused, inline, atomic)
+    r = bench.host_profile(activation, "heavy", 8, 64, n_iter=1, reps=1)
+    assert sorted(r["launch_kinds"]) == sorted(launches) and r["launches"] == len(launches)
+    ours = {k: n for k, n in r["aten_op_kinds"].items() if k != "detach.default"}  # detach: autograd's
+    # o and (softmax) the [2, H, T] lse + delta buffer; dk, dv and dq (torch.zeros in fp32 when atomic)
+    assert sum(ours.values()) == (2 if activation == "softmax" else 1) + 3, ours
+    assert ours.get("zeros.default", 0) == int(atomic), ours
+    assert r["aten_ops_fwd"] == (2 if activation == "softmax" else 1)
 
 
 def test_bench_report_tables(capsys):
@@ -403,7 +474,10 @@ def test_bench_report_tables(capsys):
             dict(section="self", batch="uniform B=128 N=1024", variant="jfa", ms_fwd_bwd=1.0),
             dict(section="self", batch="uniform B=128 N=1024", variant="varlen", ms_fwd_bwd=1.1),
             dict(section="sweep", table="short", kernel="fwd", cfg=[64, 64, 4, 3], ms=0.2),
-            dict(section="sweep", table="short", kernel="fwd", chosen=[64, 64, 4, 3], ms=0.2, elapsed_s=3.0)]
+            dict(section="sweep", table="short", kernel="fwd", chosen=[64, 64, 4, 3], ms=0.2, elapsed_s=3.0),
+            dict(section="sweep", table="short", kernel="dkdv_atomic", skipped="unused in mode [False, False, "
+                 "False]"),
+            dict(section="sweep", table="short", kernel="dq", cfg=[64, 64, 8, 2], skipped="budget")]
     bench.print_sweep(rows)
     bench.print_table(rows)
     bench.print_summary(rows)
@@ -411,6 +485,7 @@ def test_bench_report_tables(capsys):
     assert "| heavy B=128 N=1024 | 0.500 | 1.000 | 2.00x | 1.5x | met |" in out
     assert "| uniform B=128 N=1024 | 1.000 | 1.100 | 1.10x | 1.2x | MISSED |" in out
     assert "0.400 (0.100)" in out and "=> [64, 64, 4, 3]" in out
+    assert "dkdv_atomic unused in mode" in out and "[64, 64, 8, 2] skipped" in out
 
 
 @cpu_only
@@ -574,14 +649,12 @@ def _model_lengths_gpu(b=128, seed=17):
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("activation", ["silu", "softmax"])
-@pytest.mark.parametrize("fused", [False, True])
-def test_gpu_model_call_rel_bias(monkeypatch, dtype, activation, fused):
+@pytest.mark.parametrize("mode", ["two", "one", "atomic"])
+def test_gpu_model_call_rel_bias(monkeypatch, dtype, activation, mode):
     """The model's call at its shapes (H=2, D=25, max_len 200, dense relative bias) on the GPU, backward
-    as one launch with inline delta or as two launches; fp32 within 1e-3 of the reference, bf16 2e-2."""
-    from gemray.kernels import jagged_attention as ja
-
-    monkeypatch.setattr(ja, "FUSED_BWD", {r: fused for r in ja.FUSED_BWD})
-    monkeypatch.setattr(ja, "DELTA_INLINE", {r: fused for r in ja.DELTA_INLINE})
+    as two launches, as one launch with inline delta, or as one dK/dV launch with atomic dQ (and dbias);
+    fp32 within 1e-3 of the reference, bf16 2e-2."""
+    _set_bwd_mode(monkeypatch, mode == "one", mode == "one", mode == "atomic")
     _check_model_call(monkeypatch, _model_lengths_gpu(), dtype, "cuda", activation,
                       1e-3 if dtype == torch.float32 else 2e-2)
 
@@ -596,14 +669,13 @@ def test_gpu_model_shape_contextual_prefix(dtype):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("activation,fused,inline", BWD_MODES)
-def test_gpu_backward_launch_modes(monkeypatch, activation, fused, inline):
+@pytest.mark.parametrize("activation,fused,inline,atomic", BWD_MODES)
+def test_gpu_backward_launch_modes(monkeypatch, activation, fused, inline, atomic):
     """Each backward launch mode at bench-like sizes in bf16, with the short and the medium regime's tiles
     (the regime is forced; between them they cover every tile shape and warp count of the defaults)."""
     from gemray.kernels import jagged_attention as ja
 
-    monkeypatch.setattr(ja, "FUSED_BWD", {r: fused for r in ja.FUSED_BWD})
-    monkeypatch.setattr(ja, "DELTA_INLINE", {r: inline for r in ja.DELTA_INLINE})
+    _set_bwd_mode(monkeypatch, fused, inline, atomic)
     torch.manual_seed(19)
     lengths = _heavy_lengths(24, 2048) + [0, 1, 2048, 1000]
     off = _offsets(lengths, "cuda")
@@ -621,7 +693,7 @@ def test_gpu_backward_launch_modes(monkeypatch, activation, fused, inline):
 def test_sass_check_compiles_for_hopper_without_a_gpu():
     """gemray.kernels.sass_check compiles for sm_90 on the CPU machine (ptxas from the triton wheel) and
     reads the SASS: the softmax forward uses wgmma with no spills in its loops; a 32-row dQ tile gets no
-    wgmma (warpgroup MMAs need 64 rows), which is why the short regime moved to 64x64 tiles."""
+    wgmma (warpgroup MMAs need 64 rows; run 4's sweep still picked it for the host-bound short batch)."""
     import json
     import subprocess
     import sys

@@ -7,7 +7,8 @@
 #   OUT=$OUT bash deploy/h200/kernels_bench.sh
 # Knobs: TOTAL_S (default 340: whole script), TEST_S (150: pytest and precompile, side by side),
 # SWEEP_BUDGET (120: sweep timing, split evenly over the 4 regimes), SWEEP=0 (no precompile, no sweep),
-# TILES_JSON (the "chosen tiles" JSON an earlier run printed: pins tiles and launch modes), BENCH_ARGS
+# TILES_JSON (the "chosen tiles" JSON an earlier run printed: pins tiles and launch modes; run 4's winners
+# are the defaults since kern4), BENCH_ARGS
 # (extra bench flags without spaces inside a value, e.g. --skip=flex).
 set -uo pipefail
 T0=$(date +%s)
@@ -58,10 +59,13 @@ TILES_ARG=(); [ -n "$TILES_JSON" ] && TILES_ARG=(--tiles "$TILES_JSON")
 timeout -k 10 $(( LEFT + 5 )) python3 -m gemray.kernels.bench --out "$OUT" --time-limit "$LEFT" $SW $BENCH_ARGS \
   "${TILES_ARG[@]}" > "$OUT/bench.log" 2>&1
 echo "bench rc=$? after $(( $(date +%s) - T0 )) s" >> "$OUT/bench.log"
+# this host's Python/torch work per fwd+bwd around the launches (launches stubbed; CPU only, a few seconds)
+timeout -k 5 30 python3 -m gemray.kernels.bench --host-profile > "$OUT/host_profile.log" 2>&1
 # the reply carries the last 12,000 characters: failures and the pytest summary, then the bench's tables
 echo "== pytest"; grep -E "^(FAILED|ERROR)|passed|failed|skipped|rc=" "$OUT/pytest.log" | tail -25
 [ -f "$OUT/gpu_ids.txt" ] && echo "(no xdist: $(wc -l < "$OUT/gpu_ids.txt") tests in 8 processes, one summary line each)"
 tail -2 "$OUT/precompile.log" 2>/dev/null
 echo "== bench"; grep -E "^chosen tiles" "$OUT/bench.log"
 sed -n '/^sweep (ms/,$p' "$OUT/bench.log" | grep -v "^| norm_quant"
+echo "== host profile (launches stubbed)"; tail -2 "$OUT/host_profile.log" | cut -c1-400
 echo "total $(( $(date +%s) - T0 )) s"
