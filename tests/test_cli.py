@@ -7,12 +7,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from paths import DATA
 
 from gemray.cli import build_parser, main
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = str(REPO / "configs" / "ml-latest-small.toml")
-SMALL = Path(__file__).resolve().parents[2] / "shared" / "data" / "ml-latest-small"  # ../shared beside the checkout
+SMALL = DATA / "ml-latest-small"
 
 
 def _err_line(capsys) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import ray
+import torch
 
 from gemray.config import JobConfig
 from gemray.controller import run
@@ -75,7 +76,14 @@ def test_preflight_refuses_jobs_that_would_fail_in_the_workers(tmp_path):
             run.preflight(cfg, _manifest(), embedded=True)
     gpu = JobConfig()
     gpu.ray.use_gpu, gpu.train.sparse_optimizer, gpu.model.attention_backend = True, "adam", "triton"
-    run.preflight(gpu, _manifest(), embedded=True)
+    run.preflight(gpu, _manifest(), embedded=True, num_gpus=2)
+    # no (or too few) GPUs on the machine of an embedded cluster: Ray Train would wait for them forever
+    with pytest.raises(ValueError, match=r"ray.use_gpu=true needs 2 GPU\(s\) .* this machine has 1"):
+        run.preflight(gpu, _manifest(), embedded=True, num_gpus=1)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="this machine has 0"):
+            run.preflight(gpu, _manifest(), embedded=True)
+    run.preflight(gpu, _manifest(), embedded=False, num_gpus=0)  # an external cluster may have them
     big = JobConfig()
     big.ray.cpus_per_worker = 8.0
     run.preflight(big, _manifest(), embedded=False)  # an external cluster may have the CPUs
@@ -158,3 +166,15 @@ def test_worker_process_start_time_is_measured():
             "print(time.time() - _process_start_time())")
     age = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     assert 1.4 <= age < 120
+
+
+def test_comparison_table_rows():
+    t = run.comparison_table({"hr@10": 0.33, "ndcg@10": 0.19, "hr@10_unfiltered": 0.26, "ndcg@10_unfiltered": 0.13,
+                              "eval_exclude_history": True})
+    lines = t.splitlines()
+    assert lines[2].split() == ["this", "run", "0.3300", "0.1900"]
+    assert lines[3].split() == ["this", "run", "(all", "items)", "0.2600", "0.1300"]
+    assert "HSTU-large" in t and "0.3294" in t
+    t = run.comparison_table({"hr@10": 0.2, "ndcg@10": 0.1, "eval_exclude_history": False})
+    assert t.splitlines()[2].split()[:4] == ["this", "run", "(all", "items)"]
+    assert "nan" not in run.comparison_table({"hr@50": 0.5}) and "eval_ks" in run.comparison_table({"hr@50": 0.5})

@@ -15,6 +15,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+from paths import CRD_DIR
 
 yaml = pytest.importorskip("yaml")
 jsonschema = pytest.importorskip("jsonschema")
@@ -24,7 +25,6 @@ from gemray.config import load_config  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
-CRD_DIR = REPO.parent / "shared" / "k8s" / "crds"
 K8S_VERSION = "1.32"
 MANIFESTS = sorted(DEPLOY.glob("*.yaml"))
 RAY_MANIFESTS = [p for p in MANIFESTS if yaml.safe_load(p.read_text())["kind"] in ("RayJob", "RayCluster")]

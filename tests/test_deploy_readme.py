@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from paths import CRD_DIR, SHARED
 from proc_utils import free_port, kill_marked
 
 REPO = Path(__file__).resolve().parents[1]
@@ -79,7 +80,7 @@ def _script(blocks: list[tuple[str, str]]) -> str:
 def _sandbox(tmp: Path) -> tuple[Path, dict]:
     clone = tmp / "gemray"
     subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True, timeout=120)
-    shared = REPO.parent / "shared"
+    shared = SHARED
     if shared.is_dir():
         (tmp / "shared").symlink_to(shared)
     home = tmp / "home"
@@ -98,7 +99,7 @@ def _has_cli(*words: str) -> bool:
     return r.returncode == 0
 
 
-@pytest.mark.skipif(not (REPO.parent / "shared" / "k8s" / "crds").is_dir(), reason="no KubeRay CRDs")
+@pytest.mark.skipif(not CRD_DIR.is_dir(), reason=f"no KubeRay CRDs at {CRD_DIR}")
 def test_kubernetes_section_runs_up_to_validation(tmp_path):
     if not _has_cli("k8s", "render"):
         pytest.skip("`gemray k8s render` is not registered in gemray/cli.py yet")

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 import pytest
+from paths import DATA
 import torch
 
 from gemray.checkpoint import committed_checkpoints, verify_checkpoint
@@ -38,7 +39,7 @@ from gemray.ledger import audit, read_attempts
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
-SRC = Path(__file__).resolve().parents[2] / "shared" / "data" / "ml-latest-small"  # ../shared beside the checkout
+SRC = DATA / "ml-latest-small"
 CONFIG = REPO / "configs" / "ml-latest-small.toml"
 EPOCHS = 2
 EVERY = 5

@@ -21,6 +21,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from paths import DATA
 from proc_utils import free_port, kill_marked
 
 from gemray.config import load_config
@@ -28,7 +29,7 @@ from gemray.controller import submit as sub
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
-RAW_SMALL = REPO.parent / "shared" / "data" / "ml-latest-small"
+RAW_SMALL = DATA / "ml-latest-small"
 START_TIMEOUT_S = 90
 
 

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 import pytest
+from paths import DATA
 
 from gemray.pipelines import prepare_movielens
 from gemray.pipelines.bbs import form_batches, imbalance, plan_epoch, simulate_imbalance
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"  # ../shared beside the checkout
 
 
 def test_hand_example():

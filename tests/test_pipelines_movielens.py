@@ -10,12 +10,12 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from paths import DATA
 
 from gemray.pipelines import movielens as ml
 from gemray.pipelines.movielens import BadRowError, load_manifest, prepare_movielens
 from gemray.pipelines.schema import HISTORY_SCHEMA, ITEMS_SCHEMA
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"  # ../shared beside the checkout
 ML1M_SLICE_LINES = 20_000
 
 

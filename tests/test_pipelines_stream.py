@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from paths import DATA
 import torch
 
 ray = pytest.importorskip("ray")
@@ -15,7 +16,6 @@ from gemray.config import DataConfig  # noqa: E402
 from gemray.pipelines import load_manifest, prepare_movielens  # noqa: E402
 from gemray.pipelines.stream import HistoryStream, assign_shards  # noqa: E402
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"  # ../shared beside the checkout
 MAX_LEN = 8
 # history lengths of the synthetic users: too short (1, 2), minimal (3 -> train length 1), around
 # MAX_LEN (+2 for the held-out items), and long ones that get truncated

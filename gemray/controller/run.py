@@ -79,16 +79,28 @@ SHAPE_FIELDS = ("embedding_dim", "num_blocks", "num_heads", "attention_dim", "li
 
 
 def preflight(cfg: JobConfig, manifest: dict[str, Any], *, embedded: bool,
-              previous: JobConfig | None = None) -> None:
+              previous: JobConfig | None = None, num_gpus: int | None = None) -> None:
     """Refuse, before Ray starts, a job that would only fail (or hang) inside the workers.
 
     cfg: resolved config; manifest: the prepared data's; embedded: whether fit will start its own Ray
     cluster; previous: the config.toml of an earlier run in the same output folder that left checkpoints.
     Raises ValueError naming the field: Adam kinds or forced Triton without a GPU, a worker asking more
     CPUs than the embedded cluster has, a cut-off K above the catalogue, prepared data made from other
-    raw files than ``data.raw_dir`` holds, or an output folder holding a model of another shape.
+    raw files than ``data.raw_dir`` holds, an output folder holding a model of another shape, or
+    ``ray.use_gpu`` on an embedded cluster with fewer GPUs than workers (``num_gpus``: GPUs this machine
+    has; default ``torch.cuda.device_count()``).
     """
     gpu = cfg.ray.use_gpu
+    if embedded and gpu:
+        if num_gpus is None:
+            import torch
+
+            num_gpus = torch.cuda.device_count()
+        need = cfg.ray.min_workers or cfg.ray.num_workers
+        if num_gpus < need:
+            raise ValueError(f"ray.use_gpu=true needs {need} GPU(s) (one per worker) but this machine has "
+                             f"{num_gpus}: Ray Train would wait for them forever; set ray.use_gpu=false, fewer "
+                             f"ray.num_workers, or ray.address to a cluster with GPUs")
     if not gpu and cfg.train.sparse_optimizer in ("adam", "rowwise_adam"):
         raise ValueError(f"train.sparse_optimizer={cfg.train.sparse_optimizer!r} needs ray.use_gpu=true (FBGEMM's "
                          "CPU kernels have no Adam); use 'rowwise_adagrad' or 'auto' on CPU")
@@ -240,6 +252,8 @@ def comparison_table(metrics: dict[str, Any]) -> str:
     (generative-recommenders' evaluation); a run with ``train.eval_exclude_history=false`` ranks against all
     items and says so in its row. The all-items figures of a filtered run get a row of their own.
     """
+    if "hr@10" not in metrics:
+        return "(no HR@10 / NDCG@10 to compare with the published ML-1M numbers: 10 is not in train.eval_ks)"
     label = "this run" if metrics.get("eval_exclude_history", True) else "this run (all items)"
     rows = [(label, metrics.get("hr@10", float("nan")), metrics.get("ndcg@10", float("nan")))]
     if "hr@10_unfiltered" in metrics:
