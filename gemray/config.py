@@ -120,8 +120,8 @@ class TrainConfig:
     """Optimisation and evaluation.
 
     epochs: passes over the training split; lr / weight_decay: dense AdamW; sparse_lr: learning rate of the
-    embedding tables' optimizer (``sparse_optimizer``, fused into FBGEMM's backward); eval_every: evaluate the validation split every N
-    epochs (test split always at the end); eval_ks: cut-offs for HR@K / NDCG@K; seed: everything.
+    embedding tables' optimizer (``sparse_optimizer``, fused into FBGEMM's backward); eval_every: evaluate
+    the validation split every N epochs (test split always at the end); eval_ks: cut-offs for HR@K / NDCG@K; seed: everything.
     eval_exclude_history: rank each target against the items outside the user's (max_seq_len) history, as
     generative-recommenders' evaluation that produced the published ML-1M numbers; the metrics over all
     items are reported beside them with the suffix ``_unfiltered``.

@@ -7,8 +7,9 @@ held-out next item is ranked against every item; ``rank`` = how many other real 
 high as the target (0 = top). generative-recommenders, which produced the published ML-1M numbers, removes
 the items of the user's history (the model's input) from the ranking first (``eval_metrics_v2_from_tensors``
 with its default ``filter_invalid_ids=True``): ``target_ranks(..., exclude=history_mask(...))`` does the
-same, and a target that is itself in the history then counts as a miss (ranked last), as there. Ties count against the target (pessimistic), and so does a NaN score: a
-collapsed model whose scores are all equal, or NaN, ranks last instead of first. With float scores from
+same, and a target that is itself in the history then counts as a miss (ranked last), as there. Ties
+count against the target (pessimistic), and so does a NaN score: a collapsed model whose scores are all
+equal, or NaN, ranks last instead of first. With float scores from
 distinct embeddings exact ties are rare. HR@K = mean(rank < K), NDCG@K = mean(1 / log2(rank + 2) if
 rank < K else 0) (one relevant item, so IDCG = 1).
 

@@ -1105,7 +1105,8 @@ def gdpa_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: to
             a longer sequence triggers an asynchronous device assertion).
         activation: "softmax" (f = row softmax) | "silu" | "gelu" | "none" (f(s) = act(s) / norm).
         causal: key position <= query position (positions counted from each sequence's start).
-        alpha: score scale; default 1/sqrt(Dqk) for softmax, 1.0 otherwise (as the reference). norm: N of the pointwise activations; default max_kv_len.
+        alpha: score scale; default 1/sqrt(Dqk) for softmax, 1.0 otherwise (as the reference).
+        norm: N of the pointwise activations; default max_kv_len.
         num_targets: [B] int64 or None: the last num_targets[b] positions of sequence b are targets that
             attend to the history and to themselves only (requires causal self-attention).
         block_size: > 0 restricts attention to the query's own block of positions [k*bs, (k+1)*bs).

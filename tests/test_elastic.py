@@ -212,7 +212,8 @@ def test_kill_mid_write_then_preempt_and_resume(baseline):
     stop_t = stop["t"]
     _figures({"scenario": "SIGKILL rank 1 inside the DCP write of step 10 (2 -> 2)",
               "seconds_kill_to_first_step": round(restart["t"] - t_kill, 1), "restored_step": 5,
-              "phases": next(e["detail"] for e in events if e["kind"] == "startup" and e["attempt"] == restart["attempt"])})
+              "phases": next(e["detail"] for e in events
+                             if e["kind"] == "startup" and e["attempt"] == restart["attempt"])})
     _figures({"scenario": "SIGTERM to the gemray train driver (preemption notice), then re-run",
               "seconds_sigterm_to_checkpoint_committed_and_stopped": round(stop_t - t_term, 2),
               "emergency_step": at, "steps_lost_on_resume": 0})
