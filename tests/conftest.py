@@ -1,8 +1,10 @@
-"""Refuse to start, with one clear line, when the shared inputs the suite reads are missing.
+"""Refuse to start, with one clear line, when the shared inputs the selected tests read are missing.
 
 The tests convert the real MovieLens files and validate the deploy manifests against the KubeRay CRDs; both
 live outside the repository (``tests/paths.py``: ``$GEMRAY_SHARED`` or ``../shared`` beside the checkout).
-Without them most tests would fail one by one with a bare FileNotFoundError.
+Without them most tests would fail one by one with a bare FileNotFoundError. The check runs after
+collection and only when a selected test's module imports a shared path, so a selection that needs none
+(e.g. ``pytest -m gpu tests/test_kernels_*.py`` on a GPU machine without the data) runs as usual.
 """
 
 import pytest
@@ -12,7 +14,14 @@ NEEDED = (DATA / "ml-1m" / "ratings.dat", DATA / "ml-100k" / "u.data", DATA / "m
           CRD_DIR / "ray.io_rayjobs.yaml", CRD_DIR / "ray.io_rayclusters.yaml")
 
 
-def pytest_sessionstart(session: pytest.Session) -> None:
+def _reads_shared(item: pytest.Item) -> bool:
+    module = getattr(item, "module", None)
+    return module is not None and any(v is DATA or v is CRD_DIR or v is SHARED for v in vars(module).values())
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if not any(_reads_shared(item) for item in session.items):
+        return
     missing = [str(p) for p in NEEDED if not p.is_file()]
     if missing:
         pytest.exit(f"the tests read MovieLens data and KubeRay CRDs from {SHARED} (../shared beside the checkout, "
