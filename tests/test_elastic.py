@@ -197,6 +197,12 @@ def test_kill_mid_write_then_preempt_and_resume(baseline):
     assert restored["global_step"] == at and first["global_step"] == at + 1
     assert not any(e["kind"] == "failure_detected" for e in events2)  # a planned stop, not a failure
     assert not (out / "PREEMPT").exists()
+    # metrics.json of the resumed run keeps the whole record: the first invocation's kill and preemption too
+    m2 = json.loads((out / "metrics.json").read_text())
+    kinds2 = [e["kind"] for e in m2["events"]]
+    assert "checkpoint_uncommitted" in kinds2 and "preempted" in kinds2 and kinds2[-1] == "finished"
+    assert [r["restored_step"] for r in m2["recovery"]] == [5]  # the SIGKILL; the planned resume is not one
+    assert m2["invocations"] == 2 and m2["wall_s"] > metrics["wall_s"]
     rep = audit(ledger, _all_user_ids(tmp / "prepared"), EPOCHS)
     assert rep["attempts"] == 3
     for e in range(EPOCHS):

@@ -97,3 +97,11 @@ def test_resume_continues_at_next_epoch(first_run):
     assert hist[2]["global_step"] == 9
     assert res2.checkpoint_path != res1.checkpoint_path
     assert verify_checkpoint(res2.checkpoint_path)["world_size"] == 2
+    # the resumed run keeps the first invocation's record: its events, and its wall time added
+    m1, m2 = res1.metrics, res2.metrics
+    assert m1["invocations"] == 1 and m2["invocations"] == 2
+    assert m2["wall_s"] > m1["wall_s"]
+    attempts = [e["attempt"] for e in m2["events"] if e["kind"] == "attempt_start"]
+    assert len(attempts) == 2 and len(set(attempts)) == 2
+    assert [e["kind"] for e in m2["events"]].count("finished") == 2
+    assert m2["recovery"] == []  # a planned resume after a finished run is not a failure recovery

@@ -228,8 +228,18 @@ class _ResourceViewRefresher:
                          "up to 20 s late", type(e).__name__, e)
 
 
+def _previous_wall(metrics_path: Path) -> tuple[float, int]:
+    """(wall_s, invocations) recorded by the previous invocation of a resumed run; (0.0, 0) when it wrote no
+    metrics.json (killed) or the file cannot be read."""
+    try:
+        m = json.loads(metrics_path.read_text())
+        return float(m.get("wall_s", 0.0)), int(m.get("invocations", 1))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 0.0, 0
+
+
 def _preempted_result(cfg: JobConfig, out: Path, result: Any, reported: dict[str, Any], events_from: int,
-                      t0: float) -> Result:
+                      t0: float, wall_before: float = 0.0, invocations: int = 1) -> Result:
     """The run stopped on a preemption notice after its emergency checkpoint: write metrics.json with
     ``preempted`` (the notice), ``global_step``/``epoch`` of the checkpoint and the events; no test metrics."""
     events = read_events(cfg.train.events_path)[events_from:]
@@ -237,7 +247,8 @@ def _preempted_result(cfg: JobConfig, out: Path, result: Any, reported: dict[str
     ckpt = result.checkpoint.path if result.checkpoint is not None else None
     metrics: dict[str, Any] = {
         "preempted": stop.get("notice") or True, "global_step": int(reported.get("global_step", 0)),
-        "epoch": int(reported.get("epoch", 0)), "wall_s": time.perf_counter() - t0,
+        "epoch": int(reported.get("epoch", 0)), "wall_s": wall_before + time.perf_counter() - t0,
+        "invocations": invocations,
         "events": [e for e in events if e["kind"] not in QUIET_KINDS], "recovery": summarize_recovery(events)}
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True, default=str))
     log.warning("preempted: emergency checkpoint of global step %d committed (%s); re-run the same command "
@@ -276,9 +287,10 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
     metrics.json: test-split ``hr@K``/``ndcg@K`` (K in train.eval_ks; history items excluded from the
     ranking unless ``train.eval_exclude_history`` is false), with ``eval_exclude_history``, the all-items
     ``hr@K_unfiltered``/``ndcg@K_unfiltered`` and ``targets_in_history``, ``samples_per_s`` (mean over
-    epochs, global), ``wall_s`` (seconds, whole fit), ``epochs``, ``world_size``, ``bbs_imbalance`` (mean
-    measured token imbalance max/mean across ranks), ``history`` (per-epoch dicts), ``events``
-    (controller events of this fit: failure_detected, resize, checkpoint_restored/_fallback/_saved,
+    epochs, global), ``wall_s`` (seconds; a run resumed in the same output folder adds the wall_s its previous
+    metrics.json recorded), ``invocations`` (fits of this run that wrote metrics.json, this one included), ``epochs``, ``world_size``,
+    ``bbs_imbalance`` (mean measured token imbalance max/mean across ranks), ``history`` (per-epoch dicts),
+    ``events`` (controller events of every invocation: failure_detected, resize, checkpoint_restored/_fallback/_saved,
     first_step, ...; also in ``events.jsonl`` with per-step heartbeats) and ``recovery`` (per restart:
     steps_lost, seconds_to_first_step; see gemray.events.summarize_recovery).
     Raises FileNotFoundError / ValueError for a bad config or data path (before any worker starts), and
@@ -317,7 +329,13 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
     out.mkdir(parents=True, exist_ok=True)
     if not cfg.train.events_path:
         cfg.train.events_path = str(out / "events.jsonl")
-    events_from = len(read_events(cfg.train.events_path))  # a resumed run appends to the same log
+    # A run resumed in its own output folder (Ray storage and config.toml there) keeps its record: events of
+    # every invocation, and wall_s summed over the invocations that wrote metrics.json. A fresh run starts both.
+    events_from, wall_before, invocations = len(read_events(cfg.train.events_path)), 0.0, 1
+    if previous is not None and previous.name == cfg.name:
+        events_from = 0
+        wall_before, invocations = _previous_wall(out / "metrics.json")
+        invocations += 1
     if not cfg.checkpoint.preempt_notice:
         cfg.checkpoint.preempt_notice = str(out / NOTICE_NAME)
     if clear_notice(cfg.checkpoint.preempt_notice):
@@ -370,7 +388,7 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
 
     reported = dict(result.metrics or {})
     if reported.get("preempted"):
-        return _preempted_result(cfg, out, result, reported, events_from, t0)
+        return _preempted_result(cfg, out, result, reported, events_from, t0, wall_before, invocations)
     history = list(reported.pop("history", []))
     metrics: dict[str, Any] = {k: reported[f"test_{k}"] for k in
                                [f"{m}@{k}{s}" for s in ("", "_unfiltered") for k in cfg.train.eval_ks
@@ -382,7 +400,8 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
     imb = [h["token_imbalance"] for h in history if "token_imbalance" in h]
     metrics.update({
         "samples_per_s": sum(tput) / len(tput) if tput else 0.0,
-        "wall_s": time.perf_counter() - t0,
+        "wall_s": wall_before + time.perf_counter() - t0,
+        "invocations": invocations,
         "epochs": int(reported.get("epoch", len(history))),
         "world_size": int(reported.get("world_size", cfg.ray.num_workers)),
         "bbs": cfg.data.bbs,
