@@ -41,7 +41,7 @@ def _cmd_prepare(ns: argparse.Namespace) -> int:
     from gemray.pipelines.movielens import format_summary, prepare_movielens
 
     manifest = prepare_movielens(ns.src, ns.out, on_bad_rows=ns.on_bad_rows, num_files=ns.num_files)
-    print(format_summary(manifest, ns.out))  # stdout; prepare_movielens also logs it (stderr)
+    print(format_summary(manifest, ns.out))  # stdout, once (prepare_movielens logs it at DEBUG only)
     return 0
 
 

@@ -468,7 +468,7 @@ def prepare_movielens(src: str | Path, out: str | Path, *, on_bad_rows: str = "e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    log.info("%s", format_summary(manifest, out))
+    log.debug("%s", format_summary(manifest, out))  # the CLI prints it; callers get the manifest
     return manifest
 
 
