@@ -30,7 +30,7 @@ _BWD_TYPES = dict(Q="*bf16", K="*bf16", V="*bf16", DO="*bf16", LSE="*fp32", O="*
                   DK="*bf16", DV="*bf16", DQ="*bf16", Q_OFF="*i64", KV_OFF="*i64", NT="*i64", WORK="*i32",
                   BIAS="*fp32", DBIAS="*fp32", alpha="fp32", inv_n="fp32")
 _BASE = dict(CAUSAL=True, HAS_TARGETS=False, ATT_BLOCK=0, WINDOW=0, Q_BCAST=False, BLOCK_DQK=128, BLOCK_DV=128,
-             DOT_PREC=None, HAS_BIAS=False, CONTEXT=0, FAST=True)
+             DOT_PREC=None, HAS_BIAS=False, CONTEXT=0, FAST=True, HEADS_INNER=False)
 
 
 def fwd_variant(act: int, bm: int, bn: int, warps: int, stages: int) -> tuple:
