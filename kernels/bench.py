@@ -574,41 +574,47 @@ def bench_norm(rec: Recorder) -> None:
 
 
 SWEEP = {  # regime -> kernel -> candidate (BLOCK_M, BLOCK_N, num_warps, num_stages); the default goes first
-    # From sm_90 compiles (kernels/NOTES.md, run 4 plan): 64x64 / 8 warps dK/dV and dQ keep their loops
-    # free of spill stores; 128x128 dK/dV spills ~70 STL + ~100 LDL per step; BLOCK_M 32 gets no wgmma.
+    # From sm_90 compiles (kernels/NOTES.md, run 4 plan; without divisibility hints, so spills are overstated):
+    # 64x64 / 8 warps dK/dV and dQ keep their loops free of spill stores; BLOCK_M 32 gets no wgmma.
     "short": {
         "fwd": [(64, 64, 4, 3), (32, 64, 4, 3), (64, 32, 4, 3)],
         "fwd_silu": [(64, 64, 4, 3), (32, 64, 4, 3)],
-        "dkdv": [(64, 64, 8, 2), (64, 128, 8, 2), (64, 64, 4, 3)],
+        "dkdv": [(64, 64, 8, 2), (64, 128, 8, 2), (64, 64, 4, 3), (64, 64, 4, 2)],
         "dkdv_atomic": [(64, 64, 8, 2)],
-        "dq": [(64, 64, 8, 2), (32, 64, 4, 3), (64, 64, 4, 3)],
+        "dq": [(64, 64, 8, 2), (32, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 2)],
     },
-    # Run 6: dK/dV with 32-query steps under 128-key tiles (the Triton fused-attention tutorial's BLOCK_M1 /
-    # BLOCK_N1 = 32 / 128, here with 8 warps: with 4 warps the two 128x128 fp32 accumulators spill ~70 STL
-    # + ~150 LDL per step in sm_90 SASS) and 64x128 with 3 stages (0 STL, 0-9 LDL per step, vs 0-17 LDL at
-    # 2 stages); dQ with 32-key steps under 128-query tiles (tutorial BLOCK_M2 / BLOCK_N2 = 128 / 32, 8 warps:
-    # 0 STL / LDL; 4 warps spill 27 / 97 in the masked loop). Run 5's clear losers (dK/dV 64x64/8w: +38-54%,
-    # dQ 64x64/8w: +20-27%, dQ 128x128/8w: +4-6%) are dropped from medium / long / xlong.
+    # Run 6 (sm_90 SASS from sass_check, now with the JIT's divisibility hints): dK/dV with 32-query steps under
+    # 128-key tiles (the Triton fused-attention tutorial's BLOCK_M1 / BLOCK_N1 = 32 / 128, with 8 warps: 234
+    # registers, no stack; with 4 warps the two 128x128 fp32 accumulators spill ~100 STL + ~150 LDL per step)
+    # and 64x128 with 3 stages (0 STL / 0 LDL, 165 KB shared memory; 2 stages: 1-2 LDL per step); dQ with
+    # 32-key steps under 128-query tiles (tutorial BLOCK_M2 / BLOCK_N2 = 128 / 32, 8 warps: 180 registers, no
+    # spills; 4 warps spill 3-6 STL / 15-28 LDL per step); and 64x64 / 4 warps / 2 stages for both (~99 KB
+    # shared memory, 253-255 registers x 128 threads: two CTAs fit one SM, so one CTA's matmuls can overlap the
+    # other's softmax; every other candidate runs one CTA per SM). Run 5's clear losers (dK/dV 64x64/8w:
+    # +38-54%, dQ 64x64/8w: +20-27%, dQ 128x128/8w: +4-6%) are dropped from medium / long / xlong.
     "medium": {
         "fwd": [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3)],
         "fwd_silu": [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 128, 4, 3)],
-        "dkdv": [(64, 128, 8, 2), (32, 128, 8, 3), (64, 128, 8, 3), (32, 128, 8, 4), (128, 128, 8, 2)],
+        "dkdv": [(64, 128, 8, 2), (32, 128, 8, 3), (64, 128, 8, 3), (32, 128, 8, 4), (64, 64, 4, 2),
+                 (128, 128, 8, 2)],
         "dkdv_atomic": [(64, 64, 8, 2)],
-        "dq": [(128, 64, 8, 3), (128, 32, 8, 3), (128, 32, 8, 4)],
+        "dq": [(128, 64, 8, 3), (128, 32, 8, 3), (128, 32, 8, 4), (64, 64, 4, 2)],
     },
     "long": {
         "fwd": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 3)],
         "fwd_silu": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 3)],
-        "dkdv": [(64, 128, 8, 2), (32, 128, 8, 3), (64, 128, 8, 3), (32, 128, 8, 4), (128, 128, 8, 2)],
+        "dkdv": [(64, 128, 8, 2), (32, 128, 8, 3), (64, 128, 8, 3), (32, 128, 8, 4), (64, 64, 4, 2),
+                 (128, 128, 8, 2)],
         "dkdv_atomic": [(64, 64, 8, 2)],
-        "dq": [(128, 64, 8, 3), (128, 32, 8, 3), (128, 32, 8, 4)],
+        "dq": [(128, 64, 8, 3), (128, 32, 8, 3), (128, 32, 8, 4), (64, 64, 4, 2)],
     },
     "xlong": {
         "fwd": [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4)],
         "fwd_silu": [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4)],
-        "dkdv": [(64, 128, 8, 2), (32, 128, 8, 3), (64, 128, 8, 3), (32, 128, 8, 4), (128, 128, 8, 2)],
+        "dkdv": [(64, 128, 8, 2), (32, 128, 8, 3), (64, 128, 8, 3), (32, 128, 8, 4), (64, 64, 4, 2),
+                 (128, 128, 8, 2)],
         "dkdv_atomic": [(64, 64, 8, 2)],
-        "dq": [(128, 64, 8, 3), (128, 32, 8, 3), (128, 32, 8, 4)],
+        "dq": [(128, 64, 8, 3), (128, 32, 8, 3), (128, 32, 8, 4), (64, 64, 4, 2)],
     },
 }
 # launch modes (FUSED_BWD, DELTA_INLINE, ATOMIC_DQ, HEADS_INNER) tried per regime; the current default is

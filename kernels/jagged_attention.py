@@ -76,8 +76,9 @@ _LOG2E = 1.4426950408889634
 # less work on short sequences. "fwd_silu" is the silu forward (swept separately); "dkdv_atomic" is the
 # dK/dV kernel of the ATOMIC_DQ backward (its extra dS^T K product and atomics need more registers: in sm_90
 # SASS 64x128/8w spills ~50-65 STL + 70-110 LDL per loop step, 64x64/4w ~270 + ~380, 64x64/8w 0 STL and
-# 22-52 LDL, so it starts at 64x64/8w). kernels/bench.py sweeps candidates on the H200 and records the
-# winners.
+# 22-52 LDL, so it starts at 64x64/8w; counts from compiles without the JIT's divisibility hints, which
+# overstate spills: see kernels/NOTES.md, run 6). kernels/bench.py sweeps candidates on the H200 and records
+# the winners.
 TILES: dict[str, dict[str, dict[int, tuple[int, int, int, int]]]] = {
     # D=128 entries: the winners of the H200 sweep of run 4 (2026-11-30, kernels/NOTES.md), each timed on
     # its regime's bench batch (short: heavy B=128 N=1024, medium: heavy B=256 N=4096, long: uniform
@@ -994,8 +995,8 @@ class _GDPA(torch.autograd.Function):
         _gdpa_fwd[(table.numel() * h,) if inner else (table.numel(), h)](
             q, k, v, o, lse_arg, q_off, kv_off, nt if nt is not None else q_off, table,
             bias if bias is not None else q,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            o.stride(0), o.stride(1), stride_lh, *_bias_strides(bias),
+            *q.stride()[:2], *k.stride()[:2], *v.stride()[:2],
+            *o.stride()[:2], stride_lh, *_bias_strides(bias),
             spec.alpha, spec.inv_n, n_tiles, d_qk, d_v, h, HAS_BIAS=bias is not None, HEADS_INNER=inner,
             ACT=spec.act, CAUSAL=spec.causal, HAS_TARGETS=nt is not None, ATT_BLOCK=spec.att_block,
             WINDOW=spec.window, Q_BCAST=spec.q_bcast, CONTEXT=spec.context, BLOCK_M=bm, BLOCK_N=bn, BLOCK_DQK=bdk,
@@ -1035,7 +1036,7 @@ class _GDPA(torch.autograd.Function):
 
         if softmax and not delta_inline and (fused or atomic):  # delta into lse[1] by its own launch
             _bwd_delta[(-(-t_out // 64), h)](
-                o, do, lse, t_out, o.stride(0), o.stride(1), do.stride(0), do.stride(1), stride_lh,
+                o, do, lse, t_out, *o.stride()[:2], *do.stride()[:2], stride_lh,
                 d_v, BLOCK_T=64, BLOCK_DV=bdv, num_warps=4)
         dk = torch.empty_like(k)
         dv = torch.empty_like(v)
@@ -1050,10 +1051,10 @@ class _GDPA(torch.autograd.Function):
         kbm, kbn, kwarps, kstages = _tiles("dkdv_atomic" if atomic else "dkdv", d_qk, reg, spec.max_q_len)
         args = [q, k, v, do, lse, o, dk, dv, dq, q_off, kv_off, nt if nt is not None else q_off, None,
                 bias if bias is not None else q, dbias if dbias is not None else q,
-                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                do.stride(0), do.stride(1), o.stride(0), o.stride(1), dk.stride(0), dk.stride(1),
-                dv.stride(0), dv.stride(1),
-                dq.stride(0), dq.stride(1), stride_lh, *_bias_strides(bias),
+                *q.stride()[:2], *k.stride()[:2], *v.stride()[:2],
+                *do.stride()[:2], *o.stride()[:2], *dk.stride()[:2],
+                *dv.stride()[:2],
+                *dq.stride()[:2], stride_lh, *_bias_strides(bias),
                 *(dbias.stride() if dbias is not None else (0, 0, 0, 0)),
                 spec.alpha, spec.inv_n, 0, 1, 1, d_qk, d_v, h]
         consts = dict(ACT=spec.act, CAUSAL=spec.causal, HAS_TARGETS=nt is not None, HAS_BIAS=bias is not None,
