@@ -590,17 +590,17 @@ SWEEP = {  # regime -> kernel -> candidate (BLOCK_M, BLOCK_N, num_warps, num_sta
     # 32-key steps under 128-query tiles (tutorial BLOCK_M2 / BLOCK_N2 = 128 / 32, 8 warps: 180 registers, no
     # spills; 4 warps spill 3-6 STL / 15-28 LDL per step); and 64x64 / 4 warps / 2 stages for both (~99 KB
     # shared memory, 253-255 registers x 128 threads: two CTAs fit one SM, so one CTA's matmuls can overlap the
-    # other's softmax; every other candidate runs one CTA per SM). Run 5's clear losers (dK/dV 64x64/8w:
-    # +38-54%, dQ 64x64/8w: +20-27%, dQ 128x128/8w: +4-6%) are dropped from medium / long / xlong. xlong also
-    # tries the forward 64x64/4w/3 (won medium and long; 115 KB shared memory: two CTAs per SM, where 128x128/8w/3
-    # needs 229 KB).
+    # other's softmax; every other candidate runs one CTA per SM; dQ 64x32/4w/2: 167 registers, 66 KB, three
+    # CTAs per SM). Run 5's clear losers (dK/dV 64x64/8w: +38-54%, dQ 64x64/8w: +20-27%, dQ 128x128/8w: +4-6%)
+    # are dropped from medium / long / xlong. xlong also tries the forward 64x64/4w/3 (won medium and long; 115 KB
+    # shared memory: two CTAs per SM, where 128x128/8w/3 needs 229 KB).
     "medium": {
         "fwd": [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3)],
         "fwd_silu": [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 128, 4, 3)],
         "dkdv": [(64, 128, 8, 2), (32, 128, 8, 3), (64, 128, 8, 3), (32, 128, 8, 4), (64, 64, 4, 2),
                  (128, 128, 8, 2)],
         "dkdv_atomic": [(64, 64, 8, 2)],
-        "dq": [(128, 64, 8, 3), (128, 32, 8, 3), (128, 32, 8, 4), (64, 64, 4, 2)],
+        "dq": [(128, 64, 8, 3), (128, 32, 8, 3), (128, 32, 8, 4), (64, 64, 4, 2), (64, 32, 4, 2)],
     },
     "long": {
         "fwd": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 3)],
@@ -608,7 +608,7 @@ SWEEP = {  # regime -> kernel -> candidate (BLOCK_M, BLOCK_N, num_warps, num_sta
         "dkdv": [(64, 128, 8, 2), (32, 128, 8, 3), (64, 128, 8, 3), (32, 128, 8, 4), (64, 64, 4, 2),
                  (128, 128, 8, 2)],
         "dkdv_atomic": [(64, 64, 8, 2)],
-        "dq": [(128, 64, 8, 3), (128, 32, 8, 3), (128, 32, 8, 4), (64, 64, 4, 2)],
+        "dq": [(128, 64, 8, 3), (128, 32, 8, 3), (128, 32, 8, 4), (64, 64, 4, 2), (64, 32, 4, 2)],
     },
     "xlong": {
         "fwd": [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3)],
@@ -616,7 +616,7 @@ SWEEP = {  # regime -> kernel -> candidate (BLOCK_M, BLOCK_N, num_warps, num_sta
         "dkdv": [(64, 128, 8, 2), (32, 128, 8, 3), (64, 128, 8, 3), (32, 128, 8, 4), (64, 64, 4, 2),
                  (128, 128, 8, 2)],
         "dkdv_atomic": [(64, 64, 8, 2)],
-        "dq": [(128, 64, 8, 3), (128, 32, 8, 3), (128, 32, 8, 4), (64, 64, 4, 2)],
+        "dq": [(128, 64, 8, 3), (128, 32, 8, 3), (128, 32, 8, 4), (64, 64, 4, 2), (64, 32, 4, 2)],
     },
 }
 # launch modes (FUSED_BWD, DELTA_INLINE, ATOMIC_DQ, HEADS_INNER) tried per regime; the current default is
