@@ -574,57 +574,74 @@ def bench_norm(rec: Recorder) -> None:
 
 
 SWEEP = {  # regime -> kernel -> candidate (BLOCK_M, BLOCK_N, num_warps, num_stages); the default goes first
-    # From sm_90 compiles (kernels/NOTES.md, run 4 plan): 64x64 / 8 warps dK/dV and dQ keep their loops
-    # free of spill stores; 128x128 dK/dV spills ~70 STL + ~100 LDL per step; BLOCK_M 32 gets no wgmma.
+    # From sm_90 compiles (kernels/NOTES.md, run 4 plan; without divisibility hints, so spills are overstated):
+    # 64x64 / 8 warps dK/dV and dQ keep their loops free of spill stores; BLOCK_M 32 gets no wgmma.
     "short": {
         "fwd": [(64, 64, 4, 3), (32, 64, 4, 3), (64, 32, 4, 3)],
         "fwd_silu": [(64, 64, 4, 3), (32, 64, 4, 3)],
-        "dkdv": [(64, 64, 8, 2), (64, 128, 8, 2), (64, 64, 4, 3)],
-        "dkdv_atomic": [(64, 64, 8, 2), (64, 128, 8, 2), (64, 64, 8, 3)],
-        "dq": [(64, 64, 8, 2), (32, 64, 4, 3), (64, 64, 4, 3)],
+        "dkdv": [(64, 64, 8, 2), (64, 128, 8, 2), (64, 64, 4, 3), (64, 64, 4, 2)],
+        "dkdv_atomic": [(64, 64, 8, 2)],
+        "dq": [(64, 64, 8, 2), (32, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 2)],
     },
+    # Run 6 (sm_90 SASS from sass_check, now with the JIT's divisibility hints): dK/dV with 32-query steps under
+    # 128-key tiles (the Triton fused-attention tutorial's BLOCK_M1 / BLOCK_N1 = 32 / 128, with 8 warps: 234
+    # registers, no stack; with 4 warps the two 128x128 fp32 accumulators spill ~100 STL + ~150 LDL per step)
+    # and 64x128 with 3 stages (0 STL / 0 LDL, 165 KB shared memory; 2 stages: 1-2 LDL per step); dQ with
+    # 32-key steps under 128-query tiles (tutorial BLOCK_M2 / BLOCK_N2 = 128 / 32, 8 warps: 180 registers, no
+    # spills; 4 warps spill 3-6 STL / 15-28 LDL per step); and 64x64 / 4 warps / 2 stages for both (~99 KB
+    # shared memory, 253-255 registers x 128 threads: two CTAs fit one SM, so one CTA's matmuls can overlap the
+    # other's softmax; every other candidate runs one CTA per SM; dQ 64x32/4w/2: 167 registers, 66 KB, three
+    # CTAs per SM). Run 5's clear losers (dK/dV 64x64/8w: +38-54%, dQ 64x64/8w: +20-27%, dQ 128x128/8w: +4-6%)
+    # are dropped from medium / long / xlong. xlong also tries the forward 64x64/4w/3 (won medium and long; 115 KB
+    # shared memory: two CTAs per SM, where 128x128/8w/3 needs 229 KB).
     "medium": {
         "fwd": [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3)],
         "fwd_silu": [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 128, 4, 3)],
-        "dkdv": [(64, 128, 8, 2), (64, 64, 8, 2), (128, 128, 8, 2)],
-        "dkdv_atomic": [(64, 64, 8, 2), (64, 128, 8, 2), (64, 64, 8, 3)],
-        "dq": [(128, 64, 8, 3), (64, 64, 8, 3), (128, 128, 8, 2)],
+        "dkdv": [(64, 128, 8, 2), (32, 128, 8, 3), (64, 128, 8, 3), (32, 128, 8, 4), (64, 64, 4, 2),
+                 (128, 128, 8, 2)],
+        "dkdv_atomic": [(64, 64, 8, 2)],
+        "dq": [(128, 64, 8, 3), (128, 32, 8, 3), (128, 32, 8, 4), (64, 64, 4, 2), (64, 32, 4, 2)],
     },
     "long": {
         "fwd": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 3)],
         "fwd_silu": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 3)],
-        "dkdv": [(64, 128, 8, 2), (64, 64, 8, 2), (128, 128, 8, 2)],
-        "dkdv_atomic": [(64, 64, 8, 2), (64, 128, 8, 2), (64, 64, 8, 3)],
-        "dq": [(128, 64, 8, 3), (64, 64, 8, 3), (128, 128, 8, 2)],
+        "dkdv": [(64, 128, 8, 2), (32, 128, 8, 3), (64, 128, 8, 3), (32, 128, 8, 4), (64, 64, 4, 2),
+                 (128, 128, 8, 2)],
+        "dkdv_atomic": [(64, 64, 8, 2)],
+        "dq": [(128, 64, 8, 3), (128, 32, 8, 3), (128, 32, 8, 4), (64, 64, 4, 2), (64, 32, 4, 2)],
     },
     "xlong": {
-        "fwd": [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4)],
-        "fwd_silu": [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4)],
-        "dkdv": [(64, 128, 8, 2), (128, 128, 8, 2), (64, 64, 8, 2)],
-        "dkdv_atomic": [(64, 64, 8, 2), (64, 128, 8, 2), (64, 64, 8, 3)],
-        "dq": [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 8, 3)],
+        "fwd": [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3)],
+        "fwd_silu": [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3)],
+        "dkdv": [(64, 128, 8, 2), (32, 128, 8, 3), (64, 128, 8, 3), (32, 128, 8, 4), (64, 64, 4, 2),
+                 (128, 128, 8, 2)],
+        "dkdv_atomic": [(64, 64, 8, 2)],
+        "dq": [(128, 64, 8, 3), (128, 32, 8, 3), (128, 32, 8, 4), (64, 64, 4, 2), (64, 32, 4, 2)],
     },
 }
-# backward launch modes (FUSED_BWD, DELTA_INLINE, ATOMIC_DQ) tried per regime; the current default is tried
-# first. Run 4: one launch and inline delta lost everywhere ((True, True) is no longer tried); new in run 5:
-# atomic dQ (one dK/dV launch that also accumulates dQ), with delta from its own launch or inline.
-BWD_MODES = [(False, False, False), (False, False, True), (False, True, True), (True, False, False)]
+# launch modes (FUSED_BWD, DELTA_INLINE, ATOMIC_DQ, HEADS_INNER) tried per regime; the current default is
+# tried first. Run 4: one launch and inline delta lost everywhere ((True, True) is no longer tried). Run 5:
+# atomic dQ lost by 1.5-2.1x in every regime (register spills), no longer tried (the code path stays). New in
+# run 6: heads inner (grid (items * H,), head fastest: the longest-first order holds across heads), with the
+# two-launch and the one-launch backward.
+BWD_MODES = [(False, False, False, False), (False, False, False, True), (True, False, False, True)]
 
 
-def get_mode(which: str) -> tuple[bool, bool, bool]:
-    """(one launch, delta inline, atomic dQ) of regime ``which`` in jagged_attention."""
+def get_mode(which: str) -> tuple[bool, bool, bool, bool]:
+    """(one launch, delta inline, atomic dQ, heads inner) of regime ``which`` in jagged_attention."""
     from gemray.kernels import jagged_attention as ja
 
-    return ja.FUSED_BWD[which], ja.DELTA_INLINE[which], ja.ATOMIC_DQ[which]
+    return ja.FUSED_BWD[which], ja.DELTA_INLINE[which], ja.ATOMIC_DQ[which], ja.HEADS_INNER[which]
 
 
 def set_mode(which: str, mode) -> None:
-    """Set regime ``which``'s backward launch mode from [one launch, delta inline(, atomic dQ)] (run 4's
-    JSON has two entries: atomic dQ off)."""
+    """Set regime ``which``'s launch mode from [one launch, delta inline(, atomic dQ(, heads inner))] (run 4's
+    JSON has two entries, run 5's three: the missing ones are off)."""
     from gemray.kernels import jagged_attention as ja
 
     ja.FUSED_BWD[which], ja.DELTA_INLINE[which] = bool(mode[0]), bool(mode[1])
     ja.ATOMIC_DQ[which] = bool(mode[2]) if len(mode) > 2 else False
+    ja.HEADS_INNER[which] = bool(mode[3]) if len(mode) > 3 else False
 SWEEP_BATCH = {"short": ("heavy", 128, 1024), "medium": ("heavy", 256, 4096), "long": ("uniform", 128, 1024),
                "xlong": ("uniform", 64, 4096)}
 
@@ -634,13 +651,14 @@ SWEEP_BATCH = {"short": ("heavy", 128, 1024), "medium": ("heavy", 256, 4096), "l
 KERNELS = ("fwd", "fwd_silu", "mode", "dkdv", "dkdv_atomic", "dq")
 
 
-def _mode_for(kern: str, mode: tuple[bool, bool, bool]) -> tuple[bool, bool, bool]:
-    """The backward launch mode under which tile kind ``kern`` is used (so that it is compiled / timed):
+def _mode_for(kern: str, mode: tuple) -> tuple[bool, bool, bool, bool]:
+    """The launch mode under which tile kind ``kern`` is used (so that it is compiled / timed):
     "dkdv_atomic" needs atomic dQ, "dkdv" / "dq" need it off; other kinds keep ``mode``."""
+    mode = tuple(mode) + (False,) * (4 - len(mode))
     if kern == "dkdv_atomic" and not mode[2]:
-        return (False, mode[1], True)
+        return (False, mode[1], True, mode[3])
     if kern in ("dkdv", "dq") and mode[2]:
-        return (False, False, False)
+        return (False, False, False, mode[3])
     return mode
 
 
@@ -649,7 +667,10 @@ def _sweep_items(which: str) -> list[tuple[str, str, tuple]]:
     from gemray.kernels import jagged_attention as ja
 
     items = []
+    atomic_tried = get_mode(which)[2] or any(m[2] for m in BWD_MODES)
     for kern in KERNELS:
+        if kern == "dkdv_atomic" and not atomic_tried:  # never used: neither compiled nor timed
+            continue
         if kern == "mode":
             default = get_mode(which)
             cands = [default] + [m for m in BWD_MODES if m != default]
@@ -673,13 +694,14 @@ def _sweep_inputs(which: str, device: str = "cuda", dtype: torch.dtype = torch.b
 
 def _precompile_worker(items: list, device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> int:
     """Run each sweep item once (forward, or forward+backward) so that its kernels land in the Triton disk
-    cache (TRITON_CACHE_DIR); runs in a spawned process, results are discarded. Returns the number of
-    items that raised (each is printed)."""
+    cache (TRITON_CACHE_DIR); runs in a spawned process, results are discarded. An item (regime, kernel,
+    candidate[, heads inner]) runs under the launch mode that uses its tile kind (with the grid order of the
+    optional 4th entry). Returns the number of items that raised (each is printed)."""
     from gemray.kernels import jagged_attention as ja
 
     inputs = {}
     failed = 0
-    for which, kern, cfg in items:
+    for which, kern, cfg, *inner in items:
         if which == "section":  # a bench section run once per timing call: compiles exactly its variants
             try:
                 _run_section_once(kern)
@@ -690,7 +712,10 @@ def _precompile_worker(items: list, device: str = "cuda", dtype: torch.dtype = t
         modes = get_mode(which)
         tiles = ja.TILES[which][kern][128] if kern != "mode" else None
         try:
-            set_mode(which, _mode_for(kern, modes))
+            mode = _mode_for(kern, modes)
+            if inner:  # a 4th item entry: compile this tile under that grid order (heads inner or not)
+                mode = mode[:3] + (bool(inner[0]),)
+            set_mode(which, mode)
             if which not in inputs:
                 inputs[which] = _sweep_inputs(which, device, dtype)
             off, n, q, k, v = inputs[which]
@@ -747,6 +772,9 @@ def precompile(workers: int, timeout_s: float = 240.0) -> float:
 
     t0 = time.time()
     items = [it for which in SWEEP_BATCH for it in _sweep_items(which)]
+    # dK/dV and dQ tiles are timed after the mode: compile them under both grid orders (heads inner or not)
+    if any(m[3] for m in BWD_MODES):
+        items += [it + (not get_mode(it[0])[3],) for it in items if it[1] in ("dkdv", "dq")]
     items.sort(key=lambda it: it[1] in ("fwd", "fwd_silu"))
     items = [("section", "cross", ()), ("section", "block", ())] + items
     ctx = mp.get_context("spawn")
@@ -876,7 +904,7 @@ def print_sweep(rows: list[dict]) -> None:
             tried.setdefault(key, []).append(f"{r.get('cfg', '')} {what}".strip())
     if tried:
         print("\nsweep (ms; fwd kernels: forward only, others: fwd+bwd; "
-              "mode = [one launch, delta inline, atomic dQ]):")
+              "mode = [one launch, delta inline, atomic dQ, heads inner]):")
         for (reg, kern), items in tried.items():
             print(f"  {reg:6s} {kern:11s} " + " | ".join(items))
 
@@ -921,7 +949,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep-budget", type=float, default=150.0, help="seconds the sweep may spend (compiles too)")
     p.add_argument("--tiles", default="", help='JSON override of TILES per regime, e.g. '
                    '{"long": {"fwd": {"128": [128,64,8,3]}, "mode": [false, false, true]}} (mode: one launch, delta '
-                   'inline, atomic dQ; a two-entry mode means atomic dQ off)')
+                   'inline, atomic dQ, heads inner; missing entries are off)')
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.host_profile:

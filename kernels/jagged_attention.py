@@ -76,8 +76,9 @@ _LOG2E = 1.4426950408889634
 # less work on short sequences. "fwd_silu" is the silu forward (swept separately); "dkdv_atomic" is the
 # dK/dV kernel of the ATOMIC_DQ backward (its extra dS^T K product and atomics need more registers: in sm_90
 # SASS 64x128/8w spills ~50-65 STL + 70-110 LDL per loop step, 64x64/4w ~270 + ~380, 64x64/8w 0 STL and
-# 22-52 LDL, so it starts at 64x64/8w). kernels/bench.py sweeps candidates on the H200 and records the
-# winners.
+# 22-52 LDL, so it starts at 64x64/8w; counts from compiles without the JIT's divisibility hints, which
+# overstate spills: see kernels/NOTES.md, run 6). kernels/bench.py sweeps candidates on the H200 and records
+# the winners.
 TILES: dict[str, dict[str, dict[int, tuple[int, int, int, int]]]] = {
     # D=128 entries: the winners of the H200 sweep of run 4 (2026-11-30, kernels/NOTES.md), each timed on
     # its regime's bench batch (short: heavy B=128 N=1024, medium: heavy B=256 N=4096, long: uniform
@@ -124,6 +125,11 @@ DELTA_INLINE: dict[str, bool] = {"short": False, "medium": False, "long": False,
 # Triton style: 5 matmuls per tile pair instead of 7, no dQ launch; an fp32 dQ buffer is zeroed and cast
 # back, and softmax's delta comes from its own launch unless DELTA_INLINE). Off until a sweep picks it.
 ATOMIC_DQ: dict[str, bool] = {"short": False, "medium": False, "long": False, "xlong": False}
+# Grid order of the forward and backward launches: (items, H) dispatches head by head, so each head's longest
+# items start only after the previous heads' items (a tail on heavy-tailed batches); HEADS_INNER launches
+# (items * H,) with the head varying fastest, so the longest-first order holds across heads. Off until a
+# sweep picks it (run 6 adds it to the sweep's modes).
+HEADS_INNER: dict[str, bool] = {"short": False, "medium": False, "long": False, "xlong": False}
 FAST_ACT = True  # tanh.approx silu for bf16/fp16 on CUDA (see _act); the bench can turn it off to compare
 REGIME_MEAN_LEN = (256, 1024, 2048)
 _INTERPRET_TILES = (16, 16, 4, 1)
@@ -332,6 +338,22 @@ def _query_range(n0, lq, n_hist, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr
     return lo, hi, full_lo
 
 
+@triton.jit
+def _item_head(WORK, n_heads, HEADS_INNER: tl.constexpr):
+    """(work item id from the longest-first table WORK, head as int64) of this program. Grid (items, H):
+    program_id(1) is the head, so CUDA dispatches all of head 0's items before head 1's (each head's
+    longest items start a quarter of the launch later than the previous head's: a tail on heavy-tailed
+    batches). HEADS_INNER: grid (items * H,), head = pid % H, so the table's order holds across heads."""
+    if HEADS_INNER:
+        pid = tl.program_id(0)
+        w = tl.load(WORK + pid // n_heads)
+        h = (pid % n_heads).to(tl.int64)
+    else:
+        w = tl.load(WORK + tl.program_id(0))
+        h = tl.program_id(1).to(tl.int64)
+    return w, h
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Forward
 # ----------------------------------------------------------------------------------------------------------
@@ -404,16 +426,16 @@ def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, l
 @triton.jit
 def _gdpa_fwd(Q, K, V, O, LSE, Q_OFF, KV_OFF, NT, WORK, BIAS,
               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-              stride_lh, stride_bb, stride_bh, stride_bi, stride_bj, alpha, inv_n, n_tiles, D_QK, D_V,
+              stride_lh, stride_bb, stride_bh, stride_bi, stride_bj, alpha, inv_n, n_tiles, D_QK, D_V, n_heads,
               ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
               ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, Q_BCAST: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
               BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr,
-              CONTEXT: tl.constexpr, FAST: tl.constexpr):
-    w = tl.load(WORK + tl.program_id(0))
+              CONTEXT: tl.constexpr, FAST: tl.constexpr, HEADS_INNER: tl.constexpr):
+    """Forward work item: grid (items, H), or (items * H,) with HEADS_INNER (see _item_head)."""
+    w, h = _item_head(WORK, n_heads, HEADS_INNER)
     if w < 0:
         return
-    h = tl.program_id(1).to(tl.int64)
     b = w // n_tiles
     m0 = (w % n_tiles) * BLOCK_M
     q_start = tl.load(Q_OFF + b)
@@ -719,24 +741,24 @@ def _gdpa_bwd(Q, K, V, DO, LSE, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, WORK, BIAS, DB
               stride_ot, stride_oh,
               stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh, stride_lh,
               stride_bb, stride_bh, stride_bi, stride_bj, stride_dbb, stride_dbh, stride_dbi, stride_dbj,
-              alpha, inv_n, n_k_items, n_tiles_k, n_tiles_q, D_QK, D_V,
+              alpha, inv_n, n_k_items, n_tiles_k, n_tiles_q, D_QK, D_V, n_heads,
               ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
               ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, Q_BCAST: tl.constexpr, PART: tl.constexpr,
               DK_BM: tl.constexpr, DK_BN: tl.constexpr, DQ_BM: tl.constexpr, DQ_BN: tl.constexpr,
               BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, DOT_PREC: tl.constexpr,
               HAS_BIAS: tl.constexpr, STORE_DBIAS: tl.constexpr, CONTEXT: tl.constexpr, FAST: tl.constexpr,
-              DELTA_INLINE: tl.constexpr, STORE_DELTA: tl.constexpr, ATOMIC_DQ: tl.constexpr):
+              DELTA_INLINE: tl.constexpr, STORE_DELTA: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+              HEADS_INNER: tl.constexpr):
     """Backward work item WORK[pid]: a dK/dV key tile (id < n_k_items: b * n_tiles_k + tile) or a dQ query
     tile (id - n_k_items = b * n_tiles_q + tile); PART 1 / 2 compile only the dK/dV / dQ branch.
     LSE is [2, H, T_out] fp32 (softmax): log-sum-exp, then delta (written by _bwd_delta or by the dQ
     launch with STORE_DELTA, or computed per tile with DELTA_INLINE). ATOMIC_DQ (PART 1): the dK/dV items
     also accumulate dQ into DQ (fp32, zeroed); STORE_DBIAS is set for the launch that writes dbias (the dQ
-    items', or the dK/dV items' with ATOMIC_DQ)."""
-    w = tl.load(WORK + tl.program_id(0))
+    items', or the dK/dV items' with ATOMIC_DQ). Grid (items, H) or, with HEADS_INNER, (items * H,)."""
+    w, h = _item_head(WORK, n_heads, HEADS_INNER)
     if w < 0:
         return
-    h = tl.program_id(1).to(tl.int64)
-    DELTA = LSE + tl.num_programs(1).to(tl.int64) * stride_lh
+    DELTA = LSE + (tl.program_id(0) * 0 + n_heads).to(tl.int64) * stride_lh  # lse[1]: n_heads may be a constexpr 1
     if PART == 1:
         _dkdv_tile(Q, K, V, DO, LSE, DELTA, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, BIAS, DBIAS, w // n_tiles_k,
                    (w % n_tiles_k) * DK_BN, h, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -969,12 +991,13 @@ class _GDPA(torch.autograd.Function):
             lse_arg, stride_lh = lse, t_out
         else:  # pointwise activations need neither: o stands in for the unused pointer
             lse, lse_arg, stride_lh = None, o, 0
-        _gdpa_fwd[(table.numel(), h)](
+        inner = HEADS_INNER.get(reg, False)
+        _gdpa_fwd[(table.numel() * h,) if inner else (table.numel(), h)](
             q, k, v, o, lse_arg, q_off, kv_off, nt if nt is not None else q_off, table,
             bias if bias is not None else q,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            o.stride(0), o.stride(1), stride_lh, *_bias_strides(bias),
-            spec.alpha, spec.inv_n, n_tiles, d_qk, d_v, HAS_BIAS=bias is not None,
+            *q.stride()[:2], *k.stride()[:2], *v.stride()[:2],
+            *o.stride()[:2], stride_lh, *_bias_strides(bias),
+            spec.alpha, spec.inv_n, n_tiles, d_qk, d_v, h, HAS_BIAS=bias is not None, HEADS_INNER=inner,
             ACT=spec.act, CAUSAL=spec.causal, HAS_TARGETS=nt is not None, ATT_BLOCK=spec.att_block,
             WINDOW=spec.window, Q_BCAST=spec.q_bcast, CONTEXT=spec.context, BLOCK_M=bm, BLOCK_N=bn, BLOCK_DQK=bdk,
             BLOCK_DV=bdv, EVEN_D=(bdk == d_qk and bdv == d_v), DOT_PREC=_dot_prec(q.dtype),
@@ -1006,9 +1029,14 @@ class _GDPA(torch.autograd.Function):
         atomic = ATOMIC_DQ.get(reg, False)
         fused = not atomic and FUSED_BWD.get(reg, False)
         delta_inline = softmax and DELTA_INLINE.get(reg, False)
+        inner = HEADS_INNER.get(reg, False)  # grid (items * H,), head fastest, instead of (items, H)
+
+        def grid(n_items: int) -> tuple:
+            return (n_items * h,) if inner else (n_items, h)
+
         if softmax and not delta_inline and (fused or atomic):  # delta into lse[1] by its own launch
             _bwd_delta[(-(-t_out // 64), h)](
-                o, do, lse, t_out, o.stride(0), o.stride(1), do.stride(0), do.stride(1), stride_lh,
+                o, do, lse, t_out, *o.stride()[:2], *do.stride()[:2], stride_lh,
                 d_v, BLOCK_T=64, BLOCK_DV=bdv, num_warps=4)
         dk = torch.empty_like(k)
         dv = torch.empty_like(v)
@@ -1023,43 +1051,43 @@ class _GDPA(torch.autograd.Function):
         kbm, kbn, kwarps, kstages = _tiles("dkdv_atomic" if atomic else "dkdv", d_qk, reg, spec.max_q_len)
         args = [q, k, v, do, lse, o, dk, dv, dq, q_off, kv_off, nt if nt is not None else q_off, None,
                 bias if bias is not None else q, dbias if dbias is not None else q,
-                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                do.stride(0), do.stride(1), o.stride(0), o.stride(1), dk.stride(0), dk.stride(1),
-                dv.stride(0), dv.stride(1),
-                dq.stride(0), dq.stride(1), stride_lh, *_bias_strides(bias),
+                *q.stride()[:2], *k.stride()[:2], *v.stride()[:2],
+                *do.stride()[:2], *o.stride()[:2], *dk.stride()[:2],
+                *dv.stride()[:2],
+                *dq.stride()[:2], stride_lh, *_bias_strides(bias),
                 *(dbias.stride() if dbias is not None else (0, 0, 0, 0)),
-                spec.alpha, spec.inv_n, 0, 1, 1, d_qk, d_v]
+                spec.alpha, spec.inv_n, 0, 1, 1, d_qk, d_v, h]
         consts = dict(ACT=spec.act, CAUSAL=spec.causal, HAS_TARGETS=nt is not None, HAS_BIAS=bias is not None,
                       ATT_BLOCK=spec.att_block, WINDOW=spec.window, Q_BCAST=spec.q_bcast, CONTEXT=spec.context,
                       BLOCK_DQK=bdk, BLOCK_DV=bdv, DOT_PREC=_dot_prec(q.dtype), FAST=_fast_act(q.dtype),
-                      DELTA_INLINE=delta_inline)
+                      DELTA_INLINE=delta_inline, HEADS_INNER=inner)
         if atomic:  # one launch: dK/dV items that also add their dS K into dQ (and write dbias)
             table, ntk = _k_table(spec, q_off, kv_off, kbn, k.shape[0])
-            args[12], args[-5:-2] = table, (0, ntk, 1)
-            _gdpa_bwd[(table.numel(), h)](*args, PART=1, num_warps=kwarps, num_stages=kstages, DK_BM=kbm,
-                                          DK_BN=kbn, DQ_BM=0, DQ_BN=0, STORE_DBIAS=want_dbias,
-                                          STORE_DELTA=False, ATOMIC_DQ=True, **consts)
+            args[12], args[-6:-3] = table, (0, ntk, 1)
+            _gdpa_bwd[grid(table.numel())](*args, PART=1, num_warps=kwarps, num_stages=kstages, DK_BM=kbm,
+                                           DK_BN=kbn, DQ_BM=0, DQ_BN=0, STORE_DBIAS=want_dbias,
+                                           STORE_DELTA=False, ATOMIC_DQ=True, **consts)
         elif fused:  # one launch: dK/dV and dQ items from one longest-first table
             qbm, qbn, qwarps, qstages = _tiles("dq", d_qk, reg, spec.max_q_len)
             table, n_k_items, ntk, ntq = _bwd_table(spec, q_off, kv_off, kbn, qbm, k.shape[0], t_out)
-            args[12], args[-5:-2] = table, (n_k_items, ntk, ntq)
-            _gdpa_bwd[(table.numel(), h)](*args, PART=0, num_warps=max(kwarps, qwarps),
-                                          num_stages=min(kstages, qstages), DK_BM=kbm, DK_BN=kbn, DQ_BM=qbm,
-                                          DQ_BN=qbn, STORE_DBIAS=want_dbias, STORE_DELTA=False,
-                                          ATOMIC_DQ=False, **consts)
+            args[12], args[-6:-3] = table, (n_k_items, ntk, ntq)
+            _gdpa_bwd[grid(table.numel())](*args, PART=0, num_warps=max(kwarps, qwarps),
+                                           num_stages=min(kstages, qstages), DK_BM=kbm, DK_BN=kbn, DQ_BM=qbm,
+                                           DQ_BN=qbn, STORE_DBIAS=want_dbias, STORE_DELTA=False,
+                                           ATOMIC_DQ=False, **consts)
         else:  # two launches: dQ first (it writes softmax's delta), then dK/dV (reads it)
             qbm, qbn, qwarps, qstages = _tiles("dq", d_qk, reg, spec.max_q_len)
             table, ntq = _q_table(spec, q_off, kv_off, qbm, t_out)
-            args[12], args[-5:-2] = table, (0, 1, ntq)
+            args[12], args[-6:-3] = table, (0, 1, ntq)
             # the other part's tile sizes are unused (pruned branch): 0 keeps one compiled variant per config
-            _gdpa_bwd[(table.numel(), h)](*args, PART=2, num_warps=qwarps, num_stages=qstages, DK_BM=0, DK_BN=0,
-                                          DQ_BM=qbm, DQ_BN=qbn, STORE_DBIAS=want_dbias,
-                                          STORE_DELTA=softmax and not delta_inline, ATOMIC_DQ=False, **consts)
+            _gdpa_bwd[grid(table.numel())](*args, PART=2, num_warps=qwarps, num_stages=qstages, DK_BM=0, DK_BN=0,
+                                           DQ_BM=qbm, DQ_BN=qbn, STORE_DBIAS=want_dbias,
+                                           STORE_DELTA=softmax and not delta_inline, ATOMIC_DQ=False, **consts)
             table, ntk = _k_table(spec, q_off, kv_off, kbn, k.shape[0])
-            args[12], args[-5:-2] = table, (0, ntk, 1)
-            _gdpa_bwd[(table.numel(), h)](*args, PART=1, num_warps=kwarps, num_stages=kstages, DK_BM=kbm,
-                                          DK_BN=kbn, DQ_BM=0, DQ_BN=0, STORE_DBIAS=False, STORE_DELTA=False,
-                                          ATOMIC_DQ=False, **consts)
+            args[12], args[-6:-3] = table, (0, ntk, 1)
+            _gdpa_bwd[grid(table.numel())](*args, PART=1, num_warps=kwarps, num_stages=kstages, DK_BM=kbm,
+                                           DK_BN=kbn, DQ_BM=0, DQ_BN=0, STORE_DBIAS=False, STORE_DELTA=False,
+                                           ATOMIC_DQ=False, **consts)
         if spec.q_bcast:
             dq = dq.view(-1, q.shape[0], h, d_qk).sum(0, dtype=torch.float32).to(q.dtype)
         elif dq.dtype != q.dtype:  # the atomic path's fp32 accumulator
