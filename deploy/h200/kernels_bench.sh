@@ -5,7 +5,7 @@
 # printed as a --tiles JSON). gemray is not installed on the device, so the tree is copied into a package
 # layout first (kernels/ -> gemray/kernels). From the repository root:
 #   OUT=$OUT bash deploy/h200/kernels_bench.sh
-# Knobs: TOTAL_S (default 340: whole script), TEST_S (150: pytest and precompile, side by side),
+# Knobs: TOTAL_S (default 340: whole script), TEST_S (150: precompile, and again 150: pytest),
 # SWEEP_BUDGET (120: sweep timing, split evenly over the 4 regimes), SWEEP=0 (no precompile, no sweep),
 # TILES_JSON (the "chosen tiles" JSON an earlier run printed: pins tiles and launch modes; run 4's winners
 # are the defaults since kern4), BENCH_ARGS
@@ -38,18 +38,17 @@ gpu_tests() {  # 8 pytest processes: pytest-xdist when installed, else the colle
   wait
   cat "$OUT"/gpu_chunk_*.log > "$OUT/pytest.log"
 }
-# The GPU tests and the compilation of every sweep candidate (8 more processes, into the shared Triton
-# cache) run side by side: both are mostly compile time on the CPU; nothing is timed until both are done.
-echo "== $(date -u +%T) pytest -m gpu + precompile"
-export -f gpu_tests; export OUT TESTS
-timeout -k 10 "$TEST_S" bash -c gpu_tests &
-PYTEST_PID=$!
+# First the compilation of every sweep candidate (8 processes, into the shared Triton cache), then the GPU tests
+# (8 pytest processes). Not side by side: run 6 ran them together and two tests hit CUDA out-of-memory, the 16
+# processes' contexts and reference tensors filling the GPU. Nothing is timed until both are done.
+echo "== $(date -u +%T) precompile, then pytest -m gpu"
 if [ "$SWEEP" = 1 ]; then
   timeout -k 10 "$TEST_S" python3 -m gemray.kernels.bench --out "$OUT/precompile" --precompile 8 --precompile-only \
     > "$OUT/precompile.log" 2>&1
   echo "precompile rc=$? after $(( $(date +%s) - T0 )) s" >> "$OUT/precompile.log"
 fi
-wait $PYTEST_PID
+export -f gpu_tests; export OUT TESTS
+timeout -k 10 "$TEST_S" bash -c gpu_tests
 echo "pytest rc=$? after $(( $(date +%s) - T0 )) s" >> "$OUT/pytest.log"
 LEFT=$(( TOTAL_S - ($(date +%s) - T0) - 10 ))
 SW=""; [ "$SWEEP" = 1 ] && SW="--sweep --sweep-budget $SWEEP_BUDGET"
