@@ -287,11 +287,12 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
     metrics.json: test-split ``hr@K``/``ndcg@K`` (K in train.eval_ks; history items excluded from the
     ranking unless ``train.eval_exclude_history`` is false), with ``eval_exclude_history``, the all-items
     ``hr@K_unfiltered``/``ndcg@K_unfiltered`` and ``targets_in_history``, ``samples_per_s`` (mean over
-    epochs, global), ``wall_s`` (seconds; a run resumed in the same output folder adds the wall_s its previous
-    metrics.json recorded), ``invocations`` (fits of this run that wrote metrics.json, this one included), ``epochs``, ``world_size``,
-    ``bbs_imbalance`` (mean measured token imbalance max/mean across ranks), ``history`` (per-epoch dicts),
-    ``events`` (controller events of every invocation: failure_detected, resize, checkpoint_restored/_fallback/_saved,
-    first_step, ...; also in ``events.jsonl`` with per-step heartbeats) and ``recovery`` (per restart:
+    epochs, global), ``wall_s`` (seconds; a run resumed in the same output folder adds the wall_s its
+    previous metrics.json recorded), ``invocations`` (fits of this run that wrote metrics.json, this one
+    included), ``epochs``, ``world_size``, ``bbs_imbalance`` (mean measured token imbalance max/mean across
+    ranks), ``history`` (per-epoch dicts), ``events`` (controller events of every invocation:
+    failure_detected, resize, checkpoint_restored/_fallback/_saved, first_step, ...; also in
+    ``events.jsonl`` with per-step heartbeats) and ``recovery`` (per restart:
     steps_lost, seconds_to_first_step; see gemray.events.summarize_recovery).
     Raises FileNotFoundError / ValueError for a bad config or data path (before any worker starts), and
     Ray's TrainingFailedError when training fails beyond ``ray.max_failures``.
