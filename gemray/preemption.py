@@ -17,7 +17,12 @@ vote instead: checkpoint now and keep training; Ray Train restarts the group fro
 the node is gone.
 
 The notice file: ``<output_dir>/PREEMPT`` (``checkpoint.preempt_notice``), one JSON object
-``{"reason", "t", "pid", "host"}``. Pure except the small file helpers.
+``{"reason", "t", "pid", "host"}``. Once the emergency checkpoint is committed the driver rewrites it with
+``"handled": {"global_step", "checkpoint", "t"}`` (:func:`mark_handled`). While a run is active the driver
+keeps a marker ``<notice>.active`` beside it (:func:`mark_active`), so ``gemray preempt --wait`` (a
+Kubernetes preStop hook) can block until the checkpoint is committed, and return at once when no run is
+there to wait for (:func:`wait_outcome` decides, :func:`wait_until_handled` polls). Pure except the small
+file helpers.
 """
 
 from __future__ import annotations
@@ -40,16 +45,95 @@ NOTICE_NAME = "PREEMPT"
 ACTIONS = ("stop", "checkpoint")
 
 
+#: Outcomes of :func:`wait_outcome` / :func:`wait_until_handled`.
+WAIT_OUTCOMES = ("handled", "no_run", "timeout")
+
+
+def _write_json_atomic(path: Path, data: dict[str, Any]) -> Path:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp.write_text(json.dumps(data, default=str))
+    os.replace(tmp, path)
+    return path
+
+
 def write_notice(path: str | Path, reason: str) -> Path:
     """Write a preemption notice to ``path`` atomically (temp file + rename); returns the path.
 
     Raises OSError when the folder does not exist or is not writable."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"reason": str(reason), "t": time.time(), "pid": os.getpid(),
-                               "host": socket.gethostname()}))
-    os.replace(tmp, path)
-    return path
+    return _write_json_atomic(Path(path), {"reason": str(reason), "t": time.time(), "pid": os.getpid(),
+                                           "host": socket.gethostname()})
+
+
+def mark_handled(path: str | Path, global_step: int, checkpoint: str | None) -> Path:
+    """Rewrite the notice at ``path`` atomically with ``"handled": {"global_step", "checkpoint", "t"}``
+    (``t``: Unix time in seconds) once the emergency checkpoint of ``global_step`` is committed at
+    ``checkpoint``. A missing notice is recreated with reason "unknown" so waiters still see the result.
+
+    Raises OSError when the folder does not exist or is not writable."""
+    data = read_notice(path) or {"reason": "unknown"}
+    data["handled"] = {"global_step": int(global_step), "checkpoint": checkpoint, "t": time.time()}
+    return _write_json_atomic(Path(path), data)
+
+
+def is_handled(notice: dict[str, Any] | None) -> bool:
+    """Pure: True when a notice (as :func:`read_notice` returns it) says its emergency checkpoint is
+    committed."""
+    return bool(notice) and isinstance(notice.get("handled"), dict)
+
+
+def active_path(notice_path: str | Path) -> Path:
+    """The marker that says a run polling ``notice_path`` is active: ``<notice>.active`` beside it."""
+    p = Path(notice_path)
+    return p.with_name(p.name + ".active")
+
+
+def mark_active(notice_path: str | Path) -> Path:
+    """Driver: record that a run polls ``notice_path`` (``{"pid", "host", "t"}``; creates the folder).
+    Returns the marker path. Raises OSError when the folder cannot be created or written."""
+    p = active_path(notice_path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    return _write_json_atomic(p, {"pid": os.getpid(), "host": socket.gethostname(), "t": time.time()})
+
+
+def clear_active(notice_path: str | Path) -> bool:
+    """Driver, when the run ends (however): remove the active marker; True if one was there."""
+    try:
+        active_path(notice_path).unlink()
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def wait_outcome(notice: dict[str, Any] | None, active: bool, elapsed_s: float, timeout_s: float) -> str | None:
+    """Pure decision for ``gemray preempt --wait``: "handled" (the notice records its committed emergency
+    checkpoint), "no_run" (no run is active: nothing will handle it), "timeout" (``elapsed_s >=
+    timeout_s``, both in seconds) or None (keep waiting). Raises ValueError for a negative timeout."""
+    if timeout_s < 0:
+        raise ValueError(f"wait timeout: expected >= 0 seconds, got {timeout_s}")
+    if is_handled(notice):
+        return "handled"
+    if not active:
+        return "no_run"
+    if elapsed_s >= timeout_s:
+        return "timeout"
+    return None
+
+
+def wait_until_handled(notice_path: str | Path, timeout_s: float, poll_s: float = 0.5,
+                       sleep: Callable[[float], None] = time.sleep,
+                       clock: Callable[[], float] = time.monotonic) -> tuple[str, dict[str, Any] | None]:
+    """Poll ``notice_path`` (and its active marker) every ``poll_s`` seconds until :func:`wait_outcome`
+    decides; returns ``(outcome, notice)``. ``timeout_s`` in seconds. Raises ValueError for a negative
+    timeout or a poll interval <= 0."""
+    if poll_s <= 0:
+        raise ValueError(f"wait poll interval: expected > 0 seconds, got {poll_s}")
+    t0 = clock()
+    while True:
+        notice = read_notice(notice_path)
+        outcome = wait_outcome(notice, active_path(notice_path).exists(), clock() - t0, timeout_s)
+        if outcome is not None:
+            return outcome, notice
+        sleep(max(min(poll_s, timeout_s - (clock() - t0)), 0.01))
 
 
 def read_notice(path: str | Path | None) -> dict[str, Any] | None:

@@ -24,7 +24,8 @@ from gemray.checkpoint import file_sha256
 from gemray.config import JobConfig, apply_overrides, load_config, to_toml
 from gemray.events import read_events, summarize_recovery
 from gemray.parallel.sharding import check_shardable
-from gemray.preemption import NOTICE_NAME, clear_notice, install_driver_sigterm
+from gemray.preemption import (NOTICE_NAME, clear_active, clear_notice, install_driver_sigterm, mark_active,
+                               mark_handled)
 
 log = logging.getLogger(__name__)
 
@@ -241,7 +242,9 @@ def _previous_wall(metrics_path: Path) -> tuple[float, int]:
 def _preempted_result(cfg: JobConfig, out: Path, result: Any, reported: dict[str, Any], events_from: int,
                       t0: float, wall_before: float = 0.0, invocations: int = 1) -> Result:
     """The run stopped on a preemption notice after its emergency checkpoint: write metrics.json with
-    ``preempted`` (the notice), ``global_step``/``epoch`` of the checkpoint and the events; no test metrics."""
+    ``preempted`` (the notice), ``global_step``/``epoch`` of the checkpoint and the events; no test metrics.
+    Then mark the notice handled (``"handled": {"global_step", "checkpoint", "t"}``) and drop the run's active
+    marker, which ends a ``gemray preempt --wait``."""
     events = read_events(cfg.train.events_path)[events_from:]
     stop = next((e["detail"] for e in reversed(events) if e["kind"] == "preempted"), {})
     ckpt = result.checkpoint.path if result.checkpoint is not None else None
@@ -251,6 +254,13 @@ def _preempted_result(cfg: JobConfig, out: Path, result: Any, reported: dict[str
         "invocations": invocations,
         "events": [e for e in events if e["kind"] not in QUIET_KINDS], "recovery": summarize_recovery(events)}
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True, default=str))
+    notice = cfg.checkpoint.preempt_notice
+    try:  # tells `gemray preempt --wait` (a Kubernetes preStop hook) that the checkpoint is committed
+        mark_handled(notice, metrics["global_step"], ckpt)
+    except OSError as e:
+        log.warning("could not mark the preemption notice %s handled: %s", notice, e)
+    finally:
+        clear_active(notice)
     log.warning("preempted: emergency checkpoint of global step %d committed (%s); re-run the same command "
                 "to resume there", metrics["global_step"], ckpt)
     return Result(metrics=metrics, checkpoint_path=ckpt, output_dir=str(out))
@@ -351,6 +361,12 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
     restore_sigterm = install_driver_sigterm(cfg.checkpoint.preempt_notice)
     env = _ray_train_env(cfg)
     saved_env = {k: os.environ.get(k) for k in env}
+    result = None
+    try:  # `gemray preempt --wait` waits only while this marker says a run will handle the notice
+        mark_active(cfg.checkpoint.preempt_notice)
+    except OSError as e:
+        log.warning("could not write the run's active marker beside %s (%s): `gemray preempt --wait` will "
+                    "return at once", cfg.checkpoint.preempt_notice, e)
     try:
         os.environ.update(env)  # read by TorchTrainer.fit and handed to the Train controller and workers
         workers: Any = cfg.ray.num_workers
@@ -379,6 +395,8 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
                 refresher.stop()
     finally:
         restore_sigterm()
+        if result is None or not (result.metrics or {}).get("preempted"):
+            clear_active(cfg.checkpoint.preempt_notice)  # a preempted run clears it once the notice is handled
         for k, v in saved_env.items():
             if v is None:
                 os.environ.pop(k, None)
