@@ -2,7 +2,8 @@
 
     gemray prepare movielens --src DIR --out DIR [--on-bad-rows error|quarantine] [--num-files N]
     gemray train --config FILE [--set section.key=value ...] [--output DIR]
-    gemray preempt --output DIR [--reason TEXT]   (ask a running `gemray train` to checkpoint and stop)
+    gemray preempt --output DIR | --notice PATH [--reason TEXT] [--wait SECONDS]
+                                          (ask a running `gemray train` to checkpoint and stop)
     gemray bench bbs --config FILE [--world-size N] [--set ...]
     gemray bench kernels [ARGS...]        (gemray.kernels.bench.main)
     gemray submit --config FILE [--address URL] ...   (gemray.controller.submit)
@@ -67,15 +68,44 @@ def _cmd_train(ns: argparse.Namespace) -> int:
 
 
 def _cmd_preempt(ns: argparse.Namespace) -> int:
-    from gemray.preemption import NOTICE_NAME, write_notice
+    """Write the notice (unless one is already pending there), then optionally wait for the run to commit
+    its emergency checkpoint. Exit 0 when written/handled/no run is active, 1 on a --wait timeout; raises
+    NotADirectoryError for a missing --output folder and ValueError for a negative --wait."""
+    import socket
 
-    out = Path(ns.output)
-    if not out.is_dir():
-        raise NotADirectoryError(f"--output {out}: no such folder (the --output of the running `gemray train`)")
-    path = write_notice(out / NOTICE_NAME, ns.reason)
-    print(f"preemption notice written to {path}: the run checkpoints at its next poll step "
-          "(checkpoint.preempt_poll_steps) and stops")
-    return 0
+    from gemray.preemption import NOTICE_NAME, read_notice, wait_until_handled, write_notice
+
+    if ns.wait is not None and ns.wait < 0:
+        raise ValueError(f"--wait {ns.wait}: expected >= 0 seconds")
+    if ns.output is not None:
+        out = Path(ns.output)
+        if not out.is_dir():
+            raise NotADirectoryError(f"--output {out}: no such folder (the --output of the running `gemray train`)")
+        path = out / NOTICE_NAME
+    else:
+        path = Path(ns.notice)
+        if not path.parent.is_dir():  # e.g. a pod deleted before its run started: nothing to stop
+            print(f"no run folder {path.parent}: no run has started there, nothing to preempt")
+            return 0
+    existing = read_notice(path)
+    if existing is None:
+        write_notice(path, ns.reason.replace("{host}", socket.gethostname()))
+        print(f"preemption notice written to {path}: the run checkpoints at its next poll step "
+              "(checkpoint.preempt_poll_steps) and stops")
+    else:
+        print(f"a preemption notice is already at {path} (reason: {existing.get('reason')}); not replacing it")
+    if ns.wait is None:
+        return 0
+    outcome, notice = wait_until_handled(path, ns.wait)
+    if outcome == "handled":
+        h = notice["handled"]
+        print(f"emergency checkpoint of global step {h.get('global_step')} committed at {h.get('checkpoint')}")
+        return 0
+    if outcome == "no_run":
+        print(f"no run is active for {path}: nothing to wait for")
+        return 0
+    return _fail(f"--wait {ns.wait:g}: the run did not commit its emergency checkpoint within {ns.wait:g} s "
+                 f"(notice {path}); it falls back to its last periodic checkpoint if stopped now", 1)
 
 
 def _cmd_bench_bbs(ns: argparse.Namespace) -> int:
@@ -140,8 +170,17 @@ def build_parser() -> argparse.ArgumentParser:
     tr.set_defaults(func=_cmd_train)
 
     pre = sub.add_parser("preempt", help="ask a running `gemray train` to take an emergency checkpoint and stop")
-    pre.add_argument("--output", required=True, help="the run's output folder (its --output, default runs/<name>)")
-    pre.add_argument("--reason", default="gemray preempt", help="recorded in the notice and the events")
+    where = pre.add_mutually_exclusive_group(required=True)
+    where.add_argument("--output", default=None,
+                       help="the run's output folder (its --output, default runs/<name>); notice: DIR/PREEMPT")
+    where.add_argument("--notice", default=None, metavar="PATH",
+                       help="the notice file itself (checkpoint.preempt_notice); a missing folder means no run "
+                       "has started there: exit 0 without writing")
+    pre.add_argument("--reason", default="gemray preempt on {host}",
+                     help="recorded in the notice and the events; {host} becomes this host's name (a pod's name)")
+    pre.add_argument("--wait", type=float, default=None, metavar="SECONDS",
+                     help="block until the run has committed its emergency checkpoint (exit 0), no run is "
+                     "active (exit 0) or SECONDS pass (exit 1)")
     pre.set_defaults(func=_cmd_preempt)
 
     bench = sub.add_parser("bench", help="benchmarks")
