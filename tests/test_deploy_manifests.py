@@ -21,6 +21,7 @@ yaml = pytest.importorskip("yaml")
 jsonschema = pytest.importorskip("jsonschema")
 
 from gemray import k8s  # noqa: E402
+from gemray.cli import build_parser  # noqa: E402
 from gemray.config import load_config  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -235,6 +236,72 @@ def test_render_single_worker_fixed_size():
     assert {"name": "gemray-data", "persistentVolumeClaim": {"claimName": "ckpt"}} in vols
 
 
+def _notice_from_entrypoint(m: dict) -> str:
+    cmd = m["spec"]["entrypoint"] if m["kind"] == "RayJob" else m["metadata"]["annotations"]["gemray.io/entrypoint"]
+    argv = shlex.split(cmd)
+    sets = [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
+    (notice,) = [s.split("=", 1)[1] for s in sets if s.startswith("checkpoint.preempt_notice=")]
+    return notice
+
+
+@pytest.mark.parametrize("kind", k8s.KINDS)
+def test_render_prestop_preempt_hook_with_pvc(kind):
+    """pvc storage: the job polls a notice inside its Ray Train run folder on the shared volume, and every
+    head/worker pod's preStop writes it and waits for the emergency checkpoint within the grace period."""
+    cfg = load_config(REPO / "configs/ml-latest-small.toml")
+    m = k8s.render(cfg, k8s.DeployOptions(kind=kind, storage="pvc:ckpt", grace_period_s=120))
+    validate_ray(m)
+    notice = _notice_from_entrypoint(m)
+    # Ray Train puts the run at storage_path/<RunConfig name = cfg.name>: the notice sits in that folder
+    assert notice == f"/mnt/gemray/runs/{cfg.name}/PREEMPT"
+    assert k8s.preempt_notice_path(cfg, k8s.DeployOptions(storage="pvc:ckpt")) == notice
+    spec = _cluster_spec(m)
+    pods = [spec["headGroupSpec"]["template"]] + [g["template"] for g in spec["workerGroupSpecs"]]
+    for tpl in pods:
+        assert tpl["spec"]["terminationGracePeriodSeconds"] == 120
+        cmd = tpl["spec"]["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+        assert cmd[:4] == ["gemray", "preempt", "--notice", notice]
+        assert cmd[cmd.index("--wait") + 1] == str(120 - k8s.PREEMPT_MARGIN_S)
+        assert "{host}" in cmd[cmd.index("--reason") + 1]  # the CLI fills in the pod's host name
+        ns = build_parser().parse_args(cmd[1:])  # the hook's argv parses as `gemray preempt`
+        assert (ns.notice, ns.wait, ns.output) == (notice, 105.0, None)
+
+
+def test_render_notice_override_wins_and_default_grace():
+    cfg = load_config(REPO / "configs/ml-latest-small.toml")
+    opts = k8s.DeployOptions(overrides=("checkpoint.preempt_notice=/mnt/gemray/notices/x",))
+    m = k8s.render_rayjob(cfg, opts)
+    assert _notice_from_entrypoint(m) == "/mnt/gemray/notices/x"
+    head = m["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+    assert head["terminationGracePeriodSeconds"] == 300
+    assert "/mnt/gemray/notices/x" in head["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+
+
+def test_render_object_store_has_no_prestop_hook():
+    """s3/gs storage: no file every pod shares, so no notice path, preStop hook or longer grace period."""
+    cfg = load_config(REPO / "configs/ml-latest-small.toml")
+    m = k8s.render_rayjob(cfg, k8s.DeployOptions(storage="gs://bucket/runs"))
+    validate_ray(m)
+    assert "preempt_notice" not in m["spec"]["entrypoint"]
+    for tpl in _pod_templates(m):
+        assert "terminationGracePeriodSeconds" not in tpl["spec"]
+        assert all("lifecycle" not in c for c in tpl["spec"]["containers"])
+
+
+@pytest.mark.parametrize("path", RAY_MANIFESTS, ids=lambda p: p.name)
+def test_deploy_manifests_carry_prestop_iff_pvc(path):
+    m = yaml.safe_load(path.read_text())
+    pvc = "--storage pvc:" in path.read_text().splitlines()[0]
+    spec = _cluster_spec(m)
+    for tpl in [spec["headGroupSpec"]["template"]] + [g["template"] for g in spec["workerGroupSpecs"]]:
+        hook = tpl["spec"]["containers"][0].get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command")
+        if pvc:
+            assert hook[:4] == ["gemray", "preempt", "--notice", _notice_from_entrypoint(m)]
+            assert tpl["spec"]["terminationGracePeriodSeconds"] > int(hook[hook.index("--wait") + 1])
+        else:
+            assert hook is None
+
+
 def test_render_object_store_credentials_are_secret_refs():
     cfg = load_config(REPO / "configs/ml-latest-small.toml")
     m = k8s.render_rayjob(cfg, k8s.DeployOptions(storage="s3://bucket/runs"))
@@ -259,6 +326,7 @@ def test_expose_dashboard_only_on_request():
     (dict(redis_address="redis"), "host:port"),
     (dict(backoff_limit=-1), "backoff_limit"),
     (dict(name="!!!"), "DNS-1123"),
+    (dict(grace_period_s=10), "grace_period_s"),
 ])
 def test_render_rejects_bad_options(opts, match):
     cfg = load_config(REPO / "configs/ml-latest-small.toml")

@@ -34,6 +34,7 @@ import torch
 
 from gemray.checkpoint import committed_checkpoints, verify_checkpoint
 from gemray.events import read_events
+from gemray.preemption import read_notice
 from gemray.ledger import audit, read_attempts
 
 pytestmark = pytest.mark.slow
@@ -185,6 +186,10 @@ def test_kill_mid_write_then_preempt_and_resume(baseline):
     assert metrics["global_step"] == at and metrics["preempted"]["reason"] == "SIGTERM to the driver"
     newest = committed_checkpoints(out / "ray" / "preempt")[0]
     assert _trainer_state(newest)["global_step"] == at  # Ray committed the emergency checkpoint
+    # the driver marked the notice handled (what `gemray preempt --wait`, a preStop hook, waits for)
+    handled = read_notice(out / "PREEMPT")["handled"]
+    assert handled["global_step"] == at and Path(handled["checkpoint"]).name == newest.name, handled
+    assert not (out / "PREEMPT.active").exists()  # the run is over: a waiter would return at once
     restart = next(e for e in events if e["kind"] == "first_step")
 
     # 3. the same command again (no test hook): resumes at exactly the emergency checkpoint's step

@@ -1,0 +1,174 @@
+"""``gemray preempt --notice/--wait`` (the Kubernetes preStop hook) and the driver's side of it: the notice
+marked handled once the emergency checkpoint is committed, the active marker that says a run is listening.
+CPU only, no Ray: the driver is stood in for by a thread, a subprocess or a direct ``_preempted_result`` call.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from gemray.cli import main
+from gemray.preemption import (NOTICE_NAME, active_path, clear_active, is_handled, mark_active, mark_handled,
+                               read_notice, wait_outcome, wait_until_handled, write_notice)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _when_notice_appears(path: Path, then, timeout_s: float = 20.0) -> threading.Thread:
+    """Stand-in driver: once the notice exists, run ``then()`` (e.g. mark it handled)."""
+    def run():
+        t0 = time.monotonic()
+        while read_notice(path) is None and time.monotonic() - t0 < timeout_s:
+            time.sleep(0.02)
+        time.sleep(0.1)
+        then()
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    return th
+
+
+def test_wait_outcome_decisions():
+    pending, handled = {"reason": "x"}, {"reason": "x", "handled": {"global_step": 7}}
+    assert wait_outcome(handled, active=True, elapsed_s=99, timeout_s=1) == "handled"
+    assert wait_outcome(handled, active=False, elapsed_s=0, timeout_s=1) == "handled"
+    assert wait_outcome(pending, active=False, elapsed_s=0, timeout_s=1) == "no_run"
+    assert wait_outcome(None, active=False, elapsed_s=0, timeout_s=1) == "no_run"
+    assert wait_outcome(pending, active=True, elapsed_s=0.5, timeout_s=1) is None
+    assert wait_outcome(pending, active=True, elapsed_s=1.0, timeout_s=1) == "timeout"
+    assert wait_outcome(pending, active=True, elapsed_s=0, timeout_s=0) == "timeout"
+    with pytest.raises(ValueError, match="timeout"):
+        wait_outcome(pending, active=True, elapsed_s=0, timeout_s=-1)
+    assert not is_handled(None) and not is_handled(pending) and is_handled(handled)
+
+
+def test_mark_handled_keeps_the_notice_and_active_marker_round_trip(tmp_path):
+    p = tmp_path / NOTICE_NAME
+    write_notice(p, "spot reclaim")
+    mark_handled(p, 23, "/ckpt/checkpoint_000004")
+    n = read_notice(p)
+    assert n["reason"] == "spot reclaim" and n["handled"]["global_step"] == 23
+    assert n["handled"]["checkpoint"] == "/ckpt/checkpoint_000004" and n["handled"]["t"] > 0
+    assert mark_handled(tmp_path / "gone", 1, None) and read_notice(tmp_path / "gone")["reason"] == "unknown"
+    run_dir = tmp_path / "runs" / "name"  # created: the run folder may not exist before Ray Train makes it
+    assert mark_active(run_dir / NOTICE_NAME) == active_path(run_dir / NOTICE_NAME)
+    assert active_path(run_dir / NOTICE_NAME).name == "PREEMPT.active"
+    assert clear_active(run_dir / NOTICE_NAME) and not clear_active(run_dir / NOTICE_NAME)
+    assert not list(tmp_path.rglob(".*.tmp"))  # atomic writes leave no temp files
+
+
+def test_wait_returns_0_once_another_thread_marks_handled(tmp_path, capsys):
+    p = tmp_path / NOTICE_NAME
+    mark_active(p)
+    th = _when_notice_appears(p, lambda: mark_handled(p, 31, str(tmp_path / "checkpoint_000006")))
+    t0 = time.monotonic()
+    rc = main(["preempt", "--notice", str(p), "--reason", "preStop: pod {host} is being deleted",
+               "--wait", "20"])
+    th.join(5)
+    assert rc == 0 and time.monotonic() - t0 < 15
+    out = capsys.readouterr().out
+    assert "emergency checkpoint of global step 31 committed" in out
+    assert read_notice(p)["reason"] == f"preStop: pod {socket.gethostname()} is being deleted"
+
+
+def test_wait_returns_0_once_another_process_marks_handled(tmp_path):
+    p = tmp_path / NOTICE_NAME
+    mark_active(p)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, "-m", "gemray.cli", "preempt", "--notice", str(p), "--wait", "60"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+    try:
+        t0 = time.monotonic()
+        while read_notice(p) is None and proc.poll() is None and time.monotonic() - t0 < 60:
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.communicate()[0]  # written, and waiting
+        time.sleep(0.3)
+        assert proc.poll() is None  # still waiting: active run, notice not handled
+        mark_handled(p, 12, "/ckpt/c")
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    assert "emergency checkpoint of global step 12 committed at /ckpt/c" in out
+
+
+def test_wait_times_out_non_zero_with_a_clear_message(tmp_path, capsys):
+    p = tmp_path / NOTICE_NAME
+    mark_active(p)  # a run is active but never reaches its poll step
+    t0 = time.monotonic()
+    assert main(["preempt", "--notice", str(p), "--wait", "0.4"]) == 1
+    assert 0.4 <= time.monotonic() - t0 < 10
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("gemray: error: --wait 0.4: the run did not commit its "
+                                               "emergency checkpoint within 0.4 s")
+    assert read_notice(p) is not None and not is_handled(read_notice(p))
+
+
+def test_wait_returns_at_once_when_no_run_is_active(tmp_path, capsys):
+    p = tmp_path / NOTICE_NAME  # e.g. the cluster torn down after the job finished
+    t0 = time.monotonic()
+    assert main(["preempt", "--notice", str(p), "--wait", "60"]) == 0
+    assert time.monotonic() - t0 < 5 and "no run is active" in capsys.readouterr().out
+    # a driver that ends without a preemption (finished, failed) drops its marker: waiters return too
+    mark_active(p)
+    th = _when_notice_appears(p, lambda: clear_active(p))
+    assert wait_until_handled(p, 30, poll_s=0.05)[0] == "no_run"
+    th.join(5)
+
+
+def test_notice_folder_missing_means_nothing_to_preempt(tmp_path, capsys):
+    p = tmp_path / "runs" / "not-started" / NOTICE_NAME
+    assert main(["preempt", "--notice", str(p), "--wait", "60"]) == 0
+    assert "no run has started there" in capsys.readouterr().out
+    assert not p.parent.exists()
+
+
+def test_pending_notice_is_not_replaced(tmp_path, capsys):
+    p = tmp_path / NOTICE_NAME
+    write_notice(p, "first pod")
+    assert main(["preempt", "--notice", str(p), "--reason", "second pod"]) == 0
+    assert read_notice(p)["reason"] == "first pod" and "already" in capsys.readouterr().out
+
+
+def test_output_and_notice_are_exclusive_and_one_is_required(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["preempt", "--output", str(tmp_path), "--notice", str(tmp_path / NOTICE_NAME)])
+    assert e.value.code == 2
+    with pytest.raises(SystemExit) as e:
+        main(["preempt"])
+    assert e.value.code == 2
+    assert main(["preempt", "--output", str(tmp_path / "missing")]) == 2  # as before: no such run folder
+    assert main(["preempt", "--output", str(tmp_path), "--wait", "-1"]) == 2
+    assert main(["preempt", "--output", str(tmp_path)]) == 0 and (tmp_path / NOTICE_NAME).is_file()
+
+
+def test_driver_marks_the_notice_handled_after_the_emergency_checkpoint(tmp_path):
+    from gemray.config import load_config
+    from gemray.controller.run import _preempted_result
+    from gemray.events import Event
+
+    cfg = load_config(REPO / "configs" / "ml-latest-small.toml")
+    cfg.checkpoint.preempt_notice = str(tmp_path / NOTICE_NAME)
+    cfg.train.events_path = str(tmp_path / "events.jsonl")
+    write_notice(cfg.checkpoint.preempt_notice, "Kubernetes preStop: pod w-1 is being deleted")
+    mark_active(cfg.checkpoint.preempt_notice)
+    notice = read_notice(cfg.checkpoint.preempt_notice)
+    ev = Event("preempted", t=time.time(), attempt=1, detail={"global_step": 17, "notice": notice}).to_dict()
+    Path(cfg.train.events_path).write_text(json.dumps(ev) + "\n")
+    result = SimpleNamespace(checkpoint=SimpleNamespace(path=str(tmp_path / "checkpoint_000003")))
+    res = _preempted_result(cfg, tmp_path, result, {"preempted": True, "global_step": 17, "epoch": 1}, 0,
+                            time.perf_counter())
+    assert res.metrics["global_step"] == 17
+    handled = read_notice(cfg.checkpoint.preempt_notice)["handled"]
+    assert handled["global_step"] == 17 and handled["checkpoint"] == str(tmp_path / "checkpoint_000003")
+    assert not active_path(cfg.checkpoint.preempt_notice).exists()
