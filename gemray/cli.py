@@ -159,11 +159,19 @@ def build_parser() -> argparse.ArgumentParser:
     ml = prep_sub.add_parser("movielens", help="MovieLens ml-1m / ml-100k / ml-latest(-small)")
     ml.add_argument("--src", required=True, help="folder with ratings.dat, u.data or ratings.csv")
     ml.add_argument("--out", required=True, help="output folder (prepared Parquet + manifest.json)")
-    ml.add_argument("--on-bad-rows", choices=("error", "quarantine"), default="error")
-    ml.add_argument("--num-files", type=int, default=8)
+    ml.add_argument("--on-bad-rows", choices=("error", "quarantine"), default="error",
+                    help="error (default): stop at the first bad row, naming file, line and field; quarantine: "
+                         "write bad rows to quarantine.jsonl, count them in the manifest and go on")
+    ml.add_argument("--num-files", type=int, default=8,
+                    help="Parquet files to write (default 8; capped at the user count): the unit Ray Data "
+                         "reads in parallel")
     ml.set_defaults(func=_cmd_prepare)
 
-    tr = sub.add_parser("train", help="train with Ray Train (embedded local cluster unless RAY_ADDRESS)")
+    tr = sub.add_parser("train", help="train with Ray Train (embedded local cluster unless RAY_ADDRESS)",
+                        description="Train the model of a TOML config with Ray Train: an embedded local Ray "
+                                    "cluster unless RAY_ADDRESS is set; writes metrics.json, curves.png, "
+                                    "config.toml and checkpoints to --output. Re-running the same command "
+                                    "resumes from the newest committed checkpoint.")
     tr.add_argument("--config", required=True, help="TOML config, e.g. configs/ml-1m.toml")
     _add_set(tr)
     tr.add_argument("--output", default=None, help="output folder (default runs/<name>)")

@@ -294,7 +294,8 @@ def _sha256_check(path: Path, digest: str) -> str:
         if len(parts) == 2 and parts[1].lstrip("*") == path.name:
             if parts[0].lower() != digest:
                 raise ValueError(f"{path}: sha256 {digest} does not match {parts[0]} listed in {sums}:{n}; "
-                                 f"the file is corrupt or not the GroupLens original")
+                                 f"the file is corrupt or not the GroupLens original (to prepare an edited copy "
+                                 f"anyway, remove {sums.name} from its folder)")
             return "matched"
     return "not listed"
 
@@ -334,8 +335,10 @@ def prepare_movielens(src: str | Path, out: str | Path, *, on_bad_rows: str = "e
     t0 = time.perf_counter()
     if on_bad_rows not in ("error", "quarantine"):
         raise ValueError(f"on_bad_rows: expected 'error' or 'quarantine', got {on_bad_rows!r}")
-    if num_files < 1 or row_groups_per_file < 1:
-        raise ValueError(f"num_files ({num_files}) and row_groups_per_file ({row_groups_per_file}) must be >= 1")
+    if num_files < 1:
+        raise ValueError(f"num_files (--num-files): expected >= 1, got {num_files}")
+    if row_groups_per_file < 1:
+        raise ValueError(f"row_groups_per_file: expected >= 1, got {row_groups_per_file}")
     fmt, path = detect_format(src)
     out = Path(out)
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MANIFEST_FILE).is_file())):
