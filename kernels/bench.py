@@ -573,6 +573,10 @@ def bench_norm(rec: Recorder) -> None:
         traceback.print_exc()
 
 
+# Backward candidates shared by medium / long / xlong (run 6; why each, in the comment above "medium").
+_DKDV_RUN6 = ((64, 128, 8, 2), (32, 128, 8, 3), (64, 128, 8, 3), (32, 128, 8, 4), (64, 64, 4, 2), (128, 128, 8, 2))
+_DQ_RUN6 = ((128, 64, 8, 3), (128, 32, 8, 3), (128, 32, 8, 4), (64, 64, 4, 2), (64, 32, 4, 2))
+
 SWEEP = {  # regime -> kernel -> candidate (BLOCK_M, BLOCK_N, num_warps, num_stages); the default goes first
     # From sm_90 compiles (kernels/NOTES.md, run 4 plan; without divisibility hints, so spills are overstated):
     # 64x64 / 8 warps dK/dV and dQ keep their loops free of spill stores; BLOCK_M 32 gets no wgmma.
@@ -597,26 +601,23 @@ SWEEP = {  # regime -> kernel -> candidate (BLOCK_M, BLOCK_N, num_warps, num_sta
     "medium": {
         "fwd": [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3)],
         "fwd_silu": [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 128, 4, 3)],
-        "dkdv": [(64, 128, 8, 2), (32, 128, 8, 3), (64, 128, 8, 3), (32, 128, 8, 4), (64, 64, 4, 2),
-                 (128, 128, 8, 2)],
+        "dkdv": list(_DKDV_RUN6),
         "dkdv_atomic": [(64, 64, 8, 2)],
-        "dq": [(128, 64, 8, 3), (128, 32, 8, 3), (128, 32, 8, 4), (64, 64, 4, 2), (64, 32, 4, 2)],
+        "dq": list(_DQ_RUN6),
     },
     "long": {
         "fwd": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 3)],
         "fwd_silu": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 3)],
-        "dkdv": [(64, 128, 8, 2), (32, 128, 8, 3), (64, 128, 8, 3), (32, 128, 8, 4), (64, 64, 4, 2),
-                 (128, 128, 8, 2)],
+        "dkdv": list(_DKDV_RUN6),
         "dkdv_atomic": [(64, 64, 8, 2)],
-        "dq": [(128, 64, 8, 3), (128, 32, 8, 3), (128, 32, 8, 4), (64, 64, 4, 2), (64, 32, 4, 2)],
+        "dq": list(_DQ_RUN6),
     },
     "xlong": {
         "fwd": [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3)],
         "fwd_silu": [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3)],
-        "dkdv": [(64, 128, 8, 2), (32, 128, 8, 3), (64, 128, 8, 3), (32, 128, 8, 4), (64, 64, 4, 2),
-                 (128, 128, 8, 2)],
+        "dkdv": list(_DKDV_RUN6),
         "dkdv_atomic": [(64, 64, 8, 2)],
-        "dq": [(128, 64, 8, 3), (128, 32, 8, 3), (128, 32, 8, 4), (64, 64, 4, 2), (64, 32, 4, 2)],
+        "dq": list(_DQ_RUN6),
     },
 }
 # launch modes (FUSED_BWD, DELTA_INLINE, ATOMIC_DQ, HEADS_INNER) tried per regime; the current default is
@@ -642,6 +643,8 @@ def set_mode(which: str, mode) -> None:
     ja.FUSED_BWD[which], ja.DELTA_INLINE[which] = bool(mode[0]), bool(mode[1])
     ja.ATOMIC_DQ[which] = bool(mode[2]) if len(mode) > 2 else False
     ja.HEADS_INNER[which] = bool(mode[3]) if len(mode) > 3 else False
+
+
 SWEEP_BATCH = {"short": ("heavy", 128, 1024), "medium": ("heavy", 256, 4096), "long": ("uniform", 128, 1024),
                "xlong": ("uniform", 64, 4096)}
 
