@@ -573,9 +573,12 @@ def bench_norm(rec: Recorder) -> None:
         traceback.print_exc()
 
 
-# Backward candidates shared by medium / long / xlong (run 6; why each, in the comment above "medium").
-_DKDV_RUN6 = ((64, 128, 8, 2), (32, 128, 8, 3), (64, 128, 8, 3), (32, 128, 8, 4), (64, 64, 4, 2), (128, 128, 8, 2))
-_DQ_RUN6 = ((128, 64, 8, 3), (128, 32, 8, 3), (128, 32, 8, 4), (64, 64, 4, 2), (64, 32, 4, 2))
+# Backward candidates shared by medium / long / xlong (run 6; why each, in the comment above "medium"). Run 7
+# keeps run 6's winners and runners-up within 3% (the others lost by 2-10%) and times them with and without
+# TMA loads: dK/dV 64x128/8w/2 (default), 64x128/8w/3 (long / xlong), 64x64/4w/2 (medium); dQ 128x64/8w/3
+# (won everywhere), 64x64/4w/2 (two CTAs per SM: the TMA path may change the balance).
+_DKDV_RUN6 = ((64, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 2))
+_DQ_RUN6 = ((128, 64, 8, 3), (64, 64, 4, 2))
 
 SWEEP = {  # regime -> kernel -> candidate (BLOCK_M, BLOCK_N, num_warps, num_stages); the default goes first
     # From sm_90 compiles (kernels/NOTES.md, run 4 plan; without divisibility hints, so spills are overstated):
@@ -620,29 +623,32 @@ SWEEP = {  # regime -> kernel -> candidate (BLOCK_M, BLOCK_N, num_warps, num_sta
         "dq": list(_DQ_RUN6),
     },
 }
-# launch modes (FUSED_BWD, DELTA_INLINE, ATOMIC_DQ, HEADS_INNER) tried per regime; the current default is
-# tried first. Run 4: one launch and inline delta lost everywhere ((True, True) is no longer tried). Run 5:
-# atomic dQ lost by 1.5-2.1x in every regime (register spills), no longer tried (the code path stays). New in
-# run 6: heads inner (grid (items * H,), head fastest: the longest-first order holds across heads), with the
-# two-launch and the one-launch backward.
-BWD_MODES = [(False, False, False, False), (False, False, False, True), (True, False, False, True)]
+# launch modes (FUSED_BWD, DELTA_INLINE, ATOMIC_DQ, HEADS_INNER, TMA_LOADS) tried per regime; the current
+# default is tried first. Run 4: one launch and inline delta lost everywhere ((True, True) is no longer
+# tried). Run 5: atomic dQ lost by 1.5-2.1x in every regime (register spills), no longer tried (the code path
+# stays). Run 6: heads inner won only "short" (-10%), the one-launch backward nowhere (no longer tried).
+# New in run 7: TMA tile loads (forward and both backward launches), with either grid order.
+BWD_MODES = [(False, False, False, False, False), (False, False, False, False, True),
+             (False, False, False, True, False), (False, False, False, True, True)]
+MODE_LEN = 5
 
 
-def get_mode(which: str) -> tuple[bool, bool, bool, bool]:
-    """(one launch, delta inline, atomic dQ, heads inner) of regime ``which`` in jagged_attention."""
+def get_mode(which: str) -> tuple[bool, ...]:
+    """(one launch, delta inline, atomic dQ, heads inner, TMA loads) of regime ``which`` in jagged_attention."""
     from gemray.kernels import jagged_attention as ja
 
-    return ja.FUSED_BWD[which], ja.DELTA_INLINE[which], ja.ATOMIC_DQ[which], ja.HEADS_INNER[which]
+    return (ja.FUSED_BWD[which], ja.DELTA_INLINE[which], ja.ATOMIC_DQ[which], ja.HEADS_INNER[which],
+            ja.TMA_LOADS[which])
 
 
 def set_mode(which: str, mode) -> None:
-    """Set regime ``which``'s launch mode from [one launch, delta inline(, atomic dQ(, heads inner))] (run 4's
-    JSON has two entries, run 5's three: the missing ones are off)."""
+    """Set regime ``which``'s launch mode from [one launch, delta inline(, atomic dQ(, heads inner(, TMA
+    loads)))] (run 4's JSON has two entries, run 5's three, run 6's four: the missing ones are off)."""
     from gemray.kernels import jagged_attention as ja
 
-    ja.FUSED_BWD[which], ja.DELTA_INLINE[which] = bool(mode[0]), bool(mode[1])
-    ja.ATOMIC_DQ[which] = bool(mode[2]) if len(mode) > 2 else False
-    ja.HEADS_INNER[which] = bool(mode[3]) if len(mode) > 3 else False
+    mode = tuple(bool(m) for m in mode) + (False,) * (MODE_LEN - len(mode))
+    ja.FUSED_BWD[which], ja.DELTA_INLINE[which], ja.ATOMIC_DQ[which], ja.HEADS_INNER[which], \
+        ja.TMA_LOADS[which] = mode[:MODE_LEN]
 
 
 SWEEP_BATCH = {"short": ("heavy", 128, 1024), "medium": ("heavy", 256, 4096), "long": ("uniform", 128, 1024),
@@ -650,18 +656,19 @@ SWEEP_BATCH = {"short": ("heavy", 128, 1024), "medium": ("heavy", 256, 4096), "l
 
 
 # what the sweep picks per regime, in order; "dkdv" / "dq" are timed only if the chosen mode is not atomic
-# dQ, "dkdv_atomic" only if it is
-KERNELS = ("fwd", "fwd_silu", "mode", "dkdv", "dkdv_atomic", "dq")
+# dQ, "dkdv_atomic" only if it is. The mode comes first (run 7): TMA loads change the forward too, so the
+# forward tiles are timed under the chosen mode.
+KERNELS = ("mode", "fwd", "fwd_silu", "dkdv", "dkdv_atomic", "dq")
 
 
-def _mode_for(kern: str, mode: tuple) -> tuple[bool, bool, bool, bool]:
+def _mode_for(kern: str, mode: tuple) -> tuple[bool, ...]:
     """The launch mode under which tile kind ``kern`` is used (so that it is compiled / timed):
     "dkdv_atomic" needs atomic dQ, "dkdv" / "dq" need it off; other kinds keep ``mode``."""
-    mode = tuple(mode) + (False,) * (4 - len(mode))
+    mode = tuple(mode) + (False,) * (MODE_LEN - len(mode))
     if kern == "dkdv_atomic" and not mode[2]:
-        return (False, mode[1], True, mode[3])
+        return (False, mode[1], True) + mode[3:]
     if kern in ("dkdv", "dq") and mode[2]:
-        return (False, False, False, mode[3])
+        return (False, False, False) + mode[3:]
     return mode
 
 
@@ -698,13 +705,13 @@ def _sweep_inputs(which: str, device: str = "cuda", dtype: torch.dtype = torch.b
 def _precompile_worker(items: list, device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> int:
     """Run each sweep item once (forward, or forward+backward) so that its kernels land in the Triton disk
     cache (TRITON_CACHE_DIR); runs in a spawned process, results are discarded. An item (regime, kernel,
-    candidate[, heads inner]) runs under the launch mode that uses its tile kind (with the grid order of the
-    optional 4th entry). Returns the number of items that raised (each is printed)."""
+    candidate[, mode]) runs under the launch mode that uses its tile kind (with the grid order and loads of the
+    optional 4th entry, a launch mode). Returns the number of items that raised (each is printed)."""
     from gemray.kernels import jagged_attention as ja
 
     inputs = {}
     failed = 0
-    for which, kern, cfg, *inner in items:
+    for which, kern, cfg, *under in items:
         if which == "section":  # a bench section run once per timing call: compiles exactly its variants
             try:
                 _run_section_once(kern)
@@ -715,10 +722,7 @@ def _precompile_worker(items: list, device: str = "cuda", dtype: torch.dtype = t
         modes = get_mode(which)
         tiles = ja.TILES[which][kern][128] if kern != "mode" else None
         try:
-            mode = _mode_for(kern, modes)
-            if inner:  # a 4th item entry: compile this tile under that grid order (heads inner or not)
-                mode = mode[:3] + (bool(inner[0]),)
-            set_mode(which, mode)
+            set_mode(which, _mode_for(kern, under[0] if under else modes))  # a 4th entry: compile under it
             if which not in inputs:
                 inputs[which] = _sweep_inputs(which, device, dtype)
             off, n, q, k, v = inputs[which]
@@ -775,9 +779,10 @@ def precompile(workers: int, timeout_s: float = 240.0) -> float:
 
     t0 = time.time()
     items = [it for which in SWEEP_BATCH for it in _sweep_items(which)]
-    # dK/dV and dQ tiles are timed after the mode: compile them under both grid orders (heads inner or not)
-    if any(m[3] for m in BWD_MODES):
-        items += [it + (not get_mode(it[0])[3],) for it in items if it[1] in ("dkdv", "dq")]
+    # tiles are timed after the mode: compile each also under its regime's default mode with the TMA loads
+    # switched (the mode the sweep is most likely to choose instead; other modes compile during the sweep)
+    items += [it + (get_mode(it[0])[:4] + (not get_mode(it[0])[4],),) for it in items
+              if it[1] not in ("mode", "dkdv_atomic")]
     items.sort(key=lambda it: it[1] in ("fwd", "fwd_silu"))
     items = [("section", "cross", ()), ("section", "block", ())] + items
     ctx = mp.get_context("spawn")
@@ -907,7 +912,7 @@ def print_sweep(rows: list[dict]) -> None:
             tried.setdefault(key, []).append(f"{r.get('cfg', '')} {what}".strip())
     if tried:
         print("\nsweep (ms; fwd kernels: forward only, others: fwd+bwd; "
-              "mode = [one launch, delta inline, atomic dQ, heads inner]):")
+              "mode = [one launch, delta inline, atomic dQ, heads inner, TMA loads]):")
         for (reg, kern), items in tried.items():
             print(f"  {reg:6s} {kern:11s} " + " | ".join(items))
 
@@ -952,7 +957,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep-budget", type=float, default=150.0, help="seconds the sweep may spend (compiles too)")
     p.add_argument("--tiles", default="", help='JSON override of TILES per regime, e.g. '
                    '{"long": {"fwd": {"128": [128,64,8,3]}, "mode": [false, false, true]}} (mode: one launch, delta '
-                   'inline, atomic dQ, heads inner; missing entries are off)')
+                   'inline, atomic dQ, heads inner, TMA loads; missing entries are off)')
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.host_profile:

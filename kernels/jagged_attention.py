@@ -130,6 +130,12 @@ ATOMIC_DQ: dict[str, bool] = {"short": False, "medium": False, "long": False, "x
 # (items * H,) with the head varying fastest, so the longest-first order holds across heads. Off until a
 # sweep picks it (run 6 adds it to the sweep's modes).
 HEADS_INNER: dict[str, bool] = {"short": False, "medium": False, "long": False, "xlong": False}
+# Tile loads of the forward and backward loops through tensor descriptors made on the device (Hopper's bulk
+# tensor copy, TMA): one copy per tile issued by one thread instead of per-thread cp.async with address and
+# row-mask arithmetic (in sm_90 SASS that arithmetic is ~380 of the 689 instructions of a dK/dV loop step,
+# kernels/NOTES.md "Run 7 plan"). Needs sm_90+, 16-byte aligned rows and a power-of-two head dim; per
+# regime, off until a sweep picks it.
+TMA_LOADS: dict[str, bool] = {"short": False, "medium": False, "long": False, "xlong": False}
 FAST_ACT = True  # tanh.approx silu for bf16/fp16 on CUDA (see _act); the bench can turn it off to compare
 REGIME_MEAN_LEN = (256, 1024, 2048)
 _INTERPRET_TILES = (16, 16, 4, 1)
@@ -339,6 +345,15 @@ def _query_range(n0, lq, n_hist, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr
 
 
 @triton.jit
+def _rows_desc(base, n_rows, stride_t, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Tensor descriptor of one sequence's rows [n_rows, BLOCK_D] (row stride stride_t, unit column
+    stride) read in [BLOCK_R, BLOCK_D] boxes; rows >= n_rows read as zeros (the jagged tail needs no mask).
+    Made on the device per program (Triton keeps it in the global scratch the host allocator gives)."""
+    return tl.make_tensor_descriptor(base, shape=[tl.maximum(n_rows, 1), BLOCK_D], strides=[stride_t, 1],
+                                     block_shape=[BLOCK_R, BLOCK_D])
+
+
+@triton.jit
 def _item_head(WORK, n_heads, HEADS_INNER: tl.constexpr):
     """(work item id from the longest-first table WORK, head as int64) of this program. Grid (items, H):
     program_id(1) is the head, so CUDA dispatches all of head 0's items before head 1's (each head's
@@ -375,20 +390,24 @@ def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, l
                ACT: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
                ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, EVEN_D: tl.constexpr,
                BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr,
-               CONTEXT: tl.constexpr, FAST: tl.constexpr):
+               CONTEXT: tl.constexpr, FAST: tl.constexpr, TMA: tl.constexpr):
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        kt_ptrs = k_base + offs_n[None, :] * stride_kt + offs_dk[:, None]
-        v_ptrs = v_base + offs_n[:, None] * stride_vt + offs_dv[None, :]
-        if MASKED:
-            kt = tl.load(kt_ptrs, mask=(offs_n[None, :] < lk) & (offs_dk[:, None] < D_QK), other=0.0)
-            v = tl.load(v_ptrs, mask=(offs_n[:, None] < lk) & (offs_dv[None, :] < D_V), other=0.0)
-        elif EVEN_D:
-            kt = tl.load(kt_ptrs)
-            v = tl.load(v_ptrs)
+        if TMA:  # k_base / v_base are tensor descriptors [lk, D]: rows past lk arrive as zeros
+            kt = tl.trans(k_base.load([n0, 0]))
+            v = v_base.load([n0, 0])
         else:
-            kt = tl.load(kt_ptrs, mask=offs_dk[:, None] < D_QK, other=0.0)
-            v = tl.load(v_ptrs, mask=offs_dv[None, :] < D_V, other=0.0)
+            kt_ptrs = k_base + offs_n[None, :] * stride_kt + offs_dk[:, None]
+            v_ptrs = v_base + offs_n[:, None] * stride_vt + offs_dv[None, :]
+            if MASKED:
+                kt = tl.load(kt_ptrs, mask=(offs_n[None, :] < lk) & (offs_dk[:, None] < D_QK), other=0.0)
+                v = tl.load(v_ptrs, mask=(offs_n[:, None] < lk) & (offs_dv[None, :] < D_V), other=0.0)
+            elif EVEN_D:
+                kt = tl.load(kt_ptrs)
+                v = tl.load(v_ptrs)
+            else:
+                kt = tl.load(kt_ptrs, mask=offs_dk[:, None] < D_QK, other=0.0)
+                v = tl.load(v_ptrs, mask=offs_dv[None, :] < D_V, other=0.0)
         s = tl.dot(q, kt, input_precision=DOT_PREC)
         if HAS_BIAS:
             s = s * alpha_s + _load_bias(bias_base, offs_m[:, None], offs_n[None, :], stride_bi, stride_bj,
@@ -431,8 +450,9 @@ def _gdpa_fwd(Q, K, V, O, LSE, Q_OFF, KV_OFF, NT, WORK, BIAS,
               ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, Q_BCAST: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
               BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr,
-              CONTEXT: tl.constexpr, FAST: tl.constexpr, HEADS_INNER: tl.constexpr):
-    """Forward work item: grid (items, H), or (items * H,) with HEADS_INNER (see _item_head)."""
+              CONTEXT: tl.constexpr, FAST: tl.constexpr, HEADS_INNER: tl.constexpr, TMA: tl.constexpr):
+    """Forward work item: grid (items, H), or (items * H,) with HEADS_INNER (see _item_head). TMA: the key /
+    value tiles of the loop come through tensor descriptors (Hopper's bulk tensor copy; needs EVEN_D)."""
     w, h = _item_head(WORK, n_heads, HEADS_INNER)
     if w < 0:
         return
@@ -456,6 +476,9 @@ def _gdpa_fwd(Q, K, V, O, LSE, Q_OFF, KV_OFF, NT, WORK, BIAS,
     q = tl.load(q_ptrs, mask=(offs_m[:, None] < lq) & (offs_dk[None, :] < D_QK), other=0.0)
     k_base = K + kv_start * stride_kt + h * stride_kh
     v_base = V + kv_start * stride_vt + h * stride_vh
+    if TMA:
+        k_base = _rows_desc(k_base, lk, stride_kt, BLOCK_N, BLOCK_DQK)
+        v_base = _rows_desc(v_base, lk, stride_vt, BLOCK_N, BLOCK_DV)
 
     if ACT == 0:
         alpha_s = alpha * 1.4426950408889634  # softmax in base 2
@@ -470,12 +493,12 @@ def _gdpa_fwd(Q, K, V, O, LSE, Q_OFF, KV_OFF, NT, WORK, BIAS,
                                n_hist, alpha_s, inv_n, lo, full_hi, offs_dk, offs_dv, D_QK, D_V,
                                bias_base, stride_bi, stride_bj,
                                ACT, False, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, EVEN_D, BLOCK_N,
-                               DOT_PREC, HAS_BIAS, CONTEXT, FAST)
+                               DOT_PREC, HAS_BIAS, CONTEXT, FAST, TMA)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, lq, lk,
                                n_hist, alpha_s, inv_n, full_hi, hi, offs_dk, offs_dv, D_QK, D_V,
                                bias_base, stride_bi, stride_bj,
                                ACT, True, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, EVEN_D, BLOCK_N,
-                               DOT_PREC, HAS_BIAS, CONTEXT, FAST)
+                               DOT_PREC, HAS_BIAS, CONTEXT, FAST, TMA)
     row_ok = offs_m < lq
     if ACT == 0:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -502,14 +525,18 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, o_base, str
                 ACT: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                 HAS_TARGETS: tl.constexpr, ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,
                 DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr, CONTEXT: tl.constexpr, FAST: tl.constexpr,
-                DELTA_INLINE: tl.constexpr, ATOMIC_DQ: tl.constexpr, STORE_DBIAS: tl.constexpr):
+                DELTA_INLINE: tl.constexpr, ATOMIC_DQ: tl.constexpr, STORE_DBIAS: tl.constexpr, TMA: tl.constexpr):
     for m0 in range(lo, hi, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         row_ok = offs_m < lq
-        qt = tl.load(q_base + offs_m[None, :] * stride_qt + offs_dk[:, None],
-                     mask=row_ok[None, :] & (offs_dk[:, None] < D_QK), other=0.0)
-        do = tl.load(do_base + offs_m[:, None] * stride_dot + offs_dv[None, :],
-                     mask=row_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
+        if TMA:  # q_base / do_base are tensor descriptors [lq, D]
+            qt = tl.trans(q_base.load([m0, 0]))
+            do = do_base.load([m0, 0])
+        else:
+            qt = tl.load(q_base + offs_m[None, :] * stride_qt + offs_dk[:, None],
+                         mask=row_ok[None, :] & (offs_dk[:, None] < D_QK), other=0.0)
+            do = tl.load(do_base + offs_m[:, None] * stride_dot + offs_dv[None, :],
+                         mask=row_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
         st = tl.dot(k, qt, input_precision=DOT_PREC) * alpha_s  # [BLOCK_N, BLOCK_M]
         if HAS_BIAS:
             st = st + _load_bias(bias_base, offs_m[None, :], offs_n[:, None], stride_bi, stride_bj, lq, lk, ACT)
@@ -561,7 +588,7 @@ def _dkdv_tile(Q, K, V, DO, LSE, DELTA, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, BIAS, 
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
                BLOCK_DV: tl.constexpr, DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr,
                CONTEXT: tl.constexpr, FAST: tl.constexpr, DELTA_INLINE: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-               STORE_DBIAS: tl.constexpr):
+               STORE_DBIAS: tl.constexpr, TMA: tl.constexpr):
     """dK, dV of keys [n0, n0 + BLOCK_N) of sequence b, head h; with ATOMIC_DQ also their share of dQ
     (fp32 atomic adds into DQ, zeroed by the host) and, with STORE_DBIAS, dbias of their pairs."""
     q_start = tl.load(Q_OFF + b)
@@ -592,6 +619,9 @@ def _dkdv_tile(Q, K, V, DO, LSE, DELTA, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, BIAS, 
     bias_base = BIAS + b.to(tl.int64) * stride_bb + h * stride_bh
     q_base = Q + q_row * stride_qt + h * stride_qh
     do_base = DO + q_start * stride_dot + h * stride_doh
+    if TMA:
+        q_base = _rows_desc(q_base, lq, stride_qt, BLOCK_M, BLOCK_DQK)
+        do_base = _rows_desc(do_base, lq, stride_dot, BLOCK_M, BLOCK_DV)
     lse_base = LSE + h * stride_lh + q_start
     delta_base = DELTA + h * stride_lh + q_start
     o_base = O + q_start * stride_ot + h * stride_oh
@@ -608,12 +638,12 @@ def _dkdv_tile(Q, K, V, DO, LSE, DELTA, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, BIAS, 
                          stride_ot, offs_n, lq, lk, n_hist, alpha_s, lo, full_lo, offs_dk, offs_dv, D_QK, D_V,
                          bias_base, stride_bi, stride_bj, dq_base, stride_dqt, dq_scale, dbias_base, stride_dbi,
                          stride_dbj, ds_scale, ACT, True, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW,
-                         BLOCK_M, DOT_PREC, HAS_BIAS, CONTEXT, FAST, DELTA_INLINE, ATOMIC_DQ, STORE_DBIAS)
+                         BLOCK_M, DOT_PREC, HAS_BIAS, CONTEXT, FAST, DELTA_INLINE, ATOMIC_DQ, STORE_DBIAS, TMA)
     dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, o_base, stride_qt, stride_dot,
                          stride_ot, offs_n, lq, lk, n_hist, alpha_s, full_lo, hi, offs_dk, offs_dv, D_QK, D_V,
                          bias_base, stride_bi, stride_bj, dq_base, stride_dqt, dq_scale, dbias_base, stride_dbi,
                          stride_dbj, ds_scale, ACT, False, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW,
-                         BLOCK_M, DOT_PREC, HAS_BIAS, CONTEXT, FAST, DELTA_INLINE, ATOMIC_DQ, STORE_DBIAS)
+                         BLOCK_M, DOT_PREC, HAS_BIAS, CONTEXT, FAST, DELTA_INLINE, ATOMIC_DQ, STORE_DBIAS, TMA)
     if ACT == 0:
         dk = dk * alpha
     else:
@@ -632,14 +662,18 @@ def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_
               ACT: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
               ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
               DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_DBIAS: tl.constexpr,
-              CONTEXT: tl.constexpr, FAST: tl.constexpr):
+              CONTEXT: tl.constexpr, FAST: tl.constexpr, TMA: tl.constexpr):
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         col_ok = offs_n < lk
-        kt = tl.load(k_base + offs_n[None, :] * stride_kt + offs_dk[:, None],
-                     mask=col_ok[None, :] & (offs_dk[:, None] < D_QK), other=0.0)
-        vt = tl.load(v_base + offs_n[None, :] * stride_vt + offs_dv[:, None],
-                     mask=col_ok[None, :] & (offs_dv[:, None] < D_V), other=0.0)
+        if TMA:  # k_base / v_base are tensor descriptors [lk, D]
+            kt = tl.trans(k_base.load([n0, 0]))
+            vt = tl.trans(v_base.load([n0, 0]))
+        else:
+            kt = tl.load(k_base + offs_n[None, :] * stride_kt + offs_dk[:, None],
+                         mask=col_ok[None, :] & (offs_dk[:, None] < D_QK), other=0.0)
+            vt = tl.load(v_base + offs_n[None, :] * stride_vt + offs_dv[:, None],
+                         mask=col_ok[None, :] & (offs_dv[:, None] < D_V), other=0.0)
         s = tl.dot(q, kt, input_precision=DOT_PREC) * alpha_s
         if HAS_BIAS:
             s = s + _load_bias(bias_base, offs_m[:, None], offs_n[None, :], stride_bi, stride_bj, lq, lk, ACT)
@@ -676,7 +710,7 @@ def _dq_tile(Q, K, V, DO, LSE, DELTA, O, DQ, Q_OFF, KV_OFF, NT, BIAS, DBIAS, b, 
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
              BLOCK_DV: tl.constexpr, DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr,
              STORE_DBIAS: tl.constexpr, CONTEXT: tl.constexpr, FAST: tl.constexpr, DELTA_INLINE: tl.constexpr,
-             STORE_DELTA: tl.constexpr):
+             STORE_DELTA: tl.constexpr, TMA: tl.constexpr):
     """dQ (and dbias) of query rows [m0, m0 + BLOCK_M) of sequence b, head h. softmax: delta = rowsum(o *
     dO) of these rows is computed here from o (DELTA_INLINE or STORE_DELTA) or loaded from DELTA;
     STORE_DELTA also writes it to DELTA for the dK/dV launch that runs after this one."""
@@ -719,17 +753,20 @@ def _dq_tile(Q, K, V, DO, LSE, DELTA, O, DQ, Q_OFF, KV_OFF, NT, BIAS, DBIAS, b, 
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
     k_base = K + kv_start * stride_kt + h * stride_kh
     v_base = V + kv_start * stride_vt + h * stride_vh
+    if TMA:
+        k_base = _rows_desc(k_base, lk, stride_kt, BLOCK_N, BLOCK_DQK)
+        v_base = _rows_desc(v_base, lk, stride_vt, BLOCK_N, BLOCK_DV)
     lo, hi, full_hi = _key_range(m0, lk, n_hist, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, BLOCK_M, BLOCK_N, CONTEXT)
     bias_base = BIAS + b.to(tl.int64) * stride_bb + h * stride_bh
     dbias_base = DBIAS + b.to(tl.int64) * stride_dbb + h * stride_dbh
     dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_m, lq, lk, n_hist,
                    alpha_s, ds_scale, lo, full_hi, offs_dk, offs_dv, D_QK, D_V, bias_base, stride_bi, stride_bj,
                    dbias_base, stride_dbi, stride_dbj, ACT, False, CAUSAL,
-                   HAS_TARGETS, ATT_BLOCK, WINDOW, BLOCK_N, DOT_PREC, HAS_BIAS, STORE_DBIAS, CONTEXT, FAST)
+                   HAS_TARGETS, ATT_BLOCK, WINDOW, BLOCK_N, DOT_PREC, HAS_BIAS, STORE_DBIAS, CONTEXT, FAST, TMA)
     dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_m, lq, lk, n_hist,
                    alpha_s, ds_scale, full_hi, hi, offs_dk, offs_dv, D_QK, D_V, bias_base, stride_bi, stride_bj,
                    dbias_base, stride_dbi, stride_dbj, ACT, True, CAUSAL,
-                   HAS_TARGETS, ATT_BLOCK, WINDOW, BLOCK_N, DOT_PREC, HAS_BIAS, STORE_DBIAS, CONTEXT, FAST)
+                   HAS_TARGETS, ATT_BLOCK, WINDOW, BLOCK_N, DOT_PREC, HAS_BIAS, STORE_DBIAS, CONTEXT, FAST, TMA)
     dq = dq * (alpha * ds_scale)
     tl.store(DQ + (q_start + offs_m[:, None]) * stride_dqt + h * stride_dqh + offs_dk[None, :],
              dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (offs_dk[None, :] < D_QK))
@@ -748,7 +785,7 @@ def _gdpa_bwd(Q, K, V, DO, LSE, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, WORK, BIAS, DB
               BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, DOT_PREC: tl.constexpr,
               HAS_BIAS: tl.constexpr, STORE_DBIAS: tl.constexpr, CONTEXT: tl.constexpr, FAST: tl.constexpr,
               DELTA_INLINE: tl.constexpr, STORE_DELTA: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-              HEADS_INNER: tl.constexpr):
+              HEADS_INNER: tl.constexpr, TMA: tl.constexpr):
     """Backward work item WORK[pid]: a dK/dV key tile (id < n_k_items: b * n_tiles_k + tile) or a dQ query
     tile (id - n_k_items = b * n_tiles_q + tile); PART 1 / 2 compile only the dK/dV / dQ branch.
     LSE is [2, H, T_out] fp32 (softmax): log-sum-exp, then delta (written by _bwd_delta or by the dQ
@@ -767,7 +804,7 @@ def _gdpa_bwd(Q, K, V, DO, LSE, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, WORK, BIAS, DB
                    stride_bb, stride_bh, stride_bi, stride_bj, stride_dbb, stride_dbh, stride_dbi, stride_dbj,
                    alpha, inv_n, D_QK, D_V,
                    ACT, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, Q_BCAST, DK_BM, DK_BN, BLOCK_DQK, BLOCK_DV,
-                   DOT_PREC, HAS_BIAS, CONTEXT, FAST, DELTA_INLINE, ATOMIC_DQ, STORE_DBIAS)
+                   DOT_PREC, HAS_BIAS, CONTEXT, FAST, DELTA_INLINE, ATOMIC_DQ, STORE_DBIAS, TMA)
     elif PART == 2:
         _dq_tile(Q, K, V, DO, LSE, DELTA, O, DQ, Q_OFF, KV_OFF, NT, BIAS, DBIAS, w // n_tiles_q,
                  (w % n_tiles_q) * DQ_BM, h, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -775,7 +812,7 @@ def _gdpa_bwd(Q, K, V, DO, LSE, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, WORK, BIAS, DB
                  stride_bi,
                  stride_bj, stride_dbb, stride_dbh, stride_dbi, stride_dbj, alpha, inv_n, D_QK, D_V,
                  ACT, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, Q_BCAST, DQ_BM, DQ_BN, BLOCK_DQK, BLOCK_DV,
-                 DOT_PREC, HAS_BIAS, STORE_DBIAS, CONTEXT, FAST, DELTA_INLINE, STORE_DELTA)
+                 DOT_PREC, HAS_BIAS, STORE_DBIAS, CONTEXT, FAST, DELTA_INLINE, STORE_DELTA, TMA)
     else:
         if w < n_k_items:
             _dkdv_tile(Q, K, V, DO, LSE, DELTA, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, BIAS, DBIAS, w // n_tiles_k,
@@ -785,7 +822,7 @@ def _gdpa_bwd(Q, K, V, DO, LSE, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, WORK, BIAS, DB
                        stride_lh, stride_bb, stride_bh, stride_bi, stride_bj, stride_dbb, stride_dbh, stride_dbi,
                        stride_dbj, alpha, inv_n, D_QK, D_V,
                        ACT, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, Q_BCAST, DK_BM, DK_BN, BLOCK_DQK,
-                       BLOCK_DV, DOT_PREC, HAS_BIAS, CONTEXT, FAST, DELTA_INLINE, False, False)
+                       BLOCK_DV, DOT_PREC, HAS_BIAS, CONTEXT, FAST, DELTA_INLINE, False, False, TMA)
         else:
             wq = w - n_k_items
             _dq_tile(Q, K, V, DO, LSE, DELTA, O, DQ, Q_OFF, KV_OFF, NT, BIAS, DBIAS, wq // n_tiles_q,
@@ -794,7 +831,7 @@ def _gdpa_bwd(Q, K, V, DO, LSE, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, WORK, BIAS, DB
                      stride_bh,
                      stride_bi, stride_bj, stride_dbb, stride_dbh, stride_dbi, stride_dbj, alpha, inv_n, D_QK,
                      D_V, ACT, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, Q_BCAST, DQ_BM, DQ_BN, BLOCK_DQK,
-                     BLOCK_DV, DOT_PREC, HAS_BIAS, STORE_DBIAS, CONTEXT, FAST, DELTA_INLINE, False)
+                     BLOCK_DV, DOT_PREC, HAS_BIAS, STORE_DBIAS, CONTEXT, FAST, DELTA_INLINE, False, TMA)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -962,6 +999,31 @@ def _bwd_table(spec: _Spec, q_off: torch.Tensor, kv_off: torch.Tensor, bn_k: int
                                      spec.att_block, spec.window, t_k, t_q), make)
 
 
+@functools.lru_cache(maxsize=16)
+def _tma_device(device: torch.device) -> bool:
+    """Whether ``device`` can run the TMA tile loads (Hopper or newer; the interpreter emulates them); sets
+    Triton's allocator for the descriptors' global scratch the first time (torch memory on the current
+    device and stream)."""
+    if _interpreting():
+        return True
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+        return False
+    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+    return True
+
+
+def _use_tma(reg: str, even_d: bool, *xs: torch.Tensor) -> bool:
+    """TMA_LOADS[reg] where the tensors allow it: head dims equal to the tile width (``even_d``), rows and
+    heads 16-byte aligned (TMA's global address and stride rule)."""
+    if not (TMA_LOADS.get(reg, False) and even_d and _tma_device(xs[0].device)):
+        return False
+    for x in xs:
+        es = x.element_size()
+        if x.data_ptr() % 16 or (x.stride(0) * es) % 16 or (x.stride(1) * es) % 16 or (x.shape[2] * es) % 16:
+            return False
+    return True
+
+
 def _fast_act(dtype: torch.dtype) -> bool:
     """tanh.approx silu (one MUFU op per score) for 16-bit inputs on CUDA; exact path for fp32 and the
     interpreter (which cannot run inline PTX)."""
@@ -992,6 +1054,7 @@ class _GDPA(torch.autograd.Function):
         else:  # pointwise activations need neither: o stands in for the unused pointer
             lse, lse_arg, stride_lh = None, o, 0
         inner = HEADS_INNER.get(reg, False)
+        even_d = bdk == d_qk and bdv == d_v
         _gdpa_fwd[(table.numel() * h,) if inner else (table.numel(), h)](
             q, k, v, o, lse_arg, q_off, kv_off, nt if nt is not None else q_off, table,
             bias if bias is not None else q,
@@ -1000,7 +1063,7 @@ class _GDPA(torch.autograd.Function):
             spec.alpha, spec.inv_n, n_tiles, d_qk, d_v, h, HAS_BIAS=bias is not None, HEADS_INNER=inner,
             ACT=spec.act, CAUSAL=spec.causal, HAS_TARGETS=nt is not None, ATT_BLOCK=spec.att_block,
             WINDOW=spec.window, Q_BCAST=spec.q_bcast, CONTEXT=spec.context, BLOCK_M=bm, BLOCK_N=bn, BLOCK_DQK=bdk,
-            BLOCK_DV=bdv, EVEN_D=(bdk == d_qk and bdv == d_v), DOT_PREC=_dot_prec(q.dtype),
+            BLOCK_DV=bdv, EVEN_D=even_d, DOT_PREC=_dot_prec(q.dtype), TMA=_use_tma(reg, even_d, k, v),
             FAST=_fast_act(q.dtype), num_warps=warps, num_stages=stages)
         # o only for softmax (delta = rowsum(o * dO)): saving an output costs a detach and its unpacking
         ctx.save_for_backward(q, k, v, bias, o if spec.act == 0 else None)
@@ -1060,7 +1123,8 @@ class _GDPA(torch.autograd.Function):
         consts = dict(ACT=spec.act, CAUSAL=spec.causal, HAS_TARGETS=nt is not None, HAS_BIAS=bias is not None,
                       ATT_BLOCK=spec.att_block, WINDOW=spec.window, Q_BCAST=spec.q_bcast, CONTEXT=spec.context,
                       BLOCK_DQK=bdk, BLOCK_DV=bdv, DOT_PREC=_dot_prec(q.dtype), FAST=_fast_act(q.dtype),
-                      DELTA_INLINE=delta_inline, HEADS_INNER=inner)
+                      DELTA_INLINE=delta_inline, HEADS_INNER=inner,
+                      TMA=_use_tma(reg, bdk == d_qk and bdv == d_v, q, k, v, do))
         if atomic:  # one launch: dK/dV items that also add their dS K into dQ (and write dbias)
             table, ntk = _k_table(spec, q_off, kv_off, kbn, k.shape[0])
             args[12], args[-6:-3] = table, (0, ntk, 1)

@@ -30,27 +30,29 @@ _BWD_TYPES = dict(Q="*bf16", K="*bf16", V="*bf16", DO="*bf16", LSE="*fp32", O="*
                   DK="*bf16", DV="*bf16", DQ="*bf16", Q_OFF="*i64", KV_OFF="*i64", NT="*i64", WORK="*i32",
                   BIAS="*fp32", DBIAS="*fp32", alpha="fp32", inv_n="fp32")
 _BASE = dict(CAUSAL=True, HAS_TARGETS=False, ATT_BLOCK=0, WINDOW=0, Q_BCAST=False, BLOCK_DQK=128, BLOCK_DV=128,
-             DOT_PREC=None, HAS_BIAS=False, CONTEXT=0, FAST=True, HEADS_INNER=False)
+             DOT_PREC=None, HAS_BIAS=False, CONTEXT=0, FAST=True, HEADS_INNER=False, TMA=False)
 
 
-def fwd_variant(act: int, bm: int, bn: int, warps: int, stages: int) -> tuple:
-    """(name, jit fn, arg types, constexprs, warps, stages) of a bf16 D=128 causal forward."""
-    return (f"fwd act={act} {bm}x{bn}/{warps}w/{stages}s", ja._gdpa_fwd, _FWD_TYPES,
-            dict(_BASE, ACT=act, BLOCK_M=bm, BLOCK_N=bn, EVEN_D=True), warps, stages)
+def fwd_variant(act: int, bm: int, bn: int, warps: int, stages: int, tma: bool = False) -> tuple:
+    """(name, jit fn, arg types, constexprs, warps, stages) of a bf16 D=128 causal forward (``tma``: tile
+    loads through tensor descriptors)."""
+    return (f"fwd act={act} {bm}x{bn}/{warps}w/{stages}s{' tma' if tma else ''}", ja._gdpa_fwd, _FWD_TYPES,
+            dict(_BASE, ACT=act, BLOCK_M=bm, BLOCK_N=bn, EVEN_D=True, TMA=tma), warps, stages)
 
 
 def bwd_variant(act: int, part: int, dk: tuple[int, int], dq: tuple[int, int], warps: int, stages: int,
-                inline: bool = False, atomic: bool = False) -> tuple:
+                inline: bool = False, atomic: bool = False, tma: bool = False) -> tuple:
     """A bf16 D=128 causal backward: part 0 (one launch), 1 (dK/dV; with ``atomic`` also dQ by fp32 atomic
     adds) or 2 (dQ; softmax: it also stores delta, as in the two-launch backward); dk / dq = (BM, BN)."""
     dk = dk if part != 2 else (0, 0)
     dq = dq if part != 1 else (0, 0)
     types = dict(_BWD_TYPES, DQ="*fp32") if atomic else _BWD_TYPES
     return (f"bwd act={act} part={part} dkdv={dk[0]}x{dk[1]} dq={dq[0]}x{dq[1]}/{warps}w/{stages}s"
-            f"{' delta-inline' if inline else ''}{' atomic-dq' if atomic else ''}", ja._gdpa_bwd, types,
+            f"{' delta-inline' if inline else ''}{' atomic-dq' if atomic else ''}{' tma' if tma else ''}",
+            ja._gdpa_bwd, types,
             dict(_BASE, ACT=act, PART=part, DK_BM=dk[0], DK_BN=dk[1], DQ_BM=dq[0], DQ_BN=dq[1],
                  STORE_DBIAS=False, DELTA_INLINE=inline, STORE_DELTA=part == 2 and act == 0 and not inline,
-                 ATOMIC_DQ=atomic), warps, stages)
+                 ATOMIC_DQ=atomic, TMA=tma), warps, stages)
 
 
 def _loops(sass: str) -> list[tuple[int, int, int, int]]:
@@ -99,9 +101,10 @@ def default_variants(full: bool = False) -> list[tuple]:
     """The current D=128 defaults of every regime (and, with ``full``, the sweep's other candidates)."""
     seen, out = set(), []
     for reg, table in ja.TILES.items():
+        tma = ja.TMA_LOADS[reg]
         for act in (0, 1):
             bm, bn, w, s = table["fwd_silu" if act else "fwd"][128]
-            out.append(fwd_variant(act, bm, bn, w, s))
+            out.append(fwd_variant(act, bm, bn, w, s, tma))
             k, q = table["dkdv"][128], table["dq"][128]
             if ja.ATOMIC_DQ[reg]:
                 ka = table["dkdv_atomic"][128]
@@ -110,8 +113,8 @@ def default_variants(full: bool = False) -> list[tuple]:
                 out.append(bwd_variant(act, 0, k[:2], q[:2], max(k[2], q[2]), min(k[3], q[3]),
                                        act == 0 and ja.DELTA_INLINE[reg]))
             else:
-                out.append(bwd_variant(act, 1, k[:2], q[:2], k[2], k[3]))
-                out.append(bwd_variant(act, 2, k[:2], q[:2], q[2], q[3]))
+                out.append(bwd_variant(act, 1, k[:2], q[:2], k[2], k[3], tma=tma))
+                out.append(bwd_variant(act, 2, k[:2], q[:2], q[2], q[3], tma=tma))
     if full:
         from gemray.kernels import bench
 
