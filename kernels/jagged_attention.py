@@ -1001,26 +1001,28 @@ def _bwd_table(spec: _Spec, q_off: torch.Tensor, kv_off: torch.Tensor, bn_k: int
 
 @functools.lru_cache(maxsize=16)
 def _tma_device(device: torch.device) -> bool:
-    """Whether ``device`` can run the TMA tile loads (Hopper or newer; the interpreter emulates them); sets
-    Triton's allocator for the descriptors' global scratch the first time (torch memory on the current
-    device and stream)."""
+    """Whether ``device`` can run the TMA tile loads (Hopper or newer; the interpreter emulates them)."""
     if _interpreting():
         return True
-    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
-        return False
-    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
-    return True
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global scratch for the device-made tensor descriptors (Triton asks its allocator per launch)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def _use_tma(reg: str, even_d: bool, *xs: torch.Tensor) -> bool:
     """TMA_LOADS[reg] where the tensors allow it: head dims equal to the tile width (``even_d``), rows and
-    heads 16-byte aligned (TMA's global address and stride rule)."""
+    heads 16-byte aligned (TMA's global address and stride rule). When True it also sets Triton's allocator
+    (a context variable: the backward runs in autograd's own thread, so it is set per call, not once)."""
     if not (TMA_LOADS.get(reg, False) and even_d and _tma_device(xs[0].device)):
         return False
     for x in xs:
         es = x.element_size()
         if x.data_ptr() % 16 or (x.stride(0) * es) % 16 or (x.stride(1) * es) % 16 or (x.shape[2] * es) % 16:
             return False
+    triton.set_allocator(_scratch)
     return True
 
 
