@@ -579,6 +579,10 @@ def bench_norm(rec: Recorder) -> None:
 # (won everywhere), 64x64/4w/2 (two CTAs per SM: the TMA path may change the balance).
 _DKDV_RUN6 = ((64, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 2))
 _DQ_RUN6 = ((128, 64, 8, 3), (64, 64, 4, 2))
+# Query-rows-first dK/dV (run 8; sm_90 SASS per loop step, unmasked, no spills): 128x64/8w (564 instructions per
+# 8192 scores; 462 with TMA loads; 3 stages need 242 KB of shared memory, over the 227 KB limit), 64x64/4w (547 per
+# 4096; two CTAs per SM with 2 stages).
+_DKDV_QROWS = ((128, 64, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3))
 
 SWEEP = {  # regime -> kernel -> candidate (BLOCK_M, BLOCK_N, num_warps, num_stages); the default goes first
     # From sm_90 compiles (kernels/NOTES.md, run 4 plan; without divisibility hints, so spills are overstated):
@@ -588,6 +592,7 @@ SWEEP = {  # regime -> kernel -> candidate (BLOCK_M, BLOCK_N, num_warps, num_sta
         "fwd_silu": [(64, 64, 4, 3), (32, 64, 4, 3)],
         "dkdv": [(64, 64, 8, 2), (64, 128, 8, 2), (64, 64, 4, 3), (64, 64, 4, 2)],
         "dkdv_atomic": [(64, 64, 8, 2)],
+        "dkdv_qrows": list(_DKDV_QROWS),
         "dq": [(64, 64, 8, 2), (32, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 2)],
     },
     # Run 6 (sm_90 SASS from sass_check, now with the JIT's divisibility hints): dK/dV with 32-query steps under
@@ -606,6 +611,7 @@ SWEEP = {  # regime -> kernel -> candidate (BLOCK_M, BLOCK_N, num_warps, num_sta
         "fwd_silu": [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 128, 4, 3)],
         "dkdv": list(_DKDV_RUN6),
         "dkdv_atomic": [(64, 64, 8, 2)],
+        "dkdv_qrows": list(_DKDV_QROWS),
         "dq": list(_DQ_RUN6),
     },
     "long": {
@@ -613,6 +619,7 @@ SWEEP = {  # regime -> kernel -> candidate (BLOCK_M, BLOCK_N, num_warps, num_sta
         "fwd_silu": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 3)],
         "dkdv": list(_DKDV_RUN6),
         "dkdv_atomic": [(64, 64, 8, 2)],
+        "dkdv_qrows": list(_DKDV_QROWS),
         "dq": list(_DQ_RUN6),
     },
     "xlong": {
@@ -620,6 +627,7 @@ SWEEP = {  # regime -> kernel -> candidate (BLOCK_M, BLOCK_N, num_warps, num_sta
         "fwd_silu": [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3)],
         "dkdv": list(_DKDV_RUN6),
         "dkdv_atomic": [(64, 64, 8, 2)],
+        "dkdv_qrows": list(_DKDV_QROWS),
         "dq": list(_DQ_RUN6),
     },
 }
@@ -627,28 +635,32 @@ SWEEP = {  # regime -> kernel -> candidate (BLOCK_M, BLOCK_N, num_warps, num_sta
 # default is tried first. Run 4: one launch and inline delta lost everywhere ((True, True) is no longer
 # tried). Run 5: atomic dQ lost by 1.5-2.1x in every regime (register spills), no longer tried (the code path
 # stays). Run 6: heads inner won only "short" (-10%), the one-launch backward nowhere (no longer tried).
-# New in run 7: TMA tile loads (forward and both backward launches), with either grid order.
-BWD_MODES = [(False, False, False, False, False), (False, False, False, False, True),
-             (False, False, False, True, False), (False, False, False, True, True)]
-MODE_LEN = 5
+# Run 7: TMA tile loads (forward and both backward launches) won only xlong (-2.5%). New in run 8: the
+# query-rows-first dK/dV step (DKDV_QROWS, its own tile kind "dkdv_qrows"), with and without TMA loads.
+_F = False
+BWD_MODES = [(_F, _F, _F, _F, _F, _F), (_F, _F, _F, _F, True, _F), (_F, _F, _F, True, _F, _F),
+             (_F, _F, _F, _F, _F, True), (_F, _F, _F, _F, True, True), (_F, _F, _F, True, _F, True)]
+MODE_LEN = 6
 
 
 def get_mode(which: str) -> tuple[bool, ...]:
-    """(one launch, delta inline, atomic dQ, heads inner, TMA loads) of regime ``which`` in jagged_attention."""
+    """(one launch, delta inline, atomic dQ, heads inner, TMA loads, query-rows dK/dV) of regime ``which`` in
+    jagged_attention."""
     from gemray.kernels import jagged_attention as ja
 
     return (ja.FUSED_BWD[which], ja.DELTA_INLINE[which], ja.ATOMIC_DQ[which], ja.HEADS_INNER[which],
-            ja.TMA_LOADS[which])
+            ja.TMA_LOADS[which], ja.DKDV_QROWS[which])
 
 
 def set_mode(which: str, mode) -> None:
     """Set regime ``which``'s launch mode from [one launch, delta inline(, atomic dQ(, heads inner(, TMA
-    loads)))] (run 4's JSON has two entries, run 5's three, run 6's four: the missing ones are off)."""
+    loads(, query-rows dK/dV))))] (run 4's JSON has two entries, run 5's three, run 6's four, run 7's five: the
+    missing ones are off)."""
     from gemray.kernels import jagged_attention as ja
 
     mode = tuple(bool(m) for m in mode) + (False,) * (MODE_LEN - len(mode))
     ja.FUSED_BWD[which], ja.DELTA_INLINE[which], ja.ATOMIC_DQ[which], ja.HEADS_INNER[which], \
-        ja.TMA_LOADS[which] = mode[:MODE_LEN]
+        ja.TMA_LOADS[which], ja.DKDV_QROWS[which] = mode[:MODE_LEN]
 
 
 SWEEP_BATCH = {"short": ("heavy", 128, 1024), "medium": ("heavy", 256, 4096), "long": ("uniform", 128, 1024),
@@ -658,17 +670,22 @@ SWEEP_BATCH = {"short": ("heavy", 128, 1024), "medium": ("heavy", 256, 4096), "l
 # what the sweep picks per regime, in order; "dkdv" / "dq" are timed only if the chosen mode is not atomic
 # dQ, "dkdv_atomic" only if it is. The mode comes first (run 7): TMA loads change the forward too, so the
 # forward tiles are timed under the chosen mode.
-KERNELS = ("mode", "fwd", "fwd_silu", "dkdv", "dkdv_atomic", "dq")
+KERNELS = ("mode", "fwd", "fwd_silu", "dkdv", "dkdv_atomic", "dkdv_qrows", "dq")
 
 
 def _mode_for(kern: str, mode: tuple) -> tuple[bool, ...]:
     """The launch mode under which tile kind ``kern`` is used (so that it is compiled / timed):
-    "dkdv_atomic" needs atomic dQ, "dkdv" / "dq" need it off; other kinds keep ``mode``."""
+    "dkdv_atomic" needs atomic dQ, "dkdv" / "dq" need it off; "dkdv_qrows" needs the query-rows dK/dV step,
+    "dkdv" needs it off; other kinds keep ``mode``."""
     mode = tuple(mode) + (False,) * (MODE_LEN - len(mode))
     if kern == "dkdv_atomic" and not mode[2]:
-        return (False, mode[1], True) + mode[3:]
-    if kern in ("dkdv", "dq") and mode[2]:
-        return (False, False, False) + mode[3:]
+        return (False, mode[1], True) + mode[3:5] + (False,)
+    if kern in ("dkdv", "dq", "dkdv_qrows") and mode[2]:
+        mode = (False, False, False) + mode[3:]
+    if kern == "dkdv_qrows" and not mode[5]:
+        return mode[:5] + (True,)
+    if kern == "dkdv" and mode[5]:
+        return mode[:5] + (False,)
     return mode
 
 
@@ -678,9 +695,10 @@ def _sweep_items(which: str) -> list[tuple[str, str, tuple]]:
 
     items = []
     atomic_tried = get_mode(which)[2] or any(m[2] for m in BWD_MODES)
+    qrows_tried = get_mode(which)[5] or any(m[5] for m in BWD_MODES)
     for kern in KERNELS:
-        if kern == "dkdv_atomic" and not atomic_tried:  # never used: neither compiled nor timed
-            continue
+        if (kern == "dkdv_atomic" and not atomic_tried) or (kern == "dkdv_qrows" and not qrows_tried):
+            continue  # never used: neither compiled nor timed
         if kern == "mode":
             default = get_mode(which)
             cands = [default] + [m for m in BWD_MODES if m != default]
@@ -781,7 +799,7 @@ def precompile(workers: int, timeout_s: float = 240.0) -> float:
     items = [it for which in SWEEP_BATCH for it in _sweep_items(which)]
     # tiles are timed after the mode: compile each also under its regime's default mode with the TMA loads
     # switched (the mode the sweep is most likely to choose instead; other modes compile during the sweep)
-    items += [it + (get_mode(it[0])[:4] + (not get_mode(it[0])[4],),) for it in items
+    items += [it + (get_mode(it[0])[:4] + (not get_mode(it[0])[4],) + get_mode(it[0])[5:],) for it in items
               if it[1] not in ("mode", "dkdv_atomic")]
     items.sort(key=lambda it: it[1] in ("fwd", "fwd_silu"))
     items = [("section", "cross", ()), ("section", "block", ())] + items
@@ -912,7 +930,7 @@ def print_sweep(rows: list[dict]) -> None:
             tried.setdefault(key, []).append(f"{r.get('cfg', '')} {what}".strip())
     if tried:
         print("\nsweep (ms; fwd kernels: forward only, others: fwd+bwd; "
-              "mode = [one launch, delta inline, atomic dQ, heads inner, TMA loads]):")
+              "mode = [one launch, delta inline, atomic dQ, heads inner, TMA loads, query-rows dK/dV]):")
         for (reg, kern), items in tried.items():
             print(f"  {reg:6s} {kern:11s} " + " | ".join(items))
 
@@ -957,7 +975,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep-budget", type=float, default=150.0, help="seconds the sweep may spend (compiles too)")
     p.add_argument("--tiles", default="", help='JSON override of TILES per regime, e.g. '
                    '{"long": {"fwd": {"128": [128,64,8,3]}, "mode": [false, false, true]}} (mode: one launch, delta '
-                   'inline, atomic dQ, heads inner, TMA loads; missing entries are off)')
+                   'inline, atomic dQ, heads inner, TMA loads, query-rows dK/dV; missing entries are off)')
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.host_profile:

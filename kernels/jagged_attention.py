@@ -90,6 +90,7 @@ TILES: dict[str, dict[str, dict[int, tuple[int, int, int, int]]]] = {
         "fwd_silu": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 2)},
         "dkdv": {64: (64, 64, 8, 2), 128: (64, 64, 4, 3), 256: (32, 64, 4, 2)},
         "dkdv_atomic": {64: (64, 64, 8, 2), 128: (64, 64, 8, 2), 256: (32, 64, 4, 2)},
+        "dkdv_qrows": {64: (128, 64, 8, 2), 128: (128, 64, 8, 2), 256: (64, 32, 4, 2)},
         "dq": {64: (64, 64, 8, 2), 128: (32, 64, 4, 3), 256: (64, 32, 4, 2)},
     },
     "medium": {
@@ -97,6 +98,7 @@ TILES: dict[str, dict[str, dict[int, tuple[int, int, int, int]]]] = {
         "fwd_silu": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 2)},
         "dkdv": {64: (64, 128, 8, 2), 128: (64, 128, 8, 2), 256: (32, 64, 4, 2)},
         "dkdv_atomic": {64: (64, 64, 8, 2), 128: (64, 64, 8, 2), 256: (32, 64, 4, 2)},
+        "dkdv_qrows": {64: (128, 64, 8, 2), 128: (128, 64, 8, 2), 256: (64, 32, 4, 2)},
         "dq": {64: (128, 64, 8, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
     },
     "long": {
@@ -104,6 +106,7 @@ TILES: dict[str, dict[str, dict[int, tuple[int, int, int, int]]]] = {
         "fwd_silu": {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
         "dkdv": {64: (64, 128, 8, 2), 128: (64, 128, 8, 2), 256: (32, 64, 4, 2)},
         "dkdv_atomic": {64: (64, 64, 8, 2), 128: (64, 64, 8, 2), 256: (32, 64, 4, 2)},
+        "dkdv_qrows": {64: (128, 64, 8, 2), 128: (128, 64, 8, 2), 256: (64, 32, 4, 2)},
         "dq": {64: (128, 64, 8, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
     },
     "xlong": {
@@ -111,6 +114,7 @@ TILES: dict[str, dict[str, dict[int, tuple[int, int, int, int]]]] = {
         "fwd_silu": {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
         "dkdv": {64: (64, 128, 8, 2), 128: (64, 128, 8, 2), 256: (32, 64, 4, 2)},
         "dkdv_atomic": {64: (64, 64, 8, 2), 128: (64, 64, 8, 2), 256: (32, 64, 4, 2)},
+        "dkdv_qrows": {64: (128, 64, 8, 2), 128: (128, 64, 8, 2), 256: (64, 32, 4, 2)},
         "dq": {64: (128, 64, 8, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
     },
 }
@@ -130,6 +134,12 @@ ATOMIC_DQ: dict[str, bool] = {"short": False, "medium": False, "long": False, "x
 # (items * H,) with the head varying fastest, so the longest-first order holds across heads. Off until a
 # sweep picks it (run 6 adds it to the sweep's modes).
 HEADS_INNER: dict[str, bool] = {"short": False, "medium": False, "long": False, "xlong": False}
+# dK/dV loop with the scores laid out query-rows-first (s = q k^T, FlashAttention-2's orientation; tile kind
+# "dkdv_qrows", whose BLOCK_M is the query step and BLOCK_N the key tile as for "dkdv"): lse and delta become
+# per-row values of the accumulator (two per thread instead of one per column it holds: in sm_90 SASS the
+# 128x64/8w/2 step has 564 instructions per 8192 scores vs 689 for the key-rows-first 64x128/8w/2), and P^T /
+# dS^T reach the dV / dK products through shared memory. Per regime, off until a sweep picks it (run 8).
+DKDV_QROWS: dict[str, bool] = {"short": False, "medium": False, "long": False, "xlong": False}
 # Tile loads of the forward and backward loops through tensor descriptors made on the device (Hopper's bulk
 # tensor copy, TMA): one copy per tile issued by one thread instead of per-thread cp.async with address and
 # row-mask arithmetic (in sm_90 SASS that arithmetic is ~380 of the 689 instructions of a dK/dV loop step,
@@ -525,54 +535,126 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, o_base, str
                 ACT: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                 HAS_TARGETS: tl.constexpr, ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,
                 DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr, CONTEXT: tl.constexpr, FAST: tl.constexpr,
-                DELTA_INLINE: tl.constexpr, ATOMIC_DQ: tl.constexpr, STORE_DBIAS: tl.constexpr, TMA: tl.constexpr):
-    for m0 in range(lo, hi, BLOCK_M):
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        row_ok = offs_m < lq
-        if TMA:  # q_base / do_base are tensor descriptors [lq, D]
-            qt = tl.trans(q_base.load([m0, 0]))
-            do = do_base.load([m0, 0])
-        else:
-            qt = tl.load(q_base + offs_m[None, :] * stride_qt + offs_dk[:, None],
-                         mask=row_ok[None, :] & (offs_dk[:, None] < D_QK), other=0.0)
-            do = tl.load(do_base + offs_m[:, None] * stride_dot + offs_dv[None, :],
-                         mask=row_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
-        st = tl.dot(k, qt, input_precision=DOT_PREC) * alpha_s  # [BLOCK_N, BLOCK_M]
-        if HAS_BIAS:
-            st = st + _load_bias(bias_base, offs_m[None, :], offs_n[:, None], stride_bi, stride_bj, lq, lk, ACT)
-        dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
-        if ACT == 0:
-            lse = tl.load(lse_base + offs_m, mask=row_ok, other=float("inf"))
-            if DELTA_INLINE:  # delta = rowsum(o * do) here instead of in a separate launch
-                o = tl.load(o_base + offs_m[:, None] * stride_ot + offs_dv[None, :],
-                            mask=row_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
-                delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+                DELTA_INLINE: tl.constexpr, ATOMIC_DQ: tl.constexpr, STORE_DBIAS: tl.constexpr, TMA: tl.constexpr,
+                Q_ROWS: tl.constexpr):
+    if Q_ROWS:
+        for m0 in range(lo, hi, BLOCK_M):
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            row_ok = offs_m < lq
+            dk, dv = _dkdv_step_qrows(dk, dv, k, v, q_base, do_base, lse_base, delta_base, o_base, stride_qt,
+                                      stride_dot, stride_ot, offs_m, row_ok, m0, offs_n, lq, lk, n_hist, alpha_s,
+                                      offs_dk, offs_dv, D_QK, D_V, bias_base, stride_bi, stride_bj, dq_base,
+                                      stride_dqt, dq_scale, dbias_base, stride_dbi, stride_dbj, ds_scale, ACT,
+                                      MASKED, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, DOT_PREC, HAS_BIAS, CONTEXT,
+                                      FAST, DELTA_INLINE, ATOMIC_DQ, STORE_DBIAS, TMA)
+    else:
+        for m0 in range(lo, hi, BLOCK_M):
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            row_ok = offs_m < lq
+            if TMA:  # q_base / do_base are tensor descriptors [lq, D]
+                qt = tl.trans(q_base.load([m0, 0]))
+                do = do_base.load([m0, 0])
             else:
-                delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
-            pt = tl.exp2(st - lse[None, :])
-            if MASKED:
-                ok = _valid(offs_m[None, :], offs_n[:, None], lq, lk, n_hist, CAUSAL, HAS_TARGETS,
-                            ATT_BLOCK, WINDOW, CONTEXT)
-                pt = tl.where(ok, pt, 0.0)
-            dst = pt * (dpt - delta[None, :])
-        else:  # 1/N is applied to dk, dv once, in the epilogue
-            pt, gt = _act_and_grad(st, ACT, FAST)
-            dst = dpt * gt
-            if MASKED:
-                ok = _valid(offs_m[None, :], offs_n[:, None], lq, lk, n_hist, CAUSAL, HAS_TARGETS,
-                            ATT_BLOCK, WINDOW, CONTEXT)
-                pt = tl.where(ok, pt, 0.0)
-                dst = tl.where(ok, dst, 0.0)
-        dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PREC)
-        dst_lp = dst.to(qt.dtype)
-        dk = tl.dot(dst_lp, tl.trans(qt), dk, input_precision=DOT_PREC)
-        if ATOMIC_DQ:  # dQ[rows of this query tile] += scale * dS K: fp32 atomics (FlashAttention-2 Triton)
-            dq_part = tl.dot(tl.trans(dst_lp), k, input_precision=DOT_PREC) * dq_scale  # [BLOCK_M, BLOCK_DQK]
-            tl.atomic_add(dq_base + offs_m[:, None] * stride_dqt + offs_dk[None, :], dq_part,
-                          mask=row_ok[:, None] & (offs_dk[None, :] < D_QK), sem="relaxed")
-        if STORE_DBIAS:  # d logits = d bias; every (row, key) pair is in exactly one key tile's program
-            tl.store(dbias_base + offs_m[None, :] * stride_dbi + offs_n[:, None] * stride_dbj, dst * ds_scale,
-                     mask=row_ok[None, :] & (offs_n[:, None] < lk))
+                qt = tl.load(q_base + offs_m[None, :] * stride_qt + offs_dk[:, None],
+                             mask=row_ok[None, :] & (offs_dk[:, None] < D_QK), other=0.0)
+                do = tl.load(do_base + offs_m[:, None] * stride_dot + offs_dv[None, :],
+                             mask=row_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
+            st = tl.dot(k, qt, input_precision=DOT_PREC) * alpha_s  # [BLOCK_N, BLOCK_M]
+            if HAS_BIAS:
+                st = st + _load_bias(bias_base, offs_m[None, :], offs_n[:, None], stride_bi, stride_bj, lq, lk, ACT)
+            dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
+            if ACT == 0:
+                lse = tl.load(lse_base + offs_m, mask=row_ok, other=float("inf"))
+                if DELTA_INLINE:  # delta = rowsum(o * do) here instead of in a separate launch
+                    o = tl.load(o_base + offs_m[:, None] * stride_ot + offs_dv[None, :],
+                                mask=row_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
+                    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+                else:
+                    delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
+                pt = tl.exp2(st - lse[None, :])
+                if MASKED:
+                    ok = _valid(offs_m[None, :], offs_n[:, None], lq, lk, n_hist, CAUSAL, HAS_TARGETS,
+                                ATT_BLOCK, WINDOW, CONTEXT)
+                    pt = tl.where(ok, pt, 0.0)
+                dst = pt * (dpt - delta[None, :])
+            else:  # 1/N is applied to dk, dv once, in the epilogue
+                pt, gt = _act_and_grad(st, ACT, FAST)
+                dst = dpt * gt
+                if MASKED:
+                    ok = _valid(offs_m[None, :], offs_n[:, None], lq, lk, n_hist, CAUSAL, HAS_TARGETS,
+                                ATT_BLOCK, WINDOW, CONTEXT)
+                    pt = tl.where(ok, pt, 0.0)
+                    dst = tl.where(ok, dst, 0.0)
+            dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PREC)
+            dst_lp = dst.to(qt.dtype)
+            dk = tl.dot(dst_lp, tl.trans(qt), dk, input_precision=DOT_PREC)
+            if ATOMIC_DQ:  # dQ[rows of this query tile] += scale * dS K: fp32 atomics (FlashAttention-2 Triton)
+                dq_part = tl.dot(tl.trans(dst_lp), k, input_precision=DOT_PREC) * dq_scale  # [BLOCK_M, BLOCK_DQK]
+                tl.atomic_add(dq_base + offs_m[:, None] * stride_dqt + offs_dk[None, :], dq_part,
+                              mask=row_ok[:, None] & (offs_dk[None, :] < D_QK), sem="relaxed")
+            if STORE_DBIAS:  # d logits = d bias; every (row, key) pair is in exactly one key tile's program
+                tl.store(dbias_base + offs_m[None, :] * stride_dbi + offs_n[:, None] * stride_dbj, dst * ds_scale,
+                         mask=row_ok[None, :] & (offs_n[:, None] < lk))
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_step_qrows(dk, dv, k, v, q_base, do_base, lse_base, delta_base, o_base, stride_qt, stride_dot, stride_ot,
+                     offs_m, row_ok, m0, offs_n, lq, lk, n_hist, alpha_s, offs_dk, offs_dv, D_QK, D_V, bias_base,
+                     stride_bi, stride_bj, dq_base, stride_dqt, dq_scale, dbias_base, stride_dbi, stride_dbj,
+                     ds_scale, ACT: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                     HAS_TARGETS: tl.constexpr, ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr,
+                     DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr, CONTEXT: tl.constexpr, FAST: tl.constexpr,
+                     DELTA_INLINE: tl.constexpr, ATOMIC_DQ: tl.constexpr, STORE_DBIAS: tl.constexpr,
+                     TMA: tl.constexpr):
+    """One query tile's step of the dK/dV loop with the scores laid out query-rows-first, s = q k^T
+    [BLOCK_M, BLOCK_N] as in FlashAttention-2's backward: lse and delta are per row of the accumulator (a
+    thread holds two rows, so two values each instead of one per column it holds), and P^T / dS^T reach the
+    dV / dK products through shared memory. Same results as the key-rows-first step of _dkdv_inner."""
+    if TMA:
+        q = q_base.load([m0, 0])
+        do = do_base.load([m0, 0])
+    else:
+        q = tl.load(q_base + offs_m[:, None] * stride_qt + offs_dk[None, :],
+                    mask=row_ok[:, None] & (offs_dk[None, :] < D_QK), other=0.0)
+        do = tl.load(do_base + offs_m[:, None] * stride_dot + offs_dv[None, :],
+                     mask=row_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * alpha_s  # [BLOCK_M, BLOCK_N]
+    if HAS_BIAS:
+        s = s + _load_bias(bias_base, offs_m[:, None], offs_n[None, :], stride_bi, stride_bj, lq, lk, ACT)
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+    if ACT == 0:
+        lse = tl.load(lse_base + offs_m, mask=row_ok, other=float("inf"))
+        if DELTA_INLINE:
+            o = tl.load(o_base + offs_m[:, None] * stride_ot + offs_dv[None, :],
+                        mask=row_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
+            delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+        else:
+            delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
+        p = tl.exp2(s - lse[:, None])
+        if MASKED:
+            ok = _valid(offs_m[:, None], offs_n[None, :], lq, lk, n_hist, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW,
+                        CONTEXT)
+            p = tl.where(ok, p, 0.0)
+        ds = p * (dp - delta[:, None])
+    else:
+        p, g = _act_and_grad(s, ACT, FAST)
+        ds = dp * g
+        if MASKED:
+            ok = _valid(offs_m[:, None], offs_n[None, :], lq, lk, n_hist, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW,
+                        CONTEXT)
+            p = tl.where(ok, p, 0.0)
+            ds = tl.where(ok, ds, 0.0)
+    dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision=DOT_PREC)
+    ds_lp = ds.to(q.dtype)
+    dk = tl.dot(tl.trans(ds_lp), q, dk, input_precision=DOT_PREC)
+    if ATOMIC_DQ:
+        dq_part = tl.dot(ds_lp, k, input_precision=DOT_PREC) * dq_scale
+        tl.atomic_add(dq_base + offs_m[:, None] * stride_dqt + offs_dk[None, :], dq_part,
+                      mask=row_ok[:, None] & (offs_dk[None, :] < D_QK), sem="relaxed")
+    if STORE_DBIAS:
+        tl.store(dbias_base + offs_m[:, None] * stride_dbi + offs_n[None, :] * stride_dbj, ds * ds_scale,
+                 mask=row_ok[:, None] & (offs_n[None, :] < lk))
     return dk, dv
 
 
@@ -588,7 +670,7 @@ def _dkdv_tile(Q, K, V, DO, LSE, DELTA, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, BIAS, 
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
                BLOCK_DV: tl.constexpr, DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr,
                CONTEXT: tl.constexpr, FAST: tl.constexpr, DELTA_INLINE: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-               STORE_DBIAS: tl.constexpr, TMA: tl.constexpr):
+               STORE_DBIAS: tl.constexpr, TMA: tl.constexpr, Q_ROWS: tl.constexpr):
     """dK, dV of keys [n0, n0 + BLOCK_N) of sequence b, head h; with ATOMIC_DQ also their share of dQ
     (fp32 atomic adds into DQ, zeroed by the host) and, with STORE_DBIAS, dbias of their pairs."""
     q_start = tl.load(Q_OFF + b)
@@ -638,12 +720,14 @@ def _dkdv_tile(Q, K, V, DO, LSE, DELTA, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, BIAS, 
                          stride_ot, offs_n, lq, lk, n_hist, alpha_s, lo, full_lo, offs_dk, offs_dv, D_QK, D_V,
                          bias_base, stride_bi, stride_bj, dq_base, stride_dqt, dq_scale, dbias_base, stride_dbi,
                          stride_dbj, ds_scale, ACT, True, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW,
-                         BLOCK_M, DOT_PREC, HAS_BIAS, CONTEXT, FAST, DELTA_INLINE, ATOMIC_DQ, STORE_DBIAS, TMA)
+                         BLOCK_M, DOT_PREC, HAS_BIAS, CONTEXT, FAST, DELTA_INLINE, ATOMIC_DQ, STORE_DBIAS, TMA,
+                         Q_ROWS)
     dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, o_base, stride_qt, stride_dot,
                          stride_ot, offs_n, lq, lk, n_hist, alpha_s, full_lo, hi, offs_dk, offs_dv, D_QK, D_V,
                          bias_base, stride_bi, stride_bj, dq_base, stride_dqt, dq_scale, dbias_base, stride_dbi,
                          stride_dbj, ds_scale, ACT, False, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW,
-                         BLOCK_M, DOT_PREC, HAS_BIAS, CONTEXT, FAST, DELTA_INLINE, ATOMIC_DQ, STORE_DBIAS, TMA)
+                         BLOCK_M, DOT_PREC, HAS_BIAS, CONTEXT, FAST, DELTA_INLINE, ATOMIC_DQ, STORE_DBIAS, TMA,
+                         Q_ROWS)
     if ACT == 0:
         dk = dk * alpha
     else:
@@ -785,7 +869,7 @@ def _gdpa_bwd(Q, K, V, DO, LSE, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, WORK, BIAS, DB
               BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, DOT_PREC: tl.constexpr,
               HAS_BIAS: tl.constexpr, STORE_DBIAS: tl.constexpr, CONTEXT: tl.constexpr, FAST: tl.constexpr,
               DELTA_INLINE: tl.constexpr, STORE_DELTA: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-              HEADS_INNER: tl.constexpr, TMA: tl.constexpr):
+              HEADS_INNER: tl.constexpr, TMA: tl.constexpr, Q_ROWS: tl.constexpr):
     """Backward work item WORK[pid]: a dK/dV key tile (id < n_k_items: b * n_tiles_k + tile) or a dQ query
     tile (id - n_k_items = b * n_tiles_q + tile); PART 1 / 2 compile only the dK/dV / dQ branch.
     LSE is [2, H, T_out] fp32 (softmax): log-sum-exp, then delta (written by _bwd_delta or by the dQ
@@ -804,7 +888,7 @@ def _gdpa_bwd(Q, K, V, DO, LSE, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, WORK, BIAS, DB
                    stride_bb, stride_bh, stride_bi, stride_bj, stride_dbb, stride_dbh, stride_dbi, stride_dbj,
                    alpha, inv_n, D_QK, D_V,
                    ACT, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, Q_BCAST, DK_BM, DK_BN, BLOCK_DQK, BLOCK_DV,
-                   DOT_PREC, HAS_BIAS, CONTEXT, FAST, DELTA_INLINE, ATOMIC_DQ, STORE_DBIAS, TMA)
+                   DOT_PREC, HAS_BIAS, CONTEXT, FAST, DELTA_INLINE, ATOMIC_DQ, STORE_DBIAS, TMA, Q_ROWS)
     elif PART == 2:
         _dq_tile(Q, K, V, DO, LSE, DELTA, O, DQ, Q_OFF, KV_OFF, NT, BIAS, DBIAS, w // n_tiles_q,
                  (w % n_tiles_q) * DQ_BM, h, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -822,7 +906,7 @@ def _gdpa_bwd(Q, K, V, DO, LSE, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, WORK, BIAS, DB
                        stride_lh, stride_bb, stride_bh, stride_bi, stride_bj, stride_dbb, stride_dbh, stride_dbi,
                        stride_dbj, alpha, inv_n, D_QK, D_V,
                        ACT, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, Q_BCAST, DK_BM, DK_BN, BLOCK_DQK,
-                       BLOCK_DV, DOT_PREC, HAS_BIAS, CONTEXT, FAST, DELTA_INLINE, False, False, TMA)
+                       BLOCK_DV, DOT_PREC, HAS_BIAS, CONTEXT, FAST, DELTA_INLINE, False, False, TMA, Q_ROWS)
         else:
             wq = w - n_k_items
             _dq_tile(Q, K, V, DO, LSE, DELTA, O, DQ, Q_OFF, KV_OFF, NT, BIAS, DBIAS, wq // n_tiles_q,
@@ -1093,6 +1177,7 @@ class _GDPA(torch.autograd.Function):
             o, lse, stride_lh = do, do, 0
         atomic = ATOMIC_DQ.get(reg, False)
         fused = not atomic and FUSED_BWD.get(reg, False)
+        qrows = not atomic and DKDV_QROWS.get(reg, False)  # query-rows-first dK/dV step (own tile kind)
         delta_inline = softmax and DELTA_INLINE.get(reg, False)
         inner = HEADS_INNER.get(reg, False)  # grid (items * H,), head fastest, instead of (items, H)
 
@@ -1113,7 +1198,8 @@ class _GDPA(torch.autograd.Function):
         # dbias per head, fp32, zero where no program writes (pairs outside the mask / key range)
         dbias = (torch.zeros((bias.shape[0], h, bias.shape[-2], bias.shape[-1]), device=q.device,
                              dtype=torch.float32) if want_dbias else None)
-        kbm, kbn, kwarps, kstages = _tiles("dkdv_atomic" if atomic else "dkdv", d_qk, reg, spec.max_q_len)
+        kbm, kbn, kwarps, kstages = _tiles("dkdv_atomic" if atomic else "dkdv_qrows" if qrows else "dkdv", d_qk, reg,
+                                           spec.max_q_len)
         args = [q, k, v, do, lse, o, dk, dv, dq, q_off, kv_off, nt if nt is not None else q_off, None,
                 bias if bias is not None else q, dbias if dbias is not None else q,
                 *q.stride()[:2], *k.stride()[:2], *v.stride()[:2],
@@ -1132,7 +1218,7 @@ class _GDPA(torch.autograd.Function):
             args[12], args[-6:-3] = table, (0, ntk, 1)
             _gdpa_bwd[grid(table.numel())](*args, PART=1, num_warps=kwarps, num_stages=kstages, DK_BM=kbm,
                                            DK_BN=kbn, DQ_BM=0, DQ_BN=0, STORE_DBIAS=want_dbias,
-                                           STORE_DELTA=False, ATOMIC_DQ=True, **consts)
+                                           STORE_DELTA=False, ATOMIC_DQ=True, Q_ROWS=False, **consts)
         elif fused:  # one launch: dK/dV and dQ items from one longest-first table
             qbm, qbn, qwarps, qstages = _tiles("dq", d_qk, reg, spec.max_q_len)
             table, n_k_items, ntk, ntq = _bwd_table(spec, q_off, kv_off, kbn, qbm, k.shape[0], t_out)
@@ -1140,7 +1226,7 @@ class _GDPA(torch.autograd.Function):
             _gdpa_bwd[grid(table.numel())](*args, PART=0, num_warps=max(kwarps, qwarps),
                                            num_stages=min(kstages, qstages), DK_BM=kbm, DK_BN=kbn, DQ_BM=qbm,
                                            DQ_BN=qbn, STORE_DBIAS=want_dbias, STORE_DELTA=False,
-                                           ATOMIC_DQ=False, **consts)
+                                           ATOMIC_DQ=False, Q_ROWS=qrows, **consts)
         else:  # two launches: dQ first (it writes softmax's delta), then dK/dV (reads it)
             qbm, qbn, qwarps, qstages = _tiles("dq", d_qk, reg, spec.max_q_len)
             table, ntq = _q_table(spec, q_off, kv_off, qbm, t_out)
@@ -1148,12 +1234,13 @@ class _GDPA(torch.autograd.Function):
             # the other part's tile sizes are unused (pruned branch): 0 keeps one compiled variant per config
             _gdpa_bwd[grid(table.numel())](*args, PART=2, num_warps=qwarps, num_stages=qstages, DK_BM=0, DK_BN=0,
                                            DQ_BM=qbm, DQ_BN=qbn, STORE_DBIAS=want_dbias,
-                                           STORE_DELTA=softmax and not delta_inline, ATOMIC_DQ=False, **consts)
+                                           STORE_DELTA=softmax and not delta_inline, ATOMIC_DQ=False,
+                                           Q_ROWS=False, **consts)
             table, ntk = _k_table(spec, q_off, kv_off, kbn, k.shape[0])
             args[12], args[-6:-3] = table, (0, ntk, 1)
             _gdpa_bwd[grid(table.numel())](*args, PART=1, num_warps=kwarps, num_stages=kstages, DK_BM=kbm,
                                            DK_BN=kbn, DQ_BM=0, DQ_BN=0, STORE_DBIAS=False, STORE_DELTA=False,
-                                           ATOMIC_DQ=False, **consts)
+                                           ATOMIC_DQ=False, Q_ROWS=qrows, **consts)
         if spec.q_bcast:
             dq = dq.view(-1, q.shape[0], h, d_qk).sum(0, dtype=torch.float32).to(q.dtype)
         elif dq.dtype != q.dtype:  # the atomic path's fp32 accumulator

@@ -41,18 +41,19 @@ def fwd_variant(act: int, bm: int, bn: int, warps: int, stages: int, tma: bool =
 
 
 def bwd_variant(act: int, part: int, dk: tuple[int, int], dq: tuple[int, int], warps: int, stages: int,
-                inline: bool = False, atomic: bool = False, tma: bool = False) -> tuple:
+                inline: bool = False, atomic: bool = False, tma: bool = False, q_rows: bool = False) -> tuple:
     """A bf16 D=128 causal backward: part 0 (one launch), 1 (dK/dV; with ``atomic`` also dQ by fp32 atomic
     adds) or 2 (dQ; softmax: it also stores delta, as in the two-launch backward); dk / dq = (BM, BN)."""
     dk = dk if part != 2 else (0, 0)
     dq = dq if part != 1 else (0, 0)
     types = dict(_BWD_TYPES, DQ="*fp32") if atomic else _BWD_TYPES
     return (f"bwd act={act} part={part} dkdv={dk[0]}x{dk[1]} dq={dq[0]}x{dq[1]}/{warps}w/{stages}s"
-            f"{' delta-inline' if inline else ''}{' atomic-dq' if atomic else ''}{' tma' if tma else ''}",
+            f"{' delta-inline' if inline else ''}{' atomic-dq' if atomic else ''}{' tma' if tma else ''}"
+            f"{' q-rows' if q_rows else ''}",
             ja._gdpa_bwd, types,
             dict(_BASE, ACT=act, PART=part, DK_BM=dk[0], DK_BN=dk[1], DQ_BM=dq[0], DQ_BN=dq[1],
                  STORE_DBIAS=False, DELTA_INLINE=inline, STORE_DELTA=part == 2 and act == 0 and not inline,
-                 ATOMIC_DQ=atomic, TMA=tma), warps, stages)
+                 ATOMIC_DQ=atomic, TMA=tma, Q_ROWS=q_rows), warps, stages)
 
 
 def _loops(sass: str) -> list[tuple[int, int, int, int]]:
@@ -105,7 +106,8 @@ def default_variants(full: bool = False) -> list[tuple]:
         for act in (0, 1):
             bm, bn, w, s = table["fwd_silu" if act else "fwd"][128]
             out.append(fwd_variant(act, bm, bn, w, s, tma))
-            k, q = table["dkdv"][128], table["dq"][128]
+            qrows = ja.DKDV_QROWS[reg] and not ja.ATOMIC_DQ[reg]
+            k, q = table["dkdv_qrows" if qrows else "dkdv"][128], table["dq"][128]
             if ja.ATOMIC_DQ[reg]:
                 ka = table["dkdv_atomic"][128]
                 out.append(bwd_variant(act, 1, ka[:2], q[:2], ka[2], ka[3], act == 0 and ja.DELTA_INLINE[reg], True))
@@ -113,7 +115,7 @@ def default_variants(full: bool = False) -> list[tuple]:
                 out.append(bwd_variant(act, 0, k[:2], q[:2], max(k[2], q[2]), min(k[3], q[3]),
                                        act == 0 and ja.DELTA_INLINE[reg]))
             else:
-                out.append(bwd_variant(act, 1, k[:2], q[:2], k[2], k[3], tma=tma))
+                out.append(bwd_variant(act, 1, k[:2], q[:2], k[2], k[3], tma=tma, q_rows=qrows))
                 out.append(bwd_variant(act, 2, k[:2], q[:2], q[2], q[3], tma=tma))
     if full:
         from gemray.kernels import bench
@@ -123,6 +125,8 @@ def default_variants(full: bool = False) -> list[tuple]:
                 out.append(bwd_variant(0, 1, (bm, bn), (0, 0), w, s))
             for bm, bn, w, s in kinds["dkdv_atomic"]:
                 out.append(bwd_variant(0, 1, (bm, bn), (0, 0), w, s, atomic=True))
+            for bm, bn, w, s in kinds.get("dkdv_qrows", ()):
+                out.append(bwd_variant(0, 1, (bm, bn), (0, 0), w, s, q_rows=True))
             for bm, bn, w, s in kinds["dq"]:
                 out.append(bwd_variant(0, 2, (0, 0), (bm, bn), w, s))
     for v in out:

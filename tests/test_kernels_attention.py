@@ -241,19 +241,24 @@ def test_unequal_tiles(monkeypatch, tiles, activation):
            (q, k, v), 1e-4)
 
 
-# (activation, one launch, delta inline, atomic dQ, heads inner, TMA loads): every launch mode the sweep can pick
-BWD_MODES = [("softmax", False, False, False, False, False), ("softmax", True, False, False, False, False),
-             ("softmax", False, True, False, False, False), ("softmax", True, True, False, False, False),
-             ("silu", False, False, False, False, False), ("silu", True, False, False, False, False),
-             ("softmax", False, False, True, False, False), ("softmax", False, True, True, False, False),
-             ("silu", False, False, True, False, False), ("softmax", False, False, False, True, False),
-             ("silu", False, False, False, True, False), ("softmax", True, False, False, True, False),
-             ("softmax", False, False, True, True, False), ("softmax", False, False, False, False, True),
-             ("silu", False, False, False, False, True), ("softmax", False, False, False, True, True),
-             ("softmax", True, False, False, False, True), ("softmax", False, False, True, False, True)]
+# (activation, one launch, delta inline, atomic dQ, heads inner, TMA loads, query-rows dK/dV): every launch mode
+# the sweep can pick
+_F = False
+BWD_MODES = [("softmax", _F, _F, _F, _F, _F, _F), ("softmax", True, _F, _F, _F, _F, _F),
+             ("softmax", _F, True, _F, _F, _F, _F), ("softmax", True, True, _F, _F, _F, _F),
+             ("silu", _F, _F, _F, _F, _F, _F), ("silu", True, _F, _F, _F, _F, _F),
+             ("softmax", _F, _F, True, _F, _F, _F), ("softmax", _F, True, True, _F, _F, _F),
+             ("silu", _F, _F, True, _F, _F, _F), ("softmax", _F, _F, _F, True, _F, _F),
+             ("silu", _F, _F, _F, True, _F, _F), ("softmax", True, _F, _F, True, _F, _F),
+             ("softmax", _F, _F, True, True, _F, _F), ("softmax", _F, _F, _F, _F, True, _F),
+             ("silu", _F, _F, _F, _F, True, _F), ("softmax", _F, _F, _F, True, True, _F),
+             ("softmax", True, _F, _F, _F, True, _F), ("softmax", _F, _F, True, _F, True, _F),
+             ("softmax", _F, _F, _F, _F, _F, True), ("silu", _F, _F, _F, _F, _F, True),
+             ("gelu", _F, _F, _F, _F, _F, True), ("softmax", True, _F, _F, _F, _F, True),
+             ("softmax", _F, True, _F, _F, _F, True), ("softmax", _F, _F, _F, True, True, True)]
 
 
-def _set_bwd_mode(monkeypatch, fused, inline, atomic, inner=False, tma=False):
+def _set_bwd_mode(monkeypatch, fused, inline, atomic, inner=False, tma=False, qrows=False):
     from gemray.kernels import jagged_attention as ja
 
     monkeypatch.setattr(ja, "FUSED_BWD", {r: fused for r in ja.FUSED_BWD})
@@ -261,19 +266,21 @@ def _set_bwd_mode(monkeypatch, fused, inline, atomic, inner=False, tma=False):
     monkeypatch.setattr(ja, "ATOMIC_DQ", {r: atomic for r in ja.ATOMIC_DQ})
     monkeypatch.setattr(ja, "HEADS_INNER", {r: inner for r in ja.HEADS_INNER})
     monkeypatch.setattr(ja, "TMA_LOADS", {r: tma for r in ja.TMA_LOADS})
+    monkeypatch.setattr(ja, "DKDV_QROWS", {r: qrows for r in ja.DKDV_QROWS})
 
 
 @cpu_only
-@pytest.mark.parametrize("activation,fused,inline,atomic,inner,tma", BWD_MODES)
-def test_backward_launch_modes(monkeypatch, activation, fused, inline, atomic, inner, tma):
+@pytest.mark.parametrize("activation,fused,inline,atomic,inner,tma,qrows", BWD_MODES)
+def test_backward_launch_modes(monkeypatch, activation, fused, inline, atomic, inner, tma, qrows):
     """The backward as two launches (dQ, which writes softmax's delta, then dK/dV), one merged launch
     (FUSED_BWD) or one dK/dV launch with atomic dQ (ATOMIC_DQ), with delta from its own launch or computed
     inline (DELTA_INLINE, softmax), each with the (items, H) or the heads-inner (items * H,) grid
     (HEADS_INNER, forward too), and tile loads by pointers or through tensor descriptors (TMA_LOADS, forward
-    too), matches the reference: targets + bias (dbias) + unequal tiles (self), cross-attention and PMA."""
+    too), and the dK/dV step key-rows-first or query-rows-first (DKDV_QROWS), matches the reference: targets +
+    bias (dbias) + unequal tiles (self), cross-attention and PMA."""
     from gemray.kernels import jagged_attention as ja
 
-    _set_bwd_mode(monkeypatch, fused, inline, atomic, inner, tma)
+    _set_bwd_mode(monkeypatch, fused, inline, atomic, inner, tma, qrows)
     monkeypatch.setattr(ja, "_INTERPRET_TILES", (16, 32, 4, 1))
     torch.manual_seed(14)
     lengths = [0, 1, 33, 70, 17]
@@ -417,19 +424,22 @@ def test_bench_bookkeeping():
     for reg, (kind, b, n) in bench.SWEEP_BATCH.items():
         assert ja.regime(sum(bench.make_lengths(kind, b, n)), b) == reg
         assert set(bench.SWEEP[reg]) == set(ja.TILES[reg])
-        assert all(reg in m for m in (ja.FUSED_BWD, ja.DELTA_INLINE, ja.ATOMIC_DQ, ja.HEADS_INNER, ja.TMA_LOADS))
+        assert all(reg in m for m in (ja.FUSED_BWD, ja.DELTA_INLINE, ja.ATOMIC_DQ, ja.HEADS_INNER, ja.TMA_LOADS,
+                                      ja.DKDV_QROWS))
     # run 4's printed JSON has two-entry modes (atomic dQ off), run 5's three (heads inner off), run 6's four
     # (TMA loads off); run 7's five
     saved = bench.get_mode("short")
     try:
         bench.set_mode("short", [True, True])
-        assert bench.get_mode("short") == (True, True, False, False, False)
+        assert bench.get_mode("short") == (True, True, False, False, False, False)
         bench.set_mode("short", [False, False, True])
-        assert bench.get_mode("short") == (False, False, True, False, False)
+        assert bench.get_mode("short") == (False, False, True, False, False, False)
         bench.set_mode("short", [False, False, False, True])
-        assert bench.get_mode("short") == (False, False, False, True, False)
+        assert bench.get_mode("short") == (False, False, False, True, False, False)
         bench.set_mode("short", [False, False, False, False, True])
-        assert bench.get_mode("short") == (False, False, False, False, True)
+        assert bench.get_mode("short") == (False, False, False, False, True, False)
+        bench.set_mode("short", [False, False, False, False, False, True])
+        assert bench.get_mode("short") == (False, False, False, False, False, True)
     finally:
         bench.set_mode("short", saved)
 
@@ -446,16 +456,17 @@ def test_bench_precompile_worker_runs_every_item_and_restores_state(monkeypatch)
     monkeypatch.setattr(bench, "D", 16)
     # no atomic-dQ mode in the sweep: its tile kind is neither compiled nor timed
     assert "dkdv_atomic" not in {kern for _, kern, _ in bench._sweep_items("short")}
-    monkeypatch.setattr(bench, "BWD_MODES", bench.BWD_MODES + [(False, False, True, True, False)])
+    monkeypatch.setattr(bench, "BWD_MODES", bench.BWD_MODES + [(False, False, True, True, False, False)])
     items = bench._sweep_items("short")
     assert {kern for _, kern, _ in items} == set(bench.KERNELS) == set(ja.TILES["short"]) | {"mode"}
     state = (lambda: (repr(ja.TILES), dict(ja.FUSED_BWD), dict(ja.DELTA_INLINE), dict(ja.ATOMIC_DQ),
-                      dict(ja.HEADS_INNER), dict(ja.TMA_LOADS)))
+                      dict(ja.HEADS_INNER), dict(ja.TMA_LOADS), dict(ja.DKDV_QROWS)))
     before = state()
     picked = ([it for it in items if it[1] == "fwd_silu"][:1] + [it for it in items if it[1] == "mode"][-2:]
               + [it for it in items if it[1] == "dkdv_atomic"][:1]
-              + [it + ((False, False, False, True, True),) for it in items if it[1] == "dq"][:1]
-              + [it + ((False, False, False, False, True),) for it in items if it[1] == "fwd"][:1])
+              + [it + ((False, False, False, True, True, False),) for it in items if it[1] == "dq"][:1]
+              + [it + ((False, False, False, False, True, False),) for it in items if it[1] == "fwd"][:1]
+              + [it for it in items if it[1] == "dkdv_qrows"][:1])
     # (a dQ tile under the heads-inner grid with TMA loads, a forward tile with TMA loads)
     assert any(it[1] == "mode" and it[2][2] for it in picked)  # an atomic-dQ mode is among them
     assert any(it[1] == "mode" and it[2][3] for it in picked)  # and a heads-inner one
@@ -692,13 +703,13 @@ def test_gpu_model_shape_contextual_prefix(dtype):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("activation,fused,inline,atomic,inner,tma", BWD_MODES)
-def test_gpu_backward_launch_modes(monkeypatch, activation, fused, inline, atomic, inner, tma):
+@pytest.mark.parametrize("activation,fused,inline,atomic,inner,tma,qrows", BWD_MODES)
+def test_gpu_backward_launch_modes(monkeypatch, activation, fused, inline, atomic, inner, tma, qrows):
     """Each backward launch mode at bench-like sizes in bf16, with the short and the medium regime's tiles
     (the regime is forced; between them they cover every tile shape and warp count of the defaults)."""
     from gemray.kernels import jagged_attention as ja
 
-    _set_bwd_mode(monkeypatch, fused, inline, atomic, inner, tma)
+    _set_bwd_mode(monkeypatch, fused, inline, atomic, inner, tma, qrows)
     torch.manual_seed(19)
     lengths = _heavy_lengths(24, 2048) + [0, 1, 2048, 1000]
     off = _offsets(lengths, "cuda")
