@@ -83,8 +83,9 @@ TILES: dict[str, dict[str, dict[int, tuple[int, int, int, int]]]] = {
     # D=128 entries: the winners of the H200 sweep of run 4 (2026-11-30, kernels/NOTES.md), each timed on
     # its regime's bench batch (short: heavy B=128 N=1024, medium: heavy B=256 N=4096, long: uniform
     # B=128 N=1024, xlong: uniform B=64 N=4096). The short dQ winner 32x64/4w has no wgmma (BLOCK_M 32 <
-    # a warpgroup's 64 rows) but won on the host-bound short batch anyway. D=64 / 256 entries are not
-    # measured (kept from run 3).
+    # a warpgroup's 64 rows) but won on the host-bound short batch anyway. Changed after runs 6-8 (winners in at
+    # least two of the three sweeps, 2-4% each): medium dK/dV and dQ 64x64/4w/2 (two CTAs per SM), long forward
+    # 128x64/8w/3. D=64 / 256 entries are not measured (kept from run 3).
     "short": {
         "fwd": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 2)},
         "fwd_silu": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 2)},
@@ -96,13 +97,13 @@ TILES: dict[str, dict[str, dict[int, tuple[int, int, int, int]]]] = {
     "medium": {
         "fwd": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 2)},
         "fwd_silu": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 2)},
-        "dkdv": {64: (64, 128, 8, 2), 128: (64, 128, 8, 2), 256: (32, 64, 4, 2)},
+        "dkdv": {64: (64, 128, 8, 2), 128: (64, 64, 4, 2), 256: (32, 64, 4, 2)},
         "dkdv_atomic": {64: (64, 64, 8, 2), 128: (64, 64, 8, 2), 256: (32, 64, 4, 2)},
         "dkdv_qrows": {64: (128, 64, 8, 2), 128: (128, 64, 8, 2), 256: (64, 32, 4, 2)},
-        "dq": {64: (128, 64, 8, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
+        "dq": {64: (128, 64, 8, 3), 128: (64, 64, 4, 2), 256: (64, 32, 4, 2)},
     },
     "long": {
-        "fwd": {64: (128, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 2)},
+        "fwd": {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
         "fwd_silu": {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
         "dkdv": {64: (64, 128, 8, 2), 128: (64, 128, 8, 2), 256: (32, 64, 4, 2)},
         "dkdv_atomic": {64: (64, 64, 8, 2), 128: (64, 64, 8, 2), 256: (32, 64, 4, 2)},
@@ -138,14 +139,16 @@ HEADS_INNER: dict[str, bool] = {"short": False, "medium": False, "long": False, 
 # "dkdv_qrows", whose BLOCK_M is the query step and BLOCK_N the key tile as for "dkdv"): lse and delta become
 # per-row values of the accumulator (two per thread instead of one per column it holds: in sm_90 SASS the
 # 128x64/8w/2 step has 564 instructions per 8192 scores vs 689 for the key-rows-first 64x128/8w/2), and P^T /
-# dS^T reach the dV / dK products through shared memory. Per regime, off until a sweep picks it (run 8).
+# dS^T reach the dV / dK products through shared memory. Run 8: slower in every regime (fwd+bwd +6-7% on the
+# medium / long / xlong batches, the shared-memory round trips cost more than the instructions saved), so off.
 DKDV_QROWS: dict[str, bool] = {"short": False, "medium": False, "long": False, "xlong": False}
 # Tile loads of the forward and backward loops through tensor descriptors made on the device (Hopper's bulk
 # tensor copy, TMA): one copy per tile issued by one thread instead of per-thread cp.async with address and
 # row-mask arithmetic (in sm_90 SASS that arithmetic is ~380 of the 689 instructions of a dK/dV loop step,
-# kernels/NOTES.md "Run 7 plan"). Needs sm_90+, 16-byte aligned rows and a power-of-two head dim; per
-# regime, off until a sweep picks it.
-TMA_LOADS: dict[str, bool] = {"short": False, "medium": False, "long": False, "xlong": False}
+# kernels/NOTES.md "Run 7"). Needs sm_90+, 16-byte aligned rows and a power-of-two head dim; per regime: on
+# for xlong, where runs 7 and 8 both picked it (-2.5%, -1.3% fwd+bwd on uniform B=64 N=4096); it lost or tied
+# elsewhere (+0-7%).
+TMA_LOADS: dict[str, bool] = {"short": False, "medium": False, "long": False, "xlong": True}
 FAST_ACT = True  # tanh.approx silu for bf16/fp16 on CUDA (see _act); the bench can turn it off to compare
 REGIME_MEAN_LEN = (256, 1024, 2048)
 _INTERPRET_TILES = (16, 16, 4, 1)

@@ -454,9 +454,10 @@ def test_bench_precompile_worker_runs_every_item_and_restores_state(monkeypatch)
     monkeypatch.setattr(bench, "SWEEP_BATCH", {"short": ("heavy", 3, 32)})
     monkeypatch.setattr(bench, "H", 1)
     monkeypatch.setattr(bench, "D", 16)
-    # no atomic-dQ mode in the sweep: its tile kind is neither compiled nor timed
-    assert "dkdv_atomic" not in {kern for _, kern, _ in bench._sweep_items("short")}
-    monkeypatch.setattr(bench, "BWD_MODES", bench.BWD_MODES + [(False, False, True, True, False, False)])
+    # no atomic-dQ or query-rows mode in the sweep: their tile kinds are neither compiled nor timed
+    assert not {"dkdv_atomic", "dkdv_qrows"} & {kern for _, kern, _ in bench._sweep_items("short")}
+    monkeypatch.setattr(bench, "BWD_MODES", bench.BWD_MODES + [(False, False, False, False, False, True),
+                                                               (False, False, True, True, False, False)])
     items = bench._sweep_items("short")
     assert {kern for _, kern, _ in items} == set(bench.KERNELS) == set(ja.TILES["short"]) | {"mode"}
     state = (lambda: (repr(ja.TILES), dict(ja.FUSED_BWD), dict(ja.DELTA_INLINE), dict(ja.ATOMIC_DQ),
