@@ -1099,11 +1099,14 @@ def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-def _use_tma(reg: str, even_d: bool, *xs: torch.Tensor) -> bool:
-    """TMA_LOADS[reg] where the tensors allow it: head dims equal to the tile width (``even_d``), rows and
-    heads 16-byte aligned (TMA's global address and stride rule). When True it also sets Triton's allocator
-    (a context variable: the backward runs in autograd's own thread, so it is set per call, not once)."""
-    if not (TMA_LOADS.get(reg, False) and even_d and _tma_device(xs[0].device)):
+def _use_tma(reg: str, even_d: bool, spec: _Spec, *xs: torch.Tensor) -> bool:
+    """TMA_LOADS[reg] where the pattern and tensors allow it: full attention rows (no block / window: their
+    loops visit one or two tiles, too few to repay making the descriptors; run 9 measured block attention 19%
+    slower with them), head dims equal to the tile width (``even_d``), rows and heads 16-byte aligned (TMA's
+    global address and stride rule). When True it also sets Triton's allocator (a context variable: the
+    backward runs in autograd's own thread, so it is set per call, not once)."""
+    if not (TMA_LOADS.get(reg, False) and even_d and not spec.att_block and not spec.window
+            and _tma_device(xs[0].device)):
         return False
     for x in xs:
         es = x.element_size()
@@ -1152,7 +1155,7 @@ class _GDPA(torch.autograd.Function):
             spec.alpha, spec.inv_n, n_tiles, d_qk, d_v, h, HAS_BIAS=bias is not None, HEADS_INNER=inner,
             ACT=spec.act, CAUSAL=spec.causal, HAS_TARGETS=nt is not None, ATT_BLOCK=spec.att_block,
             WINDOW=spec.window, Q_BCAST=spec.q_bcast, CONTEXT=spec.context, BLOCK_M=bm, BLOCK_N=bn, BLOCK_DQK=bdk,
-            BLOCK_DV=bdv, EVEN_D=even_d, DOT_PREC=_dot_prec(q.dtype), TMA=_use_tma(reg, even_d, k, v),
+            BLOCK_DV=bdv, EVEN_D=even_d, DOT_PREC=_dot_prec(q.dtype), TMA=_use_tma(reg, even_d, spec, k, v),
             FAST=_fast_act(q.dtype), num_warps=warps, num_stages=stages)
         # o only for softmax (delta = rowsum(o * dO)): saving an output costs a detach and its unpacking
         ctx.save_for_backward(q, k, v, bias, o if spec.act == 0 else None)
@@ -1215,7 +1218,7 @@ class _GDPA(torch.autograd.Function):
                       ATT_BLOCK=spec.att_block, WINDOW=spec.window, Q_BCAST=spec.q_bcast, CONTEXT=spec.context,
                       BLOCK_DQK=bdk, BLOCK_DV=bdv, DOT_PREC=_dot_prec(q.dtype), FAST=_fast_act(q.dtype),
                       DELTA_INLINE=delta_inline, HEADS_INNER=inner,
-                      TMA=_use_tma(reg, bdk == d_qk and bdv == d_v, q, k, v, do))
+                      TMA=_use_tma(reg, bdk == d_qk and bdv == d_v, spec, q, k, v, do))
         if atomic:  # one launch: dK/dV items that also add their dS K into dQ (and write dbias)
             table, ntk = _k_table(spec, q_off, kv_off, kbn, k.shape[0])
             args[12], args[-6:-3] = table, (0, ntk, 1)

@@ -747,3 +747,22 @@ def test_sass_check_compiles_for_hopper_without_a_gpu():
     fwd, dq32 = json.loads(out.stdout.strip().splitlines()[-1])
     assert fwd["hgmma"] > 0 and fwd["loops"] and all(st == 0 for _, _, st, _ in fwd["loops"])
     assert dq32["hgmma"] == 0 and dq32["loops"]
+
+
+@cpu_only
+def test_tma_loads_only_where_they_apply(monkeypatch):
+    """TMA tile loads are used only in regimes that enable them, for full attention rows (block / window
+    attention visit one or two tiles per program: making the descriptors would cost more than it saves) and
+    for 16-byte aligned rows; elsewhere the pointer loads run."""
+    from gemray.kernels import jagged_attention as ja
+
+    monkeypatch.setattr(ja, "TMA_LOADS", {r: r == "xlong" for r in ja.TMA_LOADS})
+    full = ja._spec(0, True, 1.0, 1.0, 0, 0, False, 64, 64, 0)
+    x = torch.randn(10, 2, 16)
+    assert ja._use_tma("xlong", True, full, x, x)
+    assert not ja._use_tma("long", True, full, x, x)  # regime without TMA
+    assert not ja._use_tma("xlong", False, full, x, x)  # head dim not a tile width
+    assert not ja._use_tma("xlong", True, ja._spec(0, True, 1.0, 1.0, 8, 0, False, 64, 64, 0), x, x)  # block
+    assert not ja._use_tma("xlong", True, ja._spec(0, True, 1.0, 1.0, 0, 8, False, 64, 64, 0), x, x)  # window
+    odd = torch.randn(10, 2, 17)[:, :, :15]  # rows of 17 floats: not 16-byte aligned
+    assert not ja._use_tma("xlong", True, full, x, odd)
