@@ -33,7 +33,11 @@ $(BIN)/.installed: pyproject.toml Makefile
 
 venv install: $(BIN)/.installed
 
+# The demo's config trains MovieLens-1M from data/ml-1m: refuse another release before it overwrites that folder.
 data: $(BIN)/.installed
+	@test -f "$(DATA_SRC)/ratings.dat" || { echo "make data / make demo: DATA_SRC=$(DATA_SRC) holds no ratings.dat \
+	(MovieLens-1M's ratings file; data/ml-1m is left as it is); for another release point a config's data.raw_dir \
+	and data.prepared_dir at it (configs/ml-latest-small.toml, README \"Configuration\")" >&2; exit 2; }
 	$(BIN)/gemray prepare movielens --src $(DATA_SRC) --out data/ml-1m
 
 demo: $(BIN)/.installed data

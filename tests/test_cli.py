@@ -92,3 +92,15 @@ def test_output_that_is_a_file_is_a_user_error(capsys, tmp_path):
     assert main(["train", "--config", CONFIG, "--output", str(out)]) == 2
     assert "is not a folder" in _err_line(capsys)
     assert out.read_text() == "not a folder"
+
+
+def test_make_data_refuses_a_source_without_ml1m_ratings(tmp_path):
+    """`make data` / `make demo` train MovieLens-1M from data/ml-1m: another release (no ratings.dat) is
+    refused before `gemray prepare` would overwrite that folder."""
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "u.data").write_text("1\t2\t3\t881250949\n")  # an ml-100k-style source
+    venv = tmp_path / "venv"  # not built: -o marks the install step as done, the guard runs first
+    out = subprocess.run(["make", "-s", "-C", str(root), "-o", f"{venv}/bin/.installed", "data",
+                          f"DATA_SRC={tmp_path}", f"VENV={venv}"], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    assert "holds no ratings.dat" in out.stderr and "data/ml-1m is left as it is" in out.stderr

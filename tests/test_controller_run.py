@@ -89,6 +89,18 @@ def test_preflight_refuses_jobs_that_would_fail_in_the_workers(tmp_path):
     run.preflight(big, _manifest(), embedded=False)  # an external cluster may have the CPUs
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without GPUs")
+def test_fit_refuses_a_gpu_job_without_gpus_before_preparing_data(tmp_path):
+    """ray.use_gpu=true on a machine without GPUs is refused before the data is prepared (which can take
+    minutes), with the GPU message, not a data error, and nothing is written."""
+    cfg = JobConfig()
+    cfg.ray.use_gpu = True
+    cfg.data.raw_dir, cfg.data.prepared_dir = str(tmp_path / "raw"), str(tmp_path / "prepared")
+    with pytest.raises(ValueError, match=r"ray.use_gpu=true needs \d GPU\(s\) .* this machine has 0"):
+        run.fit(cfg, output_dir=tmp_path / "out")
+    assert not (tmp_path / "prepared").exists() and not (tmp_path / "out").exists()
+
+
 def test_preflight_compares_model_shape_with_the_previous_run():
     prev, same, other = JobConfig(), JobConfig(), JobConfig()
     same.model.dropout = 0.5                  # not a shape: resuming is fine

@@ -79,18 +79,10 @@ SHAPE_FIELDS = ("embedding_dim", "num_blocks", "num_heads", "attention_dim", "li
                 "use_time_feature", "num_time_buckets", "num_position_buckets")
 
 
-def preflight(cfg: JobConfig, manifest: dict[str, Any], *, embedded: bool,
-              previous: JobConfig | None = None, num_gpus: int | None = None) -> None:
-    """Refuse, before Ray starts, a job that would only fail (or hang) inside the workers.
-
-    cfg: resolved config; manifest: the prepared data's; embedded: whether fit will start its own Ray
-    cluster; previous: the config.toml of an earlier run in the same output folder that left checkpoints.
-    Raises ValueError naming the field: Adam kinds or forced Triton without a GPU, a worker asking more
-    CPUs than the embedded cluster has, a cut-off K above the catalogue, prepared data made from other
-    raw files than ``data.raw_dir`` holds, an output folder holding a model of another shape, or
-    ``ray.use_gpu`` on an embedded cluster with fewer GPUs than workers (``num_gpus``: GPUs this machine
-    has; default ``torch.cuda.device_count()``).
-    """
+def preflight_resources(cfg: JobConfig, *, embedded: bool, num_gpus: int | None = None) -> None:
+    """The checks of :func:`preflight` that need no prepared data (GPUs, optimizer and attention backend
+    against the device, CPUs per worker): fit runs them before it prepares the data, so a job that cannot
+    run is refused at once. Raises ValueError naming the field; arguments as for :func:`preflight`."""
     gpu = cfg.ray.use_gpu
     if embedded and gpu:
         if num_gpus is None:
@@ -111,6 +103,21 @@ def preflight(cfg: JobConfig, manifest: dict[str, Any], *, embedded: bool,
     if embedded and cfg.ray.cpus_per_worker > embedded_num_cpus(cfg):
         raise ValueError(f"ray.cpus_per_worker={cfg.ray.cpus_per_worker} exceeds the {embedded_num_cpus(cfg)} CPUs "
                          "the embedded Ray cluster advertises (ray.num_cpus): the workers would never start")
+
+
+def preflight(cfg: JobConfig, manifest: dict[str, Any], *, embedded: bool,
+              previous: JobConfig | None = None, num_gpus: int | None = None) -> None:
+    """Refuse, before Ray starts, a job that would only fail (or hang) inside the workers.
+
+    cfg: resolved config; manifest: the prepared data's; embedded: whether fit will start its own Ray
+    cluster; previous: the config.toml of an earlier run in the same output folder that left checkpoints.
+    Raises ValueError naming the field: Adam kinds or forced Triton without a GPU, a worker asking more
+    CPUs than the embedded cluster has, a cut-off K above the catalogue, prepared data made from other
+    raw files than ``data.raw_dir`` holds, an output folder holding a model of another shape, or
+    ``ray.use_gpu`` on an embedded cluster with fewer GPUs than workers (``num_gpus``: GPUs this machine
+    has; default ``torch.cuda.device_count()``).
+    """
+    preflight_resources(cfg, embedded=embedded, num_gpus=num_gpus)
     n_items = int(manifest["vocab"]["num_items"])
     if max(int(k) for k in cfg.train.eval_ks) > n_items:
         raise ValueError(f"train.eval_ks={cfg.train.eval_ks}: a cut-off above the {n_items} items of the "
@@ -328,6 +335,7 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
     out = Path(output_dir or Path("runs") / cfg.name).expanduser().resolve()
     if out.exists() and not out.is_dir():
         raise NotADirectoryError(f"output folder {out} exists and is not a folder (--output / output_dir)")
+    preflight_resources(cfg, embedded=not _ray_address(cfg))  # before preparing: no GPU, no wait for the data
     manifest = _ensure_prepared(cfg)  # bad data paths fail before anything is written to the output folder
     previous = None
     if (out / "config.toml").is_file() and (out / "ray").is_dir():
