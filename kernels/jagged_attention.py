@@ -37,6 +37,11 @@ than Words", arXiv:2402.17152; written from the papers, not copied):
   small kernel or is computed by the backward programs themselves (``DELTA_INLINE``). The mode is chosen
   per regime (kernels/bench.py sweeps it). PMA sums its per-sequence dQ over the batch with one torch
   reduction.
+* Tile loads (per regime, TMA_LOADS): by pointers (cp.async with row masks), or through tensor descriptors
+  made on the device per program (Hopper's bulk tensor copy; rows past a sequence's end read as zeros), which
+  pay off only where the loops are long (on for "xlong"; never for block / window attention). The dK/dV step
+  lays the scores out key-rows-first (lse / delta per column) or, with DKDV_QROWS, query-rows-first (as
+  FlashAttention-2; measured slower on the H200, kept as a sweepable, tested mode).
 * Host cost per call (it bounds short, heavy-tailed batches): work tables and length checks are cached
   per offsets object; a JFA fwd+bwd enqueues 3 Triton launches and 5 allocations (o, lse+delta, dq, dk,
   dv), GDPA 3 launches and 4 allocations; ``kernels/bench.py --host-profile`` counts them.
