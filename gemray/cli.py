@@ -73,7 +73,8 @@ def _cmd_preempt(ns: argparse.Namespace) -> int:
     NotADirectoryError for a missing --output folder and ValueError for a negative --wait."""
     import socket
 
-    from gemray.preemption import NOTICE_NAME, read_notice, wait_until_handled, write_notice
+    from gemray import preemption
+    from gemray.preemption import NOTICE_NAME, active_path, read_notice, wait_until_handled, write_notice
 
     if ns.wait is not None and ns.wait < 0:
         raise ValueError(f"--wait {ns.wait}: expected >= 0 seconds")
@@ -90,8 +91,12 @@ def _cmd_preempt(ns: argparse.Namespace) -> int:
     existing = read_notice(path)
     if existing is None:
         write_notice(path, ns.reason.replace("{host}", socket.gethostname()))
-        print(f"preemption notice written to {path}: the run checkpoints at its next poll step "
-              "(checkpoint.preempt_poll_steps) and stops")
+        if active_path(path).exists():
+            print(f"preemption notice written to {path}: the run checkpoints at its next poll step "
+                  "(checkpoint.preempt_poll_steps) and stops")
+        else:
+            print(f"preemption notice written to {path}, but no run is active there now (no {active_path(path).name}"
+                  "): the next run started there removes it at start")
     else:
         print(f"a preemption notice is already at {path} (reason: {existing.get('reason')}); not replacing it")
     if ns.wait is None:
@@ -103,6 +108,11 @@ def _cmd_preempt(ns: argparse.Namespace) -> int:
         return 0
     if outcome == "no_run":
         print(f"no run is active for {path}: nothing to wait for")
+        return 0
+    if outcome == "stale":
+        print(f"the run's active marker {active_path(path)} has not been refreshed for {preemption.ACTIVE_STALE_S:g}"
+              f" s (a live driver refreshes it every {preemption.ACTIVE_HEARTBEAT_S:g} s): its driver is gone, "
+              "nothing to wait for")
         return 0
     return _fail(f"--wait {ns.wait:g}: the run did not commit its emergency checkpoint within {ns.wait:g} s "
                  f"(notice {path}); it falls back to its last periodic checkpoint if stopped now", 1)
@@ -188,7 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="recorded in the notice and the events; {host} becomes this host's name (a pod's name)")
     pre.add_argument("--wait", type=float, default=None, metavar="SECONDS",
                      help="block until the run has committed its emergency checkpoint (exit 0), no run is "
-                     "active (exit 0) or SECONDS pass (exit 1)")
+                     "active or its driver is gone (its active marker unrefreshed for 20 s; exit 0) or SECONDS "
+                     "pass (exit 1)")
     pre.set_defaults(func=_cmd_preempt)
 
     bench = sub.add_parser("bench", help="benchmarks")

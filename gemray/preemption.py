@@ -19,10 +19,13 @@ the node is gone.
 The notice file: ``<output_dir>/PREEMPT`` (``checkpoint.preempt_notice``), one JSON object
 ``{"reason", "t", "pid", "host"}``. Once the emergency checkpoint is committed the driver rewrites it with
 ``"handled": {"global_step", "checkpoint", "t"}`` (:func:`mark_handled`). While a run is active the driver
-keeps a marker ``<notice>.active`` beside it (:func:`mark_active`), so ``gemray preempt --wait`` (a
-Kubernetes preStop hook) can block until the checkpoint is committed, and return at once when no run is
-there to wait for (:func:`wait_outcome` decides, :func:`wait_until_handled` polls). Pure except the small
-file helpers.
+keeps a marker ``<notice>.active`` beside it (:func:`mark_active`) and refreshes its modification time
+every ``ACTIVE_HEARTBEAT_S`` seconds, so ``gemray preempt --wait`` (a Kubernetes preStop hook) can block
+until the checkpoint is committed, return at once when no run is there to wait for, and give up on a marker
+left by a driver that was killed outright (SIGKILL, OOM, node loss) once it has not been refreshed for
+``ACTIVE_STALE_S`` seconds of the waiter's own clock (mtimes are compared with each other, never with the
+waiter's wall clock, so clock skew between pods does not matter). :func:`wait_outcome` decides,
+:func:`wait_until_handled` polls. Pure except the small file helpers and the heartbeat thread.
 """
 
 from __future__ import annotations
@@ -45,8 +48,14 @@ NOTICE_NAME = "PREEMPT"
 ACTIONS = ("stop", "checkpoint")
 
 
-#: Outcomes of :func:`wait_outcome` / :func:`wait_until_handled`.
-WAIT_OUTCOMES = ("handled", "no_run", "timeout")
+#: Outcomes of :func:`wait_outcome` / :func:`wait_until_handled`; "stale": an active marker nobody refreshes.
+WAIT_OUTCOMES = ("handled", "no_run", "stale", "timeout")
+#: Seconds between the driver's refreshes of its active marker (modification time).
+ACTIVE_HEARTBEAT_S = 5.0
+#: Seconds a waiter watches an active marker's modification time stand still before it takes the run for
+#: gone (4 heartbeats: one missed refresh on a slow shared volume is not enough).
+ACTIVE_STALE_S = 20.0
+_HEARTBEATS: dict[str, threading.Event] = {}  # marker path -> stop event of its heartbeat thread
 
 
 def _write_json_atomic(path: Path, data: dict[str, Any]) -> Path:
@@ -87,33 +96,70 @@ def active_path(notice_path: str | Path) -> Path:
     return p.with_name(p.name + ".active")
 
 
-def mark_active(notice_path: str | Path) -> Path:
-    """Driver: record that a run polls ``notice_path`` (``{"pid", "host", "t"}``; creates the folder).
-    Returns the marker path. Raises OSError when the folder cannot be created or written."""
+def mark_active(notice_path: str | Path, heartbeat_s: float | None = ACTIVE_HEARTBEAT_S) -> Path:
+    """Driver: record that a run polls ``notice_path`` (``{"pid", "host", "t"}``; creates the folder) and
+    start a daemon thread that refreshes the marker's modification time every ``heartbeat_s`` seconds until
+    :func:`clear_active` (or until the marker is gone); ``heartbeat_s=None``: no thread. Returns the marker
+    path. Raises OSError when the folder cannot be created or written, ValueError for ``heartbeat_s <= 0``."""
+    if heartbeat_s is not None and heartbeat_s <= 0:
+        raise ValueError(f"heartbeat: expected > 0 seconds, got {heartbeat_s}")
     p = active_path(notice_path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    return _write_json_atomic(p, {"pid": os.getpid(), "host": socket.gethostname(), "t": time.time()})
+    _write_json_atomic(p, {"pid": os.getpid(), "host": socket.gethostname(), "t": time.time()})
+    if heartbeat_s is not None:
+        stop = threading.Event()
+        old = _HEARTBEATS.pop(str(p), None)
+        if old is not None:
+            old.set()
+        _HEARTBEATS[str(p)] = stop
+        threading.Thread(target=_heartbeat, args=(p, stop, heartbeat_s), name="gemray-active-heartbeat",
+                         daemon=True).start()
+    return p
+
+
+def _heartbeat(marker: Path, stop: threading.Event, period_s: float) -> None:
+    """Refresh ``marker``'s modification time every ``period_s`` seconds until ``stop`` is set or the marker
+    is gone; a failed refresh (e.g. a shared volume briefly unavailable) is logged and retried."""
+    while not stop.wait(period_s):
+        try:
+            os.utime(marker)
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            log.warning("could not refresh the active marker %s (%s); retrying in %g s", marker, e, period_s)
 
 
 def clear_active(notice_path: str | Path) -> bool:
-    """Driver, when the run ends (however): remove the active marker; True if one was there."""
+    """Driver, when the run ends (however): stop the marker's heartbeat and remove the marker; True if one
+    was there."""
+    p = active_path(notice_path)
+    stop = _HEARTBEATS.pop(str(p), None)
+    if stop is not None:
+        stop.set()
     try:
-        active_path(notice_path).unlink()
+        p.unlink()
         return True
     except FileNotFoundError:
         return False
 
 
-def wait_outcome(notice: dict[str, Any] | None, active: bool, elapsed_s: float, timeout_s: float) -> str | None:
+def wait_outcome(notice: dict[str, Any] | None, active: bool, elapsed_s: float, timeout_s: float,
+                 unrefreshed_s: float = 0.0, stale_s: float = ACTIVE_STALE_S) -> str | None:
     """Pure decision for ``gemray preempt --wait``: "handled" (the notice records its committed emergency
-    checkpoint), "no_run" (no run is active: nothing will handle it), "timeout" (``elapsed_s >=
-    timeout_s``, both in seconds) or None (keep waiting). Raises ValueError for a negative timeout."""
+    checkpoint), "no_run" (no run is active: nothing will handle it), "stale" (the active marker's
+    modification time has stood still for ``unrefreshed_s >= stale_s`` seconds of waiting: its driver was
+    killed without removing it), "timeout" (``elapsed_s >= timeout_s``) or None (keep waiting). All times in
+    seconds. Raises ValueError for a negative timeout or a stale bound <= 0."""
     if timeout_s < 0:
         raise ValueError(f"wait timeout: expected >= 0 seconds, got {timeout_s}")
+    if stale_s <= 0:
+        raise ValueError(f"stale bound: expected > 0 seconds, got {stale_s}")
     if is_handled(notice):
         return "handled"
     if not active:
         return "no_run"
+    if unrefreshed_s >= stale_s:
+        return "stale"
     if elapsed_s >= timeout_s:
         return "timeout"
     return None
@@ -121,19 +167,30 @@ def wait_outcome(notice: dict[str, Any] | None, active: bool, elapsed_s: float, 
 
 def wait_until_handled(notice_path: str | Path, timeout_s: float, poll_s: float = 0.5,
                        sleep: Callable[[float], None] = time.sleep,
-                       clock: Callable[[], float] = time.monotonic) -> tuple[str, dict[str, Any] | None]:
-    """Poll ``notice_path`` (and its active marker) every ``poll_s`` seconds until :func:`wait_outcome`
-    decides; returns ``(outcome, notice)``. ``timeout_s`` in seconds. Raises ValueError for a negative
-    timeout or a poll interval <= 0."""
+                       clock: Callable[[], float] = time.monotonic,
+                       stale_s: float | None = None) -> tuple[str, dict[str, Any] | None]:
+    """Poll ``notice_path`` (and its active marker's modification time) every ``poll_s`` seconds until
+    :func:`wait_outcome` decides; returns ``(outcome, notice)``. A marker counts as refreshed whenever its
+    modification time differs from the previous poll's. Times in seconds. Raises ValueError for a negative
+    timeout, a poll interval <= 0 or a stale bound <= 0 (None: ``ACTIVE_STALE_S``)."""
+    stale_s = ACTIVE_STALE_S if stale_s is None else stale_s
     if poll_s <= 0:
         raise ValueError(f"wait poll interval: expected > 0 seconds, got {poll_s}")
     t0 = clock()
+    seen_mtime, seen_at = None, t0
     while True:
         notice = read_notice(notice_path)
-        outcome = wait_outcome(notice, active_path(notice_path).exists(), clock() - t0, timeout_s)
+        try:
+            mtime: int | None = active_path(notice_path).stat().st_mtime_ns
+        except FileNotFoundError:
+            mtime = None
+        now = clock()
+        if mtime != seen_mtime:
+            seen_mtime, seen_at = mtime, now
+        outcome = wait_outcome(notice, mtime is not None, now - t0, timeout_s, now - seen_at, stale_s)
         if outcome is not None:
             return outcome, notice
-        sleep(max(min(poll_s, timeout_s - (clock() - t0)), 0.01))
+        sleep(max(min(poll_s, timeout_s - (clock() - t0), stale_s - (clock() - seen_at)), 0.01))
 
 
 def read_notice(path: str | Path | None) -> dict[str, Any] | None:

@@ -172,3 +172,78 @@ def test_driver_marks_the_notice_handled_after_the_emergency_checkpoint(tmp_path
     handled = read_notice(cfg.checkpoint.preempt_notice)["handled"]
     assert handled["global_step"] == 17 and handled["checkpoint"] == str(tmp_path / "checkpoint_000003")
     assert not active_path(cfg.checkpoint.preempt_notice).exists()
+
+
+def test_stale_decision_boundaries():
+    """Pure: an active marker unrefreshed for the stale bound means its driver is gone; handled wins."""
+    pending, handled = {"reason": "x"}, {"reason": "x", "handled": {"global_step": 1}}
+    assert wait_outcome(pending, True, 0, 60, unrefreshed_s=20.0, stale_s=20.0) == "stale"
+    assert wait_outcome(pending, True, 0, 60, unrefreshed_s=19.9, stale_s=20.0) is None
+    assert wait_outcome(pending, True, 61, 60, unrefreshed_s=19.9, stale_s=20.0) == "timeout"
+    assert wait_outcome(handled, True, 0, 60, unrefreshed_s=99, stale_s=20.0) == "handled"
+    assert wait_outcome(pending, False, 0, 60, unrefreshed_s=99, stale_s=20.0) == "no_run"
+    with pytest.raises(ValueError, match="stale bound"):
+        wait_outcome(pending, True, 0, 60, unrefreshed_s=0, stale_s=0)
+
+
+def test_a_marker_left_by_a_killed_driver_is_stale_and_the_wait_ends_early(tmp_path, monkeypatch, capsys):
+    """A driver killed outright leaves its active marker with no heartbeat: the waiter gives up after the
+    stale bound instead of waiting out --wait (the preStop hook's whole grace period)."""
+    from gemray import preemption
+
+    p = tmp_path / NOTICE_NAME
+    mark_active(p, heartbeat_s=None)  # the marker as a SIGKILLed driver leaves it
+    t0 = time.monotonic()
+    assert wait_until_handled(p, 30, poll_s=0.05, stale_s=0.4)[0] == "stale"
+    assert 0.4 <= time.monotonic() - t0 < 10
+    monkeypatch.setattr(preemption, "ACTIVE_STALE_S", 0.5)  # the CLI reads the bound at call time
+    t0 = time.monotonic()
+    assert main(["preempt", "--notice", str(p), "--wait", "60"]) == 0
+    assert time.monotonic() - t0 < 15
+    assert "has not been refreshed for 0.5 s" in capsys.readouterr().out
+
+
+def test_a_heartbeated_marker_keeps_the_waiter_waiting(tmp_path):
+    """A live driver refreshes its marker, so the same stale bound never fires: the wait runs to its timeout
+    (or to the handled mark)."""
+    p = tmp_path / NOTICE_NAME
+    mark_active(p, heartbeat_s=0.05)
+    try:
+        t0 = time.monotonic()
+        assert wait_until_handled(p, 1.2, poll_s=0.05, stale_s=0.4)[0] == "timeout"
+        assert time.monotonic() - t0 >= 1.2
+    finally:
+        clear_active(p)
+
+
+def test_heartbeat_refreshes_the_marker_and_stops_with_it(tmp_path):
+    import threading
+
+    from gemray import preemption
+
+    p = tmp_path / NOTICE_NAME
+    before = set(threading.enumerate())
+    marker = mark_active(p, heartbeat_s=0.05)
+    (beat,) = [t for t in set(threading.enumerate()) - before if t.name == "gemray-active-heartbeat"]
+    assert beat.daemon  # never keeps the driver process alive
+    first = marker.stat().st_mtime_ns
+    t0 = time.monotonic()
+    while marker.stat().st_mtime_ns == first and time.monotonic() - t0 < 5:
+        time.sleep(0.02)
+    assert marker.stat().st_mtime_ns != first  # refreshed
+    assert clear_active(p) and str(marker) not in preemption._HEARTBEATS
+    beat.join(2)
+    assert not beat.is_alive()
+    time.sleep(0.2)
+    assert not marker.exists()  # the stopped heartbeat does not bring it back
+    with pytest.raises(ValueError, match="heartbeat"):
+        mark_active(p, heartbeat_s=0)
+
+
+def test_preempt_output_without_an_active_run_says_so(tmp_path, capsys):
+    """`gemray preempt --output` on a folder with no active run (finished, not started yet) still writes the
+    notice, says that no run is active, and the next run there removes it at start."""
+    assert main(["preempt", "--output", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "no run is active there now" in out and "removes it at start" in out
+    assert read_notice(tmp_path / NOTICE_NAME) is not None
