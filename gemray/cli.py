@@ -67,6 +67,19 @@ def _cmd_train(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _run_active(notice: Path) -> bool:
+    """True when the active marker beside ``notice`` (just written) exists and is not stale: its modification
+    time is within ``preemption.ACTIVE_STALE_S`` seconds of the notice's (one file system clock)."""
+    from gemray import preemption
+
+    try:
+        marker_t = preemption.active_path(notice).stat().st_mtime
+        notice_t = notice.stat().st_mtime
+    except OSError:
+        return False
+    return not preemption.marker_is_stale(marker_t, notice_t, preemption.ACTIVE_STALE_S)
+
+
 def _cmd_preempt(ns: argparse.Namespace) -> int:
     """Write the notice (unless one is already pending there), then optionally wait for the run to commit
     its emergency checkpoint. Exit 0 when written/handled/no run is active, 1 on a --wait timeout; raises
@@ -91,7 +104,7 @@ def _cmd_preempt(ns: argparse.Namespace) -> int:
     existing = read_notice(path)
     if existing is None:
         write_notice(path, ns.reason.replace("{host}", socket.gethostname()))
-        if active_path(path).exists():
+        if _run_active(path):
             print(f"preemption notice written to {path}: the run checkpoints at its next poll step "
                   "(checkpoint.preempt_poll_steps) and stops")
         else:
@@ -110,9 +123,10 @@ def _cmd_preempt(ns: argparse.Namespace) -> int:
         print(f"no run is active for {path}: nothing to wait for")
         return 0
     if outcome == "stale":
-        print(f"the run's active marker {active_path(path)} has not been refreshed for {preemption.ACTIVE_STALE_S:g}"
-              f" s (a live driver refreshes it every {preemption.ACTIVE_HEARTBEAT_S:g} s): its driver is gone, "
-              "nothing to wait for")
+        print(f"no run is active for {path}: its active marker {active_path(path).name} has not been refreshed "
+              f"for {preemption.ACTIVE_STALE_S:g} s (a live driver refreshes it every "
+              f"{preemption.ACTIVE_HEARTBEAT_S:g} s), so its driver was killed without removing it; nothing to "
+              "wait for")
         return 0
     return _fail(f"--wait {ns.wait:g}: the run did not commit its emergency checkpoint within {ns.wait:g} s "
                  f"(notice {path}); it falls back to its last periodic checkpoint if stopped now", 1)

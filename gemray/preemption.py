@@ -143,6 +143,17 @@ def clear_active(notice_path: str | Path) -> bool:
         return False
 
 
+def marker_is_stale(marker_mtime_s: float, now_s: float, stale_s: float = ACTIVE_STALE_S) -> bool:
+    """Pure: True when an active marker last refreshed at ``marker_mtime_s`` counts as abandoned at ``now_s``,
+    i.e. it has gone ``stale_s`` seconds or more without a heartbeat (``ACTIVE_HEARTBEAT_S``). Both times in
+    seconds on the *same* clock (e.g. two modification times on the shared volume, or two readings of the
+    waiter's monotonic clock); a marker newer than ``now_s`` (clock skew) is never stale. Raises ValueError
+    for ``stale_s <= 0``."""
+    if stale_s <= 0:
+        raise ValueError(f"stale bound: expected > 0 seconds, got {stale_s}")
+    return now_s - marker_mtime_s >= stale_s
+
+
 def wait_outcome(notice: dict[str, Any] | None, active: bool, elapsed_s: float, timeout_s: float,
                  unrefreshed_s: float = 0.0, stale_s: float = ACTIVE_STALE_S) -> str | None:
     """Pure decision for ``gemray preempt --wait``: "handled" (the notice records its committed emergency
@@ -158,7 +169,7 @@ def wait_outcome(notice: dict[str, Any] | None, active: bool, elapsed_s: float, 
         return "handled"
     if not active:
         return "no_run"
-    if unrefreshed_s >= stale_s:
+    if marker_is_stale(0.0, unrefreshed_s, stale_s):  # last refreshed unrefreshed_s seconds ago
         return "stale"
     if elapsed_s >= timeout_s:
         return "timeout"
@@ -170,13 +181,22 @@ def wait_until_handled(notice_path: str | Path, timeout_s: float, poll_s: float 
                        clock: Callable[[], float] = time.monotonic,
                        stale_s: float | None = None) -> tuple[str, dict[str, Any] | None]:
     """Poll ``notice_path`` (and its active marker's modification time) every ``poll_s`` seconds until
-    :func:`wait_outcome` decides; returns ``(outcome, notice)``. A marker counts as refreshed whenever its
-    modification time differs from the previous poll's. Times in seconds. Raises ValueError for a negative
-    timeout, a poll interval <= 0 or a stale bound <= 0 (None: ``ACTIVE_STALE_S``)."""
+    :func:`wait_outcome` decides; returns ``(outcome, notice)``. Times in seconds.
+
+    How long the marker has gone unrefreshed is the larger of two readings, each on one clock only:
+    how long its modification time has stood still across polls (the waiter's ``clock``), and how much older
+    it is than the notice's modification time at the first poll (the file system's clock: the notice was just
+    written by the waiter, so a marker hours old is recognised at once) plus the time waited since. Clock
+    skew between the waiter's pod and the driver's never enters. Raises ValueError for a negative timeout, a
+    poll interval <= 0 or a stale bound <= 0 (None: ``ACTIVE_STALE_S``)."""
     stale_s = ACTIVE_STALE_S if stale_s is None else stale_s
     if poll_s <= 0:
         raise ValueError(f"wait poll interval: expected > 0 seconds, got {poll_s}")
     t0 = clock()
+    try:  # the file system's "now" at t0, for markers that were already old before the wait began
+        fs_t0: float | None = Path(notice_path).stat().st_mtime
+    except OSError:
+        fs_t0 = None
     seen_mtime, seen_at = None, t0
     while True:
         notice = read_notice(notice_path)
@@ -187,10 +207,17 @@ def wait_until_handled(notice_path: str | Path, timeout_s: float, poll_s: float 
         now = clock()
         if mtime != seen_mtime:
             seen_mtime, seen_at = mtime, now
-        outcome = wait_outcome(notice, mtime is not None, now - t0, timeout_s, now - seen_at, stale_s)
+        unrefreshed = now - seen_at
+        if mtime is not None and fs_t0 is not None:
+            unrefreshed = max(unrefreshed, fs_t0 + (now - t0) - mtime / 1e9)
+        outcome = wait_outcome(notice, mtime is not None, now - t0, timeout_s, unrefreshed, stale_s)
+        if outcome == "stale":
+            log.warning("the active marker %s has not been refreshed for %.1f s (bound %g s; a live driver "
+                        "refreshes it every %g s): taking its run for gone (killed without removing it)",
+                        active_path(notice_path), unrefreshed, stale_s, ACTIVE_HEARTBEAT_S)
         if outcome is not None:
             return outcome, notice
-        sleep(max(min(poll_s, timeout_s - (clock() - t0), stale_s - (clock() - seen_at)), 0.01))
+        sleep(max(min(poll_s, timeout_s - (clock() - t0), stale_s - unrefreshed), 0.01))
 
 
 def read_notice(path: str | Path | None) -> dict[str, Any] | None:

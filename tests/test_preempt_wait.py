@@ -247,3 +247,48 @@ def test_preempt_output_without_an_active_run_says_so(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "no run is active there now" in out and "removes it at start" in out
     assert read_notice(tmp_path / NOTICE_NAME) is not None
+
+
+def test_marker_is_stale_boundaries():
+    """Pure: stale exactly at the bound, not a hair before; a marker from the future (skew) is never stale."""
+    from gemray.preemption import marker_is_stale
+
+    assert marker_is_stale(100.0, 120.0, 20.0)
+    assert not marker_is_stale(100.0, 119.999, 20.0)
+    assert not marker_is_stale(130.0, 120.0, 20.0)
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="stale bound"):
+            marker_is_stale(0.0, 1.0, bad)
+
+
+def test_an_old_marker_is_recognised_at_the_first_poll(tmp_path, capsys):
+    """A marker whose mtime is far behind the just-written notice's (a driver SIGKILLed long ago) ends the wait
+    at once with the default 20 s bound, not after watching it stand still for 20 s; the CLI says no run is
+    active and why."""
+    p = tmp_path / NOTICE_NAME
+    marker = mark_active(p, heartbeat_s=None)
+    old = time.time() - 3600
+    os.utime(marker, (old, old))
+    t0 = time.monotonic()
+    assert main(["preempt", "--notice", str(p), "--wait", "60"]) == 0
+    assert time.monotonic() - t0 < 5
+    out = capsys.readouterr().out
+    assert "no run is active there now" in out  # the notice line already knows the marker is stale
+    assert "no run is active for" in out and "has not been refreshed for 20 s" in out
+
+
+def test_a_fresh_marker_waits_for_the_handled_mark(tmp_path):
+    """A heartbeated marker keeps the waiter until the driver marks the notice handled."""
+    import threading
+
+    p = tmp_path / NOTICE_NAME
+    mark_active(p, heartbeat_s=0.05)
+    write_notice(p, "test")
+    try:
+        threading.Timer(0.8, lambda: mark_handled(p, 5, "ckpt")).start()
+        t0 = time.monotonic()
+        outcome, notice = wait_until_handled(p, 10, poll_s=0.05, stale_s=0.4)
+        assert outcome == "handled" and notice["handled"]["global_step"] == 5
+        assert 0.7 <= time.monotonic() - t0 < 5
+    finally:
+        clear_active(p)
