@@ -212,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="recorded in the notice and the events; {host} becomes this host's name (a pod's name)")
     pre.add_argument("--wait", type=float, default=None, metavar="SECONDS",
                      help="block until the run has committed its emergency checkpoint (exit 0), no run is "
-                     "active or its driver is gone (its active marker unrefreshed for 20 s; exit 0) or SECONDS "
+                     "active or its driver is gone (its active marker 20 s or more behind; exit 0) or SECONDS "
                      "pass (exit 1)")
     pre.set_defaults(func=_cmd_preempt)
 

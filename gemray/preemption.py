@@ -23,8 +23,10 @@ keeps a marker ``<notice>.active`` beside it (:func:`mark_active`) and refreshes
 every ``ACTIVE_HEARTBEAT_S`` seconds, so ``gemray preempt --wait`` (a Kubernetes preStop hook) can block
 until the checkpoint is committed, return at once when no run is there to wait for, and give up on a marker
 left by a driver that was killed outright (SIGKILL, OOM, node loss) once it has not been refreshed for
-``ACTIVE_STALE_S`` seconds of the waiter's own clock (mtimes are compared with each other, never with the
-waiter's wall clock, so clock skew between pods does not matter). :func:`wait_outcome` decides,
+``ACTIVE_STALE_S`` seconds: at the first poll for a marker already that far behind the notice the waiter
+just wrote, otherwise once its mtime has stood still that long on the waiter's own clock (mtimes are
+compared with each other, never with the waiter's wall clock, so clock skew between pods does not matter).
+:func:`marker_is_stale` is the bound. :func:`wait_outcome` decides,
 :func:`wait_until_handled` polls. Pure except the small file helpers and the heartbeat thread.
 """
 
