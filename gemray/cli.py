@@ -108,8 +108,10 @@ def _cmd_preempt(ns: argparse.Namespace) -> int:
             print(f"preemption notice written to {path}: the run checkpoints at its next poll step "
                   "(checkpoint.preempt_poll_steps) and stops")
         else:
-            print(f"preemption notice written to {path}, but no run is active there now (no {active_path(path).name}"
-                  "): the next run started there removes it at start")
+            why = (f"its {active_path(path).name} is stale" if active_path(path).exists()
+                   else f"no {active_path(path).name}")
+            print(f"preemption notice written to {path}, but no run is active there now ({why}): the next run "
+                  "started there removes it at start")
     else:
         print(f"a preemption notice is already at {path} (reason: {existing.get('reason')}); not replacing it")
     if ns.wait is None:
@@ -124,7 +126,7 @@ def _cmd_preempt(ns: argparse.Namespace) -> int:
         return 0
     if outcome == "stale":
         print(f"no run is active for {path}: its active marker {active_path(path).name} has not been refreshed "
-              f"for {preemption.ACTIVE_STALE_S:g} s (a live driver refreshes it every "
+              f"for {preemption.ACTIVE_STALE_S:g} s or more (a live driver refreshes it every "
               f"{preemption.ACTIVE_HEARTBEAT_S:g} s), so its driver was killed without removing it; nothing to "
               "wait for")
         return 0
