@@ -171,7 +171,7 @@ def wait_outcome(notice: dict[str, Any] | None, active: bool, elapsed_s: float, 
         return "handled"
     if not active:
         return "no_run"
-    if marker_is_stale(0.0, unrefreshed_s, stale_s):  # last refreshed unrefreshed_s seconds ago
+    if unrefreshed_s >= stale_s:
         return "stale"
     if elapsed_s >= timeout_s:
         return "timeout"

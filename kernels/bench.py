@@ -665,6 +665,21 @@ def set_mode(which: str, mode) -> None:
         ja.TMA_LOADS[which], ja.DKDV_QROWS[which] = mode[:MODE_LEN]
 
 
+def apply_tiles(tiles_json: str) -> None:
+    """Pin tiles and launch modes from the "chosen tiles" JSON a bench run prints: {regime: {kind: {"128":
+    [BLOCK_M, BLOCK_N, warps, stages]}, "mode": [...]}} (``--tiles``; also deploy/h200/profile_bwd.py).
+    Raises json.JSONDecodeError / KeyError for malformed JSON or an unknown regime or tile kind."""
+    from gemray.kernels import jagged_attention as ja
+
+    for which, kinds in json.loads(tiles_json).items():
+        for kind, table in kinds.items():
+            if kind == "mode":
+                set_mode(which, table)
+                continue
+            for dk, cfg in table.items():
+                ja.TILES[which][kind][int(dk)] = tuple(cfg)
+
+
 SWEEP_BATCH = {"short": ("heavy", 128, 1024), "medium": ("heavy", 256, 4096), "long": ("uniform", 128, 1024),
                "xlong": ("uniform", 64, 4096)}
 
@@ -991,14 +1006,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from gemray.kernels import jagged_attention as ja
 
-    if args.tiles:  # {"long"|"medium"|"short": {"fwd": {"128": [bm, bn, warps, stages]}}}
-        for which, kinds in json.loads(args.tiles).items():
-            for kind, table in kinds.items():
-                if kind == "mode":
-                    set_mode(which, table)
-                    continue
-                for dk, cfg in table.items():
-                    ja.TILES[which][kind][int(dk)] = tuple(cfg)
+    if args.tiles:
+        apply_tiles(args.tiles)
     skip = {s for s in args.skip.split(",") if s}
     if args.precompile:
         secs = precompile(args.precompile)

@@ -150,7 +150,7 @@ DKDV_QROWS: dict[str, bool] = {"short": False, "medium": False, "long": False, "
 # Tile loads of the forward and backward loops through tensor descriptors made on the device (Hopper's bulk
 # tensor copy, TMA): one copy per tile issued by one thread instead of per-thread cp.async with address and
 # row-mask arithmetic (in sm_90 SASS that arithmetic is ~380 of the 689 instructions of a dK/dV loop step,
-# kernels/NOTES.md "Run 7"). Needs sm_90+, 16-byte aligned rows and a power-of-two head dim; per regime: on
+# kernels/NOTES.md "Runs 7-10"). Needs sm_90+, 16-byte aligned rows and a power-of-two head dim; per regime: on
 # for xlong, where runs 7 and 8 both picked it (-2.5%, -1.3% fwd+bwd on uniform B=64 N=4096); it lost or tied
 # elsewhere (+0-7%).
 TMA_LOADS: dict[str, bool] = {"short": False, "medium": False, "long": False, "xlong": True}

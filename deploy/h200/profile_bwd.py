@@ -12,7 +12,6 @@ workload for Nsight Compute's stall sections.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 
@@ -35,13 +34,7 @@ def main() -> None:
     p.add_argument("--tiles", default="")
     args = p.parse_args()
     if args.tiles:
-        for which, kinds in json.loads(args.tiles).items():
-            for kind, table in kinds.items():
-                if kind == "mode":
-                    bench.set_mode(which, table)
-                else:
-                    for dk, cfg in table.items():
-                        ja.TILES[which][kind][int(dk)] = tuple(cfg)
+        bench.apply_tiles(args.tiles)
     one = os.environ.get("GEMRAY_PROFILE_ONE")
     runs = [(kind, b, n, tma) for kind, b, n in bench.BATCHES for tma in (False, True)]
     if one:

@@ -115,9 +115,17 @@ def preflight(cfg: JobConfig, manifest: dict[str, Any], *, embedded: bool,
     CPUs than the embedded cluster has, a cut-off K above the catalogue, prepared data made from other
     raw files than ``data.raw_dir`` holds, an output folder holding a model of another shape, or
     ``ray.use_gpu`` on an embedded cluster with fewer GPUs than workers (``num_gpus``: GPUs this machine
-    has; default ``torch.cuda.device_count()``).
+    has; default ``torch.cuda.device_count()``). :func:`fit` runs the two halves,
+    :func:`preflight_resources` and :func:`preflight_data`, on each side of preparing the data.
     """
     preflight_resources(cfg, embedded=embedded, num_gpus=num_gpus)
+    preflight_data(cfg, manifest, previous=previous)
+
+
+def preflight_data(cfg: JobConfig, manifest: dict[str, Any], *, previous: JobConfig | None = None) -> None:
+    """The checks of :func:`preflight` that need the prepared data's manifest or the previous run's config
+    (cut-offs against the catalogue, the data's source files, the model shape in the output folder). Raises
+    ValueError naming the field."""
     n_items = int(manifest["vocab"]["num_items"])
     if max(int(k) for k in cfg.train.eval_ks) > n_items:
         raise ValueError(f"train.eval_ks={cfg.train.eval_ks}: a cut-off above the {n_items} items of the "
@@ -344,7 +352,7 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
         except (ValueError, OSError) as e:
             log.warning("could not read the previous run's %s (%s): not comparing model shapes",
                         out / "config.toml", e)
-    preflight(cfg, manifest, embedded=not _ray_address(cfg), previous=previous)
+    preflight_data(cfg, manifest, previous=previous)
     out.mkdir(parents=True, exist_ok=True)
     if not cfg.train.events_path:
         cfg.train.events_path = str(out / "events.jsonl")
