@@ -281,15 +281,18 @@ def _act_and_grad(s, ACT: tl.constexpr, FAST: tl.constexpr):
 @triton.jit
 def _valid(qpos, kpos, lq, lk, n_hist, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
            ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, CONTEXT: tl.constexpr):
-    """Boolean validity of (query position, key position) pairs; qpos/kpos broadcast to a 2-D tile."""
-    ok = (qpos < lq) & (kpos < lk)
+    """Boolean validity of (query position, key position) pairs; qpos/kpos broadcast to a 2-D tile.
+    The contextual prefix (CONTEXT > 0, causal) is applied after the targets' rule, as in
+    ``jagged_contextual_attention_ref``: prefix positions see each other even where a short sequence's
+    targets reach into the prefix."""
+    inside = (qpos < lq) & (kpos < lk)
+    ok = inside
     if CAUSAL:
-        if CONTEXT > 0:  # the first CONTEXT positions form a bidirectional prefix
-            ok = ok & ((kpos <= qpos) | ((qpos < CONTEXT) & (kpos < CONTEXT)))
-        else:
-            ok = ok & (kpos <= qpos)
+        ok = ok & (kpos <= qpos)
     if HAS_TARGETS:
         ok = ok & ((kpos < n_hist) | (kpos == qpos))
+    if CAUSAL and CONTEXT > 0:  # the first CONTEXT positions form a bidirectional prefix
+        ok = ok | (inside & (qpos < CONTEXT) & (kpos < CONTEXT))
     if ATT_BLOCK > 0:
         ok = ok & ((kpos // ATT_BLOCK) == (qpos // ATT_BLOCK))
     if WINDOW > 0:

@@ -141,6 +141,17 @@ def test_contextual_prefix_matches_reference(activation, ctx):
            lambda a, b, c: ref.jagged_contextual_attention_ref(a, b, c, off, 40, contextual_len=ctx,
                                                                activation=activation, num_targets=nt),
            (q, k, v), 1e-4)
+    # short sequences whose targets reach into the prefix (lengths 1, 2, 5 with 1, 1, 4 targets): the prefix
+    # positions still see each other, as in the reference
+    nt_short = torch.tensor([0, 1, 4, 6, 2, 0])
+    lengths_short = [0, 1, 5, 37, 2, 16]
+    off_s = _offsets(lengths_short)
+    qs, ks, vs = _leaf(int(off_s[-1]), h, d), _leaf(int(off_s[-1]), h, d), _leaf(int(off_s[-1]), h, d)
+    _check(lambda a, b, c: jagged_attention_triton(a, b, c, off_s, 40, activation=activation, num_targets=nt_short,
+                                                   contextual_len=ctx),
+           lambda a, b, c: ref.jagged_contextual_attention_ref(a, b, c, off_s, 40, contextual_len=ctx,
+                                                               activation=activation, num_targets=nt_short),
+           (qs, ks, vs), 1e-4)
     if ctx == 1:  # a prefix of one position is plain causal attention
         _check(lambda a, b, c: jagged_attention_triton(a, b, c, off, 40, activation=activation,
                                                        contextual_len=1),
