@@ -154,6 +154,16 @@ DKDV_QROWS: dict[str, bool] = {"short": False, "medium": False, "long": False, "
 # for xlong, where runs 7 and 8 both picked it (-2.5%, -1.3% fwd+bwd on uniform B=64 N=4096); it lost or tied
 # elsewhere (+0-7%).
 TMA_LOADS: dict[str, bool] = {"short": False, "medium": False, "long": False, "xlong": True}
+# Length classes (heavy-tailed batches): sequences of at least SPLIT_LEN[reg] tokens run in launches of their own
+# with the tiles and launch mode of the regime their length falls in (regime(SPLIT_LEN[reg], 1)), the shorter
+# ones with the batch regime's; 0 = one class. A batch regime's tiles are the best compromise for its mix (e.g.
+# "medium" 64x64 / 4 warps on heavy B=256 N=4096, where sequences of >= 1024 tokens hold 68% of the causal
+# work); with classes the long sequences get the large tiles that win on uniform long batches. Each class is a
+# filter on the longest-first work table (no data moves); the cost is one more launch per kernel. Self-attention
+# with full causal / non-causal rows only (no block / window, no PMA), two-launch backward. Run 11 (H200,
+# deploy/h200/ab_split.py): every split tried lost (heavy B=256 N=4096 +6-9%, heavy B=128 N=1024 +60-110%;
+# kernels/NOTES.md "Run 11"), so off everywhere; kept as a tested alternative for other GPUs / head sizes.
+SPLIT_LEN: dict[str, int] = {"short": 0, "medium": 0, "long": 0, "xlong": 0}
 FAST_ACT = True  # tanh.approx silu for bf16/fp16 on CUDA (see _act); the bench can turn it off to compare
 REGIME_MEAN_LEN = (256, 1024, 2048)
 _INTERPRET_TILES = (16, 16, 4, 1)
@@ -177,6 +187,19 @@ def regime(total: int, batch: int) -> str:
         if mean < bound:
             return name
     return "xlong"
+
+
+def _classes(spec: "_Spec", reg: str, self_attn: bool) -> tuple[tuple[str, int, int], ...]:
+    """Length classes of one call: ((regime, lo, hi), ...), a sequence of length L in the class with lo <= L <
+    hi (hi 0 = no bound), longest class first; one class (reg, 0, 0) unless SPLIT_LEN[reg] applies (see there).
+    """
+    split = SPLIT_LEN.get(reg, 0)
+    if split <= 0 or not self_attn or spec.max_q_len < split or spec.att_block or spec.window or spec.q_bcast:
+        return ((reg, 0, 0),)
+    long_reg = regime(split, 1)
+    if any(FUSED_BWD.get(r, False) or ATOMIC_DQ.get(r, False) for r in (reg, long_reg)):
+        return ((reg, 0, 0),)
+    return ((long_reg, split, 0), (reg, 0, split))
 
 
 def _tiles(kind: str, d: int, reg: str = "long", max_q_len: int | None = None) -> tuple[int, int, int, int]:
@@ -956,7 +979,7 @@ def _spec(act: int, causal: bool, alpha: float, inv_n: float, att_block: int, wi
 
 
 def _work_table(tile_len: torch.Tensor, max_len: int, block: int, cost: torch.Tensor | None = None,
-                total: int | None = None) -> tuple[torch.Tensor, int]:
+                total: int | None = None, lo: int = 0, hi: int = 0) -> tuple[torch.Tensor, int]:
     """Sorted (sequence, tile) work items, computed on the device without a host sync.
 
     tile_len: [B] int64 length of the tiled axis of each sequence; max_len: bound on it (host int);
@@ -965,12 +988,19 @@ def _work_table(tile_len: torch.Tensor, max_len: int, block: int, cost: torch.Te
     sequence's end, which sort last), n_tiles). ``total`` (host int, = sum of tile_len) trims the table
     to ``total // block + B`` >= the number of valid items, so that few empty programs are launched
     (each still costs a block launch; without the bound a heavy-tailed batch launches ~10x too many).
+    ``lo`` / ``hi`` (host ints, hi 0 = none): only sequences with lo <= tile_len < hi get items (a length
+    class, see SPLIT_LEN); at most ``total // lo`` sequences can have lo tokens, which tightens the trim.
     """
     n_tiles = max(1, triton.cdiv(max_len, block))
     bsz = tile_len.numel()
     dev = tile_len.device
     t = torch.arange(n_tiles, device=dev, dtype=torch.int64)
     valid = (t[None, :] * block) < tile_len[:, None]
+    if lo > 0 or hi > 0:
+        in_class = tile_len >= lo
+        if hi > 0:
+            in_class = in_class & (tile_len < hi)
+        valid = valid & in_class[:, None]
     if cost is None:
         cost = torch.ones((bsz, n_tiles), device=dev, dtype=torch.int64)
     key = torch.where(valid, cost, torch.full_like(cost, -1)).flatten()
@@ -978,7 +1008,8 @@ def _work_table(tile_len: torch.Tensor, max_len: int, block: int, cost: torch.Te
     ids = torch.arange(bsz * n_tiles, device=dev, dtype=torch.int64)
     table = torch.where(valid.flatten()[order], ids[order], torch.full_like(ids, -1))
     if total is not None:
-        table = table[: max(1, min(table.numel(), total // block + bsz))]
+        n_seqs = min(bsz, total // lo) if lo > 0 else bsz
+        table = table[: max(1, min(table.numel(), total // block + n_seqs))]
     return table.to(torch.int32).contiguous(), n_tiles
 
 
@@ -1021,30 +1052,32 @@ def _bias_strides(bias: torch.Tensor | None) -> tuple[int, int, int, int]:
     return tuple(bias.stride())
 
 
-def _q_table(spec: _Spec, q_off: torch.Tensor, kv_off: torch.Tensor, bm: int, t_q: int
-             ) -> tuple[torch.Tensor, int]:
-    """Cached work table of query tiles (fwd and dQ kernels); t_q = number of output rows."""
+def _q_table(spec: _Spec, q_off: torch.Tensor, kv_off: torch.Tensor, bm: int, t_q: int, lo: int = 0,
+             hi: int = 0) -> tuple[torch.Tensor, int]:
+    """Cached work table of query tiles (fwd and dQ kernels); t_q = number of output rows; lo / hi: the
+    length class (see _work_table)."""
     def make():
         lq = q_off[1:] - q_off[:-1]
         lk = kv_off[1:] - kv_off[:-1]
         n_tiles = max(1, triton.cdiv(spec.max_q_len, bm))
-        return _work_table(lq, spec.max_q_len, bm, _q_tile_cost(spec, lk, n_tiles, bm), total=t_q)
+        return _work_table(lq, spec.max_q_len, bm, _q_tile_cost(spec, lk, n_tiles, bm), total=t_q, lo=lo, hi=hi)
 
     return _cached((q_off, kv_off), ("q", bm, spec.max_q_len, spec.max_kv_len, spec.causal,
-                                     spec.att_block, spec.window, t_q), make)
+                                     spec.att_block, spec.window, t_q, lo, hi), make)
 
 
-def _k_table(spec: _Spec, q_off: torch.Tensor, kv_off: torch.Tensor, bn: int, t_k: int
-             ) -> tuple[torch.Tensor, int]:
-    """Cached work table of key tiles (dK/dV kernel); t_k = number of key rows."""
+def _k_table(spec: _Spec, q_off: torch.Tensor, kv_off: torch.Tensor, bn: int, t_k: int, lo: int = 0,
+             hi: int = 0) -> tuple[torch.Tensor, int]:
+    """Cached work table of key tiles (dK/dV kernel); t_k = number of key rows; lo / hi: the length class
+    (of the key length; classes are used for self-attention only)."""
     def make():
         lq = q_off[1:] - q_off[:-1]
         lk = kv_off[1:] - kv_off[:-1]
         n_tiles = max(1, triton.cdiv(spec.max_kv_len, bn))
-        return _work_table(lk, spec.max_kv_len, bn, _k_tile_cost(spec, lq, n_tiles, bn), total=t_k)
+        return _work_table(lk, spec.max_kv_len, bn, _k_tile_cost(spec, lq, n_tiles, bn), total=t_k, lo=lo, hi=hi)
 
     return _cached((q_off, kv_off), ("k", bn, spec.max_q_len, spec.max_kv_len, spec.causal,
-                                     spec.att_block, spec.window, t_k), make)
+                                     spec.att_block, spec.window, t_k, lo, hi), make)
 
 
 @triton.jit
@@ -1144,32 +1177,33 @@ class _GDPA(torch.autograd.Function):
         h = k.shape[1]
         d_qk, d_v = q.shape[2], v.shape[2]
         bdk, bdv = _block_d(d_qk), _block_d(d_v)
-        reg = regime(t_out, q_off.numel() - 1)
-        bm, bn, warps, stages = _tiles("fwd_silu" if spec.act == 1 else "fwd", d_qk, reg, spec.max_q_len)
-        table, n_tiles = _q_table(spec, q_off, kv_off, bm, t_out)
+        classes = _classes(spec, regime(t_out, q_off.numel() - 1), q_off is kv_off)
         o = q.new_empty((t_out, h, d_v))
         if spec.act == 0:  # [2, H, T_out] fp32: log-sum-exp, then delta (written in the backward)
             lse = torch.empty((2, h, t_out), device=q.device, dtype=torch.float32)
             lse_arg, stride_lh = lse, t_out
         else:  # pointwise activations need neither: o stands in for the unused pointer
             lse, lse_arg, stride_lh = None, o, 0
-        inner = HEADS_INNER.get(reg, False)
         even_d = bdk == d_qk and bdv == d_v
-        _gdpa_fwd[(table.numel() * h,) if inner else (table.numel(), h)](
-            q, k, v, o, lse_arg, q_off, kv_off, nt if nt is not None else q_off, table,
-            bias if bias is not None else q,
-            *q.stride()[:2], *k.stride()[:2], *v.stride()[:2],
-            *o.stride()[:2], stride_lh, *_bias_strides(bias),
-            spec.alpha, spec.inv_n, n_tiles, d_qk, d_v, h, HAS_BIAS=bias is not None, HEADS_INNER=inner,
-            ACT=spec.act, CAUSAL=spec.causal, HAS_TARGETS=nt is not None, ATT_BLOCK=spec.att_block,
-            WINDOW=spec.window, Q_BCAST=spec.q_bcast, CONTEXT=spec.context, BLOCK_M=bm, BLOCK_N=bn, BLOCK_DQK=bdk,
-            BLOCK_DV=bdv, EVEN_D=even_d, DOT_PREC=_dot_prec(q.dtype), TMA=_use_tma(reg, even_d, spec, k, v),
-            FAST=_fast_act(q.dtype), num_warps=warps, num_stages=stages)
+        for reg, lo, hi in classes:  # one launch per length class, longest first
+            bm, bn, warps, stages = _tiles("fwd_silu" if spec.act == 1 else "fwd", d_qk, reg, spec.max_q_len)
+            table, n_tiles = _q_table(spec, q_off, kv_off, bm, t_out, lo, hi)
+            inner = HEADS_INNER.get(reg, False)
+            _gdpa_fwd[(table.numel() * h,) if inner else (table.numel(), h)](
+                q, k, v, o, lse_arg, q_off, kv_off, nt if nt is not None else q_off, table,
+                bias if bias is not None else q,
+                *q.stride()[:2], *k.stride()[:2], *v.stride()[:2],
+                *o.stride()[:2], stride_lh, *_bias_strides(bias),
+                spec.alpha, spec.inv_n, n_tiles, d_qk, d_v, h, HAS_BIAS=bias is not None, HEADS_INNER=inner,
+                ACT=spec.act, CAUSAL=spec.causal, HAS_TARGETS=nt is not None, ATT_BLOCK=spec.att_block,
+                WINDOW=spec.window, Q_BCAST=spec.q_bcast, CONTEXT=spec.context, BLOCK_M=bm, BLOCK_N=bn,
+                BLOCK_DQK=bdk, BLOCK_DV=bdv, EVEN_D=even_d, DOT_PREC=_dot_prec(q.dtype),
+                TMA=_use_tma(reg, even_d, spec, k, v), FAST=_fast_act(q.dtype), num_warps=warps, num_stages=stages)
         # o only for softmax (delta = rowsum(o * dO)): saving an output costs a detach and its unpacking
         ctx.save_for_backward(q, k, v, bias, o if spec.act == 0 else None)
         ctx.lse, ctx.q_off, ctx.kv_off, ctx.nt = lse, q_off, kv_off, nt
         ctx.spec = spec
-        ctx.reg = reg
+        ctx.classes = classes
         return o
 
     @staticmethod
@@ -1177,7 +1211,8 @@ class _GDPA(torch.autograd.Function):
         q, k, v, bias, o = ctx.saved_tensors
         q_off, kv_off, nt = ctx.q_off, ctx.kv_off, ctx.nt
         spec: _Spec = ctx.spec
-        reg: str = ctx.reg
+        classes = ctx.classes
+        reg = classes[-1][0]  # the batch's regime (with length classes: the shortest class's)
         if do.stride(-1) != 1:
             do = do.contiguous()
         h = k.shape[1]
@@ -1189,16 +1224,14 @@ class _GDPA(torch.autograd.Function):
             lse, stride_lh = ctx.lse, t_out
         else:  # o and lse are not read by the pointwise activations: do stands in for both pointers
             o, lse, stride_lh = do, do, 0
+        # one launch modes exist for a single length class only (_classes)
         atomic = ATOMIC_DQ.get(reg, False)
         fused = not atomic and FUSED_BWD.get(reg, False)
-        qrows = not atomic and DKDV_QROWS.get(reg, False)  # query-rows-first dK/dV step (own tile kind)
-        delta_inline = softmax and DELTA_INLINE.get(reg, False)
-        inner = HEADS_INNER.get(reg, False)  # grid (items * H,), head fastest, instead of (items, H)
 
-        def grid(n_items: int) -> tuple:
+        def grid(n_items: int, inner: bool) -> tuple:  # inner: (items * H,), head fastest, instead of (items, H)
             return (n_items * h,) if inner else (n_items, h)
 
-        if softmax and not delta_inline and (fused or atomic):  # delta into lse[1] by its own launch
+        if softmax and not DELTA_INLINE.get(reg, False) and (fused or atomic):  # delta into lse[1], own launch
             _bwd_delta[(-(-t_out // 64), h)](
                 o, do, lse, t_out, *o.stride()[:2], *do.stride()[:2], stride_lh,
                 d_v, BLOCK_T=64, BLOCK_DV=bdv, num_warps=4)
@@ -1212,8 +1245,6 @@ class _GDPA(torch.autograd.Function):
         # dbias per head, fp32, zero where no program writes (pairs outside the mask / key range)
         dbias = (torch.zeros((bias.shape[0], h, bias.shape[-2], bias.shape[-1]), device=q.device,
                              dtype=torch.float32) if want_dbias else None)
-        kbm, kbn, kwarps, kstages = _tiles("dkdv_atomic" if atomic else "dkdv_qrows" if qrows else "dkdv", d_qk, reg,
-                                           spec.max_q_len)
         args = [q, k, v, do, lse, o, dk, dv, dq, q_off, kv_off, nt if nt is not None else q_off, None,
                 bias if bias is not None else q, dbias if dbias is not None else q,
                 *q.stride()[:2], *k.stride()[:2], *v.stride()[:2],
@@ -1222,39 +1253,54 @@ class _GDPA(torch.autograd.Function):
                 *dq.stride()[:2], stride_lh, *_bias_strides(bias),
                 *(dbias.stride() if dbias is not None else (0, 0, 0, 0)),
                 spec.alpha, spec.inv_n, 0, 1, 1, d_qk, d_v, h]
-        consts = dict(ACT=spec.act, CAUSAL=spec.causal, HAS_TARGETS=nt is not None, HAS_BIAS=bias is not None,
-                      ATT_BLOCK=spec.att_block, WINDOW=spec.window, Q_BCAST=spec.q_bcast, CONTEXT=spec.context,
-                      BLOCK_DQK=bdk, BLOCK_DV=bdv, DOT_PREC=_dot_prec(q.dtype), FAST=_fast_act(q.dtype),
-                      DELTA_INLINE=delta_inline, HEADS_INNER=inner,
-                      TMA=_use_tma(reg, bdk == d_qk and bdv == d_v, spec, q, k, v, do))
+        even_d = bdk == d_qk and bdv == d_v
+
+        def consts(r: str) -> dict:  # the constexprs of regime r's launches
+            return dict(ACT=spec.act, CAUSAL=spec.causal, HAS_TARGETS=nt is not None, HAS_BIAS=bias is not None,
+                        ATT_BLOCK=spec.att_block, WINDOW=spec.window, Q_BCAST=spec.q_bcast, CONTEXT=spec.context,
+                        BLOCK_DQK=bdk, BLOCK_DV=bdv, DOT_PREC=_dot_prec(q.dtype), FAST=_fast_act(q.dtype),
+                        DELTA_INLINE=softmax and DELTA_INLINE.get(r, False), HEADS_INNER=HEADS_INNER.get(r, False),
+                        TMA=_use_tma(r, even_d, spec, q, k, v, do))
+
         if atomic:  # one launch: dK/dV items that also add their dS K into dQ (and write dbias)
+            kbm, kbn, kwarps, kstages = _tiles("dkdv_atomic", d_qk, reg, spec.max_q_len)
             table, ntk = _k_table(spec, q_off, kv_off, kbn, k.shape[0])
             args[12], args[-6:-3] = table, (0, ntk, 1)
-            _gdpa_bwd[grid(table.numel())](*args, PART=1, num_warps=kwarps, num_stages=kstages, DK_BM=kbm,
-                                           DK_BN=kbn, DQ_BM=0, DQ_BN=0, STORE_DBIAS=want_dbias,
-                                           STORE_DELTA=False, ATOMIC_DQ=True, Q_ROWS=False, **consts)
+            c = consts(reg)
+            _gdpa_bwd[grid(table.numel(), c["HEADS_INNER"])](
+                *args, PART=1, num_warps=kwarps, num_stages=kstages, DK_BM=kbm, DK_BN=kbn, DQ_BM=0, DQ_BN=0,
+                STORE_DBIAS=want_dbias, STORE_DELTA=False, ATOMIC_DQ=True, Q_ROWS=False, **c)
         elif fused:  # one launch: dK/dV and dQ items from one longest-first table
+            qrows = DKDV_QROWS.get(reg, False)
+            kbm, kbn, kwarps, kstages = _tiles("dkdv_qrows" if qrows else "dkdv", d_qk, reg, spec.max_q_len)
             qbm, qbn, qwarps, qstages = _tiles("dq", d_qk, reg, spec.max_q_len)
             table, n_k_items, ntk, ntq = _bwd_table(spec, q_off, kv_off, kbn, qbm, k.shape[0], t_out)
             args[12], args[-6:-3] = table, (n_k_items, ntk, ntq)
-            _gdpa_bwd[grid(table.numel())](*args, PART=0, num_warps=max(kwarps, qwarps),
-                                           num_stages=min(kstages, qstages), DK_BM=kbm, DK_BN=kbn, DQ_BM=qbm,
-                                           DQ_BN=qbn, STORE_DBIAS=want_dbias, STORE_DELTA=False,
-                                           ATOMIC_DQ=False, Q_ROWS=qrows, **consts)
-        else:  # two launches: dQ first (it writes softmax's delta), then dK/dV (reads it)
-            qbm, qbn, qwarps, qstages = _tiles("dq", d_qk, reg, spec.max_q_len)
-            table, ntq = _q_table(spec, q_off, kv_off, qbm, t_out)
-            args[12], args[-6:-3] = table, (0, 1, ntq)
-            # the other part's tile sizes are unused (pruned branch): 0 keeps one compiled variant per config
-            _gdpa_bwd[grid(table.numel())](*args, PART=2, num_warps=qwarps, num_stages=qstages, DK_BM=0, DK_BN=0,
-                                           DQ_BM=qbm, DQ_BN=qbn, STORE_DBIAS=want_dbias,
-                                           STORE_DELTA=softmax and not delta_inline, ATOMIC_DQ=False,
-                                           Q_ROWS=False, **consts)
-            table, ntk = _k_table(spec, q_off, kv_off, kbn, k.shape[0])
-            args[12], args[-6:-3] = table, (0, ntk, 1)
-            _gdpa_bwd[grid(table.numel())](*args, PART=1, num_warps=kwarps, num_stages=kstages, DK_BM=kbm,
-                                           DK_BN=kbn, DQ_BM=0, DQ_BN=0, STORE_DBIAS=False, STORE_DELTA=False,
-                                           ATOMIC_DQ=False, Q_ROWS=qrows, **consts)
+            c = consts(reg)
+            _gdpa_bwd[grid(table.numel(), c["HEADS_INNER"])](
+                *args, PART=0, num_warps=max(kwarps, qwarps), num_stages=min(kstages, qstages), DK_BM=kbm,
+                DK_BN=kbn, DQ_BM=qbm, DQ_BN=qbn, STORE_DBIAS=want_dbias, STORE_DELTA=False, ATOMIC_DQ=False,
+                Q_ROWS=qrows, **c)
+        else:  # two launches per length class: every dQ first (it writes softmax's delta), then dK/dV (reads it)
+            for r, lo, hi in classes:
+                qbm, qbn, qwarps, qstages = _tiles("dq", d_qk, r, spec.max_q_len)
+                table, ntq = _q_table(spec, q_off, kv_off, qbm, t_out, lo, hi)
+                args[12], args[-6:-3] = table, (0, 1, ntq)
+                c = consts(r)
+                # the other part's tile sizes are unused (pruned branch): 0 keeps one compiled variant per config
+                _gdpa_bwd[grid(table.numel(), c["HEADS_INNER"])](
+                    *args, PART=2, num_warps=qwarps, num_stages=qstages, DK_BM=0, DK_BN=0, DQ_BM=qbm, DQ_BN=qbn,
+                    STORE_DBIAS=want_dbias, STORE_DELTA=softmax and not c["DELTA_INLINE"], ATOMIC_DQ=False,
+                    Q_ROWS=False, **c)
+            for r, lo, hi in classes:
+                qrows = DKDV_QROWS.get(r, False)  # query-rows-first dK/dV step (own tile kind)
+                kbm, kbn, kwarps, kstages = _tiles("dkdv_qrows" if qrows else "dkdv", d_qk, r, spec.max_q_len)
+                table, ntk = _k_table(spec, q_off, kv_off, kbn, k.shape[0], lo, hi)
+                args[12], args[-6:-3] = table, (0, ntk, 1)
+                c = consts(r)
+                _gdpa_bwd[grid(table.numel(), c["HEADS_INNER"])](
+                    *args, PART=1, num_warps=kwarps, num_stages=kstages, DK_BM=kbm, DK_BN=kbn, DQ_BM=0, DQ_BN=0,
+                    STORE_DBIAS=False, STORE_DELTA=False, ATOMIC_DQ=False, Q_ROWS=qrows, **c)
         if spec.q_bcast:
             dq = dq.view(-1, q.shape[0], h, d_qk).sum(0, dtype=torch.float32).to(q.dtype)
         elif dq.dtype != q.dtype:  # the atomic path's fp32 accumulator

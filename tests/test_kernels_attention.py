@@ -338,6 +338,72 @@ def test_atomic_dq_random_jagged_batches(monkeypatch, activation, causal, inline
                (q, k, v), 1e-3)
 
 
+@cpu_only
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+def test_length_classes_match_reference(monkeypatch, activation):
+    """SPLIT_LEN: sequences of >= 20 tokens run in launches of their own, with the launch mode of their
+    length's regime (heads-inner grid and TMA loads here), the rest with the batch regime's (neither); every
+    launch of both classes writes its rows of o / lse / delta / dq / dk / dv: forward and gradients match the
+    reference (targets + bias + a contextual prefix included), and each kernel is launched once per class."""
+    from gemray.kernels import jagged_attention as ja
+
+    monkeypatch.setattr(ja, "REGIME_MEAN_LEN", (8, 20, 32))  # batch mean 18 -> "medium", length 20 -> "long"
+    monkeypatch.setattr(ja, "SPLIT_LEN", {r: 20 if r == "medium" else 0 for r in ja.SPLIT_LEN})
+    monkeypatch.setattr(ja, "HEADS_INNER", {r: r == "long" for r in ja.HEADS_INNER})
+    monkeypatch.setattr(ja, "TMA_LOADS", {r: r == "long" for r in ja.TMA_LOADS})
+    monkeypatch.setattr(ja, "_INTERPRET_TILES", (16, 32, 4, 1))
+    spec = ja._spec(0, True, 1.0, 1.0, 0, 0, False, 70, 70, 0)
+    assert ja._classes(spec, "medium", True) == (("long", 20, 0), ("medium", 0, 20))
+    assert ja._classes(spec, "medium", False) == (("medium", 0, 0),)  # cross-attention: one class
+    assert ja._classes(ja._spec(0, True, 1.0, 1.0, 0, 0, False, 19, 19, 0), "medium", True) == (("medium", 0, 0),)
+    launches = {"fwd": [], "bwd": []}
+    for name, key in (("_gdpa_fwd", "fwd"), ("_gdpa_bwd", "bwd")):
+        kern = getattr(ja, name)
+
+        class Spy:
+            def __getitem__(self, grid, kern=kern, key=key):
+                def run(*args, **kw):
+                    launches[key].append((len(grid), kw.get("HEADS_INNER"), kw.get("TMA"), kw.get("PART")))
+                    return kern[grid](*args, **kw)
+                return run
+        monkeypatch.setattr(ja, name, Spy())
+    torch.manual_seed(21)
+    lengths = [0, 1, 33, 70, 17, 20, 19, 2, 0]
+    off = _offsets(lengths)
+    nt = torch.tensor([0, 1, 5, 20, 0, 3, 2, 1, 0])
+    t = int(off[-1])
+    q, k, v, bias = _leaf(t, 2, 16), _leaf(t, 2, 16), _leaf(t, 2, 16), _leaf(len(lengths), 72, 72)
+    checks = [(lambda a, b, c, e: jagged_attention_triton(a, b, c, off, 70, activation=activation, num_targets=nt,
+                                                          attn_bias=e),
+               lambda a, b, c, e: ref.jagged_attention_ref(a, b, c, off, 70, activation=activation,
+                                                           num_targets=nt, attn_bias=e), (q, k, v, bias)),
+              (lambda a, b, c: jagged_attention_triton(a, b, c, off, 70, activation=activation, num_targets=nt,
+                                                       contextual_len=3),
+               lambda a, b, c: ref.jagged_contextual_attention_ref(a, b, c, off, 70, contextual_len=3,
+                                                                   activation=activation, num_targets=nt),
+               (q, k, v))]
+    for fn, ref_fn, tensors in checks:
+        launches["fwd"].clear()
+        launches["bwd"].clear()
+        _check(fn, ref_fn, tensors, 1e-4)
+        # long class: heads-inner grid (1-D) and TMA; short class: (items, H) grid, pointer loads
+        assert launches["fwd"] == [(1, True, True, None), (2, False, False, None)]
+        assert launches["bwd"] == [(1, True, True, 2), (2, False, False, 2), (1, True, True, 1), (2, False, False, 1)]
+
+
+def test_work_table_length_class_filter():
+    """A class's table holds exactly the tiles of the sequences with lo <= length < hi, longest first."""
+    lengths = torch.tensor([3, 0, 70, 17, 1, 40])
+    block, n_tiles = 16, 5
+    cost = (torch.arange(n_tiles)[None, :] + 1).expand(6, -1)
+    for lo, hi, seqs in ((17, 0, {2, 3, 5}), (0, 17, {0, 1, 4}), (2, 41, {0, 3, 5})):
+        table, nt = _work_table(lengths, 70, block, cost, total=int(lengths.sum()), lo=lo, hi=hi)
+        items = [int(x) for x in table if x >= 0]
+        expected = {(b, m) for b in seqs for m in range(n_tiles) if m * block < int(lengths[b])}
+        assert {(i // nt, i % nt) for i in items} == expected and len(items) == len(expected)
+        assert [i % nt for i in items] == sorted((i % nt for i in items), reverse=True)
+
+
 # -------------------------------------------------------- the model's call: HSTU block through gemray.ops
 # gemray.model.hstu.HSTUBlock calls gemray.ops.attention(q, k, v, offsets, max_len, activation="silu",
 # causal=True, rel_bias=RelativeBiasInputs(...)) with H=2, Dqk=Dv=25 (not a power of two), max_len 200;
@@ -732,6 +798,29 @@ def test_gpu_backward_launch_modes(monkeypatch, activation, fused, inline, atomi
         _check(lambda a, b, c: jagged_attention_triton(a, b, c, off, 2048, activation=activation,
                                                        alpha=0.05 if activation != "softmax" else None),
                lambda a, b, c: ref.jagged_attention_ref(a, b, c, off, 2048, activation=activation,
+                                                        alpha=0.05 if activation != "softmax" else None),
+               (q, k, v), 2e-2)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+def test_gpu_length_classes_bf16(monkeypatch, activation):
+    """SPLIT_LEN at bench-like sizes in bf16: sequences >= 1024 tokens with the long / xlong regime's tiles,
+    the rest with the medium regime's, against the reference."""
+    from gemray.kernels import jagged_attention as ja
+
+    torch.manual_seed(22)
+    lengths = _heavy_lengths(60, 4096) + [0, 1, 4096, 1023, 1024, 2048]
+    off = _offsets(lengths, "cuda")
+    t, h, d = int(off[-1]), 4, 128
+    q, k, v = (_leaf(t, h, d, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+    monkeypatch.setattr(ja, "regime", lambda total, batch, _r=ja.regime: "medium" if batch > 1 else _r(total, 1))
+    for split in (1024, 2048):
+        monkeypatch.setattr(ja, "SPLIT_LEN", {r: split if r == "medium" else 0 for r in ja.SPLIT_LEN})
+        _check(lambda a, b, c: jagged_attention_triton(a, b, c, off, 4096, activation=activation,
+                                                       alpha=0.05 if activation != "softmax" else None),
+               lambda a, b, c: ref.jagged_attention_ref(a, b, c, off, 4096, activation=activation,
                                                         alpha=0.05 if activation != "softmax" else None),
                (q, k, v), 2e-2)
 
