@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gemray.checkpoint import checkpoint_reason, report_with_checkpoint, restore_from_ray
+from gemray.checkpoint import checkpoint_reason, data_record, report_with_checkpoint, restore_from_ray
 from gemray.config import JobConfig, from_dict
 from gemray.events import EventLog, failure_events, read_events
 from gemray.metrics import RetrievalMetrics, history_mask, target_ranks
@@ -336,6 +336,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     ray.data.DataContext.get_current().enable_progress_bars = False
     manifest = load_manifest(cfg.data.prepared_dir)
     num_items = int(manifest["counts"]["items"])
+    trained_on = data_record(manifest)  # recorded in every checkpoint: a resume on other data is refused up front
     train_stream = ElasticTrainStream.from_config(cfg.data, rank=rank, world_size=world, seed=cfg.train.seed)
     streams = {split: HistoryStream.from_config(cfg.data, split, rank=rank, world_size=world,
                                                 seed=cfg.train.seed) for split in ("valid", "test")}
@@ -431,7 +432,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                          "global_step": global_step, "history": history, "partial": partial}
                 events.emit("checkpoint_begin", quiet=True, reason=reason, global_step=global_step)
                 report_with_checkpoint({"epoch": epoch, "global_step": global_step, "checkpoint": reason,
-                                        "preempted": action == "stop"}, dmp, optimizer, state)
+                                        "preempted": action == "stop"}, dmp, optimizer, state, data=trained_on)
                 events.emit("checkpoint_saved", reason=reason, global_step=global_step, epoch=epoch,
                             consumed=consumed)
                 if action == "stop":
@@ -476,7 +477,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                                    last_epoch=done == cfg.train.epochs)
         if reason:
             events.emit("checkpoint_begin", quiet=True, reason=reason, global_step=global_step)
-            report_with_checkpoint(metrics, dmp, optimizer, state)
+            report_with_checkpoint(metrics, dmp, optimizer, state, data=trained_on)
             events.emit("checkpoint_saved", reason=reason, global_step=global_step, epoch=done, consumed=0)
         else:
             ray.train.report(metrics)

@@ -6,7 +6,8 @@ manifest is missing -> connect to Ray ($RAY_ADDRESS / ``ray.address``) or start 
 ``metrics.json``, ``curves.png``, ``config.toml`` into the output folder and print a comparison table.
 
 Re-running with the same output folder and job name resumes from its latest committed checkpoint (Ray
-Train V2 restores a run by ``RunConfig(name, storage_path)``).
+Train V2 restores a run by ``RunConfig(name, storage_path)``); a checkpoint trained on other data is refused
+before Ray starts (:func:`preflight_resume`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gemray.checkpoint import file_sha256
+from gemray.checkpoint import checkpoint_data, committed_checkpoints, data_record, file_sha256
 from gemray.config import JobConfig, apply_overrides, load_config, to_toml
 from gemray.events import read_events, summarize_recovery
 from gemray.parallel.sharding import check_shardable
@@ -140,6 +141,72 @@ def preflight_data(cfg: JobConfig, manifest: dict[str, Any], *, previous: JobCon
             raise ValueError("the output folder holds checkpoints of a model of another shape ("
                              + ", ".join(changed) + "); use a new --output (re-running the same command "
                              "resumes; a different model needs its own folder)")
+
+
+def preflight_resume(cfg: JobConfig, manifest: dict[str, Any], run_dir: str | Path, *, output_dir: str | Path,
+                     previous: JobConfig | None = None) -> Path | None:
+    """Refuse, before Ray starts, to resume a checkpoint that was trained on other data.
+
+    run_dir: the Ray Train run folder a resume restores from (``<storage>/<name>``); its newest committed
+    checkpoint (what Ray Train hands back) is compared with the prepared data ``manifest``: the item
+    table's rows (from the checkpoint's DCP metadata, or its data record) must be the catalogue's
+    num_items + 1, and the data fingerprint it records (:func:`gemray.checkpoint.data_record`) must be the
+    data's. Otherwise Ray Train would start the workers, fail to load the checkpoint ("size mismatch for
+    ... item.weight") and retry ``ray.max_failures`` times, or train on with item ids that mean other
+    movies. A checkpoint written before gemray recorded its data (no record) resumes when its table rows
+    match, with a warning. previous: the output folder's config.toml (names the old data when the
+    checkpoint has no record). Returns the checkpoint a resume will start from (None: fresh run). Raises
+    ValueError naming the output folder, the checkpoint, what differs and how to go on.
+    """
+    latest = next(iter(committed_checkpoints(run_dir)), None)
+    if latest is None:
+        return None
+    saved, now = checkpoint_data(latest), data_record(manifest)
+    rec = saved["record"]
+    rows = saved["item_table_rows"] or (rec or {}).get("item_table_rows")
+    differs = why = ""
+    if rows is not None and rows != now["item_table_rows"]:
+        differs = (f"its item embedding table has {rows} rows ({rows - 1} items), the data in data.prepared_dir "
+                   f"{cfg.data.prepared_dir} has {now['num_items']} items ({now['item_table_rows']} rows)")
+        why = "it cannot be loaded into a model for this data"
+    elif rec is not None and rec.get("fingerprint") != now["fingerprint"]:
+        differs = (f"same number of items ({now['num_items']}) but other data (fingerprint {rec.get('fingerprint')}"
+                   f" -> {now['fingerprint']}: " + "; ".join(_data_diff(rec, now)) + ")")
+        why = "resuming would go on training its item rows on ids that mean other items"
+    if not differs:
+        if rec is None:
+            log.warning("checkpoint %s records no data fingerprint (written before gemray recorded one): its item "
+                        "table matches the %d items of %s, but whether it was trained on this data cannot be "
+                        "checked; resuming it", latest, now["num_items"], cfg.data.prepared_dir)
+        return latest
+    out, run_dir = Path(output_dir), Path(run_dir)
+    if rec is not None:
+        origin = f"it was trained on {rec.get('prepared_dir')} (prepared from {rec.get('source_dir')})"
+    elif previous is not None:
+        origin = (f"the folder's config.toml names data.prepared_dir {previous.data.prepared_dir} (raw "
+                  f"{previous.data.raw_dir})")
+    else:
+        origin = "it records no data path (written by an older gemray)"
+    remove = out if run_dir.resolve().is_relative_to(out.resolve()) else run_dir
+    raise ValueError(f"output folder {out} holds checkpoint {latest} of other data: {differs}; {origin}. Not "
+                     f"resuming ({why}): use a new --output (output_dir) for this data, or remove {remove} to start "
+                     "over there (its checkpoints are lost); re-running with the data it was trained on resumes it")
+
+
+def _data_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """What differs between two data records, in words (format, source files, counts, folder)."""
+    out = []
+    if old.get("format") != new.get("format"):
+        out.append(f"format {old.get('format')} -> {new.get('format')}")
+    a, b = dict(map(tuple, old.get("source_files", []))), dict(map(tuple, new.get("source_files", [])))
+    for name in sorted(set(a) | set(b)):
+        if a.get(name) != b.get(name):
+            out.append(f"{name} sha256 {str(a.get(name))[:12]}.. -> {str(b.get(name))[:12]}..")
+    for k in ("users", "items", "interactions"):
+        x, y = (old.get("counts") or {}).get(k), (new.get("counts") or {}).get(k)
+        if x != y:
+            out.append(f"{k} {x} -> {y}")
+    return out or ["source files and counts recorded differently"]
 
 
 def _check_source(cfg: JobConfig, manifest: dict[str, Any]) -> None:
@@ -319,8 +386,9 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
     failure_detected, resize, checkpoint_restored/_fallback/_saved, first_step, ...; also in
     ``events.jsonl`` with per-step heartbeats) and ``recovery`` (per restart:
     steps_lost, seconds_to_first_step; see gemray.events.summarize_recovery).
-    Raises FileNotFoundError / ValueError for a bad config or data path (before any worker starts), and
-    Ray's TrainingFailedError when training fails beyond ``ray.max_failures``.
+    Raises FileNotFoundError / ValueError for a bad config or data path, or for an output folder whose
+    checkpoint was trained on other data (:func:`preflight_resume`), all before any worker starts, and Ray's
+    TrainingFailedError when training fails beyond ``ray.max_failures``.
     """
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
@@ -353,6 +421,8 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
             log.warning("could not read the previous run's %s (%s): not comparing model shapes",
                         out / "config.toml", e)
     preflight_data(cfg, manifest, previous=previous)
+    storage = Path(cfg.ray.storage_path).resolve() if cfg.ray.storage_path else out / "ray"
+    preflight_resume(cfg, manifest, storage / cfg.name, output_dir=out, previous=previous)
     out.mkdir(parents=True, exist_ok=True)
     if not cfg.train.events_path:
         cfg.train.events_path = str(out / "events.jsonl")
@@ -392,7 +462,6 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
             # (gemray.controller.policy.decide_world_size states the rule) and grows it when room appears.
             workers = (cfg.ray.min_workers, cfg.ray.max_workers)
             elastic["elastic_resize_monitor_interval_s"] = cfg.ray.resize_interval_s
-        storage = Path(cfg.ray.storage_path).resolve() if cfg.ray.storage_path else out / "ray"
         trainer = TorchTrainer(
             train_loop_per_worker,
             train_loop_config=cfg.to_dict(),
