@@ -298,8 +298,8 @@ def load_checkpoint(directory: str | Path, model: torch.nn.Module, optimizer: An
     out = json.loads(state["trainer"]["json"])
     if rng_key in state["trainer"]:
         torch.set_rng_state(state["trainer"][rng_key])
-    log.info("rank %d/%d restored checkpoint %s (saved by %s ranks, epoch %s)", rank, world, directory,
-             info["world_size"] or out.get("world_size"), out.get("epoch"))
+    log.info("rank %d/%d restored checkpoint %s (saved by %s ranks, %s epoch(s) completed)", rank, world,
+             directory, info["world_size"] or out.get("world_size"), out.get("epoch"))
     return out
 
 

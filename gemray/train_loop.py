@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from gemray.checkpoint import checkpoint_reason, data_record, report_with_checkpoint, restore_from_ray
 from gemray.config import JobConfig, from_dict
-from gemray.events import EventLog, failure_events, read_events
+from gemray.events import EventLog, epoch_fields, failure_events, read_events
 from gemray.metrics import RetrievalMetrics, history_mask, target_ranks
 from gemray.parallel import parallelize, plan_layout
 from gemray.preemption import preemption_action, read_notice
@@ -359,7 +359,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         saved_world = trainer.get("world_size")
         for path, why in trainer.get("skipped_checkpoints", []):
             events.emit("checkpoint_fallback", skipped=path, reason=why, used=trainer.get("restored_from"))
-        events.emit("checkpoint_restored", global_step=global_step, epoch=start_epoch,
+        events.emit("checkpoint_restored", global_step=global_step, **epoch_fields(start_epoch, in_progress=True),
                     consumed=position["consumed"], saved_world_size=saved_world, world_size=world,
                     path=trainer.get("restored_from"))
         log.info("resuming at epoch %d, sample %d of its order (global step %d), checkpoint saved by %s "
@@ -408,7 +408,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             epoch_step += 1
             if ledger is not None:
                 ledger.step(epoch, global_step, batch.user_ids.tolist())
-            events.emit("step", quiet=True, global_step=global_step, epoch=epoch, consumed=consumed)
+            events.emit("step", quiet=True, global_step=global_step, epoch=epoch + 1, consumed=consumed)
             if not first_step_logged:
                 events.emit("first_step", global_step=global_step, since_start_s=time.time() - t_start)
                 first_step_logged = True
@@ -433,15 +433,15 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                 events.emit("checkpoint_begin", quiet=True, reason=reason, global_step=global_step)
                 report_with_checkpoint({"epoch": epoch, "global_step": global_step, "checkpoint": reason,
                                         "preempted": action == "stop"}, dmp, optimizer, state, data=trained_on)
-                events.emit("checkpoint_saved", reason=reason, global_step=global_step, epoch=epoch,
-                            consumed=consumed)
+                events.emit("checkpoint_saved", reason=reason, global_step=global_step,
+                            **epoch_fields(epoch, in_progress=True), consumed=consumed)
                 if action == "stop":
                     notice = read_notice(cfg.checkpoint.preempt_notice) or {"reason": "SIGTERM to a worker"}
                     log.warning("preemption notice (%s): emergency checkpoint of global step %d reported; "
                                 "stopping. Re-run the same command to resume at this step.",
                                 notice.get("reason"), global_step)
-                    events.emit("preempted", global_step=global_step, epoch=epoch, consumed=consumed,
-                                notice=notice)
+                    events.emit("preempted", global_step=global_step, **epoch_fields(epoch, in_progress=True),
+                                consumed=consumed, notice=notice)
                     stopped = True
                     break
                 if reason == "emergency":
@@ -478,7 +478,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         if reason:
             events.emit("checkpoint_begin", quiet=True, reason=reason, global_step=global_step)
             report_with_checkpoint(metrics, dmp, optimizer, state, data=trained_on)
-            events.emit("checkpoint_saved", reason=reason, global_step=global_step, epoch=done, consumed=0)
+            events.emit("checkpoint_saved", reason=reason, global_step=global_step,
+                        **epoch_fields(done, in_progress=False), consumed=0)
         else:
             ray.train.report(metrics)
     if ledger is not None:

@@ -169,6 +169,8 @@ def test_driver_marks_the_notice_handled_after_the_emergency_checkpoint(tmp_path
     res = _preempted_result(cfg, tmp_path, result, {"preempted": True, "global_step": 17, "epoch": 1}, 0,
                             time.perf_counter())
     assert res.metrics["global_step"] == 17
+    # Ray's reported "epoch" counts completed epochs; metrics.json numbers the epoch it stopped in as the logs do
+    assert (res.metrics["epoch"], res.metrics["epochs_completed"]) == (2, 1)
     handled = read_notice(cfg.checkpoint.preempt_notice)["handled"]
     assert handled["global_step"] == 17 and handled["checkpoint"] == str(tmp_path / "checkpoint_000003")
     assert not active_path(cfg.checkpoint.preempt_notice).exists()

@@ -65,6 +65,9 @@ def test_two_worker_run_outputs(first_run):
         assert h["train_loss"] > 0 and 0.0 <= h["valid_hr@10"] <= 1.0
         assert h["global_step"] == 3 * h["epoch"]
     assert m["history"][1]["train_loss"] < m["history"][0]["train_loss"]
+    # events number epochs as the log lines do ("epoch 2 done"), with the completed count beside
+    saved = [e["detail"] for e in m["events"] if e["kind"] == "checkpoint_saved"]
+    assert [(s["epoch"], s["epochs_completed"], s["reason"]) for s in saved] == [(1, 1, "epoch"), (2, 2, "final")]
     png = (out / "curves.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
     cfg = load_config(out / "config.toml")
@@ -112,6 +115,8 @@ def test_resume_continues_at_next_epoch(first_run):
     attempts = [e["attempt"] for e in m2["events"] if e["kind"] == "attempt_start"]
     assert len(attempts) == 2 and len(set(attempts)) == 2
     assert [e["kind"] for e in m2["events"]].count("finished") == 2
+    restored = next(e["detail"] for e in m2["events"] if e["kind"] == "checkpoint_restored")
+    assert (restored["epoch"], restored["epochs_completed"]) == (3, 2)  # "resuming at epoch 3"
     assert m2["recovery"] == []  # a planned resume after a finished run is not a failure recovery
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from gemray.checkpoint import checkpoint_data, committed_checkpoints, data_record, file_sha256
 from gemray.config import JobConfig, apply_overrides, load_config, to_toml
-from gemray.events import read_events, summarize_recovery
+from gemray.events import epoch_fields, read_events, summarize_recovery
 from gemray.parallel.sharding import check_shardable
 from gemray.preemption import (NOTICE_NAME, clear_active, clear_notice, install_driver_sigterm, mark_active,
                                mark_handled)
@@ -324,15 +324,17 @@ def _previous_wall(metrics_path: Path) -> tuple[float, int]:
 def _preempted_result(cfg: JobConfig, out: Path, result: Any, reported: dict[str, Any], events_from: int,
                       t0: float, wall_before: float = 0.0, invocations: int = 1) -> Result:
     """The run stopped on a preemption notice after its emergency checkpoint: write metrics.json with
-    ``preempted`` (the notice), ``global_step``/``epoch`` of the checkpoint and the events; no test metrics.
+    ``preempted`` (the notice), the checkpoint's ``global_step``, ``epoch`` (1-based, the epoch it stopped in,
+    as the log lines number it) and ``epochs_completed`` (see gemray.events), and the events; no test metrics.
     Then mark the notice handled (``"handled": {"global_step", "checkpoint", "t"}``) and drop the run's active
     marker, which ends a ``gemray preempt --wait``."""
     events = read_events(cfg.train.events_path)[events_from:]
     stop = next((e["detail"] for e in reversed(events) if e["kind"] == "preempted"), {})
     ckpt = result.checkpoint.path if result.checkpoint is not None else None
+    done = int(reported.get("epoch", 0))  # Ray's reported metrics count completed epochs
     metrics: dict[str, Any] = {
         "preempted": stop.get("notice") or True, "global_step": int(reported.get("global_step", 0)),
-        "epoch": int(reported.get("epoch", 0)), "wall_s": wall_before + time.perf_counter() - t0,
+        **epoch_fields(done, in_progress=True), "wall_s": wall_before + time.perf_counter() - t0,
         "invocations": invocations,
         "events": [e for e in events if e["kind"] not in QUIET_KINDS], "recovery": summarize_recovery(events)}
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True, default=str))
@@ -384,8 +386,9 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
     included), ``epochs``, ``world_size``, ``bbs_imbalance`` (mean measured token imbalance max/mean across
     ranks), ``history`` (per-epoch dicts), ``events`` (controller events of every invocation:
     failure_detected, resize, checkpoint_restored/_fallback/_saved, first_step, ...; also in
-    ``events.jsonl`` with per-step heartbeats) and ``recovery`` (per restart:
-    steps_lost, seconds_to_first_step; see gemray.events.summarize_recovery).
+    ``events.jsonl`` with per-step heartbeats) and ``recovery`` (per restart after a failure and per resume
+    after a preemption, told apart by ``kind``: steps_lost, seconds_to_first_step; see
+    gemray.events.summarize_recovery).
     Raises FileNotFoundError / ValueError for a bad config or data path, or for an output folder whose
     checkpoint was trained on other data (:func:`preflight_resume`), all before any worker starts, and Ray's
     TrainingFailedError when training fails beyond ``ray.max_failures``.
@@ -516,10 +519,11 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
     metrics["events"] = [e for e in events if e["kind"] not in QUIET_KINDS]  # heartbeats stay in events.jsonl
     metrics["recovery"] = summarize_recovery(events)
     for r in metrics["recovery"]:
-        log.info("recovery: attempt %s -> %s, world %s -> %s, %s step(s) lost, %.1f s from the last step "
-                 "before the failure to the first resumed step", r["failed_attempt"], r["attempt"],
+        log.info("recovery (%s): attempt %s -> %s, world %s -> %s, %s step(s) lost, %.1f s from the last step "
+                 "before the %s to the first resumed step", r["kind"], r["failed_attempt"], r["attempt"],
                  r["world_size_before"], r["world_size_after"], r["steps_lost"],
-                 r["seconds_to_first_step"] if r["seconds_to_first_step"] is not None else float("nan"))
+                 r["seconds_to_first_step"] if r["seconds_to_first_step"] is not None else float("nan"),
+                 "stop (the time the job was stopped included)" if r["kind"] == "preemption" else "failure")
     ckpt = result.checkpoint.path if result.checkpoint is not None else None
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
     if history:
