@@ -9,13 +9,16 @@ Evaluation follows the HSTU protocol (Zhai et al. 2024, sec. 4.1.1; ``gemray.met
 held-out item is ranked against ALL items (ids 1..N; column 0 of the score matrix is padding), HR@K /
 NDCG@K sums are all-reduced over ranks.
 
-Reported metrics per epoch (rank 0's dict is attached to the checkpoint): ``epoch`` (completed epochs),
+Reported metrics per epoch (rank 0's dict is attached to the checkpoint): ``epoch`` (the epoch just completed,
+1-based, = completed epochs),
 ``train_loss``, ``samples_per_s`` / ``tokens_per_s`` (global, training steps only), ``token_imbalance``
 (mean over steps of max/mean tokens across ranks, measured by all-gathering per-step counts),
 ``epoch_s``, ``valid_hr@K`` / ``valid_ndcg@K`` on eval epochs; the last epoch's report also carries
 ``test_hr@K`` / ``test_ndcg@K``, ``world_size`` and ``history`` (the per-epoch dicts, restored across
 restarts). Ray Train V2's ``Result.metrics`` is the dict reported with the latest checkpoint, so the
-last epoch always checkpoints.
+last epoch always checkpoints. A checkpoint inside an epoch reports ``epoch`` (the one in progress, as the
+log lines number it), ``epochs_completed``, ``global_step``, ``checkpoint`` (the reason) and ``preempted``
+(gemray.events.epoch_fields).
 """
 
 from __future__ import annotations
@@ -431,8 +434,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                 state = {"epoch": epoch, "consumed": consumed, "epoch_step": epoch_step,
                          "global_step": global_step, "history": history, "partial": partial}
                 events.emit("checkpoint_begin", quiet=True, reason=reason, global_step=global_step)
-                report_with_checkpoint({"epoch": epoch, "global_step": global_step, "checkpoint": reason,
-                                        "preempted": action == "stop"}, dmp, optimizer, state, data=trained_on)
+                report_with_checkpoint({**epoch_fields(epoch, in_progress=True), "global_step": global_step,
+                                        "checkpoint": reason, "preempted": action == "stop"}, dmp, optimizer,
+                                       state, data=trained_on)
                 events.emit("checkpoint_saved", reason=reason, global_step=global_step,
                             **epoch_fields(epoch, in_progress=True), consumed=consumed)
                 if action == "stop":

@@ -331,7 +331,8 @@ def _preempted_result(cfg: JobConfig, out: Path, result: Any, reported: dict[str
     events = read_events(cfg.train.events_path)[events_from:]
     stop = next((e["detail"] for e in reversed(events) if e["kind"] == "preempted"), {})
     ckpt = result.checkpoint.path if result.checkpoint is not None else None
-    done = int(reported.get("epoch", 0))  # Ray's reported metrics count completed epochs
+    # the emergency checkpoint's report; before epochs_completed was reported, its "epoch" counted them
+    done = int(reported.get("epochs_completed", reported.get("epoch", 0)))
     metrics: dict[str, Any] = {
         "preempted": stop.get("notice") or True, "global_step": int(reported.get("global_step", 0)),
         **epoch_fields(done, in_progress=True), "wall_s": wall_before + time.perf_counter() - t0,
