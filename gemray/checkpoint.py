@@ -5,12 +5,19 @@ Layout of one committed checkpoint (Ray Train V2 merges every rank's reported di
     checkpoint_<timestamp>/
         .metadata              DCP global metadata (written by rank 0, the DCP coordinator)
         __<r>_0.distcp         rank r's shards (TorchRec ShardedTensors, deduplicated dense tensors)
-        manifest_rank<r>.json  {"rank", "world_size", "files": {name: sha256}} of what rank r wrote
+        manifest_rank<r>.json  {"rank", "world_size", "files": {name: sha256}, "data": {...}} of what rank r
+                               wrote; "data" (:func:`data_record`) names the prepared data it was trained on
 
 State saved: ``{"model": dmp.state_dict(), "optimizer": combined.state_dict(), "trainer": {"json":
 <epoch, step, global_step, world_size, history as JSON>, "rng_rank<r>": torch RNG state}}``. ``epoch`` counts completed
 epochs, so a restart continues at ``epoch``. The per-rank RNG state is keyed by rank (DCP deduplicates
 same-named entries); it is restored only when the rank existed in the saved run.
+
+Data: a checkpoint only loads into a model built for the same catalogue (the item table has num_items + 1
+rows), and its item ids only mean the same movies on the same prepared data. ``fit`` checks both before Ray
+starts (:func:`checkpoint_data` reads the record and the DCP metadata's table rows; see
+``gemray.controller.run.preflight_resume``). Checkpoints written before the record existed still carry the
+table rows in their DCP metadata.
 
 World size: DCP reshards on load (row-wise TorchRec ShardedTensors are read back by offset), so a
 checkpoint saved by N ranks loads on M ranks as long as the new sharding plan is also row-/table-/
@@ -77,14 +84,15 @@ def _state_initialised(optimizer: Any) -> bool:
 
 
 def save_checkpoint(directory: str | Path, model: torch.nn.Module, optimizer: Any,
-                    trainer: dict[str, Any]) -> Path:
+                    trainer: dict[str, Any], *, data: dict[str, Any] | None = None) -> Path:
     """Save with DCP into ``directory`` (this rank's own, fresh, local dir) and write its manifest.
 
     Every rank of the default process group must call this (DCP is collective). Writes
     ``manifest_rank<r>.json`` listing the sha256 of every file this rank wrote. ``trainer`` holds plain
     Python values (epoch, step, global_step, history) and must be identical on every rank: DCP
     deduplicates same-named entries and keeps rank 0's copy. This rank's RNG state is added under
-    ``rng_rank<r>``. Returns the directory.
+    ``rng_rank<r>``. ``data``: what the model was trained on (:func:`data_record`), stored in the manifest as
+    ``"data"`` so that a resume on other data can be refused before any worker starts. Returns the directory.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -107,6 +115,8 @@ def save_checkpoint(directory: str | Path, model: torch.nn.Module, optimizer: An
         _fsync(directory / name)
     manifest = {"rank": rank, "world_size": world,
                 "files": {name: file_sha256(directory / name) for name in written}}
+    if data is not None:
+        manifest["data"] = data
     # Atomic manifest: temp file, fsync, rename, fsync the directory. A checkpoint killed mid-write has
     # no manifest for this rank and fails verify_checkpoint.
     tmp = directory / f".manifest_rank{rank}.json.tmp"
@@ -158,6 +168,57 @@ def _fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def data_record(manifest: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint records about the prepared data it was trained on, from that data's manifest.
+
+    ``{"num_items", "item_table_rows" (num_items + 1: row 0 is padding), "fingerprint", "format",
+    "source_files" ([[name, sha256]] of the raw ratings files), "counts" ({"users", "items",
+    "interactions"}), "prepared_dir", "source_dir"}``. ``fingerprint`` is a short sha256 of format, source
+    files and counts only: preparing the same raw file again (elsewhere, with another ``num_files``) gives the
+    same fingerprint; another dataset or an edited ratings file gives another.
+    """
+    vocab, counts, src = manifest.get("vocab", {}), manifest.get("counts", {}), manifest.get("source", {})
+    n = int(vocab.get("num_items", counts.get("items", 0)))
+    ident = {"format": manifest.get("format"),
+             "source_files": sorted([str(f.get("name")), str(f.get("sha256"))] for f in src.get("files", [])),
+             "counts": {k: counts.get(k) for k in ("users", "items", "interactions")}}
+    fingerprint = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+    return {"num_items": n, "item_table_rows": n + 1, "fingerprint": fingerprint, **ident,
+            "prepared_dir": manifest.get("prepared_dir"), "source_dir": src.get("dir")}
+
+
+def checkpoint_data(directory: str | Path) -> dict[str, Any]:
+    """What a committed checkpoint tells about its data without loading it: ``{"record", "item_table_rows"}``.
+
+    ``record``: the :func:`data_record` its manifests carry (None for a checkpoint written before gemray
+    recorded it, or with no readable manifest); ``item_table_rows``: rows of the item embedding table in
+    its DCP ``.metadata`` (None when that cannot be read). Never raises for a bad checkpoint: the workers'
+    verification deals with those.
+    """
+    directory = Path(directory)
+    record = None
+    for m in sorted(directory.glob(MANIFEST_GLOB)):
+        try:
+            record = json.loads(m.read_text()).get("data")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if record is not None:
+            break
+    rows = None
+    try:
+        import torch.distributed.checkpoint as dcp
+
+        meta = dcp.FileSystemReader(str(directory)).read_metadata()
+        for key, md in meta.state_dict_metadata.items():
+            size = getattr(md, "size", None)
+            if key.startswith("model.") and key.endswith(".item.weight") and size is not None and len(size) == 2:
+                rows = int(size[0])
+                break
+    except Exception:  # noqa: BLE001 - missing or unreadable .metadata: nothing to compare
+        rows = None
+    return {"record": record if isinstance(record, dict) else None, "item_table_rows": rows}
 
 
 def verify_checkpoint(directory: str | Path) -> dict[str, Any]:
@@ -237,23 +298,24 @@ def load_checkpoint(directory: str | Path, model: torch.nn.Module, optimizer: An
     out = json.loads(state["trainer"]["json"])
     if rng_key in state["trainer"]:
         torch.set_rng_state(state["trainer"][rng_key])
-    log.info("rank %d/%d restored checkpoint %s (saved by %s ranks, epoch %s)", rank, world, directory,
-             info["world_size"] or out.get("world_size"), out.get("epoch"))
+    log.info("rank %d/%d restored checkpoint %s (saved by %s ranks, %s epoch(s) completed)", rank, world,
+             directory, info["world_size"] or out.get("world_size"), out.get("epoch"))
     return out
 
 
 def report_with_checkpoint(metrics: dict[str, Any], model: torch.nn.Module, optimizer: Any,
-                           trainer: dict[str, Any]) -> None:
+                           trainer: dict[str, Any], *, data: dict[str, Any] | None = None) -> None:
     """Save this rank's DCP shards to a fresh local temp dir and ``ray.train.report`` them.
 
     Every rank must call it (DCP and ``ray.train.report`` are both collective); Ray Train V2 merges the
-    ranks' directories into one committed checkpoint. The temp dir is removed after the upload.
+    ranks' directories into one committed checkpoint. The temp dir is removed after the upload. ``data``:
+    see :func:`save_checkpoint`.
     """
     import ray.train
 
     tmp = Path(tempfile.mkdtemp(prefix="gemray-ckpt-"))
     try:
-        save_checkpoint(tmp, model, optimizer, trainer)
+        save_checkpoint(tmp, model, optimizer, trainer, data=data)
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(str(tmp)))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -4,6 +4,13 @@ Rank 0 of every attempt appends :class:`Event` dicts as JSON lines to ``train.ev
 sets it to ``<output_dir>/events.jsonl``) and logs each one; :func:`summarize_recovery` turns the log
 into seconds-from-failure-to-first-resumed-step and steps lost per restart (metrics.json
 ``recovery``). Pure except :class:`EventLog` (a file appender).
+
+Epoch numbers in event details (:func:`epoch_fields`): ``epoch`` is 1-based, the epoch being trained, as
+the log lines print it ("epoch 3 step 5", "epoch 3 done", "resuming at epoch 3"); ``epochs_completed``
+counts the epochs finished (what a checkpoint's trainer state stores as ``epoch``). A checkpoint taken
+mid-way through the third epoch: ``epoch`` 3, ``epochs_completed`` 2; the one at its end: 3 and 3.
+``checkpoint_saved``, ``preempted`` and ``checkpoint_restored`` carry both (``checkpoint_restored``: the
+epoch training resumes in), ``step`` only ``epoch``.
 """
 
 from __future__ import annotations
@@ -17,13 +24,23 @@ from typing import Any
 
 log = logging.getLogger("gemray.events")
 
-__all__ = ["EVENT_KINDS", "PLANNED_END", "Event", "EventLog", "failure_events", "read_events", "summarize_recovery"]
+__all__ = ["EVENT_KINDS", "PLANNED_END", "Event", "EventLog", "epoch_fields", "failure_events", "read_events",
+           "summarize_recovery"]
 
 EVENT_KINDS = ("attempt_start", "failure_detected", "resize", "checkpoint_restored", "checkpoint_fallback",
                "checkpoint_uncommitted", "startup", "first_step", "step", "checkpoint_begin", "checkpoint_saved",
                "preempted", "finished")
-#: Kinds that end an attempt on purpose: the next attempt is a planned resume, not a recovery.
+#: Kinds that end an attempt on purpose: the next attempt is a planned resume, not a failure (after "preempted"
+#: it is still a ``recovery`` row, of kind "preemption").
 PLANNED_END = ("finished", "preempted")
+
+
+def epoch_fields(epochs_completed: int, *, in_progress: bool) -> dict[str, int]:
+    """``{"epoch", "epochs_completed"}`` for an event detail (see the module docstring): ``in_progress`` True
+    for a point inside an epoch (its ``epoch`` is the next one, epochs_completed + 1), False at an epoch's end
+    (``epoch`` = epochs_completed, the epoch just finished)."""
+    done = int(epochs_completed)
+    return {"epoch": done + 1 if in_progress else done, "epochs_completed": done}
 
 
 @dataclass
@@ -105,14 +122,19 @@ def failure_events(events: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def summarize_recovery(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One dict per restart after a failure: how long it took and how much work was lost.
+    """One dict per restart after a failure or resume after a preemption: how long it took, how much work
+    was lost.
 
-    ``failed_attempt`` / ``attempt``; ``world_size_before`` / ``world_size_after``; ``last_step`` (the
-    last global step the failed attempt finished) and ``restored_step`` (of the checkpoint restored);
-    ``steps_lost`` = last_step - restored_step; ``seconds_to_first_step`` = time of the first step of
-    the new attempt minus time of the failed attempt's last step (an upper bound on failure ->
-    first resumed step; the failure itself happened in between); ``restore_s`` = restored - attempt
-    start. Attempts without a step yet are reported with ``seconds_to_first_step`` None.
+    ``kind``: "failure" (Ray Train restarted the worker group: a worker or node lost, or an elastic resize,
+    the attempts that ``failure_detected`` events name) or "preemption" (a new run resumed where an attempt
+    stopped on a preemption notice; its seconds include the time the job was stopped). An attempt that
+    finished is followed by a planned resume (more epochs), not listed.
+    ``failed_attempt`` (the attempt that ended) / ``attempt``; ``world_size_before`` / ``world_size_after``;
+    ``last_step`` (the last global step the failed attempt finished) and ``restored_step`` (of the
+    checkpoint restored); ``steps_lost`` = last_step - restored_step; ``seconds_to_first_step`` = time of
+    the first step of the new attempt minus time of the failed attempt's last step (an upper bound on
+    failure -> first resumed step; the failure itself happened in between); ``restore_s`` = restored -
+    attempt start. Attempts without a step yet are reported with ``seconds_to_first_step`` None.
     Where the seconds go: ``to_train_fn_s`` = last step -> the new train function starting (Ray Train
     detects the failure, stops the old group, starts new worker processes, sets up torch.distributed);
     ``phases`` = the new attempt's ``startup`` event (process_to_train_fn_s, setup_and_data_s,
@@ -127,8 +149,9 @@ def summarize_recovery(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for prev, cur in zip(order, order[1:]):
         p, c = by_attempt[prev], by_attempt[cur]
-        if any(e["kind"] in PLANNED_END for e in p):
-            continue  # a planned resume (new fit on the same run, e.g. after a preemption), not a failure
+        if any(e["kind"] == "finished" for e in p):
+            continue  # a planned resume of a finished run (new fit with more epochs): nothing to recover
+        kind = "preemption" if any(e["kind"] == "preempted" for e in p) else "failure"
         steps = [e for e in p if e["kind"] == "step"]
         start_p = next((e for e in p if e["kind"] == "attempt_start"), p[0])
         start_c = next((e for e in c if e["kind"] == "attempt_start"), c[0])
@@ -139,7 +162,7 @@ def summarize_recovery(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         last_t = steps[-1]["t"] if steps else start_p["t"]
         last_step = steps[-1]["detail"]["global_step"] if steps else start_p["detail"].get("global_step", 0)
         restored_step = restored["detail"]["global_step"] if restored else 0
-        out.append({"failed_attempt": prev, "attempt": cur,
+        out.append({"kind": kind, "failed_attempt": prev, "attempt": cur,
                     "world_size_before": start_p["detail"].get("world_size"),
                     "world_size_after": start_c["detail"].get("world_size"),
                     "last_step": last_step, "restored_step": restored_step,

@@ -9,13 +9,16 @@ Evaluation follows the HSTU protocol (Zhai et al. 2024, sec. 4.1.1; ``gemray.met
 held-out item is ranked against ALL items (ids 1..N; column 0 of the score matrix is padding), HR@K /
 NDCG@K sums are all-reduced over ranks.
 
-Reported metrics per epoch (rank 0's dict is attached to the checkpoint): ``epoch`` (completed epochs),
+Reported metrics per epoch (rank 0's dict is attached to the checkpoint): ``epoch`` (the epoch just completed,
+1-based, = completed epochs),
 ``train_loss``, ``samples_per_s`` / ``tokens_per_s`` (global, training steps only), ``token_imbalance``
 (mean over steps of max/mean tokens across ranks, measured by all-gathering per-step counts),
 ``epoch_s``, ``valid_hr@K`` / ``valid_ndcg@K`` on eval epochs; the last epoch's report also carries
 ``test_hr@K`` / ``test_ndcg@K``, ``world_size`` and ``history`` (the per-epoch dicts, restored across
 restarts). Ray Train V2's ``Result.metrics`` is the dict reported with the latest checkpoint, so the
-last epoch always checkpoints.
+last epoch always checkpoints. A checkpoint inside an epoch reports ``epoch`` (the one in progress, as the
+log lines number it), ``epochs_completed``, ``global_step``, ``checkpoint`` (the reason) and ``preempted``
+(gemray.events.epoch_fields).
 """
 
 from __future__ import annotations
@@ -31,9 +34,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gemray.checkpoint import checkpoint_reason, report_with_checkpoint, restore_from_ray
+from gemray.checkpoint import checkpoint_reason, data_record, report_with_checkpoint, restore_from_ray
 from gemray.config import JobConfig, from_dict
-from gemray.events import EventLog, failure_events, read_events
+from gemray.events import EventLog, epoch_fields, failure_events, read_events
 from gemray.metrics import RetrievalMetrics, history_mask, target_ranks
 from gemray.parallel import parallelize, plan_layout
 from gemray.preemption import preemption_action, read_notice
@@ -336,6 +339,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     ray.data.DataContext.get_current().enable_progress_bars = False
     manifest = load_manifest(cfg.data.prepared_dir)
     num_items = int(manifest["counts"]["items"])
+    trained_on = data_record(manifest)  # recorded in every checkpoint: a resume on other data is refused up front
     train_stream = ElasticTrainStream.from_config(cfg.data, rank=rank, world_size=world, seed=cfg.train.seed)
     streams = {split: HistoryStream.from_config(cfg.data, split, rank=rank, world_size=world,
                                                 seed=cfg.train.seed) for split in ("valid", "test")}
@@ -358,7 +362,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         saved_world = trainer.get("world_size")
         for path, why in trainer.get("skipped_checkpoints", []):
             events.emit("checkpoint_fallback", skipped=path, reason=why, used=trainer.get("restored_from"))
-        events.emit("checkpoint_restored", global_step=global_step, epoch=start_epoch,
+        events.emit("checkpoint_restored", global_step=global_step, **epoch_fields(start_epoch, in_progress=True),
                     consumed=position["consumed"], saved_world_size=saved_world, world_size=world,
                     path=trainer.get("restored_from"))
         log.info("resuming at epoch %d, sample %d of its order (global step %d), checkpoint saved by %s "
@@ -407,7 +411,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             epoch_step += 1
             if ledger is not None:
                 ledger.step(epoch, global_step, batch.user_ids.tolist())
-            events.emit("step", quiet=True, global_step=global_step, epoch=epoch, consumed=consumed)
+            events.emit("step", quiet=True, global_step=global_step, epoch=epoch + 1, consumed=consumed)
             if not first_step_logged:
                 events.emit("first_step", global_step=global_step, since_start_s=time.time() - t_start)
                 first_step_logged = True
@@ -430,17 +434,18 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                 state = {"epoch": epoch, "consumed": consumed, "epoch_step": epoch_step,
                          "global_step": global_step, "history": history, "partial": partial}
                 events.emit("checkpoint_begin", quiet=True, reason=reason, global_step=global_step)
-                report_with_checkpoint({"epoch": epoch, "global_step": global_step, "checkpoint": reason,
-                                        "preempted": action == "stop"}, dmp, optimizer, state)
-                events.emit("checkpoint_saved", reason=reason, global_step=global_step, epoch=epoch,
-                            consumed=consumed)
+                report_with_checkpoint({**epoch_fields(epoch, in_progress=True), "global_step": global_step,
+                                        "checkpoint": reason, "preempted": action == "stop"}, dmp, optimizer,
+                                       state, data=trained_on)
+                events.emit("checkpoint_saved", reason=reason, global_step=global_step,
+                            **epoch_fields(epoch, in_progress=True), consumed=consumed)
                 if action == "stop":
                     notice = read_notice(cfg.checkpoint.preempt_notice) or {"reason": "SIGTERM to a worker"}
                     log.warning("preemption notice (%s): emergency checkpoint of global step %d reported; "
                                 "stopping. Re-run the same command to resume at this step.",
                                 notice.get("reason"), global_step)
-                    events.emit("preempted", global_step=global_step, epoch=epoch, consumed=consumed,
-                                notice=notice)
+                    events.emit("preempted", global_step=global_step, **epoch_fields(epoch, in_progress=True),
+                                consumed=consumed, notice=notice)
                     stopped = True
                     break
                 if reason == "emergency":
@@ -476,8 +481,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                                    last_epoch=done == cfg.train.epochs)
         if reason:
             events.emit("checkpoint_begin", quiet=True, reason=reason, global_step=global_step)
-            report_with_checkpoint(metrics, dmp, optimizer, state)
-            events.emit("checkpoint_saved", reason=reason, global_step=global_step, epoch=done, consumed=0)
+            report_with_checkpoint(metrics, dmp, optimizer, state, data=trained_on)
+            events.emit("checkpoint_saved", reason=reason, global_step=global_step,
+                        **epoch_fields(done, in_progress=False), consumed=0)
         else:
             ray.train.report(metrics)
     if ledger is not None:

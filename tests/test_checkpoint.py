@@ -92,7 +92,7 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
         before = _snapshot(dmp, opt)
         # Trainer state is global (identical on all ranks in train_loop); DCP keeps rank 0's copy.
         trainer = {"epoch": 3, "step": 0, "global_step": 9, "history": [{"epoch": 3, "train_loss": 1.25}]}
-        save_checkpoint(Path(root) / f"rank{rank}", dmp, opt, trainer)
+        save_checkpoint(Path(root) / f"rank{rank}", dmp, opt, trainer, data={"num_items": NUM_ITEMS})
         torch.save(before, Path(root) / f"expected{rank}.pt")
         dist.barrier()
         if rank == 0:  # what Ray Train V2 does with every rank's reported directory
@@ -203,3 +203,60 @@ def test_missing_rank_manifest_and_file(merged_checkpoint, tmp_path):
 def test_not_a_checkpoint(tmp_path):
     with pytest.raises(ValueError, match="no manifest_rank"):
         verify_checkpoint(tmp_path)
+
+
+def test_checkpoint_data_of_a_sharded_checkpoint(merged_checkpoint):
+    """The item table's rows come from the DCP metadata of TorchRec's row-wise sharded table (what a resume
+    on another catalogue would fail to load), the data record from the manifests."""
+    from gemray.checkpoint import checkpoint_data
+
+    assert checkpoint_data(merged_checkpoint) == {"record": {"num_items": NUM_ITEMS}, "item_table_rows": NUM_ITEMS + 1}
+
+
+def _data_manifest(**kw):
+    m = {"format": "ml-100k", "prepared_dir": "/data/ml-100k", "created_unix": 1,
+         "vocab": {"num_items": 50}, "counts": {"users": 3, "items": 50, "interactions": 9, "rows_per_file": [9]},
+         "source": {"dir": "/raw/ml-100k", "files": [{"name": "u.data", "sha256": "ab" * 32, "bytes": 99}]}}
+    m.update(kw)
+    return m
+
+
+def test_data_record_fingerprints_what_the_data_is_not_where_it_lies():
+    from gemray.checkpoint import data_record
+
+    rec = data_record(_data_manifest())
+    assert rec["num_items"] == 50 and rec["item_table_rows"] == 51
+    assert (rec["prepared_dir"], rec["source_dir"]) == ("/data/ml-100k", "/raw/ml-100k")
+    assert rec["source_files"] == [["u.data", "ab" * 32]] and len(rec["fingerprint"]) == 16
+    # prepared again elsewhere, later, into other files: the same data
+    again = data_record(_data_manifest(prepared_dir="/elsewhere", created_unix=2,
+                                       counts={"users": 3, "items": 50, "interactions": 9, "rows_per_file": [4, 5]}))
+    assert again["fingerprint"] == rec["fingerprint"]
+    # an edited ratings file, or other counts: other data
+    edited = _data_manifest(source={"dir": "/raw/ml-100k", "files": [{"name": "u.data", "sha256": "cd" * 32}]})
+    assert data_record(edited)["fingerprint"] != rec["fingerprint"]
+    fewer = _data_manifest(counts={"users": 3, "items": 50, "interactions": 8})
+    assert data_record(fewer)["fingerprint"] != rec["fingerprint"]
+
+
+def _tiny_model(num_items: int):
+    """A plain module whose state has the item table under the name TorchRec gives it (no process group)."""
+    model = torch.nn.Module()
+    model.embeddings = torch.nn.Module()
+    model.embeddings.embeddings = torch.nn.ModuleDict({"item": torch.nn.Embedding(num_items + 1, 4)})
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def test_manifest_records_the_data_it_was_trained_on(tmp_path):
+    from gemray.checkpoint import checkpoint_data, data_record, save_checkpoint
+
+    rec = data_record(_data_manifest())
+    model, opt = _tiny_model(50)
+    save_checkpoint(tmp_path / "new", model, opt, {"epoch": 1, "global_step": 3}, data=rec)
+    assert verify_checkpoint(tmp_path / "new")["world_size"] == 1  # the record does not upset verification
+    assert json.loads((tmp_path / "new" / "manifest_rank0.json").read_text())["data"] == rec
+    assert checkpoint_data(tmp_path / "new") == {"record": rec, "item_table_rows": 51}
+    # written before gemray recorded the data: no record, but the table rows are still in DCP's metadata
+    save_checkpoint(tmp_path / "old", model, opt, {"epoch": 1, "global_step": 3})
+    assert checkpoint_data(tmp_path / "old") == {"record": None, "item_table_rows": 51}
+    assert checkpoint_data(tmp_path / "missing") == {"record": None, "item_table_rows": None}

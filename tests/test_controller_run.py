@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import json
+import logging
+from pathlib import Path
+
 import pytest
 import ray
 import torch
+from paths import DATA
 
 from gemray.config import JobConfig
 from gemray.controller import run
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 class _FakeInit:
@@ -109,6 +116,109 @@ def test_preflight_compares_model_shape_with_the_previous_run():
     other.data.max_seq_len = 50
     with pytest.raises(ValueError, match=r"model.num_blocks: 8 -> 3, data.max_seq_len: 200 -> 50.*new --output"):
         run.preflight(other, _manifest(), embedded=True, previous=prev)
+
+
+def _data_manifest(num_items, *, sha="ab", fmt="ml-1m", prepared="/data/ml-1m", src="/raw/ml-1m"):
+    """The fields of a prepared data's manifest that a checkpoint's data record comes from."""
+    return {"format": fmt, "prepared_dir": prepared, "vocab": {"num_items": num_items},
+            "counts": {"users": 6040, "items": num_items, "interactions": 1000209},
+            "source": {"dir": src, "files": [{"name": "ratings.dat", "sha256": sha * 32}]}}
+
+
+def _committed_run(run_dir: Path, num_items: int, manifest=None) -> Path:
+    """A Ray Train run folder with one committed checkpoint whose item table has num_items + 1 rows; its
+    manifest records ``manifest``'s data (None: as gemray wrote checkpoints before it recorded them)."""
+    from gemray.checkpoint import save_checkpoint
+
+    record = None
+    if manifest is not None:
+        from gemray.checkpoint import data_record
+
+        record = data_record(manifest)
+    model = torch.nn.Module()
+    model.embeddings = torch.nn.Module()
+    model.embeddings.embeddings = torch.nn.ModuleDict({"item": torch.nn.Embedding(num_items + 1, 4)})
+    name = "checkpoint_2026-01-01_00-00-00.000000"
+    save_checkpoint(run_dir / name, model, torch.optim.SGD(model.parameters(), lr=0.1),
+                    {"epoch": 1, "global_step": 3}, **({"data": record} if record else {}))
+    (run_dir / "checkpoint_manager_snapshot.json").write_text(json.dumps(
+        {"checkpoint_results": [{"checkpoint_dir_name": name}]}))
+    return run_dir / name
+
+
+def test_preflight_resume_refuses_a_checkpoint_of_other_data(tmp_path):
+    """ml-1m's checkpoint, then ml-100k's data in the same output folder: refused before Ray starts, naming
+    the folder, the checkpoint, the item counts and where its data came from (Ray Train used to retry the
+    restore ray.max_failures times and end on torch's "size mismatch for ... item.weight")."""
+    out = tmp_path / "out"
+    run_dir = out / "ray" / "job"
+    cfg = JobConfig()
+    cfg.data.prepared_dir = "/data/ml-100k"
+    ml100k = _data_manifest(1682, sha="cd", fmt="ml-100k", prepared="/data/ml-100k", src="/raw/ml-100k")
+    assert run.preflight_resume(cfg, ml100k, run_dir, output_dir=out) is None  # nothing to resume: fresh
+    ckpt = _committed_run(run_dir, 3706, _data_manifest(3706))
+    with pytest.raises(ValueError) as e:
+        run.preflight_resume(cfg, ml100k, run_dir, output_dir=out)
+    msg = str(e.value)
+    for part in (f"output folder {out} holds checkpoint {ckpt}", "item embedding table has 3707 rows (3706 items)",
+                 "data.prepared_dir /data/ml-100k has 1682 items (1683 rows)",
+                 "trained on /data/ml-1m (prepared from /raw/ml-1m)", "use a new --output", f"or remove {out} "):
+        assert part in msg, (part, msg)
+    # the same catalogue size but another ratings file: item ids would mean other movies
+    edited = _data_manifest(3706, sha="ef", prepared="/data/ml-1m-edited")
+    with pytest.raises(ValueError, match=r"same number of items \(3706\) but other data .*ratings.dat sha256 "
+                                         r"abababababab\.\. -> efefefefefef\.\."):
+        run.preflight_resume(cfg, edited, run_dir, output_dir=out)
+    # the same data prepared again elsewhere (make demo re-prepares it each time): resumes
+    again = _data_manifest(3706, prepared="/elsewhere/ml-1m")
+    assert run.preflight_resume(cfg, again, run_dir, output_dir=out) == ckpt
+    # checkpoints under ray.storage_path, outside the output folder: that is the folder to remove
+    with pytest.raises(ValueError, match=f"or remove {run_dir} "):
+        run.preflight_resume(cfg, ml100k, run_dir, output_dir=tmp_path / "elsewhere")
+
+
+def test_preflight_resume_is_lenient_with_checkpoints_without_a_record(tmp_path, caplog):
+    """Checkpoints written before the data record resume (with a warning) when their item table fits; one
+    that cannot load is still refused, from the table rows in its DCP metadata."""
+    out = tmp_path / "out"
+    run_dir = out / "ray" / "job"
+    ckpt = _committed_run(run_dir, 3706)
+    cfg = JobConfig()
+    with caplog.at_level(logging.WARNING, logger="gemray.controller.run"):
+        assert run.preflight_resume(cfg, _data_manifest(3706), run_dir, output_dir=out) == ckpt
+    assert "records no data fingerprint" in caplog.text and "cannot be checked; resuming it" in caplog.text
+    prev = JobConfig()
+    prev.data.prepared_dir, prev.data.raw_dir = "/data/ml-1m", "/raw/ml-1m"
+    with pytest.raises(ValueError, match=r"3707 rows \(3706 items\).* 1682 items .*config.toml names "
+                                         r"data.prepared_dir /data/ml-1m \(raw /raw/ml-1m\)"):
+        run.preflight_resume(cfg, _data_manifest(1682), run_dir, output_dir=out, previous=prev)
+
+
+@pytest.mark.skipif(not (DATA / "ml-100k").is_dir(), reason="ml-100k not available")
+@pytest.mark.parametrize("recorded", [True, False], ids=["record", "older-checkpoint"])
+def test_train_into_a_folder_of_another_dataset_exits_2_before_ray(tmp_path, monkeypatch, capsys, recorded):
+    """`gemray train` with ml-100k into an output folder holding an ml-1m checkpoint of the same job: exit
+    status 2 and one line, before Ray starts and before anything in the output folder changes; also for a
+    checkpoint written before gemray recorded its data (the item table rows are in its DCP metadata)."""
+    from gemray.cli import main
+    from gemray.config import load_config
+
+    config = REPO / "configs" / "ml-latest-small.toml"
+    out = tmp_path / "out"
+    ckpt = _committed_run(out / "ray" / load_config(config).name, 3706, _data_manifest(3706) if recorded else None)
+
+    def no_ray(cfg):
+        raise AssertionError("Ray must not start")
+
+    monkeypatch.setattr(run, "_connect_ray", no_ray)
+    rc = main(["train", "--config", str(config), "--output", str(out), "--set", f"data.raw_dir={DATA / 'ml-100k'}",
+               f"data.prepared_dir={tmp_path / 'ml-100k'}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith(f"gemray: error: output folder {out} holds checkpoint {ckpt} of other data")
+    assert "3707 rows (3706 items)" in err[0] and "1682 items" in err[0] and "new --output" in err[0]
+    assert ("trained on /data/ml-1m" if recorded else "records no data path") in err[0]
+    assert sorted(p.name for p in out.iterdir()) == ["ray"]  # no config.toml, events or notice written
 
 
 def test_preflight_checks_prepared_data_came_from_raw_dir(tmp_path):

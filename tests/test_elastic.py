@@ -119,6 +119,8 @@ def test_baseline_ledger_exact(baseline):
     saved = [e["detail"] for e in res.metrics["events"] if e["kind"] == "checkpoint_saved"]
     assert [s["global_step"] for s in saved] == [5, 10, 15, 20, 25, 30, 35, 40]
     assert [s["reason"] for s in saved][3] == "epoch" and saved[-1]["reason"] == "final"
+    # epoch as the log lines number it (1-based, the epoch being trained), epochs_completed beside it
+    assert [(s["epoch"], s["epochs_completed"]) for s in saved] == [(1, 0)] * 3 + [(1, 1)] + [(2, 1)] * 3 + [(2, 2)]
 
 
 def _trainer_state(ckpt: str | Path) -> dict:
@@ -182,8 +184,10 @@ def test_kill_mid_write_then_preempt_and_resume(baseline):
     (stop,) = [e for e in events if e["kind"] == "preempted"]
     at = stop["detail"]["global_step"]
     assert 23 < at < 40 and stop["detail"]["notice"]["reason"] == "SIGTERM to the driver"
+    assert (stop["detail"]["epoch"], stop["detail"]["epochs_completed"]) == (2, 1)  # 20 steps per epoch
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["global_step"] == at and metrics["preempted"]["reason"] == "SIGTERM to the driver"
+    assert (metrics["epoch"], metrics["epochs_completed"]) == (2, 1)
     newest = committed_checkpoints(out / "ray" / "preempt")[0]
     assert _trainer_state(newest)["global_step"] == at  # Ray committed the emergency checkpoint
     # the driver marked the notice handled (what `gemray preempt --wait`, a preStop hook, waits for)
@@ -206,7 +210,9 @@ def test_kill_mid_write_then_preempt_and_resume(baseline):
     m2 = json.loads((out / "metrics.json").read_text())
     kinds2 = [e["kind"] for e in m2["events"]]
     assert "checkpoint_uncommitted" in kinds2 and "preempted" in kinds2 and kinds2[-1] == "finished"
-    assert [r["restored_step"] for r in m2["recovery"]] == [5]  # the SIGKILL; the planned resume is not one
+    # the SIGKILL's restart, then the resume after the preemption stop (nothing lost there)
+    assert [(r["kind"], r["restored_step"]) for r in m2["recovery"]] == [("failure", 5), ("preemption", at)]
+    assert m2["recovery"][1]["steps_lost"] == 0
     assert m2["invocations"] == 2 and m2["wall_s"] > metrics["wall_s"]
     rep = audit(ledger, _all_user_ids(tmp / "prepared"), EPOCHS)
     assert rep["attempts"] == 3

@@ -176,7 +176,7 @@ def test_summarize_recovery_and_failure_events():
                _ev("first_step", 15.5, 2, global_step=2),
                _ev("step", 15.5, 2, global_step=2), _ev("finished", 20.0, 2)]
     rec = summarize_recovery(events)
-    assert rec == [{"failed_attempt": 1, "attempt": 2, "world_size_before": 2, "world_size_after": 1,
+    assert rec == [{"kind": "failure", "failed_attempt": 1, "attempt": 2, "world_size_before": 2, "world_size_after": 1,
                     "last_step": 3, "restored_step": 1, "steps_lost": 2, "seconds_to_first_step": 12.5,
                     "restore_s": 4.0, "to_train_fn_s": 6.0,
                     "phases": {"process_to_train_fn_s": 3.0, "restore_s": 1.5}}]
@@ -275,8 +275,22 @@ def test_failure_events_know_planned_stops_and_interrupted_writes():
     reported = died + [ev("checkpoint_saved", 4, global_step=10)]
     assert _interrupted_checkpoint(failure_events(reported), 5) == {"global_step": 10, "state": "not_committed"}
     assert _interrupted_checkpoint(failure_events(reported), 10) is None
-    # an attempt stopped by a preemption notice is a planned end: no failure, no recovery row
+    # an attempt stopped by a preemption notice is a planned end: no failure; its resume is a "preemption" row
     stopped = reported + [ev("preempted", 5, global_step=10)]
     assert failure_events(stopped) is None
-    nxt = [Event("attempt_start", t=9, attempt=2, detail={"world_size": 2}).to_dict()]
-    assert summarize_recovery(stopped + nxt) == [] and len(summarize_recovery(reported + nxt)) == 1
+    nxt = [Event("attempt_start", t=9, attempt=2, detail={"world_size": 2}).to_dict(),
+           Event("checkpoint_restored", t=11, attempt=2, detail={"global_step": 10}).to_dict(),
+           Event("first_step", t=12, attempt=2, detail={"global_step": 11}).to_dict()]
+    (resumed,) = summarize_recovery(stopped + nxt)
+    assert (resumed["kind"], resumed["restored_step"], resumed["steps_lost"]) == ("preemption", 10, 0)
+    assert resumed["seconds_to_first_step"] == 9  # from the last step (t=3), the stopped time included
+    assert [r["kind"] for r in summarize_recovery(reported + nxt)] == ["failure"]
+
+
+def test_epoch_fields_number_epochs_as_the_log_lines_do():
+    """Mid-way through the third epoch (2 completed): epoch 3, as "epoch 3 step 5"; at its end: 3 and 3."""
+    from gemray.events import epoch_fields
+
+    assert epoch_fields(2, in_progress=True) == {"epoch": 3, "epochs_completed": 2}
+    assert epoch_fields(3, in_progress=False) == {"epoch": 3, "epochs_completed": 3}
+    assert epoch_fields(0, in_progress=True) == {"epoch": 1, "epochs_completed": 0}

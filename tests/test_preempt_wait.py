@@ -166,9 +166,11 @@ def test_driver_marks_the_notice_handled_after_the_emergency_checkpoint(tmp_path
     ev = Event("preempted", t=time.time(), attempt=1, detail={"global_step": 17, "notice": notice}).to_dict()
     Path(cfg.train.events_path).write_text(json.dumps(ev) + "\n")
     result = SimpleNamespace(checkpoint=SimpleNamespace(path=str(tmp_path / "checkpoint_000003")))
-    res = _preempted_result(cfg, tmp_path, result, {"preempted": True, "global_step": 17, "epoch": 1}, 0,
-                            time.perf_counter())
+    res = _preempted_result(cfg, tmp_path, result, {"preempted": True, "global_step": 17, "epoch": 2,
+                                                    "epochs_completed": 1}, 0, time.perf_counter())
     assert res.metrics["global_step"] == 17
+    # the epoch it stopped in, numbered as the log lines do, and the completed count beside it
+    assert (res.metrics["epoch"], res.metrics["epochs_completed"]) == (2, 1)
     handled = read_notice(cfg.checkpoint.preempt_notice)["handled"]
     assert handled["global_step"] == 17 and handled["checkpoint"] == str(tmp_path / "checkpoint_000003")
     assert not active_path(cfg.checkpoint.preempt_notice).exists()

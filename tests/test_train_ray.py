@@ -65,6 +65,9 @@ def test_two_worker_run_outputs(first_run):
         assert h["train_loss"] > 0 and 0.0 <= h["valid_hr@10"] <= 1.0
         assert h["global_step"] == 3 * h["epoch"]
     assert m["history"][1]["train_loss"] < m["history"][0]["train_loss"]
+    # events number epochs as the log lines do ("epoch 2 done"), with the completed count beside
+    saved = [e["detail"] for e in m["events"] if e["kind"] == "checkpoint_saved"]
+    assert [(s["epoch"], s["epochs_completed"], s["reason"]) for s in saved] == [(1, 1, "epoch"), (2, 2, "final")]
     png = (out / "curves.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
     cfg = load_config(out / "config.toml")
@@ -80,6 +83,14 @@ def test_checkpoint_committed(first_run):
     assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= set(info["files"])
     # one checkpoint per epoch, both kept (checkpoint.keep=3)
     assert len([p for p in ckpt.parent.glob("checkpoint_*") if p.is_dir()]) == 2
+    # every rank's manifest names the data the model was trained on (checked before a resume)
+    from gemray.checkpoint import checkpoint_data
+
+    data = checkpoint_data(ckpt)
+    assert data["item_table_rows"] == data["record"]["num_items"] + 1 == 9724 + 1
+    assert data["record"]["format"] == "ml-latest-small" and data["record"]["prepared_dir"].endswith("prepared")
+    for r in (0, 1):
+        assert json.loads((ckpt / f"manifest_rank{r}.json").read_text())["data"] == data["record"]
 
 
 def test_resume_continues_at_next_epoch(first_run):
@@ -104,4 +115,26 @@ def test_resume_continues_at_next_epoch(first_run):
     attempts = [e["attempt"] for e in m2["events"] if e["kind"] == "attempt_start"]
     assert len(attempts) == 2 and len(set(attempts)) == 2
     assert [e["kind"] for e in m2["events"]].count("finished") == 2
+    restored = next(e["detail"] for e in m2["events"] if e["kind"] == "checkpoint_restored")
+    assert (restored["epoch"], restored["epochs_completed"]) == (3, 2)  # "resuming at epoch 3"
     assert m2["recovery"] == []  # a planned resume after a finished run is not a failure recovery
+
+
+def test_resume_on_another_dataset_is_refused_before_ray(first_run):
+    """The same job and output folder with ml-100k's data: refused up front (it used to start the workers,
+    fail to load the 9725-row item table into a 1683-row one and retry ray.max_failures times)."""
+    tmp, _ = first_run
+    import time
+
+    import gemray
+
+    out = (tmp / "out").resolve()
+    before = (out / "config.toml").read_text()
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match=rf"output folder {out} holds checkpoint {out}/ray/.*checkpoint_.* of other "
+                                         r"data: its item embedding table has 9725 rows .* 1682 items .*new --output"):
+        gemray.fit(REPO / "configs" / "ml-latest-small.toml", output_dir=tmp / "out",
+                   overrides=[f"data.raw_dir={SRC.parent / 'ml-100k'}", f"data.prepared_dir={tmp / 'ml-100k'}",
+                              "train.epochs=4"])
+    assert time.perf_counter() - t0 < 60  # preparing ml-100k, no Ray
+    assert (out / "config.toml").read_text() == before

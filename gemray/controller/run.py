@@ -6,7 +6,8 @@ manifest is missing -> connect to Ray ($RAY_ADDRESS / ``ray.address``) or start 
 ``metrics.json``, ``curves.png``, ``config.toml`` into the output folder and print a comparison table.
 
 Re-running with the same output folder and job name resumes from its latest committed checkpoint (Ray
-Train V2 restores a run by ``RunConfig(name, storage_path)``).
+Train V2 restores a run by ``RunConfig(name, storage_path)``); a checkpoint trained on other data is refused
+before Ray starts (:func:`preflight_resume`).
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gemray.checkpoint import file_sha256
+from gemray.checkpoint import checkpoint_data, committed_checkpoints, data_record, file_sha256
 from gemray.config import JobConfig, apply_overrides, load_config, to_toml
-from gemray.events import read_events, summarize_recovery
+from gemray.events import epoch_fields, read_events, summarize_recovery
 from gemray.parallel.sharding import check_shardable
 from gemray.preemption import (NOTICE_NAME, clear_active, clear_notice, install_driver_sigterm, mark_active,
                                mark_handled)
@@ -142,6 +143,72 @@ def preflight_data(cfg: JobConfig, manifest: dict[str, Any], *, previous: JobCon
                              "resumes; a different model needs its own folder)")
 
 
+def preflight_resume(cfg: JobConfig, manifest: dict[str, Any], run_dir: str | Path, *, output_dir: str | Path,
+                     previous: JobConfig | None = None) -> Path | None:
+    """Refuse, before Ray starts, to resume a checkpoint that was trained on other data.
+
+    run_dir: the Ray Train run folder a resume restores from (``<storage>/<name>``); its newest committed
+    checkpoint (what Ray Train hands back) is compared with the prepared data ``manifest``: the item
+    table's rows (from the checkpoint's DCP metadata, or its data record) must be the catalogue's
+    num_items + 1, and the data fingerprint it records (:func:`gemray.checkpoint.data_record`) must be the
+    data's. Otherwise Ray Train would start the workers, fail to load the checkpoint ("size mismatch for
+    ... item.weight") and retry ``ray.max_failures`` times, or train on with item ids that mean other
+    movies. A checkpoint written before gemray recorded its data (no record) resumes when its table rows
+    match, with a warning. previous: the output folder's config.toml (names the old data when the
+    checkpoint has no record). Returns the checkpoint a resume will start from (None: fresh run). Raises
+    ValueError naming the output folder, the checkpoint, what differs and how to go on.
+    """
+    latest = next(iter(committed_checkpoints(run_dir)), None)
+    if latest is None:
+        return None
+    saved, now = checkpoint_data(latest), data_record(manifest)
+    rec = saved["record"]
+    rows = saved["item_table_rows"] or (rec or {}).get("item_table_rows")
+    differs = why = ""
+    if rows is not None and rows != now["item_table_rows"]:
+        differs = (f"its item embedding table has {rows} rows ({rows - 1} items), the data in data.prepared_dir "
+                   f"{cfg.data.prepared_dir} has {now['num_items']} items ({now['item_table_rows']} rows)")
+        why = "it cannot be loaded into a model for this data"
+    elif rec is not None and rec.get("fingerprint") != now["fingerprint"]:
+        differs = (f"same number of items ({now['num_items']}) but other data (fingerprint {rec.get('fingerprint')}"
+                   f" -> {now['fingerprint']}: " + "; ".join(_data_diff(rec, now)) + ")")
+        why = "resuming would go on training its item rows on ids that mean other items"
+    if not differs:
+        if rec is None:
+            log.warning("checkpoint %s records no data fingerprint (written before gemray recorded one): its item "
+                        "table matches the %d items of %s, but whether it was trained on this data cannot be "
+                        "checked; resuming it", latest, now["num_items"], cfg.data.prepared_dir)
+        return latest
+    out, run_dir = Path(output_dir), Path(run_dir)
+    if rec is not None:
+        origin = f"it was trained on {rec.get('prepared_dir')} (prepared from {rec.get('source_dir')})"
+    elif previous is not None:
+        origin = (f"the folder's config.toml names data.prepared_dir {previous.data.prepared_dir} (raw "
+                  f"{previous.data.raw_dir})")
+    else:
+        origin = "it records no data path (written by an older gemray)"
+    remove = out if run_dir.resolve().is_relative_to(out.resolve()) else run_dir
+    raise ValueError(f"output folder {out} holds checkpoint {latest} of other data: {differs}; {origin}. Not "
+                     f"resuming ({why}): use a new --output (output_dir) for this data, or remove {remove} to start "
+                     "over there (its checkpoints are lost); re-running with the data it was trained on resumes it")
+
+
+def _data_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """What differs between two data records, in words (format, source files, counts, folder)."""
+    out = []
+    if old.get("format") != new.get("format"):
+        out.append(f"format {old.get('format')} -> {new.get('format')}")
+    a, b = dict(map(tuple, old.get("source_files", []))), dict(map(tuple, new.get("source_files", [])))
+    for name in sorted(set(a) | set(b)):
+        if a.get(name) != b.get(name):
+            out.append(f"{name} sha256 {str(a.get(name))[:12]}.. -> {str(b.get(name))[:12]}..")
+    for k in ("users", "items", "interactions"):
+        x, y = (old.get("counts") or {}).get(k), (new.get("counts") or {}).get(k)
+        if x != y:
+            out.append(f"{k} {x} -> {y}")
+    return out or ["source files and counts recorded differently"]
+
+
 def _check_source(cfg: JobConfig, manifest: dict[str, Any]) -> None:
     """The prepared data must come from the raw files in ``data.raw_dir`` when that folder exists."""
     raw = Path(cfg.data.raw_dir)
@@ -257,15 +324,18 @@ def _previous_wall(metrics_path: Path) -> tuple[float, int]:
 def _preempted_result(cfg: JobConfig, out: Path, result: Any, reported: dict[str, Any], events_from: int,
                       t0: float, wall_before: float = 0.0, invocations: int = 1) -> Result:
     """The run stopped on a preemption notice after its emergency checkpoint: write metrics.json with
-    ``preempted`` (the notice), ``global_step``/``epoch`` of the checkpoint and the events; no test metrics.
+    ``preempted`` (the notice), the checkpoint's ``global_step``, ``epoch`` (1-based, the epoch it stopped in,
+    as the log lines number it) and ``epochs_completed`` (see gemray.events), and the events; no test metrics.
     Then mark the notice handled (``"handled": {"global_step", "checkpoint", "t"}``) and drop the run's active
     marker, which ends a ``gemray preempt --wait``."""
     events = read_events(cfg.train.events_path)[events_from:]
     stop = next((e["detail"] for e in reversed(events) if e["kind"] == "preempted"), {})
     ckpt = result.checkpoint.path if result.checkpoint is not None else None
+    # the emergency checkpoint's report; before epochs_completed was reported, its "epoch" counted them
+    done = int(reported.get("epochs_completed", reported.get("epoch", 0)))
     metrics: dict[str, Any] = {
         "preempted": stop.get("notice") or True, "global_step": int(reported.get("global_step", 0)),
-        "epoch": int(reported.get("epoch", 0)), "wall_s": wall_before + time.perf_counter() - t0,
+        **epoch_fields(done, in_progress=True), "wall_s": wall_before + time.perf_counter() - t0,
         "invocations": invocations,
         "events": [e for e in events if e["kind"] not in QUIET_KINDS], "recovery": summarize_recovery(events)}
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True, default=str))
@@ -317,10 +387,12 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
     included), ``epochs``, ``world_size``, ``bbs_imbalance`` (mean measured token imbalance max/mean across
     ranks), ``history`` (per-epoch dicts), ``events`` (controller events of every invocation:
     failure_detected, resize, checkpoint_restored/_fallback/_saved, first_step, ...; also in
-    ``events.jsonl`` with per-step heartbeats) and ``recovery`` (per restart:
-    steps_lost, seconds_to_first_step; see gemray.events.summarize_recovery).
-    Raises FileNotFoundError / ValueError for a bad config or data path (before any worker starts), and
-    Ray's TrainingFailedError when training fails beyond ``ray.max_failures``.
+    ``events.jsonl`` with per-step heartbeats) and ``recovery`` (per restart after a failure and per resume
+    after a preemption, told apart by ``kind``: steps_lost, seconds_to_first_step; see
+    gemray.events.summarize_recovery).
+    Raises FileNotFoundError / ValueError for a bad config or data path, or for an output folder whose
+    checkpoint was trained on other data (:func:`preflight_resume`), all before any worker starts, and Ray's
+    TrainingFailedError when training fails beyond ``ray.max_failures``.
     """
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
@@ -353,6 +425,8 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
             log.warning("could not read the previous run's %s (%s): not comparing model shapes",
                         out / "config.toml", e)
     preflight_data(cfg, manifest, previous=previous)
+    storage = Path(cfg.ray.storage_path).resolve() if cfg.ray.storage_path else out / "ray"
+    preflight_resume(cfg, manifest, storage / cfg.name, output_dir=out, previous=previous)
     out.mkdir(parents=True, exist_ok=True)
     if not cfg.train.events_path:
         cfg.train.events_path = str(out / "events.jsonl")
@@ -392,7 +466,6 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
             # (gemray.controller.policy.decide_world_size states the rule) and grows it when room appears.
             workers = (cfg.ray.min_workers, cfg.ray.max_workers)
             elastic["elastic_resize_monitor_interval_s"] = cfg.ray.resize_interval_s
-        storage = Path(cfg.ray.storage_path).resolve() if cfg.ray.storage_path else out / "ray"
         trainer = TorchTrainer(
             train_loop_per_worker,
             train_loop_config=cfg.to_dict(),
@@ -447,10 +520,11 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
     metrics["events"] = [e for e in events if e["kind"] not in QUIET_KINDS]  # heartbeats stay in events.jsonl
     metrics["recovery"] = summarize_recovery(events)
     for r in metrics["recovery"]:
-        log.info("recovery: attempt %s -> %s, world %s -> %s, %s step(s) lost, %.1f s from the last step "
-                 "before the failure to the first resumed step", r["failed_attempt"], r["attempt"],
+        log.info("recovery (%s): attempt %s -> %s, world %s -> %s, %s step(s) lost, %.1f s from the last step "
+                 "before the %s to the first resumed step", r["kind"], r["failed_attempt"], r["attempt"],
                  r["world_size_before"], r["world_size_after"], r["steps_lost"],
-                 r["seconds_to_first_step"] if r["seconds_to_first_step"] is not None else float("nan"))
+                 r["seconds_to_first_step"] if r["seconds_to_first_step"] is not None else float("nan"),
+                 "stop (the time the job was stopped included)" if r["kind"] == "preemption" else "failure")
     ckpt = result.checkpoint.path if result.checkpoint is not None else None
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
     if history:
