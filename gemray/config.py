@@ -109,6 +109,9 @@ class ModelConfig:
             raise ValueError(f"model.dropout: expected 0 <= dropout < 1, got {self.dropout}")
         if self.temperature <= 0:
             raise ValueError(f"model.temperature: expected > 0, got {self.temperature}")
+        if self.attn_dropout != 0.0:  # refused here, not in every worker after Ray started (and retried)
+            raise ValueError(f"model.attn_dropout: attention dropout is not implemented (use 0.0), got "
+                             f"{self.attn_dropout}")
         _choice(self, "attn_activation", ("silu", "softmax", "gelu", "none"))
         _choice(self, "negatives", ("uniform", "uniform_shared", "in_batch"))
         _choice(self, "attention_backend", ("auto", "triton", "reference"))

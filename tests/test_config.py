@@ -39,6 +39,7 @@ def test_overrides_coerce_types():
     ("model.negatives=hard", "model.negatives"),
     ("data.on_bad_rows=ignore", "data.on_bad_rows"),
     ("data.batch_size=100", "data.batch_size"),
+    ("model.attn_dropout=0.1", "model.attn_dropout: attention dropout is not implemented"),
     ("train.epochs", "section.key=value"),
 ])
 def test_bad_overrides_name_the_field(item, needle):

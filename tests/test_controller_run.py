@@ -108,6 +108,22 @@ def test_fit_refuses_a_gpu_job_without_gpus_before_preparing_data(tmp_path):
     assert not (tmp_path / "prepared").exists() and not (tmp_path / "out").exists()
 
 
+def test_relative_paths_are_taken_from_the_driver_directory(tmp_path, monkeypatch):
+    """data paths and a set train.events_path / train.ledger_dir become absolute against the directory gemray
+    starts in (the workers run elsewhere); unset ("") events_path / ledger_dir stay unset."""
+    monkeypatch.chdir(tmp_path)
+    cfg = JobConfig()
+    cfg.data.raw_dir, cfg.data.prepared_dir = "raw", "~/prep"
+    cfg.train.events_path, cfg.train.ledger_dir = "logs/events.jsonl", "ledger"
+    cfg = run._resolve(cfg, None)
+    assert cfg.data.raw_dir == str(tmp_path / "raw")
+    assert cfg.data.prepared_dir == str(Path("~/prep").expanduser())
+    assert cfg.train.events_path == str(tmp_path / "logs" / "events.jsonl")
+    assert cfg.train.ledger_dir == str(tmp_path / "ledger")
+    cfg = JobConfig()
+    assert (run._resolve(cfg, None).train.events_path, cfg.train.ledger_dir) == ("", "")
+
+
 def test_preflight_compares_model_shape_with_the_previous_run():
     prev, same, other = JobConfig(), JobConfig(), JobConfig()
     same.model.dropout = 0.5                  # not a shape: resuming is fine

@@ -46,10 +46,17 @@ class Result:
 
 
 def _resolve(cfg: JobConfig, config_path: Path | None) -> JobConfig:
-    """Make data paths absolute (relative to the current directory) so workers anywhere find them."""
-    for name in ("raw_dir", "prepared_dir"):
-        p = Path(getattr(cfg.data, name)).expanduser()
-        setattr(cfg.data, name, str(p if p.is_absolute() else (Path.cwd() / p).resolve()))
+    """Make the data paths and the set ``train.events_path`` / ``train.ledger_dir`` absolute (relative to the
+    current directory): the workers run in folders of Ray's, where a relative path would land elsewhere (and
+    the driver reads the events back from its own directory)."""
+    for section, name in (("data", "raw_dir"), ("data", "prepared_dir"), ("train", "events_path"),
+                          ("train", "ledger_dir")):
+        sec = getattr(cfg, section)
+        value = getattr(sec, name)
+        if section == "train" and not value:  # "" = default (events: <output>/events.jsonl) or off (ledger)
+            continue
+        p = Path(value).expanduser()
+        setattr(sec, name, str(p if p.is_absolute() else (Path.cwd() / p).resolve()))
     return cfg
 
 
