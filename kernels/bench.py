@@ -144,6 +144,46 @@ def _time_fwd_bwd(fn, inputs) -> tuple[float, float]:
     return t_fwd, t_fb
 
 
+def _graph_ms(fn, inputs) -> float:
+    """Device ms per fwd+bwd step (fixed random output gradient) from replays of one CUDA graph holding the
+    step, timed by do_bench (median): the launches' host work and the gaps between them are gone, so this is
+    the kernels' time even where the eager step is bound by the host (the tool library's METHOD.md: "for many
+    small launches, capture a graph and time its replays"). Warm-up on a side stream, as torch.cuda.graph
+    asks; the captured backward writes each input's .grad (set to None before the capture)."""
+    out = fn(*inputs)
+    do = torch.randn_like(out)
+    del out
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            for x in inputs:
+                x.grad = None
+            fn(*inputs).backward(do)
+    torch.cuda.current_stream().wait_stream(side)
+    for x in inputs:
+        x.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn(*inputs).backward(do)
+    try:
+        return _bench(graph.replay)
+    finally:
+        del graph
+        for x in inputs:
+            x.grad = None
+
+
+def _graph_record(fn, inputs) -> dict:
+    """{"graph_ms_fwd_bwd": ms} or, when the step cannot be captured, {"graph_error": why} (the eager
+    figures stand on their own)."""
+    try:
+        return {"graph_ms_fwd_bwd": _graph_ms(fn, inputs)}
+    except Exception as e:  # e.g. an op that syncs with the host cannot be captured
+        torch.cuda.synchronize()
+        return {"graph_error": repr(e)[:200]}
+
+
 def _host_ms(fn, inputs, n: int = 20) -> float:
     """CPU time (ms) to enqueue one fwd+bwd step (no sync inside the loop): if it is close to the
     measured device time, the step is bound by host work (launch and autograd overhead), not the GPU."""
@@ -322,7 +362,8 @@ def bench_self(rec: Recorder, skip: set[str], quick: bool) -> None:
                 t_f, t_fb = _time_fwd_bwd(fn, (q, k, v))
                 rec.add(section="self", batch=tag, variant=name, ms_fwd=t_f, ms_fwd_bwd=t_fb,
                         tflops_fwd=flops / t_f / 1e9, tflops_fwd_bwd=3.5 * flops / t_fb / 1e9,
-                        host_ms_fwd_bwd=_host_ms(fn, (q, k, v)), host_ms_fwd=_host_ms_fwd(fn, (q, k, v)), **errs)
+                        host_ms_fwd_bwd=_host_ms(fn, (q, k, v)), host_ms_fwd=_host_ms_fwd(fn, (q, k, v)),
+                        **_graph_record(fn, (q, k, v)), **errs)
             except Exception as e:  # a failing variant must not hide the others
                 rec.add(section="self", batch=tag, variant=name, error=repr(e)[:300])
                 traceback.print_exc()
@@ -376,7 +417,7 @@ def bench_self(rec: Recorder, skip: set[str], quick: bool) -> None:
                             rec.add(section="self", batch=tag, variant="jfa_vs_varlen_out",
                                     rel_diff=_rel(ours_out, fn(q, k, v)))
                     t_f, t_fb = _time_fwd_bwd(fn, (q, k, v))
-                    extra = {"host_ms_fwd_bwd": _host_ms(fn, (q, k, v))}
+                    extra = {"host_ms_fwd_bwd": _host_ms(fn, (q, k, v)), **_graph_record(fn, (q, k, v))}
                 rec.add(section="self", batch=tag, variant=name, ms_fwd=t_f, ms_fwd_bwd=t_fb,
                         tflops_fwd=flops / t_f / 1e9, tflops_fwd_bwd=3.5 * flops / t_fb / 1e9, **extra)
             except torch.OutOfMemoryError as e:
@@ -909,18 +950,24 @@ def print_summary(rows: list[dict]) -> None:
             print(f"\nhost: {r['triton_launch_us']:.1f} us per tiny Triton launch, "
                   f"{r['torch_empty_like_us']:.1f} us per torch.empty_like")
     ms = {(r.get("batch"), r.get("variant")): r.get("ms_fwd_bwd") for r in rows if r.get("section") == "self"}
-    print("\n| batch | JFA ms fwd+bwd | varlen ms fwd+bwd | speed-up | bar | |")
-    print("|---|---|---|---|---|---|")
+    graph = {(r.get("batch"), r.get("variant")): r.get("graph_ms_fwd_bwd") for r in rows
+             if r.get("section") == "self"}
+    print("\n| batch | JFA ms fwd+bwd | varlen ms fwd+bwd | speed-up | bar | | graph replay JFA / varlen ms "
+          "(speed-up) |")
+    print("|---|---|---|---|---|---|---|")
+
+    def fmt(x):
+        return f"{x:.3f}" if x else "missing"
+
     for batch, bar in TARGETS.items():
         ours, base = ms.get((batch, "jfa")), ms.get((batch, "varlen"))
+        g_ours, g_base = graph.get((batch, "jfa")), graph.get((batch, "varlen"))
+        g = f"{fmt(g_ours)} / {fmt(g_base)}" + (f" ({g_base / g_ours:.2f}x)" if g_ours and g_base else "")
         if ours and base:
             print(f"| {batch} | {ours:.3f} | {base:.3f} | {base / ours:.2f}x | {bar}x | "
-                  f"{'met' if base / ours >= bar else 'MISSED'} |")
+                  f"{'met' if base / ours >= bar else 'MISSED'} | {g} |")
         else:
-            def fmt(x):
-                return f"{x:.3f}" if x else "missing"
-
-            print(f"| {batch} | {fmt(ours)} | {fmt(base)} | n/a | {bar}x | |")
+            print(f"| {batch} | {fmt(ours)} | {fmt(base)} | n/a | {bar}x | | {g} |")
     batch, bar = SILU_FWD_TARGET
     silu = [r for r in rows if r.get("section") == "self" and r.get("batch") == batch
             and r.get("variant") == "gdpa_silu" and "tflops_fwd" in r]

@@ -581,8 +581,8 @@ def test_bench_report_tables(capsys):
     from gemray.kernels import bench
 
     rows = [dict(section="self", batch="heavy B=128 N=1024", variant="jfa", ms_fwd=0.1, ms_fwd_bwd=0.5,
-                 tflops_fwd=1.0, tflops_fwd_bwd=2.0, host_ms_fwd_bwd=0.4, host_ms_fwd=0.1),
-            dict(section="self", batch="heavy B=128 N=1024", variant="varlen", ms_fwd_bwd=1.0),
+                 tflops_fwd=1.0, tflops_fwd_bwd=2.0, host_ms_fwd_bwd=0.4, host_ms_fwd=0.1, graph_ms_fwd_bwd=0.2),
+            dict(section="self", batch="heavy B=128 N=1024", variant="varlen", ms_fwd_bwd=1.0, graph_ms_fwd_bwd=0.3),
             dict(section="self", batch="uniform B=128 N=1024", variant="jfa", ms_fwd_bwd=1.0),
             dict(section="self", batch="uniform B=128 N=1024", variant="varlen", ms_fwd_bwd=1.1),
             dict(section="sweep", table="short", kernel="fwd", cfg=[64, 64, 4, 3], ms=0.2),
@@ -594,8 +594,8 @@ def test_bench_report_tables(capsys):
     bench.print_table(rows)
     bench.print_summary(rows)
     out = capsys.readouterr().out
-    assert "| heavy B=128 N=1024 | 0.500 | 1.000 | 2.00x | 1.5x | met |" in out
-    assert "| uniform B=128 N=1024 | 1.000 | 1.100 | 1.10x | 1.2x | MISSED |" in out
+    assert "| heavy B=128 N=1024 | 0.500 | 1.000 | 2.00x | 1.5x | met | 0.200 / 0.300 (1.50x) |" in out
+    assert "| uniform B=128 N=1024 | 1.000 | 1.100 | 1.10x | 1.2x | MISSED | missing / missing |" in out
     assert "0.400 (0.100)" in out and "=> [64, 64, 4, 3]" in out
     assert "dkdv_atomic unused in mode" in out and "[64, 64, 8, 2] skipped" in out
 
