@@ -144,28 +144,36 @@ def _time_fwd_bwd(fn, inputs) -> tuple[float, float]:
     return t_fwd, t_fb
 
 
-def _graph_ms(fn, inputs) -> float:
-    """Device ms per fwd+bwd step (fixed random output gradient) from replays of one CUDA graph holding the
-    step, timed by do_bench (median): the launches' host work and the gaps between them are gone, so this is
-    the kernels' time even where the eager step is bound by the host (the tool library's METHOD.md: "for many
-    small launches, capture a graph and time its replays"). Warm-up on a side stream, as torch.cuda.graph
-    asks; the captured backward writes each input's .grad (set to None before the capture)."""
-    out = fn(*inputs)
-    do = torch.randn_like(out)
-    del out
+def _graph_ms(fn, inputs, backward: bool = True) -> float:
+    """Device ms per fwd+bwd step (fixed random output gradient; ``backward=False``: per no-grad forward) from
+    replays of one CUDA graph holding the step, timed by do_bench (median): the launches' host work and the
+    gaps between them are gone, so this is the kernels' time even where the eager step is bound by the host
+    (the tool library's METHOD.md: "for many small launches, capture a graph and time its replays"). Warm-up
+    on a side stream, as torch.cuda.graph asks; the captured backward writes each input's .grad (set to None
+    before the capture)."""
+    with torch.no_grad():
+        do = torch.randn_like(fn(*inputs))
+
+    def step():
+        if backward:
+            fn(*inputs).backward(do)
+        else:
+            with torch.no_grad():
+                fn(*inputs)
+
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(3):
             for x in inputs:
                 x.grad = None
-            fn(*inputs).backward(do)
+            step()
     torch.cuda.current_stream().wait_stream(side)
     for x in inputs:
         x.grad = None
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn(*inputs).backward(do)
+        step()
     try:
         return _bench(graph.replay)
     finally:
@@ -876,7 +884,9 @@ def precompile(workers: int, timeout_s: float = 240.0) -> float:
 def sweep_tiles(rec: Recorder, budget_s: float = 150.0) -> None:
     """Pick, per regime on that regime's bench batch (SWEEP_BATCH), the forward tiles (softmax "fwd" and
     silu "fwd_silu", timed forward only), the backward launch mode (two launches, one merged launch, or one
-    dK/dV launch with atomic dQ; delta inline or not) and the dK/dV and dQ tiles (timed fwd+bwd, softmax).
+    dK/dV launch with atomic dQ; delta inline or not) and the dK/dV and dQ tiles (timed fwd+bwd, softmax);
+    every candidate timed as CUDA-graph replays (device time: on the host-bound short batch the eager time
+    measures the host, not the tiles; eager timing where a candidate cannot be captured).
     Winners go into jagged_attention.TILES / FUSED_BWD / DELTA_INLINE / ATOMIC_DQ for the rest of the run.
     Candidates are tried in order (the default first) until ``budget_s`` seconds (compilation included) are
     spent; later candidates are then skipped."""
@@ -895,11 +905,19 @@ def sweep_tiles(rec: Recorder, budget_s: float = 150.0) -> None:
                                               alpha=None if act == "softmax" else 1.0 / math.sqrt(D))
 
         def timed(kern):
-            if kern in ("fwd", "fwd_silu"):
-                act = "silu" if kern == "fwd_silu" else "softmax"
-                with torch.no_grad():
-                    return _bench(lambda: fn(q, k, v, act))
-            return _time_fwd_bwd(fn, (q, k, v))[1]
+            # device time (CUDA-graph replays): the eager time of a short batch is the host's, which picked
+            # tiles by noise before (run 4's 32-row dQ tile without wgmma on the short regime)
+            fwd_only = kern in ("fwd", "fwd_silu")
+            act = "silu" if kern == "fwd_silu" else "softmax"
+            try:
+                return _graph_ms(lambda a, bb, c: fn(a, bb, c, act), (q, k, v), backward=not fwd_only)
+            except Exception as e:  # not capturable: the eager time
+                log.warning("sweep %s %s: graph capture failed (%r), timing eagerly", which, kern, e)
+                torch.cuda.synchronize()
+                if fwd_only:
+                    with torch.no_grad():
+                        return _bench(lambda: fn(q, k, v, act))
+                return _time_fwd_bwd(fn, (q, k, v))[1]
 
         def over_budget() -> bool:
             return time.time() > reg_deadline
@@ -993,7 +1011,7 @@ def print_sweep(rows: list[dict]) -> None:
             what = ("skipped" if r["skipped"] == "budget" else r["skipped"]) if "skipped" in r else "ERROR"
             tried.setdefault(key, []).append(f"{r.get('cfg', '')} {what}".strip())
     if tried:
-        print("\nsweep (ms; fwd kernels: forward only, others: fwd+bwd; "
+        print("\nsweep (device ms from CUDA-graph replays; fwd kernels: forward only, others: fwd+bwd; "
               "mode = [one launch, delta inline, atomic dQ, heads inner, TMA loads, query-rows dK/dV]):")
         for (reg, kern), items in tried.items():
             print(f"  {reg:6s} {kern:11s} " + " | ".join(items))

@@ -65,6 +65,7 @@ echo "== pytest"; grep -E "^(FAILED|ERROR)|passed|failed|skipped|rc=" "$OUT/pyte
 [ -f "$OUT/gpu_ids.txt" ] && echo "(no xdist: $(wc -l < "$OUT/gpu_ids.txt") tests in 8 processes, one summary line each)"
 tail -2 "$OUT/precompile.log" 2>/dev/null
 echo "== bench"; grep -E "^chosen tiles" "$OUT/bench.log"
-sed -n '/^sweep (ms/,$p' "$OUT/bench.log" | grep -v "^| norm_quant"
+if grep -q "^sweep (" "$OUT/bench.log"; then sed -n '/^sweep (/,$p' "$OUT/bench.log"; else  # SWEEP=0: the tables
+  sed -n '/^| section | batch/,$p' "$OUT/bench.log"; fi | grep -v "^| norm_quant"
 echo "== host profile (launches stubbed)"; tail -2 "$OUT/host_profile.log" | cut -c1-400
 echo "total $(( $(date +%s) - T0 )) s"
