@@ -90,14 +90,17 @@ TILES: dict[str, dict[str, dict[int, tuple[int, int, int, int]]]] = {
     # B=128 N=1024, xlong: uniform B=64 N=4096). The short dQ winner 32x64/4w has no wgmma (BLOCK_M 32 <
     # a warpgroup's 64 rows) but won on the host-bound short batch anyway. Changed after runs 6-8 (winners in at
     # least two of the three sweeps, 2-4% each): medium dK/dV and dQ 64x64/4w/2 (two CTAs per SM), long forward
-    # 128x64/8w/3. D=64 / 256 entries are not measured (kept from run 3).
+    # 128x64/8w/3. Changed after run 15, the first sweep timed in device time (CUDA-graph replays; the short
+    # batch's eager time is the host's, which is how run 4 picked a 32-row dQ tile without wgmma): short dK/dV
+    # and dQ 64x64/4w/2 (-20% / -18% fwd+bwd device time each) and the heads-inner grid (also run 6's pick):
+    # short batch 0.277 -> 0.162 ms device time. D=64 / 256 entries are not measured (kept from run 3).
     "short": {
         "fwd": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 2)},
         "fwd_silu": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 2)},
-        "dkdv": {64: (64, 64, 8, 2), 128: (64, 64, 4, 3), 256: (32, 64, 4, 2)},
+        "dkdv": {64: (64, 64, 8, 2), 128: (64, 64, 4, 2), 256: (32, 64, 4, 2)},
         "dkdv_atomic": {64: (64, 64, 8, 2), 128: (64, 64, 8, 2), 256: (32, 64, 4, 2)},
         "dkdv_qrows": {64: (128, 64, 8, 2), 128: (128, 64, 8, 2), 256: (64, 32, 4, 2)},
-        "dq": {64: (64, 64, 8, 2), 128: (32, 64, 4, 3), 256: (64, 32, 4, 2)},
+        "dq": {64: (64, 64, 8, 2), 128: (64, 64, 4, 2), 256: (64, 32, 4, 2)},
     },
     "medium": {
         "fwd": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 2)},
@@ -137,9 +140,9 @@ DELTA_INLINE: dict[str, bool] = {"short": False, "medium": False, "long": False,
 ATOMIC_DQ: dict[str, bool] = {"short": False, "medium": False, "long": False, "xlong": False}
 # Grid order of the forward and backward launches: (items, H) dispatches head by head, so each head's longest
 # items start only after the previous heads' items (a tail on heavy-tailed batches); HEADS_INNER launches
-# (items * H,) with the head varying fastest, so the longest-first order holds across heads. Off until a
-# sweep picks it (run 6 adds it to the sweep's modes).
-HEADS_INNER: dict[str, bool] = {"short": False, "medium": False, "long": False, "xlong": False}
+# (items * H,) with the head varying fastest, so the longest-first order holds across heads. On for "short",
+# where runs 6 and 15 picked it (-10%); it lost elsewhere.
+HEADS_INNER: dict[str, bool] = {"short": True, "medium": False, "long": False, "xlong": False}
 # dK/dV loop with the scores laid out query-rows-first (s = q k^T, FlashAttention-2's orientation; tile kind
 # "dkdv_qrows", whose BLOCK_M is the query step and BLOCK_N the key tile as for "dkdv"): lse and delta become
 # per-row values of the accumulator (two per thread instead of one per column it holds: in sm_90 SASS the
