@@ -392,12 +392,7 @@ def bench_self(rec: Recorder, skip: set[str], quick: bool) -> None:
 
         baselines = {}
         if "varlen" not in skip:
-            from torch.nn.attention.varlen import varlen_attn
-
-            params = inspect.signature(varlen_attn).parameters
-            cu = off.to(torch.int32)
-            causal_kw = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
-            baselines["varlen"] = lambda a, bb, c: varlen_attn(a, bb, c, cu, cu, nmax, nmax, **causal_kw)
+            baselines["varlen"] = varlen_causal(off, nmax)
         if "sdpa" not in skip:
             baselines["sdpa_padded"] = "padded"
         if "silu_padded" not in skip:
@@ -775,14 +770,31 @@ def _sweep_items(which: str) -> list[tuple[str, str, tuple]]:
     return items
 
 
-def _sweep_inputs(which: str, device: str = "cuda", dtype: torch.dtype = torch.bfloat16):
-    """(offsets, N, q, k, v) of regime ``which``'s sweep batch (requires grad)."""
-    kind, b, n = SWEEP_BATCH[which]
+def batch_inputs(kind: str, b: int, n: int, device: str = "cuda", dtype: torch.dtype = torch.bfloat16):
+    """A bench batch: (lengths, offsets [B+1] int64, q, k, v [T, H, D] random, requiring grad), seed 0."""
     torch.manual_seed(0)
     lengths = make_lengths(kind, b, n)
     off = offsets_of(lengths, device)
     t = int(off[-1])
     q, k, v = (torch.randn(t, H, D, device=device, dtype=dtype).requires_grad_(True) for _ in range(3))
+    return lengths, off, q, k, v
+
+
+def varlen_causal(off: torch.Tensor, max_len: int):
+    """torch.nn.attention.varlen.varlen_attn as a causal (q, k, v) -> out callable on offsets ``off`` (its
+    causal argument is ``is_causal`` or ``window_size`` depending on the torch version)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    cu = off.to(torch.int32)
+    params = inspect.signature(varlen_attn).parameters
+    causal_kw = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    return lambda a, bb, c: varlen_attn(a, bb, c, cu, cu, max_len, max_len, **causal_kw)
+
+
+def _sweep_inputs(which: str, device: str = "cuda", dtype: torch.dtype = torch.bfloat16):
+    """(offsets, N, q, k, v) of regime ``which``'s sweep batch (requires grad)."""
+    kind, b, n = SWEEP_BATCH[which]
+    _, off, q, k, v = batch_inputs(kind, b, n, device, dtype)
     return off, n, q, k, v
 
 

@@ -12,10 +12,8 @@ back-to-back steps between two events (no L2 flush between steps) to compare wit
 from __future__ import annotations
 
 import argparse
-import inspect
 
 import torch
-from torch.nn.attention.varlen import varlen_attn
 
 from gemray.kernels import bench
 from gemray.kernels import jagged_attention as ja
@@ -37,16 +35,6 @@ def _apply(split: str, reg: str) -> None:
 
 
 _REGIME = ja.regime
-
-
-def _inputs(kind: str, b: int, n: int):
-    torch.manual_seed(0)
-    lengths = bench.make_lengths(kind, b, n)
-    off = bench.offsets_of(lengths)
-    t = int(off[-1])
-    q, k, v = (torch.randn(t, bench.H, bench.D, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
-               for _ in range(3))
-    return lengths, off, q, k, v
 
 
 def _back_to_back(fn, inputs, do, steps: int = 20) -> float:
@@ -73,15 +61,9 @@ def main() -> None:
         print("| batch | variant | classes | fwd ms | fwd+bwd ms | back-to-back ms | vs varlen | rel diff vs varlen |")
         print("|---|---|---|---|---|---|---|---|")
     for (kind, b, n), splits in todo:
-        lengths, off, q, k, v = _inputs(kind, b, n)
+        lengths, off, q, k, v = bench.batch_inputs(kind, b, n)
         reg = _REGIME(q.shape[0], b)
-        nmax = max(lengths)
-        cu = off.to(torch.int32)
-        params = inspect.signature(varlen_attn).parameters
-        causal_kw = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
-
-        def varlen(a, bb, c):
-            return varlen_attn(a, bb, c, cu, cu, nmax, nmax, **causal_kw)
+        varlen = bench.varlen_causal(off, max(lengths))
 
         def jfa(a, bb, c):
             return ja.jagged_attention_triton(a, bb, c, off, n, activation="softmax")

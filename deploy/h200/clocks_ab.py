@@ -12,14 +12,12 @@ ratio can be told apart from the clock the card ran at. Touches no clock or powe
 from __future__ import annotations
 
 import csv
-import inspect
 import os
 import subprocess
 import time
 from datetime import datetime
 
 import torch
-from torch.nn.attention.varlen import varlen_attn
 from triton.testing import do_bench
 
 from gemray.kernels import bench
@@ -59,17 +57,9 @@ def main() -> None:
     try:
         time.sleep(1.0)
         for kind, b, n in (("uniform", 64, 4096), ("heavy", 256, 4096)):
-            torch.manual_seed(0)
-            lengths = bench.make_lengths(kind, b, n)
-            off = bench.offsets_of(lengths)
-            t = int(off[-1])
-            q, k, v = (torch.randn(t, bench.H, bench.D, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
-                       for _ in range(3))
-            cu, nmax = off.to(torch.int32), max(lengths)
-            causal_kw = ({"is_causal": True} if "is_causal" in inspect.signature(varlen_attn).parameters
-                         else {"window_size": (-1, 0)})
+            lengths, off, q, k, v = bench.batch_inputs(kind, b, n)
             fns = {"jfa": lambda a, bb, c: ja.jagged_attention_triton(a, bb, c, off, n, activation="softmax"),
-                   "varlen": lambda a, bb, c: varlen_attn(a, bb, c, cu, cu, nmax, nmax, **causal_kw)}
+                   "varlen": bench.varlen_causal(off, max(lengths))}
             do = torch.randn_like(q)
 
             def step(fn):
