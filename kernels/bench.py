@@ -251,8 +251,10 @@ def host_profile(activation: str = "softmax", kind: str = "heavy", b: int = 128,
     """Host cost of one jagged_attention_triton fwd+bwd with every Triton launch replaced by a stub that only
     counts it (runs on the CPU, no GPU or interpreter needed): Triton launches and aten ops per fwd+bwd
     (grads set to None each step, as do_bench does) and per no-grad forward, and the best-of-``reps``
-    microseconds of the Python/torch work around the launches (fwd+bwd and forward alone). The launches'
-    own host cost (one tiny launch: ``launch_overhead``) comes on top on the device."""
+    microseconds of the Python/torch work around the launches (fwd+bwd and forward alone), including the
+    direct launch's key and cache lookup (jagged_attention._launch; with DIRECT_LAUNCH off the JIT's own
+    binding is not counted). The launcher's own host cost (one tiny launch: ``launch_overhead``) comes on
+    top on the device."""
     from collections import Counter
 
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -270,20 +272,36 @@ def host_profile(activation: str = "softmax", kind: str = "heavy", b: int = 128,
 
     launches: Counter = Counter()
 
-    class _Stub:
+    class _Compiled:  # what a JIT launch returns; its run() is the direct launch (ja._launch)
         def __init__(self, name):
-            self.name = name
+            self.name, self.function, self.packed_metadata = name, None, None
+
+        def run(self, *args):
+            launches[self.name] += 1
+            launches["(direct)"] += 1
+
+    class _Param:
+        def __init__(self, p: inspect.Parameter):
+            self.name, self.is_constexpr = p.name, "constexpr" in str(p.annotation)
+
+    class _Stub:  # a kernel: signature of the real one (JITFunction.params), launches only counted
+        def __init__(self, name, real):
+            fn = getattr(real, "fn", real)  # the Python function (a JITFunction or the interpreter's wrapper)
+            self.name, self.params = name, [_Param(p) for p in inspect.signature(fn).parameters.values()]
 
         def __getitem__(self, grid):
             def run(*args, **kwargs):
-                launches[self.name + (f" part {kwargs['PART']}" if "PART" in kwargs else "")] += 1
+                name = self.name + (f" part {kwargs['PART']}" if "PART" in kwargs else "")
+                launches[name] += 1
+                return _Compiled(name)
             return run
 
     names = ("_gdpa_fwd", "_gdpa_bwd", "_bwd_delta")
-    saved = {k: getattr(ja, k) for k in names}
+    saved = {k: getattr(ja, k) for k in names + ("_current_device", "_raw_stream")}
     try:
         for k in names:
-            setattr(ja, k, _Stub(k))
+            setattr(ja, k, _Stub(k, saved[k]))
+        ja._current_device, ja._raw_stream = (lambda: 0), (lambda device: 0)
         torch.manual_seed(0)
         off = offsets_of(make_lengths(kind, b, n), device)
         t = int(off[-1])
@@ -322,7 +340,11 @@ def host_profile(activation: str = "softmax", kind: str = "heavy", b: int = 128,
     finally:
         for k_, fn in saved.items():
             setattr(ja, k_, fn)
+        ja._LAUNCHERS.clear()
+        ja._NO_DIRECT.clear()
+    direct = n_launch.pop("(direct)", 0)
     return dict(activation=activation, batch=f"{kind} B={b} N={n}", launches=sum(n_launch.values()),
+                direct_launches=direct,
                 launch_kinds=n_launch, aten_ops=sum(ops_fb.ops.values()), aten_op_kinds=dict(ops_fb.ops),
                 aten_ops_fwd=sum(ops_f.ops.values()), python_us_fwd_bwd=us_fb, python_us_fwd=us_f)
 

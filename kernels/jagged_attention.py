@@ -44,7 +44,9 @@ than Words", arXiv:2402.17152; written from the papers, not copied):
   FlashAttention-2; measured slower on the H200, kept as a sweepable, tested mode).
 * Host cost per call (it bounds short, heavy-tailed batches): work tables and length checks are cached
   per offsets object; a JFA fwd+bwd enqueues 3 Triton launches and 5 allocations (o, lse+delta, dq, dk,
-  dv), GDPA 3 launches and 4 allocations; ``kernels/bench.py --host-profile`` counts them.
+  dv), GDPA 3 launches and 4 allocations; ``kernels/bench.py --host-profile`` counts them. Once a call
+  configuration is compiled, launches call the compiled kernel's launcher directly (``DIRECT_LAUNCH``,
+  ``_launch``), without the JIT's per-call argument binding.
 * silu on 16-bit inputs (CUDA): ``silu(x) = h + h tanh(h)``, h = x/2, with ``tanh.approx.f32`` (one MUFU op
   per score instead of exp2 + reciprocal; act and act' share it in the backward); fp32 inputs and the
   interpreter keep the exact sigmoid. The 1/N of the pointwise activations is applied once per output tile.
@@ -168,6 +170,9 @@ TMA_LOADS: dict[str, bool] = {"short": False, "medium": False, "long": False, "x
 # kernels/NOTES.md "Run 11"), so off everywhere; kept as a tested alternative for other GPUs / head sizes.
 SPLIT_LEN: dict[str, int] = {"short": 0, "medium": 0, "long": 0, "xlong": 0}
 FAST_ACT = True  # tanh.approx silu for bf16/fp16 on CUDA (see _act); the bench can turn it off to compare
+# Launch through the compiled kernel's launcher once a call configuration has been compiled (see _launch):
+# skips the JIT's per-call argument binding and specialization (host time of short, heavy-tailed batches).
+DIRECT_LAUNCH = True
 REGIME_MEAN_LEN = (256, 1024, 2048)
 _INTERPRET_TILES = (16, 16, 4, 1)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -249,6 +254,64 @@ def _cached(tensors: tuple, extra: tuple, make):
     while len(_CACHE) > _CACHE_SIZE:
         _CACHE.popitem(last=False)
     return val
+
+
+# the current CUDA device and its raw stream handle (module attributes: kernels/bench.py's host profile, which
+# runs without a GPU, replaces them)
+_current_device = torch.cuda.current_device
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_LAUNCHERS: OrderedDict = OrderedDict()
+_LAUNCHERS_SIZE = 512
+_NO_DIRECT: set = set()  # kernels whose launch did not return a compiled kernel (stubs, other Triton versions)
+
+
+def _launch_hooked() -> bool:
+    """Whether a Triton launch hook is installed (triton 3.6 keeps them in HookChain objects, empty by
+    default; a profiler adds to them): the direct launch passes no hooks, so it steps aside then."""
+    rt = triton.knobs.runtime
+    return any(h is not None and bool(getattr(h, "calls", True)) for h in (rt.launch_enter_hook, rt.launch_exit_hook))
+
+
+def _launch(kernel, grid: tuple, tensors: list, scalars: list, consts: dict, num_warps: int,
+            num_stages: int) -> None:
+    """``kernel[grid](*tensors, *scalars, **consts, num_warps=, num_stages=)``: our kernels' signatures list
+    the tensor arguments, then the scalar ones, then the constexprs.
+
+    With DIRECT_LAUNCH on a GPU, the first launch of a configuration goes through the JIT, which returns the
+    compiled kernel; a later launch with the same scalars, constexprs and options, and tensors of the same
+    dtypes and 16-byte alignment (what the JIT specializes a tensor on), on the same device, calls that
+    kernel's launcher directly, as the JIT does after binding. That skips the JIT's per-call Python work
+    (binding and specializing ~70 arguments, its cache key, option parsing): host time that bounds short,
+    heavy-tailed batches (kernels/NOTES.md "Run 18"). Scalars enter the key by value (a value of 1 or a
+    multiple of 16 compiles differently), so a new value takes the JIT once more. Falls back to the JIT under
+    the interpreter, while a Triton launch hook is installed (profilers), and for any kernel whose launch does
+    not return a compiled kernel (other Triton versions, the bench's host-profile stubs)."""
+    if not DIRECT_LAUNCH or _INTERPRET or kernel in _NO_DIRECT or _launch_hooked():
+        kernel[grid](*tensors, *scalars, **consts, num_warps=num_warps, num_stages=num_stages)
+        return
+    device = _current_device()
+    key = (kernel, device, num_warps, num_stages, tuple(consts), tuple(consts.values()), tuple(scalars),
+           tuple([t.dtype for t in tensors]), tuple([t.data_ptr() % 16 == 0 for t in tensors]))
+    hit = _LAUNCHERS.get(key)
+    if hit is not None:
+        compiled, const_vals = hit
+        g1 = grid[1] if len(grid) > 1 else 1
+        compiled.run(grid[0], g1, 1, _raw_stream(device), compiled.function, compiled.packed_metadata, None,
+                     None, None, *tensors, *scalars, *const_vals)
+        return
+    compiled = kernel[grid](*tensors, *scalars, **consts, num_warps=num_warps, num_stages=num_stages)
+    params = getattr(kernel, "params", None)
+    if not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")) or params is None:
+        _NO_DIRECT.add(kernel)
+        return
+    # the launcher takes every parameter in signature order, constexprs included (it skips them)
+    rest = params[len(tensors) + len(scalars):]
+    if len(grid) > 2 or any(not p.is_constexpr or p.name not in consts for p in rest):
+        _NO_DIRECT.add(kernel)
+        return
+    _LAUNCHERS[key] = (compiled, tuple(consts[p.name] for p in rest))
+    while len(_LAUNCHERS) > _LAUNCHERS_SIZE:
+        _LAUNCHERS.popitem(last=False)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1192,16 +1255,17 @@ class _GDPA(torch.autograd.Function):
             bm, bn, warps, stages = _tiles("fwd_silu" if spec.act == 1 else "fwd", d_qk, reg, spec.max_q_len)
             table, n_tiles = _q_table(spec, q_off, kv_off, bm, t_out, lo, hi)
             inner = HEADS_INNER.get(reg, False)
-            _gdpa_fwd[(table.numel() * h,) if inner else (table.numel(), h)](
+            _launch(_gdpa_fwd, (table.numel() * h,) if inner else (table.numel(), h), [
                 q, k, v, o, lse_arg, q_off, kv_off, nt if nt is not None else q_off, table,
-                bias if bias is not None else q,
+                bias if bias is not None else q], [
                 *q.stride()[:2], *k.stride()[:2], *v.stride()[:2],
                 *o.stride()[:2], stride_lh, *_bias_strides(bias),
-                spec.alpha, spec.inv_n, n_tiles, d_qk, d_v, h, HAS_BIAS=bias is not None, HEADS_INNER=inner,
+                spec.alpha, spec.inv_n, n_tiles, d_qk, d_v, h], dict(
                 ACT=spec.act, CAUSAL=spec.causal, HAS_TARGETS=nt is not None, ATT_BLOCK=spec.att_block,
-                WINDOW=spec.window, Q_BCAST=spec.q_bcast, CONTEXT=spec.context, BLOCK_M=bm, BLOCK_N=bn,
-                BLOCK_DQK=bdk, BLOCK_DV=bdv, EVEN_D=even_d, DOT_PREC=_dot_prec(q.dtype),
-                TMA=_use_tma(reg, even_d, spec, k, v), FAST=_fast_act(q.dtype), num_warps=warps, num_stages=stages)
+                WINDOW=spec.window, Q_BCAST=spec.q_bcast, BLOCK_M=bm, BLOCK_N=bn,
+                BLOCK_DQK=bdk, BLOCK_DV=bdv, EVEN_D=even_d, DOT_PREC=_dot_prec(q.dtype), HAS_BIAS=bias is not None,
+                CONTEXT=spec.context, FAST=_fast_act(q.dtype), HEADS_INNER=inner,
+                TMA=_use_tma(reg, even_d, spec, k, v)), warps, stages)
         # o only for softmax (delta = rowsum(o * dO)): saving an output costs a detach and its unpacking
         ctx.save_for_backward(q, k, v, bias, o if spec.act == 0 else None)
         ctx.lse, ctx.q_off, ctx.kv_off, ctx.nt = lse, q_off, kv_off, nt
@@ -1235,9 +1299,8 @@ class _GDPA(torch.autograd.Function):
             return (n_items * h,) if inner else (n_items, h)
 
         if softmax and not DELTA_INLINE.get(reg, False) and (fused or atomic):  # delta into lse[1], own launch
-            _bwd_delta[(-(-t_out // 64), h)](
-                o, do, lse, t_out, *o.stride()[:2], *do.stride()[:2], stride_lh,
-                d_v, BLOCK_T=64, BLOCK_DV=bdv, num_warps=4)
+            _launch(_bwd_delta, (-(-t_out // 64), h), [o, do, lse], [t_out, *o.stride()[:2], *do.stride()[:2],
+                                                                   stride_lh, d_v], dict(BLOCK_T=64, BLOCK_DV=bdv), 4, 3)
         dk = torch.empty_like(k)
         dv = torch.empty_like(v)
         if atomic:  # fp32 accumulator for the atomic adds
@@ -1248,9 +1311,9 @@ class _GDPA(torch.autograd.Function):
         # dbias per head, fp32, zero where no program writes (pairs outside the mask / key range)
         dbias = (torch.zeros((bias.shape[0], h, bias.shape[-2], bias.shape[-1]), device=q.device,
                              dtype=torch.float32) if want_dbias else None)
-        args = [q, k, v, do, lse, o, dk, dv, dq, q_off, kv_off, nt if nt is not None else q_off, None,
-                bias if bias is not None else q, dbias if dbias is not None else q,
-                *q.stride()[:2], *k.stride()[:2], *v.stride()[:2],
+        tensors = [q, k, v, do, lse, o, dk, dv, dq, q_off, kv_off, nt if nt is not None else q_off, None,
+                   bias if bias is not None else q, dbias if dbias is not None else q]
+        args = [*q.stride()[:2], *k.stride()[:2], *v.stride()[:2],
                 *do.stride()[:2], *o.stride()[:2], *dk.stride()[:2],
                 *dv.stride()[:2],
                 *dq.stride()[:2], stride_lh, *_bias_strides(bias),
@@ -1268,42 +1331,41 @@ class _GDPA(torch.autograd.Function):
         if atomic:  # one launch: dK/dV items that also add their dS K into dQ (and write dbias)
             kbm, kbn, kwarps, kstages = _tiles("dkdv_atomic", d_qk, reg, spec.max_q_len)
             table, ntk = _k_table(spec, q_off, kv_off, kbn, k.shape[0])
-            args[12], args[-6:-3] = table, (0, ntk, 1)
+            tensors[12], args[-6:-3] = table, (0, ntk, 1)
             c = consts(reg)
-            _gdpa_bwd[grid(table.numel(), c["HEADS_INNER"])](
-                *args, PART=1, num_warps=kwarps, num_stages=kstages, DK_BM=kbm, DK_BN=kbn, DQ_BM=0, DQ_BN=0,
-                STORE_DBIAS=want_dbias, STORE_DELTA=False, ATOMIC_DQ=True, Q_ROWS=False, **c)
+            _launch(_gdpa_bwd, grid(table.numel(), c["HEADS_INNER"]), tensors, args, dict(
+                PART=1, DK_BM=kbm, DK_BN=kbn, DQ_BM=0, DQ_BN=0,
+                STORE_DBIAS=want_dbias, STORE_DELTA=False, ATOMIC_DQ=True, Q_ROWS=False, **c), kwarps, kstages)
         elif fused:  # one launch: dK/dV and dQ items from one longest-first table
             qrows = DKDV_QROWS.get(reg, False)
             kbm, kbn, kwarps, kstages = _tiles("dkdv_qrows" if qrows else "dkdv", d_qk, reg, spec.max_q_len)
             qbm, qbn, qwarps, qstages = _tiles("dq", d_qk, reg, spec.max_q_len)
             table, n_k_items, ntk, ntq = _bwd_table(spec, q_off, kv_off, kbn, qbm, k.shape[0], t_out)
-            args[12], args[-6:-3] = table, (n_k_items, ntk, ntq)
+            tensors[12], args[-6:-3] = table, (n_k_items, ntk, ntq)
             c = consts(reg)
-            _gdpa_bwd[grid(table.numel(), c["HEADS_INNER"])](
-                *args, PART=0, num_warps=max(kwarps, qwarps), num_stages=min(kstages, qstages), DK_BM=kbm,
-                DK_BN=kbn, DQ_BM=qbm, DQ_BN=qbn, STORE_DBIAS=want_dbias, STORE_DELTA=False, ATOMIC_DQ=False,
-                Q_ROWS=qrows, **c)
+            _launch(_gdpa_bwd, grid(table.numel(), c["HEADS_INNER"]), tensors, args, dict(
+                PART=0, DK_BM=kbm, DK_BN=kbn, DQ_BM=qbm, DQ_BN=qbn, STORE_DBIAS=want_dbias, STORE_DELTA=False,
+                ATOMIC_DQ=False, Q_ROWS=qrows, **c), max(kwarps, qwarps), min(kstages, qstages))
         else:  # two launches per length class: every dQ first (it writes softmax's delta), then dK/dV (reads it)
             for r, lo, hi in classes:
                 qbm, qbn, qwarps, qstages = _tiles("dq", d_qk, r, spec.max_q_len)
                 table, ntq = _q_table(spec, q_off, kv_off, qbm, t_out, lo, hi)
-                args[12], args[-6:-3] = table, (0, 1, ntq)
+                tensors[12], args[-6:-3] = table, (0, 1, ntq)
                 c = consts(r)
                 # the other part's tile sizes are unused (pruned branch): 0 keeps one compiled variant per config
-                _gdpa_bwd[grid(table.numel(), c["HEADS_INNER"])](
-                    *args, PART=2, num_warps=qwarps, num_stages=qstages, DK_BM=0, DK_BN=0, DQ_BM=qbm, DQ_BN=qbn,
+                _launch(_gdpa_bwd, grid(table.numel(), c["HEADS_INNER"]), tensors, args, dict(
+                    PART=2, DK_BM=0, DK_BN=0, DQ_BM=qbm, DQ_BN=qbn,
                     STORE_DBIAS=want_dbias, STORE_DELTA=softmax and not c["DELTA_INLINE"], ATOMIC_DQ=False,
-                    Q_ROWS=False, **c)
+                    Q_ROWS=False, **c), qwarps, qstages)
             for r, lo, hi in classes:
                 qrows = DKDV_QROWS.get(r, False)  # query-rows-first dK/dV step (own tile kind)
                 kbm, kbn, kwarps, kstages = _tiles("dkdv_qrows" if qrows else "dkdv", d_qk, r, spec.max_q_len)
                 table, ntk = _k_table(spec, q_off, kv_off, kbn, k.shape[0], lo, hi)
-                args[12], args[-6:-3] = table, (0, ntk, 1)
+                tensors[12], args[-6:-3] = table, (0, ntk, 1)
                 c = consts(r)
-                _gdpa_bwd[grid(table.numel(), c["HEADS_INNER"])](
-                    *args, PART=1, num_warps=kwarps, num_stages=kstages, DK_BM=kbm, DK_BN=kbn, DQ_BM=0, DQ_BN=0,
-                    STORE_DBIAS=False, STORE_DELTA=False, ATOMIC_DQ=False, Q_ROWS=qrows, **c)
+                _launch(_gdpa_bwd, grid(table.numel(), c["HEADS_INNER"]), tensors, args, dict(
+                    PART=1, DK_BM=kbm, DK_BN=kbn, DQ_BM=0, DQ_BN=0,
+                    STORE_DBIAS=False, STORE_DELTA=False, ATOMIC_DQ=False, Q_ROWS=qrows, **c), kwarps, kstages)
         if spec.q_bcast:
             dq = dq.view(-1, q.shape[0], h, d_qk).sum(0, dtype=torch.float32).to(q.dtype)
         elif dq.dtype != q.dtype:  # the atomic path's fp32 accumulator

@@ -14,6 +14,7 @@ import os
 
 import pytest
 import torch
+import triton
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -560,15 +561,21 @@ def test_bench_precompile_worker_runs_every_item_and_restores_state(monkeypatch)
     ("softmax", False, False, True, ["_gdpa_fwd", "_bwd_delta", "_gdpa_bwd part 1"]),
     ("softmax", False, True, True, ["_gdpa_fwd", "_gdpa_bwd part 1"]),
     ("silu", False, False, True, ["_gdpa_fwd", "_gdpa_bwd part 1"])])
-def test_host_profile_launches_and_ops(monkeypatch, activation, fused, inline, atomic, launches):
+@pytest.mark.parametrize("direct", [False, True])
+def test_host_profile_launches_and_ops(monkeypatch, activation, fused, inline, atomic, launches, direct):
     """bench.host_profile (launches stubbed, runs on the CPU) counts what one fwd+bwd enqueues: the two-launch
     backward has no delta launch (the dQ launch writes delta) and allocates only o, lse (softmax) and dq /
-    dk / dv; the atomic-dQ backward zeroes an fp32 dQ and casts nothing for fp32 inputs."""
+    dk / dv; the atomic-dQ backward zeroes an fp32 dQ and casts nothing for fp32 inputs. ``direct``: as on a
+    GPU (not interpreting), the counted step's launches are direct ones (ja._launch), the same kinds."""
     from gemray.kernels import bench
+    from gemray.kernels import jagged_attention as ja
 
     _set_bwd_mode(monkeypatch, fused, inline, atomic)
+    monkeypatch.setattr(ja, "_INTERPRET", not direct)
     r = bench.host_profile(activation, "heavy", 8, 64, n_iter=1, reps=1)
     assert sorted(r["launch_kinds"]) == sorted(launches) and r["launches"] == len(launches)
+    assert r["direct_launches"] == (len(launches) if direct else 0)
+    assert not ja._LAUNCHERS and not ja._NO_DIRECT  # the stubs' entries are dropped afterwards
     ours = {k: n for k, n in r["aten_op_kinds"].items() if k != "detach.default"}  # detach: autograd's
     # o and (softmax) the [2, H, T] lse + delta buffer; dk, dv and dq (torch.zeros in fp32 when atomic)
     assert sum(ours.values()) == (2 if activation == "softmax" else 1) + 3, ours
@@ -657,6 +664,101 @@ def test_work_table_longest_first_covers_every_tile():
     assert all(x < 0 for x in table[len(items):])  # invalid items sorted last
     trimmed, _ = _work_table(lengths, 70, block, cost, total=int(lengths.sum()))
     assert len(trimmed) < len(table) and torch.equal(trimmed[:len(items)], table[:len(items)])
+
+
+class _FakeParam:
+    def __init__(self, name, constexpr):
+        self.name, self.is_constexpr = name, constexpr
+
+
+class _FakeKernel:
+    """A JIT kernel as ja._launch sees it: kernel[grid](*args, **kw) compiles (recorded in ``jit``) and returns
+    a compiled kernel whose run() is the launcher (recorded in ``direct``)."""
+
+    def __init__(self, names, n_consts, returns_compiled=True):
+        self.params = [_FakeParam(n, i >= len(names) - n_consts) for i, n in enumerate(names)]
+        self.jit, self.direct, self.returns_compiled = [], [], returns_compiled
+
+    def __getitem__(self, grid):
+        def run(*args, **kw):
+            self.jit.append((grid, args, kw))
+            if not self.returns_compiled:
+                return None
+            fake = self
+
+            class Compiled:
+                function, packed_metadata = "fn", "meta"
+
+                def run(self, *a):
+                    fake.direct.append(a)
+            return Compiled()
+        return run
+
+
+def test_direct_launch_reuses_compiled_kernel_only_for_same_specialization(monkeypatch):
+    """ja._launch: the first launch of a configuration goes through the JIT; an identical one calls the compiled
+    kernel's launcher with grid, stream, every argument in signature order (constexprs last, in signature order
+    whatever order they were passed in); a scalar that changes (1 is specialized), a tensor of another dtype or
+    alignment, other constexprs, warps or device, take the JIT again; kernels whose launch returns no compiled
+    kernel, an installed launch hook, DIRECT_LAUNCH off, all use the JIT."""
+    from gemray.kernels import jagged_attention as ja
+
+    monkeypatch.setattr(ja, "_INTERPRET", False)
+    monkeypatch.setattr(ja, "_current_device", lambda: 0)
+    monkeypatch.setattr(ja, "_raw_stream", lambda device: 1000 + device)
+    monkeypatch.setattr(ja, "_LAUNCHERS", type(ja._LAUNCHERS)())
+    monkeypatch.setattr(ja, "_NO_DIRECT", set())
+    kern = _FakeKernel(["X", "Y", "n", "s", "A", "B"], 2)
+    x, y = torch.randn(64), torch.randn(64)
+
+    def go(xt=x, n=5, s=1.5, consts=None, warps=4, grid=(3, 2)):
+        ja._launch(kern, grid, [xt, y], [n, s], consts or dict(B=7, A=True), warps, 2)
+
+    go()
+    assert len(kern.jit) == 1 and not kern.direct
+    assert kern.jit[0][2] == dict(B=7, A=True, num_warps=4, num_stages=2)
+    go(grid=(9, 4))
+    assert len(kern.jit) == 1 and len(kern.direct) == 1
+    assert kern.direct[0] == (9, 4, 1, 1000, "fn", "meta", None, None, None, x, y, 5, 1.5, True, 7)
+    go(grid=(5,))
+    assert kern.direct[1][:3] == (5, 1, 1)
+    for change in (dict(n=1), dict(n=16), dict(xt=x.double()), dict(xt=x[1:]), dict(consts=dict(B=8, A=True)),
+                   dict(warps=8)):
+        jit_before, direct_before = len(kern.jit), len(kern.direct)
+        go(**change)
+        assert len(kern.jit) == jit_before + 1 and len(kern.direct) == direct_before, change
+        go(**change)  # now compiled: direct
+        assert len(kern.jit) == jit_before + 1 and len(kern.direct) == direct_before + 1, change
+    monkeypatch.setattr(ja, "_current_device", lambda: 1)
+    go()
+    assert kern.direct[-1][3] != 1001 and len(kern.jit) == 8
+    go()
+    assert kern.direct[-1][3] == 1001
+
+    n_jit = len(kern.jit)
+    monkeypatch.setattr(ja, "DIRECT_LAUNCH", False)
+    go()
+    assert len(kern.jit) == n_jit + 1
+    monkeypatch.setattr(ja, "DIRECT_LAUNCH", True)
+    hook = triton.knobs.runtime.launch_enter_hook
+    if hasattr(hook, "add"):  # triton's HookChain: a profiler's hook makes every launch go through the JIT
+        def h(meta):
+            return None
+        hook.add(h)
+        try:
+            go()
+            assert len(kern.jit) == n_jit + 2
+        finally:
+            hook.remove(h)
+
+    stub = _FakeKernel(["X", "Y", "n", "s", "A", "B"], 2, returns_compiled=False)
+    for _ in range(2):
+        ja._launch(stub, (1,), [x, y], [5, 1.5], dict(A=True, B=7), 4, 2)
+    assert len(stub.jit) == 2 and not stub.direct and stub in ja._NO_DIRECT
+    missing = _FakeKernel(["X", "Y", "n", "s", "A", "B"], 2)  # a constexpr left to its default: JIT only
+    for _ in range(2):
+        ja._launch(missing, (1,), [x, y], [5, 1.5], dict(A=True), 4, 2)
+    assert len(missing.jit) == 2 and not missing.direct
 
 
 def test_bad_arguments_raise():
@@ -823,6 +925,42 @@ def test_gpu_length_classes_bf16(monkeypatch, activation):
                lambda a, b, c: ref.jagged_attention_ref(a, b, c, off, 4096, activation=activation,
                                                         alpha=0.05 if activation != "softmax" else None),
                (q, k, v), 2e-2)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+def test_gpu_direct_launch_matches_jit_launch(monkeypatch, activation):
+    """DIRECT_LAUNCH (ja._launch calls the compiled kernel's launcher once a configuration is compiled): the
+    output and gradients of repeated fwd+bwd steps, on two batches, equal bitwise those of JIT launches (the
+    kernels have no atomics in these modes), and the direct path was taken."""
+    from gemray.kernels import jagged_attention as ja
+
+    torch.manual_seed(23)
+    batches = []
+    for lengths in (_heavy_lengths(48, 1024) + [0, 1, 1024], [512] * 8 + [3]):
+        off = _offsets(lengths, "cuda")
+        t = int(off[-1])
+        batches.append((off, *(_leaf(t, 4, 128, dtype=torch.bfloat16, device="cuda") for _ in range(3))))
+
+    def steps():
+        out = []
+        torch.manual_seed(24)
+        for off, q, k, v in batches * 2:
+            o = jagged_attention_triton(q, k, v, off, 1024, activation=activation,
+                                        alpha=0.05 if activation != "softmax" else None)
+            out += [o.detach().clone(), *torch.autograd.grad(o, (q, k, v), torch.randn_like(o))]
+        torch.cuda.synchronize()
+        return out
+
+    monkeypatch.setattr(ja, "DIRECT_LAUNCH", False)
+    want = steps()
+    monkeypatch.setattr(ja, "DIRECT_LAUNCH", True)
+    ja._LAUNCHERS.clear()
+    got = steps()
+    assert len(ja._LAUNCHERS) >= 3  # forward, dQ and dK/dV of at least one regime were launched directly
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
 
 
 def test_sass_check_compiles_for_hopper_without_a_gpu():
