@@ -14,7 +14,6 @@ import os
 
 import pytest
 import torch
-import triton
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -701,6 +700,8 @@ def test_direct_launch_reuses_compiled_kernel_only_for_same_specialization(monke
     whatever order they were passed in); a scalar that changes (1 is specialized), a tensor of another dtype or
     alignment, other constexprs, warps or device, take the JIT again; kernels whose launch returns no compiled
     kernel, an installed launch hook, DIRECT_LAUNCH off, all use the JIT."""
+    import triton  # here, not at the top: TRITON_INTERPRET must be set before triton is first imported
+
     from gemray.kernels import jagged_attention as ja
 
     monkeypatch.setattr(ja, "_INTERPRET", False)
