@@ -422,10 +422,16 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                 log.info("epoch %d step %d (global %d) loss %.4f rank0 %.0f samples/s %.0f tokens/s",
                          epoch + 1, epoch_step, global_step, loss, n_log / dt, tok_log / dt)
                 t_log, n_log, tok_log = time.perf_counter(), 0, 0
-            if i == steps - 1:
-                break  # the epoch-end checkpoint below covers the last step
+            # The preemption vote: every `poll` global steps and at each epoch's last step (were the last step
+            # skipped, a poll interval that divides the steps per epoch would never vote: each of its steps
+            # would be an epoch's last). Without a notice, the epoch-end checkpoint below covers the last step;
+            # with one, the emergency checkpoint is taken here (a resumed run then has 0 steps left of this
+            # epoch and goes straight to its end).
+            last = i == steps - 1
             action = (_agree_preempt(cfg, device, world, drain_handled=drain_handled)
-                      if poll and global_step % poll == 0 else None)
+                      if poll and (global_step % poll == 0 or last) else None)
+            if last and action is None:
+                break
             drain_handled = drain_handled or action == "checkpoint"
             reason = checkpoint_reason(global_step, cfg.checkpoint.every_steps, preempt=action is not None,
                                        epoch_end=False)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from proc_utils import free_port
+from proc_utils import free_port, spawn_ranks
 
 from gemray.checkpoint import verify_checkpoint
 
@@ -151,10 +151,8 @@ def _worker_one_rank(rank: int, port: int, root: str) -> None:
 
 @pytest.fixture(scope="module")
 def merged_checkpoint(tmp_path_factory) -> Path:
-    import torch.multiprocessing as mp
-
     root = tmp_path_factory.mktemp("ckpt")
-    mp.spawn(_worker, args=(2, free_port(), str(root)), nprocs=2, join=True)
+    spawn_ranks(_worker, (2, free_port(), str(root)), 2, [root / "ok0", root / "ok1"])
     assert (root / "ok0").exists() and (root / "ok1").exists()
     return root / "merged"
 
@@ -170,10 +168,8 @@ def test_restore_equals_saved_on_two_ranks(merged_checkpoint):
 
 
 def test_load_at_world_size_one(merged_checkpoint):
-    import torch.multiprocessing as mp
-
     root = merged_checkpoint.parent
-    mp.spawn(_worker_one_rank, args=(free_port(), str(root)), nprocs=1, join=True)
+    spawn_ranks(_worker_one_rank, (free_port(), str(root)), 1, [root / "ok_ws1"])
     assert (root / "ok_ws1").exists()
 
 

@@ -236,6 +236,50 @@ def test_kill_mid_write_then_preempt_and_resume(baseline):
               "emergency_step": at, "steps_lost_on_resume": 0})
 
 
+def test_preemption_vote_at_epoch_end_when_poll_divides_the_epoch(baseline):
+    """checkpoint.preempt_poll_steps = the steps per epoch (20): every poll step is an epoch's last step, so
+    the vote must happen there too (it was skipped: SIGTERM was ignored and the run exited 0, the notice left
+    unhandled). SIGTERM to the driver early in epoch 1 -> the emergency checkpoint at the epoch's last step,
+    exit 75; re-running resumes with 0 steps left in that epoch and finishes equal to the uninterrupted run."""
+    tmp, base = baseline
+    out, ledger = tmp / "preempt-epoch-end", tmp / "ledger-preempt-epoch-end"
+    cmd = [str(Path(sys.executable).with_name("gemray")), "train", "--config", str(CONFIG), "--output", str(out),
+           "--set", *_overrides(tmp, "preempt-epoch-end", extra=["checkpoint.preempt_poll_steps=20"])]
+    log1 = tmp / "preempt-epoch-end-run1.log"
+    with open(log1, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO)
+    try:
+        def at_step_3():
+            att = _steps(ledger)
+            return bool(att) and max([s["g"] for s in att[0]["steps"]], default=0) >= 3
+        _wait_for("step 3", at_step_3, proc)
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc == 75, log1.read_text()[-3000:]
+    (stop,) = [e for e in read_events(out / "events.jsonl") if e["kind"] == "preempted"]
+    at = stop["detail"]["global_step"]
+    assert at in (20, 40), at  # an epoch's last step (20 steps per epoch)
+    assert _trainer_state(committed_checkpoints(out / "ray" / "preempt-epoch-end")[0])["global_step"] == at
+
+    run2 = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                          timeout=300)
+    assert run2.returncode == 0, run2.stdout[-3000:]
+    m2 = json.loads((out / "metrics.json").read_text())
+    assert [(r["kind"], r["restored_step"], r["steps_lost"]) for r in m2["recovery"]] == [("preemption", at, 0)]
+    assert [h["epoch"] for h in m2["history"]] == list(range(1, EPOCHS + 1))
+    rep = audit(ledger, _all_user_ids(tmp / "prepared"), EPOCHS)
+    for e in range(EPOCHS):
+        ep = rep["epochs"][e]
+        assert ep["trained"] == 610 and ep["lost"] == [] and ep["duplicated"] == [], (e, ep)
+    a, b = _params(base.checkpoint_path), _params(committed_checkpoints(out / "ray" / "preempt-epoch-end")[0])
+    assert a.keys() == b.keys()
+    assert max(float((a[k].float() - b[k].float()).abs().max()) for k in a) < 1e-4
+    assert m2["hr@10"] == pytest.approx(base.metrics["hr@10"], abs=1e-6)
+
+
 def test_corrupt_and_partial_checkpoints_fall_back(baseline):
     tmp, base = baseline
     import gemray

@@ -230,14 +230,9 @@ def test_preemption_notice_or_sigterm_on_one_rank_stops_every_rank(tmp_path):
     """A notice file (as `gemray preempt` / the driver's SIGTERM handler write it) or a SIGTERM to rank 1
     alone: at the next poll both ranks agree (all_reduce) on "stop" (emergency checkpoint, end the run);
     the process survived the signal (the handler replaced the default)."""
-    import socket
+    from proc_utils import free_port, spawn_ranks
 
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_preempt_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_preempt_worker, (free_port(), str(tmp_path)), 2, [tmp_path / f"votes{r}.json" for r in (0, 1)])
     for r in (0, 1):
         assert json.loads((tmp_path / f"votes{r}.json").read_text()) == [None, "stop", None, "stop"]
 

@@ -24,3 +24,34 @@ def test_selection_reading_shared_inputs_stops_with_one_line():
     assert r.returncode == 4, r.stdout[-2000:]
     assert "missing /nonexistent-shared/data/ml-1m/ratings.dat" in r.stdout + r.stderr
     assert "passed" not in r.stdout
+
+
+def _abort_after(rank: int, root: str, write_first: bool) -> None:
+    import time
+    from pathlib import Path
+
+    if write_first:
+        (Path(root) / f"done{rank}").write_text("ok")
+    if rank == 1:
+        for _ in range(300):  # teardown comes after every rank's work (both ranks meet in destroy_process_group)
+            if not write_first or (Path(root) / "done0").exists():
+                break
+            time.sleep(0.1)
+        os.abort()  # what a C++ "terminate called ..." does
+    (Path(root) / f"done{rank}").write_text("ok")
+
+
+def test_spawn_ranks_accepts_only_an_abort_after_the_work(tmp_path):
+    """proc_utils.spawn_ranks: a rank that aborts after writing its done file passes (with a warning); one
+    that aborts before raises."""
+    import pytest
+    import torch.multiprocessing as mp
+    from proc_utils import spawn_ranks
+
+    done = [tmp_path / "done0", tmp_path / "done1"]
+    with pytest.warns(UserWarning, match="aborted after its work was done"):
+        spawn_ranks(_abort_after, (str(tmp_path), True), 2, done)
+    for p in done:
+        p.unlink()
+    with pytest.raises(mp.ProcessExitedException, match="SIGABRT"):
+        spawn_ranks(_abort_after, (str(tmp_path), False), 2, done)
