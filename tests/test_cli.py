@@ -104,3 +104,12 @@ def test_make_data_refuses_a_source_without_ml1m_ratings(tmp_path):
                           f"DATA_SRC={tmp_path}", f"VENV={venv}"], capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
     assert "holds no ratings.dat" in out.stderr and "data/ml-1m is left as it is" in out.stderr
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_k8s_help_lists_its_commands(capsys, flag):
+    """`gemray k8s --help` (its options go to gemray.k8s untouched, so argparse's own -h is not there) prints
+    the subcommands, exit 0; a subcommand's --help is gemray.k8s's."""
+    assert main(["k8s", flag]) == 0
+    out = capsys.readouterr().out
+    assert "render --config FILE" in out and "validate FILES" in out and "regenerate FILES" in out

@@ -237,6 +237,89 @@ def test_train_into_a_folder_of_another_dataset_exits_2_before_ray(tmp_path, mon
     assert sorted(p.name for p in out.iterdir()) == ["ray"]  # no config.toml, events or notice written
 
 
+def test_preflight_active_refuses_a_folder_in_use_only(tmp_path):
+    """preflight_active: a fresh active marker of a live process on this host -> FileExistsError naming marker,
+    pid and what to do; no marker, an unreadable one, one without a heartbeat for ACTIVE_STALE_S, or one
+    whose pid is gone on this host -> nothing to refuse. Another host's marker is watched: refreshed ->
+    refused, stale first -> go ahead."""
+    import os
+    import socket
+    import subprocess
+    import time
+
+    from gemray.preemption import ACTIVE_STALE_S, active_path
+
+    notice = tmp_path / "PREEMPT"
+    run.preflight_active(notice)  # no marker
+    marker = active_path(notice)
+    marker.write_text("{not json")
+    run.preflight_active(notice)
+
+    def write(pid, host):
+        marker.write_text(json.dumps({"pid": pid, "host": host, "t": time.time()}))
+
+    live = subprocess.Popen(["sleep", "60"])
+    try:
+        write(live.pid, socket.gethostname())
+        with pytest.raises(FileExistsError, match=rf"another gemray run is active .* pid {live.pid} .*"
+                                                  r"gemray preempt --output .* another --output"):
+            run.preflight_active(notice)
+        run.preflight_active(notice, clock=lambda: time.time() + ACTIVE_STALE_S + 1)  # no heartbeat for too long
+        old = time.time() - ACTIVE_STALE_S - 1
+        os.utime(marker, (old, old))
+        run.preflight_active(notice)
+    finally:
+        live.kill()
+        live.wait()
+    write(live.pid, socket.gethostname())
+    run.preflight_active(notice)  # its driver is gone (killed outright): no need to wait out the heartbeat
+
+    write(12345, "another-host")
+    waits = []
+
+    def refreshed(s):  # the other host's driver is alive: its heartbeat moves the marker's time
+        waits.append(s)
+        t = marker.stat().st_mtime + 5
+        os.utime(marker, (t, t))
+
+    with pytest.raises(FileExistsError, match="pid 12345 on another-host"):
+        run.preflight_active(notice, sleep=refreshed)
+    assert len(waits) == 1
+    write(12345, "another-host")
+    fake = [time.time()]
+
+    def silent(s):  # no heartbeat: the marker goes stale while we watch
+        fake[0] += s
+    run.preflight_active(notice, clock=lambda: fake[0], sleep=silent)
+    assert fake[0] - marker.stat().st_mtime >= ACTIVE_STALE_S
+
+
+def test_train_into_a_folder_in_use_exits_2_before_ray(tmp_path, monkeypatch, capsys):
+    """A second `gemray train` into an output folder whose run is active (its driver's marker is fresh):
+    exit 2 and one line before Ray starts, and the folder's files are left as they were."""
+    import os
+    import socket
+    import time
+
+    from gemray.cli import main
+    from gemray.preemption import active_path
+
+    out = tmp_path / "out"
+    out.mkdir()
+    marker = active_path(out / "PREEMPT")
+    marker.write_text(json.dumps({"pid": os.getppid(), "host": socket.gethostname(), "t": time.time()}))
+
+    def no_ray(cfg):
+        raise AssertionError("Ray must not start")
+
+    monkeypatch.setattr(run, "_connect_ray", no_ray)
+    rc = main(["train", "--config", str(REPO / "configs" / "ml-latest-small.toml"), "--output", str(out), "--set",
+               f"data.raw_dir={DATA / 'ml-latest-small'}", f"data.prepared_dir={tmp_path / 'prep'}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "another gemray run is active in this output folder" in err[0], err
+    assert sorted(p.name for p in out.iterdir()) == [marker.name]
+
+
 def test_preflight_checks_prepared_data_came_from_raw_dir(tmp_path):
     import hashlib
 

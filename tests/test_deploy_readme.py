@@ -155,4 +155,5 @@ def test_cluster_section_runs_as_written(tmp_path):
         kill_marked(str(ray_tmp))
     assert proc.returncode == 0, out[-4000:]
     assert "SUCCEEDED" in out
-    assert any((clone / "runs" / "cluster").rglob("*")) and any((clone / "runs" / "cluster-py").rglob("*"))
+    assert (clone / "runs" / "cluster" / "metrics.json").is_file()  # not left in Ray's working-dir copy
+    assert any((clone / "runs" / "cluster" / "ray").rglob("*")) and any((clone / "runs" / "cluster-py").rglob("*"))

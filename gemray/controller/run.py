@@ -16,6 +16,7 @@ import copy
 import json
 import logging
 import os
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,8 +26,8 @@ from gemray.checkpoint import checkpoint_data, committed_checkpoints, data_recor
 from gemray.config import JobConfig, apply_overrides, load_config, to_toml
 from gemray.events import epoch_fields, read_events, summarize_recovery
 from gemray.parallel.sharding import check_shardable
-from gemray.preemption import (NOTICE_NAME, clear_active, clear_notice, install_driver_sigterm, mark_active,
-                               mark_handled)
+from gemray.preemption import (ACTIVE_HEARTBEAT_S, ACTIVE_STALE_S, NOTICE_NAME, active_path, clear_active,
+                               clear_notice, install_driver_sigterm, mark_active, mark_handled, marker_is_stale)
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +149,62 @@ def preflight_data(cfg: JobConfig, manifest: dict[str, Any], *, previous: JobCon
             raise ValueError("the output folder holds checkpoints of a model of another shape ("
                              + ", ".join(changed) + "); use a new --output (re-running the same command "
                              "resumes; a different model needs its own folder)")
+
+
+def _pid_alive(pid: Any) -> bool:
+    """Whether process ``pid`` (an int) exists on this host; False for anything else."""
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by another user
+        return True
+    return True
+
+
+def preflight_active(notice_path: str | Path, *, clock=time.time, sleep=time.sleep) -> None:
+    """Refuse, before anything is written, to start a run in an output folder where another run is active.
+
+    The active marker (``<notice>.active``, :func:`gemray.preemption.mark_active`: pid and host, its
+    modification time refreshed every ACTIVE_HEARTBEAT_S seconds by the running driver) says a run is using
+    the folder; two runs there would train from the same checkpoints, interleave their events and exceed
+    ``checkpoint.keep``. No marker, an unreadable one, or one that has gone ACTIVE_STALE_S seconds without a
+    heartbeat: go ahead. A fresh one written on this host: refused if its pid is alive, else (its driver was
+    killed outright) go ahead. A fresh one from another host (e.g. a RayJob's previous driver pod): watched
+    until it is refreshed (refused) or goes stale (go ahead), at most ACTIVE_STALE_S seconds. ``clock`` /
+    ``sleep``: time sources (tests). Raises FileExistsError naming the marker, the pid and host, and what to
+    do."""
+    marker = active_path(notice_path)
+    try:
+        mtime = marker.stat().st_mtime
+        info = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return
+    if not isinstance(info, dict) or marker_is_stale(mtime, clock()):
+        return
+    pid, host = info.get("pid"), info.get("host")
+    if host == socket.gethostname():
+        if not _pid_alive(pid):
+            return
+    else:
+        log.info("output folder in use by pid %s on %s (%s)? waiting up to %.0f s for its heartbeat", pid, host,
+                 marker, ACTIVE_STALE_S)
+        while True:
+            sleep(1.0)
+            try:
+                now_mtime = marker.stat().st_mtime
+            except OSError:
+                return  # removed: that run ended
+            if now_mtime != mtime:
+                break  # refreshed: alive
+            if marker_is_stale(mtime, clock()):
+                return
+    raise FileExistsError(
+        f"another gemray run is active in this output folder: pid {pid} on {host}, marker {marker} (refreshed "
+        f"every {ACTIVE_HEARTBEAT_S:.0f} s while it runs). Wait for it to end, stop it (`gemray preempt --output "
+        f"{marker.parent}`), or use another --output.")
 
 
 def preflight_resume(cfg: JobConfig, manifest: dict[str, Any], run_dir: str | Path, *, output_dir: str | Path,
@@ -434,6 +491,7 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
     preflight_data(cfg, manifest, previous=previous)
     storage = Path(cfg.ray.storage_path).resolve() if cfg.ray.storage_path else out / "ray"
     preflight_resume(cfg, manifest, storage / cfg.name, output_dir=out, previous=previous)
+    preflight_active(cfg.checkpoint.preempt_notice or out / NOTICE_NAME)
     out.mkdir(parents=True, exist_ok=True)
     if not cfg.train.events_path:
         cfg.train.events_path = str(out / "events.jsonl")
