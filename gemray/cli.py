@@ -165,7 +165,12 @@ def _cmd_bench_kernels(ns: argparse.Namespace) -> int:
 def _cmd_submit(ns: argparse.Namespace) -> int:
     from gemray.controller.submit import cli_submit
 
-    return cli_submit(ns)
+    try:
+        return cli_submit(ns)
+    except ConnectionError as e:  # no job server at --address / $RAY_ADDRESS: one line, not a traceback
+        print(f"gemray: error: cannot reach the Ray job server ({e}); is the cluster up and --address right?",
+              file=sys.stderr)
+        return 1
 
 
 _K8S_HELP = """usage: gemray k8s {render,validate,regenerate} ...

@@ -340,3 +340,19 @@ def test_job_main_exits_75_when_preempted(monkeypatch, capsys):
     assert '"preempted": true' in capsys.readouterr().out
     monkeypatch.setattr(sub, "run_task", lambda cfg, task: {"task": "train", "metrics": {"hr@10": 0.1}})
     assert sub.job_main() == 0
+
+
+def test_submit_cli_unreachable_server_is_one_line_and_set_takes_several_values(capsys, monkeypatch):
+    """`gemray submit --set a=1 b=2` accepts several values after one --set (as `gemray train`), and an
+    address with no job server gives one `gemray: error:` line and exit 1, not a traceback."""
+    from gemray.cli import build_parser, main
+
+    config = str(Path(__file__).resolve().parents[1] / "configs" / "ml-latest-small.toml")
+    ns = build_parser().parse_args(["submit", "--config", config, "--set", "train.epochs=1", "data.batch_size=16",
+                                    "--set", "train.lr=0.01"])
+    assert ns.overrides == ["train.epochs=1", "data.batch_size=16", "train.lr=0.01"]
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    rc = main(["submit", "--config", config, "--address", f"http://127.0.0.1:{free_port()}", "--set",
+               "train.epochs=1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and len(err) == 1 and err[0].startswith("gemray: error: cannot reach the Ray job server"), err

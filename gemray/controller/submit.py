@@ -286,7 +286,8 @@ def _preempted(out: dict[str, Any]) -> bool:
 def add_submit_arguments(p: Any) -> None:
     """Add the ``gemray submit`` options to an argparse parser."""
     p.add_argument("--config", required=True, help="gemray TOML config")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--set", dest="overrides", nargs="+", action="extend", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override config values, e.g. train.epochs=2 (several after one --set, as gemray train)")
     p.add_argument("--address", default=None,
                    help="Ray job server, e.g. http://127.0.0.1:8265 (default: $RAY_ADDRESS)")
     p.add_argument("--task", choices=TASKS, default="train")
