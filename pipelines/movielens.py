@@ -401,7 +401,7 @@ def prepare_movielens(src: str | Path, out: str | Path, *, on_bad_rows: str = "e
                     "last_user_id": int(user_ids[a + s + gl.size - 1]),
                     "split_users": int((gl >= MIN_HISTORY_FOR_SPLITS).sum()),
                 })
-            files.append({"path": rel, "rows": b - a, "tokens": hi - lo,
+            files.append({"path": rel, "rows": b - a, "tokens": hi - lo, "sha256": _file_sha256(tmp / rel),
                           "row_groups": pq.ParquetFile(tmp / rel).num_row_groups,
                           "first_user_id": int(user_ids[a]), "last_user_id": int(user_ids[b - 1])})
             if files[-1]["row_groups"] != sum(1 for s in shards if s["file"] == rel):
@@ -448,6 +448,7 @@ def prepare_movielens(src: str | Path, out: str | Path, *, on_bad_rows: str = "e
                            "by_reason": dict(sorted(reasons.items()))},
             "files": files,
             "items_file": ITEMS_FILE,
+            "items_sha256": _file_sha256(tmp / ITEMS_FILE),
             "shards": shards,
             "conversion": {"parser": "pyarrow.csv" if fast else "python-strict",
                            "seconds": round(time.perf_counter() - t0, 3)},
@@ -488,12 +489,17 @@ def format_summary(manifest: dict[str, Any], out: str | Path | None = None) -> s
     return text
 
 
-def load_manifest(prepared_dir: str | Path) -> dict[str, Any]:
-    """Read ``<prepared_dir>/manifest.json`` and check that every file it lists exists.
+def load_manifest(prepared_dir: str | Path, *, verify: bool = False) -> dict[str, Any]:
+    """Read ``<prepared_dir>/manifest.json`` and check that every file it lists exists. With ``verify``
+    (``gemray train`` / ``fit`` before Ray starts: once per run, it reads every byte) also that each Parquet
+    file (histories, items) has the sha256 recorded when it was prepared (manifests that record none: not
+    checked), a readable footer and the recorded row / row-group counts, so a damaged folder is refused
+    before any worker reads it.
 
     Returns the manifest dict (with ``"prepared_dir"`` set to the resolved folder). Raises
     FileNotFoundError (telling you to run ``gemray prepare movielens``) when the folder, the manifest or a
-    listed file is missing, ValueError for an unreadable or newer-version manifest.
+    listed file is missing, ValueError for an unreadable or newer-version manifest or a file that is not
+    what was prepared (naming it).
     """
     d = Path(prepared_dir)
     mpath = d / MANIFEST_FILE
@@ -517,5 +523,39 @@ def load_manifest(prepared_dir: str | Path) -> dict[str, Any]:
     for rel in listed:
         if not (d / rel).is_file():
             raise FileNotFoundError(f"{d}: manifest lists {rel} but it is missing; {hint}")
+    items_rel = manifest.get("items_file", ITEMS_FILE)
+    checks = [(f["path"], f.get("sha256"), f.get("rows"), f.get("row_groups")) for f in manifest["files"]]
+    if not verify:
+        checks = []
+    checks.append((items_rel, manifest.get("items_sha256"), manifest.get("counts", {}).get("items"), None))
+    for rel, digest, rows, row_groups in checks:
+        _verify_parquet(d / rel, digest, rows, row_groups,
+                        f"prepare it again (`gemray prepare movielens --src <MovieLens folder> --out {d}`, or "
+                        f"delete {d}: `gemray train` prepares it from data.raw_dir)")
     manifest["prepared_dir"] = str(d.resolve())
     return manifest
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _verify_parquet(path: Path, digest: str | None, rows: int | None, row_groups: int | None, hint: str) -> None:
+    """A prepared Parquet file is what prepare_movielens wrote: its sha256 where the manifest records one
+    (manifests from before it did: not checked), a readable footer, and the manifest's row and row-group
+    counts. Raises ValueError naming the file and what differs."""
+    if digest is not None and _file_sha256(path) != digest:
+        raise ValueError(f"{path}: sha256 differs from the one manifest.json recorded when it was prepared (the "
+                         f"file was changed or damaged); {hint}")
+    try:
+        meta = pq.read_metadata(path)
+    except (OSError, pa.ArrowException) as e:
+        raise ValueError(f"{path}: not a readable Parquet file ({e}); {hint}") from None
+    if rows is not None and meta.num_rows != rows:
+        raise ValueError(f"{path}: {meta.num_rows} rows, manifest.json says {rows}; {hint}")
+    if row_groups is not None and meta.num_row_groups != row_groups:
+        raise ValueError(f"{path}: {meta.num_row_groups} row groups, manifest.json says {row_groups}; {hint}")

@@ -320,6 +320,29 @@ def test_train_into_a_folder_in_use_exits_2_before_ray(tmp_path, monkeypatch, ca
     assert sorted(p.name for p in out.iterdir()) == [marker.name]
 
 
+def test_train_on_a_damaged_prepared_folder_exits_2_before_ray(tmp_path, monkeypatch, capsys):
+    """A prepared history file changed after preparation: `gemray train` refuses in one line naming the file,
+    exit 2, before Ray starts (it used to fail in every worker, 4 attempts, with pyarrow's traceback)."""
+    from gemray.cli import main
+    from gemray.pipelines.movielens import prepare_movielens
+
+    prep = tmp_path / "prep"
+    m = prepare_movielens(DATA / "ml-latest-small", prep)
+    part = prep / m["files"][0]["path"]
+    data = bytearray(part.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    part.write_bytes(bytes(data))
+
+    def no_ray(cfg):
+        raise AssertionError("Ray must not start")
+
+    monkeypatch.setattr(run, "_connect_ray", no_ray)
+    rc = main(["train", "--config", str(REPO / "configs" / "ml-latest-small.toml"), "--output", str(tmp_path / "o"),
+               "--set", f"data.raw_dir={DATA / 'ml-latest-small'}", f"data.prepared_dir={prep}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and f"{part}: sha256 differs" in err[0], err
+
+
 def test_preflight_checks_prepared_data_came_from_raw_dir(tmp_path):
     import hashlib
 

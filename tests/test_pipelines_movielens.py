@@ -303,6 +303,43 @@ def test_load_manifest_errors(tmp_path):
         load_manifest(tmp_path / "o")
 
 
+def test_load_manifest_refuses_damaged_prepared_files(tmp_path):
+    """A prepared folder whose Parquet files are not what prepare_movielens wrote is refused by load_manifest
+    (verify=True: what `gemray train` calls before Ray starts), naming the file: a flipped byte (sha256), a truncated file
+    (no footer), an items file with other rows; manifests without the sha256 keys (older gemray) still get
+    the footer and row-count checks."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "u.data").write_text("".join(f"{u}\t{i}\t3\t{u * 100 + i}\n" for u in range(1, 9) for i in range(1, 7)))
+    out = tmp_path / "o"
+    m = prepare_movielens(src, out, num_files=2)
+    assert all(len(f["sha256"]) == 64 for f in m["files"]) and len(m["items_sha256"]) == 64
+    load_manifest(out, verify=True)
+    part = out / m["files"][1]["path"]
+    good = part.read_bytes()
+    bad = bytearray(good)
+    bad[len(bad) // 2] ^= 0xFF
+    part.write_bytes(bytes(bad))
+    load_manifest(out)  # without verify (the workers): existence only
+    with pytest.raises(ValueError, match=r"part-00001.parquet: sha256 differs .*gemray prepare movielens"):
+        load_manifest(out, verify=True)
+    mpath = out / "manifest.json"
+    old = json.loads(mpath.read_text())
+    for f in old["files"]:
+        del f["sha256"]
+    del old["items_sha256"]
+    mpath.write_text(json.dumps(old))
+    part.write_bytes(good[: len(good) - 20])
+    with pytest.raises(ValueError, match=r"part-00001.parquet: not a readable Parquet file"):
+        load_manifest(out, verify=True)
+    part.write_bytes(good)
+    load_manifest(out, verify=True)
+    items = out / m["items_file"]
+    pq.write_table(pq.read_table(items).slice(1), items)
+    with pytest.raises(ValueError, match=r"items.parquet: \d+ rows, manifest.json says \d+"):
+        load_manifest(out, verify=True)
+
+
 TRICKY = {
     "ml-1m": [b"1::10::4::100\r\n2::11::5::101\r\n", b"1::10::4::100", b"1::010::4::100\n", b"1:: 10::4::100\n",
               b"1::10 ::4::100\n", b"1::10::4::1e3\n", b"1::10::4.0::100\n", b"1::10::4::100::\n", b"1::10:4::100\n",

@@ -65,7 +65,7 @@ def _ensure_prepared(cfg: JobConfig) -> dict[str, Any]:
     from gemray.pipelines.movielens import format_summary, load_manifest, prepare_movielens
 
     try:
-        return load_manifest(cfg.data.prepared_dir)
+        return load_manifest(cfg.data.prepared_dir, verify=True)  # a damaged folder: refused before Ray starts
     except FileNotFoundError:
         log.info("prepared data missing at %s: preparing it from %s", cfg.data.prepared_dir, cfg.data.raw_dir)
         if not Path(cfg.data.raw_dir).exists():
