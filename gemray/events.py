@@ -24,8 +24,8 @@ from typing import Any
 
 log = logging.getLogger("gemray.events")
 
-__all__ = ["EVENT_KINDS", "PLANNED_END", "Event", "EventLog", "epoch_fields", "failure_events", "read_events",
-           "summarize_recovery"]
+__all__ = ["EVENT_KINDS", "PLANNED_END", "Event", "EventLog", "epoch_fields", "failure_events", "preempted_step",
+           "read_events", "summarize_recovery"]
 
 EVENT_KINDS = ("attempt_start", "failure_detected", "resize", "checkpoint_restored", "checkpoint_fallback",
                "checkpoint_uncommitted", "startup", "first_step", "step", "checkpoint_begin", "checkpoint_saved",
@@ -119,6 +119,18 @@ def failure_events(events: list[dict[str, Any]]) -> dict[str, Any] | None:
     return {"attempt": prev, "last_global_step": last["detail"].get("global_step"), "last_step_t": last["t"],
             "world_size": starts[-1]["detail"].get("world_size"),
             "last_checkpoint_begun": newest("checkpoint_begin"), "last_checkpoint_saved": newest("checkpoint_saved")}
+
+
+def preempted_step(events: list[dict[str, Any]]) -> int | None:
+    """The global step of the emergency checkpoint the previous attempt stopped at (its ``preempted`` event:
+    the checkpoint was reported, which Ray commits unless the driver dies first, e.g. on a second
+    SIGTERM); None when the previous attempt did not stop on a preemption notice, or there is none."""
+    starts = [e for e in events if e["kind"] == "attempt_start"]
+    if not starts:
+        return None
+    prev = starts[-1]["attempt"]
+    return max((e["detail"]["global_step"] for e in events if e["attempt"] == prev and e["kind"] == "preempted"),
+               default=None)
 
 
 def summarize_recovery(events: list[dict[str, Any]]) -> list[dict[str, Any]]:

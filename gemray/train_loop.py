@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from gemray.checkpoint import checkpoint_reason, data_record, report_with_checkpoint, restore_from_ray
 from gemray.config import JobConfig, from_dict
-from gemray.events import EventLog, epoch_fields, failure_events, read_events
+from gemray.events import EventLog, epoch_fields, failure_events, preempted_step, read_events
 from gemray.metrics import RetrievalMetrics, history_mask, target_ranks
 from gemray.parallel import parallelize, plan_layout
 from gemray.preemption import preemption_action, read_notice
@@ -276,11 +276,18 @@ def _agree_preempt(cfg: JobConfig, device: torch.device, world: int, *, drain_ha
     return preemption_action(int(votes[0]), int(votes[1]), world)
 
 
-def _interrupted_checkpoint(failed: dict[str, Any] | None, restored_step: int) -> dict[str, Any] | None:
-    """What became of the failed attempt's newest checkpoint, if it is not the one restored: ``{"global_step",
-    "state"}`` with state "interrupted_write" (begun, never reported: killed while writing) or
-    "not_committed" (reported, but Ray had not committed it before the failure). None otherwise."""
-    if not failed or failed.get("last_checkpoint_begun") is None:
+def _interrupted_checkpoint(failed: dict[str, Any] | None, restored_step: int,
+                            stopped_at: int | None = None) -> dict[str, Any] | None:
+    """What became of the previous attempt's newest checkpoint, if it is not the one restored: ``{"global_step",
+    "state"}`` with state "interrupted_write" (begun, never reported: killed while writing), "not_committed"
+    (reported, but Ray had not committed it before the failure) or, for an attempt that stopped on a
+    preemption notice at global step ``stopped_at`` (``gemray.events.preempted_step``), "stop_not_committed"
+    (its emergency checkpoint was reported but the run ended before Ray committed it). None otherwise."""
+    if not failed:
+        if stopped_at is not None and stopped_at > restored_step:
+            return {"global_step": stopped_at, "state": "stop_not_committed"}
+        return None
+    if failed.get("last_checkpoint_begun") is None:
         return None
     begun, saved = failed["last_checkpoint_begun"], failed.get("last_checkpoint_saved")
     if begun <= restored_step:
@@ -367,11 +374,14 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                     path=trainer.get("restored_from"))
         log.info("resuming at epoch %d, sample %d of its order (global step %d), checkpoint saved by %s "
                  "ranks, now %d", start_epoch + 1, position["consumed"], global_step, saved_world, world)
-    lost = _interrupted_checkpoint(failed, global_step)
+    lost = _interrupted_checkpoint(failed, global_step, preempted_step(previous))
     if lost:
-        how = ("was killed while writing it (its report never completed, so Ray never committed it)"
-               if lost["state"] == "interrupted_write" else
-               "reported it, but Ray had not committed it before the failure")
+        how = {"interrupted_write": "was killed while writing it (its report never completed, so Ray never "
+                                    "committed it)",
+               "not_committed": "reported it, but Ray had not committed it before the failure",
+               "stop_not_committed": "stopped on a preemption notice and reported it as its emergency "
+                                     "checkpoint, but the run ended before Ray committed it (e.g. a second "
+                                     "SIGTERM)"}[lost["state"]]
         log.warning("the previous attempt's checkpoint of global step %d is not used: the attempt %s; resuming "
                     "from the last committed checkpoint (global step %d)%s", lost["global_step"], how,
                     global_step, _uncommitted_note(trainer.get("restored_from")))

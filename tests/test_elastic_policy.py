@@ -12,6 +12,7 @@ import pytest
 from gemray.checkpoint import checkpoint_reason, choose_checkpoint, committed_checkpoints, uncommitted_checkpoints
 from gemray.controller.policy import (Event, decide_layout, decide_world_size, failure_events,
                                       preemption_action, should_emergency_checkpoint, summarize_recovery)
+from gemray.events import preempted_step
 from gemray.ledger import LedgerWriter, audit
 from gemray.pipelines.bbs import global_epoch_order, global_steps_left, plan_global_step
 
@@ -273,6 +274,12 @@ def test_failure_events_know_planned_stops_and_interrupted_writes():
     # an attempt stopped by a preemption notice is a planned end: no failure; its resume is a "preemption" row
     stopped = reported + [ev("preempted", 5, global_step=10)]
     assert failure_events(stopped) is None
+    # ... whose emergency checkpoint Ray committed (restored at 10), or did not (the run ended first, e.g. a
+    # second SIGTERM to the driver: restored at 5)
+    assert preempted_step(stopped) == 10 and preempted_step(reported) is None and preempted_step([]) is None
+    assert _interrupted_checkpoint(None, 10, preempted_step(stopped)) is None
+    assert _interrupted_checkpoint(None, 5, preempted_step(stopped)) == {"global_step": 10,
+                                                                         "state": "stop_not_committed"}
     nxt = [Event("attempt_start", t=9, attempt=2, detail={"world_size": 2}).to_dict(),
            Event("checkpoint_restored", t=11, attempt=2, detail={"global_step": 10}).to_dict(),
            Event("first_step", t=12, attempt=2, detail={"global_step": 11}).to_dict()]
