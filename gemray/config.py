@@ -221,8 +221,8 @@ class CheckpointConfig:
     preempt_poll_steps: every N global steps, and at each epoch's last step, the workers look for a
     preemption notice (the notice file, Ray Train's node-drain info, SIGTERM where a worker can catch it)
     and vote on it with one all-reduce; a job notice -> emergency checkpoint and stop, a node drain ->
-    emergency checkpoint and go on (see gemray.preemption); 0 = off. preempt_notice: the notice file ("" = ``<output>/PREEMPT``,
-    set by fit; ``gemray preempt`` and the driver's SIGTERM handler write it).
+    emergency checkpoint and go on (see gemray.preemption); 0 = off. preempt_notice: the notice file
+    ("" = ``<output>/PREEMPT``, set by fit; ``gemray preempt`` and the driver's SIGTERM handler write it).
     """
 
     every_epochs: int = 1

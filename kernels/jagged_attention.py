@@ -1299,8 +1299,8 @@ class _GDPA(torch.autograd.Function):
             return (n_items * h,) if inner else (n_items, h)
 
         if softmax and not DELTA_INLINE.get(reg, False) and (fused or atomic):  # delta into lse[1], own launch
-            _launch(_bwd_delta, (-(-t_out // 64), h), [o, do, lse], [t_out, *o.stride()[:2], *do.stride()[:2],
-                                                                   stride_lh, d_v], dict(BLOCK_T=64, BLOCK_DV=bdv), 4, 3)
+            _launch(_bwd_delta, (-(-t_out // 64), h), [o, do, lse],
+                    [t_out, *o.stride()[:2], *do.stride()[:2], stride_lh, d_v], dict(BLOCK_T=64, BLOCK_DV=bdv), 4, 3)
         dk = torch.empty_like(k)
         dv = torch.empty_like(v)
         if atomic:  # fp32 accumulator for the atomic adds

@@ -305,9 +305,9 @@ def test_load_manifest_errors(tmp_path):
 
 def test_load_manifest_refuses_damaged_prepared_files(tmp_path):
     """A prepared folder whose Parquet files are not what prepare_movielens wrote is refused by load_manifest
-    (verify=True: what `gemray train` calls before Ray starts), naming the file: a flipped byte (sha256), a truncated file
-    (no footer), an items file with other rows; manifests without the sha256 keys (older gemray) still get
-    the footer and row-count checks."""
+    (verify=True: what `gemray train` calls before Ray starts), naming the file: a flipped byte (sha256), a
+    truncated file (no footer), an items file with other rows; manifests without the sha256 keys (older
+    gemray) still get the footer and row-count checks."""
     src = tmp_path / "src"
     src.mkdir()
     (src / "u.data").write_text("".join(f"{u}\t{i}\t3\t{u * 100 + i}\n" for u in range(1, 9) for i in range(1, 7)))
