@@ -370,6 +370,11 @@ def prepare_movielens(src: str | Path, out: str | Path, *, on_bad_rows: str = "e
     dense = inverse.reshape(-1).astype(np.int64) + 1
     user_ids, user_start, user_len = np.unique(users, return_index=True, return_counts=True)
     n_users = int(user_ids.size)
+    # Rows that repeat a (user, item) pair: kept (each is an interaction in the history), but counted and
+    # reported, since the published MovieLens files hold one rating per pair (a repeat usually means an
+    # edited or concatenated file).
+    pair = users.astype(np.int64) * (int(dense.max()) + 1) + dense
+    repeated_pairs = n_rows - int(np.unique(pair).size)
     offsets = np.concatenate([user_start, [n_rows]]).astype(np.int64)
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -434,6 +439,7 @@ def prepare_movielens(src: str | Path, out: str | Path, *, on_bad_rows: str = "e
                 "sha256sums": sha_status}]},
             "counts": {"users": n_users, "items": int(item_vocab.size), "interactions": n_rows,
                        "source_data_lines": parsed.data_lines, "quarantined": len(parsed.bad),
+                       "repeated_user_item_rows": repeated_pairs,
                        "rows_per_file": [f["rows"] for f in files],
                        "tokens_per_file": [f["tokens"] for f in files]},
             "vocab": {"num_items": int(item_vocab.size), "max_item_id": int(item_vocab.size),
@@ -486,6 +492,9 @@ def format_summary(manifest: dict[str, Any], out: str | Path | None = None) -> s
             f"{q['total']} bad rows quarantined")
     if q["by_reason"]:
         text += " (" + ", ".join(f"{k}: {v}" for k, v in q["by_reason"].items()) + f"; see {q['file']})"
+    if c.get("repeated_user_item_rows"):
+        text += (f"; {c['repeated_user_item_rows']} rows repeat the (user, item) pair of another row (kept as "
+                 "interactions; the published MovieLens files have none)")
     return text
 
 

@@ -121,6 +121,20 @@ def test_half_star_units(tmp_path):
     assert load_manifest(tmp_path / "o")["format"] == "ml-1m"
 
 
+def test_repeated_user_item_rows_are_kept_and_reported(tmp_path):
+    """Rows repeating a (user, item) pair stay in the history (each is an interaction) but are counted in the
+    manifest and named in the summary; the published ml-100k has none."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "u.data").write_text("1\t10\t3\t5\n1\t20\t4\t6\n1\t10\t3\t5\n2\t10\t5\t7\n1\t10\t1\t9\n")
+    m = prepare_movielens(src, tmp_path / "o")
+    assert m["counts"]["interactions"] == 5 and m["counts"]["repeated_user_item_rows"] == 2
+    assert "2 rows repeat the (user, item) pair of another row" in ml.format_summary(m)
+    real = prepare_movielens(DATA / "ml-100k", tmp_path / "real")
+    assert real["counts"]["repeated_user_item_rows"] == 0
+    assert "repeat" not in ml.format_summary(real)
+
+
 def test_fast_and_strict_parsers_agree():
     for fmt in ("ml-100k", "ml-latest-small"):
         f = ml.FORMATS[fmt]
