@@ -291,16 +291,23 @@ def _section_name(obj: Any) -> str:
     return type(obj).__name__
 
 
-def _coerce(value: Any, typ: Any, where: str) -> Any:
-    """Convert a TOML value or a --set string to the field's declared type; ValueError names the field."""
+def _coerce(value: Any, typ: Any, where: str, strict: bool = False) -> Any:
+    """Convert a TOML value or a --set string to the field's declared type; ValueError names the field.
+
+    ``strict`` (values from a TOML file, which has its own types): a string is accepted for str fields
+    only (``batch_size = "64"`` is an error, not 64); ints still widen to float. Without it (--set, whose
+    values are all strings) strings are parsed."""
     origin = typing.get_origin(typ)
     if origin is list:
         (inner,) = typing.get_args(typ)
-        if isinstance(value, str):
+        if isinstance(value, str) and not strict:
             value = [v for v in value.strip("[]").split(",") if v.strip()]
         if not isinstance(value, list):
             raise ValueError(f"{where}: expected a list, got {value!r}")
-        return [_coerce(v, inner, where) for v in value]
+        return [_coerce(v, inner, where, strict) for v in value]
+    if strict and (isinstance(value, str) != (typ is str)):
+        raise ValueError(f"{where}: expected {getattr(typ, '__name__', typ)}, got {value!r} "
+                         f"({type(value).__name__}; in TOML, {'quote it' if typ is str else 'write it unquoted'})")
     try:
         if typ is bool:
             if isinstance(value, bool):
@@ -332,7 +339,8 @@ def _field_types(cls: type) -> dict[str, Any]:
 
 
 def from_dict(raw: dict[str, Any]) -> JobConfig:
-    """Build a validated JobConfig from a nested dict (TOML layout). Unknown keys raise ValueError."""
+    """Build a validated JobConfig from a nested dict (TOML layout, TOML types: a string where a number or
+    a bool belongs is an error). Unknown keys raise ValueError."""
     cfg = JobConfig()
     top_types = _field_types(JobConfig)
     for key, val in raw.items():
@@ -346,9 +354,9 @@ def from_dict(raw: dict[str, Any]) -> JobConfig:
             for k, v in val.items():
                 if k not in types:
                     raise ValueError(f"unknown key {key}.{k} (known: {sorted(types)})")
-                setattr(sub, k, _coerce(v, types[k], f"{key}.{k}"))
+                setattr(sub, k, _coerce(v, types[k], f"{key}.{k}", strict=True))
         else:
-            setattr(cfg, key, _coerce(val, top_types[key], key))
+            setattr(cfg, key, _coerce(val, top_types[key], key, strict=True))
     return cfg.validate()
 
 

@@ -64,3 +64,17 @@ def test_bad_files(tmp_path):
     bad.write_text("[train\n")
     with pytest.raises(ValueError, match="invalid TOML"):
         load_config(bad)
+    # TOML has types: a quoted number or bool is refused (not parsed as --set's strings are), ints widen to
+    # float, and a number where a string belongs is refused too
+    for text, needle in (('[data]\nbatch_size = "64"\n', r"data\.batch_size: expected int, got '64' .*unquoted"),
+                         ('[train]\nlr = "0.01"\n', r"train\.lr: expected float"),
+                         ('[ray]\nuse_gpu = "true"\n', r"ray\.use_gpu: expected bool"),
+                         ('name = 5\n', r"name: expected str, got 5 .*quote it"),
+                         ('[train]\neval_ks = ["10"]\n', r"train\.eval_ks: expected int")):
+        bad.write_text(text)
+        with pytest.raises(ValueError, match=needle):
+            load_config(bad)
+    bad.write_text("[train]\nlr = 1\neval_ks = [10, 50]\n")
+    cfg = load_config(bad)
+    assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float) and cfg.train.eval_ks == [10, 50]
+    assert apply_overrides(JobConfig(), ["data.batch_size=64"]).data.batch_size == 64  # --set strings parse
