@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -252,6 +253,9 @@ class JobConfig:
         if not str(self.name).strip():
             raise ValueError("name: expected a non-empty job name (it names the Ray Train run; resume finds "
                              "the run by it)")
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", str(self.name)):
+            raise ValueError(f"name: {self.name!r} must be letters, digits, '.', '_' or '-' (it names the Ray "
+                             "Train run's folder and the default output folder runs/<name>)")
         for f in dataclasses.fields(self):
             sub = getattr(self, f.name)
             if dataclasses.is_dataclass(sub):

@@ -41,6 +41,8 @@ def test_overrides_coerce_types():
     ("data.batch_size=100", "data.batch_size"),
     ("model.attn_dropout=0.1", "model.attn_dropout: attention dropout is not implemented"),
     ("train.epochs", "section.key=value"),
+    ("name=a/b c", "name: 'a/b c' must be letters, digits"),
+    ("name=../up", "name: '../up' must be"),
 ])
 def test_bad_overrides_name_the_field(item, needle):
     with pytest.raises(ValueError, match=needle.replace(".", r"\.").replace("[", r"\[")):
