@@ -507,6 +507,6 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     if stopped:
         return  # the run ends here; Ray Train commits the emergency checkpoint as the run's latest
     if start_epoch >= cfg.train.epochs:
-        log.info("all %d epochs already done in the restored checkpoint; nothing to train",
-                 cfg.train.epochs)
+        log.info("the restored checkpoint has %d epoch(s) done, train.epochs is %d: nothing to train",
+                 start_epoch, cfg.train.epochs)
     events.emit("finished", global_step=global_step)
