@@ -257,7 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
         sm.set_defaults(func=_cmd_submit)
     k8 = sub.add_parser("k8s", help="KubeRay manifests: render from a config, validate against the CRDs",
                         prefix_chars="+")  # options after the subcommand go to gemray.k8s untouched
-    k8.add_argument("k8s_command", choices=("render", "validate", "regenerate", "-h", "--help"))
+    k8.add_argument("k8s_command", choices=("render", "validate", "regenerate", "-h", "--help"),
+                    metavar="{render,validate,regenerate}")
     k8.add_argument("args", nargs=argparse.REMAINDER, help="see `gemray k8s render --help`")
     k8.set_defaults(func=_cmd_k8s)
     return ap

@@ -119,6 +119,25 @@ def mark_active(notice_path: str | Path, heartbeat_s: float | None = ACTIVE_HEAR
     return p
 
 
+def claim_active(notice_path: str | Path, heartbeat_s: float = ACTIVE_HEARTBEAT_S) -> bool:
+    """Driver, before Ray starts: create the active marker (as :func:`mark_active`) only if there is none,
+    atomically (the complete file is hard-linked into place, which fails when the marker exists, also on
+    NFS), and start its heartbeat. Returns False when a marker is already there (another run's, or a stale
+    one: see ``gemray.controller.run.claim_output``). Raises OSError when the folder cannot be written."""
+    p = active_path(notice_path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _write_json_atomic(p.with_name(f".{p.name}.claim.{os.getpid()}.{threading.get_ident()}"),
+                             {"pid": os.getpid(), "host": socket.gethostname(), "t": time.time()})
+    try:
+        os.link(tmp, p)
+    except FileExistsError:
+        return False
+    finally:
+        tmp.unlink(missing_ok=True)
+    mark_active(notice_path, heartbeat_s)  # the same content, and the heartbeat thread
+    return True
+
+
 def _heartbeat(marker: Path, stop: threading.Event, period_s: float) -> None:
     """Refresh ``marker``'s modification time every ``period_s`` seconds until ``stop`` is set or the marker
     is gone; a failed refresh (e.g. a shared volume briefly unavailable) is logged and retried."""

@@ -294,6 +294,55 @@ def test_preflight_active_refuses_a_folder_in_use_only(tmp_path):
     assert fake[0] - marker.stat().st_mtime >= ACTIVE_STALE_S
 
 
+def test_claim_output_is_exclusive_and_takes_over_abandoned_markers(tmp_path):
+    """claim_output: the first claim creates the marker (atomically: a second claim while it lives is refused,
+    so two runs started together cannot both proceed); a marker whose driver is gone is taken over."""
+    import socket
+    import subprocess
+    import time
+
+    from gemray.preemption import active_path, claim_active, clear_active
+
+    notice = tmp_path / "out" / "PREEMPT"
+    try:
+        assert run.claim_output(notice) is True
+        marker = active_path(notice)
+        assert json.loads(marker.read_text())["pid"] == __import__("os").getpid()
+        assert claim_active(notice) is False  # exclusive: the marker is there
+        with pytest.raises(FileExistsError, match="another gemray run is active"):
+            run.claim_output(notice)  # our own live pid: refused like any live run
+    finally:
+        clear_active(notice)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    active_path(notice).write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(), "t": time.time()}))
+    try:
+        assert run.claim_output(notice) is True  # abandoned (its pid is gone): taken over at once
+        assert json.loads(active_path(notice).read_text())["pid"] != dead.pid
+    finally:
+        clear_active(notice)
+    assert not active_path(notice).exists()
+
+
+def test_fit_claims_the_folder_before_ray_starts_and_releases_it_on_failure(tmp_path, monkeypatch):
+    """The active marker exists before Ray starts (a second run started seconds later is refused: the marker
+    used to be written after ray.init, ~10 s in), and a start that fails leaves no marker behind."""
+    from gemray.preemption import active_path
+
+    out = tmp_path / "out"
+    seen = {}
+
+    def ray_fails(cfg):
+        seen["marker"] = active_path(out / "PREEMPT").is_file()
+        raise RuntimeError("no Ray here")
+
+    monkeypatch.setattr(run, "_connect_ray", ray_fails)
+    with pytest.raises(RuntimeError, match="no Ray here"):
+        run.fit(REPO / "configs" / "ml-latest-small.toml", output_dir=out,
+                overrides=[f"data.raw_dir={DATA / 'ml-latest-small'}", f"data.prepared_dir={tmp_path / 'prep'}"])
+    assert seen == {"marker": True} and not active_path(out / "PREEMPT").exists()
+
+
 def test_train_into_a_folder_in_use_exits_2_before_ray(tmp_path, monkeypatch, capsys):
     """A second `gemray train` into an output folder whose run is active (its driver's marker is fresh):
     exit 2 and one line before Ray starts, and the folder's files are left as they were."""

@@ -26,8 +26,8 @@ from gemray.checkpoint import checkpoint_data, committed_checkpoints, data_recor
 from gemray.config import JobConfig, apply_overrides, load_config, to_toml
 from gemray.events import epoch_fields, read_events, summarize_recovery
 from gemray.parallel.sharding import check_shardable
-from gemray.preemption import (ACTIVE_HEARTBEAT_S, ACTIVE_STALE_S, NOTICE_NAME, active_path, clear_active,
-                               clear_notice, install_driver_sigterm, mark_active, mark_handled, marker_is_stale)
+from gemray.preemption import (ACTIVE_HEARTBEAT_S, ACTIVE_STALE_S, NOTICE_NAME, active_path, claim_active,
+                               clear_active, clear_notice, install_driver_sigterm, mark_handled, marker_is_stale)
 
 log = logging.getLogger(__name__)
 
@@ -205,6 +205,26 @@ def preflight_active(notice_path: str | Path, *, clock=time.time, sleep=time.sle
         f"another gemray run is active in this output folder: pid {pid} on {host}, marker {marker} (refreshed "
         f"every {ACTIVE_HEARTBEAT_S:.0f} s while it runs). Wait for it to end, stop it (`gemray preempt --output "
         f"{marker.parent}`), or use another --output.")
+
+
+def claim_output(notice_path: str | Path) -> bool:
+    """Make this driver the output folder's one active run before Ray starts: create the active marker beside
+    ``notice_path`` atomically (:func:`gemray.preemption.claim_active`); where one is there already,
+    :func:`preflight_active` refuses (a live run) or the marker is dropped as abandoned and the claim
+    retried. Returns False (with a warning) when the marker cannot be written at all: the run goes on
+    without it, and `gemray preempt --wait` returns at once. Raises FileExistsError for a folder in use."""
+    for _ in range(3):
+        try:
+            if claim_active(notice_path):
+                return True
+        except OSError as e:
+            log.warning("could not write the run's active marker beside %s (%s): another run into this folder "
+                        "will not be refused and `gemray preempt --wait` will return at once", notice_path, e)
+            return False
+        preflight_active(notice_path)  # raises while that run is alive
+        active_path(notice_path).unlink(missing_ok=True)
+    raise FileExistsError(f"could not claim the output folder of {notice_path}: other runs are starting in it "
+                          "at the same time")
 
 
 def preflight_resume(cfg: JobConfig, manifest: dict[str, Any], run_dir: str | Path, *, output_dir: str | Path,
@@ -455,16 +475,10 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
     after a preemption, told apart by ``kind``: steps_lost, seconds_to_first_step; see
     gemray.events.summarize_recovery).
     Raises FileNotFoundError / ValueError for a bad config or data path, or for an output folder whose
-    checkpoint was trained on other data (:func:`preflight_resume`), all before any worker starts, and Ray's
+    checkpoint was trained on other data (:func:`preflight_resume`), FileExistsError for an output folder in
+    which another run is active (:func:`claim_output`), all before any worker starts, and Ray's
     TrainingFailedError when training fails beyond ``ray.max_failures``.
     """
-    import ray
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
-
-    from gemray.plots import plot_curves
-    from gemray.train_loop import train_loop_per_worker
-
     t0 = time.perf_counter()
     if isinstance(overrides, str):  # one "section.key=value" given without a list
         overrides = [overrides]
@@ -491,8 +505,33 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
     preflight_data(cfg, manifest, previous=previous)
     storage = Path(cfg.ray.storage_path).resolve() if cfg.ray.storage_path else out / "ray"
     preflight_resume(cfg, manifest, storage / cfg.name, output_dir=out, previous=previous)
-    preflight_active(cfg.checkpoint.preempt_notice or out / NOTICE_NAME)
     out.mkdir(parents=True, exist_ok=True)
+    if not cfg.checkpoint.preempt_notice:
+        cfg.checkpoint.preempt_notice = str(out / NOTICE_NAME)
+    # The folder is this run's from here (a second run into it is refused until this one ends); released below
+    # when the run ends, or at once if anything fails before Ray Train starts.
+    claimed = claim_output(cfg.checkpoint.preempt_notice)
+    try:
+        return _fit_claimed(cfg, out, storage, previous, config_path, t0)
+    finally:
+        if claimed and _RELEASE_ON_EXIT.pop(cfg.checkpoint.preempt_notice, True):
+            clear_active(cfg.checkpoint.preempt_notice)
+
+
+#: notice path -> False when a preempted run keeps its marker until the notice is handled (set by _fit_claimed)
+_RELEASE_ON_EXIT: dict[str, bool] = {}
+
+
+def _fit_claimed(cfg: JobConfig, out: Path, storage: Path, previous: JobConfig | None, config_path: Path | None,
+                 t0: float) -> Result:
+    """fit, once the output folder is claimed (see fit)."""
+    import ray
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from gemray.plots import plot_curves
+    from gemray.train_loop import train_loop_per_worker
+
     if not cfg.train.events_path:
         cfg.train.events_path = str(out / "events.jsonl")
     # A run resumed in its own output folder (Ray storage and config.toml there) keeps its record: events of
@@ -502,8 +541,6 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
         events_from = 0
         wall_before, invocations = _previous_wall(out / "metrics.json")
         invocations += 1
-    if not cfg.checkpoint.preempt_notice:
-        cfg.checkpoint.preempt_notice = str(out / NOTICE_NAME)
     if clear_notice(cfg.checkpoint.preempt_notice):
         log.info("removed the preemption notice %s left by a previous run", cfg.checkpoint.preempt_notice)
     (out / "config.toml").write_text(to_toml(cfg))
@@ -517,11 +554,6 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
     env = _ray_train_env(cfg)
     saved_env = {k: os.environ.get(k) for k in env}
     result = None
-    try:  # `gemray preempt --wait` waits only while this marker says a run will handle the notice
-        mark_active(cfg.checkpoint.preempt_notice)
-    except OSError as e:
-        log.warning("could not write the run's active marker beside %s (%s): `gemray preempt --wait` will "
-                    "return at once", cfg.checkpoint.preempt_notice, e)
     try:
         os.environ.update(env)  # read by TorchTrainer.fit and handed to the Train controller and workers
         workers: Any = cfg.ray.num_workers
@@ -549,8 +581,10 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
                 refresher.stop()
     finally:
         restore_sigterm()
-        if result is None or not (result.metrics or {}).get("preempted"):
-            clear_active(cfg.checkpoint.preempt_notice)  # a preempted run clears it once the notice is handled
+        # `gemray preempt --wait` waits while the marker says a run will handle the notice: a preempted run
+        # clears it once the notice is handled (_preempted_result), fit clears it otherwise
+        _RELEASE_ON_EXIT[cfg.checkpoint.preempt_notice] = result is None or not (result.metrics or {}).get(
+            "preempted")
         for k, v in saved_env.items():
             if v is None:
                 os.environ.pop(k, None)
