@@ -471,3 +471,19 @@ def test_comparison_table_rows():
     t = run.comparison_table({"hr@10": 0.2, "ndcg@10": 0.1, "eval_exclude_history": False})
     assert t.splitlines()[2].split()[:4] == ["this", "run", "(all", "items)"]
     assert "nan" not in run.comparison_table({"hr@50": 0.5}) and "eval_ks" in run.comparison_table({"hr@50": 0.5})
+
+
+def test_a_notice_after_the_last_vote_is_reported_and_marked_handled(tmp_path, caplog):
+    """A preemption notice that arrives while the run finishes (after the final step's vote): a warning, and
+    the notice marked handled with the final checkpoint (a `gemray preempt --wait` returns); none: nothing."""
+    from gemray.preemption import read_notice, write_notice
+
+    notice = tmp_path / "PREEMPT"
+    run._late_notice(str(notice), {"history": [{"global_step": 20}]}, "/ckpt")
+    assert not notice.exists()
+    write_notice(notice, "test")
+    with caplog.at_level(logging.WARNING, logger=run.log.name):
+        run._late_notice(str(notice), {"history": [{"global_step": 10}, {"global_step": 20}]}, "/ckpt")
+    assert "came after the last step's vote" in caplog.text
+    handled = read_notice(notice)["handled"]
+    assert handled["global_step"] == 20 and handled["checkpoint"] == "/ckpt"

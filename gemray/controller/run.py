@@ -27,7 +27,8 @@ from gemray.config import JobConfig, apply_overrides, load_config, to_toml
 from gemray.events import epoch_fields, read_events, summarize_recovery
 from gemray.parallel.sharding import check_shardable
 from gemray.preemption import (ACTIVE_HEARTBEAT_S, ACTIVE_STALE_S, NOTICE_NAME, active_path, claim_active,
-                               clear_active, clear_notice, install_driver_sigterm, mark_handled, marker_is_stale)
+                               clear_active, clear_notice, install_driver_sigterm, mark_handled, marker_is_stale,
+                               read_notice)
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,12 @@ def _ensure_prepared(cfg: JobConfig) -> dict[str, Any]:
     from gemray.pipelines.movielens import format_summary, load_manifest, prepare_movielens
 
     try:
-        return load_manifest(cfg.data.prepared_dir, verify=True)  # a damaged folder: refused before Ray starts
+        manifest = load_manifest(cfg.data.prepared_dir, verify=True)  # a damaged folder: refused before Ray starts
+        if any("sha256" not in f for f in manifest["files"]):
+            log.warning("%s was prepared by an older gemray that recorded no checksums: only its Parquet footers "
+                        "and row counts are checked; prepare it again to have every byte checked",
+                        cfg.data.prepared_dir)
+        return manifest
     except FileNotFoundError:
         log.info("prepared data missing at %s: preparing it from %s", cfg.data.prepared_dir, cfg.data.raw_dir)
         if not Path(cfg.data.raw_dir).exists():
@@ -630,4 +636,19 @@ def _fit_claimed(cfg: JobConfig, out: Path, storage: Path, previous: JobConfig |
         plot_curves(history, out / "curves.png")
     print(comparison_table(metrics))
     log.info("results in %s (checkpoint %s)", out, ckpt)
+    _late_notice(cfg.checkpoint.preempt_notice, metrics, ckpt)
     return Result(metrics=metrics, checkpoint_path=ckpt, output_dir=str(out))
+
+
+def _late_notice(notice: str, metrics: dict[str, Any], ckpt: str | None) -> None:
+    """A preemption notice that arrived after the workers' last vote (the final step) found the run finishing:
+    say so, and mark it handled with the final checkpoint so that a `gemray preempt --wait` returns."""
+    if read_notice(notice) is None:
+        return
+    step = int((metrics.get("history") or [{}])[-1].get("global_step", 0))
+    log.warning("the preemption notice %s came after the last step's vote: the run finished instead (final "
+                "checkpoint %s; nothing to resume)", notice, ckpt)
+    try:
+        mark_handled(notice, step, ckpt)
+    except OSError as e:
+        log.warning("could not mark the preemption notice %s handled: %s", notice, e)
