@@ -520,12 +520,10 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
     try:
         return _fit_claimed(cfg, out, storage, previous, config_path, t0)
     finally:
-        if claimed and _RELEASE_ON_EXIT.pop(cfg.checkpoint.preempt_notice, True):
+        # after _fit_claimed returned: a preempted run has already marked its notice handled (and dropped the
+        # marker), so a `gemray preempt --wait` never sees the marker go before the notice is handled
+        if claimed:
             clear_active(cfg.checkpoint.preempt_notice)
-
-
-#: notice path -> False when a preempted run keeps its marker until the notice is handled (set by _fit_claimed)
-_RELEASE_ON_EXIT: dict[str, bool] = {}
 
 
 def _fit_claimed(cfg: JobConfig, out: Path, storage: Path, previous: JobConfig | None, config_path: Path | None,
@@ -587,10 +585,6 @@ def _fit_claimed(cfg: JobConfig, out: Path, storage: Path, previous: JobConfig |
                 refresher.stop()
     finally:
         restore_sigterm()
-        # `gemray preempt --wait` waits while the marker says a run will handle the notice: a preempted run
-        # clears it once the notice is handled (_preempted_result), fit clears it otherwise
-        _RELEASE_ON_EXIT[cfg.checkpoint.preempt_notice] = result is None or not (result.metrics or {}).get(
-            "preempted")
         for k, v in saved_env.items():
             if v is None:
                 os.environ.pop(k, None)
