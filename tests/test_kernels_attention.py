@@ -789,6 +789,14 @@ gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs CUDA (compiled)")
 
 
+def _check_gpu_jfa(off, max_len, activation, tensors, **kw):
+    """_check of jagged_attention_triton against jagged_attention_ref (same arguments) at the GPU tests' bf16
+    tolerance; alpha 0.05 for the pointwise activations (keeps bf16 scores in range), the default for softmax."""
+    kw = dict(kw, activation=activation, alpha=0.05 if activation != "softmax" else None)
+    return _check(lambda a, b, c: jagged_attention_triton(a, b, c, off, max_len, **kw),
+                  lambda a, b, c: ref.jagged_attention_ref(a, b, c, off, max_len, **kw), tensors, 2e-2)
+
+
 def _heavy_lengths(b, n):
     """b log-normal lengths with median n/16, clipped to [1, n]."""
     lens = torch.distributions.LogNormal(math.log(n / 16), 1.0).sample((b,))
@@ -806,13 +814,7 @@ def test_gpu_self_attention_bf16(activation, pattern):
     t, h, d = int(off[-1]), 4, 128
     nt = (torch.tensor(lengths, device="cuda") // 8) if pattern == "targets" else None
     q, k, v = (_leaf(t, h, d, dtype=torch.bfloat16, device="cuda") for _ in range(3))
-    _check(lambda a, b, c: jagged_attention_triton(a, b, c, off, 2048, activation=activation,
-                                                   causal=pattern != "full", num_targets=nt,
-                                                   alpha=0.05 if activation != "softmax" else None),
-           lambda a, b, c: ref.jagged_attention_ref(a, b, c, off, 2048, activation=activation,
-                                                    causal=pattern != "full", num_targets=nt,
-                                                    alpha=0.05 if activation != "softmax" else None),
-           (q, k, v), 2e-2)
+    _check_gpu_jfa(off, 2048, activation, (q, k, v), causal=pattern != "full", num_targets=nt)
 
 
 @gpu
@@ -898,11 +900,7 @@ def test_gpu_backward_launch_modes(monkeypatch, activation, fused, inline, atomi
     q, k, v = (_leaf(t, h, d, dtype=torch.bfloat16, device="cuda") for _ in range(3))
     for reg in ("short", "medium"):
         monkeypatch.setattr(ja, "regime", lambda total, batch, reg=reg: reg)
-        _check(lambda a, b, c: jagged_attention_triton(a, b, c, off, 2048, activation=activation,
-                                                       alpha=0.05 if activation != "softmax" else None),
-               lambda a, b, c: ref.jagged_attention_ref(a, b, c, off, 2048, activation=activation,
-                                                        alpha=0.05 if activation != "softmax" else None),
-               (q, k, v), 2e-2)
+        _check_gpu_jfa(off, 2048, activation, (q, k, v))
 
 
 @gpu
@@ -921,11 +919,7 @@ def test_gpu_length_classes_bf16(monkeypatch, activation):
     monkeypatch.setattr(ja, "regime", lambda total, batch, _r=ja.regime: "medium" if batch > 1 else _r(total, 1))
     for split in (1024, 2048):
         monkeypatch.setattr(ja, "SPLIT_LEN", {r: split if r == "medium" else 0 for r in ja.SPLIT_LEN})
-        _check(lambda a, b, c: jagged_attention_triton(a, b, c, off, 4096, activation=activation,
-                                                       alpha=0.05 if activation != "softmax" else None),
-               lambda a, b, c: ref.jagged_attention_ref(a, b, c, off, 4096, activation=activation,
-                                                        alpha=0.05 if activation != "softmax" else None),
-               (q, k, v), 2e-2)
+        _check_gpu_jfa(off, 4096, activation, (q, k, v))
 
 
 @gpu
