@@ -296,7 +296,7 @@ def host_profile(activation: str = "softmax", kind: str = "heavy", b: int = 128,
                 return _Compiled(name)
             return run
 
-    names = ("_gdpa_fwd", "_gdpa_bwd", "_bwd_delta")
+    names = ("_gdpa_fwd", "_gdpa_bwd", "_bwd_delta", "_gdpa_dq_ds")
     saved = {k: getattr(ja, k) for k in names + ("_current_device", "_raw_stream")}
     try:
         for k in names:
@@ -649,6 +649,11 @@ _DQ_RUN6 = ((128, 64, 8, 3), (64, 64, 4, 2))
 # 8192 scores; 462 with TMA loads; 3 stages need 242 KB of shared memory, over the 227 KB limit), 64x64/4w (547 per
 # 4096; two CTAs per SM with 2 stages).
 _DKDV_QROWS = ((128, 64, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3))
+# DS_STORE backward (runs 19-24, deploy/h200/ab_ds.py): dK/dV with the dS store, 64x64/4w/2 (medium / long) and
+# 64x128/8w/3 (xlong; with 2 stages the store's wait showed: +1.2 ms on uniform B=64 N=4096); dQ = dS K, 64x64/4w/3
+# (medium / long) and 256x64/8w/2 (xlong: each K tile read serves more dS rows), 128x64/4w/3 within 1% of both.
+_DKDV_DS = ((64, 64, 4, 2), (64, 128, 8, 3), (64, 128, 8, 2))
+_DQ_DS = ((64, 64, 4, 3), (256, 64, 8, 2), (128, 64, 4, 3))
 
 SWEEP = {  # regime -> kernel -> candidate (BLOCK_M, BLOCK_N, num_warps, num_stages); the default goes first
     # From sm_90 compiles (kernels/NOTES.md, run 4 plan; without divisibility hints, so spills are overstated):
@@ -659,6 +664,8 @@ SWEEP = {  # regime -> kernel -> candidate (BLOCK_M, BLOCK_N, num_warps, num_sta
         "dkdv": [(64, 64, 8, 2), (64, 128, 8, 2), (64, 64, 4, 3), (64, 64, 4, 2)],
         "dkdv_atomic": [(64, 64, 8, 2)],
         "dkdv_qrows": list(_DKDV_QROWS),
+        "dkdv_ds": list(_DKDV_DS),
+        "dq_ds": list(_DQ_DS),
         "dq": [(64, 64, 8, 2), (32, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 2)],
     },
     # Run 6 (sm_90 SASS from sass_check, now with the JIT's divisibility hints): dK/dV with 32-query steps under
@@ -678,6 +685,8 @@ SWEEP = {  # regime -> kernel -> candidate (BLOCK_M, BLOCK_N, num_warps, num_sta
         "dkdv": list(_DKDV_RUN6),
         "dkdv_atomic": [(64, 64, 8, 2)],
         "dkdv_qrows": list(_DKDV_QROWS),
+        "dkdv_ds": list(_DKDV_DS),
+        "dq_ds": list(_DQ_DS),
         "dq": list(_DQ_RUN6),
     },
     "long": {
@@ -686,6 +695,8 @@ SWEEP = {  # regime -> kernel -> candidate (BLOCK_M, BLOCK_N, num_warps, num_sta
         "dkdv": list(_DKDV_RUN6),
         "dkdv_atomic": [(64, 64, 8, 2)],
         "dkdv_qrows": list(_DKDV_QROWS),
+        "dkdv_ds": list(_DKDV_DS),
+        "dq_ds": list(_DQ_DS),
         "dq": list(_DQ_RUN6),
     },
     "xlong": {
@@ -694,6 +705,8 @@ SWEEP = {  # regime -> kernel -> candidate (BLOCK_M, BLOCK_N, num_warps, num_sta
         "dkdv": list(_DKDV_RUN6),
         "dkdv_atomic": [(64, 64, 8, 2)],
         "dkdv_qrows": list(_DKDV_QROWS),
+        "dkdv_ds": list(_DKDV_DS),
+        "dq_ds": list(_DQ_DS),
         "dq": list(_DQ_RUN6),
     },
 }
@@ -705,30 +718,32 @@ SWEEP = {  # regime -> kernel -> candidate (BLOCK_M, BLOCK_N, num_warps, num_sta
 # the query-rows-first dK/dV step (DKDV_QROWS, tile kind "dkdv_qrows") lost everywhere (+6-7%, short +35%) and
 # is no longer tried (the code path and its tests stay). Each regime's default, then TMA loads or the
 # heads-inner grid switched (the default is tried first and not repeated).
+# Runs 19-24: the DS_STORE backward (dS^T stored by the dK/dV launch, dQ = dS K) won medium / long / xlong (-3 to
+# -8%), lost short (+8% device time): its on / off switch is the mode's 7th entry.
 _F = False
-BWD_MODES = [(_F, _F, _F, _F, _F, _F), (_F, _F, _F, _F, True, _F), (_F, _F, _F, True, _F, _F),
-             (_F, _F, _F, True, True, _F)]
-MODE_LEN = 6
+BWD_MODES = [(_F, _F, _F, _F, _F, _F, _F), (_F, _F, _F, _F, True, _F, _F), (_F, _F, _F, True, _F, _F, _F),
+             (_F, _F, _F, True, True, _F, _F), (_F, _F, _F, _F, _F, _F, True), (_F, _F, _F, _F, True, _F, True)]
+MODE_LEN = 7
 
 
 def get_mode(which: str) -> tuple[bool, ...]:
-    """(one launch, delta inline, atomic dQ, heads inner, TMA loads, query-rows dK/dV) of regime ``which`` in
-    jagged_attention."""
+    """(one launch, delta inline, atomic dQ, heads inner, TMA loads, query-rows dK/dV, dS stored) of regime
+    ``which`` in jagged_attention."""
     from gemray.kernels import jagged_attention as ja
 
     return (ja.FUSED_BWD[which], ja.DELTA_INLINE[which], ja.ATOMIC_DQ[which], ja.HEADS_INNER[which],
-            ja.TMA_LOADS[which], ja.DKDV_QROWS[which])
+            ja.TMA_LOADS[which], ja.DKDV_QROWS[which], ja.DS_STORE[which])
 
 
 def set_mode(which: str, mode) -> None:
     """Set regime ``which``'s launch mode from [one launch, delta inline(, atomic dQ(, heads inner(, TMA
-    loads(, query-rows dK/dV))))] (run 4's JSON has two entries, run 5's three, run 6's four, run 7's five: the
-    missing ones are off)."""
+    loads(, query-rows dK/dV(, dS stored)))))] (run 4's JSON has two entries, run 5's three, run 6's four, run 7's
+    five, run 8's six: the missing ones are off)."""
     from gemray.kernels import jagged_attention as ja
 
     mode = tuple(bool(m) for m in mode) + (False,) * (MODE_LEN - len(mode))
     ja.FUSED_BWD[which], ja.DELTA_INLINE[which], ja.ATOMIC_DQ[which], ja.HEADS_INNER[which], \
-        ja.TMA_LOADS[which], ja.DKDV_QROWS[which] = mode[:MODE_LEN]
+        ja.TMA_LOADS[which], ja.DKDV_QROWS[which], ja.DS_STORE[which] = mode[:MODE_LEN]
 
 
 def apply_tiles(tiles_json: str) -> None:
@@ -753,22 +768,27 @@ SWEEP_BATCH = {"short": ("heavy", 128, 1024), "medium": ("heavy", 256, 4096), "l
 # what the sweep picks per regime, in order; "dkdv" / "dq" are timed only if the chosen mode is not atomic
 # dQ, "dkdv_atomic" only if it is. The mode comes first (run 7): TMA loads change the forward too, so the
 # forward tiles are timed under the chosen mode.
-KERNELS = ("mode", "fwd", "fwd_silu", "dkdv", "dkdv_atomic", "dkdv_qrows", "dq")
+KERNELS = ("mode", "fwd", "fwd_silu", "dkdv", "dkdv_atomic", "dkdv_qrows", "dq", "dkdv_ds", "dq_ds")
 
 
 def _mode_for(kern: str, mode: tuple) -> tuple[bool, ...]:
     """The launch mode under which tile kind ``kern`` is used (so that it is compiled / timed):
     "dkdv_atomic" needs atomic dQ, "dkdv" / "dq" need it off; "dkdv_qrows" needs the query-rows dK/dV step,
-    "dkdv" needs it off; other kinds keep ``mode``."""
+    "dkdv" needs it off; "dkdv_ds" / "dq_ds" need the dS store (and neither atomic dQ, one launch nor query rows),
+    "dkdv" / "dq" / "dkdv_qrows" / "dkdv_atomic" need it off; other kinds keep ``mode``."""
     mode = tuple(mode) + (False,) * (MODE_LEN - len(mode))
+    if kern in ("dkdv_ds", "dq_ds"):
+        return (False, mode[1], False) + mode[3:5] + (False, True)
+    if kern in ("dkdv", "dq", "dkdv_qrows", "dkdv_atomic"):
+        mode = mode[:6] + (False,)
     if kern == "dkdv_atomic" and not mode[2]:
-        return (False, mode[1], True) + mode[3:5] + (False,)
+        return (False, mode[1], True) + mode[3:5] + (False, False)
     if kern in ("dkdv", "dq", "dkdv_qrows") and mode[2]:
         mode = (False, False, False) + mode[3:]
     if kern == "dkdv_qrows" and not mode[5]:
-        return mode[:5] + (True,)
+        return mode[:5] + (True, False)
     if kern == "dkdv" and mode[5]:
-        return mode[:5] + (False,)
+        return mode[:5] + (False, False)
     return mode
 
 
@@ -779,8 +799,10 @@ def _sweep_items(which: str) -> list[tuple[str, str, tuple]]:
     items = []
     atomic_tried = get_mode(which)[2] or any(m[2] for m in BWD_MODES)
     qrows_tried = get_mode(which)[5] or any(m[5] for m in BWD_MODES)
+    ds_tried = get_mode(which)[6] or any(m[6] for m in BWD_MODES)
     for kern in KERNELS:
-        if (kern == "dkdv_atomic" and not atomic_tried) or (kern == "dkdv_qrows" and not qrows_tried):
+        if ((kern == "dkdv_atomic" and not atomic_tried) or (kern == "dkdv_qrows" and not qrows_tried)
+                or (kern in ("dkdv_ds", "dq_ds") and not ds_tried)):
             continue  # never used: neither compiled nor timed
         if kern == "mode":
             default = get_mode(which)

@@ -95,7 +95,9 @@ TILES: dict[str, dict[str, dict[int, tuple[int, int, int, int]]]] = {
     # 128x64/8w/3. Changed after run 15, the first sweep timed in device time (CUDA-graph replays; the short
     # batch's eager time is the host's, which is how run 4 picked a 32-row dQ tile without wgmma): short dK/dV
     # and dQ 64x64/4w/2 (-20% / -18% fwd+bwd device time each) and the heads-inner grid (also run 6's pick):
-    # short batch 0.277 -> 0.162 ms device time. D=64 / 256 entries are not measured (kept from run 3).
+    # short batch 0.277 -> 0.162 ms device time. "dkdv_ds" / "dq_ds" (the DS_STORE backward's dK/dV with the dS
+    # store, and its dQ = dS K launch): the best of runs 19-24 (deploy/h200/ab_ds.py) on each regime's batch. D=64 /
+    # 256 entries are not measured (kept from run 3).
     "short": {
         "fwd": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 2)},
         "fwd_silu": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 2)},
@@ -103,6 +105,8 @@ TILES: dict[str, dict[str, dict[int, tuple[int, int, int, int]]]] = {
         "dkdv_atomic": {64: (64, 64, 8, 2), 128: (64, 64, 8, 2), 256: (32, 64, 4, 2)},
         "dkdv_qrows": {64: (128, 64, 8, 2), 128: (128, 64, 8, 2), 256: (64, 32, 4, 2)},
         "dq": {64: (64, 64, 8, 2), 128: (64, 64, 4, 2), 256: (64, 32, 4, 2)},
+        "dkdv_ds": {64: (64, 64, 4, 2), 128: (64, 64, 4, 2), 256: (32, 64, 4, 2)},
+        "dq_ds": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 64, 4, 2)},
     },
     "medium": {
         "fwd": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 2)},
@@ -111,6 +115,8 @@ TILES: dict[str, dict[str, dict[int, tuple[int, int, int, int]]]] = {
         "dkdv_atomic": {64: (64, 64, 8, 2), 128: (64, 64, 8, 2), 256: (32, 64, 4, 2)},
         "dkdv_qrows": {64: (128, 64, 8, 2), 128: (128, 64, 8, 2), 256: (64, 32, 4, 2)},
         "dq": {64: (128, 64, 8, 3), 128: (64, 64, 4, 2), 256: (64, 32, 4, 2)},
+        "dkdv_ds": {64: (64, 64, 4, 2), 128: (64, 64, 4, 2), 256: (32, 64, 4, 2)},
+        "dq_ds": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 64, 4, 2)},
     },
     "long": {
         "fwd": {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
@@ -119,6 +125,8 @@ TILES: dict[str, dict[str, dict[int, tuple[int, int, int, int]]]] = {
         "dkdv_atomic": {64: (64, 64, 8, 2), 128: (64, 64, 8, 2), 256: (32, 64, 4, 2)},
         "dkdv_qrows": {64: (128, 64, 8, 2), 128: (128, 64, 8, 2), 256: (64, 32, 4, 2)},
         "dq": {64: (128, 64, 8, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
+        "dkdv_ds": {64: (64, 64, 4, 2), 128: (64, 64, 4, 2), 256: (32, 64, 4, 2)},
+        "dq_ds": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 64, 4, 2)},
     },
     "xlong": {
         "fwd": {64: (128, 64, 4, 3), 128: (128, 128, 8, 3), 256: (64, 32, 4, 2)},
@@ -127,6 +135,8 @@ TILES: dict[str, dict[str, dict[int, tuple[int, int, int, int]]]] = {
         "dkdv_atomic": {64: (64, 64, 8, 2), 128: (64, 64, 8, 2), 256: (32, 64, 4, 2)},
         "dkdv_qrows": {64: (128, 64, 8, 2), 128: (128, 64, 8, 2), 256: (64, 32, 4, 2)},
         "dq": {64: (128, 64, 8, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
+        "dkdv_ds": {64: (64, 128, 8, 3), 128: (64, 128, 8, 3), 256: (32, 64, 4, 2)},
+        "dq_ds": {64: (256, 64, 8, 2), 128: (256, 64, 8, 2), 256: (64, 64, 4, 2)},
     },
 }
 # Backward as one launch (dK/dV and dQ items merged into one longest-first table; the dQ items fill the
@@ -169,6 +179,20 @@ TMA_LOADS: dict[str, bool] = {"short": False, "medium": False, "long": False, "x
 # deploy/h200/ab_split.py): every split tried lost (heavy B=256 N=4096 +6-9%, heavy B=128 N=1024 +60-110%;
 # kernels/NOTES.md "Run 11"), so off everywhere; kept as a tested alternative for other GPUs / head sizes.
 SPLIT_LEN: dict[str, int] = {"short": 0, "medium": 0, "long": 0, "xlong": 0}
+# Backward with dS materialized (per regime): the dK/dV launch also stores dS^T (16-bit inputs: in their dtype, as
+# the products use it) into a [H, Tk, W] buffer (W = max_q_len rounded up to 64) through a tensor descriptor, and
+# the dQ launch (_gdpa_dq_ds) reads it back: one matmul per tile pair instead of recomputing QK^T and dO V^T (five
+# matmuls per pair in all instead of seven, still no atomics), for H * Tk * W * itemsize bytes of scratch during
+# the backward (uniform B=64 N=4096, H=4: 8 GiB) and one delta launch (softmax). Used where the buffer fits under
+# DS_MAX_BYTES and DS_MAX_FRACTION of the device's memory, for full attention rows (no block / window: their
+# buffers would be mostly empty) on GPUs with tensor descriptors (sm_90+); else the recomputing backward.
+# Runs 19-22 and 24 (kernels/NOTES.md, deploy/h200/ab_ds.py), fwd+bwd with each regime's own tiles (kinds
+# "dkdv_ds", "dq_ds"): -7 to -8% on heavy B=256 N=4096 (medium), -5 to -6% on uniform B=128 N=1024 (long), -6 to -7%
+# on uniform B=64 N=4096 (xlong); +8% device time on the short heavy B=128 N=1024 batch (one launch more), so off
+# there. The dQ launch runs at 82-87% of the L2 throughput (Nsight Compute, runs 23-24): dS plus a K tile per dS tile.
+DS_STORE: dict[str, bool] = {"short": False, "medium": True, "long": True, "xlong": True}
+DS_MAX_BYTES = 16 << 30
+DS_MAX_FRACTION = 0.125
 FAST_ACT = True  # tanh.approx silu for bf16/fp16 on CUDA (see _act); the bench can turn it off to compare
 # Launch through the compiled kernel's launcher once a call configuration has been compiled (see _launch):
 # skips the JIT's per-call argument binding and specialization (host time of short, heavy-tailed batches).
@@ -205,7 +229,7 @@ def _classes(spec: "_Spec", reg: str, self_attn: bool) -> tuple[tuple[str, int, 
     if split <= 0 or not self_attn or spec.max_q_len < split or spec.att_block or spec.window or spec.q_bcast:
         return ((reg, 0, 0),)
     long_reg = regime(split, 1)
-    if any(FUSED_BWD.get(r, False) or ATOMIC_DQ.get(r, False) for r in (reg, long_reg)):
+    if any(FUSED_BWD.get(r, False) or ATOMIC_DQ.get(r, False) or DS_STORE.get(r, False) for r in (reg, long_reg)):
         return ((reg, 0, 0),)
     return ((long_reg, split, 0), (reg, 0, split))
 
@@ -220,7 +244,7 @@ def _tiles(kind: str, d: int, reg: str = "long", max_q_len: int | None = None) -
             bm, bn, warps, stages = table[bucket]
             if max_q_len is not None and max_q_len <= 64:
                 small = max(16, 1 << (max_q_len - 1).bit_length())
-                if kind in ("fwd", "fwd_silu", "dq"):
+                if kind in ("fwd", "fwd_silu", "dq", "dq_ds"):
                     bm, warps = small, 4
                 else:
                     bm = min(bm, small)
@@ -464,6 +488,16 @@ def _rows_desc(base, n_rows, stride_t, BLOCK_R: tl.constexpr, BLOCK_D: tl.conste
 
 
 @triton.jit
+def _ds_desc(DS, h, kv_start, lk, lq, stride_dsh, stride_dst, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Tensor descriptor of one (sequence, head)'s dS^T block of the DS_STORE buffer [H, Tk, W]: rows = the
+    sequence's key rows (lk), columns = its query positions (lq), row stride W; [BLOCK_N, BLOCK_M] boxes.
+    Stores past lk / lq are dropped and loads there read zeros (the jagged edges need no masks)."""
+    return tl.make_tensor_descriptor(DS + h * stride_dsh + kv_start * stride_dst,
+                                     shape=[tl.maximum(lk, 1), tl.maximum(lq, 1)], strides=[stride_dst, 1],
+                                     block_shape=[BLOCK_N, BLOCK_M])
+
+
+@triton.jit
 def _item_head(WORK, n_heads, HEADS_INNER: tl.constexpr):
     """(work item id from the longest-first table WORK, head as int64) of this program. Grid (items, H):
     program_id(1) is the head, so CUDA dispatches all of head 0's items before head 1's (each head's
@@ -631,12 +665,12 @@ def _gdpa_fwd(Q, K, V, O, LSE, Q_OFF, KV_OFF, NT, WORK, BIAS,
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, o_base, stride_qt, stride_dot, stride_ot,
                 offs_n, lq, lk, n_hist, alpha_s, lo, hi, offs_dk, offs_dv, D_QK, D_V, bias_base, stride_bi,
-                stride_bj, dq_base, stride_dqt, dq_scale, dbias_base, stride_dbi, stride_dbj, ds_scale,
+                stride_bj, dq_base, stride_dqt, dq_scale, dbias_base, stride_dbi, stride_dbj, ds_scale, ds_desc, n0,
                 ACT: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                 HAS_TARGETS: tl.constexpr, ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,
                 DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr, CONTEXT: tl.constexpr, FAST: tl.constexpr,
                 DELTA_INLINE: tl.constexpr, ATOMIC_DQ: tl.constexpr, STORE_DBIAS: tl.constexpr, TMA: tl.constexpr,
-                Q_ROWS: tl.constexpr):
+                Q_ROWS: tl.constexpr, STORE_DS: tl.constexpr):
     if Q_ROWS:
         for m0 in range(lo, hi, BLOCK_M):
             offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -687,6 +721,8 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, o_base, str
                     dst = tl.where(ok, dst, 0.0)
             dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PREC)
             dst_lp = dst.to(qt.dtype)
+            if STORE_DS:  # dS^T tile [BLOCK_N, BLOCK_M] for the dQ launch (_gdpa_dq_ds); TMA clips the jagged edges
+                ds_desc.store([n0, m0], dst_lp)
             dk = tl.dot(dst_lp, tl.trans(qt), dk, input_precision=DOT_PREC)
             if ATOMIC_DQ:  # dQ[rows of this query tile] += scale * dS K: fp32 atomics (FlashAttention-2 Triton)
                 dq_part = tl.dot(tl.trans(dst_lp), k, input_precision=DOT_PREC) * dq_scale  # [BLOCK_M, BLOCK_DQK]
@@ -770,9 +806,11 @@ def _dkdv_tile(Q, K, V, DO, LSE, DELTA, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, BIAS, 
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
                BLOCK_DV: tl.constexpr, DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr,
                CONTEXT: tl.constexpr, FAST: tl.constexpr, DELTA_INLINE: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-               STORE_DBIAS: tl.constexpr, TMA: tl.constexpr, Q_ROWS: tl.constexpr):
+               STORE_DBIAS: tl.constexpr, TMA: tl.constexpr, Q_ROWS: tl.constexpr, DS, stride_dsh, stride_dst,
+               STORE_DS: tl.constexpr):
     """dK, dV of keys [n0, n0 + BLOCK_N) of sequence b, head h; with ATOMIC_DQ also their share of dQ
-    (fp32 atomic adds into DQ, zeroed by the host) and, with STORE_DBIAS, dbias of their pairs."""
+    (fp32 atomic adds into DQ, zeroed by the host) and, with STORE_DBIAS, dbias of their pairs. STORE_DS: also
+    writes dS^T of every pair it visits (0 where masked) into DS, rows = key rows, columns = query positions."""
     q_start = tl.load(Q_OFF + b)
     lq = (tl.load(Q_OFF + b + 1) - q_start).to(tl.int32)
     kv_start = tl.load(KV_OFF + b)
@@ -816,18 +854,21 @@ def _dkdv_tile(Q, K, V, DO, LSE, DELTA, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, BIAS, 
     dq_scale = alpha * ds_scale
     lo, hi, full_lo = _query_range(n0, lq, n_hist, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, BLOCK_M,
                                    BLOCK_N, CONTEXT)
+    ds_desc = DS
+    if STORE_DS:
+        ds_desc = _ds_desc(DS, h, kv_start, lk, lq, stride_dsh, stride_dst, BLOCK_N, BLOCK_M)
     dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, o_base, stride_qt, stride_dot,
                          stride_ot, offs_n, lq, lk, n_hist, alpha_s, lo, full_lo, offs_dk, offs_dv, D_QK, D_V,
                          bias_base, stride_bi, stride_bj, dq_base, stride_dqt, dq_scale, dbias_base, stride_dbi,
-                         stride_dbj, ds_scale, ACT, True, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW,
+                         stride_dbj, ds_scale, ds_desc, n0, ACT, True, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW,
                          BLOCK_M, DOT_PREC, HAS_BIAS, CONTEXT, FAST, DELTA_INLINE, ATOMIC_DQ, STORE_DBIAS, TMA,
-                         Q_ROWS)
+                         Q_ROWS, STORE_DS)
     dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, o_base, stride_qt, stride_dot,
                          stride_ot, offs_n, lq, lk, n_hist, alpha_s, full_lo, hi, offs_dk, offs_dv, D_QK, D_V,
                          bias_base, stride_bi, stride_bj, dq_base, stride_dqt, dq_scale, dbias_base, stride_dbi,
-                         stride_dbj, ds_scale, ACT, False, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW,
+                         stride_dbj, ds_scale, ds_desc, n0, ACT, False, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW,
                          BLOCK_M, DOT_PREC, HAS_BIAS, CONTEXT, FAST, DELTA_INLINE, ATOMIC_DQ, STORE_DBIAS, TMA,
-                         Q_ROWS)
+                         Q_ROWS, STORE_DS)
     if ACT == 0:
         dk = dk * alpha
     else:
@@ -957,19 +998,19 @@ def _dq_tile(Q, K, V, DO, LSE, DELTA, O, DQ, Q_OFF, KV_OFF, NT, BIAS, DBIAS, b, 
 
 
 @triton.jit
-def _gdpa_bwd(Q, K, V, DO, LSE, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, WORK, BIAS, DBIAS,
+def _gdpa_bwd(Q, K, V, DO, LSE, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, WORK, BIAS, DBIAS, DS,
               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
               stride_ot, stride_oh,
               stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh, stride_lh,
               stride_bb, stride_bh, stride_bi, stride_bj, stride_dbb, stride_dbh, stride_dbi, stride_dbj,
-              alpha, inv_n, n_k_items, n_tiles_k, n_tiles_q, D_QK, D_V, n_heads,
+              stride_dsh, stride_dst, alpha, inv_n, n_k_items, n_tiles_k, n_tiles_q, D_QK, D_V, n_heads,
               ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
               ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, Q_BCAST: tl.constexpr, PART: tl.constexpr,
               DK_BM: tl.constexpr, DK_BN: tl.constexpr, DQ_BM: tl.constexpr, DQ_BN: tl.constexpr,
               BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, DOT_PREC: tl.constexpr,
               HAS_BIAS: tl.constexpr, STORE_DBIAS: tl.constexpr, CONTEXT: tl.constexpr, FAST: tl.constexpr,
               DELTA_INLINE: tl.constexpr, STORE_DELTA: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-              HEADS_INNER: tl.constexpr, TMA: tl.constexpr, Q_ROWS: tl.constexpr):
+              HEADS_INNER: tl.constexpr, TMA: tl.constexpr, Q_ROWS: tl.constexpr, STORE_DS: tl.constexpr):
     """Backward work item WORK[pid]: a dK/dV key tile (id < n_k_items: b * n_tiles_k + tile) or a dQ query
     tile (id - n_k_items = b * n_tiles_q + tile); PART 1 / 2 compile only the dK/dV / dQ branch.
     LSE is [2, H, T_out] fp32 (softmax): log-sum-exp, then delta (written by _bwd_delta or by the dQ
@@ -988,7 +1029,8 @@ def _gdpa_bwd(Q, K, V, DO, LSE, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, WORK, BIAS, DB
                    stride_bb, stride_bh, stride_bi, stride_bj, stride_dbb, stride_dbh, stride_dbi, stride_dbj,
                    alpha, inv_n, D_QK, D_V,
                    ACT, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, Q_BCAST, DK_BM, DK_BN, BLOCK_DQK, BLOCK_DV,
-                   DOT_PREC, HAS_BIAS, CONTEXT, FAST, DELTA_INLINE, ATOMIC_DQ, STORE_DBIAS, TMA, Q_ROWS)
+                   DOT_PREC, HAS_BIAS, CONTEXT, FAST, DELTA_INLINE, ATOMIC_DQ, STORE_DBIAS, TMA, Q_ROWS,
+                   DS, stride_dsh, stride_dst, STORE_DS)
     elif PART == 2:
         _dq_tile(Q, K, V, DO, LSE, DELTA, O, DQ, Q_OFF, KV_OFF, NT, BIAS, DBIAS, w // n_tiles_q,
                  (w % n_tiles_q) * DQ_BM, h, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -1006,7 +1048,8 @@ def _gdpa_bwd(Q, K, V, DO, LSE, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, WORK, BIAS, DB
                        stride_lh, stride_bb, stride_bh, stride_bi, stride_bj, stride_dbb, stride_dbh, stride_dbi,
                        stride_dbj, alpha, inv_n, D_QK, D_V,
                        ACT, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, Q_BCAST, DK_BM, DK_BN, BLOCK_DQK,
-                       BLOCK_DV, DOT_PREC, HAS_BIAS, CONTEXT, FAST, DELTA_INLINE, False, False, TMA, Q_ROWS)
+                       BLOCK_DV, DOT_PREC, HAS_BIAS, CONTEXT, FAST, DELTA_INLINE, False, False, TMA, Q_ROWS,
+                       DS, stride_dsh, stride_dst, False)
         else:
             wq = w - n_k_items
             _dq_tile(Q, K, V, DO, LSE, DELTA, O, DQ, Q_OFF, KV_OFF, NT, BIAS, DBIAS, wq // n_tiles_q,
@@ -1016,6 +1059,64 @@ def _gdpa_bwd(Q, K, V, DO, LSE, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, WORK, BIAS, DB
                      stride_bi, stride_bj, stride_dbb, stride_dbh, stride_dbi, stride_dbj, alpha, inv_n, D_QK,
                      D_V, ACT, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, Q_BCAST, DQ_BM, DQ_BN, BLOCK_DQK,
                      BLOCK_DV, DOT_PREC, HAS_BIAS, STORE_DBIAS, CONTEXT, FAST, DELTA_INLINE, False, TMA)
+
+
+@triton.jit
+def _dq_ds_inner(dq, ds_desc, k_base, stride_kt, offs_m, m0, offs_dk, lq, lk, n_hist, lo, hi, D_QK,
+                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, CONTEXT: tl.constexpr,
+                 BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr):
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        dst = ds_desc.load([n0, m0])  # [BLOCK_N, BLOCK_M]
+        if TMA:
+            k = k_base.load([n0, 0])
+        else:
+            k = tl.load(k_base + offs_n[:, None] * stride_kt + offs_dk[None, :],
+                        mask=(offs_n[:, None] < lk) & (offs_dk[None, :] < D_QK), other=0.0)
+        if MASKED:  # pairs outside the mask may be unwritten memory: select, never multiply
+            ok = _valid(offs_m[None, :], offs_n[:, None], lq, lk, n_hist, CAUSAL, HAS_TARGETS, 0, 0, CONTEXT)
+            dst = tl.where(ok, dst, 0.0).to(k.dtype)
+        dq = tl.dot(tl.trans(dst), k, dq, input_precision=DOT_PREC)
+    return dq
+
+
+@triton.jit
+def _gdpa_dq_ds(DS, K, DQ, Q_OFF, KV_OFF, NT, WORK,
+                stride_dsh, stride_dst, stride_kt, stride_kh, stride_dqt, stride_dqh, dq_scale, n_tiles, D_QK,
+                n_heads, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, CONTEXT: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, DOT_PREC: tl.constexpr,
+                HEADS_INNER: tl.constexpr, TMA: tl.constexpr):
+    """dQ of query rows [m0, m0 + BLOCK_M) of one (sequence, head) from the dS^T the dK/dV launch stored
+    (DS_STORE): dQ = dq_scale * sum over key tiles of dS K, one matmul per tile pair instead of the three of
+    the recomputing dQ kernel (QK^T, dO V^T, dS K). Key tiles that hold pairs outside the mask are masked
+    again here: the dK/dV programs wrote every valid pair (0 where masked) of the query tiles they visit, but
+    this kernel's tiles may reach pairs none of them visited (unwritten memory). Grid as _gdpa_fwd."""
+    w, h = _item_head(WORK, n_heads, HEADS_INNER)
+    if w < 0:
+        return
+    b = w // n_tiles
+    m0 = (w % n_tiles) * BLOCK_M
+    q_start = tl.load(Q_OFF + b)
+    lq = (tl.load(Q_OFF + b + 1) - q_start).to(tl.int32)
+    kv_start = tl.load(KV_OFF + b)
+    lk = (tl.load(KV_OFF + b + 1) - kv_start).to(tl.int32)
+    n_hist = lk
+    if HAS_TARGETS:
+        n_hist = lk - tl.load(NT + b).to(tl.int32)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_dk = tl.arange(0, BLOCK_DQK)
+    ds_desc = _ds_desc(DS, h, kv_start, lk, lq, stride_dsh, stride_dst, BLOCK_N, BLOCK_M)
+    k_base = K + kv_start * stride_kt + h * stride_kh
+    if TMA:
+        k_base = _rows_desc(k_base, lk, stride_kt, BLOCK_N, BLOCK_DQK)
+    lo, hi, full_hi = _key_range(m0, lk, n_hist, CAUSAL, HAS_TARGETS, 0, 0, BLOCK_M, BLOCK_N, CONTEXT)
+    dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
+    dq = _dq_ds_inner(dq, ds_desc, k_base, stride_kt, offs_m, m0, offs_dk, lq, lk, n_hist, lo, full_hi, D_QK,
+                      False, CAUSAL, HAS_TARGETS, CONTEXT, BLOCK_N, DOT_PREC, TMA)
+    dq = _dq_ds_inner(dq, ds_desc, k_base, stride_kt, offs_m, m0, offs_dk, lq, lk, n_hist, full_hi, hi, D_QK,
+                      True, CAUSAL, HAS_TARGETS, CONTEXT, BLOCK_N, DOT_PREC, TMA)
+    tl.store(DQ + (q_start + offs_m[:, None]) * stride_dqt + h * stride_dqh + offs_dk[None, :],
+             (dq * dq_scale).to(DQ.dtype.element_ty), mask=(offs_m[:, None] < lq) & (offs_dk[None, :] < D_QK))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1223,6 +1324,33 @@ def _use_tma(reg: str, even_d: bool, spec: _Spec, *xs: torch.Tensor) -> bool:
     return True
 
 
+def _ds_width(max_q_len: int) -> int:
+    """Row width W of the DS_STORE buffer: max_q_len rounded up to 64 elements (128-byte rows in 16-bit)."""
+    return max(64, -(-max_q_len // 64) * 64)
+
+
+def _ds_buffer(shape: tuple, like: torch.Tensor) -> torch.Tensor:
+    """The DS_STORE scratch, uninitialized (the tests fill it with NaN to prove nothing unwritten is read)."""
+    return like.new_empty(shape)
+
+
+@functools.lru_cache(maxsize=16)
+def _device_bytes(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
+
+
+def _use_ds_store(reg: str, spec: _Spec, h: int, t_k: int, q: torch.Tensor) -> bool:
+    """DS_STORE[reg] where it applies: full attention rows, tensor descriptors on the device, and a dS
+    buffer of at most DS_MAX_BYTES and DS_MAX_FRACTION of the device's memory."""
+    if not DS_STORE.get(reg, False) or spec.att_block or spec.window or DKDV_QROWS.get(reg, False):
+        return False
+    if not _tma_device(q.device):
+        return False
+    nbytes = h * t_k * _ds_width(spec.max_q_len) * q.element_size()
+    cap = _device_bytes(q.device)
+    return nbytes <= DS_MAX_BYTES and (cap == 0 or nbytes <= DS_MAX_FRACTION * cap)
+
+
 def _fast_act(dtype: torch.dtype) -> bool:
     """tanh.approx silu (one MUFU op per score) for 16-bit inputs on CUDA; exact path for fp32 and the
     interpreter (which cannot run inline PTX)."""
@@ -1230,10 +1358,10 @@ def _fast_act(dtype: torch.dtype) -> bool:
 
 
 class _GDPA(torch.autograd.Function):
-    """Forward: one launch. Backward (per regime, see FUSED_BWD / DELTA_INLINE / ATOMIC_DQ): two launches
-    (dQ, which also writes softmax's delta, then dK/dV), one merged launch, or one dK/dV launch that also
-    accumulates dQ with atomics; a separate delta launch only where delta is neither inline nor written
-    by a dQ launch. Offsets, targets and the lse buffer ride on ctx (not save_for_backward: they are not
+    """Forward: one launch. Backward (per regime, see FUSED_BWD / DELTA_INLINE / ATOMIC_DQ / DS_STORE): two
+    launches (dQ, which also writes softmax's delta, then dK/dV), one merged launch, one dK/dV launch that also
+    accumulates dQ with atomics, or dK/dV storing dS^T then dQ = dS K from it; a separate delta launch only
+    where delta is neither inline nor written by a dQ launch. Offsets, targets and the lse buffer ride on ctx (not save_for_backward: they are not
     differentiable and not modified in place), which saves their unpacking per backward."""
 
     @staticmethod
@@ -1294,11 +1422,12 @@ class _GDPA(torch.autograd.Function):
         # one launch modes exist for a single length class only (_classes)
         atomic = ATOMIC_DQ.get(reg, False)
         fused = not atomic and FUSED_BWD.get(reg, False)
+        ds_store = not atomic and not fused and len(classes) == 1 and _use_ds_store(reg, spec, h, k.shape[0], q)
 
         def grid(n_items: int, inner: bool) -> tuple:  # inner: (items * H,), head fastest, instead of (items, H)
             return (n_items * h,) if inner else (n_items, h)
 
-        if softmax and not DELTA_INLINE.get(reg, False) and (fused or atomic):  # delta into lse[1], own launch
+        if softmax and not DELTA_INLINE.get(reg, False) and (fused or atomic or ds_store):  # delta: own launch
             _launch(_bwd_delta, (-(-t_out // 64), h), [o, do, lse],
                     [t_out, *o.stride()[:2], *do.stride()[:2], stride_lh, d_v], dict(BLOCK_T=64, BLOCK_DV=bdv), 4, 3)
         dk = torch.empty_like(k)
@@ -1311,13 +1440,18 @@ class _GDPA(torch.autograd.Function):
         # dbias per head, fp32, zero where no program writes (pairs outside the mask / key range)
         dbias = (torch.zeros((bias.shape[0], h, bias.shape[-2], bias.shape[-1]), device=q.device,
                              dtype=torch.float32) if want_dbias else None)
+        ds = None
+        if ds_store:  # dS^T [H, Tk, W]: every entry the dQ launch reads unmasked is written by the dK/dV launch
+            ds = _ds_buffer((h, k.shape[0], _ds_width(spec.max_q_len)), q)
+            triton.set_allocator(_scratch)  # its tensor descriptors are made on the device
         tensors = [q, k, v, do, lse, o, dk, dv, dq, q_off, kv_off, nt if nt is not None else q_off, None,
-                   bias if bias is not None else q, dbias if dbias is not None else q]
+                   bias if bias is not None else q, dbias if dbias is not None else q, ds if ds is not None else q]
         args = [*q.stride()[:2], *k.stride()[:2], *v.stride()[:2],
                 *do.stride()[:2], *o.stride()[:2], *dk.stride()[:2],
                 *dv.stride()[:2],
                 *dq.stride()[:2], stride_lh, *_bias_strides(bias),
                 *(dbias.stride() if dbias is not None else (0, 0, 0, 0)),
+                *(ds.stride()[:2] if ds is not None else (0, 0)),
                 spec.alpha, spec.inv_n, 0, 1, 1, d_qk, d_v, h]
         even_d = bdk == d_qk and bdv == d_v
 
@@ -1335,7 +1469,24 @@ class _GDPA(torch.autograd.Function):
             c = consts(reg)
             _launch(_gdpa_bwd, grid(table.numel(), c["HEADS_INNER"]), tensors, args, dict(
                 PART=1, DK_BM=kbm, DK_BN=kbn, DQ_BM=0, DQ_BN=0,
-                STORE_DBIAS=want_dbias, STORE_DELTA=False, ATOMIC_DQ=True, Q_ROWS=False, **c), kwarps, kstages)
+                STORE_DBIAS=want_dbias, STORE_DELTA=False, ATOMIC_DQ=True, Q_ROWS=False, STORE_DS=False, **c),
+                kwarps, kstages)
+        elif ds_store:  # dK/dV (also storing dS^T), then dQ = dS K from the stored tiles
+            kbm, kbn, kwarps, kstages = _tiles("dkdv_ds", d_qk, reg, spec.max_q_len)
+            table, ntk = _k_table(spec, q_off, kv_off, kbn, k.shape[0])
+            tensors[12], args[-6:-3] = table, (0, ntk, 1)
+            c = consts(reg)
+            _launch(_gdpa_bwd, grid(table.numel(), c["HEADS_INNER"]), tensors, args, dict(
+                PART=1, DK_BM=kbm, DK_BN=kbn, DQ_BM=0, DQ_BN=0, STORE_DBIAS=want_dbias, STORE_DELTA=False,
+                ATOMIC_DQ=False, Q_ROWS=False, STORE_DS=True, **c), kwarps, kstages)
+            qbm, qbn, qwarps, qstages = _tiles("dq_ds", d_qk, reg, spec.max_q_len)
+            table, ntq = _q_table(spec, q_off, kv_off, qbm, t_out)
+            _launch(_gdpa_dq_ds, grid(table.numel(), c["HEADS_INNER"]), [
+                ds, k, dq, q_off, kv_off, nt if nt is not None else q_off, table], [
+                *ds.stride()[:2], *k.stride()[:2], *dq.stride()[:2], spec.alpha * (1.0 if softmax else spec.inv_n),
+                ntq, d_qk, h], dict(
+                CAUSAL=spec.causal, HAS_TARGETS=nt is not None, CONTEXT=spec.context, BLOCK_M=qbm, BLOCK_N=qbn,
+                BLOCK_DQK=bdk, DOT_PREC=c["DOT_PREC"], HEADS_INNER=c["HEADS_INNER"], TMA=c["TMA"]), qwarps, qstages)
         elif fused:  # one launch: dK/dV and dQ items from one longest-first table
             qrows = DKDV_QROWS.get(reg, False)
             kbm, kbn, kwarps, kstages = _tiles("dkdv_qrows" if qrows else "dkdv", d_qk, reg, spec.max_q_len)
@@ -1345,7 +1496,7 @@ class _GDPA(torch.autograd.Function):
             c = consts(reg)
             _launch(_gdpa_bwd, grid(table.numel(), c["HEADS_INNER"]), tensors, args, dict(
                 PART=0, DK_BM=kbm, DK_BN=kbn, DQ_BM=qbm, DQ_BN=qbn, STORE_DBIAS=want_dbias, STORE_DELTA=False,
-                ATOMIC_DQ=False, Q_ROWS=qrows, **c), max(kwarps, qwarps), min(kstages, qstages))
+                ATOMIC_DQ=False, Q_ROWS=qrows, STORE_DS=False, **c), max(kwarps, qwarps), min(kstages, qstages))
         else:  # two launches per length class: every dQ first (it writes softmax's delta), then dK/dV (reads it)
             for r, lo, hi in classes:
                 qbm, qbn, qwarps, qstages = _tiles("dq", d_qk, r, spec.max_q_len)
@@ -1356,7 +1507,7 @@ class _GDPA(torch.autograd.Function):
                 _launch(_gdpa_bwd, grid(table.numel(), c["HEADS_INNER"]), tensors, args, dict(
                     PART=2, DK_BM=0, DK_BN=0, DQ_BM=qbm, DQ_BN=qbn,
                     STORE_DBIAS=want_dbias, STORE_DELTA=softmax and not c["DELTA_INLINE"], ATOMIC_DQ=False,
-                    Q_ROWS=False, **c), qwarps, qstages)
+                    Q_ROWS=False, STORE_DS=False, **c), qwarps, qstages)
             for r, lo, hi in classes:
                 qrows = DKDV_QROWS.get(r, False)  # query-rows-first dK/dV step (own tile kind)
                 kbm, kbn, kwarps, kstages = _tiles("dkdv_qrows" if qrows else "dkdv", d_qk, r, spec.max_q_len)
@@ -1365,7 +1516,8 @@ class _GDPA(torch.autograd.Function):
                 c = consts(r)
                 _launch(_gdpa_bwd, grid(table.numel(), c["HEADS_INNER"]), tensors, args, dict(
                     PART=1, DK_BM=kbm, DK_BN=kbn, DQ_BM=0, DQ_BN=0,
-                    STORE_DBIAS=False, STORE_DELTA=False, ATOMIC_DQ=False, Q_ROWS=qrows, **c), kwarps, kstages)
+                    STORE_DBIAS=False, STORE_DELTA=False, ATOMIC_DQ=False, Q_ROWS=qrows, STORE_DS=False, **c),
+                    kwarps, kstages)
         if spec.q_bcast:
             dq = dq.view(-1, q.shape[0], h, d_qk).sum(0, dtype=torch.float32).to(q.dtype)
         elif dq.dtype != q.dtype:  # the atomic path's fp32 accumulator
@@ -1420,7 +1572,8 @@ def gdpa_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: to
         attn_bias: optional float [B, n1, n2] (shared by heads) or [B, H, n1, n2], padded, added to the
             scaled logits at (query position, key position) of each sequence, as in
             ``jagged_attention_ref``; n1 / n2 must be >= the longest query / key sequence (checked by an
-            asynchronous device assertion). Differentiable: dbias is written by the dQ kernel.
+            asynchronous device assertion). Differentiable: dbias is written by the dQ kernel (by the dK/dV
+            kernel with ATOMIC_DQ or DS_STORE).
         contextual_len: > 0 (causal only): the first contextual_len positions of every sequence form a
             bidirectional prefix (they see each other; later positions see them causally anyway).
     Returns:

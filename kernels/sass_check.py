@@ -28,7 +28,9 @@ _FWD_TYPES = dict(Q="*bf16", K="*bf16", V="*bf16", O="*bf16", LSE="*fp32", Q_OFF
                   NT="*i64", WORK="*i32", BIAS="*bf16", alpha="fp32", inv_n="fp32")
 _BWD_TYPES = dict(Q="*bf16", K="*bf16", V="*bf16", DO="*bf16", LSE="*fp32", O="*bf16",
                   DK="*bf16", DV="*bf16", DQ="*bf16", Q_OFF="*i64", KV_OFF="*i64", NT="*i64", WORK="*i32",
-                  BIAS="*fp32", DBIAS="*fp32", alpha="fp32", inv_n="fp32")
+                  BIAS="*fp32", DBIAS="*fp32", DS="*bf16", alpha="fp32", inv_n="fp32")
+_DQ_DS_TYPES = dict(DS="*bf16", K="*bf16", DQ="*bf16", Q_OFF="*i64", KV_OFF="*i64", NT="*i64", WORK="*i32",
+                    dq_scale="fp32")
 _BASE = dict(CAUSAL=True, HAS_TARGETS=False, ATT_BLOCK=0, WINDOW=0, Q_BCAST=False, BLOCK_DQK=128, BLOCK_DV=128,
              DOT_PREC=None, HAS_BIAS=False, CONTEXT=0, FAST=True, HEADS_INNER=False, TMA=False)
 
@@ -41,19 +43,28 @@ def fwd_variant(act: int, bm: int, bn: int, warps: int, stages: int, tma: bool =
 
 
 def bwd_variant(act: int, part: int, dk: tuple[int, int], dq: tuple[int, int], warps: int, stages: int,
-                inline: bool = False, atomic: bool = False, tma: bool = False, q_rows: bool = False) -> tuple:
+                inline: bool = False, atomic: bool = False, tma: bool = False, q_rows: bool = False,
+                store_ds: bool = False) -> tuple:
     """A bf16 D=128 causal backward: part 0 (one launch), 1 (dK/dV; with ``atomic`` also dQ by fp32 atomic
-    adds) or 2 (dQ; softmax: it also stores delta, as in the two-launch backward); dk / dq = (BM, BN)."""
+    adds; with ``store_ds`` also storing dS^T for _gdpa_dq_ds) or 2 (dQ; softmax: it also stores delta, as in
+    the two-launch backward); dk / dq = (BM, BN)."""
     dk = dk if part != 2 else (0, 0)
     dq = dq if part != 1 else (0, 0)
     types = dict(_BWD_TYPES, DQ="*fp32") if atomic else _BWD_TYPES
     return (f"bwd act={act} part={part} dkdv={dk[0]}x{dk[1]} dq={dq[0]}x{dq[1]}/{warps}w/{stages}s"
             f"{' delta-inline' if inline else ''}{' atomic-dq' if atomic else ''}{' tma' if tma else ''}"
-            f"{' q-rows' if q_rows else ''}",
+            f"{' q-rows' if q_rows else ''}{' store-ds' if store_ds else ''}",
             ja._gdpa_bwd, types,
             dict(_BASE, ACT=act, PART=part, DK_BM=dk[0], DK_BN=dk[1], DQ_BM=dq[0], DQ_BN=dq[1],
                  STORE_DBIAS=False, DELTA_INLINE=inline, STORE_DELTA=part == 2 and act == 0 and not inline,
-                 ATOMIC_DQ=atomic, TMA=tma, Q_ROWS=q_rows), warps, stages)
+                 ATOMIC_DQ=atomic, TMA=tma, Q_ROWS=q_rows, STORE_DS=store_ds), warps, stages)
+
+
+def dq_ds_variant(bm: int, bn: int, warps: int, stages: int, tma: bool = False) -> tuple:
+    """The DS_STORE backward's dQ kernel (dQ = dS K from the stored dS^T), bf16 D=128, causal."""
+    consts = {a: _BASE[a] for a in ("CAUSAL", "HAS_TARGETS", "CONTEXT", "BLOCK_DQK", "DOT_PREC", "HEADS_INNER")}
+    return (f"dq_ds {bm}x{bn}/{warps}w/{stages}s{' tma' if tma else ''}", ja._gdpa_dq_ds, _DQ_DS_TYPES,
+            dict(consts, BLOCK_M=bm, BLOCK_N=bn, TMA=tma), warps, stages)
 
 
 def _loops(sass: str) -> list[tuple[int, int, int, int]]:
@@ -114,6 +125,10 @@ def default_variants(full: bool = False) -> list[tuple]:
             elif ja.FUSED_BWD[reg]:
                 out.append(bwd_variant(act, 0, k[:2], q[:2], max(k[2], q[2]), min(k[3], q[3]),
                                        act == 0 and ja.DELTA_INLINE[reg]))
+            elif ja.DS_STORE[reg]:
+                d = table["dq_ds"][128]
+                out.append(bwd_variant(act, 1, k[:2], q[:2], k[2], k[3], tma=tma, store_ds=True))
+                out.append(dq_ds_variant(d[0], d[1], d[2], d[3], tma))
             else:
                 out.append(bwd_variant(act, 1, k[:2], q[:2], k[2], k[3], tma=tma, q_rows=qrows))
                 out.append(bwd_variant(act, 2, k[:2], q[:2], q[2], q[3], tma=tma))
@@ -129,6 +144,10 @@ def default_variants(full: bool = False) -> list[tuple]:
                 out.append(bwd_variant(0, 1, (bm, bn), (0, 0), w, s, q_rows=True))
             for bm, bn, w, s in kinds["dq"]:
                 out.append(bwd_variant(0, 2, (0, 0), (bm, bn), w, s))
+            for bm, bn, w, s in kinds.get("dq_ds", ()):
+                out.append(dq_ds_variant(bm, bn, w, s))
+            for bm, bn, w, s in kinds["dkdv"]:
+                out.append(bwd_variant(0, 1, (bm, bn), (0, 0), w, s, store_ds=True))
     for v in out:
         if v[0] not in seen:
             seen.add(v[0])

@@ -269,9 +269,10 @@ BWD_MODES = [("softmax", _F, _F, _F, _F, _F, _F), ("softmax", True, _F, _F, _F, 
              ("softmax", _F, True, _F, _F, _F, True), ("softmax", _F, _F, _F, True, True, True)]
 
 
-def _set_bwd_mode(monkeypatch, fused, inline, atomic, inner=False, tma=False, qrows=False):
+def _set_bwd_mode(monkeypatch, fused, inline, atomic, inner=False, tma=False, qrows=False, ds=False):
     from gemray.kernels import jagged_attention as ja
 
+    monkeypatch.setattr(ja, "DS_STORE", {r: ds for r in ja.DS_STORE})
     monkeypatch.setattr(ja, "FUSED_BWD", {r: fused for r in ja.FUSED_BWD})
     monkeypatch.setattr(ja, "DELTA_INLINE", {r: inline for r in ja.DELTA_INLINE})
     monkeypatch.setattr(ja, "ATOMIC_DQ", {r: atomic for r in ja.ATOMIC_DQ})
@@ -338,6 +339,97 @@ def test_atomic_dq_random_jagged_batches(monkeypatch, activation, causal, inline
                (q, k, v), 1e-3)
 
 
+def _ds_store_on(monkeypatch, tiles: dict | None = None) -> list:
+    """DS_STORE on in every regime with its scratch filled with NaN (an unwritten entry read without its mask
+    makes dQ non-finite); optional per-kind tiles under the interpreter. Returns the list of buffers made."""
+    from gemray.kernels import jagged_attention as ja
+
+    monkeypatch.setattr(ja, "DS_STORE", {r: True for r in ja.DS_STORE})
+    made = []
+
+    def nan_buffer(shape, like):
+        made.append(shape)
+        return torch.full(shape, float("nan"), dtype=like.dtype, device=like.device)
+
+    monkeypatch.setattr(ja, "_ds_buffer", nan_buffer)
+    if tiles:
+        plain = ja._tiles
+        monkeypatch.setattr(ja, "_tiles", lambda kind, *a, **kw: tiles.get(kind) or plain(kind, *a, **kw))
+    return made
+
+
+# DS_STORE's dK/dV tiles (query step, key tile) and dQ-from-dS tiles (query tile, key step): equal, and the dQ tiles
+# reaching pairs no dK/dV program visited (query tile 32 > key tile 16: rows 0-15 of key tile 16-31 are never
+# written)
+DS_TILES = [{"dkdv_ds": (16, 16, 4, 1), "dq_ds": (16, 16, 4, 1)},
+            {"dkdv_ds": (16, 16, 4, 1), "dq_ds": (32, 16, 4, 1)},
+            {"dkdv_ds": (32, 16, 4, 1), "dq_ds": (16, 32, 4, 1)}]
+
+
+@cpu_only
+@pytest.mark.parametrize("tiles", range(len(DS_TILES)))
+@pytest.mark.parametrize("activation", ["softmax", "silu", "gelu"])
+def test_ds_store_matches_reference(monkeypatch, tiles, activation):
+    """DS_STORE (dK/dV launch stores dS^T, dQ = dS K from it): forward and dq/dk/dv (and dbias) match the
+    float32 reference with targets + bias, the contextual prefix, cross-attention, PMA and non-causal rows,
+    on batches with empty, length-1 and one long sequence; the scratch starts as NaN, so an entry read
+    without being written fails the test."""
+    made = _ds_store_on(monkeypatch, DS_TILES[tiles])
+    torch.manual_seed(30 + tiles)
+    lengths = [0, 1, 33, 70, 17]
+    off = _offsets(lengths)
+    nt = torch.tensor([0, 1, 5, 20, 0])
+    t = int(off[-1])
+    q, k, v, bias = _leaf(t, 2, 16), _leaf(t, 2, 16), _leaf(t, 2, 8), _leaf(len(lengths), 72, 72)
+    _check(lambda a, b, c, e: jagged_attention_triton(a, b, c, off, 70, activation=activation, num_targets=nt,
+                                                      attn_bias=e),
+           lambda a, b, c, e: ref.jagged_attention_ref(a, b, c, off, 70, activation=activation, num_targets=nt,
+                                                       attn_bias=e),
+           (q, k, v, bias), 1e-4)
+    assert made and made[-1] == (2, t, 128), made  # H, Tk, W = max_q_len 70 rounded up to 64
+    _check(lambda a, b, c: jagged_attention_triton(a, b, c, off, 70, activation=activation, num_targets=nt,
+                                                   contextual_len=19),
+           lambda a, b, c: ref.jagged_contextual_attention_ref(a, b, c, off, 70, contextual_len=19,
+                                                               activation=activation, num_targets=nt),
+           (q, k, v), 1e-4)
+    _check(lambda a, b, c: jagged_attention_triton(a, b, c, off, 70, activation=activation, causal=False),
+           lambda a, b, c: ref.jagged_attention_ref(a, b, c, off, 70, activation=activation, causal=False),
+           (q, k, v), 1e-4)
+    qo = _offsets([3, 0, 40, 1, 2])
+    qc = _leaf(int(qo[-1]), 2, 16)
+    _check(lambda a, b, c: jagged_cross_attention_triton(a, qo, b, c, off, 40, 70, activation=activation),
+           lambda a, b, c: ref.jagged_cross_attention_ref(a, qo, b, c, off, 40, 70, activation=activation),
+           (qc, k, v), 1e-4)
+    _check(lambda a, b, c: pma_triton(a, b, c, off, 70, activation=activation),
+           lambda a, b, c: ref.pma_ref(a, b, c, off, 70, activation=activation), (_leaf(3, 2, 16), k, v), 1e-4)
+    assert len(made) == 5
+
+
+@cpu_only
+def test_ds_store_falls_back_where_it_does_not_apply(monkeypatch):
+    """Block attention, a buffer over DS_MAX_BYTES and a set length class take the recomputing backward (no
+    scratch made), with the same results."""
+    from gemray.kernels import jagged_attention as ja
+
+    made = _ds_store_on(monkeypatch)
+    torch.manual_seed(33)
+    off = _offsets([0, 1, 33, 70, 17])
+    t = int(off[-1])
+    q, k, v = _leaf(t, 2, 16), _leaf(t, 2, 16), _leaf(t, 2, 16)
+    _check(lambda a, b, c: jagged_block_attention_triton(a, b, c, off, 70, block_size=16, activation="softmax"),
+           lambda a, b, c: ref.jagged_block_attention_ref(a, b, c, off, 70, block_size=16, activation="softmax"),
+           (q, k, v), 1e-4)
+    assert made == []
+    monkeypatch.setattr(ja, "DS_MAX_BYTES", 2 * t * 128 * 4 - 1)
+    _check(lambda a, b, c: jagged_attention_triton(a, b, c, off, 70, activation="softmax"),
+           lambda a, b, c: ref.jagged_attention_ref(a, b, c, off, 70, activation="softmax"), (q, k, v), 1e-4)
+    assert made == []
+    monkeypatch.setattr(ja, "DS_MAX_BYTES", 2 * t * 128 * 4)
+    _check(lambda a, b, c: jagged_attention_triton(a, b, c, off, 70, activation="softmax"),
+           lambda a, b, c: ref.jagged_attention_ref(a, b, c, off, 70, activation="softmax"), (q, k, v), 1e-4)
+    assert made == [(2, t, 128)]
+
+
 @cpu_only
 @pytest.mark.parametrize("activation", ["softmax", "silu"])
 def test_length_classes_match_reference(monkeypatch, activation):
@@ -349,6 +441,7 @@ def test_length_classes_match_reference(monkeypatch, activation):
 
     monkeypatch.setattr(ja, "REGIME_MEAN_LEN", (8, 20, 32))  # batch mean 18 -> "medium", length 20 -> "long"
     monkeypatch.setattr(ja, "SPLIT_LEN", {r: 20 if r == "medium" else 0 for r in ja.SPLIT_LEN})
+    monkeypatch.setattr(ja, "DS_STORE", {r: False for r in ja.DS_STORE})  # classes use the two-launch backward
     monkeypatch.setattr(ja, "HEADS_INNER", {r: r == "long" for r in ja.HEADS_INNER})
     monkeypatch.setattr(ja, "TMA_LOADS", {r: r == "long" for r in ja.TMA_LOADS})
     monkeypatch.setattr(ja, "_INTERPRET_TILES", (16, 32, 4, 1))
@@ -502,21 +595,28 @@ def test_bench_bookkeeping():
         assert ja.regime(sum(bench.make_lengths(kind, b, n)), b) == reg
         assert set(bench.SWEEP[reg]) == set(ja.TILES[reg])
         assert all(reg in m for m in (ja.FUSED_BWD, ja.DELTA_INLINE, ja.ATOMIC_DQ, ja.HEADS_INNER, ja.TMA_LOADS,
-                                      ja.DKDV_QROWS))
+                                      ja.DKDV_QROWS, ja.DS_STORE))
     # run 4's printed JSON has two-entry modes (atomic dQ off), run 5's three (heads inner off), run 6's four
     # (TMA loads off); run 7's five
     saved = bench.get_mode("short")
     try:
         bench.set_mode("short", [True, True])
-        assert bench.get_mode("short") == (True, True, False, False, False, False)
+        assert bench.get_mode("short") == (True, True, False, False, False, False, False)
         bench.set_mode("short", [False, False, True])
-        assert bench.get_mode("short") == (False, False, True, False, False, False)
+        assert bench.get_mode("short") == (False, False, True, False, False, False, False)
         bench.set_mode("short", [False, False, False, True])
-        assert bench.get_mode("short") == (False, False, False, True, False, False)
+        assert bench.get_mode("short") == (False, False, False, True, False, False, False)
         bench.set_mode("short", [False, False, False, False, True])
-        assert bench.get_mode("short") == (False, False, False, False, True, False)
+        assert bench.get_mode("short") == (False, False, False, False, True, False, False)
         bench.set_mode("short", [False, False, False, False, False, True])
-        assert bench.get_mode("short") == (False, False, False, False, False, True)
+        assert bench.get_mode("short") == (False, False, False, False, False, True, False)
+        bench.set_mode("short", [False, False, False, False, False, False, True])
+        assert bench.get_mode("short") == (False, False, False, False, False, False, True)
+        # the tile kinds of the dS-store backward are compiled / timed with it on, the others with it off
+        on = (False, False, False, False, True, False, True)
+        assert bench._mode_for("dq_ds", (False,) * 7) == (False, False, False, False, False, False, True)
+        assert bench._mode_for("dkdv", on) == (False, False, False, False, True, False, False)
+        assert bench._mode_for("fwd", on) == on
     finally:
         bench.set_mode("short", saved)
 
@@ -538,13 +638,13 @@ def test_bench_precompile_worker_runs_every_item_and_restores_state(monkeypatch)
     items = bench._sweep_items("short")
     assert {kern for _, kern, _ in items} == set(bench.KERNELS) == set(ja.TILES["short"]) | {"mode"}
     state = (lambda: (repr(ja.TILES), dict(ja.FUSED_BWD), dict(ja.DELTA_INLINE), dict(ja.ATOMIC_DQ),
-                      dict(ja.HEADS_INNER), dict(ja.TMA_LOADS), dict(ja.DKDV_QROWS)))
+                      dict(ja.HEADS_INNER), dict(ja.TMA_LOADS), dict(ja.DKDV_QROWS), dict(ja.DS_STORE)))
     before = state()
     picked = ([it for it in items if it[1] == "fwd_silu"][:1] + [it for it in items if it[1] == "mode"][-2:]
               + [it for it in items if it[1] == "dkdv_atomic"][:1]
               + [it + ((False, False, False, True, True, False),) for it in items if it[1] == "dq"][:1]
               + [it + ((False, False, False, False, True, False),) for it in items if it[1] == "fwd"][:1]
-              + [it for it in items if it[1] == "dkdv_qrows"][:1])
+              + [it for it in items if it[1] == "dkdv_qrows"][:1] + [it for it in items if it[1] == "dq_ds"][:1])
     # (a dQ tile under the heads-inner grid with TMA loads, a forward tile with TMA loads)
     assert any(it[1] == "mode" and it[2][2] for it in picked)  # an atomic-dQ mode is among them
     assert any(it[1] == "mode" and it[2][3] for it in picked)  # and a heads-inner one
@@ -580,6 +680,24 @@ def test_host_profile_launches_and_ops(monkeypatch, activation, fused, inline, a
     assert sum(ours.values()) == (2 if activation == "softmax" else 1) + 3, ours
     assert ours.get("zeros.default", 0) == int(atomic), ours
     assert r["aten_ops_fwd"] == (2 if activation == "softmax" else 1)
+
+
+@pytest.mark.parametrize("activation,launches", [
+    ("softmax", ["_gdpa_fwd", "_bwd_delta", "_gdpa_bwd part 1", "_gdpa_dq_ds"]),
+    ("silu", ["_gdpa_fwd", "_gdpa_bwd part 1", "_gdpa_dq_ds"])])
+def test_host_profile_ds_store(monkeypatch, activation, launches):
+    """The DS_STORE backward enqueues (softmax) delta, dK/dV with the dS store, then dQ from dS, as direct
+    launches, and allocates one dS buffer more than the two-launch backward."""
+    from gemray.kernels import bench
+    from gemray.kernels import jagged_attention as ja
+
+    _set_bwd_mode(monkeypatch, False, False, False, ds=True)
+    monkeypatch.setattr(ja, "_INTERPRET", False)
+    monkeypatch.setattr(ja, "_tma_device", lambda device: True)
+    r = bench.host_profile(activation, "heavy", 8, 64, n_iter=1, reps=1)
+    assert sorted(r["launch_kinds"]) == sorted(launches) and r["direct_launches"] == len(launches)
+    ours = {k: n for k, n in r["aten_op_kinds"].items() if k != "detach.default"}
+    assert sum(ours.values()) == (2 if activation == "softmax" else 1) + 3 + 1, ours
 
 
 def test_bench_report_tables(capsys):
@@ -905,6 +1023,28 @@ def test_gpu_backward_launch_modes(monkeypatch, activation, fused, inline, atomi
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("activation,pattern", [("softmax", "causal"), ("silu", "causal"), ("softmax", "targets"),
+                                                ("softmax", "full"), ("gelu", "causal")])
+def test_gpu_ds_store_bf16(monkeypatch, activation, pattern):
+    """DS_STORE at bench-like sizes in bf16 with each regime's tiles (the regime is forced), the scratch
+    filled with NaN: matches the reference as the recomputing backward does."""
+    from gemray.kernels import jagged_attention as ja
+
+    made = _ds_store_on(monkeypatch)
+    torch.manual_seed(21)
+    lengths = _heavy_lengths(24, 2048) + [0, 1, 2048, 1000]
+    off = _offsets(lengths, "cuda")
+    t, h, d = int(off[-1]), 4, 128
+    nt = (torch.tensor(lengths, device="cuda") // 8) if pattern == "targets" else None
+    q, k, v = (_leaf(t, h, d, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+    for reg in ("short", "medium", "long", "xlong"):
+        monkeypatch.setattr(ja, "regime", lambda total, batch, reg=reg: reg)
+        _check_gpu_jfa(off, 2048, activation, (q, k, v), causal=pattern != "full", num_targets=nt)
+    assert len(made) == 4
+
+
+@gpu
+@needs_cuda
 @pytest.mark.parametrize("activation", ["softmax", "silu"])
 def test_gpu_length_classes_bf16(monkeypatch, activation):
     """SPLIT_LEN at bench-like sizes in bf16: sequences >= 1024 tokens with the long / xlong regime's tiles,
@@ -917,6 +1057,7 @@ def test_gpu_length_classes_bf16(monkeypatch, activation):
     t, h, d = int(off[-1]), 4, 128
     q, k, v = (_leaf(t, h, d, dtype=torch.bfloat16, device="cuda") for _ in range(3))
     monkeypatch.setattr(ja, "regime", lambda total, batch, _r=ja.regime: "medium" if batch > 1 else _r(total, 1))
+    monkeypatch.setattr(ja, "DS_STORE", {r: False for r in ja.DS_STORE})  # classes use the two-launch backward
     for split in (1024, 2048):
         monkeypatch.setattr(ja, "SPLIT_LEN", {r: split if r == "medium" else 0 for r in ja.SPLIT_LEN})
         _check_gpu_jfa(off, 4096, activation, (q, k, v))
