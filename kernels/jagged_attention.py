@@ -498,6 +498,20 @@ def _ds_desc(DS, h, kv_start, lk, lq, stride_dsh, stride_dst, BLOCK_N: tl.conste
 
 
 @triton.jit
+def _seq_bounds(Q_OFF, KV_OFF, NT, b, HAS_TARGETS: tl.constexpr):
+    """(q_start, lq, kv_start, lk, n_hist) of sequence b: its first query / key row, its query / key lengths
+    (int32) and its number of history positions (lk minus its targets with HAS_TARGETS, else lk)."""
+    q_start = tl.load(Q_OFF + b)
+    lq = (tl.load(Q_OFF + b + 1) - q_start).to(tl.int32)
+    kv_start = tl.load(KV_OFF + b)
+    lk = (tl.load(KV_OFF + b + 1) - kv_start).to(tl.int32)
+    n_hist = lk
+    if HAS_TARGETS:
+        n_hist = lk - tl.load(NT + b).to(tl.int32)
+    return q_start, lq, kv_start, lk, n_hist
+
+
+@triton.jit
 def _item_head(WORK, n_heads, HEADS_INNER: tl.constexpr):
     """(work item id from the longest-first table WORK, head as int64) of this program. Grid (items, H):
     program_id(1) is the head, so CUDA dispatches all of head 0's items before head 1's (each head's
@@ -602,13 +616,7 @@ def _gdpa_fwd(Q, K, V, O, LSE, Q_OFF, KV_OFF, NT, WORK, BIAS,
         return
     b = w // n_tiles
     m0 = (w % n_tiles) * BLOCK_M
-    q_start = tl.load(Q_OFF + b)
-    lq = (tl.load(Q_OFF + b + 1) - q_start).to(tl.int32)
-    kv_start = tl.load(KV_OFF + b)
-    lk = (tl.load(KV_OFF + b + 1) - kv_start).to(tl.int32)
-    n_hist = lk
-    if HAS_TARGETS:
-        n_hist = lk - tl.load(NT + b).to(tl.int32)
+    q_start, lq, kv_start, lk, n_hist = _seq_bounds(Q_OFF, KV_OFF, NT, b, HAS_TARGETS)
     q_row = q_start
     if Q_BCAST:
         q_row = q_start * 0
@@ -811,13 +819,7 @@ def _dkdv_tile(Q, K, V, DO, LSE, DELTA, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, BIAS, 
     """dK, dV of keys [n0, n0 + BLOCK_N) of sequence b, head h; with ATOMIC_DQ also their share of dQ
     (fp32 atomic adds into DQ, zeroed by the host) and, with STORE_DBIAS, dbias of their pairs. STORE_DS: also
     writes dS^T of every pair it visits (0 where masked) into DS, rows = key rows, columns = query positions."""
-    q_start = tl.load(Q_OFF + b)
-    lq = (tl.load(Q_OFF + b + 1) - q_start).to(tl.int32)
-    kv_start = tl.load(KV_OFF + b)
-    lk = (tl.load(KV_OFF + b + 1) - kv_start).to(tl.int32)
-    n_hist = lk
-    if HAS_TARGETS:
-        n_hist = lk - tl.load(NT + b).to(tl.int32)
+    q_start, lq, kv_start, lk, n_hist = _seq_bounds(Q_OFF, KV_OFF, NT, b, HAS_TARGETS)
     q_row = q_start
     if Q_BCAST:
         q_row = q_start * 0
@@ -939,13 +941,7 @@ def _dq_tile(Q, K, V, DO, LSE, DELTA, O, DQ, Q_OFF, KV_OFF, NT, BIAS, DBIAS, b, 
     """dQ (and dbias) of query rows [m0, m0 + BLOCK_M) of sequence b, head h. softmax: delta = rowsum(o *
     dO) of these rows is computed here from o (DELTA_INLINE or STORE_DELTA) or loaded from DELTA;
     STORE_DELTA also writes it to DELTA for the dK/dV launch that runs after this one."""
-    q_start = tl.load(Q_OFF + b)
-    lq = (tl.load(Q_OFF + b + 1) - q_start).to(tl.int32)
-    kv_start = tl.load(KV_OFF + b)
-    lk = (tl.load(KV_OFF + b + 1) - kv_start).to(tl.int32)
-    n_hist = lk
-    if HAS_TARGETS:
-        n_hist = lk - tl.load(NT + b).to(tl.int32)
+    q_start, lq, kv_start, lk, n_hist = _seq_bounds(Q_OFF, KV_OFF, NT, b, HAS_TARGETS)
     q_row = q_start
     if Q_BCAST:
         q_row = q_start * 0
@@ -1096,13 +1092,7 @@ def _gdpa_dq_ds(DS, K, DQ, Q_OFF, KV_OFF, NT, WORK,
         return
     b = w // n_tiles
     m0 = (w % n_tiles) * BLOCK_M
-    q_start = tl.load(Q_OFF + b)
-    lq = (tl.load(Q_OFF + b + 1) - q_start).to(tl.int32)
-    kv_start = tl.load(KV_OFF + b)
-    lk = (tl.load(KV_OFF + b + 1) - kv_start).to(tl.int32)
-    n_hist = lk
-    if HAS_TARGETS:
-        n_hist = lk - tl.load(NT + b).to(tl.int32)
+    q_start, lq, kv_start, lk, n_hist = _seq_bounds(Q_OFF, KV_OFF, NT, b, HAS_TARGETS)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_dk = tl.arange(0, BLOCK_DQK)
     ds_desc = _ds_desc(DS, h, kv_start, lk, lq, stride_dsh, stride_dst, BLOCK_N, BLOCK_M)
