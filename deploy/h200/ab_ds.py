@@ -19,27 +19,31 @@ import torch
 from gemray.kernels import bench
 from gemray.kernels import jagged_attention as ja
 
-# variant: (DS_STORE, dq_ds tiles or None = the regime's default, dkdv_ds tiles or None = default). Runs 19-21 and 24
-# tried more (kernels/NOTES.md): dS stored by per-thread stores instead of TMA (-23 to -30%), a padded row stride,
-# K loaded through tensor descriptors in the dQ launch (ties).
+# variant: (DS_STORE, dq_ds tiles or None = the regime's default, dkdv_ds tiles or None = default, launch-mode
+# switches of the regime {jagged_attention dict name: value}). Runs 19-21 and 24 tried more (kernels/NOTES.md): dS
+# stored by per-thread stores instead of TMA (-23 to -30%), a padded row stride, K loaded through tensor
+# descriptors in the dQ launch (ties).
 VARIANTS = {
-    "rec": (False, None, None),
-    "ds": (True, None, None),
-    "ds q64x64/4w/3": (True, (64, 64, 4, 3), None),
-    "ds q128x64/4w/3": (True, (128, 64, 4, 3), None),
-    "ds q256x64/8w/2": (True, (256, 64, 8, 2), None),
-    "ds k64x64/4w/2": (True, None, (64, 64, 4, 2)),
-    "ds k64x128/8w/3": (True, None, (64, 128, 8, 3)),
+    "rec": (False, None, None, {}),
+    "ds": (True, None, None, {}),
+    "ds q128x64/4w/3": (True, (128, 64, 4, 3), None, {}),
+    "ds k64x128/8w/4": (True, None, (64, 128, 8, 4), {}),
+    "ds delta inline": (True, None, None, {"DELTA_INLINE": True}),
+    "ds heads inner": (True, None, None, {"HEADS_INNER": True}),
+    "ds tma": (True, None, None, {"TMA_LOADS": True}),
 }
+_MODES = ("DELTA_INLINE", "HEADS_INNER", "TMA_LOADS")
 CASES = [("uniform", 128, 1024, "softmax"), ("heavy", 128, 1024, "softmax"), ("uniform", 64, 4096, "softmax"),
          ("heavy", 256, 4096, "softmax"), ("heavy", 256, 4096, "silu")]
 
 
 def _set(reg: str, variant: str, saved: dict) -> None:
-    on, qt, kt = VARIANTS[variant]
+    on, qt, kt, modes = VARIANTS[variant]
     ja.DS_STORE[reg] = on
     ja.TILES[reg]["dq_ds"][128] = qt or saved["dq_ds"]
     ja.TILES[reg]["dkdv_ds"][128] = kt or saved["dkdv_ds"]
+    for name in _MODES:
+        getattr(ja, name)[reg] = modes.get(name, saved[name])
 
 
 def _grads(fn, q, k, v, do):
@@ -67,7 +71,7 @@ def profile_launches(variants: list[str], steps: int = 10) -> None:
             continue
         lengths, off, q, k, v = bench.batch_inputs(kind, b, n)
         reg = ja.regime(q.shape[0], b)
-        saved = {kk: ja.TILES[reg][kk][128] for kk in ("dq_ds", "dkdv_ds")}
+        saved = {kk: ja.TILES[reg][kk][128] for kk in ("dq_ds", "dkdv_ds")} | {m: getattr(ja, m)[reg] for m in _MODES}
         do = torch.randn_like(q)
         for name in variants:
             _set(reg, name, saved)
@@ -112,7 +116,7 @@ def main() -> None:
     for kind, b, n, act in todo:
         lengths, off, q, k, v = bench.batch_inputs(kind, b, n)
         reg = ja.regime(q.shape[0], b)
-        saved = {kk: ja.TILES[reg][kk][128] for kk in ("dq_ds", "dkdv_ds")}
+        saved = {kk: ja.TILES[reg][kk][128] for kk in ("dq_ds", "dkdv_ds")} | {m: getattr(ja, m)[reg] for m in _MODES}
         varlen = bench.varlen_causal(off, max(lengths))
 
         def jfa(a, bb, c):
