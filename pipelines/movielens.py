@@ -320,7 +320,8 @@ def prepare_movielens(src: str | Path, out: str | Path, *, on_bad_rows: str = "e
         (ml-latest-small), or that file itself. If the folder has a ``SHA256SUMS`` file listing it, the
         checksum must match (ValueError naming the file otherwise).
     out: output folder, built in a temp folder next to it, fsynced, then renamed into place; an existing
-        prepared folder (one with a manifest.json) is replaced; any other non-empty folder is refused.
+        prepared folder (one with a manifest.json) is replaced (with a logged warning naming the old data when
+        it came from another source file); any other non-empty folder is refused.
     on_bad_rows: "error" raises :class:`BadRowError` (a ValueError: ``<file>:<line>: field <name>:
         <problem>``) at the first bad row; "quarantine" writes each bad row to ``quarantine.jsonl``
         ({file, line, field, reason, problem, raw}) and counts them by reason in the manifest.
@@ -469,6 +470,7 @@ def prepare_movielens(src: str | Path, out: str | Path, *, on_bad_rows: str = "e
 
         old = None
         if out.exists():
+            _warn_if_other_source(out, manifest)
             old = out.parent / f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
             os.rename(out, old)
         os.rename(tmp, out)
@@ -480,6 +482,26 @@ def prepare_movielens(src: str | Path, out: str | Path, *, on_bad_rows: str = "e
         raise
     log.debug("%s", format_summary(manifest, out))  # the CLI prints it; callers get the manifest
     return manifest
+
+
+def _warn_if_other_source(out: Path, new: dict[str, Any]) -> None:
+    """Log a warning when the prepared folder ``out`` about to be replaced holds data of another source file
+    (other format, name or sha256) than ``new``'s: re-preparing into a folder is allowed, silently swapping
+    one dataset for another under a training run's configured path is not."""
+    try:
+        prev = json.loads((out / MANIFEST_FILE).read_text(encoding="utf-8"))
+        prev_src = prev["source"]["files"][0]
+        prev_key = (prev["format"], prev_src["name"], prev_src["sha256"])
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        prev, prev_key = None, None
+    new_src = new["source"]["files"][0]
+    if prev_key == (new["format"], new_src["name"], new_src["sha256"]):
+        return
+    was = ("a prepared folder whose manifest cannot be read" if prev is None else
+           f"{prev['format']} data from {prev_src['name']} ({prev.get('counts', {}).get('interactions', '?')} "
+           f"interactions, sha256 {prev_src['sha256'][:12]}...)")
+    log.warning("%s: replacing %s with %s data from %s (sha256 %s...); checkpoints of the old data will not "
+                "resume on it", out, was, new["format"], new_src["name"], new_src["sha256"][:12])
 
 
 def format_summary(manifest: dict[str, Any], out: str | Path | None = None) -> str:

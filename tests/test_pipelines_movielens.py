@@ -302,6 +302,25 @@ def test_output_replaced_atomically_and_foreign_folder_refused(tmp_path):
     assert (foreign / "x.txt").read_text() == "keep me"
 
 
+def test_replacing_other_data_warns(tmp_path, caplog):
+    """Re-preparing the same source into its folder is quiet; preparing another dataset over it warns, naming
+    both (the old one is still replaced)."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    (a / "u.data").write_text("1\t2\t3\t4\n1\t3\t3\t5\n")
+    (b / "ratings.dat").write_text("1::2::3::4\n1::3::3::5\n2::9::1::1\n")
+    out = tmp_path / "o"
+    with caplog.at_level("WARNING", logger="gemray.pipelines.movielens"):
+        prepare_movielens(a, out)
+        prepare_movielens(a, out)
+        assert not [r for r in caplog.records if "replacing" in r.getMessage()]
+        m = prepare_movielens(b, out)
+    msgs = [r.getMessage() for r in caplog.records if "replacing" in r.getMessage()]
+    assert len(msgs) == 1 and "u.data (2 interactions" in msgs[0] and "ratings.dat" in msgs[0], msgs
+    assert m["counts"]["interactions"] == 3 and load_manifest(out)["format"] == m["format"]
+
+
 def test_load_manifest_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="gemray prepare movielens"):
         load_manifest(tmp_path / "nothing")
