@@ -1113,12 +1113,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep-budget", type=float, default=150.0, help="seconds the sweep may spend (compiles too)")
     p.add_argument("--tiles", default="", help='JSON override of TILES per regime, e.g. '
                    '{"long": {"fwd": {"128": [128,64,8,3]}, "mode": [false, false, true]}} (mode: one launch, delta '
-                   'inline, atomic dQ, heads inner, TMA loads, query-rows dK/dV; missing entries are off)')
+                   'inline, atomic dQ, heads inner, TMA loads, query-rows dK/dV, dS stored; missing entries are off)')
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.host_profile:
+        rec = Recorder(Path(args.out))
         for act in ("softmax", "silu"):
-            print(json.dumps(host_profile(act)), flush=True)
+            r = rec.add(section="host_profile", **host_profile(act))
+            print(json.dumps(r), flush=True)
         return 0
     if not torch.cuda.is_available():
         print("gemray bench kernels: needs a CUDA device", file=sys.stderr)

@@ -700,6 +700,21 @@ def test_host_profile_ds_store(monkeypatch, activation, launches):
     assert sum(ours.values()) == (2 if activation == "softmax" else 1) + 3 + 1, ours
 
 
+def test_bench_host_profile_writes_its_records(tmp_path, capsys):
+    """``gemray bench kernels --host-profile --out DIR`` (CPU is enough) prints one JSON line per activation and
+    appends the same records to DIR/bench_kernels.jsonl (it wrote nothing there before)."""
+    import json
+
+    from gemray.kernels import bench
+
+    assert bench.main(["--host-profile", "--out", str(tmp_path)]) == 0
+    recs = [json.loads(line) for line in (tmp_path / "bench_kernels.jsonl").read_text().splitlines()]
+    assert [(r["section"], r["activation"]) for r in recs] == [("host_profile", "softmax"), ("host_profile", "silu")]
+    assert all(r["launches"] == 3 and r["python_us_fwd_bwd"] > 0 for r in recs)
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert printed == recs
+
+
 def test_bench_report_tables(capsys):
     """The summary compares JFA against varlen_attn per batch and flags missed bars."""
     from gemray.kernels import bench
