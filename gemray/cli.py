@@ -119,7 +119,11 @@ def _cmd_preempt(ns: argparse.Namespace) -> int:
     outcome, notice = wait_until_handled(path, ns.wait)
     if outcome == "handled":
         h = notice["handled"]
-        print(f"emergency checkpoint of global step {h.get('global_step')} committed at {h.get('checkpoint')}")
+        if h.get("finished"):  # the notice reached the run after its last step's vote
+            print(f"the run finished before it could stop: final checkpoint of global step {h.get('global_step')} "
+                  f"committed at {h.get('checkpoint')}; nothing to resume")
+        else:
+            print(f"emergency checkpoint of global step {h.get('global_step')} committed at {h.get('checkpoint')}")
         return 0
     if outcome == "no_run":
         print(f"no run is active for {path}: nothing to wait for")

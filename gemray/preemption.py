@@ -75,14 +75,17 @@ def write_notice(path: str | Path, reason: str) -> Path:
                                            "host": socket.gethostname()})
 
 
-def mark_handled(path: str | Path, global_step: int, checkpoint: str | None) -> Path:
-    """Rewrite the notice at ``path`` atomically with ``"handled": {"global_step", "checkpoint", "t"}``
-    (``t``: Unix time in seconds) once the emergency checkpoint of ``global_step`` is committed at
-    ``checkpoint``. A missing notice is recreated with reason "unknown" so waiters still see the result.
+def mark_handled(path: str | Path, global_step: int, checkpoint: str | None, *, finished: bool = False) -> Path:
+    """Rewrite the notice at ``path`` atomically with ``"handled": {"global_step", "checkpoint", "t",
+    "finished"}`` (``t``: Unix time in seconds) once the emergency checkpoint of ``global_step`` is committed
+    at ``checkpoint``; ``finished``: the notice came too late to stop the run, which finished and committed its
+    final checkpoint instead. A missing notice is recreated with reason "unknown" so waiters still see the
+    result.
 
     Raises OSError when the folder does not exist or is not writable."""
     data = read_notice(path) or {"reason": "unknown"}
-    data["handled"] = {"global_step": int(global_step), "checkpoint": checkpoint, "t": time.time()}
+    data["handled"] = {"global_step": int(global_step), "checkpoint": checkpoint, "t": time.time(),
+                       "finished": bool(finished)}
     return _write_json_atomic(Path(path), data)
 
 

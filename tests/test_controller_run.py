@@ -486,4 +486,4 @@ def test_a_notice_after_the_last_vote_is_reported_and_marked_handled(tmp_path, c
         run._late_notice(str(notice), {"history": [{"global_step": 10}, {"global_step": 20}]}, "/ckpt")
     assert "came after the last step's vote" in caplog.text
     handled = read_notice(notice)["handled"]
-    assert handled["global_step"] == 20 and handled["checkpoint"] == "/ckpt"
+    assert handled["global_step"] == 20 and handled["checkpoint"] == "/ckpt" and handled["finished"] is True

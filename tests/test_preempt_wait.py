@@ -80,6 +80,19 @@ def test_wait_returns_0_once_another_thread_marks_handled(tmp_path, capsys):
     assert read_notice(p)["reason"] == f"preStop: pod {socket.gethostname()} is being deleted"
 
 
+def test_wait_answered_by_a_finished_run_says_so(tmp_path, capsys):
+    """A notice marked handled by a run that finished instead of stopping (it came after the last step's
+    vote): --wait returns 0 and says the checkpoint is the final one, not an emergency one."""
+    p = tmp_path / NOTICE_NAME
+    mark_active(p)
+    th = _when_notice_appears(p, lambda: mark_handled(p, 40, "/ckpt/final", finished=True))
+    rc = main(["preempt", "--notice", str(p), "--wait", "20"])
+    th.join(5)
+    out = capsys.readouterr().out
+    assert rc == 0 and "finished before it could stop: final checkpoint of global step 40 committed at " \
+        "/ckpt/final; nothing to resume" in out and "emergency" not in out.split("\n", 1)[1]
+
+
 def test_wait_returns_0_once_another_process_marks_handled(tmp_path):
     p = tmp_path / NOTICE_NAME
     mark_active(p)

@@ -643,6 +643,6 @@ def _late_notice(notice: str, metrics: dict[str, Any], ckpt: str | None) -> None
     log.warning("the preemption notice %s came after the last step's vote: the run finished instead (final "
                 "checkpoint %s; nothing to resume)", notice, ckpt)
     try:
-        mark_handled(notice, step, ckpt)
+        mark_handled(notice, step, ckpt, finished=True)
     except OSError as e:
         log.warning("could not mark the preemption notice %s handled: %s", notice, e)
