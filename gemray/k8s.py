@@ -506,18 +506,41 @@ def crd_validator(kind: str, crd_dir: str) -> Any:
 def validate_manifest(manifest: dict[str, Any], crd_dir: str) -> None:
     """Validate a RayJob/RayCluster dict against its KubeRay v1 CRD schema.
 
-    Raises ``jsonschema.ValidationError`` (the most relevant error, with its path) when invalid, and
-    ValueError for a wrong apiVersion or a kind without a CRD here (built-in kinds: use
-    kubernetes-validate, which in turn passes Ray kinds blindly).
+    Raises ``jsonschema.ValidationError`` (the most relevant error, with its path) when invalid or when a
+    field is not in the schema (a misspelt key, which the API server would drop), and ValueError for a wrong
+    apiVersion or a kind without a CRD here (built-in kinds: use kubernetes-validate, which in turn passes Ray
+    kinds blindly).
     """
     import jsonschema
 
     kind = manifest.get("kind")
     if manifest.get("apiVersion") != "ray.io/v1":
         raise ValueError(f"{kind}: apiVersion must be ray.io/v1, got {manifest.get('apiVersion')!r}")
-    err = jsonschema.exceptions.best_match(crd_validator(kind, crd_dir).iter_errors(manifest))
+    validator = crd_validator(kind, crd_dir)
+    err = jsonschema.exceptions.best_match(validator.iter_errors(manifest))
     if err is not None:
         raise err
+    unknown = next(unknown_fields(manifest, validator.schema), None)
+    if unknown is not None:  # what `kubectl apply` (strict field validation) refuses and the API server prunes
+        raise jsonschema.ValidationError(f"unknown field {unknown[-1]!r} (not in the {kind} CRD schema)",
+                                         path=list(unknown))
+
+
+def unknown_fields(doc: Any, schema: dict[str, Any], path: tuple = ()) -> Any:
+    """Pure: yield the path (tuple of keys / indices) of every key of ``doc`` that its OpenAPI v3 ``schema``
+    does not declare, where the schema lists ``properties`` and allows nothing else (no
+    ``additionalProperties``, no ``x-kubernetes-preserve-unknown-fields``); arrays are checked item by item."""
+    if isinstance(doc, dict) and schema.get("properties") and "additionalProperties" not in schema \
+            and not schema.get("x-kubernetes-preserve-unknown-fields"):
+        for key, val in doc.items():
+            sub = schema["properties"].get(key)
+            if sub is None:
+                yield path + (key,)
+            else:
+                yield from unknown_fields(val, sub, path + (key,))
+    elif isinstance(doc, list) and isinstance(schema.get("items"), dict):
+        for i, val in enumerate(doc):
+            yield from unknown_fields(val, schema["items"], path + (i,))
 
 
 def validate_files(paths: list[str], crd_dir: str) -> list[str]:

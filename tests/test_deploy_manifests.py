@@ -67,6 +67,9 @@ def test_ray_manifest_valid_against_crd(path):
     (lambda m: _cluster_spec(m)["headGroupSpec"]["template"]["spec"]["containers"][0].pop("name"),
      "container without name"),
     (lambda m: m["spec"].update(backoffLimit="3"), "backoffLimit type"),
+    (lambda m: _cluster_spec(m)["workerGroupSpecs"][0].update(maxReplica=4), "misspelt maxReplicas"),
+    (lambda m: _cluster_spec(m)["headGroupSpec"]["template"]["spec"]["containers"][0].update(imagePullPolicyy="x"),
+     "misspelt key in a container"),
 ])
 def test_validator_rejects_broken_manifest(mutate, what):
     good = yaml.safe_load((DEPLOY / "rayjob-cpu.yaml").read_text())
@@ -96,6 +99,12 @@ def test_validate_cli_accepts_deploy_and_names_the_broken_field(tmp_path, capsys
     assert "bad.yaml" in err and "workerGroupSpecs/0/maxReplicas" in err
     with pytest.raises(ValueError, match="apiVersion"):
         k8s.validate_manifest({**bad, "apiVersion": "ray.io/v1alpha2"}, str(CRD_DIR))
+    typo = yaml.safe_load((DEPLOY / "rayjob-cpu.yaml").read_text())
+    typo["spec"]["shutdownAfterJobFinishes_"] = True
+    p.write_text(yaml.safe_dump(typo))
+    assert k8s.main(["validate", str(p), "--crds", str(CRD_DIR)]) == 1
+    err = capsys.readouterr().err
+    assert "invalid at 'spec/shutdownAfterJobFinishes_': unknown field 'shutdownAfterJobFinishes_'" in err, err
 
 
 def test_regenerate_refuses_hand_written_file(tmp_path):
