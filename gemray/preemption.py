@@ -309,6 +309,8 @@ def install_driver_sigterm(notice_path: str | Path) -> Callable[[], None]:
                         "at their next poll step (checkpoint.preempt_poll_steps) and stop. Send SIGTERM "
                         "again to exit at once.", notice_path)
             return
+        log.warning("second SIGTERM: exiting at once, without waiting for the emergency checkpoint; a re-run "
+                    "resumes from the last committed checkpoint")
         signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
         if callable(previous):
             previous(signum, frame)

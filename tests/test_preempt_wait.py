@@ -307,3 +307,29 @@ def test_a_fresh_marker_waits_for_the_handled_mark(tmp_path):
         assert 0.7 <= time.monotonic() - t0 < 5
     finally:
         clear_active(p)
+
+
+def test_driver_sigterm_first_writes_the_notice_second_says_it_exits(tmp_path, caplog):
+    """The driver's SIGTERM handler: the first SIGTERM writes the notice (the run checkpoints and stops); the
+    second logs that it exits without the emergency checkpoint, then hands the signal to the previous handler;
+    restore() puts the previous handler back."""
+    import logging
+    import signal
+
+    from gemray.preemption import install_driver_sigterm, log, read_notice
+
+    calls = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: calls.append(signum))
+    try:
+        before = signal.getsignal(signal.SIGTERM)
+        restore = install_driver_sigterm(tmp_path / NOTICE_NAME)
+        with caplog.at_level(logging.WARNING, logger=log.name):
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert read_notice(tmp_path / NOTICE_NAME)["reason"] == "SIGTERM to the driver" and calls == []
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert calls == [signal.SIGTERM]
+        assert "second SIGTERM: exiting at once, without waiting for the emergency checkpoint" in caplog.text
+        restore()
+        assert signal.getsignal(signal.SIGTERM) is before
+    finally:
+        signal.signal(signal.SIGTERM, previous)
