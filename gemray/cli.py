@@ -186,12 +186,20 @@ KubeRay manifests from a gemray config (gemray.k8s):
 `gemray k8s render --help` and `gemray k8s validate --help` list every option."""
 
 
+_K8S_COMMANDS = ("render", "validate", "regenerate")
+
+
 def _cmd_k8s(ns: argparse.Namespace) -> int:
     from gemray.k8s import main as k8s_main
 
     if ns.k8s_command in ("-h", "--help"):
         print(_K8S_HELP)
         return 0
+    if ns.k8s_command not in _K8S_COMMANDS:
+        print(_K8S_HELP.splitlines()[0], file=sys.stderr)
+        what = ("a subcommand is required" if ns.k8s_command is None
+                else f"invalid choice: {ns.k8s_command!r}")
+        return _fail(f"k8s: {what} (choose from {', '.join(map(repr, _K8S_COMMANDS))})")
     return k8s_main([ns.k8s_command, *ns.args])
 
 
@@ -259,10 +267,11 @@ def build_parser() -> argparse.ArgumentParser:
         sm = sub.add_parser("submit", help="submit a job to a running Ray cluster (ray job submit)")
         add_submit_arguments(sm)
         sm.set_defaults(func=_cmd_submit)
+    # options after the subcommand go to gemray.k8s untouched: no option prefix of its own ("+" never starts an
+    # argument here), no argparse help; the subcommand is checked in _cmd_k8s
     k8 = sub.add_parser("k8s", help="KubeRay manifests: render from a config, validate against the CRDs",
-                        prefix_chars="+")  # options after the subcommand go to gemray.k8s untouched
-    k8.add_argument("k8s_command", choices=("render", "validate", "regenerate", "-h", "--help"),
-                    metavar="{render,validate,regenerate}")
+                        prefix_chars="+", add_help=False, usage=_K8S_HELP.splitlines()[0][len("usage: "):])
+    k8.add_argument("k8s_command", nargs="?", metavar="{render,validate,regenerate}")
     k8.add_argument("args", nargs=argparse.REMAINDER, help="see `gemray k8s render --help`")
     k8.set_defaults(func=_cmd_k8s)
     return ap

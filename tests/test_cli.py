@@ -106,6 +106,16 @@ def test_make_data_refuses_a_source_without_ml1m_ratings(tmp_path):
     assert "holds no ratings.dat" in out.stderr and "data/ml-1m is left as it is" in out.stderr
 
 
+@pytest.mark.parametrize("argv, err", [([], "a subcommand is required"), (["bogus"], "invalid choice: 'bogus'")])
+def test_k8s_without_a_valid_subcommand(capsys, argv, err):
+    """`gemray k8s` alone or with an unknown subcommand: exit 2, the usage line and one error naming the three
+    subcommands (not argparse's "+h" usage or "-h" / "--help" among the choices)."""
+    assert main(["k8s", *argv]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == ["usage: gemray k8s {render,validate,regenerate} ...",
+                     f"gemray: error: k8s: {err} (choose from 'render', 'validate', 'regenerate')"], lines
+
+
 @pytest.mark.parametrize("flag", ["--help", "-h"])
 def test_k8s_help_lists_its_commands(capsys, flag):
     """`gemray k8s --help` (its options go to gemray.k8s untouched, so argparse's own -h is not there) prints
