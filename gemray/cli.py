@@ -77,7 +77,8 @@ def _run_active(notice: Path) -> bool:
         notice_t = notice.stat().st_mtime
     except OSError:
         return False
-    return not preemption.marker_is_stale(marker_t, notice_t, preemption.ACTIVE_STALE_S)
+    return (not preemption.marker_is_stale(marker_t, notice_t, preemption.ACTIVE_STALE_S)
+            and not preemption.marker_owner_gone(notice))
 
 
 def _cmd_preempt(ns: argparse.Namespace) -> int:
@@ -108,8 +109,10 @@ def _cmd_preempt(ns: argparse.Namespace) -> int:
             print(f"preemption notice written to {path}: the run checkpoints at its next poll step "
                   "(checkpoint.preempt_poll_steps) and stops")
         else:
-            why = (f"its {active_path(path).name} is stale" if active_path(path).exists()
-                   else f"no {active_path(path).name}")
+            name = active_path(path).name
+            why = (f"no {name}" if not active_path(path).exists() else
+                   f"its {name} names a process that no longer exists" if preemption.marker_owner_gone(path) else
+                   f"its {name} is stale")
             print(f"preemption notice written to {path}, but no run is active there now ({why}): the next run "
                   "started there removes it at start")
     else:
@@ -129,10 +132,11 @@ def _cmd_preempt(ns: argparse.Namespace) -> int:
         print(f"no run is active for {path}: nothing to wait for")
         return 0
     if outcome == "stale":
-        print(f"no run is active for {path}: its active marker {active_path(path).name} has not been refreshed "
-              f"for {preemption.ACTIVE_STALE_S:g} s or more (a live driver refreshes it every "
-              f"{preemption.ACTIVE_HEARTBEAT_S:g} s), so its driver was killed without removing it; nothing to "
-              "wait for")
+        why = ("names a process of this host that no longer exists" if preemption.marker_owner_gone(path) else
+               f"has not been refreshed for {preemption.ACTIVE_STALE_S:g} s or more (a live driver refreshes it "
+               f"every {preemption.ACTIVE_HEARTBEAT_S:g} s)")
+        print(f"no run is active for {path}: its active marker {active_path(path).name} {why}, so its driver was "
+              "killed without removing it; nothing to wait for")
         return 0
     return _fail(f"--wait {ns.wait:g}: the run did not commit its emergency checkpoint within {ns.wait:g} s "
                  f"(notice {path}); it falls back to its last periodic checkpoint if stopped now", 1)

@@ -167,6 +167,30 @@ def clear_active(notice_path: str | Path) -> bool:
         return False
 
 
+def pid_alive(pid: Any) -> bool:
+    """Whether process ``pid`` (an int) exists on this host; False for anything else."""
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by another user
+        return True
+    return True
+
+
+def marker_owner_gone(notice_path: str | Path) -> bool:
+    """True when the active marker beside ``notice_path`` was written on this host by a process that no longer
+    exists (a driver killed outright): its run is over whatever the marker's age. False when there is no
+    readable marker, or it names another host (its process cannot be checked from here)."""
+    try:
+        info = json.loads(active_path(notice_path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(info, dict) and info.get("host") == socket.gethostname() and not pid_alive(info.get("pid"))
+
+
 def marker_is_stale(marker_mtime_s: float, now_s: float, stale_s: float = ACTIVE_STALE_S) -> bool:
     """Pure: True when an active marker last refreshed at ``marker_mtime_s`` counts as abandoned at ``now_s``,
     i.e. it has gone ``stale_s`` seconds or more without a heartbeat (``ACTIVE_HEARTBEAT_S``). Both times in
@@ -234,8 +258,13 @@ def wait_until_handled(notice_path: str | Path, timeout_s: float, poll_s: float 
         unrefreshed = now - seen_at
         if mtime is not None and fs_t0 is not None:
             unrefreshed = max(unrefreshed, fs_t0 + (now - t0) - mtime / 1e9)
-        outcome = wait_outcome(notice, mtime is not None, now - t0, timeout_s, unrefreshed, stale_s)
-        if outcome == "stale":
+        gone = mtime is not None and not is_handled(notice) and marker_owner_gone(notice_path)
+        outcome = wait_outcome(notice, mtime is not None, now - t0, timeout_s,
+                               max(unrefreshed, stale_s) if gone else unrefreshed, stale_s)
+        if outcome == "stale" and gone:
+            log.warning("the active marker %s names a process of this host that no longer exists: taking its "
+                        "run for gone (killed without removing it)", active_path(notice_path))
+        elif outcome == "stale":
             log.warning("the active marker %s has not been refreshed for %.1f s (bound %g s; a live driver "
                         "refreshes it every %g s): taking its run for gone (killed without removing it)",
                         active_path(notice_path), unrefreshed, stale_s, ACTIVE_HEARTBEAT_S)

@@ -218,6 +218,31 @@ def test_a_marker_left_by_a_killed_driver_is_stale_and_the_wait_ends_early(tmp_p
     assert "has not been refreshed for 0.5 s or more" in capsys.readouterr().out
 
 
+def test_a_marker_of_a_dead_local_process_ends_the_wait_at_once(tmp_path, capsys):
+    """A fresh marker (no time to go stale) written on this host by a process that no longer exists: the wait
+    ends at the first poll, and the CLI says why; a marker naming another host still waits for staleness."""
+    import json
+
+    from gemray.preemption import marker_owner_gone
+
+    p = tmp_path / NOTICE_NAME
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    marker = mark_active(p, heartbeat_s=None)
+    marker.write_text(json.dumps({"pid": int(dead.stdout), "host": socket.gethostname(), "t": time.time()}))
+    assert marker_owner_gone(p)
+    t0 = time.monotonic()
+    assert main(["preempt", "--notice", str(p), "--wait", "60"]) == 0
+    assert time.monotonic() - t0 < 5
+    out = capsys.readouterr().out
+    assert "no run is active there now (its PREEMPT.active names a process that no longer exists)" in out
+    assert "names a process of this host that no longer exists, so its driver was killed" in out
+    marker.write_text(json.dumps({"pid": int(dead.stdout), "host": "another-host", "t": time.time()}))
+    assert not marker_owner_gone(p)
+    marker.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "t": time.time()}))
+    assert not marker_owner_gone(p)
+
+
 def test_a_heartbeated_marker_keeps_the_waiter_waiting(tmp_path):
     """A live driver refreshes its marker, so the same stale bound never fires: the wait runs to its timeout
     (or to the handled mark)."""

@@ -28,7 +28,7 @@ from gemray.events import epoch_fields, read_events, summarize_recovery
 from gemray.parallel.sharding import check_shardable
 from gemray.preemption import (ACTIVE_HEARTBEAT_S, ACTIVE_STALE_S, NOTICE_NAME, active_path, claim_active,
                                clear_active, clear_notice, install_driver_sigterm, mark_handled, marker_is_stale,
-                               read_notice)
+                               pid_alive, read_notice)
 
 log = logging.getLogger(__name__)
 
@@ -157,19 +157,6 @@ def preflight_data(cfg: JobConfig, manifest: dict[str, Any], *, previous: JobCon
                              "resumes; a different model needs its own folder)")
 
 
-def _pid_alive(pid: Any) -> bool:
-    """Whether process ``pid`` (an int) exists on this host; False for anything else."""
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by another user
-        return True
-    return True
-
-
 def preflight_active(notice_path: str | Path, *, clock=time.time, sleep=time.sleep) -> None:
     """Refuse, before anything is written, to start a run in an output folder where another run is active.
 
@@ -192,7 +179,7 @@ def preflight_active(notice_path: str | Path, *, clock=time.time, sleep=time.sle
         return
     pid, host = info.get("pid"), info.get("host")
     if host == socket.gethostname():
-        if not _pid_alive(pid):
+        if not pid_alive(pid):
             return
     else:
         log.info("output folder in use by pid %s on %s (%s)? waiting up to %.0f s for its heartbeat", pid, host,
