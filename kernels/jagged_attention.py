@@ -1351,8 +1351,9 @@ class _GDPA(torch.autograd.Function):
     """Forward: one launch. Backward (per regime, see FUSED_BWD / DELTA_INLINE / ATOMIC_DQ / DS_STORE): two
     launches (dQ, which also writes softmax's delta, then dK/dV), one merged launch, one dK/dV launch that also
     accumulates dQ with atomics, or dK/dV storing dS^T then dQ = dS K from it; a separate delta launch only
-    where delta is neither inline nor written by a dQ launch. Offsets, targets and the lse buffer ride on ctx (not save_for_backward: they are not
-    differentiable and not modified in place), which saves their unpacking per backward."""
+    where delta is neither inline nor written by a dQ launch. Offsets, targets and the lse buffer ride on ctx
+    (not save_for_backward: they are not differentiable and not modified in place), which saves their unpacking
+    per backward."""
 
     @staticmethod
     def forward(ctx, q, k, v, bias, meta: tuple):

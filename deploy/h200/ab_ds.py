@@ -22,7 +22,8 @@ from gemray.kernels import jagged_attention as ja
 # variant: (DS_STORE, dq_ds tiles or None = the regime's default, dkdv_ds tiles or None = default, launch-mode
 # switches of the regime {jagged_attention dict name: value}). Runs 19-21 and 24 tried more (kernels/NOTES.md): dS
 # stored by per-thread stores instead of TMA (-23 to -30%), a padded row stride, K loaded through tensor
-# descriptors in the dQ launch (ties).
+# descriptors in the dQ launch (ties); run 27: head groups with each group's dQ launch on a side stream beside the
+# next group's dK/dV (no gain: the dK/dV launch fills every SM first; the code was not kept).
 VARIANTS = {
     "rec": (False, None, None, {}),
     "ds": (True, None, None, {}),

@@ -7,7 +7,7 @@
 set -uo pipefail
 T0=$(date +%s)
 OUT=${OUT:-/tmp/out}; P=${P:-/tmp/gemray-kern}; TEST_S=${TEST_S:-150}; WARM_S=${WARM_S:-180}; AB_S=${AB_S:-240}
-PROF_S=${PROF_S:-120}; PROFILE=${PROFILE:-rec,ds,ds delta inline}; TESTS=${TESTS:-1}
+PROF_S=${PROF_S:-120}; PROFILE=${PROFILE:-rec,ds}; TESTS=${TESTS:-1}
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/gemray-triton-cache}
 rm -rf "$P"; mkdir -p "$P" "$OUT"
 cp -r gemray "$P/" && cp -r kernels "$P/gemray/kernels" && cp -r pipelines "$P/gemray/pipelines" \
