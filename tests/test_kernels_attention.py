@@ -295,6 +295,13 @@ def test_backward_launch_modes(monkeypatch, activation, fused, inline, atomic, i
     _set_bwd_mode(monkeypatch, fused, inline, atomic, inner, tma, qrows)
     monkeypatch.setattr(ja, "_INTERPRET_TILES", (16, 32, 4, 1))
     torch.manual_seed(14)
+    _check_mode_cases(activation)
+
+
+def _check_mode_cases(activation: str, extra=None) -> None:
+    """The backward-mode tests' cases, float32 against the reference (1e-4): self-attention with targets and a
+    per-sequence bias (dbias), ``extra(off, nt, q, k, v)`` (more self-attention checks on the same batch),
+    cross-attention and PMA, on lengths [0, 1, 33, 70, 17] (H=2, Dqk 16, Dv 8)."""
     lengths = [0, 1, 33, 70, 17]
     off = _offsets(lengths)
     nt = torch.tensor([0, 1, 5, 20, 0])
@@ -305,6 +312,8 @@ def test_backward_launch_modes(monkeypatch, activation, fused, inline, atomic, i
            lambda a, b, c, e: ref.jagged_attention_ref(a, b, c, off, 70, activation=activation, num_targets=nt,
                                                        attn_bias=e),
            (q, k, v, bias), 1e-4)
+    if extra is not None:
+        extra(off, nt, q, k, v)
     qo = _offsets([3, 0, 40, 1, 2])
     qc = _leaf(int(qo[-1]), 2, 16)
     _check(lambda a, b, c: jagged_cross_attention_triton(a, qo, b, c, off, 40, 70, activation=activation),
@@ -376,32 +385,19 @@ def test_ds_store_matches_reference(monkeypatch, tiles, activation):
     without being written fails the test."""
     made = _ds_store_on(monkeypatch, DS_TILES[tiles])
     torch.manual_seed(30 + tiles)
-    lengths = [0, 1, 33, 70, 17]
-    off = _offsets(lengths)
-    nt = torch.tensor([0, 1, 5, 20, 0])
-    t = int(off[-1])
-    q, k, v, bias = _leaf(t, 2, 16), _leaf(t, 2, 16), _leaf(t, 2, 8), _leaf(len(lengths), 72, 72)
-    _check(lambda a, b, c, e: jagged_attention_triton(a, b, c, off, 70, activation=activation, num_targets=nt,
-                                                      attn_bias=e),
-           lambda a, b, c, e: ref.jagged_attention_ref(a, b, c, off, 70, activation=activation, num_targets=nt,
-                                                       attn_bias=e),
-           (q, k, v, bias), 1e-4)
-    assert made and made[-1] == (2, t, 128), made  # H, Tk, W = max_q_len 70 rounded up to 64
-    _check(lambda a, b, c: jagged_attention_triton(a, b, c, off, 70, activation=activation, num_targets=nt,
-                                                   contextual_len=19),
-           lambda a, b, c: ref.jagged_contextual_attention_ref(a, b, c, off, 70, contextual_len=19,
-                                                               activation=activation, num_targets=nt),
-           (q, k, v), 1e-4)
-    _check(lambda a, b, c: jagged_attention_triton(a, b, c, off, 70, activation=activation, causal=False),
-           lambda a, b, c: ref.jagged_attention_ref(a, b, c, off, 70, activation=activation, causal=False),
-           (q, k, v), 1e-4)
-    qo = _offsets([3, 0, 40, 1, 2])
-    qc = _leaf(int(qo[-1]), 2, 16)
-    _check(lambda a, b, c: jagged_cross_attention_triton(a, qo, b, c, off, 40, 70, activation=activation),
-           lambda a, b, c: ref.jagged_cross_attention_ref(a, qo, b, c, off, 40, 70, activation=activation),
-           (qc, k, v), 1e-4)
-    _check(lambda a, b, c: pma_triton(a, b, c, off, 70, activation=activation),
-           lambda a, b, c: ref.pma_ref(a, b, c, off, 70, activation=activation), (_leaf(3, 2, 16), k, v), 1e-4)
+
+    def contextual_and_full(off, nt, q, k, v):
+        assert made == [(2, q.shape[0], 128)], made  # H, Tk, W = max_q_len 70 rounded up to 64
+        _check(lambda a, b, c: jagged_attention_triton(a, b, c, off, 70, activation=activation, num_targets=nt,
+                                                       contextual_len=19),
+               lambda a, b, c: ref.jagged_contextual_attention_ref(a, b, c, off, 70, contextual_len=19,
+                                                                   activation=activation, num_targets=nt),
+               (q, k, v), 1e-4)
+        _check(lambda a, b, c: jagged_attention_triton(a, b, c, off, 70, activation=activation, causal=False),
+               lambda a, b, c: ref.jagged_attention_ref(a, b, c, off, 70, activation=activation, causal=False),
+               (q, k, v), 1e-4)
+
+    _check_mode_cases(activation, contextual_and_full)
     assert len(made) == 5
 
 
