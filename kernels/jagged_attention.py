@@ -184,8 +184,9 @@ SPLIT_LEN: dict[str, int] = {"short": 0, "medium": 0, "long": 0, "xlong": 0}
 # the dQ launch (_gdpa_dq_ds) reads it back: one matmul per tile pair instead of recomputing QK^T and dO V^T (five
 # matmuls per pair in all instead of seven, still no atomics), for H * Tk * W * itemsize bytes of scratch during
 # the backward (uniform B=64 N=4096, H=4: 8 GiB) and one delta launch (softmax). Used where the buffer fits under
-# DS_MAX_BYTES and DS_MAX_FRACTION of the device's memory, for full attention rows (no block / window: their
-# buffers would be mostly empty) on GPUs with tensor descriptors (sm_90+); else the recomputing backward.
+# DS_MAX_BYTES and DS_MAX_FRACTION of the device's memory and can be allocated now, for full attention rows (no
+# block / window: their buffers would be mostly empty) on GPUs with tensor descriptors (sm_90+); else the
+# recomputing backward.
 # Runs 19-22 and 24 (kernels/NOTES.md, deploy/h200/ab_ds.py), fwd+bwd with each regime's own tiles (kinds
 # "dkdv_ds", "dq_ds"): -7 to -8% on heavy B=256 N=4096 (medium), -5 to -6% on uniform B=128 N=1024 (long), -6 to -7%
 # on uniform B=64 N=4096 (xlong); +8% device time on the short heavy B=128 N=1024 batch (one launch more), so off
@@ -1414,6 +1415,16 @@ class _GDPA(torch.autograd.Function):
         atomic = ATOMIC_DQ.get(reg, False)
         fused = not atomic and FUSED_BWD.get(reg, False)
         ds_store = not atomic and not fused and len(classes) == 1 and _use_ds_store(reg, spec, h, k.shape[0], q)
+        ds = None
+        if ds_store:  # dS^T [H, Tk, W]: every entry the dQ launch reads unmasked is written by the dK/dV launch
+            try:
+                ds = _ds_buffer((h, k.shape[0], _ds_width(spec.max_q_len)), q)
+            except torch.OutOfMemoryError:  # under the caps but not free now: recompute dS instead
+                log.warning("gdpa backward: no memory for the %.2f GiB dS buffer, recomputing dS (DS_STORE)",
+                            h * k.shape[0] * _ds_width(spec.max_q_len) * q.element_size() / 2**30)
+                ds_store = False
+            else:
+                triton.set_allocator(_scratch)  # its tensor descriptors are made on the device
 
         def grid(n_items: int, inner: bool) -> tuple:  # inner: (items * H,), head fastest, instead of (items, H)
             return (n_items * h,) if inner else (n_items, h)
@@ -1431,10 +1442,6 @@ class _GDPA(torch.autograd.Function):
         # dbias per head, fp32, zero where no program writes (pairs outside the mask / key range)
         dbias = (torch.zeros((bias.shape[0], h, bias.shape[-2], bias.shape[-1]), device=q.device,
                              dtype=torch.float32) if want_dbias else None)
-        ds = None
-        if ds_store:  # dS^T [H, Tk, W]: every entry the dQ launch reads unmasked is written by the dK/dV launch
-            ds = _ds_buffer((h, k.shape[0], _ds_width(spec.max_q_len)), q)
-            triton.set_allocator(_scratch)  # its tensor descriptors are made on the device
         tensors = [q, k, v, do, lse, o, dk, dv, dq, q_off, kv_off, nt if nt is not None else q_off, None,
                    bias if bias is not None else q, dbias if dbias is not None else q, ds if ds is not None else q]
         args = [*q.stride()[:2], *k.stride()[:2], *v.stride()[:2],

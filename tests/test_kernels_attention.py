@@ -403,8 +403,8 @@ def test_ds_store_matches_reference(monkeypatch, tiles, activation):
 
 @cpu_only
 def test_ds_store_falls_back_where_it_does_not_apply(monkeypatch):
-    """Block attention, a buffer over DS_MAX_BYTES and a set length class take the recomputing backward (no
-    scratch made), with the same results."""
+    """Block attention, a buffer over DS_MAX_BYTES, and a buffer that cannot be allocated take the recomputing
+    backward (no scratch), with the same results."""
     from gemray.kernels import jagged_attention as ja
 
     made = _ds_store_on(monkeypatch)
@@ -424,6 +424,15 @@ def test_ds_store_falls_back_where_it_does_not_apply(monkeypatch):
     _check(lambda a, b, c: jagged_attention_triton(a, b, c, off, 70, activation="softmax"),
            lambda a, b, c: ref.jagged_attention_ref(a, b, c, off, 70, activation="softmax"), (q, k, v), 1e-4)
     assert made == [(2, t, 128)]
+
+    def no_memory(shape, like):
+        made.append("refused")
+        raise torch.OutOfMemoryError("test: out of memory")
+
+    monkeypatch.setattr(ja, "_ds_buffer", no_memory)  # under the caps, but the allocation fails: recompute
+    _check(lambda a, b, c: jagged_attention_triton(a, b, c, off, 70, activation="softmax"),
+           lambda a, b, c: ref.jagged_attention_ref(a, b, c, off, 70, activation="softmax"), (q, k, v), 1e-4)
+    assert made == [(2, t, 128), "refused"]
 
 
 @cpu_only
