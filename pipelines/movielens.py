@@ -319,9 +319,10 @@ def prepare_movielens(src: str | Path, out: str | Path, *, on_bad_rows: str = "e
     src: folder holding exactly one of ratings.dat (ML-1M), u.data (ML-100K), ratings.csv
         (ml-latest-small), or that file itself. If the folder has a ``SHA256SUMS`` file listing it, the
         checksum must match (ValueError naming the file otherwise).
-    out: output folder, built in a temp folder next to it, fsynced, then renamed into place; an existing
-        prepared folder (one with a manifest.json) is replaced (with a logged warning naming the old data when
-        it came from another source file); any other non-empty folder is refused.
+    out: output folder (a symlink: the folder it points to), built in a temp folder next to it, fsynced, then
+        renamed into place; an existing prepared folder (a gemray manifest.json and only the files it lists) is
+        replaced (with a logged warning naming the old data when it came from another source file); any other
+        non-empty folder, one holding files its manifest does not list, or one holding the source, is refused.
     on_bad_rows: "error" raises :class:`BadRowError` (a ValueError: ``<file>:<line>: field <name>:
         <problem>``) at the first bad row; "quarantine" writes each bad row to ``quarantine.jsonl``
         ({file, line, field, reason, problem, raw}) and counts them by reason in the manifest.
@@ -342,9 +343,9 @@ def prepare_movielens(src: str | Path, out: str | Path, *, on_bad_rows: str = "e
         raise ValueError(f"row_groups_per_file: expected >= 1, got {row_groups_per_file}")
     fmt, path = detect_format(src)
     out = Path(out)
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MANIFEST_FILE).is_file())):
-        raise ValueError(f"{out}: exists and is not a prepared gemray folder (no {MANIFEST_FILE}); "
-                         f"refusing to replace it")
+    if out.is_symlink():  # replace the folder it points to, not the link
+        out = out.resolve()
+    _check_replaceable(out, path)
 
     data = path.read_bytes()
     digest = hashlib.sha256(data).hexdigest()
@@ -482,6 +483,41 @@ def prepare_movielens(src: str | Path, out: str | Path, *, on_bad_rows: str = "e
         raise
     log.debug("%s", format_summary(manifest, out))  # the CLI prints it; callers get the manifest
     return manifest
+
+
+def _check_replaceable(out: Path, src_file: Path) -> None:
+    """Refuse (ValueError naming the folder and what is in the way) to prepare into ``out`` unless replacing it
+    loses nothing but an earlier preparation: ``out`` is missing or empty, or holds a gemray manifest and only the
+    files that manifest lists (its histories, items, quarantine). A folder with other files (notes, a source
+    copy, another program's manifest.json) is refused, as is an ``out`` that contains the source file itself."""
+    src_abs, out_abs = src_file.resolve(), out.resolve()
+    if out_abs == src_abs or out_abs in src_abs.parents:
+        raise ValueError(f"{out}: holds the source {src_file}; replacing it would delete the source: choose another "
+                         "--out")
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ValueError(f"{out}: exists and is not a folder; refusing to replace it")
+    if not any(out.iterdir()):
+        return
+    refuse = f"{out}: exists and is not a prepared gemray folder"
+    if not (out / MANIFEST_FILE).is_file():
+        raise ValueError(f"{refuse} (no {MANIFEST_FILE}); refusing to replace it")
+    try:
+        prev = json.loads((out / MANIFEST_FILE).read_text(encoding="utf-8"))
+        if "manifest_version" not in prev:
+            raise KeyError("manifest_version")
+        listed = {f["path"] for f in prev["files"]} | {prev.get("items_file", ITEMS_FILE)}
+        if (prev.get("quarantine") or {}).get("file"):
+            listed.add(prev["quarantine"]["file"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        raise ValueError(f"{refuse} (its {MANIFEST_FILE} is not a gemray manifest); refusing to replace it") from None
+    listed = {str(Path(p)) for p in listed} | {MANIFEST_FILE, HISTORIES_DIR}
+    extra = sorted(str(p.relative_to(out)) for p in out.rglob("*") if str(p.relative_to(out)) not in listed)
+    if extra:
+        more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
+        raise ValueError(f"{out}: holds files its {MANIFEST_FILE} does not list ({', '.join(extra[:5])}{more}); "
+                         "replacing the folder would delete them: move them out or choose another --out")
 
 
 def _warn_if_other_source(out: Path, new: dict[str, Any]) -> None:

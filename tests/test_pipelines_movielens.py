@@ -288,11 +288,11 @@ def test_output_replaced_atomically_and_foreign_folder_refused(tmp_path):
     src.mkdir()
     (src / "u.data").write_text("1\t2\t3\t4\n1\t3\t3\t5\n")
     out = tmp_path / "o"
-    prepare_movielens(src, out)
-    (out / "stale.txt").write_text("from an older run")
+    prepare_movielens(src, out, num_files=2)
     (src / "u.data").write_text("1\t2\t3\t4\n1\t3\t3\t5\n2\t9\t1\t1\n")
-    m = prepare_movielens(src, out)
-    assert m["counts"]["interactions"] == 3 and not (out / "stale.txt").exists()
+    m = prepare_movielens(src, out, num_files=1)  # the old manifest's second history file goes with it
+    assert m["counts"]["interactions"] == 3 and sorted(p.name for p in (out / "histories").iterdir()) == [
+        "part-00000.parquet"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["o", "src"]  # no temp folders left
     foreign = tmp_path / "notes"
     foreign.mkdir()
@@ -300,6 +300,41 @@ def test_output_replaced_atomically_and_foreign_folder_refused(tmp_path):
     with pytest.raises(ValueError, match="refusing"):
         prepare_movielens(src, foreign)
     assert (foreign / "x.txt").read_text() == "keep me"
+
+
+def test_prepare_never_deletes_what_it_did_not_write(tmp_path):
+    """Replacing --out loses nothing but an earlier preparation: a user file beside the prepared files, another
+    program's manifest.json, a source inside --out are refused and left as they are; a symlinked --out replaces
+    the folder it points to."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "u.data").write_text("1\t2\t3\t4\n1\t3\t3\t5\n")
+    out = tmp_path / "o"
+    prepare_movielens(src, out)
+    (out / "notes.txt").write_text("precious")
+    with pytest.raises(ValueError, match=r"does not list \(notes.txt\).*move them out"):
+        prepare_movielens(src, out)
+    assert (out / "notes.txt").read_text() == "precious" and (out / "manifest.json").is_file()
+    (out / "notes.txt").unlink()
+    (out / "raw").mkdir()
+    (out / "raw" / "u.data").write_text((src / "u.data").read_text())
+    with pytest.raises(ValueError, match="holds the source"):
+        prepare_movielens(out / "raw", out)
+    assert (out / "raw" / "u.data").is_file()
+    web = tmp_path / "web"
+    web.mkdir()
+    (web / "manifest.json").write_text('{"name": "my webapp"}')
+    (web / "index.html").write_text("precious")
+    with pytest.raises(ValueError, match="not a gemray manifest"):
+        prepare_movielens(src, web)
+    assert (web / "index.html").read_text() == "precious"
+    target = tmp_path / "target"
+    prepare_movielens(src, target)
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    prepare_movielens(src, link)
+    assert link.is_symlink() and (target / "manifest.json").is_file()
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # nothing left behind
 
 
 def test_replacing_other_data_warns(tmp_path, caplog):
