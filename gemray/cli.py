@@ -99,6 +99,9 @@ def _cmd_preempt(ns: argparse.Namespace) -> int:
         path = out / NOTICE_NAME
     else:
         path = Path(ns.notice)
+        if path.is_dir():
+            return _fail(f"--notice {path} is a folder: give the notice file's path (e.g. {path / NOTICE_NAME}), "
+                         "or the run's folder with --output")
         if not path.parent.is_dir():  # e.g. a pod deleted before its run started: nothing to stop
             print(f"no run folder {path.parent}: no run has started there, nothing to preempt")
             return 0

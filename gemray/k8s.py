@@ -554,7 +554,11 @@ def validate_files(paths: list[str], crd_dir: str) -> list[str]:
 
     out = []
     for p in paths:
-        for i, doc in enumerate(yaml.safe_load_all(Path(p).read_text())):
+        try:
+            docs = list(yaml.safe_load_all(Path(p).read_text()))
+        except yaml.YAMLError as e:
+            raise ValueError(f"{p}: not valid YAML: {' '.join(str(e).split())}") from None
+        for i, doc in enumerate(docs):
             if doc is None:
                 continue
             where = f"{p} (document {i + 1}, {doc.get('kind')} {doc.get('metadata', {}).get('name')})"
@@ -567,6 +571,8 @@ def validate_files(paths: list[str], crd_dir: str) -> list[str]:
                     kubernetes_validate.validate(doc, "1.32", strict=True)
             except ImportError as e:
                 raise ValueError(f"{where}: cannot validate a built-in kind: {e}") from None
+            except FileNotFoundError as e:  # the CRD, not the manifest
+                raise ValueError(f"{e} (--crds names the folder of the KubeRay CRD YAML files)") from None
             except Exception as e:  # jsonschema / kubernetes_validate errors
                 msg = getattr(e, "message", None) or str(e)
                 path = "/".join(str(x) for x in getattr(e, "absolute_path", []) or [])

@@ -105,6 +105,14 @@ def test_validate_cli_accepts_deploy_and_names_the_broken_field(tmp_path, capsys
     assert k8s.main(["validate", str(p), "--crds", str(CRD_DIR)]) == 1
     err = capsys.readouterr().err
     assert "invalid at 'spec/shutdownAfterJobFinishes_': unknown field 'shutdownAfterJobFinishes_'" in err, err
+    p.write_text("kind: RayJob\nspec: [unclosed\n")
+    assert k8s.main(["validate", str(p), "--crds", str(CRD_DIR)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "bad.yaml: not valid YAML" in err[0], err
+    p.write_text(yaml.safe_dump(typo))
+    assert k8s.main(["validate", str(p), "--crds", str(tmp_path / "no-crds")]) == 1
+    err = capsys.readouterr().err
+    assert "KubeRay CRD not found" in err and "--crds names the folder" in err and "invalid at" not in err
 
 
 def test_regenerate_refuses_hand_written_file(tmp_path):

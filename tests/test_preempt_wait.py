@@ -358,3 +358,12 @@ def test_driver_sigterm_first_writes_the_notice_second_says_it_exits(tmp_path, c
         assert signal.getsignal(signal.SIGTERM) is before
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_notice_pointing_at_a_folder_is_a_clear_error(tmp_path, capsys):
+    """`gemray preempt --notice DIR` (a folder, not the notice file): exit 2, one line naming the file it meant,
+    and no temp file left behind."""
+    assert main(["preempt", "--notice", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is a folder: give the notice file's path" in err[0], err
+    assert not list(tmp_path.parent.glob(f".{tmp_path.name}*")) and not list(tmp_path.iterdir())
