@@ -589,8 +589,8 @@ def add_render_arguments(p: Any) -> None:
     """Add the ``gemray k8s render`` options to an argparse parser."""
     p.add_argument("--config", default="", help="gemray TOML config (path as seen inside the image); "
                    "required except for --kind pvc")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="config override, also passed on to `gemray train` (repeatable)")
+    p.add_argument("--set", dest="overrides", nargs="+", action="extend", default=[], metavar="SECTION.KEY=VALUE",
+                   help="config overrides, also passed on to `gemray train` (several per --set, as there; repeatable)")
     p.add_argument("--kind", choices=(*KINDS, "pvc"), default="rayjob",
                    help="rayjob | raycluster | pvc (the shared volume named by --storage pvc:NAME)")
     p.add_argument("--size", default="100Gi", help="--kind pvc: requested storage")

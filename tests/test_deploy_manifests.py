@@ -115,6 +115,15 @@ def test_validate_cli_accepts_deploy_and_names_the_broken_field(tmp_path, capsys
     assert "KubeRay CRD not found" in err and "--crds names the folder" in err and "invalid at" not in err
 
 
+def test_render_takes_several_values_per_set_as_train_does(tmp_path):
+    """`gemray k8s render --set a=1 b=2` (one --set, two values, as `gemray train` takes them) passes both on."""
+    out = tmp_path / "job.yaml"
+    assert k8s.main(["render", "--config", str(REPO / "configs" / "ml-latest-small.toml"), "--set", "train.epochs=1",
+                     "ray.max_workers=4", "--set", "train.seed=7", "-o", str(out)]) == 0
+    text = out.read_text()
+    assert "train.epochs=1" in text and "ray.max_workers=4" in text and "train.seed=7" in text
+
+
 def test_regenerate_refuses_hand_written_file(tmp_path):
     p = tmp_path / "x.yaml"
     p.write_text("apiVersion: ray.io/v1\nkind: RayJob\n")
