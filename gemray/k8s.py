@@ -524,6 +524,16 @@ def validate_manifest(manifest: dict[str, Any], crd_dir: str) -> None:
     if unknown is not None:  # what `kubectl apply` (strict field validation) refuses and the API server prunes
         raise jsonschema.ValidationError(f"unknown field {unknown[-1]!r} (not in the {kind} CRD schema)",
                                          path=list(unknown))
+    spec = manifest.get("spec") or {}
+    if kind == "RayJob":
+        cluster, base = spec.get("rayClusterSpec") or {}, ["spec", "rayClusterSpec"]
+    else:
+        cluster, base = spec, ["spec"]
+    for i, group in enumerate(cluster.get("workerGroupSpecs") or []):
+        lo, hi = group.get("minReplicas"), group.get("maxReplicas")
+        if isinstance(lo, int) and isinstance(hi, int) and lo > hi:
+            raise jsonschema.ValidationError(f"minReplicas {lo} > maxReplicas {hi}",
+                                             path=base + ["workerGroupSpecs", i, "minReplicas"])
 
 
 def unknown_fields(doc: Any, schema: dict[str, Any], path: tuple = ()) -> Any:
@@ -552,16 +562,35 @@ def validate_files(paths: list[str], crd_dir: str) -> list[str]:
     import yaml
     from pathlib import Path
 
+    class NoDuplicateKeys(yaml.SafeLoader):  # kubectl refuses a key given twice; PyYAML keeps the last one
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if key_node.tag != "tag:yaml.org,2002:merge" and isinstance(key, (str, int, float, bool)):
+                    if key in seen:
+                        raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}",
+                                                                key_node.start_mark)
+                    seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+
     out = []
     for p in paths:
         try:
-            docs = list(yaml.safe_load_all(Path(p).read_text()))
+            docs = list(yaml.load_all(Path(p).read_text(), Loader=NoDuplicateKeys))
         except yaml.YAMLError as e:
             raise ValueError(f"{p}: not valid YAML: {' '.join(str(e).split())}") from None
+        if not any(doc is not None for doc in docs):
+            raise ValueError(f"{p}: no YAML documents (an empty file)")
         for i, doc in enumerate(docs):
             if doc is None:
                 continue
-            where = f"{p} (document {i + 1}, {doc.get('kind')} {doc.get('metadata', {}).get('name')})"
+            if not isinstance(doc, dict):
+                raise ValueError(f"{p} (document {i + 1}): not a Kubernetes object (a {type(doc).__name__})")
+            meta = doc.get("metadata") if isinstance(doc.get("metadata"), dict) else {}
+            where = f"{p} (document {i + 1}, {doc.get('kind')} {meta.get('name')})"
+            if not (meta.get("name") or meta.get("generateName")):
+                raise ValueError(f"{where}: invalid at 'metadata/name': a name (or generateName) is required")
             try:
                 if doc.get("kind") in CRD_FILES:
                     validate_manifest(doc, crd_dir)

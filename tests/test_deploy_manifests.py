@@ -105,6 +105,19 @@ def test_validate_cli_accepts_deploy_and_names_the_broken_field(tmp_path, capsys
     assert k8s.main(["validate", str(p), "--crds", str(CRD_DIR)]) == 1
     err = capsys.readouterr().err
     assert "invalid at 'spec/shutdownAfterJobFinishes_': unknown field 'shutdownAfterJobFinishes_'" in err, err
+    for text, want in [("", "no YAML documents"), ("- a\n- b\n", "not a Kubernetes object"),
+                       (yaml.safe_dump({**typo, "metadata": {}}), "metadata/name': a name"),
+                       ((DEPLOY / "rayjob-cpu.yaml").read_text().replace("  name:", "  name: dup\n  name:", 1),
+                        "duplicate key 'name'")]:
+        p.write_text(text)
+        assert k8s.main(["validate", str(p), "--crds", str(CRD_DIR)]) == 1, want
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and want in err[0], (want, err)
+    minmax = yaml.safe_load((DEPLOY / "raycluster-cpu.yaml").read_text())
+    minmax["spec"]["workerGroupSpecs"][0].update(minReplicas=5, maxReplicas=2)
+    p.write_text(yaml.safe_dump(minmax))
+    assert k8s.main(["validate", str(p), "--crds", str(CRD_DIR)]) == 1
+    assert "workerGroupSpecs/0/minReplicas': minReplicas 5 > maxReplicas 2" in capsys.readouterr().err
     p.write_text("kind: RayJob\nspec: [unclosed\n")
     assert k8s.main(["validate", str(p), "--crds", str(CRD_DIR)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
