@@ -345,7 +345,7 @@ def prepare_movielens(src: str | Path, out: str | Path, *, on_bad_rows: str = "e
     out = Path(out)
     if out.is_symlink():  # replace the folder it points to, not the link
         out = out.resolve()
-    _check_replaceable(out, path)
+    prev_manifest = _check_replaceable(out, path)
 
     data = path.read_bytes()
     digest = hashlib.sha256(data).hexdigest()
@@ -471,7 +471,7 @@ def prepare_movielens(src: str | Path, out: str | Path, *, on_bad_rows: str = "e
 
         old = None
         if out.exists():
-            _warn_if_other_source(out, manifest)
+            _warn_if_other_source(out, prev_manifest, manifest)
             old = out.parent / f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
             os.rename(out, old)
         os.rename(tmp, out)
@@ -485,21 +485,22 @@ def prepare_movielens(src: str | Path, out: str | Path, *, on_bad_rows: str = "e
     return manifest
 
 
-def _check_replaceable(out: Path, src_file: Path) -> None:
+def _check_replaceable(out: Path, src_file: Path) -> dict[str, Any] | None:
     """Refuse (ValueError naming the folder and what is in the way) to prepare into ``out`` unless replacing it
     loses nothing but an earlier preparation: ``out`` is missing or empty, or holds a gemray manifest and only the
     files that manifest lists (its histories, items, quarantine). A folder with other files (notes, a source
-    copy, another program's manifest.json) is refused, as is an ``out`` that contains the source file itself."""
+    copy, another program's manifest.json) is refused, as is an ``out`` that contains the source file itself.
+    Returns the manifest of the preparation that will be replaced, or None (nothing to replace)."""
     src_abs, out_abs = src_file.resolve(), out.resolve()
     if out_abs == src_abs or out_abs in src_abs.parents:
         raise ValueError(f"{out}: holds the source {src_file}; replacing it would delete the source: choose another "
                          "--out")
     if not out.exists():
-        return
+        return None
     if not out.is_dir():
         raise ValueError(f"{out}: exists and is not a folder; refusing to replace it")
     if not any(out.iterdir()):
-        return
+        return None
     refuse = f"{out}: exists and is not a prepared gemray folder"
     if not (out / MANIFEST_FILE).is_file():
         raise ValueError(f"{refuse} (no {MANIFEST_FILE}); refusing to replace it")
@@ -518,22 +519,23 @@ def _check_replaceable(out: Path, src_file: Path) -> None:
         more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
         raise ValueError(f"{out}: holds files its {MANIFEST_FILE} does not list ({', '.join(extra[:5])}{more}); "
                          "replacing the folder would delete them: move them out or choose another --out")
+    return prev
 
 
-def _warn_if_other_source(out: Path, new: dict[str, Any]) -> None:
-    """Log a warning when the prepared folder ``out`` about to be replaced holds data of another source file
-    (other format, name or sha256) than ``new``'s: re-preparing into a folder is allowed, silently swapping
-    one dataset for another under a training run's configured path is not."""
+def _warn_if_other_source(out: Path, prev: dict[str, Any] | None, new: dict[str, Any]) -> None:
+    """Log a warning when the prepared folder ``out`` about to be replaced (its manifest ``prev``, as
+    :func:`_check_replaceable` read it) holds data of another source file (other format, name or sha256) than
+    ``new``'s: re-preparing into a folder is allowed, silently swapping one dataset for another under a training
+    run's configured path is not."""
     try:
-        prev = json.loads((out / MANIFEST_FILE).read_text(encoding="utf-8"))
         prev_src = prev["source"]["files"][0]
         prev_key = (prev["format"], prev_src["name"], prev_src["sha256"])
-    except (OSError, ValueError, KeyError, IndexError, TypeError):
-        prev, prev_key = None, None
+    except (KeyError, IndexError, TypeError):  # no previous manifest, or one that names no source
+        prev_key = None
     new_src = new["source"]["files"][0]
     if prev_key == (new["format"], new_src["name"], new_src["sha256"]):
         return
-    was = ("a prepared folder whose manifest cannot be read" if prev is None else
+    was = ("a prepared folder whose manifest names no source" if prev_key is None else
            f"{prev['format']} data from {prev_src['name']} ({prev.get('counts', {}).get('interactions', '?')} "
            f"interactions, sha256 {prev_src['sha256'][:12]}...)")
     log.warning("%s: replacing %s with %s data from %s (sha256 %s...); checkpoints of the old data will not "
