@@ -71,6 +71,11 @@ import torch
 import triton
 import triton.language as tl
 
+try:  # the Hopper warp-specialized forward (Gluon ships with Triton >= 3.5)
+    from gemray.kernels import ws_attention as ws
+except ImportError:  # pragma: no cover - an older Triton: the Triton kernels only
+    ws = None
+
 log = logging.getLogger(__name__)
 
 ACTIVATIONS = {"softmax": 0, "silu": 1, "gelu": 2, "none": 3}
@@ -1342,6 +1347,16 @@ def _use_ds_store(reg: str, spec: _Spec, h: int, t_k: int, q: torch.Tensor) -> b
     return nbytes <= DS_MAX_BYTES and (cap == 0 or nbytes <= DS_MAX_FRACTION * cap)
 
 
+def _use_ws_fwd(reg: str, spec: _Spec, nt, bias, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """ws.WS_FWD[reg] where the warp-specialized forward takes the call (ws_attention.eligible): softmax over
+    full rows, no targets / bias / prefix / block / window / PMA, on an sm_90 GPU (not the interpreter)."""
+    if ws is None or not ws.WS_FWD.get(reg, False) or _interpreting():
+        return False
+    plain = (nt is None and bias is None and not spec.context and not spec.att_block and not spec.window
+             and not spec.q_bcast)
+    return ws.eligible(q, k, v, spec.act, plain)
+
+
 def _fast_act(dtype: torch.dtype) -> bool:
     """tanh.approx silu (one MUFU op per score) for 16-bit inputs on CUDA; exact path for fp32 and the
     interpreter (which cannot run inline PTX)."""
@@ -1371,7 +1386,15 @@ class _GDPA(torch.autograd.Function):
         else:  # pointwise activations need neither: o stands in for the unused pointer
             lse, lse_arg, stride_lh = None, o, 0
         even_d = bdk == d_qk and bdv == d_v
-        for reg, lo, hi in classes:  # one launch per length class, longest first
+        ws_reg = classes[0][0] if len(classes) == 1 else ""
+        if ws_reg and _use_ws_fwd(ws_reg, spec, nt, bias, q, k, v):  # Hopper: warp-specialized forward (Gluon)
+            tiles = ws.WS_FWD_TILES[ws_reg]
+            table, n_tiles = _q_table(spec, q_off, kv_off, ws.block_m(tiles), t_out)
+            ws.forward(q, k, v, o, lse, q_off, kv_off, table, n_tiles, spec.causal, spec.alpha, tiles)
+            classes_run = ()
+        else:
+            classes_run = classes
+        for reg, lo, hi in classes_run:  # one launch per length class, longest first
             bm, bn, warps, stages = _tiles("fwd_silu" if spec.act == 1 else "fwd", d_qk, reg, spec.max_q_len)
             table, n_tiles = _q_table(spec, q_off, kv_off, bm, t_out, lo, hi)
             inner = HEADS_INNER.get(reg, False)

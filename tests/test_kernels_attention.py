@@ -1160,3 +1160,97 @@ def test_tma_loads_only_where_they_apply(monkeypatch):
     assert not ja._use_tma("xlong", True, ja._spec(0, True, 1.0, 1.0, 0, 8, False, 64, 64, 0), x, x)  # window
     odd = torch.randn(10, 2, 17)[:, :, :15]  # rows of 17 floats: not 16-byte aligned
     assert not ja._use_tma("xlong", True, full, x, odd)
+
+
+WS_TILES = [(2, 128, 2), (1, 128, 2), (2, 64, 3)]
+
+
+def _ws_on(monkeypatch, tiles) -> list:
+    """Force the warp-specialized Gluon forward with ``tiles`` in every regime; returns the list its launches
+    are recorded in (so a test can assert the path ran)."""
+    from gemray.kernels import ws_attention as ws
+
+    monkeypatch.setattr(ws, "WS_FWD", {r: True for r in ws.WS_FWD})
+    monkeypatch.setattr(ws, "WS_FWD_TILES", {r: tiles for r in ws.WS_FWD})
+    calls, real = [], ws.forward
+
+    def spy(*args, **kw):
+        calls.append(args[-1])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(ws, "forward", spy)
+    return calls
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("tiles", WS_TILES)
+@pytest.mark.parametrize("pattern,d", [("causal", 128), ("full", 128), ("causal", 64)])
+def test_gpu_ws_forward_bf16(monkeypatch, tiles, pattern, d):
+    """The warp-specialized Gluon forward (forced in every regime) on a heavy-tailed bf16 batch with empty,
+    length-1, tile-edge and maximal sequences: forward and gradients (the Triton backward, fed the Gluon
+    forward's lse) match the reference."""
+    calls = _ws_on(monkeypatch, tiles)
+    torch.manual_seed(23)
+    lengths = _heavy_lengths(24, 2048) + [0, 1, 2048, 63, 64, 65, 127, 128, 129]
+    off = _offsets(lengths, "cuda")
+    q, k, v = (_leaf(int(off[-1]), 4, d, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+    _check_gpu_jfa(off, 2048, "softmax", (q, k, v), causal=pattern == "causal")
+    assert calls == [tiles]
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("tiles", WS_TILES)
+def test_gpu_ws_cross_bf16(monkeypatch, tiles):
+    """Cross-attention through the Gluon forward: query and key lengths differ per sequence, some key lengths
+    are 0 (those rows get o = 0)."""
+    calls = _ws_on(monkeypatch, tiles)
+    torch.manual_seed(24)
+    kv_len = _heavy_lengths(24, 2048) + [0, 2048, 1, 0]
+    q_len = [(x * 7) % 300 for x in range(len(kv_len))]
+    ko, qo = _offsets(kv_len, "cuda"), _offsets(q_len, "cuda")
+    bf = dict(dtype=torch.bfloat16, device="cuda")
+    q, k, v = _leaf(int(qo[-1]), 4, 128, **bf), _leaf(int(ko[-1]), 4, 128, **bf), _leaf(int(ko[-1]), 4, 128, **bf)
+    _check(lambda a, b, c: jagged_cross_attention_triton(a, qo, b, c, ko, max(q_len), 2048, activation="softmax"),
+           lambda a, b, c: ref.jagged_cross_attention_ref(a, qo, b, c, ko, max(q_len), 2048, activation="softmax"),
+           (q, k, v), 2e-2)
+    assert calls == [tiles]
+
+
+def test_ws_forward_not_taken_where_it_does_not_apply(monkeypatch):
+    """With the Gluon forward switched on everywhere, the calls it cannot run (the interpreter / CPU, silu,
+    targets, bias, block attention, float32) still give the reference's results through the Triton path."""
+    from gemray.kernels import jagged_attention as ja
+
+    calls = _ws_on(monkeypatch, WS_TILES[0])
+    lengths = [0, 1, 5, 37, 3]
+    off = _offsets(lengths)
+    q, k, v = (_leaf(int(off[-1]), 2, 16) for _ in range(3))
+    nt = torch.tensor([0, 1, 2, 3, 1])
+    for kw in (dict(activation="softmax"), dict(activation="silu"), dict(activation="softmax", num_targets=nt)):
+        out = jagged_attention_triton(q, k, v, off, 37, **kw)
+        want = ref.jagged_attention_ref(q, k, v, off, 37, **kw)
+        assert _rel(out, want) < 1e-4
+    assert calls == []
+    spec = ja._spec(0, True, 0.25, 1.0, 0, 0, False, 37, 37, 0)
+    assert not ja._use_ws_fwd("long", spec, None, None, q, k, v)  # CPU tensors
+
+
+@pytest.mark.parametrize("case,ok", [
+    ("base", True), ("silu", False), ("not_plain", False), ("fp32", False), ("d96", False), ("d_mismatch", False),
+    ("head_stride", False), ("misaligned_rows", False), ("sm80", False), ("cpu", False)])
+def test_ws_eligible_rules(case, ok):
+    """ws_attention.supports, the pure rule behind eligible: sm_90, 16-bit softmax over plain full rows, equal
+    head dims 64 / 128, unit and contiguous head strides, 16-byte aligned rows."""
+    from gemray.kernels import ws_attention as ws
+
+    args = dict(device_type="cuda", capability=(9, 0), act=0, plain=True, dtype=torch.bfloat16,
+                dims=(128, 128, 128), strides=((512, 128, 1),) * 3, aligned=True)
+    args.update({"silu": dict(act=1), "not_plain": dict(plain=False), "fp32": dict(dtype=torch.float32),
+                 "d96": dict(dims=(96, 96, 96), strides=((384, 96, 1),) * 3),
+                 "d_mismatch": dict(dims=(128, 128, 64)),
+                 "head_stride": dict(strides=((512, 128, 1), (1024, 256, 1), (512, 128, 1))),
+                 "misaligned_rows": dict(strides=((517, 128, 1),) * 3), "sm80": dict(capability=(8, 0)),
+                 "cpu": dict(device_type="cpu")}.get(case, {}))
+    assert ws.supports(**args) is ok

@@ -1,0 +1,283 @@
+"""Warp-specialized jagged flash attention for Hopper (sm_90), written in Gluon.
+
+Triton 3.6 cannot split its attention loops into producer / consumer warps on Hopper (its automatic warp
+specialization fails or is ignored on them: kernels/NOTES.md "Runs 7-10", "Run 11"). Gluon
+(``triton.experimental.gluon``, shipped with Triton) exposes the pieces directly: TMA copies, mbarriers,
+asynchronous warpgroup MMAs and ``gl.warp_specialize``. This module builds the softmax forward the
+FlashAttention-3 way (Shah et al., 2024, "FlashAttention-3: Fast and Accurate Attention with Asynchrony and
+Low-precision", sections 3.1-3.2):
+
+- a loader warp streams the query tile once and the key / value tiles through a ring of STAGES shared-memory
+  slots (TMA copies, ready / empty mbarriers per slot);
+- one or two consumer warpgroups each own 64 query rows of the CTA's query tile; in each key step a consumer
+  issues the next tile's ``S = Q K^T`` before this tile's ``O += P V``, so the softmax of one tile runs while
+  the tensor cores work on the other (intra-warpgroup overlap), and the two consumers drift apart so one's
+  softmax hides behind the other's products (inter-warpgroup overlap).
+
+Same contract as ``jagged_attention._gdpa_fwd`` for the cases it takes (``eligible``): softmax, full rows
+(causal or not), no targets / bias / contextual prefix / block / window, not PMA, 16-bit inputs, head dim 64
+or 128 for queries, keys and values, rows 16-byte aligned and heads contiguous (one 2-D view [T, H * D] per
+tensor). It writes o [Tq, H, D] and the base-2 log-sum-exp ``lse[h, t] = m + log2(l)`` (inf for a row with
+no valid key) that the Triton backward reads. Key / value tiles are read through a descriptor of the whole
+tensor: the rows of a tile past a sequence's end belong to the next sequence (or are TMA's zero fill) and
+get probability 0, so a non-finite value in one sequence's values can reach a neighbour's output as 0 * inf;
+the Triton path has no such coupling. There is no CPU (interpreter) path: Gluon kernels run on the GPU only,
+and the GPU-marked tests compare them with the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+# Per regime: whether the softmax forward runs this kernel, and its (consumer warpgroups, BLOCK_N, STAGES).
+# Runs 28-29 (H200, deploy/h200/ab_ws.py, kernels/NOTES.md "Runs 28-29"): with two consumer warpgroups, 128-key
+# tiles and two stages the forward takes 0.423 vs 0.522 ms (Triton) on uniform B=128 N=1024 (long), 2.341 vs
+# 2.660 ms (graph replays) on uniform B=64 N=4096 (xlong), 0.331 vs 0.379 ms on heavy B=256 N=4096 (medium);
+# on the short heavy B=128 N=1024 batch it loses (0.053 vs 0.045 ms device time), so off there. One consumer
+# warpgroup (255 registers, one CTA per SM) lost everywhere.
+WS_FWD: dict[str, bool] = {"short": False, "medium": True, "long": True, "xlong": True}
+WS_FWD_TILES: dict[str, tuple[int, int, int]] = {"short": (2, 128, 2), "medium": (2, 128, 2),
+                                                 "long": (2, 128, 2), "xlong": (2, 128, 2)}
+_ROWS = 64  # query rows per consumer warpgroup (a wgmma's M)
+
+
+@gluon.jit
+def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+                    q_row, kv_row, col, n_tiles, NUM_WG: gl.constexpr, BLOCK_N: gl.constexpr,
+                    STAGES: gl.constexpr):
+    """Loader warp: the query tile (NUM_WG boxes of 64 rows), then key tile j and value tile j into slot
+    j % STAGES once both consumers released the slot's previous tile (empty barriers start 'released':
+    waiting for parity 1 on a fresh barrier returns at once)."""
+    mbarrier.expect(q_bar, NUM_WG * q_desc.block_type.nbytes)
+    for w in gl.static_range(NUM_WG):
+        tma.async_copy_global_to_shared(q_desc, [q_row + w * 64, col], q_bar, q_smem.index(w))
+    for j in range(n_tiles):
+        slot = j % STAGES
+        phase = ((j // STAGES) & 1) ^ 1
+        mbarrier.wait(k_empty.index(slot), phase)
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [kv_row + j * BLOCK_N, col], k_ready.index(slot),
+                                        k_smem.index(slot))
+        mbarrier.wait(v_empty.index(slot), phase)
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, col], v_ready.index(slot),
+                                        v_smem.index(slot))
+
+
+@gluon.jit
+def _softmax_step(s, m_i, l_i, rows, n0, lk, qk_scale, masked, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
+                  COL_L: gl.constexpr):
+    """Online softmax of one score tile s [64, BLOCK_N] fp32 (raw q.k): returns (p = 2^(s * qk_scale - m),
+    the rescale factor of the previous rows' sums and output, new running max m, new running sum l).
+    ``masked``: the tile holds pairs past the key length or (CAUSAL) after the query position."""
+    if masked:
+        cols = n0 + gl.arange(0, BLOCK_N, layout=COL_L)
+        ok = cols[None, :] < lk
+        if CAUSAL:
+            ok = ok & (cols[None, :] <= rows[:, None])
+        s = gl.where(ok, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    corr = gl.exp2(m_i - m_safe)
+    p = gl.exp2(s * qk_scale - m_safe[:, None])
+    l_i = l_i * corr + gl.sum(p, 1)
+    return p, corr, m_new, l_i
+
+
+@gluon.jit
+def _consumer_partition(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, O, LSE,
+                        stride_ot, stride_oh, stride_lh, h, q_start, m0, lq, lk, n_tiles, qk_scale,
+                        WG: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+                        STAGES: gl.constexpr):
+    """Consumer warpgroup WG: rows [m0 + 64 WG, m0 + 64 WG + 64) of the query tile. Per key step j (FA3's
+    intra-warpgroup overlap): softmax of S_j, issue S_{j+1} = Q K_{j+1}^T, wait for O += P_{j-1} V_{j-1},
+    rescale O, issue O += P_j V_j, wait for S_{j+1} only; the products of one step overlap the softmax of
+    the next. Then O / l and lse to global memory (rows past the sequence's end are not written)."""
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, BLOCK_N, 16])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, HEAD_D, 16])
+    P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+    ROW_L: gl.constexpr = gl.SliceLayout(1, S_L)
+    COL_L: gl.constexpr = gl.SliceLayout(0, S_L)
+    OROW_L: gl.constexpr = gl.SliceLayout(1, O_L)
+    dtype: gl.constexpr = q_smem.dtype
+
+    q = q_smem.index(WG)
+    row0 = m0 + WG * 64
+    rows = row0 + gl.arange(0, 64, layout=ROW_L)
+    # key tiles [0, n_full) hold only valid pairs for all 64 rows; later ones are masked
+    if CAUSAL:
+        n_full = gl.minimum(row0 + 1, lk) // BLOCK_N
+    else:
+        n_full = lk // BLOCK_N
+    m_i = gl.full([64], float("-inf"), gl.float32, ROW_L)
+    l_i = gl.zeros([64], gl.float32, ROW_L)
+    s_zero = gl.zeros([64, BLOCK_N], gl.float32, S_L)
+    acc = gl.zeros([64, HEAD_D], gl.float32, O_L)
+
+    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(k_ready.index(0), 0)
+    s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(0, deps=(s, ))
+    mbarrier.arrive(k_empty.index(0), count=1)
+    p, corr, m_i, l_i = _softmax_step(s, m_i, l_i, rows, 0, lk, qk_scale, 0 >= n_full, CAUSAL, BLOCK_N, COL_L)
+    for j in range(n_tiles - 1):
+        # FlashAttention-3's order: nothing is in flight across the loop's back edge (ptxas serializes every
+        # wgmma of the kernel when a non-wgmma instruction may touch an in-flight accumulator)
+        jn = j + 1
+        mbarrier.wait(k_ready.index(jn % STAGES), (jn // STAGES) & 1)
+        s_next = warpgroup_mma(q, k_smem.index(jn % STAGES).permute((1, 0)), s_zero, use_acc=False,
+                               is_async=True)
+        acc = acc * gl.convert_layout(corr, OROW_L)[:, None]
+        p_op = gl.convert_layout(p.to(dtype), P_L)
+        mbarrier.wait(v_ready.index(j % STAGES), (j // STAGES) & 1)
+        acc = warpgroup_mma(p_op, v_smem.index(j % STAGES), acc, is_async=True)
+        s = warpgroup_mma_wait(1, deps=(s_next, ))  # S_{j+1} done; O += P_j V_j runs during its softmax
+        mbarrier.arrive(k_empty.index(jn % STAGES), count=1)
+        p, corr, m_i, l_i = _softmax_step(s, m_i, l_i, rows, jn * BLOCK_N, lk, qk_scale, jn >= n_full, CAUSAL,
+                                          BLOCK_N, COL_L)
+        acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+        mbarrier.arrive(v_empty.index(j % STAGES), count=1)
+    j_last = n_tiles - 1
+    acc = acc * gl.convert_layout(corr, OROW_L)[:, None]
+    mbarrier.wait(v_ready.index(j_last % STAGES), (j_last // STAGES) & 1)
+    acc = warpgroup_mma(gl.convert_layout(p.to(dtype), P_L), v_smem.index(j_last % STAGES), acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=(acc, ))
+
+    l_o = gl.convert_layout(l_i, OROW_L)
+    l_safe = gl.where(l_o == 0.0, 1.0, l_o)
+    out = acc / l_safe[:, None]
+    lse = gl.where(l_i == 0.0, float("inf"), m_i + gl.log2(gl.where(l_i == 0.0, 1.0, l_i)))
+    gl.store(LSE + h * stride_lh + q_start + rows, lse, mask=rows < lq)
+    ST_L: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16], warps_per_cta=[4, 1],
+                                          order=[1, 0])
+    out = gl.convert_layout(out.to(dtype), ST_L)
+    r = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, ST_L))
+    d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, ST_L))
+    ptrs = O + (q_start + r[:, None]) * stride_ot + h * stride_oh + d[None, :]
+    gl.store(ptrs, out, mask=r[:, None] < lq)
+
+
+@gluon.jit
+def _ws_fwd(q_desc, k_desc, v_desc, O, LSE, Q_OFF, KV_OFF, WORK, stride_ot, stride_oh, stride_lh, qk_scale,
+            n_tiles_q, CAUSAL: gl.constexpr, NUM_WG: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+            STAGES: gl.constexpr):
+    """One (query tile of 64 * NUM_WG rows, head) work item per program; grid (items, H). WORK is the
+    longest-first table of jagged_attention._work_table (``b * n_tiles_q + tile``, -1 = no item)."""
+    w = gl.load(WORK + gl.program_id(0))
+    if w >= 0:
+        h = gl.program_id(1).to(gl.int64)
+        b = w // n_tiles_q
+        m0 = (w % n_tiles_q) * (64 * NUM_WG)
+        q_start = gl.load(Q_OFF + b)
+        lq = (gl.load(Q_OFF + b + 1) - q_start).to(gl.int32)
+        kv_start = gl.load(KV_OFF + b)
+        lk = (gl.load(KV_OFF + b + 1) - kv_start).to(gl.int32)
+        hi = lk
+        if CAUSAL:
+            hi = gl.minimum(hi, m0 + 64 * NUM_WG)
+        n_tiles = gl.maximum(gl.cdiv(hi, BLOCK_N), 1)  # >= 1: a query row with no key still gets o = 0
+        col = (h * HEAD_D).to(gl.int32)
+        q_row = (q_start + m0).to(gl.int32)
+        kv_row = kv_start.to(gl.int32)
+
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_WG, 64, HEAD_D], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=NUM_WG)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(v_empty.index(i), count=NUM_WG)
+
+        if NUM_WG == 2:
+            gl.warp_specialize([
+                (_consumer_partition, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, O, LSE,
+                                       stride_ot, stride_oh, stride_lh, h, q_start, m0, lq, lk, n_tiles, qk_scale,
+                                       0, CAUSAL, BLOCK_N, HEAD_D, STAGES)),
+                (_consumer_partition, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, O, LSE,
+                                       stride_ot, stride_oh, stride_lh, h, q_start, m0, lq, lk, n_tiles, qk_scale,
+                                       1, CAUSAL, BLOCK_N, HEAD_D, STAGES)),
+                (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
+                                   v_empty, q_row, kv_row, col, n_tiles, NUM_WG, BLOCK_N, STAGES))], [4, 1], [232, 40])
+        else:
+            gl.warp_specialize([
+                (_consumer_partition, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, O, LSE,
+                                       stride_ot, stride_oh, stride_lh, h, q_start, m0, lq, lk, n_tiles, qk_scale,
+                                       0, CAUSAL, BLOCK_N, HEAD_D, STAGES)),
+                (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
+                                   v_empty, q_row, kv_row, col, n_tiles, NUM_WG, BLOCK_N, STAGES))], [1], [40])
+
+def supports(device_type: str, capability: tuple[int, int], act: int, plain: bool, dtype: torch.dtype,
+             dims: tuple[int, int, int], strides: tuple[tuple[int, int, int], ...], aligned: bool) -> bool:
+    """The rule behind ``eligible`` (pure, testable without a GPU): a CUDA device of compute capability 9.0
+    (wgmma and TMA as compiled here), softmax (act 0) over ``plain`` rows (the caller's check: full rows
+    without targets, bias, prefix, block, window or PMA), bf16 / fp16, head dims (q, k, v) all 64 or all
+    128, each tensor's strides (token, head, dim) with unit dim stride, contiguous heads (head stride = D)
+    and 16-byte aligned rows, and ``aligned`` 16-byte base addresses (TMA's rules)."""
+    d = dims[0]
+    if device_type != "cuda" or tuple(capability) != (9, 0) or act != 0 or not plain:
+        return False
+    if dtype not in (torch.bfloat16, torch.float16) or d not in (64, 128) or any(x != d for x in dims):
+        return False
+    return aligned and all(st[2] == 1 and st[1] == d and (st[0] * 2) % 16 == 0 for st in strides)
+
+
+def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, act: int, plain: bool) -> bool:
+    """Whether this forward can run the call (``supports`` on the tensors' device, dtype, shapes, strides and
+    addresses); q: [Tq, H, D], k / v: [Tk, H, D]."""
+    if q.device.type != "cuda" or k.shape[0] == 0:  # a TMA descriptor needs >= 1 row
+        return False
+    return supports(q.device.type, torch.cuda.get_device_capability(q.device), act, plain, q.dtype,
+                    (q.shape[2], k.shape[2], v.shape[2]), (q.stride(), k.stride(), v.stride()),
+                    all(x.data_ptr() % 16 == 0 for x in (q, k, v)) and q.dtype == k.dtype == v.dtype)
+
+
+def _desc(x: torch.Tensor, rows: int) -> TensorDescriptor:
+    """Descriptor of x [T, H, D] as the 2-D [T, H * D] view, [rows, D] boxes, 128-byte swizzle."""
+    t, h, d = x.shape
+    layout = gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16 if x.dtype == torch.bfloat16
+                                                  else gl.float16)
+    return TensorDescriptor(x, [t, h * d], [x.stride(0), 1], [rows, d], layout)
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+            q_off: torch.Tensor, kv_off: torch.Tensor, table: torch.Tensor, n_tiles_q: int, causal: bool,
+            alpha: float, tiles: tuple[int, int, int]) -> None:
+    """Launch the forward on one work table.
+
+    q: [Tq, H, D], k / v: [Tk, H, D] (bf16 or fp16, ``eligible``); o: [Tq, H, D] output (written where
+    rows exist); lse: [>=1, H, Tq] fp32, row 0 written (base 2); q_off / kv_off: [B+1] int64; table:
+    [items] int32 from ``jagged_attention._q_table`` with BLOCK_M = 64 * tiles[0]; n_tiles_q: its tiles
+    per sequence; alpha: score scale (> 0); tiles: (consumer warpgroups 1 | 2, BLOCK_N, STAGES).
+    """
+    num_wg, block_n, stages = tiles
+    h, d = q.shape[1], q.shape[2]
+    _ws_fwd[(table.numel(), h)](
+        _desc(q, _ROWS), _desc(k, block_n), _desc(v, block_n), o, lse, q_off, kv_off, table,
+        o.stride(0), o.stride(1), lse.stride(1), alpha * 1.4426950408889634, n_tiles_q,
+        CAUSAL=causal, NUM_WG=num_wg, BLOCK_N=block_n, HEAD_D=d, STAGES=stages, num_warps=4)
+
+
+def block_m(tiles: tuple[int, int, int]) -> int:
+    """Query rows per work item of a tile choice (64 per consumer warpgroup)."""
+    return _ROWS * tiles[0]
+
+
+__all__ = ["WS_FWD", "WS_FWD_TILES", "block_m", "eligible", "forward", "supports"]
