@@ -38,15 +38,16 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-# Per regime: whether the softmax forward runs this kernel, and its (consumer warpgroups, BLOCK_N, STAGES).
-# Runs 28-29 (H200, deploy/h200/ab_ws.py, kernels/NOTES.md "Runs 28-29"): with two consumer warpgroups, 128-key
-# tiles and two stages the forward takes 0.423 vs 0.522 ms (Triton) on uniform B=128 N=1024 (long), 2.341 vs
-# 2.660 ms (graph replays) on uniform B=64 N=4096 (xlong), 0.331 vs 0.379 ms on heavy B=256 N=4096 (medium);
-# on the short heavy B=128 N=1024 batch it loses (0.053 vs 0.045 ms device time), so off there. One consumer
-# warpgroup (255 registers, one CTA per SM) lost everywhere.
+# Per regime: whether the softmax forward runs this kernel, and its (consumer warpgroups, BLOCK_N, STAGES,
+# ping-pong between the two consumers). Runs 28-30 (H200, deploy/h200/ab_ws.py, kernels/NOTES.md "Runs 28-30"):
+# with two consumer warpgroups, 128-key tiles and two stages the forward takes 0.423-0.427 vs 0.522 ms (Triton)
+# on uniform B=128 N=1024 (long), 2.34-2.52 vs 2.66-2.69 ms (graph replays) on uniform B=64 N=4096 (xlong),
+# 0.331-0.332 vs 0.379-0.381 ms on heavy B=256 N=4096 (medium); on the short heavy B=128 N=1024 batch it loses
+# (0.052 vs 0.045 ms device time), so off there. One consumer warpgroup (255 registers, one CTA per SM) lost
+# everywhere; 64-key tiles and the ping-pong schedule did not win consistently (run 30), so both are off.
 WS_FWD: dict[str, bool] = {"short": False, "medium": True, "long": True, "xlong": True}
-WS_FWD_TILES: dict[str, tuple[int, int, int]] = {"short": (2, 128, 2), "medium": (2, 128, 2),
-                                                 "long": (2, 128, 2), "xlong": (2, 128, 2)}
+WS_FWD_TILES: dict[str, tuple[int, int, int, bool]] = {
+    "short": (2, 128, 2, False), "medium": (2, 128, 2, False), "long": (2, 128, 2, False), "xlong": (2, 128, 2, False)}
 _ROWS = 64  # query rows per consumer warpgroup (a wgmma's M)
 
 
@@ -75,10 +76,11 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_rea
 
 @gluon.jit
 def _softmax_step(s, m_i, l_i, rows, n0, lk, qk_scale, masked, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
-                  COL_L: gl.constexpr):
-    """Online softmax of one score tile s [64, BLOCK_N] fp32 (raw q.k): returns (p = 2^(s * qk_scale - m),
-    the rescale factor of the previous rows' sums and output, new running max m, new running sum l).
-    ``masked``: the tile holds pairs past the key length or (CAUSAL) after the query position."""
+                  COL_L: gl.constexpr, P_L: gl.constexpr, dtype: gl.constexpr):
+    """Online softmax of one score tile s [64, BLOCK_N] fp32 (raw q.k): returns (p = 2^(s * qk_scale - m) in
+    ``dtype`` and the wgmma A-operand layout P_L (16-bit at once: half the registers of fp32 while the next
+    products run), the rescale factor of the previous rows' sums and output, new running max m, new running
+    sum l). ``masked``: the tile holds pairs past the key length or (CAUSAL) after the query position."""
     if masked:
         cols = n0 + gl.arange(0, BLOCK_N, layout=COL_L)
         ok = cols[None, :] < lk
@@ -90,18 +92,20 @@ def _softmax_step(s, m_i, l_i, rows, n0, lk, qk_scale, masked, CAUSAL: gl.conste
     corr = gl.exp2(m_i - m_safe)
     p = gl.exp2(s * qk_scale - m_safe[:, None])
     l_i = l_i * corr + gl.sum(p, 1)
-    return p, corr, m_new, l_i
+    return gl.convert_layout(p.to(dtype), P_L), corr, m_new, l_i
 
 
 @gluon.jit
-def _consumer_partition(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, O, LSE,
+def _consumer_partition(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn, O, LSE,
                         stride_ot, stride_oh, stride_lh, h, q_start, m0, lq, lk, n_tiles, qk_scale,
                         WG: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-                        STAGES: gl.constexpr):
+                        STAGES: gl.constexpr, PINGPONG: gl.constexpr):
     """Consumer warpgroup WG: rows [m0 + 64 WG, m0 + 64 WG + 64) of the query tile. Per key step j (FA3's
     intra-warpgroup overlap): softmax of S_j, issue S_{j+1} = Q K_{j+1}^T, wait for O += P_{j-1} V_{j-1},
     rescale O, issue O += P_j V_j, wait for S_{j+1} only; the products of one step overlap the softmax of
-    the next. Then O / l and lse to global memory (rows past the sequence's end are not written)."""
+    the next. PINGPONG (two consumers): the warpgroups take turns issuing their step's products (an mbarrier
+    per warpgroup, ``turn``; FA3's ping-pong schedule), so one's softmax runs while the other's products
+    use the tensor cores. Then O / l and lse to global memory (rows past the sequence's end are not written)."""
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BLOCK_N, 16])
     O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -130,28 +134,33 @@ def _consumer_partition(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready
     s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=(s, ))
     mbarrier.arrive(k_empty.index(0), count=1)
-    p, corr, m_i, l_i = _softmax_step(s, m_i, l_i, rows, 0, lk, qk_scale, 0 >= n_full, CAUSAL, BLOCK_N, COL_L)
+    p, corr, m_i, l_i = _softmax_step(s, m_i, l_i, rows, 0, lk, qk_scale, 0 >= n_full, CAUSAL, BLOCK_N, COL_L,
+                                      P_L, dtype)
     for j in range(n_tiles - 1):
         # FlashAttention-3's order: nothing is in flight across the loop's back edge (ptxas serializes every
         # wgmma of the kernel when a non-wgmma instruction may touch an in-flight accumulator)
         jn = j + 1
+        acc = acc * gl.convert_layout(corr, OROW_L)[:, None]
+        p_op = p
         mbarrier.wait(k_ready.index(jn % STAGES), (jn // STAGES) & 1)
+        mbarrier.wait(v_ready.index(j % STAGES), (j // STAGES) & 1)
+        if PINGPONG:  # warpgroup 0 goes first: a fresh barrier passes a wait for parity 1 at once
+            mbarrier.wait(turn.index(WG), (j & 1) ^ (1 - WG))
         s_next = warpgroup_mma(q, k_smem.index(jn % STAGES).permute((1, 0)), s_zero, use_acc=False,
                                is_async=True)
-        acc = acc * gl.convert_layout(corr, OROW_L)[:, None]
-        p_op = gl.convert_layout(p.to(dtype), P_L)
-        mbarrier.wait(v_ready.index(j % STAGES), (j // STAGES) & 1)
         acc = warpgroup_mma(p_op, v_smem.index(j % STAGES), acc, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - WG), count=1)
         s = warpgroup_mma_wait(1, deps=(s_next, ))  # S_{j+1} done; O += P_j V_j runs during its softmax
         mbarrier.arrive(k_empty.index(jn % STAGES), count=1)
         p, corr, m_i, l_i = _softmax_step(s, m_i, l_i, rows, jn * BLOCK_N, lk, qk_scale, jn >= n_full, CAUSAL,
-                                          BLOCK_N, COL_L)
+                                          BLOCK_N, COL_L, P_L, dtype)
         acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
         mbarrier.arrive(v_empty.index(j % STAGES), count=1)
     j_last = n_tiles - 1
     acc = acc * gl.convert_layout(corr, OROW_L)[:, None]
     mbarrier.wait(v_ready.index(j_last % STAGES), (j_last // STAGES) & 1)
-    acc = warpgroup_mma(gl.convert_layout(p.to(dtype), P_L), v_smem.index(j_last % STAGES), acc, is_async=True)
+    acc = warpgroup_mma(p, v_smem.index(j_last % STAGES), acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=(acc, ))
 
     l_o = gl.convert_layout(l_i, OROW_L)
@@ -171,7 +180,7 @@ def _consumer_partition(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready
 @gluon.jit
 def _ws_fwd(q_desc, k_desc, v_desc, O, LSE, Q_OFF, KV_OFF, WORK, stride_ot, stride_oh, stride_lh, qk_scale,
             n_tiles_q, CAUSAL: gl.constexpr, NUM_WG: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-            STAGES: gl.constexpr):
+            STAGES: gl.constexpr, PINGPONG: gl.constexpr):
     """One (query tile of 64 * NUM_WG rows, head) work item per program; grid (items, H). WORK is the
     longest-first table of jagged_attention._work_table (``b * n_tiles_q + tile``, -1 = no item)."""
     w = gl.load(WORK + gl.program_id(0))
@@ -199,7 +208,10 @@ def _ws_fwd(q_desc, k_desc, v_desc, O, LSE, Q_OFF, KV_OFF, WORK, stride_ot, stri
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar, count=1)
+        mbarrier.init(turn.index(0), count=1)
+        mbarrier.init(turn.index(1), count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(k_empty.index(i), count=NUM_WG)
@@ -208,19 +220,19 @@ def _ws_fwd(q_desc, k_desc, v_desc, O, LSE, Q_OFF, KV_OFF, WORK, stride_ot, stri
 
         if NUM_WG == 2:
             gl.warp_specialize([
-                (_consumer_partition, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, O, LSE,
-                                       stride_ot, stride_oh, stride_lh, h, q_start, m0, lq, lk, n_tiles, qk_scale,
-                                       0, CAUSAL, BLOCK_N, HEAD_D, STAGES)),
-                (_consumer_partition, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, O, LSE,
-                                       stride_ot, stride_oh, stride_lh, h, q_start, m0, lq, lk, n_tiles, qk_scale,
-                                       1, CAUSAL, BLOCK_N, HEAD_D, STAGES)),
+                (_consumer_partition, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn, O,
+                                       LSE, stride_ot, stride_oh, stride_lh, h, q_start, m0, lq, lk, n_tiles,
+                                       qk_scale, 0, CAUSAL, BLOCK_N, HEAD_D, STAGES, PINGPONG)),
+                (_consumer_partition, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn, O,
+                                       LSE, stride_ot, stride_oh, stride_lh, h, q_start, m0, lq, lk, n_tiles,
+                                       qk_scale, 1, CAUSAL, BLOCK_N, HEAD_D, STAGES, PINGPONG)),
                 (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
                                    v_empty, q_row, kv_row, col, n_tiles, NUM_WG, BLOCK_N, STAGES))], [4, 1], [232, 40])
         else:
             gl.warp_specialize([
-                (_consumer_partition, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, O, LSE,
-                                       stride_ot, stride_oh, stride_lh, h, q_start, m0, lq, lk, n_tiles, qk_scale,
-                                       0, CAUSAL, BLOCK_N, HEAD_D, STAGES)),
+                (_consumer_partition, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn, O,
+                                       LSE, stride_ot, stride_oh, stride_lh, h, q_start, m0, lq, lk, n_tiles,
+                                       qk_scale, 0, CAUSAL, BLOCK_N, HEAD_D, STAGES, False)),
                 (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
                                    v_empty, q_row, kv_row, col, n_tiles, NUM_WG, BLOCK_N, STAGES))], [1], [40])
 
@@ -259,23 +271,24 @@ def _desc(x: torch.Tensor, rows: int) -> TensorDescriptor:
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
             q_off: torch.Tensor, kv_off: torch.Tensor, table: torch.Tensor, n_tiles_q: int, causal: bool,
-            alpha: float, tiles: tuple[int, int, int]) -> None:
+            alpha: float, tiles: tuple[int, int, int, bool]) -> None:
     """Launch the forward on one work table.
 
     q: [Tq, H, D], k / v: [Tk, H, D] (bf16 or fp16, ``eligible``); o: [Tq, H, D] output (written where
     rows exist); lse: [>=1, H, Tq] fp32, row 0 written (base 2); q_off / kv_off: [B+1] int64; table:
     [items] int32 from ``jagged_attention._q_table`` with BLOCK_M = 64 * tiles[0]; n_tiles_q: its tiles
-    per sequence; alpha: score scale (> 0); tiles: (consumer warpgroups 1 | 2, BLOCK_N, STAGES).
+    per sequence; alpha: score scale (> 0); tiles: (consumer warpgroups 1 | 2, BLOCK_N, STAGES, ping-pong).
     """
-    num_wg, block_n, stages = tiles
+    num_wg, block_n, stages, pingpong = tiles
     h, d = q.shape[1], q.shape[2]
     _ws_fwd[(table.numel(), h)](
         _desc(q, _ROWS), _desc(k, block_n), _desc(v, block_n), o, lse, q_off, kv_off, table,
         o.stride(0), o.stride(1), lse.stride(1), alpha * 1.4426950408889634, n_tiles_q,
-        CAUSAL=causal, NUM_WG=num_wg, BLOCK_N=block_n, HEAD_D=d, STAGES=stages, num_warps=4)
+        CAUSAL=causal, NUM_WG=num_wg, BLOCK_N=block_n, HEAD_D=d, STAGES=stages,
+        PINGPONG=bool(pingpong), num_warps=4)
 
 
-def block_m(tiles: tuple[int, int, int]) -> int:
+def block_m(tiles: tuple[int, int, int, bool]) -> int:
     """Query rows per work item of a tile choice (64 per consumer warpgroup)."""
     return _ROWS * tiles[0]
 

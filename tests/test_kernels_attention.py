@@ -1162,7 +1162,7 @@ def test_tma_loads_only_where_they_apply(monkeypatch):
     assert not ja._use_tma("xlong", True, full, x, odd)
 
 
-WS_TILES = [(2, 128, 2), (1, 128, 2), (2, 64, 3)]
+WS_TILES = [(2, 128, 2, False), (2, 128, 2, True), (1, 128, 2, False), (2, 64, 3, True)]
 
 
 def _ws_on(monkeypatch, tiles) -> list:

@@ -7,7 +7,7 @@ maximum and log-normal ones; self and cross attention, causal and not, D=128 and
 difference of o and lse of every tile choice from the Triton forward's. Then, per bench batch (bf16, H=4,
 D=128, causal softmax), forward and fwd+bwd (``triton.testing.do_bench`` median, as the bench) of
 varlen_attn, JFA with the Triton forward and JFA with the Gluon forward under each tile choice
-(consumer warpgroups, BLOCK_N, STAGES), and CUDA-graph replays (device time) of the forward alone.
+(consumer warpgroups, BLOCK_N, STAGES, ping-pong), and CUDA-graph replays (device time) of the forward alone.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from gemray.kernels import bench
 from gemray.kernels import jagged_attention as ja
 from gemray.kernels import ws_attention as ws
 
-TILES = [(2, 128, 2), (2, 64, 2), (2, 64, 3), (1, 128, 2)]
+TILES = [(2, 128, 2, False), (2, 128, 2, True), (2, 64, 2, True), (2, 64, 3, True)]
 CASES = [("uniform", 128, 1024), ("heavy", 128, 1024), ("uniform", 64, 4096), ("heavy", 256, 4096)]
 
 
