@@ -197,6 +197,15 @@ SPLIT_LEN: dict[str, int] = {"short": 0, "medium": 0, "long": 0, "xlong": 0}
 # on uniform B=64 N=4096 (xlong); +8% device time on the short heavy B=128 N=1024 batch (one launch more), so off
 # there. The dQ launch runs at 82-87% of the L2 throughput (Nsight Compute, runs 23-24): dS plus a K tile per dS tile.
 DS_STORE: dict[str, bool] = {"short": False, "medium": True, "long": True, "xlong": True}
+# Work order of the launches' tables (per kind: "fwd" the forwards, "dkdv" / "dq" the DS_STORE backward's two
+# launches): False = every (sequence, tile) item by decreasing cost (longest-first across the batch); True = whole
+# sequences longest first with each sequence's tiles together (_work_table's ``grouped``), so programs running at
+# once read the same sequence's rows from L2. Nsight Compute on the Gluon forward (run 32) showed L2 hit rates of
+# 20% (uniform B=128 N=1024) and 38% (uniform B=64 N=4096) under the cost order. Run 33 (deploy/h200/ab_ws.py),
+# fwd+bwd with the Gluon forward: cost order 1.935 / 10.552 / 1.504 ms on uniform B=128 N=1024 / uniform B=64
+# N=4096 / heavy B=256 N=4096, grouped forward 1.899 / 10.425 / 1.475, grouped forward and backward 1.821 / 10.369 /
+# 1.429; the Triton forward gained too (0.520 -> 0.488 ms on uniform B=128 N=1024). On everywhere.
+SEQ_ORDER: dict[str, bool] = {"fwd": True, "dkdv": True, "dq": True}
 DS_MAX_BYTES = 16 << 30
 DS_MAX_FRACTION = 0.125
 FAST_ACT = True  # tanh.approx silu for bf16/fp16 on CUDA (see _act); the bench can turn it off to compare
@@ -1142,7 +1151,8 @@ def _spec(act: int, causal: bool, alpha: float, inv_n: float, att_block: int, wi
 
 
 def _work_table(tile_len: torch.Tensor, max_len: int, block: int, cost: torch.Tensor | None = None,
-                total: int | None = None, lo: int = 0, hi: int = 0) -> tuple[torch.Tensor, int]:
+                total: int | None = None, lo: int = 0, hi: int = 0,
+                grouped: int = 0) -> tuple[torch.Tensor, int]:
     """Sorted (sequence, tile) work items, computed on the device without a host sync.
 
     tile_len: [B] int64 length of the tiled axis of each sequence; max_len: bound on it (host int);
@@ -1153,6 +1163,10 @@ def _work_table(tile_len: torch.Tensor, max_len: int, block: int, cost: torch.Te
     (each still costs a block launch; without the bound a heavy-tailed batch launches ~10x too many).
     ``lo`` / ``hi`` (host ints, hi 0 = none): only sequences with lo <= tile_len < hi get items (a length
     class, see SPLIT_LEN); at most ``total // lo`` sequences can have lo tokens, which tightens the trim.
+    ``grouped`` (SEQ_ORDER): +1 / -1 orders whole sequences longest first and each sequence's tiles together,
+    last tile first (+1: query tiles, whose causal cost grows with the tile index) or first tile first (-1: key
+    tiles), instead of all items by cost: the programs running at once then share their sequence's keys /
+    queries in L2 (one sequence-head's 128-row tiles each read the same key / value rows).
     """
     n_tiles = max(1, triton.cdiv(max_len, block))
     bsz = tile_len.numel()
@@ -1166,6 +1180,10 @@ def _work_table(tile_len: torch.Tensor, max_len: int, block: int, cost: torch.Te
         valid = valid & in_class[:, None]
     if cost is None:
         cost = torch.ones((bsz, n_tiles), device=dev, dtype=torch.int64)
+    if grouped:  # (length desc, sequence asc, tile in cost order): a sort key that fits int64 for any batch
+        b_rank = (bsz - 1 - torch.arange(bsz, device=dev, dtype=torch.int64))
+        t_rank = t if grouped > 0 else (n_tiles - 1 - t)
+        cost = ((tile_len.clamp(min=0)[:, None] * bsz + b_rank[:, None]) * n_tiles + t_rank[None, :])
     key = torch.where(valid, cost, torch.full_like(cost, -1)).flatten()
     order = torch.argsort(key, descending=True, stable=True)
     ids = torch.arange(bsz * n_tiles, device=dev, dtype=torch.int64)
@@ -1216,31 +1234,33 @@ def _bias_strides(bias: torch.Tensor | None) -> tuple[int, int, int, int]:
 
 
 def _q_table(spec: _Spec, q_off: torch.Tensor, kv_off: torch.Tensor, bm: int, t_q: int, lo: int = 0,
-             hi: int = 0) -> tuple[torch.Tensor, int]:
+             hi: int = 0, grouped: bool = False) -> tuple[torch.Tensor, int]:
     """Cached work table of query tiles (fwd and dQ kernels); t_q = number of output rows; lo / hi: the
-    length class (see _work_table)."""
+    length class (see _work_table); grouped: tiles of a sequence together (SEQ_ORDER)."""
     def make():
         lq = q_off[1:] - q_off[:-1]
         lk = kv_off[1:] - kv_off[:-1]
         n_tiles = max(1, triton.cdiv(spec.max_q_len, bm))
-        return _work_table(lq, spec.max_q_len, bm, _q_tile_cost(spec, lk, n_tiles, bm), total=t_q, lo=lo, hi=hi)
+        return _work_table(lq, spec.max_q_len, bm, _q_tile_cost(spec, lk, n_tiles, bm), total=t_q, lo=lo, hi=hi,
+                           grouped=1 if grouped else 0)
 
     return _cached((q_off, kv_off), ("q", bm, spec.max_q_len, spec.max_kv_len, spec.causal,
-                                     spec.att_block, spec.window, t_q, lo, hi), make)
+                                     spec.att_block, spec.window, t_q, lo, hi, grouped), make)
 
 
 def _k_table(spec: _Spec, q_off: torch.Tensor, kv_off: torch.Tensor, bn: int, t_k: int, lo: int = 0,
-             hi: int = 0) -> tuple[torch.Tensor, int]:
+             hi: int = 0, grouped: bool = False) -> tuple[torch.Tensor, int]:
     """Cached work table of key tiles (dK/dV kernel); t_k = number of key rows; lo / hi: the length class
-    (of the key length; classes are used for self-attention only)."""
+    (of the key length; classes are used for self-attention only); grouped: see _q_table."""
     def make():
         lq = q_off[1:] - q_off[:-1]
         lk = kv_off[1:] - kv_off[:-1]
         n_tiles = max(1, triton.cdiv(spec.max_kv_len, bn))
-        return _work_table(lk, spec.max_kv_len, bn, _k_tile_cost(spec, lq, n_tiles, bn), total=t_k, lo=lo, hi=hi)
+        return _work_table(lk, spec.max_kv_len, bn, _k_tile_cost(spec, lq, n_tiles, bn), total=t_k, lo=lo, hi=hi,
+                           grouped=-1 if grouped else 0)
 
     return _cached((q_off, kv_off), ("k", bn, spec.max_q_len, spec.max_kv_len, spec.causal,
-                                     spec.att_block, spec.window, t_k, lo, hi), make)
+                                     spec.att_block, spec.window, t_k, lo, hi, grouped), make)
 
 
 @triton.jit
@@ -1389,14 +1409,14 @@ class _GDPA(torch.autograd.Function):
         ws_reg = classes[0][0] if len(classes) == 1 else ""
         if ws_reg and _use_ws_fwd(ws_reg, spec, nt, bias, q, k, v):  # Hopper: warp-specialized forward (Gluon)
             tiles = ws.WS_FWD_TILES[ws_reg]
-            table, n_tiles = _q_table(spec, q_off, kv_off, ws.block_m(tiles), t_out)
+            table, n_tiles = _q_table(spec, q_off, kv_off, ws.block_m(tiles), t_out, grouped=SEQ_ORDER["fwd"])
             ws.forward(q, k, v, o, lse, q_off, kv_off, table, n_tiles, spec.causal, spec.alpha, tiles)
             classes_run = ()
         else:
             classes_run = classes
         for reg, lo, hi in classes_run:  # one launch per length class, longest first
             bm, bn, warps, stages = _tiles("fwd_silu" if spec.act == 1 else "fwd", d_qk, reg, spec.max_q_len)
-            table, n_tiles = _q_table(spec, q_off, kv_off, bm, t_out, lo, hi)
+            table, n_tiles = _q_table(spec, q_off, kv_off, bm, t_out, lo, hi, SEQ_ORDER["fwd"])
             inner = HEADS_INNER.get(reg, False)
             _launch(_gdpa_fwd, (table.numel() * h,) if inner else (table.numel(), h), [
                 q, k, v, o, lse_arg, q_off, kv_off, nt if nt is not None else q_off, table,
@@ -1494,14 +1514,14 @@ class _GDPA(torch.autograd.Function):
                 kwarps, kstages)
         elif ds_store:  # dK/dV (also storing dS^T), then dQ = dS K from the stored tiles
             kbm, kbn, kwarps, kstages = _tiles("dkdv_ds", d_qk, reg, spec.max_q_len)
-            table, ntk = _k_table(spec, q_off, kv_off, kbn, k.shape[0])
+            table, ntk = _k_table(spec, q_off, kv_off, kbn, k.shape[0], grouped=SEQ_ORDER["dkdv"])
             tensors[12], args[-6:-3] = table, (0, ntk, 1)
             c = consts(reg)
             _launch(_gdpa_bwd, grid(table.numel(), c["HEADS_INNER"]), tensors, args, dict(
                 PART=1, DK_BM=kbm, DK_BN=kbn, DQ_BM=0, DQ_BN=0, STORE_DBIAS=want_dbias, STORE_DELTA=False,
                 ATOMIC_DQ=False, Q_ROWS=False, STORE_DS=True, **c), kwarps, kstages)
             qbm, qbn, qwarps, qstages = _tiles("dq_ds", d_qk, reg, spec.max_q_len)
-            table, ntq = _q_table(spec, q_off, kv_off, qbm, t_out)
+            table, ntq = _q_table(spec, q_off, kv_off, qbm, t_out, grouped=SEQ_ORDER["dq"])
             _launch(_gdpa_dq_ds, grid(table.numel(), c["HEADS_INNER"]), [
                 ds, k, dq, q_off, kv_off, nt if nt is not None else q_off, table], [
                 *ds.stride()[:2], *k.stride()[:2], *dq.stride()[:2], spec.alpha * (1.0 if softmax else spec.inv_n),

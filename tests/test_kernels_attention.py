@@ -803,6 +803,26 @@ def test_work_table_longest_first_covers_every_tile():
     assert len(trimmed) < len(table) and torch.equal(trimmed[:len(items)], table[:len(items)])
 
 
+@pytest.mark.parametrize("direction", [1, -1])
+def test_work_table_grouped_by_sequence(direction):
+    """SEQ_ORDER's table: the same valid items as the cost order, whole sequences longest first (ties: lower
+    index first), each sequence's tiles contiguous, last tile first for query tiles (+1) or first tile first
+    for key tiles (-1); invalid items last; the trim keeps every valid item."""
+    lengths = torch.tensor([3, 0, 70, 17, 1, 70])
+    block = 16
+    cost = (torch.arange(5)[None, :] + 1).expand(6, -1)
+    table, nt = _work_table(lengths, 70, block, cost, total=int(lengths.sum()), grouped=direction)
+    items = [(int(x) // nt, int(x) % nt) for x in table if x >= 0]
+    expected = {(b, m) for b in range(6) for m in range(nt) if m * block < int(lengths[b])}
+    assert set(items) == expected and len(items) == len(expected)
+    seqs = [b for i, (b, _) in enumerate(items) if i == 0 or items[i - 1][0] != b]
+    assert seqs == [2, 5, 3, 0, 4]  # each sequence once (contiguous), longest first, ties by index
+    for b in seqs:
+        tiles = [m for bb, m in items if bb == b]
+        assert tiles == sorted(tiles, reverse=direction > 0)
+    assert all(x < 0 for x in table[len(items):])
+
+
 class _FakeParam:
     def __init__(self, name, constexpr):
         self.name, self.is_constexpr = name, constexpr

@@ -6,8 +6,8 @@ Runs on the lent H200 from the package layout deploy/h200/ab_ws.sh builds (``gem
 maximum and log-normal ones; self and cross attention, causal and not, D=128 and 64): the relative
 difference of o and lse of every tile choice from the Triton forward's. Then, per bench batch (bf16, H=4,
 D=128, causal softmax), forward and fwd+bwd (``triton.testing.do_bench`` median, as the bench) of
-varlen_attn, JFA with the Triton forward and JFA with the Gluon forward under each tile choice
-(consumer warpgroups, BLOCK_N, STAGES, ping-pong), and CUDA-graph replays (device time) of the forward alone.
+varlen_attn and of JFA under each of VARIANTS (Triton or Gluon forward, work order of the launches), and
+CUDA-graph replays (device time) of the forward alone.
 """
 
 from __future__ import annotations
@@ -21,11 +21,23 @@ from gemray.kernels import bench
 from gemray.kernels import jagged_attention as ja
 from gemray.kernels import ws_attention as ws
 
-TILES = [(2, 128, 2, False), (2, 128, 2, True), (2, 64, 2, True), (2, 64, 3, True)]
+TILES = [(2, 128, 2, False), (2, 128, 2, True)]
+# A/B variants: (Gluon forward tiles or None = the Triton forward, jagged_attention.SEQ_ORDER entries). Runs 28-30
+# also timed (1, 128, 2), (2, 64, 2) and (2, 64, 3) tiles (kernels/NOTES.md "Runs 28-32").
+VARIANTS = {
+    "triton": (None, {}),
+    "triton order": (None, {"fwd": True}),
+    "ws": ((2, 128, 2, False), {}),
+    "ws order": ((2, 128, 2, False), {"fwd": True}),
+    "ws order, bwd order": ((2, 128, 2, False), {"fwd": True, "dkdv": True, "dq": True}),
+    "ws order, dq order": ((2, 128, 2, False), {"fwd": True, "dq": True}),
+}
 CASES = [("uniform", 128, 1024), ("heavy", 128, 1024), ("uniform", 64, 4096), ("heavy", 256, 4096)]
 
 
-def _set(tiles) -> None:
+def _set(tiles, order=None) -> None:
+    for kind in ja.SEQ_ORDER:
+        ja.SEQ_ORDER[kind] = bool((order or {}).get(kind, False))
     for r in ws.WS_FWD:
         ws.WS_FWD[r] = tiles is not None
         if tiles is not None:
@@ -101,10 +113,9 @@ def main() -> None:
         if args.warm < 0:
             tf, base = bench._time_fwd_bwd(varlen, (q, k, v))
             print(f"| {kind} B={b} N={n} | varlen | {tf:.3f} | {base:.3f} | 1.00x | - |", flush=True)
-        for tiles in [None] + TILES:
-            name = "triton" if tiles is None else f"ws {tiles}"
+        for name, (tiles, order) in VARIANTS.items():
             try:
-                _set(tiles)
+                _set(tiles, order)
                 if args.warm >= 0:
                     jfa(q, k, v).backward(torch.randn_like(q))
                     continue
