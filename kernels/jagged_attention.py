@@ -101,8 +101,10 @@ TILES: dict[str, dict[str, dict[int, tuple[int, int, int, int]]]] = {
     # batch's eager time is the host's, which is how run 4 picked a 32-row dQ tile without wgmma): short dK/dV
     # and dQ 64x64/4w/2 (-20% / -18% fwd+bwd device time each) and the heads-inner grid (also run 6's pick):
     # short batch 0.277 -> 0.162 ms device time. "dkdv_ds" / "dq_ds" (the DS_STORE backward's dK/dV with the dS
-    # store, and its dQ = dS K launch): the best of runs 19-24 (deploy/h200/ab_ds.py) on each regime's batch. D=64 /
-    # 256 entries are not measured (kept from run 3).
+    # store, and its dQ = dS K launch): the best of runs 19-24 (deploy/h200/ab_ds.py) on each regime's batch; with the
+    # work tables grouped by sequence (SEQ_ORDER) run 34 moved dq_ds to 128x64/4w/3 in medium / long / xlong (fwd+bwd
+    # -3.6% on uniform B=64 N=4096, -0.6% on uniform B=128 N=1024, -2% / 0% on heavy B=256 N=4096 silu / softmax).
+    # D=64 / 256 entries are not measured (kept from run 3).
     "short": {
         "fwd": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 2)},
         "fwd_silu": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 2)},
@@ -121,7 +123,7 @@ TILES: dict[str, dict[str, dict[int, tuple[int, int, int, int]]]] = {
         "dkdv_qrows": {64: (128, 64, 8, 2), 128: (128, 64, 8, 2), 256: (64, 32, 4, 2)},
         "dq": {64: (128, 64, 8, 3), 128: (64, 64, 4, 2), 256: (64, 32, 4, 2)},
         "dkdv_ds": {64: (64, 64, 4, 2), 128: (64, 64, 4, 2), 256: (32, 64, 4, 2)},
-        "dq_ds": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 64, 4, 2)},
+        "dq_ds": {64: (128, 64, 4, 3), 128: (128, 64, 4, 3), 256: (64, 64, 4, 2)},
     },
     "long": {
         "fwd": {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
@@ -131,7 +133,7 @@ TILES: dict[str, dict[str, dict[int, tuple[int, int, int, int]]]] = {
         "dkdv_qrows": {64: (128, 64, 8, 2), 128: (128, 64, 8, 2), 256: (64, 32, 4, 2)},
         "dq": {64: (128, 64, 8, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
         "dkdv_ds": {64: (64, 64, 4, 2), 128: (64, 64, 4, 2), 256: (32, 64, 4, 2)},
-        "dq_ds": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 64, 4, 2)},
+        "dq_ds": {64: (128, 64, 4, 3), 128: (128, 64, 4, 3), 256: (64, 64, 4, 2)},
     },
     "xlong": {
         "fwd": {64: (128, 64, 4, 3), 128: (128, 128, 8, 3), 256: (64, 32, 4, 2)},
@@ -141,7 +143,7 @@ TILES: dict[str, dict[str, dict[int, tuple[int, int, int, int]]]] = {
         "dkdv_qrows": {64: (128, 64, 8, 2), 128: (128, 64, 8, 2), 256: (64, 32, 4, 2)},
         "dq": {64: (128, 64, 8, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
         "dkdv_ds": {64: (64, 128, 8, 3), 128: (64, 128, 8, 3), 256: (32, 64, 4, 2)},
-        "dq_ds": {64: (256, 64, 8, 2), 128: (256, 64, 8, 2), 256: (64, 64, 4, 2)},
+        "dq_ds": {64: (128, 64, 4, 3), 128: (128, 64, 4, 3), 256: (64, 64, 4, 2)},
     },
 }
 # Backward as one launch (dK/dV and dQ items merged into one longest-first table; the dQ items fill the

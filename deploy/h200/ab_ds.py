@@ -23,15 +23,17 @@ from gemray.kernels import jagged_attention as ja
 # switches of the regime {jagged_attention dict name: value}). Runs 19-21 and 24 tried more (kernels/NOTES.md): dS
 # stored by per-thread stores instead of TMA (-23 to -30%), a padded row stride, K loaded through tensor
 # descriptors in the dQ launch (ties); run 27: head groups with each group's dQ launch on a side stream beside the
-# next group's dK/dV (no gain: the dK/dV launch fills every SM first; the code was not kept).
+# next group's dK/dV (no gain: the dK/dV launch fills every SM first; the code was not kept); run 26: delta inline,
+# the heads-inner grid and TMA loads under DS_STORE (none better). Run 34: the tiles again with the work tables
+# grouped by sequence (jagged_attention.SEQ_ORDER).
 VARIANTS = {
     "rec": (False, None, None, {}),
     "ds": (True, None, None, {}),
-    "ds q128x64/4w/3": (True, (128, 64, 4, 3), None, {}),
-    "ds k64x128/8w/4": (True, None, (64, 128, 8, 4), {}),
-    "ds delta inline": (True, None, None, {"DELTA_INLINE": True}),
-    "ds heads inner": (True, None, None, {"HEADS_INNER": True}),
+    "ds k64x64/4w/3": (True, None, (64, 64, 4, 3), {}),
+    "ds k64x64/8w/2": (True, None, (64, 64, 8, 2), {}),
+    "ds k32x64/4w/2": (True, None, (32, 64, 4, 2), {}),
     "ds tma": (True, None, None, {"TMA_LOADS": True}),
+    "ds heads inner": (True, None, None, {"HEADS_INNER": True}),
 }
 _MODES = ("DELTA_INLINE", "HEADS_INNER", "TMA_LOADS")
 CASES = [("uniform", 128, 1024, "softmax"), ("heavy", 128, 1024, "softmax"), ("uniform", 64, 4096, "softmax"),
@@ -105,11 +107,13 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--warm", type=int, default=-1)
     p.add_argument("--profile", default="", help="comma-separated variants: per-launch device times only")
+    p.add_argument("--cases", default="", help="comma-separated indices into CASES (default: all)")
     args = p.parse_args()
     if args.profile:
         profile_launches(args.profile.split(","))
         return
-    todo = [CASES[args.warm]] if args.warm >= 0 else CASES
+    cases = [CASES[int(i)] for i in args.cases.split(",")] if args.cases else CASES
+    todo = [cases[args.warm]] if 0 <= args.warm < len(cases) else ([] if args.warm >= 0 else cases)
     if args.warm < 0:
         print("| batch | act | variant | fwd+bwd ms | vs varlen | vs rec | rel diff dq / dk / dv vs rec | peak GiB |")
         print("|---|---|---|---|---|---|---|---|")

@@ -3,7 +3,8 @@
 # (DS_STORE backward vs the recomputing one vs varlen_attn; five processes compile first), then its --profile
 # (per-launch device time of the variants in PROFILE). Same package layout as kernels_bench.sh. From the root:
 #   OUT=$OUT bash deploy/h200/ab_ds.sh
-# Knobs: TESTS (1: run the GPU tests), TEST_S (150), WARM_S (180), AB_S (240), PROF_S (120), PROFILE.
+# Knobs: TESTS (1: run the GPU tests), TEST_S (150), WARM_S (180), AB_S (240), PROF_S (120), PROFILE, CASES (indices
+# into ab_ds.py's CASES, comma-separated).
 set -uo pipefail
 T0=$(date +%s)
 OUT=${OUT:-/tmp/out}; P=${P:-/tmp/gemray-kern}; TEST_S=${TEST_S:-150}; WARM_S=${WARM_S:-180}; AB_S=${AB_S:-240}
@@ -14,7 +15,7 @@ cp -r gemray "$P/" && cp -r kernels "$P/gemray/kernels" && cp -r pipelines "$P/g
   && cp -r tests pyproject.toml deploy/h200/ab_ds.py "$P/" || { echo "copy failed"; exit 1; }
 cd "$P" || exit 1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv > "$OUT/nvidia-smi.txt" 2>&1
-for i in 0 1 2 3 4; do timeout -k 5 "$WARM_S" python3 ab_ds.py --warm "$i" > "$OUT/warm_$i.log" 2>&1 & done
+for i in 0 1 2 3 4; do timeout -k 5 "$WARM_S" python3 ab_ds.py --warm "$i" ${CASES:+--cases "$CASES"} > "$OUT/warm_$i.log" 2>&1 & done
 if [ "$TESTS" = 1 ]; then
   python3 -m pytest --collect-only -q -m gpu -p no:cacheprovider tests/test_kernels_attention.py 2>/dev/null \
     | grep '::' > "$OUT/gpu_ids.txt"
@@ -33,7 +34,7 @@ fi
 cat "$OUT"/warm_*.log > "$OUT/warm.log"; rm -f "$OUT"/warm_*.log
 grep -h "Error\|error" "$OUT/warm.log" | sort | uniq -c | head -5
 echo "== A/B DS_STORE"
-timeout -k 5 "$AB_S" python3 ab_ds.py > "$OUT/ab_ds.log" 2>&1
+timeout -k 5 "$AB_S" python3 ab_ds.py ${CASES:+--cases "$CASES"} > "$OUT/ab_ds.log" 2>&1
 echo "ab rc=$? after $(( $(date +%s) - T0 )) s" >> "$OUT/ab_ds.log"
 cut -c1-220 "$OUT/ab_ds.log" | tail -80
 echo "== per-launch device time"
