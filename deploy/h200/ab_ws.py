@@ -23,7 +23,7 @@ from gemray.kernels import ws_attention as ws
 
 TILES = [(2, 128, 2, False), (2, 128, 2, True)]
 # A/B variants: (Gluon forward tiles or None = the Triton forward, jagged_attention.SEQ_ORDER entries). Runs 28-30
-# also timed (1, 128, 2), (2, 64, 2) and (2, 64, 3) tiles (kernels/NOTES.md "Runs 28-32").
+# also timed (1, 128, 2), (2, 64, 2) and (2, 64, 3) tiles (kernels/NOTES.md "Runs 28-36").
 VARIANTS = {
     "triton": (None, {}),
     "triton order": (None, {"fwd": True}),
