@@ -27,6 +27,8 @@ and the GPU-marked tests compare them with the reference.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -39,39 +41,75 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 # Per regime: whether the softmax forward runs this kernel, and its (consumer warpgroups, BLOCK_N, STAGES,
-# ping-pong between the two consumers). Runs 28-30 (H200, deploy/h200/ab_ws.py, kernels/NOTES.md "Runs 28-36"):
+# ping-pong between the two consumers, persistent grid). Runs 28-30 (H200, deploy/h200/ab_ws.py, kernels/NOTES.md
+# "Runs 28-36"):
 # with two consumer warpgroups, 128-key tiles and two stages the forward takes 0.423-0.427 vs 0.522 ms (Triton)
 # on uniform B=128 N=1024 (long), 2.34-2.52 vs 2.66-2.69 ms (graph replays) on uniform B=64 N=4096 (xlong),
 # 0.331-0.332 vs 0.379-0.381 ms on heavy B=256 N=4096 (medium); on the short heavy B=128 N=1024 batch it loses
 # (0.052 vs 0.045 ms device time), so off there. One consumer warpgroup (255 registers, one CTA per SM) lost
-# everywhere; 64-key tiles and the ping-pong schedule did not win consistently (run 30), so both are off.
+# everywhere; 64-key tiles and the ping-pong schedule did not win consistently (run 30), nor a persistent grid (one
+# program per SM looping over the items; run 37: 0.351 vs 0.330 ms on heavy B=256 N=4096), so all three are off.
 WS_FWD: dict[str, bool] = {"short": False, "medium": True, "long": True, "xlong": True}
-WS_FWD_TILES: dict[str, tuple[int, int, int, bool]] = {
-    "short": (2, 128, 2, False), "medium": (2, 128, 2, False), "long": (2, 128, 2, False), "xlong": (2, 128, 2, False)}
+WS_FWD_TILES: dict[str, tuple[int, int, int, bool, bool]] = {
+    r: (2, 128, 2, False, False) for r in ("short", "medium", "long", "xlong")}
 _ROWS = 64  # query rows per consumer warpgroup (a wgmma's M)
 
 
 @gluon.jit
-def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                    q_row, kv_row, col, n_tiles, NUM_WG: gl.constexpr, BLOCK_N: gl.constexpr,
-                    STAGES: gl.constexpr):
-    """Loader warp: the query tile (NUM_WG boxes of 64 rows), then key tile j and value tile j into slot
-    j % STAGES once both consumers released the slot's previous tile (empty barriers start 'released':
-    waiting for parity 1 on a fresh barrier returns at once)."""
-    mbarrier.expect(q_bar, NUM_WG * q_desc.block_type.nbytes)
-    for w in gl.static_range(NUM_WG):
-        tma.async_copy_global_to_shared(q_desc, [q_row + w * 64, col], q_bar, q_smem.index(w))
-    for j in range(n_tiles):
-        slot = j % STAGES
-        phase = ((j // STAGES) & 1) ^ 1
-        mbarrier.wait(k_empty.index(slot), phase)
-        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [kv_row + j * BLOCK_N, col], k_ready.index(slot),
-                                        k_smem.index(slot))
-        mbarrier.wait(v_empty.index(slot), phase)
-        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, col], v_ready.index(slot),
-                                        v_smem.index(slot))
+def _item(WORK, Q_OFF, KV_OFF, i, n_items, n_tiles_q, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+          BLOCK_N: gl.constexpr):
+    """Work item i of the launch (head-major: head i // n_items, table entry i % n_items): (valid, head
+    int64, first query row m0 of the tile, q_start, lq, kv_start, lk, key tiles to visit >= 1)."""
+    w = gl.load(WORK + i % n_items)
+    h = (i // n_items).to(gl.int64)
+    wv = gl.maximum(w, 0)
+    b = wv // n_tiles_q
+    m0 = (wv % n_tiles_q) * BLOCK_M
+    q_start = gl.load(Q_OFF + b)
+    lq = (gl.load(Q_OFF + b + 1) - q_start).to(gl.int32)
+    kv_start = gl.load(KV_OFF + b)
+    lk = (gl.load(KV_OFF + b + 1) - kv_start).to(gl.int32)
+    hi = lk
+    if CAUSAL:
+        hi = gl.minimum(hi, m0 + BLOCK_M)
+    n_tiles = gl.maximum(gl.cdiv(hi, BLOCK_N), 1)  # >= 1: a query row with no key still gets o = 0
+    return w >= 0, h, m0, q_start, lq, kv_start, lk, n_tiles
+
+
+@gluon.jit
+def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
+                    v_empty, WORK, Q_OFF, KV_OFF, n_items, n_tiles_q, total, CAUSAL: gl.constexpr,
+                    NUM_WG: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+    """Loader warp, for each work item of this program: the query tile (NUM_WG boxes of 64 rows) once the
+    consumers released the previous item's, then key tile j and value tile j into slot c % STAGES (c counts
+    the program's tiles across items) once the consumers released the slot's previous tile. Empty barriers
+    start 'released': waiting for parity 1 on a fresh barrier returns at once."""
+    c = 0
+    it = 0
+    for i in range(gl.program_id(0), total, gl.num_programs(0)):
+        valid, h, m0, q_start, lq, kv_start, lk, n_tiles = _item(WORK, Q_OFF, KV_OFF, i, n_items, n_tiles_q,
+                                                                 CAUSAL, 64 * NUM_WG, BLOCK_N)
+        if valid:
+            col = (h * HEAD_D).to(gl.int32)
+            q_row = (q_start + m0).to(gl.int32)
+            kv_row = kv_start.to(gl.int32)
+            mbarrier.wait(q_empty, (it & 1) ^ 1)
+            mbarrier.expect(q_bar, NUM_WG * q_desc.block_type.nbytes)
+            for w in gl.static_range(NUM_WG):
+                tma.async_copy_global_to_shared(q_desc, [q_row + w * 64, col], q_bar, q_smem.index(w))
+            for j in range(n_tiles):
+                slot = (c + j) % STAGES
+                phase = (((c + j) // STAGES) & 1) ^ 1
+                mbarrier.wait(k_empty.index(slot), phase)
+                mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(k_desc, [kv_row + j * BLOCK_N, col], k_ready.index(slot),
+                                                k_smem.index(slot))
+                mbarrier.wait(v_empty.index(slot), phase)
+                mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, col], v_ready.index(slot),
+                                                v_smem.index(slot))
+            c += n_tiles
+            it += 1
 
 
 @gluon.jit
@@ -96,16 +134,19 @@ def _softmax_step(s, m_i, l_i, rows, n0, lk, qk_scale, masked, CAUSAL: gl.conste
 
 
 @gluon.jit
-def _consumer_partition(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn, O, LSE,
-                        stride_ot, stride_oh, stride_lh, h, q_start, m0, lq, lk, n_tiles, qk_scale,
-                        WG: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-                        STAGES: gl.constexpr, PINGPONG: gl.constexpr):
-    """Consumer warpgroup WG: rows [m0 + 64 WG, m0 + 64 WG + 64) of the query tile. Per key step j (FA3's
-    intra-warpgroup overlap): softmax of S_j, issue S_{j+1} = Q K_{j+1}^T, wait for O += P_{j-1} V_{j-1},
-    rescale O, issue O += P_j V_j, wait for S_{j+1} only; the products of one step overlap the softmax of
-    the next. PINGPONG (two consumers): the warpgroups take turns issuing their step's products (an mbarrier
-    per warpgroup, ``turn``; FA3's ping-pong schedule), so one's softmax runs while the other's products
-    use the tensor cores. Then O / l and lse to global memory (rows past the sequence's end are not written)."""
+def _consumer_partition(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn, O, LSE,
+                        WORK, Q_OFF, KV_OFF, n_items, n_tiles_q, total, stride_ot, stride_oh, stride_lh,
+                        qk_scale, WG: gl.constexpr, NUM_WG: gl.constexpr, CAUSAL: gl.constexpr,
+                        BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+                        PINGPONG: gl.constexpr):
+    """Consumer warpgroup WG, for each work item of this program: rows [m0 + 64 WG, m0 + 64 WG + 64) of its
+    query tile. Per key step j (FlashAttention-3's intra-warpgroup overlap, in its code's order): issue
+    S_{j+1} = Q K_{j+1}^T, rescale O, issue O += P_j V_j, wait for S_{j+1} only, softmax of S_{j+1} while
+    P_j V_j runs, wait for it; nothing is left in flight across the loop's back edge (ptxas serializes every
+    wgmma of the kernel when a non-wgmma instruction may touch an in-flight accumulator). PINGPONG (two
+    consumers): the warpgroups take turns issuing their step's products (an mbarrier per warpgroup, ``turn``;
+    FA3's ping-pong schedule). Then O / l and lse to global memory (rows past the sequence's end are not
+    written). Slots and phases count the program's key tiles across items (c), its items (it) and steps (t)."""
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BLOCK_N, 16])
     O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -114,127 +155,125 @@ def _consumer_partition(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready
     ROW_L: gl.constexpr = gl.SliceLayout(1, S_L)
     COL_L: gl.constexpr = gl.SliceLayout(0, S_L)
     OROW_L: gl.constexpr = gl.SliceLayout(1, O_L)
-    dtype: gl.constexpr = q_smem.dtype
-
-    q = q_smem.index(WG)
-    row0 = m0 + WG * 64
-    rows = row0 + gl.arange(0, 64, layout=ROW_L)
-    # key tiles [0, n_full) hold only valid pairs for all 64 rows; later ones are masked
-    if CAUSAL:
-        n_full = gl.minimum(row0 + 1, lk) // BLOCK_N
-    else:
-        n_full = lk // BLOCK_N
-    m_i = gl.full([64], float("-inf"), gl.float32, ROW_L)
-    l_i = gl.zeros([64], gl.float32, ROW_L)
-    s_zero = gl.zeros([64, BLOCK_N], gl.float32, S_L)
-    acc = gl.zeros([64, HEAD_D], gl.float32, O_L)
-
-    mbarrier.wait(q_bar, 0)
-    mbarrier.wait(k_ready.index(0), 0)
-    s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    s = warpgroup_mma_wait(0, deps=(s, ))
-    mbarrier.arrive(k_empty.index(0), count=1)
-    p, corr, m_i, l_i = _softmax_step(s, m_i, l_i, rows, 0, lk, qk_scale, 0 >= n_full, CAUSAL, BLOCK_N, COL_L,
-                                      P_L, dtype)
-    for j in range(n_tiles - 1):
-        # FlashAttention-3's order: nothing is in flight across the loop's back edge (ptxas serializes every
-        # wgmma of the kernel when a non-wgmma instruction may touch an in-flight accumulator)
-        jn = j + 1
-        acc = acc * gl.convert_layout(corr, OROW_L)[:, None]
-        p_op = p
-        mbarrier.wait(k_ready.index(jn % STAGES), (jn // STAGES) & 1)
-        mbarrier.wait(v_ready.index(j % STAGES), (j // STAGES) & 1)
-        if PINGPONG:  # warpgroup 0 goes first: a fresh barrier passes a wait for parity 1 at once
-            mbarrier.wait(turn.index(WG), (j & 1) ^ (1 - WG))
-        s_next = warpgroup_mma(q, k_smem.index(jn % STAGES).permute((1, 0)), s_zero, use_acc=False,
-                               is_async=True)
-        acc = warpgroup_mma(p_op, v_smem.index(j % STAGES), acc, is_async=True)
-        if PINGPONG:
-            mbarrier.arrive(turn.index(1 - WG), count=1)
-        s = warpgroup_mma_wait(1, deps=(s_next, ))  # S_{j+1} done; O += P_j V_j runs during its softmax
-        mbarrier.arrive(k_empty.index(jn % STAGES), count=1)
-        p, corr, m_i, l_i = _softmax_step(s, m_i, l_i, rows, jn * BLOCK_N, lk, qk_scale, jn >= n_full, CAUSAL,
-                                          BLOCK_N, COL_L, P_L, dtype)
-        acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-        mbarrier.arrive(v_empty.index(j % STAGES), count=1)
-    j_last = n_tiles - 1
-    acc = acc * gl.convert_layout(corr, OROW_L)[:, None]
-    mbarrier.wait(v_ready.index(j_last % STAGES), (j_last // STAGES) & 1)
-    acc = warpgroup_mma(p, v_smem.index(j_last % STAGES), acc, is_async=True)
-    acc = warpgroup_mma_wait(0, deps=(acc, ))
-
-    l_o = gl.convert_layout(l_i, OROW_L)
-    l_safe = gl.where(l_o == 0.0, 1.0, l_o)
-    out = acc / l_safe[:, None]
-    lse = gl.where(l_i == 0.0, float("inf"), m_i + gl.log2(gl.where(l_i == 0.0, 1.0, l_i)))
-    gl.store(LSE + h * stride_lh + q_start + rows, lse, mask=rows < lq)
     ST_L: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16], warps_per_cta=[4, 1],
                                           order=[1, 0])
-    out = gl.convert_layout(out.to(dtype), ST_L)
-    r = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, ST_L))
-    d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, ST_L))
-    ptrs = O + (q_start + r[:, None]) * stride_ot + h * stride_oh + d[None, :]
-    gl.store(ptrs, out, mask=r[:, None] < lq)
+    dtype: gl.constexpr = q_smem.dtype
+    q = q_smem.index(WG)
+    s_zero = gl.zeros([64, BLOCK_N], gl.float32, S_L)
+    c = 0
+    it = 0
+    t = 0
+    for i in range(gl.program_id(0), total, gl.num_programs(0)):
+        valid, h, m0, q_start, lq, kv_start, lk, n_tiles = _item(WORK, Q_OFF, KV_OFF, i, n_items, n_tiles_q,
+                                                                 CAUSAL, 64 * NUM_WG, BLOCK_N)
+        if valid:
+            row0 = m0 + WG * 64
+            rows = row0 + gl.arange(0, 64, layout=ROW_L)
+            # key tiles [0, n_full) hold only valid pairs for all 64 rows; later ones are masked
+            if CAUSAL:
+                n_full = gl.minimum(row0 + 1, lk) // BLOCK_N
+            else:
+                n_full = lk // BLOCK_N
+            m_i = gl.full([64], float("-inf"), gl.float32, ROW_L)
+            l_i = gl.zeros([64], gl.float32, ROW_L)
+            acc = gl.zeros([64, HEAD_D], gl.float32, O_L)
+
+            mbarrier.wait(q_bar, it & 1)
+            mbarrier.wait(k_ready.index(c % STAGES), (c // STAGES) & 1)
+            s = warpgroup_mma(q, k_smem.index(c % STAGES).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(0, deps=(s, ))
+            mbarrier.arrive(k_empty.index(c % STAGES), count=1)
+            p, corr, m_i, l_i = _softmax_step(s, m_i, l_i, rows, 0, lk, qk_scale, 0 >= n_full, CAUSAL, BLOCK_N,
+                                              COL_L, P_L, dtype)
+            for j in range(n_tiles - 1):
+                cj = c + j
+                cn = cj + 1
+                acc = acc * gl.convert_layout(corr, OROW_L)[:, None]
+                p_op = p
+                mbarrier.wait(k_ready.index(cn % STAGES), (cn // STAGES) & 1)
+                mbarrier.wait(v_ready.index(cj % STAGES), (cj // STAGES) & 1)
+                if PINGPONG:  # warpgroup 0 goes first: a fresh barrier passes a wait for parity 1 at once
+                    mbarrier.wait(turn.index(WG), ((t + j) & 1) ^ (1 - WG))
+                s_next = warpgroup_mma(q, k_smem.index(cn % STAGES).permute((1, 0)), s_zero, use_acc=False,
+                                       is_async=True)
+                acc = warpgroup_mma(p_op, v_smem.index(cj % STAGES), acc, is_async=True)
+                if PINGPONG:
+                    mbarrier.arrive(turn.index(1 - WG), count=1)
+                s = warpgroup_mma_wait(1, deps=(s_next, ))  # S_{j+1} done; O += P_j V_j runs during its softmax
+                mbarrier.arrive(k_empty.index(cn % STAGES), count=1)
+                p, corr, m_i, l_i = _softmax_step(s, m_i, l_i, rows, (j + 1) * BLOCK_N, lk, qk_scale,
+                                                  j + 1 >= n_full, CAUSAL, BLOCK_N, COL_L, P_L, dtype)
+                acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+                mbarrier.arrive(v_empty.index(cj % STAGES), count=1)
+            mbarrier.arrive(q_empty, count=1)  # every S of the item is done: the loader may bring the next Q
+            cl = c + n_tiles - 1
+            acc = acc * gl.convert_layout(corr, OROW_L)[:, None]
+            mbarrier.wait(v_ready.index(cl % STAGES), (cl // STAGES) & 1)
+            acc = warpgroup_mma(p, v_smem.index(cl % STAGES), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            mbarrier.arrive(v_empty.index(cl % STAGES), count=1)
+
+            l_o = gl.convert_layout(l_i, OROW_L)
+            out = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
+            lse = gl.where(l_i == 0.0, float("inf"), m_i + gl.log2(gl.where(l_i == 0.0, 1.0, l_i)))
+            gl.store(LSE + h * stride_lh + q_start + rows, lse, mask=rows < lq)
+            out = gl.convert_layout(out.to(dtype), ST_L)
+            r = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, ST_L))
+            d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, ST_L))
+            gl.store(O + (q_start + r[:, None]) * stride_ot + h * stride_oh + d[None, :], out, mask=r[:, None] < lq)
+            c += n_tiles
+            it += 1
+            t += n_tiles - 1
 
 
 @gluon.jit
 def _ws_fwd(q_desc, k_desc, v_desc, O, LSE, Q_OFF, KV_OFF, WORK, stride_ot, stride_oh, stride_lh, qk_scale,
-            n_tiles_q, CAUSAL: gl.constexpr, NUM_WG: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-            STAGES: gl.constexpr, PINGPONG: gl.constexpr):
-    """One (query tile of 64 * NUM_WG rows, head) work item per program; grid (items, H). WORK is the
-    longest-first table of jagged_attention._work_table (``b * n_tiles_q + tile``, -1 = no item)."""
-    w = gl.load(WORK + gl.program_id(0))
-    if w >= 0:
-        h = gl.program_id(1).to(gl.int64)
-        b = w // n_tiles_q
-        m0 = (w % n_tiles_q) * (64 * NUM_WG)
-        q_start = gl.load(Q_OFF + b)
-        lq = (gl.load(Q_OFF + b + 1) - q_start).to(gl.int32)
-        kv_start = gl.load(KV_OFF + b)
-        lk = (gl.load(KV_OFF + b + 1) - kv_start).to(gl.int32)
-        hi = lk
-        if CAUSAL:
-            hi = gl.minimum(hi, m0 + 64 * NUM_WG)
-        n_tiles = gl.maximum(gl.cdiv(hi, BLOCK_N), 1)  # >= 1: a query row with no key still gets o = 0
-        col = (h * HEAD_D).to(gl.int32)
-        q_row = (q_start + m0).to(gl.int32)
-        kv_row = kv_start.to(gl.int32)
+            n_tiles_q, n_items, total, CAUSAL: gl.constexpr, NUM_WG: gl.constexpr, BLOCK_N: gl.constexpr,
+            HEAD_D: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+    """Work items i = head * n_items + table entry (head-major, as the Triton forward's (items, H) grid), i in
+    [0, total = n_items * H); program p runs items p, p + grid, ... (one each for a grid of ``total``, several
+    for a persistent grid of one program per SM). WORK is jagged_attention._work_table's table (``b *
+    n_tiles_q + tile``, -1 = no item). Shared memory: the query tile, STAGES key / value slots, mbarriers."""
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_WG, 64, HEAD_D], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    mbarrier.init(q_empty, count=NUM_WG)
+    mbarrier.init(turn.index(0), count=1)
+    mbarrier.init(turn.index(1), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=NUM_WG)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(v_empty.index(i), count=NUM_WG)
 
-        q_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_WG, 64, HEAD_D], q_desc.layout)
-        k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_D], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=1)
-        mbarrier.init(turn.index(0), count=1)
-        mbarrier.init(turn.index(1), count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(k_ready.index(i), count=1)
-            mbarrier.init(k_empty.index(i), count=NUM_WG)
-            mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(v_empty.index(i), count=NUM_WG)
+    if NUM_WG == 2:
+        gl.warp_specialize([
+            (_consumer_partition, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
+                                   O, LSE, WORK, Q_OFF, KV_OFF, n_items, n_tiles_q, total, stride_ot, stride_oh,
+                                   stride_lh, qk_scale, 0, NUM_WG, CAUSAL, BLOCK_N, HEAD_D, STAGES, PINGPONG)),
+            (_consumer_partition, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
+                                   O, LSE, WORK, Q_OFF, KV_OFF, n_items, n_tiles_q, total, stride_ot, stride_oh,
+                                   stride_lh, qk_scale, 1, NUM_WG, CAUSAL, BLOCK_N, HEAD_D, STAGES, PINGPONG)),
+            (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty,
+                               v_ready, v_empty, WORK, Q_OFF, KV_OFF, n_items, n_tiles_q, total, CAUSAL, NUM_WG,
+                               BLOCK_N, HEAD_D, STAGES))], [4, 1], [232, 40])
+    else:
+        gl.warp_specialize([
+            (_consumer_partition, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
+                                   O, LSE, WORK, Q_OFF, KV_OFF, n_items, n_tiles_q, total, stride_ot, stride_oh,
+                                   stride_lh, qk_scale, 0, NUM_WG, CAUSAL, BLOCK_N, HEAD_D, STAGES, False)),
+            (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty,
+                               v_ready, v_empty, WORK, Q_OFF, KV_OFF, n_items, n_tiles_q, total, CAUSAL, NUM_WG,
+                               BLOCK_N, HEAD_D, STAGES))], [1], [40])
 
-        if NUM_WG == 2:
-            gl.warp_specialize([
-                (_consumer_partition, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn, O,
-                                       LSE, stride_ot, stride_oh, stride_lh, h, q_start, m0, lq, lk, n_tiles,
-                                       qk_scale, 0, CAUSAL, BLOCK_N, HEAD_D, STAGES, PINGPONG)),
-                (_consumer_partition, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn, O,
-                                       LSE, stride_ot, stride_oh, stride_lh, h, q_start, m0, lq, lk, n_tiles,
-                                       qk_scale, 1, CAUSAL, BLOCK_N, HEAD_D, STAGES, PINGPONG)),
-                (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-                                   v_empty, q_row, kv_row, col, n_tiles, NUM_WG, BLOCK_N, STAGES))], [4, 1], [232, 40])
-        else:
-            gl.warp_specialize([
-                (_consumer_partition, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn, O,
-                                       LSE, stride_ot, stride_oh, stride_lh, h, q_start, m0, lq, lk, n_tiles,
-                                       qk_scale, 0, CAUSAL, BLOCK_N, HEAD_D, STAGES, False)),
-                (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-                                   v_empty, q_row, kv_row, col, n_tiles, NUM_WG, BLOCK_N, STAGES))], [1], [40])
 
 def supports(device_type: str, capability: tuple[int, int], act: int, plain: bool, dtype: torch.dtype,
              dims: tuple[int, int, int], strides: tuple[tuple[int, int, int], ...], aligned: bool) -> bool:
@@ -271,24 +310,31 @@ def _desc(x: torch.Tensor, rows: int) -> TensorDescriptor:
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
             q_off: torch.Tensor, kv_off: torch.Tensor, table: torch.Tensor, n_tiles_q: int, causal: bool,
-            alpha: float, tiles: tuple[int, int, int, bool]) -> None:
+            alpha: float, tiles: tuple[int, int, int, bool, bool]) -> None:
     """Launch the forward on one work table.
 
     q: [Tq, H, D], k / v: [Tk, H, D] (bf16 or fp16, ``eligible``); o: [Tq, H, D] output (written where
     rows exist); lse: [>=1, H, Tq] fp32, row 0 written (base 2); q_off / kv_off: [B+1] int64; table:
     [items] int32 from ``jagged_attention._q_table`` with BLOCK_M = 64 * tiles[0]; n_tiles_q: its tiles
-    per sequence; alpha: score scale (> 0); tiles: (consumer warpgroups 1 | 2, BLOCK_N, STAGES, ping-pong).
+    per sequence; alpha: score scale (> 0); tiles: (consumer warpgroups 1 | 2, BLOCK_N, STAGES, ping-pong,
+    persistent: one program per SM looping over the items instead of one program per item).
     """
-    num_wg, block_n, stages, pingpong = tiles
+    num_wg, block_n, stages, pingpong, persistent = tiles
     h, d = q.shape[1], q.shape[2]
-    _ws_fwd[(table.numel(), h)](
+    total = table.numel() * h
+    grid = min(total, _num_sms(q.device)) if persistent else total
+    _ws_fwd[(grid,)](
         _desc(q, _ROWS), _desc(k, block_n), _desc(v, block_n), o, lse, q_off, kv_off, table,
-        o.stride(0), o.stride(1), lse.stride(1), alpha * 1.4426950408889634, n_tiles_q,
-        CAUSAL=causal, NUM_WG=num_wg, BLOCK_N=block_n, HEAD_D=d, STAGES=stages,
-        PINGPONG=bool(pingpong), num_warps=4)
+        o.stride(0), o.stride(1), lse.stride(1), alpha * 1.4426950408889634, n_tiles_q, table.numel(), total,
+        CAUSAL=causal, NUM_WG=num_wg, BLOCK_N=block_n, HEAD_D=d, STAGES=stages, PINGPONG=bool(pingpong),
+        num_warps=4)
 
 
-def block_m(tiles: tuple[int, int, int, bool]) -> int:
+@functools.lru_cache(maxsize=16)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+def block_m(tiles: tuple) -> int:
     """Query rows per work item of a tile choice (64 per consumer warpgroup)."""
     return _ROWS * tiles[0]
 

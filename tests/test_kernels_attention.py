@@ -1182,7 +1182,9 @@ def test_tma_loads_only_where_they_apply(monkeypatch):
     assert not ja._use_tma("xlong", True, full, x, odd)
 
 
-WS_TILES = [(2, 128, 2, False), (2, 128, 2, True), (1, 128, 2, False), (2, 64, 3, True)]
+# (consumer warpgroups, BLOCK_N, STAGES, ping-pong, persistent grid)
+WS_TILES = [(2, 128, 2, False, False), (2, 128, 2, True, True), (2, 128, 2, False, True), (1, 128, 2, False, False),
+            (2, 64, 3, True, True)]
 
 
 def _ws_on(monkeypatch, tiles) -> list:

@@ -21,16 +21,17 @@ from gemray.kernels import bench
 from gemray.kernels import jagged_attention as ja
 from gemray.kernels import ws_attention as ws
 
-TILES = [(2, 128, 2, False), (2, 128, 2, True)]
+TILES = [(2, 128, 2, False, False), (2, 128, 2, False, True)]
 # A/B variants: (Gluon forward tiles or None = the Triton forward, jagged_attention.SEQ_ORDER entries). Runs 28-30
-# also timed (1, 128, 2), (2, 64, 2) and (2, 64, 3) tiles (kernels/NOTES.md "Runs 28-36").
+# also timed (1, 128, 2), (2, 64, 2) and (2, 64, 3) tiles and the ping-pong schedule; run 33 the work order
+# (kernels/NOTES.md "Runs 28-36").
+_ORDER = {"fwd": True, "dkdv": True, "dq": True}
 VARIANTS = {
-    "triton": (None, {}),
-    "triton order": (None, {"fwd": True}),
-    "ws": ((2, 128, 2, False), {}),
-    "ws order": ((2, 128, 2, False), {"fwd": True}),
-    "ws order, bwd order": ((2, 128, 2, False), {"fwd": True, "dkdv": True, "dq": True}),
-    "ws order, dq order": ((2, 128, 2, False), {"fwd": True, "dq": True}),
+    "triton": (None, _ORDER),
+    "ws": ((2, 128, 2, False, False), _ORDER),
+    "ws persistent": ((2, 128, 2, False, True), _ORDER),
+    "ws persistent, ping-pong": ((2, 128, 2, True, True), _ORDER),
+    "ws persistent, 64-key tiles 3 stages": ((2, 64, 3, False, True), _ORDER),
 }
 CASES = [("uniform", 128, 1024), ("heavy", 128, 1024), ("uniform", 64, 4096), ("heavy", 256, 4096)]
 
