@@ -42,7 +42,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 # Per regime: whether the softmax forward runs this kernel, and its (consumer warpgroups, BLOCK_N, STAGES,
 # ping-pong between the two consumers, persistent grid). Runs 28-30 (H200, deploy/h200/ab_ws.py, kernels/NOTES.md
-# "Runs 28-36"):
+# "Runs 28-38"):
 # with two consumer warpgroups, 128-key tiles and two stages the forward takes 0.423-0.427 vs 0.522 ms (Triton)
 # on uniform B=128 N=1024 (long), 2.34-2.52 vs 2.66-2.69 ms (graph replays) on uniform B=64 N=4096 (xlong),
 # 0.331-0.332 vs 0.379-0.381 ms on heavy B=256 N=4096 (medium); on the short heavy B=128 N=1024 batch it loses

@@ -24,7 +24,7 @@ from gemray.kernels import ws_attention as ws
 TILES = [(2, 128, 2, False, False), (2, 128, 2, False, True)]
 # A/B variants: (Gluon forward tiles or None = the Triton forward, jagged_attention.SEQ_ORDER entries). Runs 28-30
 # also timed (1, 128, 2), (2, 64, 2) and (2, 64, 3) tiles and the ping-pong schedule; run 33 the work order
-# (kernels/NOTES.md "Runs 28-36").
+# (kernels/NOTES.md "Runs 28-38").
 _ORDER = {"fwd": True, "dkdv": True, "dq": True}
 VARIANTS = {
     "triton": (None, _ORDER),
