@@ -12,7 +12,10 @@ Low-precision", sections 3.1-3.2):
 - one or two consumer warpgroups each own 64 query rows of the CTA's query tile; in each key step a consumer
   issues the next tile's ``S = Q K^T`` before this tile's ``O += P V``, so the softmax of one tile runs while
   the tensor cores work on the other (intra-warpgroup overlap), and the two consumers drift apart so one's
-  softmax hides behind the other's products (inter-warpgroup overlap).
+  softmax hides behind the other's products (inter-warpgroup overlap);
+- each program runs the work items i = pid, pid + grid, ... of a head-major, by-sequence table (one item per
+  program by default; a persistent grid of one program per SM is an option), counting slots and mbarrier
+  phases across its items.
 
 Same contract as ``jagged_attention._gdpa_fwd`` for the cases it takes (``eligible``): softmax, full rows
 (causal or not), no targets / bias / contextual prefix / block / window, not PMA, 16-bit inputs, head dim 64
@@ -333,6 +336,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
 @functools.lru_cache(maxsize=16)
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
+
 
 def block_m(tiles: tuple) -> int:
     """Query rows per work item of a tile choice (64 per consumer warpgroup)."""
