@@ -330,13 +330,14 @@ def test_resize_two_one_two(tmp_path):
     marks: dict = {}
 
     def resize(attempts):
-        worlds = [a["ranks"][min(a["ranks"])]["world_size"] for a in attempts if a["ranks"]]
+        # attempts whose ranks have reported (a just-started attempt has none yet), with their world size
+        ranked = [(a, a["ranks"][min(a["ranks"])]["world_size"]) for a in attempts if a["ranks"]]
         if "removed" not in marks:
-            if attempts and worlds[0] == 2 and max([s["g"] for s in attempts[0]["steps"]], default=0) >= 12:
+            if ranked and ranked[0][1] == 2 and max([s["g"] for s in ranked[0][0]["steps"]], default=0) >= 12:
                 cluster.remove_node(nodes.pop("extra"))
                 marks["removed"] = time.time()
             return False
-        one = [a for a, w in zip(attempts, worlds) if w == 1]
+        one = [a for a, w in ranked if w == 1]
         if one and len(one[-1]["steps"]) >= 6:
             nodes["extra"] = cluster.add_node(num_cpus=3)
             marks["added"] = time.time()
@@ -375,7 +376,7 @@ def test_resize_two_one_two(tmp_path):
     assert "removed" in marks and "added" in marks, marks
 
     attempts = read_attempts(ledger)
-    worlds = [a["ranks"][min(a["ranks"])]["world_size"] for a in attempts]
+    worlds = [a["ranks"][min(a["ranks"])]["world_size"] for a in attempts if a["ranks"]]  # started attempts
     assert worlds[0] == 2 and worlds[-1] == 2 and 1 in worlds, worlds
     rep = audit(ledger, _all_user_ids(tmp_path / "prepared"), EPOCHS)
     for e in range(EPOCHS):
