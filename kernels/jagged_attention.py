@@ -54,7 +54,8 @@ than Words", arXiv:2402.17152; written from the papers, not copied):
 Public entry points: :func:`jagged_attention_triton` (same signature as
 ``gemray.kernels.reference.jagged_attention_ref``), :func:`jagged_cross_attention_triton`,
 :func:`pma_triton`, :func:`jagged_block_attention_triton`, and the generic :func:`gdpa_triton`.
-Works with triton 3.6 on CUDA and with ``TRITON_INTERPRET=1`` (triton 3.9) on CPU.
+Works with triton 3.6 on CUDA and with ``TRITON_INTERPRET=1`` (triton 3.9) on CPU, where bf16 inputs run in
+float32 (the interpreter's bf16 ``tl.dot`` is wrong: triton-lang/triton#11584) and the batch checks raise at once.
 """
 
 from __future__ import annotations
@@ -1582,6 +1583,35 @@ def _check_offsets(name: str, offsets: torch.Tensor, t: int, device: torch.devic
         raise ValueError(f"gdpa: {name} is on {offsets.device}, tensors on {device}")
 
 
+def _check_batch_host(q_off: torch.Tensor, kv_off: torch.Tensor, lq: torch.Tensor, lk: torch.Tensor, t_out: int,
+                      t_k: int, max_q_len: int, max_kv_len: int, num_targets: torch.Tensor | None,
+                      attn_bias: torch.Tensor | None) -> None:
+    """The batch checks of gdpa_triton on host tensors, as ValueErrors naming the field and the sequence: offsets
+    start at 0, never decrease and end at the number of rows; no sequence longer than its max_len; num_targets in
+    [0, length]; attn_bias at least as large as the longest sequences."""
+    for name, off, lens, t, cap, cap_name in (("q_offsets", q_off, lq, t_out, max_q_len, "max_q_len"),
+                                              ("kv_offsets", kv_off, lk, t_k, max_kv_len, "max_kv_len")):
+        if int(off[0]) != 0:
+            raise ValueError(f"gdpa: {name}[0] must be 0, got {int(off[0])}")
+        if lens.numel() and int(lens.min()) < 0:
+            b = int(torch.argmin(lens))
+            raise ValueError(f"gdpa: {name} must not decrease: sequence {b} has length {int(lens[b])}")
+        if int(off[-1]) != t:
+            raise ValueError(f"gdpa: {name}[-1]={int(off[-1])} but the tensor it indexes has {t} rows")
+        if lens.numel() and int(lens.max()) > cap:
+            b = int(torch.argmax(lens))
+            raise ValueError(f"gdpa: sequence {b} has length {int(lens[b])} > {cap_name} {cap}")
+    if num_targets is not None:
+        bad = (num_targets < 0) | (num_targets > lq)
+        if bool(bad.any()):
+            b = int(torch.nonzero(bad)[0])
+            raise ValueError(f"gdpa: num_targets[{b}]={int(num_targets[b])} outside [0, its length {int(lq[b])}]")
+    if attn_bias is not None and lq.numel() and (int(lq.max()) > attn_bias.shape[-2]
+                                                 or int(lk.max()) > attn_bias.shape[-1]):
+        raise ValueError(f"gdpa: attn_bias {tuple(attn_bias.shape)} is smaller than the longest sequences "
+                         f"({int(lq.max())} queries, {int(lk.max())} keys)")
+
+
 def _prep(x: torch.Tensor, name: str) -> torch.Tensor:
     if x.dim() != 3:
         raise ValueError(f"gdpa: {name} must be [T, H, D], got shape {tuple(x.shape)}")
@@ -1662,9 +1692,16 @@ def gdpa_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: to
     t_out = bsz * tq if q_broadcast else tq
     if bsz:
         def check():
-            # asynchronous (no host sync on CUDA): a sequence longer than max_len would lose tiles
             lq = q_offsets[1:] - q_offsets[:-1]
             lk = kv_offsets[1:] - kv_offsets[:-1]
+            if q.device.type != "cuda":  # host tensors: check now and say what is wrong
+                _check_batch_host(q_offsets, kv_offsets, lq, lk, t_out, tk, max_q_len, max_kv_len, num_targets,
+                                  attn_bias)
+                return True
+            # CUDA: asynchronous (no host sync); offsets that do not cover the rows, or a sequence longer than
+            # max_len, would read and write out of bounds or lose tiles
+            torch._assert_async((q_offsets[0] == 0) & (q_offsets[-1] == t_out) & (kv_offsets[0] == 0)
+                                & (kv_offsets[-1] == tk) & (lq.min() >= 0) & (lk.min() >= 0))
             torch._assert_async((lq.max() <= max_q_len) & (lk.max() <= max_kv_len))
             if num_targets is not None:
                 torch._assert_async(((num_targets >= 0) & (num_targets <= lq)).all())
@@ -1673,7 +1710,14 @@ def gdpa_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: to
             return True
 
         bias_shape = tuple(attn_bias.shape[-2:]) if attn_bias is not None else None
-        _cached((q_offsets, kv_offsets, num_targets), ("check", max_q_len, max_kv_len, bias_shape), check)
+        _cached((q_offsets, kv_offsets, num_targets), ("check", max_q_len, max_kv_len, bias_shape, t_out, tk), check)
+    if _interpreting() and q.dtype == torch.bfloat16:
+        # Triton's CPU interpreter computes bf16 tl.dot wrongly (triton-lang/triton#11584): run in float32
+        up = gdpa_triton(q.float(), k.float(), v.float(), q_offsets, kv_offsets, max_q_len, max_kv_len,
+                         activation=activation, causal=causal, alpha=alpha, norm=norm, num_targets=num_targets,
+                         block_size=block_size, window=window, q_broadcast=q_broadcast, attn_bias=attn_bias,
+                         contextual_len=contextual_len)
+        return up.to(torch.bfloat16)
     if alpha is None:  # the reference's convention (gemray.kernels.reference.jagged_attention_ref)
         alpha = 1.0 / math.sqrt(dq) if activation == "softmax" else 1.0
     if not alpha > 0:

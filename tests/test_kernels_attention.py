@@ -941,6 +941,47 @@ def test_bad_arguments_raise():
         jagged_block_attention_triton(q, q, q, off, 4, block_size=0)
 
 
+@cpu_only
+@pytest.mark.parametrize("case,match", [
+    ("last_past_rows", r"q_offsets\[-1\]=12 but the tensor it indexes has 8 rows"),
+    ("last_short_of_rows", r"q_offsets\[-1\]=6 but the tensor it indexes has 8 rows"),
+    ("first_not_zero", r"q_offsets\[0\] must be 0, got 2"),
+    ("decreasing", "must not decrease: sequence 1 has length -2"),
+    ("too_long", "sequence 1 has length 5 > max_q_len 4"),
+    ("targets", r"num_targets\[1\]=6 outside \[0, its length 5\]"),
+    ("bias", r"attn_bias \(2, 3, 3\) is smaller than the longest sequences \(5 queries, 5 keys\)")])
+def test_bad_batches_raise_naming_the_field(case, match):
+    """Offsets that do not cover the rows (which read and wrote out of bounds: a crash or uninitialized rows),
+    that do not start at 0 or decrease, sequences longer than max_len, targets outside a sequence and a bias
+    too small are refused on the host with the field and the sequence named (the new-user check got a
+    segfault, garbage rows, or torch._assert_async's 'Expected Tensor with single nonzero value')."""
+    q = torch.randn(8, 2, 16)
+    offsets = {"last_past_rows": [0, 3, 12], "last_short_of_rows": [0, 3, 6], "first_not_zero": [2, 5, 8],
+               "decreasing": [0, 5, 3, 8]}.get(case, [0, 3, 8])
+    off = torch.tensor(offsets)
+    kw = {"targets": dict(num_targets=torch.tensor([0, 6])),
+          "bias": dict(attn_bias=torch.zeros(2, 3, 3))}.get(case, {})
+    max_len = 4 if case == "too_long" else 8
+    with pytest.raises(ValueError, match=match):
+        jagged_attention_triton(q, q, q, off, max_len, activation="softmax", **kw)
+
+
+@cpu_only
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+def test_bf16_under_the_interpreter_matches_reference(activation):
+    """bf16 on the CPU interpreter (whose bf16 tl.dot is wrong, triton-lang/triton#11584) runs in float32:
+    forward and gradients within bf16 rounding of the float32 reference, gradients in bf16."""
+    torch.manual_seed(5)
+    off = _offsets([0, 1, 5, 37, 3])
+    q, k, v = (_leaf(int(off[-1]), 2, 16, dtype=torch.bfloat16) for _ in range(3))
+    out = jagged_attention_triton(q, k, v, off, 37, activation=activation)
+    assert out.dtype == torch.bfloat16
+    want = ref.jagged_attention_ref(q.float(), k.float(), v.float(), off, 37, activation=activation)
+    assert _rel(out.float(), want) < 1e-2
+    out.float().sum().backward()
+    assert q.grad is not None and q.grad.dtype == torch.bfloat16 and torch.isfinite(q.grad.float()).all()
+
+
 # ---------------------------------------------------------------------------------------------- GPU tests
 
 gpu = pytest.mark.gpu
