@@ -258,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     bsub = bench.add_subparsers(dest="bench", required=True)
     bb = bsub.add_parser("bbs", help="token imbalance across ranks with and without BBS")
     bb.add_argument("--config", required=True)
-    bb.add_argument("--world-size", type=int, default=0, help="default: ray.num_workers")
+    bb.add_argument("--world-size", type=int, default=None, help="default: ray.num_workers")
     _add_set(bb)
     bb.set_defaults(func=_cmd_bench_bbs)
     bk = bsub.add_parser("kernels", help="Triton kernel benchmarks (gemray.kernels.bench)",
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = ap.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if ns.verbose else logging.INFO,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
-    if getattr(ns, "world_size", 0) and ns.world_size < 0:
+    if getattr(ns, "world_size", None) is not None and ns.world_size < 1:
         return _fail(f"--world-size must be >= 1, got {ns.world_size}")
     try:
         return ns.func(ns)

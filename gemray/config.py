@@ -390,8 +390,9 @@ def apply_overrides(cfg: JobConfig, overrides: list[str]) -> JobConfig:
     return cfg.validate()
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
-    """Read a TOML config (or defaults if ``path`` is None), apply overrides, validate.
+def load_config(path: str | Path | None = None, overrides: list[str] | str | None = None) -> JobConfig:
+    """Read a TOML config (or defaults if ``path`` is None), apply overrides (``section.key=value`` strings, or
+    one such string), validate.
 
     Raises FileNotFoundError for a missing file and ValueError naming the field for bad values.
     """
@@ -405,6 +406,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         except tomllib.TOMLDecodeError as e:
             raise ValueError(f"{p}: invalid TOML: {e}") from None
     cfg = from_dict(raw)
+    if isinstance(overrides, str):  # one override, not its characters
+        overrides = [overrides]
     return apply_overrides(cfg, overrides or [])
 
 

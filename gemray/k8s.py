@@ -722,9 +722,15 @@ def add_validate_arguments(p: Any) -> None:
 
 
 def cli_validate(ns: Any) -> int:
-    """Run ``gemray k8s validate``: print one ok line per document, or the first error; exit status."""
+    """Run ``gemray k8s validate``: print one ok line per document, or the first error; exit status 0, 1 for an
+    invalid manifest, 2 for a file that does not exist."""
+    import os
     import sys
 
+    missing = [f for f in ns.files if not os.path.isfile(f)]
+    if missing:  # a usage error (exit 2, as for other missing files), not an invalid manifest (exit 1)
+        print(f"gemray: error: no such file: {', '.join(missing)}", file=sys.stderr)
+        return 2
     try:
         for line in validate_files(ns.files, ns.crds):
             print(line)

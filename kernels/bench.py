@@ -753,7 +753,11 @@ def apply_tiles(tiles_json: str) -> None:
     from gemray.kernels import jagged_attention as ja
 
     for which, kinds in json.loads(tiles_json).items():
+        if which not in ja.TILES:
+            raise KeyError(f"unknown regime {which!r} (one of {sorted(ja.TILES)})")
         for kind, table in kinds.items():
+            if kind != "mode" and kind not in ja.TILES[which]:
+                raise KeyError(f"unknown tile kind {kind!r} (one of {sorted(ja.TILES[which])} or 'mode')")
             if kind == "mode":
                 set_mode(which, table)
                 continue
@@ -1116,6 +1120,12 @@ def main(argv: list[str] | None = None) -> int:
                    'inline, atomic dQ, heads inner, TMA loads, query-rows dK/dV, dS stored; missing entries are off)')
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.tiles:  # pinned before anything runs (the host profile's launches follow the tiles too)
+        try:
+            apply_tiles(args.tiles)
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
+            print(f"gemray bench kernels: --tiles: not a tiles JSON ({type(e).__name__}: {e})", file=sys.stderr)
+            return 2
     if args.host_profile:
         rec = Recorder(Path(args.out))
         for act in ("softmax", "silu"):
@@ -1129,8 +1139,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from gemray.kernels import jagged_attention as ja
 
-    if args.tiles:
-        apply_tiles(args.tiles)
     skip = {s for s in args.skip.split(",") if s}
     if args.precompile:
         secs = precompile(args.precompile)

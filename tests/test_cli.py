@@ -46,6 +46,18 @@ def test_missing_config_and_source(capsys, tmp_path):
     assert "invalid TOML" in _err_line(capsys)
 
 
+def test_bench_options_refused_not_ignored(capsys):
+    """--world-size 0 was taken as "the config's", and a malformed --tiles JSON was ignored under
+    --host-profile (exit 0): both are one-line errors with status 2 (from the new-user check)."""
+    assert main(["bench", "bbs", "--config", CONFIG, "--world-size", "0"]) == 2
+    assert "--world-size must be >= 1, got 0" in _err_line(capsys)
+    assert main(["bench", "kernels", "--host-profile", "--tiles", "{bad json"]) == 2
+    err = capsys.readouterr().err
+    assert "--tiles: not a tiles JSON" in err, err
+    assert main(["bench", "kernels", "--host-profile", "--tiles", '{"nosuchregime": {}}']) == 2
+    assert "--tiles: not a tiles JSON" in capsys.readouterr().err
+
+
 def test_bench_bbs_needs_prepared_data(capsys, tmp_path):
     assert main(["bench", "bbs", "--config", CONFIG, "--set", f"data.prepared_dir={tmp_path / 'x'}"]) == 2
     assert "gemray prepare movielens" in _err_line(capsys)

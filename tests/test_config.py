@@ -31,6 +31,12 @@ def test_overrides_coerce_types():
     assert cfg.train.eval_ks == [5, 10] and cfg.name == "x"
 
 
+def test_load_config_takes_one_override_string():
+    """A single "section.key=value" string is one override (it was iterated character by character)."""
+    assert load_config(None, "train.epochs=3").train.epochs == 3
+    assert load_config(None, ["train.epochs=4"]).train.epochs == 4
+
+
 @pytest.mark.parametrize("item,needle", [
     ("train.epochs=abc", "train.epochs"),
     ("train.epochs=0", "train.epochs"),

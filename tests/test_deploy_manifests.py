@@ -122,6 +122,9 @@ def test_validate_cli_accepts_deploy_and_names_the_broken_field(tmp_path, capsys
     assert k8s.main(["validate", str(p), "--crds", str(CRD_DIR)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "bad.yaml: not valid YAML" in err[0], err
+    assert k8s.main(["validate", str(tmp_path / "none.yaml"), "--crds", str(CRD_DIR)]) == 2  # a usage error
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"gemray: error: no such file: {tmp_path / 'none.yaml'}"], err
     p.write_text(yaml.safe_dump(typo))
     assert k8s.main(["validate", str(p), "--crds", str(tmp_path / "no-crds")]) == 1
     err = capsys.readouterr().err
