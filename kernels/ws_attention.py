@@ -298,16 +298,27 @@ def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, act: int, plain:
     addresses); q: [Tq, H, D], k / v: [Tk, H, D]."""
     if q.device.type != "cuda" or k.shape[0] == 0:  # a TMA descriptor needs >= 1 row
         return False
-    return supports(q.device.type, torch.cuda.get_device_capability(q.device), act, plain, q.dtype,
+    return supports(q.device.type, _capability(q.device), act, plain, q.dtype,
                     (q.shape[2], k.shape[2], v.shape[2]), (q.stride(), k.stride(), v.stride()),
                     all(x.data_ptr() % 16 == 0 for x in (q, k, v)) and q.dtype == k.dtype == v.dtype)
+
+
+@functools.lru_cache(maxsize=16)
+def _capability(device: torch.device) -> tuple[int, int]:
+    """The device's compute capability, once per device (asked on every forward)."""
+    return torch.cuda.get_device_capability(device)
+
+
+@functools.lru_cache(maxsize=16)
+def _smem_layout(rows: int, d: int, bf16: bool):
+    """The shared-memory layout of a [rows, d] 16-bit box (128-byte swizzle), built once per shape."""
+    return gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16 if bf16 else gl.float16)
 
 
 def _desc(x: torch.Tensor, rows: int) -> TensorDescriptor:
     """Descriptor of x [T, H, D] as the 2-D [T, H * D] view, [rows, D] boxes, 128-byte swizzle."""
     t, h, d = x.shape
-    layout = gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16 if x.dtype == torch.bfloat16
-                                                  else gl.float16)
+    layout = _smem_layout(rows, d, x.dtype == torch.bfloat16)
     return TensorDescriptor(x, [t, h * d], [x.stride(0), 1], [rows, d], layout)
 
 

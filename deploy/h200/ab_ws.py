@@ -45,17 +45,10 @@ def _set(tiles, order=None) -> None:
             ws.WS_FWD_TILES[r] = tiles
 
 
-def _fwd(q, k, v, q_off, kv_off, mq, mk, causal):
-    """(o, lse) of the softmax forward through _GDPA (whichever path the switches pick)."""
-    spec = ja._spec(0, causal, 1.0 / math.sqrt(q.shape[2]), 1.0, 0, 0, False, mq, mk, 0)
-    with torch.no_grad():
-        o = ja._GDPA.apply(q, k, v, None, (q_off, kv_off, None, spec, q.shape[0]))
-    return o
-
-
 def check() -> None:
     torch.manual_seed(3)
-    print("| tiles | D | pattern | rel diff o vs Triton | rel diff grads vs Triton (dq / dk / dv) |\n|---|---|---|---|---|")
+    print("| tiles | D | pattern | rel diff o vs Triton | rel diff grads vs Triton (dq / dk / dv) |")
+    print("|---|---|---|---|---|")
     lens_q = bench.make_lengths("heavy", 40, 2048) + [0, 1, 2048, 64, 65, 127, 128, 129]
     lens_k = [max(0, x + (i % 5) * 37 - 60) for i, x in enumerate(lens_q)]
     for d in (128, 64):
