@@ -228,6 +228,35 @@ class FakeClient:
         return True
 
 
+class NoAgentYet(FakeClient):
+    """A head whose job agent is not registered yet: the first ``refusals`` submissions get Ray's HTTP 500."""
+
+    def __init__(self, refusals, error="No available agent to submit job, please try again later."):
+        super().__init__(["SUCCEEDED"])
+        self.refusals, self.error, self.calls = refusals, error, []
+
+    def submit_job(self, **kw):
+        self.calls.append(kw["submission_id"])
+        if len(self.calls) <= self.refusals:
+            raise RuntimeError(f"Request failed with status code 500: {self.error}.")
+        return super().submit_job(**kw)
+
+
+def test_submit_retries_while_the_head_has_no_job_agent(monkeypatch):
+    """The CI failure (a just-started head under load answered 'No available agent ... try again later'): submit
+    sends the same submission again until the agent is up; other errors and a lasting refusal still raise."""
+    monkeypatch.setattr(sub.time, "sleep", lambda s: None)
+    fc = NoAgentYet(2)
+    h = sub.submit(REPO / "configs/ml-latest-small.toml", client=fc, submission_id="s1")
+    assert h.submission_id == "s1" and fc.calls == ["s1", "s1", "s1"]
+    with pytest.raises(RuntimeError, match="No available agent"):
+        sub._submit_job(NoAgentYet(10**6), wait_s=0.0, submission_id="s2")
+    other = NoAgentYet(1, error="Job with submission_id s3 already exists")
+    with pytest.raises(RuntimeError, match="already exists"):
+        sub._submit_job(other, submission_id="s3")
+    assert other.calls == ["s3"]
+
+
 def test_submit_ships_validated_config_and_env(tmp_path):
     fc = FakeClient(["SUCCEEDED"])
     cfg = load_config(REPO / "configs/ml-latest-small.toml")

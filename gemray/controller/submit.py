@@ -202,7 +202,8 @@ def submit(config: JobConfig | str | os.PathLike, address: str | None = None, *,
     kwargs: dict[str, Any] = {}
     if entrypoint_num_cpus is not None:
         kwargs["entrypoint_num_cpus"] = entrypoint_num_cpus
-    sid = client.submit_job(
+    sid = _submit_job(
+        client,
         entrypoint=f"{python} -m gemray.controller.submit",
         runtime_env=env,
         submission_id=sid,
@@ -211,6 +212,27 @@ def submit(config: JobConfig | str | os.PathLike, address: str | None = None, *,
     )
     logger.info("submitted %s job %s (config %s)", task, sid, cfg.name)
     return JobHandle(submission_id=sid, client=client, task=task)
+
+
+AGENT_WAIT_S = 60.0
+
+
+def _submit_job(client: Any, wait_s: float | None = None, **kwargs: Any) -> str:
+    """``client.submit_job(**kwargs)``, retried (backoff 0.5 s doubling to 5 s, for up to ``wait_s``, default
+    AGENT_WAIT_S) while the head answers HTTP 500 "No available agent to submit job, please try again later": its
+    job agent registers some seconds after the head starts (longer on a loaded machine), and no job was created, so
+    the same submission id is sent again. Other errors, and this one past the deadline, are raised as they come."""
+    deadline = time.monotonic() + (AGENT_WAIT_S if wait_s is None else wait_s)
+    delay = 0.5
+    while True:
+        try:
+            return client.submit_job(**kwargs)
+        except RuntimeError as e:
+            if "No available agent" not in str(e) or time.monotonic() + delay > deadline:
+                raise
+            logger.info("the Ray head has no job agent yet; submitting again in %.1f s", delay)
+            time.sleep(delay)
+            delay = min(2 * delay, 5.0)
 
 
 # ------------------------------------------------------------------------------------------------
