@@ -252,8 +252,8 @@ def host_profile(activation: str = "softmax", kind: str = "heavy", b: int = 128,
     counts it (runs on the CPU, no GPU or interpreter needed): Triton launches and aten ops per fwd+bwd
     (grads set to None each step, as do_bench does) and per no-grad forward, and the best-of-``reps``
     microseconds of the Python/torch work around the launches (fwd+bwd and forward alone), including the
-    direct launch's key and cache lookup (jagged_attention._launch; with DIRECT_LAUNCH off the JIT's own
-    binding is not counted). The launcher's own host cost (one tiny launch: ``launch_overhead``) comes on
+    launch plan's lookup and the direct launches' own Python (jagged_attention._Launch; with DIRECT_LAUNCH
+    off the JIT's own binding is not counted). The launcher's own host cost (one tiny launch: ``launch_overhead``) comes on
     top on the device."""
     from collections import Counter
 
@@ -272,7 +272,7 @@ def host_profile(activation: str = "softmax", kind: str = "heavy", b: int = 128,
 
     launches: Counter = Counter()
 
-    class _Compiled:  # what a JIT launch returns; its run() is the direct launch (ja._launch)
+    class _Compiled:  # what a JIT launch returns; its run() is the direct launch (ja._Launch)
         def __init__(self, name):
             self.name, self.function, self.packed_metadata = name, None, None
 

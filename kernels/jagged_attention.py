@@ -42,11 +42,15 @@ than Words", arXiv:2402.17152; written from the papers, not copied):
   pay off only where the loops are long (on for "xlong"; never for block / window attention). The dK/dV step
   lays the scores out key-rows-first (lse / delta per column) or, with DKDV_QROWS, query-rows-first (as
   FlashAttention-2; measured slower on the H200, kept as a sweepable, tested mode).
-* Host cost per call (it bounds short, heavy-tailed batches): work tables and length checks are cached
-  per offsets object; a JFA fwd+bwd enqueues 3 Triton launches and 5 allocations (o, lse+delta, dq, dk,
-  dv), GDPA 3 launches and 4 allocations; ``kernels/bench.py --host-profile`` counts them. Once a call
-  configuration is compiled, launches call the compiled kernel's launcher directly (``DIRECT_LAUNCH``,
-  ``_launch``), without the JIT's per-call argument binding.
+* Host cost per call (it bounds short, heavy-tailed batches): what a call launches (length classes, tiles,
+  launch modes, work tables, grids, scalar arguments and constexprs of every launch) is decided once per
+  batch and call configuration and cached as a launch plan (``_fwd_plan`` / ``_bwd_plan``, keyed on the
+  offsets object, shapes, strides, dtype, alignment and the knob version of kernels/knobs.py, so a bench
+  sweep or test that changes a knob gets new plans); the batch checks run when a plan is made. A call
+  allocates its outputs and runs the plan's launches: a JFA fwd+bwd enqueues 3 Triton launches and 5
+  allocations (o, lse+delta, dq, dk, dv), GDPA 3 launches and 4 allocations; ``kernels/bench.py
+  --host-profile`` counts them. Once a configuration is compiled, launches call the compiled kernel's
+  launcher directly (``DIRECT_LAUNCH``, ``_Launch``), without the JIT's per-call argument binding.
 * silu on 16-bit inputs (CUDA): ``silu(x) = h + h tanh(h)``, h = x/2, with ``tanh.approx.f32`` (one MUFU op
   per score instead of exp2 + reciprocal; act and act' share it in the backward); fp32 inputs and the
   interpreter keep the exact sigmoid. The 1/N of the pointwise activations is applied once per output tile.
@@ -71,6 +75,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from gemray.kernels import knobs
 
 try:  # the Hopper warp-specialized forward (Gluon ships with Triton >= 3.5)
     from gemray.kernels import ws_attention as ws
@@ -212,7 +218,7 @@ SEQ_ORDER: dict[str, bool] = {"fwd": True, "dkdv": True, "dq": True}
 DS_MAX_BYTES = 16 << 30
 DS_MAX_FRACTION = 0.125
 FAST_ACT = True  # tanh.approx silu for bf16/fp16 on CUDA (see _act); the bench can turn it off to compare
-# Launch through the compiled kernel's launcher once a call configuration has been compiled (see _launch):
+# Launch through the compiled kernel's launcher once a call configuration has been compiled (see _Launch):
 # skips the JIT's per-call argument binding and specialization (host time of short, heavy-tailed batches).
 DIRECT_LAUNCH = True
 REGIME_MEAN_LEN = (256, 1024, 2048)
@@ -311,13 +317,16 @@ def _launch_hooked() -> bool:
     """Whether a Triton launch hook is installed (triton 3.6 keeps them in HookChain objects, empty by
     default; a profiler adds to them): the direct launch passes no hooks, so it steps aside then."""
     rt = triton.knobs.runtime
-    return any(h is not None and bool(getattr(h, "calls", True)) for h in (rt.launch_enter_hook, rt.launch_exit_hook))
+    enter, leave = rt.launch_enter_hook, rt.launch_exit_hook
+    return (enter is not None and bool(getattr(enter, "calls", True))) or (
+        leave is not None and bool(getattr(leave, "calls", True)))
 
 
-def _launch(kernel, grid: tuple, tensors: list, scalars: list, consts: dict, num_warps: int,
-            num_stages: int) -> None:
-    """``kernel[grid](*tensors, *scalars, **consts, num_warps=, num_stages=)``: our kernels' signatures list
-    the tensor arguments, then the scalar ones, then the constexprs.
+class _Launch:
+    """One kernel launch with everything but its tensor arguments fixed: ``kernel[grid](*tensors, *scalars,
+    **consts, num_warps=, num_stages=)``; our kernels' signatures list the tensor arguments, then the scalar
+    ones, then the constexprs. A launch plan (_FwdPlan, _BwdPlan) holds one per kernel it runs and calls it
+    with each call's tensors.
 
     With DIRECT_LAUNCH on a GPU, the first launch of a configuration goes through the JIT, which returns the
     compiled kernel; a later launch with the same scalars, constexprs and options, and tensors of the same
@@ -325,35 +334,72 @@ def _launch(kernel, grid: tuple, tensors: list, scalars: list, consts: dict, num
     kernel's launcher directly, as the JIT does after binding. That skips the JIT's per-call Python work
     (binding and specializing ~70 arguments, its cache key, option parsing): host time that bounds short,
     heavy-tailed batches (kernels/NOTES.md "Run 18"). Scalars enter the key by value (a value of 1 or a
-    multiple of 16 compiles differently), so a new value takes the JIT once more. Falls back to the JIT under
-    the interpreter, while a Triton launch hook is installed (profilers), and for any kernel whose launch does
-    not return a compiled kernel (other Triton versions, the bench's host-profile stubs)."""
-    if not DIRECT_LAUNCH or _INTERPRET or kernel in _NO_DIRECT or _launch_hooked():
-        kernel[grid](*tensors, *scalars, **consts, num_warps=num_warps, num_stages=num_stages)
-        return
-    device = _current_device()
-    key = (kernel, device, num_warps, num_stages, tuple(consts), tuple(consts.values()), tuple(scalars),
-           tuple([t.dtype for t in tensors]), tuple([t.data_ptr() % 16 == 0 for t in tensors]))
-    hit = _LAUNCHERS.get(key)
-    if hit is not None:
-        compiled, const_vals = hit
-        g1 = grid[1] if len(grid) > 1 else 1
-        compiled.run(grid[0], g1, 1, _raw_stream(device), compiled.function, compiled.packed_metadata, None,
-                     None, None, *tensors, *scalars, *const_vals)
-        return
-    compiled = kernel[grid](*tensors, *scalars, **consts, num_warps=num_warps, num_stages=num_stages)
-    params = getattr(kernel, "params", None)
-    if not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")) or params is None:
-        _NO_DIRECT.add(kernel)
-        return
-    # the launcher takes every parameter in signature order, constexprs included (it skips them)
-    rest = params[len(tensors) + len(scalars):]
-    if len(grid) > 2 or any(not p.is_constexpr or p.name not in consts for p in rest):
-        _NO_DIRECT.add(kernel)
-        return
-    _LAUNCHERS[key] = (compiled, tuple(consts[p.name] for p in rest))
-    while len(_LAUNCHERS) > _LAUNCHERS_SIZE:
-        _LAUNCHERS.popitem(last=False)
+    multiple of 16 compiles differently), so a new value takes the JIT once more. The compiled launchers are
+    kept in _LAUNCHERS (by the whole key) and, for the last tensor signature, on the object itself (a plan's
+    launch then skips building the key). Falls back to the JIT under the interpreter, while a Triton launch
+    hook is installed (profilers), and for any kernel whose launch does not return a compiled kernel (other
+    Triton versions, the bench's host-profile stubs)."""
+
+    __slots__ = ("kernel", "grid", "scalars", "consts", "num_warps", "num_stages", "key", "direct")
+
+    def __init__(self, kernel, grid: tuple, scalars, consts: dict, num_warps: int, num_stages: int):
+        self.kernel, self.grid, self.scalars, self.consts = kernel, tuple(grid), tuple(scalars), consts
+        self.num_warps, self.num_stages = num_warps, num_stages
+        self.key = (kernel, num_warps, num_stages, tuple(consts), tuple(consts.values()), self.scalars)
+        self.direct = None  # (tensor signature, compiled kernel, constexpr values) of the last direct launch
+
+    def __call__(self, tensors: list) -> None:
+        kernel = self.kernel
+        if not DIRECT_LAUNCH or _INTERPRET or kernel in _NO_DIRECT or _launch_hooked():
+            kernel[self.grid](*tensors, *self.scalars, **self.consts, num_warps=self.num_warps,
+                              num_stages=self.num_stages)
+            return
+        device = _current_device()
+        sig = (device, tuple([t.dtype for t in tensors]), tuple([t.data_ptr() % 16 == 0 for t in tensors]))
+        hit = self.direct
+        if hit is None or hit[0] != sig:
+            hit = _LAUNCHERS.get(self.key + sig)
+            if hit is None:
+                self._jit(tensors, sig)
+                return
+            self.direct = hit
+        self._run(hit, device, tensors)
+
+    def planned(self, tensors: list) -> None:
+        """A launch of a plan: the plan's key fixes every tensor's dtype and alignment (q / k / v / bias / dO by
+        value; outputs, scratch and work tables are fresh or cached allocations; offsets by identity), so once
+        this launch has run directly, the next ones skip building the tensor signature (same device only)."""
+        hit = self.direct
+        if hit is not None and DIRECT_LAUNCH and not _launch_hooked():
+            device = _current_device()
+            if hit[0][0] == device:
+                self._run(hit, device, tensors)
+                return
+        self(tensors)
+
+    def _run(self, hit: tuple, device: int, tensors: list) -> None:
+        _, compiled, const_vals = hit
+        grid = self.grid
+        compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, 1, _raw_stream(device), compiled.function,
+                     compiled.packed_metadata, None, None, None, *tensors, *self.scalars, *const_vals)
+
+    def _jit(self, tensors: list, sig: tuple) -> None:
+        """Launch through the JIT and keep the compiled kernel's launcher for the next launch like it."""
+        kernel = self.kernel
+        compiled = kernel[self.grid](*tensors, *self.scalars, **self.consts, num_warps=self.num_warps,
+                                     num_stages=self.num_stages)
+        params = getattr(kernel, "params", None)
+        if not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")) or params is None:
+            _NO_DIRECT.add(kernel)
+            return
+        # the launcher takes every parameter in signature order, constexprs included (it skips them)
+        rest = params[len(tensors) + len(self.scalars):]
+        if len(self.grid) > 2 or any(not p.is_constexpr or p.name not in self.consts for p in rest):
+            _NO_DIRECT.add(kernel)
+            return
+        self.direct = _LAUNCHERS[self.key + sig] = (sig, compiled, tuple(self.consts[p.name] for p in rest))
+        while len(_LAUNCHERS) > _LAUNCHERS_SIZE:
+            _LAUNCHERS.popitem(last=False)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1386,182 +1432,277 @@ def _fast_act(dtype: torch.dtype) -> bool:
     return FAST_ACT and dtype != torch.float32 and not _interpreting()
 
 
+@dataclass(eq=False)
+class _FwdPlan:
+    """What a forward call launches, decided once per batch and call configuration (:func:`_fwd_plan`).
+
+    classes: the length classes ((regime, lo, hi), ...) the backward follows too; ws: (tiles, work table,
+    tiles per sequence) when the Gluon forward runs the call, else None; launches: ((_Launch of _gdpa_fwd,
+    its work table), ...), longest class first; tma: a launch makes tensor descriptors on the device, so
+    Triton's allocator is set first; bwd: the backward plans made from this one (:func:`_bwd_plan`)."""
+    classes: tuple
+    ws: tuple | None
+    launches: tuple
+    tma: bool
+    bwd: dict
+
+
+@dataclass(eq=False)
+class _BwdPlan:
+    """What a backward call launches and allocates, decided once per forward plan and gradient layout.
+
+    dq_fp32: dQ accumulates in a zeroed fp32 buffer (atomic dQ) and is cast back; dbias_shape: the fp32
+    [B, H, n1, n2] dbias buffer (zeroed) or None; ds_shape: the DS_STORE scratch [H, Tk, W] or None; tma:
+    set Triton's allocator first; delta: the _bwd_delta launch or None; steps: ((_Launch, work table,
+    dq_from_ds), ...) in launch order, dq_from_ds marking the _gdpa_dq_ds launch (its own tensor list)."""
+    dq_fp32: bool
+    dbias_shape: tuple | None
+    ds_shape: tuple | None
+    tma: bool
+    delta: _Launch | None
+    steps: tuple
+
+
+def _fwd_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+              q_off: torch.Tensor, kv_off: torch.Tensor, nt: torch.Tensor | None, spec: _Spec,
+              t_out: int) -> _FwdPlan:
+    """The cached forward plan of a call, keyed on the offsets / num_targets objects (as the work tables), the
+    spec, the shapes, strides, dtype, device and 16-byte alignment of q / k / v, the bias's layout, dtype and
+    alignment, and the knob version (kernels/knobs.py: a knob changed since makes a new plan). Making a plan
+    also checks the batch (_check_batch), so a batch is checked once per configuration, not per call."""
+    key = ("fwd plan", knobs.version(), spec, t_out, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(),
+           q.dtype, q.device, q.data_ptr() % 16 == 0, k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0,
+           None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.data_ptr() % 16 == 0))
+
+    def make():
+        _check_batch(q_off, kv_off, nt, bias, t_out, k.shape[0], spec.max_q_len, spec.max_kv_len)
+        return _make_fwd_plan(q, k, v, bias, q_off, kv_off, nt, spec, t_out)
+
+    return _cached((q_off, kv_off, nt), key, make)
+
+
+def _make_fwd_plan(q, k, v, bias, q_off, kv_off, nt, spec: _Spec, t_out: int) -> _FwdPlan:
+    h = k.shape[1]
+    d_qk, d_v = q.shape[2], v.shape[2]
+    bdk, bdv = _block_d(d_qk), _block_d(d_v)
+    classes = _classes(spec, regime(t_out, q_off.numel() - 1), q_off is kv_off)
+    ws_reg = classes[0][0] if len(classes) == 1 else ""
+    if ws_reg and _use_ws_fwd(ws_reg, spec, nt, bias, q, k, v):  # Hopper: warp-specialized forward (Gluon)
+        tiles = ws.WS_FWD_TILES[ws_reg]
+        table, n_tiles = _q_table(spec, q_off, kv_off, ws.block_m(tiles), t_out, grouped=SEQ_ORDER["fwd"])
+        return _FwdPlan(classes, (tiles, table, n_tiles), (), False, {})
+    even_d = bdk == d_qk and bdv == d_v
+    # o is allocated contiguous [T_out, H, Dv]; softmax's lse is [2, H, T_out] (pointwise activations: o stands in)
+    o_strides, stride_lh = (h * d_v, d_v), (t_out if spec.act == 0 else 0)
+    launches, tma = [], False
+    for reg, lo, hi in classes:  # one launch per length class, longest first
+        bm, bn, warps, stages = _tiles("fwd_silu" if spec.act == 1 else "fwd", d_qk, reg, spec.max_q_len)
+        table, n_tiles = _q_table(spec, q_off, kv_off, bm, t_out, lo, hi, SEQ_ORDER["fwd"])
+        inner = HEADS_INNER.get(reg, False)
+        use_tma = _use_tma(reg, even_d, spec, k, v)
+        tma = tma or use_tma
+        launches.append((_Launch(_gdpa_fwd, (table.numel() * h,) if inner else (table.numel(), h), [
+            *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *o_strides, stride_lh, *_bias_strides(bias),
+            spec.alpha, spec.inv_n, n_tiles, d_qk, d_v, h], dict(
+            ACT=spec.act, CAUSAL=spec.causal, HAS_TARGETS=nt is not None, ATT_BLOCK=spec.att_block,
+            WINDOW=spec.window, Q_BCAST=spec.q_bcast, BLOCK_M=bm, BLOCK_N=bn,
+            BLOCK_DQK=bdk, BLOCK_DV=bdv, EVEN_D=even_d, DOT_PREC=_dot_prec(q.dtype), HAS_BIAS=bias is not None,
+            CONTEXT=spec.context, FAST=_fast_act(q.dtype), HEADS_INNER=inner, TMA=use_tma), warps, stages), table))
+    return _FwdPlan(classes, None, tuple(launches), tma, {})
+
+
+def _bwd_plan(fwd: _FwdPlan, q, k, v, bias, do, q_off, kv_off, nt, spec: _Spec, want_dbias: bool,
+              ds_ok: bool) -> _BwdPlan:
+    """The cached backward plan of a call, kept on its forward plan by the knob version, dO's strides, dtype and
+    alignment, whether dbias is wanted and whether the DS_STORE scratch may be used (``ds_ok``: False after
+    its allocation failed)."""
+    key = (knobs.version(), do.stride(), do.dtype, do.data_ptr() % 16 == 0, want_dbias, ds_ok)
+    plan = fwd.bwd.get(key)
+    if plan is None:
+        plan = fwd.bwd[key] = _make_bwd_plan(fwd, q, k, v, bias, do, q_off, kv_off, nt, spec, want_dbias, ds_ok)
+    return plan
+
+
+def _make_bwd_plan(fwd: _FwdPlan, q, k, v, bias, do, q_off, kv_off, nt, spec: _Spec, want_dbias: bool,
+                   ds_ok: bool) -> _BwdPlan:
+    classes = fwd.classes
+    reg = classes[-1][0]  # the batch's regime (with length classes: the shortest class's)
+    h = k.shape[1]
+    d_qk, d_v = q.shape[2], v.shape[2]
+    bdk, bdv = _block_d(d_qk), _block_d(d_v)
+    t_out = do.shape[0]
+    softmax = spec.act == 0
+    # softmax reads o (contiguous) and lse [2, H, T_out]; the pointwise activations read neither: dO stands in
+    o_strides, stride_lh = ((h * d_v, d_v), t_out) if softmax else (do.stride()[:2], 0)
+    # one launch modes exist for a single length class only (_classes)
+    atomic = ATOMIC_DQ.get(reg, False)
+    fused = not atomic and FUSED_BWD.get(reg, False)
+    ds_store = (ds_ok and not atomic and not fused and len(classes) == 1
+                and _use_ds_store(reg, spec, h, k.shape[0], q))
+    # dS^T [H, Tk, W]: every entry the dQ launch reads unmasked is written by the dK/dV launch
+    ds_shape = (h, k.shape[0], _ds_width(spec.max_q_len)) if ds_store else None
+
+    def grid(n_items: int, inner: bool) -> tuple:  # inner: (items * H,), head fastest, instead of (items, H)
+        return (n_items * h,) if inner else (n_items, h)
+
+    delta = None
+    if softmax and not DELTA_INLINE.get(reg, False) and (fused or atomic or ds_store):  # delta: own launch
+        delta = _Launch(_bwd_delta, (-(-t_out // 64), h), [t_out, *o_strides, *do.stride()[:2], stride_lh, d_v],
+                        dict(BLOCK_T=64, BLOCK_DV=bdv), 4, 3)
+    # the gradients' layouts as the backward allocates them: dk / dv like k / v, dq like q (contiguous for PMA's
+    # per-sequence dQ and the atomic path's fp32 buffer), dbias and dS contiguous
+    dk_strides = torch.empty_like(k, device="meta").stride()[:2]
+    dv_strides = torch.empty_like(v, device="meta").stride()[:2]
+    dq_strides = ((h * d_qk, d_qk) if atomic or spec.q_bcast else torch.empty_like(q, device="meta").stride()[:2])
+    dbias_shape = (bias.shape[0], h, bias.shape[-2], bias.shape[-1]) if want_dbias else None
+    dbias_strides = (h * dbias_shape[2] * dbias_shape[3], dbias_shape[2] * dbias_shape[3], dbias_shape[3], 1) \
+        if want_dbias else (0, 0, 0, 0)
+    ds_strides = (ds_shape[1] * ds_shape[2], ds_shape[2]) if ds_store else (0, 0)
+    args = [*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *do.stride()[:2], *o_strides, *dk_strides,
+            *dv_strides, *dq_strides, stride_lh, *_bias_strides(bias), *dbias_strides, *ds_strides,
+            spec.alpha, spec.inv_n, 0, 1, 1, d_qk, d_v, h]
+    even_d = bdk == d_qk and bdv == d_v
+    tma = ds_store
+
+    def consts(r: str) -> dict:  # the constexprs of regime r's launches
+        nonlocal tma
+        use_tma = _use_tma(r, even_d, spec, q, k, v, do)
+        tma = tma or use_tma
+        return dict(ACT=spec.act, CAUSAL=spec.causal, HAS_TARGETS=nt is not None, HAS_BIAS=bias is not None,
+                    ATT_BLOCK=spec.att_block, WINDOW=spec.window, Q_BCAST=spec.q_bcast, CONTEXT=spec.context,
+                    BLOCK_DQK=bdk, BLOCK_DV=bdv, DOT_PREC=_dot_prec(q.dtype), FAST=_fast_act(q.dtype),
+                    DELTA_INLINE=softmax and DELTA_INLINE.get(r, False), HEADS_INNER=HEADS_INNER.get(r, False),
+                    TMA=use_tma)
+
+    def bwd(table, items: tuple, c: dict, warps: int, stages: int, **part) -> tuple:  # a _gdpa_bwd launch
+        a = list(args)
+        a[-6:-3] = items
+        return _Launch(_gdpa_bwd, grid(table.numel(), c["HEADS_INNER"]), a, dict(**part, **c), warps, stages), \
+            table, False
+
+    steps = []
+    if atomic:  # one launch: dK/dV items that also add their dS K into dQ (and write dbias)
+        kbm, kbn, kwarps, kstages = _tiles("dkdv_atomic", d_qk, reg, spec.max_q_len)
+        table, ntk = _k_table(spec, q_off, kv_off, kbn, k.shape[0])
+        steps.append(bwd(table, (0, ntk, 1), consts(reg), kwarps, kstages, PART=1, DK_BM=kbm, DK_BN=kbn, DQ_BM=0,
+                         DQ_BN=0, STORE_DBIAS=want_dbias, STORE_DELTA=False, ATOMIC_DQ=True, Q_ROWS=False,
+                         STORE_DS=False))
+    elif ds_store:  # dK/dV (also storing dS^T), then dQ = dS K from the stored tiles
+        kbm, kbn, kwarps, kstages = _tiles("dkdv_ds", d_qk, reg, spec.max_q_len)
+        table, ntk = _k_table(spec, q_off, kv_off, kbn, k.shape[0], grouped=SEQ_ORDER["dkdv"])
+        c = consts(reg)
+        steps.append(bwd(table, (0, ntk, 1), c, kwarps, kstages, PART=1, DK_BM=kbm, DK_BN=kbn, DQ_BM=0, DQ_BN=0,
+                         STORE_DBIAS=want_dbias, STORE_DELTA=False, ATOMIC_DQ=False, Q_ROWS=False, STORE_DS=True))
+        qbm, qbn, qwarps, qstages = _tiles("dq_ds", d_qk, reg, spec.max_q_len)
+        table, ntq = _q_table(spec, q_off, kv_off, qbm, t_out, grouped=SEQ_ORDER["dq"])
+        steps.append((_Launch(_gdpa_dq_ds, grid(table.numel(), c["HEADS_INNER"]), [
+            *ds_strides, *k.stride()[:2], *dq_strides, spec.alpha * (1.0 if softmax else spec.inv_n), ntq, d_qk, h],
+            dict(CAUSAL=spec.causal, HAS_TARGETS=nt is not None, CONTEXT=spec.context, BLOCK_M=qbm, BLOCK_N=qbn,
+                 BLOCK_DQK=bdk, DOT_PREC=c["DOT_PREC"], HEADS_INNER=c["HEADS_INNER"], TMA=c["TMA"]),
+            qwarps, qstages), table, True))
+    elif fused:  # one launch: dK/dV and dQ items from one longest-first table
+        qrows = DKDV_QROWS.get(reg, False)
+        kbm, kbn, kwarps, kstages = _tiles("dkdv_qrows" if qrows else "dkdv", d_qk, reg, spec.max_q_len)
+        qbm, qbn, qwarps, qstages = _tiles("dq", d_qk, reg, spec.max_q_len)
+        table, n_k_items, ntk, ntq = _bwd_table(spec, q_off, kv_off, kbn, qbm, k.shape[0], t_out)
+        steps.append(bwd(table, (n_k_items, ntk, ntq), consts(reg), max(kwarps, qwarps), min(kstages, qstages),
+                         PART=0, DK_BM=kbm, DK_BN=kbn, DQ_BM=qbm, DQ_BN=qbn, STORE_DBIAS=want_dbias,
+                         STORE_DELTA=False, ATOMIC_DQ=False, Q_ROWS=qrows, STORE_DS=False))
+    else:  # two launches per length class: every dQ first (it writes softmax's delta), then dK/dV (reads it)
+        for r, lo, hi in classes:
+            qbm, qbn, qwarps, qstages = _tiles("dq", d_qk, r, spec.max_q_len)
+            table, ntq = _q_table(spec, q_off, kv_off, qbm, t_out, lo, hi)
+            c = consts(r)
+            # the other part's tile sizes are unused (pruned branch): 0 keeps one compiled variant per config
+            steps.append(bwd(table, (0, 1, ntq), c, qwarps, qstages, PART=2, DK_BM=0, DK_BN=0, DQ_BM=qbm,
+                             DQ_BN=qbn, STORE_DBIAS=want_dbias, STORE_DELTA=softmax and not c["DELTA_INLINE"],
+                             ATOMIC_DQ=False, Q_ROWS=False, STORE_DS=False))
+        for r, lo, hi in classes:
+            qrows = DKDV_QROWS.get(r, False)  # query-rows-first dK/dV step (own tile kind)
+            kbm, kbn, kwarps, kstages = _tiles("dkdv_qrows" if qrows else "dkdv", d_qk, r, spec.max_q_len)
+            table, ntk = _k_table(spec, q_off, kv_off, kbn, k.shape[0], lo, hi)
+            steps.append(bwd(table, (0, ntk, 1), consts(r), kwarps, kstages, PART=1, DK_BM=kbm, DK_BN=kbn,
+                             DQ_BM=0, DQ_BN=0, STORE_DBIAS=False, STORE_DELTA=False, ATOMIC_DQ=False,
+                             Q_ROWS=qrows, STORE_DS=False))
+    return _BwdPlan(atomic, dbias_shape, ds_shape, tma, delta, tuple(steps))
+
+
 class _GDPA(torch.autograd.Function):
-    """Forward: one launch. Backward (per regime, see FUSED_BWD / DELTA_INLINE / ATOMIC_DQ / DS_STORE): two
-    launches (dQ, which also writes softmax's delta, then dK/dV), one merged launch, one dK/dV launch that also
-    accumulates dQ with atomics, or dK/dV storing dS^T then dQ = dS K from it; a separate delta launch only
-    where delta is neither inline nor written by a dQ launch. Offsets, targets and the lse buffer ride on ctx
-    (not save_for_backward: they are not differentiable and not modified in place), which saves their unpacking
+    """Forward: one launch (or the Gluon forward). Backward (per regime, see FUSED_BWD / DELTA_INLINE /
+    ATOMIC_DQ / DS_STORE): two launches (dQ, which also writes softmax's delta, then dK/dV), one merged
+    launch, one dK/dV launch that also accumulates dQ with atomics, or dK/dV storing dS^T then dQ = dS K
+    from it; a separate delta launch only where delta is neither inline nor written by a dQ launch. What
+    each call launches is decided once per batch and configuration (_fwd_plan, _bwd_plan): a call allocates
+    its outputs and runs the plan's launches. Offsets, targets, the lse buffer and the plan ride on ctx (not
+    save_for_backward: they are not differentiable and not modified in place), which saves their unpacking
     per backward."""
 
     @staticmethod
     def forward(ctx, q, k, v, bias, meta: tuple):
-        """meta = (q_off [B+1] int64, kv_off [B+1] int64, nt [B] int64 or None, spec, t_out)."""
-        q_off, kv_off, nt, spec, t_out = meta
+        """meta = (q_off [B+1] int64, kv_off [B+1] int64, nt [B] int64 or None, spec, t_out, _fwd_plan's plan)."""
+        q_off, kv_off, nt, spec, t_out, plan = meta
         h = k.shape[1]
-        d_qk, d_v = q.shape[2], v.shape[2]
-        bdk, bdv = _block_d(d_qk), _block_d(d_v)
-        classes = _classes(spec, regime(t_out, q_off.numel() - 1), q_off is kv_off)
-        o = q.new_empty((t_out, h, d_v))
-        if spec.act == 0:  # [2, H, T_out] fp32: log-sum-exp, then delta (written in the backward)
-            lse = torch.empty((2, h, t_out), device=q.device, dtype=torch.float32)
-            lse_arg, stride_lh = lse, t_out
-        else:  # pointwise activations need neither: o stands in for the unused pointer
-            lse, lse_arg, stride_lh = None, o, 0
-        even_d = bdk == d_qk and bdv == d_v
-        ws_reg = classes[0][0] if len(classes) == 1 else ""
-        if ws_reg and _use_ws_fwd(ws_reg, spec, nt, bias, q, k, v):  # Hopper: warp-specialized forward (Gluon)
-            tiles = ws.WS_FWD_TILES[ws_reg]
-            table, n_tiles = _q_table(spec, q_off, kv_off, ws.block_m(tiles), t_out, grouped=SEQ_ORDER["fwd"])
+        o = q.new_empty((t_out, h, v.shape[2]))
+        # softmax: [2, H, T_out] fp32, log-sum-exp then delta (written in the backward)
+        lse = torch.empty((2, h, t_out), device=q.device, dtype=torch.float32) if spec.act == 0 else None
+        if plan.ws is not None:
+            tiles, table, n_tiles = plan.ws
             ws.forward(q, k, v, o, lse, q_off, kv_off, table, n_tiles, spec.causal, spec.alpha, tiles)
-            classes_run = ()
-        else:
-            classes_run = classes
-        for reg, lo, hi in classes_run:  # one launch per length class, longest first
-            bm, bn, warps, stages = _tiles("fwd_silu" if spec.act == 1 else "fwd", d_qk, reg, spec.max_q_len)
-            table, n_tiles = _q_table(spec, q_off, kv_off, bm, t_out, lo, hi, SEQ_ORDER["fwd"])
-            inner = HEADS_INNER.get(reg, False)
-            _launch(_gdpa_fwd, (table.numel() * h,) if inner else (table.numel(), h), [
-                q, k, v, o, lse_arg, q_off, kv_off, nt if nt is not None else q_off, table,
-                bias if bias is not None else q], [
-                *q.stride()[:2], *k.stride()[:2], *v.stride()[:2],
-                *o.stride()[:2], stride_lh, *_bias_strides(bias),
-                spec.alpha, spec.inv_n, n_tiles, d_qk, d_v, h], dict(
-                ACT=spec.act, CAUSAL=spec.causal, HAS_TARGETS=nt is not None, ATT_BLOCK=spec.att_block,
-                WINDOW=spec.window, Q_BCAST=spec.q_bcast, BLOCK_M=bm, BLOCK_N=bn,
-                BLOCK_DQK=bdk, BLOCK_DV=bdv, EVEN_D=even_d, DOT_PREC=_dot_prec(q.dtype), HAS_BIAS=bias is not None,
-                CONTEXT=spec.context, FAST=_fast_act(q.dtype), HEADS_INNER=inner,
-                TMA=_use_tma(reg, even_d, spec, k, v)), warps, stages)
+        if plan.tma:
+            triton.set_allocator(_scratch)  # a context variable: set per call
+        tensors = [q, k, v, o, lse if lse is not None else o, q_off, kv_off, nt if nt is not None else q_off, None,
+                   bias if bias is not None else q]
+        for launch, table in plan.launches:
+            tensors[8] = table
+            launch.planned(tensors)
         # o only for softmax (delta = rowsum(o * dO)): saving an output costs a detach and its unpacking
         ctx.save_for_backward(q, k, v, bias, o if spec.act == 0 else None)
-        ctx.lse, ctx.q_off, ctx.kv_off, ctx.nt = lse, q_off, kv_off, nt
-        ctx.spec = spec
-        ctx.classes = classes
+        ctx.lse, ctx.q_off, ctx.kv_off, ctx.nt, ctx.spec, ctx.plan = lse, q_off, kv_off, nt, spec, plan
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, bias, o = ctx.saved_tensors
-        q_off, kv_off, nt = ctx.q_off, ctx.kv_off, ctx.nt
-        spec: _Spec = ctx.spec
-        classes = ctx.classes
-        reg = classes[-1][0]  # the batch's regime (with length classes: the shortest class's)
+        q_off, kv_off, nt, spec = ctx.q_off, ctx.kv_off, ctx.nt, ctx.spec
         if do.stride(-1) != 1:
             do = do.contiguous()
-        h = k.shape[1]
-        d_qk, d_v = q.shape[2], v.shape[2]
-        bdk, bdv = _block_d(d_qk), _block_d(d_v)
-        t_out = do.shape[0]
-        softmax = spec.act == 0
-        if softmax:
-            lse, stride_lh = ctx.lse, t_out
-        else:  # o and lse are not read by the pointwise activations: do stands in for both pointers
-            o, lse, stride_lh = do, do, 0
-        # one launch modes exist for a single length class only (_classes)
-        atomic = ATOMIC_DQ.get(reg, False)
-        fused = not atomic and FUSED_BWD.get(reg, False)
-        ds_store = not atomic and not fused and len(classes) == 1 and _use_ds_store(reg, spec, h, k.shape[0], q)
+        want_dbias = bias is not None and ctx.needs_input_grad[3]
+        plan = _bwd_plan(ctx.plan, q, k, v, bias, do, q_off, kv_off, nt, spec, want_dbias, True)
         ds = None
-        if ds_store:  # dS^T [H, Tk, W]: every entry the dQ launch reads unmasked is written by the dK/dV launch
+        if plan.ds_shape is not None:
             try:
-                ds = _ds_buffer((h, k.shape[0], _ds_width(spec.max_q_len)), q)
+                ds = _ds_buffer(plan.ds_shape, q)
             except torch.OutOfMemoryError:  # under the caps but not free now: recompute dS instead
                 log.warning("gdpa backward: no memory for the %.2f GiB dS buffer, recomputing dS (DS_STORE)",
-                            h * k.shape[0] * _ds_width(spec.max_q_len) * q.element_size() / 2**30)
-                ds_store = False
-            else:
-                triton.set_allocator(_scratch)  # its tensor descriptors are made on the device
-
-        def grid(n_items: int, inner: bool) -> tuple:  # inner: (items * H,), head fastest, instead of (items, H)
-            return (n_items * h,) if inner else (n_items, h)
-
-        if softmax and not DELTA_INLINE.get(reg, False) and (fused or atomic or ds_store):  # delta: own launch
-            _launch(_bwd_delta, (-(-t_out // 64), h), [o, do, lse],
-                    [t_out, *o.stride()[:2], *do.stride()[:2], stride_lh, d_v], dict(BLOCK_T=64, BLOCK_DV=bdv), 4, 3)
+                            math.prod(plan.ds_shape) * q.element_size() / 2**30)
+                plan = _bwd_plan(ctx.plan, q, k, v, bias, do, q_off, kv_off, nt, spec, want_dbias, False)
+        if plan.tma:
+            triton.set_allocator(_scratch)  # its tensor descriptors are made on the device (autograd's thread)
+        h, d_qk = k.shape[1], q.shape[2]
+        t_out = do.shape[0]
+        lse = ctx.lse
+        if spec.act != 0:  # o and lse are not read by the pointwise activations: do stands in for both pointers
+            o = lse = do
+        if plan.delta is not None:
+            plan.delta.planned([o, do, lse])
         dk = torch.empty_like(k)
         dv = torch.empty_like(v)
-        if atomic:  # fp32 accumulator for the atomic adds
+        if plan.dq_fp32:  # fp32 accumulator for the atomic adds
             dq = torch.zeros((t_out, h, d_qk), device=q.device, dtype=torch.float32)
         else:
             dq = q.new_empty((t_out, h, d_qk)) if spec.q_bcast else torch.empty_like(q)
-        want_dbias = bias is not None and ctx.needs_input_grad[3]
         # dbias per head, fp32, zero where no program writes (pairs outside the mask / key range)
-        dbias = (torch.zeros((bias.shape[0], h, bias.shape[-2], bias.shape[-1]), device=q.device,
-                             dtype=torch.float32) if want_dbias else None)
-        tensors = [q, k, v, do, lse, o, dk, dv, dq, q_off, kv_off, nt if nt is not None else q_off, None,
-                   bias if bias is not None else q, dbias if dbias is not None else q, ds if ds is not None else q]
-        args = [*q.stride()[:2], *k.stride()[:2], *v.stride()[:2],
-                *do.stride()[:2], *o.stride()[:2], *dk.stride()[:2],
-                *dv.stride()[:2],
-                *dq.stride()[:2], stride_lh, *_bias_strides(bias),
-                *(dbias.stride() if dbias is not None else (0, 0, 0, 0)),
-                *(ds.stride()[:2] if ds is not None else (0, 0)),
-                spec.alpha, spec.inv_n, 0, 1, 1, d_qk, d_v, h]
-        even_d = bdk == d_qk and bdv == d_v
-
-        def consts(r: str) -> dict:  # the constexprs of regime r's launches
-            return dict(ACT=spec.act, CAUSAL=spec.causal, HAS_TARGETS=nt is not None, HAS_BIAS=bias is not None,
-                        ATT_BLOCK=spec.att_block, WINDOW=spec.window, Q_BCAST=spec.q_bcast, CONTEXT=spec.context,
-                        BLOCK_DQK=bdk, BLOCK_DV=bdv, DOT_PREC=_dot_prec(q.dtype), FAST=_fast_act(q.dtype),
-                        DELTA_INLINE=softmax and DELTA_INLINE.get(r, False), HEADS_INNER=HEADS_INNER.get(r, False),
-                        TMA=_use_tma(r, even_d, spec, q, k, v, do))
-
-        if atomic:  # one launch: dK/dV items that also add their dS K into dQ (and write dbias)
-            kbm, kbn, kwarps, kstages = _tiles("dkdv_atomic", d_qk, reg, spec.max_q_len)
-            table, ntk = _k_table(spec, q_off, kv_off, kbn, k.shape[0])
-            tensors[12], args[-6:-3] = table, (0, ntk, 1)
-            c = consts(reg)
-            _launch(_gdpa_bwd, grid(table.numel(), c["HEADS_INNER"]), tensors, args, dict(
-                PART=1, DK_BM=kbm, DK_BN=kbn, DQ_BM=0, DQ_BN=0,
-                STORE_DBIAS=want_dbias, STORE_DELTA=False, ATOMIC_DQ=True, Q_ROWS=False, STORE_DS=False, **c),
-                kwarps, kstages)
-        elif ds_store:  # dK/dV (also storing dS^T), then dQ = dS K from the stored tiles
-            kbm, kbn, kwarps, kstages = _tiles("dkdv_ds", d_qk, reg, spec.max_q_len)
-            table, ntk = _k_table(spec, q_off, kv_off, kbn, k.shape[0], grouped=SEQ_ORDER["dkdv"])
-            tensors[12], args[-6:-3] = table, (0, ntk, 1)
-            c = consts(reg)
-            _launch(_gdpa_bwd, grid(table.numel(), c["HEADS_INNER"]), tensors, args, dict(
-                PART=1, DK_BM=kbm, DK_BN=kbn, DQ_BM=0, DQ_BN=0, STORE_DBIAS=want_dbias, STORE_DELTA=False,
-                ATOMIC_DQ=False, Q_ROWS=False, STORE_DS=True, **c), kwarps, kstages)
-            qbm, qbn, qwarps, qstages = _tiles("dq_ds", d_qk, reg, spec.max_q_len)
-            table, ntq = _q_table(spec, q_off, kv_off, qbm, t_out, grouped=SEQ_ORDER["dq"])
-            _launch(_gdpa_dq_ds, grid(table.numel(), c["HEADS_INNER"]), [
-                ds, k, dq, q_off, kv_off, nt if nt is not None else q_off, table], [
-                *ds.stride()[:2], *k.stride()[:2], *dq.stride()[:2], spec.alpha * (1.0 if softmax else spec.inv_n),
-                ntq, d_qk, h], dict(
-                CAUSAL=spec.causal, HAS_TARGETS=nt is not None, CONTEXT=spec.context, BLOCK_M=qbm, BLOCK_N=qbn,
-                BLOCK_DQK=bdk, DOT_PREC=c["DOT_PREC"], HEADS_INNER=c["HEADS_INNER"], TMA=c["TMA"]), qwarps, qstages)
-        elif fused:  # one launch: dK/dV and dQ items from one longest-first table
-            qrows = DKDV_QROWS.get(reg, False)
-            kbm, kbn, kwarps, kstages = _tiles("dkdv_qrows" if qrows else "dkdv", d_qk, reg, spec.max_q_len)
-            qbm, qbn, qwarps, qstages = _tiles("dq", d_qk, reg, spec.max_q_len)
-            table, n_k_items, ntk, ntq = _bwd_table(spec, q_off, kv_off, kbn, qbm, k.shape[0], t_out)
-            tensors[12], args[-6:-3] = table, (n_k_items, ntk, ntq)
-            c = consts(reg)
-            _launch(_gdpa_bwd, grid(table.numel(), c["HEADS_INNER"]), tensors, args, dict(
-                PART=0, DK_BM=kbm, DK_BN=kbn, DQ_BM=qbm, DQ_BN=qbn, STORE_DBIAS=want_dbias, STORE_DELTA=False,
-                ATOMIC_DQ=False, Q_ROWS=qrows, STORE_DS=False, **c), max(kwarps, qwarps), min(kstages, qstages))
-        else:  # two launches per length class: every dQ first (it writes softmax's delta), then dK/dV (reads it)
-            for r, lo, hi in classes:
-                qbm, qbn, qwarps, qstages = _tiles("dq", d_qk, r, spec.max_q_len)
-                table, ntq = _q_table(spec, q_off, kv_off, qbm, t_out, lo, hi)
-                tensors[12], args[-6:-3] = table, (0, 1, ntq)
-                c = consts(r)
-                # the other part's tile sizes are unused (pruned branch): 0 keeps one compiled variant per config
-                _launch(_gdpa_bwd, grid(table.numel(), c["HEADS_INNER"]), tensors, args, dict(
-                    PART=2, DK_BM=0, DK_BN=0, DQ_BM=qbm, DQ_BN=qbn,
-                    STORE_DBIAS=want_dbias, STORE_DELTA=softmax and not c["DELTA_INLINE"], ATOMIC_DQ=False,
-                    Q_ROWS=False, STORE_DS=False, **c), qwarps, qstages)
-            for r, lo, hi in classes:
-                qrows = DKDV_QROWS.get(r, False)  # query-rows-first dK/dV step (own tile kind)
-                kbm, kbn, kwarps, kstages = _tiles("dkdv_qrows" if qrows else "dkdv", d_qk, r, spec.max_q_len)
-                table, ntk = _k_table(spec, q_off, kv_off, kbn, k.shape[0], lo, hi)
-                tensors[12], args[-6:-3] = table, (0, ntk, 1)
-                c = consts(r)
-                _launch(_gdpa_bwd, grid(table.numel(), c["HEADS_INNER"]), tensors, args, dict(
-                    PART=1, DK_BM=kbm, DK_BN=kbn, DQ_BM=0, DQ_BN=0,
-                    STORE_DBIAS=False, STORE_DELTA=False, ATOMIC_DQ=False, Q_ROWS=qrows, STORE_DS=False, **c),
-                    kwarps, kstages)
+        dbias = (torch.zeros(plan.dbias_shape, device=q.device, dtype=torch.float32)
+                 if plan.dbias_shape is not None else None)
+        ntarg = nt if nt is not None else q_off
+        tensors = [q, k, v, do, lse, o, dk, dv, dq, q_off, kv_off, ntarg, None, bias if bias is not None else q,
+                   dbias if dbias is not None else q, ds if ds is not None else q]
+        for launch, table, dq_from_ds in plan.steps:
+            if dq_from_ds:
+                launch.planned([ds, k, dq, q_off, kv_off, ntarg, table])
+            else:
+                tensors[12] = table
+                launch.planned(tensors)
         if spec.q_bcast:
             dq = dq.view(-1, q.shape[0], h, d_qk).sum(0, dtype=torch.float32).to(q.dtype)
         elif dq.dtype != q.dtype:  # the atomic path's fp32 accumulator
@@ -1581,6 +1722,25 @@ def _check_offsets(name: str, offsets: torch.Tensor, t: int, device: torch.devic
         raise ValueError(f"gdpa: {name} must be 1-D int64 [B+1], got {offsets.dtype} {tuple(offsets.shape)}")
     if offsets.device != device:
         raise ValueError(f"gdpa: {name} is on {offsets.device}, tensors on {device}")
+
+
+def _check_batch(q_off: torch.Tensor, kv_off: torch.Tensor, num_targets: torch.Tensor | None,
+                 attn_bias: torch.Tensor | None, t_out: int, t_k: int, max_q_len: int, max_kv_len: int) -> None:
+    """The batch checks of gdpa_triton (B >= 1): on host tensors at once, as ValueErrors (_check_batch_host); on
+    CUDA as asynchronous device assertions (no host sync): offsets that do not cover the rows, or a sequence
+    longer than max_len, would read and write out of bounds or lose tiles."""
+    lq = q_off[1:] - q_off[:-1]
+    lk = kv_off[1:] - kv_off[:-1]
+    if q_off.device.type != "cuda":
+        _check_batch_host(q_off, kv_off, lq, lk, t_out, t_k, max_q_len, max_kv_len, num_targets, attn_bias)
+        return
+    torch._assert_async((q_off[0] == 0) & (q_off[-1] == t_out) & (kv_off[0] == 0) & (kv_off[-1] == t_k)
+                        & (lq.min() >= 0) & (lk.min() >= 0))
+    torch._assert_async((lq.max() <= max_q_len) & (lk.max() <= max_kv_len))
+    if num_targets is not None:
+        torch._assert_async(((num_targets >= 0) & (num_targets <= lq)).all())
+    if attn_bias is not None:
+        torch._assert_async((lq.max() <= attn_bias.shape[-2]) & (lk.max() <= attn_bias.shape[-1]))
 
 
 def _check_batch_host(q_off: torch.Tensor, kv_off: torch.Tensor, lq: torch.Tensor, lk: torch.Tensor, t_out: int,
@@ -1690,27 +1850,6 @@ def gdpa_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: to
             raise ValueError(f"gdpa: attn_bias must be float [B={bsz}, n1, n2] or [B, H={q.shape[1]}, n1, n2] "
                              f"on {q.device}, got {attn_bias.dtype} {tuple(attn_bias.shape)} on {attn_bias.device}")
     t_out = bsz * tq if q_broadcast else tq
-    if bsz:
-        def check():
-            lq = q_offsets[1:] - q_offsets[:-1]
-            lk = kv_offsets[1:] - kv_offsets[:-1]
-            if q.device.type != "cuda":  # host tensors: check now and say what is wrong
-                _check_batch_host(q_offsets, kv_offsets, lq, lk, t_out, tk, max_q_len, max_kv_len, num_targets,
-                                  attn_bias)
-                return True
-            # CUDA: asynchronous (no host sync); offsets that do not cover the rows, or a sequence longer than
-            # max_len, would read and write out of bounds or lose tiles
-            torch._assert_async((q_offsets[0] == 0) & (q_offsets[-1] == t_out) & (kv_offsets[0] == 0)
-                                & (kv_offsets[-1] == tk) & (lq.min() >= 0) & (lk.min() >= 0))
-            torch._assert_async((lq.max() <= max_q_len) & (lk.max() <= max_kv_len))
-            if num_targets is not None:
-                torch._assert_async(((num_targets >= 0) & (num_targets <= lq)).all())
-            if attn_bias is not None:
-                torch._assert_async((lq.max() <= attn_bias.shape[-2]) & (lk.max() <= attn_bias.shape[-1]))
-            return True
-
-        bias_shape = tuple(attn_bias.shape[-2:]) if attn_bias is not None else None
-        _cached((q_offsets, kv_offsets, num_targets), ("check", max_q_len, max_kv_len, bias_shape, t_out, tk), check)
     if _interpreting() and q.dtype == torch.bfloat16:
         # Triton's CPU interpreter computes bf16 tl.dot wrongly (triton-lang/triton#11584): run in float32
         up = gdpa_triton(q.float(), k.float(), v.float(), q_offsets, kv_offsets, max_q_len, max_kv_len,
@@ -1727,11 +1866,15 @@ def gdpa_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: to
     spec = _spec(ACTIVATIONS[activation], bool(causal), float(alpha), 1.0 / float(norm), int(block_size),
                  int(window), bool(q_broadcast), int(max_q_len), int(max_kv_len), int(contextual_len))
     if t_out == 0 or bsz == 0:
+        if bsz:
+            _check_batch(q_offsets, kv_offsets, num_targets, attn_bias, t_out, tk, max_q_len, max_kv_len)
         out = q.new_zeros((t_out, hq, dv))
         out = out + 0.0 * (q.sum() + k.sum() + v.sum())  # keeps the graph for autograd
         return out + 0.0 * attn_bias.sum() if attn_bias is not None else out
     # the non-differentiable arguments travel as one tuple: autograd.Function.apply's cost grows per argument
-    return _GDPA.apply(q, k, v, attn_bias, (q_offsets, kv_offsets, num_targets, spec, t_out))
+    # the launch plan, made (and the batch checked: _check_batch) once per batch and configuration
+    plan = _fwd_plan(q, k, v, attn_bias, q_offsets, kv_offsets, num_targets, spec, t_out)
+    return _GDPA.apply(q, k, v, attn_bias, (q_offsets, kv_offsets, num_targets, spec, t_out, plan))
 
 
 def jagged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
@@ -1798,3 +1941,6 @@ def jagged_block_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         raise ValueError(f"block attention: block_size must be > 0, got {block_size}")
     return gdpa_triton(q, k, v, offsets, offsets, max_len, max_len, activation=activation, causal=causal,
                        alpha=alpha, norm=float(max(max_len, 1)), block_size=block_size, window=window)
+
+
+knobs.track(__name__)  # every knob change makes new launch plans (kernels/knobs.py)

@@ -43,6 +43,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from gemray.kernels import knobs
+
 # Per regime: whether the softmax forward runs this kernel, and its (consumer warpgroups, BLOCK_N, STAGES,
 # ping-pong between the two consumers, persistent grid). Runs 28-30 (H200, deploy/h200/ab_ws.py, kernels/NOTES.md
 # "Runs 28-38"):
@@ -355,3 +357,6 @@ def block_m(tiles: tuple) -> int:
 
 
 __all__ = ["WS_FWD", "WS_FWD_TILES", "block_m", "eligible", "forward", "supports"]
+
+
+knobs.track(__name__)  # every knob change makes new launch plans (kernels/knobs.py)

@@ -670,7 +670,7 @@ def test_host_profile_launches_and_ops(monkeypatch, activation, fused, inline, a
     """bench.host_profile (launches stubbed, runs on the CPU) counts what one fwd+bwd enqueues: the two-launch
     backward has no delta launch (the dQ launch writes delta) and allocates only o, lse (softmax) and dq /
     dk / dv; the atomic-dQ backward zeroes an fp32 dQ and casts nothing for fp32 inputs. ``direct``: as on a
-    GPU (not interpreting), the counted step's launches are direct ones (ja._launch), the same kinds."""
+    GPU (not interpreting), the counted step's launches are direct ones (ja._Launch), the same kinds."""
     from gemray.kernels import bench
     from gemray.kernels import jagged_attention as ja
 
@@ -703,6 +703,80 @@ def test_host_profile_ds_store(monkeypatch, activation, launches):
     assert sorted(r["launch_kinds"]) == sorted(launches) and r["direct_launches"] == len(launches)
     ours = {k: n for k, n in r["aten_op_kinds"].items() if k != "detach.default"}
     assert sum(ours.values()) == (2 if activation == "softmax" else 1) + 3 + 1, ours
+
+
+def test_knobs_count_every_change():
+    """kernels/knobs.py: item changes of a Knobs dict (nested ones too) and attribute assignments on a tracked
+    module bump the version; a plain dict assigned to an upper-case name becomes a Knobs; reads do not bump."""
+    from gemray.kernels import jagged_attention as ja
+    from gemray.kernels import knobs
+
+    assert isinstance(ja.TILES, knobs.Knobs) and isinstance(ja.TILES["short"]["fwd"], knobs.Knobs)
+    v0 = knobs.version()
+    _ = ja.TILES["short"]["fwd"][128], ja.DS_STORE.get("short"), dict(ja.SEQ_ORDER)
+    assert knobs.version() == v0
+    saved = ja.TILES["short"]["fwd"][128]
+    try:
+        ja.TILES["short"]["fwd"][128] = (16, 16, 4, 1)  # in place, two levels down
+        assert knobs.version() == v0 + 1
+    finally:
+        ja.TILES["short"]["fwd"][128] = saved
+    seen = knobs.version()
+    k = knobs.Knobs(a={"b": 1})
+    for change in (lambda: k.update(c=2), lambda: k.pop("c"), lambda: k.setdefault("d", 3), lambda: k.__delitem__("d"),
+                   lambda: k["a"].__setitem__("b", 2), lambda: k.__ior__({"e": 1}), lambda: k.popitem(), k.clear):
+        change()
+        assert knobs.version() > seen
+        seen = knobs.version()
+    before = ja.SEQ_ORDER
+    try:
+        ja.SEQ_ORDER = {"fwd": False, "dkdv": True, "dq": True}  # attribute assignment (as monkeypatch does)
+        assert knobs.version() > seen and isinstance(ja.SEQ_ORDER, knobs.Knobs)
+        seen = knobs.version()
+        ja.SEQ_ORDER["fwd"] = True  # the new dict is tracked too
+        assert knobs.version() > seen
+    finally:
+        ja.SEQ_ORDER = before
+
+
+@cpu_only
+def test_launch_plans_are_reused_and_remade_after_a_knob_change(monkeypatch):
+    """A batch's forward plan (tiles, tables, launches) is made once and reused by later calls and layers (same
+    offsets object), its backward plan too; a knob changed in place or by assignment makes new plans, which the
+    next call uses (its results still match the reference); another offsets object gets its own plan."""
+    from gemray.kernels import jagged_attention as ja
+
+    torch.manual_seed(40)
+    off = _offsets([0, 1, 37, 5])
+    t = int(off[-1])
+    q, k, v = _leaf(t, 2, 16), _leaf(t, 2, 16), _leaf(t, 2, 16)
+    plans = []
+    real = ja._fwd_plan
+
+    def spy(*a):
+        plans.append(real(*a))
+        return plans[-1]
+
+    monkeypatch.setattr(ja, "_fwd_plan", spy)
+
+    def run():
+        _check(lambda a, b, c: jagged_attention_triton(a, b, c, off, 37, activation="softmax"),
+               lambda a, b, c: ref.jagged_attention_ref(a, b, c, off, 37, activation="softmax"), (q, k, v), 1e-4)
+
+    run()
+    run()
+    assert len(plans) == 2 and plans[0] is plans[1] and len(plans[0].bwd) == 1
+    assert [launch.consts["BLOCK_M"] for launch, _ in plans[0].launches] == [ja._INTERPRET_TILES[0]]
+    monkeypatch.setattr(ja, "_INTERPRET_TILES", (32, 16, 4, 1))  # assignment
+    run()
+    assert plans[2] is not plans[1] and [launch.consts["BLOCK_M"] for launch, _ in plans[2].launches] == [32]
+    monkeypatch.setitem(ja.SEQ_ORDER, "fwd", not ja.SEQ_ORDER["fwd"])  # in place
+    run()
+    assert plans[3] is not plans[2]
+    run()
+    assert plans[4] is plans[3]
+    jagged_attention_triton(q, k, v, off.clone(), 37, activation="softmax")
+    assert plans[5] is not plans[4]  # another offsets object
 
 
 def test_bench_host_profile_writes_its_records(tmp_path, capsys):
@@ -829,7 +903,7 @@ class _FakeParam:
 
 
 class _FakeKernel:
-    """A JIT kernel as ja._launch sees it: kernel[grid](*args, **kw) compiles (recorded in ``jit``) and returns
+    """A JIT kernel as ja._Launch sees it: kernel[grid](*args, **kw) compiles (recorded in ``jit``) and returns
     a compiled kernel whose run() is the launcher (recorded in ``direct``)."""
 
     def __init__(self, names, n_consts, returns_compiled=True):
@@ -853,7 +927,7 @@ class _FakeKernel:
 
 
 def test_direct_launch_reuses_compiled_kernel_only_for_same_specialization(monkeypatch):
-    """ja._launch: the first launch of a configuration goes through the JIT; an identical one calls the compiled
+    """ja._Launch: the first launch of a configuration goes through the JIT; an identical one calls the compiled
     kernel's launcher with grid, stream, every argument in signature order (constexprs last, in signature order
     whatever order they were passed in); a scalar that changes (1 is specialized), a tensor of another dtype or
     alignment, other constexprs, warps or device, take the JIT again; kernels whose launch returns no compiled
@@ -871,7 +945,7 @@ def test_direct_launch_reuses_compiled_kernel_only_for_same_specialization(monke
     x, y = torch.randn(64), torch.randn(64)
 
     def go(xt=x, n=5, s=1.5, consts=None, warps=4, grid=(3, 2)):
-        ja._launch(kern, grid, [xt, y], [n, s], consts or dict(B=7, A=True), warps, 2)
+        ja._Launch(kern, grid, [n, s], consts or dict(B=7, A=True), warps, 2)([xt, y])
 
     go()
     assert len(kern.jit) == 1 and not kern.direct
@@ -912,12 +986,23 @@ def test_direct_launch_reuses_compiled_kernel_only_for_same_specialization(monke
 
     stub = _FakeKernel(["X", "Y", "n", "s", "A", "B"], 2, returns_compiled=False)
     for _ in range(2):
-        ja._launch(stub, (1,), [x, y], [5, 1.5], dict(A=True, B=7), 4, 2)
+        ja._Launch(stub, (1,), [5, 1.5], dict(A=True, B=7), 4, 2)([x, y])
     assert len(stub.jit) == 2 and not stub.direct and stub in ja._NO_DIRECT
     missing = _FakeKernel(["X", "Y", "n", "s", "A", "B"], 2)  # a constexpr left to its default: JIT only
     for _ in range(2):
-        ja._launch(missing, (1,), [x, y], [5, 1.5], dict(A=True), 4, 2)
+        ja._Launch(missing, (1,), [5, 1.5], dict(A=True), 4, 2)([x, y])
     assert len(missing.jit) == 2 and not missing.direct
+
+    # a plan's launch object: its first launch takes the JIT, the next ones the launcher it kept (no signature
+    # built: the plan's key fixes the tensors' dtypes and alignment), on the device it was compiled for only
+    planned = _FakeKernel(["X", "Y", "n", "s", "A", "B"], 2)
+    launch = ja._Launch(planned, (2, 3), [5, 1.5], dict(A=True, B=7), 4, 2)
+    launch.planned([x, y])
+    launch.planned([x, y])
+    assert len(planned.jit) == 1 and planned.direct[-1][:4] == (2, 3, 1, 1001)
+    monkeypatch.setattr(ja, "_current_device", lambda: 0)
+    launch.planned([x, y])
+    assert len(planned.jit) == 2 and len(planned.direct) == 1
 
 
 def test_bad_arguments_raise():
