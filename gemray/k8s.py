@@ -67,7 +67,8 @@ class DeployOptions:
     kind: "rayjob" (one job, cluster torn down after) or "raycluster" (long-lived).
     gpu: one ``nvidia.com/gpu`` per worker pod, NCCL (also sets ``ray.use_gpu=true`` for the job).
     image: container image built from deploy/Dockerfile. storage: "pvc:NAME", "s3://...", "gs://..." or
-    "" (= "pvc:gemray-data"). name: resource name (default: the config's name, DNS-1123 cleaned).
+    "" (= "pvc:gemray-data"). name: resource name, a DNS-1123 label of at most 40 characters (default:
+    the config's name, DNS-1123 cleaned).
     namespace: metadata.namespace, or "" to leave it to kubectl. config_path: the TOML inside the image.
     data_cpus: extra CPUs per worker pod for Ray Data. worker_memory / head_memory: pod memory (Gi units).
     backoff_limit: RayJob retries of the whole job. redis_address: "host:port" enables GCS fault
@@ -150,13 +151,19 @@ def _is_dns1123(name: str) -> bool:
 
 
 def resource_name(cfg: JobConfig, opts: DeployOptions) -> str:
-    """The Kubernetes name for this job: ``opts.name`` or the config name lower-cased, ``[^a-z0-9-]``
-    replaced by ``-``, cut to 40 characters (KubeRay appends suffixes to it). Raises ValueError if
-    nothing valid is left."""
+    """The Kubernetes name for this job: ``opts.name`` as given, or the config name lower-cased with
+    ``[^a-z0-9-]`` replaced by ``-``; at most 40 characters either way (KubeRay appends suffixes to it).
+    Raises ValueError for an explicit name that is not a DNS-1123 label of at most 40 characters (naming
+    the cleaned form it could have been: the user chose that name, so it is not rewritten silently), or a
+    config name from which nothing valid is left."""
     import re
 
     raw = opts.name or cfg.name
     name = re.sub(r"[^a-z0-9-]+", "-", raw.lower()).strip("-")[:40].strip("-")
+    if opts.name and opts.name != name:
+        hint = f" (e.g. {name!r})" if _is_dns1123(name) else ""
+        raise ValueError(f"k8s name {raw!r} is not a DNS-1123 name of at most 40 characters: use lower-case "
+                         f"letters, digits and '-', starting and ending with a letter or digit{hint}")
     if not _is_dns1123(name):
         raise ValueError(f"k8s name {raw!r}: cannot form a DNS-1123 name from it")
     return name
@@ -669,9 +676,11 @@ def render_from_args(ns: Any, argv: list[str] | None = None) -> str:
 
 
 def _write(text: str, output: str) -> str:
+    """Write ``text`` to ``output`` (its folder made if missing) when given; returns ``text``."""
     if output:
         from pathlib import Path
 
+        Path(output).parent.mkdir(parents=True, exist_ok=True)
         Path(output).write_text(text)
     return text
 

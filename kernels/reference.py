@@ -95,15 +95,10 @@ def check_attention_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offs
     if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or v.shape[:2] != q.shape[:2]:
         raise ValueError(f"jagged_attention_ref: expected q,k [T,H,Dqk] and v [T,H,Dv], got q "
                          f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if offsets.dtype != torch.int64 or offsets.dim() != 1 or offsets.numel() < 1:
-        raise ValueError(f"jagged_attention_ref: offsets must be 1-D int64 [B+1], got {offsets.dtype} "
-                         f"{tuple(offsets.shape)}")
+    n = _check_jagged("jagged_attention_ref", q, offsets)
     T, H, Dqk = q.shape
     B = offsets.numel() - 1
-    if int(offsets[-1]) != T:
-        raise ValueError(f"jagged_attention_ref: offsets[-1]={int(offsets[-1])} != T={T}")
     lengths = offsets[1:] - offsets[:-1]
-    n = int(lengths.max()) if B else 0
     if n > max_len:
         raise ValueError(f"jagged_attention_ref: a sequence of length {n} > max_len {max_len}")
     if num_targets is not None:
@@ -346,13 +341,20 @@ def _default_alpha(activation: str, alpha: float | None, d: int) -> float:
 
 
 def _check_jagged(name: str, x: torch.Tensor, offsets: torch.Tensor) -> int:
+    """Check a jagged tensor x [T, H, D] and its offsets [B+1] int64 (start at 0, never decrease, end at T);
+    return the longest sequence's length. Raises ValueError naming the function, field and sequence."""
     if x.dim() != 3:
         raise ValueError(f"{name}: expected [T, H, D], got {tuple(x.shape)}")
     if offsets.dtype != torch.int64 or offsets.dim() != 1 or offsets.numel() < 1:
         raise ValueError(f"{name} offsets: expected 1-D int64 [B+1], got {offsets.dtype} {tuple(offsets.shape)}")
+    if int(offsets[0]) != 0:
+        raise ValueError(f"{name}: offsets[0] must be 0, got {int(offsets[0])}")
     if int(offsets[-1]) != x.shape[0]:
         raise ValueError(f"{name}: offsets[-1]={int(offsets[-1])} != T={x.shape[0]}")
     lengths = offsets[1:] - offsets[:-1]
+    if lengths.numel() and int(lengths.min()) < 0:
+        b = int(torch.argmin(lengths))
+        raise ValueError(f"{name}: offsets must not decrease: sequence {b} has length {int(lengths[b])}")
     return int(lengths.max()) if lengths.numel() else 0
 
 

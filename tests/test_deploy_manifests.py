@@ -368,12 +368,19 @@ def test_expose_dashboard_only_on_request():
     (dict(redis_address="redis"), "host:port"),
     (dict(backoff_limit=-1), "backoff_limit"),
     (dict(name="!!!"), "DNS-1123"),
+    (dict(name="My_Job"), "not a DNS-1123 name.*'my-job'"),  # an explicit name is refused, not rewritten
+    (dict(name="a" * 41), "at most 40"),
     (dict(grace_period_s=10), "grace_period_s"),
 ])
 def test_render_rejects_bad_options(opts, match):
     cfg = load_config(REPO / "configs/ml-latest-small.toml")
     with pytest.raises(ValueError, match=match):
         k8s.render(cfg, k8s.DeployOptions(**opts))
+
+
+def test_explicit_valid_name_is_kept():
+    cfg = load_config(REPO / "configs/ml-latest-small.toml")
+    assert k8s.render_rayjob(cfg, k8s.DeployOptions(name="team-a-run-2"))["metadata"]["name"] == "team-a-run-2"
 
 
 def test_render_cli_errors_name_the_problem(tmp_path):

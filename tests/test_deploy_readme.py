@@ -114,7 +114,7 @@ def test_kubernetes_section_runs_up_to_validation(tmp_path):
                            text=True, timeout=300)
         assert r.returncode == 0, f"{doc}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
         assert r.stdout.count(": ok") >= 2
-        assert "kind: RayJob" in (clone / "gemray-small.yaml").read_text()
+        assert "kind: RayJob" in (clone / "runs" / "gemray-small.yaml").read_text()
 
 
 @pytest.mark.slow

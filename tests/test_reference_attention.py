@@ -178,6 +178,12 @@ def test_bad_inputs_raise():
         jagged_attention_ref(q, k, v, offsets, 4, attn_bias=torch.zeros(2, 2, 2, dtype=q.dtype))
     with pytest.raises(ValueError, match="num_targets"):
         jagged_attention_ref(q, k, v, offsets, 4, num_targets=torch.tensor([4, 0]))
+    with pytest.raises(ValueError, match=r"offsets\[0\] must be 0, got 1"):
+        jagged_attention_ref(q, k, v, torch.tensor([1, 3, 5]), 4)
+    with pytest.raises(ValueError, match="must not decrease: sequence 1 has length -1"):
+        jagged_attention_ref(q, k, v, torch.tensor([0, 6, 5]), 8)  # was "repeats can not be negative"
+    with pytest.raises(ValueError, match="offsets.*!= T"):
+        jagged_attention_ref(q, k, v, torch.tensor([0, 3, 4]), 4)
 
 
 def test_float32_matches_float64():
