@@ -1233,7 +1233,7 @@ def test_gpu_length_classes_bf16(monkeypatch, activation):
 @needs_cuda
 @pytest.mark.parametrize("activation", ["softmax", "silu"])
 def test_gpu_direct_launch_matches_jit_launch(monkeypatch, activation):
-    """DIRECT_LAUNCH (ja._launch calls the compiled kernel's launcher once a configuration is compiled): the
+    """DIRECT_LAUNCH (ja._Launch calls the compiled kernel's launcher once a configuration is compiled): the
     output and gradients of repeated fwd+bwd steps, on two batches, equal bitwise those of JIT launches (the
     kernels have no atomics in these modes), and the direct path was taken."""
     from gemray.kernels import jagged_attention as ja
