@@ -295,6 +295,22 @@ def _section_name(obj: Any) -> str:
     return type(obj).__name__
 
 
+def _split_list(text: str, where: str) -> list[str]:
+    """A --set list: ``[a, b]`` or ``a,b`` (a trailing comma allowed, ``[]`` empty). Unbalanced or nested
+    brackets and empty elements raise ValueError naming the field (``[10,`` was read as ``[10]``)."""
+    body = text.strip()
+    if body.startswith("[") and body.endswith("]"):
+        body = body[1:-1]
+    items = [v.strip() for v in body.split(",")]
+    if len(items) > 1 and items[-1] == "":
+        items.pop()
+    if items == [""]:
+        return []
+    if "[" in body or "]" in body or "" in items:
+        raise ValueError(f"{where}: malformed list {text!r} (write e.g. [5,10] or 5,10)")
+    return items
+
+
 def _coerce(value: Any, typ: Any, where: str, strict: bool = False) -> Any:
     """Convert a TOML value or a --set string to the field's declared type; ValueError names the field.
 
@@ -305,7 +321,7 @@ def _coerce(value: Any, typ: Any, where: str, strict: bool = False) -> Any:
     if origin is list:
         (inner,) = typing.get_args(typ)
         if isinstance(value, str) and not strict:
-            value = [v for v in value.strip("[]").split(",") if v.strip()]
+            value = _split_list(value, where)
         if not isinstance(value, list):
             raise ValueError(f"{where}: expected a list, got {value!r}")
         return [_coerce(v, inner, where, strict) for v in value]

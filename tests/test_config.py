@@ -29,6 +29,8 @@ def test_overrides_coerce_types():
                                         "train.eval_ks=[5,10]", "name=x"])
     assert cfg.train.epochs == 3 and cfg.train.lr == 5e-4 and cfg.data.bbs is False
     assert cfg.train.eval_ks == [5, 10] and cfg.name == "x"
+    for text in ("5,10", "[5, 10,]", " [ 5 , 10 ] "):
+        assert apply_overrides(JobConfig(), [f"train.eval_ks={text}"]).train.eval_ks == [5, 10], text
 
 
 def test_load_config_takes_one_override_string():
@@ -49,6 +51,9 @@ def test_load_config_takes_one_override_string():
     ("train.epochs", "section.key=value"),
     ("name=a/b c", "name: 'a/b c' must be letters, digits"),
     ("name=../up", "name: '../up' must be"),
+    ("train.eval_ks=[10,", "train.eval_ks: malformed list"),  # was read as [10]
+    ("train.eval_ks=10]]]", "train.eval_ks: malformed list"),
+    ("train.adam_betas=[0.9,,0.98]", "train.adam_betas: malformed list"),
 ])
 def test_bad_overrides_name_the_field(item, needle):
     with pytest.raises(ValueError, match=needle.replace(".", r"\.").replace("[", r"\[")):

@@ -11,7 +11,7 @@ import ray
 import torch
 from paths import DATA
 
-from gemray.config import JobConfig
+from gemray.config import JobConfig, apply_overrides
 from gemray.controller import run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,6 +59,27 @@ def test_other_start_errors_and_a_second_timeout_propagate(fake_ray):
     with pytest.raises(Exception, match="timed out during startup"):
         run._connect_ray(JobConfig())
     assert (fake.calls, fake.shutdowns) == (2, 1)
+
+
+def test_an_address_where_nothing_listens_is_refused_at_once(fake_ray, monkeypatch):
+    """ray.init retries a host:port with nothing behind it indefinitely: refuse before calling it."""
+    import socket
+
+    fake = fake_ray([])
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens on it
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(ValueError, match=f"'127.0.0.1:{port}': no Ray cluster answers there"):
+        run._connect_ray(apply_overrides(JobConfig(), [f"ray.address=127.0.0.1:{port}"]))
+    assert fake.calls == 0
+    joined = []
+    monkeypatch.setattr(ray, "init", lambda **kw: joined.append(kw["address"]))
+    with socket.socket() as server:  # something listening: ray.init is called with the address
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        address = f"127.0.0.1:{server.getsockname()[1]}"
+        assert run._connect_ray(apply_overrides(JobConfig(), [f"ray.address={address}"])) is False
+    assert joined == [address]
 
 
 def _manifest(num_items=1000, src="/nowhere", files=()):

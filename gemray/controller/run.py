@@ -305,6 +305,24 @@ def _ray_address(cfg: JobConfig) -> str:
     return cfg.ray.address or os.environ.get("RAY_ADDRESS", "")
 
 
+def _check_gcs_reachable(address: str, timeout_s: float = 10.0) -> None:
+    """For a ``host:port`` Ray address, refuse at once when nothing accepts a TCP connection there: ray.init
+    would retry that address indefinitely (a new user's run hung for 400 s on ``ray.address=127.0.0.1:1``).
+    Other forms ("auto", "local", "ray://...") are left to Ray. Raises ValueError naming the address."""
+    import socket
+
+    if "://" in address or ":" not in address:
+        return
+    host, _, port = address.rpartition(":")
+    if not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise ValueError(f"ray.address / RAY_ADDRESS {address!r}: no Ray cluster answers there ({e}); start "
+                         f"one with `ray start --head` or leave ray.address empty for an embedded cluster") from None
+
+
 def _connect_ray(cfg: JobConfig) -> bool:
     """Connect to the configured cluster or start an embedded one; True if we started it."""
     import ray
@@ -313,6 +331,7 @@ def _connect_ray(cfg: JobConfig) -> bool:
         return False
     address = _ray_address(cfg)
     if address:
+        _check_gcs_reachable(address)
         ray.init(address=address)
         return False
     num_cpus = embedded_num_cpus(cfg)
