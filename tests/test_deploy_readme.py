@@ -157,3 +157,4 @@ def test_cluster_section_runs_as_written(tmp_path):
     assert "SUCCEEDED" in out
     assert (clone / "runs" / "cluster" / "metrics.json").is_file()  # not left in Ray's working-dir copy
     assert any((clone / "runs" / "cluster" / "ray").rglob("*")) and any((clone / "runs" / "cluster-py").rglob("*"))
+    assert (clone / "runs" / "cluster-py" / "metrics.json").is_file()  # the Python example's own record
