@@ -13,12 +13,13 @@ imported lazily so that preparing data needs only pyarrow and numpy.
 from .bbs import form_batches, imbalance, plan_epoch, simulate_imbalance
 from .movielens import FORMATS, format_summary, load_manifest, prepare_movielens
 from .schema import HISTORY_SCHEMA, ITEMS_SCHEMA, SPLITS, BadRowError
+from .shards import assign_shards, num_batches_for
 
 __all__ = ["prepare_movielens", "load_manifest", "format_summary", "FORMATS", "BadRowError",
            "HISTORY_SCHEMA", "ITEMS_SCHEMA", "SPLITS", "form_batches", "imbalance", "plan_epoch",
            "simulate_imbalance", "HistoryStream", "assign_shards"]
 
-_LAZY = {"HistoryStream", "assign_shards", "num_batches_for"}
+_LAZY = {"HistoryStream"}
 
 
 def __getattr__(name):

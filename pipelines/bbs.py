@@ -1,4 +1,5 @@
-"""Base batch shuffling (BBS): token-balanced batches without cross-rank communication. Pure numpy.
+"""Base batch shuffling (BBS): token-balanced batches without cross-rank communication. Numpy (and pyarrow for
+the shard lengths that :func:`simulate_imbalance` reads through :mod:`gemray.pipelines.shards`).
 
 Jagged batches of user histories carry very different token counts (ML-1M history lengths run from 20
 to 2,314), so in data-parallel training the rank that drew the heaviest batch sets every step's pace.
@@ -26,6 +27,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from .movielens import load_manifest
+from .schema import check_split, split_input_lengths
+from .shards import assign_shards, num_batches_for, read_shard_lengths
 
 __all__ = ["form_batches", "imbalance", "plan_epoch", "simulate_imbalance", "epoch_rng", "global_epoch_order",
            "plan_global_step", "global_steps_left"]
@@ -228,10 +233,6 @@ def simulate_imbalance(prepared_dir: str | Path, *, split: str = "train", world_
     Returns {"imbalance": float (see :func:`imbalance`), "steps": int, "tokens_per_step_mean": float
     (mean tokens per rank-batch over non-empty steps), "world_size": int, "bbs": bool}.
     """
-    from .movielens import load_manifest
-    from .stream import assign_shards, read_shard_lengths, num_batches_for
-    from .schema import check_split, split_input_lengths
-
     check_split(split)
     manifest = load_manifest(prepared_dir)
     steps = num_batches_for(manifest, world_size, batch_size)

@@ -328,7 +328,7 @@ def prepare_movielens(src: str | Path, out: str | Path, *, on_bad_rows: str = "e
         ({file, line, field, reason, problem, raw}) and counts them by reason in the manifest.
     num_files: history files (users split into contiguous user-id ranges; capped at the user count).
     row_groups_per_file: Parquet row groups per file; each row group is one logical shard for
-        :func:`gemray.pipelines.stream.assign_shards`.
+        :func:`gemray.pipelines.shards.assign_shards`.
 
     Output layout and units: see :mod:`gemray.pipelines.schema` (ratings in half stars, int8; item ids
     dense 1..num_items in ascending raw-id order). Raises ValueError for bad arguments or when no valid

@@ -35,7 +35,6 @@ from typing import Any, Iterator
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 import torch
 
 from gemray.config import DataConfig
@@ -43,60 +42,12 @@ from gemray.jagged import JaggedBatch, lengths_to_offsets
 
 from .bbs import global_epoch_order, global_steps_left, plan_epoch, plan_global_step
 from .movielens import load_manifest
-from .schema import HISTORY_SCHEMA, MIN_HISTORY_FOR_SPLITS, check_split, split_input_bounds
+from .schema import HISTORY_SCHEMA, check_split, split_input_bounds
+from .shards import _check_rank, _eligible, assign_shards, num_batches_for
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ElasticTrainStream", "HistoryStream", "assign_shards", "num_batches_for", "read_shard_lengths"]
-
-
-def _check_rank(world_size: int, rank: int) -> None:
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"rank/world_size: expected 0 <= rank < world_size, got rank={rank}, "
-                         f"world_size={world_size}")
-
-
-def assign_shards(manifest: dict[str, Any], world_size: int, rank: int) -> list[dict[str, Any]]:
-    """The logical shards (Parquet row groups) that ``rank`` of ``world_size`` reads: round-robin.
-
-    manifest: as returned by :func:`gemray.pipelines.movielens.load_manifest`; its ``"shards"`` entries
-        carry index, file, row_group, rows, tokens, first_user_id, last_user_id, split_users.
-    Returns the shard dicts with ``index % world_size == rank``, in index order (possibly empty when
-    there are more ranks than shards). Pure: the same inputs give the same answer on every rank.
-    Raises ValueError for a bad rank/world_size.
-    """
-    _check_rank(world_size, rank)
-    return [s for s in manifest["shards"] if s["index"] % world_size == rank]
-
-
-def num_batches_for(manifest: dict[str, Any], world_size: int, batch_size: int) -> int:
-    """Steps per epoch for every rank: ceil(max over ranks of its split-eligible users / batch_size)."""
-    if batch_size < 1:
-        raise ValueError(f"batch_size: expected >= 1, got {batch_size}")
-    most = max(sum(s["split_users"] for s in assign_shards(manifest, world_size, r)) for r in range(world_size))
-    return -(-most // batch_size)
-
-
-def _eligible(table: pa.Table) -> pa.Table:
-    """Sort by user_id and keep users with >= 3 interactions (the split-eligible ones)."""
-    table = table.sort_by("user_id")
-    n = pc.list_value_length(table.column("item_ids"))
-    return table.filter(pc.greater_equal(n, MIN_HISTORY_FOR_SPLITS))
-
-
-def read_shard_lengths(manifest: dict[str, Any], shards: list[dict[str, Any]]) -> np.ndarray:
-    """[S] int64 full history lengths of the split-eligible users in ``shards``, ascending user_id.
-
-    Reads only the ``user_id`` and ``item_ids`` columns of the listed row groups with pyarrow (no Ray):
-    what :func:`gemray.pipelines.bbs.simulate_imbalance` needs to replay a rank's plan.
-    """
-    root = Path(manifest["prepared_dir"])
-    parts = [pq.ParquetFile(root / s["file"]).read_row_group(s["row_group"], columns=["user_id", "item_ids"])
-             for s in shards]
-    if not parts:
-        return np.empty(0, np.int64)
-    table = _eligible(pa.concat_tables(parts))
-    return pc.list_value_length(table.column("item_ids")).to_numpy().astype(np.int64)
+__all__ = ["ElasticTrainStream", "HistoryStream"]
 
 
 # Streams of the same rank (train / valid / test) share one read: (folder, manifest mtime, shards) -> table.

@@ -14,7 +14,8 @@ ray = pytest.importorskip("ray")
 
 from gemray.config import DataConfig  # noqa: E402
 from gemray.pipelines import load_manifest, prepare_movielens  # noqa: E402
-from gemray.pipelines.stream import HistoryStream, assign_shards  # noqa: E402
+from gemray.pipelines.shards import assign_shards  # noqa: E402
+from gemray.pipelines.stream import HistoryStream  # noqa: E402
 
 MAX_LEN = 8
 # history lengths of the synthetic users: too short (1, 2), minimal (3 -> train length 1), around
