@@ -428,11 +428,11 @@ def prepare_movielens(src: str | Path, out: str | Path, *, on_bad_rows: str = "e
                 f.flush()
                 os.fsync(f.fileno())
 
-        from gemray import __version__
+        from importlib.metadata import version  # the installed gemray's (the gemray package sits above pipelines)
         too_short = int((user_len < MIN_HISTORY_FOR_SPLITS).sum())
         manifest: dict[str, Any] = {
             "manifest_version": MANIFEST_VERSION,
-            "gemray_version": __version__,
+            "gemray_version": version("gemray"),
             "format": fmt.name,
             "on_bad_rows": on_bad_rows,
             "created_unix": int(time.time()),

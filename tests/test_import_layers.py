@@ -1,0 +1,74 @@
+"""The import-layering contracts of pyproject.toml ([tool.importlinter]), checked with import-linter's `lint-imports`.
+
+grimp, which import-linter uses, finds a package's modules by walking its folder; gemray.kernels and gemray.pipelines
+live outside gemray/ (pyproject's package-dir), so `lint-imports` is run over a link tree laid out as the installed
+package: gemray/ with kernels/ and pipelines/ inside it, every file a symlink to the checkout's.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PYPROJECT = REPO / "pyproject.toml"
+
+
+def _lint_imports() -> str:
+    exe = Path(sys.executable).parent / "lint-imports"
+    found = str(exe) if exe.is_file() else shutil.which("lint-imports")
+    if not found:
+        pytest.fail("lint-imports not found: install the test extra (`make install` or `pip install import-linter`)")
+    return found
+
+
+def _link_tree(src: Path, dst: Path) -> None:
+    """dst mirrors src: real folders, each file a symlink (so probes can be added to dst without touching src)."""
+    for root, dirs, files in os.walk(src):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        out = dst / Path(root).relative_to(src)
+        out.mkdir(parents=True, exist_ok=True)
+        for f in files:
+            if f.endswith(".py"):
+                (out / f).symlink_to(Path(root) / f)
+
+
+def _package_tree(tmp: Path) -> Path:
+    """tmp/gemray as the installed package: gemray/ plus every package-dir mapping (kernels/, pipelines/)."""
+    mapping = tomllib.loads(PYPROJECT.read_text())["tool"]["setuptools"]["package-dir"]
+    _link_tree(REPO / "gemray", tmp / "gemray")
+    for package, folder in mapping.items():
+        assert package.startswith("gemray."), package
+        _link_tree(REPO / folder, tmp.joinpath(*package.split(".")))
+    return tmp
+
+
+def _run(tree: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(tree))  # the link tree's gemray, not the editable install's
+    return subprocess.run([_lint_imports(), "--no-cache", "--no-logo", str(PYPROJECT)], cwd=tree, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_contracts_kept(tmp_path):
+    out = _run(_package_tree(tmp_path))
+    assert out.returncode == 0, out.stdout + out.stderr
+    contracts = tomllib.loads(PYPROJECT.read_text())["tool"]["importlinter"]["contracts"]
+    assert f"Contracts: {len(contracts)} kept, 0 broken." in out.stdout, out.stdout
+
+
+def test_contracts_catch_upward_imports(tmp_path):
+    """A kernel importing the model and a pipeline importing a kernel each break their contract."""
+    tree = _package_tree(tmp_path)
+    (tree / "gemray" / "kernels" / "_probe_up.py").write_text("import gemray.model.hstu\n")
+    (tree / "gemray" / "pipelines" / "_probe_model.py").write_text("from gemray.kernels import reference\n")
+    out = _run(tree)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "Contracts: 0 kept, 2 broken." in out.stdout, out.stdout
+    assert "gemray.kernels._probe_up -> gemray.model.hstu" in out.stdout, out.stdout
+    assert "gemray.pipelines._probe_model -> gemray.kernels.reference" in out.stdout, out.stdout
