@@ -63,12 +63,15 @@ def test_contracts_kept(tmp_path):
 
 
 def test_contracts_catch_upward_imports(tmp_path):
-    """A kernel importing the model and a pipeline importing a kernel each break their contract."""
+    """A kernel importing the model and a pipeline importing a kernel each break their contract, and a new
+    gemray module that the layers do not place breaks the layers contract (it is exhaustive)."""
     tree = _package_tree(tmp_path)
     (tree / "gemray" / "kernels" / "_probe_up.py").write_text("import gemray.model.hstu\n")
     (tree / "gemray" / "pipelines" / "_probe_model.py").write_text("from gemray.kernels import reference\n")
+    (tree / "gemray" / "probe_unplaced.py").write_text("")
     out = _run(tree)
     assert out.returncode == 1, out.stdout + out.stderr
     assert "Contracts: 0 kept, 2 broken." in out.stdout, out.stdout
     assert "gemray.kernels._probe_up -> gemray.model.hstu" in out.stdout, out.stdout
     assert "gemray.pipelines._probe_model -> gemray.kernels.reference" in out.stdout, out.stdout
+    assert "gemray.probe_unplaced" in out.stdout, out.stdout
