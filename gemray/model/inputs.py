@@ -180,19 +180,20 @@ def extra_sparse_features(batch: JaggedBatch, cfg: ModelConfig,
                 for n in names]
     out = []
     T = batch.num_tokens
-    feats = batch.features or {}
+    feats = getattr(batch, "features", None) or {}  # the optional GEM fields of JaggedBatch
     for f in cfg.token_features:
         if f not in feats or feats[f].numel() != T:
             raise ValueError(f"batch.features[{f!r}]: expected [T={T}] int64 (model.token_features), got "
                              f"{None if f not in feats else tuple(feats[f].shape)}")
         out.append((f, feats[f].to(torch.int64), batch.lengths))
     if cfg.ranking_tasks:
-        if batch.candidate_offsets is None or batch.candidate_ids is None:
+        cand_off, cand_ids = getattr(batch, "candidate_offsets", None), getattr(batch, "candidate_ids", None)
+        if cand_off is None or cand_ids is None:
             raise ValueError("batch.candidate_offsets / candidate_ids: None, but model.tasks has ranking tasks "
                              f"{cfg.ranking_tasks}")
-        c_len = batch.candidate_offsets[1:] - batch.candidate_offsets[:-1]
-        C = int(batch.candidate_offsets[-1])
-        out.append((CANDIDATE_ITEM_FEATURE, batch.candidate_ids.to(torch.int64), c_len))
+        c_len = cand_off[1:] - cand_off[:-1]
+        C = int(cand_off[-1])
+        out.append((CANDIDATE_ITEM_FEATURE, cand_ids.to(torch.int64), c_len))
         cf = candidate_features or {}
         for f in cfg.candidate_features:
             if f not in cf or cf[f].numel() != C:
@@ -200,7 +201,7 @@ def extra_sparse_features(batch: JaggedBatch, cfg: ModelConfig,
                                  f"got {None if f not in cf else tuple(cf[f].shape)}")
             out.append((CANDIDATE_PREFIX + f, cf[f].to(torch.int64).reshape(-1), c_len))
         ones = torch.ones(B, dtype=torch.int64, device=dev)
-        ctx = batch.context or {}
+        ctx = getattr(batch, "context", None) or {}
         for c in cfg.context_features:
             if c == USER_FEATURE:
                 out.append((USER_FEATURE, batch.user_ids.to(torch.int64).reshape(-1), ones))
