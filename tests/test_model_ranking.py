@@ -393,3 +393,22 @@ def test_input_layer_refusals():
 def test_config_refuses(kw, needle):
     with pytest.raises(ValueError, match=needle):
         ModelConfig(**kw).validate()
+
+
+def test_tower_runs_in_bf16_close_to_fp32():
+    cfg = _tower_cfg(mlp_dims=[8])
+    torch.manual_seed(0)
+    t16 = CandidateTower(cfg, MAX_LEN).to(torch.bfloat16)
+    t32 = CandidateTower(cfg, MAX_LEN)
+    t32.load_state_dict({k: v.float() for k, v in t16.state_dict().items()})
+    off, coff = _offsets([3, 0, 12]), _offsets([2, 1, 0])
+    h, c = torch.randn(15, 8), torch.randn(3, 8)
+    h16, c16 = h.bfloat16().requires_grad_(), c.bfloat16().requires_grad_()
+    logits = t16(h16, off, c16, coff)
+    loss, _ = MultiTaskHead.from_config(cfg)(logits, torch.tensor([[1.0, 1.0], [0.0, 0.0], [1.0, 0.0]]))
+    loss.backward()
+    assert logits.dtype == torch.bfloat16 and h16.grad.dtype == torch.bfloat16
+    assert all(p.grad is not None and p.grad.dtype == torch.bfloat16 for p in t16.parameters())
+    with torch.no_grad():
+        ref32 = t32(h.bfloat16().float(), off, c.bfloat16().float(), coff)
+    torch.testing.assert_close(logits.detach().float(), ref32, atol=3e-2, rtol=3e-2)
