@@ -446,8 +446,21 @@ def cross_attention(q: torch.Tensor, q_offsets: torch.Tensor, k: torch.Tensor, v
                                             activation, None if alpha is None else float(alpha), backend)
 
 
+_PMA_Q_OFFSETS: dict = {}
+
+
 def _pma_q_offsets(kv_offsets: torch.Tensor, s: int) -> torch.Tensor:
-    return torch.arange(kv_offsets.numel(), device=kv_offsets.device, dtype=torch.int64) * s
+    """[B+1] int64 ``arange(B+1) * s``: the seed rows of PMA as jagged queries. Kept per (B, s, device) so
+    the Triton launch plans keyed on the offsets object are reused across backward calls."""
+    key = (kv_offsets.numel(), s, kv_offsets.device)
+    hit = _PMA_Q_OFFSETS.get(key)
+    if hit is None:
+        if len(_PMA_Q_OFFSETS) > 64:
+            _PMA_Q_OFFSETS.clear()
+        hit = torch.arange(kv_offsets.numel(), device=kv_offsets.device, dtype=torch.int64) * s
+        if not (hit.is_meta or isinstance(hit, torch._subclasses.FakeTensor)):
+            _PMA_Q_OFFSETS[key] = hit
+    return hit
 
 
 @torch.library.custom_op("gemray::pma", mutates_args=())
@@ -462,7 +475,8 @@ def _pma_op(seeds: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_offsets: t
                 if backend == "triton":
                     raise
                 _log_decline(str(e))
-        return _ref.pma_ref(seeds, k, v, kv_offsets, max_kv_len, activation=activation, alpha=alpha)
+        # contiguous: the reference returns a transposed view; the op's (fake) output layout is contiguous
+        return _ref.pma_ref(seeds, k, v, kv_offsets, max_kv_len, activation=activation, alpha=alpha).contiguous()
 
 
 @_pma_op.register_fake
@@ -587,7 +601,10 @@ def _register_flops() -> None:
                           backward=True)
 
     def _pma_pairs(seeds, kv_offsets, max_kv_len):
-        return _pairs(_pma_q_offsets(kv_offsets, 1), kv_offsets, 1, max_kv_len) * seeds.shape[0]
+        try:
+            return int((kv_offsets[-1] - kv_offsets[0]).item()) * seeds.shape[0]
+        except RuntimeError:  # fake / meta tensors have no values: the padded bound
+            return (kv_offsets.shape[0] - 1) * int(max_kv_len) * seeds.shape[0]
 
     def pma_fwd(seeds, k, v, kv_offsets, max_kv_len, *args, out_val=None, **kw):
         return gdpa_flops(_pma_pairs(seeds, kv_offsets, max_kv_len), seeds.shape[1], seeds.shape[2], v.shape[2])

@@ -412,3 +412,22 @@ def test_tower_runs_in_bf16_close_to_fp32():
     with torch.no_grad():
         ref32 = t32(h.bfloat16().float(), off, c.bfloat16().float(), coff)
     torch.testing.assert_close(logits.detach().float(), ref32, atol=3e-2, rtol=3e-2)
+
+
+def test_custom_ops_pass_opcheck():
+    """Schema, autograd registration, fake (meta) kernels and AOT dispatch of the four gemray ops."""
+    ko, qo = _offsets([4, 0, 1]), _offsets([2, 1, 0])
+    q, k, v, s = _rand(3, 2, 4, seed=1), _rand(5, 2, 4, seed=2), _rand(5, 2, 3, seed=3), _rand(2, 2, 4, seed=4)
+    cases = [
+        (torch.ops.gemray.cross_attention.default, (q, qo, k, v, ko, 2, 8, "softmax", None, "reference")),
+        (torch.ops.gemray.pma.default, (s, k, v, ko, 8, "silu", 0.5, "reference")),
+        (torch.ops.gemray.cross_attention_backward.default,
+         (torch.randn(3, 2, 3, dtype=torch.float64), q.detach(), qo, k.detach(), v.detach(), ko, 2, 8, "gelu", None,
+          "reference")),
+        (torch.ops.gemray.pma_backward.default,
+         (torch.randn(3, 2, 2, 3, dtype=torch.float64), s.detach(), k.detach(), v.detach(), ko, 8, "softmax", None,
+          "reference")),
+    ]
+    for op, args in cases:
+        result = torch.library.opcheck(op, args)
+        assert all(r == "SUCCESS" for r in result.values()), (op, result)

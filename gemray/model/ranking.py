@@ -62,7 +62,8 @@ class CandidateTower(nn.Module):
         super().__init__()
         cfg.validate()
         if not cfg.ranking_tasks:
-            raise ValueError(f"CandidateTower: model.tasks {cfg.tasks} has no ranking task ({ModelConfig.RANKING_TASKS})")
+            raise ValueError(f"CandidateTower: model.tasks {cfg.tasks} has no ranking task "
+                             f"({ModelConfig.RANKING_TASKS})")
         if max_seq_len < 1:
             raise ValueError(f"CandidateTower: max_seq_len must be >= 1, got {max_seq_len}")
         d, H, A, V, S = cfg.width, cfg.num_heads, cfg.attention_dim, cfg.linear_dim, cfg.pma_seeds
