@@ -73,9 +73,17 @@ class DataConfig:
 class ModelConfig:
     """GEM-like model shape (defaults: HSTU-large for ML-1M, generative-recommenders configs).
 
-    embedding_dim: item embedding width (also the residual stream width).
-    num_blocks / num_heads / attention_dim (per-head q,k width) / linear_dim (per-head v,u width).
-    attn_activation: "silu" (HSTU: silu(qk + bias)/N) or "softmax".
+    The defaults build today's ML-1M retrieval model exactly; the fields from ``model_dim`` on describe the
+    GEM-at-scale model (side features, candidate tower, multi-task heads) as a configuration of the same model.
+
+    Retrieval model (HSTU, Zhai et al. 2024, arXiv:2402.17152):
+    embedding_dim: E, the width of every embedding table (one width: an EmbeddingCollection requirement; FBGEMM's
+    sharded tables need a multiple of 4); also the residual stream width when ``model_dim`` is 0.
+    num_blocks: HSTU layers. num_heads: H. attention_dim: per-head q,k width. linear_dim: per-head v,u width.
+    dropout: after the input embedding and before each block's output projection. attn_dropout: must be 0.
+    attn_activation: "silu" (HSTU: silu(qk + bias)/N), "softmax", "gelu" or "none".
+    use_rating_feature / use_time_feature: add the rating / time-gap embeddings to each history token.
+    num_time_buckets / num_position_buckets: buckets of the time-gap table and of the relative attention bias.
     num_negatives / temperature: sampled softmax; negatives: "uniform" (R uniform ids per position, as
     generative-recommenders' LocalNegativesSampler), "uniform_shared" (R ids per sequence, shared by its
     positions: cheaper) or "in_batch" (the batch's own targets).
@@ -83,6 +91,35 @@ class ModelConfig:
     time_bias_query: query time of the relative time bias: "next" (the time of the item a position
     predicts, at evaluation the target's time = the request time; as generative-recommenders' HSTU) or
     "self" (the position's own timestamp).
+
+    GEM at scale (``gemray.model.inputs``, ``gemray.model.ranking``, ``gemray.model.flops``):
+    model_dim: d, the width of the HSTU residual stream and of the candidate tower; 0 = embedding_dim (no input
+    projection when the combined embedding is already d wide). ``width`` gives the resolved d.
+    token_features: per-token side features of the history (``JaggedBatch.features`` keys, e.g. "category",
+    "author"), each with its own table; combined with the item (and rating / time-gap) embeddings.
+    candidate_features: item-level side features of each candidate (a subset of ``token_features``: the
+    candidate looks up the same tables, under the KJT key ``cand_<name>``).
+    context_features: request features combined into one [B, d] context vector: names of
+    ``JaggedBatch.context`` (KJT key ``ctx_<name>``) and/or "user_id" (``JaggedBatch.user_ids``, table "user").
+    combiner: how the embeddings of one token (and of one candidate, one request) combine: "sum" (today's
+    item + rating + time_gap, exactly) or "concat" (then a Linear to d).
+    tasks: training objectives, any of "retrieval" (next-item sampled softmax), "ctr" (BCE on the click
+    label of each candidate) and "cvr" (BCE on the convert label); "ctr" / "cvr" add the candidate tower.
+    task_weights: one weight >= 0 per entry of ``tasks`` (the loss is their weighted sum); [] = all 1.0.
+    cvr_population: candidates CVR is trained and evaluated on: "clicked" (post-click conversion
+    p(convert | click), the standard definition; 0 clicked candidates give loss 0) or "all" (every
+    candidate, i.e. p(click and convert), ESMM's pCTCVR target: no sample-selection bias, sparser positives).
+    pma_seeds: S, learned seed queries per head of the tower's PMA pooling of the history (Set Transformer).
+    mlp_dims: hidden widths of the tower's per-candidate interaction MLP ([] = one Linear to the task logits).
+    tower_activation: activation of the tower's cross-attention and PMA ("softmax", "silu", "gelu", "none").
+    attention_window: > 0: HSTU self-attention sees only keys with i - window < j <= i (sliding window).
+    attention_block: > 0: HSTU self-attention sees only keys of the query's own block of that many positions.
+    (At most one of the two; both 0 = full causal attention. For the longest histories.)
+    relative_bias: the HSTU blocks' learned relative position / time bias (rab^{p,t}) on or off.
+    table_rows: row-count overrides "table=rows" (e.g. ["user=200000000", "item=100000000"]) so that tables can
+    be sized by configuration (capacity beyond the data's ids); a table's default is what the data needs
+    (item: num_items + 1; a side feature: its cardinality + 1; user: num_users). Tables: "item", "rating",
+    "time_gap", each token / context feature name, and "user".
     """
 
     embedding_dim: int = 52  # HSTU's ML-1M uses 50; FBGEMM's sharded tables need a multiple of 4
@@ -102,10 +139,65 @@ class ModelConfig:
     temperature: float = 0.05
     attention_backend: str = "auto"
     time_bias_query: str = "next"
+    # GEM at scale (see the docstring); the defaults keep the ML-1M retrieval model exactly
+    model_dim: int = 0
+    token_features: list[str] = field(default_factory=list)
+    candidate_features: list[str] = field(default_factory=list)
+    context_features: list[str] = field(default_factory=list)
+    combiner: str = "sum"
+    tasks: list[str] = field(default_factory=lambda: ["retrieval"])
+    task_weights: list[float] = field(default_factory=list)
+    cvr_population: str = "clicked"
+    pma_seeds: int = 4
+    mlp_dims: list[int] = field(default_factory=lambda: [256, 64])
+    tower_activation: str = "softmax"
+    attention_window: int = 0
+    attention_block: int = 0
+    relative_bias: bool = True
+    table_rows: list[str] = field(default_factory=list)
+
+    TASKS = ("retrieval", "ctr", "cvr")
+    RANKING_TASKS = ("ctr", "cvr")
+    USER_ID_FEATURE = "user_id"
+    # table / KJT names the side features may not take (fixed tables of the model)
+    RESERVED_NAMES = ("item", "item_id", "neg_item_id", "rating", "time_gap", "user", "user_id")
+
+    @property
+    def width(self) -> int:
+        """d, the residual / tower width: ``model_dim`` or, when 0, ``embedding_dim``."""
+        return self.model_dim or self.embedding_dim
+
+    @property
+    def ranking_tasks(self) -> list[str]:
+        """The entries of ``tasks`` the candidate tower predicts ("ctr", "cvr"), in ``tasks`` order."""
+        return [t for t in self.tasks if t in self.RANKING_TASKS]
+
+    def task_weight(self, task: str) -> float:
+        """The loss weight of ``task`` (1.0 when ``task_weights`` is empty). Raises ValueError if not in tasks."""
+        if task not in self.tasks:
+            raise ValueError(f"model.tasks: {task!r} is not one of {self.tasks}")
+        return float(self.task_weights[self.tasks.index(task)]) if self.task_weights else 1.0
+
+    def table_rows_map(self) -> dict[str, int]:
+        """``table_rows`` parsed: {table name: rows}. Raises ValueError naming the bad entry."""
+        out: dict[str, int] = {}
+        for entry in self.table_rows:
+            name, sep, rows = str(entry).partition("=")
+            name = name.strip()
+            try:
+                n = int(rows.strip()) if sep else 0
+            except ValueError:
+                n = 0
+            if not name or n < 1:
+                raise ValueError(f"model.table_rows: expected 'table=rows' with rows >= 1, got {entry!r}")
+            if name in out:
+                raise ValueError(f"model.table_rows: table {name!r} given twice")
+            out[name] = n
+        return out
 
     def validate(self) -> None:
         _positive(self, "embedding_dim", "num_blocks", "num_heads", "attention_dim", "linear_dim",
-                  "num_negatives", "num_time_buckets", "num_position_buckets")
+                  "num_negatives", "num_time_buckets", "num_position_buckets", "pma_seeds")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.dropout: expected 0 <= dropout < 1, got {self.dropout}")
         if self.temperature <= 0:
@@ -117,6 +209,60 @@ class ModelConfig:
         _choice(self, "negatives", ("uniform", "uniform_shared", "in_batch"))
         _choice(self, "attention_backend", ("auto", "triton", "reference"))
         _choice(self, "time_bias_query", ("next", "self"))
+        self._validate_gem()
+
+    def _validate_gem(self) -> None:
+        for name in ("model_dim", "attention_window", "attention_block"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"model.{name}: expected >= 0, got {getattr(self, name)}")
+        if self.attention_window and self.attention_block:
+            raise ValueError(f"model.attention_window ({self.attention_window}) and model.attention_block "
+                             f"({self.attention_block}): use at most one")
+        _choice(self, "combiner", ("sum", "concat"))
+        _choice(self, "cvr_population", ("clicked", "all"))
+        _choice(self, "tower_activation", ("softmax", "silu", "gelu", "none"))
+        if not self.tasks or len(set(self.tasks)) != len(self.tasks) or \
+                any(t not in self.TASKS for t in self.tasks):
+            raise ValueError(f"model.tasks: expected distinct entries of {self.TASKS}, got {self.tasks}")
+        if self.task_weights:
+            if len(self.task_weights) != len(self.tasks):
+                raise ValueError(f"model.task_weights: expected one weight per task ({len(self.tasks)}: "
+                                 f"{self.tasks}) or [], got {self.task_weights}")
+            if any(float(w) < 0 for w in self.task_weights) or not any(float(w) > 0 for w in self.task_weights):
+                raise ValueError(f"model.task_weights: expected weights >= 0, at least one > 0, got "
+                                 f"{self.task_weights}")
+        if any(int(m) <= 0 for m in self.mlp_dims):
+            raise ValueError(f"model.mlp_dims: expected positive widths, got {self.mlp_dims}")
+        for group in ("token_features", "candidate_features", "context_features"):
+            names = getattr(self, group)
+            if len(set(names)) != len(names):
+                raise ValueError(f"model.{group}: names repeat in {names}")
+            for n in names:
+                if group == "context_features" and n == self.USER_ID_FEATURE:
+                    continue
+                if not isinstance(n, str) or not re.fullmatch(r"[a-z][a-z0-9_]{0,63}", n) or \
+                        n in self.RESERVED_NAMES:
+                    raise ValueError(f"model.{group}: {n!r} must be lowercase letters, digits and '_' starting "
+                                     f"with a letter, and none of {self.RESERVED_NAMES}")
+        extra = [n for n in self.candidate_features if n not in self.token_features]
+        if extra:
+            raise ValueError(f"model.candidate_features: {extra} not in model.token_features "
+                             f"{self.token_features} (a candidate looks up the token features' tables)")
+        both = sorted(set(self.token_features) & set(self.context_features))
+        if both:
+            raise ValueError(f"model.context_features: {both} are also token features (one table per name)")
+        rows = self.table_rows_map()
+        known = {"item"} | set(self.token_features) | {n for n in self.context_features
+                                                        if n != self.USER_ID_FEATURE}
+        if self.use_rating_feature:
+            known.add("rating")
+        if self.use_time_feature:
+            known.add("time_gap")
+        if self.USER_ID_FEATURE in self.context_features:
+            known.add("user")
+        unknown = sorted(set(rows) - known)
+        if unknown:
+            raise ValueError(f"model.table_rows: no table {unknown} in this model (tables: {sorted(known)})")
 
 
 @dataclass

@@ -15,11 +15,21 @@ rank < K else 0) (one relevant item, so IDCG = 1).
 
 Distributed use: every rank ``update``s with its users, ``all_reduce``s ``sums()`` and calls
 ``compute(summed)``.
+
+Ranking metrics (``BinaryMetrics`` per binary task, ``MultiTaskMetrics`` for CTR / CVR): normalized entropy
+(NE, He et al. 2014, "Practical Lessons from Predicting Clicks on Ads at Facebook", ADKDD: the mean log loss
+divided by the entropy of the empirical base rate, so 1.0 = no better than predicting the base rate, lower is
+better) and ROC AUC from score histograms, both as sums that add across batches and ranks (same
+``sums()`` / ``compute(summed)`` protocol).
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 import torch
+import torch.nn.functional as F
 
 
 def history_mask(item_ids: torch.Tensor, offsets: torch.Tensor, num_items: int) -> torch.Tensor:
@@ -122,4 +132,147 @@ class RetrievalMetrics:
             out[f"hr@{k}"] = float(s[1 + i]) / n if n else 0.0
             out[f"ndcg@{k}"] = float(s[1 + len(self.ks) + i]) / n if n else 0.0
         out["num_users"] = n
+        return out
+
+
+DEFAULT_AUC_BINS = 1 << 16
+
+
+class BinaryMetrics:
+    """Streaming NE, log loss, calibration and binned ROC AUC of one binary task.
+
+    Args:
+        num_bins: K >= 2 equal-width bins of the predicted probability sigmoid(logit) in [0, 1] for AUC
+            (default 2^16: 1 MiB of float64 per task to all-reduce).
+        device: where the sums live (the updates are moved there; e.g. the GPU, so histograms need no copy).
+
+    ``sums()`` is a float64 vector [num_examples, positives, sum log loss (nats), sum predicted probability,
+    positive counts per bin (K), negative counts per bin (K)]: every entry is a sum over examples, so batches
+    and ranks combine by adding (all_reduce SUM), exactly (counts are integers below 2^53).
+
+    AUC = P(score of a random positive > score of a random negative), ties 1/2. From the histograms:
+    ``sum_k pos_k * (neg_<k + neg_k / 2) / (P * N)``. It is exact except for the (positive, negative) pairs
+    that share a bin, each counted 1/2 while its true value is 0, 1/2 or 1: ``|AUC_binned - AUC_exact| <=
+    sum_k pos_k * neg_k / (2 P N)``, reported as ``auc_error_bound`` (computed from the same sums, so every
+    report carries its own bound; it grows when scores pile up in few bins, e.g. a saturated model, and
+    shrinks with more bins: a bin holds probabilities 1/K wide). As torchmetrics' binned AUROC (thresholds
+    on probabilities), with the bound made explicit.
+    """
+
+    def __init__(self, num_bins: int = DEFAULT_AUC_BINS, device: torch.device | str = "cpu"):
+        if int(num_bins) < 2:
+            raise ValueError(f"BinaryMetrics: num_bins must be >= 2, got {num_bins}")
+        self.num_bins = int(num_bins)
+        self.device = torch.device(device)
+        self._sums = torch.zeros(4 + 2 * self.num_bins, dtype=torch.float64, device=self.device)
+
+    def reset(self) -> None:
+        self._sums.zero_()
+
+    def update(self, logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        """Add examples: logits [N] float (pre-sigmoid), labels [N] 0/1 (float or int), mask [N] bool (only
+        True rows count; e.g. CVR's clicked population). Raises ValueError on mismatched shapes, labels other
+        than 0/1, or non-finite logits."""
+        z = logits.detach().reshape(-1).to(self.device, torch.float64)
+        y = labels.detach().reshape(-1).to(self.device, torch.float64)
+        if z.shape != y.shape:
+            raise ValueError(f"BinaryMetrics.update: logits {tuple(logits.shape)} and labels {tuple(labels.shape)} "
+                             "differ in size")
+        if mask is not None:
+            m = mask.detach().reshape(-1).to(self.device, torch.bool)
+            if m.shape != z.shape:
+                raise ValueError(f"BinaryMetrics.update: mask {tuple(mask.shape)} does not match logits")
+            z, y = z[m], y[m]
+        if z.numel() == 0:
+            return
+        if bool(((y != 0) & (y != 1)).any()):
+            raise ValueError("BinaryMetrics.update: labels must be 0 or 1")
+        if not bool(torch.isfinite(z).all()):
+            raise ValueError("BinaryMetrics.update: logits must be finite (NaN / inf scores have no rank)")
+        p = torch.sigmoid(z)
+        k = self.num_bins
+        idx = (p * k).floor().clamp_(0, k - 1).to(torch.int64)
+        pos = y > 0.5
+        s = self._sums
+        s[0] += z.numel()
+        s[1] += y.sum()
+        s[2] += F.binary_cross_entropy_with_logits(z, y, reduction="sum")
+        s[3] += p.sum()
+        s[4:4 + k] += torch.bincount(idx[pos], minlength=k).to(torch.float64)
+        s[4 + k:] += torch.bincount(idx[~pos], minlength=k).to(torch.float64)
+
+    def sums(self) -> torch.Tensor:
+        """[4 + 2K] float64 copy on ``device`` (see the class docstring); all-reduce it with SUM."""
+        return self._sums.clone()
+
+    def compute(self, sums: torch.Tensor | None = None) -> dict[str, float]:
+        """{"ne", "logloss", "base_rate", "calibration", "auc", "auc_error_bound", "num_examples"} from ``sums``
+        (e.g. all-reduced) or the local ones.
+
+        ne = (logloss / n) / H(base_rate), H(p) = -p ln p - (1-p) ln(1-p); calibration = sum p / positives.
+        Undefined values are NaN: everything with 0 examples, NE with a base rate of 0 or 1, AUC without both
+        classes, calibration without positives.
+        """
+        s = (self._sums if sums is None else sums).to("cpu", torch.float64)
+        if s.numel() != self._sums.numel():
+            raise ValueError(f"BinaryMetrics.compute: sums must have {self._sums.numel()} entries, got {s.numel()}")
+        n, npos, loss, psum = (float(x) for x in s[:4])
+        nan = float("nan")
+        k = self.num_bins
+        hp, hn = s[4:4 + k], s[4 + k:]
+        nneg = n - npos
+        out = {"num_examples": n, "logloss": loss / n if n else nan, "base_rate": npos / n if n else nan,
+               "calibration": psum / npos if npos else nan}
+        rate = out["base_rate"]
+        ent = -(rate * math.log(rate) + (1 - rate) * math.log(1 - rate)) if n and 0 < rate < 1 else 0.0
+        out["ne"] = out["logloss"] / ent if ent > 0 else nan
+        if npos > 0 and nneg > 0:
+            below = torch.cumsum(hn, 0) - hn  # negatives in lower bins
+            out["auc"] = float((hp * (below + 0.5 * hn)).sum()) / (npos * nneg)
+            out["auc_error_bound"] = float((hp * hn).sum()) / (2 * npos * nneg)
+        else:
+            out["auc"] = out["auc_error_bound"] = nan
+        return out
+
+
+class MultiTaskMetrics:
+    """One ``BinaryMetrics`` per ranking task (e.g. ["ctr", "cvr"]); sums concatenated in task order.
+
+    ``compute`` returns "<task>_<metric>" keys (``ctr_ne``, ``cvr_auc``, ...). Feed it the targets and
+    populations of ``gemray.model.ranking.MultiTaskHead.targets_and_populations`` so evaluation scores
+    each task on the candidates it is trained on.
+    """
+
+    def __init__(self, tasks: Sequence[str], num_bins: int = DEFAULT_AUC_BINS, device: torch.device | str = "cpu"):
+        self.tasks = list(tasks)
+        if not self.tasks or len(set(self.tasks)) != len(self.tasks):
+            raise ValueError(f"MultiTaskMetrics: tasks must be distinct names, got {self.tasks}")
+        self.metrics = [BinaryMetrics(num_bins, device) for _ in self.tasks]
+
+    def reset(self) -> None:
+        for m in self.metrics:
+            m.reset()
+
+    def update(self, logits: torch.Tensor, targets: torch.Tensor, populations: torch.Tensor | None = None) -> None:
+        """logits [N, K], targets [N, K] 0/1, populations [N, K] bool or None (all count); K = len(tasks)."""
+        K = len(self.tasks)
+        if logits.dim() != 2 or logits.shape[1] != K or targets.shape != logits.shape or (
+                populations is not None and populations.shape != logits.shape):
+            raise ValueError(f"MultiTaskMetrics.update: expected logits, targets (and populations) [N, {K}], got "
+                             f"{tuple(logits.shape)}, {tuple(targets.shape)}"
+                             f"{'' if populations is None else ', ' + str(tuple(populations.shape))}")
+        for j, m in enumerate(self.metrics):
+            m.update(logits[:, j], targets[:, j], None if populations is None else populations[:, j])
+
+    def sums(self) -> torch.Tensor:
+        return torch.cat([m.sums() for m in self.metrics])
+
+    def compute(self, sums: torch.Tensor | None = None) -> dict[str, float]:
+        size = self.metrics[0]._sums.numel()
+        if sums is not None and sums.numel() != size * len(self.tasks):
+            raise ValueError(f"MultiTaskMetrics.compute: sums must have {size * len(self.tasks)} entries")
+        out: dict[str, float] = {}
+        for j, (t, m) in enumerate(zip(self.tasks, self.metrics)):
+            part = None if sums is None else sums.reshape(-1)[j * size:(j + 1) * size]
+            out.update({f"{t}_{k}": v for k, v in m.compute(part).items()})
         return out

@@ -231,3 +231,393 @@ def _params(fn: Callable) -> frozenset[str]:
         return frozenset(inspect.signature(fn).parameters)
     except (TypeError, ValueError):
         return frozenset()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Cross-attention and PMA (GDPA with jagged queries of another set / with shared seed queries).
+#
+# Self-contained on purpose (the dispatch above is being rewritten; these two rebase onto its backend enum).
+# Both are torch.library custom ops, forward and backward, so that torch.utils.flop_counter can count them
+# on their real jagged lengths (the formulas registered at the end: valid pairs only) and torch.compile sees
+# one opaque op each:
+#     gemray::cross_attention / gemray::cross_attention_backward
+#     gemray::pma             / gemray::pma_backward
+# Backward: on the reference backend, explicit padded gradients (``_attend_padded_bwd``, checked against
+# autograd through kernels.reference by tests/test_model_ranking.py); on the Triton backend the backward op
+# re-runs the Triton forward under autograd and takes its gradients (one extra forward of this op: a few per
+# cent of a GEM step, whose attention is dominated by the HSTU layers; to drop once the kernels expose their
+# backward as an op). No double backward.
+# ----------------------------------------------------------------------------------------------------------
+
+_INV_SQRT2 = 0.7071067811865476       # 1 / sqrt(2)
+_INV_SQRT_2PI = 0.3989422804014327    # 1 / sqrt(2 pi)
+_GDPA_TRITON = {"cross": "jagged_cross_attention_triton", "pma": "pma_triton", "gdpa": "gdpa_triton"}
+
+
+@functools.lru_cache(maxsize=None)
+def _load_gdpa(name: str) -> Callable | None:
+    try:
+        mod = importlib.import_module(TRITON_MODULE)
+    except ImportError as e:
+        log.debug("Triton GDPA unavailable: %s", e)
+        return None
+    return getattr(mod, _GDPA_TRITON[name], None)
+
+
+def _gdpa_backend(backend: str, device: torch.device, name: str) -> str:
+    """"triton" or "reference" for op ``name`` ("cross" / "pma"), by the rules of ``resolve_backend``:
+    "auto" = Triton on CUDA when importable, else the reference; "triton" forced off CUDA or without the
+    module raises RuntimeError; an unknown name raises ValueError."""
+    if backend not in BACKENDS:
+        raise ValueError(f"{name} attention backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "reference":
+        return "reference"
+    on_cuda = device.type == "cuda"
+    fn = _load_gdpa(name) if on_cuda or backend == "triton" else None
+    if backend == "triton":
+        if fn is None:
+            raise RuntimeError(f"{name} attention backend 'triton' requested but {TRITON_MODULE}."
+                               f"{_GDPA_TRITON[name]} is not importable (is triton installed?)")
+        if not on_cuda:
+            raise RuntimeError(f"{name} attention backend 'triton' requested but the tensors are on {device}; "
+                               "the Triton kernel needs CUDA (use backend='reference' or 'auto')")
+        return "triton"
+    chosen = "triton" if (on_cuda and fn is not None) else "reference"
+    _log_choice(chosen, f"{device.type} ({name})")
+    return chosen
+
+
+def _dact(s: torch.Tensor, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(act(s), act'(s)) of the pointwise activations (gelu: erf form, as F.gelu's default)."""
+    if activation == "silu":
+        sig = torch.sigmoid(s)
+        return s * sig, sig * (1 + s * (1 - sig))
+    if activation == "gelu":
+        cdf = 0.5 * (1 + torch.erf(s * _INV_SQRT2))
+        return s * cdf, cdf + s * torch.exp(-0.5 * s * s) * _INV_SQRT_2PI
+    return s, torch.ones_like(s)
+
+
+def _attend_padded_bwd(pq, pk, pv, valid, do, activation: str, alpha: float, norm: float):
+    """Gradients of ``kernels.reference._attend_padded_ref``: pq [B|1, H, m, Dqk], pk [B, H, n, Dqk],
+    pv [B, H, n, Dv], valid [B, 1, m, n] bool, do [B, H, m, Dv] -> (dq [B, H, m, Dqk], dk, dv) (dq per
+    sequence even when pq is broadcast: the caller sums). softmax: dS = P (dP - rowsum(dP P)); pointwise:
+    dS = act'(S) / N dP on valid pairs."""
+    s = torch.matmul(pq, pk.transpose(-1, -2)) * alpha
+    dp = torch.matmul(do, pv.transpose(-1, -2))
+    if activation == "softmax":
+        row_any = valid.any(-1, keepdim=True)
+        p = torch.softmax(s.masked_fill(~(valid | ~row_any), float("-inf")), dim=-1) * (valid & row_any)
+        ds = p * (dp - (dp * p).sum(-1, keepdim=True))
+    else:
+        a, da = _dact(s, activation)
+        mask = valid.to(s.dtype) / norm
+        p = a * mask
+        ds = da * mask * dp
+    dv = torch.matmul(p.transpose(-1, -2), do)
+    dq = torch.matmul(ds, pk) * alpha
+    dk = torch.matmul(ds.transpose(-1, -2), pq.expand(pk.shape[0], *pq.shape[1:])) * alpha
+    return dq, dk, dv
+
+
+def _grads_through(fn: Callable, do: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Gradients of ``fn(*xs)`` against ``do`` by running ``fn`` under autograd (inside a custom op's
+    kernel the autograd keys are off, but an autograd.Function, as the Triton kernels are, still records)."""
+    with torch.enable_grad():
+        leaves = [x.detach().contiguous().requires_grad_() for x in xs]
+        out = fn(*leaves)
+        grads = torch.autograd.grad(out, leaves, do.reshape(out.shape), allow_unused=True)
+    return tuple(torch.zeros_like(x) if g is None else g for x, g in zip(xs, grads))
+
+
+def _cross_check(q, q_offsets, k, v, kv_offsets) -> None:
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or q.shape[1:] != k.shape[1:] or v.shape[:2] != k.shape[:2]:
+        raise ValueError(f"cross_attention: expected q [Tq,H,D], k [Tk,H,D], v [Tk,H,Dv], got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q_offsets.numel() != kv_offsets.numel():
+        raise ValueError(f"cross_attention: q_offsets has B={q_offsets.numel() - 1}, kv_offsets "
+                         f"B={kv_offsets.numel() - 1}")
+
+
+@torch.library.custom_op("gemray::cross_attention", mutates_args=())
+def _cross_attention_op(q: torch.Tensor, q_offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        kv_offsets: torch.Tensor, max_q_len: int, max_kv_len: int, activation: str,
+                        alpha: float | None, backend: str) -> torch.Tensor:
+    with torch.no_grad():
+        if _gdpa_backend(backend, q.device, "cross") == "triton":
+            fn = _load_gdpa("cross")
+            try:
+                return fn(q, q_offsets, k, v, kv_offsets, max_q_len, max_kv_len, activation=activation,
+                          alpha=alpha)
+            except NotImplementedError as e:
+                if backend == "triton":
+                    raise
+                _log_decline(str(e))
+        return _ref.jagged_cross_attention_ref(q, q_offsets, k, v, kv_offsets, max_q_len, max_kv_len,
+                                               activation=activation, alpha=alpha)
+
+
+@_cross_attention_op.register_fake
+def _(q, q_offsets, k, v, kv_offsets, max_q_len, max_kv_len, activation, alpha, backend):
+    return q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
+
+
+@torch.library.custom_op("gemray::cross_attention_backward", mutates_args=())
+def _cross_attention_bwd_op(do: torch.Tensor, q: torch.Tensor, q_offsets: torch.Tensor, k: torch.Tensor,
+                            v: torch.Tensor, kv_offsets: torch.Tensor, max_q_len: int, max_kv_len: int,
+                            activation: str, alpha: float | None, backend: str
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    B = q_offsets.numel() - 1
+    if B == 0 or q.shape[0] == 0 or k.shape[0] == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    if _gdpa_backend(backend, q.device, "cross") == "triton":
+        fn = _load_gdpa("cross")
+        try:
+            return _grads_through(lambda a, b, c: fn(a, q_offsets, b, c, kv_offsets, max_q_len, max_kv_len,
+                                                     activation=activation, alpha=alpha), do, q, k, v)
+        except NotImplementedError:
+            if backend == "triton":
+                raise
+    a = _ref._default_alpha(activation, alpha, q.shape[2])
+    (Tq, H, Dqk), Dv = q.shape, v.shape[2]
+    mq = _longest(q_offsets)
+    mk = _longest(kv_offsets)
+    if mq == 0 or mk == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    pq = _ref._pad(q.reshape(Tq, H * Dqk), q_offsets, mq).view(B, mq, H, Dqk).transpose(1, 2)
+    pk = _ref._pad(k.reshape(-1, H * Dqk), kv_offsets, mk).view(B, mk, H, Dqk).transpose(1, 2)
+    pv = _ref._pad(v.reshape(-1, H * Dv), kv_offsets, mk).view(B, mk, H, Dv).transpose(1, 2)
+    pdo = _ref._pad(do.reshape(Tq, H * Dv), q_offsets, mq).view(B, mq, H, Dv).transpose(1, 2)
+    lk = (kv_offsets[1:] - kv_offsets[:-1]).view(B, 1, 1, 1)
+    valid = (torch.arange(mk, device=q.device).view(1, 1, 1, mk) < lk).expand(B, 1, mq, mk)
+    dq, dk, dv = _attend_padded_bwd(pq, pk, pv, valid, pdo, activation, a, float(max(max_kv_len, 1)))
+    dq = _ref._unpad(dq.transpose(1, 2).reshape(B, mq, H * Dqk), q_offsets).view(Tq, H, Dqk)
+    dk = _ref._unpad(dk.transpose(1, 2).reshape(B, mk, H * Dqk), kv_offsets).view(k.shape)
+    dv = _ref._unpad(dv.transpose(1, 2).reshape(B, mk, H * Dv), kv_offsets).view(v.shape)
+    return dq, dk, dv
+
+
+@_cross_attention_bwd_op.register_fake
+def _(do, q, q_offsets, k, v, kv_offsets, max_q_len, max_kv_len, activation, alpha, backend):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _cross_setup(ctx, inputs, output):
+    q, q_offsets, k, v, kv_offsets, max_q_len, max_kv_len, activation, alpha, backend = inputs
+    ctx.save_for_backward(q, q_offsets, k, v, kv_offsets)
+    ctx.args = (max_q_len, max_kv_len, activation, alpha, backend)
+
+
+def _cross_backward(ctx, do):
+    q, q_offsets, k, v, kv_offsets = ctx.saved_tensors
+    dq, dk, dv = torch.ops.gemray.cross_attention_backward(do.contiguous(), q, q_offsets, k, v, kv_offsets,
+                                                           *ctx.args)
+    return dq, None, dk, dv, None, None, None, None, None, None
+
+
+_cross_attention_op.register_autograd(_cross_backward, setup_context=_cross_setup)
+
+
+def cross_attention(q: torch.Tensor, q_offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    kv_offsets: torch.Tensor, max_q_len: int, max_kv_len: int, *, activation: str = "softmax",
+                    alpha: float | None = None, backend: str = "auto") -> torch.Tensor:
+    """Jagged cross-attention (GDPA cross): query rows of sequence b attend to every key of sequence b.
+
+    Args:
+        q: [Tq, H, Dqk] float (e.g. the candidates of each request), jagged by q_offsets [B+1] int64.
+        k: [Tk, H, Dqk], v: [Tk, H, Dv], same dtype and device (e.g. the user history), jagged by
+            kv_offsets [B+1] int64 (the same B). Non-causal: every key of the sequence is seen.
+        max_q_len / max_kv_len: host ints >= every query / key sequence length; pointwise activations
+            divide by N = max_kv_len (HSTU's constant normaliser).
+        activation: "softmax" (over the sequence's keys), "silu" / "gelu" / "none" (act(alpha q.k) / N).
+        alpha: logit scale; default 1/sqrt(Dqk) for softmax, 1.0 otherwise.
+        backend: "auto" | "triton" | "reference", the rules of ``attention`` (module docstring).
+    Returns:
+        [Tq, H, Dv] in q's dtype; a query whose sequence has no keys gets 0. Differentiable in q, k, v
+        (once: no double backward); every input stays in the graph when Tq, Tk or B is 0.
+    Raises:
+        ValueError: bad shapes, batch sizes or backend name, a sequence longer than its max length
+        (reference); RuntimeError: "triton" forced off CUDA or without the kernels.
+    Semantics: ``gemray.kernels.reference.jagged_cross_attention_ref``; kernel:
+    ``gemray.kernels.jagged_attention.jagged_cross_attention_triton``.
+    """
+    _cross_check(q, q_offsets, k, v, kv_offsets)
+    return torch.ops.gemray.cross_attention(q, q_offsets, k, v, kv_offsets, int(max_q_len), int(max_kv_len),
+                                            activation, None if alpha is None else float(alpha), backend)
+
+
+_PMA_Q_OFFSETS: dict = {}
+
+
+def _pma_q_offsets(kv_offsets: torch.Tensor, s: int) -> torch.Tensor:
+    """[B+1] int64 ``arange(B+1) * s``: the seed rows of PMA as jagged queries. Kept per (B, s, device) so
+    the Triton launch plans keyed on the offsets object are reused across backward calls."""
+    key = (kv_offsets.numel(), s, kv_offsets.device)
+    hit = _PMA_Q_OFFSETS.get(key)
+    if hit is None:
+        if len(_PMA_Q_OFFSETS) > 64:
+            _PMA_Q_OFFSETS.clear()
+        hit = torch.arange(kv_offsets.numel(), device=kv_offsets.device, dtype=torch.int64) * s
+        if not (hit.is_meta or isinstance(hit, torch._subclasses.FakeTensor)):
+            _PMA_Q_OFFSETS[key] = hit
+    return hit
+
+
+@torch.library.custom_op("gemray::pma", mutates_args=())
+def _pma_op(seeds: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_offsets: torch.Tensor, max_kv_len: int,
+            activation: str, alpha: float | None, backend: str) -> torch.Tensor:
+    with torch.no_grad():
+        if _gdpa_backend(backend, k.device, "pma") == "triton":
+            fn = _load_gdpa("pma")
+            try:
+                return fn(seeds, k, v, kv_offsets, max_kv_len, activation=activation, alpha=alpha)
+            except NotImplementedError as e:
+                if backend == "triton":
+                    raise
+                _log_decline(str(e))
+        # contiguous: the reference returns a transposed view; the op's (fake) output layout is contiguous
+        return _ref.pma_ref(seeds, k, v, kv_offsets, max_kv_len, activation=activation, alpha=alpha).contiguous()
+
+
+@_pma_op.register_fake
+def _(seeds, k, v, kv_offsets, max_kv_len, activation, alpha, backend):
+    return seeds.new_empty((kv_offsets.shape[0] - 1, seeds.shape[0], seeds.shape[1], v.shape[2]))
+
+
+@torch.library.custom_op("gemray::pma_backward", mutates_args=())
+def _pma_bwd_op(do: torch.Tensor, seeds: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_offsets: torch.Tensor,
+                max_kv_len: int, activation: str, alpha: float | None, backend: str
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    B = kv_offsets.numel() - 1
+    if B == 0 or k.shape[0] == 0 or seeds.shape[0] == 0:
+        return torch.zeros_like(seeds), torch.zeros_like(k), torch.zeros_like(v)
+    S, H, Dqk = seeds.shape
+    Dv = v.shape[2]
+    if _gdpa_backend(backend, k.device, "pma") == "triton":
+        fn = _load_gdpa("gdpa")  # the generic kernel: pma_triton's output is a view, not an autograd output here
+        q_off = _pma_q_offsets(kv_offsets, S)
+        try:
+            return _grads_through(lambda a, b, c: fn(a, b, c, q_off, kv_offsets, S, max_kv_len, activation=activation,
+                                                     causal=False, alpha=alpha, q_broadcast=True),
+                                  do.reshape(B * S, H, Dv), seeds, k, v)
+        except NotImplementedError:
+            if backend == "triton":
+                raise
+    a = _ref._default_alpha(activation, alpha, Dqk)
+    mk = _longest(kv_offsets)
+    if mk == 0:
+        return torch.zeros_like(seeds), torch.zeros_like(k), torch.zeros_like(v)
+    pq = seeds.transpose(0, 1).unsqueeze(0)  # [1, H, S, Dqk]
+    pk = _ref._pad(k.reshape(-1, H * Dqk), kv_offsets, mk).view(B, mk, H, Dqk).transpose(1, 2)
+    pv = _ref._pad(v.reshape(-1, H * Dv), kv_offsets, mk).view(B, mk, H, Dv).transpose(1, 2)
+    lk = (kv_offsets[1:] - kv_offsets[:-1]).view(B, 1, 1, 1)
+    valid = (torch.arange(mk, device=k.device).view(1, 1, 1, mk) < lk).expand(B, 1, S, mk)
+    dq, dk, dv = _attend_padded_bwd(pq, pk, pv, valid, do.transpose(1, 2), activation, a,
+                                    float(max(max_kv_len, 1)))
+    dseeds = dq.sum(0).transpose(0, 1).contiguous()  # [S, H, Dqk]
+    dk = _ref._unpad(dk.transpose(1, 2).reshape(B, mk, H * Dqk), kv_offsets).view(k.shape)
+    dv = _ref._unpad(dv.transpose(1, 2).reshape(B, mk, H * Dv), kv_offsets).view(v.shape)
+    return dseeds, dk, dv
+
+
+@_pma_bwd_op.register_fake
+def _(do, seeds, k, v, kv_offsets, max_kv_len, activation, alpha, backend):
+    return torch.empty_like(seeds), torch.empty_like(k), torch.empty_like(v)
+
+
+def _pma_setup(ctx, inputs, output):
+    seeds, k, v, kv_offsets, max_kv_len, activation, alpha, backend = inputs
+    ctx.save_for_backward(seeds, k, v, kv_offsets)
+    ctx.args = (max_kv_len, activation, alpha, backend)
+
+
+def _pma_backward(ctx, do):
+    seeds, k, v, kv_offsets = ctx.saved_tensors
+    ds, dk, dv = torch.ops.gemray.pma_backward(do.contiguous(), seeds, k, v, kv_offsets, *ctx.args)
+    return ds, dk, dv, None, None, None, None, None
+
+
+_pma_op.register_autograd(_pma_backward, setup_context=_pma_setup)
+
+
+def pma(seeds: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_offsets: torch.Tensor, max_kv_len: int, *,
+        activation: str = "softmax", alpha: float | None = None, backend: str = "auto") -> torch.Tensor:
+    """Pooled multi-head attention (PMA, Lee et al. 2019 "Set Transformer", ICML; GDPA with seed queries):
+    S learned seed queries per head, shared by every sequence, attend to each jagged history.
+
+    Args:
+        seeds: [S, H, Dqk] float; k: [T, H, Dqk], v: [T, H, Dv] (same dtype / device), jagged by
+            kv_offsets [B+1] int64.
+        max_kv_len: host int >= every history length; pointwise activations divide by N = max_kv_len.
+        activation / alpha / backend: as ``cross_attention``.
+    Returns:
+        [B, S, H, Dv] in seeds' dtype; an empty history gives 0. Differentiable in seeds, k, v (once);
+        every input stays in the graph when B or T is 0.
+    Raises:
+        ValueError: bad shapes or backend name, a history longer than max_kv_len (reference);
+        RuntimeError: "triton" forced off CUDA or without the kernels.
+    Semantics: ``gemray.kernels.reference.pma_ref``; kernel: ``gemray.kernels.jagged_attention.pma_triton``.
+    """
+    if seeds.dim() != 3 or k.dim() != 3 or v.dim() != 3 or seeds.shape[1:] != k.shape[1:] or \
+            v.shape[:2] != k.shape[:2]:
+        raise ValueError(f"pma: expected seeds [S,H,D], k [T,H,D], v [T,H,Dv], got seeds {tuple(seeds.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    return torch.ops.gemray.pma(seeds, k, v, kv_offsets, int(max_kv_len), activation,
+                                None if alpha is None else float(alpha), backend)
+
+
+# FLOP formulas (torch.utils.flop_counter, raw arguments: the offsets' values give the valid pairs). Model
+# FLOPs, the convention of gemray.model.flops: forward = 2 GEMMs over the valid (query, key) pairs,
+# 2 * pairs * H * (Dqk + Dv); backward = 2.5x the forward (FlashAttention's 5 GEMMs, QK^T recomputed; exact
+# when Dqk == Dv), so forward + backward = 3.5x the forward as NVIDIA's cal_hstu_flops_single_rank.
+# Fake / meta offsets (no values) count the padded bound B * max_q_len * max_kv_len.
+
+
+def _pairs(q_offsets: torch.Tensor, kv_offsets: torch.Tensor, max_q_len: int, max_kv_len: int) -> int:
+    try:
+        lq = (q_offsets[1:] - q_offsets[:-1]).to(torch.float64)
+        lk = (kv_offsets[1:] - kv_offsets[:-1]).to(torch.float64)
+        return int((lq * lk).sum().item())
+    except RuntimeError:  # fake / meta tensors have no values
+        return (q_offsets.shape[0] - 1) * int(max_q_len) * int(max_kv_len)
+
+
+def gdpa_flops(pairs: int, heads: int, d_qk: int, d_v: int, backward: bool = False) -> int:
+    """Model FLOPs of attention over ``pairs`` valid (query, key) pairs per head: forward
+    2 * pairs * heads * (d_qk + d_v); ``backward``: 2.5x that (see the note above). Shared with
+    ``gemray.model.flops``."""
+    fwd = 2 * pairs * heads * (d_qk + d_v)
+    return fwd * 5 // 2 if backward else fwd
+
+
+def _register_flops() -> None:
+    from torch.utils.flop_counter import flop_registry, register_flop_formula
+
+    def cross_fwd(q, q_offsets, k, v, kv_offsets, max_q_len, max_kv_len, *args, out_val=None, **kw):
+        return gdpa_flops(_pairs(q_offsets, kv_offsets, max_q_len, max_kv_len), q.shape[1], q.shape[2], v.shape[2])
+
+    def cross_bwd(do, q, q_offsets, k, v, kv_offsets, max_q_len, max_kv_len, *args, out_val=None, **kw):
+        return gdpa_flops(_pairs(q_offsets, kv_offsets, max_q_len, max_kv_len), q.shape[1], q.shape[2], v.shape[2],
+                          backward=True)
+
+    def _pma_pairs(seeds, kv_offsets, max_kv_len):
+        try:
+            return int((kv_offsets[-1] - kv_offsets[0]).item()) * seeds.shape[0]
+        except RuntimeError:  # fake / meta tensors have no values: the padded bound
+            return (kv_offsets.shape[0] - 1) * int(max_kv_len) * seeds.shape[0]
+
+    def pma_fwd(seeds, k, v, kv_offsets, max_kv_len, *args, out_val=None, **kw):
+        return gdpa_flops(_pma_pairs(seeds, kv_offsets, max_kv_len), seeds.shape[1], seeds.shape[2], v.shape[2])
+
+    def pma_bwd(do, seeds, k, v, kv_offsets, max_kv_len, *args, out_val=None, **kw):
+        return gdpa_flops(_pma_pairs(seeds, kv_offsets, max_kv_len), seeds.shape[1], seeds.shape[2], v.shape[2],
+                          backward=True)
+
+    for op, fn in ((torch.ops.gemray.cross_attention, cross_fwd),
+                   (torch.ops.gemray.cross_attention_backward, cross_bwd),
+                   (torch.ops.gemray.pma, pma_fwd), (torch.ops.gemray.pma_backward, pma_bwd)):
+        if op not in flop_registry:
+            register_flop_formula(op, get_raw=True)(fn)
+
+
+_register_flops()

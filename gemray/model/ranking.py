@@ -1,0 +1,217 @@
+"""Ranking part of GEM: a candidate tower over the encoded history and multi-task BCE heads (CTR, CVR).
+
+Shape key: B requests, T history tokens (jagged by offsets [B+1]), C candidates (jagged by
+candidate_offsets [B+1]), d = ``cfg.width``, H heads, A = ``attention_dim`` (per-head q/k), V = ``linear_dim``
+(per-head v), S = ``pma_seeds``, K = number of ranking tasks (``cfg.ranking_tasks``).
+
+``CandidateTower`` (target attention of DIN / GEM-style rankers, on the GDPA kernels)::
+
+    h      = LayerNorm(history)                                [T, d]   (no affine, eps 1e-6)
+    c      = LayerNorm(candidates)                             [C, d]
+    k | v  = h @ W_kv + b_kv                                   [T, H*A] | [T, H*V]   (shared by both below)
+    q      = c @ W_q + b_q                                     [C, H*A]
+    x      = ops.cross_attention(q, k, v) @ W_o + b_o          [C, d]   non-causal: a candidate sees the whole
+                                                                        history of its own request
+    u      = ops.pma(seeds, k, v) @ W_p + b_p                  [B, d]   seeds [S, H, A]; [B, S*H*V] -> d
+    logits = MLP([x | candidates | u[req] | ctx[req]])         [C, K]   ctx only with context features
+
+req = the request of each candidate (``segment_ids(candidate_offsets)``). The MLP is Linear + SiLU per
+``mlp_dims`` entry, then Linear to K. Attention: ``tower_activation`` ("softmax" default: alpha = 1/sqrt(A);
+pointwise: act(q.k)/N with N = max_seq_len). A request with no history gets x = b_o and u = b_p (attention
+over nothing is 0); one with no candidates contributes nothing to the logits.
+
+``MultiTaskHead``: BCE-with-logits per task on ``labels`` [C, 2] (column 0 click, column 1 convert, as
+``gemray.jagged.LABEL_NAMES``): "ctr" on click over every candidate; "cvr" on convert over the clicked
+candidates (``cvr_population = "clicked"``: post-click conversion p(convert | click), the usual CVR) or over
+every candidate ("all": p(click & convert), ESMM's pCTCVR, free of sample-selection bias). Loss = sum_t w_t *
+mean BCE of task t over its population on this rank; an empty population (no candidates, B = 0, no clicks)
+gives 0 for that task, still connected to every parameter (the distributed backward needs every rank to reach
+all parameters).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gemray import ops
+from gemray.config import ModelConfig
+from gemray.jagged import segment_ids
+
+LN_EPS = 1e-6
+LABEL_COLUMN = {"ctr": 0, "cvr": 1}  # the column of JaggedBatch.labels each task reads (click, convert)
+
+
+class CandidateTower(nn.Module):
+    """Cross-attention of candidates to their request's history + PMA pooling + interaction MLP -> logits.
+
+    Args:
+        cfg: ModelConfig (d = ``cfg.width``, heads / dims / ``pma_seeds`` / ``mlp_dims`` /
+            ``tower_activation`` / ``attention_backend``); needs at least one ranking task.
+        max_seq_len: the longest history (the attention bound and the N of pointwise activations).
+        has_context: whether ``forward`` gets a context vector (default: ``cfg`` has context features).
+        device: where parameters are built ("meta" too: ``to_empty`` + ``init_weights`` later).
+    Parameters: q / kv / out / pool (nn.Linear), seeds [S, H, A] (normal, std 0.02), mlp (nn.Sequential).
+    Raises ValueError without a ranking task or with max_seq_len < 1.
+    """
+
+    def __init__(self, cfg: ModelConfig, max_seq_len: int, *, has_context: bool | None = None, device=None):
+        super().__init__()
+        cfg.validate()
+        if not cfg.ranking_tasks:
+            raise ValueError(f"CandidateTower: model.tasks {cfg.tasks} has no ranking task "
+                             f"({ModelConfig.RANKING_TASKS})")
+        if max_seq_len < 1:
+            raise ValueError(f"CandidateTower: max_seq_len must be >= 1, got {max_seq_len}")
+        d, H, A, V, S = cfg.width, cfg.num_heads, cfg.attention_dim, cfg.linear_dim, cfg.pma_seeds
+        self.d, self.h, self.a, self.v, self.s = d, H, A, V, S
+        self.max_seq_len = max_seq_len
+        self.activation = cfg.tower_activation
+        self.backend = cfg.attention_backend
+        self.has_context = bool(cfg.context_features) if has_context is None else bool(has_context)
+        self.num_tasks = len(cfg.ranking_tasks)
+        self.q = nn.Linear(d, H * A, device=device)
+        self.kv = nn.Linear(d, H * (A + V), device=device)
+        self.out = nn.Linear(H * V, d, device=device)
+        self.pool = nn.Linear(S * H * V, d, device=device)
+        dims = [d * (4 if self.has_context else 3)] + [int(m) for m in cfg.mlp_dims]
+        layers: list[nn.Module] = []
+        for i, o in zip(dims[:-1], dims[1:]):
+            layers += [nn.Linear(i, o, device=device), nn.SiLU()]
+        layers.append(nn.Linear(dims[-1], self.num_tasks, device=device))
+        self.mlp = nn.Sequential(*layers)
+        self.seeds = nn.Parameter(torch.empty(S, H, A, device=device))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """This module's own parameter (the PMA seeds); the nn.Linear children reset themselves."""
+        nn.init.normal_(self.seeds, std=0.02)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Draw every parameter anew in construction order (the Linears, then the seeds), as construction does."""
+        for m in (self.q, self.kv, self.out, self.pool, *self.mlp):
+            if isinstance(m, nn.Linear):
+                m.reset_parameters()
+        self.reset_parameters()
+
+    def forward(self, history: torch.Tensor, offsets: torch.Tensor, candidates: torch.Tensor,
+                candidate_offsets: torch.Tensor, context: torch.Tensor | None = None, *,
+                max_candidates: int | None = None) -> torch.Tensor:
+        """Logits of every candidate for every ranking task.
+
+        Args:
+            history: [T, d] float, the encoded history (e.g. the HSTU states), jagged by offsets [B+1] int64.
+            candidates: [C, d] float candidate embeddings (``InputLayer.candidate_embeddings``), jagged by
+                candidate_offsets [B+1] int64 (the same B).
+            context: [B, d] float request embeddings; required iff ``has_context``.
+            max_candidates: host int >= every request's candidate count (default: computed, one host sync).
+        Returns:
+            [C, K] float logits, K = len(cfg.ranking_tasks), tasks in ``cfg.tasks`` order.
+        Raises:
+            ValueError: mismatched shapes / batch sizes, a missing or unexpected context, a history longer
+            than max_seq_len.
+        """
+        B = offsets.numel() - 1
+        T, C = history.shape[0], candidates.shape[0]
+        if history.dim() != 2 or history.shape[1] != self.d or candidates.dim() != 2 or candidates.shape[1] != self.d:
+            raise ValueError(f"CandidateTower: expected history [T, {self.d}] and candidates [C, {self.d}], got "
+                             f"{tuple(history.shape)} and {tuple(candidates.shape)}")
+        if candidate_offsets.numel() != B + 1 or int(offsets[-1]) != T or int(candidate_offsets[-1]) != C:
+            raise ValueError(f"CandidateTower: offsets [B+1={B + 1}] must end at T={T} and candidate_offsets "
+                             f"[B+1] at C={C}, got {tuple(offsets.shape)} -> {int(offsets[-1])}, "
+                             f"{tuple(candidate_offsets.shape)} -> {int(candidate_offsets[-1])}")
+        if (context is not None) != self.has_context or (context is not None and context.shape != (B, self.d)):
+            raise ValueError(f"CandidateTower: context expected {'[B, d]' if self.has_context else 'None'} "
+                             f"(has_context={self.has_context}), got "
+                             f"{None if context is None else tuple(context.shape)}")
+        if max_candidates is None:
+            max_candidates = int((candidate_offsets[1:] - candidate_offsets[:-1]).max()) if B else 0
+        H, A, V = self.h, self.a, self.v
+        h = F.layer_norm(history, (self.d,), eps=LN_EPS)
+        c = F.layer_norm(candidates, (self.d,), eps=LN_EPS)
+        k, v = torch.split(self.kv(h), [H * A, H * V], dim=1)
+        k, v = k.reshape(T, H, A), v.reshape(T, H, V)
+        q = self.q(c).reshape(C, H, A)
+        x = ops.cross_attention(q, candidate_offsets, k, v, offsets, max_candidates, self.max_seq_len,
+                                activation=self.activation, backend=self.backend)
+        x = self.out(x.reshape(C, H * V))                                       # [C, d]
+        u = ops.pma(self.seeds, k, v, offsets, self.max_seq_len, activation=self.activation,
+                    backend=self.backend)                                       # [B, S, H, V]
+        u = self.pool(u.reshape(B, self.s * H * V))                             # [B, d]
+        req = segment_ids(candidate_offsets)                                    # [C]
+        parts = [x, candidates, u[req]]
+        if context is not None:
+            parts.append(context[req])
+        return self.mlp(torch.cat(parts, dim=1))
+
+
+class MultiTaskHead(nn.Module):
+    """Weighted BCE-with-logits over the ranking tasks (module docstring); no parameters.
+
+    Args:
+        tasks: ranking task names in logit-column order, each "ctr" or "cvr" (e.g. ``cfg.ranking_tasks``).
+        weights: one weight >= 0 per task (default all 1.0).
+        cvr_population: "clicked" or "all" (module docstring).
+    Raises ValueError on unknown / repeated tasks, bad weights or population.
+    """
+
+    def __init__(self, tasks: Sequence[str], weights: Sequence[float] | None = None,
+                 cvr_population: str = "clicked"):
+        super().__init__()
+        tasks = list(tasks)
+        if not tasks or len(set(tasks)) != len(tasks) or any(t not in LABEL_COLUMN for t in tasks):
+            raise ValueError(f"MultiTaskHead: tasks must be distinct entries of {tuple(LABEL_COLUMN)}, got {tasks}")
+        weights = [1.0] * len(tasks) if weights is None else [float(w) for w in weights]
+        if len(weights) != len(tasks) or any(w < 0 for w in weights):
+            raise ValueError(f"MultiTaskHead: expected {len(tasks)} weights >= 0, got {weights}")
+        if cvr_population not in ("clicked", "all"):
+            raise ValueError(f"MultiTaskHead: cvr_population must be 'clicked' or 'all', got {cvr_population!r}")
+        self.tasks, self.weights, self.cvr_population = tasks, weights, cvr_population
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig) -> "MultiTaskHead":
+        """The head of ``cfg``: its ranking tasks, their ``task_weights`` and ``cvr_population``."""
+        tasks = cfg.ranking_tasks
+        return cls(tasks, [cfg.task_weight(t) for t in tasks], cfg.cvr_population)
+
+    def targets_and_populations(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """labels [C, 2] float32 0/1 (click, convert) -> (targets [C, K] float, population [C, K] bool):
+        the label each task's logit predicts and which candidates count for it (also what NE / AUC
+        evaluation should use, ``gemray.metrics.BinaryMetrics``). Raises ValueError on a bad shape."""
+        if labels.dim() != 2 or labels.shape[1] < 2:
+            raise ValueError(f"MultiTaskHead: labels must be [C, 2] (click, convert), got {tuple(labels.shape)}")
+        cols = [LABEL_COLUMN[t] for t in self.tasks]
+        targets = labels[:, cols].to(torch.float32)
+        pop = torch.ones_like(targets, dtype=torch.bool)
+        if "cvr" in self.tasks and self.cvr_population == "clicked":
+            pop[:, self.tasks.index("cvr")] = labels[:, 0] > 0.5
+        return targets, pop
+
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """logits [C, K] float (``CandidateTower``), labels [C, 2] float32 -> (loss scalar, stats).
+
+        stats: {"loss_<task>": mean BCE of the task (0 when its population is empty), "count_<task>": its
+        population size (float), "num_candidates": C}, all detached. Raises ValueError on mismatched shapes.
+        """
+        if logits.dim() != 2 or logits.shape[1] != len(self.tasks) or labels.shape[0] != logits.shape[0]:
+            raise ValueError(f"MultiTaskHead: logits must be [C, {len(self.tasks)}] with labels [C, 2], got "
+                             f"{tuple(logits.shape)} and {tuple(labels.shape)}")
+        targets, pop = self.targets_and_populations(labels)
+        loss = logits.sum() * 0.0  # connects every parameter behind the logits, also when C == 0
+        stats: dict[str, torch.Tensor] = {"num_candidates": torch.tensor(float(logits.shape[0]))}
+        for j, (t, w) in enumerate(zip(self.tasks, self.weights)):
+            m = pop[:, j]
+            n = int(m.sum())
+            if n:
+                lt = F.binary_cross_entropy_with_logits(logits[m, j].float(), targets[m, j])
+                loss = loss + w * lt
+            else:
+                lt = logits.new_zeros((), dtype=torch.float32)
+            stats[f"loss_{t}"] = lt.detach()
+            stats[f"count_{t}"] = torch.tensor(float(n))
+        return loss, stats
