@@ -38,7 +38,6 @@ import os
 import re
 import shutil
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -109,7 +108,7 @@ def save_checkpoint(directory: str | Path, model: torch.nn.Module, optimizer: An
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
              "trainer": {"json": text, f"rng_rank{rank}": torch.get_rng_state()}}
     before = {p.name for p in directory.iterdir()}
-    dcp.save(state, checkpoint_id=str(directory), storage_writer=_test_pausing_writer(directory, trainer, rank))
+    dcp.save(state, checkpoint_id=str(directory))
     written = sorted(p.name for p in directory.iterdir() if p.is_file() and p.name not in before)
     for name in written:  # durable before the manifest that vouches for them
         _fsync(directory / name)
@@ -125,41 +124,6 @@ def save_checkpoint(directory: str | Path, model: torch.nn.Module, optimizer: An
     os.replace(tmp, directory / f"manifest_rank{rank}.json")
     _fsync(directory)
     return directory
-
-
-#: Test-only hook (tests/test_elastic.py): ``"<global_step>:<rank>:<folder>"`` makes that rank pause inside
-#: the DCP write of that step's checkpoint (its shard file written, the collective finish and ``.metadata``
-#: not yet) after writing ``<folder>/paused-rank<r>.json`` ({"pid", "global_step"}), so a test can SIGKILL
-#: the process mid-write. Once only: an existing marker disables it (the restarted attempt writes normally).
-PAUSE_ENV = "GEMRAY_TEST_PAUSE_CKPT_WRITE"
-
-
-def _test_pausing_writer(directory: Path, trainer: dict[str, Any], rank: int) -> Any:
-    spec = os.environ.get(PAUSE_ENV, "")
-    if not spec:
-        return None
-    try:
-        step, r, folder = spec.split(":", 2)
-        step_i, rank_i = int(step), int(r)
-    except ValueError:
-        raise ValueError(f"${PAUSE_ENV}={spec!r}: expected <global_step>:<rank>:<folder>") from None
-    marker = Path(folder) / f"paused-rank{rank}.json"
-    if step_i != int(trainer.get("global_step", -1)) or rank_i != rank or marker.exists():
-        return None
-    from torch.distributed.checkpoint import FileSystemWriter
-
-    class _PausingWriter(FileSystemWriter):
-        def write_data(self, plan, planner):  # noqa: ANN001
-            fut = super().write_data(plan, planner)
-            fut.wait()  # this rank's shard file is on disk
-            marker.parent.mkdir(parents=True, exist_ok=True)
-            marker.write_text(json.dumps({"pid": os.getpid(), "global_step": step_i}))
-            log.warning("%s: rank %d paused inside the DCP write of global step %d (pid %d)", PAUSE_ENV, rank,
-                        step_i, os.getpid())
-            time.sleep(600)  # the test kills this process
-            return fut
-
-    return _PausingWriter(str(directory))
 
 
 def _fsync(path: Path) -> None:
