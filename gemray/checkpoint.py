@@ -16,8 +16,8 @@ same-named entries); it is restored only when the rank existed in the saved run.
 Data: a checkpoint only loads into a model built for the same catalogue (the item table has num_items + 1
 rows), and its item ids only mean the same movies on the same prepared data. ``fit`` checks both before Ray
 starts (:func:`checkpoint_data` reads the record and the DCP metadata's table rows; see
-``gemray.controller.run.preflight_resume``). Checkpoints written before the record existed still carry the
-table rows in their DCP metadata.
+``gemray.controller.preflight.preflight_resume``). Checkpoints written before the record existed still carry
+the table rows in their DCP metadata.
 
 World size: DCP reshards on load (row-wise TorchRec ShardedTensors are read back by offset), so a
 checkpoint saved by N ranks loads on M ranks as long as the new sharding plan is also row-/table-/
@@ -306,34 +306,47 @@ def checkpoint_reason(global_step: int, every_steps: int, *, preempt: bool, epoc
     return None
 
 
-_CKPT_NAME = re.compile(r"checkpoint_[0-9A-Za-z_.:-]+")
-
-
 def committed_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Checkpoint dirs of a Ray Train V2 run that Ray committed, newest first.
+    """Checkpoint folders of a Ray Train V2 run (``<storage_path>/<name>``, local or shared file system) that
+    Ray committed, newest first: ``ray.train.Result.from_path(run_dir).best_checkpoints`` (the run's kept
+    checkpoints, in the order they were reported). Returns [] when the folder holds no Ray Train run yet, and
+    (with a warning) when Ray cannot load its record of the run (e.g. written by another Ray version)."""
+    from ray.train import Result
 
-    Committed = named in Ray's ``checkpoint_manager_snapshot.json`` (written by the controller after it
-    registers a reported checkpoint); directories left by an uncommitted report are ignored. Ray names
-    checkpoints ``checkpoint_<YYYY-MM-DD_HH-MM-SS.ffffff>``, so name order is time order. Returns []
-    when the snapshot is missing or unreadable.
-    """
-    run_dir = Path(run_dir)
-    snap = run_dir / "checkpoint_manager_snapshot.json"
+    train_log = logging.getLogger("ray.train")
+    level = train_log.level
+    train_log.setLevel(max(level, logging.WARNING))  # not Ray's "A run snapshot was found ... will be loaded"
     try:
-        names = set(_CKPT_NAME.findall(snap.read_text()))
-    except OSError:
+        result = Result.from_path(Path(run_dir).resolve())
+    except RuntimeError:  # no run folder, or no checkpoint was ever committed in it
         return []
-    return sorted((run_dir / n for n in names if (run_dir / n).is_dir()), key=lambda p: p.name, reverse=True)
+    except Exception as e:  # noqa: BLE001 - a record Ray itself refuses (Ray Train raises RayTrainError)
+        log.warning("cannot read the committed checkpoints of %s: %s: %s", run_dir, type(e).__name__, e)
+        return []
+    finally:
+        train_log.setLevel(level)
+    return [Path(ckpt.path) for ckpt, _ in reversed(result.best_checkpoints or [])]
+
+
+#: Ray Train V2's default checkpoint folder name (``checkpoint_<YYYY-MM-DD_HH-MM-SS.ffffff>``).
+_CKPT_NAME = re.compile(r"checkpoint_[0-9A-Za-z_.:-]+")
 
 
 def uncommitted_checkpoints(run_dir: str | Path) -> list[Path]:
     """Checkpoint folders of a Ray Train V2 run that Ray never committed (a report interrupted by a
-    failure, e.g. a worker killed while uploading), newest first. Ray's snapshot is what counts: these are
-    never restored. Returns [] when the snapshot is missing (nothing can be told apart then)."""
-    run_dir = Path(run_dir)
-    if not (run_dir / "checkpoint_manager_snapshot.json").is_file():
-        return []
+    failure, e.g. a worker killed while uploading), newest first. Ray's record of the run is what counts:
+    these are never restored. Returns [] when Ray has committed nothing in ``run_dir`` (nothing can be told
+    apart then).
+
+    Ray internals: Ray 2.60 has no public API that lists the checkpoint folders a report left without
+    committing them; this takes the folders named as Ray names checkpoints (``checkpoint_<timestamp>``)
+    minus :func:`committed_checkpoints`.
+    """
+    run_dir = Path(run_dir).resolve()
     committed = set(committed_checkpoints(run_dir))
+    if not committed:
+        return []
+    # newest first: Ray's names are timestamps, so name order is time order
     return sorted((p for p in run_dir.glob("checkpoint_*") if p.is_dir() and _CKPT_NAME.fullmatch(p.name)
                    and p not in committed), key=lambda p: p.name, reverse=True)
 
@@ -361,13 +374,15 @@ def choose_checkpoint(candidates: list[Path], verify=None) -> tuple[Path | None,
 
 
 def restore_from_ray(model: torch.nn.Module, optimizer: Any) -> dict[str, Any] | None:
-    """Restore the newest good checkpoint Ray Train committed; None on a fresh start.
+    """Restore the newest good checkpoint Ray Train committed; None on a fresh start. Call it in a Ray Train
+    worker.
 
     Starts from ``ray.train.get_checkpoint()`` (the latest committed). If it fails verification
     (corrupt or partial: see :func:`verify_checkpoint`), logs a WARNING naming it and the reason and
-    falls back to older committed checkpoints of the same run (:func:`committed_checkpoints`, local or
-    shared-filesystem storage). The returned trainer dict gains ``restored_from`` (path) and
-    ``skipped_checkpoints`` ([[path, reason]]). Raises ValueError when no committed checkpoint verifies.
+    falls back to older committed checkpoints of the same run (``ray.train.get_all_reported_checkpoints``,
+    newest first; local or shared-filesystem storage). The returned trainer dict gains ``restored_from``
+    (path) and ``skipped_checkpoints`` ([[path, reason]]). Raises ValueError when no committed checkpoint
+    verifies.
     """
     import ray.train
 
@@ -378,7 +393,11 @@ def restore_from_ray(model: torch.nn.Module, optimizer: Any) -> dict[str, Any] |
     if not latest.is_dir():  # remote storage: no siblings to fall back to; verify what Ray hands us
         with ckpt.as_directory() as d:
             return load_checkpoint(d, model, optimizer)
-    chosen, skipped = choose_checkpoint([latest] + committed_checkpoints(latest.parent))
+    # every checkpoint the controller holds as committed, in report order (nothing is in flight at a restore)
+    reported = ray.train.get_all_reported_checkpoints(
+        consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED, timeout_s=60)
+    older = [Path(r.checkpoint.path) for r in reversed(reported)]
+    chosen, skipped = choose_checkpoint([latest] + older)
     for path, why in skipped:
         log.warning("checkpoint %s is unusable (%s); falling back to the previous committed checkpoint",
                     path.name, why)

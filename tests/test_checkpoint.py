@@ -309,3 +309,29 @@ def test_pause_hook_stops_one_rank_inside_the_dcp_write(tmp_path):
                            capture_output=True, text=True, timeout=120)
     assert again.returncode == 0 and "saved 3" in again.stdout, again.stdout + again.stderr
     verify_checkpoint(tmp_path / "again" / "step-3")
+
+
+def test_committed_checkpoints_are_what_ray_train_reads_back(tmp_path, capfd):
+    """committed_checkpoints: what ``ray.train.Result.from_path`` lists for a run folder, newest (last
+    reported) first, quietly; uncommitted_checkpoints: the other checkpoint_* folders there (a report cut
+    short). A run folder without a record, a missing folder, a record Ray refuses: nothing committed."""
+    from ray_runs import write_committed
+
+    from gemray.checkpoint import committed_checkpoints, uncommitted_checkpoints
+
+    reported = ["checkpoint_2026-11-30_11-00-01.000001", "checkpoint_2026-11-30_11-00-05.000003",
+                "checkpoint_2026-11-30_11-00-09.000002"]
+    for n in reported + ["checkpoint_2026-11-30_11-00-12.000004"]:  # the last: reported, never committed
+        (tmp_path / n).mkdir()
+    (tmp_path / "not-a-checkpoint").mkdir()
+    assert committed_checkpoints(tmp_path) == [] and uncommitted_checkpoints(tmp_path) == []  # no record
+    assert committed_checkpoints(tmp_path / "missing") == []
+    write_committed(tmp_path, reported, [{"global_step": s} for s in (5, 10, 15)])
+    assert [p.name for p in committed_checkpoints(tmp_path)] == reported[::-1]
+    assert all(p.is_absolute() and p.parent == tmp_path.resolve() for p in committed_checkpoints(tmp_path))
+    # the reported-but-never-committed one (e.g. a rank killed while writing/uploading) is told apart
+    assert [p.name for p in uncommitted_checkpoints(tmp_path)] == ["checkpoint_2026-11-30_11-00-12.000004"]
+    assert "snapshot was found" not in capfd.readouterr().err  # Ray's INFO lines are not shown
+    # a committed folder removed by hand: Ray refuses the run folder, so does this (with a warning)
+    (tmp_path / reported[0]).rmdir()
+    assert committed_checkpoints(tmp_path) == [] and uncommitted_checkpoints(tmp_path) == []

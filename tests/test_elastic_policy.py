@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gemray.checkpoint import checkpoint_reason, choose_checkpoint, committed_checkpoints, uncommitted_checkpoints
+from gemray.checkpoint import checkpoint_reason, choose_checkpoint
 from gemray.controller.policy import (Event, decide_layout, decide_world_size, failure_events,
                                       preemption_action, should_emergency_checkpoint, summarize_recovery)
 from gemray.events import preempted_step
@@ -66,20 +66,6 @@ def test_choose_checkpoint_falls_back(tmp_path):
     assert [(p.name, w) for p, w in skipped] == [("c3", bad["c3"]), ("c2", bad["c2"])]
     assert choose_checkpoint(dirs[:2], verify)[0] is None
     assert choose_checkpoint([], verify) == (None, [])
-
-
-def test_committed_checkpoints_reads_ray_snapshot(tmp_path):
-    names = ["checkpoint_2026-11-30_11-00-01.000001", "checkpoint_2026-11-30_11-00-09.000002",
-             "checkpoint_2026-11-30_11-00-05.000003"]
-    for n in names + ["checkpoint_2026-11-30_11-00-12.000004"]:  # the last: reported, never committed
-        (tmp_path / n).mkdir()
-    assert committed_checkpoints(tmp_path) == []  # no snapshot: nothing is known committed
-    assert uncommitted_checkpoints(tmp_path) == []
-    (tmp_path / "checkpoint_manager_snapshot.json").write_text(
-        json.dumps({"checkpoint_results": [{"checkpoint_dir_name": n} for n in names]}))
-    assert [p.name for p in committed_checkpoints(tmp_path)] == sorted(names, reverse=True)
-    # the reported-but-never-committed one (e.g. a rank killed while writing/uploading) is told apart
-    assert [p.name for p in uncommitted_checkpoints(tmp_path)] == ["checkpoint_2026-11-30_11-00-12.000004"]
 
 
 def _run_plan(n, lengths, epoch, worlds_per_step, batch_size, bbs):
