@@ -1,5 +1,7 @@
-"""Pure elastic-controller decisions (no Ray): world size, layout, checkpoint choice and timing, the
-world-size-independent data plan (exactly once across resizes), the ledger audit and recovery figures."""
+"""Pure elastic decisions (no Ray): checkpoint choice and timing, preemption votes, the world-size-independent
+data plan (exactly once across resizes), the ledger audit and recovery figures. Ray Train V2 itself sizes
+the group (``min(available, max_workers)``) and the layout per world size is gemray.parallel.plan_layout
+(tests/test_train_layout.py)."""
 
 from __future__ import annotations
 
@@ -10,30 +12,10 @@ import numpy as np
 import pytest
 
 from gemray.checkpoint import checkpoint_reason, choose_checkpoint
-from gemray.controller.policy import (Event, decide_layout, decide_world_size, failure_events,
-                                      preemption_action, should_emergency_checkpoint, summarize_recovery)
-from gemray.events import preempted_step
+from gemray.events import Event, failure_events, preempted_step, summarize_recovery
 from gemray.ledger import LedgerWriter, audit
 from gemray.pipelines.bbs import global_epoch_order, global_steps_left, plan_global_step
-
-
-def test_decide_world_size():
-    assert decide_world_size(5, 1, 4) == 4
-    assert decide_world_size(1, 1, 2) == 1
-    assert decide_world_size(2, 2, 2) == 2
-    with pytest.raises(ValueError, match="fewer than min_workers=2"):
-        decide_world_size(1, 2, 4)
-    with pytest.raises(ValueError, match="min_workers"):
-        decide_world_size(3, 3, 2)
-
-
-def test_decide_layout():
-    p = decide_layout(3, "cpu")
-    assert p.world_size == 3 and p.dense_mesh == (3, 1)
-    assert p.sparse.backend == "gloo" and "row_wise" in p.sparse.sharding_types
-    assert decide_layout(1, "cuda").sparse.backend == "nccl"
-    with pytest.raises(ValueError):
-        decide_layout(0, "cpu")
+from gemray.preemption import preemption_action
 
 
 def test_checkpoint_reason():
@@ -47,10 +29,6 @@ def test_checkpoint_reason():
                              last_epoch=True) == "final"
     with pytest.raises(ValueError):
         checkpoint_reason(1, -1, **kw)
-    assert should_emergency_checkpoint(1, 2) and not should_emergency_checkpoint(0, 2)
-    assert not should_emergency_checkpoint(2, 2, healthy=False)
-    with pytest.raises(ValueError):
-        should_emergency_checkpoint(3, 2)
 
 
 def test_choose_checkpoint_falls_back(tmp_path):
