@@ -16,8 +16,8 @@ same-named entries); it is restored only when the rank existed in the saved run.
 Data: a checkpoint only loads into a model built for the same catalogue (the item table has num_items + 1
 rows), and its item ids only mean the same movies on the same prepared data. ``fit`` checks both before Ray
 starts (:func:`checkpoint_data` reads the record and the DCP metadata's table rows; see
-``gemray.controller.run.preflight_resume``). Checkpoints written before the record existed still carry the
-table rows in their DCP metadata.
+``gemray.controller.preflight.preflight_resume``). Checkpoints written before the record existed still carry
+the table rows in their DCP metadata.
 
 World size: DCP reshards on load (row-wise TorchRec ShardedTensors are read back by offset), so a
 checkpoint saved by N ranks loads on M ranks as long as the new sharding plan is also row-/table-/
@@ -38,7 +38,6 @@ import os
 import re
 import shutil
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -109,7 +108,7 @@ def save_checkpoint(directory: str | Path, model: torch.nn.Module, optimizer: An
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
              "trainer": {"json": text, f"rng_rank{rank}": torch.get_rng_state()}}
     before = {p.name for p in directory.iterdir()}
-    dcp.save(state, checkpoint_id=str(directory), storage_writer=_test_pausing_writer(directory, trainer, rank))
+    dcp.save(state, checkpoint_id=str(directory))
     written = sorted(p.name for p in directory.iterdir() if p.is_file() and p.name not in before)
     for name in written:  # durable before the manifest that vouches for them
         _fsync(directory / name)
@@ -125,41 +124,6 @@ def save_checkpoint(directory: str | Path, model: torch.nn.Module, optimizer: An
     os.replace(tmp, directory / f"manifest_rank{rank}.json")
     _fsync(directory)
     return directory
-
-
-#: Test-only hook (tests/test_elastic.py): ``"<global_step>:<rank>:<folder>"`` makes that rank pause inside
-#: the DCP write of that step's checkpoint (its shard file written, the collective finish and ``.metadata``
-#: not yet) after writing ``<folder>/paused-rank<r>.json`` ({"pid", "global_step"}), so a test can SIGKILL
-#: the process mid-write. Once only: an existing marker disables it (the restarted attempt writes normally).
-PAUSE_ENV = "GEMRAY_TEST_PAUSE_CKPT_WRITE"
-
-
-def _test_pausing_writer(directory: Path, trainer: dict[str, Any], rank: int) -> Any:
-    spec = os.environ.get(PAUSE_ENV, "")
-    if not spec:
-        return None
-    try:
-        step, r, folder = spec.split(":", 2)
-        step_i, rank_i = int(step), int(r)
-    except ValueError:
-        raise ValueError(f"${PAUSE_ENV}={spec!r}: expected <global_step>:<rank>:<folder>") from None
-    marker = Path(folder) / f"paused-rank{rank}.json"
-    if step_i != int(trainer.get("global_step", -1)) or rank_i != rank or marker.exists():
-        return None
-    from torch.distributed.checkpoint import FileSystemWriter
-
-    class _PausingWriter(FileSystemWriter):
-        def write_data(self, plan, planner):  # noqa: ANN001
-            fut = super().write_data(plan, planner)
-            fut.wait()  # this rank's shard file is on disk
-            marker.parent.mkdir(parents=True, exist_ok=True)
-            marker.write_text(json.dumps({"pid": os.getpid(), "global_step": step_i}))
-            log.warning("%s: rank %d paused inside the DCP write of global step %d (pid %d)", PAUSE_ENV, rank,
-                        step_i, os.getpid())
-            time.sleep(600)  # the test kills this process
-            return fut
-
-    return _PausingWriter(str(directory))
 
 
 def _fsync(path: Path) -> None:
@@ -342,34 +306,47 @@ def checkpoint_reason(global_step: int, every_steps: int, *, preempt: bool, epoc
     return None
 
 
-_CKPT_NAME = re.compile(r"checkpoint_[0-9A-Za-z_.:-]+")
-
-
 def committed_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Checkpoint dirs of a Ray Train V2 run that Ray committed, newest first.
+    """Checkpoint folders of a Ray Train V2 run (``<storage_path>/<name>``, local or shared file system) that
+    Ray committed, newest first: ``ray.train.Result.from_path(run_dir).best_checkpoints`` (the run's kept
+    checkpoints, in the order they were reported). Returns [] when the folder holds no Ray Train run yet, and
+    (with a warning) when Ray cannot load its record of the run (e.g. written by another Ray version)."""
+    from ray.train import Result
 
-    Committed = named in Ray's ``checkpoint_manager_snapshot.json`` (written by the controller after it
-    registers a reported checkpoint); directories left by an uncommitted report are ignored. Ray names
-    checkpoints ``checkpoint_<YYYY-MM-DD_HH-MM-SS.ffffff>``, so name order is time order. Returns []
-    when the snapshot is missing or unreadable.
-    """
-    run_dir = Path(run_dir)
-    snap = run_dir / "checkpoint_manager_snapshot.json"
+    train_log = logging.getLogger("ray.train")
+    level = train_log.level
+    train_log.setLevel(max(level, logging.WARNING))  # not Ray's "A run snapshot was found ... will be loaded"
     try:
-        names = set(_CKPT_NAME.findall(snap.read_text()))
-    except OSError:
+        result = Result.from_path(Path(run_dir).resolve())
+    except RuntimeError:  # no run folder, or no checkpoint was ever committed in it
         return []
-    return sorted((run_dir / n for n in names if (run_dir / n).is_dir()), key=lambda p: p.name, reverse=True)
+    except Exception as e:  # noqa: BLE001 - a record Ray itself refuses (Ray Train raises RayTrainError)
+        log.warning("cannot read the committed checkpoints of %s: %s: %s", run_dir, type(e).__name__, e)
+        return []
+    finally:
+        train_log.setLevel(level)
+    return [Path(ckpt.path) for ckpt, _ in reversed(result.best_checkpoints or [])]
+
+
+#: Ray Train V2's default checkpoint folder name (``checkpoint_<YYYY-MM-DD_HH-MM-SS.ffffff>``).
+_CKPT_NAME = re.compile(r"checkpoint_[0-9A-Za-z_.:-]+")
 
 
 def uncommitted_checkpoints(run_dir: str | Path) -> list[Path]:
     """Checkpoint folders of a Ray Train V2 run that Ray never committed (a report interrupted by a
-    failure, e.g. a worker killed while uploading), newest first. Ray's snapshot is what counts: these are
-    never restored. Returns [] when the snapshot is missing (nothing can be told apart then)."""
-    run_dir = Path(run_dir)
-    if not (run_dir / "checkpoint_manager_snapshot.json").is_file():
-        return []
+    failure, e.g. a worker killed while uploading), newest first. Ray's record of the run is what counts:
+    these are never restored. Returns [] when Ray has committed nothing in ``run_dir`` (nothing can be told
+    apart then).
+
+    Ray internals: Ray 2.60 has no public API that lists the checkpoint folders a report left without
+    committing them; this takes the folders named as Ray names checkpoints (``checkpoint_<timestamp>``)
+    minus :func:`committed_checkpoints`.
+    """
+    run_dir = Path(run_dir).resolve()
     committed = set(committed_checkpoints(run_dir))
+    if not committed:
+        return []
+    # newest first: Ray's names are timestamps, so name order is time order
     return sorted((p for p in run_dir.glob("checkpoint_*") if p.is_dir() and _CKPT_NAME.fullmatch(p.name)
                    and p not in committed), key=lambda p: p.name, reverse=True)
 
@@ -397,13 +374,15 @@ def choose_checkpoint(candidates: list[Path], verify=None) -> tuple[Path | None,
 
 
 def restore_from_ray(model: torch.nn.Module, optimizer: Any) -> dict[str, Any] | None:
-    """Restore the newest good checkpoint Ray Train committed; None on a fresh start.
+    """Restore the newest good checkpoint Ray Train committed; None on a fresh start. Call it in a Ray Train
+    worker.
 
     Starts from ``ray.train.get_checkpoint()`` (the latest committed). If it fails verification
     (corrupt or partial: see :func:`verify_checkpoint`), logs a WARNING naming it and the reason and
-    falls back to older committed checkpoints of the same run (:func:`committed_checkpoints`, local or
-    shared-filesystem storage). The returned trainer dict gains ``restored_from`` (path) and
-    ``skipped_checkpoints`` ([[path, reason]]). Raises ValueError when no committed checkpoint verifies.
+    falls back to older committed checkpoints of the same run (``ray.train.get_all_reported_checkpoints``,
+    newest first; local or shared-filesystem storage). The returned trainer dict gains ``restored_from``
+    (path) and ``skipped_checkpoints`` ([[path, reason]]). Raises ValueError when no committed checkpoint
+    verifies.
     """
     import ray.train
 
@@ -414,7 +393,11 @@ def restore_from_ray(model: torch.nn.Module, optimizer: Any) -> dict[str, Any] |
     if not latest.is_dir():  # remote storage: no siblings to fall back to; verify what Ray hands us
         with ckpt.as_directory() as d:
             return load_checkpoint(d, model, optimizer)
-    chosen, skipped = choose_checkpoint([latest] + committed_checkpoints(latest.parent))
+    # every checkpoint the controller holds as committed, in report order (nothing is in flight at a restore)
+    reported = ray.train.get_all_reported_checkpoints(
+        consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED, timeout_s=60)
+    older = [Path(r.checkpoint.path) for r in reversed(reported)]
+    chosen, skipped = choose_checkpoint([latest] + older)
     for path, why in skipped:
         log.warning("checkpoint %s is unusable (%s); falling back to the previous committed checkpoint",
                     path.name, why)

@@ -8,7 +8,7 @@
     gemray bench kernels [ARGS...]        (gemray.kernels.bench.main)
     gemray submit --config FILE [--address URL] ...   (gemray.controller.submit)
     gemray k8s render --config FILE [--kind rayjob|raycluster|pvc] [--gpu] [--image ...] [--storage ...]
-    gemray k8s validate FILES [--crds DIR]             (gemray.k8s)
+    gemray k8s validate FILES [--crds DIR]             (gemray.k8s.cli)
 
 User errors (bad config values, unknown keys, missing files, bad data rows) print one line
 ``gemray: error: ...`` and exit with status 2; a training failure exits with status 1; a run stopped by a
@@ -197,7 +197,7 @@ _K8S_COMMANDS = ("render", "validate", "regenerate")
 
 
 def _cmd_k8s(ns: argparse.Namespace) -> int:
-    from gemray.k8s import main as k8s_main
+    from gemray.k8s.cli import main as k8s_main
 
     if ns.k8s_command in ("-h", "--help"):
         print(_K8S_HELP)

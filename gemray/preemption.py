@@ -126,7 +126,7 @@ def claim_active(notice_path: str | Path, heartbeat_s: float = ACTIVE_HEARTBEAT_
     """Driver, before Ray starts: create the active marker (as :func:`mark_active`) only if there is none,
     atomically (the complete file is hard-linked into place, which fails when the marker exists, also on
     NFS), and start its heartbeat. Returns False when a marker is already there (another run's, or a stale
-    one: see ``gemray.controller.run.claim_output``). Raises OSError when the folder cannot be written."""
+    one: see ``gemray.controller.output_lock.claim_output``). Raises OSError when the folder cannot be written."""
     p = active_path(notice_path)
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = _write_json_atomic(p.with_name(f".{p.name}.claim.{os.getpid()}.{threading.get_ident()}"),

@@ -256,3 +256,82 @@ def test_manifest_records_the_data_it_was_trained_on(tmp_path):
     save_checkpoint(tmp_path / "old", model, opt, {"epoch": 1, "global_step": 3})
     assert checkpoint_data(tmp_path / "old") == {"record": None, "item_table_rows": 51}
     assert checkpoint_data(tmp_path / "missing") == {"record": None, "item_table_rows": None}
+
+
+_PAUSE_SCRIPT = """
+import os, sys
+import torch
+import torch.distributed as dist
+from gemray.checkpoint import save_checkpoint
+
+dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:" + sys.argv[1])
+model = torch.nn.Linear(3, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in map(int, sys.argv[3:]):
+    save_checkpoint(os.path.join(sys.argv[2], f"step-{step}"), model, opt, {"global_step": step})
+    print("saved", step, flush=True)
+"""
+
+
+def test_pause_hook_stops_one_rank_inside_the_dcp_write(tmp_path):
+    """tests/hooks/sitecustomize.py (what tests/test_elastic.py kills a rank with): with
+    GEMRAY_TEST_PAUSE_CKPT_WRITE=<step>:<rank>:<folder> and the hook folder on PYTHONPATH, the save of that
+    step stops after the rank's shard file and before DCP's .metadata, and says so in a marker with its pid;
+    other steps save normally, and once the marker exists that step saves normally too."""
+    import subprocess
+    import sys
+    import time
+
+    hooks, pause = Path(__file__).parent / "hooks", tmp_path / "pause"
+    env = dict(os.environ, GEMRAY_TEST_PAUSE_CKPT_WRITE=f"3:0:{pause}", PYTHONPATH=str(hooks))
+    script = tmp_path / "save.py"
+    script.write_text(_PAUSE_SCRIPT)
+    proc = subprocess.Popen([sys.executable, str(script), str(free_port()), str(tmp_path), "2", "3"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        marker = pause / "paused-rank0.json"
+        t0 = time.time()
+        while not marker.is_file() and proc.poll() is None and time.time() - t0 < 120:
+            time.sleep(0.1)
+        assert marker.is_file(), proc.communicate(timeout=10)[0]
+        time.sleep(0.2)  # the marker is written in one go, after the shard file
+        assert json.loads(marker.read_text()) == {"pid": proc.pid, "global_step": 3}
+        assert proc.poll() is None  # paused, not finished
+        assert (tmp_path / "step-2" / ".metadata").is_file()  # step 2 saved normally
+        files = {p.name for p in (tmp_path / "step-3").iterdir()}
+        assert "__0_0.distcp" in files and ".metadata" not in files, files
+    finally:
+        proc.kill()
+        out = proc.communicate(timeout=30)[0]
+    assert "saved 2" in out and "saved 3" not in out, out
+    # the marker is there: the restarted attempt writes that step normally
+    again = subprocess.run([sys.executable, str(script), str(free_port()), str(tmp_path / "again"), "3"], env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and "saved 3" in again.stdout, again.stdout + again.stderr
+    verify_checkpoint(tmp_path / "again" / "step-3")
+
+
+def test_committed_checkpoints_are_what_ray_train_reads_back(tmp_path, capfd):
+    """committed_checkpoints: what ``ray.train.Result.from_path`` lists for a run folder, newest (last
+    reported) first, quietly; uncommitted_checkpoints: the other checkpoint_* folders there (a report cut
+    short). A run folder without a record, a missing folder, a record Ray refuses: nothing committed."""
+    from ray_runs import write_committed
+
+    from gemray.checkpoint import committed_checkpoints, uncommitted_checkpoints
+
+    reported = ["checkpoint_2026-11-30_11-00-01.000001", "checkpoint_2026-11-30_11-00-05.000003",
+                "checkpoint_2026-11-30_11-00-09.000002"]
+    for n in reported + ["checkpoint_2026-11-30_11-00-12.000004"]:  # the last: reported, never committed
+        (tmp_path / n).mkdir()
+    (tmp_path / "not-a-checkpoint").mkdir()
+    assert committed_checkpoints(tmp_path) == [] and uncommitted_checkpoints(tmp_path) == []  # no record
+    assert committed_checkpoints(tmp_path / "missing") == []
+    write_committed(tmp_path, reported, [{"global_step": s} for s in (5, 10, 15)])
+    assert [p.name for p in committed_checkpoints(tmp_path)] == reported[::-1]
+    assert all(p.is_absolute() and p.parent == tmp_path.resolve() for p in committed_checkpoints(tmp_path))
+    # the reported-but-never-committed one (e.g. a rank killed while writing/uploading) is told apart
+    assert [p.name for p in uncommitted_checkpoints(tmp_path)] == ["checkpoint_2026-11-30_11-00-12.000004"]
+    assert "snapshot was found" not in capfd.readouterr().err  # Ray's INFO lines are not shown
+    # a committed folder removed by hand: Ray refuses the run folder, so does this (with a warning)
+    (tmp_path / reported[0]).rmdir()
+    assert committed_checkpoints(tmp_path) == [] and uncommitted_checkpoints(tmp_path) == []

@@ -1,4 +1,4 @@
-"""gemray.controller.run helpers that need no running cluster."""
+"""The driver (gemray.controller: run, preflight, output_lock, session, results) without a running cluster."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ import pytest
 import ray
 import torch
 from paths import DATA
+from ray_runs import write_committed
 
 from gemray.config import JobConfig, apply_overrides
-from gemray.controller import run
+from gemray.controller import output_lock, preflight, results, run, session
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -45,19 +46,19 @@ def fake_ray(monkeypatch):
 
 def test_embedded_cluster_start_is_retried_once_after_a_startup_timeout(fake_ray):
     fake = fake_ray([Exception("The current node timed out during startup. This could happen ...")])
-    assert run._connect_ray(JobConfig()) is True
+    assert session.connect(JobConfig()) is True
     assert (fake.calls, fake.shutdowns) == (2, 1)
 
 
 def test_other_start_errors_and_a_second_timeout_propagate(fake_ray):
     fake = fake_ray([RuntimeError("port in use")])
     with pytest.raises(RuntimeError, match="port in use"):
-        run._connect_ray(JobConfig())
+        session.connect(JobConfig())
     assert fake.calls == 1
     timeout = "The current node timed out during startup."
     fake = fake_ray([Exception(timeout), Exception(timeout)])
     with pytest.raises(Exception, match="timed out during startup"):
-        run._connect_ray(JobConfig())
+        session.connect(JobConfig())
     assert (fake.calls, fake.shutdowns) == (2, 1)
 
 
@@ -70,7 +71,7 @@ def test_an_address_where_nothing_listens_is_refused_at_once(fake_ray, monkeypat
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with pytest.raises(ValueError, match=f"'127.0.0.1:{port}': no Ray cluster answers there"):
-        run._connect_ray(apply_overrides(JobConfig(), [f"ray.address=127.0.0.1:{port}"]))
+        session.connect(apply_overrides(JobConfig(), [f"ray.address=127.0.0.1:{port}"]))
     assert fake.calls == 0
     joined = []
     monkeypatch.setattr(ray, "init", lambda **kw: joined.append(kw["address"]))
@@ -78,7 +79,7 @@ def test_an_address_where_nothing_listens_is_refused_at_once(fake_ray, monkeypat
         server.bind(("127.0.0.1", 0))
         server.listen()
         address = f"127.0.0.1:{server.getsockname()[1]}"
-        assert run._connect_ray(apply_overrides(JobConfig(), [f"ray.address={address}"])) is False
+        assert session.connect(apply_overrides(JobConfig(), [f"ray.address={address}"])) is False
     assert joined == [address]
 
 
@@ -86,9 +87,15 @@ def _manifest(num_items=1000, src="/nowhere", files=()):
     return {"vocab": {"num_items": num_items}, "source": {"dir": src, "files": list(files)}}
 
 
+def _preflight(cfg, manifest, *, embedded, previous=None, num_gpus=None):
+    """Both halves of the preflight, as fit runs them around preparing the data."""
+    preflight.preflight_resources(cfg, embedded=embedded, num_gpus=num_gpus)
+    preflight.preflight_data(cfg, manifest, previous=previous)
+
+
 def test_preflight_refuses_jobs_that_would_fail_in_the_workers(tmp_path):
     ok = JobConfig()
-    run.preflight(ok, _manifest(), embedded=True)
+    _preflight(ok, _manifest(), embedded=True)
     cases = [
         ("train.sparse_optimizer='adam' needs ray.use_gpu", dict(train={"sparse_optimizer": "adam"})),
         ("model.attention_backend='triton' needs ray.use_gpu", dict(model={"attention_backend": "triton"})),
@@ -101,20 +108,20 @@ def test_preflight_refuses_jobs_that_would_fail_in_the_workers(tmp_path):
             for k, v in kv.items():
                 setattr(getattr(cfg, section), k, v)
         with pytest.raises(ValueError, match=msg):
-            run.preflight(cfg, _manifest(), embedded=True)
+            _preflight(cfg, _manifest(), embedded=True)
     gpu = JobConfig()
     gpu.ray.use_gpu, gpu.train.sparse_optimizer, gpu.model.attention_backend = True, "adam", "triton"
-    run.preflight(gpu, _manifest(), embedded=True, num_gpus=2)
+    _preflight(gpu, _manifest(), embedded=True, num_gpus=2)
     # no (or too few) GPUs on the machine of an embedded cluster: Ray Train would wait for them forever
     with pytest.raises(ValueError, match=r"ray.use_gpu=true needs 2 GPU\(s\) .* this machine has 1"):
-        run.preflight(gpu, _manifest(), embedded=True, num_gpus=1)
+        _preflight(gpu, _manifest(), embedded=True, num_gpus=1)
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="this machine has 0"):
-            run.preflight(gpu, _manifest(), embedded=True)
-    run.preflight(gpu, _manifest(), embedded=False, num_gpus=0)  # an external cluster may have them
+            _preflight(gpu, _manifest(), embedded=True)
+    _preflight(gpu, _manifest(), embedded=False, num_gpus=0)  # an external cluster may have them
     big = JobConfig()
     big.ray.cpus_per_worker = 8.0
-    run.preflight(big, _manifest(), embedded=False)  # an external cluster may have the CPUs
+    _preflight(big, _manifest(), embedded=False)  # an external cluster may have the CPUs
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without GPUs")
@@ -136,23 +143,23 @@ def test_relative_paths_are_taken_from_the_driver_directory(tmp_path, monkeypatc
     cfg = JobConfig()
     cfg.data.raw_dir, cfg.data.prepared_dir = "raw", "~/prep"
     cfg.train.events_path, cfg.train.ledger_dir = "logs/events.jsonl", "ledger"
-    cfg = run._resolve(cfg, None)
+    cfg = run._resolve(cfg)
     assert cfg.data.raw_dir == str(tmp_path / "raw")
     assert cfg.data.prepared_dir == str(Path("~/prep").expanduser())
     assert cfg.train.events_path == str(tmp_path / "logs" / "events.jsonl")
     assert cfg.train.ledger_dir == str(tmp_path / "ledger")
     cfg = JobConfig()
-    assert (run._resolve(cfg, None).train.events_path, cfg.train.ledger_dir) == ("", "")
+    assert (run._resolve(cfg).train.events_path, cfg.train.ledger_dir) == ("", "")
 
 
 def test_preflight_compares_model_shape_with_the_previous_run():
     prev, same, other = JobConfig(), JobConfig(), JobConfig()
     same.model.dropout = 0.5                  # not a shape: resuming is fine
-    run.preflight(same, _manifest(), embedded=True, previous=prev)
+    _preflight(same, _manifest(), embedded=True, previous=prev)
     other.model.num_blocks = 3
     other.data.max_seq_len = 50
     with pytest.raises(ValueError, match=r"model.num_blocks: 8 -> 3, data.max_seq_len: 200 -> 50.*new --output"):
-        run.preflight(other, _manifest(), embedded=True, previous=prev)
+        _preflight(other, _manifest(), embedded=True, previous=prev)
 
 
 def _data_manifest(num_items, *, sha="ab", fmt="ml-1m", prepared="/data/ml-1m", src="/raw/ml-1m"):
@@ -178,8 +185,7 @@ def _committed_run(run_dir: Path, num_items: int, manifest=None) -> Path:
     name = "checkpoint_2026-01-01_00-00-00.000000"
     save_checkpoint(run_dir / name, model, torch.optim.SGD(model.parameters(), lr=0.1),
                     {"epoch": 1, "global_step": 3}, **({"data": record} if record else {}))
-    (run_dir / "checkpoint_manager_snapshot.json").write_text(json.dumps(
-        {"checkpoint_results": [{"checkpoint_dir_name": name}]}))
+    write_committed(run_dir, [name])
     return run_dir / name
 
 
@@ -192,10 +198,10 @@ def test_preflight_resume_refuses_a_checkpoint_of_other_data(tmp_path):
     cfg = JobConfig()
     cfg.data.prepared_dir = "/data/ml-100k"
     ml100k = _data_manifest(1682, sha="cd", fmt="ml-100k", prepared="/data/ml-100k", src="/raw/ml-100k")
-    assert run.preflight_resume(cfg, ml100k, run_dir, output_dir=out) is None  # nothing to resume: fresh
+    assert preflight.preflight_resume(cfg, ml100k, run_dir, output_dir=out) is None  # nothing to resume: fresh
     ckpt = _committed_run(run_dir, 3706, _data_manifest(3706))
     with pytest.raises(ValueError) as e:
-        run.preflight_resume(cfg, ml100k, run_dir, output_dir=out)
+        preflight.preflight_resume(cfg, ml100k, run_dir, output_dir=out)
     msg = str(e.value)
     for part in (f"output folder {out} holds checkpoint {ckpt}", "item embedding table has 3707 rows (3706 items)",
                  "data.prepared_dir /data/ml-100k has 1682 items (1683 rows)",
@@ -205,13 +211,13 @@ def test_preflight_resume_refuses_a_checkpoint_of_other_data(tmp_path):
     edited = _data_manifest(3706, sha="ef", prepared="/data/ml-1m-edited")
     with pytest.raises(ValueError, match=r"same number of items \(3706\) but other data .*ratings.dat sha256 "
                                          r"abababababab\.\. -> efefefefefef\.\."):
-        run.preflight_resume(cfg, edited, run_dir, output_dir=out)
+        preflight.preflight_resume(cfg, edited, run_dir, output_dir=out)
     # the same data prepared again elsewhere (make demo re-prepares it each time): resumes
     again = _data_manifest(3706, prepared="/elsewhere/ml-1m")
-    assert run.preflight_resume(cfg, again, run_dir, output_dir=out) == ckpt
+    assert preflight.preflight_resume(cfg, again, run_dir, output_dir=out) == ckpt
     # checkpoints under ray.storage_path, outside the output folder: that is the folder to remove
     with pytest.raises(ValueError, match=f"or remove {run_dir} "):
-        run.preflight_resume(cfg, ml100k, run_dir, output_dir=tmp_path / "elsewhere")
+        preflight.preflight_resume(cfg, ml100k, run_dir, output_dir=tmp_path / "elsewhere")
 
 
 def test_preflight_resume_is_lenient_with_checkpoints_without_a_record(tmp_path, caplog):
@@ -221,14 +227,14 @@ def test_preflight_resume_is_lenient_with_checkpoints_without_a_record(tmp_path,
     run_dir = out / "ray" / "job"
     ckpt = _committed_run(run_dir, 3706)
     cfg = JobConfig()
-    with caplog.at_level(logging.WARNING, logger="gemray.controller.run"):
-        assert run.preflight_resume(cfg, _data_manifest(3706), run_dir, output_dir=out) == ckpt
+    with caplog.at_level(logging.WARNING, logger=preflight.log.name):
+        assert preflight.preflight_resume(cfg, _data_manifest(3706), run_dir, output_dir=out) == ckpt
     assert "records no data fingerprint" in caplog.text and "cannot be checked; resuming it" in caplog.text
     prev = JobConfig()
     prev.data.prepared_dir, prev.data.raw_dir = "/data/ml-1m", "/raw/ml-1m"
     with pytest.raises(ValueError, match=r"3707 rows \(3706 items\).* 1682 items .*config.toml names "
                                          r"data.prepared_dir /data/ml-1m \(raw /raw/ml-1m\)"):
-        run.preflight_resume(cfg, _data_manifest(1682), run_dir, output_dir=out, previous=prev)
+        preflight.preflight_resume(cfg, _data_manifest(1682), run_dir, output_dir=out, previous=prev)
 
 
 @pytest.mark.skipif(not (DATA / "ml-100k").is_dir(), reason="ml-100k not available")
@@ -247,7 +253,7 @@ def test_train_into_a_folder_of_another_dataset_exits_2_before_ray(tmp_path, mon
     def no_ray(cfg):
         raise AssertionError("Ray must not start")
 
-    monkeypatch.setattr(run, "_connect_ray", no_ray)
+    monkeypatch.setattr(session, "connect", no_ray)
     rc = main(["train", "--config", str(config), "--output", str(out), "--set", f"data.raw_dir={DATA / 'ml-100k'}",
                f"data.prepared_dir={tmp_path / 'ml-100k'}"])
     err = capsys.readouterr().err.strip().splitlines()
@@ -271,10 +277,10 @@ def test_preflight_active_refuses_a_folder_in_use_only(tmp_path):
     from gemray.preemption import ACTIVE_STALE_S, active_path
 
     notice = tmp_path / "PREEMPT"
-    run.preflight_active(notice)  # no marker
+    preflight.preflight_active(notice)  # no marker
     marker = active_path(notice)
     marker.write_text("{not json")
-    run.preflight_active(notice)
+    preflight.preflight_active(notice)
 
     def write(pid, host):
         marker.write_text(json.dumps({"pid": pid, "host": host, "t": time.time()}))
@@ -284,16 +290,16 @@ def test_preflight_active_refuses_a_folder_in_use_only(tmp_path):
         write(live.pid, socket.gethostname())
         with pytest.raises(FileExistsError, match=rf"another gemray run is active .* pid {live.pid} .*"
                                                   r"gemray preempt --output .* another --output"):
-            run.preflight_active(notice)
-        run.preflight_active(notice, clock=lambda: time.time() + ACTIVE_STALE_S + 1)  # no heartbeat for too long
+            preflight.preflight_active(notice)
+        preflight.preflight_active(notice, clock=lambda: time.time() + ACTIVE_STALE_S + 1)  # no heartbeat for too long
         old = time.time() - ACTIVE_STALE_S - 1
         os.utime(marker, (old, old))
-        run.preflight_active(notice)
+        preflight.preflight_active(notice)
     finally:
         live.kill()
         live.wait()
     write(live.pid, socket.gethostname())
-    run.preflight_active(notice)  # its driver is gone (killed outright): no need to wait out the heartbeat
+    preflight.preflight_active(notice)  # its driver is gone (killed outright): no need to wait out the heartbeat
 
     write(12345, "another-host")
     waits = []
@@ -304,14 +310,14 @@ def test_preflight_active_refuses_a_folder_in_use_only(tmp_path):
         os.utime(marker, (t, t))
 
     with pytest.raises(FileExistsError, match="pid 12345 on another-host"):
-        run.preflight_active(notice, sleep=refreshed)
+        preflight.preflight_active(notice, sleep=refreshed)
     assert len(waits) == 1
     write(12345, "another-host")
     fake = [time.time()]
 
     def silent(s):  # no heartbeat: the marker goes stale while we watch
         fake[0] += s
-    run.preflight_active(notice, clock=lambda: fake[0], sleep=silent)
+    preflight.preflight_active(notice, clock=lambda: fake[0], sleep=silent)
     assert fake[0] - marker.stat().st_mtime >= ACTIVE_STALE_S
 
 
@@ -326,19 +332,19 @@ def test_claim_output_is_exclusive_and_takes_over_abandoned_markers(tmp_path):
 
     notice = tmp_path / "out" / "PREEMPT"
     try:
-        assert run.claim_output(notice) is True
+        assert output_lock.claim_output(notice) is True
         marker = active_path(notice)
         assert json.loads(marker.read_text())["pid"] == __import__("os").getpid()
         assert claim_active(notice) is False  # exclusive: the marker is there
         with pytest.raises(FileExistsError, match="another gemray run is active"):
-            run.claim_output(notice)  # our own live pid: refused like any live run
+            output_lock.claim_output(notice)  # our own live pid: refused like any live run
     finally:
         clear_active(notice)
     dead = subprocess.Popen(["true"])
     dead.wait()
     active_path(notice).write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(), "t": time.time()}))
     try:
-        assert run.claim_output(notice) is True  # abandoned (its pid is gone): taken over at once
+        assert output_lock.claim_output(notice) is True  # abandoned (its pid is gone): taken over at once
         assert json.loads(active_path(notice).read_text())["pid"] != dead.pid
     finally:
         clear_active(notice)
@@ -357,7 +363,7 @@ def test_fit_claims_the_folder_before_ray_starts_and_releases_it_on_failure(tmp_
         seen["marker"] = active_path(out / "PREEMPT").is_file()
         raise RuntimeError("no Ray here")
 
-    monkeypatch.setattr(run, "_connect_ray", ray_fails)
+    monkeypatch.setattr(session, "connect", ray_fails)
     with pytest.raises(RuntimeError, match="no Ray here"):
         run.fit(REPO / "configs" / "ml-latest-small.toml", output_dir=out,
                 overrides=[f"data.raw_dir={DATA / 'ml-latest-small'}", f"data.prepared_dir={tmp_path / 'prep'}"])
@@ -382,7 +388,7 @@ def test_train_into_a_folder_in_use_exits_2_before_ray(tmp_path, monkeypatch, ca
     def no_ray(cfg):
         raise AssertionError("Ray must not start")
 
-    monkeypatch.setattr(run, "_connect_ray", no_ray)
+    monkeypatch.setattr(session, "connect", no_ray)
     rc = main(["train", "--config", str(REPO / "configs" / "ml-latest-small.toml"), "--output", str(out), "--set",
                f"data.raw_dir={DATA / 'ml-latest-small'}", f"data.prepared_dir={tmp_path / 'prep'}"])
     err = capsys.readouterr().err.strip().splitlines()
@@ -406,7 +412,7 @@ def test_train_on_a_damaged_prepared_folder_exits_2_before_ray(tmp_path, monkeyp
     def no_ray(cfg):
         raise AssertionError("Ray must not start")
 
-    monkeypatch.setattr(run, "_connect_ray", no_ray)
+    monkeypatch.setattr(session, "connect", no_ray)
     rc = main(["train", "--config", str(REPO / "configs" / "ml-latest-small.toml"), "--output", str(tmp_path / "o"),
                "--set", f"data.raw_dir={DATA / 'ml-latest-small'}", f"data.prepared_dir={prep}"])
     err = capsys.readouterr().err.strip().splitlines()
@@ -424,14 +430,14 @@ def test_preflight_checks_prepared_data_came_from_raw_dir(tmp_path):
     cfg = JobConfig()
     cfg.data.raw_dir = str(b)
     with pytest.raises(ValueError, match="was prepared from .*/a, whose ratings.dat is not the one in data.raw_dir"):
-        run.preflight(cfg, _manifest(src=str(a), files=files), embedded=True)
+        _preflight(cfg, _manifest(src=str(a), files=files), embedded=True)
     copy = tmp_path / "copy"
     copy.mkdir()
     (copy / "ratings.dat").write_bytes((a / "ratings.dat").read_bytes())
     cfg.data.raw_dir = str(copy)               # same bytes elsewhere: fine
-    run.preflight(cfg, _manifest(src=str(a), files=files), embedded=True)
+    _preflight(cfg, _manifest(src=str(a), files=files), embedded=True)
     cfg.data.raw_dir = str(tmp_path / "missing")  # raw data not here (e.g. a GPU box with only Parquet): fine
-    run.preflight(cfg, _manifest(src=str(a), files=files), embedded=True)
+    _preflight(cfg, _manifest(src=str(a), files=files), embedded=True)
 
 
 def test_nan_loss_fails_the_step_before_any_update():
@@ -483,15 +489,15 @@ def test_worker_process_start_time_is_measured():
 
 
 def test_comparison_table_rows():
-    t = run.comparison_table({"hr@10": 0.33, "ndcg@10": 0.19, "hr@10_unfiltered": 0.26, "ndcg@10_unfiltered": 0.13,
+    t = results.comparison_table({"hr@10": 0.33, "ndcg@10": 0.19, "hr@10_unfiltered": 0.26, "ndcg@10_unfiltered": 0.13,
                               "eval_exclude_history": True})
     lines = t.splitlines()
     assert lines[2].split() == ["this", "run", "0.3300", "0.1900"]
     assert lines[3].split() == ["this", "run", "(all", "items)", "0.2600", "0.1300"]
     assert "HSTU-large" in t and "0.3294" in t
-    t = run.comparison_table({"hr@10": 0.2, "ndcg@10": 0.1, "eval_exclude_history": False})
+    t = results.comparison_table({"hr@10": 0.2, "ndcg@10": 0.1, "eval_exclude_history": False})
     assert t.splitlines()[2].split()[:4] == ["this", "run", "(all", "items)"]
-    assert "nan" not in run.comparison_table({"hr@50": 0.5}) and "eval_ks" in run.comparison_table({"hr@50": 0.5})
+    assert "nan" not in results.comparison_table({"hr@50": 0.5}) and "eval_ks" in results.comparison_table({"hr@50": 0.5})
 
 
 def test_a_notice_after_the_last_vote_is_reported_and_marked_handled(tmp_path, caplog):
@@ -500,11 +506,102 @@ def test_a_notice_after_the_last_vote_is_reported_and_marked_handled(tmp_path, c
     from gemray.preemption import read_notice, write_notice
 
     notice = tmp_path / "PREEMPT"
-    run._late_notice(str(notice), {"history": [{"global_step": 20}]}, "/ckpt")
+    results.late_notice(str(notice), {"history": [{"global_step": 20}]}, "/ckpt")
     assert not notice.exists()
     write_notice(notice, "test")
-    with caplog.at_level(logging.WARNING, logger=run.log.name):
-        run._late_notice(str(notice), {"history": [{"global_step": 10}, {"global_step": 20}]}, "/ckpt")
+    with caplog.at_level(logging.WARNING, logger=results.log.name):
+        results.late_notice(str(notice), {"history": [{"global_step": 10}, {"global_step": 20}]}, "/ckpt")
     assert "came after the last step's vote" in caplog.text
     handled = read_notice(notice)["handled"]
     assert handled["global_step"] == 20 and handled["checkpoint"] == "/ckpt" and handled["finished"] is True
+
+
+def test_scaling_is_fixed_or_elastic():
+    """A fixed group of ray.num_workers, or with min/max set, Ray Train V2's elastic (min, max) and the resize
+    check interval; CPUs and GPU per worker from [ray] either way."""
+    cfg = apply_overrides(JobConfig(), ["ray.num_workers=3", "ray.cpus_per_worker=1.5"])
+    assert run.scaling(cfg) == {"num_workers": 3, "use_gpu": False, "resources_per_worker": {"CPU": 1.5}}
+    cfg = apply_overrides(cfg, ["ray.min_workers=1", "ray.max_workers=4", "ray.resize_interval_s=7"])
+    kw = run.scaling(cfg)
+    assert kw["num_workers"] == (1, 4) and kw["elastic_resize_monitor_interval_s"] == 7
+    only_min = apply_overrides(JobConfig(), ["ray.min_workers=1"])
+    assert run.scaling(only_min)["num_workers"] == only_min.ray.num_workers  # both bounds or none
+
+
+def test_ray_train_env_defers_to_the_environment_and_is_restored(monkeypatch):
+    cfg = apply_overrides(JobConfig(), ["ray.health_check_interval_s=0.25", "ray.worker_start_timeout_s=9"])
+    assert session.ray_train_env(cfg, {}) == {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25",
+                                              "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "9.0"}
+    assert session.ray_train_env(cfg, {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "3"}) == {
+        "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "9.0"}  # an explicit variable wins
+    monkeypatch.delenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", raising=False)
+    monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "60")
+    import os
+
+    with pytest.raises(RuntimeError, match="inside"):
+        with session.train_env(cfg) as env:
+            assert env == {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25"}
+            assert os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] == "0.25"
+            raise RuntimeError("inside")
+    assert "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S" not in os.environ
+    assert os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] == "60"
+
+
+def test_ray_session_shuts_down_only_the_cluster_it_started(fake_ray, monkeypatch):
+    fake = fake_ray([])
+    with session.ray_session(JobConfig()):
+        assert fake.shutdowns == 0
+    assert (fake.calls, fake.shutdowns) == (1, 1)
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)  # already connected: left as it is
+    with session.ray_session(JobConfig()):
+        pass
+    assert (fake.calls, fake.shutdowns) == (1, 1)
+
+
+def test_final_metrics_from_the_last_report():
+    """metrics.json of a finished run: the test_* metrics of train.eval_ks (others dropped), throughput and
+    imbalance averaged over the epochs that report them, per-step events left out, recovery summarised."""
+    cfg = apply_overrides(JobConfig(), ["train.eval_ks=[10, 50]", "ray.num_workers=2"])
+    reported = {"test_hr@10": 0.3, "test_ndcg@10": 0.2, "test_hr@50": 0.6, "test_ndcg@50": 0.3, "test_hr@200": 0.9,
+                "test_hr@10_unfiltered": 0.25, "test_targets_in_history": 4, "test_num_users": 610, "epoch": 2,
+                "history": [{"epoch": 1, "samples_per_s": 100.0, "token_imbalance": 1.2},
+                            {"epoch": 2, "samples_per_s": 300.0}]}
+    events = [{"kind": "attempt_start", "t": 0.0, "attempt": 1, "detail": {"world_size": 2}},
+              {"kind": "step", "t": 1.0, "attempt": 1, "detail": {"global_step": 1}},
+              {"kind": "checkpoint_begin", "t": 1.0, "attempt": 1, "detail": {"global_step": 1}},
+              {"kind": "finished", "t": 2.0, "attempt": 1, "detail": {}}]
+    m = results.final_metrics(cfg, reported, events, wall_s=12.5, invocations=2)
+    assert {k: m[k] for k in ("hr@10", "ndcg@10", "hr@50", "ndcg@50", "hr@10_unfiltered", "targets_in_history")} == {
+        "hr@10": 0.3, "ndcg@10": 0.2, "hr@50": 0.6, "ndcg@50": 0.3, "hr@10_unfiltered": 0.25, "targets_in_history": 4}
+    assert "hr@200" not in m and m["num_test_users"] == 610 and m["eval_exclude_history"] is True
+    assert (m["samples_per_s"], m["bbs_imbalance"], m["epochs"], m["world_size"]) == (200.0, 1.2, 2, 2)
+    assert (m["wall_s"], m["invocations"]) == (12.5, 2) and len(m["history"]) == 2
+    assert [e["kind"] for e in m["events"]] == ["attempt_start", "finished"] and m["recovery"] == []
+    assert "history" in reported  # the report is not changed
+
+
+def test_run_record_continues_a_resumed_run_only(tmp_path):
+    """The same job resumed in its output folder: events from the start, wall_s and invocations carried on;
+    another job (or none) before: events from the end of the file as it is, one invocation."""
+    cfg = JobConfig()
+    cfg.train.events_path = str(tmp_path / "events.jsonl")
+    (tmp_path / "events.jsonl").write_text(
+        "".join(json.dumps({"kind": "step", "t": i, "attempt": 1, "detail": {}}) + "\n" for i in range(3)))
+    assert results.run_record(cfg, tmp_path, None) == (3, 0.0, 1)
+    other = JobConfig()
+    other.name = "another-job"
+    assert results.run_record(cfg, tmp_path, other) == (3, 0.0, 1)
+    assert results.run_record(cfg, tmp_path, JobConfig()) == (0, 0.0, 1)  # killed before metrics.json
+    (tmp_path / "metrics.json").write_text(json.dumps({"wall_s": 40.0, "invocations": 2}))
+    assert results.run_record(cfg, tmp_path, JobConfig()) == (0, 40.0, 3)
+
+
+def test_output_claimed_releases_the_folder_however_the_block_ends(tmp_path):
+    from gemray.preemption import active_path
+
+    notice = tmp_path / "out" / "PREEMPT"
+    with pytest.raises(RuntimeError, match="boom"):
+        with output_lock.output_claimed(notice) as claimed:
+            assert claimed and active_path(notice).is_file()
+            raise RuntimeError("boom")
+    assert not active_path(notice).exists()

@@ -5,7 +5,7 @@ must-shows.
   before it partial (a rank's manifest and shards missing, as when killed while writing): a resumed run
   restores the previous good one, says so in the log and events, and the ledger stays exact.
 - ``test_kill_mid_write_then_preempt_and_resume``: a real ``gemray train`` process; rank 1 is SIGKILLed
-  while it is inside the DCP write of the step-10 checkpoint (test hook ``GEMRAY_TEST_PAUSE_CKPT_WRITE``):
+  while it is inside the DCP write of the step-10 checkpoint (tests/hooks/sitecustomize.py):
   the group restarts from step 5 and says why. Then SIGTERM to the driver: the workers agree on an
   emergency checkpoint at the next poll step, Ray commits it, the command exits 75; re-running the same
   command resumes at exactly that step; the ledger is exact over the three attempts (0 lost, 0
@@ -151,7 +151,10 @@ def test_kill_mid_write_then_preempt_and_resume(baseline):
     gemray_bin = Path(sys.executable).with_name("gemray")
     cmd = [str(gemray_bin), "train", "--config", str(CONFIG), "--output", str(out), "--set",
            *_overrides(tmp, "preempt", extra=["checkpoint.preempt_poll_steps=1"])]
-    env = dict(os.environ, GEMRAY_TEST_PAUSE_CKPT_WRITE=f"10:1:{pause}")
+    # the driver and Ray's worker processes import tests/hooks/sitecustomize.py, which pauses rank 1 there
+    env = dict(os.environ, GEMRAY_TEST_PAUSE_CKPT_WRITE=f"10:1:{pause}",
+               PYTHONPATH=os.pathsep.join(p for p in (str(REPO / "tests" / "hooks"), os.environ.get("PYTHONPATH"))
+                                          if p))
     log1 = tmp / "preempt-run1.log"
     with open(log1, "w") as f:
         proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=REPO)

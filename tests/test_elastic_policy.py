@@ -1,5 +1,7 @@
-"""Pure elastic-controller decisions (no Ray): world size, layout, checkpoint choice and timing, the
-world-size-independent data plan (exactly once across resizes), the ledger audit and recovery figures."""
+"""Pure elastic decisions (no Ray): checkpoint choice and timing, preemption votes, the world-size-independent
+data plan (exactly once across resizes), the ledger audit and recovery figures. Ray Train V2 itself sizes
+the group (``min(available, max_workers)``) and the layout per world size is gemray.parallel.plan_layout
+(tests/test_train_layout.py)."""
 
 from __future__ import annotations
 
@@ -9,31 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gemray.checkpoint import checkpoint_reason, choose_checkpoint, committed_checkpoints, uncommitted_checkpoints
-from gemray.controller.policy import (Event, decide_layout, decide_world_size, failure_events,
-                                      preemption_action, should_emergency_checkpoint, summarize_recovery)
-from gemray.events import preempted_step
+from gemray.checkpoint import checkpoint_reason, choose_checkpoint
+from gemray.events import Event, failure_events, preempted_step, summarize_recovery
 from gemray.ledger import LedgerWriter, audit
 from gemray.pipelines.bbs import global_epoch_order, global_steps_left, plan_global_step
-
-
-def test_decide_world_size():
-    assert decide_world_size(5, 1, 4) == 4
-    assert decide_world_size(1, 1, 2) == 1
-    assert decide_world_size(2, 2, 2) == 2
-    with pytest.raises(ValueError, match="fewer than min_workers=2"):
-        decide_world_size(1, 2, 4)
-    with pytest.raises(ValueError, match="min_workers"):
-        decide_world_size(3, 3, 2)
-
-
-def test_decide_layout():
-    p = decide_layout(3, "cpu")
-    assert p.world_size == 3 and p.dense_mesh == (3, 1)
-    assert p.sparse.backend == "gloo" and "row_wise" in p.sparse.sharding_types
-    assert decide_layout(1, "cuda").sparse.backend == "nccl"
-    with pytest.raises(ValueError):
-        decide_layout(0, "cpu")
+from gemray.preemption import preemption_action
 
 
 def test_checkpoint_reason():
@@ -47,10 +29,6 @@ def test_checkpoint_reason():
                              last_epoch=True) == "final"
     with pytest.raises(ValueError):
         checkpoint_reason(1, -1, **kw)
-    assert should_emergency_checkpoint(1, 2) and not should_emergency_checkpoint(0, 2)
-    assert not should_emergency_checkpoint(2, 2, healthy=False)
-    with pytest.raises(ValueError):
-        should_emergency_checkpoint(3, 2)
 
 
 def test_choose_checkpoint_falls_back(tmp_path):
@@ -66,20 +44,6 @@ def test_choose_checkpoint_falls_back(tmp_path):
     assert [(p.name, w) for p, w in skipped] == [("c3", bad["c3"]), ("c2", bad["c2"])]
     assert choose_checkpoint(dirs[:2], verify)[0] is None
     assert choose_checkpoint([], verify) == (None, [])
-
-
-def test_committed_checkpoints_reads_ray_snapshot(tmp_path):
-    names = ["checkpoint_2026-11-30_11-00-01.000001", "checkpoint_2026-11-30_11-00-09.000002",
-             "checkpoint_2026-11-30_11-00-05.000003"]
-    for n in names + ["checkpoint_2026-11-30_11-00-12.000004"]:  # the last: reported, never committed
-        (tmp_path / n).mkdir()
-    assert committed_checkpoints(tmp_path) == []  # no snapshot: nothing is known committed
-    assert uncommitted_checkpoints(tmp_path) == []
-    (tmp_path / "checkpoint_manager_snapshot.json").write_text(
-        json.dumps({"checkpoint_results": [{"checkpoint_dir_name": n} for n in names]}))
-    assert [p.name for p in committed_checkpoints(tmp_path)] == sorted(names, reverse=True)
-    # the reported-but-never-committed one (e.g. a rank killed while writing/uploading) is told apart
-    assert [p.name for p in uncommitted_checkpoints(tmp_path)] == ["checkpoint_2026-11-30_11-00-12.000004"]
 
 
 def _run_plan(n, lengths, epoch, worlds_per_step, batch_size, bbs):

@@ -167,7 +167,7 @@ def test_output_and_notice_are_exclusive_and_one_is_required(tmp_path, capsys):
 
 def test_driver_marks_the_notice_handled_after_the_emergency_checkpoint(tmp_path):
     from gemray.config import load_config
-    from gemray.controller.run import _preempted_result
+    from gemray.controller.results import finish_preempted
     from gemray.events import Event
 
     cfg = load_config(REPO / "configs" / "ml-latest-small.toml")
@@ -178,10 +178,12 @@ def test_driver_marks_the_notice_handled_after_the_emergency_checkpoint(tmp_path
     notice = read_notice(cfg.checkpoint.preempt_notice)
     ev = Event("preempted", t=time.time(), attempt=1, detail={"global_step": 17, "notice": notice}).to_dict()
     Path(cfg.train.events_path).write_text(json.dumps(ev) + "\n")
-    result = SimpleNamespace(checkpoint=SimpleNamespace(path=str(tmp_path / "checkpoint_000003")))
-    res = _preempted_result(cfg, tmp_path, result, {"preempted": True, "global_step": 17, "epoch": 2,
-                                                    "epochs_completed": 1}, 0, time.perf_counter())
-    assert res.metrics["global_step"] == 17
+    result = SimpleNamespace(checkpoint=SimpleNamespace(path=str(tmp_path / "checkpoint_000003")),
+                             metrics={"preempted": True, "global_step": 17, "epoch": 2, "epochs_completed": 1})
+    res = finish_preempted(cfg, tmp_path, result, wall_s=3.0)
+    assert res.metrics["global_step"] == 17 and res.metrics["wall_s"] == 3.0
+    assert res.metrics["preempted"]["reason"] == "Kubernetes preStop: pod w-1 is being deleted"
+    assert json.loads((tmp_path / "metrics.json").read_text())["global_step"] == 17
     # the epoch it stopped in, numbered as the log lines do, and the completed count beside it
     assert (res.metrics["epoch"], res.metrics["epochs_completed"]) == (2, 1)
     handled = read_notice(cfg.checkpoint.preempt_notice)["handled"]

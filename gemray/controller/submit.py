@@ -240,20 +240,9 @@ def _submit_job(client: Any, wait_s: float | None = None, **kwargs: Any) -> str:
 
 
 def _summarize_fit(result: Any) -> dict[str, Any]:
-    """JSON-ready view of whatever gemray.fit returned (a ray.train.Result or a plain dict)."""
-    if isinstance(result, dict):
-        return {"task": "train", **result}
-    out: dict[str, Any] = {"task": "train"}
-    metrics = getattr(result, "metrics", None)
-    out["metrics"] = dict(metrics) if isinstance(metrics, dict) else metrics
-    out["path"] = getattr(result, "output_dir", None) or getattr(result, "path", None)
-    ckpt = getattr(result, "checkpoint", None)
-    out["checkpoint"] = (getattr(result, "checkpoint_path", None)
-                         or (getattr(ckpt, "path", None) if ckpt is not None else None))
-    err = getattr(result, "error", None)
-    if err is not None:
-        out["error"] = repr(err)
-    return out
+    """JSON-ready view of what gemray.fit returned (a :class:`gemray.controller.results.Result`)."""
+    return {"task": "train", "metrics": dict(result.metrics), "path": result.output_dir,
+            "checkpoint": result.checkpoint_path}
 
 
 def run_task(cfg: JobConfig, task: str) -> dict[str, Any]:
@@ -270,10 +259,7 @@ def run_task(cfg: JobConfig, task: str) -> dict[str, Any]:
 
         output_dir = os.environ.get(OUTPUT_ENV) or None
         result = gemray.fit(cfg, output_dir=output_dir) if output_dir else gemray.fit(cfg)
-        out = _summarize_fit(result)
-        if out.get("error"):
-            raise RuntimeError(f"gemray.fit failed: {out['error']}")
-        return out
+        return _summarize_fit(result)
     raise ValueError(f"{TASK_ENV}: expected one of {TASKS}, got {task!r}")
 
 

@@ -1,0 +1,216 @@
+"""Checks ``fit`` runs before Ray starts, so that a job that could only fail (or hang) inside the workers is
+refused at once, in one line naming the field or folder, before anything is written.
+
+* :func:`preflight_resources`: GPUs, optimizer and attention backend against the device, CPUs per worker
+  (needs no data: run before the data is prepared);
+* :func:`preflight_data`: cut-offs against the catalogue, the prepared data's source files, the model
+  shape against the previous run in the output folder;
+* :func:`preflight_resume`: the checkpoint a resume would restore was trained on this data
+  (:func:`resume_mismatch` is the pure comparison);
+* :func:`preflight_active`: no other run is active in the output folder
+  (:mod:`gemray.controller.output_lock` claims it).
+
+Every check raises (ValueError, or FileExistsError for a folder in use) and returns nothing otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from gemray.checkpoint import checkpoint_data, committed_checkpoints, data_record, file_sha256
+from gemray.config import JobConfig
+from gemray.controller.session import embedded_num_cpus
+from gemray.preemption import ACTIVE_HEARTBEAT_S, ACTIVE_STALE_S, active_path, marker_is_stale, pid_alive
+
+log = logging.getLogger(__name__)
+
+#: Model fields that fix parameter shapes: a checkpoint made with other values cannot be restored.
+SHAPE_FIELDS = ("embedding_dim", "num_blocks", "num_heads", "attention_dim", "linear_dim", "use_rating_feature",
+                "use_time_feature", "num_time_buckets", "num_position_buckets")
+
+
+def preflight_resources(cfg: JobConfig, *, embedded: bool, num_gpus: int | None = None) -> None:
+    """Refuse a job the device or the embedded cluster cannot run: ``ray.use_gpu`` on an embedded cluster
+    with fewer GPUs than workers (``num_gpus``: GPUs this machine has; default ``torch.cuda.device_count()``),
+    Adam kinds of sparse optimizer or forced Triton without a GPU, a worker asking more CPUs than the embedded
+    cluster advertises. embedded: whether fit will start its own Ray cluster (an external one may have the
+    GPUs and CPUs). Raises ValueError naming the field."""
+    gpu = cfg.ray.use_gpu
+    if embedded and gpu:
+        if num_gpus is None:
+            import torch
+
+            num_gpus = torch.cuda.device_count()
+        need = cfg.ray.min_workers or cfg.ray.num_workers
+        if num_gpus < need:
+            raise ValueError(f"ray.use_gpu=true needs {need} GPU(s) (one per worker) but this machine has "
+                             f"{num_gpus}: Ray Train would wait for them forever; set ray.use_gpu=false, fewer "
+                             f"ray.num_workers, or ray.address to a cluster with GPUs")
+    if not gpu and cfg.train.sparse_optimizer in ("adam", "rowwise_adam"):
+        raise ValueError(f"train.sparse_optimizer={cfg.train.sparse_optimizer!r} needs ray.use_gpu=true (FBGEMM's "
+                         "CPU kernels have no Adam); use 'rowwise_adagrad' or 'auto' on CPU")
+    if not gpu and cfg.model.attention_backend == "triton":
+        raise ValueError("model.attention_backend='triton' needs ray.use_gpu=true (the kernels run on CUDA); "
+                         "use 'auto' or 'reference' on CPU")
+    if embedded and cfg.ray.cpus_per_worker > embedded_num_cpus(cfg):
+        raise ValueError(f"ray.cpus_per_worker={cfg.ray.cpus_per_worker} exceeds the {embedded_num_cpus(cfg)} CPUs "
+                         "the embedded Ray cluster advertises (ray.num_cpus): the workers would never start")
+
+
+def preflight_data(cfg: JobConfig, manifest: dict[str, Any], *, previous: JobConfig | None = None) -> None:
+    """Refuse a job its data or output folder cannot serve: a cut-off K above the catalogue of ``manifest``
+    (the prepared data's), prepared data made from other raw files than ``data.raw_dir`` holds, an output
+    folder holding a model of another shape (``previous``: the config.toml of an earlier run there that left
+    checkpoints). Raises ValueError naming the field."""
+    n_items = int(manifest["vocab"]["num_items"])
+    if max(int(k) for k in cfg.train.eval_ks) > n_items:
+        raise ValueError(f"train.eval_ks={cfg.train.eval_ks}: a cut-off above the {n_items} items of the "
+                         "catalogue makes HR@K trivially 1")
+    _check_source(cfg, manifest)
+    if previous is not None:
+        changed = [f"model.{f}: {getattr(previous.model, f)} -> {getattr(cfg.model, f)}" for f in SHAPE_FIELDS
+                   if getattr(previous.model, f) != getattr(cfg.model, f)]
+        if previous.data.max_seq_len != cfg.data.max_seq_len:
+            changed.append(f"data.max_seq_len: {previous.data.max_seq_len} -> {cfg.data.max_seq_len}")
+        if changed:
+            raise ValueError("the output folder holds checkpoints of a model of another shape ("
+                             + ", ".join(changed) + "); use a new --output (re-running the same command "
+                             "resumes; a different model needs its own folder)")
+
+
+def _check_source(cfg: JobConfig, manifest: dict[str, Any]) -> None:
+    """The prepared data must come from the raw files in ``data.raw_dir`` when that folder exists."""
+    raw = Path(cfg.data.raw_dir)
+    src = manifest.get("source", {})
+    if not raw.is_dir() or Path(src.get("dir", "")).resolve() == raw.resolve():
+        return
+    for f in src.get("files", []):
+        p = raw / f["name"]
+        if not p.is_file() or p.stat().st_size != f["bytes"] or file_sha256(p) != f["sha256"]:
+            raise ValueError(f"data.prepared_dir {cfg.data.prepared_dir} was prepared from {src.get('dir')}, whose "
+                             f"{f['name']} is not the one in data.raw_dir {raw}: point data.prepared_dir at a new "
+                             "folder (it is prepared there) or set data.raw_dir to the source it was made from")
+
+
+def resume_mismatch(saved: dict[str, Any], now: dict[str, Any], prepared_dir: str) -> tuple[str, str] | None:
+    """Pure: why a checkpoint may not resume on the prepared data, as ``(what differs, why not)``, or None.
+
+    saved: :func:`gemray.checkpoint.checkpoint_data` of the checkpoint (its data record and item table rows);
+    now: :func:`gemray.checkpoint.data_record` of the prepared data in ``prepared_dir``. The item table's
+    rows must be the catalogue's num_items + 1 (else the checkpoint cannot load), and a recorded fingerprint
+    must be the data's (else its item rows mean other items). A checkpoint without a record passes on its
+    table rows alone."""
+    rec = saved["record"]
+    rows = saved["item_table_rows"] or (rec or {}).get("item_table_rows")
+    if rows is not None and rows != now["item_table_rows"]:
+        return (f"its item embedding table has {rows} rows ({rows - 1} items), the data in data.prepared_dir "
+                f"{prepared_dir} has {now['num_items']} items ({now['item_table_rows']} rows)",
+                "it cannot be loaded into a model for this data")
+    if rec is not None and rec.get("fingerprint") != now["fingerprint"]:
+        return (f"same number of items ({now['num_items']}) but other data (fingerprint {rec.get('fingerprint')}"
+                f" -> {now['fingerprint']}: " + "; ".join(_data_diff(rec, now)) + ")",
+                "resuming would go on training its item rows on ids that mean other items")
+    return None
+
+
+def _data_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """What differs between two data records, in words (format, source files, counts, folder)."""
+    out = []
+    if old.get("format") != new.get("format"):
+        out.append(f"format {old.get('format')} -> {new.get('format')}")
+    a, b = dict(map(tuple, old.get("source_files", []))), dict(map(tuple, new.get("source_files", [])))
+    for name in sorted(set(a) | set(b)):
+        if a.get(name) != b.get(name):
+            out.append(f"{name} sha256 {str(a.get(name))[:12]}.. -> {str(b.get(name))[:12]}..")
+    for k in ("users", "items", "interactions"):
+        x, y = (old.get("counts") or {}).get(k), (new.get("counts") or {}).get(k)
+        if x != y:
+            out.append(f"{k} {x} -> {y}")
+    return out or ["source files and counts recorded differently"]
+
+
+def preflight_resume(cfg: JobConfig, manifest: dict[str, Any], run_dir: str | Path, *, output_dir: str | Path,
+                     previous: JobConfig | None = None) -> Path | None:
+    """Refuse, before Ray starts, to resume a checkpoint that was trained on other data.
+
+    run_dir: the Ray Train run folder a resume restores from (``<storage>/<name>``); its newest committed
+    checkpoint (what Ray Train hands back) is compared with the prepared data ``manifest``
+    (:func:`resume_mismatch`). Otherwise Ray Train would start the workers, fail to load the checkpoint
+    ("size mismatch for ... item.weight") and retry ``ray.max_failures`` times, or train on with item ids that
+    mean other movies. A checkpoint written before gemray recorded its data (no record) resumes when its table
+    rows match, with a warning. previous: the output folder's config.toml (names the old data when the
+    checkpoint has no record). Returns the checkpoint a resume will start from (None: fresh run). Raises
+    ValueError naming the output folder, the checkpoint, what differs and how to go on.
+    """
+    latest = next(iter(committed_checkpoints(run_dir)), None)
+    if latest is None:
+        return None
+    saved, now = checkpoint_data(latest), data_record(manifest)
+    rec = saved["record"]
+    mismatch = resume_mismatch(saved, now, cfg.data.prepared_dir)
+    if mismatch is None:
+        if rec is None:
+            log.warning("checkpoint %s records no data fingerprint (written before gemray recorded one): its item "
+                        "table matches the %d items of %s, but whether it was trained on this data cannot be "
+                        "checked; resuming it", latest, now["num_items"], cfg.data.prepared_dir)
+        return latest
+    differs, why = mismatch
+    out, run_dir = Path(output_dir), Path(run_dir)
+    if rec is not None:
+        origin = f"it was trained on {rec.get('prepared_dir')} (prepared from {rec.get('source_dir')})"
+    elif previous is not None:
+        origin = (f"the folder's config.toml names data.prepared_dir {previous.data.prepared_dir} (raw "
+                  f"{previous.data.raw_dir})")
+    else:
+        origin = "it records no data path (written by an older gemray)"
+    remove = out if run_dir.resolve().is_relative_to(out.resolve()) else run_dir
+    raise ValueError(f"output folder {out} holds checkpoint {latest} of other data: {differs}; {origin}. Not "
+                     f"resuming ({why}): use a new --output (output_dir) for this data, or remove {remove} to start "
+                     "over there (its checkpoints are lost); re-running with the data it was trained on resumes it")
+
+
+def preflight_active(notice_path: str | Path, *, clock=time.time, sleep=time.sleep) -> None:
+    """Refuse, before anything is written, to start a run in an output folder where another run is active.
+
+    The active marker (``<notice>.active``, :func:`gemray.preemption.mark_active`: pid and host, its
+    modification time refreshed every ACTIVE_HEARTBEAT_S seconds by the running driver) says a run is using
+    the folder; two runs there would train from the same checkpoints, interleave their events and exceed
+    ``checkpoint.keep``. No marker, an unreadable one, or one that has gone ACTIVE_STALE_S seconds without a
+    heartbeat: go ahead. A fresh one written on this host: refused if its pid is alive, else (its driver was
+    killed outright) go ahead. A fresh one from another host (e.g. a RayJob's previous driver pod): watched
+    until it is refreshed (refused) or goes stale (go ahead), at most ACTIVE_STALE_S seconds. ``clock`` /
+    ``sleep``: time sources. Raises FileExistsError naming the marker, the pid and host, and what to do."""
+    marker = active_path(notice_path)
+    try:
+        mtime = marker.stat().st_mtime
+        info = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return
+    if not isinstance(info, dict) or marker_is_stale(mtime, clock()):
+        return
+    pid, host = info.get("pid"), info.get("host")
+    if host == socket.gethostname():
+        if not pid_alive(pid):
+            return
+    else:
+        log.info("output folder in use by pid %s on %s (%s)? waiting up to %.0f s for its heartbeat", pid, host,
+                 marker, ACTIVE_STALE_S)
+        while True:
+            sleep(1.0)
+            try:
+                now_mtime = marker.stat().st_mtime
+            except OSError:
+                return  # removed: that run ended
+            if now_mtime != mtime:
+                break  # refreshed: alive
+            if marker_is_stale(mtime, clock()):
+                return
+    raise FileExistsError(
+        f"another gemray run is active in this output folder: pid {pid} on {host}, marker {marker} (refreshed "
+        f"every {ACTIVE_HEARTBEAT_S:.0f} s while it runs). Wait for it to end, stop it (`gemray preempt --output "
+        f"{marker.parent}`), or use another --output.")

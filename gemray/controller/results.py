@@ -1,0 +1,189 @@
+"""What ``fit`` leaves in the output folder and hands back: ``metrics.json``, ``curves.png``, the table of this
+run against the published ML-1M numbers, and :class:`Result`.
+
+Pure: :func:`run_record` (what a resumed run carries over), :func:`final_metrics`, :func:`preempted_metrics`,
+:func:`comparison_table`. Acting: :func:`finish` (a run that trained to the end) and :func:`finish_preempted`
+(a run stopped on a preemption notice after its emergency checkpoint) write the files, mark the notice and
+return the :class:`Result`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gemray.config import JobConfig
+from gemray.events import epoch_fields, read_events, summarize_recovery
+from gemray.preemption import clear_active, mark_handled, read_notice
+
+log = logging.getLogger(__name__)
+
+#: Published ML-1M results (HR@10, NDCG@10), Zhai et al. 2024 (HSTU) table 2.
+PUBLISHED_ML1M = {"SASRec": (0.2853, 0.1603), "HSTU": (0.3097, 0.1720), "HSTU-large": (0.3294, 0.1893)}
+
+#: Per-step / per-write markers: kept in events.jsonl, left out of metrics.json.
+QUIET_KINDS = ("step", "checkpoint_begin")
+
+
+@dataclass
+class Result:
+    """What ``fit`` returns: final metrics (test split + throughput), the last committed checkpoint's
+    path (None if none was committed) and the output folder (absolute)."""
+
+    metrics: dict[str, Any] = field(default_factory=dict)
+    checkpoint_path: str | None = None
+    output_dir: str = ""
+
+
+def previous_wall(metrics_path: Path) -> tuple[float, int]:
+    """(wall_s, invocations) recorded by the previous invocation of a resumed run; (0.0, 0) when it wrote no
+    metrics.json (killed) or the file cannot be read."""
+    try:
+        m = json.loads(metrics_path.read_text())
+        return float(m.get("wall_s", 0.0)), int(m.get("invocations", 1))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 0.0, 0
+
+
+def run_record(cfg: JobConfig, out: Path, previous: JobConfig | None) -> tuple[int, float, int]:
+    """``(events_from, wall_before, invocations)`` for this invocation: a run resumed in its own output folder
+    (``previous``: its config.toml, same job name) keeps its record, the events of every invocation (from 0)
+    and wall_s summed over the invocations that wrote metrics.json; a fresh run starts both (its events from
+    the end of ``train.events_path`` as it is now)."""
+    if previous is not None and previous.name == cfg.name:
+        wall_before, invocations = previous_wall(out / "metrics.json")
+        return 0, wall_before, invocations + 1
+    return len(read_events(cfg.train.events_path)), 0.0, 1
+
+
+def final_metrics(cfg: JobConfig, reported: dict[str, Any], events: list[dict[str, Any]], *, wall_s: float,
+                  invocations: int) -> dict[str, Any]:
+    """Pure: metrics.json of a run that trained to the end, from the last report of rank 0 (``reported``:
+    ``test_*`` metrics, ``history``, ``epoch``, ``world_size``) and this run's controller ``events``; see
+    :func:`gemray.controller.run.fit` for the keys."""
+    reported = dict(reported)
+    history = list(reported.pop("history", []))
+    metrics: dict[str, Any] = {k: reported[f"test_{k}"] for k in
+                               [f"{m}@{k}{s}" for s in ("", "_unfiltered") for k in cfg.train.eval_ks
+                                for m in ("hr", "ndcg")] + ["targets_in_history"]
+                               if f"test_{k}" in reported}
+    metrics["eval_exclude_history"] = cfg.train.eval_exclude_history
+    metrics["num_test_users"] = reported.get("test_num_users")
+    tput = [h["samples_per_s"] for h in history if "samples_per_s" in h]
+    imb = [h["token_imbalance"] for h in history if "token_imbalance" in h]
+    metrics.update({
+        "samples_per_s": sum(tput) / len(tput) if tput else 0.0,
+        "wall_s": wall_s,
+        "invocations": invocations,
+        "epochs": int(reported.get("epoch", len(history))),
+        "world_size": int(reported.get("world_size", cfg.ray.num_workers)),
+        "bbs": cfg.data.bbs,
+        "bbs_imbalance": sum(imb) / len(imb) if imb else 1.0,
+        "history": history,
+    })
+    metrics["events"] = [e for e in events if e["kind"] not in QUIET_KINDS]  # heartbeats stay in events.jsonl
+    metrics["recovery"] = summarize_recovery(events)
+    return metrics
+
+
+def preempted_metrics(reported: dict[str, Any], events: list[dict[str, Any]], *, wall_s: float,
+                      invocations: int) -> dict[str, Any]:
+    """Pure: metrics.json of a run stopped on a preemption notice after its emergency checkpoint: ``preempted``
+    (the notice), the checkpoint's ``global_step``, ``epoch`` (1-based, the epoch it stopped in, as the log
+    lines number it) and ``epochs_completed`` (see gemray.events), the events; no test metrics."""
+    stop = next((e["detail"] for e in reversed(events) if e["kind"] == "preempted"), {})
+    # the emergency checkpoint's report; before epochs_completed was reported, its "epoch" counted them
+    done = int(reported.get("epochs_completed", reported.get("epoch", 0)))
+    return {"preempted": stop.get("notice") or True, "global_step": int(reported.get("global_step", 0)),
+            **epoch_fields(done, in_progress=True), "wall_s": wall_s, "invocations": invocations,
+            "events": [e for e in events if e["kind"] not in QUIET_KINDS], "recovery": summarize_recovery(events)}
+
+
+def comparison_table(metrics: dict[str, Any]) -> str:
+    """Plain-text table of this run's HR@10/NDCG@10 next to the published ML-1M numbers.
+
+    The published numbers rank each target against the items outside the user's history
+    (generative-recommenders' evaluation); a run with ``train.eval_exclude_history=false`` ranks against all
+    items and says so in its row. The all-items figures of a filtered run get a row of their own.
+    """
+    if "hr@10" not in metrics:
+        return "(no HR@10 / NDCG@10 to compare with the published ML-1M numbers: 10 is not in train.eval_ks)"
+    label = "this run" if metrics.get("eval_exclude_history", True) else "this run (all items)"
+    rows = [(label, metrics.get("hr@10", float("nan")), metrics.get("ndcg@10", float("nan")))]
+    if "hr@10_unfiltered" in metrics:
+        rows.append(("this run (all items)", metrics["hr@10_unfiltered"], metrics.get("ndcg@10_unfiltered",
+                                                                                     float("nan"))))
+    rows += [(name, hr, nd) for name, (hr, nd) in PUBLISHED_ML1M.items()]
+    lines = [f"{'model':<22}{'HR@10':>8}{'NDCG@10':>9}", "-" * 39]
+    lines += [f"{n:<22}{hr:>8.4f}{nd:>9.4f}" for n, hr, nd in rows]
+    lines.append("(published rows: ML-1M, Zhai et al. 2024; compare only against an ML-1M run)")
+    return "\n".join(lines)
+
+
+def _checkpoint_path(result: Any) -> str | None:
+    """The path of a ``ray.train.Result``'s latest committed checkpoint (None if none was committed)."""
+    return result.checkpoint.path if result.checkpoint is not None else None
+
+
+def finish(cfg: JobConfig, out: Path, result: Any, *, events_from: int, wall_s: float,
+           invocations: int) -> Result:
+    """A run that trained to the end (``result``: the ``ray.train.Result`` of ``TorchTrainer.fit``): write
+    ``metrics.json`` (:func:`final_metrics`) and ``curves.png``, log the recovery figures, print
+    :func:`comparison_table`, handle a preemption notice that came too late (:func:`late_notice`)."""
+    from gemray.plots import plot_curves
+
+    events = read_events(cfg.train.events_path)[events_from:]
+    metrics = final_metrics(cfg, result.metrics or {}, events, wall_s=wall_s, invocations=invocations)
+    for r in metrics["recovery"]:
+        log.info("recovery (%s): attempt %s -> %s, world %s -> %s, %s step(s) lost, %.1f s from the last step "
+                 "before the %s to the first resumed step", r["kind"], r["failed_attempt"], r["attempt"],
+                 r["world_size_before"], r["world_size_after"], r["steps_lost"],
+                 r["seconds_to_first_step"] if r["seconds_to_first_step"] is not None else float("nan"),
+                 "stop (the time the job was stopped included)" if r["kind"] == "preemption" else "failure")
+    ckpt = _checkpoint_path(result)
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
+    if metrics["history"]:
+        plot_curves(metrics["history"], out / "curves.png")
+    print(comparison_table(metrics))
+    log.info("results in %s (checkpoint %s)", out, ckpt)
+    late_notice(cfg.checkpoint.preempt_notice, metrics, ckpt)
+    return Result(metrics=metrics, checkpoint_path=ckpt, output_dir=str(out))
+
+
+def finish_preempted(cfg: JobConfig, out: Path, result: Any, *, events_from: int = 0, wall_s: float = 0.0,
+                     invocations: int = 1) -> Result:
+    """A run that stopped on a preemption notice after its emergency checkpoint (``result.metrics`` has
+    ``preempted``): write metrics.json (:func:`preempted_metrics`), then mark the notice handled
+    (``"handled": {"global_step", "checkpoint", "t"}``) and drop the run's active marker, which ends a
+    ``gemray preempt --wait``."""
+    events = read_events(cfg.train.events_path)[events_from:]
+    metrics = preempted_metrics(result.metrics or {}, events, wall_s=wall_s, invocations=invocations)
+    ckpt = _checkpoint_path(result)
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True, default=str))
+    notice = cfg.checkpoint.preempt_notice
+    try:  # tells `gemray preempt --wait` (a Kubernetes preStop hook) that the checkpoint is committed
+        mark_handled(notice, metrics["global_step"], ckpt)
+    except OSError as e:
+        log.warning("could not mark the preemption notice %s handled: %s", notice, e)
+    finally:
+        clear_active(notice)
+    log.warning("preempted: emergency checkpoint of global step %d committed (%s); re-run the same command "
+                "to resume there", metrics["global_step"], ckpt)
+    return Result(metrics=metrics, checkpoint_path=ckpt, output_dir=str(out))
+
+
+def late_notice(notice: str, metrics: dict[str, Any], ckpt: str | None) -> None:
+    """A preemption notice that arrived after the workers' last vote (the final step) found the run finishing:
+    say so, and mark it handled with the final checkpoint so that a `gemray preempt --wait` returns."""
+    if read_notice(notice) is None:
+        return
+    step = int((metrics.get("history") or [{}])[-1].get("global_step", 0))
+    log.warning("the preemption notice %s came after the last step's vote: the run finished instead (final "
+                "checkpoint %s; nothing to resume)", notice, ckpt)
+    try:
+        mark_handled(notice, step, ckpt, finished=True)
+    except OSError as e:
+        log.warning("could not mark the preemption notice %s handled: %s", notice, e)

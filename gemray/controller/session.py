@@ -1,0 +1,162 @@
+"""The driver's Ray session: which cluster to join, whether anything answers there, an embedded local cluster
+otherwise, the environment knobs Ray Train reads when ``TorchTrainer.fit`` starts, and (elastic runs) a fresh
+view of the cluster's resources.
+
+Decisions (:func:`ray_address`, :func:`embedded_num_cpus`, :func:`ray_train_env`) are pure; :func:`connect`,
+:func:`ray_session`, :func:`train_env` and :class:`ResourceViewRefresher` act on them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+
+from gemray.config import JobConfig
+
+log = logging.getLogger(__name__)
+
+
+def ray_address(cfg: JobConfig, environ: Mapping[str, str] = os.environ) -> str:
+    """The cluster to join: ``ray.address``, else $RAY_ADDRESS; "" = start an embedded local cluster."""
+    return cfg.ray.address or environ.get("RAY_ADDRESS", "")
+
+
+def embedded_num_cpus(cfg: JobConfig) -> int:
+    """CPUs an embedded local cluster advertises: ``ray.num_cpus``, or 2 per worker (at least 4), since 2
+    workers + Ray Data read tasks starve on 2 real CPUs."""
+    return cfg.ray.num_cpus or max(4, 2 * max(cfg.ray.num_workers, cfg.ray.max_workers))
+
+
+def check_gcs_reachable(address: str, timeout_s: float = 10.0) -> None:
+    """For a ``host:port`` Ray address, refuse at once when nothing accepts a TCP connection there: ray.init
+    would retry that address indefinitely (a new user's run hung for 400 s on ``ray.address=127.0.0.1:1``).
+    Other forms ("auto", "local", "ray://...") are left to Ray. Raises ValueError naming the address."""
+    if "://" in address or ":" not in address:
+        return
+    host, _, port = address.rpartition(":")
+    if not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise ValueError(f"ray.address / RAY_ADDRESS {address!r}: no Ray cluster answers there ({e}); start "
+                         f"one with `ray start --head` or leave ray.address empty for an embedded cluster") from None
+
+
+def connect(cfg: JobConfig) -> bool:
+    """Connect to the configured cluster or start an embedded one; True if this call started it (the caller
+    shuts it down). A driver already connected (``ray.is_initialized()``) is left as it is."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = ray_address(cfg)
+    if address:
+        check_gcs_reachable(address)
+        ray.init(address=address)
+        return False
+    num_cpus = embedded_num_cpus(cfg)
+    # address="local": always a new cluster, never one that `ray start` left running on this machine.
+    # Ray 2.60 gives a new raylet a fixed 30 s to register with the GCS; on an overloaded machine (seen at
+    # load average 22 on 2 cores) that can run out, so try a second time before giving up.
+    for attempt in (1, 2):
+        try:
+            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+            break
+        except Exception as e:  # Ray raises a bare Exception for this
+            if attempt == 2 or "timed out during startup" not in str(e):
+                raise
+            log.warning("the embedded Ray cluster did not start in time (%s); starting it once more", e)
+            ray.shutdown()
+    log.info("started an embedded Ray cluster advertising %d CPUs", num_cpus)
+    return True
+
+
+@contextmanager
+def ray_session(cfg: JobConfig) -> Iterator[None]:
+    """``with ray_session(cfg):`` connected to Ray (:func:`connect`); an embedded cluster it started is shut
+    down on the way out, whatever happened inside."""
+    import ray
+
+    started = connect(cfg)
+    try:
+        yield
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def ray_train_env(cfg: JobConfig, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """Pure: the Ray Train environment knobs from ``[ray]`` that are not already set in ``environ`` (an
+    explicit environment variable wins). Ray Train 2.60 reads these from the environment only."""
+    env = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": str(cfg.ray.health_check_interval_s)}
+    if cfg.ray.worker_start_timeout_s:
+        env["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(cfg.ray.worker_start_timeout_s)
+    return {k: v for k, v in env.items() if k not in environ}
+
+
+@contextmanager
+def train_env(cfg: JobConfig) -> Iterator[dict[str, str]]:
+    """``with train_env(cfg):`` the :func:`ray_train_env` variables set in ``os.environ`` (read by
+    ``TorchTrainer.fit`` and handed to the Train controller and workers), restored on the way out."""
+    env = ray_train_env(cfg)
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield env
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+class ResourceViewRefresher:
+    """Elastic runs: keep Ray Train's view of the cluster fresh (``with ResourceViewRefresher(interval_s):``).
+
+    Ray Train 2.60's elastic policy sizes the worker group from the cluster-wide AutoscalingCoordinator
+    actor (shared with Ray Data), which re-reads the node list only every 20 s (its TICK_INTERVAL_S, not
+    configurable). So a node that joined or left was seen up to 20 s late: a group restarted after a node
+    loss first retried the old size until the worker-group start timeout, and growing waited for the
+    tick. This driver thread asks the coordinator to re-read the node list (its
+    ``get_reserved_resources(recompute=True)``, a no-op reservation for an unknown requester) every
+    ``interval_s``. Best effort: any error stops the thread with one log line; training is unaffected.
+
+    Ray internals: Ray 2.60 has no public API to refresh (or configure the refresh period of) the resource
+    view behind ``ScalingConfig(num_workers=(min, max))``; the coordinator is reached through
+    ``ray.data._internal.cluster_autoscaler``. Delete this class once Ray exposes one.
+    """
+
+    def __init__(self, interval_s: float):
+        self.interval_s = max(0.5, float(interval_s))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gemray-resource-view", daemon=True)
+
+    def __enter__(self) -> "ResourceViewRefresher":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        import ray
+
+        try:
+            from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+                get_or_create_autoscaling_coordinator)
+
+            coordinator = get_or_create_autoscaling_coordinator()
+            while not self._stop.wait(self.interval_s):
+                ray.get(coordinator.get_reserved_resources.remote("gemray-resource-view", recompute=True),
+                        timeout=10)
+        except Exception as e:  # an internal Ray API: never let it break training
+            if not self._stop.is_set():
+                log.info("not refreshing Ray Train's cluster view any more (%s: %s); resizes may be seen "
+                         "up to 20 s late", type(e).__name__, e)
