@@ -457,3 +457,30 @@ def test_cli_prepare_synthetic(tmp_path, capsys):
     assert main(["prepare", "synthetic", "--out", str(tmp_path / "x"), "--users", "5", "--items", "5", "--seed",
                  "1", "--follow", "0.9"]) == 2
     assert "--stickiness" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # starts Ray (~15 s idle, a minute on a loaded 2-core box)
+def test_ray_data_reader_reads_the_gem_columns(folders):
+    """The Ray Data reader (the default inside Ray Train) brings the extra columns too: same batches as pyarrow."""
+    ray = pytest.importorskip("ray")
+    from gemray.pipelines import stream
+
+    folder = folders("small_w1")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        ray.data.DataContext.get_current().enable_progress_bars = False
+        got = {}
+        for reader in ("arrow", "ray_data"):
+            stream._READ_CACHE.clear()  # the cache is per folder and shards, not per reader
+            st = HistoryStream(folder, "test", rank=1, world_size=2, batch_size=64, max_seq_len=32, reader=reader)
+            got[reader] = {}
+            for batch in st.iter_epoch(0):
+                got[reader].update(_rows(batch))
+        assert got["arrow"] == got["ray_data"] and len(got["arrow"]) == st.num_samples() > 0
+        assert sum(len(v["cands"]) for v in got["arrow"].values()) > 0
+    finally:
+        stream._READ_CACHE.clear()
+        if started:
+            ray.shutdown()
