@@ -87,14 +87,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .movielens import _check_replaceable, _file_sha256, _fsync_path
-from .schema import (CANDIDATE_CLICK, CANDIDATE_CONVERT, CANDIDATE_ITEMS, HISTORIES_DIR, HISTORY_SCHEMA, ITEMS_FILE,
+from .schema import (CANDIDATE_CLICK, CANDIDATE_CONVERT, CANDIDATE_ITEMS, HISTORIES_DIR, ITEMS_FILE,
                      ITEMS_SCHEMA, LABEL_NAMES, MANIFEST_FILE, MANIFEST_VERSION, MIN_HISTORY_FOR_SPLITS,
                      RANKING_PROTOCOL, REQUEST_SPLIT, SPLIT_PROTOCOL, SPLITS, feature_column, history_schema)
 
 log = logging.getLogger(__name__)
 
 __all__ = ["SyntheticSpec", "prepare_synthetic", "length_pmf", "parse_features", "format_synthetic_summary",
-           "normalized_entropy", "BLOCK_USERS"]
+           "normalized_entropy", "parse_fractions", "calibrate", "BLOCK_USERS"]
 
 GENERATOR_VERSION = 1
 BLOCK_USERS = 256  #: the RNG unit: block k of users draws from SeedSequence([seed, 0xB10C, k])
