@@ -1,6 +1,8 @@
 """The ``gemray`` command line.
 
     gemray prepare movielens --src DIR --out DIR [--on-bad-rows error|quarantine] [--num-files N]
+    gemray prepare synthetic --out DIR --users U --items N --seed S [--max-len L] [--length-dist ...] ...
+                                          (seeded GEM-style data: gemray.pipelines.synthetic)
     gemray train --config FILE [--set section.key=value ...] [--output DIR]
     gemray preempt --output DIR | --notice PATH [--reason TEXT] [--wait SECONDS]
                                           (ask a running `gemray train` to checkpoint and stop)
@@ -44,6 +46,98 @@ def _cmd_prepare(ns: argparse.Namespace) -> int:
     manifest = prepare_movielens(ns.src, ns.out, on_bad_rows=ns.on_bad_rows, num_files=ns.num_files)
     print(format_summary(manifest, ns.out))  # stdout, once (prepare_movielens logs it at DEBUG only)
     return 0
+
+
+def _cmd_prepare_synthetic(ns: argparse.Namespace) -> int:
+    from gemray.pipelines.synthetic import (SyntheticSpec, format_synthetic_summary, parse_features,
+                                            parse_fractions, prepare_synthetic)
+
+    rg = ns.row_groups_per_file
+    if rg != "auto":
+        if not rg.isdigit() or int(rg) < 1:
+            raise ValueError(f"--row-groups-per-file: expected an integer >= 1 or 'auto', got {rg!r}")
+        rg = int(rg)
+    spec = SyntheticSpec(users=ns.users, items=ns.items, seed=ns.seed, max_len=ns.max_len, min_len=ns.min_len,
+                         length_dist=ns.length_dist, mean_len=ns.mean_len, len_sigma=ns.len_sigma,
+                         item_zipf=ns.item_zipf, features=parse_features(ns.features), missing_rate=ns.missing_rate,
+                         devices=ns.devices, candidates=ns.candidates, min_candidates=ns.min_candidates,
+                         ctr=ns.ctr, cvr=ns.cvr, signal=ns.signal, stickiness=ns.stickiness, follow=ns.follow,
+                         interests=ns.interests, latent_dim=ns.latent_dim,
+                         split_fractions=parse_fractions(ns.split_fractions))
+    manifest = prepare_synthetic(ns.out, spec, num_files=ns.num_files, row_groups_per_file=rg, workers=ns.workers)
+    print(format_synthetic_summary(manifest, ns.out))
+    return 0
+
+
+# SyntheticSpec's defaults, here so that building the parser does not import pyarrow (tests hold them equal)
+SYNTHETIC_DEFAULTS = {"max_len": 4096, "min_len": 8, "length_dist": "lognormal", "mean_len": 200.0, "len_sigma": 1.0,
+                      "item_zipf": 1.0, "features": (("category", 64), ("author", 2048)), "missing_rate": 0.01,
+                      "devices": 4, "candidates": 64, "ctr": 0.05, "cvr": 0.1, "signal": 1.0, "stickiness": 0.6,
+                      "follow": 0.2, "interests": 4, "latent_dim": 16, "split_fractions": (0.8, 0.1, 0.1)}
+
+
+def _add_synthetic_parser(prep_sub) -> None:
+    dflt = SYNTHETIC_DEFAULTS
+    sy = prep_sub.add_parser(
+        "synthetic", help="seeded synthetic GEM-style data (long histories, side features, candidates + labels)",
+        description="Generate a seeded synthetic dataset in the prepared-folder layout (manifest.json, items.parquet, "
+                    "histories/part-*.parquet): Zipf item popularity, long-tail history lengths with sequential "
+                    "structure, item side features (feat_<name>), request context (ctx_hour, ctx_device) and one "
+                    "ranking request per user with candidates and click / convert labels that a model can learn. "
+                    "The same arguments give byte-identical files (any --workers). See "
+                    "gemray.pipelines.synthetic for the signal model.")
+    sy.add_argument("--out", required=True, help="output folder (replaced atomically if it is a prepared folder)")
+    sy.add_argument("--users", type=int, required=True, help="users (rows, one ranking request each)")
+    sy.add_argument("--items", type=int, required=True, help="items (dense ids 1..N)")
+    sy.add_argument("--seed", type=int, required=True, help="the seed (0..2**63-1)")
+    g = sy.add_argument_group("histories")
+    g.add_argument("--max-len", type=int, default=dflt["max_len"], help="longest history (events; default %(default)s)")
+    g.add_argument("--min-len", type=int, default=dflt["min_len"], help="shortest history (>= 3; default %(default)s)")
+    g.add_argument("--length-dist", choices=("lognormal", "zipf"), default=dflt["length_dist"],
+                   help="history length distribution on min..max length (default %(default)s)")
+    g.add_argument("--mean-len", type=float, default=dflt["mean_len"],
+                   help="mean history length after the cap; the distribution's location / exponent is solved for it "
+                        "(default %(default)s)")
+    g.add_argument("--len-sigma", type=float, default=dflt["len_sigma"], help="log-normal shape (default %(default)s)")
+    g.add_argument("--item-zipf", type=float, default=dflt["item_zipf"],
+                   help="item popularity exponent, p ~ rank**-s (default %(default)s)")
+    g.add_argument("--stickiness", type=float, default=dflt["stickiness"],
+                   help="chance that the next event stays in the session's category (default %(default)s)")
+    g.add_argument("--follow", type=float, default=dflt["follow"],
+                   help="chance that the next event is a follow-up of the previous item (default %(default)s)")
+    g.add_argument("--interests", type=int, default=dflt["interests"],
+                   help="categories of interest per user (default %(default)s)")
+    g = sy.add_argument_group("features")
+    g.add_argument("--features", default=",".join(f"{n}={c}" for n, c in dflt["features"]),
+                   help="item side features NAME=CARDINALITY,... written as feat_<name> per token; the first one "
+                        "drives sessions and candidates (default %(default)s)")
+    g.add_argument("--missing-rate", type=float, default=dflt["missing_rate"],
+                   help="share of item feature values stored as 0 = missing (default %(default)s)")
+    g.add_argument("--devices", type=int, default=dflt["devices"],
+                   help="cardinality of the ctx_device request feature (default %(default)s)")
+    g.add_argument("--latent-dim", type=int, default=dflt["latent_dim"],
+                   help="dimension of the latent user / item vectors behind the labels (default %(default)s)")
+    g = sy.add_argument_group("ranking")
+    g.add_argument("--candidates", type=int, default=dflt["candidates"],
+                   help="candidates per request (at most; default %(default)s)")
+    g.add_argument("--min-candidates", type=int, default=None,
+                   help="fewest candidates per request: counts are uniform in min..max (default: = --candidates)")
+    g.add_argument("--ctr", type=float, default=dflt["ctr"], help="click rate to calibrate to (default %(default)s)")
+    g.add_argument("--cvr", type=float, default=dflt["cvr"],
+                   help="conversion rate among clicks to calibrate to (default %(default)s)")
+    g.add_argument("--signal", type=float, default=dflt["signal"],
+                   help="scale of the learnable part of the label logits; 0 = labels are noise (default %(default)s)")
+    g.add_argument("--split-fractions", default=",".join(f"{x:g}" for x in dflt["split_fractions"]),
+                   help="train,valid,test shares of the ranking requests (default %(default)s)")
+    g = sy.add_argument_group("output")
+    g.add_argument("--num-files", type=int, default=8, help="history files (default %(default)s)")
+    g.add_argument("--row-groups-per-file", default="auto",
+                   help="row groups (shards) per file, or auto: >= 4, more to keep ~4M tokens per row group "
+                        "(default %(default)s)")
+    g.add_argument("--workers", type=int, default=None,
+                   help="processes writing files in parallel (default: usable CPUs, at most --num-files); the "
+                        "output does not depend on it")
+    sy.set_defaults(func=_cmd_prepare_synthetic)
 
 
 def _cmd_train(ns: argparse.Namespace) -> int:
@@ -228,6 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="Parquet files to write (default 8; capped at the user count): the unit Ray Data "
                          "reads in parallel")
     ml.set_defaults(func=_cmd_prepare)
+    _add_synthetic_parser(prep_sub)
 
     tr = sub.add_parser("train", help="train with Ray Train (embedded local cluster unless RAY_ADDRESS)",
                         description="Train the model of a TOML config with Ray Train: an embedded local Ray "

@@ -1,12 +1,23 @@
 """The jagged batch: B variable-length user histories stored back to back, no padding.
 
-Shape key: B sequences, T = offsets[-1] total tokens, L_b = offsets[b+1] - offsets[b].
+Shape key: B sequences, T = offsets[-1] total tokens, L_b = offsets[b+1] - offsets[b]; with ranking data,
+C = candidate_offsets[-1] candidates in all.
 
 A ``JaggedBatch`` is what ``gemray.pipelines`` yields and what the model consumes. Sequence b occupies
 rows ``offsets[b]:offsets[b+1]`` of every per-token tensor. Example (B=3, lengths 2, 0, 3)::
 
     offsets   = [0, 2, 2, 5]
     item_ids  = [7, 3, 9, 9, 1]        # user 0: 7, 3; user 1: empty; user 2: 9, 9, 1
+
+Batches of GEM-style data (``gemray prepare synthetic``) also carry side features, request context and
+each request's jagged candidate list with click / convert labels; for MovieLens those fields are None.
+Example (B=2, candidates 2 and 1)::
+
+    features          = {"category": [4, 4, 1, 2, 2]}     # [T], aligned with item_ids
+    context           = {"hour": [21, 9]}                  # [B]
+    candidate_offsets = [0, 2, 3]                          # [B+1]
+    candidate_ids     = [12, 5, 40]                        # [C]
+    labels            = [[1., 0.], [0., 0.], [1., 1.]]     # [C, 2]: click, convert
 
 Padded conversions exist for references and tests only; the model path stays jagged.
 """
@@ -21,6 +32,8 @@ import torch
 ITEM_FEATURE = "item_id"
 RATING_FEATURE = "rating"
 TIME_FEATURE = "time_gap"
+# Column order of JaggedBatch.labels (the names of gemray.pipelines.schema.LABEL_NAMES).
+LABEL_NAMES = ("click", "convert")
 
 
 @dataclass
@@ -37,6 +50,19 @@ class JaggedBatch:
     target_timestamps: [B] int64 or None: unix seconds of each target (evaluation batches). It is the
                 request time a server knows when it asks for the next item; HSTU's time bias uses it as
                 the last position's query time (see ``query_timestamps``).
+
+    Optional GEM fields (None when the data has none, e.g. MovieLens):
+
+    features:   dict name -> [T] int64, per-token side features aligned with item_ids (e.g. the item's
+                category, author), dense 1..cardinality, 0 = missing (manifest ``features``, level "token").
+    context:    dict name -> [B] int64, per-request context of each row (e.g. hour-of-day bucket, device),
+                dense 1..cardinality, 0 = missing (manifest ``features``, level "request").
+    candidate_offsets: [B+1] int64, row b's candidates are ``candidate_ids[candidate_offsets[b]:
+                candidate_offsets[b+1]]`` (0 for a row whose request belongs to another split).
+    candidate_ids: [C] int64 dense item ids shown at each row's request.
+    labels:     [C, 2] float32 0/1 per candidate: column 0 click, column 1 convert (1 only where clicked);
+                see ``LABEL_NAMES``.
+    The three candidate fields are all set or all None.
     """
 
     user_ids: torch.Tensor
@@ -46,6 +72,11 @@ class JaggedBatch:
     timestamps: torch.Tensor
     targets: torch.Tensor | None = None
     target_timestamps: torch.Tensor | None = None
+    features: dict[str, torch.Tensor] | None = None
+    context: dict[str, torch.Tensor] | None = None
+    candidate_offsets: torch.Tensor | None = None
+    candidate_ids: torch.Tensor | None = None
+    labels: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -64,12 +95,32 @@ class JaggedBatch:
     def max_len(self) -> int:
         return int(self.lengths.max()) if self.batch_size else 0
 
+    @property
+    def num_candidates(self) -> int:
+        """C, the candidates of all rows together (0 without ranking data)."""
+        return 0 if self.candidate_offsets is None else int(self.candidate_offsets[-1])
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "JaggedBatch":
-        kw = {}
-        for f in fields(self):
-            v = getattr(self, f.name)
-            kw[f.name] = v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor) else v
-        return JaggedBatch(**kw)
+        """A copy with every tensor (those inside ``features`` / ``context`` too) on ``device``."""
+        def move(v):
+            if isinstance(v, torch.Tensor):
+                return v.to(device, non_blocking=non_blocking)
+            if isinstance(v, dict):
+                return {k: move(x) for k, x in v.items()}
+            return v
+
+        return JaggedBatch(**{f.name: move(getattr(self, f.name)) for f in fields(self)})
+
+    def pin_memory(self) -> "JaggedBatch":
+        """A copy in page-locked host memory (needs CUDA), so that ``to(cuda, non_blocking=True)`` overlaps."""
+        def pin(v):
+            if isinstance(v, torch.Tensor):
+                return v.pin_memory()
+            if isinstance(v, dict):
+                return {k: pin(x) for k, x in v.items()}
+            return v
+
+        return JaggedBatch(**{f.name: pin(getattr(self, f.name)) for f in fields(self)})
 
     def validate(self) -> "JaggedBatch":
         """Check the invariants above; raises ValueError naming the broken field."""
@@ -90,7 +141,37 @@ class JaggedBatch:
         if self.target_timestamps is not None and self.target_timestamps.numel() != self.batch_size:
             raise ValueError(f"target_timestamps: expected [B={self.batch_size}], got "
                              f"{tuple(self.target_timestamps.shape)}")
+        for group, n, key in (("features", t, "T"), ("context", self.batch_size, "B")):
+            for name, v in (getattr(self, group) or {}).items():
+                if v.dtype != torch.int64 or v.dim() != 1 or v.numel() != n:
+                    raise ValueError(f"{group}[{name!r}]: expected int64 [{key}={n}], got {v.dtype} {tuple(v.shape)}")
+        self._validate_candidates()
         return self
+
+    def _validate_candidates(self) -> None:
+        parts = {"candidate_offsets": self.candidate_offsets, "candidate_ids": self.candidate_ids,
+                 "labels": self.labels}
+        if all(v is None for v in parts.values()):
+            return
+        missing = [k for k, v in parts.items() if v is None]
+        if missing:
+            raise ValueError(f"{', '.join(missing)}: None while the other candidate fields are set (all or none)")
+        co, ids, lab = self.candidate_offsets, self.candidate_ids, self.labels
+        if co.dtype != torch.int64 or co.dim() != 1 or co.numel() != self.batch_size + 1:
+            raise ValueError(f"candidate_offsets: expected int64 [B+1={self.batch_size + 1}], got {co.dtype} "
+                             f"{tuple(co.shape)}")
+        if int(co[0]) != 0 or bool((co[1:] < co[:-1]).any()):
+            raise ValueError("candidate_offsets: must start at 0 and be non-decreasing")
+        c = int(co[-1])
+        if ids.dtype != torch.int64 or ids.dim() != 1 or ids.numel() != c:
+            raise ValueError(f"candidate_ids: expected int64 [C={c}], got {ids.dtype} {tuple(ids.shape)}")
+        if lab.dtype != torch.float32 or tuple(lab.shape) != (c, len(LABEL_NAMES)):
+            raise ValueError(f"labels: expected float32 [C={c}, {len(LABEL_NAMES)}], got {lab.dtype} "
+                             f"{tuple(lab.shape)}")
+        if c and bool(((lab != 0) & (lab != 1)).any()):
+            raise ValueError("labels: expected 0/1 values")
+        if c and bool((lab[:, 1] > lab[:, 0]).any()):
+            raise ValueError("labels: convert == 1 where click == 0 (conversions happen only after a click)")
 
     def with_(self, **changes) -> "JaggedBatch":
         return replace(self, **changes)

@@ -32,9 +32,33 @@ than Words"), for a user with time-ordered items h[0..n-1]:
 Inputs keep the most recent ``max_seq_len`` items. Users with fewer than :data:`MIN_HISTORY_FOR_SPLITS`
 (3) interactions stay in the Parquet files but are excluded from all three splits (counted in the
 manifest as ``splits.too_short_users``).
+
+Optional columns (GEM-style data: ``gemray prepare synthetic``, ``gemray prepare interactions``). A history
+file may carry, after the four HISTORY_SCHEMA columns and in this order, any of:
+
+- side features, declared in the manifest as ``"features": {<name>: {"level": "token" | "request",
+  "cardinality": C, "column": <column>}}`` (names: lowercase letters, digits, ``_``; values dense 1..C,
+  0 = missing):
+
+  - ``level "token"``: column ``feat_<name>`` list<int64>, one value per history item, aligned with
+    ``item_ids`` (e.g. the item's category or author at that event);
+  - ``level "request"``: column ``ctx_<name>`` int64, one value per row, describing the row's request
+    (e.g. hour-of-day bucket, device type).
+
+  Item-level features (a fixed function of the item) may also be in ``items.parquet`` under the same column
+  name; the entry then has ``"per_item": true`` (the lookup a model needs for candidates and negatives).
+- a ranking request, declared in the manifest as ``"ranking": {...}`` (see :data:`RANKING_PROTOCOL`):
+  ``request_split`` int8 (the request's split, an index into :data:`SPLITS`), ``cand_item_ids``
+  list<int64> (the items shown at the request, dense ids), ``cand_click`` list<int8> and ``cand_convert``
+  list<int8> (0/1 labels aligned with ``cand_item_ids``; convert == 1 only where click == 1).
+
+:func:`history_schema` gives the full schema of a prepared folder from its manifest.
 """
 
 from __future__ import annotations
+
+import re
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -68,6 +92,86 @@ SPLIT_PROTOCOL = (
     "train sequence = h[:-2]; valid = input h[:-2], target h[-2]; test = input h[:-1], target h[-1]; "
     "inputs truncated to the most recent max_seq_len items; users with n < 3 are excluded from all splits."
 )
+
+
+# ------------------------------------------------------------------ optional GEM columns (see the module doc)
+
+FEATURE_PREFIX = "feat_"  #: per-token side feature column: ``feat_<name>`` list<int64> aligned with item_ids
+CONTEXT_PREFIX = "ctx_"  #: per-request context column: ``ctx_<name>`` int64
+FEATURE_LEVELS = ("token", "request")
+FEATURE_NAME_RE = re.compile(r"[a-z][a-z0-9_]{0,63}")
+REQUEST_SPLIT = "request_split"  #: int8, index into SPLITS: which split the row's request (candidates) is in
+CANDIDATE_ITEMS = "cand_item_ids"  #: list<int64> dense item ids shown at the request
+CANDIDATE_CLICK = "cand_click"  #: list<int8> 0/1
+CANDIDATE_CONVERT = "cand_convert"  #: list<int8> 0/1, 1 only where clicked
+LABEL_NAMES = ("click", "convert")  #: order of the label columns (JaggedBatch.labels[:, k])
+LABEL_COLUMNS = (CANDIDATE_CLICK, CANDIDATE_CONVERT)
+
+RANKING_FIELDS = [
+    pa.field(REQUEST_SPLIT, pa.int8()),
+    pa.field(CANDIDATE_ITEMS, pa.list_(pa.int64())),
+    pa.field(CANDIDATE_CLICK, pa.list_(pa.int8())),
+    pa.field(CANDIDATE_CONVERT, pa.list_(pa.int8())),
+]
+
+RANKING_PROTOCOL = (
+    "one ranking request per row, in one split (request_split: 0 train, 1 valid, 2 test); it comes right after "
+    "the retrieval input of that split: train and valid requests after h[:n-2] (request time = timestamps[n-2]), "
+    "test requests after h[:n-1] (request time = timestamps[n-1]); the candidates are the items shown at the "
+    "request (the retrieval target h[stop] is not among them by construction), with click and convert labels "
+    "(convert only when clicked). A split's stream yields the candidates of its own requests only (the other "
+    "rows carry none), so no label is read in two splits."
+)
+
+
+def feature_column(name: str, level: str) -> str:
+    """The Parquet column of a declared feature: ``feat_<name>`` (level "token") or ``ctx_<name>``
+    ("request"). Raises ValueError for a bad name or level."""
+    if not isinstance(name, str) or not FEATURE_NAME_RE.fullmatch(name):
+        raise ValueError(f"feature name {name!r}: expected lowercase letters, digits and '_', starting with a "
+                         "letter (at most 64 characters)")
+    if level not in FEATURE_LEVELS:
+        raise ValueError(f"feature {name!r}: level expected one of {FEATURE_LEVELS}, got {level!r}")
+    return (FEATURE_PREFIX if level == "token" else CONTEXT_PREFIX) + name
+
+
+def check_features(features: Any) -> dict[str, dict[str, Any]]:
+    """Validate a manifest's ``"features"`` entry and return it (``{}`` for None).
+
+    Each value must be ``{"level": "token"|"request", "cardinality": int >= 1, "column": feature_column(name,
+    level)}`` (extra keys allowed). Raises ValueError naming the feature and the bad key.
+    """
+    if features is None:
+        return {}
+    if not isinstance(features, dict):
+        raise ValueError(f"manifest features: expected an object, got {type(features).__name__}")
+    for name, spec in features.items():
+        if not isinstance(spec, dict):
+            raise ValueError(f"manifest features.{name}: expected an object, got {type(spec).__name__}")
+        col = feature_column(name, spec.get("level"))
+        card = spec.get("cardinality")
+        if not isinstance(card, int) or isinstance(card, bool) or card < 1:
+            raise ValueError(f"manifest features.{name}.cardinality: expected an int >= 1, got {card!r}")
+        if spec.get("column") != col:
+            raise ValueError(f"manifest features.{name}.column: expected {col!r}, got {spec.get('column')!r}")
+    return features
+
+
+def history_fields(manifest: dict[str, Any]) -> list[pa.Field]:
+    """The optional columns a prepared folder's history files carry after HISTORY_SCHEMA, in file order:
+    token features (``feat_*``, in manifest order), request features (``ctx_*``), then the ranking columns
+    when the manifest has a ``"ranking"`` entry. [] for MovieLens. Raises ValueError for bad declarations."""
+    feats = check_features(manifest.get("features"))
+    out = [pa.field(s["column"], pa.list_(pa.int64())) for s in feats.values() if s["level"] == "token"]
+    out += [pa.field(s["column"], pa.int64()) for s in feats.values() if s["level"] == "request"]
+    if manifest.get("ranking") is not None:
+        out += RANKING_FIELDS
+    return out
+
+
+def history_schema(manifest: dict[str, Any]) -> pa.Schema:
+    """HISTORY_SCHEMA followed by :func:`history_fields`: the full schema of a prepared folder's histories."""
+    return pa.schema(list(HISTORY_SCHEMA) + history_fields(manifest))
 
 
 class BadRowError(ValueError):

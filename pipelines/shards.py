@@ -53,9 +53,18 @@ def num_batches_for(manifest: dict[str, Any], world_size: int, batch_size: int) 
 
 def _eligible(table: pa.Table) -> pa.Table:
     """Sort by user_id and keep users with >= 3 interactions (the split-eligible ones)."""
-    table = table.sort_by("user_id")
-    n = pc.list_value_length(table.column("item_ids"))
-    return table.filter(pc.greater_equal(n, MIN_HISTORY_FOR_SPLITS))
+    table = _by_user(table)
+    keep = pc.greater_equal(pc.list_value_length(table.column("item_ids")), MIN_HISTORY_FOR_SPLITS)
+    return table if pc.all(keep).as_py() is not False else table.filter(keep)
+
+
+def _by_user(table: pa.Table) -> pa.Table:
+    """``table.sort_by("user_id")``, skipped when the rows already are (as prepared files are written): sorting
+    copies every column, 13 s of a 44 s load for 18M tokens of long GEM histories."""
+    u = table.column("user_id")
+    if table.num_rows < 2 or pc.all(pc.greater(u[1:], u[:-1])).as_py():
+        return table
+    return table.sort_by("user_id")
 
 
 def read_shard_lengths(manifest: dict[str, Any], shards: list[dict[str, Any]]) -> np.ndarray:

@@ -22,6 +22,14 @@ The rank's split-eligible histories are held in memory as flat Arrow buffers (ML
 padding. Per-row truncation to ``max_seq_len`` is a gather (``pc.list_slice`` only takes one start/stop
 for the whole array).
 
+GEM-style folders (``gemray prepare synthetic``; manifest ``features`` / ``ranking``, see
+:mod:`gemray.pipelines.schema`) carry more columns, collated the same way: per-token side features ride with
+item_ids through the same gather, request context is a per-row pick, and each row's candidates and labels are
+a second jagged gather (flat buffers + the rows' candidate offsets), so BBS moves a request's candidates with
+its row. A split's batches carry the candidates of the rows whose ``request_split`` is that split only (the
+other rows get 0 candidates): no label is read in two splits. Folders without them give batches whose
+optional fields are None, as before.
+
 Needs Ray to be initialised by the caller (Ray Train workers are). Sets
 ``DataContext.get_current().use_datasource_v2 = False`` (the 2.60 default reader spends ~10 s starting).
 """
@@ -35,6 +43,7 @@ from typing import Any, Iterator
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import torch
 
 from gemray.config import DataConfig
@@ -42,12 +51,14 @@ from gemray.jagged import JaggedBatch, lengths_to_offsets
 
 from .bbs import global_epoch_order, global_steps_left, plan_epoch, plan_global_step
 from .movielens import load_manifest
-from .schema import HISTORY_SCHEMA, check_split, split_input_bounds
-from .shards import _check_rank, _eligible, assign_shards, num_batches_for
+from .schema import (CANDIDATE_CLICK, CANDIDATE_CONVERT, CANDIDATE_ITEMS, HISTORY_SCHEMA, ITEMS_FILE,
+                     REQUEST_SPLIT, SPLITS, check_features, check_split, history_schema,
+                     split_input_bounds)
+from .shards import _by_user, _check_rank, _eligible, assign_shards, num_batches_for
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ElasticTrainStream", "HistoryStream"]
+__all__ = ["ElasticTrainStream", "HistoryStream", "item_feature_tables"]
 
 
 # Streams of the same rank (train / valid / test) share one read: (folder, manifest mtime, shards) -> table.
@@ -56,14 +67,16 @@ _READ_CACHE_SIZE = 4
 
 
 def _read_rank_table(manifest: dict[str, Any], shards: list[dict[str, Any]], reader: str = "ray_data") -> pa.Table:
-    """Read this rank's shards (cached per process); a HISTORY_SCHEMA table by user_id.
+    """Read this rank's shards (cached per process); a table of ``history_schema(manifest)`` (HISTORY_SCHEMA plus
+    the manifest's feature / ranking columns) by user_id.
 
     reader: "ray_data" (``ray.data.read_parquet`` tasks) or "arrow" (pyarrow in this process). Raises
-    ValueError for another reader or when the rows read differ from the manifest's count."""
+    ValueError for another reader, a file without a declared column, or when the rows read differ from the
+    manifest's count."""
     if reader not in ("ray_data", "arrow"):
         raise ValueError(f"reader: expected 'ray_data' or 'arrow', got {reader!r}")
     if not shards:
-        return HISTORY_SCHEMA.empty_table()
+        return history_schema(manifest).empty_table()
     root = Path(manifest["prepared_dir"])
     key = (str(root), (root / "manifest.json").stat().st_mtime_ns, tuple(s["index"] for s in shards))
     if key not in _READ_CACHE:
@@ -77,6 +90,14 @@ def _read_rank_table_uncached(manifest: dict[str, Any], shards: list[dict[str, A
                               reader: str = "ray_data") -> pa.Table:
     root = Path(manifest["prepared_dir"])
     paths = [str(root / f) for f in sorted({s["file"] for s in shards})]
+    schema = history_schema(manifest)
+    for path in paths[:1] if schema == HISTORY_SCHEMA else paths:  # a declared column must be in every file
+        have = pq.read_schema(path)
+        for f in schema:
+            if have.get_field_index(f.name) < 0 or not have.field(f.name).type.equals(f.type):
+                got = have.field(f.name).type if have.get_field_index(f.name) >= 0 else "no such column"
+                raise ValueError(f"{path}: column {f.name!r} expected {f.type} (declared by manifest.json), got "
+                                 f"{got}")
     user = pc.field("user_id")
     expr = None
     for s in shards:
@@ -86,20 +107,20 @@ def _read_rank_table_uncached(manifest: dict[str, Any], shards: list[dict[str, A
         import pyarrow.dataset as pads
 
         log.info("reading shards %s of %s with pyarrow", [s["index"] for s in shards], root)
-        read = pads.dataset(paths, format="parquet").to_table(columns=HISTORY_SCHEMA.names, filter=expr)
+        read = pads.dataset(paths, format="parquet").to_table(columns=schema.names, filter=expr)
         parts = [read] if read.num_rows else []
     else:
-        parts = _read_with_ray_data(paths, expr, root, shards)
-    table = pa.concat_tables(parts).select(HISTORY_SCHEMA.names).cast(HISTORY_SCHEMA) if parts \
-        else HISTORY_SCHEMA.empty_table()
+        parts = _read_with_ray_data(paths, expr, root, shards, schema.names)
+    table = pa.concat_tables(parts).select(schema.names).cast(schema) if parts else schema.empty_table()
     want = sum(s["rows"] for s in shards)
     if table.num_rows != want:
         raise ValueError(f"{root}: read {table.num_rows} rows for shards {[s['index'] for s in shards]}, "
                          f"manifest says {want}; the prepared folder changed since its manifest was written")
-    return table.sort_by("user_id")
+    return _by_user(table)
 
 
-def _read_with_ray_data(paths: list[str], expr: Any, root: Path, shards: list[dict[str, Any]]) -> list[pa.Table]:
+def _read_with_ray_data(paths: list[str], expr: Any, root: Path, shards: list[dict[str, Any]],
+                        columns: list[str] = HISTORY_SCHEMA.names) -> list[pa.Table]:
     import ray
     import ray.data
 
@@ -110,7 +131,7 @@ def _read_with_ray_data(paths: list[str], expr: Any, root: Path, shards: list[di
     log.info("reading shards %s of %s with Ray Data", [s["index"] for s in shards], root)
     # Small CPU ask per read task: inside Ray Train the workers hold most CPUs, and read tasks that wait
     # for a whole free CPU can stall the step (NOTES.md: 2 workers + a read on 2 CPUs hung).
-    ds = ray.data.read_parquet(paths, columns=HISTORY_SCHEMA.names, filter=expr, num_cpus=0.25)
+    ds = ray.data.read_parquet(paths, columns=list(columns), filter=expr, num_cpus=0.25)
     return [b for b in ds.iter_batches(batch_format="pyarrow", batch_size=None) if b.num_rows]
 
 
@@ -131,8 +152,13 @@ class HistoryStream:
 
     Yields :class:`gemray.jagged.JaggedBatch` on CPU: user_ids [B], offsets [B+1], item_ids / ratings
     (half stars) / timestamps [T], all int64; targets and target_timestamps (the target's unix seconds)
-    [B] int64 for valid/test. Raises ValueError for
-    bad arguments, FileNotFoundError when the folder is not prepared.
+    [B] int64 for valid/test. When the manifest declares them (GEM-style data): ``features`` {name: [T]
+    int64} (level "token"), ``context`` {name: [B] int64} (level "request"), and with a ``ranking`` entry
+    ``candidate_offsets`` [B+1] int64, ``candidate_ids`` [C] int64, ``labels`` [C, 2] float32 (click,
+    convert) holding the candidates of the rows whose request is in this split (the other rows: none);
+    otherwise these fields are None. Raises ValueError for bad arguments or for data that breaks the
+    schema (a column of the wrong type or list lengths, feature values outside 0..cardinality, labels not
+    0/1, a conversion without a click), FileNotFoundError when the folder is not prepared.
     """
 
     def __init__(self, prepared_dir: str | Path, split: str, *, rank: int, world_size: int,
@@ -188,18 +214,67 @@ class HistoryStream:
             np.cumsum(n[:-1], out=row_start[1:])
 
             def flat(col: str) -> np.ndarray:
-                return pc.list_flatten(table.column(col)).to_numpy().astype(np.int64)
+                return _flat_int64(table.column(col))
 
             self._data = {"user_ids": table.column("user_id").to_numpy().astype(np.int64),
                           "row_start": row_start, "start": start, "stop": stop,
                           "item_ids": flat("item_ids"), "ratings": flat("ratings"),
-                          "timestamps": flat("timestamps")}
+                          "timestamps": flat("timestamps"), **self._load_gem_columns(table, n)}
             if n.size != self.num_samples():
                 raise ValueError(f"rank {self.rank}: {n.size} split users read, manifest says "
                                  f"{self.num_samples()}")
             log.debug("rank %d/%d %s: %d users, %d tokens", self.rank, self.world_size, self.split,
                       n.size, int((stop - start).sum()))
         return self._data
+
+    def _load_gem_columns(self, table: pa.Table, n: np.ndarray) -> dict[str, Any]:
+        """Flat numpy buffers of the manifest's feature and ranking columns, checked once here (vectorised) so
+        that collation is only gathers: {"features": {name: [sum n] int64}, "context": {name: [S] int64},
+        "cand": {"start" [S], "len" [S] (0 unless the row's request is in this split), "ids", "click",
+        "convert"} or None}."""
+        root = self.manifest["prepared_dir"]
+        out: dict[str, Any] = {"features": {}, "context": {}, "cand": None}
+        for name, spec in check_features(self.manifest.get("features")).items():
+            col, card = table.column(spec["column"]), spec["cardinality"]
+            if spec["level"] == "token":
+                if not np.array_equal(_list_lengths(col), n):
+                    raise ValueError(f"{root}: column {spec['column']!r} has lists of other lengths than item_ids "
+                                     "(a token feature needs one value per history item)")
+                values = _flat_int64(col)
+            else:
+                values = _int64(col, root, spec["column"])
+            if values.size and (int(values.min()) < 0 or int(values.max()) > card):
+                raise ValueError(f"{root}: column {spec['column']!r} holds values outside 0..{card} (the "
+                                 f"cardinality manifest.json declares; 0 = missing): {int(values.min())}.."
+                                 f"{int(values.max())}")
+            out["features" if spec["level"] == "token" else "context"][name] = values
+        if self.manifest.get("ranking") is None:
+            return out
+        clen = _list_lengths(table.column(CANDIDATE_ITEMS))
+        for col in (CANDIDATE_CLICK, CANDIDATE_CONVERT):
+            if not np.array_equal(_list_lengths(table.column(col)), clen):
+                raise ValueError(f"{root}: column {col!r} has lists of other lengths than {CANDIDATE_ITEMS!r}")
+        code = _int64(table.column(REQUEST_SPLIT), root, REQUEST_SPLIT)
+        if code.size and (int(code.min()) < 0 or int(code.max()) >= len(SPLITS)):
+            raise ValueError(f"{root}: column {REQUEST_SPLIT!r} holds values outside 0..{len(SPLITS) - 1} "
+                             f"(0 train, 1 valid, 2 test)")
+        ids = _flat_int64(table.column(CANDIDATE_ITEMS))
+        num_items = int(self.manifest["counts"]["items"])
+        if ids.size and (int(ids.min()) < 1 or int(ids.max()) > num_items):
+            raise ValueError(f"{root}: column {CANDIDATE_ITEMS!r} holds item ids outside 1..{num_items}")
+        click = pc.list_flatten(table.column(CANDIDATE_CLICK)).to_numpy()
+        convert = pc.list_flatten(table.column(CANDIDATE_CONVERT)).to_numpy()
+        if click.size and (int(click.min()) < 0 or int(click.max()) > 1 or int(convert.min()) < 0
+                           or int(convert.max()) > 1):
+            raise ValueError(f"{root}: {CANDIDATE_CLICK!r} / {CANDIDATE_CONVERT!r} hold values other than 0 and 1")
+        if bool((convert > click).any()):
+            raise ValueError(f"{root}: {CANDIDATE_CONVERT!r} is 1 where {CANDIDATE_CLICK!r} is 0 (a conversion "
+                             "without a click)")
+        start = np.zeros(clen.size, np.int64)
+        np.cumsum(clen[:-1], out=start[1:])
+        out["cand"] = {"start": start, "len": np.where(code == SPLITS.index(self.split), clen, 0),
+                       "ids": ids, "click": click, "convert": convert}
+        return out
 
     def plan(self, epoch: int) -> list[np.ndarray]:
         """The epoch's batches as index arrays into this rank's users (ascending user_id order)."""
@@ -233,11 +308,72 @@ class HistoryStream:
         if self.split != "train":
             targets = torch.from_numpy(d["item_ids"][d["row_start"][idx] + stop])
             target_ts = torch.from_numpy(d["timestamps"][d["row_start"][idx] + stop])
+        gem: dict[str, Any] = {}
+        if d["features"]:
+            gem["features"] = {k: torch.from_numpy(v[gather]) for k, v in d["features"].items()}
+        if d["context"]:
+            gem["context"] = {k: torch.from_numpy(v[idx]) for k, v in d["context"].items()}
+        cand = d["cand"]
+        if cand is not None:  # the rows' candidates: a second jagged gather, labels as one [C, 2] float32 block
+            clen = cand["len"][idx]
+            coff = lengths_to_offsets(torch.from_numpy(clen))
+            ctotal = int(coff[-1])
+            cg = np.repeat(cand["start"][idx] - coff[:-1].numpy(), clen) + np.arange(ctotal, dtype=np.int64)
+            labels = np.empty((ctotal, 2), np.float32)
+            labels[:, 0] = cand["click"][cg]
+            labels[:, 1] = cand["convert"][cg]
+            gem.update(candidate_offsets=coff, candidate_ids=torch.from_numpy(cand["ids"][cg]),
+                       labels=torch.from_numpy(labels))
         return JaggedBatch(
             user_ids=torch.from_numpy(d["user_ids"][idx]), offsets=offsets,
             item_ids=torch.from_numpy(d["item_ids"][gather]), ratings=torch.from_numpy(d["ratings"][gather]),
             timestamps=torch.from_numpy(d["timestamps"][gather]), targets=targets,
-            target_timestamps=target_ts)
+            target_timestamps=target_ts, **gem)
+
+
+def _list_lengths(col: pa.ChunkedArray) -> np.ndarray:
+    return pc.list_value_length(col).to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+
+
+def _flat_int64(col: pa.ChunkedArray) -> np.ndarray:
+    """The values of a list<int64> column as one int64 array (no copy when it is one chunk)."""
+    flat = pc.list_flatten(col)
+    arr = flat.chunk(0) if flat.num_chunks == 1 else flat.combine_chunks()
+    return arr.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+
+
+def _int64(col: pa.ChunkedArray, root: str, name: str) -> np.ndarray:
+    """A scalar integer column as int64; nulls raise ValueError naming the column."""
+    if col.null_count:
+        raise ValueError(f"{root}: column {name!r} has {col.null_count} nulls (use 0 for a missing feature value)")
+    return col.to_numpy().astype(np.int64, copy=False)
+
+
+def item_feature_tables(manifest: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Per-item side features for lookups (candidates, sampled negatives): {name: [num_items + 1] int64}, row i the
+    value of item i (row 0, the padding id, holds 0 = missing), for each manifest feature with ``"per_item": true``.
+
+    Reads ``items.parquet`` (columns item_id and ``feat_<name>``). Returns {} when no feature is per item.
+    Raises ValueError when items.parquet lacks a column or its item ids are not 1..num_items in order.
+    """
+    feats = {k: v for k, v in check_features(manifest.get("features")).items() if v.get("per_item")}
+    if not feats:
+        return {}
+    path = Path(manifest["prepared_dir"]) / manifest.get("items_file", ITEMS_FILE)
+    have = pq.read_schema(path).names
+    missing = [v["column"] for v in feats.values() if v["column"] not in have]
+    if missing:
+        raise ValueError(f"{path}: no column {', '.join(missing)} (declared per item by manifest.json)")
+    table = pq.read_table(path, columns=["item_id"] + [v["column"] for v in feats.values()])
+    n = int(manifest["counts"]["items"])
+    if not np.array_equal(table.column("item_id").to_numpy(), np.arange(1, n + 1)):
+        raise ValueError(f"{path}: item_id is not 1..{n} in order")
+    out = {}
+    for name, spec in feats.items():
+        arr = np.zeros(n + 1, np.int64)
+        arr[1:] = table.column(spec["column"]).to_numpy()
+        out[name] = arr
+    return out
 
 
 class ElasticTrainStream:

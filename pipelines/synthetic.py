@@ -1,0 +1,991 @@
+"""Seeded synthetic GEM-style data: long-tail histories with side features, request context and ranked candidates.
+
+``gemray prepare synthetic --out DIR --users U --items N --seed S ...`` writes a prepared folder of the same
+layout as the MovieLens pipeline (:mod:`gemray.pipelines.schema`: ``manifest.json`` with counts, shards and
+sha256 checksums, ``items.parquet``, ``histories/part-*.parquet``, one row per user), so every existing stream
+reads it unchanged, plus the optional GEM columns: per-token item side features ``feat_<name>``, per-request
+context ``ctx_<name>``, and one ranking request per row (``request_split``, ``cand_item_ids``, ``cand_click``,
+``cand_convert``).
+
+What is generated (per user u, all of it a function of (seed, parameters) only)
+-------------------------------------------------------------------------------
+Items 1..N: Zipf popularity ``p_i ~ rank_i ** -item_zipf`` over a random ranking; categorical side features
+(default ``category`` 64 values, ``author`` 2048 values; values 1..C drawn with a mild Zipf(0.6) skew, stored as 0
+= missing with probability ``missing_rate``); a latent vector ``v_i`` (unit norm, ``latent_dim``) that is a sum of
+one random vector per feature value plus item noise (items sharing a category or author are alike); click and
+conversion qualities ``q_i``, ``q'_i``; :data:`SUCCESSORS` follow-up items of the same category drawn by
+popularity (a series' next episode, a sequel).
+
+History length n_u: log-normal (``len_sigma`` shape) or Zipf (``P(n) ~ n ** -a``), discretised on
+``min_len..max_len`` (the cap takes the mass above it) with its location / exponent solved so that the mean of the
+capped distribution is ``mean_len`` (:func:`length_pmf`; recorded in the manifest).
+
+Interests: ``interests`` categories per user (drawn by category popularity) with Dirichlet(1) weights; the user's
+latent ``z_u`` is their weighted category vectors plus noise.
+
+Histories (sequential structure a next-item model can learn): the first event starts a session; each next event
+is, with probability ``follow``, one of the previous item's follow-ups; with ``stickiness``, another item of the
+session's category (by popularity); otherwise it starts a new session in a category drawn from the user's
+interests (:data:`EXPLORE` of the time from all categories). Timestamps: a start time spread over a year, then
+log-normal gaps (minutes within a session, hours between sessions). Ratings (half stars 1..10, as MovieLens):
+``round(6 + 4 z_u . v_i + noise)``.
+
+Requests: one per row, its split drawn with ``split_fractions`` (see
+:data:`gemray.pipelines.schema.RANKING_PROTOCOL`: train / valid requests follow h[:n-2], test requests h[:n-1]).
+Context: ``hour`` (hour of day of the request time, UTC, 1..24 for hours 0..23) and ``device`` (1..devices: the
+user's usual device 80% of the time). Candidates: ``min_candidates..candidates`` distinct items (the first distinct
+ones of twice as many draws; a small catalogue may leave fewer), 40% from the user's interests, 30% from the categories of the user's last :data:`RECENT_WINDOW`
+events before the request, 30% by global popularity.
+
+Labels (the signal model): for candidate j of a request of user u with history H (the events before the request)::
+
+    click logit   = b_click + signal * (2.0 z_u . v_j + 1.5 recent_j + q_j + device_bias[device, cat_j]
+                                        + 0.25 cos(2 pi (h - 20) / 24))
+    convert logit = b_cvr   + signal * (1.5 z_u . v_j + q'_j)
+    click ~ Bernoulli(sigmoid(click logit)); convert = click * Bernoulli(sigmoid(convert logit))
+
+with ``recent_j`` the fraction of the last 32 events of H in j's category and h the request's hour of day (0..23). A model learns ``z_u`` from the history
+(its categories and items were drawn from it), ``recent_j`` from the latest events, ``q_j`` from the item id, the
+context terms from ``ctx_*``. ``b_click`` / ``b_cvr`` are calibrated once (on :data:`CALIB_USERS` users of a
+separate seeded stream, their histories cut to the 66 events the scores can see) so that the click rate is ``ctr`` and the conversion rate among clicks ``cvr``. The
+manifest records the NE (normalized entropy: mean log loss / entropy of the base rate, He et al. 2014) of the true
+probabilities per split: the floor a model can reach (``signal=0``: labels are noise at the base rates, NE 1).
+
+Determinism: users come in blocks of :data:`BLOCK_USERS`; block k draws every random number it uses from
+``SeedSequence([seed, 0xB10C, k])`` in a fixed order, and the item tables from ``SeedSequence([seed, 0x17E5])``.
+The rows and values are therefore a function of (seed, parameters) only; the file layout (``num_files``,
+``row_groups_per_file``) decides how they are cut into files and row groups (files then differ in bytes, not in
+content), and the worker count changes nothing: the same call gives byte-identical files. A block that straddles
+two row groups is generated by both (it costs a block).
+
+Memory and speed: the item tables take ~200 bytes per item (latent_dim 16, two features; shared by forked
+workers); a worker holds one row group in Arrow form (``row_groups_per_file`` "auto" keeps row groups near
+:data:`TOKENS_PER_ROW_GROUP` tokens) plus one block's temporaries. Files are written by ``workers`` processes in
+parallel, forked where the platform allows (else spawned: call from under ``if __name__ == "__main__":``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import logging
+import math
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import shutil
+import time
+import uuid
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .movielens import _check_replaceable, _file_sha256, _fsync_path
+from .schema import (CANDIDATE_CLICK, CANDIDATE_CONVERT, CANDIDATE_ITEMS, HISTORIES_DIR, ITEMS_FILE,
+                     ITEMS_SCHEMA, LABEL_NAMES, MANIFEST_FILE, MANIFEST_VERSION, MIN_HISTORY_FOR_SPLITS,
+                     RANKING_PROTOCOL, REQUEST_SPLIT, SPLIT_PROTOCOL, SPLITS, feature_column, history_schema)
+
+log = logging.getLogger(__name__)
+
+__all__ = ["SyntheticSpec", "prepare_synthetic", "length_pmf", "parse_features", "format_synthetic_summary",
+           "normalized_entropy", "parse_fractions", "calibrate", "BLOCK_USERS"]
+
+GENERATOR_VERSION = 1
+BLOCK_USERS = 256  #: the RNG unit: block k of users draws from SeedSequence([seed, 0xB10C, k])
+SUCCESSORS = 4  #: follow-up items per item
+RECENT_WINDOW = 32  #: events before a request that candidates and the recent-category label term look at
+CANDIDATE_OVERSAMPLE = 2  #: draws per candidate slot, so that dropping repeats within a request rarely leaves fewer
+CALIB_USERS = 4096  #: users simulated (separate stream, histories cut to 66 events) to calibrate the base rates
+TOKENS_PER_ROW_GROUP = 1 << 22  #: target tokens per row group when row_groups_per_file is "auto"
+EXPLORE = 0.1  #: share of new sessions whose category is drawn from all categories, not the user's interests
+FEATURE_VALUE_ZIPF = 0.6  #: skew of feature values over 1..C
+DEVICE_STICKINESS = 0.8  #: requests from the user's usual device
+SPAN_S = 365 * 86400  #: users' first events spread over one year
+START_UNIX = 1_672_531_200  #: 2023-01-01T00:00:00Z
+_TAG_ITEMS, _TAG_BLOCK, _TAG_CALIB = 0x17E5, 0xB10C, 0xCA1B
+_HIGH_CARDINALITY = {"user_id", "item_ids", "timestamps", CANDIDATE_ITEMS}  # no dictionary pages (2x faster writes)
+# signal model constants (module docstring)
+_ITEM_NOISE, _USER_NOISE, _OTHER_FEATURE_W = 0.5, 0.5, 0.6
+_A_AFF, _A_REC, _A_CVR, _QUALITY_SD, _DEVICE_SD, _HOUR_AMP = 2.0, 1.5, 1.5, 0.5, 0.3, 0.25
+_CAND_INTEREST, _CAND_RECENT = 0.4, 0.3
+_GAP_SESSION_LOG_MEAN, _GAP_IN_SESSION_LOG_MEAN, _GAP_LOG_SD = math.log(6 * 3600), math.log(180), 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class SyntheticSpec:
+    """Every parameter of a synthetic dataset (the CLI flag of each is ``--`` + the name with ``-``).
+
+    users / items: U users (ids 1..U) and N items (dense ids 1..N).
+    seed: the seed; the same spec gives the same data.
+    length_dist: "lognormal" or "zipf" history lengths on min_len..max_len (min_len >= 3: every user is in the
+        leave-one-out splits), solved so that their mean is mean_len; len_sigma: the log-normal's shape.
+    item_zipf: popularity exponent (p_i ~ rank ** -item_zipf).
+    features: item side features as ((name, cardinality), ...); the first one (default "category") drives the
+        sessions, candidates and the recent-category label term. missing_rate: share of stored feature values
+        that are 0 (missing; the latent structure still uses the true value).
+    devices: cardinality of the ``device`` context feature.
+    candidates / min_candidates: candidates per request, drawn uniformly in min_candidates..candidates
+        (None: exactly ``candidates``), duplicates dropped.
+    ctr: target click rate; cvr: target conversion rate among clicks; signal: scale of the learnable part of both
+        logits (0: labels are noise at the base rates).
+    stickiness / follow: sequential structure (module docstring); stickiness + follow <= 1.
+    interests: categories per user; latent_dim: dimension of the item / user latents.
+    split_fractions: (train, valid, test) shares of the ranking requests.
+    """
+
+    users: int
+    items: int
+    seed: int = 0
+    max_len: int = 4096
+    min_len: int = 8
+    length_dist: str = "lognormal"
+    mean_len: float = 200.0
+    len_sigma: float = 1.0
+    item_zipf: float = 1.0
+    features: tuple[tuple[str, int], ...] = (("category", 64), ("author", 2048))
+    missing_rate: float = 0.01
+    devices: int = 4
+    candidates: int = 64
+    min_candidates: int | None = None
+    ctr: float = 0.05
+    cvr: float = 0.1
+    signal: float = 1.0
+    stickiness: float = 0.6
+    follow: float = 0.2
+    interests: int = 4
+    latent_dim: int = 16
+    split_fractions: tuple[float, float, float] = (0.8, 0.1, 0.1)
+
+    def __post_init__(self):
+        object.__setattr__(self, "features", tuple((str(n), int(c)) for n, c in self.features))
+        object.__setattr__(self, "split_fractions", tuple(float(x) for x in self.split_fractions))
+        if self.min_candidates is None:
+            object.__setattr__(self, "min_candidates", self.candidates)
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the parameter (as its CLI flag) for any bad value."""
+        def bad(name: str, want: str, got: Any) -> ValueError:
+            return ValueError(f"--{name.replace('_', '-')}: expected {want}, got {got!r}")
+
+        for name, lo in (("users", 1), ("items", 1), ("max_len", MIN_HISTORY_FOR_SPLITS),
+                         ("min_len", MIN_HISTORY_FOR_SPLITS), ("devices", 1), ("candidates", 1),
+                         ("min_candidates", 1), ("interests", 1), ("latent_dim", 1)):
+            v = getattr(self, name)
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < lo:
+                raise bad(name, f"an integer >= {lo}", v)
+        if not isinstance(self.seed, (int, np.integer)) or not 0 <= self.seed < 2**63:
+            raise bad("seed", "an integer in 0..2**63-1", self.seed)
+        if self.items >= 2**31 or self.users >= 2**31:
+            raise ValueError(f"--users / --items: expected < 2**31, got {self.users} / {self.items}")
+        if self.min_len > self.max_len:
+            raise ValueError(f"--min-len ({self.min_len}) must be <= --max-len ({self.max_len})")
+        if self.min_candidates > self.candidates:
+            raise ValueError(f"--min-candidates ({self.min_candidates}) must be <= --candidates ({self.candidates})")
+        if self.length_dist not in ("lognormal", "zipf"):
+            raise bad("length_dist", "'lognormal' or 'zipf'", self.length_dist)
+        for name in ("mean_len", "len_sigma", "item_zipf", "missing_rate", "ctr", "cvr", "signal", "stickiness",
+                     "follow"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+                raise bad(name, "a finite number", v)
+        if self.len_sigma <= 0:
+            raise bad("len_sigma", "> 0", self.len_sigma)
+        if self.item_zipf < 0:
+            raise bad("item_zipf", ">= 0", self.item_zipf)
+        if not 0 <= self.missing_rate < 1:
+            raise bad("missing_rate", "in [0, 1)", self.missing_rate)
+        for name in ("ctr", "cvr"):
+            if not 0 < getattr(self, name) < 1:
+                raise bad(name, "in (0, 1)", getattr(self, name))
+        if self.signal < 0:
+            raise bad("signal", ">= 0", self.signal)
+        if self.stickiness < 0 or self.follow < 0 or self.stickiness + self.follow > 1:
+            raise ValueError(f"--stickiness ({self.stickiness}) and --follow ({self.follow}): expected >= 0 with a "
+                             "sum <= 1")
+        if not self.features:
+            raise bad("features", "at least one item feature (the first drives the sessions)", "")
+        names = [n for n, _ in self.features]
+        if len(set(names)) != len(names):
+            raise bad("features", "distinct names", ",".join(names))
+        for name, card in self.features:
+            feature_column(name, "token")  # checks the name
+            if name in ("hour", "device"):
+                raise bad("features", "item feature names other than the context features 'hour' and 'device'",
+                          name)
+            if card < 1:
+                raise bad("features", f"cardinality >= 1 for {name}", card)
+        f = self.split_fractions
+        if len(f) != 3 or any(x < 0 or not math.isfinite(x) for x in f) or abs(sum(f) - 1) > 1e-6 or f[0] <= 0:
+            raise bad("split_fractions", "three shares train,valid,test >= 0 summing to 1 (train > 0)",
+                      ",".join(map(str, f)))
+        length_pmf(self)  # mean_len within reach of the distribution
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready parameters (what the manifest records under source.params)."""
+        d = dataclasses.asdict(self)
+        d["features"] = [[n, c] for n, c in self.features]
+        d["split_fractions"] = list(self.split_fractions)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "SyntheticSpec":
+        d = dict(d)
+        d["features"] = tuple(tuple(x) for x in d["features"])
+        d["split_fractions"] = tuple(d["split_fractions"])
+        return cls(**d)
+
+
+def parse_features(text: str) -> tuple[tuple[str, int], ...]:
+    """``"category=64,author=2048"`` -> (("category", 64), ("author", 2048)). Raises ValueError on bad syntax."""
+    out = []
+    for part in (p.strip() for p in str(text).split(",")):
+        name, sep, card = part.partition("=")
+        if not sep or not card.strip().isdigit():
+            raise ValueError(f"--features: expected NAME=CARDINALITY[,NAME=CARDINALITY...], got {part!r} in {text!r}")
+        out.append((name.strip(), int(card)))
+    return tuple(out)
+
+
+def parse_fractions(text: str) -> tuple[float, float, float]:
+    """``"0.8,0.1,0.1"`` -> (0.8, 0.1, 0.1). Raises ValueError on bad syntax (the values are checked by the spec)."""
+    try:
+        parts = tuple(float(x) for x in str(text).split(","))
+    except ValueError:
+        raise ValueError(f"--split-fractions: expected three numbers train,valid,test, got {text!r}") from None
+    if len(parts) != 3:
+        raise ValueError(f"--split-fractions: expected three numbers train,valid,test, got {text!r}")
+    return parts  # type: ignore[return-value]
+
+
+# ------------------------------------------------------------------------------------------- distributions
+
+_erf = np.vectorize(math.erf, otypes=[np.float64])
+
+
+def _lognormal_pmf(k: np.ndarray, mu: float, sigma: float) -> np.ndarray:
+    """P(round(X) = k) for X ~ LogNormal(mu, sigma), with the mass outside [k[0], k[-1]] on the ends."""
+    edges = np.concatenate([k - 0.5, [k[-1] + 0.5]])
+    cdf = 0.5 * (1 + _erf((np.log(np.maximum(edges, 1e-300)) - mu) / (sigma * math.sqrt(2))))
+    cdf[0], cdf[-1] = 0.0, 1.0
+    return np.diff(cdf)
+
+
+def _zipf_pmf(k: np.ndarray, a: float) -> np.ndarray:
+    w = np.exp(-a * np.log(k.astype(np.float64)))
+    return w / w.sum()
+
+
+def _bisect(f, lo: float, hi: float, target: float, increasing: bool, iters: int = 100) -> float:
+    for _ in range(iters):
+        mid = 0.5 * (lo + hi)
+        if (f(mid) < target) == increasing:
+            lo = mid
+        else:
+            hi = mid
+    return 0.5 * (lo + hi)
+
+
+def length_pmf(spec: SyntheticSpec) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
+    """The history-length distribution of ``spec``: (k [K] int64 = min_len..max_len, pmf [K] float64, params).
+
+    lognormal: round(LogNormal(mu, len_sigma)) with the mass below / above the range on min_len / max_len; zipf:
+    P(k) ~ k ** -a. mu (or a) is solved by bisection so that sum(k * pmf) == mean_len; params records it with the
+    mean reached. Raises ValueError when mean_len is outside what the distribution reaches on the range (zipf:
+    a >= 0, so at most the range's midpoint).
+    """
+    k, pmf, params = _length_pmf(spec.min_len, spec.max_len, spec.length_dist, float(spec.mean_len),
+                                 float(spec.len_sigma))
+    return k.copy(), pmf.copy(), dict(params)
+
+
+@functools.lru_cache(maxsize=16)
+def _length_pmf(min_len: int, max_len: int, length_dist: str, mean_len: float,
+                len_sigma: float) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
+    spec = SimpleNamespace(min_len=min_len, max_len=max_len, length_dist=length_dist, mean_len=mean_len,
+                           len_sigma=len_sigma)
+    k = np.arange(spec.min_len, spec.max_len + 1, dtype=np.int64)
+    target = float(spec.mean_len)
+    if spec.length_dist == "lognormal":
+        def mean(mu: float) -> float:
+            return float((k * _lognormal_pmf(k, mu, spec.len_sigma)).sum())
+        lo, hi = math.log(max(spec.min_len, 1)) - 8 * spec.len_sigma, math.log(spec.max_len) + 8 * spec.len_sigma
+        reach = (mean(lo), mean(hi))
+        if k.size > 1 and not reach[0] + 1e-6 < target < reach[1] - 1e-6:
+            raise ValueError(f"--mean-len {target:g}: a capped log-normal on {spec.min_len}..{spec.max_len} has a "
+                             f"mean strictly between {spec.min_len} and {spec.max_len}")
+        mu = _bisect(mean, lo, hi, target, increasing=True) if k.size > 1 else 0.0
+        pmf = _lognormal_pmf(k, mu, spec.len_sigma) if k.size > 1 else np.ones(1)
+        params = {"dist": "lognormal", "mu": mu, "sigma": spec.len_sigma}
+    else:
+        mid = (spec.min_len + spec.max_len) / 2
+        if k.size > 1 and not spec.min_len + 1e-6 < target <= mid + 1e-9:
+            raise ValueError(f"--mean-len {target:g}: a Zipf length distribution (exponent >= 0) on "
+                             f"{spec.min_len}..{spec.max_len} has a mean in ({spec.min_len}, {mid:g}]")
+        if k.size == 1:
+            a = 0.0
+        elif target >= mid - 1e-9:
+            a = 0.0
+        else:
+            a = _bisect(lambda a: float((k * _zipf_pmf(k, a)).sum()), 0.0, 50.0, target, increasing=False)
+        pmf = _zipf_pmf(k, a)
+        params = {"dist": "zipf", "exponent": a}
+    params["mean"] = float((k * pmf).sum())
+    return k, pmf, params
+
+
+def _sample(cdf: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """Inverse-CDF draw: indices into the distribution whose cumulative sums are ``cdf`` (u in [0, 1))."""
+    return np.minimum(np.searchsorted(cdf, u * cdf[-1], side="right"), cdf.size - 1)
+
+
+class _Guide:
+    """``np.searchsorted(cum, x, side="right")`` (clipped to n-1) for increasing ``cum`` [n] and x in [0, cum[-1]),
+    exactly, 2-4x faster on large tables: a guide table (Chen & Asau 1974) of n cells maps x to the few entries it can
+    land on, then a fixed number of vectorized bisection steps inside that range (a plain binary search over a 1M
+    table costs ~20 cache misses per draw)."""
+
+    def __init__(self, cum: np.ndarray):
+        self.cum, self.n = cum, cum.size
+        self.scale = self.n / float(cum[-1])
+        self.guide = np.minimum(np.searchsorted(cum, np.arange(self.n + 1) / self.scale, side="right"), self.n - 1)
+        widest = int((self.guide[1:] - self.guide[:-1]).max()) if self.n > 1 else 0
+        self.steps = int(math.ceil(math.log2(widest + 1))) if widest else 0
+
+    def search(self, x: np.ndarray) -> np.ndarray:
+        j = np.minimum((x * self.scale).astype(np.int64), self.n - 1)
+        j -= x < j / self.scale  # the cell's edges, computed as the guide's were: one step fixes the rounding
+        j = np.minimum(j + (x >= (j + 1) / self.scale), self.n - 1)
+        lo, hi = self.guide[j], self.guide[j + 1]
+        for _ in range(self.steps):
+            mid = (lo + hi) >> 1
+            go = self.cum[mid] <= x
+            lo, hi = np.where(go, mid + 1, lo), np.where(go, hi, mid)
+        return lo
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return 0.5 * (1.0 + np.tanh(0.5 * x))
+
+
+def _normalize(x: np.ndarray) -> np.ndarray:
+    n = np.linalg.norm(x, axis=-1, keepdims=True)
+    return x / np.maximum(n, 1e-12)
+
+
+def normalized_entropy(log_loss_sum: float, n: int, positives: int) -> float:
+    """NE (He et al. 2014): mean log loss / entropy of the base rate positives / n. NaN when n == 0 or the base
+    rate is 0 or 1 (no entropy to normalize by)."""
+    if n <= 0 or positives <= 0 or positives >= n:
+        return float("nan")
+    p = positives / n
+    return (log_loss_sum / n) / -(p * math.log(p) + (1 - p) * math.log(1 - p))
+
+
+# ------------------------------------------------------------------------------------------------- tables
+
+class _Items:
+    """The item tables (a function of seed and the item parameters only)."""
+
+    def __init__(self, spec: SyntheticSpec):
+        rng = np.random.default_rng(np.random.SeedSequence([spec.seed, _TAG_ITEMS]))
+        n, d = spec.items, spec.latent_dim
+        self.n = n
+        rank = rng.permutation(n)
+        pop = np.zeros(n + 1)
+        pop[1:] = (rank + 1.0) ** -spec.item_zipf
+        pop /= pop.sum()
+        self.pop = pop
+        self.pop_cdf = np.cumsum(pop[1:])
+        self.pop_guide = _Guide(self.pop_cdf)
+        nf = len(spec.features)
+        self.true = np.zeros((nf, n + 1), np.int64)
+        self.stored = np.zeros((nf, n + 1), np.int64)
+        latent = np.zeros((n + 1, d), np.float32)  # float32 throughout: ~4x less peak memory for large N
+        for f, (_, card) in enumerate(spec.features):
+            cdf = np.cumsum(np.arange(1, card + 1, dtype=np.float64) ** -FEATURE_VALUE_ZIPF)
+            vals = 1 + _sample(cdf, rng.random(n))
+            self.true[f, 1:] = vals
+            self.stored[f, 1:] = np.where(rng.random(n) < spec.missing_rate, 0, vals)
+            table = rng.standard_normal((card + 1, d), dtype=np.float32) / np.float32(math.sqrt(d))
+            if f == 0:
+                self.cat_latent = _normalize(table).astype(np.float32)
+            latent += np.float32(1.0 if f == 0 else _OTHER_FEATURE_W) * table[self.true[f]]
+        latent += rng.standard_normal((n + 1, d), dtype=np.float32) * np.float32(_ITEM_NOISE / math.sqrt(d))
+        latent = _normalize(latent)
+        latent[0] = 0
+        self.latent = latent.astype(np.float32)
+        self.quality = (_QUALITY_SD * rng.standard_normal(n + 1)).astype(np.float32)
+        self.cvr_quality = (_QUALITY_SD * rng.standard_normal(n + 1)).astype(np.float32)
+        # items by primary feature (category), for draws "by popularity within a category"
+        cat = self.true[0]
+        ncat = spec.features[0][1]
+        self.category = cat
+        order = np.argsort(cat[1:], kind="stable")
+        self.sorted_items = (order + 1).astype(np.int64)
+        self.sorted_cum = np.cumsum(pop[self.sorted_items])
+        self.sorted_guide = _Guide(self.sorted_cum)
+        counts = np.bincount(cat[1:], minlength=ncat + 1)
+        self.cat_hi = np.cumsum(counts)
+        self.cat_lo = self.cat_hi - counts
+        self.cat_mass = np.bincount(cat[1:], weights=pop[1:], minlength=ncat + 1)
+        self.cat_base = np.where(self.cat_lo > 0, self.sorted_cum[np.maximum(self.cat_lo - 1, 0)], 0.0)
+        self.cat_cdf = np.cumsum(self.cat_mass[1:])
+        self.succ = np.zeros((n + 1, SUCCESSORS), np.int64)
+        self.succ[1:] = self.in_category(np.repeat(cat[1:], SUCCESSORS), rng.random(n * SUCCESSORS)).reshape(
+            n, SUCCESSORS)
+        self.device_bias = (_DEVICE_SD * rng.standard_normal((spec.devices + 1, ncat + 1))).astype(np.float32)
+        self.device_cdf = np.cumsum(1.0 / np.arange(1, spec.devices + 1))
+
+    def in_category(self, cat: np.ndarray, u: np.ndarray) -> np.ndarray:
+        """[M] categories (with items), [M] uniforms -> [M] items of those categories, by popularity."""
+        x = np.minimum(self.cat_base[cat] + u * self.cat_mass[cat], np.nextafter(self.sorted_cum[-1], 0))
+        j = self.sorted_guide.search(x)
+        return self.sorted_items[np.clip(j, self.cat_lo[cat], self.cat_hi[cat] - 1)]
+
+    def global_categories(self, u: np.ndarray) -> np.ndarray:
+        return 1 + _sample(self.cat_cdf, u)
+
+    def global_items(self, u: np.ndarray) -> np.ndarray:
+        return 1 + self.pop_guide.search(u * float(self.pop_cdf[-1]))
+
+
+_ITEMS_CACHE: dict[str, _Items] = {}
+
+
+def _spec_key(spec: SyntheticSpec) -> str:
+    return json.dumps(spec.to_dict(), sort_keys=True)
+
+
+def _items_for(spec: SyntheticSpec) -> _Items:
+    """The item tables of ``spec``, built once per process (a worker writes several files; forked workers find the
+    parent's)."""
+    key = _spec_key(spec)
+    if key not in _ITEMS_CACHE:
+        _ITEMS_CACHE.clear()
+        _ITEMS_CACHE[key] = _Items(spec)
+    return _ITEMS_CACHE[key]
+
+
+def _segments(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """[R] lengths -> (row_start [R], seg [T] row of each element, pos [T] position inside its row)."""
+    start = np.zeros(lengths.size, np.int64)
+    np.cumsum(lengths[:-1], out=start[1:])
+    total = int(lengths.sum())
+    seg = np.repeat(np.arange(lengths.size), lengths)
+    return start, seg, np.arange(total, dtype=np.int64) - start[seg]
+
+
+def _block(spec: SyntheticSpec, items: _Items, len_cdf: np.ndarray, rng: np.random.Generator, n_users: int,
+           bias: tuple[float, float] | None, cap_len: int | None = None) -> dict[str, Any]:
+    """Generate ``n_users`` users from ``rng`` (one block). ``bias`` = (b_click, b_cvr), or None to return the
+    label scores without drawing labels (calibration). ``cap_len``: cut histories to that many events (calibration:
+    the scores only look at the last RECENT_WINDOW events). Every draw comes from ``rng`` in a fixed order."""
+    ub, d, k_int = n_users, spec.latent_dim, spec.interests
+    n = spec.min_len + _sample(len_cdf, rng.random(ub))
+    if cap_len is not None:
+        n = np.minimum(n, cap_len)
+    interest = items.global_categories(rng.random((ub, k_int)))
+    w = rng.standard_gamma(1.0, (ub, k_int))
+    w /= w.sum(axis=1, keepdims=True)
+    z = np.einsum("uk,ukd->ud", w, items.cat_latent[interest]) + _USER_NOISE * rng.standard_normal((ub, d)) / math.sqrt(d)
+    z = _normalize(z).astype(np.float32)
+    usual_device = 1 + _sample(items.device_cdf, rng.random(ub))
+    t0 = START_UNIX + rng.integers(0, SPAN_S, ub)
+
+    # histories
+    row_start, seg, pos = _segments(n)
+    t = seg.size
+    kind = rng.random(t)
+    first = pos == 0
+    fresh = first | (kind >= spec.follow + spec.stickiness)
+    follow = ~first & (kind < spec.follow)
+    fi = np.flatnonzero(fresh)
+    explore = rng.random(fi.size) < EXPLORE
+    slot = (rng.random(fi.size)[:, None] > np.cumsum(w, axis=1)[seg[fi]]).sum(axis=1).clip(max=k_int - 1)
+    fresh_cat = np.where(explore, items.global_categories(rng.random(fi.size)), interest[seg[fi], slot])
+    last_fresh = np.maximum.accumulate(np.where(fresh, np.arange(t), 0))
+    cat_of = np.zeros(t, np.int64)
+    cat_of[fi] = fresh_cat
+    session_cat = cat_of[last_fresh]
+    item = items.in_category(session_cat, rng.random(t))
+    fpos = np.flatnonzero(follow)
+    pick = rng.integers(0, SUCCESSORS, fpos.size)
+    if fpos.size:  # chains of follow-ups: resolve by position in the chain
+        last_other = np.maximum.accumulate(np.where(follow, 0, np.arange(t)))
+        depth = (np.arange(t) - last_other)[fpos]
+        order = np.argsort(depth, kind="stable")
+        bounds = np.searchsorted(depth[order], np.arange(1, int(depth.max()) + 2))
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            sel = order[a:b]
+            item[fpos[sel]] = items.succ[item[fpos[sel] - 1], pick[sel]]
+    gap_mu = np.where(fresh, _GAP_SESSION_LOG_MEAN, _GAP_IN_SESSION_LOG_MEAN)
+    gaps = np.floor(np.exp(gap_mu + _GAP_LOG_SD * rng.standard_normal(t))).astype(np.int64)
+    gaps[first] = 0
+    csum = np.cumsum(gaps)
+    ts = t0[seg] + csum - csum[row_start][seg]
+    aff = np.einsum("td,td->t", z[seg], items.latent[item])
+    ratings = np.clip(np.rint(6 + 4 * aff + 1.5 * rng.standard_normal(t)), 1, 10).astype(np.int8)
+
+    # requests and context
+    cum_f = np.cumsum(spec.split_fractions)
+    split = np.minimum((rng.random(ub)[:, None] >= cum_f[None, :2]).sum(axis=1), 2).astype(np.int8)
+    stop = n - np.where(split == 2, 1, 2)
+    request_ts = ts[row_start + stop]
+    hour = (request_ts // 3600) % 24 + 1
+    other_device = 1 + rng.integers(0, spec.devices, ub)
+    device = np.where(rng.random(ub) < DEVICE_STICKINESS, usual_device, other_device)
+
+    # candidates
+    n_cand = rng.integers(spec.min_candidates, spec.candidates + 1, ub)
+    _, cseg, _ = _segments(CANDIDATE_OVERSAMPLE * n_cand)
+    m = cseg.size
+    src = rng.random(m)
+    slot_c = (rng.random(m)[:, None] > np.cumsum(w, axis=1)[cseg]).sum(axis=1).clip(max=k_int - 1)
+    window = np.minimum(stop, RECENT_WINDOW)
+    back = np.minimum((rng.random(m) * window[cseg]).astype(np.int64), window[cseg] - 1)
+    recent_cat = session_cat[row_start[cseg] + stop[cseg] - 1 - back]
+    ccat = np.where(src < _CAND_INTEREST, interest[cseg, slot_c], recent_cat)
+    u_item = rng.random(m)
+    cand = np.where(src < _CAND_INTEREST + _CAND_RECENT, items.in_category(ccat, u_item), items.global_items(u_item))
+    # drop repeats within a request (first draw kept), then keep the first n_cand of each request's distinct items
+    key = cseg * (items.n + 1) + cand
+    _, first_idx = np.unique(key, return_index=True)
+    keep = np.sort(first_idx)
+    _, _, kpos = _segments(np.bincount(cseg[keep], minlength=ub))
+    keep = keep[kpos < n_cand[cseg[keep]]]
+    cand, cseg = cand[keep], cseg[keep]
+    n_cand = np.bincount(cseg, minlength=ub).astype(np.int64)
+    ccat = items.category[cand]
+
+    # label scores
+    r = np.arange(RECENT_WINDOW)
+    last_idx = row_start[:, None] + stop[:, None] - 1 - r[None, :]
+    last_cat = np.where(r[None, :] < window[:, None], session_cat[np.maximum(last_idx, 0)], -1)
+    recent = (last_cat[cseg] == ccat[:, None]).sum(axis=1) / np.maximum(window[cseg], 1)
+    aff_c = np.einsum("md,md->m", z[cseg], items.latent[cand]).astype(np.float64)
+    hour_c = hour[cseg]
+    s_click = spec.signal * (_A_AFF * aff_c + _A_REC * recent + items.quality[cand]
+                             + items.device_bias[device[cseg], ccat]
+                             + _HOUR_AMP * np.cos(2 * np.pi * (hour_c - 1 - 20) / 24))
+    s_cvr = spec.signal * (_A_CVR * aff_c + items.cvr_quality[cand])
+    out: dict[str, Any] = {
+        "n": n, "item": item, "ratings": ratings, "ts": ts,
+        "feats": [items.stored[f][item] for f in range(len(spec.features))],
+        "split": split, "hour": hour.astype(np.int64), "device": device.astype(np.int64),
+        "n_cand": n_cand, "cand": cand, "cseg": cseg, "s_click": s_click, "s_cvr": s_cvr,
+    }
+    if bias is not None:
+        p_click = _sigmoid(bias[0] + s_click)
+        p_conv = p_click * _sigmoid(bias[1] + s_cvr)
+        click = rng.random(m)[keep] < p_click
+        convert = click & (rng.random(m)[keep] < _sigmoid(bias[1] + s_cvr))
+        out.update(click=click.astype(np.int8), convert=convert.astype(np.int8), p_click=p_click, p_conv=p_conv)
+    return out
+
+
+def _block_rng(seed: int, tag: int, block: int) -> np.random.Generator:
+    return np.random.default_rng(np.random.SeedSequence([int(seed), tag, int(block)]))
+
+
+def calibrate(spec: SyntheticSpec, items: _Items | None = None) -> dict[str, float]:
+    """Solve the logit offsets so that the click rate is ``spec.ctr`` and the conversion rate among clicks
+    ``spec.cvr``, on :data:`CALIB_USERS` users of a separate seeded stream. Returns {"b_click", "b_cvr",
+    "users", "candidates"}."""
+    items = items or _Items(spec)
+    _, pmf, _ = length_pmf(spec)
+    cdf = np.cumsum(pmf)
+    sc, sv = [], []
+    for b in range(-(-CALIB_USERS // BLOCK_USERS)):
+        blk = _block(spec, items, cdf, _block_rng(spec.seed, _TAG_CALIB, b), BLOCK_USERS, None,
+                     cap_len=2 * RECENT_WINDOW + 2)
+        sc.append(blk["s_click"])
+        sv.append(blk["s_cvr"])
+    s_click, s_cvr = np.concatenate(sc), np.concatenate(sv)
+    b_click = _solve_offset(s_click, spec.ctr, None)
+    b_cvr = _solve_offset(s_cvr, spec.cvr, _sigmoid(b_click + s_click))
+    return {"b_click": b_click, "b_cvr": b_cvr, "users": CALIB_USERS, "candidates": int(s_click.size)}
+
+
+def _solve_offset(s: np.ndarray, target: float, weight: np.ndarray | None) -> float:
+    """b with sum(w * sigmoid(b + s)) / sum(w) == target (w = 1 when None): Newton steps kept inside a shrinking
+    bracket (the mean is increasing in b, and lies between sigmoid(b + min s) and sigmoid(b + max s))."""
+    w = np.ones_like(s) if weight is None else weight
+    wsum = float(w.sum())
+    logit = math.log(target / (1 - target))
+    lo, hi = logit - float(s.max()) - 1e-9, logit - float(s.min()) + 1e-9
+    b = logit - float((w * s).sum()) / wsum
+    for _ in range(100):
+        p = _sigmoid(b + s)
+        f = float((w * p).sum()) / wsum - target
+        if abs(f) < 1e-12 * target:
+            break
+        if f > 0:
+            hi = b
+        else:
+            lo = b
+        step = b - f / max(float((w * p * (1 - p)).sum()) / wsum, 1e-300)
+        b = step if lo < step < hi else 0.5 * (lo + hi)
+    return b
+
+
+# ----------------------------------------------------------------------------------------------- writing
+
+def _list(lengths: np.ndarray, values: np.ndarray, typ: pa.DataType) -> pa.ListArray:
+    off = np.zeros(lengths.size + 1, np.int64)
+    np.cumsum(lengths, out=off[1:])
+    if off[-1] >= 2**31:
+        raise ValueError(f"a block of {lengths.size} rows holds {off[-1]} values: more than a list array's int32 "
+                         "offsets take; lower --max-len or --candidates")
+    return pa.ListArray.from_arrays(pa.array(off.astype(np.int32)), pa.array(values, typ))
+
+
+def _block_table(spec: SyntheticSpec, blk: dict[str, Any], first_user: int, schema: pa.Schema) -> pa.Table:
+    n, nc = blk["n"], blk["n_cand"]
+    cols = [pa.array(np.arange(first_user, first_user + n.size, dtype=np.int64)),
+            _list(n, blk["item"], pa.int64()), _list(n, blk["ratings"], pa.int8()), _list(n, blk["ts"], pa.int64())]
+    cols += [_list(n, v, pa.int64()) for v in blk["feats"]]
+    cols += [pa.array(blk["hour"]), pa.array(blk["device"])]
+    cols += [pa.array(blk["split"]), _list(nc, blk["cand"], pa.int64()), _list(nc, blk["click"], pa.int8()),
+             _list(nc, blk["convert"], pa.int8())]
+    return pa.Table.from_arrays(cols, schema=schema)
+
+
+def _features_manifest(spec: SyntheticSpec) -> dict[str, dict[str, Any]]:
+    feats: dict[str, dict[str, Any]] = {}
+    for i, (name, card) in enumerate(spec.features):
+        feats[name] = {"level": "token", "cardinality": card, "column": feature_column(name, "token"),
+                       "per_item": True, "missing_rate": spec.missing_rate,
+                       "role": "item category: drives sessions, candidates and the recent-category label term"
+                       if i == 0 else "item side feature"}
+    feats["hour"] = {"level": "request", "cardinality": 24, "column": feature_column("hour", "request"),
+                     "role": "hour of day (UTC) of the request time: 1..24 for hours 0..23"}
+    feats["device"] = {"level": "request", "cardinality": spec.devices, "column": feature_column("device", "request"),
+                       "role": f"device of the request (the user's usual one {DEVICE_STICKINESS:.0%} of the time)"}
+    return feats
+
+
+def _stats_zero() -> dict[str, list]:
+    return {k: [0, 0, 0, 0, 0.0, 0.0] for k in SPLITS}  # requests, candidates, clicks, conversions, ll_click, ll_conv
+
+
+def _log_loss(y: np.ndarray, p: np.ndarray) -> np.ndarray:
+    p = np.clip(p, 1e-12, 1 - 1e-12)
+    return -np.where(y > 0, np.log(p), np.log1p(-p))
+
+
+def _write_file(task: dict[str, Any]) -> dict[str, Any]:
+    """Worker: generate and write one history file (its row groups in order). Returns what the manifest needs."""
+    spec = SyntheticSpec.from_dict(task["spec"])
+    progress = task.get("progress", _PROGRESS)
+    items = task.get("items_obj") or _items_for(spec)
+    _, pmf, _ = length_pmf(spec)
+    cdf = np.cumsum(pmf)
+    bias = (task["calibration"]["b_click"], task["calibration"]["b_cvr"])
+    schema = history_schema({"features": _features_manifest(spec), "ranking": {}})
+    path = Path(task["path"])
+    groups = []
+    # dictionary pages only where values repeat a lot; min/max statistics only where a reader filters (user_id)
+    dict_cols = [f.name + (".list.element" if pa.types.is_list(f.type) else "") for f in schema
+                 if f.name not in _HIGH_CARDINALITY]
+    with pq.ParquetWriter(path, schema, use_dictionary=dict_cols, write_statistics=["user_id"]) as writer:
+        for a, b in task["groups"]:  # users a..b-1 (0-based)
+            parts, lengths, ll = [], [], []
+            for blk_idx in range(a // BLOCK_USERS, -(-b // BLOCK_USERS)):
+                lo = blk_idx * BLOCK_USERS
+                size = min(BLOCK_USERS, spec.users - lo)
+                blk = _block(spec, items, cdf, _block_rng(spec.seed, _TAG_BLOCK, blk_idx), size, bias)
+                s, e = max(a, lo) - lo, min(b, lo + size) - lo
+                table = _block_table(spec, blk, lo + 1, schema).slice(s, e - s)
+                parts.append(table)
+                lengths.append(blk["n"][s:e])
+                rows = (blk["cseg"] >= s) & (blk["cseg"] < e)
+                ll.append((blk["split"][blk["cseg"][rows]], blk["click"][rows], blk["convert"][rows],
+                           _log_loss(blk["click"][rows], blk["p_click"][rows]),
+                           _log_loss(blk["convert"][rows], blk["p_conv"][rows]), blk["split"][s:e]))
+                if progress is not None:
+                    progress.put(e - s)
+            table = pa.concat_tables(parts).combine_chunks()
+            writer.write_table(table, row_group_size=max(table.num_rows, 1))
+            split_c, click, conv, llc, llv, split_r = (np.concatenate(x) for x in zip(*ll))
+            stats = _stats_zero()
+            for code, name in enumerate(SPLITS):
+                sel = split_c == code
+                stats[name] = [int((split_r == code).sum()), int(sel.sum()), int(click[sel].sum()),
+                               int(conv[sel].sum()), float(llc[sel].sum()), float(llv[sel].sum())]
+            groups.append({"users": (a, b), "lengths": np.concatenate(lengths), "stats": stats})
+    _fsync_path(path)
+    return {"path": str(path), "groups": groups, "sha256": _file_sha256(path),
+            "row_groups": pq.ParquetFile(path).num_row_groups}
+
+
+def _layout(spec: SyntheticSpec, mean_len: float, num_files: int,
+            row_groups_per_file: int | str) -> list[list[tuple[int, int]]]:
+    """Users (0-based [a, b) ranges) of each file's row groups: contiguous, as even as possible."""
+    n_files = min(num_files, spec.users)
+    if row_groups_per_file == "auto":
+        expect = spec.users * mean_len / n_files
+        rg = max(4, math.ceil(expect / TOKENS_PER_ROW_GROUP))
+    else:
+        rg = int(row_groups_per_file)
+    out = []
+    for rows in np.array_split(np.arange(spec.users), n_files):
+        g = min(rg, rows.size)
+        out.append([(int(r[0]), int(r[-1]) + 1) for r in np.array_split(rows, g)])
+    return out
+
+
+def _default_workers(n_files: int) -> int:
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(cpus, n_files))
+
+
+def prepare_synthetic(out: str | Path, spec: SyntheticSpec, *, num_files: int = 8,
+                      row_groups_per_file: int | str = "auto", workers: int | None = None,
+                      progress: bool | None = None) -> dict[str, Any]:
+    """Generate a synthetic GEM-style dataset into ``out``; returns the manifest (also written to manifest.json).
+
+    out: the prepared folder, built in a temp folder beside it, fsynced and renamed into place. An existing
+        prepared folder (a gemray manifest.json and only the files it lists) is replaced; any other non-empty
+        folder is refused (ValueError), as ``prepare_movielens`` does.
+    spec: the dataset (:class:`SyntheticSpec`).
+    num_files: history files (capped at the user count); row_groups_per_file: row groups (logical shards of
+        :func:`gemray.pipelines.stream.assign_shards`) per file, or "auto": at least 4, more so that a row group
+        stays near :data:`TOKENS_PER_ROW_GROUP` tokens (the memory one worker holds at once).
+    workers: processes writing files in parallel (default: the usable CPUs, at most num_files; forked where the
+        platform allows, else spawned); the output does not depend on it. progress: a tqdm bar on stderr (None: when
+        stderr is a terminal).
+
+    Output layout: :mod:`gemray.pipelines.schema` (HISTORY_SCHEMA then ``feat_*``, ``ctx_hour``, ``ctx_device``,
+    ``request_split``, ``cand_item_ids``, ``cand_click``, ``cand_convert``); items.parquet holds item_id,
+    raw_item_id (= item_id) and the ``feat_*`` value of every item. Raises ValueError for bad arguments.
+    """
+    t0 = time.perf_counter()
+    if not isinstance(spec, SyntheticSpec):
+        raise ValueError(f"spec: expected a SyntheticSpec, got {type(spec).__name__}")
+    if not isinstance(num_files, int) or num_files < 1:
+        raise ValueError(f"--num-files: expected an integer >= 1, got {num_files!r}")
+    if row_groups_per_file != "auto" and (not isinstance(row_groups_per_file, int) or row_groups_per_file < 1):
+        raise ValueError(f"--row-groups-per-file: expected an integer >= 1 or 'auto', got {row_groups_per_file!r}")
+    out = Path(out)
+    if out.is_symlink():
+        out = out.resolve()
+    _check_replaceable(out, Path(__file__))
+    k, pmf, len_params = length_pmf(spec)
+    layout = _layout(spec, len_params["mean"], num_files, row_groups_per_file)
+    if workers is None:
+        workers = _default_workers(len(layout))
+    if not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"--workers: expected an integer >= 1, got {workers!r}")
+    workers = min(workers, len(layout))
+
+    items = _Items(spec)
+    calib = calibrate(spec, items)
+    log.info("synthetic: %d users, %d items, seed %d; lengths %s mean %.1f (max %d); click offset %.3f, convert "
+             "offset %.3f; %d files x %d row groups, %d workers", spec.users, spec.items, spec.seed,
+             spec.length_dist, len_params["mean"], spec.max_len, calib["b_click"], calib["b_cvr"], len(layout),
+             len(layout[0]), workers)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        (tmp / HISTORIES_DIR).mkdir(parents=True)
+        tasks = [{"spec": spec.to_dict(), "calibration": calib, "groups": groups,
+                  "path": str(tmp / HISTORIES_DIR / f"part-{i:05d}.parquet")} for i, groups in enumerate(layout)]
+        results = _run_tasks(tasks, items, workers, spec.users, progress)
+        manifest = _manifest(spec, items, calib, len_params, layout, results, tmp)
+        manifest["generation"] = {"block_users": BLOCK_USERS}
+        with open(tmp / MANIFEST_FILE, "w", encoding="utf-8") as f:
+            json.dump(manifest, f, indent=2)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        for dd in (tmp / HISTORIES_DIR, tmp):
+            _fsync_path(dd)
+        old = None
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            os.rename(out, old)
+        os.rename(tmp, out)
+        _fsync_path(out.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    seconds = time.perf_counter() - t0
+    c = manifest["counts"]
+    log.info("synthetic: wrote %d users, %d events, %d candidates in %.1f s (%.2f M events/s)", c["users"],
+             c["interactions"], c["candidates"], seconds, c["interactions"] / max(seconds, 1e-9) / 1e6)
+    return manifest
+
+
+def _run_tasks(tasks: list[dict[str, Any]], items: _Items, workers: int, total_users: int,
+               progress: bool | None) -> list[dict[str, Any]]:
+    """Write the files, in this process (workers == 1) or in a pool. The pool forks where the platform can (the
+    children share the parent's item tables, nothing is imported again, no ``__main__`` guard is needed) before any
+    thread of ours starts; elsewhere it spawns, and each worker rebuilds the tables from the seed."""
+    from tqdm import tqdm
+
+    def bar():
+        return tqdm(total=total_users, unit="user", desc="generating", dynamic_ncols=True,
+                    disable=(None if progress is None else not progress))
+
+    if workers == 1:
+        with bar() as b:
+            return [_write_file({**t, "items_obj": items, "progress": _BarQueue(b)}) for t in tasks]
+    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    ctx = mp.get_context(method)
+    if method == "fork":
+        _ITEMS_CACHE.clear()
+        _ITEMS_CACHE[_spec_key(SyntheticSpec.from_dict(tasks[0]["spec"]))] = items
+    q = ctx.Queue()
+    with ctx.Pool(workers, initializer=_init_worker, initargs=(q,)) as pool:
+        with bar() as b:  # after the fork: tqdm's monitor thread must not be copied into the children
+            pending = pool.map_async(_write_file, tasks, chunksize=1)
+            while not pending.ready():
+                pending.wait(0.2)
+                _drain(q, b)
+            results = pending.get()
+            _drain(q, b)
+    return results
+
+
+_PROGRESS: Any = None
+
+
+def _init_worker(q: Any) -> None:
+    global _PROGRESS
+    _PROGRESS = q
+
+
+class _BarQueue:
+    """The progress queue of the in-process path: updates the bar directly."""
+
+    def __init__(self, bar):
+        self.bar = bar
+
+    def put(self, n: int) -> None:
+        self.bar.update(n)
+
+
+def _drain(q: Any, bar) -> None:
+    while True:
+        try:
+            bar.update(q.get_nowait())
+        except queue_mod.Empty:
+            return
+
+
+def _manifest(spec: SyntheticSpec, items: _Items, calib: dict[str, float], len_params: dict[str, Any],
+              layout: list, results: list[dict[str, Any]], tmp: Path) -> dict[str, Any]:
+    from importlib.metadata import version  # the installed gemray's (the gemray package sits above pipelines)
+
+    items_table = pa.Table.from_arrays(
+        [pa.array(np.arange(1, spec.items + 1, dtype=np.int64)), pa.array(np.arange(1, spec.items + 1, dtype=np.int64))]
+        + [pa.array(items.stored[f, 1:]) for f in range(len(spec.features))],
+        schema=pa.schema(list(ITEMS_SCHEMA) + [pa.field(feature_column(n, "token"), pa.int64())
+                                               for n, _ in spec.features]))
+    pq.write_table(items_table, tmp / ITEMS_FILE)
+    _fsync_path(tmp / ITEMS_FILE)
+
+    files, shards = [], []
+    stats = _stats_zero()
+    all_lengths = []
+    for res in results:
+        rel = str(Path(res["path"]).relative_to(tmp))
+        g_rows = [g["users"][1] - g["users"][0] for g in res["groups"]]
+        g_tokens = [int(g["lengths"].sum()) for g in res["groups"]]
+        for gi, g in enumerate(res["groups"]):
+            a, b = g["users"]
+            cand = sum(g["stats"][s][1] for s in SPLITS)
+            shards.append({"index": len(shards), "file": rel, "row_group": gi, "rows": b - a, "tokens": g_tokens[gi],
+                           "first_user_id": a + 1, "last_user_id": b, "split_users": b - a, "candidates": cand})
+            for s in SPLITS:
+                stats[s] = [x + y for x, y in zip(stats[s], g["stats"][s])]
+            all_lengths.append(g["lengths"])
+        if res["row_groups"] != len(res["groups"]):
+            raise AssertionError(f"{rel}: {res['row_groups']} row groups written, {len(res['groups'])} planned")
+        files.append({"path": rel, "rows": sum(g_rows), "tokens": sum(g_tokens), "sha256": res["sha256"],
+                      "row_groups": res["row_groups"], "first_user_id": res["groups"][0]["users"][0] + 1,
+                      "last_user_id": res["groups"][-1]["users"][1]})
+    lengths = np.concatenate(all_lengths)
+    n_cand = sum(stats[s][1] for s in SPLITS)
+    clicks = sum(stats[s][2] for s in SPLITS)
+    convs = sum(stats[s][3] for s in SPLITS)
+
+    def rate(a: int, b: int) -> float | None:
+        return round(a / b, 6) if b else None
+
+    def ne(ll: float, n: int, pos: int) -> float | None:
+        v = normalized_entropy(ll, n, pos)
+        return None if math.isnan(v) else round(v, 6)
+
+    params = spec.to_dict()
+    params_sha = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()
+    return {
+        "manifest_version": MANIFEST_VERSION,
+        "gemray_version": version("gemray"),
+        "format": "synthetic",
+        "on_bad_rows": "error",
+        "source": {"generator": "gemray.pipelines.synthetic", "generator_version": GENERATOR_VERSION,
+                   "seed": spec.seed, "params": params, "params_sha256": params_sha, "files": [],
+                   "calibration": {k: (round(v, 9) if isinstance(v, float) else v) for k, v in calib.items()},
+                   "length_distribution": {k: (round(v, 9) if isinstance(v, float) else v)
+                                           for k, v in len_params.items()}},
+        "counts": {"users": spec.users, "items": spec.items, "interactions": int(lengths.sum()),
+                   "requests": spec.users, "candidates": n_cand, "clicks": clicks, "conversions": convs,
+                   "source_data_lines": int(lengths.sum()), "quarantined": 0,
+                   "rows_per_file": [f["rows"] for f in files], "tokens_per_file": [f["tokens"] for f in files]},
+        "vocab": {"num_items": spec.items, "max_item_id": spec.items, "max_raw_item_id": spec.items,
+                  "max_user_id": spec.users, "rating_unit": "half-star (int8, stars*2)",
+                  "rating_values": list(range(1, 11))},
+        "history_length": {"min": int(lengths.min()), "median": float(np.median(lengths)), "max": int(lengths.max()),
+                           "mean": round(float(lengths.mean()), 3)},
+        "splits": {"protocol": SPLIT_PROTOCOL, "min_history": MIN_HISTORY_FOR_SPLITS, "users": spec.users,
+                   "too_short_users": 0},
+        "features": _features_manifest(spec),
+        "ranking": {
+            "protocol": RANKING_PROTOCOL, "split_column": REQUEST_SPLIT, "split_codes": {s: i for i, s in enumerate(SPLITS)},
+            "candidate_column": CANDIDATE_ITEMS,
+            "label_columns": dict(zip(LABEL_NAMES, (CANDIDATE_CLICK, CANDIDATE_CONVERT))),
+            "fractions": dict(zip(SPLITS, spec.split_fractions)),
+            "candidates_per_request": [spec.min_candidates, spec.candidates],
+            "requests": {s: stats[s][0] for s in SPLITS},
+            "candidates": {s: stats[s][1] for s in SPLITS},
+            "clicks": {s: stats[s][2] for s in SPLITS},
+            "conversions": {s: stats[s][3] for s in SPLITS},
+            "click_rate": {s: rate(stats[s][2], stats[s][1]) for s in SPLITS},
+            "convert_rate": {s: rate(stats[s][3], stats[s][1]) for s in SPLITS},
+            "oracle_ne": {"click": {s: ne(stats[s][4], stats[s][1], stats[s][2]) for s in SPLITS},
+                          "convert": {s: ne(stats[s][5], stats[s][1], stats[s][3]) for s in SPLITS}},
+        },
+        "quarantine": {"file": None, "total": 0, "by_reason": {}},
+        "files": files,
+        "items_file": ITEMS_FILE,
+        "items_sha256": _file_sha256(tmp / ITEMS_FILE),
+        "shards": shards,
+    }
+
+
+def format_synthetic_summary(manifest: dict[str, Any], out: str | Path | None = None) -> str:
+    """One-paragraph human summary of a synthetic preparation (what the CLI prints)."""
+    c, h, r = manifest["counts"], manifest["history_length"], manifest["ranking"]
+    where = f" -> {out}" if out is not None else ""
+    ne = r["oracle_ne"]["click"]
+    return (f"prepared synthetic{where}: {c['users']} users, {c['items']} items, {c['interactions']} events "
+            f"(history length mean {h['mean']:g}, median {h['median']:g}, max {h['max']}) in {len(manifest['files'])} "
+            f"files / {len(manifest['shards'])} shards; {c['candidates']} candidates, click rate "
+            f"{c['clicks'] / max(c['candidates'], 1):.4f}, conversions {c['conversions']}; ranking requests "
+            + ", ".join(f"{s} {r['requests'][s]}" for s in SPLITS)
+            + "; click NE of the true probabilities (the floor) "
+            + ", ".join(f"{s} {ne[s]}" for s in SPLITS))
