@@ -1,26 +1,28 @@
-"""Op dispatch: one jagged attention entry point, routed to a Triton kernel or the PyTorch reference.
+"""Op dispatch: one jagged attention entry point, routed to the Triton kernels or the PyTorch reference.
 
 Shape key: T total tokens, B sequences, H heads, Dqk / Dv per-head widths, N = max_len.
 
-Backends:
-    "reference": ``gemray.kernels.reference.jagged_attention_ref`` (any device; the spec).
-    "triton":    ``gemray.kernels.jagged_attention.jagged_attention_triton`` (CUDA tensors only). Raises
-                 RuntimeError when the module is missing or the tensors are not on CUDA: no silent fallback.
-    "auto":      Triton when the tensors are on CUDA and the Triton module imports, else the reference;
-                 the choice is logged once at INFO per (backend, device type).
+Backends (:class:`AttentionBackend`, or its value as a string: the config's ``model.attention_backend``):
+    REFERENCE ("reference"): ``gemray.kernels.reference`` (any device; the spec).
+    TRITON ("triton"): ``gemray.kernels.jagged_attention.jagged_attention_triton`` (the ``gemray::gdpa_*`` custom
+        ops), on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (Triton's interpreter: tests). A
+        call it cannot run (triton or the kernel module not importable, tensors on another device) raises
+        RuntimeError with the reason; nothing falls back.
+    AUTO ("auto"): TRITON when the tensors are on CUDA and the kernel module imports, else REFERENCE; the
+        choice (and, on CUDA, why Triton was not taken) is logged once per (choice, device type).
+Like generative-recommenders' ``hstu_mha(..., kernel=HammerKernel.TRITON)``, the backend is an explicit enum
+argument; unlike it, an explicit backend never silently becomes another.
 
-Relative attention bias can be handed over either materialised (``attn_bias`` [B, n', n']) or as its raw
-ingredients (``rel_bias``: a ``RelativeBiasInputs``); a kernel whose signature accepts ``rel_bias`` gets
-the ingredients, the others get the dense tensor built by ``kernels.reference.relative_bias_ref``.
-With "auto", a kernel that raises NotImplementedError for an argument (say, attn_bias) hands the call to
-the reference (logged once); with "triton" the error propagates.
+Relative attention bias: ``rel_bias`` (a :class:`RelativeBiasInputs`, the HSTU position / time bias ingredients)
+or a dense ``attn_bias`` [B, n', n']. The reference takes the ingredients (grouped by length, no dense tensor);
+the Triton kernels take a dense bias, which :func:`_triton_bias` materialises from the ingredients here -- the
+seam where a kernel that takes the ingredients itself (buckets and weights) will plug in.
 """
 
 from __future__ import annotations
 
+import enum
 import functools
-import importlib
-import inspect
 import logging
 from dataclasses import dataclass
 from typing import Callable
@@ -28,12 +30,34 @@ from typing import Callable
 import torch
 
 from gemray.kernels import reference as _ref
+from gemray.kernels.config import KernelConfig
 
 log = logging.getLogger(__name__)
 
 TRITON_MODULE = "gemray.kernels.jagged_attention"
-TRITON_FUNCTION = "jagged_attention_triton"
-BACKENDS = ("auto", "triton", "reference")
+
+
+class AttentionBackend(enum.Enum):
+    """Which implementation ``attention`` runs (see the module docstring)."""
+
+    AUTO = "auto"
+    TRITON = "triton"
+    REFERENCE = "reference"
+
+    @classmethod
+    def parse(cls, value: "AttentionBackend | str") -> "AttentionBackend":
+        """The backend for an enum member or its value ("auto" / "triton" / "reference"). Raises ValueError
+        for anything else."""
+        if isinstance(value, AttentionBackend):
+            return value
+        member = _BACKENDS_BY_VALUE.get(value) if isinstance(value, str) else None
+        if member is None:
+            raise ValueError(f"attention backend must be one of {BACKENDS} or an AttentionBackend, got {value!r}")
+        return member
+
+
+_BACKENDS_BY_VALUE = {b.value: b for b in AttentionBackend}
+BACKENDS = tuple(_BACKENDS_BY_VALUE)  # ("auto", "triton", "reference"): the config's choices
 
 
 @dataclass
@@ -109,7 +133,11 @@ class _BucketGather(torch.autograd.Function):
 
 
 def bucket_gather(weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """weights [Q] float, idx int64 (any shape, values in [0, Q)) -> weights[idx], same shape as idx."""
+    """weights [Q] float, idx int64 (any shape, values in [0, Q)) -> weights[idx], same shape as idx. Eager: the
+    bincount backward (_BucketGather); under torch.compile plain indexing (bincount's output size depends on the
+    data, which would break the graph; the compiled index backward is a scatter-add)."""
+    if torch.compiler.is_compiling():
+        return weights[idx]
     return _BucketGather.apply(weights, idx)
 
 
@@ -136,76 +164,85 @@ def relative_bias_buckets(timestamps: torch.Tensor, offsets: torch.Tensor, n: in
 
 
 @functools.lru_cache(maxsize=None)
-def _load_triton() -> Callable | None:
+def _triton_module():
+    """(the kernel module, None) or (None, why it is not importable)."""
+    import importlib
+
     try:
-        mod = importlib.import_module(TRITON_MODULE)
-    except ImportError as e:  # the kernel (or triton itself) is not installed
-        log.debug("Triton attention unavailable: %s", e)
-        return None
-    return getattr(mod, TRITON_FUNCTION, None)
+        return importlib.import_module(TRITON_MODULE), None
+    except ImportError as e:  # triton (or the kernel module) is not installed
+        return None, f"{TRITON_MODULE} is not importable ({e})"
+
+
+def choose_backend(requested: AttentionBackend, device_type: str, triton_error: str | None,
+                   interpreting: bool) -> tuple[AttentionBackend, str]:
+    """The pure rule behind :func:`resolve_backend`: (TRITON or REFERENCE, why). ``triton_error``: why the kernel
+    module does not import (None: it does); ``interpreting``: the kernels run in Triton's CPU interpreter (then
+    they take CPU tensors, not CUDA ones). Raises RuntimeError when TRITON was asked for and cannot run."""
+    if requested is AttentionBackend.REFERENCE:
+        return AttentionBackend.REFERENCE, "requested"
+    kernel_device = "cpu" if interpreting else "cuda"
+    if requested is AttentionBackend.TRITON:
+        if triton_error is not None:
+            raise RuntimeError(f"attention backend 'triton' requested but {triton_error}")
+        if device_type != kernel_device:
+            raise RuntimeError(
+                f"attention backend 'triton' requested but the tensors are on {device_type}; the Triton kernels "
+                f"run on {kernel_device} tensors here" + ("" if interpreting else
+                                                         " (CPU tensors only under TRITON_INTERPRET=1)")
+                + " -- use backend 'reference' or 'auto'")
+        return AttentionBackend.TRITON, "requested"
+    if device_type != "cuda":
+        return AttentionBackend.REFERENCE, f"tensors on {device_type}"
+    if triton_error is not None:
+        return AttentionBackend.REFERENCE, triton_error
+    return AttentionBackend.TRITON, "tensors on cuda"
 
 
 @functools.lru_cache(maxsize=None)
-def _log_choice(backend: str, device_type: str) -> None:
-    log.info("gemray.ops.attention: using the %s backend on %s", backend, device_type)
+def _resolve(requested: AttentionBackend, device_type: str) -> AttentionBackend:
+    mod, err = _triton_module() if requested is not AttentionBackend.REFERENCE else (None, None)
+    chosen, why = choose_backend(requested, device_type, err, bool(mod is not None and mod.interpreting()))
+    log.info("gemray.ops.attention: %s backend on %s (%s: %s)", chosen.value, device_type, requested.value, why)
+    return chosen
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """Return "triton" or "reference" for a requested backend and the tensors' device.
+@torch.compiler.assume_constant_result
+def resolve_backend(backend: AttentionBackend | str, device: torch.device) -> AttentionBackend:
+    """TRITON or REFERENCE for a requested backend and the tensors' device, decided (and logged) once per pair.
 
-    Raises ValueError for an unknown backend name and RuntimeError when "triton" is forced but the kernel
-    module is not importable or the device is not CUDA.
+    Raises ValueError for an unknown backend name and RuntimeError (with the reason) when TRITON is requested
+    but cannot run here. Under torch.compile its result is a constant of the graph.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "reference":
-        return "reference"
-    on_cuda = device.type == "cuda"
-    fn = _load_triton() if on_cuda or backend == "triton" else None
-    if backend == "triton":
-        if fn is None:
-            raise RuntimeError(f"attention backend 'triton' requested but {TRITON_MODULE}.{TRITON_FUNCTION} "
-                               "is not importable (is triton installed and the kernel written?)")
-        if not on_cuda:
-            raise RuntimeError(f"attention backend 'triton' requested but the tensors are on {device}; "
-                               "the Triton kernel needs CUDA (use backend='reference' or 'auto')")
-        return "triton"
-    return "triton" if (on_cuda and fn is not None) else "reference"
+    return _resolve(AttentionBackend.parse(backend), torch.device(device).type)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, max_len: int, *,
               activation: str = "silu", causal: bool = True, attn_bias: torch.Tensor | None = None,
               rel_bias: RelativeBiasInputs | None = None, alpha: float | None = None,
-              num_targets: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
+              num_targets: torch.Tensor | None = None, backend: AttentionBackend | str = AttentionBackend.AUTO,
+              config: KernelConfig | None = None) -> torch.Tensor:
     """Jagged attention ``q [T,H,Dqk], k [T,H,Dqk], v [T,H,Dv], offsets [B+1] int64 -> [T,H,Dv]``.
 
     Semantics (masks, activations, alpha default, N normaliser) are those of
     ``gemray.kernels.reference.jagged_attention_ref``. ``attn_bias`` ([B, n', n'] or [B, H, n', n']) and
-    ``rel_bias`` (ingredients) are mutually exclusive. ``backend`` as in the module docstring.
+    ``rel_bias`` (ingredients) are mutually exclusive. ``backend``: an :class:`AttentionBackend` or its value
+    (module docstring); ``config``: the Triton kernels' ``KernelConfig`` (None = its DEFAULT; the reference
+    ignores it).
 
-    Raises ValueError (bad arguments) or RuntimeError (forced Triton unavailable).
+    Raises ValueError (bad arguments, unknown backend) or RuntimeError (TRITON requested but not runnable here,
+    with the reason).
     """
     if attn_bias is not None and rel_bias is not None:
         raise ValueError("attention: pass attn_bias or rel_bias, not both")
     chosen = resolve_backend(backend, q.device)
-    _log_choice(chosen, q.device.type)
-    if chosen == "triton":
-        fn = _load_triton()
-        assert fn is not None
-        kwargs = dict(activation=activation, causal=causal, alpha=alpha, num_targets=num_targets)
-        if rel_bias is not None and "rel_bias" in _params(fn):
-            kwargs["rel_bias"] = rel_bias
-        else:
-            if rel_bias is not None:
-                attn_bias, rel_bias = rel_bias.dense(offsets, _longest(offsets)), None
-            kwargs["attn_bias"] = attn_bias
-        try:
-            return fn(q, k, v, offsets, max_len, **kwargs)
-        except NotImplementedError as e:
-            if backend == "triton":
-                raise
-            # "auto": the kernel declined an argument (e.g. a bias it cannot take): say so once, use the spec.
-            _log_decline(str(e))
+    if chosen is AttentionBackend.TRITON:
+        from gemray.kernels.jagged_attention import jagged_attention_triton
+
+        if rel_bias is not None:
+            attn_bias = _triton_bias(rel_bias, offsets)
+        return jagged_attention_triton(q, k, v, offsets, max_len, activation=activation, causal=causal,
+                                       attn_bias=attn_bias, alpha=alpha, num_targets=num_targets, config=config)
     if rel_bias is not None:
         alpha = _ref.check_attention_args(q, k, v, offsets, max_len, activation=activation, attn_bias=None,
                                           alpha=alpha, num_targets=num_targets)
@@ -216,18 +253,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.
                                      attn_bias=attn_bias, alpha=alpha, num_targets=num_targets)
 
 
-@functools.lru_cache(maxsize=None)
-def _log_decline(reason: str) -> None:
-    log.info("gemray.ops.attention: Triton kernel declined (%s); using the reference backend", reason)
+def _triton_bias(rel_bias: RelativeBiasInputs, offsets: torch.Tensor) -> torch.Tensor:
+    """The dense relative bias [B, n, n] the Triton kernels take (the seam: a kernel that takes the bucket indices
+    and the weights itself replaces this materialisation). n: the precomputed buckets' size when given (>= the
+    longest sequence; no host sync, nothing data-dependent under torch.compile), else the longest sequence."""
+    n = rel_bias.buckets[0].shape[-1] if rel_bias.buckets is not None else _longest(offsets)
+    return rel_bias.dense(offsets, n)
 
 
 def _longest(offsets: torch.Tensor) -> int:
     return int((offsets[1:] - offsets[:-1]).max()) if offsets.numel() > 1 else 0
-
-
-@functools.lru_cache(maxsize=None)
-def _params(fn: Callable) -> frozenset[str]:
-    try:
-        return frozenset(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        return frozenset()
