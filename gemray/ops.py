@@ -22,8 +22,9 @@ seam where a kernel that takes the ingredients itself (buckets and weights) will
 from __future__ import annotations
 
 import enum
-import functools
+import importlib
 import logging
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -163,15 +164,23 @@ def relative_bias_buckets(timestamps: torch.Tensor, offsets: torch.Tensor, n: in
     return pb, tb
 
 
-@functools.lru_cache(maxsize=None)
-def _triton_module():
-    """(the kernel module, None) or (None, why it is not importable)."""
-    import importlib
+_TRITON: list = []  # [(kernel module or None, why it does not import or None)] once imported
 
+
+def _triton_module():
+    """(the kernel module, None) or (None, why it is not importable); imported once. A module imported already
+    (sys.modules) is taken as is, so that a call traced by torch.compile never imports."""
+    if _TRITON:
+        return _TRITON[0]
+    mod = sys.modules.get(TRITON_MODULE)
+    if mod is not None:
+        return mod, None
     try:
-        return importlib.import_module(TRITON_MODULE), None
+        mod, err = importlib.import_module(TRITON_MODULE), None
     except ImportError as e:  # triton (or the kernel module) is not installed
-        return None, f"{TRITON_MODULE} is not importable ({e})"
+        mod, err = None, f"{TRITON_MODULE} is not importable ({e})"
+    _TRITON.append((mod, err))
+    return mod, err
 
 
 def choose_backend(requested: AttentionBackend, device_type: str, triton_error: str | None,
@@ -199,22 +208,27 @@ def choose_backend(requested: AttentionBackend, device_type: str, triton_error: 
     return AttentionBackend.TRITON, "tensors on cuda"
 
 
-@functools.lru_cache(maxsize=None)
-def _resolve(requested: AttentionBackend, device_type: str) -> AttentionBackend:
-    mod, err = _triton_module() if requested is not AttentionBackend.REFERENCE else (None, None)
-    chosen, why = choose_backend(requested, device_type, err, bool(mod is not None and mod.interpreting()))
-    log.info("gemray.ops.attention: %s backend on %s (%s: %s)", chosen.value, device_type, requested.value, why)
-    return chosen
+# (requested, device type) -> chosen: a plain dict (under torch.compile a hit is a guarded constant, nothing traced)
+_CHOSEN: dict[tuple[AttentionBackend, str], AttentionBackend] = {}
 
 
-@torch.compiler.assume_constant_result
 def resolve_backend(backend: AttentionBackend | str, device: torch.device) -> AttentionBackend:
-    """TRITON or REFERENCE for a requested backend and the tensors' device, decided (and logged) once per pair.
+    """TRITON or REFERENCE for a requested backend and the tensors' device, decided and logged once per pair
+    (by the first eager call: dynamo cannot trace logging, so a call traced by torch.compile decides without
+    logging or remembering).
 
     Raises ValueError for an unknown backend name and RuntimeError (with the reason) when TRITON is requested
-    but cannot run here. Under torch.compile its result is a constant of the graph.
+    but cannot run here.
     """
-    return _resolve(AttentionBackend.parse(backend), torch.device(device).type)
+    key = (AttentionBackend.parse(backend), torch.device(device).type)
+    chosen = _CHOSEN.get(key)
+    if chosen is None:
+        mod, err = _triton_module() if key[0] is not AttentionBackend.REFERENCE else (None, None)
+        chosen, why = choose_backend(key[0], key[1], err, bool(mod is not None and mod.interpreting()))
+        if not torch.compiler.is_compiling():
+            log.info("gemray.ops.attention: %s backend on %s (%s: %s)", chosen.value, key[1], key[0].value, why)
+            _CHOSEN[key] = chosen
+    return chosen
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, max_len: int, *,
@@ -237,11 +251,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.
         raise ValueError("attention: pass attn_bias or rel_bias, not both")
     chosen = resolve_backend(backend, q.device)
     if chosen is AttentionBackend.TRITON:
-        from gemray.kernels.jagged_attention import jagged_attention_triton
-
         if rel_bias is not None:
             attn_bias = _triton_bias(rel_bias, offsets)
-        return jagged_attention_triton(q, k, v, offsets, max_len, activation=activation, causal=causal,
+        return _triton_module()[0].jagged_attention_triton(q, k, v, offsets, max_len, activation=activation, causal=causal,
                                        attn_bias=attn_bias, alpha=alpha, num_targets=num_targets, config=config)
     if rel_bias is not None:
         alpha = _ref.check_attention_args(q, k, v, offsets, max_len, activation=activation, attn_bias=None,
@@ -263,3 +275,7 @@ def _triton_bias(rel_bias: RelativeBiasInputs, offsets: torch.Tensor) -> torch.T
 
 def _longest(offsets: torch.Tensor) -> int:
     return int((offsets[1:] - offsets[:-1]).max()) if offsets.numel() > 1 else 0
+
+
+if torch.cuda.is_available():  # GPU machines import the kernels with gemray.ops: a torch.compile trace never does
+    _triton_module()

@@ -287,10 +287,12 @@ def norm_quant_fwd_op(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Opt
     """The fused forward as a custom op (inputs validated by :func:`norm_quant`; x [N, D] with unit column
     stride, weight / bias [D] contiguous or None). Returns (y [N, D] x.dtype, y_fp8 [N, D] float8_e4m3fn,
     scales [N, D // block_size] fp32, mean [N] fp32, rstd [N] fp32); mean / rstd are empty [0] tensors unless
-    ``store_stats`` (what the backward needs)."""
+    ``store_stats`` (what the backward needs), mean also for kind "rms" (which has none)."""
     y, q, s, mean, rstd = _launch_fwd(x, weight, bias, kind, eps, block_size, store_stats)
     if mean is None:  # outputs may not alias each other: two empty tensors
         mean, rstd = x.new_empty((0,), dtype=torch.float32), x.new_empty((0,), dtype=torch.float32)
+    elif kind == "rms":  # the kernel writes no mean for RMSNorm: do not return uninitialized memory
+        mean = x.new_empty((0,), dtype=torch.float32)
     return y, q, s, mean, rstd
 
 
@@ -299,8 +301,8 @@ def _norm_quant_fwd_fake(x, weight, bias, kind, eps, block_size, store_stats):
     n, d = x.shape
     stats = (n,) if store_stats else (0,)
     return (torch.empty_like(x), x.new_empty((n, d), dtype=FP8_DTYPE),
-            x.new_empty((n, d // block_size), dtype=torch.float32), x.new_empty(stats, dtype=torch.float32),
-            x.new_empty(stats, dtype=torch.float32))
+            x.new_empty((n, d // block_size), dtype=torch.float32),
+            x.new_empty(stats if kind == "layer" else (0,), dtype=torch.float32), x.new_empty(stats, dtype=torch.float32))
 
 
 @torch.library.custom_op("gemray::norm_quant_bwd", mutates_args=())

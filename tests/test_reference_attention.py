@@ -298,7 +298,7 @@ def test_backend_enum_and_choice_rules():
 
 
 def test_backend_choice_is_logged_once(caplog):
-    ops._resolve.cache_clear()
+    ops._CHOSEN.clear()
     with caplog.at_level(logging.INFO, logger="gemray.ops"):
         for _ in range(3):
             assert ops.resolve_backend("auto", torch.device("cpu")) is ops.AttentionBackend.REFERENCE
