@@ -7,7 +7,7 @@
     gemray preempt --output DIR | --notice PATH [--reason TEXT] [--wait SECONDS]
                                           (ask a running `gemray train` to checkpoint and stop)
     gemray bench bbs --config FILE [--world-size N] [--set ...]
-    gemray bench kernels [ARGS...]        (gemray.kernels.bench.main)
+    gemray bench kernels [ARGS...]        (gemray.bench.kernels.main)
     gemray submit --config FILE [--address URL] ...   (gemray.controller.submit)
     gemray k8s render --config FILE [--kind rayjob|raycluster|pvc] [--gpu] [--image ...] [--storage ...]
     gemray k8s validate FILES [--crds DIR]             (gemray.k8s.cli)
@@ -262,7 +262,7 @@ def _cmd_bench_bbs(ns: argparse.Namespace) -> int:
 
 
 def _cmd_bench_kernels(ns: argparse.Namespace) -> int:
-    from gemray.kernels import bench
+    from gemray.bench import kernels as bench
 
     return int(bench.main(ns.args) or 0)
 
@@ -356,9 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
     bb.add_argument("--world-size", type=int, default=None, help="default: ray.num_workers")
     _add_set(bb)
     bb.set_defaults(func=_cmd_bench_bbs)
-    bk = bsub.add_parser("kernels", help="Triton kernel benchmarks (gemray.kernels.bench)",
-                         prefix_chars="+")  # every option after `kernels` goes to gemray.kernels.bench
-    bk.add_argument("args", nargs=argparse.REMAINDER, help="passed to gemray.kernels.bench")
+    bk = bsub.add_parser("kernels", help="Triton kernel benchmarks (gemray.bench.kernels)",
+                         prefix_chars="+")  # every option after `kernels` goes to gemray.bench.kernels
+    bk.add_argument("args", nargs=argparse.REMAINDER, help="passed to gemray.bench.kernels")
     bk.set_defaults(func=_cmd_bench_kernels)
 
     try:

@@ -1,39 +1,64 @@
-"""Op dispatch: one jagged attention entry point, routed to a Triton kernel or the PyTorch reference.
+"""Op dispatch: one jagged attention entry point, routed to the Triton kernels or the PyTorch reference.
 
 Shape key: T total tokens, B sequences, H heads, Dqk / Dv per-head widths, N = max_len.
 
-Backends:
-    "reference": ``gemray.kernels.reference.jagged_attention_ref`` (any device; the spec).
-    "triton":    ``gemray.kernels.jagged_attention.jagged_attention_triton`` (CUDA tensors only). Raises
-                 RuntimeError when the module is missing or the tensors are not on CUDA: no silent fallback.
-    "auto":      Triton when the tensors are on CUDA and the Triton module imports, else the reference;
-                 the choice is logged once at INFO per (backend, device type).
+Backends (:class:`AttentionBackend`, or its value as a string: the config's ``model.attention_backend``):
+    REFERENCE ("reference"): ``gemray.kernels.reference`` (any device; the spec).
+    TRITON ("triton"): ``gemray.kernels.jagged_attention.jagged_attention_triton`` (the ``gemray::gdpa_*`` custom
+        ops), on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (Triton's interpreter: tests). A
+        call it cannot run (triton or the kernel module not importable, tensors on another device) raises
+        RuntimeError with the reason; nothing falls back.
+    AUTO ("auto"): TRITON when the tensors are on CUDA and the kernel module imports, else REFERENCE; the
+        choice (and, on CUDA, why Triton was not taken) is logged once per (choice, device type).
+Like generative-recommenders' ``hstu_mha(..., kernel=HammerKernel.TRITON)``, the backend is an explicit enum
+argument; unlike it, an explicit backend never silently becomes another.
 
-Relative attention bias can be handed over either materialised (``attn_bias`` [B, n', n']) or as its raw
-ingredients (``rel_bias``: a ``RelativeBiasInputs``); a kernel whose signature accepts ``rel_bias`` gets
-the ingredients, the others get the dense tensor built by ``kernels.reference.relative_bias_ref``.
-With "auto", a kernel that raises NotImplementedError for an argument (say, attn_bias) hands the call to
-the reference (logged once); with "triton" the error propagates.
+Relative attention bias: ``rel_bias`` (a :class:`RelativeBiasInputs`, the HSTU position / time bias ingredients)
+or a dense ``attn_bias`` [B, n', n']. The reference takes the ingredients (grouped by length, no dense tensor);
+the Triton kernels take a dense bias, which :func:`_triton_bias` materialises from the ingredients here -- the
+seam where a kernel that takes the ingredients itself (buckets and weights) will plug in.
 """
 
 from __future__ import annotations
 
-import functools
+import enum
 import importlib
-import inspect
 import logging
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from gemray.kernels import reference as _ref
+from gemray.kernels.config import KernelConfig
 
 log = logging.getLogger(__name__)
 
 TRITON_MODULE = "gemray.kernels.jagged_attention"
-TRITON_FUNCTION = "jagged_attention_triton"
-BACKENDS = ("auto", "triton", "reference")
+
+
+class AttentionBackend(enum.Enum):
+    """Which implementation ``attention`` runs (see the module docstring)."""
+
+    AUTO = "auto"
+    TRITON = "triton"
+    REFERENCE = "reference"
+
+    @classmethod
+    def parse(cls, value: "AttentionBackend | str") -> "AttentionBackend":
+        """The backend for an enum member or its value ("auto" / "triton" / "reference"). Raises ValueError
+        for anything else."""
+        if isinstance(value, AttentionBackend):
+            return value
+        member = _BACKENDS_BY_VALUE.get(value) if isinstance(value, str) else None
+        if member is None:
+            raise ValueError(f"attention backend must be one of {BACKENDS} or an AttentionBackend, got {value!r}")
+        return member
+
+
+_BACKENDS_BY_VALUE = {b.value: b for b in AttentionBackend}
+BACKENDS = tuple(_BACKENDS_BY_VALUE)  # ("auto", "triton", "reference"): the config's choices
 
 
 @dataclass
@@ -109,7 +134,11 @@ class _BucketGather(torch.autograd.Function):
 
 
 def bucket_gather(weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """weights [Q] float, idx int64 (any shape, values in [0, Q)) -> weights[idx], same shape as idx."""
+    """weights [Q] float, idx int64 (any shape, values in [0, Q)) -> weights[idx], same shape as idx. Eager: the
+    bincount backward (_BucketGather); under torch.compile plain indexing (bincount's output size depends on the
+    data, which would break the graph; the compiled index backward is a scatter-add)."""
+    if torch.compiler.is_compiling():
+        return weights[idx]
     return _BucketGather.apply(weights, idx)
 
 
@@ -135,77 +164,97 @@ def relative_bias_buckets(timestamps: torch.Tensor, offsets: torch.Tensor, n: in
     return pb, tb
 
 
-@functools.lru_cache(maxsize=None)
-def _load_triton() -> Callable | None:
+_TRITON: list = []  # [(kernel module or None, why it does not import or None)] once imported
+
+
+def _triton_module():
+    """(the kernel module, None) or (None, why it is not importable); imported once. A module imported already
+    (sys.modules) is taken as is, so that a call traced by torch.compile never imports."""
+    if _TRITON:
+        return _TRITON[0]
+    mod = sys.modules.get(TRITON_MODULE)
+    if mod is not None:
+        return mod, None
     try:
-        mod = importlib.import_module(TRITON_MODULE)
-    except ImportError as e:  # the kernel (or triton itself) is not installed
-        log.debug("Triton attention unavailable: %s", e)
-        return None
-    return getattr(mod, TRITON_FUNCTION, None)
+        mod, err = importlib.import_module(TRITON_MODULE), None
+    except ImportError as e:  # triton (or the kernel module) is not installed
+        mod, err = None, f"{TRITON_MODULE} is not importable ({e})"
+    _TRITON.append((mod, err))
+    return mod, err
 
 
-@functools.lru_cache(maxsize=None)
-def _log_choice(backend: str, device_type: str) -> None:
-    log.info("gemray.ops.attention: using the %s backend on %s", backend, device_type)
+def choose_backend(requested: AttentionBackend, device_type: str, triton_error: str | None,
+                   interpreting: bool) -> tuple[AttentionBackend, str]:
+    """The pure rule behind :func:`resolve_backend`: (TRITON or REFERENCE, why). ``triton_error``: why the kernel
+    module does not import (None: it does); ``interpreting``: the kernels run in Triton's CPU interpreter (then
+    they take CPU tensors, not CUDA ones). Raises RuntimeError when TRITON was asked for and cannot run."""
+    if requested is AttentionBackend.REFERENCE:
+        return AttentionBackend.REFERENCE, "requested"
+    kernel_device = "cpu" if interpreting else "cuda"
+    if requested is AttentionBackend.TRITON:
+        if triton_error is not None:
+            raise RuntimeError(f"attention backend 'triton' requested but {triton_error}")
+        if device_type != kernel_device:
+            raise RuntimeError(
+                f"attention backend 'triton' requested but the tensors are on {device_type}; the Triton kernels "
+                f"run on {kernel_device} tensors here" + ("" if interpreting else
+                                                         " (CPU tensors only under TRITON_INTERPRET=1)")
+                + " -- use backend 'reference' or 'auto'")
+        return AttentionBackend.TRITON, "requested"
+    if device_type != "cuda":
+        return AttentionBackend.REFERENCE, f"tensors on {device_type}"
+    if triton_error is not None:
+        return AttentionBackend.REFERENCE, triton_error
+    return AttentionBackend.TRITON, "tensors on cuda"
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """Return "triton" or "reference" for a requested backend and the tensors' device.
+# (requested, device type) -> chosen: a plain dict (under torch.compile a hit is a guarded constant, nothing traced)
+_CHOSEN: dict[tuple[AttentionBackend, str], AttentionBackend] = {}
 
-    Raises ValueError for an unknown backend name and RuntimeError when "triton" is forced but the kernel
-    module is not importable or the device is not CUDA.
+
+def resolve_backend(backend: AttentionBackend | str, device: torch.device) -> AttentionBackend:
+    """TRITON or REFERENCE for a requested backend and the tensors' device, decided and logged once per pair
+    (by the first eager call: dynamo cannot trace logging, so a call traced by torch.compile decides without
+    logging or remembering).
+
+    Raises ValueError for an unknown backend name and RuntimeError (with the reason) when TRITON is requested
+    but cannot run here.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "reference":
-        return "reference"
-    on_cuda = device.type == "cuda"
-    fn = _load_triton() if on_cuda or backend == "triton" else None
-    if backend == "triton":
-        if fn is None:
-            raise RuntimeError(f"attention backend 'triton' requested but {TRITON_MODULE}.{TRITON_FUNCTION} "
-                               "is not importable (is triton installed and the kernel written?)")
-        if not on_cuda:
-            raise RuntimeError(f"attention backend 'triton' requested but the tensors are on {device}; "
-                               "the Triton kernel needs CUDA (use backend='reference' or 'auto')")
-        return "triton"
-    return "triton" if (on_cuda and fn is not None) else "reference"
+    key = (AttentionBackend.parse(backend), torch.device(device).type)
+    chosen = _CHOSEN.get(key)
+    if chosen is None:
+        mod, err = _triton_module() if key[0] is not AttentionBackend.REFERENCE else (None, None)
+        chosen, why = choose_backend(key[0], key[1], err, bool(mod is not None and mod.interpreting()))
+        if not torch.compiler.is_compiling():
+            log.info("gemray.ops.attention: %s backend on %s (%s: %s)", chosen.value, key[1], key[0].value, why)
+            _CHOSEN[key] = chosen
+    return chosen
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, max_len: int, *,
               activation: str = "silu", causal: bool = True, attn_bias: torch.Tensor | None = None,
               rel_bias: RelativeBiasInputs | None = None, alpha: float | None = None,
-              num_targets: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
+              num_targets: torch.Tensor | None = None, backend: AttentionBackend | str = AttentionBackend.AUTO,
+              config: KernelConfig | None = None) -> torch.Tensor:
     """Jagged attention ``q [T,H,Dqk], k [T,H,Dqk], v [T,H,Dv], offsets [B+1] int64 -> [T,H,Dv]``.
 
     Semantics (masks, activations, alpha default, N normaliser) are those of
     ``gemray.kernels.reference.jagged_attention_ref``. ``attn_bias`` ([B, n', n'] or [B, H, n', n']) and
-    ``rel_bias`` (ingredients) are mutually exclusive. ``backend`` as in the module docstring.
+    ``rel_bias`` (ingredients) are mutually exclusive. ``backend``: an :class:`AttentionBackend` or its value
+    (module docstring); ``config``: the Triton kernels' ``KernelConfig`` (None = its DEFAULT; the reference
+    ignores it).
 
-    Raises ValueError (bad arguments) or RuntimeError (forced Triton unavailable).
+    Raises ValueError (bad arguments, unknown backend) or RuntimeError (TRITON requested but not runnable here,
+    with the reason).
     """
     if attn_bias is not None and rel_bias is not None:
         raise ValueError("attention: pass attn_bias or rel_bias, not both")
     chosen = resolve_backend(backend, q.device)
-    _log_choice(chosen, q.device.type)
-    if chosen == "triton":
-        fn = _load_triton()
-        assert fn is not None
-        kwargs = dict(activation=activation, causal=causal, alpha=alpha, num_targets=num_targets)
-        if rel_bias is not None and "rel_bias" in _params(fn):
-            kwargs["rel_bias"] = rel_bias
-        else:
-            if rel_bias is not None:
-                attn_bias, rel_bias = rel_bias.dense(offsets, _longest(offsets)), None
-            kwargs["attn_bias"] = attn_bias
-        try:
-            return fn(q, k, v, offsets, max_len, **kwargs)
-        except NotImplementedError as e:
-            if backend == "triton":
-                raise
-            # "auto": the kernel declined an argument (e.g. a bias it cannot take): say so once, use the spec.
-            _log_decline(str(e))
+    if chosen is AttentionBackend.TRITON:
+        if rel_bias is not None:
+            attn_bias = _triton_bias(rel_bias, offsets)
+        return _triton_module()[0].jagged_attention_triton(q, k, v, offsets, max_len, activation=activation, causal=causal,
+                                       attn_bias=attn_bias, alpha=alpha, num_targets=num_targets, config=config)
     if rel_bias is not None:
         alpha = _ref.check_attention_args(q, k, v, offsets, max_len, activation=activation, attn_bias=None,
                                           alpha=alpha, num_targets=num_targets)
@@ -216,21 +265,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.
                                      attn_bias=attn_bias, alpha=alpha, num_targets=num_targets)
 
 
-@functools.lru_cache(maxsize=None)
-def _log_decline(reason: str) -> None:
-    log.info("gemray.ops.attention: Triton kernel declined (%s); using the reference backend", reason)
+def _triton_bias(rel_bias: RelativeBiasInputs, offsets: torch.Tensor) -> torch.Tensor:
+    """The dense relative bias [B, n, n] the Triton kernels take (the seam: a kernel that takes the bucket indices
+    and the weights itself replaces this materialisation). n: the precomputed buckets' size when given (>= the
+    longest sequence; no host sync, nothing data-dependent under torch.compile), else the longest sequence."""
+    n = rel_bias.buckets[0].shape[-1] if rel_bias.buckets is not None else _longest(offsets)
+    return rel_bias.dense(offsets, n)
 
 
 def _longest(offsets: torch.Tensor) -> int:
     return int((offsets[1:] - offsets[:-1]).max()) if offsets.numel() > 1 else 0
-
-
-@functools.lru_cache(maxsize=None)
-def _params(fn: Callable) -> frozenset[str]:
-    try:
-        return frozenset(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        return frozenset()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -254,37 +298,15 @@ _INV_SQRT_2PI = 0.3989422804014327    # 1 / sqrt(2 pi)
 _GDPA_TRITON = {"cross": "jagged_cross_attention_triton", "pma": "pma_triton", "gdpa": "gdpa_triton"}
 
 
-@functools.lru_cache(maxsize=None)
-def _load_gdpa(name: str) -> Callable | None:
-    try:
-        mod = importlib.import_module(TRITON_MODULE)
-    except ImportError as e:
-        log.debug("Triton GDPA unavailable: %s", e)
-        return None
-    return getattr(mod, _GDPA_TRITON[name], None)
+def _load_gdpa(name: str) -> Callable:
+    """The Triton entry point of op ``name`` ("cross" / "pma"); only called once the backend is TRITON."""
+    return getattr(_triton_module()[0], _GDPA_TRITON[name])
 
 
 def _gdpa_backend(backend: str, device: torch.device, name: str) -> str:
-    """"triton" or "reference" for op ``name`` ("cross" / "pma"), by the rules of ``resolve_backend``:
-    "auto" = Triton on CUDA when importable, else the reference; "triton" forced off CUDA or without the
-    module raises RuntimeError; an unknown name raises ValueError."""
-    if backend not in BACKENDS:
-        raise ValueError(f"{name} attention backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "reference":
-        return "reference"
-    on_cuda = device.type == "cuda"
-    fn = _load_gdpa(name) if on_cuda or backend == "triton" else None
-    if backend == "triton":
-        if fn is None:
-            raise RuntimeError(f"{name} attention backend 'triton' requested but {TRITON_MODULE}."
-                               f"{_GDPA_TRITON[name]} is not importable (is triton installed?)")
-        if not on_cuda:
-            raise RuntimeError(f"{name} attention backend 'triton' requested but the tensors are on {device}; "
-                               "the Triton kernel needs CUDA (use backend='reference' or 'auto')")
-        return "triton"
-    chosen = "triton" if (on_cuda and fn is not None) else "reference"
-    _log_choice(chosen, f"{device.type} ({name})")
-    return chosen
+    """"triton" or "reference" for op ``name`` ("cross" / "pma"), by :func:`resolve_backend`'s rules (AUTO:
+    Triton on CUDA when importable; TRITON that cannot run raises RuntimeError; an unknown name ValueError)."""
+    return resolve_backend(backend, device).value
 
 
 def _dact(s: torch.Tensor, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -346,13 +368,7 @@ def _cross_attention_op(q: torch.Tensor, q_offsets: torch.Tensor, k: torch.Tenso
     with torch.no_grad():
         if _gdpa_backend(backend, q.device, "cross") == "triton":
             fn = _load_gdpa("cross")
-            try:
-                return fn(q, q_offsets, k, v, kv_offsets, max_q_len, max_kv_len, activation=activation,
-                          alpha=alpha)
-            except NotImplementedError as e:
-                if backend == "triton":
-                    raise
-                _log_decline(str(e))
+            return fn(q, q_offsets, k, v, kv_offsets, max_q_len, max_kv_len, activation=activation, alpha=alpha)
         return _ref.jagged_cross_attention_ref(q, q_offsets, k, v, kv_offsets, max_q_len, max_kv_len,
                                                activation=activation, alpha=alpha)
 
@@ -469,12 +485,7 @@ def _pma_op(seeds: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_offsets: t
     with torch.no_grad():
         if _gdpa_backend(backend, k.device, "pma") == "triton":
             fn = _load_gdpa("pma")
-            try:
-                return fn(seeds, k, v, kv_offsets, max_kv_len, activation=activation, alpha=alpha)
-            except NotImplementedError as e:
-                if backend == "triton":
-                    raise
-                _log_decline(str(e))
+            return fn(seeds, k, v, kv_offsets, max_kv_len, activation=activation, alpha=alpha)
         # contiguous: the reference returns a transposed view; the op's (fake) output layout is contiguous
         return _ref.pma_ref(seeds, k, v, kv_offsets, max_kv_len, activation=activation, alpha=alpha).contiguous()
 
@@ -621,3 +632,7 @@ def _register_flops() -> None:
 
 
 _register_flops()
+
+
+if torch.cuda.is_available():  # GPU machines import the kernels with gemray.ops: a torch.compile trace never does
+    _triton_module()

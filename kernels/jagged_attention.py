@@ -25,38 +25,45 @@ than Words", arXiv:2402.17152; written from the papers, not copied):
 
 * Work items are (sequence, tile) pairs built on the device from ``offsets`` (no host sync) and sorted
   longest-first (most key tiles first), so the long sequences of a heavy-tailed batch start first and the
-  short ones fill the SMs at the end. Items past a sequence's end are sorted last and exit at once.
+  short ones fill the SMs at the end; or (``seq_order_*``) whole sequences longest first with each sequence's
+  tiles together, so programs running at once share their sequence's rows in L2. Items past a sequence's end
+  are sorted last and exit at once.
 * Masks are index arithmetic on the tile's positions, never a materialised 2-D tensor; tiles that are
   entirely valid skip the mask (causal tile skipping: tiles above the diagonal are never visited).
-* Backward: dK/dV work items (a key tile, looping over query tiles) and dQ work items (a query tile,
-  looping over key tiles) are computed separately, so dQ needs no atomics. They run as two launches (dQ
-  first: for softmax it also writes delta = rowsum(o * dO) of its rows, which the dK/dV launch after it
-  reads, so no delta launch), or as one launch over a merged longest-first table of both kinds
-  (``FUSED_BWD``), or as one dK/dV launch whose programs also add their dS K into an fp32 dQ with atomics
-  (``ATOMIC_DQ``: 5 matmuls per tile pair instead of 7). Where no dQ launch writes delta it comes from a
-  small kernel or is computed by the backward programs themselves (``DELTA_INLINE``). The mode is chosen
-  per regime (kernels/bench.py sweeps it). PMA sums its per-sequence dQ over the batch with one torch
-  reduction.
-* Tile loads (per regime, TMA_LOADS): by pointers (cp.async with row masks), or through tensor descriptors
+* Backward: dK/dV work items (a key tile, looping over query tiles) and dQ work items (a query tile, looping
+  over key tiles) are computed separately, so dQ needs no atomics: two launches, dQ first (for softmax it also
+  writes delta = rowsum(o * dO) of its rows, which the dK/dV launch after it reads). Or, per regime
+  (``ds_store``), the dK/dV launch also stores dS^T into a scratch and a third launch computes dQ = dS K from it
+  (five matmuls per tile pair instead of seven; softmax's delta then comes from its own small launch). PMA sums
+  its per-sequence dQ over the batch with one torch reduction.
+* Tile loads (per regime, ``tma_loads``): by pointers (cp.async with row masks), or through tensor descriptors
   made on the device per program (Hopper's bulk tensor copy; rows past a sequence's end read as zeros), which
-  pay off only where the loops are long (on for "xlong"; never for block / window attention). The dK/dV step
-  lays the scores out key-rows-first (lse / delta per column) or, with DKDV_QROWS, query-rows-first (as
-  FlashAttention-2; measured slower on the H200, kept as a sweepable, tested mode).
-* Host cost per call (it bounds short, heavy-tailed batches): what a call launches (length classes, tiles,
-  launch modes, work tables, grids, scalar arguments and constexprs of every launch) is decided once per
-  batch and call configuration and cached as a launch plan (``_fwd_plan`` / ``_bwd_plan``, keyed on the
-  offsets object, shapes, strides, dtype, alignment and the knob version of kernels/knobs.py, so a bench
-  sweep or test that changes a knob gets new plans); the batch checks run when a plan is made. A call
-  allocates its outputs and runs the plan's launches: a JFA fwd+bwd enqueues 3 Triton launches and 5
-  allocations (o, lse+delta, dq, dk, dv), GDPA 3 launches and 4 allocations; ``kernels/bench.py
-  --host-profile`` counts them. Once a configuration is compiled, launches call the compiled kernel's
-  launcher directly (``DIRECT_LAUNCH``, ``_Launch``), without the JIT's per-call argument binding.
+  pay off only where the loops are long (on for "xlong"; never for block / window attention).
+* Configuration: tiles per regime and kind and the launch modes come from one immutable
+  ``gemray.kernels.config.KernelConfig`` passed as ``config=`` (None: its DEFAULT, the H200 sweep winners);
+  the kernel run reports (benchmarks/reports/kernels_h200_*.md) is the run log of why each mode is on or off. Modes that lost everywhere were deleted
+  (one-launch backward, inline delta, atomic dQ, query-rows-first dK/dV, length classes: git has them).
+* Host cost per call (it bounds short, heavy-tailed batches): what a call launches (tiles, launch modes, work
+  tables, grids, scalar arguments and constexprs of every launch) is decided once per batch and configuration
+  and cached as a launch plan (``_fwd_plan`` / ``_bwd_plan``, keyed on the offsets object, shapes, strides,
+  dtype, alignment and the config's name); the batch checks run when a plan is made. A call allocates its
+  outputs and runs the plan's launches: a JFA fwd+bwd enqueues 3 Triton launches and 6 allocations (o, lse, dq,
+  dk, dv, delta), GDPA 3 launches and 5 allocations (o, an empty lse, dq, dk, dv); ``gemray bench kernels
+  --host-profile`` counts them. Once a configuration is compiled, launches call the compiled kernel's launcher
+  directly (``direct_launch``, ``_Launch``), without the JIT's per-call argument binding.
+* torch.library custom ops (namespace ``gemray``): ``gemray::gdpa_fwd`` (-> out, lse) and ``gemray::gdpa_bwd``
+  (-> dq, dk, dv, dbias), with fake (meta) implementations and the backward registered as the forward's autograd
+  formula, so torch.compile, export and FakeTensor / meta tracing see one op per call. The config travels by name
+  (``gemray.kernels.config``: a registry of immutable configs). Plain eager calls (no compile, no fake / proxy /
+  functional mode, plain tensors) take the same implementation through an ``autograd.Function`` instead of the
+  dispatcher: the Python custom op's dispatch costs ~100-200 us more per fwd+bwd on the host (measured on the
+  2-core CI box), which the host-bound short batches would pay per layer (``gemray.kernels._eager.plain_eager``).
 * silu on 16-bit inputs (CUDA): ``silu(x) = h + h tanh(h)``, h = x/2, with ``tanh.approx.f32`` (one MUFU op
   per score instead of exp2 + reciprocal; act and act' share it in the backward); fp32 inputs and the
   interpreter keep the exact sigmoid. The 1/N of the pointwise activations is applied once per output tile.
 
 Public entry points: :func:`jagged_attention_triton` (same signature as
-``gemray.kernels.reference.jagged_attention_ref``), :func:`jagged_cross_attention_triton`,
+``gemray.kernels.reference.jagged_attention_ref`` plus ``config``), :func:`jagged_cross_attention_triton`,
 :func:`pma_triton`, :func:`jagged_block_attention_triton`, and the generic :func:`gdpa_triton`.
 Works with triton 3.6 on CUDA and with ``TRITON_INTERPRET=1`` (triton 3.9) on CPU, where bf16 inputs run in
 float32 (the interpreter's bf16 ``tl.dot`` is wrong: triton-lang/triton#11584) and the batch checks raise at once.
@@ -71,12 +78,16 @@ import os
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from gemray.kernels import knobs
+from gemray.kernels import config as kconfig
+from gemray.kernels._eager import plain_eager
+from gemray.kernels.config import KernelConfig
 
 try:  # the Hopper warp-specialized forward (Gluon ships with Triton >= 3.5)
     from gemray.kernels import ws_attention as ws
@@ -85,144 +96,8 @@ except ImportError:  # pragma: no cover - an older Triton: the Triton kernels on
 
 log = logging.getLogger(__name__)
 
-ACTIVATIONS = {"softmax": 0, "silu": 1, "gelu": 2, "none": 3}
+ACTIVATIONS = MappingProxyType({"softmax": 0, "silu": 1, "gelu": 2, "none": 3})
 _LOG2E = 1.4426950408889634
-
-# Tile configurations: (BLOCK_M, BLOCK_N, num_warps, num_stages) per regime and kernel ("fwd", "dkdv",
-# "dq"), keyed by the smallest head-dim bucket >= Dqk. "dkdv" tiles the keys by BLOCK_N and loops over the
-# queries by BLOCK_M. The regime comes from the mean sequence length T / B (known on the host, no sync):
-# "short" / "medium" / "long" below REGIME_MEAN_LEN[0] / [1] / [2], else "xlong"; smaller tiles waste
-# less work on short sequences. "fwd_silu" is the silu forward (swept separately); "dkdv_atomic" is the
-# dK/dV kernel of the ATOMIC_DQ backward (its extra dS^T K product and atomics need more registers: in sm_90
-# SASS 64x128/8w spills ~50-65 STL + 70-110 LDL per loop step, 64x64/4w ~270 + ~380, 64x64/8w 0 STL and
-# 22-52 LDL, so it starts at 64x64/8w; counts from compiles without the JIT's divisibility hints, which
-# overstate spills: see kernels/NOTES.md, run 6). kernels/bench.py sweeps candidates on the H200 and records
-# the winners.
-TILES: dict[str, dict[str, dict[int, tuple[int, int, int, int]]]] = {
-    # D=128 entries: the winners of the H200 sweep of run 4 (2026-11-30, kernels/NOTES.md), each timed on
-    # its regime's bench batch (short: heavy B=128 N=1024, medium: heavy B=256 N=4096, long: uniform
-    # B=128 N=1024, xlong: uniform B=64 N=4096). The short dQ winner 32x64/4w has no wgmma (BLOCK_M 32 <
-    # a warpgroup's 64 rows) but won on the host-bound short batch anyway. Changed after runs 6-8 (winners in at
-    # least two of the three sweeps, 2-4% each): medium dK/dV and dQ 64x64/4w/2 (two CTAs per SM), long forward
-    # 128x64/8w/3. Changed after run 15, the first sweep timed in device time (CUDA-graph replays; the short
-    # batch's eager time is the host's, which is how run 4 picked a 32-row dQ tile without wgmma): short dK/dV
-    # and dQ 64x64/4w/2 (-20% / -18% fwd+bwd device time each) and the heads-inner grid (also run 6's pick):
-    # short batch 0.277 -> 0.162 ms device time. "dkdv_ds" / "dq_ds" (the DS_STORE backward's dK/dV with the dS
-    # store, and its dQ = dS K launch): the best of runs 19-24 (deploy/h200/ab_ds.py) on each regime's batch; with the
-    # work tables grouped by sequence (SEQ_ORDER) run 34 moved dq_ds to 128x64/4w/3 in medium / long / xlong (fwd+bwd
-    # -3.6% on uniform B=64 N=4096, -0.6% on uniform B=128 N=1024, -2% / 0% on heavy B=256 N=4096 silu / softmax).
-    # D=64 / 256 entries are not measured (kept from run 3).
-    "short": {
-        "fwd": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 2)},
-        "fwd_silu": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 2)},
-        "dkdv": {64: (64, 64, 8, 2), 128: (64, 64, 4, 2), 256: (32, 64, 4, 2)},
-        "dkdv_atomic": {64: (64, 64, 8, 2), 128: (64, 64, 8, 2), 256: (32, 64, 4, 2)},
-        "dkdv_qrows": {64: (128, 64, 8, 2), 128: (128, 64, 8, 2), 256: (64, 32, 4, 2)},
-        "dq": {64: (64, 64, 8, 2), 128: (64, 64, 4, 2), 256: (64, 32, 4, 2)},
-        "dkdv_ds": {64: (64, 64, 4, 2), 128: (64, 64, 4, 2), 256: (32, 64, 4, 2)},
-        "dq_ds": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 64, 4, 2)},
-    },
-    "medium": {
-        "fwd": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 2)},
-        "fwd_silu": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 2)},
-        "dkdv": {64: (64, 128, 8, 2), 128: (64, 64, 4, 2), 256: (32, 64, 4, 2)},
-        "dkdv_atomic": {64: (64, 64, 8, 2), 128: (64, 64, 8, 2), 256: (32, 64, 4, 2)},
-        "dkdv_qrows": {64: (128, 64, 8, 2), 128: (128, 64, 8, 2), 256: (64, 32, 4, 2)},
-        "dq": {64: (128, 64, 8, 3), 128: (64, 64, 4, 2), 256: (64, 32, 4, 2)},
-        "dkdv_ds": {64: (64, 64, 4, 2), 128: (64, 64, 4, 2), 256: (32, 64, 4, 2)},
-        "dq_ds": {64: (128, 64, 4, 3), 128: (128, 64, 4, 3), 256: (64, 64, 4, 2)},
-    },
-    "long": {
-        "fwd": {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
-        "fwd_silu": {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
-        "dkdv": {64: (64, 128, 8, 2), 128: (64, 128, 8, 2), 256: (32, 64, 4, 2)},
-        "dkdv_atomic": {64: (64, 64, 8, 2), 128: (64, 64, 8, 2), 256: (32, 64, 4, 2)},
-        "dkdv_qrows": {64: (128, 64, 8, 2), 128: (128, 64, 8, 2), 256: (64, 32, 4, 2)},
-        "dq": {64: (128, 64, 8, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
-        "dkdv_ds": {64: (64, 64, 4, 2), 128: (64, 64, 4, 2), 256: (32, 64, 4, 2)},
-        "dq_ds": {64: (128, 64, 4, 3), 128: (128, 64, 4, 3), 256: (64, 64, 4, 2)},
-    },
-    "xlong": {
-        "fwd": {64: (128, 64, 4, 3), 128: (128, 128, 8, 3), 256: (64, 32, 4, 2)},
-        "fwd_silu": {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
-        "dkdv": {64: (64, 128, 8, 2), 128: (64, 128, 8, 2), 256: (32, 64, 4, 2)},
-        "dkdv_atomic": {64: (64, 64, 8, 2), 128: (64, 64, 8, 2), 256: (32, 64, 4, 2)},
-        "dkdv_qrows": {64: (128, 64, 8, 2), 128: (128, 64, 8, 2), 256: (64, 32, 4, 2)},
-        "dq": {64: (128, 64, 8, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
-        "dkdv_ds": {64: (64, 128, 8, 3), 128: (64, 128, 8, 3), 256: (32, 64, 4, 2)},
-        "dq_ds": {64: (128, 64, 4, 3), 128: (128, 64, 4, 3), 256: (64, 64, 4, 2)},
-    },
-}
-# Backward as one launch (dK/dV and dQ items merged into one longest-first table; the dQ items fill the
-# dK/dV tail and one launch is saved) or as two launches with their own warps/stages, per regime. Run 4:
-# two launches won in every regime (also on the host-bound short batch).
-FUSED_BWD: dict[str, bool] = {"short": False, "medium": False, "long": False, "xlong": False}
-# softmax backward: delta = rowsum(o * dO) computed by the backward programs themselves (an extra o tile
-# load per dK/dV step) instead of by a separate launch. Run 4: slower in every regime.
-DELTA_INLINE: dict[str, bool] = {"short": False, "medium": False, "long": False, "xlong": False}
-# Backward as one dK/dV launch whose programs also add their dS K into dQ with fp32 atomics (FlashAttention-2
-# Triton style: 5 matmuls per tile pair instead of 7, no dQ launch; an fp32 dQ buffer is zeroed and cast
-# back, and softmax's delta comes from its own launch unless DELTA_INLINE). Off until a sweep picks it.
-ATOMIC_DQ: dict[str, bool] = {"short": False, "medium": False, "long": False, "xlong": False}
-# Grid order of the forward and backward launches: (items, H) dispatches head by head, so each head's longest
-# items start only after the previous heads' items (a tail on heavy-tailed batches); HEADS_INNER launches
-# (items * H,) with the head varying fastest, so the longest-first order holds across heads. On for "short",
-# where runs 6 and 15 picked it (-10%); it lost elsewhere.
-HEADS_INNER: dict[str, bool] = {"short": True, "medium": False, "long": False, "xlong": False}
-# dK/dV loop with the scores laid out query-rows-first (s = q k^T, FlashAttention-2's orientation; tile kind
-# "dkdv_qrows", whose BLOCK_M is the query step and BLOCK_N the key tile as for "dkdv"): lse and delta become
-# per-row values of the accumulator (two per thread instead of one per column it holds: in sm_90 SASS the
-# 128x64/8w/2 step has 564 instructions per 8192 scores vs 689 for the key-rows-first 64x128/8w/2), and P^T /
-# dS^T reach the dV / dK products through shared memory. Run 8: slower in every regime (fwd+bwd +6-7% on the
-# medium / long / xlong batches, the shared-memory round trips cost more than the instructions saved), so off.
-DKDV_QROWS: dict[str, bool] = {"short": False, "medium": False, "long": False, "xlong": False}
-# Tile loads of the forward and backward loops through tensor descriptors made on the device (Hopper's bulk
-# tensor copy, TMA): one copy per tile issued by one thread instead of per-thread cp.async with address and
-# row-mask arithmetic (in sm_90 SASS that arithmetic is ~380 of the 689 instructions of a dK/dV loop step,
-# kernels/NOTES.md "Runs 7-10"). Needs sm_90+, 16-byte aligned rows and a power-of-two head dim; per regime: on
-# for xlong, where runs 7 and 8 both picked it (-2.5%, -1.3% fwd+bwd on uniform B=64 N=4096); it lost or tied
-# elsewhere (+0-7%).
-TMA_LOADS: dict[str, bool] = {"short": False, "medium": False, "long": False, "xlong": True}
-# Length classes (heavy-tailed batches): sequences of at least SPLIT_LEN[reg] tokens run in launches of their own
-# with the tiles and launch mode of the regime their length falls in (regime(SPLIT_LEN[reg], 1)), the shorter
-# ones with the batch regime's; 0 = one class. A batch regime's tiles are the best compromise for its mix (e.g.
-# "medium" 64x64 / 4 warps on heavy B=256 N=4096, where sequences of >= 1024 tokens hold 68% of the causal
-# work); with classes the long sequences get the large tiles that win on uniform long batches. Each class is a
-# filter on the longest-first work table (no data moves); the cost is one more launch per kernel. Self-attention
-# with full causal / non-causal rows only (no block / window, no PMA), two-launch backward. Run 11 (H200,
-# deploy/h200/ab_split.py): every split tried lost (heavy B=256 N=4096 +6-9%, heavy B=128 N=1024 +60-110%;
-# kernels/NOTES.md "Run 11"), so off everywhere; kept as a tested alternative for other GPUs / head sizes.
-SPLIT_LEN: dict[str, int] = {"short": 0, "medium": 0, "long": 0, "xlong": 0}
-# Backward with dS materialized (per regime): the dK/dV launch also stores dS^T (16-bit inputs: in their dtype, as
-# the products use it) into a [H, Tk, W] buffer (W = max_q_len rounded up to 64) through a tensor descriptor, and
-# the dQ launch (_gdpa_dq_ds) reads it back: one matmul per tile pair instead of recomputing QK^T and dO V^T (five
-# matmuls per pair in all instead of seven, still no atomics), for H * Tk * W * itemsize bytes of scratch during
-# the backward (uniform B=64 N=4096, H=4: 8 GiB) and one delta launch (softmax). Used where the buffer fits under
-# DS_MAX_BYTES and DS_MAX_FRACTION of the device's memory and can be allocated now, for full attention rows (no
-# block / window: their buffers would be mostly empty) on GPUs with tensor descriptors (sm_90+); else the
-# recomputing backward.
-# Runs 19-22 and 24 (kernels/NOTES.md, deploy/h200/ab_ds.py), fwd+bwd with each regime's own tiles (kinds
-# "dkdv_ds", "dq_ds"): -7 to -8% on heavy B=256 N=4096 (medium), -5 to -6% on uniform B=128 N=1024 (long), -6 to -7%
-# on uniform B=64 N=4096 (xlong); +8% device time on the short heavy B=128 N=1024 batch (one launch more), so off
-# there. The dQ launch runs at 82-87% of the L2 throughput (Nsight Compute, runs 23-24): dS plus a K tile per dS tile.
-DS_STORE: dict[str, bool] = {"short": False, "medium": True, "long": True, "xlong": True}
-# Work order of the launches' tables (per kind: "fwd" the forwards, "dkdv" / "dq" the DS_STORE backward's two
-# launches): False = every (sequence, tile) item by decreasing cost (longest-first across the batch); True = whole
-# sequences longest first with each sequence's tiles together (_work_table's ``grouped``), so programs running at
-# once read the same sequence's rows from L2. Nsight Compute on the Gluon forward (run 32) showed L2 hit rates of
-# 20% (uniform B=128 N=1024) and 38% (uniform B=64 N=4096) under the cost order. Run 33 (deploy/h200/ab_ws.py),
-# fwd+bwd with the Gluon forward: cost order 1.935 / 10.552 / 1.504 ms on uniform B=128 N=1024 / uniform B=64
-# N=4096 / heavy B=256 N=4096, grouped forward 1.899 / 10.425 / 1.475, grouped forward and backward 1.821 / 10.369 /
-# 1.429; the Triton forward gained too (0.520 -> 0.488 ms on uniform B=128 N=1024). On everywhere.
-SEQ_ORDER: dict[str, bool] = {"fwd": True, "dkdv": True, "dq": True}
-DS_MAX_BYTES = 16 << 30
-DS_MAX_FRACTION = 0.125
-FAST_ACT = True  # tanh.approx silu for bf16/fp16 on CUDA (see _act); the bench can turn it off to compare
-# Launch through the compiled kernel's launcher once a call configuration has been compiled (see _Launch):
-# skips the JIT's per-call argument binding and specialization (host time of short, heavy-tailed batches).
-DIRECT_LAUNCH = True
-REGIME_MEAN_LEN = (256, 1024, 2048)
-_INTERPRET_TILES = (16, 16, 4, 1)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -235,45 +110,30 @@ def _interpreting() -> bool:
     return _INTERPRET
 
 
-def regime(total: int, batch: int) -> str:
-    """Tile regime from the mean sequence length total / batch (host ints): "short" / "medium" / "long" /
-    "xlong" below REGIME_MEAN_LEN[0] / [1] / [2] / above."""
-    mean = total / max(1, batch)
-    for name, bound in zip(("short", "medium", "long"), REGIME_MEAN_LEN):
-        if mean < bound:
-            return name
-    return "xlong"
+def interpreting() -> bool:
+    """Whether the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1 when triton was imported): then
+    they take CPU tensors; else CUDA tensors."""
+    return _INTERPRET
 
 
-def _classes(spec: "_Spec", reg: str, self_attn: bool) -> tuple[tuple[str, int, int], ...]:
-    """Length classes of one call: ((regime, lo, hi), ...), a sequence of length L in the class with lo <= L <
-    hi (hi 0 = no bound), longest class first; one class (reg, 0, 0) unless SPLIT_LEN[reg] applies (see there).
-    """
-    split = SPLIT_LEN.get(reg, 0)
-    if split <= 0 or not self_attn or spec.max_q_len < split or spec.att_block or spec.window or spec.q_bcast:
-        return ((reg, 0, 0),)
-    long_reg = regime(split, 1)
-    if any(FUSED_BWD.get(r, False) or ATOMIC_DQ.get(r, False) or DS_STORE.get(r, False) for r in (reg, long_reg)):
-        return ((reg, 0, 0),)
-    return ((long_reg, split, 0), (reg, 0, split))
+def regime(total: int, batch: int, config: KernelConfig | None = None) -> str:
+    """Tile regime of a batch from its mean sequence length total / batch (host ints): "short" / "medium" /
+    "long" / "xlong" against ``config.regime_mean_len`` (see gemray.kernels.config)."""
+    return kconfig.resolve(config).regime_of(total, batch)
 
 
-def _tiles(kind: str, d: int, reg: str = "long", max_q_len: int | None = None) -> tuple[int, int, int, int]:
-    """Tile config for a kernel; ``max_q_len`` <= 64 (cross/PMA with few queries) shrinks BLOCK_M."""
-    if _interpreting():
-        return _INTERPRET_TILES
-    table = TILES[reg][kind]
-    for bucket in sorted(table):
-        if d <= bucket:
-            bm, bn, warps, stages = table[bucket]
-            if max_q_len is not None and max_q_len <= 64:
-                small = max(16, 1 << (max_q_len - 1).bit_length())
-                if kind in ("fwd", "fwd_silu", "dq", "dq_ds"):
-                    bm, warps = small, 4
-                else:
-                    bm = min(bm, small)
-            return bm, bn, warps, stages
-    raise ValueError(f"gdpa: head dim {d} > 256 is not supported")
+def _tiles(kind: str, d: int, reg: str, max_q_len: int | None, cfg: KernelConfig) -> tuple[int, int, int, int]:
+    """Tile config (BLOCK_M, BLOCK_N, num_warps, num_stages) of a kernel kind in regime ``reg`` (the interpreter:
+    ``cfg.interpret_tiles``); ``max_q_len`` <= 64 (cross/PMA with few queries) shrinks BLOCK_M."""
+    tiles = cfg.interpret_tiles if _interpreting() else cfg.regime(reg).tiles
+    bm, bn, warps, stages = tiles.get(kind, d)
+    if not _interpreting() and max_q_len is not None and max_q_len <= 64:
+        small = max(16, 1 << (max_q_len - 1).bit_length())
+        if kind in ("fwd", "fwd_silu", "dq", "dq_ds"):
+            bm, warps = small, 4
+        else:
+            bm = min(bm, small)
+    return bm, bn, warps, stages
 
 
 _CACHE: OrderedDict = OrderedDict()
@@ -304,7 +164,7 @@ def _cached(tensors: tuple, extra: tuple, make):
     return val
 
 
-# the current CUDA device and its raw stream handle (module attributes: kernels/bench.py's host profile, which
+# the current CUDA device and its raw stream handle (module attributes: gemray.bench.kernels' host profile, which
 # runs without a GPU, replaces them)
 _current_device = torch.cuda.current_device
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -328,29 +188,30 @@ class _Launch:
     ones, then the constexprs. A launch plan (_FwdPlan, _BwdPlan) holds one per kernel it runs and calls it
     with each call's tensors.
 
-    With DIRECT_LAUNCH on a GPU, the first launch of a configuration goes through the JIT, which returns the
+    With ``direct`` (the config's direct_launch) on a GPU, the first launch of a configuration goes through the JIT, which returns the
     compiled kernel; a later launch with the same scalars, constexprs and options, and tensors of the same
     dtypes and 16-byte alignment (what the JIT specializes a tensor on), on the same device, calls that
     kernel's launcher directly, as the JIT does after binding. That skips the JIT's per-call Python work
     (binding and specializing ~70 arguments, its cache key, option parsing): host time that bounds short,
-    heavy-tailed batches (kernels/NOTES.md "Run 18"). Scalars enter the key by value (a value of 1 or a
+    heavy-tailed batches (the kernel run reports (benchmarks/reports/kernels_h200_*.md) "Run 18"). Scalars enter the key by value (a value of 1 or a
     multiple of 16 compiles differently), so a new value takes the JIT once more. The compiled launchers are
     kept in _LAUNCHERS (by the whole key) and, for the last tensor signature, on the object itself (a plan's
     launch then skips building the key). Falls back to the JIT under the interpreter, while a Triton launch
     hook is installed (profilers), and for any kernel whose launch does not return a compiled kernel (other
     Triton versions, the bench's host-profile stubs)."""
 
-    __slots__ = ("kernel", "grid", "scalars", "consts", "num_warps", "num_stages", "key", "direct")
+    __slots__ = ("kernel", "grid", "scalars", "consts", "num_warps", "num_stages", "key", "direct", "allow_direct")
 
-    def __init__(self, kernel, grid: tuple, scalars, consts: dict, num_warps: int, num_stages: int):
+    def __init__(self, kernel, grid: tuple, scalars, consts: dict, num_warps: int, num_stages: int,
+                 direct: bool = True):
         self.kernel, self.grid, self.scalars, self.consts = kernel, tuple(grid), tuple(scalars), consts
-        self.num_warps, self.num_stages = num_warps, num_stages
+        self.num_warps, self.num_stages, self.allow_direct = num_warps, num_stages, direct
         self.key = (kernel, num_warps, num_stages, tuple(consts), tuple(consts.values()), self.scalars)
         self.direct = None  # (tensor signature, compiled kernel, constexpr values) of the last direct launch
 
     def __call__(self, tensors: list) -> None:
         kernel = self.kernel
-        if not DIRECT_LAUNCH or _INTERPRET or kernel in _NO_DIRECT or _launch_hooked():
+        if not self.allow_direct or _INTERPRET or kernel in _NO_DIRECT or _launch_hooked():
             kernel[self.grid](*tensors, *self.scalars, **self.consts, num_warps=self.num_warps,
                               num_stages=self.num_stages)
             return
@@ -370,7 +231,7 @@ class _Launch:
         value; outputs, scratch and work tables are fresh or cached allocations; offsets by identity), so once
         this launch has run directly, the next ones skip building the tensor signature (same device only)."""
         hit = self.direct
-        if hit is not None and DIRECT_LAUNCH and not _launch_hooked():
+        if hit is not None and self.allow_direct and not _launch_hooked():
             device = _current_device()
             if hit[0][0] == device:
                 self._run(hit, device, tensors)
@@ -735,154 +596,73 @@ def _gdpa_fwd(Q, K, V, O, LSE, Q_OFF, KV_OFF, NT, WORK, BIAS,
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, o_base, stride_qt, stride_dot, stride_ot,
-                offs_n, lq, lk, n_hist, alpha_s, lo, hi, offs_dk, offs_dv, D_QK, D_V, bias_base, stride_bi,
-                stride_bj, dq_base, stride_dqt, dq_scale, dbias_base, stride_dbi, stride_dbj, ds_scale, ds_desc, n0,
+def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n, lq, lk, n_hist,
+                alpha_s, lo, hi, offs_dk, offs_dv, D_QK, D_V, bias_base, stride_bi, stride_bj, dbias_base, stride_dbi,
+                stride_dbj, ds_scale, ds_desc, n0,
                 ACT: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                 HAS_TARGETS: tl.constexpr, ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,
                 DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr, CONTEXT: tl.constexpr, FAST: tl.constexpr,
-                DELTA_INLINE: tl.constexpr, ATOMIC_DQ: tl.constexpr, STORE_DBIAS: tl.constexpr, TMA: tl.constexpr,
-                Q_ROWS: tl.constexpr, STORE_DS: tl.constexpr):
-    if Q_ROWS:
-        for m0 in range(lo, hi, BLOCK_M):
-            offs_m = m0 + tl.arange(0, BLOCK_M)
-            row_ok = offs_m < lq
-            dk, dv = _dkdv_step_qrows(dk, dv, k, v, q_base, do_base, lse_base, delta_base, o_base, stride_qt,
-                                      stride_dot, stride_ot, offs_m, row_ok, m0, offs_n, lq, lk, n_hist, alpha_s,
-                                      offs_dk, offs_dv, D_QK, D_V, bias_base, stride_bi, stride_bj, dq_base,
-                                      stride_dqt, dq_scale, dbias_base, stride_dbi, stride_dbj, ds_scale, ACT,
-                                      MASKED, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, DOT_PREC, HAS_BIAS, CONTEXT,
-                                      FAST, DELTA_INLINE, ATOMIC_DQ, STORE_DBIAS, TMA)
-    else:
-        for m0 in range(lo, hi, BLOCK_M):
-            offs_m = m0 + tl.arange(0, BLOCK_M)
-            row_ok = offs_m < lq
-            if TMA:  # q_base / do_base are tensor descriptors [lq, D]
-                qt = tl.trans(q_base.load([m0, 0]))
-                do = do_base.load([m0, 0])
-            else:
-                qt = tl.load(q_base + offs_m[None, :] * stride_qt + offs_dk[:, None],
-                             mask=row_ok[None, :] & (offs_dk[:, None] < D_QK), other=0.0)
-                do = tl.load(do_base + offs_m[:, None] * stride_dot + offs_dv[None, :],
-                             mask=row_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
-            st = tl.dot(k, qt, input_precision=DOT_PREC) * alpha_s  # [BLOCK_N, BLOCK_M]
-            if HAS_BIAS:
-                st = st + _load_bias(bias_base, offs_m[None, :], offs_n[:, None], stride_bi, stride_bj, lq, lk, ACT)
-            dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
-            if ACT == 0:
-                lse = tl.load(lse_base + offs_m, mask=row_ok, other=float("inf"))
-                if DELTA_INLINE:  # delta = rowsum(o * do) here instead of in a separate launch
-                    o = tl.load(o_base + offs_m[:, None] * stride_ot + offs_dv[None, :],
-                                mask=row_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
-                    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-                else:
-                    delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
-                pt = tl.exp2(st - lse[None, :])
-                if MASKED:
-                    ok = _valid(offs_m[None, :], offs_n[:, None], lq, lk, n_hist, CAUSAL, HAS_TARGETS,
-                                ATT_BLOCK, WINDOW, CONTEXT)
-                    pt = tl.where(ok, pt, 0.0)
-                dst = pt * (dpt - delta[None, :])
-            else:  # 1/N is applied to dk, dv once, in the epilogue
-                pt, gt = _act_and_grad(st, ACT, FAST)
-                dst = dpt * gt
-                if MASKED:
-                    ok = _valid(offs_m[None, :], offs_n[:, None], lq, lk, n_hist, CAUSAL, HAS_TARGETS,
-                                ATT_BLOCK, WINDOW, CONTEXT)
-                    pt = tl.where(ok, pt, 0.0)
-                    dst = tl.where(ok, dst, 0.0)
-            dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PREC)
-            dst_lp = dst.to(qt.dtype)
-            if STORE_DS:  # dS^T tile [BLOCK_N, BLOCK_M] for the dQ launch (_gdpa_dq_ds); TMA clips the jagged edges
-                ds_desc.store([n0, m0], dst_lp)
-            dk = tl.dot(dst_lp, tl.trans(qt), dk, input_precision=DOT_PREC)
-            if ATOMIC_DQ:  # dQ[rows of this query tile] += scale * dS K: fp32 atomics (FlashAttention-2 Triton)
-                dq_part = tl.dot(tl.trans(dst_lp), k, input_precision=DOT_PREC) * dq_scale  # [BLOCK_M, BLOCK_DQK]
-                tl.atomic_add(dq_base + offs_m[:, None] * stride_dqt + offs_dk[None, :], dq_part,
-                              mask=row_ok[:, None] & (offs_dk[None, :] < D_QK), sem="relaxed")
-            if STORE_DBIAS:  # d logits = d bias; every (row, key) pair is in exactly one key tile's program
-                tl.store(dbias_base + offs_m[None, :] * stride_dbi + offs_n[:, None] * stride_dbj, dst * ds_scale,
-                         mask=row_ok[None, :] & (offs_n[:, None] < lk))
-    return dk, dv
-
-
-@triton.jit
-def _dkdv_step_qrows(dk, dv, k, v, q_base, do_base, lse_base, delta_base, o_base, stride_qt, stride_dot, stride_ot,
-                     offs_m, row_ok, m0, offs_n, lq, lk, n_hist, alpha_s, offs_dk, offs_dv, D_QK, D_V, bias_base,
-                     stride_bi, stride_bj, dq_base, stride_dqt, dq_scale, dbias_base, stride_dbi, stride_dbj,
-                     ds_scale, ACT: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-                     HAS_TARGETS: tl.constexpr, ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr,
-                     DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr, CONTEXT: tl.constexpr, FAST: tl.constexpr,
-                     DELTA_INLINE: tl.constexpr, ATOMIC_DQ: tl.constexpr, STORE_DBIAS: tl.constexpr,
-                     TMA: tl.constexpr):
-    """One query tile's step of the dK/dV loop with the scores laid out query-rows-first, s = q k^T
-    [BLOCK_M, BLOCK_N] as in FlashAttention-2's backward: lse and delta are per row of the accumulator (a
-    thread holds two rows, so two values each instead of one per column it holds), and P^T / dS^T reach the
-    dV / dK products through shared memory. Same results as the key-rows-first step of _dkdv_inner."""
-    if TMA:
-        q = q_base.load([m0, 0])
-        do = do_base.load([m0, 0])
-    else:
-        q = tl.load(q_base + offs_m[:, None] * stride_qt + offs_dk[None, :],
-                    mask=row_ok[:, None] & (offs_dk[None, :] < D_QK), other=0.0)
-        do = tl.load(do_base + offs_m[:, None] * stride_dot + offs_dv[None, :],
-                     mask=row_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * alpha_s  # [BLOCK_M, BLOCK_N]
-    if HAS_BIAS:
-        s = s + _load_bias(bias_base, offs_m[:, None], offs_n[None, :], stride_bi, stride_bj, lq, lk, ACT)
-    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
-    if ACT == 0:
-        lse = tl.load(lse_base + offs_m, mask=row_ok, other=float("inf"))
-        if DELTA_INLINE:
-            o = tl.load(o_base + offs_m[:, None] * stride_ot + offs_dv[None, :],
-                        mask=row_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
-            delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+                STORE_DBIAS: tl.constexpr, TMA: tl.constexpr, STORE_DS: tl.constexpr):
+    """The query loop of a dK/dV program over query tiles [lo, hi), scores laid out key-rows-first (s^T = k q^T
+    [BLOCK_N, BLOCK_M]: lse / delta per column)."""
+    for m0 in range(lo, hi, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < lq
+        if TMA:  # q_base / do_base are tensor descriptors [lq, D]
+            qt = tl.trans(q_base.load([m0, 0]))
+            do = do_base.load([m0, 0])
         else:
+            qt = tl.load(q_base + offs_m[None, :] * stride_qt + offs_dk[:, None],
+                         mask=row_ok[None, :] & (offs_dk[:, None] < D_QK), other=0.0)
+            do = tl.load(do_base + offs_m[:, None] * stride_dot + offs_dv[None, :],
+                         mask=row_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
+        st = tl.dot(k, qt, input_precision=DOT_PREC) * alpha_s  # [BLOCK_N, BLOCK_M]
+        if HAS_BIAS:
+            st = st + _load_bias(bias_base, offs_m[None, :], offs_n[:, None], stride_bi, stride_bj, lq, lk, ACT)
+        dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
+        if ACT == 0:
+            lse = tl.load(lse_base + offs_m, mask=row_ok, other=float("inf"))
             delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
-        p = tl.exp2(s - lse[:, None])
-        if MASKED:
-            ok = _valid(offs_m[:, None], offs_n[None, :], lq, lk, n_hist, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW,
-                        CONTEXT)
-            p = tl.where(ok, p, 0.0)
-        ds = p * (dp - delta[:, None])
-    else:
-        p, g = _act_and_grad(s, ACT, FAST)
-        ds = dp * g
-        if MASKED:
-            ok = _valid(offs_m[:, None], offs_n[None, :], lq, lk, n_hist, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW,
-                        CONTEXT)
-            p = tl.where(ok, p, 0.0)
-            ds = tl.where(ok, ds, 0.0)
-    dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision=DOT_PREC)
-    ds_lp = ds.to(q.dtype)
-    dk = tl.dot(tl.trans(ds_lp), q, dk, input_precision=DOT_PREC)
-    if ATOMIC_DQ:
-        dq_part = tl.dot(ds_lp, k, input_precision=DOT_PREC) * dq_scale
-        tl.atomic_add(dq_base + offs_m[:, None] * stride_dqt + offs_dk[None, :], dq_part,
-                      mask=row_ok[:, None] & (offs_dk[None, :] < D_QK), sem="relaxed")
-    if STORE_DBIAS:
-        tl.store(dbias_base + offs_m[:, None] * stride_dbi + offs_n[None, :] * stride_dbj, ds * ds_scale,
-                 mask=row_ok[:, None] & (offs_n[None, :] < lk))
+            pt = tl.exp2(st - lse[None, :])
+            if MASKED:
+                ok = _valid(offs_m[None, :], offs_n[:, None], lq, lk, n_hist, CAUSAL, HAS_TARGETS,
+                            ATT_BLOCK, WINDOW, CONTEXT)
+                pt = tl.where(ok, pt, 0.0)
+            dst = pt * (dpt - delta[None, :])
+        else:  # 1/N is applied to dk, dv once, in the epilogue
+            pt, gt = _act_and_grad(st, ACT, FAST)
+            dst = dpt * gt
+            if MASKED:
+                ok = _valid(offs_m[None, :], offs_n[:, None], lq, lk, n_hist, CAUSAL, HAS_TARGETS,
+                            ATT_BLOCK, WINDOW, CONTEXT)
+                pt = tl.where(ok, pt, 0.0)
+                dst = tl.where(ok, dst, 0.0)
+        dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PREC)
+        dst_lp = dst.to(qt.dtype)
+        if STORE_DS:  # dS^T tile [BLOCK_N, BLOCK_M] for the dQ launch (_gdpa_dq_ds); TMA clips the jagged edges
+            ds_desc.store([n0, m0], dst_lp)
+        dk = tl.dot(dst_lp, tl.trans(qt), dk, input_precision=DOT_PREC)
+        if STORE_DBIAS:  # d logits = d bias; every (row, key) pair is in exactly one key tile's program
+            tl.store(dbias_base + offs_m[None, :] * stride_dbi + offs_n[:, None] * stride_dbj, dst * ds_scale,
+                     mask=row_ok[None, :] & (offs_n[:, None] < lk))
     return dk, dv
 
 
 @triton.jit
-def _dkdv_tile(Q, K, V, DO, LSE, DELTA, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, BIAS, DBIAS, b, n0, h,
+def _dkdv_tile(Q, K, V, DO, LSE, DELTA, DK, DV, Q_OFF, KV_OFF, NT, BIAS, DBIAS, b, n0, h,
                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-               stride_ot, stride_oh,
-               stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh, stride_lh,
+               stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
                stride_bb, stride_bh, stride_bi, stride_bj, stride_dbb, stride_dbh, stride_dbi, stride_dbj,
                alpha, inv_n, D_QK, D_V,
                ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
                ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, Q_BCAST: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
                BLOCK_DV: tl.constexpr, DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr,
-               CONTEXT: tl.constexpr, FAST: tl.constexpr, DELTA_INLINE: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-               STORE_DBIAS: tl.constexpr, TMA: tl.constexpr, Q_ROWS: tl.constexpr, DS, stride_dsh, stride_dst,
-               STORE_DS: tl.constexpr):
-    """dK, dV of keys [n0, n0 + BLOCK_N) of sequence b, head h; with ATOMIC_DQ also their share of dQ
-    (fp32 atomic adds into DQ, zeroed by the host) and, with STORE_DBIAS, dbias of their pairs. STORE_DS: also
-    writes dS^T of every pair it visits (0 where masked) into DS, rows = key rows, columns = query positions."""
+               CONTEXT: tl.constexpr, FAST: tl.constexpr, STORE_DBIAS: tl.constexpr, TMA: tl.constexpr, DS,
+               stride_dsh, stride_dst, STORE_DS: tl.constexpr):
+    """dK, dV of keys [n0, n0 + BLOCK_N) of sequence b, head h and, with STORE_DBIAS, dbias of their pairs.
+    STORE_DS: also writes dS^T of every pair it visits (0 where masked) into DS, rows = key rows, columns = query
+    positions."""
     q_start, lq, kv_start, lk, n_hist = _seq_bounds(Q_OFF, KV_OFF, NT, b, HAS_TARGETS)
     q_row = q_start
     if Q_BCAST:
@@ -910,31 +690,24 @@ def _dkdv_tile(Q, K, V, DO, LSE, DELTA, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, BIAS, 
         do_base = _rows_desc(do_base, lq, stride_dot, BLOCK_M, BLOCK_DV)
     lse_base = LSE + h * stride_lh + q_start
     delta_base = DELTA + h * stride_lh + q_start
-    o_base = O + q_start * stride_ot + h * stride_oh
-    dq_base = DQ + q_start * stride_dqt + h * stride_dqh  # dQ rows are output rows (PMA: per sequence)
     dbias_base = DBIAS + b.to(tl.int64) * stride_dbb + h * stride_dbh
     if ACT == 0:
         ds_scale = 1.0
     else:
         ds_scale = inv_n
-    dq_scale = alpha * ds_scale
     lo, hi, full_lo = _query_range(n0, lq, n_hist, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, BLOCK_M,
                                    BLOCK_N, CONTEXT)
     ds_desc = DS
     if STORE_DS:
         ds_desc = _ds_desc(DS, h, kv_start, lk, lq, stride_dsh, stride_dst, BLOCK_N, BLOCK_M)
-    dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, o_base, stride_qt, stride_dot,
-                         stride_ot, offs_n, lq, lk, n_hist, alpha_s, lo, full_lo, offs_dk, offs_dv, D_QK, D_V,
-                         bias_base, stride_bi, stride_bj, dq_base, stride_dqt, dq_scale, dbias_base, stride_dbi,
-                         stride_dbj, ds_scale, ds_desc, n0, ACT, True, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW,
-                         BLOCK_M, DOT_PREC, HAS_BIAS, CONTEXT, FAST, DELTA_INLINE, ATOMIC_DQ, STORE_DBIAS, TMA,
-                         Q_ROWS, STORE_DS)
-    dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, o_base, stride_qt, stride_dot,
-                         stride_ot, offs_n, lq, lk, n_hist, alpha_s, full_lo, hi, offs_dk, offs_dv, D_QK, D_V,
-                         bias_base, stride_bi, stride_bj, dq_base, stride_dqt, dq_scale, dbias_base, stride_dbi,
-                         stride_dbj, ds_scale, ds_desc, n0, ACT, False, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW,
-                         BLOCK_M, DOT_PREC, HAS_BIAS, CONTEXT, FAST, DELTA_INLINE, ATOMIC_DQ, STORE_DBIAS, TMA,
-                         Q_ROWS, STORE_DS)
+    dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n, lq,
+                         lk, n_hist, alpha_s, lo, full_lo, offs_dk, offs_dv, D_QK, D_V, bias_base, stride_bi, stride_bj,
+                         dbias_base, stride_dbi, stride_dbj, ds_scale, ds_desc, n0, ACT, True, CAUSAL, HAS_TARGETS,
+                         ATT_BLOCK, WINDOW, BLOCK_M, DOT_PREC, HAS_BIAS, CONTEXT, FAST, STORE_DBIAS, TMA, STORE_DS)
+    dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n, lq,
+                         lk, n_hist, alpha_s, full_lo, hi, offs_dk, offs_dv, D_QK, D_V, bias_base, stride_bi, stride_bj,
+                         dbias_base, stride_dbi, stride_dbj, ds_scale, ds_desc, n0, ACT, False, CAUSAL, HAS_TARGETS,
+                         ATT_BLOCK, WINDOW, BLOCK_M, DOT_PREC, HAS_BIAS, CONTEXT, FAST, STORE_DBIAS, TMA, STORE_DS)
     if ACT == 0:
         dk = dk * alpha
     else:
@@ -1000,11 +773,11 @@ def _dq_tile(Q, K, V, DO, LSE, DELTA, O, DQ, Q_OFF, KV_OFF, NT, BIAS, DBIAS, b, 
              ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, Q_BCAST: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
              BLOCK_DV: tl.constexpr, DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr,
-             STORE_DBIAS: tl.constexpr, CONTEXT: tl.constexpr, FAST: tl.constexpr, DELTA_INLINE: tl.constexpr,
-             STORE_DELTA: tl.constexpr, TMA: tl.constexpr):
-    """dQ (and dbias) of query rows [m0, m0 + BLOCK_M) of sequence b, head h. softmax: delta = rowsum(o *
-    dO) of these rows is computed here from o (DELTA_INLINE or STORE_DELTA) or loaded from DELTA;
-    STORE_DELTA also writes it to DELTA for the dK/dV launch that runs after this one."""
+             STORE_DBIAS: tl.constexpr, CONTEXT: tl.constexpr, FAST: tl.constexpr, STORE_DELTA: tl.constexpr,
+             TMA: tl.constexpr):
+    """dQ (and dbias) of query rows [m0, m0 + BLOCK_M) of sequence b, head h. softmax: with STORE_DELTA, delta =
+    rowsum(o * dO) of these rows is computed here from o and written to DELTA for the dK/dV launch that runs after
+    this one; else it is loaded from DELTA."""
     q_start, lq, kv_start, lk, n_hist = _seq_bounds(Q_OFF, KV_OFF, NT, b, HAS_TARGETS)
     q_row = q_start
     if Q_BCAST:
@@ -1022,12 +795,11 @@ def _dq_tile(Q, K, V, DO, LSE, DELTA, O, DQ, Q_OFF, KV_OFF, NT, BIAS, DBIAS, b, 
         alpha_s = alpha * 1.4426950408889634
         ds_scale = 1.0
         lse = tl.load(LSE + h * stride_lh + q_start + offs_m, mask=row_ok, other=float("inf"))
-        if DELTA_INLINE or STORE_DELTA:
+        if STORE_DELTA:
             o = tl.load(O + (q_start + offs_m[:, None]) * stride_ot + h * stride_oh + offs_dv[None, :],
                         mask=row_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
             delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-            if STORE_DELTA:
-                tl.store(DELTA + h * stride_lh + q_start + offs_m, delta, mask=row_ok)
+            tl.store(DELTA + h * stride_lh + q_start + offs_m, delta, mask=row_ok)
         else:
             delta = tl.load(DELTA + h * stride_lh + q_start + offs_m, mask=row_ok, other=0.0)
     else:
@@ -1058,67 +830,42 @@ def _dq_tile(Q, K, V, DO, LSE, DELTA, O, DQ, Q_OFF, KV_OFF, NT, BIAS, DBIAS, b, 
 
 
 @triton.jit
-def _gdpa_bwd(Q, K, V, DO, LSE, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, WORK, BIAS, DBIAS, DS,
+def _gdpa_bwd(Q, K, V, DO, LSE, DELTA, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, WORK, BIAS, DBIAS, DS,
               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
               stride_ot, stride_oh,
               stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh, stride_lh,
               stride_bb, stride_bh, stride_bi, stride_bj, stride_dbb, stride_dbh, stride_dbi, stride_dbj,
-              stride_dsh, stride_dst, alpha, inv_n, n_k_items, n_tiles_k, n_tiles_q, D_QK, D_V, n_heads,
+              stride_dsh, stride_dst, alpha, inv_n, n_tiles_k, n_tiles_q, D_QK, D_V, n_heads,
               ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
               ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, Q_BCAST: tl.constexpr, PART: tl.constexpr,
               DK_BM: tl.constexpr, DK_BN: tl.constexpr, DQ_BM: tl.constexpr, DQ_BN: tl.constexpr,
               BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, DOT_PREC: tl.constexpr,
               HAS_BIAS: tl.constexpr, STORE_DBIAS: tl.constexpr, CONTEXT: tl.constexpr, FAST: tl.constexpr,
-              DELTA_INLINE: tl.constexpr, STORE_DELTA: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-              HEADS_INNER: tl.constexpr, TMA: tl.constexpr, Q_ROWS: tl.constexpr, STORE_DS: tl.constexpr):
-    """Backward work item WORK[pid]: a dK/dV key tile (id < n_k_items: b * n_tiles_k + tile) or a dQ query
-    tile (id - n_k_items = b * n_tiles_q + tile); PART 1 / 2 compile only the dK/dV / dQ branch.
-    LSE is [2, H, T_out] fp32 (softmax): log-sum-exp, then delta (written by _bwd_delta or by the dQ
-    launch with STORE_DELTA, or computed per tile with DELTA_INLINE). ATOMIC_DQ (PART 1): the dK/dV items
-    also accumulate dQ into DQ (fp32, zeroed); STORE_DBIAS is set for the launch that writes dbias (the dQ
-    items', or the dK/dV items' with ATOMIC_DQ). Grid (items, H) or, with HEADS_INNER, (items * H,)."""
+              STORE_DELTA: tl.constexpr, HEADS_INNER: tl.constexpr, TMA: tl.constexpr, STORE_DS: tl.constexpr):
+    """Backward work item WORK[pid]: with PART 1 a dK/dV key tile (b * n_tiles_k + tile), with PART 2 a dQ query
+    tile (b * n_tiles_q + tile); each launch compiles one branch. LSE and DELTA are [H, T_out] fp32 (softmax):
+    the forward's base-2 log-sum-exp and delta = rowsum(o * dO), written by the dQ launch (PART 2 with
+    STORE_DELTA, which runs first) or by _bwd_delta. STORE_DBIAS is set for the launch that writes dbias (the dQ
+    items', or the dK/dV items' with STORE_DS). Grid (items, H) or, with HEADS_INNER, (items * H,)."""
     w, h = _item_head(WORK, n_heads, HEADS_INNER)
     if w < 0:
         return
-    DELTA = LSE + (tl.program_id(0) * 0 + n_heads).to(tl.int64) * stride_lh  # lse[1]: n_heads may be a constexpr 1
     if PART == 1:
-        _dkdv_tile(Q, K, V, DO, LSE, DELTA, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, BIAS, DBIAS, w // n_tiles_k,
+        _dkdv_tile(Q, K, V, DO, LSE, DELTA, DK, DV, Q_OFF, KV_OFF, NT, BIAS, DBIAS, w // n_tiles_k,
                    (w % n_tiles_k) * DK_BN, h, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                   stride_dot, stride_doh, stride_ot, stride_oh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-                   stride_dqt, stride_dqh, stride_lh,
+                   stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
                    stride_bb, stride_bh, stride_bi, stride_bj, stride_dbb, stride_dbh, stride_dbi, stride_dbj,
                    alpha, inv_n, D_QK, D_V,
                    ACT, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, Q_BCAST, DK_BM, DK_BN, BLOCK_DQK, BLOCK_DV,
-                   DOT_PREC, HAS_BIAS, CONTEXT, FAST, DELTA_INLINE, ATOMIC_DQ, STORE_DBIAS, TMA, Q_ROWS,
-                   DS, stride_dsh, stride_dst, STORE_DS)
-    elif PART == 2:
+                   DOT_PREC, HAS_BIAS, CONTEXT, FAST, STORE_DBIAS, TMA, DS, stride_dsh, stride_dst, STORE_DS)
+    else:
         _dq_tile(Q, K, V, DO, LSE, DELTA, O, DQ, Q_OFF, KV_OFF, NT, BIAS, DBIAS, w // n_tiles_q,
                  (w % n_tiles_q) * DQ_BM, h, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                  stride_dot, stride_doh, stride_ot, stride_oh, stride_dqt, stride_dqh, stride_lh, stride_bb, stride_bh,
                  stride_bi,
                  stride_bj, stride_dbb, stride_dbh, stride_dbi, stride_dbj, alpha, inv_n, D_QK, D_V,
                  ACT, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, Q_BCAST, DQ_BM, DQ_BN, BLOCK_DQK, BLOCK_DV,
-                 DOT_PREC, HAS_BIAS, STORE_DBIAS, CONTEXT, FAST, DELTA_INLINE, STORE_DELTA, TMA)
-    else:
-        if w < n_k_items:
-            _dkdv_tile(Q, K, V, DO, LSE, DELTA, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, BIAS, DBIAS, w // n_tiles_k,
-                       (w % n_tiles_k) * DK_BN, h, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
-                       stride_vh, stride_dot, stride_doh, stride_ot, stride_oh, stride_dkt, stride_dkh, stride_dvt,
-                       stride_dvh, stride_dqt, stride_dqh,
-                       stride_lh, stride_bb, stride_bh, stride_bi, stride_bj, stride_dbb, stride_dbh, stride_dbi,
-                       stride_dbj, alpha, inv_n, D_QK, D_V,
-                       ACT, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, Q_BCAST, DK_BM, DK_BN, BLOCK_DQK,
-                       BLOCK_DV, DOT_PREC, HAS_BIAS, CONTEXT, FAST, DELTA_INLINE, False, False, TMA, Q_ROWS,
-                       DS, stride_dsh, stride_dst, False)
-        else:
-            wq = w - n_k_items
-            _dq_tile(Q, K, V, DO, LSE, DELTA, O, DQ, Q_OFF, KV_OFF, NT, BIAS, DBIAS, wq // n_tiles_q,
-                     (wq % n_tiles_q) * DQ_BM, h, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
-                     stride_vh, stride_dot, stride_doh, stride_ot, stride_oh, stride_dqt, stride_dqh, stride_lh, stride_bb,
-                     stride_bh,
-                     stride_bi, stride_bj, stride_dbb, stride_dbh, stride_dbi, stride_dbj, alpha, inv_n, D_QK,
-                     D_V, ACT, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, Q_BCAST, DQ_BM, DQ_BN, BLOCK_DQK,
-                     BLOCK_DV, DOT_PREC, HAS_BIAS, STORE_DBIAS, CONTEXT, FAST, DELTA_INLINE, False, TMA)
+                 DOT_PREC, HAS_BIAS, STORE_DBIAS, CONTEXT, FAST, STORE_DELTA, TMA)
 
 
 @triton.jit
@@ -1200,8 +947,7 @@ def _spec(act: int, causal: bool, alpha: float, inv_n: float, att_block: int, wi
 
 
 def _work_table(tile_len: torch.Tensor, max_len: int, block: int, cost: torch.Tensor | None = None,
-                total: int | None = None, lo: int = 0, hi: int = 0,
-                grouped: int = 0) -> tuple[torch.Tensor, int]:
+                total: int | None = None, grouped: int = 0) -> tuple[torch.Tensor, int]:
     """Sorted (sequence, tile) work items, computed on the device without a host sync.
 
     tile_len: [B] int64 length of the tiled axis of each sequence; max_len: bound on it (host int);
@@ -1210,23 +956,16 @@ def _work_table(tile_len: torch.Tensor, max_len: int, block: int, cost: torch.Te
     sequence's end, which sort last), n_tiles). ``total`` (host int, = sum of tile_len) trims the table
     to ``total // block + B`` >= the number of valid items, so that few empty programs are launched
     (each still costs a block launch; without the bound a heavy-tailed batch launches ~10x too many).
-    ``lo`` / ``hi`` (host ints, hi 0 = none): only sequences with lo <= tile_len < hi get items (a length
-    class, see SPLIT_LEN); at most ``total // lo`` sequences can have lo tokens, which tightens the trim.
-    ``grouped`` (SEQ_ORDER): +1 / -1 orders whole sequences longest first and each sequence's tiles together,
-    last tile first (+1: query tiles, whose causal cost grows with the tile index) or first tile first (-1: key
-    tiles), instead of all items by cost: the programs running at once then share their sequence's keys /
-    queries in L2 (one sequence-head's 128-row tiles each read the same key / value rows).
+    ``grouped`` (the config's seq_order_*): +1 / -1 orders whole sequences longest first and each sequence's
+    tiles together, last tile first (+1: query tiles, whose causal cost grows with the tile index) or first tile
+    first (-1: key tiles), instead of all items by cost: the programs running at once then share their
+    sequence's keys / queries in L2 (one sequence-head's 128-row tiles each read the same key / value rows).
     """
     n_tiles = max(1, triton.cdiv(max_len, block))
     bsz = tile_len.numel()
     dev = tile_len.device
     t = torch.arange(n_tiles, device=dev, dtype=torch.int64)
     valid = (t[None, :] * block) < tile_len[:, None]
-    if lo > 0 or hi > 0:
-        in_class = tile_len >= lo
-        if hi > 0:
-            in_class = in_class & (tile_len < hi)
-        valid = valid & in_class[:, None]
     if cost is None:
         cost = torch.ones((bsz, n_tiles), device=dev, dtype=torch.int64)
     if grouped:  # (length desc, sequence asc, tile in cost order): a sort key that fits int64 for any batch
@@ -1238,8 +977,7 @@ def _work_table(tile_len: torch.Tensor, max_len: int, block: int, cost: torch.Te
     ids = torch.arange(bsz * n_tiles, device=dev, dtype=torch.int64)
     table = torch.where(valid.flatten()[order], ids[order], torch.full_like(ids, -1))
     if total is not None:
-        n_seqs = min(bsz, total // lo) if lo > 0 else bsz
-        table = table[: max(1, min(table.numel(), total // block + n_seqs))]
+        table = table[: max(1, min(table.numel(), total // block + bsz))]
     return table.to(torch.int32).contiguous(), n_tiles
 
 
@@ -1282,81 +1020,47 @@ def _bias_strides(bias: torch.Tensor | None) -> tuple[int, int, int, int]:
     return tuple(bias.stride())
 
 
-def _q_table(spec: _Spec, q_off: torch.Tensor, kv_off: torch.Tensor, bm: int, t_q: int, lo: int = 0,
-             hi: int = 0, grouped: bool = False) -> tuple[torch.Tensor, int]:
-    """Cached work table of query tiles (fwd and dQ kernels); t_q = number of output rows; lo / hi: the
-    length class (see _work_table); grouped: tiles of a sequence together (SEQ_ORDER)."""
+def _q_table(spec: _Spec, q_off: torch.Tensor, kv_off: torch.Tensor, bm: int, t_q: int,
+             grouped: bool = False) -> tuple[torch.Tensor, int]:
+    """Cached work table of query tiles (fwd and dQ kernels); t_q = number of output rows; grouped: tiles of a
+    sequence together (seq_order)."""
     def make():
         lq = q_off[1:] - q_off[:-1]
         lk = kv_off[1:] - kv_off[:-1]
         n_tiles = max(1, triton.cdiv(spec.max_q_len, bm))
-        return _work_table(lq, spec.max_q_len, bm, _q_tile_cost(spec, lk, n_tiles, bm), total=t_q, lo=lo, hi=hi,
+        return _work_table(lq, spec.max_q_len, bm, _q_tile_cost(spec, lk, n_tiles, bm), total=t_q,
                            grouped=1 if grouped else 0)
 
     return _cached((q_off, kv_off), ("q", bm, spec.max_q_len, spec.max_kv_len, spec.causal,
-                                     spec.att_block, spec.window, t_q, lo, hi, grouped), make)
+                                     spec.att_block, spec.window, t_q, grouped), make)
 
 
-def _k_table(spec: _Spec, q_off: torch.Tensor, kv_off: torch.Tensor, bn: int, t_k: int, lo: int = 0,
-             hi: int = 0, grouped: bool = False) -> tuple[torch.Tensor, int]:
-    """Cached work table of key tiles (dK/dV kernel); t_k = number of key rows; lo / hi: the length class
-    (of the key length; classes are used for self-attention only); grouped: see _q_table."""
+def _k_table(spec: _Spec, q_off: torch.Tensor, kv_off: torch.Tensor, bn: int, t_k: int,
+             grouped: bool = False) -> tuple[torch.Tensor, int]:
+    """Cached work table of key tiles (dK/dV kernel); t_k = number of key rows; grouped: see _q_table."""
     def make():
         lq = q_off[1:] - q_off[:-1]
         lk = kv_off[1:] - kv_off[:-1]
         n_tiles = max(1, triton.cdiv(spec.max_kv_len, bn))
-        return _work_table(lk, spec.max_kv_len, bn, _k_tile_cost(spec, lq, n_tiles, bn), total=t_k, lo=lo, hi=hi,
+        return _work_table(lk, spec.max_kv_len, bn, _k_tile_cost(spec, lq, n_tiles, bn), total=t_k,
                            grouped=-1 if grouped else 0)
 
     return _cached((q_off, kv_off), ("k", bn, spec.max_q_len, spec.max_kv_len, spec.causal,
-                                     spec.att_block, spec.window, t_k, lo, hi, grouped), make)
+                                     spec.att_block, spec.window, t_k, grouped), make)
 
 
 @triton.jit
-def _bwd_delta(O, DO, LSE, T, stride_ot, stride_oh, stride_dot, stride_doh, stride_lh, D_V,
+def _bwd_delta(O, DO, DELTA, T, stride_ot, stride_oh, stride_dot, stride_doh, stride_lh, D_V,
                BLOCK_T: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """delta[h, t] = sum_d o[t, h, d] * do[t, h, d] in fp32 (softmax backward), written to LSE[1, h, t] of
-    the [2, H, T] lse buffer (grid (cdiv(T, BLOCK_T), H))."""
+    """delta[h, t] = sum_d o[t, h, d] * do[t, h, d] in fp32 (softmax backward) into DELTA [H, T] (row stride
+    stride_lh; grid (cdiv(T, BLOCK_T), H))."""
     h = tl.program_id(1).to(tl.int64)
-    DELTA = LSE + tl.num_programs(1).to(tl.int64) * stride_lh
     offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_d = tl.arange(0, BLOCK_DV)
     m = (offs_t[:, None] < T) & (offs_d[None, :] < D_V)
     o = tl.load(O + offs_t[:, None] * stride_ot + h * stride_oh + offs_d[None, :], mask=m, other=0.0)
     do = tl.load(DO + offs_t[:, None] * stride_dot + h * stride_doh + offs_d[None, :], mask=m, other=0.0)
     tl.store(DELTA + h * stride_lh + offs_t, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=offs_t < T)
-
-
-def _bwd_table(spec: _Spec, q_off: torch.Tensor, kv_off: torch.Tensor, bn_k: int, bm_q: int, t_k: int,
-               t_q: int) -> tuple[torch.Tensor, int, int, int]:
-    """Cached merged work table of the one-launch backward (PART 0): dK/dV key tiles (ids ``b * n_tiles_k
-    + tile``) and dQ query tiles (ids ``n_k_items + b * n_tiles_q + tile``), sorted together by decreasing
-    cost in tile-pair matmuls (4 per pair for dK/dV, 3 for dQ), -1 (invalid) last, trimmed to the bound on
-    valid items. Returns (table int32, n_k_items, n_tiles_k, n_tiles_q)."""
-    def make():
-        lq = q_off[1:] - q_off[:-1]
-        lk = kv_off[1:] - kv_off[:-1]
-        bsz = lq.numel()
-        ntk = max(1, triton.cdiv(spec.max_kv_len, bn_k))
-        ntq = max(1, triton.cdiv(spec.max_q_len, bm_q))
-        tk = torch.arange(ntk, device=lq.device, dtype=torch.int64)
-        tq = torch.arange(ntq, device=lq.device, dtype=torch.int64)
-        valid_k = (tk[None, :] * bn_k) < lk[:, None]
-        valid_q = (tq[None, :] * bm_q) < lq[:, None]
-        cost_k = _k_tile_cost(spec, lq, ntk, bn_k) * (4 * bn_k)
-        cost_q = _q_tile_cost(spec, lk, ntq, bm_q) * (3 * bm_q)
-        valid = torch.cat([valid_k.flatten(), valid_q.flatten()])
-        key = torch.cat([torch.where(valid_k, cost_k, torch.full_like(cost_k, -1)).flatten(),
-                         torch.where(valid_q, cost_q, torch.full_like(cost_q, -1)).flatten()])
-        order = torch.argsort(key, descending=True, stable=True)
-        ids = torch.arange(valid.numel(), device=lq.device, dtype=torch.int64)
-        table = torch.where(valid[order], ids[order], torch.full_like(ids, -1))
-        bound = t_k // bn_k + bsz + t_q // bm_q + bsz
-        table = table[: max(1, min(table.numel(), bound))]
-        return table.to(torch.int32).contiguous(), bsz * ntk, ntk, ntq
-
-    return _cached((q_off, kv_off), ("bwd", bn_k, bm_q, spec.max_q_len, spec.max_kv_len, spec.causal,
-                                     spec.att_block, spec.window, t_k, t_q), make)
 
 
 @functools.lru_cache(maxsize=16)
@@ -1372,14 +1076,13 @@ def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-def _use_tma(reg: str, even_d: bool, spec: _Spec, *xs: torch.Tensor) -> bool:
-    """TMA_LOADS[reg] where the pattern and tensors allow it: full attention rows (no block / window: their
-    loops visit one or two tiles, too few to repay making the descriptors; run 9 measured block attention 19%
-    slower with them), head dims equal to the tile width (``even_d``), rows and heads 16-byte aligned (TMA's
+def _use_tma(rc: kconfig.RegimeConfig, even_d: bool, spec: _Spec, *xs: torch.Tensor) -> bool:
+    """The regime's tma_loads where the pattern and tensors allow it: full attention rows (no block / window:
+    their loops visit one or two tiles, too few to repay making the descriptors; run 9 measured block attention
+    19% slower with them), head dims equal to the tile width (``even_d``), rows and heads 16-byte aligned (TMA's
     global address and stride rule). When True it also sets Triton's allocator (a context variable: the
     backward runs in autograd's own thread, so it is set per call, not once)."""
-    if not (TMA_LOADS.get(reg, False) and even_d and not spec.att_block and not spec.window
-            and _tma_device(xs[0].device)):
+    if not (rc.tma_loads and even_d and not spec.att_block and not spec.window and _tma_device(xs[0].device)):
         return False
     for x in xs:
         es = x.element_size()
@@ -1394,8 +1097,10 @@ def _ds_width(max_q_len: int) -> int:
     return max(64, -(-max_q_len // 64) * 64)
 
 
-def _ds_buffer(shape: tuple, like: torch.Tensor) -> torch.Tensor:
-    """The DS_STORE scratch, uninitialized (the tests fill it with NaN to prove nothing unwritten is read)."""
+def _ds_buffer(shape: tuple, like: torch.Tensor, nan: bool = False) -> torch.Tensor:
+    """The DS_STORE scratch, uninitialized (``nan``: filled with NaN, the config's ds_scratch_nan)."""
+    if nan:
+        return torch.full(shape, float("nan"), dtype=like.dtype, device=like.device)
     return like.new_empty(shape)
 
 
@@ -1404,45 +1109,45 @@ def _device_bytes(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
 
 
-def _use_ds_store(reg: str, spec: _Spec, h: int, t_k: int, q: torch.Tensor) -> bool:
-    """DS_STORE[reg] where it applies: full attention rows, tensor descriptors on the device, and a dS
-    buffer of at most DS_MAX_BYTES and DS_MAX_FRACTION of the device's memory."""
-    if not DS_STORE.get(reg, False) or spec.att_block or spec.window or DKDV_QROWS.get(reg, False):
-        return False
-    if not _tma_device(q.device):
+def _use_ds_store(rc: kconfig.RegimeConfig, spec: _Spec, h: int, t_k: int, q: torch.Tensor,
+                  cfg: KernelConfig) -> bool:
+    """The regime's ds_store where it applies: full attention rows, tensor descriptors on the device, and a dS
+    buffer of at most cfg.ds_max_bytes and cfg.ds_max_fraction of the device's memory."""
+    if not rc.ds_store or spec.att_block or spec.window or not _tma_device(q.device):
         return False
     nbytes = h * t_k * _ds_width(spec.max_q_len) * q.element_size()
     cap = _device_bytes(q.device)
-    return nbytes <= DS_MAX_BYTES and (cap == 0 or nbytes <= DS_MAX_FRACTION * cap)
+    return nbytes <= cfg.ds_max_bytes and (cap == 0 or nbytes <= cfg.ds_max_fraction * cap)
 
 
-def _use_ws_fwd(reg: str, spec: _Spec, nt, bias, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """ws.WS_FWD[reg] where the warp-specialized forward takes the call (ws_attention.eligible): softmax over
+def _use_ws_fwd(rc: kconfig.RegimeConfig, spec: _Spec, nt, bias, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor) -> bool:
+    """The regime's ws_fwd where the warp-specialized forward takes the call (ws_attention.eligible): softmax over
     full rows, no targets / bias / prefix / block / window / PMA, on an sm_90 GPU (not the interpreter)."""
-    if ws is None or not ws.WS_FWD.get(reg, False) or _interpreting():
+    if ws is None or not rc.ws_fwd or _interpreting():
         return False
     plain = (nt is None and bias is None and not spec.context and not spec.att_block and not spec.window
              and not spec.q_bcast)
     return ws.eligible(q, k, v, spec.act, plain)
 
 
-def _fast_act(dtype: torch.dtype) -> bool:
+def _fast_act(dtype: torch.dtype, cfg: KernelConfig) -> bool:
     """tanh.approx silu (one MUFU op per score) for 16-bit inputs on CUDA; exact path for fp32 and the
     interpreter (which cannot run inline PTX)."""
-    return FAST_ACT and dtype != torch.float32 and not _interpreting()
+    return cfg.fast_act and dtype != torch.float32 and not _interpreting()
 
 
 @dataclass(eq=False)
 class _FwdPlan:
     """What a forward call launches, decided once per batch and call configuration (:func:`_fwd_plan`).
 
-    classes: the length classes ((regime, lo, hi), ...) the backward follows too; ws: (tiles, work table,
-    tiles per sequence) when the Gluon forward runs the call, else None; launches: ((_Launch of _gdpa_fwd,
-    its work table), ...), longest class first; tma: a launch makes tensor descriptors on the device, so
-    Triton's allocator is set first; bwd: the backward plans made from this one (:func:`_bwd_plan`)."""
-    classes: tuple
+    reg: the batch's regime; ws: (tiles, work table, tiles per sequence) when the Gluon forward runs the call,
+    else None; launch: (_Launch of _gdpa_fwd, its work table) or None (Gluon); tma: the launch makes tensor
+    descriptors on the device, so Triton's allocator is set first; bwd: the backward plans made from this one
+    (:func:`_bwd_plan`)."""
+    reg: str
     ws: tuple | None
-    launches: tuple
+    launch: tuple | None
     tma: bool
     bwd: dict
 
@@ -1451,11 +1156,9 @@ class _FwdPlan:
 class _BwdPlan:
     """What a backward call launches and allocates, decided once per forward plan and gradient layout.
 
-    dq_fp32: dQ accumulates in a zeroed fp32 buffer (atomic dQ) and is cast back; dbias_shape: the fp32
-    [B, H, n1, n2] dbias buffer (zeroed) or None; ds_shape: the DS_STORE scratch [H, Tk, W] or None; tma:
-    set Triton's allocator first; delta: the _bwd_delta launch or None; steps: ((_Launch, work table,
-    dq_from_ds), ...) in launch order, dq_from_ds marking the _gdpa_dq_ds launch (its own tensor list)."""
-    dq_fp32: bool
+    dbias_shape: the fp32 [B, H, n1, n2] dbias buffer (zeroed) or None; ds_shape: the DS_STORE scratch [H, Tk, W]
+    or None; tma: set Triton's allocator first; delta: the _bwd_delta launch or None; steps: ((_Launch, work
+    table, dq_from_ds), ...) in launch order, dq_from_ds marking the _gdpa_dq_ds launch (its own tensor list)."""
     dbias_shape: tuple | None
     ds_shape: tuple | None
     tma: bool
@@ -1465,80 +1168,74 @@ class _BwdPlan:
 
 def _fwd_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
               q_off: torch.Tensor, kv_off: torch.Tensor, nt: torch.Tensor | None, spec: _Spec,
-              t_out: int) -> _FwdPlan:
+              t_out: int, cfg: KernelConfig) -> _FwdPlan:
     """The cached forward plan of a call, keyed on the offsets / num_targets objects (as the work tables), the
     spec, the shapes, strides, dtype, device and 16-byte alignment of q / k / v, the bias's layout, dtype and
-    alignment, and the knob version (kernels/knobs.py: a knob changed since makes a new plan). Making a plan
-    also checks the batch (_check_batch), so a batch is checked once per configuration, not per call."""
-    key = ("fwd plan", knobs.version(), spec, t_out, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(),
+    alignment, and the config's name (another config: another plan). Making a plan also checks the batch
+    (_check_batch), so a batch is checked once per configuration, not per call."""
+    key = ("fwd plan", cfg.name, spec, t_out, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(),
            q.dtype, q.device, q.data_ptr() % 16 == 0, k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0,
            None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.data_ptr() % 16 == 0))
 
     def make():
         _check_batch(q_off, kv_off, nt, bias, t_out, k.shape[0], spec.max_q_len, spec.max_kv_len)
-        return _make_fwd_plan(q, k, v, bias, q_off, kv_off, nt, spec, t_out)
+        return _make_fwd_plan(q, k, v, bias, q_off, kv_off, nt, spec, t_out, cfg)
 
     return _cached((q_off, kv_off, nt), key, make)
 
 
-def _make_fwd_plan(q, k, v, bias, q_off, kv_off, nt, spec: _Spec, t_out: int) -> _FwdPlan:
+def _make_fwd_plan(q, k, v, bias, q_off, kv_off, nt, spec: _Spec, t_out: int, cfg: KernelConfig) -> _FwdPlan:
     h = k.shape[1]
     d_qk, d_v = q.shape[2], v.shape[2]
     bdk, bdv = _block_d(d_qk), _block_d(d_v)
-    classes = _classes(spec, regime(t_out, q_off.numel() - 1), q_off is kv_off)
-    ws_reg = classes[0][0] if len(classes) == 1 else ""
-    if ws_reg and _use_ws_fwd(ws_reg, spec, nt, bias, q, k, v):  # Hopper: warp-specialized forward (Gluon)
-        tiles = ws.WS_FWD_TILES[ws_reg]
-        table, n_tiles = _q_table(spec, q_off, kv_off, ws.block_m(tiles), t_out, grouped=SEQ_ORDER["fwd"])
-        return _FwdPlan(classes, (tiles, table, n_tiles), (), False, {})
+    reg = cfg.regime_of(t_out, q_off.numel() - 1)
+    rc = cfg.regime(reg)
+    if _use_ws_fwd(rc, spec, nt, bias, q, k, v):  # Hopper: warp-specialized forward (Gluon)
+        table, n_tiles = _q_table(spec, q_off, kv_off, ws.block_m(rc.ws_tiles), t_out, grouped=cfg.seq_order_fwd)
+        return _FwdPlan(reg, (rc.ws_tiles, table, n_tiles), None, False, {})
     even_d = bdk == d_qk and bdv == d_v
-    # o is allocated contiguous [T_out, H, Dv]; softmax's lse is [2, H, T_out] (pointwise activations: o stands in)
+    # o is allocated contiguous [T_out, H, Dv]; softmax's lse is [H, T_out] (pointwise activations: o stands in)
     o_strides, stride_lh = (h * d_v, d_v), (t_out if spec.act == 0 else 0)
-    launches, tma = [], False
-    for reg, lo, hi in classes:  # one launch per length class, longest first
-        bm, bn, warps, stages = _tiles("fwd_silu" if spec.act == 1 else "fwd", d_qk, reg, spec.max_q_len)
-        table, n_tiles = _q_table(spec, q_off, kv_off, bm, t_out, lo, hi, SEQ_ORDER["fwd"])
-        inner = HEADS_INNER.get(reg, False)
-        use_tma = _use_tma(reg, even_d, spec, k, v)
-        tma = tma or use_tma
-        launches.append((_Launch(_gdpa_fwd, (table.numel() * h,) if inner else (table.numel(), h), [
-            *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *o_strides, stride_lh, *_bias_strides(bias),
-            spec.alpha, spec.inv_n, n_tiles, d_qk, d_v, h], dict(
-            ACT=spec.act, CAUSAL=spec.causal, HAS_TARGETS=nt is not None, ATT_BLOCK=spec.att_block,
-            WINDOW=spec.window, Q_BCAST=spec.q_bcast, BLOCK_M=bm, BLOCK_N=bn,
-            BLOCK_DQK=bdk, BLOCK_DV=bdv, EVEN_D=even_d, DOT_PREC=_dot_prec(q.dtype), HAS_BIAS=bias is not None,
-            CONTEXT=spec.context, FAST=_fast_act(q.dtype), HEADS_INNER=inner, TMA=use_tma), warps, stages), table))
-    return _FwdPlan(classes, None, tuple(launches), tma, {})
+    bm, bn, warps, stages = _tiles("fwd_silu" if spec.act == 1 else "fwd", d_qk, reg, spec.max_q_len, cfg)
+    table, n_tiles = _q_table(spec, q_off, kv_off, bm, t_out, cfg.seq_order_fwd)
+    inner = rc.heads_inner
+    tma = _use_tma(rc, even_d, spec, k, v)
+    launch = _Launch(_gdpa_fwd, (table.numel() * h,) if inner else (table.numel(), h), [
+        *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *o_strides, stride_lh, *_bias_strides(bias),
+        spec.alpha, spec.inv_n, n_tiles, d_qk, d_v, h], dict(
+        ACT=spec.act, CAUSAL=spec.causal, HAS_TARGETS=nt is not None, ATT_BLOCK=spec.att_block,
+        WINDOW=spec.window, Q_BCAST=spec.q_bcast, BLOCK_M=bm, BLOCK_N=bn,
+        BLOCK_DQK=bdk, BLOCK_DV=bdv, EVEN_D=even_d, DOT_PREC=_dot_prec(q.dtype), HAS_BIAS=bias is not None,
+        CONTEXT=spec.context, FAST=_fast_act(q.dtype, cfg), HEADS_INNER=inner, TMA=tma), warps, stages,
+        cfg.direct_launch)
+    return _FwdPlan(reg, None, (launch, table), tma, {})
 
 
 def _bwd_plan(fwd: _FwdPlan, q, k, v, bias, do, q_off, kv_off, nt, spec: _Spec, want_dbias: bool,
-              ds_ok: bool) -> _BwdPlan:
-    """The cached backward plan of a call, kept on its forward plan by the knob version, dO's strides, dtype and
-    alignment, whether dbias is wanted and whether the DS_STORE scratch may be used (``ds_ok``: False after
-    its allocation failed)."""
-    key = (knobs.version(), do.stride(), do.dtype, do.data_ptr() % 16 == 0, want_dbias, ds_ok)
+              ds_ok: bool, cfg: KernelConfig) -> _BwdPlan:
+    """The cached backward plan of a call, kept on its forward plan (made for the same config) by dO's strides,
+    dtype and alignment, whether dbias is wanted and whether the DS_STORE scratch may be used (``ds_ok``: False
+    after its allocation failed)."""
+    key = (do.stride(), do.dtype, do.data_ptr() % 16 == 0, want_dbias, ds_ok)
     plan = fwd.bwd.get(key)
     if plan is None:
-        plan = fwd.bwd[key] = _make_bwd_plan(fwd, q, k, v, bias, do, q_off, kv_off, nt, spec, want_dbias, ds_ok)
+        plan = fwd.bwd[key] = _make_bwd_plan(fwd, q, k, v, bias, do, q_off, kv_off, nt, spec, want_dbias, ds_ok,
+                                             cfg)
     return plan
 
 
 def _make_bwd_plan(fwd: _FwdPlan, q, k, v, bias, do, q_off, kv_off, nt, spec: _Spec, want_dbias: bool,
-                   ds_ok: bool) -> _BwdPlan:
-    classes = fwd.classes
-    reg = classes[-1][0]  # the batch's regime (with length classes: the shortest class's)
+                   ds_ok: bool, cfg: KernelConfig) -> _BwdPlan:
+    reg = fwd.reg
+    rc = cfg.regime(reg)
     h = k.shape[1]
     d_qk, d_v = q.shape[2], v.shape[2]
     bdk, bdv = _block_d(d_qk), _block_d(d_v)
     t_out = do.shape[0]
     softmax = spec.act == 0
-    # softmax reads o (contiguous) and lse [2, H, T_out]; the pointwise activations read neither: dO stands in
+    # softmax reads o (contiguous) and lse / delta [H, T_out]; the pointwise activations read neither: dO stands in
     o_strides, stride_lh = ((h * d_v, d_v), t_out) if softmax else (do.stride()[:2], 0)
-    # one launch modes exist for a single length class only (_classes)
-    atomic = ATOMIC_DQ.get(reg, False)
-    fused = not atomic and FUSED_BWD.get(reg, False)
-    ds_store = (ds_ok and not atomic and not fused and len(classes) == 1
-                and _use_ds_store(reg, spec, h, k.shape[0], q))
+    ds_store = ds_ok and _use_ds_store(rc, spec, h, k.shape[0], q, cfg)
     # dS^T [H, Tk, W]: every entry the dQ launch reads unmasked is written by the dK/dV launch
     ds_shape = (h, k.shape[0], _ds_width(spec.max_q_len)) if ds_store else None
 
@@ -1546,169 +1243,266 @@ def _make_bwd_plan(fwd: _FwdPlan, q, k, v, bias, do, q_off, kv_off, nt, spec: _S
         return (n_items * h,) if inner else (n_items, h)
 
     delta = None
-    if softmax and not DELTA_INLINE.get(reg, False) and (fused or atomic or ds_store):  # delta: own launch
+    if softmax and ds_store:  # no dQ launch before dK/dV to write delta: its own launch
         delta = _Launch(_bwd_delta, (-(-t_out // 64), h), [t_out, *o_strides, *do.stride()[:2], stride_lh, d_v],
-                        dict(BLOCK_T=64, BLOCK_DV=bdv), 4, 3)
+                        dict(BLOCK_T=64, BLOCK_DV=bdv), 4, 3, cfg.direct_launch)
     # the gradients' layouts as the backward allocates them: dk / dv like k / v, dq like q (contiguous for PMA's
-    # per-sequence dQ and the atomic path's fp32 buffer), dbias and dS contiguous
+    # per-sequence dQ), dbias and dS contiguous
     dk_strides = torch.empty_like(k, device="meta").stride()[:2]
     dv_strides = torch.empty_like(v, device="meta").stride()[:2]
-    dq_strides = ((h * d_qk, d_qk) if atomic or spec.q_bcast else torch.empty_like(q, device="meta").stride()[:2])
+    dq_strides = (h * d_qk, d_qk) if spec.q_bcast else torch.empty_like(q, device="meta").stride()[:2]
     dbias_shape = (bias.shape[0], h, bias.shape[-2], bias.shape[-1]) if want_dbias else None
     dbias_strides = (h * dbias_shape[2] * dbias_shape[3], dbias_shape[2] * dbias_shape[3], dbias_shape[3], 1) \
         if want_dbias else (0, 0, 0, 0)
     ds_strides = (ds_shape[1] * ds_shape[2], ds_shape[2]) if ds_store else (0, 0)
     args = [*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *do.stride()[:2], *o_strides, *dk_strides,
             *dv_strides, *dq_strides, stride_lh, *_bias_strides(bias), *dbias_strides, *ds_strides,
-            spec.alpha, spec.inv_n, 0, 1, 1, d_qk, d_v, h]
+            spec.alpha, spec.inv_n, 1, 1, d_qk, d_v, h]
     even_d = bdk == d_qk and bdv == d_v
-    tma = ds_store
+    use_tma = _use_tma(rc, even_d, spec, q, k, v, do)
+    consts = dict(ACT=spec.act, CAUSAL=spec.causal, HAS_TARGETS=nt is not None, HAS_BIAS=bias is not None,
+                  ATT_BLOCK=spec.att_block, WINDOW=spec.window, Q_BCAST=spec.q_bcast, CONTEXT=spec.context,
+                  BLOCK_DQK=bdk, BLOCK_DV=bdv, DOT_PREC=_dot_prec(q.dtype), FAST=_fast_act(q.dtype, cfg),
+                  HEADS_INNER=rc.heads_inner, TMA=use_tma)
 
-    def consts(r: str) -> dict:  # the constexprs of regime r's launches
-        nonlocal tma
-        use_tma = _use_tma(r, even_d, spec, q, k, v, do)
-        tma = tma or use_tma
-        return dict(ACT=spec.act, CAUSAL=spec.causal, HAS_TARGETS=nt is not None, HAS_BIAS=bias is not None,
-                    ATT_BLOCK=spec.att_block, WINDOW=spec.window, Q_BCAST=spec.q_bcast, CONTEXT=spec.context,
-                    BLOCK_DQK=bdk, BLOCK_DV=bdv, DOT_PREC=_dot_prec(q.dtype), FAST=_fast_act(q.dtype),
-                    DELTA_INLINE=softmax and DELTA_INLINE.get(r, False), HEADS_INNER=HEADS_INNER.get(r, False),
-                    TMA=use_tma)
-
-    def bwd(table, items: tuple, c: dict, warps: int, stages: int, **part) -> tuple:  # a _gdpa_bwd launch
+    def bwd(table, items: tuple, warps: int, stages: int, **part) -> tuple:  # a _gdpa_bwd launch
         a = list(args)
-        a[-6:-3] = items
-        return _Launch(_gdpa_bwd, grid(table.numel(), c["HEADS_INNER"]), a, dict(**part, **c), warps, stages), \
-            table, False
+        a[-5:-3] = items  # (n_tiles_k, n_tiles_q)
+        return _Launch(_gdpa_bwd, grid(table.numel(), rc.heads_inner), a, dict(**part, **consts), warps, stages,
+                       cfg.direct_launch), table, False
 
     steps = []
-    if atomic:  # one launch: dK/dV items that also add their dS K into dQ (and write dbias)
-        kbm, kbn, kwarps, kstages = _tiles("dkdv_atomic", d_qk, reg, spec.max_q_len)
-        table, ntk = _k_table(spec, q_off, kv_off, kbn, k.shape[0])
-        steps.append(bwd(table, (0, ntk, 1), consts(reg), kwarps, kstages, PART=1, DK_BM=kbm, DK_BN=kbn, DQ_BM=0,
-                         DQ_BN=0, STORE_DBIAS=want_dbias, STORE_DELTA=False, ATOMIC_DQ=True, Q_ROWS=False,
-                         STORE_DS=False))
-    elif ds_store:  # dK/dV (also storing dS^T), then dQ = dS K from the stored tiles
-        kbm, kbn, kwarps, kstages = _tiles("dkdv_ds", d_qk, reg, spec.max_q_len)
-        table, ntk = _k_table(spec, q_off, kv_off, kbn, k.shape[0], grouped=SEQ_ORDER["dkdv"])
-        c = consts(reg)
-        steps.append(bwd(table, (0, ntk, 1), c, kwarps, kstages, PART=1, DK_BM=kbm, DK_BN=kbn, DQ_BM=0, DQ_BN=0,
-                         STORE_DBIAS=want_dbias, STORE_DELTA=False, ATOMIC_DQ=False, Q_ROWS=False, STORE_DS=True))
-        qbm, qbn, qwarps, qstages = _tiles("dq_ds", d_qk, reg, spec.max_q_len)
-        table, ntq = _q_table(spec, q_off, kv_off, qbm, t_out, grouped=SEQ_ORDER["dq"])
-        steps.append((_Launch(_gdpa_dq_ds, grid(table.numel(), c["HEADS_INNER"]), [
+    if ds_store:  # dK/dV (also storing dS^T), then dQ = dS K from the stored tiles
+        kbm, kbn, kwarps, kstages = _tiles("dkdv_ds", d_qk, reg, spec.max_q_len, cfg)
+        table, ntk = _k_table(spec, q_off, kv_off, kbn, k.shape[0], grouped=cfg.seq_order_dkdv)
+        steps.append(bwd(table, (ntk, 1), kwarps, kstages, PART=1, DK_BM=kbm, DK_BN=kbn, DQ_BM=0, DQ_BN=0,
+                         STORE_DBIAS=want_dbias, STORE_DELTA=False, STORE_DS=True))
+        qbm, qbn, qwarps, qstages = _tiles("dq_ds", d_qk, reg, spec.max_q_len, cfg)
+        table, ntq = _q_table(spec, q_off, kv_off, qbm, t_out, grouped=cfg.seq_order_dq)
+        steps.append((_Launch(_gdpa_dq_ds, grid(table.numel(), rc.heads_inner), [
             *ds_strides, *k.stride()[:2], *dq_strides, spec.alpha * (1.0 if softmax else spec.inv_n), ntq, d_qk, h],
             dict(CAUSAL=spec.causal, HAS_TARGETS=nt is not None, CONTEXT=spec.context, BLOCK_M=qbm, BLOCK_N=qbn,
-                 BLOCK_DQK=bdk, DOT_PREC=c["DOT_PREC"], HEADS_INNER=c["HEADS_INNER"], TMA=c["TMA"]),
-            qwarps, qstages), table, True))
-    elif fused:  # one launch: dK/dV and dQ items from one longest-first table
-        qrows = DKDV_QROWS.get(reg, False)
-        kbm, kbn, kwarps, kstages = _tiles("dkdv_qrows" if qrows else "dkdv", d_qk, reg, spec.max_q_len)
-        qbm, qbn, qwarps, qstages = _tiles("dq", d_qk, reg, spec.max_q_len)
-        table, n_k_items, ntk, ntq = _bwd_table(spec, q_off, kv_off, kbn, qbm, k.shape[0], t_out)
-        steps.append(bwd(table, (n_k_items, ntk, ntq), consts(reg), max(kwarps, qwarps), min(kstages, qstages),
-                         PART=0, DK_BM=kbm, DK_BN=kbn, DQ_BM=qbm, DQ_BN=qbn, STORE_DBIAS=want_dbias,
-                         STORE_DELTA=False, ATOMIC_DQ=False, Q_ROWS=qrows, STORE_DS=False))
-    else:  # two launches per length class: every dQ first (it writes softmax's delta), then dK/dV (reads it)
-        for r, lo, hi in classes:
-            qbm, qbn, qwarps, qstages = _tiles("dq", d_qk, r, spec.max_q_len)
-            table, ntq = _q_table(spec, q_off, kv_off, qbm, t_out, lo, hi)
-            c = consts(r)
-            # the other part's tile sizes are unused (pruned branch): 0 keeps one compiled variant per config
-            steps.append(bwd(table, (0, 1, ntq), c, qwarps, qstages, PART=2, DK_BM=0, DK_BN=0, DQ_BM=qbm,
-                             DQ_BN=qbn, STORE_DBIAS=want_dbias, STORE_DELTA=softmax and not c["DELTA_INLINE"],
-                             ATOMIC_DQ=False, Q_ROWS=False, STORE_DS=False))
-        for r, lo, hi in classes:
-            qrows = DKDV_QROWS.get(r, False)  # query-rows-first dK/dV step (own tile kind)
-            kbm, kbn, kwarps, kstages = _tiles("dkdv_qrows" if qrows else "dkdv", d_qk, r, spec.max_q_len)
-            table, ntk = _k_table(spec, q_off, kv_off, kbn, k.shape[0], lo, hi)
-            steps.append(bwd(table, (0, ntk, 1), consts(r), kwarps, kstages, PART=1, DK_BM=kbm, DK_BN=kbn,
-                             DQ_BM=0, DQ_BN=0, STORE_DBIAS=False, STORE_DELTA=False, ATOMIC_DQ=False,
-                             Q_ROWS=qrows, STORE_DS=False))
-    return _BwdPlan(atomic, dbias_shape, ds_shape, tma, delta, tuple(steps))
+                 BLOCK_DQK=bdk, DOT_PREC=consts["DOT_PREC"], HEADS_INNER=rc.heads_inner, TMA=use_tma),
+            qwarps, qstages, cfg.direct_launch), table, True))
+    else:  # two launches: dQ first (it writes softmax's delta), then dK/dV (reads it)
+        qbm, qbn, qwarps, qstages = _tiles("dq", d_qk, reg, spec.max_q_len, cfg)
+        table, ntq = _q_table(spec, q_off, kv_off, qbm, t_out)
+        # the other part's tile sizes are unused (pruned branch): 0 keeps one compiled variant per config
+        steps.append(bwd(table, (1, ntq), qwarps, qstages, PART=2, DK_BM=0, DK_BN=0, DQ_BM=qbm, DQ_BN=qbn,
+                         STORE_DBIAS=want_dbias, STORE_DELTA=softmax, STORE_DS=False))
+        kbm, kbn, kwarps, kstages = _tiles("dkdv", d_qk, reg, spec.max_q_len, cfg)
+        table, ntk = _k_table(spec, q_off, kv_off, kbn, k.shape[0])
+        steps.append(bwd(table, (ntk, 1), kwarps, kstages, PART=1, DK_BM=kbm, DK_BN=kbn, DQ_BM=0, DQ_BN=0,
+                         STORE_DBIAS=False, STORE_DELTA=False, STORE_DS=False))
+    return _BwdPlan(dbias_shape, ds_shape, use_tma or ds_store, delta, tuple(steps))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The two halves of a call (shared by the custom ops and the eager autograd.Function)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, q_off: torch.Tensor,
+             kv_off: torch.Tensor, nt: torch.Tensor | None, spec: _Spec, t_out: int, cfg: KernelConfig,
+             plan: _FwdPlan | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run a forward: (o [T_out, H, Dv] in q's dtype, lse [H, T_out] fp32 (base 2) for softmax, else None).
+    ``plan``: the call's forward plan (None for an empty batch: o = 0, lse = +inf)."""
+    h = k.shape[1]
+    softmax = spec.act == 0
+    if plan is None:
+        o = q.new_zeros((t_out, h, v.shape[2]))
+        lse = torch.full((h, t_out), float("inf"), device=q.device, dtype=torch.float32) if softmax else None
+        return o, lse
+    o = q.new_empty((t_out, h, v.shape[2]))
+    lse = torch.empty((h, t_out), device=q.device, dtype=torch.float32) if softmax else None
+    if plan.ws is not None:
+        tiles, table, n_tiles = plan.ws
+        ws.forward(q, k, v, o, lse, q_off, kv_off, table, n_tiles, spec.causal, spec.alpha, tiles)
+        return o, lse
+    if plan.tma:
+        triton.set_allocator(_scratch)  # a context variable: set per call
+    launch, table = plan.launch
+    launch.planned([q, k, v, o, lse if lse is not None else o, q_off, kv_off, nt if nt is not None else q_off,
+                    table, bias if bias is not None else q])
+    return o, lse
+
+
+def _backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor | None,
+              lse: torch.Tensor | None, bias: torch.Tensor | None, q_off: torch.Tensor, kv_off: torch.Tensor,
+              nt: torch.Tensor | None, spec: _Spec, want_dbias: bool, cfg: KernelConfig,
+              plan: _FwdPlan | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Run a backward: (dq like q, dk like k, dv like v, dbias like bias or None). o / lse: the forward's
+    (softmax; None for the pointwise activations); ``plan``: the forward's plan (None: empty batch, zeros)."""
+    if plan is None:
+        return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v),
+                torch.zeros_like(bias) if want_dbias else None)
+    if do.stride(-1) != 1:
+        do = do.contiguous()
+    bplan = _bwd_plan(plan, q, k, v, bias, do, q_off, kv_off, nt, spec, want_dbias, True, cfg)
+    ds = None
+    if bplan.ds_shape is not None:
+        try:
+            ds = _ds_buffer(bplan.ds_shape, q, cfg.ds_scratch_nan)
+        except torch.OutOfMemoryError:  # under the caps but not free now: recompute dS instead
+            log.warning("gdpa backward: no memory for the %.2f GiB dS buffer, recomputing dS (ds_store)",
+                        math.prod(bplan.ds_shape) * q.element_size() / 2**30)
+            bplan = _bwd_plan(plan, q, k, v, bias, do, q_off, kv_off, nt, spec, want_dbias, False, cfg)
+    if bplan.tma:
+        triton.set_allocator(_scratch)  # its tensor descriptors are made on the device (autograd's thread)
+    h, d_qk = k.shape[1], q.shape[2]
+    t_out = do.shape[0]
+    if spec.act == 0:
+        delta = torch.empty_like(lse)
+    else:  # o, lse and delta are not read by the pointwise activations: do stands in for their pointers
+        o = lse = delta = do
+    if bplan.delta is not None:
+        bplan.delta.planned([o, do, delta])
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    dq = q.new_empty((t_out, h, d_qk)) if spec.q_bcast else torch.empty_like(q)
+    # dbias per head, fp32, zero where no program writes (pairs outside the mask / key range)
+    dbias = (torch.zeros(bplan.dbias_shape, device=q.device, dtype=torch.float32)
+             if bplan.dbias_shape is not None else None)
+    ntarg = nt if nt is not None else q_off
+    tensors = [q, k, v, do, lse, delta, o, dk, dv, dq, q_off, kv_off, ntarg, None, bias if bias is not None else q,
+               dbias if dbias is not None else q, ds if ds is not None else q]
+    for launch, table, dq_from_ds in bplan.steps:
+        if dq_from_ds:
+            launch.planned([ds, k, dq, q_off, kv_off, ntarg, table])
+        else:
+            tensors[13] = table
+            launch.planned(tensors)
+    if spec.q_bcast:
+        dq = dq.view(-1, q.shape[0], h, d_qk).sum(0, dtype=torch.float32).to(q.dtype)
+    if dbias is not None:
+        dbias = (dbias if bias.dim() == 4 else dbias.sum(1)).to(bias.dtype)
+    return dq, dk, dv, dbias
+
+
+def _spec_of(activation: str, causal: bool, alpha: float, inv_n: float, block_size: int, window: int,
+             q_broadcast: bool, max_q_len: int, max_kv_len: int, contextual_len: int) -> _Spec:
+    return _spec(ACTIVATIONS[activation], bool(causal), float(alpha), float(inv_n), int(block_size), int(window),
+                 bool(q_broadcast), int(max_q_len), int(max_kv_len), int(contextual_len))
+
+
+def _plan_of(q, k, v, bias, q_off, kv_off, nt, spec: _Spec, cfg: KernelConfig) -> tuple[int, _FwdPlan | None]:
+    """(T_out, the call's forward plan or None for an empty batch, whose offsets are still checked)."""
+    bsz = q_off.numel() - 1
+    t_out = bsz * q.shape[0] if spec.q_bcast else q.shape[0]
+    if t_out == 0 or bsz == 0:
+        if bsz:
+            _check_batch(q_off, kv_off, nt, bias, t_out, k.shape[0], spec.max_q_len, spec.max_kv_len)
+        return t_out, None
+    return t_out, _fwd_plan(q, k, v, bias, q_off, kv_off, nt, spec, t_out, cfg)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# torch.library custom ops: gemray::gdpa_fwd, gemray::gdpa_bwd
+# ----------------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("gemray::gdpa_fwd", mutates_args=())
+def gdpa_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor,
+                kv_offsets: torch.Tensor, num_targets: Optional[torch.Tensor], attn_bias: Optional[torch.Tensor],
+                max_q_len: int, max_kv_len: int, activation: str, causal: bool, alpha: float, inv_n: float,
+                block_size: int, window: int, q_broadcast: bool, contextual_len: int,
+                config: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """GDPA forward as a custom op (arguments checked by :func:`gdpa_triton`, which calls it).
+
+    q: [Tq, H, Dqk] (q_broadcast: [S, H, Dqk]); k: [Tk, H, Dqk]; v: [Tk, H, Dv]; offsets [B+1] int64;
+    num_targets [B] int64 or None; attn_bias [B, n1, n2] / [B, H, n1, n2] float or None; activation one of
+    ACTIVATIONS; alpha > 0; inv_n = 1 / N; config: a KernelConfig name (gemray.kernels.config.lookup).
+    Returns (out [T_out, H, Dv] in q's dtype, lse [H, T_out] fp32 base-2 log-sum-exp for softmax, else an empty
+    [0] fp32 tensor); T_out = B * S with q_broadcast, else Tq. Under TRITON_INTERPRET=1 give it float32 or
+    float16 (gdpa_triton runs bf16 in float32 there)."""
+    cfg = kconfig.lookup(config)
+    spec = _spec_of(activation, causal, alpha, inv_n, block_size, window, q_broadcast, max_q_len, max_kv_len,
+                    contextual_len)
+    t_out, plan = _plan_of(q, k, v, attn_bias, q_offsets, kv_offsets, num_targets, spec, cfg)
+    o, lse = _forward(q, k, v, attn_bias, q_offsets, kv_offsets, num_targets, spec, t_out, cfg, plan)
+    return o, (lse if lse is not None else q.new_empty((0,), dtype=torch.float32))
+
+
+@gdpa_fwd_op.register_fake
+def _gdpa_fwd_fake(q, k, v, q_offsets, kv_offsets, num_targets, attn_bias, max_q_len, max_kv_len, activation,
+                   causal, alpha, inv_n, block_size, window, q_broadcast, contextual_len, config):
+    t_out = (q_offsets.shape[0] - 1) * q.shape[0] if q_broadcast else q.shape[0]
+    o = q.new_empty((t_out, k.shape[1], v.shape[2]))
+    if activation == "softmax":
+        return o, q.new_empty((k.shape[1], t_out), dtype=torch.float32)
+    return o, q.new_empty((0,), dtype=torch.float32)
+
+
+@torch.library.custom_op("gemray::gdpa_bwd", mutates_args=())
+def gdpa_bwd_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                out: Optional[torch.Tensor], lse: Optional[torch.Tensor], q_offsets: torch.Tensor,
+                kv_offsets: torch.Tensor, num_targets: Optional[torch.Tensor], attn_bias: Optional[torch.Tensor],
+                max_q_len: int, max_kv_len: int, activation: str, causal: bool, alpha: float, inv_n: float,
+                block_size: int, window: int, q_broadcast: bool, contextual_len: int, need_dbias: bool,
+                config: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GDPA backward as a custom op: grad_out [T_out, H, Dv]; out / lse the forward's (softmax; None otherwise);
+    the other arguments as :func:`gdpa_fwd_op`'s. Returns (dq like q, dk like k, dv like v, dbias like attn_bias
+    when ``need_dbias``, else an empty [0] tensor)."""
+    cfg = kconfig.lookup(config)
+    spec = _spec_of(activation, causal, alpha, inv_n, block_size, window, q_broadcast, max_q_len, max_kv_len,
+                    contextual_len)
+    _, plan = _plan_of(q, k, v, attn_bias, q_offsets, kv_offsets, num_targets, spec, cfg)
+    dq, dk, dv, dbias = _backward(grad_out, q, k, v, out, lse, attn_bias, q_offsets, kv_offsets, num_targets, spec,
+                                  need_dbias, cfg, plan)
+    return dq, dk, dv, (dbias if dbias is not None else q.new_empty((0,)))
+
+
+@gdpa_bwd_op.register_fake
+def _gdpa_bwd_fake(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, num_targets, attn_bias, max_q_len,
+                   max_kv_len, activation, causal, alpha, inv_n, block_size, window, q_broadcast, contextual_len,
+                   need_dbias, config):
+    dbias = torch.empty_like(attn_bias) if need_dbias else q.new_empty((0,))
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
+
+
+def _op_setup_context(ctx, inputs, output) -> None:
+    q, k, v, q_off, kv_off, nt, bias = inputs[:7]
+    o, lse = output
+    softmax = inputs[9] == "softmax"
+    ctx.save_for_backward(q, k, v, q_off, kv_off, nt, bias, o if softmax else None, lse if softmax else None)
+    ctx.scalars = inputs[7:17]  # max_q_len ... contextual_len
+    ctx.config = inputs[17]
+    ctx.mark_non_differentiable(lse)
+
+
+def _op_backward(ctx, grad_out, _grad_lse):
+    q, k, v, q_off, kv_off, nt, bias, o, lse = ctx.saved_tensors
+    need_dbias = bias is not None and ctx.needs_input_grad[6]
+    dq, dk, dv, dbias = gdpa_bwd_op(grad_out, q, k, v, o, lse, q_off, kv_off, nt, bias, *ctx.scalars, need_dbias,
+                                    ctx.config)
+    return dq, dk, dv, None, None, None, dbias if need_dbias else None, *([None] * 11)
+
+
+gdpa_fwd_op.register_autograd(_op_backward, setup_context=_op_setup_context)
 
 
 class _GDPA(torch.autograd.Function):
-    """Forward: one launch (or the Gluon forward). Backward (per regime, see FUSED_BWD / DELTA_INLINE /
-    ATOMIC_DQ / DS_STORE): two launches (dQ, which also writes softmax's delta, then dK/dV), one merged
-    launch, one dK/dV launch that also accumulates dQ with atomics, or dK/dV storing dS^T then dQ = dS K
-    from it; a separate delta launch only where delta is neither inline nor written by a dQ launch. What
-    each call launches is decided once per batch and configuration (_fwd_plan, _bwd_plan): a call allocates
-    its outputs and runs the plan's launches. Offsets, targets, the lse buffer and the plan ride on ctx (not
-    save_for_backward: they are not differentiable and not modified in place), which saves their unpacking
-    per backward."""
+    """The eager path of a call (see plain_eager): the custom ops' implementation without the dispatcher. Forward
+    runs the plan's launch (or the Gluon forward); the backward its two or three launches. Offsets, targets, lse,
+    the config and the plan ride on ctx (not save_for_backward: they are not differentiable and not modified in
+    place), which saves their unpacking per backward."""
 
     @staticmethod
     def forward(ctx, q, k, v, bias, meta: tuple):
-        """meta = (q_off [B+1] int64, kv_off [B+1] int64, nt [B] int64 or None, spec, t_out, _fwd_plan's plan)."""
-        q_off, kv_off, nt, spec, t_out, plan = meta
-        h = k.shape[1]
-        o = q.new_empty((t_out, h, v.shape[2]))
-        # softmax: [2, H, T_out] fp32, log-sum-exp then delta (written in the backward)
-        lse = torch.empty((2, h, t_out), device=q.device, dtype=torch.float32) if spec.act == 0 else None
-        if plan.ws is not None:
-            tiles, table, n_tiles = plan.ws
-            ws.forward(q, k, v, o, lse, q_off, kv_off, table, n_tiles, spec.causal, spec.alpha, tiles)
-        if plan.tma:
-            triton.set_allocator(_scratch)  # a context variable: set per call
-        tensors = [q, k, v, o, lse if lse is not None else o, q_off, kv_off, nt if nt is not None else q_off, None,
-                   bias if bias is not None else q]
-        for launch, table in plan.launches:
-            tensors[8] = table
-            launch.planned(tensors)
+        """meta = (q_off [B+1] int64, kv_off [B+1] int64, nt [B] int64 or None, spec, t_out, config, plan)."""
+        q_off, kv_off, nt, spec, t_out, cfg, plan = meta
+        o, lse = _forward(q, k, v, bias, q_off, kv_off, nt, spec, t_out, cfg, plan)
         # o only for softmax (delta = rowsum(o * dO)): saving an output costs a detach and its unpacking
         ctx.save_for_backward(q, k, v, bias, o if spec.act == 0 else None)
-        ctx.lse, ctx.q_off, ctx.kv_off, ctx.nt, ctx.spec, ctx.plan = lse, q_off, kv_off, nt, spec, plan
+        ctx.lse, ctx.meta = lse, meta
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, bias, o = ctx.saved_tensors
-        q_off, kv_off, nt, spec = ctx.q_off, ctx.kv_off, ctx.nt, ctx.spec
-        if do.stride(-1) != 1:
-            do = do.contiguous()
+        q_off, kv_off, nt, spec, _, cfg, plan = ctx.meta
         want_dbias = bias is not None and ctx.needs_input_grad[3]
-        plan = _bwd_plan(ctx.plan, q, k, v, bias, do, q_off, kv_off, nt, spec, want_dbias, True)
-        ds = None
-        if plan.ds_shape is not None:
-            try:
-                ds = _ds_buffer(plan.ds_shape, q)
-            except torch.OutOfMemoryError:  # under the caps but not free now: recompute dS instead
-                log.warning("gdpa backward: no memory for the %.2f GiB dS buffer, recomputing dS (DS_STORE)",
-                            math.prod(plan.ds_shape) * q.element_size() / 2**30)
-                plan = _bwd_plan(ctx.plan, q, k, v, bias, do, q_off, kv_off, nt, spec, want_dbias, False)
-        if plan.tma:
-            triton.set_allocator(_scratch)  # its tensor descriptors are made on the device (autograd's thread)
-        h, d_qk = k.shape[1], q.shape[2]
-        t_out = do.shape[0]
-        lse = ctx.lse
-        if spec.act != 0:  # o and lse are not read by the pointwise activations: do stands in for both pointers
-            o = lse = do
-        if plan.delta is not None:
-            plan.delta.planned([o, do, lse])
-        dk = torch.empty_like(k)
-        dv = torch.empty_like(v)
-        if plan.dq_fp32:  # fp32 accumulator for the atomic adds
-            dq = torch.zeros((t_out, h, d_qk), device=q.device, dtype=torch.float32)
-        else:
-            dq = q.new_empty((t_out, h, d_qk)) if spec.q_bcast else torch.empty_like(q)
-        # dbias per head, fp32, zero where no program writes (pairs outside the mask / key range)
-        dbias = (torch.zeros(plan.dbias_shape, device=q.device, dtype=torch.float32)
-                 if plan.dbias_shape is not None else None)
-        ntarg = nt if nt is not None else q_off
-        tensors = [q, k, v, do, lse, o, dk, dv, dq, q_off, kv_off, ntarg, None, bias if bias is not None else q,
-                   dbias if dbias is not None else q, ds if ds is not None else q]
-        for launch, table, dq_from_ds in plan.steps:
-            if dq_from_ds:
-                launch.planned([ds, k, dq, q_off, kv_off, ntarg, table])
-            else:
-                tensors[12] = table
-                launch.planned(tensors)
-        if spec.q_bcast:
-            dq = dq.view(-1, q.shape[0], h, d_qk).sum(0, dtype=torch.float32).to(q.dtype)
-        elif dq.dtype != q.dtype:  # the atomic path's fp32 accumulator
-            dq = dq.to(q.dtype)
-        if dbias is not None:
-            dbias = (dbias if bias.dim() == 4 else dbias.sum(1)).to(bias.dtype)
+        dq, dk, dv, dbias = _backward(do, q, k, v, o, ctx.lse, bias, q_off, kv_off, nt, spec, want_dbias, cfg, plan)
         return dq, dk, dv, dbias, None
 
 
@@ -1778,12 +1572,14 @@ def _prep(x: torch.Tensor, name: str) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+
+
 def gdpa_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor,
                 kv_offsets: torch.Tensor, max_q_len: int, max_kv_len: int, *, activation: str = "silu",
                 causal: bool = False, alpha: float | None = None, norm: float | None = None,
                 num_targets: torch.Tensor | None = None, block_size: int = 0, window: int = 0,
                 q_broadcast: bool = False, attn_bias: torch.Tensor | None = None,
-                contextual_len: int = 0) -> torch.Tensor:
+                contextual_len: int = 0, config: KernelConfig | None = None) -> torch.Tensor:
     """Generalized jagged attention: ``out_i = sum_j f(alpha * q_i.k_j + bias_ij) v_j`` over valid pairs.
 
     Args:
@@ -1793,7 +1589,7 @@ def gdpa_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: to
             ``q_broadcast`` it must be ``arange(B+1) * S``.
         kv_offsets: [B+1] int64 offsets of the key/value rows; ``kv_offsets is q_offsets`` for self-attn.
         max_q_len / max_kv_len: host ints bounding every sequence's length (tiles beyond are not run:
-            a longer sequence triggers an asynchronous device assertion).
+            a longer sequence raises on host tensors, triggers an asynchronous device assertion on CUDA).
         activation: "softmax" (f = row softmax) | "silu" | "gelu" | "none" (f(s) = act(s) / norm).
         causal: key position <= query position (positions counted from each sequence's start).
         alpha: score scale; default 1/sqrt(Dqk) for softmax, 1.0 otherwise (as the reference).
@@ -1804,18 +1600,24 @@ def gdpa_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: to
         window: > 0 restricts attention to |i - j| < window.
         attn_bias: optional float [B, n1, n2] (shared by heads) or [B, H, n1, n2], padded, added to the
             scaled logits at (query position, key position) of each sequence, as in
-            ``jagged_attention_ref``; n1 / n2 must be >= the longest query / key sequence (checked by an
-            asynchronous device assertion). Differentiable: dbias is written by the dQ kernel (by the dK/dV
-            kernel with ATOMIC_DQ or DS_STORE).
+            ``jagged_attention_ref``; n1 / n2 must be >= the longest query / key sequence. Differentiable:
+            dbias is written by the dQ kernel (by the dK/dV kernel under ds_store).
         contextual_len: > 0 (causal only): the first contextual_len positions of every sequence form a
             bidirectional prefix (they see each other; later positions see them causally anyway).
+        config: the kernels' KernelConfig (tiles and launch modes per regime); None = config.DEFAULT.
     Returns:
         out: [Tq, H, Dv] (q_broadcast: [B*S, H, Dv]) in q's dtype; rows with no valid key are 0.
     Raises:
-        ValueError: on bad shapes, dtypes, devices, or option combinations.
+        ValueError: on bad shapes, dtypes, devices, option combinations, or (host tensors) a batch whose
+            offsets, lengths, targets or bias do not fit, naming the field and the sequence.
+        TypeError: ``config`` is not a KernelConfig.
+
+    Runs as the custom ops ``gemray::gdpa_fwd`` / ``gemray::gdpa_bwd`` under torch.compile, export and fake /
+    meta tracing, and as their implementation behind an autograd.Function in plain eager calls (``plain_eager``).
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"gdpa: activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+    cfg = kconfig.resolve(config)
     q, k, v = _prep(q, "q"), _prep(k, "k"), _prep(v, "v")
     (tq, hq, dq), (tk, hk, dk), (tv, hv, dv) = q.shape, k.shape, v.shape  # ints (torch.Size slices compare slowly)
     if tk != tv or hk != hv or hq != hk or dq != dk:
@@ -1849,13 +1651,12 @@ def gdpa_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: to
                 or not attn_bias.is_floating_point() or attn_bias.device != q.device):
             raise ValueError(f"gdpa: attn_bias must be float [B={bsz}, n1, n2] or [B, H={q.shape[1]}, n1, n2] "
                              f"on {q.device}, got {attn_bias.dtype} {tuple(attn_bias.shape)} on {attn_bias.device}")
-    t_out = bsz * tq if q_broadcast else tq
     if _interpreting() and q.dtype == torch.bfloat16:
         # Triton's CPU interpreter computes bf16 tl.dot wrongly (triton-lang/triton#11584): run in float32
         up = gdpa_triton(q.float(), k.float(), v.float(), q_offsets, kv_offsets, max_q_len, max_kv_len,
                          activation=activation, causal=causal, alpha=alpha, norm=norm, num_targets=num_targets,
                          block_size=block_size, window=window, q_broadcast=q_broadcast, attn_bias=attn_bias,
-                         contextual_len=contextual_len)
+                         contextual_len=contextual_len, config=cfg)
         return up.to(torch.bfloat16)
     if alpha is None:  # the reference's convention (gemray.kernels.reference.jagged_attention_ref)
         alpha = 1.0 / math.sqrt(dq) if activation == "softmax" else 1.0
@@ -1863,41 +1664,42 @@ def gdpa_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: to
         raise ValueError(f"gdpa: alpha must be > 0 for the Triton kernels, got {alpha}")
     if norm is None:
         norm = float(max(max_kv_len, 1))
-    spec = _spec(ACTIVATIONS[activation], bool(causal), float(alpha), 1.0 / float(norm), int(block_size),
-                 int(window), bool(q_broadcast), int(max_q_len), int(max_kv_len), int(contextual_len))
-    if t_out == 0 or bsz == 0:
-        if bsz:
-            _check_batch(q_offsets, kv_offsets, num_targets, attn_bias, t_out, tk, max_q_len, max_kv_len)
-        out = q.new_zeros((t_out, hq, dv))
-        out = out + 0.0 * (q.sum() + k.sum() + v.sum())  # keeps the graph for autograd
-        return out + 0.0 * attn_bias.sum() if attn_bias is not None else out
-    # the non-differentiable arguments travel as one tuple: autograd.Function.apply's cost grows per argument
+    inv_n = 1.0 / float(norm)
+    if not plain_eager(q, k, v, attn_bias, q_offsets):
+        out, _ = gdpa_fwd_op(q, k, v, q_offsets, kv_offsets, num_targets, attn_bias, int(max_q_len),
+                             int(max_kv_len), activation, bool(causal), float(alpha), inv_n, int(block_size),
+                             int(window), bool(q_broadcast), int(contextual_len), cfg.name)
+        return out
+    spec = _spec_of(activation, causal, alpha, inv_n, block_size, window, q_broadcast, max_q_len, max_kv_len,
+                    contextual_len)
     # the launch plan, made (and the batch checked: _check_batch) once per batch and configuration
-    plan = _fwd_plan(q, k, v, attn_bias, q_offsets, kv_offsets, num_targets, spec, t_out)
-    return _GDPA.apply(q, k, v, attn_bias, (q_offsets, kv_offsets, num_targets, spec, t_out, plan))
+    t_out, plan = _plan_of(q, k, v, attn_bias, q_offsets, kv_offsets, num_targets, spec, cfg)
+    # the non-differentiable arguments travel as one tuple: autograd.Function.apply's cost grows per argument
+    return _GDPA.apply(q, k, v, attn_bias, (q_offsets, kv_offsets, num_targets, spec, t_out, cfg, plan))
 
 
 def jagged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
                             max_len: int, *, activation: str = "silu", causal: bool = True,
                             attn_bias: torch.Tensor | None = None, alpha: float | None = None,
-                            num_targets: torch.Tensor | None = None, contextual_len: int = 0) -> torch.Tensor:
+                            num_targets: torch.Tensor | None = None, contextual_len: int = 0,
+                            config: KernelConfig | None = None) -> torch.Tensor:
     """Jagged self-attention (JFA for softmax, HSTU for silu); signature of ``jagged_attention_ref``
-    plus ``contextual_len`` (bidirectional prefix of that many positions, see ``gdpa_triton``).
+    plus ``contextual_len`` (bidirectional prefix of that many positions) and ``config`` (see ``gdpa_triton``).
 
     q: [T, H, Dqk], k: [T, H, Dqk], v: [T, H, Dv]; offsets: [B+1] int64; max_len: host int >= every
     length, also the N of ``silu(alpha*qk + bias)/N``. attn_bias: optional float [B, n', n'] or
     [B, H, n', n'] (n' >= longest sequence), added to the scaled logits, differentiable.
-    num_targets: [B] int64 or None (causal only). Returns [T, H, Dv].
+    num_targets: [B] int64 or None (causal only). Returns [T, H, Dv]. Raises ValueError as gdpa_triton.
     """
     return gdpa_triton(q, k, v, offsets, offsets, max_len, max_len, activation=activation, causal=causal,
                        alpha=alpha, norm=float(max(max_len, 1)), num_targets=num_targets, attn_bias=attn_bias,
-                       contextual_len=contextual_len)
+                       contextual_len=contextual_len, config=config)
 
 
 def jagged_cross_attention_triton(q: torch.Tensor, q_offsets: torch.Tensor, k: torch.Tensor,
                                   v: torch.Tensor, kv_offsets: torch.Tensor, max_q_len: int,
                                   max_kv_len: int, *, activation: str = "softmax",
-                                  alpha: float | None = None) -> torch.Tensor:
+                                  alpha: float | None = None, config: KernelConfig | None = None) -> torch.Tensor:
     """Cross-attention: jagged q [Tq, H, Dqk] (offsets q_offsets [B+1]) against jagged k [Tk, H, Dqk],
     v [Tk, H, Dv] (kv_offsets [B+1]), non-causal; pointwise activations use N = max_kv_len.
 
@@ -1905,11 +1707,12 @@ def jagged_cross_attention_triton(q: torch.Tensor, q_offsets: torch.Tensor, k: t
     Returns [Tq, H, Dv]. Follows ``gemray.kernels.reference.jagged_cross_attention_ref``.
     """
     return gdpa_triton(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, activation=activation,
-                       causal=False, alpha=alpha)
+                       causal=False, alpha=alpha, config=config)
 
 
 def pma_triton(seeds: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_offsets: torch.Tensor,
-               max_kv_len: int, *, activation: str = "softmax", alpha: float | None = None) -> torch.Tensor:
+               max_kv_len: int, *, activation: str = "softmax", alpha: float | None = None,
+               config: KernelConfig | None = None) -> torch.Tensor:
     """Pooled multi-head attention: seeds [S, H, Dqk] (shared learned queries) against the jagged history
     k [T, H, Dqk], v [T, H, Dv] with kv_offsets [B+1]. Returns [B, S, H, Dv]; an empty history gives 0.
     Follows ``gemray.kernels.reference.pma_ref``.
@@ -1918,18 +1721,20 @@ def pma_triton(seeds: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_offsets
         raise ValueError(f"pma: seeds must be [S, H, D], got {tuple(seeds.shape)}")
     bsz = kv_offsets.numel() - 1
     s = seeds.shape[0]
-    # cached per kv_offsets object so that the work tables keyed on it are reused across calls
-    q_off = _cached((kv_offsets,), ("pma_q_off", s),
-                    lambda: torch.arange(bsz + 1, device=kv_offsets.device, dtype=torch.int64) * s)
+    if torch.compiler.is_compiling():
+        q_off = torch.arange(bsz + 1, device=kv_offsets.device, dtype=torch.int64) * s
+    else:  # cached per kv_offsets object so that the work tables keyed on it are reused across calls
+        q_off = _cached((kv_offsets,), ("pma_q_off", s),
+                        lambda: torch.arange(bsz + 1, device=kv_offsets.device, dtype=torch.int64) * s)
     out = gdpa_triton(seeds, k, v, q_off, kv_offsets, s, max_kv_len, activation=activation, causal=False,
-                      alpha=alpha, q_broadcast=True)
+                      alpha=alpha, q_broadcast=True, config=config)
     return out.view(bsz, s, seeds.shape[1], v.shape[2])
 
 
 def jagged_block_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
                                   max_len: int, *, block_size: int = 64, window: int = 0,
                                   activation: str = "softmax", causal: bool = True,
-                                  alpha: float | None = None) -> torch.Tensor:
+                                  alpha: float | None = None, config: KernelConfig | None = None) -> torch.Tensor:
     """Block-local self-attention: a query at position i sees keys j with j // block_size == i //
     block_size (or, with ``window`` > 0 instead, |i - j| < window), causal or not; cost is linear in
     the length. q/k: [T, H, Dqk], v: [T, H, Dv], offsets [B+1] int64. Pointwise activations use
@@ -1940,7 +1745,5 @@ def jagged_block_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     elif block_size <= 0:
         raise ValueError(f"block attention: block_size must be > 0, got {block_size}")
     return gdpa_triton(q, k, v, offsets, offsets, max_len, max_len, activation=activation, causal=causal,
-                       alpha=alpha, norm=float(max(max_len, 1)), block_size=block_size, window=window)
-
-
-knobs.track(__name__)  # every knob change makes new launch plans (kernels/knobs.py)
+                       alpha=alpha, norm=float(max(max_len, 1)), block_size=block_size, window=window,
+                       config=config)

@@ -50,20 +50,28 @@ The backward (dx, dweight, dbias) is slower than PyTorch's at N=16384 (0.2-0.6 m
 faster at N=65536, D=4096 (0.64 vs 0.94 ms layer; 0.58 vs 0.90 ms rms): not yet tuned.
 
 The PyTorch reference (``norm_quant_ref``, ``quantize_blocks_ref``) and the input checks live in
-``gemray.kernels.reference`` (importable without triton); they are re-exported here. Run the benchmark
-with ``python -m gemray.kernels.norm_quant`` on a CUDA machine.
+``gemray.kernels.reference`` (importable without triton); they are re-exported here. The benchmark is
+``gemray.bench.norm_quant.bench_norm_quant`` (``gemray bench kernels`` runs it on a CUDA machine).
+
+Custom ops (torch.library, namespace ``gemray``): ``gemray::norm_quant_fwd`` (-> y, y_fp8, scales, mean, rstd) and
+``gemray::norm_quant_bwd`` (-> dx, dweight, dbias), with fake (meta) implementations and the backward registered as
+the forward's autograd formula, so torch.compile and FakeTensor / meta tracing see through ``norm_quant``. Plain
+eager calls run the same launches through an autograd.Function instead of the dispatcher (the Python custom op's
+dispatch costs tens of microseconds per call, as much as the forward kernel at N=16384, D=1024), as
+``gemray.kernels._eager.plain_eager`` decides (the attention ops too).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+from typing import Optional
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ._eager import plain_eager
 from .reference import (  # noqa: F401  (re-exported: the spec lives in reference.py)
     NORM_QUANT_FP8_DTYPE as FP8_DTYPE,
     NORM_QUANT_FP8_MAX as FP8_MAX,
@@ -268,8 +276,77 @@ def _launch_bwd(dy, x, weight, has_bias, mean, rstd, kind):
     return dx, dw, db
 
 
+# ----------------------------------------------------------------------------------------------------------
+# Custom ops (gemray::norm_quant_fwd / gemray::norm_quant_bwd) and the eager autograd.Function
+# ----------------------------------------------------------------------------------------------------------
+@torch.library.custom_op("gemray::norm_quant_fwd", mutates_args=())
+def norm_quant_fwd_op(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], kind: str,
+                      eps: float, block_size: int, store_stats: bool) -> tuple[torch.Tensor, torch.Tensor,
+                                                                              torch.Tensor, torch.Tensor,
+                                                                              torch.Tensor]:
+    """The fused forward as a custom op (inputs validated by :func:`norm_quant`; x [N, D] with unit column
+    stride, weight / bias [D] contiguous or None). Returns (y [N, D] x.dtype, y_fp8 [N, D] float8_e4m3fn,
+    scales [N, D // block_size] fp32, mean [N] fp32, rstd [N] fp32); mean / rstd are empty [0] tensors unless
+    ``store_stats`` (what the backward needs), mean also for kind "rms" (which has none)."""
+    y, q, s, mean, rstd = _launch_fwd(x, weight, bias, kind, eps, block_size, store_stats)
+    if mean is None:  # outputs may not alias each other: two empty tensors
+        mean, rstd = x.new_empty((0,), dtype=torch.float32), x.new_empty((0,), dtype=torch.float32)
+    elif kind == "rms":  # the kernel writes no mean for RMSNorm: do not return uninitialized memory
+        mean = x.new_empty((0,), dtype=torch.float32)
+    return y, q, s, mean, rstd
+
+
+@norm_quant_fwd_op.register_fake
+def _norm_quant_fwd_fake(x, weight, bias, kind, eps, block_size, store_stats):
+    n, d = x.shape
+    stats = (n,) if store_stats else (0,)
+    return (torch.empty_like(x), x.new_empty((n, d), dtype=FP8_DTYPE),
+            x.new_empty((n, d // block_size), dtype=torch.float32),
+            x.new_empty(stats if kind == "layer" else (0,), dtype=torch.float32), x.new_empty(stats, dtype=torch.float32))
+
+
+@torch.library.custom_op("gemray::norm_quant_bwd", mutates_args=())
+def norm_quant_bwd_op(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor], mean: torch.Tensor,
+                      rstd: torch.Tensor, has_bias: bool, kind: str) -> tuple[torch.Tensor, torch.Tensor,
+                                                                              torch.Tensor]:
+    """The backward as a custom op: dy, x [N, D]; mean / rstd [N] fp32 from the forward. Returns (dx [N, D]
+    x.dtype, dweight [D] fp32 or an empty [0] tensor without weight, dbias [D] fp32 or an empty [0] tensor
+    without bias)."""
+    dx, dw, db = _launch_bwd(dy.contiguous(), x, weight, has_bias, mean, rstd, kind)
+    empty = x.new_empty((0,), dtype=torch.float32)
+    return dx, (dw if dw is not None else empty), (db if db is not None else empty.clone())
+
+
+@norm_quant_bwd_op.register_fake
+def _norm_quant_bwd_fake(dy, x, weight, mean, rstd, has_bias, kind):
+    d = x.shape[1]
+    f32 = dict(dtype=torch.float32)
+    return (torch.empty_like(x), x.new_empty((d,) if weight is not None else (0,), **f32),
+            x.new_empty((d,) if has_bias else (0,), **f32))
+
+
+def _nq_setup_context(ctx, inputs, output) -> None:
+    x, weight, bias, kind, eps, block_size, store_stats = inputs
+    _, q, s, mean, rstd = output
+    ctx.mark_non_differentiable(q, s, mean, rstd)
+    ctx.save_for_backward(x, weight, mean, rstd)
+    ctx.kind, ctx.has_bias = kind, bias is not None
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _nq_backward(ctx, dy, _dq, _ds, _dmean, _drstd):
+    x, weight, mean, rstd = ctx.saved_tensors
+    dx, dw, db = norm_quant_bwd_op(dy, x, weight, mean, rstd, ctx.has_bias, ctx.kind)
+    dw = None if weight is None else dw.to(weight.dtype)
+    db = None if not ctx.has_bias else db.to(ctx.bias_dtype)
+    return dx, dw, db, None, None, None, None
+
+
+norm_quant_fwd_op.register_autograd(_nq_backward, setup_context=_nq_setup_context)
+
+
 class NormQuantFunction(torch.autograd.Function):
-    """autograd wrapper: forward -> (y, y_fp8, scales); only ``y`` is differentiable."""
+    """The eager path (no dispatcher): forward -> (y, y_fp8, scales); only ``y`` is differentiable."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, kind, eps, block_size):
@@ -293,12 +370,17 @@ class NormQuantFunction(torch.autograd.Function):
 
 
 def norm_quant_triton(x, weight, bias=None, *, kind="layer", eps=1e-5, block_size=128):
-    """Triton forward+backward of :func:`norm_quant` (inputs already validated). See ``norm_quant``."""
+    """Triton forward+backward of :func:`norm_quant` (inputs already validated). See ``norm_quant``. Plain eager
+    calls go through NormQuantFunction, traced ones (torch.compile, FakeTensor, meta) through the custom ops."""
     if x.stride(1) != 1:
         x = x.contiguous()
     weight = None if weight is None else weight.contiguous()
     bias = None if bias is None else bias.contiguous()
-    return NormQuantFunction.apply(x, weight, bias, kind, eps, block_size)
+    if plain_eager(x, weight, bias):
+        return NormQuantFunction.apply(x, weight, bias, kind, eps, block_size)
+    store = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+    y, q, s, _, _ = norm_quant_fwd_op(x, weight, bias, kind, float(eps), int(block_size), store)
+    return y, q, s
 
 
 def norm_quant(
@@ -343,146 +425,3 @@ def norm_quant(
     if backend == "reference":
         return norm_quant_ref(x, weight, bias, kind=kind, eps=eps, block_size=block_size)
     return norm_quant_triton(x, weight, bias, kind=kind, eps=eps, block_size=block_size)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Benchmark (CUDA only): fused kernel vs F.layer_norm / F.rms_norm followed by a separate quantize pass
-# ----------------------------------------------------------------------------------------------------------
-def _useful_bytes(n: int, d: int, block_size: int, x_dtype: torch.dtype, has_bias: bool) -> int:
-    """Bytes the op must move: read x + weight (+ bias), write y + fp8 copy + scales."""
-    es = torch.empty((), dtype=x_dtype).element_size()
-    return n * d * es + d * es * (2 if has_bias else 1) + n * d * es + n * d + n * (d // block_size) * 4
-
-
-def bench_norm_quant(
-    shapes: tuple[tuple[int, int], ...] = ((16384, 1024), (16384, 4096), (65536, 1024), (65536, 4096)),
-    kinds: tuple[str, ...] = ("layer", "rms"),
-    *,
-    block_size: int = 128,
-    dtype: torch.dtype = torch.bfloat16,
-    eps: float = 1e-5,
-    copy_ceiling_gbs: float = 4200.0,
-    warps_sweep: tuple[int, ...] = (),
-    backward: bool = True,
-    compiled_baseline: bool = False,
-    print_table: bool = True,
-    device: str = "cuda",
-) -> list[dict]:
-    """Time the fused norm+quantize kernel against an unfused PyTorch pipeline on the current CUDA device.
-
-    For each kind ("layer": weight+bias; "rms": weight) and (N, D) in ``shapes``, with x [N, D] ``dtype``
-    (random normal), times with ``triton.testing.do_bench`` (median, ms; L2 flushed between runs):
-
-    * ``ms_fused``: the Triton forward kernel alone (no autograd, stats not stored);
-    * ``ms_fused_api``: the public ``norm_quant(..., backend="triton")`` (validation + autograd overhead);
-    * ``ms_unfused``: ``F.layer_norm`` / ``F.rms_norm`` then ``quantize_blocks_ref`` (eager PyTorch:
-      amax per block, scale, cast);
-    * ``ms_unfused_compiled`` (if ``compiled_baseline``): the quantize pass under ``torch.compile``;
-    * ``ms_bwd_fused`` / ``ms_bwd_torch`` (if ``backward``): dx, dweight, dbias of the Triton backward vs
-      autograd through ``F.layer_norm`` / ``F.rms_norm``;
-    * ``num_warps`` / ``ms_w<k>`` for each k in ``warps_sweep`` (forward kernel at other warp counts).
-
-    GB/s counts useful bytes only (read x + weight (+ bias), write y + fp8 + scales; see ``_useful_bytes``),
-    ``pct_ceiling`` is the fused GB/s over ``copy_ceiling_gbs`` (4.2 TB/s device-to-device copy measured on
-    the H200, ../shared/NOTES.md), ``speedup`` = ms_unfused / ms_fused. Correctness is checked first:
-    ``max_abs_err_y`` vs the unfused y and ``fp8_match`` = fraction of identical fp8 bytes.
-
-    Returns one dict per (kind, N, D) and prints a table. Raises RuntimeError if ``device`` is "cuda" and
-    none is available (``device="cpu"`` only makes sense under TRITON_INTERPRET=1, for smoke tests).
-    """
-    from triton.testing import do_bench
-
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("bench_norm_quant needs a CUDA device")
-    quant_compiled = torch.compile(quantize_blocks_ref, dynamic=True) if compiled_baseline else None
-    rows = []
-    for kind in kinds:
-        for n, d in shapes:
-            g = torch.Generator(device=dev).manual_seed(0)
-            x = torch.randn(n, d, device=dev, dtype=dtype, generator=g)
-            w = (1 + 0.1 * torch.randn(d, device=dev, generator=g)).to(dtype)
-            b = (0.1 * torch.randn(d, device=dev, generator=g)).to(dtype) if kind == "layer" else None
-
-            def unfused(quant=quantize_blocks_ref):
-                if kind == "layer":
-                    y = F.layer_norm(x, (d,), w, b, eps)
-                else:
-                    y = F.rms_norm(x, (d,), w, eps)
-                return (y, *quant(y, block_size))
-
-            def fused(num_warps=None):
-                return _launch_fwd(x, w, b, kind, eps, block_size, False, num_warps)[:3]
-
-            y, q, s = fused()
-            yu, qu, su = unfused()
-            row = {
-                "kind": kind, "N": n, "D": d, "dtype": str(dtype).replace("torch.", ""),
-                "block_size": block_size,
-                "max_abs_err_y": (y.float() - yu.float()).abs().max().item(),
-                "fp8_match": (q.view(torch.uint8) == qu.view(torch.uint8)).float().mean().item(),
-                "num_warps": _fwd_num_warps(d),
-            }
-            del y, q, s, yu, qu, su
-            nbytes = _useful_bytes(n, d, block_size, dtype, b is not None)
-            row["ms_fused"] = do_bench(fused, return_mode="median")
-            row["ms_fused_api"] = do_bench(
-                lambda: norm_quant(x, w, b, kind=kind, eps=eps, block_size=block_size, backend="triton"),
-                return_mode="median")
-            row["ms_unfused"] = do_bench(unfused, return_mode="median")
-            if quant_compiled is not None:
-                try:
-                    unfused(quant_compiled)
-                    row["ms_unfused_compiled"] = do_bench(lambda: unfused(quant_compiled), return_mode="median")
-                except Exception as exc:  # report, don't lose the other numbers
-                    log.warning("compiled baseline failed for %s N=%d D=%d: %s", kind, n, d, exc)
-            row["GB/s_fused"] = nbytes / row["ms_fused"] / 1e6
-            row["GB/s_unfused"] = nbytes / row["ms_unfused"] / 1e6
-            row["pct_ceiling"] = 100.0 * row["GB/s_fused"] / copy_ceiling_gbs
-            row["speedup"] = row["ms_unfused"] / row["ms_fused"]
-            if "ms_unfused_compiled" in row:
-                row["speedup_vs_compiled"] = row["ms_unfused_compiled"] / row["ms_fused"]
-            for nw in warps_sweep:
-                row[f"ms_w{nw}"] = do_bench(lambda nw=nw: fused(nw), return_mode="median")
-            if backward:
-                params = [t.detach().requires_grad_(True) for t in (x, w, b) if t is not None]
-                xp, wp = params[0], params[1]
-                bp = params[2] if len(params) > 2 else None
-                dy = torch.randn(n, d, device=dev, dtype=dtype, generator=g)
-                yf = norm_quant(xp, wp, bp, kind=kind, eps=eps, block_size=block_size, backend="triton")[0]
-                yt = F.layer_norm(xp, (d,), wp, bp, eps) if kind == "layer" else F.rms_norm(xp, (d,), wp, eps)
-                gf = torch.autograd.grad(yf, params, dy, retain_graph=True)
-                gt = torch.autograd.grad(yt, params, dy, retain_graph=True)
-                row["bwd_max_rel_err"] = max(
-                    ((a.float() - c.float()).abs().max() / c.float().abs().max().clamp_min(1e-12)).item()
-                    for a, c in zip(gf, gt))
-                row["ms_bwd_fused"] = do_bench(
-                    lambda: torch.autograd.grad(yf, params, dy, retain_graph=True), return_mode="median")
-                row["ms_bwd_torch"] = do_bench(
-                    lambda: torch.autograd.grad(yt, params, dy, retain_graph=True), return_mode="median")
-                del yf, yt, gf, gt, params, xp, wp, bp, dy
-            rows.append(row)
-            log.info("bench_norm_quant row: %s", row)
-            del x, w, b
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
-    if print_table:
-        _print_table(rows)
-    return rows
-
-
-def _print_table(rows: list[dict]) -> None:
-    keys = []
-    for r in rows:
-        keys += [k for k in r if k not in keys]
-    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731
-    cells = [[fmt(r.get(k, "")) for k in keys] for r in rows]
-    widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
-    print(" | ".join(k.rjust(wd) for k, wd in zip(keys, widths)))
-    for c in cells:
-        print(" | ".join(v.rjust(wd) for v, wd in zip(c, widths)))
-
-
-if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO)
-    bench_norm_quant()

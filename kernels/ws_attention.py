@@ -1,7 +1,7 @@
 """Warp-specialized jagged flash attention for Hopper (sm_90), written in Gluon.
 
 Triton 3.6 cannot split its attention loops into producer / consumer warps on Hopper (its automatic warp
-specialization fails or is ignored on them: kernels/NOTES.md "Runs 7-10", "Run 11"). Gluon
+specialization fails or is ignored on them: the kernel run reports (benchmarks/reports/kernels_h200_*.md) "Runs 7-10", "Run 11"). Gluon
 (``triton.experimental.gluon``, shipped with Triton) exposes the pieces directly: TMA copies, mbarriers,
 asynchronous warpgroup MMAs and ``gl.warp_specialize``. This module builds the softmax forward the
 FlashAttention-3 way (Shah et al., 2024, "FlashAttention-3: Fast and Accurate Attention with Asynchrony and
@@ -43,20 +43,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from gemray.kernels import knobs
-
-# Per regime: whether the softmax forward runs this kernel, and its (consumer warpgroups, BLOCK_N, STAGES,
-# ping-pong between the two consumers, persistent grid). Runs 28-30 (H200, deploy/h200/ab_ws.py, kernels/NOTES.md
-# "Runs 28-38"):
-# with two consumer warpgroups, 128-key tiles and two stages the forward takes 0.423-0.427 vs 0.522 ms (Triton)
-# on uniform B=128 N=1024 (long), 2.34-2.52 vs 2.66-2.69 ms (graph replays) on uniform B=64 N=4096 (xlong),
-# 0.331-0.332 vs 0.379-0.381 ms on heavy B=256 N=4096 (medium); on the short heavy B=128 N=1024 batch it loses
-# (0.052 vs 0.045 ms device time), so off there. One consumer warpgroup (255 registers, one CTA per SM) lost
-# everywhere; 64-key tiles and the ping-pong schedule did not win consistently (run 30), nor a persistent grid (one
-# program per SM looping over the items; run 37: 0.351 vs 0.330 ms on heavy B=256 N=4096), so all three are off.
-WS_FWD: dict[str, bool] = {"short": False, "medium": True, "long": True, "xlong": True}
-WS_FWD_TILES: dict[str, tuple[int, int, int, bool, bool]] = {
-    r: (2, 128, 2, False, False) for r in ("short", "medium", "long", "xlong")}
+# Where this forward runs and with which tiles is part of gemray.kernels.config.KernelConfig (per regime: ws_fwd,
+# ws_tiles = (consumer warpgroups, BLOCK_N, STAGES, ping-pong between the two consumers, persistent grid)). Runs
+# 28-30 (H200, the kernel run reports (benchmarks/reports/kernels_h200_*.md) "Runs 28-38"): with two consumer warpgroups, 128-key tiles and
+# two stages the forward takes 0.423-0.427 vs 0.522 ms (Triton) on uniform B=128 N=1024 (long), 2.34-2.52 vs
+# 2.66-2.69 ms (graph replays) on uniform B=64 N=4096 (xlong), 0.331-0.332 vs 0.379-0.381 ms on heavy B=256 N=4096
+# (medium); on the short heavy B=128 N=1024 batch it loses (0.052 vs 0.045 ms device time), so off there. One
+# consumer warpgroup (255 registers, one CTA per SM) lost everywhere; 64-key tiles and the ping-pong schedule did
+# not win consistently (run 30), nor a persistent grid (one program per SM looping over the items; run 37: 0.351 vs
+# 0.330 ms on heavy B=256 N=4096), so all three are off by default.
 _ROWS = 64  # query rows per consumer warpgroup (a wgmma's M)
 
 
@@ -330,7 +325,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
     """Launch the forward on one work table.
 
     q: [Tq, H, D], k / v: [Tk, H, D] (bf16 or fp16, ``eligible``); o: [Tq, H, D] output (written where
-    rows exist); lse: [>=1, H, Tq] fp32, row 0 written (base 2); q_off / kv_off: [B+1] int64; table:
+    rows exist); lse: [H, Tq] fp32 (base 2, row stride Tq); q_off / kv_off: [B+1] int64; table:
     [items] int32 from ``jagged_attention._q_table`` with BLOCK_M = 64 * tiles[0]; n_tiles_q: its tiles
     per sequence; alpha: score scale (> 0); tiles: (consumer warpgroups 1 | 2, BLOCK_N, STAGES, ping-pong,
     persistent: one program per SM looping over the items instead of one program per item).
@@ -341,7 +336,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
     grid = min(total, _num_sms(q.device)) if persistent else total
     _ws_fwd[(grid,)](
         _desc(q, _ROWS), _desc(k, block_n), _desc(v, block_n), o, lse, q_off, kv_off, table,
-        o.stride(0), o.stride(1), lse.stride(1), alpha * 1.4426950408889634, n_tiles_q, table.numel(), total,
+        o.stride(0), o.stride(1), lse.stride(0), alpha * 1.4426950408889634, n_tiles_q, table.numel(), total,
         CAUSAL=causal, NUM_WG=num_wg, BLOCK_N=block_n, HEAD_D=d, STAGES=stages, PINGPONG=bool(pingpong),
         num_warps=4)
 
@@ -356,7 +351,4 @@ def block_m(tiles: tuple) -> int:
     return _ROWS * tiles[0]
 
 
-__all__ = ["WS_FWD", "WS_FWD_TILES", "block_m", "eligible", "forward", "supports"]
-
-
-knobs.track(__name__)  # every knob change makes new launch plans (kernels/knobs.py)
+__all__ = ["block_m", "eligible", "forward", "supports"]

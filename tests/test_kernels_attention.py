@@ -19,6 +19,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from gemray.kernels import reference as ref  # noqa: E402
+from gemray.kernels.config import DEFAULT, KernelConfig, TileSet  # noqa: E402
 from gemray.kernels.jagged_attention import (  # noqa: E402
     _work_table, gdpa_triton, jagged_attention_triton, jagged_block_attention_triton,
     jagged_cross_attention_triton, pma_triton)
@@ -231,84 +232,67 @@ def test_block_attention_matches_reference(activation, mode):
 @cpu_only
 @pytest.mark.parametrize("tiles", [(16, 32, 4, 1), (32, 16, 4, 1)])
 @pytest.mark.parametrize("activation", ["softmax", "silu"])
-def test_unequal_tiles(monkeypatch, tiles, activation):
+def test_unequal_tiles(tiles, activation):
     """BLOCK_M != BLOCK_N: the causal/target tile ranges must still cover every valid pair exactly once."""
-    from gemray.kernels import jagged_attention as ja
-
-    monkeypatch.setattr(ja, "_INTERPRET_TILES", tiles)
+    cfg = DEFAULT.replace(interpret_tiles=TileSet.uniform(tiles))
     torch.manual_seed(8)
     lengths = [0, 1, 33, 70, 17]
     off = _offsets(lengths)
     nt = torch.tensor([0, 1, 5, 20, 0])
     t = int(off[-1])
     q, k, v = _leaf(t, 2, 16), _leaf(t, 2, 16), _leaf(t, 2, 16)
-    _check(lambda a, b, c: jagged_attention_triton(a, b, c, off, 70, activation=activation, num_targets=nt),
+    _check(lambda a, b, c: jagged_attention_triton(a, b, c, off, 70, activation=activation, num_targets=nt,
+                                                   config=cfg),
            lambda a, b, c: ref.jagged_attention_ref(a, b, c, off, 70, activation=activation, num_targets=nt),
            (q, k, v), 1e-4)
     _check(lambda a, b, c: jagged_attention_triton(a, b, c, off, 70, activation=activation, num_targets=nt,
-                                                   contextual_len=19),
+                                                   contextual_len=19, config=cfg),
            lambda a, b, c: ref.jagged_contextual_attention_ref(a, b, c, off, 70, contextual_len=19,
                                                                activation=activation, num_targets=nt),
            (q, k, v), 1e-4)
 
 
-# (activation, one launch, delta inline, atomic dQ, heads inner, TMA loads, query-rows dK/dV): every launch mode
-# the sweep can pick
+# (activation, heads inner, TMA loads, dS stored): the launch modes the sweep can pick, each with softmax and a
+# pointwise activation
 _F = False
-BWD_MODES = [("softmax", _F, _F, _F, _F, _F, _F), ("softmax", True, _F, _F, _F, _F, _F),
-             ("softmax", _F, True, _F, _F, _F, _F), ("softmax", True, True, _F, _F, _F, _F),
-             ("silu", _F, _F, _F, _F, _F, _F), ("silu", True, _F, _F, _F, _F, _F),
-             ("softmax", _F, _F, True, _F, _F, _F), ("softmax", _F, True, True, _F, _F, _F),
-             ("silu", _F, _F, True, _F, _F, _F), ("softmax", _F, _F, _F, True, _F, _F),
-             ("silu", _F, _F, _F, True, _F, _F), ("softmax", True, _F, _F, True, _F, _F),
-             ("softmax", _F, _F, True, True, _F, _F), ("softmax", _F, _F, _F, _F, True, _F),
-             ("silu", _F, _F, _F, _F, True, _F), ("softmax", _F, _F, _F, True, True, _F),
-             ("softmax", True, _F, _F, _F, True, _F), ("softmax", _F, _F, True, _F, True, _F),
-             ("softmax", _F, _F, _F, _F, _F, True), ("silu", _F, _F, _F, _F, _F, True),
-             ("gelu", _F, _F, _F, _F, _F, True), ("softmax", True, _F, _F, _F, _F, True),
-             ("softmax", _F, True, _F, _F, _F, True), ("softmax", _F, _F, _F, True, True, True)]
+BWD_MODES = [("softmax", _F, _F, _F), ("silu", _F, _F, _F), ("softmax", True, _F, _F), ("silu", True, _F, _F),
+             ("softmax", _F, True, _F), ("silu", _F, True, _F), ("softmax", True, True, _F),
+             ("softmax", _F, _F, True), ("silu", _F, _F, True), ("gelu", _F, _F, True), ("softmax", _F, True, True),
+             ("softmax", True, True, True)]
 
 
-def _set_bwd_mode(monkeypatch, fused, inline, atomic, inner=False, tma=False, qrows=False, ds=False):
-    from gemray.kernels import jagged_attention as ja
-
-    monkeypatch.setattr(ja, "DS_STORE", {r: ds for r in ja.DS_STORE})
-    monkeypatch.setattr(ja, "FUSED_BWD", {r: fused for r in ja.FUSED_BWD})
-    monkeypatch.setattr(ja, "DELTA_INLINE", {r: inline for r in ja.DELTA_INLINE})
-    monkeypatch.setattr(ja, "ATOMIC_DQ", {r: atomic for r in ja.ATOMIC_DQ})
-    monkeypatch.setattr(ja, "HEADS_INNER", {r: inner for r in ja.HEADS_INNER})
-    monkeypatch.setattr(ja, "TMA_LOADS", {r: tma for r in ja.TMA_LOADS})
-    monkeypatch.setattr(ja, "DKDV_QROWS", {r: qrows for r in ja.DKDV_QROWS})
+def _mode_config(inner: bool, tma: bool, ds: bool, base: KernelConfig = DEFAULT,
+                 tiles: tuple = (16, 32, 4, 1)) -> KernelConfig:
+    """``base`` with the same launch mode in every regime (the dS scratch filled with NaN when ``ds``: an entry
+    read without being written makes dQ non-finite) and ``tiles`` under the interpreter (unequal, so that key and
+    query tiles differ)."""
+    cfg = base.with_all_regimes(heads_inner=inner, tma_loads=tma, ds_store=ds)
+    return cfg.replace(ds_scratch_nan=ds, interpret_tiles=TileSet.uniform(tiles))
 
 
 @cpu_only
-@pytest.mark.parametrize("activation,fused,inline,atomic,inner,tma,qrows", BWD_MODES)
-def test_backward_launch_modes(monkeypatch, activation, fused, inline, atomic, inner, tma, qrows):
-    """The backward as two launches (dQ, which writes softmax's delta, then dK/dV), one merged launch
-    (FUSED_BWD) or one dK/dV launch with atomic dQ (ATOMIC_DQ), with delta from its own launch or computed
-    inline (DELTA_INLINE, softmax), each with the (items, H) or the heads-inner (items * H,) grid
-    (HEADS_INNER, forward too), and tile loads by pointers or through tensor descriptors (TMA_LOADS, forward
-    too), and the dK/dV step key-rows-first or query-rows-first (DKDV_QROWS), matches the reference: targets +
-    bias (dbias) + unequal tiles (self), cross-attention and PMA."""
-    from gemray.kernels import jagged_attention as ja
-
-    _set_bwd_mode(monkeypatch, fused, inline, atomic, inner, tma, qrows)
-    monkeypatch.setattr(ja, "_INTERPRET_TILES", (16, 32, 4, 1))
+@pytest.mark.parametrize("activation,inner,tma,ds", BWD_MODES)
+def test_backward_launch_modes(activation, inner, tma, ds):
+    """The backward as two launches (dQ, which writes softmax's delta, then dK/dV) or with dS stored by the dK/dV
+    launch and dQ = dS K from it (ds_store; softmax's delta from its own launch), each with the (items, H) or the
+    heads-inner (items * H,) grid (heads_inner, forward too), and tile loads by pointers or through tensor
+    descriptors (tma_loads, forward too), matches the reference: targets + bias (dbias) + unequal tiles (self),
+    cross-attention and PMA."""
     torch.manual_seed(14)
-    _check_mode_cases(activation)
+    _check_mode_cases(activation, config=_mode_config(inner, tma, ds))
 
 
-def _check_mode_cases(activation: str, extra=None) -> None:
+def _check_mode_cases(activation: str, extra=None, config: KernelConfig | None = None) -> None:
     """The backward-mode tests' cases, float32 against the reference (1e-4): self-attention with targets and a
     per-sequence bias (dbias), ``extra(off, nt, q, k, v)`` (more self-attention checks on the same batch),
-    cross-attention and PMA, on lengths [0, 1, 33, 70, 17] (H=2, Dqk 16, Dv 8)."""
+    cross-attention and PMA, on lengths [0, 1, 33, 70, 17] (H=2, Dqk 16, Dv 8), all with ``config``."""
     lengths = [0, 1, 33, 70, 17]
     off = _offsets(lengths)
     nt = torch.tensor([0, 1, 5, 20, 0])
     t = int(off[-1])
     q, k, v, bias = _leaf(t, 2, 16), _leaf(t, 2, 16), _leaf(t, 2, 8), _leaf(len(lengths), 72, 72)
     _check(lambda a, b, c, e: jagged_attention_triton(a, b, c, off, 70, activation=activation, num_targets=nt,
-                                                      attn_bias=e),
+                                                      attn_bias=e, config=config),
            lambda a, b, c, e: ref.jagged_attention_ref(a, b, c, off, 70, activation=activation, num_targets=nt,
                                                        attn_bias=e),
            (q, k, v, bias), 1e-4)
@@ -316,55 +300,56 @@ def _check_mode_cases(activation: str, extra=None) -> None:
         extra(off, nt, q, k, v)
     qo = _offsets([3, 0, 40, 1, 2])
     qc = _leaf(int(qo[-1]), 2, 16)
-    _check(lambda a, b, c: jagged_cross_attention_triton(a, qo, b, c, off, 40, 70, activation=activation),
+    _check(lambda a, b, c: jagged_cross_attention_triton(a, qo, b, c, off, 40, 70, activation=activation,
+                                                         config=config),
            lambda a, b, c: ref.jagged_cross_attention_ref(a, qo, b, c, off, 40, 70, activation=activation),
            (qc, k, v), 1e-4)
-    _check(lambda a, b, c: pma_triton(a, b, c, off, 70, activation=activation),
+    _check(lambda a, b, c: pma_triton(a, b, c, off, 70, activation=activation, config=config),
            lambda a, b, c: ref.pma_ref(a, b, c, off, 70, activation=activation), (_leaf(3, 2, 16), k, v), 1e-4)
 
 
 @cpu_only
-@pytest.mark.parametrize("activation,causal,inline", [("softmax", True, False), ("softmax", False, True),
-                                                      ("silu", True, False), ("gelu", False, False)])
-def test_atomic_dq_random_jagged_batches(monkeypatch, activation, causal, inline):
-    """ATOMIC_DQ (dQ accumulated by the dK/dV programs with fp32 atomic adds): forward and dq/dk/dv match
-    the float32 reference (rel err < 1e-3) on random jagged batches that include empty and length-1
-    sequences, with unequal dK/dV tiles so that several key tiles add into the same dQ rows."""
-    _set_bwd_mode(monkeypatch, False, inline, True)
-    from gemray.kernels import jagged_attention as ja
-
-    monkeypatch.setattr(ja, "_INTERPRET_TILES", (16, 32, 4, 1))
+@pytest.mark.parametrize("activation,causal,ds", [("softmax", True, False), ("softmax", False, True),
+                                                  ("silu", True, True), ("gelu", False, False)])
+def test_random_jagged_batches(activation, causal, ds):
+    """Forward and dq/dk/dv match the float32 reference (rel err < 1e-3) on random jagged batches that include
+    empty and length-1 sequences and one of the maximal length, with unequal tiles, for the recomputing and the
+    dS-storing backward."""
+    cfg = _mode_config(False, False, ds)
     for seed in (0, 1, 2):
         g = torch.Generator().manual_seed(seed)
         lengths = torch.randint(0, 60, (6,), generator=g).tolist() + [0, 1]
+        n = max(lengths) + 4
+        lengths.append(n)
         lengths = [lengths[i] for i in torch.randperm(len(lengths), generator=g).tolist()]
-        n = max(lengths)
         off = _offsets(lengths)
         t = int(off[-1])
         torch.manual_seed(seed)
         q, k, v = _leaf(t, 2, 16), _leaf(t, 2, 16), _leaf(t, 2, 24)
-        _check(lambda a, b, c: jagged_attention_triton(a, b, c, off, n, activation=activation, causal=causal),
+        _check(lambda a, b, c: jagged_attention_triton(a, b, c, off, n, activation=activation, causal=causal,
+                                                       config=cfg),
                lambda a, b, c: ref.jagged_attention_ref(a, b, c, off, n, activation=activation, causal=causal),
                (q, k, v), 1e-3)
 
 
-def _ds_store_on(monkeypatch, tiles: dict | None = None) -> list:
-    """DS_STORE on in every regime with its scratch filled with NaN (an unwritten entry read without its mask
-    makes dQ non-finite); optional per-kind tiles under the interpreter. Returns the list of buffers made."""
+def _new_bwd_plans(cfg: KernelConfig, seen: set) -> list:
+    """The backward plans made under ``cfg`` that are not in ``seen`` (ids), read from the launch-plan cache."""
     from gemray.kernels import jagged_attention as ja
 
-    monkeypatch.setattr(ja, "DS_STORE", {r: True for r in ja.DS_STORE})
-    made = []
+    out = []
+    for key, (_, plan) in list(ja._CACHE.items()):
+        if key[0] == "fwd plan" and key[1] == cfg.name:
+            out += [bp for bp in plan.bwd.values() if id(bp) not in seen]
+    seen.update(id(bp) for bp in out)
+    return out
 
-    def nan_buffer(shape, like):
-        made.append(shape)
-        return torch.full(shape, float("nan"), dtype=like.dtype, device=like.device)
 
-    monkeypatch.setattr(ja, "_ds_buffer", nan_buffer)
-    if tiles:
-        plain = ja._tiles
-        monkeypatch.setattr(ja, "_tiles", lambda kind, *a, **kw: tiles.get(kind) or plain(kind, *a, **kw))
-    return made
+def _ds_config(tiles: dict | None = None) -> KernelConfig:
+    """ds_store on in every regime with its scratch filled with NaN; optional per-kind tiles under the interpreter."""
+    cfg = _mode_config(False, False, True, tiles=(16, 16, 4, 1))
+    for kind, tile in (tiles or {}).items():
+        cfg = cfg.replace(interpret_tiles=cfg.interpret_tiles.with_tile(kind, tile, 64))
+    return cfg
 
 
 # DS_STORE's dK/dV tiles (query step, key tile) and dQ-from-dS tiles (query tile, key step): equal, and the dQ tiles
@@ -378,128 +363,70 @@ DS_TILES = [{"dkdv_ds": (16, 16, 4, 1), "dq_ds": (16, 16, 4, 1)},
 @cpu_only
 @pytest.mark.parametrize("tiles", range(len(DS_TILES)))
 @pytest.mark.parametrize("activation", ["softmax", "silu", "gelu"])
-def test_ds_store_matches_reference(monkeypatch, tiles, activation):
-    """DS_STORE (dK/dV launch stores dS^T, dQ = dS K from it): forward and dq/dk/dv (and dbias) match the
+def test_ds_store_matches_reference(tiles, activation):
+    """ds_store (dK/dV launch stores dS^T, dQ = dS K from it): forward and dq/dk/dv (and dbias) match the
     float32 reference with targets + bias, the contextual prefix, cross-attention, PMA and non-causal rows,
-    on batches with empty, length-1 and one long sequence; the scratch starts as NaN, so an entry read
-    without being written fails the test."""
-    made = _ds_store_on(monkeypatch, DS_TILES[tiles])
+    on batches with empty, length-1 and one long sequence; the scratch starts as NaN (ds_scratch_nan), so an
+    entry read without being written fails the test."""
+    cfg = _ds_config(DS_TILES[tiles])
+    seen: set = set()
+    _new_bwd_plans(cfg, seen)
     torch.manual_seed(30 + tiles)
 
     def contextual_and_full(off, nt, q, k, v):
+        made = [bp.ds_shape for bp in _new_bwd_plans(cfg, seen)]
         assert made == [(2, q.shape[0], 128)], made  # H, Tk, W = max_q_len 70 rounded up to 64
         _check(lambda a, b, c: jagged_attention_triton(a, b, c, off, 70, activation=activation, num_targets=nt,
-                                                       contextual_len=19),
+                                                       contextual_len=19, config=cfg),
                lambda a, b, c: ref.jagged_contextual_attention_ref(a, b, c, off, 70, contextual_len=19,
                                                                    activation=activation, num_targets=nt),
                (q, k, v), 1e-4)
-        _check(lambda a, b, c: jagged_attention_triton(a, b, c, off, 70, activation=activation, causal=False),
+        _check(lambda a, b, c: jagged_attention_triton(a, b, c, off, 70, activation=activation, causal=False,
+                                                       config=cfg),
                lambda a, b, c: ref.jagged_attention_ref(a, b, c, off, 70, activation=activation, causal=False),
                (q, k, v), 1e-4)
 
-    _check_mode_cases(activation, contextual_and_full)
-    assert len(made) == 5
+    _check_mode_cases(activation, contextual_and_full, config=cfg)
+    assert all(bp.ds_shape is not None for bp in _new_bwd_plans(cfg, seen))
 
 
 @cpu_only
 def test_ds_store_falls_back_where_it_does_not_apply(monkeypatch):
-    """Block attention, a buffer over DS_MAX_BYTES, and a buffer that cannot be allocated take the recomputing
+    """Block attention, a buffer over ds_max_bytes, and a buffer that cannot be allocated take the recomputing
     backward (no scratch), with the same results."""
     from gemray.kernels import jagged_attention as ja
 
-    made = _ds_store_on(monkeypatch)
     torch.manual_seed(33)
     off = _offsets([0, 1, 33, 70, 17])
     t = int(off[-1])
     q, k, v = _leaf(t, 2, 16), _leaf(t, 2, 16), _leaf(t, 2, 16)
-    _check(lambda a, b, c: jagged_block_attention_triton(a, b, c, off, 70, block_size=16, activation="softmax"),
+    cap = 2 * t * 128 * 4  # H * Tk * W * itemsize of this batch's scratch
+
+    def run(cfg):
+        seen = {id(bp) for bp in _new_bwd_plans(cfg, set())}
+        _check(lambda a, b, c: jagged_attention_triton(a, b, c, off, 70, activation="softmax", config=cfg),
+               lambda a, b, c: ref.jagged_attention_ref(a, b, c, off, 70, activation="softmax"), (q, k, v), 1e-4)
+        return [bp.ds_shape for bp in _new_bwd_plans(cfg, seen)]
+
+    cfg = _ds_config()
+    seen = {id(bp) for bp in _new_bwd_plans(cfg, set())}
+    _check(lambda a, b, c: jagged_block_attention_triton(a, b, c, off, 70, block_size=16, activation="softmax",
+                                                         config=cfg),
            lambda a, b, c: ref.jagged_block_attention_ref(a, b, c, off, 70, block_size=16, activation="softmax"),
            (q, k, v), 1e-4)
-    assert made == []
-    monkeypatch.setattr(ja, "DS_MAX_BYTES", 2 * t * 128 * 4 - 1)
-    _check(lambda a, b, c: jagged_attention_triton(a, b, c, off, 70, activation="softmax"),
-           lambda a, b, c: ref.jagged_attention_ref(a, b, c, off, 70, activation="softmax"), (q, k, v), 1e-4)
-    assert made == []
-    monkeypatch.setattr(ja, "DS_MAX_BYTES", 2 * t * 128 * 4)
-    _check(lambda a, b, c: jagged_attention_triton(a, b, c, off, 70, activation="softmax"),
-           lambda a, b, c: ref.jagged_attention_ref(a, b, c, off, 70, activation="softmax"), (q, k, v), 1e-4)
-    assert made == [(2, t, 128)]
+    assert [bp.ds_shape for bp in _new_bwd_plans(cfg, seen)] == [None]
+    assert run(cfg.replace(ds_max_bytes=cap - 1)) == [None]
+    assert run(cfg.replace(ds_max_bytes=cap)) == [(2, t, 128)]
 
-    def no_memory(shape, like):
-        made.append("refused")
+    refused = []
+
+    def no_memory(shape, like, nan=False):  # a stand-in allocator: under the caps, but the allocation fails
+        refused.append(shape)
         raise torch.OutOfMemoryError("test: out of memory")
 
-    monkeypatch.setattr(ja, "_ds_buffer", no_memory)  # under the caps, but the allocation fails: recompute
-    _check(lambda a, b, c: jagged_attention_triton(a, b, c, off, 70, activation="softmax"),
-           lambda a, b, c: ref.jagged_attention_ref(a, b, c, off, 70, activation="softmax"), (q, k, v), 1e-4)
-    assert made == [(2, t, 128), "refused"]
-
-
-@cpu_only
-@pytest.mark.parametrize("activation", ["softmax", "silu"])
-def test_length_classes_match_reference(monkeypatch, activation):
-    """SPLIT_LEN: sequences of >= 20 tokens run in launches of their own, with the launch mode of their
-    length's regime (heads-inner grid and TMA loads here), the rest with the batch regime's (neither); every
-    launch of both classes writes its rows of o / lse / delta / dq / dk / dv: forward and gradients match the
-    reference (targets + bias + a contextual prefix included), and each kernel is launched once per class."""
-    from gemray.kernels import jagged_attention as ja
-
-    monkeypatch.setattr(ja, "REGIME_MEAN_LEN", (8, 20, 32))  # batch mean 18 -> "medium", length 20 -> "long"
-    monkeypatch.setattr(ja, "SPLIT_LEN", {r: 20 if r == "medium" else 0 for r in ja.SPLIT_LEN})
-    monkeypatch.setattr(ja, "DS_STORE", {r: False for r in ja.DS_STORE})  # classes use the two-launch backward
-    monkeypatch.setattr(ja, "HEADS_INNER", {r: r == "long" for r in ja.HEADS_INNER})
-    monkeypatch.setattr(ja, "TMA_LOADS", {r: r == "long" for r in ja.TMA_LOADS})
-    monkeypatch.setattr(ja, "_INTERPRET_TILES", (16, 32, 4, 1))
-    spec = ja._spec(0, True, 1.0, 1.0, 0, 0, False, 70, 70, 0)
-    assert ja._classes(spec, "medium", True) == (("long", 20, 0), ("medium", 0, 20))
-    assert ja._classes(spec, "medium", False) == (("medium", 0, 0),)  # cross-attention: one class
-    assert ja._classes(ja._spec(0, True, 1.0, 1.0, 0, 0, False, 19, 19, 0), "medium", True) == (("medium", 0, 0),)
-    launches = {"fwd": [], "bwd": []}
-    for name, key in (("_gdpa_fwd", "fwd"), ("_gdpa_bwd", "bwd")):
-        kern = getattr(ja, name)
-
-        class Spy:
-            def __getitem__(self, grid, kern=kern, key=key):
-                def run(*args, **kw):
-                    launches[key].append((len(grid), kw.get("HEADS_INNER"), kw.get("TMA"), kw.get("PART")))
-                    return kern[grid](*args, **kw)
-                return run
-        monkeypatch.setattr(ja, name, Spy())
-    torch.manual_seed(21)
-    lengths = [0, 1, 33, 70, 17, 20, 19, 2, 0]
-    off = _offsets(lengths)
-    nt = torch.tensor([0, 1, 5, 20, 0, 3, 2, 1, 0])
-    t = int(off[-1])
-    q, k, v, bias = _leaf(t, 2, 16), _leaf(t, 2, 16), _leaf(t, 2, 16), _leaf(len(lengths), 72, 72)
-    checks = [(lambda a, b, c, e: jagged_attention_triton(a, b, c, off, 70, activation=activation, num_targets=nt,
-                                                          attn_bias=e),
-               lambda a, b, c, e: ref.jagged_attention_ref(a, b, c, off, 70, activation=activation,
-                                                           num_targets=nt, attn_bias=e), (q, k, v, bias)),
-              (lambda a, b, c: jagged_attention_triton(a, b, c, off, 70, activation=activation, num_targets=nt,
-                                                       contextual_len=3),
-               lambda a, b, c: ref.jagged_contextual_attention_ref(a, b, c, off, 70, contextual_len=3,
-                                                                   activation=activation, num_targets=nt),
-               (q, k, v))]
-    for fn, ref_fn, tensors in checks:
-        launches["fwd"].clear()
-        launches["bwd"].clear()
-        _check(fn, ref_fn, tensors, 1e-4)
-        # long class: heads-inner grid (1-D) and TMA; short class: (items, H) grid, pointer loads
-        assert launches["fwd"] == [(1, True, True, None), (2, False, False, None)]
-        assert launches["bwd"] == [(1, True, True, 2), (2, False, False, 2), (1, True, True, 1), (2, False, False, 1)]
-
-
-def test_work_table_length_class_filter():
-    """A class's table holds exactly the tiles of the sequences with lo <= length < hi, longest first."""
-    lengths = torch.tensor([3, 0, 70, 17, 1, 40])
-    block, n_tiles = 16, 5
-    cost = (torch.arange(n_tiles)[None, :] + 1).expand(6, -1)
-    for lo, hi, seqs in ((17, 0, {2, 3, 5}), (0, 17, {0, 1, 4}), (2, 41, {0, 3, 5})):
-        table, nt = _work_table(lengths, 70, block, cost, total=int(lengths.sum()), lo=lo, hi=hi)
-        items = [int(x) for x in table if x >= 0]
-        expected = {(b, m) for b in seqs for m in range(n_tiles) if m * block < int(lengths[b])}
-        assert {(i // nt, i % nt) for i in items} == expected and len(items) == len(expected)
-        assert [i % nt for i in items] == sorted((i % nt for i in items), reverse=True)
+    monkeypatch.setattr(ja, "_ds_buffer", no_memory)
+    # the plan with the scratch is made (and refused at allocation), then the recomputing one
+    assert run(cfg.replace(ds_max_bytes=cap + 1)) == [(2, t, 128), None] and refused == [(2, t, 128)]
 
 
 # -------------------------------------------------------- the model's call: HSTU block through gemray.ops
@@ -524,24 +451,23 @@ def _model_inputs(lengths, dtype, device, seed):
     return off, qkv, ts, (pos_w, ts_w)
 
 
-def _check_model_call(monkeypatch, lengths, dtype, device, activation, tol, seed=15, buckets=True):
-    """ops.attention(backend="triton") vs ops.attention(backend="reference") on float32 copies. With
-    ``buckets`` the Triton side gets precomputed ``ops.relative_bias_buckets`` as HSTUEncoder passes them
-    (the bias is then gathered from them); the reference side always bucketises from the timestamps."""
+def _check_model_call(lengths, dtype, device, activation, tol, seed=15, buckets=True, config=None):
+    """ops.attention(backend=TRITON) vs ops.attention(backend=REFERENCE) on float32 copies (on the CPU the
+    TRITON backend runs the interpreter: the same ops code path as on the GPU). With ``buckets`` the Triton side
+    gets precomputed ``ops.relative_bias_buckets`` as HSTUEncoder passes them (the bias is then gathered from
+    them); the reference side always bucketises from the timestamps."""
     from gemray import ops
 
-    if device == "cpu":  # the interpreter stands in for CUDA: same ops code path as on the GPU
-        monkeypatch.setattr(ops, "resolve_backend", lambda backend, dev: "triton")
     off, (q, k, v), ts, (pos_w, ts_w) = _model_inputs(lengths, dtype, device, seed)
     pre = (ops.relative_bias_buckets(ts, off, max(lengths), pos_w.numel(), ts_w.numel(), MODEL_MAX_LEN)
            if buckets else None)
     rel = ops.RelativeBiasInputs(ts, pos_w, ts_w, MODEL_MAX_LEN, pre)
     out = ops.attention(q, k, v, off, MODEL_MAX_LEN, activation=activation, causal=True, rel_bias=rel,
-                        backend="triton")
+                        backend=ops.AttentionBackend.TRITON, config=config)
     leaves = [x.detach().float().requires_grad_(True) for x in (q, k, v, pos_w, ts_w)]
     rel_ref = ops.RelativeBiasInputs(ts, leaves[3], leaves[4], MODEL_MAX_LEN)
     expect = ops.attention(*leaves[:3], off, MODEL_MAX_LEN, activation=activation, causal=True,
-                           rel_bias=rel_ref, backend="reference")
+                           rel_bias=rel_ref, backend=ops.AttentionBackend.REFERENCE)
     assert out.shape == expect.shape and out.dtype == dtype
     assert _rel(out, expect) < tol, f"forward rel err {_rel(out, expect):.2e}"
     do = torch.randn_like(expect)
@@ -566,16 +492,16 @@ MODEL_LENGTHS_CPU = [200, 1, 0, 57, 133, 16]
 
 @cpu_only
 @pytest.mark.parametrize("activation,buckets", [("silu", True), ("silu", False), ("softmax", True)])
-def test_model_call_rel_bias_fp32(monkeypatch, activation, buckets):
-    _check_model_call(monkeypatch, MODEL_LENGTHS_CPU, torch.float32, "cpu", activation, 1e-4, buckets=buckets)
+def test_model_call_rel_bias_fp32(activation, buckets):
+    _check_model_call(MODEL_LENGTHS_CPU, torch.float32, "cpu", activation, 1e-4, buckets=buckets)
 
 
 @cpu_only
-def test_model_call_rel_bias_16bit(monkeypatch):
+def test_model_call_rel_bias_16bit():
     """16-bit q/k/v (autocast-style: the bias weights stay fp32) against the fp32 reference. fp16 stands in
     for bf16 here: triton 3.9's interpreter computes garbage for bf16 tiles (1e10 relative error on a plain
     silu batch, also before this test existed); bf16 runs in test_gpu_model_call_rel_bias."""
-    _check_model_call(monkeypatch, MODEL_LENGTHS_CPU, torch.float16, "cpu", "silu", 2e-2)
+    _check_model_call(MODEL_LENGTHS_CPU, torch.float16, "cpu", "silu", 2e-2)
 
 
 @cpu_only
@@ -585,7 +511,8 @@ def test_model_shape_contextual_prefix(ctx):
 
 
 def test_bench_bookkeeping():
-    from gemray.kernels import bench
+    from gemray.bench import kernels as bench
+    from gemray.kernels import config as kconfig
 
     lens = bench.make_lengths("heavy", 256, 4096)
     assert len(lens) == 256 and min(lens) >= 1 and max(lens) <= 4096
@@ -594,189 +521,195 @@ def test_bench_bookkeeping():
     assert bench.make_lengths("uniform", 3, 7) == [7, 7, 7]
     assert bench.causal_flops_fwd([1, 2], h=1, d=1) == 4.0 * (1 + 3)
     # every regime has a sweep batch of that regime and sweep candidates for every tile kind
-    from gemray.kernels import jagged_attention as ja
-
     for reg, (kind, b, n) in bench.SWEEP_BATCH.items():
-        assert ja.regime(sum(bench.make_lengths(kind, b, n)), b) == reg
-        assert set(bench.SWEEP[reg]) == set(ja.TILES[reg])
-        assert all(reg in m for m in (ja.FUSED_BWD, ja.DELTA_INLINE, ja.ATOMIC_DQ, ja.HEADS_INNER, ja.TMA_LOADS,
-                                      ja.DKDV_QROWS, ja.DS_STORE))
-    # run 4's printed JSON has two-entry modes (atomic dQ off), run 5's three (heads inner off), run 6's four
-    # (TMA loads off); run 7's five
-    saved = bench.get_mode("short")
-    try:
-        bench.set_mode("short", [True, True])
-        assert bench.get_mode("short") == (True, True, False, False, False, False, False)
-        bench.set_mode("short", [False, False, True])
-        assert bench.get_mode("short") == (False, False, True, False, False, False, False)
-        bench.set_mode("short", [False, False, False, True])
-        assert bench.get_mode("short") == (False, False, False, True, False, False, False)
-        bench.set_mode("short", [False, False, False, False, True])
-        assert bench.get_mode("short") == (False, False, False, False, True, False, False)
-        bench.set_mode("short", [False, False, False, False, False, True])
-        assert bench.get_mode("short") == (False, False, False, False, False, True, False)
-        bench.set_mode("short", [False, False, False, False, False, False, True])
-        assert bench.get_mode("short") == (False, False, False, False, False, False, True)
-        # the tile kinds of the dS-store backward are compiled / timed with it on, the others with it off
-        on = (False, False, False, False, True, False, True)
-        assert bench._mode_for("dq_ds", (False,) * 7) == (False, False, False, False, False, False, True)
-        assert bench._mode_for("dkdv", on) == (False, False, False, False, True, False, False)
-        assert bench._mode_for("fwd", on) == on
-    finally:
-        bench.set_mode("short", saved)
+        assert DEFAULT.regime_of(sum(bench.make_lengths(kind, b, n)), b) == reg
+        assert set(bench.SWEEP[reg]) == set(kconfig.TILE_KINDS)
+    assert set(bench.KERNELS) == set(kconfig.TILE_KINDS) | {"mode"}
+    # launch modes: the new dict form, and the lists runs 4-41 printed (2-7 entries, deleted modes off)
+    assert bench.get_mode(DEFAULT, "short") == (True, False, False)
+    assert bench.get_mode(DEFAULT, "xlong") == (False, True, True)
+    assert bench.parse_mode({"tma_loads": True}) == (False, True, False)
+    assert bench.parse_mode([False, False]) == (False, False, False)
+    assert bench.parse_mode([False, False, False, True]) == (True, False, False)
+    assert bench.parse_mode([False, False, False, False, True, False, True]) == (False, True, True)
+    for deleted in ([True, False], [False, True], [False, False, True], [False, False, False, False, False, True]):
+        with pytest.raises(ValueError, match="deleted"):
+            bench.parse_mode(deleted)
+    with pytest.raises(ValueError, match="unknown launch mode"):
+        bench.parse_mode({"atomic_dq": False})
+    cfg = bench.set_mode(DEFAULT, "short", [False, False, False, False, True])
+    assert bench.get_mode(cfg, "short") == (False, True, False) and bench.get_mode(DEFAULT, "short")[0]
+    # the tile kinds of the dS-store backward are compiled / timed with it on, the others with it off
+    assert bench._mode_for("dq_ds", (False, False, False)) == (False, False, True)
+    assert bench._mode_for("dkdv", (False, True, True)) == (False, True, False)
+    assert bench._mode_for("fwd", (True, True, True)) == (True, True, True)
+    # --tiles JSON: what tiles_json prints reads back to the same config; deleted kinds are skipped
+    assert bench.apply_tiles(bench.tiles_json(DEFAULT)) == DEFAULT
+    pinned = bench.apply_tiles('{"long": {"fwd": {"128": [64, 64, 4, 2]}, "dkdv_atomic": {"128": [64, 64, 8, 2]}, '
+                               '"mode": [false, false, false, true, false, false, true]}}')
+    assert pinned.long.tiles.get("fwd", 128) == (64, 64, 4, 2) and bench.get_mode(pinned, "long") == (True, False, True)
+    assert pinned.name != DEFAULT.name and pinned.short == DEFAULT.short
+    for bad in ('{"huge": {}}', '{"long": {"dkdv_fast": {}}}', '{"long": {"mode": [true, false]}}', "{"):
+        with pytest.raises((KeyError, ValueError)):
+            bench.apply_tiles(bad)
 
 
 @cpu_only
-def test_bench_precompile_worker_runs_every_item_and_restores_state(monkeypatch):
-    """The sweep's precompile worker runs each (regime, kernel, candidate) once and leaves the tile tables
-    and launch modes as it found them (interpreter, tiny batch: the code path, not the compile)."""
-    from gemray.kernels import bench
-    from gemray.kernels import jagged_attention as ja
+def test_bench_precompile_worker_runs_every_item(monkeypatch):
+    """The sweep's precompile worker runs each (regime, kernel, candidate[, mode]) once with the item's config
+    (interpreter, tiny batch: the code path, not the compile); item_config puts a tile kind under the mode that
+    uses it."""
+    from gemray.bench import kernels as bench
 
     monkeypatch.setattr(bench, "SWEEP_BATCH", {"short": ("heavy", 3, 32)})
     monkeypatch.setattr(bench, "H", 1)
     monkeypatch.setattr(bench, "D", 16)
-    # no atomic-dQ or query-rows mode in the sweep: their tile kinds are neither compiled nor timed
-    assert not {"dkdv_atomic", "dkdv_qrows"} & {kern for _, kern, _ in bench._sweep_items("short")}
-    monkeypatch.setattr(bench, "BWD_MODES", bench.BWD_MODES + [(False, False, False, False, False, True),
-                                                               (False, False, True, True, False, False)])
-    items = bench._sweep_items("short")
-    assert {kern for _, kern, _ in items} == set(bench.KERNELS) == set(ja.TILES["short"]) | {"mode"}
-    state = (lambda: (repr(ja.TILES), dict(ja.FUSED_BWD), dict(ja.DELTA_INLINE), dict(ja.ATOMIC_DQ),
-                      dict(ja.HEADS_INNER), dict(ja.TMA_LOADS), dict(ja.DKDV_QROWS), dict(ja.DS_STORE)))
-    before = state()
+    items = bench._sweep_items(DEFAULT, "short")
+    assert {kern for _, kern, _ in items} == set(bench.KERNELS)
+    cfg = bench.item_config(DEFAULT, "short", "dq_ds", (32, 64, 4, 3))
+    assert bench.get_mode(cfg, "short") == (True, False, True) and cfg.short.tiles.get("dq_ds", 128) == (32, 64, 4, 3)
+    assert bench.get_mode(bench.item_config(DEFAULT, "short", "mode", (False, True, False)), "short") == \
+        (False, True, False)
     picked = ([it for it in items if it[1] == "fwd_silu"][:1] + [it for it in items if it[1] == "mode"][-2:]
-              + [it for it in items if it[1] == "dkdv_atomic"][:1]
-              + [it + ((False, False, False, True, True, False),) for it in items if it[1] == "dq"][:1]
-              + [it + ((False, False, False, False, True, False),) for it in items if it[1] == "fwd"][:1]
-              + [it for it in items if it[1] == "dkdv_qrows"][:1] + [it for it in items if it[1] == "dq_ds"][:1])
+              + [it + ((True, True, False),) for it in items if it[1] == "dq"][:1]
+              + [it + ((False, True, False),) for it in items if it[1] == "fwd"][:1]
+              + [it for it in items if it[1] == "dq_ds"][:1])
     # (a dQ tile under the heads-inner grid with TMA loads, a forward tile with TMA loads)
-    assert any(it[1] == "mode" and it[2][2] for it in picked)  # an atomic-dQ mode is among them
-    assert any(it[1] == "mode" and it[2][3] for it in picked)  # and a heads-inner one
+    assert any(it[1] == "mode" and it[2][2] for it in picked)  # a dS-store mode is among them
     assert bench._precompile_worker(picked, device="cpu", dtype=torch.float32) == 0
-    assert state() == before
 
 
-@pytest.mark.parametrize("activation,fused,inline,atomic,launches", [
-    ("softmax", False, False, False, ["_gdpa_fwd", "_gdpa_bwd part 2", "_gdpa_bwd part 1"]),
-    ("silu", False, False, False, ["_gdpa_fwd", "_gdpa_bwd part 2", "_gdpa_bwd part 1"]),
-    ("softmax", True, False, False, ["_gdpa_fwd", "_bwd_delta", "_gdpa_bwd part 0"]),
-    ("softmax", True, True, False, ["_gdpa_fwd", "_gdpa_bwd part 0"]),
-    ("softmax", False, False, True, ["_gdpa_fwd", "_bwd_delta", "_gdpa_bwd part 1"]),
-    ("softmax", False, True, True, ["_gdpa_fwd", "_gdpa_bwd part 1"]),
-    ("silu", False, False, True, ["_gdpa_fwd", "_gdpa_bwd part 1"])])
+@pytest.mark.parametrize("activation,launches", [
+    ("softmax", ["_gdpa_fwd", "_gdpa_bwd part 2", "_gdpa_bwd part 1"]),
+    ("silu", ["_gdpa_fwd", "_gdpa_bwd part 2", "_gdpa_bwd part 1"])])
 @pytest.mark.parametrize("direct", [False, True])
-def test_host_profile_launches_and_ops(monkeypatch, activation, fused, inline, atomic, launches, direct):
+def test_host_profile_launches_and_ops(activation, launches, direct):
     """bench.host_profile (launches stubbed, runs on the CPU) counts what one fwd+bwd enqueues: the two-launch
-    backward has no delta launch (the dQ launch writes delta) and allocates only o, lse (softmax) and dq /
-    dk / dv; the atomic-dQ backward zeroes an fp32 dQ and casts nothing for fp32 inputs. ``direct``: as on a
-    GPU (not interpreting), the counted step's launches are direct ones (ja._Launch), the same kinds."""
-    from gemray.kernels import bench
+    backward has no delta launch (the dQ launch writes delta) and allocates only o, lse + delta (softmax) and dq /
+    dk / dv. ``direct`` (the config's direct_launch): the counted step's launches are direct ones (ja._Launch),
+    the same kinds; off, every launch takes the JIT. The custom-op path is timed too."""
+    from gemray.bench import kernels as bench
     from gemray.kernels import jagged_attention as ja
 
-    _set_bwd_mode(monkeypatch, fused, inline, atomic)
-    monkeypatch.setattr(ja, "_INTERPRET", not direct)
-    r = bench.host_profile(activation, "heavy", 8, 64, n_iter=1, reps=1)
+    r = bench.host_profile(activation, "heavy", 8, 64, n_iter=1, reps=1, config=DEFAULT.replace(direct_launch=direct))
     assert sorted(r["launch_kinds"]) == sorted(launches) and r["launches"] == len(launches)
     assert r["direct_launches"] == (len(launches) if direct else 0)
     assert not ja._LAUNCHERS and not ja._NO_DIRECT  # the stubs' entries are dropped afterwards
     ours = {k: n for k, n in r["aten_op_kinds"].items() if k != "detach.default"}  # detach: autograd's
-    # o and (softmax) the [2, H, T] lse + delta buffer; dk, dv and dq (torch.zeros in fp32 when atomic)
-    assert sum(ours.values()) == (2 if activation == "softmax" else 1) + 3, ours
-    assert ours.get("zeros.default", 0) == int(atomic), ours
+    # o and (softmax) the [H, T] lse; dk, dv, dq and (softmax) the [H, T] delta
+    assert sum(ours.values()) == (2 if activation == "softmax" else 1) + 3 + (activation == "softmax"), ours
+    assert "zeros.default" not in ours, ours
     assert r["aten_ops_fwd"] == (2 if activation == "softmax" else 1)
+    assert r["python_us_fwd_bwd"] > 0 and r["python_us_fwd_bwd_op"] > 0
 
 
 @pytest.mark.parametrize("activation,launches", [
     ("softmax", ["_gdpa_fwd", "_bwd_delta", "_gdpa_bwd part 1", "_gdpa_dq_ds"]),
     ("silu", ["_gdpa_fwd", "_gdpa_bwd part 1", "_gdpa_dq_ds"])])
-def test_host_profile_ds_store(monkeypatch, activation, launches):
-    """The DS_STORE backward enqueues (softmax) delta, dK/dV with the dS store, then dQ from dS, as direct
+def test_host_profile_ds_store(activation, launches):
+    """The ds_store backward enqueues (softmax) delta, dK/dV with the dS store, then dQ from dS, as direct
     launches, and allocates one dS buffer more than the two-launch backward."""
-    from gemray.kernels import bench
-    from gemray.kernels import jagged_attention as ja
+    from gemray.bench import kernels as bench
 
-    _set_bwd_mode(monkeypatch, False, False, False, ds=True)
-    monkeypatch.setattr(ja, "_INTERPRET", False)
-    monkeypatch.setattr(ja, "_tma_device", lambda device: True)
-    r = bench.host_profile(activation, "heavy", 8, 64, n_iter=1, reps=1)
+    cfg = DEFAULT.with_all_regimes(ds_store=True)
+    r = bench.host_profile(activation, "heavy", 8, 64, n_iter=1, reps=1, config=cfg, hopper=True)
     assert sorted(r["launch_kinds"]) == sorted(launches) and r["direct_launches"] == len(launches)
     ours = {k: n for k, n in r["aten_op_kinds"].items() if k != "detach.default"}
-    assert sum(ours.values()) == (2 if activation == "softmax" else 1) + 3 + 1, ours
+    assert sum(ours.values()) == (3 if activation == "softmax" else 1) + 3 + 1, ours
 
 
-def test_knobs_count_every_change():
-    """kernels/knobs.py: item changes of a Knobs dict (nested ones too) and attribute assignments on a tracked
-    module bump the version; a plain dict assigned to an upper-case name becomes a Knobs; reads do not bump."""
+def test_kernel_config_is_immutable_hashable_and_named():
+    """KernelConfig: frozen and hashable; equal content gives equal configs and the same stable name ("default"
+    for the default's content, "kc-<digest>" otherwise), registered for the custom ops' lookup; the builders
+    return new configs and leave the original alone; bad values and names raise."""
+    import dataclasses
+
+    from gemray.kernels import config as kconfig
+
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        DEFAULT.fast_act = False
+    assert KernelConfig() == DEFAULT and KernelConfig().name == "default" and hash(KernelConfig()) == hash(DEFAULT)
+    a = DEFAULT.with_tile("long", "fwd", (64, 64, 4, 2))
+    b = DEFAULT.with_tile("long", "fwd", (64, 64, 4, 2))
+    assert a == b and a.name == b.name and a.name.startswith("kc-") and len(a.name) == 19 and a != DEFAULT
+    assert kconfig.lookup(a.name) == a and kconfig.lookup("default") is DEFAULT
+    assert DEFAULT.long.tiles.get("fwd", 128) == (128, 64, 8, 3) and a.long.tiles.get("fwd", 128) == (64, 64, 4, 2)
+    assert a.long.tiles.get("fwd", 64) == DEFAULT.long.tiles.get("fwd", 64)  # other buckets kept
+    assert {DEFAULT: 1, a: 2}[b] == 2
+    assert DEFAULT.forcing("xlong").short == DEFAULT.xlong
+    assert all(not DEFAULT.with_all_regimes(ds_store=False).regime(r).ds_store for r in kconfig.REGIMES)
+    assert [DEFAULT.regime_of(t, 1) for t in (255, 256, 1023, 1024, 2047, 2048)] == \
+        ["short", "medium", "medium", "long", "long", "xlong"]
+    assert DEFAULT.regime_of(0, 0) == "short"
+    with pytest.raises(ValueError, match="unknown kernel config"):
+        kconfig.lookup("kc-0000000000000000")
+    with pytest.raises(ValueError, match="regime"):
+        DEFAULT.regime("huge")
+    with pytest.raises(ValueError, match="head dim 300"):
+        DEFAULT.short.tiles.get("fwd", 300)
+    with pytest.raises(ValueError, match="tile kind"):
+        DEFAULT.short.tiles.get("dkdv_atomic", 128)
+    with pytest.raises(ValueError, match="regime_mean_len"):
+        KernelConfig(regime_mean_len=(1024, 256, 2048))
+    with pytest.raises(TypeError, match="KernelConfig"):
+        kconfig.resolve({"fast_act": False})
+
+
+def test_no_module_level_kernel_knobs():
+    """The kernel modules hold no mutable module-level knobs: every upper-case global is an immutable value (the
+    configuration lives in KernelConfig), and kernels/knobs.py is gone."""
+    import importlib.util
+    from collections.abc import Mapping
+    from types import MappingProxyType
+
+    from gemray.kernels import config as kconfig
     from gemray.kernels import jagged_attention as ja
-    from gemray.kernels import knobs
+    from gemray.kernels import norm_quant as nq
 
-    assert isinstance(ja.TILES, knobs.Knobs) and isinstance(ja.TILES["short"]["fwd"], knobs.Knobs)
-    v0 = knobs.version()
-    _ = ja.TILES["short"]["fwd"][128], ja.DS_STORE.get("short"), dict(ja.SEQ_ORDER)
-    assert knobs.version() == v0
-    saved = ja.TILES["short"]["fwd"][128]
-    try:
-        ja.TILES["short"]["fwd"][128] = (16, 16, 4, 1)  # in place, two levels down
-        assert knobs.version() == v0 + 1
-    finally:
-        ja.TILES["short"]["fwd"][128] = saved
-    seen = knobs.version()
-    k = knobs.Knobs(a={"b": 1})
-    for change in (lambda: k.update(c=2), lambda: k.pop("c"), lambda: k.setdefault("d", 3), lambda: k.__delitem__("d"),
-                   lambda: k["a"].__setitem__("b", 2), lambda: k.__ior__({"e": 1}), lambda: k.popitem(), k.clear):
-        change()
-        assert knobs.version() > seen
-        seen = knobs.version()
-    before = ja.SEQ_ORDER
-    try:
-        ja.SEQ_ORDER = {"fwd": False, "dkdv": True, "dq": True}  # attribute assignment (as monkeypatch does)
-        assert knobs.version() > seen and isinstance(ja.SEQ_ORDER, knobs.Knobs)
-        seen = knobs.version()
-        ja.SEQ_ORDER["fwd"] = True  # the new dict is tracked too
-        assert knobs.version() > seen
-    finally:
-        ja.SEQ_ORDER = before
+    assert importlib.util.find_spec("gemray.kernels.knobs") is None
+    mods = [ja, nq, kconfig] + ([ja.ws] if ja.ws is not None else [])
+    for mod in mods:
+        for name, value in vars(mod).items():
+            if name.isupper() and not name.startswith("_"):
+                assert not isinstance(value, (dict, list, set, bytearray)), (mod.__name__, name, type(value))
+                assert not isinstance(value, Mapping) or isinstance(value, MappingProxyType), (mod.__name__, name)
 
 
 @cpu_only
-def test_launch_plans_are_reused_and_remade_after_a_knob_change(monkeypatch):
+def test_launch_plans_are_reused_and_remade_for_another_config():
     """A batch's forward plan (tiles, tables, launches) is made once and reused by later calls and layers (same
-    offsets object), its backward plan too; a knob changed in place or by assignment makes new plans, which the
-    next call uses (its results still match the reference); another offsets object gets its own plan."""
+    offsets object), its backward plan too; another config gets its own plans (its results still match the
+    reference), as does another offsets object."""
     from gemray.kernels import jagged_attention as ja
 
     torch.manual_seed(40)
     off = _offsets([0, 1, 37, 5])
     t = int(off[-1])
     q, k, v = _leaf(t, 2, 16), _leaf(t, 2, 16), _leaf(t, 2, 16)
-    plans = []
-    real = ja._fwd_plan
 
-    def spy(*a):
-        plans.append(real(*a))
-        return plans[-1]
+    def plans(cfg):  # the forward plans of this offsets object under cfg, from the launch-plan cache
+        return [p for key, (refs, p) in ja._CACHE.items() if key[0] == "fwd plan" and key[1] == cfg.name
+                and refs[0]() is off]
 
-    monkeypatch.setattr(ja, "_fwd_plan", spy)
-
-    def run():
-        _check(lambda a, b, c: jagged_attention_triton(a, b, c, off, 37, activation="softmax"),
+    def run(cfg):
+        _check(lambda a, b, c: jagged_attention_triton(a, b, c, off, 37, activation="softmax", config=cfg),
                lambda a, b, c: ref.jagged_attention_ref(a, b, c, off, 37, activation="softmax"), (q, k, v), 1e-4)
 
-    run()
-    run()
-    assert len(plans) == 2 and plans[0] is plans[1] and len(plans[0].bwd) == 1
-    assert [launch.consts["BLOCK_M"] for launch, _ in plans[0].launches] == [ja._INTERPRET_TILES[0]]
-    monkeypatch.setattr(ja, "_INTERPRET_TILES", (32, 16, 4, 1))  # assignment
-    run()
-    assert plans[2] is not plans[1] and [launch.consts["BLOCK_M"] for launch, _ in plans[2].launches] == [32]
-    monkeypatch.setitem(ja.SEQ_ORDER, "fwd", not ja.SEQ_ORDER["fwd"])  # in place
-    run()
-    assert plans[3] is not plans[2]
-    run()
-    assert plans[4] is plans[3]
+    run(DEFAULT)
+    first = plans(DEFAULT)
+    run(DEFAULT)
+    assert len(first) == 1 and plans(DEFAULT) == first and len(first[0].bwd) == 1
+    assert first[0].launch[0].consts["BLOCK_M"] == DEFAULT.interpret_tiles.get("fwd", 16)[0] == 16
+    tall = DEFAULT.replace(interpret_tiles=TileSet.uniform((32, 16, 4, 1)))
+    run(tall)
+    assert len(plans(tall)) == 1 and plans(tall)[0] is not first[0]
+    assert plans(tall)[0].launch[0].consts["BLOCK_M"] == 32
+    grouped_off = DEFAULT.replace(seq_order_fwd=False)
+    run(grouped_off)
+    assert plans(grouped_off)[0] is not first[0] and plans(DEFAULT) == first
+    n_before = len([key for key in ja._CACHE if key[0] == "fwd plan"])
     jagged_attention_triton(q, k, v, off.clone(), 37, activation="softmax")
-    assert plans[5] is not plans[4]  # another offsets object
+    assert len([key for key in ja._CACHE if key[0] == "fwd plan"]) == n_before + 1  # another offsets object
 
 
 def test_bench_host_profile_writes_its_records(tmp_path, capsys):
@@ -784,7 +717,7 @@ def test_bench_host_profile_writes_its_records(tmp_path, capsys):
     appends the same records to DIR/bench_kernels.jsonl (it wrote nothing there before)."""
     import json
 
-    from gemray.kernels import bench
+    from gemray.bench import kernels as bench
 
     assert bench.main(["--host-profile", "--out", str(tmp_path)]) == 0
     recs = [json.loads(line) for line in (tmp_path / "bench_kernels.jsonl").read_text().splitlines()]
@@ -796,7 +729,7 @@ def test_bench_host_profile_writes_its_records(tmp_path, capsys):
 
 def test_bench_report_tables(capsys):
     """The summary compares JFA against varlen_attn per batch and flags missed bars."""
-    from gemray.kernels import bench
+    from gemray.bench import kernels as bench
 
     rows = [dict(section="self", batch="heavy B=128 N=1024", variant="jfa", ms_fwd=0.1, ms_fwd_bwd=0.5,
                  tflops_fwd=1.0, tflops_fwd_bwd=2.0, host_ms_fwd_bwd=0.4, host_ms_fwd=0.1, graph_ms_fwd_bwd=0.2),
@@ -805,7 +738,7 @@ def test_bench_report_tables(capsys):
             dict(section="self", batch="uniform B=128 N=1024", variant="varlen", ms_fwd_bwd=1.1),
             dict(section="sweep", table="short", kernel="fwd", cfg=[64, 64, 4, 3], ms=0.2),
             dict(section="sweep", table="short", kernel="fwd", chosen=[64, 64, 4, 3], ms=0.2, elapsed_s=3.0),
-            dict(section="sweep", table="short", kernel="dkdv_atomic", skipped="unused in mode [False, False, "
+            dict(section="sweep", table="short", kernel="dkdv_ds", skipped="unused in mode [True, False, "
                  "False]"),
             dict(section="sweep", table="short", kernel="dq", cfg=[64, 64, 8, 2], skipped="budget")]
     bench.print_sweep(rows)
@@ -815,13 +748,13 @@ def test_bench_report_tables(capsys):
     assert "| heavy B=128 N=1024 | 0.500 | 1.000 | 2.00x | 1.5x | met | 0.200 / 0.300 (1.50x) |" in out
     assert "| uniform B=128 N=1024 | 1.000 | 1.100 | 1.10x | 1.2x | MISSED | missing / missing |" in out
     assert "0.400 (0.100)" in out and "=> [64, 64, 4, 3]" in out
-    assert "dkdv_atomic unused in mode" in out and "[64, 64, 8, 2] skipped" in out
+    assert "dkdv_ds     unused in mode" in out and "[64, 64, 8, 2] skipped" in out
 
 
 @cpu_only
 def test_bench_subset_check_runs_on_cpu():
     """bench.check_self (the GPU run's correctness check) compares the right rows: tiny CPU batch."""
-    from gemray.kernels import bench
+    from gemray.bench import kernels as bench
 
     torch.manual_seed(9)
     lengths = [3, 0, 20, 1]
@@ -931,7 +864,8 @@ def test_direct_launch_reuses_compiled_kernel_only_for_same_specialization(monke
     kernel's launcher with grid, stream, every argument in signature order (constexprs last, in signature order
     whatever order they were passed in); a scalar that changes (1 is specialized), a tensor of another dtype or
     alignment, other constexprs, warps or device, take the JIT again; kernels whose launch returns no compiled
-    kernel, an installed launch hook, DIRECT_LAUNCH off, all use the JIT."""
+    kernel, an installed launch hook, a launch made with direct=False (the config's direct_launch off), all use
+    the JIT."""
     import triton  # here, not at the top: TRITON_INTERPRET must be set before triton is first imported
 
     from gemray.kernels import jagged_attention as ja
@@ -944,8 +878,8 @@ def test_direct_launch_reuses_compiled_kernel_only_for_same_specialization(monke
     kern = _FakeKernel(["X", "Y", "n", "s", "A", "B"], 2)
     x, y = torch.randn(64), torch.randn(64)
 
-    def go(xt=x, n=5, s=1.5, consts=None, warps=4, grid=(3, 2)):
-        ja._Launch(kern, grid, [n, s], consts or dict(B=7, A=True), warps, 2)([xt, y])
+    def go(xt=x, n=5, s=1.5, consts=None, warps=4, grid=(3, 2), direct=True):
+        ja._Launch(kern, grid, [n, s], consts or dict(B=7, A=True), warps, 2, direct)([xt, y])
 
     go()
     assert len(kern.jit) == 1 and not kern.direct
@@ -969,10 +903,8 @@ def test_direct_launch_reuses_compiled_kernel_only_for_same_specialization(monke
     assert kern.direct[-1][3] == 1001
 
     n_jit = len(kern.jit)
-    monkeypatch.setattr(ja, "DIRECT_LAUNCH", False)
-    go()
+    go(direct=False)
     assert len(kern.jit) == n_jit + 1
-    monkeypatch.setattr(ja, "DIRECT_LAUNCH", True)
     hook = triton.knobs.runtime.launch_enter_hook
     if hasattr(hook, "add"):  # triton's HookChain: a profiler's hook makes every launch go through the JIT
         def h(meta):
@@ -1073,11 +1005,12 @@ gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs CUDA (compiled)")
 
 
-def _check_gpu_jfa(off, max_len, activation, tensors, **kw):
-    """_check of jagged_attention_triton against jagged_attention_ref (same arguments) at the GPU tests' bf16
-    tolerance; alpha 0.05 for the pointwise activations (keeps bf16 scores in range), the default for softmax."""
+def _check_gpu_jfa(off, max_len, activation, tensors, config=None, **kw):
+    """_check of jagged_attention_triton (with ``config``) against jagged_attention_ref (same arguments) at the GPU
+    tests' bf16 tolerance; alpha 0.05 for the pointwise activations (keeps bf16 scores in range), the default for
+    softmax."""
     kw = dict(kw, activation=activation, alpha=0.05 if activation != "softmax" else None)
-    return _check(lambda a, b, c: jagged_attention_triton(a, b, c, off, max_len, **kw),
+    return _check(lambda a, b, c: jagged_attention_triton(a, b, c, off, max_len, config=config, **kw),
                   lambda a, b, c: ref.jagged_attention_ref(a, b, c, off, max_len, **kw), tensors, 2e-2)
 
 
@@ -1150,14 +1083,14 @@ def _model_lengths_gpu(b=128, seed=17):
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("activation", ["silu", "softmax"])
-@pytest.mark.parametrize("mode", ["two", "one", "atomic"])
-def test_gpu_model_call_rel_bias(monkeypatch, dtype, activation, mode):
-    """The model's call at its shapes (H=2, D=25, max_len 200, dense relative bias) on the GPU, backward
-    as two launches, as one launch with inline delta, or as one dK/dV launch with atomic dQ (and dbias);
-    fp32 within 1e-3 of the reference, bf16 2e-2."""
-    _set_bwd_mode(monkeypatch, mode == "one", mode == "one", mode == "atomic")
-    _check_model_call(monkeypatch, _model_lengths_gpu(), dtype, "cuda", activation,
-                      1e-3 if dtype == torch.float32 else 2e-2)
+@pytest.mark.parametrize("mode", ["default", "ds_store"])
+def test_gpu_model_call_rel_bias(dtype, activation, mode):
+    """The model's call at its shapes (H=2, D=25, max_len 200, dense relative bias) on the GPU, with the default
+    config (this batch's regime, short: the recomputing backward) or with ds_store in every regime (the dK/dV
+    launch stores dS and writes dbias); fp32 within 1e-3 of the reference, bf16 2e-2."""
+    cfg = DEFAULT if mode == "default" else DEFAULT.with_all_regimes(ds_store=True).replace(ds_scratch_nan=True)
+    _check_model_call(_model_lengths_gpu(), dtype, "cuda", activation, 1e-3 if dtype == torch.float32 else 2e-2,
+                      config=cfg)
 
 
 @gpu
@@ -1170,72 +1103,50 @@ def test_gpu_model_shape_contextual_prefix(dtype):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("activation,fused,inline,atomic,inner,tma,qrows", BWD_MODES)
-def test_gpu_backward_launch_modes(monkeypatch, activation, fused, inline, atomic, inner, tma, qrows):
-    """Each backward launch mode at bench-like sizes in bf16, with the short and the medium regime's tiles
-    (the regime is forced; between them they cover every tile shape and warp count of the defaults)."""
-    from gemray.kernels import jagged_attention as ja
-
-    _set_bwd_mode(monkeypatch, fused, inline, atomic, inner, tma, qrows)
+@pytest.mark.parametrize("activation,inner,tma,ds", BWD_MODES)
+def test_gpu_backward_launch_modes(activation, inner, tma, ds):
+    """Each launch mode at bench-like sizes in bf16, with the short and the medium regime's tiles (the regime is
+    forced through the config; between them they cover every tile shape and warp count of the defaults)."""
     torch.manual_seed(19)
     lengths = _heavy_lengths(24, 2048) + [0, 1, 2048, 1000]
     off = _offsets(lengths, "cuda")
     t, h, d = int(off[-1]), 4, 128
     q, k, v = (_leaf(t, h, d, dtype=torch.bfloat16, device="cuda") for _ in range(3))
     for reg in ("short", "medium"):
-        monkeypatch.setattr(ja, "regime", lambda total, batch, reg=reg: reg)
-        _check_gpu_jfa(off, 2048, activation, (q, k, v))
+        cfg = DEFAULT.forcing(reg).with_all_regimes(heads_inner=inner, tma_loads=tma, ds_store=ds)
+        _check_gpu_jfa(off, 2048, activation, (q, k, v), config=cfg.replace(ds_scratch_nan=ds))
 
 
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("activation,pattern", [("softmax", "causal"), ("silu", "causal"), ("softmax", "targets"),
                                                 ("softmax", "full"), ("gelu", "causal")])
-def test_gpu_ds_store_bf16(monkeypatch, activation, pattern):
-    """DS_STORE at bench-like sizes in bf16 with each regime's tiles (the regime is forced), the scratch
-    filled with NaN: matches the reference as the recomputing backward does."""
-    from gemray.kernels import jagged_attention as ja
-
-    made = _ds_store_on(monkeypatch)
+def test_gpu_ds_store_bf16(activation, pattern):
+    """ds_store at bench-like sizes in bf16 with each regime's tiles (the regime is forced through the config),
+    the scratch filled with NaN: matches the reference as the recomputing backward does."""
     torch.manual_seed(21)
     lengths = _heavy_lengths(24, 2048) + [0, 1, 2048, 1000]
     off = _offsets(lengths, "cuda")
     t, h, d = int(off[-1]), 4, 128
     nt = (torch.tensor(lengths, device="cuda") // 8) if pattern == "targets" else None
     q, k, v = (_leaf(t, h, d, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+    made = []
     for reg in ("short", "medium", "long", "xlong"):
-        monkeypatch.setattr(ja, "regime", lambda total, batch, reg=reg: reg)
-        _check_gpu_jfa(off, 2048, activation, (q, k, v), causal=pattern != "full", num_targets=nt)
+        cfg = DEFAULT.forcing(reg).with_all_regimes(ds_store=True).replace(ds_scratch_nan=True)
+        seen: set = set()
+        _new_bwd_plans(cfg, seen)
+        _check_gpu_jfa(off, 2048, activation, (q, k, v), causal=pattern != "full", num_targets=nt, config=cfg)
+        made += [bp.ds_shape for bp in _new_bwd_plans(cfg, seen) if bp.ds_shape is not None]
     assert len(made) == 4
 
 
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("activation", ["softmax", "silu"])
-def test_gpu_length_classes_bf16(monkeypatch, activation):
-    """SPLIT_LEN at bench-like sizes in bf16: sequences >= 1024 tokens with the long / xlong regime's tiles,
-    the rest with the medium regime's, against the reference."""
-    from gemray.kernels import jagged_attention as ja
-
-    torch.manual_seed(22)
-    lengths = _heavy_lengths(60, 4096) + [0, 1, 4096, 1023, 1024, 2048]
-    off = _offsets(lengths, "cuda")
-    t, h, d = int(off[-1]), 4, 128
-    q, k, v = (_leaf(t, h, d, dtype=torch.bfloat16, device="cuda") for _ in range(3))
-    monkeypatch.setattr(ja, "regime", lambda total, batch, _r=ja.regime: "medium" if batch > 1 else _r(total, 1))
-    monkeypatch.setattr(ja, "DS_STORE", {r: False for r in ja.DS_STORE})  # classes use the two-launch backward
-    for split in (1024, 2048):
-        monkeypatch.setattr(ja, "SPLIT_LEN", {r: split if r == "medium" else 0 for r in ja.SPLIT_LEN})
-        _check_gpu_jfa(off, 4096, activation, (q, k, v))
-
-
-@gpu
-@needs_cuda
-@pytest.mark.parametrize("activation", ["softmax", "silu"])
-def test_gpu_direct_launch_matches_jit_launch(monkeypatch, activation):
-    """DIRECT_LAUNCH (ja._Launch calls the compiled kernel's launcher once a configuration is compiled): the
+def test_gpu_direct_launch_matches_jit_launch(activation):
+    """direct_launch (ja._Launch calls the compiled kernel's launcher once a configuration is compiled): the
     output and gradients of repeated fwd+bwd steps, on two batches, equal bitwise those of JIT launches (the
-    kernels have no atomics in these modes), and the direct path was taken."""
+    kernels have no atomics), and the direct path was taken."""
     from gemray.kernels import jagged_attention as ja
 
     torch.manual_seed(23)
@@ -1245,28 +1156,26 @@ def test_gpu_direct_launch_matches_jit_launch(monkeypatch, activation):
         t = int(off[-1])
         batches.append((off, *(_leaf(t, 4, 128, dtype=torch.bfloat16, device="cuda") for _ in range(3))))
 
-    def steps():
+    def steps(cfg):
         out = []
         torch.manual_seed(24)
         for off, q, k, v in batches * 2:
             o = jagged_attention_triton(q, k, v, off, 1024, activation=activation,
-                                        alpha=0.05 if activation != "softmax" else None)
+                                        alpha=0.05 if activation != "softmax" else None, config=cfg)
             out += [o.detach().clone(), *torch.autograd.grad(o, (q, k, v), torch.randn_like(o))]
         torch.cuda.synchronize()
         return out
 
-    monkeypatch.setattr(ja, "DIRECT_LAUNCH", False)
-    want = steps()
-    monkeypatch.setattr(ja, "DIRECT_LAUNCH", True)
+    want = steps(DEFAULT.replace(direct_launch=False))
     ja._LAUNCHERS.clear()
-    got = steps()
+    got = steps(DEFAULT)
     assert len(ja._LAUNCHERS) >= 3  # forward, dQ and dK/dV of at least one regime were launched directly
     for a, b in zip(got, want):
         assert torch.equal(a, b)
 
 
 def test_sass_check_compiles_for_hopper_without_a_gpu():
-    """gemray.kernels.sass_check compiles for sm_90 on the CPU machine (ptxas from the triton wheel) and
+    """gemray.bench.sass_check compiles for sm_90 on the CPU machine (ptxas from the triton wheel) and
     reads the SASS: the softmax forward uses wgmma with no spills in its loops; a 32-row dQ tile gets no
     wgmma (warpgroup MMAs need 64 rows; run 4's sweep still picked it for the host-bound short batch)."""
     import json
@@ -1278,7 +1187,7 @@ def test_sass_check_compiles_for_hopper_without_a_gpu():
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     if not os.path.exists(ptxas):
         pytest.skip("triton wheel without ptxas")
-    code = ("import json; from gemray.kernels import sass_check as s; "
+    code = ("import json; from gemray.bench import sass_check as s; "
             "print(json.dumps([s.check(s.fwd_variant(0, 128, 64, 8, 3)), "
             "s.check(s.bwd_variant(0, 2, (0, 0), (32, 64), 4, 3))]))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # JITFunction, not the interpreter
@@ -1290,22 +1199,22 @@ def test_sass_check_compiles_for_hopper_without_a_gpu():
 
 
 @cpu_only
-def test_tma_loads_only_where_they_apply(monkeypatch):
-    """TMA tile loads are used only in regimes that enable them, for full attention rows (block / window
-    attention visit one or two tiles per program: making the descriptors would cost more than it saves) and
-    for 16-byte aligned rows; elsewhere the pointer loads run."""
+def test_tma_loads_only_where_they_apply():
+    """TMA tile loads are used only in regimes that enable them (the default: xlong), for full attention rows
+    (block / window attention visit one or two tiles per program: making the descriptors would cost more than it
+    saves) and for 16-byte aligned rows; elsewhere the pointer loads run."""
     from gemray.kernels import jagged_attention as ja
 
-    monkeypatch.setattr(ja, "TMA_LOADS", {r: r == "xlong" for r in ja.TMA_LOADS})
     full = ja._spec(0, True, 1.0, 1.0, 0, 0, False, 64, 64, 0)
     x = torch.randn(10, 2, 16)
-    assert ja._use_tma("xlong", True, full, x, x)
-    assert not ja._use_tma("long", True, full, x, x)  # regime without TMA
-    assert not ja._use_tma("xlong", False, full, x, x)  # head dim not a tile width
-    assert not ja._use_tma("xlong", True, ja._spec(0, True, 1.0, 1.0, 8, 0, False, 64, 64, 0), x, x)  # block
-    assert not ja._use_tma("xlong", True, ja._spec(0, True, 1.0, 1.0, 0, 8, False, 64, 64, 0), x, x)  # window
+    xlong, long = DEFAULT.xlong, DEFAULT.long
+    assert ja._use_tma(xlong, True, full, x, x)
+    assert not ja._use_tma(long, True, full, x, x)  # regime without TMA
+    assert not ja._use_tma(xlong, False, full, x, x)  # head dim not a tile width
+    assert not ja._use_tma(xlong, True, ja._spec(0, True, 1.0, 1.0, 8, 0, False, 64, 64, 0), x, x)  # block
+    assert not ja._use_tma(xlong, True, ja._spec(0, True, 1.0, 1.0, 0, 8, False, 64, 64, 0), x, x)  # window
     odd = torch.randn(10, 2, 17)[:, :, :15]  # rows of 17 floats: not 16-byte aligned
-    assert not ja._use_tma("xlong", True, full, x, odd)
+    assert not ja._use_tma(xlong, True, full, x, odd)
 
 
 # (consumer warpgroups, BLOCK_N, STAGES, ping-pong, persistent grid)
@@ -1313,13 +1222,12 @@ WS_TILES = [(2, 128, 2, False, False), (2, 128, 2, True, True), (2, 128, 2, Fals
             (2, 64, 3, True, True)]
 
 
-def _ws_on(monkeypatch, tiles) -> list:
-    """Force the warp-specialized Gluon forward with ``tiles`` in every regime; returns the list its launches
-    are recorded in (so a test can assert the path ran)."""
+def _ws_on(monkeypatch, tiles) -> tuple[KernelConfig, list]:
+    """A config with the warp-specialized Gluon forward and ``tiles`` in every regime, and the list its launches
+    are recorded in (a spy on ws_attention.forward, so a test can assert the path ran)."""
     from gemray.kernels import ws_attention as ws
 
-    monkeypatch.setattr(ws, "WS_FWD", {r: True for r in ws.WS_FWD})
-    monkeypatch.setattr(ws, "WS_FWD_TILES", {r: tiles for r in ws.WS_FWD})
+    cfg = DEFAULT.with_all_regimes(ws_fwd=True, ws_tiles=tiles)
     calls, real = [], ws.forward
 
     def spy(*args, **kw):
@@ -1327,7 +1235,7 @@ def _ws_on(monkeypatch, tiles) -> list:
         return real(*args, **kw)
 
     monkeypatch.setattr(ws, "forward", spy)
-    return calls
+    return cfg, calls
 
 
 @gpu
@@ -1338,12 +1246,12 @@ def test_gpu_ws_forward_bf16(monkeypatch, tiles, pattern, d):
     """The warp-specialized Gluon forward (forced in every regime) on a heavy-tailed bf16 batch with empty,
     length-1, tile-edge and maximal sequences: forward and gradients (the Triton backward, fed the Gluon
     forward's lse) match the reference."""
-    calls = _ws_on(monkeypatch, tiles)
+    cfg, calls = _ws_on(monkeypatch, tiles)
     torch.manual_seed(23)
     lengths = _heavy_lengths(24, 2048) + [0, 1, 2048, 63, 64, 65, 127, 128, 129]
     off = _offsets(lengths, "cuda")
     q, k, v = (_leaf(int(off[-1]), 4, d, dtype=torch.bfloat16, device="cuda") for _ in range(3))
-    _check_gpu_jfa(off, 2048, "softmax", (q, k, v), causal=pattern == "causal")
+    _check_gpu_jfa(off, 2048, "softmax", (q, k, v), causal=pattern == "causal", config=cfg)
     assert calls == [tiles]
 
 
@@ -1353,14 +1261,15 @@ def test_gpu_ws_forward_bf16(monkeypatch, tiles, pattern, d):
 def test_gpu_ws_cross_bf16(monkeypatch, tiles):
     """Cross-attention through the Gluon forward: query and key lengths differ per sequence, some key lengths
     are 0 (those rows get o = 0)."""
-    calls = _ws_on(monkeypatch, tiles)
+    cfg, calls = _ws_on(monkeypatch, tiles)
     torch.manual_seed(24)
     kv_len = _heavy_lengths(24, 2048) + [0, 2048, 1, 0]
     q_len = [(x * 7) % 300 for x in range(len(kv_len))]
     ko, qo = _offsets(kv_len, "cuda"), _offsets(q_len, "cuda")
     bf = dict(dtype=torch.bfloat16, device="cuda")
     q, k, v = _leaf(int(qo[-1]), 4, 128, **bf), _leaf(int(ko[-1]), 4, 128, **bf), _leaf(int(ko[-1]), 4, 128, **bf)
-    _check(lambda a, b, c: jagged_cross_attention_triton(a, qo, b, c, ko, max(q_len), 2048, activation="softmax"),
+    _check(lambda a, b, c: jagged_cross_attention_triton(a, qo, b, c, ko, max(q_len), 2048, activation="softmax",
+                                                         config=cfg),
            lambda a, b, c: ref.jagged_cross_attention_ref(a, qo, b, c, ko, max(q_len), 2048, activation="softmax"),
            (q, k, v), 2e-2)
     assert calls == [tiles]
@@ -1371,18 +1280,18 @@ def test_ws_forward_not_taken_where_it_does_not_apply(monkeypatch):
     targets, bias, block attention, float32) still give the reference's results through the Triton path."""
     from gemray.kernels import jagged_attention as ja
 
-    calls = _ws_on(monkeypatch, WS_TILES[0])
+    cfg, calls = _ws_on(monkeypatch, WS_TILES[0])
     lengths = [0, 1, 5, 37, 3]
     off = _offsets(lengths)
     q, k, v = (_leaf(int(off[-1]), 2, 16) for _ in range(3))
     nt = torch.tensor([0, 1, 2, 3, 1])
     for kw in (dict(activation="softmax"), dict(activation="silu"), dict(activation="softmax", num_targets=nt)):
-        out = jagged_attention_triton(q, k, v, off, 37, **kw)
+        out = jagged_attention_triton(q, k, v, off, 37, config=cfg, **kw)
         want = ref.jagged_attention_ref(q, k, v, off, 37, **kw)
         assert _rel(out, want) < 1e-4
     assert calls == []
     spec = ja._spec(0, True, 0.25, 1.0, 0, 0, False, 37, 37, 0)
-    assert not ja._use_ws_fwd("long", spec, None, None, q, k, v)  # CPU tensors
+    assert not ja._use_ws_fwd(cfg.long, spec, None, None, q, k, v)  # CPU tensors
 
 
 @pytest.mark.parametrize("case,ok", [

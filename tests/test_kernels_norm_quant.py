@@ -15,7 +15,8 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from gemray.kernels.norm_quant import _round_to_e4m3, bench_norm_quant, norm_quant  # noqa: E402
+from gemray.bench.norm_quant import bench_norm_quant  # noqa: E402
+from gemray.kernels.norm_quant import _round_to_e4m3, norm_quant  # noqa: E402
 from gemray.kernels.reference import (  # noqa: E402
     NORM_QUANT_FP8_DTYPE as FP8_DTYPE,
     NORM_QUANT_FP8_MAX as FP8_MAX,

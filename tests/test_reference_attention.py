@@ -1,5 +1,6 @@
 """kernels.reference.jagged_attention_ref against a per-sequence Python loop (forward and gradients)."""
 
+import logging
 import math
 
 import pytest
@@ -226,14 +227,22 @@ def test_buckets_and_relative_bias():
 
 
 def test_ops_dispatch_reference_and_forced_triton():
+    """AUTO on CPU tensors runs the reference; an unknown backend raises; TRITON on CPU tensors runs Triton's
+    interpreter when it is on (TRITON_INTERPRET=1 when triton was imported) and otherwise raises saying why."""
     q, k, v, offsets, _ = make_batch([3, 0, 2])
-    out = ops.attention(q, k, v, offsets, 4, backend="auto")
-    torch.testing.assert_close(out, jagged_attention_ref(q, k, v, offsets, 4))
-    with pytest.raises(RuntimeError, match="triton"):
-        ops.attention(q, k, v, offsets, 4, backend="triton")
+    want = jagged_attention_ref(q, k, v, offsets, 4)
+    torch.testing.assert_close(ops.attention(q, k, v, offsets, 4, backend="auto"), want)
+    torch.testing.assert_close(ops.attention(q, k, v, offsets, 4, backend=ops.AttentionBackend.REFERENCE), want)
+    assert ops.resolve_backend("auto", torch.device("cpu")) is ops.AttentionBackend.REFERENCE
     with pytest.raises(ValueError, match="backend"):
         ops.attention(q, k, v, offsets, 4, backend="cuda")
-
+    mod, err = ops._triton_module()
+    if mod is not None and mod.interpreting():
+        out = ops.attention(q.float(), k.float(), v.float(), offsets, 4, backend=ops.AttentionBackend.TRITON)
+        torch.testing.assert_close(out, want.float(), rtol=1e-4, atol=1e-5)
+    else:
+        with pytest.raises(RuntimeError, match="tensors are on cpu|not importable"):
+            ops.attention(q, k, v, offsets, 4, backend="triton")
 
 def test_ops_rel_bias_ingredients_equal_dense_bias():
     q, k, v, offsets, g = make_batch([3, 0, 4])
@@ -262,37 +271,52 @@ def test_ops_rel_bias_ingredients_equal_dense_bias():
         ops.attention(q, k, v, offsets, 4, rel_bias=rb, attn_bias=torch.zeros(3, 4, 4))
 
 
-def test_dispatch_decisions_with_fake_kernel(monkeypatch):
-    calls = []
-
-    def fake_kernel(q, k, v, offsets, max_len, *, activation, causal, alpha, num_targets, attn_bias=None):
-        calls.append(attn_bias is not None)
-        if attn_bias is not None:
-            raise NotImplementedError("no bias in this kernel")
-        return jagged_attention_ref(q, k, v, offsets, max_len, activation=activation, causal=causal,
-                                    alpha=alpha, num_targets=num_targets) + 1.0
-
-    cuda = torch.device("cuda")
-    monkeypatch.setattr(ops, "_load_triton", lambda: None)
-    assert ops.resolve_backend("auto", cuda) == "reference"
+def test_backend_enum_and_choice_rules():
+    """AttentionBackend parses its members and their config strings only; choose_backend (the pure rule behind
+    resolve_backend): AUTO takes Triton on CUDA when the kernels import (never the CPU interpreter), else the
+    reference with the reason; an explicit TRITON that cannot run raises with the reason; REFERENCE always runs."""
+    B = ops.AttentionBackend
+    assert [B.parse(x) for x in ("auto", "triton", "reference", B.TRITON)] == [B.AUTO, B.TRITON, B.REFERENCE, B.TRITON]
+    assert ops.BACKENDS == ("auto", "triton", "reference")
+    for bad in ("cuda", None, 1, "Triton"):
+        with pytest.raises(ValueError, match="backend"):
+            B.parse(bad)
+    choose = ops.choose_backend
+    assert choose(B.AUTO, "cuda", None, False) == (B.TRITON, "tensors on cuda")
+    assert choose(B.AUTO, "cuda", "triton is not importable (x)", False) == (B.REFERENCE, "triton is not importable (x)")
+    assert choose(B.AUTO, "cpu", None, True)[0] is B.REFERENCE
+    assert choose(B.AUTO, "cpu", None, False) == (B.REFERENCE, "tensors on cpu")
+    assert choose(B.REFERENCE, "cuda", None, False)[0] is B.REFERENCE
+    assert choose(B.TRITON, "cuda", None, False)[0] is B.TRITON
+    assert choose(B.TRITON, "cpu", None, True)[0] is B.TRITON  # the interpreter takes CPU tensors
     with pytest.raises(RuntimeError, match="not importable"):
-        ops.resolve_backend("triton", cuda)
-    monkeypatch.setattr(ops, "_load_triton", lambda: fake_kernel)
-    assert ops.resolve_backend("auto", cuda) == "triton"
-    assert ops.resolve_backend("auto", torch.device("cpu")) == "reference"
-    with pytest.raises(RuntimeError, match="CUDA"):
-        ops.resolve_backend("triton", torch.device("cpu"))
+        choose(B.TRITON, "cuda", "gemray.kernels.jagged_attention is not importable (no triton)", False)
+    with pytest.raises(RuntimeError, match="tensors are on cpu.*TRITON_INTERPRET"):
+        choose(B.TRITON, "cpu", None, False)
+    with pytest.raises(RuntimeError, match="tensors are on cuda"):
+        choose(B.TRITON, "cuda", None, True)
 
-    # pretend the CPU tensors are on CUDA to exercise the call path
-    monkeypatch.setattr(ops, "resolve_backend", lambda backend, device: "triton")
-    q, k, v, offsets, g = make_batch([3, 0, 2])
-    ref = jagged_attention_ref(q, k, v, offsets, 4)
-    torch.testing.assert_close(ops.attention(q, k, v, offsets, 4, backend="triton"), ref + 1.0)
-    bias = torch.randn(3, 4, 4, generator=g, dtype=q.dtype)
-    # "auto": the kernel declines the bias -> the reference answers (with the bias)
-    torch.testing.assert_close(ops.attention(q, k, v, offsets, 4, attn_bias=bias, backend="auto"),
-                               jagged_attention_ref(q, k, v, offsets, 4, attn_bias=bias))
-    # forced "triton": no silent fallback
-    with pytest.raises(NotImplementedError):
-        ops.attention(q, k, v, offsets, 4, attn_bias=bias, backend="triton")
-    assert calls == [False, True, True]
+
+def test_backend_choice_is_logged_once(caplog):
+    ops._CHOSEN.clear()
+    with caplog.at_level(logging.INFO, logger="gemray.ops"):
+        for _ in range(3):
+            assert ops.resolve_backend("auto", torch.device("cpu")) is ops.AttentionBackend.REFERENCE
+    lines = [r.getMessage() for r in caplog.records if r.name == "gemray.ops"]
+    assert lines == ["gemray.ops.attention: reference backend on cpu (auto: tensors on cpu)"]
+
+
+def test_triton_bias_is_the_dense_relative_bias():
+    """The Triton path's dense bias (ops._triton_bias): [B, n, n] with n the precomputed buckets' size when given
+    (no host sync), else the longest sequence; its values are relative_bias_ref's, differentiable in the weights."""
+    _, _, _, offsets, g = make_batch([3, 0, 4])
+    ts = torch.tensor([5, 9, 900, 1, 2, 3000, 3001])
+    pw = torch.randn(6, generator=g, dtype=torch.float64, requires_grad=True)
+    tw = torch.randn(16, generator=g, dtype=torch.float64, requires_grad=True)
+    plain = ops._triton_bias(ops.RelativeBiasInputs(ts, pw, tw, 4), offsets)
+    torch.testing.assert_close(plain, relative_bias_ref(ts, offsets, 4, pw, tw, 4))
+    bk = ops.relative_bias_buckets(ts, offsets, 6, 6, 16, 4)  # buckets for n = 6 > the longest (4)
+    wide = ops._triton_bias(ops.RelativeBiasInputs(ts, pw, tw, 4, bk), offsets)
+    assert wide.shape == (3, 6, 6)
+    torch.testing.assert_close(wide[:, :4, :4], plain)
+    assert torch.autograd.grad(wide.sum(), tw)[0].abs().sum() > 0

@@ -1,11 +1,11 @@
 """Compile-only check of the jagged attention kernels for Hopper (sm_90), no GPU needed.
 
-``python -m gemray.kernels.sass_check [--all]`` compiles kernel variants with ``triton.compile(...,
+``python -m gemray.bench.sass_check [--all]`` compiles kernel variants with ``triton.compile(...,
 target=GPUTarget("cuda", 90, 32))`` (ptxas and cuobjdump come with the triton wheel) and prints, per
 variant: shared memory, registers, ptxas stack (local memory) bytes, whether the matrix products use
 wgmma (HGMMA in SASS), and for each loop of the SASS (a backward branch and its target) the spill stores
 and loads (STL / LDL) executed per iteration. Spills inside a loop cost every tile; spills outside the
-loops (values kept across them) cost once per program. kernels/NOTES.md records what this showed.
+loops (values kept across them) cost once per program. the kernel run reports (benchmarks/reports/kernels_h200_*.md) records what this showed.
 The device may run another triton version: re-check there when a number matters.
 """
 
@@ -23,10 +23,11 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from gemray.kernels import jagged_attention as ja
+from gemray.kernels.config import DEFAULT, KernelConfig
 
 _FWD_TYPES = dict(Q="*bf16", K="*bf16", V="*bf16", O="*bf16", LSE="*fp32", Q_OFF="*i64", KV_OFF="*i64",
                   NT="*i64", WORK="*i32", BIAS="*bf16", alpha="fp32", inv_n="fp32")
-_BWD_TYPES = dict(Q="*bf16", K="*bf16", V="*bf16", DO="*bf16", LSE="*fp32", O="*bf16",
+_BWD_TYPES = dict(Q="*bf16", K="*bf16", V="*bf16", DO="*bf16", LSE="*fp32", DELTA="*fp32", O="*bf16",
                   DK="*bf16", DV="*bf16", DQ="*bf16", Q_OFF="*i64", KV_OFF="*i64", NT="*i64", WORK="*i32",
                   BIAS="*fp32", DBIAS="*fp32", DS="*bf16", alpha="fp32", inv_n="fp32")
 _DQ_DS_TYPES = dict(DS="*bf16", K="*bf16", DQ="*bf16", Q_OFF="*i64", KV_OFF="*i64", NT="*i64", WORK="*i32",
@@ -43,21 +44,16 @@ def fwd_variant(act: int, bm: int, bn: int, warps: int, stages: int, tma: bool =
 
 
 def bwd_variant(act: int, part: int, dk: tuple[int, int], dq: tuple[int, int], warps: int, stages: int,
-                inline: bool = False, atomic: bool = False, tma: bool = False, q_rows: bool = False,
-                store_ds: bool = False) -> tuple:
-    """A bf16 D=128 causal backward: part 0 (one launch), 1 (dK/dV; with ``atomic`` also dQ by fp32 atomic
-    adds; with ``store_ds`` also storing dS^T for _gdpa_dq_ds) or 2 (dQ; softmax: it also stores delta, as in
-    the two-launch backward); dk / dq = (BM, BN)."""
+                tma: bool = False, store_ds: bool = False) -> tuple:
+    """A bf16 D=128 causal backward: part 1 (dK/dV; with ``store_ds`` also storing dS^T for _gdpa_dq_ds) or 2
+    (dQ; softmax: it also stores delta, as in the two-launch backward); dk / dq = (BM, BN)."""
     dk = dk if part != 2 else (0, 0)
     dq = dq if part != 1 else (0, 0)
-    types = dict(_BWD_TYPES, DQ="*fp32") if atomic else _BWD_TYPES
     return (f"bwd act={act} part={part} dkdv={dk[0]}x{dk[1]} dq={dq[0]}x{dq[1]}/{warps}w/{stages}s"
-            f"{' delta-inline' if inline else ''}{' atomic-dq' if atomic else ''}{' tma' if tma else ''}"
-            f"{' q-rows' if q_rows else ''}{' store-ds' if store_ds else ''}",
-            ja._gdpa_bwd, types,
+            f"{' tma' if tma else ''}{' store-ds' if store_ds else ''}",
+            ja._gdpa_bwd, _BWD_TYPES,
             dict(_BASE, ACT=act, PART=part, DK_BM=dk[0], DK_BN=dk[1], DQ_BM=dq[0], DQ_BN=dq[1],
-                 STORE_DBIAS=False, DELTA_INLINE=inline, STORE_DELTA=part == 2 and act == 0 and not inline,
-                 ATOMIC_DQ=atomic, TMA=tma, Q_ROWS=q_rows, STORE_DS=store_ds), warps, stages)
+                 STORE_DBIAS=False, STORE_DELTA=part == 2 and act == 0, TMA=tma, STORE_DS=store_ds), warps, stages)
 
 
 def dq_ds_variant(bm: int, bn: int, warps: int, stages: int, tma: bool = False) -> tuple:
@@ -109,44 +105,34 @@ def check(variant: tuple) -> dict:
                 stack=int(m.group(2)) if m else -1, hgmma=sass.count("HGMMA"), loops=_loops(sass))
 
 
-def default_variants(full: bool = False) -> list[tuple]:
-    """The current D=128 defaults of every regime (and, with ``full``, the sweep's other candidates)."""
+def default_variants(full: bool = False, config: KernelConfig = DEFAULT) -> list[tuple]:
+    """The D=128 tiles of every regime of ``config`` (and, with ``full``, the sweep's other candidates)."""
     seen, out = set(), []
-    for reg, table in ja.TILES.items():
-        tma = ja.TMA_LOADS[reg]
+    for reg in ("short", "medium", "long", "xlong"):
+        rc = config.regime(reg)
+        tiles, tma = rc.tiles, rc.tma_loads
         for act in (0, 1):
-            bm, bn, w, s = table["fwd_silu" if act else "fwd"][128]
+            bm, bn, w, s = tiles.get("fwd_silu" if act else "fwd", 128)
             out.append(fwd_variant(act, bm, bn, w, s, tma))
-            qrows = ja.DKDV_QROWS[reg] and not ja.ATOMIC_DQ[reg]
-            k, q = table["dkdv_qrows" if qrows else "dkdv"][128], table["dq"][128]
-            if ja.ATOMIC_DQ[reg]:
-                ka = table["dkdv_atomic"][128]
-                out.append(bwd_variant(act, 1, ka[:2], q[:2], ka[2], ka[3], act == 0 and ja.DELTA_INLINE[reg], True))
-            elif ja.FUSED_BWD[reg]:
-                out.append(bwd_variant(act, 0, k[:2], q[:2], max(k[2], q[2]), min(k[3], q[3]),
-                                       act == 0 and ja.DELTA_INLINE[reg]))
-            elif ja.DS_STORE[reg]:
-                d = table["dq_ds"][128]
-                out.append(bwd_variant(act, 1, k[:2], q[:2], k[2], k[3], tma=tma, store_ds=True))
+            if rc.ds_store:
+                k, d = tiles.get("dkdv_ds", 128), tiles.get("dq_ds", 128)
+                out.append(bwd_variant(act, 1, k[:2], (0, 0), k[2], k[3], tma=tma, store_ds=True))
                 out.append(dq_ds_variant(d[0], d[1], d[2], d[3], tma))
             else:
-                out.append(bwd_variant(act, 1, k[:2], q[:2], k[2], k[3], tma=tma, q_rows=qrows))
+                k, q = tiles.get("dkdv", 128), tiles.get("dq", 128)
+                out.append(bwd_variant(act, 1, k[:2], q[:2], k[2], k[3], tma=tma))
                 out.append(bwd_variant(act, 2, k[:2], q[:2], q[2], q[3], tma=tma))
     if full:
-        from gemray.kernels import bench
+        from gemray.bench import kernels as bench
 
         for reg, kinds in bench.SWEEP.items():
             for bm, bn, w, s in kinds["dkdv"]:
                 out.append(bwd_variant(0, 1, (bm, bn), (0, 0), w, s))
-            for bm, bn, w, s in kinds["dkdv_atomic"]:
-                out.append(bwd_variant(0, 1, (bm, bn), (0, 0), w, s, atomic=True))
-            for bm, bn, w, s in kinds.get("dkdv_qrows", ()):
-                out.append(bwd_variant(0, 1, (bm, bn), (0, 0), w, s, q_rows=True))
             for bm, bn, w, s in kinds["dq"]:
                 out.append(bwd_variant(0, 2, (0, 0), (bm, bn), w, s))
             for bm, bn, w, s in kinds.get("dq_ds", ()):
                 out.append(dq_ds_variant(bm, bn, w, s))
-            for bm, bn, w, s in kinds["dkdv"]:
+            for bm, bn, w, s in kinds["dkdv_ds"]:
                 out.append(bwd_variant(0, 1, (bm, bn), (0, 0), w, s, store_ds=True))
     for v in out:
         if v[0] not in seen:
@@ -156,7 +142,7 @@ def default_variants(full: bool = False) -> list[tuple]:
 
 def main(argv: list[str] | None = None) -> int:
     """Print one line per compiled variant; exit code 1 when a variant fails to compile."""
-    p = argparse.ArgumentParser(prog="python -m gemray.kernels.sass_check", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m gemray.bench.sass_check", description=__doc__.split("\n\n")[0])
     p.add_argument("--all", action="store_true", help="also every dK/dV and dQ candidate of the bench sweep")
     args = p.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)

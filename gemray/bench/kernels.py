@@ -19,9 +19,14 @@ Correctness: for every kernel and batch, the rows of a subset of sequences (the 
 plus the shortest) are recomputed by the float32 PyTorch reference from the same bf16 inputs and the
 same output gradient; forward and dq/dk/dv relative errors are reported (bf16: expect 1e-3 .. 1e-2).
 
-Usage: ``python -m gemray.kernels.bench [--out DIR] [--skip flex,norm,...] [--quick] [--sweep]
-[--sweep-budget S] [--time-limit S] [--tiles JSON]``. Writes
-``DIR/bench_kernels.jsonl`` (one record per measurement, written as it is made) and prints a table.
+Usage: ``gemray bench kernels [--out DIR] [--skip flex,norm,...] [--quick] [--sweep] [--sweep-budget S]
+[--time-limit S] [--tiles JSON] [--precompile N [--precompile-only]] [--host-profile]`` (or ``python -m
+gemray.bench.kernels ...``). Writes ``DIR/bench_kernels.jsonl`` (one record per measurement, written as it is made)
+and prints a table.
+
+Kernel configuration: every timed call gets an explicit ``gemray.kernels.config.KernelConfig`` (``--tiles`` and
+the sweep build one from the default; nothing global is changed). The sweep prints the chosen tiles and modes as a
+``--tiles`` JSON.
 """
 
 from __future__ import annotations
@@ -40,7 +45,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-log = logging.getLogger("gemray.kernels.bench")
+from gemray.kernels import config as kconfig
+from gemray.kernels.config import DEFAULT, KernelConfig
+
+log = logging.getLogger("gemray.bench.kernels")
 
 H, D = 4, 128
 BATCHES = [("uniform", 128, 1024), ("heavy", 128, 1024), ("uniform", 64, 4096), ("heavy", 256, 4096)]
@@ -228,11 +236,11 @@ def launch_overhead(n: int = 300) -> dict:
     from gemray.kernels import jagged_attention as ja
 
     o = torch.randn(64, 1, 16, device="cuda")
-    lse = torch.empty(2, 1, 64, device="cuda")  # [2, H, T]: delta goes to lse[1]
+    delta = torch.empty(1, 64, device="cuda")  # [H, T]
 
     def launch():
-        ja._bwd_delta[(1, 1)](o, o, lse, 64, o.stride(0), o.stride(1), o.stride(0), o.stride(1),
-                              lse.stride(1), 16, BLOCK_T=64, BLOCK_DV=16, num_warps=4)
+        ja._bwd_delta[(1, 1)](o, o, delta, 64, o.stride(0), o.stride(1), o.stride(0), o.stride(1),
+                              delta.stride(0), 16, BLOCK_T=64, BLOCK_DV=16, num_warps=4)
 
     out = {}
     for name, fn in (("triton_launch_us", launch), ("torch_empty_like_us", lambda: torch.empty_like(o))):
@@ -247,14 +255,18 @@ def launch_overhead(n: int = 300) -> dict:
 
 
 def host_profile(activation: str = "softmax", kind: str = "heavy", b: int = 128, n: int = 1024,
-                 device: str = "cpu", n_iter: int = 100, reps: int = 7) -> dict:
+                 device: str = "cpu", n_iter: int = 100, reps: int = 7, config: KernelConfig | None = None,
+                 hopper: bool = False) -> dict:
     """Host cost of one jagged_attention_triton fwd+bwd with every Triton launch replaced by a stub that only
     counts it (runs on the CPU, no GPU or interpreter needed): Triton launches and aten ops per fwd+bwd
     (grads set to None each step, as do_bench does) and per no-grad forward, and the best-of-``reps``
     microseconds of the Python/torch work around the launches (fwd+bwd and forward alone), including the
-    launch plan's lookup and the direct launches' own Python (jagged_attention._Launch; with DIRECT_LAUNCH
-    off the JIT's own binding is not counted). The launcher's own host cost (one tiny launch: ``launch_overhead``) comes on
-    top on the device."""
+    launch plan's lookup and the direct launches' own Python (jagged_attention._Launch; with the config's
+    direct_launch off the JIT's own binding is not counted). The launcher's own host cost (one tiny launch:
+    ``launch_overhead``) comes on top on the device. The calls are planned as on a GPU (the interpreter's
+    tiles are not used even under TRITON_INTERPRET=1); ``hopper``: as on an sm_90 device (TMA loads and the
+    DS_STORE backward where ``config`` enables them). Also reports ``python_us_fwd_bwd_op``: the same fwd+bwd
+    through the custom ops (torch.ops.gemray.gdpa_fwd / gdpa_bwd), as torch.compile's graphs call them."""
     from collections import Counter
 
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -296,19 +308,26 @@ def host_profile(activation: str = "softmax", kind: str = "heavy", b: int = 128,
                 return _Compiled(name)
             return run
 
+    cfg = kconfig.resolve(config)
     names = ("_gdpa_fwd", "_gdpa_bwd", "_bwd_delta", "_gdpa_dq_ds")
-    saved = {k: getattr(ja, k) for k in names + ("_current_device", "_raw_stream")}
+    saved = {k: getattr(ja, k) for k in names + ("_current_device", "_raw_stream", "_INTERPRET", "_tma_device")}
     try:
         for k in names:
             setattr(ja, k, _Stub(k, saved[k]))
         ja._current_device, ja._raw_stream = (lambda: 0), (lambda device: 0)
+        ja._INTERPRET, ja._tma_device = False, (lambda device: hopper)
+        if hopper:
+            import triton
+
+            saved_alloc = triton.set_allocator
+            triton.set_allocator = lambda fn: None  # no CUDA allocator to set on the CPU
         torch.manual_seed(0)
         off = offsets_of(make_lengths(kind, b, n), device)
         t = int(off[-1])
         q, k, v = (torch.randn(t, H, D, device=device).requires_grad_(True) for _ in range(3))
 
         def fwd():
-            return ja.jagged_attention_triton(q, k, v, off, n, activation=activation)
+            return ja.jagged_attention_triton(q, k, v, off, n, activation=activation, config=cfg)
 
         do = torch.randn_like(fwd())
 
@@ -337,16 +356,28 @@ def host_profile(activation: str = "softmax", kind: str = "heavy", b: int = 128,
         us_fb = best_us(step)
         with torch.no_grad():
             us_f = best_us(fwd)
+        alpha = 1.0 / math.sqrt(D) if activation == "softmax" else 1.0
+
+        def op_step():  # the same call through the custom ops (what a compiled graph runs)
+            out, _ = ja.gdpa_fwd_op(q, k, v, off, off, None, None, n, n, activation, True, alpha,
+                                    1.0 / max(n, 1), 0, 0, False, 0, cfg.name)
+            out.backward(do)
+            q.grad = k.grad = v.grad = None
+
+        us_op = best_us(op_step)
     finally:
         for k_, fn in saved.items():
             setattr(ja, k_, fn)
+        if hopper:
+            triton.set_allocator = saved_alloc
         ja._LAUNCHERS.clear()
         ja._NO_DIRECT.clear()
     direct = n_launch.pop("(direct)", 0)
-    return dict(activation=activation, batch=f"{kind} B={b} N={n}", launches=sum(n_launch.values()),
+    return dict(activation=activation, batch=f"{kind} B={b} N={n}", config=cfg.name, launches=sum(n_launch.values()),
                 direct_launches=direct,
                 launch_kinds=n_launch, aten_ops=sum(ops_fb.ops.values()), aten_op_kinds=dict(ops_fb.ops),
-                aten_ops_fwd=sum(ops_f.ops.values()), python_us_fwd_bwd=us_fb, python_us_fwd=us_f)
+                aten_ops_fwd=sum(ops_f.ops.values()), python_us_fwd_bwd=us_fb, python_us_fwd=us_f,
+                python_us_fwd_bwd_op=us_op)
 
 
 def _pad(x: torch.Tensor, off: torch.Tensor, n: int) -> torch.Tensor:
@@ -359,8 +390,7 @@ def _pad(x: torch.Tensor, off: torch.Tensor, n: int) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------- sections
 
 
-def bench_self(rec: Recorder, skip: set[str], quick: bool) -> None:
-    from gemray.kernels import jagged_attention as ja
+def bench_self(rec: Recorder, skip: set[str], quick: bool, config: KernelConfig = DEFAULT) -> None:
     from gemray.kernels import reference as ref
     from gemray.kernels.jagged_attention import jagged_attention_triton
 
@@ -379,10 +409,10 @@ def bench_self(rec: Recorder, skip: set[str], quick: bool) -> None:
         alpha_silu = 1.0 / math.sqrt(D)
 
         ours = {
-            "jfa": (lambda a, bb, c: jagged_attention_triton(a, bb, c, off, n, activation="softmax"),
+            "jfa": (lambda a, bb, c: jagged_attention_triton(a, bb, c, off, n, activation="softmax", config=config),
                     lambda a, bb, c, o: ref.jagged_attention_ref(a, bb, c, o, n, activation="softmax")),
             "gdpa_silu": (lambda a, bb, c: jagged_attention_triton(a, bb, c, off, n, activation="silu",
-                                                                   alpha=alpha_silu),
+                                                                   alpha=alpha_silu, config=config),
                           lambda a, bb, c, o: ref.jagged_attention_ref(a, bb, c, o, n, activation="silu",
                                                                        alpha=alpha_silu)),
         }
@@ -400,17 +430,17 @@ def bench_self(rec: Recorder, skip: set[str], quick: bool) -> None:
         # the silu kernels with the exact sigmoid (exp2 + division, two MUFU ops per score) for comparison,
         # on the batch of the silu bar only (each batch would compile two more kernels)
         if tag == SILU_FWD_TARGET[0]:
-            ja.FAST_ACT = False
+            exact = config.replace(fast_act=False)
             try:
-                fn = ours["gdpa_silu"][0]
+                def fn(a, bb, c):
+                    return jagged_attention_triton(a, bb, c, off, n, activation="silu", alpha=alpha_silu,
+                                                   config=exact)
                 t_f, t_fb = _time_fwd_bwd(fn, (q, k, v))
                 rec.add(section="self", batch=tag, variant="gdpa_silu_exact_sigmoid", ms_fwd=t_f,
                         ms_fwd_bwd=t_fb, tflops_fwd=flops / t_f / 1e9, tflops_fwd_bwd=3.5 * flops / t_fb / 1e9)
             except Exception as e:
                 rec.add(section="self", batch=tag, variant="gdpa_silu_exact_sigmoid", error=repr(e)[:300])
                 traceback.print_exc()
-            finally:
-                ja.FAST_ACT = True
 
         baselines = {}
         if "varlen" not in skip:
@@ -438,7 +468,8 @@ def bench_self(rec: Recorder, skip: set[str], quick: bool) -> None:
                 else:
                     if name == "varlen":  # cross-check our softmax kernel against FlashAttention's
                         with torch.no_grad():
-                            ours_out = jagged_attention_triton(q, k, v, off, n, activation="softmax")
+                            ours_out = jagged_attention_triton(q, k, v, off, n, activation="softmax",
+                                                               config=config)
                             rec.add(section="self", batch=tag, variant="jfa_vs_varlen_out",
                                     rel_diff=_rel(ours_out, fn(q, k, v)))
                     t_f, t_fb = _time_fwd_bwd(fn, (q, k, v))
@@ -499,7 +530,7 @@ def _flex_times(q, k, v, off, t) -> tuple[float, float]:
     return _time_fwd_bwd(f, (fq, fk, fv))
 
 
-def bench_cross_pma(rec: Recorder, skip: set[str]) -> None:
+def bench_cross_pma(rec: Recorder, skip: set[str], config: KernelConfig = DEFAULT) -> None:
     from gemray.kernels import reference as ref
     from gemray.kernels.jagged_attention import jagged_cross_attention_triton, pma_triton
 
@@ -525,7 +556,7 @@ def bench_cross_pma(rec: Recorder, skip: set[str]) -> None:
     for act in ("softmax", "silu"):
         try:
             qq, kk, vv = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
-            out = jagged_cross_attention_triton(qq, qo, kk, vv, ko, mq, n, activation=act)
+            out = jagged_cross_attention_triton(qq, qo, kk, vv, ko, mq, n, activation=act, config=config)
             do = torch.randn_like(out)
             out.backward(do)
             qrows, sub_qo = _sub_batch(q, qo, seqs)
@@ -539,7 +570,7 @@ def bench_cross_pma(rec: Recorder, skip: set[str]) -> None:
 
             ss = seeds.detach().clone().requires_grad_(True)
             kk, vv = (x.detach().clone().requires_grad_(True) for x in (k, v))
-            out = pma_triton(ss, kk, vv, ko, n, activation=act)
+            out = pma_triton(ss, kk, vv, ko, n, activation=act, config=config)
             do = torch.randn_like(out)
             # reference: all users' seeds-gradient contributions, so use the full batch in chunks of users
             out.backward(do)
@@ -568,17 +599,19 @@ def bench_cross_pma(rec: Recorder, skip: set[str]) -> None:
 
     runs = {
         ("cross", "ours_softmax"): (lambda a, bb, c: jagged_cross_attention_triton(a, qo, bb, c, ko, mq, n,
-                                                                                   activation="softmax"),
+                                                                                   activation="softmax",
+                                                                                   config=config),
                                     (q, k, v), pairs_cross),
         ("cross", "ours_silu"): (lambda a, bb, c: jagged_cross_attention_triton(a, qo, bb, c, ko, mq, n,
-                                                                                activation="silu"),
+                                                                                activation="silu", config=config),
                                  (q, k, v), pairs_cross),
         ("cross", "sdpa_padded"): (lambda a, bb, c: F.scaled_dot_product_attention(
             a, bb, c, attn_mask=keymask), (q.detach().view(b, mq, H, D).transpose(1, 2).contiguous()
                                            .requires_grad_(True), pk, pv), pairs_cross),
-        ("pma", "ours_softmax"): (lambda a, bb, c: pma_triton(a, bb, c, ko, n, activation="softmax"),
+        ("pma", "ours_softmax"): (lambda a, bb, c: pma_triton(a, bb, c, ko, n, activation="softmax",
+                                                              config=config),
                                   (seeds, k, v), pairs_pma),
-        ("pma", "ours_silu"): (lambda a, bb, c: pma_triton(a, bb, c, ko, n, activation="silu"),
+        ("pma", "ours_silu"): (lambda a, bb, c: pma_triton(a, bb, c, ko, n, activation="silu", config=config),
                                (seeds, k, v), pairs_pma),
         ("pma", "sdpa_padded"): (lambda a, bb, c: F.scaled_dot_product_attention(
             a.transpose(0, 1).unsqueeze(0).expand(b, -1, -1, -1), bb, c, attn_mask=keymask),
@@ -594,7 +627,7 @@ def bench_cross_pma(rec: Recorder, skip: set[str]) -> None:
             traceback.print_exc()
 
 
-def bench_block(rec: Recorder) -> None:
+def bench_block(rec: Recorder, config: KernelConfig = DEFAULT) -> None:
     from gemray.kernels import reference as ref
     from gemray.kernels.jagged_attention import jagged_block_attention_triton
 
@@ -610,7 +643,7 @@ def bench_block(rec: Recorder) -> None:
         for act in ("softmax", "silu"):
             tag = f"uniform B={b} N={n} block={bs}"
             fn = (lambda a, bb, c, act=act: jagged_block_attention_triton(a, bb, c, off, n, block_size=bs,
-                                                                          activation=act))
+                                                                          activation=act, config=config))
             try:
                 errs = {}
                 if n == 4096:
@@ -626,7 +659,7 @@ def bench_block(rec: Recorder) -> None:
 
 def bench_norm(rec: Recorder) -> None:
     try:
-        from gemray.kernels.norm_quant import bench_norm_quant
+        from gemray.bench.norm_quant import bench_norm_quant
     except ImportError as e:
         rec.add(section="norm_quant", error=f"not importable: {e!r}"[:300])
         return
@@ -645,25 +678,19 @@ def bench_norm(rec: Recorder) -> None:
 # (won everywhere), 64x64/4w/2 (two CTAs per SM: the TMA path may change the balance).
 _DKDV_RUN6 = ((64, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 2))
 _DQ_RUN6 = ((128, 64, 8, 3), (64, 64, 4, 2))
-# Query-rows-first dK/dV (run 8; sm_90 SASS per loop step, unmasked, no spills): 128x64/8w (564 instructions per
-# 8192 scores; 462 with TMA loads; 3 stages need 242 KB of shared memory, over the 227 KB limit), 64x64/4w (547 per
-# 4096; two CTAs per SM with 2 stages).
-_DKDV_QROWS = ((128, 64, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3))
-# DS_STORE backward (runs 19-24, deploy/h200/ab_ds.py): dK/dV with the dS store, 64x64/4w/2 (medium / long) and
+# DS_STORE backward (runs 19-24, an A/B script git keeps): dK/dV with the dS store, 64x64/4w/2 (medium / long) and
 # 64x128/8w/3 (xlong; with 2 stages the store's wait showed: +1.2 ms on uniform B=64 N=4096); dQ = dS K, 64x64/4w/3
 # (medium / long) and 256x64/8w/2 (xlong: each K tile read serves more dS rows), 128x64/4w/3 within 1% of both.
 _DKDV_DS = ((64, 64, 4, 2), (64, 128, 8, 3), (64, 128, 8, 2))
 _DQ_DS = ((64, 64, 4, 3), (256, 64, 8, 2), (128, 64, 4, 3))
 
 SWEEP = {  # regime -> kernel -> candidate (BLOCK_M, BLOCK_N, num_warps, num_stages); the default goes first
-    # From sm_90 compiles (kernels/NOTES.md, run 4 plan; without divisibility hints, so spills are overstated):
+    # From sm_90 compiles (the kernel run reports (benchmarks/reports/kernels_h200_*.md), run 4 plan; without divisibility hints, so spills are overstated):
     # 64x64 / 8 warps dK/dV and dQ keep their loops free of spill stores; BLOCK_M 32 gets no wgmma.
     "short": {
         "fwd": [(64, 64, 4, 3), (32, 64, 4, 3), (64, 32, 4, 3)],
         "fwd_silu": [(64, 64, 4, 3), (32, 64, 4, 3)],
         "dkdv": [(64, 64, 8, 2), (64, 128, 8, 2), (64, 64, 4, 3), (64, 64, 4, 2)],
-        "dkdv_atomic": [(64, 64, 8, 2)],
-        "dkdv_qrows": list(_DKDV_QROWS),
         "dkdv_ds": list(_DKDV_DS),
         "dq_ds": list(_DQ_DS),
         "dq": [(64, 64, 8, 2), (32, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 2)],
@@ -683,8 +710,6 @@ SWEEP = {  # regime -> kernel -> candidate (BLOCK_M, BLOCK_N, num_warps, num_sta
         "fwd": [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3)],
         "fwd_silu": [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 128, 4, 3)],
         "dkdv": list(_DKDV_RUN6),
-        "dkdv_atomic": [(64, 64, 8, 2)],
-        "dkdv_qrows": list(_DKDV_QROWS),
         "dkdv_ds": list(_DKDV_DS),
         "dq_ds": list(_DQ_DS),
         "dq": list(_DQ_RUN6),
@@ -693,8 +718,6 @@ SWEEP = {  # regime -> kernel -> candidate (BLOCK_M, BLOCK_N, num_warps, num_sta
         "fwd": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 3)],
         "fwd_silu": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 3)],
         "dkdv": list(_DKDV_RUN6),
-        "dkdv_atomic": [(64, 64, 8, 2)],
-        "dkdv_qrows": list(_DKDV_QROWS),
         "dkdv_ds": list(_DKDV_DS),
         "dq_ds": list(_DQ_DS),
         "dq": list(_DQ_RUN6),
@@ -703,116 +726,122 @@ SWEEP = {  # regime -> kernel -> candidate (BLOCK_M, BLOCK_N, num_warps, num_sta
         "fwd": [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3)],
         "fwd_silu": [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3)],
         "dkdv": list(_DKDV_RUN6),
-        "dkdv_atomic": [(64, 64, 8, 2)],
-        "dkdv_qrows": list(_DKDV_QROWS),
         "dkdv_ds": list(_DKDV_DS),
         "dq_ds": list(_DQ_DS),
         "dq": list(_DQ_RUN6),
     },
 }
-# launch modes (FUSED_BWD, DELTA_INLINE, ATOMIC_DQ, HEADS_INNER, TMA_LOADS) tried per regime; the current
-# default is tried first. Run 4: one launch and inline delta lost everywhere ((True, True) is no longer
-# tried). Run 5: atomic dQ lost by 1.5-2.1x in every regime (register spills), no longer tried (the code path
-# stays). Run 6: heads inner won only "short" (-10%), the one-launch backward nowhere (no longer tried).
-# Runs 7-8: TMA tile loads (forward and both backward launches) won only xlong (-2.5%, -1.3%; now its default);
-# the query-rows-first dK/dV step (DKDV_QROWS, tile kind "dkdv_qrows") lost everywhere (+6-7%, short +35%) and
-# is no longer tried (the code path and its tests stay). Each regime's default, then TMA loads or the
-# heads-inner grid switched (the default is tried first and not repeated).
-# Runs 19-24: the DS_STORE backward (dS^T stored by the dK/dV launch, dQ = dS K) won medium / long / xlong (-3 to
-# -8%), lost short (+8% device time): its on / off switch is the mode's 7th entry.
+# Launch modes (heads inner, TMA loads, dS stored) tried per regime; the regime's current mode is tried first.
+# Run 6: heads inner won only "short" (-10%). Runs 7-8: TMA tile loads (forward and both backward launches) won only
+# xlong (-2.5%, -1.3%; its default). Runs 19-24: the DS_STORE backward (dS^T stored by the dK/dV launch, dQ = dS K)
+# won medium / long / xlong (-3 to -8%), lost short (+8% device time). The modes that lost everywhere (one-launch
+# backward, inline delta, atomic dQ, query-rows-first dK/dV; runs 4-8) were deleted with their kernels.
 _F = False
-BWD_MODES = [(_F, _F, _F, _F, _F, _F, _F), (_F, _F, _F, _F, True, _F, _F), (_F, _F, _F, True, _F, _F, _F),
-             (_F, _F, _F, True, True, _F, _F), (_F, _F, _F, _F, _F, _F, True), (_F, _F, _F, _F, True, _F, True)]
-MODE_LEN = 7
+MODE_FIELDS = ("heads_inner", "tma_loads", "ds_store")
+BWD_MODES = [(_F, _F, _F), (_F, True, _F), (True, _F, _F), (True, True, _F), (_F, _F, True), (_F, True, True)]
+# the launch-mode lists that runs 4-41 printed: [one launch, delta inline, atomic dQ, heads inner, TMA loads,
+# query-rows dK/dV, dS stored] (2 to 7 entries, the missing ones off); entries 0, 1, 2, 5 name deleted modes
+_LEGACY_MODE = ("one launch", "delta inline", "atomic dQ", "heads_inner", "tma_loads", "query-rows dK/dV", "ds_store")
+_DELETED_KINDS = ("dkdv_atomic", "dkdv_qrows")  # tile kinds of deleted modes, ignored in a --tiles JSON
 
 
-def get_mode(which: str) -> tuple[bool, ...]:
-    """(one launch, delta inline, atomic dQ, heads inner, TMA loads, query-rows dK/dV, dS stored) of regime
-    ``which`` in jagged_attention."""
-    from gemray.kernels import jagged_attention as ja
-
-    return (ja.FUSED_BWD[which], ja.DELTA_INLINE[which], ja.ATOMIC_DQ[which], ja.HEADS_INNER[which],
-            ja.TMA_LOADS[which], ja.DKDV_QROWS[which], ja.DS_STORE[which])
+def get_mode(config: KernelConfig, which: str) -> tuple[bool, bool, bool]:
+    """(heads inner, TMA loads, dS stored) of regime ``which`` in ``config``."""
+    rc = config.regime(which)
+    return (rc.heads_inner, rc.tma_loads, rc.ds_store)
 
 
-def set_mode(which: str, mode) -> None:
-    """Set regime ``which``'s launch mode from [one launch, delta inline(, atomic dQ(, heads inner(, TMA
-    loads(, query-rows dK/dV(, dS stored)))))] (run 4's JSON has two entries, run 5's three, run 6's four, run 7's
-    five, run 8's six: the missing ones are off)."""
-    from gemray.kernels import jagged_attention as ja
+def parse_mode(mode) -> tuple[bool, bool, bool]:
+    """A launch mode from a --tiles JSON: {"heads_inner": b, "tma_loads": b, "ds_store": b} (missing keys off) or a
+    list in the order runs 4-41 printed (see _LEGACY_MODE). Raises ValueError for a deleted mode switched on or an
+    unknown key."""
+    if isinstance(mode, dict):
+        unknown = set(mode) - set(MODE_FIELDS)
+        if unknown:
+            raise ValueError(f"unknown launch mode {sorted(unknown)} (modes: {MODE_FIELDS})")
+        return tuple(bool(mode.get(f, False)) for f in MODE_FIELDS)
+    flags = [bool(m) for m in mode]
+    if not 2 <= len(flags) <= len(_LEGACY_MODE):
+        raise ValueError(f"a launch-mode list has 2-{len(_LEGACY_MODE)} entries, got {len(flags)}")
+    flags += [False] * (len(_LEGACY_MODE) - len(flags))
+    on = [_LEGACY_MODE[i] for i in (0, 1, 2, 5) if flags[i]]
+    if on:
+        raise ValueError(f"launch mode {on} was deleted (it lost in every regime: the kernel run reports (benchmarks/reports/kernels_h200_*.md) runs 4-11)")
+    return (flags[3], flags[4], flags[6])
 
-    mode = tuple(bool(m) for m in mode) + (False,) * (MODE_LEN - len(mode))
-    ja.FUSED_BWD[which], ja.DELTA_INLINE[which], ja.ATOMIC_DQ[which], ja.HEADS_INNER[which], \
-        ja.TMA_LOADS[which], ja.DKDV_QROWS[which], ja.DS_STORE[which] = mode[:MODE_LEN]
+
+def set_mode(config: KernelConfig, which: str, mode) -> KernelConfig:
+    """``config`` with regime ``which``'s launch mode set from (heads inner, TMA loads, dS stored) or anything
+    :func:`parse_mode` reads."""
+    inner, tma, ds = parse_mode(mode) if not (isinstance(mode, tuple) and len(mode) == 3) else mode
+    return config.with_regime(which, heads_inner=bool(inner), tma_loads=bool(tma), ds_store=bool(ds))
 
 
-def apply_tiles(tiles_json: str) -> None:
-    """Pin tiles and launch modes from the "chosen tiles" JSON a bench run prints: {regime: {kind: {"128":
-    [BLOCK_M, BLOCK_N, warps, stages]}, "mode": [...]}} (``--tiles``; also deploy/h200/profile_bwd.py).
-    Raises json.JSONDecodeError / KeyError for malformed JSON or an unknown regime or tile kind."""
-    from gemray.kernels import jagged_attention as ja
-
+def apply_tiles(tiles_json: str, config: KernelConfig = DEFAULT) -> KernelConfig:
+    """``config`` with the tiles and launch modes of the "chosen tiles" JSON a bench run prints: {regime: {kind:
+    {"128": [BLOCK_M, BLOCK_N, warps, stages]}, "mode": {...} or [...]}} (``--tiles``). Tile kinds of deleted modes
+    ("dkdv_atomic", "dkdv_qrows", in JSON printed by runs 5-41) are skipped with a log line. Raises
+    json.JSONDecodeError / KeyError / ValueError for malformed JSON, an unknown regime or tile kind, a deleted
+    mode switched on."""
     for which, kinds in json.loads(tiles_json).items():
-        if which not in ja.TILES:
-            raise KeyError(f"unknown regime {which!r} (one of {sorted(ja.TILES)})")
+        if which not in kconfig.REGIMES:
+            raise KeyError(f"unknown regime {which!r} (one of {list(kconfig.REGIMES)})")
         for kind, table in kinds.items():
-            if kind != "mode" and kind not in ja.TILES[which]:
-                raise KeyError(f"unknown tile kind {kind!r} (one of {sorted(ja.TILES[which])} or 'mode')")
             if kind == "mode":
-                set_mode(which, table)
-                continue
-            for dk, cfg in table.items():
-                ja.TILES[which][kind][int(dk)] = tuple(cfg)
+                config = set_mode(config, which, table)
+            elif kind in _DELETED_KINDS:
+                log.info("--tiles: %s %s skipped (its launch mode was deleted)", which, kind)
+            elif kind not in kconfig.TILE_KINDS:
+                raise KeyError(f"unknown tile kind {kind!r} (one of {list(kconfig.TILE_KINDS)} or 'mode')")
+            else:
+                for dk, cfg in table.items():
+                    config = config.with_tile(which, kind, tuple(cfg), int(dk))
+    return config
+
+
+def tiles_json(config: KernelConfig) -> str:
+    """The D=128 tiles and launch modes of every regime of ``config`` as the JSON ``--tiles`` reads."""
+    out = {}
+    for r in kconfig.REGIMES:
+        rc = config.regime(r)
+        out[r] = {k: {"128": list(rc.tiles.get(k, 128))} for k in kconfig.TILE_KINDS}
+        out[r]["mode"] = dict(zip(MODE_FIELDS, get_mode(config, r)))
+    return json.dumps(out)
 
 
 SWEEP_BATCH = {"short": ("heavy", 128, 1024), "medium": ("heavy", 256, 4096), "long": ("uniform", 128, 1024),
                "xlong": ("uniform", 64, 4096)}
 
 
-# what the sweep picks per regime, in order; "dkdv" / "dq" are timed only if the chosen mode is not atomic
-# dQ, "dkdv_atomic" only if it is. The mode comes first (run 7): TMA loads change the forward too, so the
+# what the sweep picks per regime, in order; "dkdv" / "dq" are timed only if the chosen mode does not store dS,
+# "dkdv_ds" / "dq_ds" only if it does. The mode comes first (run 7): TMA loads change the forward too, so the
 # forward tiles are timed under the chosen mode.
-KERNELS = ("mode", "fwd", "fwd_silu", "dkdv", "dkdv_atomic", "dkdv_qrows", "dq", "dkdv_ds", "dq_ds")
+KERNELS = ("mode", "fwd", "fwd_silu", "dkdv", "dq", "dkdv_ds", "dq_ds")
 
 
-def _mode_for(kern: str, mode: tuple) -> tuple[bool, ...]:
-    """The launch mode under which tile kind ``kern`` is used (so that it is compiled / timed):
-    "dkdv_atomic" needs atomic dQ, "dkdv" / "dq" need it off; "dkdv_qrows" needs the query-rows dK/dV step,
-    "dkdv" needs it off; "dkdv_ds" / "dq_ds" need the dS store (and neither atomic dQ, one launch nor query rows),
-    "dkdv" / "dq" / "dkdv_qrows" / "dkdv_atomic" need it off; other kinds keep ``mode``."""
-    mode = tuple(mode) + (False,) * (MODE_LEN - len(mode))
+def _mode_for(kern: str, mode: tuple) -> tuple[bool, bool, bool]:
+    """The launch mode under which tile kind ``kern`` is used (so that it is compiled / timed): "dkdv_ds" /
+    "dq_ds" need the dS store, "dkdv" / "dq" need it off; other kinds keep ``mode``."""
+    inner, tma, ds = mode
     if kern in ("dkdv_ds", "dq_ds"):
-        return (False, mode[1], False) + mode[3:5] + (False, True)
-    if kern in ("dkdv", "dq", "dkdv_qrows", "dkdv_atomic"):
-        mode = mode[:6] + (False,)
-    if kern == "dkdv_atomic" and not mode[2]:
-        return (False, mode[1], True) + mode[3:5] + (False, False)
-    if kern in ("dkdv", "dq", "dkdv_qrows") and mode[2]:
-        mode = (False, False, False) + mode[3:]
-    if kern == "dkdv_qrows" and not mode[5]:
-        return mode[:5] + (True, False)
-    if kern == "dkdv" and mode[5]:
-        return mode[:5] + (False, False)
-    return mode
+        return (inner, tma, True)
+    if kern in ("dkdv", "dq"):
+        return (inner, tma, False)
+    return tuple(mode)
 
 
-def _sweep_items(which: str) -> list[tuple[str, str, tuple]]:
+def _sweep_items(config: KernelConfig, which: str) -> list[tuple[str, str, tuple]]:
     """(regime, kernel, candidate) items of the sweep for one regime, in the sweep's order (defaults first)."""
-    from gemray.kernels import jagged_attention as ja
-
     items = []
-    atomic_tried = get_mode(which)[2] or any(m[2] for m in BWD_MODES)
-    qrows_tried = get_mode(which)[5] or any(m[5] for m in BWD_MODES)
-    ds_tried = get_mode(which)[6] or any(m[6] for m in BWD_MODES)
+    ds_tried = get_mode(config, which)[2] or any(m[2] for m in BWD_MODES)
     for kern in KERNELS:
-        if ((kern == "dkdv_atomic" and not atomic_tried) or (kern == "dkdv_qrows" and not qrows_tried)
-                or (kern in ("dkdv_ds", "dq_ds") and not ds_tried)):
+        if kern in ("dkdv_ds", "dq_ds") and not ds_tried:
             continue  # never used: neither compiled nor timed
         if kern == "mode":
-            default = get_mode(which)
+            default = get_mode(config, which)
             cands = [default] + [m for m in BWD_MODES if m != default]
         else:
-            default = ja.TILES[which][kern][128]
+            default = config.regime(which).tiles.get(kern, 128)
             cands = [default] + [c for c in SWEEP[which][kern] if c != default]
         items += [(which, kern, tuple(c)) for c in cands]
     return items
@@ -846,52 +875,54 @@ def _sweep_inputs(which: str, device: str = "cuda", dtype: torch.dtype = torch.b
     return off, n, q, k, v
 
 
-def _precompile_worker(items: list, device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> int:
+def item_config(base: KernelConfig, which: str, kern: str, cand: tuple, under: tuple | None = None) -> KernelConfig:
+    """The config a sweep item runs with: ``base`` with regime ``which`` in the launch mode that uses tile kind
+    ``kern`` (derived from ``under``, a launch mode, or the regime's own), then the candidate applied (a mode for
+    "mode", else the kind's D=128 tile)."""
+    cfg = set_mode(base, which, _mode_for(kern, tuple(under) if under else get_mode(base, which)))
+    if kern == "mode":
+        return set_mode(cfg, which, cand)
+    return cfg.with_tile(which, kern, tuple(cand))
+
+
+def _precompile_worker(items: list, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
+                       tiles: str = "") -> int:
     """Run each sweep item once (forward, or forward+backward) so that its kernels land in the Triton disk
     cache (TRITON_CACHE_DIR); runs in a spawned process, results are discarded. An item (regime, kernel,
-    candidate[, mode]) runs under the launch mode that uses its tile kind (with the grid order and loads of the
-    optional 4th entry, a launch mode). Returns the number of items that raised (each is printed)."""
+    candidate[, mode]) runs with :func:`item_config` of the default config (``tiles``: a --tiles JSON applied to
+    it first). Returns the number of items that raised (each is printed)."""
     from gemray.kernels import jagged_attention as ja
 
+    base = apply_tiles(tiles) if tiles else DEFAULT
     inputs = {}
     failed = 0
-    for which, kern, cfg, *under in items:
+    for which, kern, cand, *under in items:
         if which == "section":  # a bench section run once per timing call: compiles exactly its variants
             try:
-                _run_section_once(kern)
+                _run_section_once(kern, base)
             except Exception as e:
                 failed += 1
                 print(f"precompile section {kern}: {e!r}"[:300], flush=True)
             continue
-        modes = get_mode(which)
-        tiles = ja.TILES[which][kern][128] if kern != "mode" else None
         try:
-            set_mode(which, _mode_for(kern, under[0] if under else modes))  # a 4th entry: compile under it
+            cfg = item_config(base, which, kern, cand, under[0] if under else None)
             if which not in inputs:
                 inputs[which] = _sweep_inputs(which, device, dtype)
             off, n, q, k, v = inputs[which]
-            if kern == "mode":
-                set_mode(which, cfg)
-            else:
-                ja.TILES[which][kern][128] = cfg
             act = "silu" if kern == "fwd_silu" else "softmax"
             out = ja.jagged_attention_triton(q, k, v, off, n, activation=act,
-                                             alpha=None if act == "softmax" else 1.0 / math.sqrt(D))
+                                             alpha=None if act == "softmax" else 1.0 / math.sqrt(D), config=cfg)
             if kern not in ("fwd", "fwd_silu"):
                 out.backward(torch.ones_like(out))
             if device == "cuda":
                 torch.cuda.synchronize()
         except Exception as e:  # reported again (and recorded) by the sweep itself
             failed += 1
-            print(f"precompile {which} {kern} {cfg}: {e!r}"[:300], flush=True)
-        finally:
-            set_mode(which, modes)
-            if kern != "mode":
-                ja.TILES[which][kern][128] = tiles
+            print(f"precompile {which} {kern} {cand}: {e!r}"[:300], flush=True)
     return failed
 
 
-def _run_section_once(name: str) -> None:
+def _run_section_once(name: str, config: KernelConfig = DEFAULT) -> None:
     """Run bench section ``name`` ("cross", "block") with every timing replaced by one call (precompile)."""
     import tempfile
 
@@ -908,29 +939,30 @@ def _run_section_once(name: str) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             rec = Recorder(Path(tmp))
             if name == "cross":
-                bench_cross_pma(rec, {"sdpa"})
+                bench_cross_pma(rec, {"sdpa"}, config)
             elif name == "block":
-                bench_block(rec)
+                bench_block(rec, config)
     finally:
         g.update(saved)
 
 
-def precompile(workers: int, timeout_s: float = 240.0) -> float:
+def precompile(workers: int, timeout_s: float = 240.0, tiles: str = "") -> float:
     """Compile every sweep candidate (and so the default variants the bench runs) in ``workers`` spawned
     processes sharing the Triton disk cache; the sweep then times instead of compiling. Bwd items first
-    (slowest to compile), dealt round-robin. Returns the seconds spent."""
+    (slowest to compile), dealt round-robin. ``tiles``: the run's --tiles JSON. Returns the seconds spent."""
     import multiprocessing as mp
 
     t0 = time.time()
-    items = [it for which in SWEEP_BATCH for it in _sweep_items(which)]
+    base = apply_tiles(tiles) if tiles else DEFAULT
+    items = [it for which in SWEEP_BATCH for it in _sweep_items(base, which)]
     # tiles are timed after the mode: compile each also under its regime's default mode with the TMA loads
     # switched (the mode the sweep is most likely to choose instead; other modes compile during the sweep)
-    items += [it + (get_mode(it[0])[:4] + (not get_mode(it[0])[4],) + get_mode(it[0])[5:],) for it in items
-              if it[1] not in ("mode", "dkdv_atomic")]
+    items += [it + ((lambda m: (m[0], not m[1], m[2]))(get_mode(base, it[0])),) for it in items if it[1] != "mode"]
     items.sort(key=lambda it: it[1] in ("fwd", "fwd_silu"))
     items = [("section", "cross", ()), ("section", "block", ())] + items
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_precompile_worker, args=(items[i::workers],)) for i in range(workers)]
+    procs = [ctx.Process(target=_precompile_worker, args=(items[i::workers], "cuda", torch.bfloat16, tiles))
+             for i in range(workers)]
     for p in procs:
         p.start()
     for p in procs:
@@ -941,79 +973,72 @@ def precompile(workers: int, timeout_s: float = 240.0) -> float:
     return time.time() - t0
 
 
-def sweep_tiles(rec: Recorder, budget_s: float = 150.0) -> None:
-    """Pick, per regime on that regime's bench batch (SWEEP_BATCH), the forward tiles (softmax "fwd" and
-    silu "fwd_silu", timed forward only), the backward launch mode (two launches, one merged launch, or one
-    dK/dV launch with atomic dQ; delta inline or not) and the dK/dV and dQ tiles (timed fwd+bwd, softmax);
-    every candidate timed as CUDA-graph replays (device time: on the host-bound short batch the eager time
-    measures the host, not the tiles; eager timing where a candidate cannot be captured).
-    Winners go into jagged_attention.TILES / FUSED_BWD / DELTA_INLINE / ATOMIC_DQ for the rest of the run.
-    Candidates are tried in order (the default first) until ``budget_s`` seconds (compilation included) are
-    spent; later candidates are then skipped."""
+def sweep_tiles(rec: Recorder, budget_s: float = 150.0, config: KernelConfig = DEFAULT) -> KernelConfig:
+    """Pick, per regime on that regime's bench batch (SWEEP_BATCH), the launch mode (heads inner, TMA loads, dS
+    stored), the forward tiles (softmax "fwd" and silu "fwd_silu", timed forward only) and the backward tiles of
+    the chosen mode (timed fwd+bwd, softmax); every candidate timed as CUDA-graph replays (device time: on the
+    host-bound short batch the eager time measures the host, not the tiles; eager timing where a candidate cannot
+    be captured). Starts from ``config`` and returns it with the winners. Candidates are tried in order (the
+    default first) until ``budget_s`` seconds (compilation included) are spent; later candidates are then
+    skipped."""
     from gemray.kernels import jagged_attention as ja
 
     t_start = time.time()
     n_reg = len(SWEEP_BATCH)
     for i_reg, which in enumerate(SWEEP_BATCH):
         off, n, q, k, v = _sweep_inputs(which)
-        assert ja.regime(q.shape[0], off.numel() - 1) == which, which
-        table = ja.TILES[which]
+        assert config.regime_of(q.shape[0], off.numel() - 1) == which, which
         reg_deadline = t_start + budget_s * (i_reg + 1) / n_reg  # every regime gets its share of the budget
 
-        def fn(a, bb, c, act="softmax"):
+        def fn(a, bb, c, cfg, act="softmax"):
             return ja.jagged_attention_triton(a, bb, c, off, n, activation=act,
-                                              alpha=None if act == "softmax" else 1.0 / math.sqrt(D))
+                                              alpha=None if act == "softmax" else 1.0 / math.sqrt(D), config=cfg)
 
-        def timed(kern):
+        def timed(kern, cfg):
             # device time (CUDA-graph replays): the eager time of a short batch is the host's, which picked
             # tiles by noise before (run 4's 32-row dQ tile without wgmma on the short regime)
             fwd_only = kern in ("fwd", "fwd_silu")
             act = "silu" if kern == "fwd_silu" else "softmax"
             try:
-                return _graph_ms(lambda a, bb, c: fn(a, bb, c, act), (q, k, v), backward=not fwd_only)
+                return _graph_ms(lambda a, bb, c: fn(a, bb, c, cfg, act), (q, k, v), backward=not fwd_only)
             except Exception as e:  # not capturable: the eager time
                 log.warning("sweep %s %s: graph capture failed (%r), timing eagerly", which, kern, e)
                 torch.cuda.synchronize()
                 if fwd_only:
                     with torch.no_grad():
-                        return _bench(lambda: fn(q, k, v, act))
-                return _time_fwd_bwd(fn, (q, k, v))[1]
+                        return _bench(lambda: fn(q, k, v, cfg, act))
+                return _time_fwd_bwd(lambda a, bb, c: fn(a, bb, c, cfg), (q, k, v))[1]
 
         def over_budget() -> bool:
             return time.time() > reg_deadline
 
-        items = _sweep_items(which)
+        items = _sweep_items(config, which)
         for kern in KERNELS:
-            if kern not in ("fwd", "fwd_silu", "mode") and _mode_for(kern, get_mode(which)) != get_mode(which):
-                rec.add(section="sweep", table=which, kernel=kern,
-                        skipped=f"unused in mode {list(get_mode(which))}")
+            mode = get_mode(config, which)
+            if kern not in ("fwd", "fwd_silu", "mode") and _mode_for(kern, mode) != mode:
+                rec.add(section="sweep", table=which, kernel=kern, skipped=f"unused in mode {list(mode)}")
                 continue
             cands = [c for (_, kk, c) in items if kk == kern]
             best, best_ms = cands[0], float("inf")
-            for cfg in cands:
+            for cand in cands:
                 if best_ms < float("inf") and over_budget():
-                    rec.add(section="sweep", table=which, kernel=kern, cfg=list(cfg), skipped="budget")
+                    rec.add(section="sweep", table=which, kernel=kern, cfg=list(cand), skipped="budget")
                     continue
-                if kern == "mode":
-                    set_mode(which, cfg)
-                else:
-                    table[kern][128] = cfg
+                cfg = set_mode(config, which, cand) if kern == "mode" else config.with_tile(which, kern, cand)
                 try:
-                    ms = timed(kern)
+                    ms = timed(kern, cfg)
                 except Exception as e:  # e.g. out of shared memory for this tile
-                    rec.add(section="sweep", table=which, kernel=kern, cfg=list(cfg), error=repr(e)[:200])
+                    rec.add(section="sweep", table=which, kernel=kern, cfg=list(cand), error=repr(e)[:200])
                     continue
-                rec.add(section="sweep", table=which, kernel=kern, cfg=list(cfg), ms=ms)
+                rec.add(section="sweep", table=which, kernel=kern, cfg=list(cand), ms=ms)
                 if ms < best_ms:
-                    best, best_ms = cfg, ms
-            if kern == "mode":
-                set_mode(which, best)
-            else:
-                table[kern][128] = best
+                    best, best_ms = cand, ms
+            config = set_mode(config, which, best) if kern == "mode" else config.with_tile(which, kern, best)
             rec.add(section="sweep", table=which, kernel=kern, chosen=list(best), ms=best_ms,
                     elapsed_s=time.time() - t_start)
         del q, k, v
         torch.cuda.empty_cache()
+    return config
 
 
 TARGETS = {"uniform B=128 N=1024": 1.2, "heavy B=128 N=1024": 1.5, "uniform B=64 N=4096": 1.2,
@@ -1072,7 +1097,7 @@ def print_sweep(rows: list[dict]) -> None:
             tried.setdefault(key, []).append(f"{r.get('cfg', '')} {what}".strip())
     if tried:
         print("\nsweep (device ms from CUDA-graph replays; fwd kernels: forward only, others: fwd+bwd; "
-              "mode = [one launch, delta inline, atomic dQ, heads inner, TMA loads, query-rows dK/dV]):")
+              "mode = [heads inner, TMA loads, dS stored]):")
         for (reg, kern), items in tried.items():
             print(f"  {reg:6s} {kern:11s} " + " | ".join(items))
 
@@ -1115,21 +1140,23 @@ def main(argv: list[str] | None = None) -> int:
                    help="only count launches / aten ops and time the host work of one fwd+bwd with the "
                    "launches stubbed (CPU is enough), then exit")
     p.add_argument("--sweep-budget", type=float, default=150.0, help="seconds the sweep may spend (compiles too)")
-    p.add_argument("--tiles", default="", help='JSON override of TILES per regime, e.g. '
-                   '{"long": {"fwd": {"128": [128,64,8,3]}, "mode": [false, false, true]}} (mode: one launch, delta '
-                   'inline, atomic dQ, heads inner, TMA loads, query-rows dK/dV, dS stored; missing entries are off)')
+    p.add_argument("--tiles", default="", help='tiles and launch modes per regime over the default KernelConfig, '
+                   'e.g. {"long": {"fwd": {"128": [128,64,8,3]}, "mode": {"heads_inner": true, "tma_loads": false, '
+                   '"ds_store": true}}} (missing mode keys are off; the 2-7 entry mode lists of earlier runs are read '
+                   'too, refused where they switch a deleted mode on)')
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    config = DEFAULT
     if args.tiles:  # pinned before anything runs (the host profile's launches follow the tiles too)
         try:
-            apply_tiles(args.tiles)
+            config = apply_tiles(args.tiles)
         except (KeyError, TypeError, ValueError, AttributeError) as e:  # JSONDecodeError is a ValueError
             print(f"gemray bench kernels: --tiles: not a tiles JSON ({type(e).__name__}: {e})", file=sys.stderr)
             return 2
     if args.host_profile:
         rec = Recorder(Path(args.out))
         for act in ("softmax", "silu"):
-            r = rec.add(section="host_profile", **host_profile(act))
+            r = rec.add(section="host_profile", **host_profile(act, config=config))
             print(json.dumps(r), flush=True)
         return 0
     if not torch.cuda.is_available():
@@ -1137,11 +1164,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import triton
 
-    from gemray.kernels import jagged_attention as ja
-
     skip = {s for s in args.skip.split(",") if s}
     if args.precompile:
-        secs = precompile(args.precompile)
+        secs = precompile(args.precompile, tiles=args.tiles)
         print(f"precompiled the sweep candidates in {secs:.0f} s ({args.precompile} processes)", flush=True)
         if args.precompile_only:
             return 0
@@ -1151,11 +1176,10 @@ def main(argv: list[str] | None = None) -> int:
     rec.add(section="env", **launch_overhead())
     t0 = time.time()
     if args.sweep:
-        sweep_tiles(rec, args.sweep_budget)
-    chosen = {r: dict({k: {"128": v[128]} for k, v in t.items()}, mode=list(get_mode(r)))
-              for r, t in ja.TILES.items()}
-    rec.add(section="tiles", tiles=json.dumps(chosen))
-    print("chosen tiles (pass back with --tiles):", json.dumps(chosen), flush=True)
+        config = sweep_tiles(rec, args.sweep_budget, config)
+    chosen = tiles_json(config)
+    rec.add(section="tiles", tiles=chosen, config=config.name)
+    print("chosen tiles (pass back with --tiles):", chosen, flush=True)
     deadline = t0 + args.time_limit if args.time_limit > 0 else float("inf")
 
     def section(name: str, reserve_s: float) -> bool:
@@ -1168,11 +1192,11 @@ def main(argv: list[str] | None = None) -> int:
         return True
 
     if section("self", 0):
-        bench_self(rec, skip, args.quick)
+        bench_self(rec, skip, args.quick, config)
     if section("cross", 20):
-        bench_cross_pma(rec, skip)
+        bench_cross_pma(rec, skip, config)
     if section("block", 15):
-        bench_block(rec)
+        bench_block(rec, config)
     if section("norm", 15):
         bench_norm(rec)
     if "self" not in skip and section("flex", 30):

@@ -1,0 +1,35 @@
+"""Which calls of the Triton ops may skip the dispatcher.
+
+The kernels are ``torch.library`` custom ops (``gemray::gdpa_fwd`` / ``gdpa_bwd``, ``gemray::norm_quant_fwd`` /
+``norm_quant_bwd``) with fake implementations and registered autograd formulas, which torch.compile, export and
+FakeTensor / meta tracing need. Calling a Python custom op also costs the dispatcher's round trip through Python
+(argument defaults filled from the schema, the autograd wrapper, the backend redispatch): 100-200 us more per
+attention fwd+bwd than an ``autograd.Function`` over the same launches, measured on the 2-core CI machine, where a
+short heavy-tailed batch's whole fwd+bwd takes ~150 us of host work (the kernel run reports (benchmarks/reports/kernels_h200_*.md) "Runs 39-41": that batch is
+host-bound). So a plain eager call runs the ops' implementation behind an autograd.Function, and everything that
+traces goes through the ops; both run the same implementation functions (tests compare them bitwise).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_TRACING_MODES = tuple(getattr(torch._C._TorchDispatchModeKey, name) for name in ("FAKE", "PROXY", "FUNCTIONAL")
+                       if hasattr(torch._C._TorchDispatchModeKey, name))
+
+
+def plain_eager(*tensors) -> bool:
+    """True when a call may take the eager autograd.Function instead of the custom ops: not under torch.compile /
+    export (dynamo), no FakeTensor / proxy (make_fx) / functionalization mode active, and every given tensor
+    (None entries skipped) a plain tensor or Parameter not on the meta device. Anything else -- FakeTensor,
+    FunctionalTensor, DTensor or other subclasses, meta tensors, those tracing modes -- takes the ops."""
+    if torch.compiler.is_compiling():
+        return False
+    for key in _TRACING_MODES:
+        if torch._C._get_dispatch_mode(key) is not None:
+            return False
+    for t in tensors:
+        if t is not None and (type(t) not in _PLAIN_TYPES or t.is_meta):
+            return False
+    return True
