@@ -1,4 +1,5 @@
-"""The sparse part of the model: one TorchRec EmbeddingCollection (the trainer shards it with DMP).
+"""The sparse part of the model: one TorchRec EmbeddingCollection (``gemray.parallel.parallelize`` shards
+it in place with DistributedModelParallel, which also materialises a meta-built one).
 
 Tables (all ``cfg.embedding_dim`` wide: an EmbeddingCollection needs one width):
     "item"      num_items + 1 rows (row 0 = padding id, never looked up), features item_id, neg_item_id
@@ -41,3 +42,25 @@ def make_embedding_collection(cfg: ModelConfig, num_items: int,
         tables.append(EmbeddingConfig(name="time_gap", num_embeddings=cfg.num_time_buckets,
                                       feature_names=[TIME_FEATURE], **kw))
     return EmbeddingCollection(tables=tables, device=torch.device(device))
+
+
+@torch.no_grad()
+def init_embedding_tables(ec: EmbeddingCollection) -> None:
+    """Draw the tables of an unsharded ``ec`` anew, exactly as ``EmbeddingCollection(...)`` on a real device
+    does: table by table in config order, ``nn.Embedding``'s own reset (normal) and then the table's
+    ``init_fn`` (uniform in +-weight_init bounds). Both draws, so that ``torch.manual_seed(s)`` before either
+    gives equal tables and leaves the global RNG in the same state for what is initialised next.
+
+    Tables whose weight is on the meta device are skipped: they wait for TorchRec's sharding, whose FBGEMM
+    kernels initialise each shard from ``weight_init_min/max``. Raises ValueError for anything but a plain
+    (unsharded) EmbeddingCollection.
+    """
+    if not isinstance(ec, EmbeddingCollection):
+        raise ValueError(f"init_embedding_tables: expected an unsharded torchrec EmbeddingCollection, got "
+                         f"{type(ec).__name__} (a sharded collection is initialised by TorchRec)")
+    for config in ec.embedding_configs():
+        table = ec.embeddings[config.name]
+        if table.weight.is_meta:
+            continue
+        table.reset_parameters()
+        config.init_fn(table.weight)
