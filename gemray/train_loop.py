@@ -38,7 +38,7 @@ from gemray.checkpoint import checkpoint_reason, data_record, report_with_checkp
 from gemray.config import JobConfig, from_dict
 from gemray.events import EventLog, epoch_fields, failure_events, preempted_step, read_events
 from gemray.metrics import RetrievalMetrics, history_mask, target_ranks
-from gemray.parallel import parallelize, plan_layout
+from gemray.parallel import build_optimizer, parallelize, plan_layout
 from gemray.preemption import preemption_action, read_notice
 
 log = logging.getLogger("gemray.train")
@@ -57,16 +57,11 @@ def _setup_logging(rank: int) -> None:
         root.propagate = False
 
 
-def build_model(cfg: JobConfig, num_items: int, device: torch.device) -> torch.nn.Module:
-    """A plain GEM with dense modules on ``device`` (seeded, identical on every rank) and its
-    EmbeddingCollection on ``meta`` (materialised by sharding)."""
-    from gemray.model.embeddings import make_embedding_collection
+def build_model(cfg: JobConfig, num_items: int) -> torch.nn.Module:
+    """The whole GEM on the meta device (``parallelize`` shards and materialises it)."""
     from gemray.model.gem import GEM
 
-    torch.manual_seed(cfg.train.seed)
-    model = GEM(cfg.model, num_items, device, max_seq_len=cfg.data.max_seq_len)
-    model.embeddings = make_embedding_collection(cfg.model, num_items, "meta")
-    return model
+    return GEM(cfg.model, num_items, "meta", max_seq_len=cfg.data.max_seq_len)
 
 
 def _step_seed(seed: int, global_step: int, rank: int) -> int:
@@ -351,8 +346,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     streams = {split: HistoryStream.from_config(cfg.data, split, rank=rank, world_size=world,
                                                 seed=cfg.train.seed) for split in ("valid", "test")}
     phases["setup_and_data_s"], t_phase = time.time() - t_phase, time.time()
-    model = build_model(cfg, num_items, device)
-    dmp, optimizer = parallelize(model, layout=layout, cfg=cfg, device=device)
+    dmp = parallelize(build_model(cfg, num_items), layout=layout, cfg=cfg, device=device)
+    optimizer = build_optimizer(dmp, cfg)
     phases["build_and_shard_s"], t_phase = time.time() - t_phase, time.time()
 
     # 3. Restore (Ray hands back the latest committed checkpoint after a failure or a resize; a corrupt
