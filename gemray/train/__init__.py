@@ -17,6 +17,7 @@ from gemray.train.evaluation import Evaluator, RetrievalEvaluator
 from gemray.train.preemption_vote import PreemptionVote
 from gemray.train.recorder import RecoveryRecorder
 from gemray.train.stats import EpochStats, ThroughputMeter
+from gemray.train.trainer import Trainer, train_loop_per_worker
 
 __all__ = ["CheckpointPolicy", "EpochStats", "Evaluator", "PreemptionVote", "RecoveryRecorder",
-           "RetrievalEvaluator", "ThroughputMeter"]
+           "RetrievalEvaluator", "ThroughputMeter", "Trainer", "train_loop_per_worker"]
