@@ -71,18 +71,18 @@ def _build(cfg, world):
 
 
 def _check_materialised(dmp, cfg, world: int) -> None:
-    """parallelize left nothing on meta; the dense part is identical on every rank and is exactly a direct
-    build of the encoder with the same seed (init_weights draws as construction does); a model with real
-    parameters is refused."""
+    """parallelize left nothing on meta; the dense part is identical on every rank and is exactly the one of
+    a direct (unsharded, real-device) build with the same seed (init_weights draws as construction does);
+    a model with real parameters is refused."""
     import torch.distributed as dist
 
-    from gemray.model import GEM, HSTUEncoder
+    from gemray.model import GEM
     from gemray.parallel import parallelize, plan_layout
 
     assert not [n for n, p in dmp.named_parameters() if p.is_meta]
     enc = dmp.module.encoder
     torch.manual_seed(cfg.train.seed)
-    direct = dict(HSTUEncoder(cfg.model, cfg.data.max_seq_len, device="cpu").named_parameters())
+    direct = dict(GEM(cfg.model, NUM_ITEMS, "cpu", max_seq_len=cfg.data.max_seq_len).encoder.named_parameters())
     got = dict(enc.named_parameters())
     assert got.keys() == direct.keys() and all(torch.equal(got[n].detach(), direct[n].detach()) for n in got)
     flat = torch.cat([p.detach().flatten() for p in enc.parameters()])

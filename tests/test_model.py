@@ -194,21 +194,23 @@ def test_meta_build_then_init_weights_equals_a_direct_build(features):
     assert torch.isfinite(loss)
 
 
-def test_init_weights_leaves_meta_tables_to_sharding():
-    """With the tables still on meta (as parallelize materialises only the dense part before TorchRec shards
-    them), init_weights draws the dense part only: the encoder of a direct HSTUEncoder build, same seed."""
-    from gemray.model import HSTUEncoder
+def test_init_weights_with_tables_left_on_meta_gives_the_direct_build_dense_part():
+    """parallelize materialises only the dense part before TorchRec shards the tables: init_weights then skips
+    the tables' draws without allocating them, so the encoder is the direct build's and the RNG ends where
+    the direct build leaves it (TorchRec's shard initialisation draws next, as it did after a direct build)."""
     from gemray.parallel import materialize_dense
 
     cfg = tiny_cfg()
     torch.manual_seed(5)
-    enc = HSTUEncoder(cfg, 12, device="cpu")
+    direct = GEM(cfg, num_items=40, device="cpu", max_seq_len=12)
+    after = torch.get_rng_state()
     model = GEM(cfg, num_items=40, device="meta", max_seq_len=12)
     torch.manual_seed(5)
     materialize_dense(model, "cpu")
+    assert torch.equal(torch.get_rng_state(), after)
     assert all(p.is_meta for p in model.embeddings.parameters())
     assert not any(p.is_meta for p in model.encoder.parameters())
-    got, want = _params(model.encoder), _params(enc)
+    got, want = _params(model.encoder), _params(direct.encoder)
     assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
     blk = model.encoder.blocks[0]
     assert 0.01 < float(blk.uvqk_weight.detach().std()) < 0.03 and float(blk.uvqk_bias.detach().abs().sum()) == 0
@@ -216,6 +218,26 @@ def test_init_weights_leaves_meta_tables_to_sharding():
 
     with pytest.raises(ValueError, match="unsharded torchrec EmbeddingCollection"):
         init_embedding_tables(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("rows, dim", [(1, 4), (3, 5), (64, 16), (65, 16), (129, 3), (257, 8)])
+def test_skipped_table_draws_are_the_construction_draws(rows, dim, monkeypatch):
+    """Skipping a table's draws in chunks (a small chunk here, to cross chunk edges with every kind of
+    remainder) leaves the CPU RNG exactly where building the table does."""
+    from torchrec import EmbeddingCollection, EmbeddingConfig
+
+    from gemray.model import embeddings, skip_table_draws
+
+    monkeypatch.setattr(embeddings, "SKIP_CHUNK", 64)
+    cfg = EmbeddingConfig(name="t", num_embeddings=rows, embedding_dim=dim, feature_names=["f"],
+                          weight_init_min=-0.03, weight_init_max=0.03)
+    torch.manual_seed(9)
+    EmbeddingCollection(tables=[cfg], device=torch.device("cpu"))
+    built = torch.get_rng_state()
+    torch.manual_seed(9)
+    skip_table_draws(cfg, "cpu")
+    assert torch.equal(torch.get_rng_state(), built)
+    assert embeddings._chunk_sizes(rows * dim, 64) and sum(embeddings._chunk_sizes(rows * dim, 64)) == rows * dim
 
 
 def test_bad_config_and_sequence_raise():

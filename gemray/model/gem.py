@@ -62,15 +62,18 @@ class GEM(nn.Module):
 
     def init_weights(self) -> None:
         """Draw every local parameter anew, in construction order and with the same global-RNG draws as
-        construction on a real device: the embedding tables (``init_embedding_tables``; skipped while on meta,
-        as before TorchRec shards them), then the encoder (``HSTUEncoder.init_weights``); the head has none.
+        construction on a real device: the embedding tables (``init_embedding_tables``), then the encoder
+        (``HSTUEncoder.init_weights``); the head has none. Tables still on meta (before TorchRec shards them)
+        are not allocated, but their draws are skipped on the encoder's device, so the dense part gets the
+        values of a real-device build whether or not the tables are materialised here.
 
         So ``torch.manual_seed(s); GEM(..., device="cpu")`` equals ``GEM(..., device="meta")`` followed by
-        ``to_empty(device="cpu")``, ``torch.manual_seed(s)`` and ``init_weights()``, parameter for parameter.
-        Call after ``to_empty`` (on meta parameters the draws are no-ops). Raises ValueError when
+        ``to_empty(device="cpu")`` (or ``gemray.parallel.materialize_dense``: the dense part only),
+        ``torch.manual_seed(s)`` and ``init_weights()``, parameter for parameter, leaving the RNG in the
+        same state. Call after ``to_empty`` (on meta parameters the draws are no-ops). Raises ValueError when
         ``self.embeddings`` is already sharded (TorchRec owns those tables: re-initialise before sharding).
         """
-        init_embedding_tables(self.embeddings)
+        init_embedding_tables(self.embeddings, device=self.encoder.pos_emb.device)
         self.encoder.init_weights()
 
     def seed_sampling(self, seed: int) -> None:

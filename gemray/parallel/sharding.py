@@ -121,7 +121,8 @@ def parallelize(model: nn.Module, *, layout: Layout, cfg: JobConfig, device: tor
     2. sharding plan: ``EmbeddingShardingPlanner.collective_plan`` over ``layout.sharding_types``;
     3. dense part materialised: ``torch.manual_seed(cfg.train.seed)``, every module outside
        ``model.embeddings`` ``to_empty(device=device)``, then ``model.init_weights()``: the same values on
-       every rank (DDP's broadcast from rank 0 then changes nothing);
+       every rank (DDP's broadcast from rank 0 then changes nothing); GEM's are those of a direct
+       real-device build with that seed (its init_weights skips the draws of the tables left on meta);
     4. ``DistributedModelParallel``: shards the EmbeddingCollection per the plan and materialises each
        rank's shards (FBGEMM initialises them from the tables' ``weight_init_min/max``, continuing the RNG
        stream of step 3), then wraps the dense remainder in DDP.
