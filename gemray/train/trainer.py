@@ -361,8 +361,8 @@ def _prefixed(prefix: str, metrics: dict[str, float], skip: tuple[str, ...] = ()
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     """Ray Train entry point. ``config``: ``JobConfig.to_dict()`` with absolute data paths.
 
-    Elastic contract (see gemray.controller.policy): on every (re)start, derive the layout from the
-    current world size, shard anew, restore the newest good committed checkpoint (DCP reshards it),
+    Elastic contract (Ray Train V2 restarts the whole worker group on a failure or a resize): on every
+    (re)start, derive the layout from the current world size, shard anew, restore the newest good committed checkpoint (DCP reshards it),
     continue the epoch at the saved global data position (``consumed`` samples of the epoch's global
     order: ElasticTrainStream), checkpoint every ``checkpoint.every_steps`` global steps, at epoch ends,
     and on a preemption notice agreed by all ranks (polled every ``checkpoint.preempt_poll_steps``
