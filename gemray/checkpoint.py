@@ -285,25 +285,6 @@ def report_with_checkpoint(metrics: dict[str, Any], model: torch.nn.Module, opti
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def checkpoint_reason(global_step: int, every_steps: int, *, preempt: bool, epoch_end: bool,
-                      done_epochs: int = 0, every_epochs: int = 1, last_epoch: bool = False) -> str | None:
-    """Pure decision: why to checkpoint after this step, or None.
-
-    "final" (last epoch done), "epoch" (every ``every_epochs`` epochs), "emergency" (some rank got a
-    preemption notice/SIGTERM and the group is still healthy enough to agree, see train_loop),
-    "periodic" (every ``every_steps`` global steps; 0 = off). Raises ValueError for negative intervals.
-    """
-    if every_steps < 0 or every_epochs < 1:
-        raise ValueError(f"checkpoint_reason: every_steps={every_steps} (>= 0), every_epochs={every_epochs} (>= 1)")
-    if epoch_end and last_epoch:
-        return "final"
-    if epoch_end and done_epochs % every_epochs == 0:
-        return "epoch"
-    if preempt:
-        return "emergency"
-    if every_steps and global_step % every_steps == 0:
-        return "periodic"
-    return None
 
 
 def committed_checkpoints(run_dir: str | Path) -> list[Path]:

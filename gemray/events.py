@@ -24,8 +24,8 @@ from typing import Any
 
 log = logging.getLogger("gemray.events")
 
-__all__ = ["EVENT_KINDS", "PLANNED_END", "Event", "EventLog", "epoch_fields", "failure_events", "preempted_step",
-           "read_events", "summarize_recovery"]
+__all__ = ["EVENT_KINDS", "PLANNED_END", "Event", "EventLog", "epoch_fields", "failure_events",
+           "interrupted_checkpoint", "preempted_step", "read_events", "summarize_recovery"]
 
 EVENT_KINDS = ("attempt_start", "failure_detected", "resize", "checkpoint_restored", "checkpoint_fallback",
                "checkpoint_uncommitted", "startup", "first_step", "step", "checkpoint_begin", "checkpoint_saved",
@@ -131,6 +131,30 @@ def preempted_step(events: list[dict[str, Any]]) -> int | None:
     prev = starts[-1]["attempt"]
     return max((e["detail"]["global_step"] for e in events if e["attempt"] == prev and e["kind"] == "preempted"),
                default=None)
+
+
+def interrupted_checkpoint(failed: dict[str, Any] | None, restored_step: int,
+                           stopped_at: int | None = None) -> dict[str, Any] | None:
+    """What became of the previous attempt's newest checkpoint, if it is not the one restored.
+
+    failed: :func:`failure_events` of the log (None when the previous attempt ended on purpose);
+    restored_step: global step of the checkpoint this attempt restored (0 on a fresh start); stopped_at: the
+    step an attempt that stopped on a preemption notice reported its emergency checkpoint at
+    (:func:`preempted_step`). Returns ``{"global_step", "state"}`` with state "interrupted_write" (begun, never
+    reported: killed while writing), "not_committed" (reported, but Ray had not committed it before the
+    failure) or "stop_not_committed" (the emergency checkpoint was reported but the run ended before Ray
+    committed it); None when the newest checkpoint is the restored one or there is none.
+    """
+    if not failed:
+        if stopped_at is not None and stopped_at > restored_step:
+            return {"global_step": stopped_at, "state": "stop_not_committed"}
+        return None
+    if failed.get("last_checkpoint_begun") is None:
+        return None
+    begun, saved = failed["last_checkpoint_begun"], failed.get("last_checkpoint_saved")
+    if begun <= restored_step:
+        return None
+    return {"global_step": begun, "state": "interrupted_write" if saved != begun else "not_committed"}
 
 
 def summarize_recovery(events: list[dict[str, Any]]) -> list[dict[str, Any]]:

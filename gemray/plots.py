@@ -9,7 +9,7 @@ from typing import Any
 def plot_curves(history: list[dict[str, Any]], path: str | Path, *, hr_key: str = "valid_hr@10") -> Path:
     """Write a two-panel PNG: ``train_loss`` vs epoch and ``hr_key`` vs epoch (eval epochs only).
 
-    history: per-epoch dicts as reported by ``gemray.train_loop`` (keys ``epoch``, ``train_loss``,
+    history: per-epoch dicts as reported by ``gemray.train`` (keys ``epoch``, ``train_loss``,
     optionally ``valid_hr@10``). Returns the path. Raises ValueError for an empty history.
     """
     import matplotlib

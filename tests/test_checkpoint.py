@@ -61,11 +61,37 @@ def _snapshot(dmp, opt) -> dict[str, torch.Tensor]:
 
 
 def _build(cfg, world):
-    from gemray.parallel import parallelize, plan_layout
-    from gemray.train_loop import build_model
+    """As the Trainer builds: the whole GEM on meta -> parallelize (shard + materialise) -> optimizer."""
+    from gemray.model import GEM
+    from gemray.parallel import build_optimizer, parallelize, plan_layout
 
-    model = build_model(cfg, NUM_ITEMS, torch.device("cpu"))
-    return parallelize(model, layout=plan_layout(world, "cpu"), cfg=cfg, device=torch.device("cpu"))
+    model = GEM(cfg.model, NUM_ITEMS, "meta", max_seq_len=cfg.data.max_seq_len)
+    dmp = parallelize(model, layout=plan_layout(world, "cpu"), cfg=cfg, device=torch.device("cpu"))
+    return dmp, build_optimizer(dmp, cfg)
+
+
+def _check_materialised(dmp, cfg, world: int) -> None:
+    """parallelize left nothing on meta; the dense part is identical on every rank and is exactly the one of
+    a direct (unsharded, real-device) build with the same seed (init_weights draws as construction does);
+    a model with real parameters is refused."""
+    import torch.distributed as dist
+
+    from gemray.model import GEM
+    from gemray.parallel import parallelize, plan_layout
+
+    assert not [n for n, p in dmp.named_parameters() if p.is_meta]
+    enc = dmp.module.encoder
+    torch.manual_seed(cfg.train.seed)
+    direct = dict(GEM(cfg.model, NUM_ITEMS, "cpu", max_seq_len=cfg.data.max_seq_len).encoder.named_parameters())
+    got = dict(enc.named_parameters())
+    assert got.keys() == direct.keys() and all(torch.equal(got[n].detach(), direct[n].detach()) for n in got)
+    flat = torch.cat([p.detach().flatten() for p in enc.parameters()])
+    every = [torch.zeros_like(flat) for _ in range(world)]
+    dist.all_gather(every, flat)
+    assert all(torch.equal(every[0], f) for f in every)
+    with pytest.raises(ValueError, match="every parameter must be on the meta device"):
+        parallelize(GEM(cfg.model, NUM_ITEMS, "cpu", max_seq_len=cfg.data.max_seq_len),
+                    layout=plan_layout(world, "cpu"), cfg=cfg, device=torch.device("cpu"))
 
 
 def _worker(rank: int, world: int, port: int, root: str) -> None:
@@ -78,6 +104,7 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
     try:
         cfg = _cfg()
         dmp, opt = _build(cfg, world)
+        _check_materialised(dmp, cfg, world)
         gen = torch.Generator().manual_seed(100 + rank)
         # rank 1: an empty batch at step 1 (still forward/backward), a length-1 sequence at step 2.
         plans = {0: [[3, 5], [4, 2, 6], [2, 2]], 1: [[5, 4], [], [1, 7]]}
@@ -90,7 +117,7 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
             losses.append(float(loss.detach()))
         assert all(torch.isfinite(torch.tensor(losses)))
         before = _snapshot(dmp, opt)
-        # Trainer state is global (identical on all ranks in train_loop); DCP keeps rank 0's copy.
+        # Trainer state is global (identical on all ranks in gemray.train); DCP keeps rank 0's copy.
         trainer = {"epoch": 3, "step": 0, "global_step": 9, "history": [{"epoch": 3, "train_loss": 1.25}]}
         save_checkpoint(Path(root) / f"rank{rank}", dmp, opt, trainer, data={"num_items": NUM_ITEMS})
         torch.save(before, Path(root) / f"expected{rank}.pt")

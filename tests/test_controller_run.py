@@ -444,7 +444,7 @@ def test_nan_loss_fails_the_step_before_any_update():
     import torch
 
     from gemray.jagged import JaggedBatch
-    from gemray.train_loop import train_step
+    from gemray.train.trainer import forward_backward_step as train_step
 
     class Diverged(torch.nn.Module):
         def __init__(self):
@@ -482,7 +482,7 @@ def test_worker_process_start_time_is_measured():
     import subprocess
     import sys
 
-    code = ("import time; from gemray.train_loop import _process_start_time; time.sleep(1.5); "
+    code = ("import time; from gemray.train.recorder import process_start_time as _process_start_time; time.sleep(1.5); "
             "print(time.time() - _process_start_time())")
     age = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     assert 1.4 <= age < 120

@@ -11,24 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gemray.checkpoint import checkpoint_reason, choose_checkpoint
+from gemray.checkpoint import choose_checkpoint
 from gemray.events import Event, failure_events, preempted_step, summarize_recovery
 from gemray.ledger import LedgerWriter, audit
 from gemray.pipelines.bbs import global_epoch_order, global_steps_left, plan_global_step
 from gemray.preemption import preemption_action
 
 
-def test_checkpoint_reason():
-    kw = dict(preempt=False, epoch_end=False)
-    assert [checkpoint_reason(g, 3, **kw) for g in range(1, 7)] == [None, None, "periodic", None, None, "periodic"]
-    assert checkpoint_reason(3, 0, **kw) is None  # every_steps=0: off
-    assert checkpoint_reason(1, 3, preempt=True, epoch_end=False) == "emergency"
-    assert checkpoint_reason(4, 3, preempt=False, epoch_end=True, done_epochs=2, every_epochs=2) == "epoch"
-    assert checkpoint_reason(4, 0, preempt=False, epoch_end=True, done_epochs=1, every_epochs=2) is None
-    assert checkpoint_reason(4, 0, preempt=False, epoch_end=True, done_epochs=3, every_epochs=2,
-                             last_epoch=True) == "final"
-    with pytest.raises(ValueError):
-        checkpoint_reason(1, -1, **kw)
 
 
 def test_choose_checkpoint_falls_back(tmp_path):
@@ -162,8 +151,8 @@ def _preempt_worker(rank: int, port: int, root: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from gemray import train_loop as tl
     from gemray.config import load_config
+    from gemray.train.preemption_vote import PreemptionVote
     from gemray.preemption import clear_notice, write_notice
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -172,20 +161,21 @@ def _preempt_worker(rank: int, port: int, root: str) -> None:
         cfg = load_config(None)
         cfg.checkpoint.preempt_notice = str(Path(root) / "PREEMPT")
         cpu = torch.device("cpu")
-        assert tl._install_sigterm_handler()  # spawned process: the main thread may install it
-        votes = [tl._agree_preempt(cfg, cpu, 2)]
+        vote = PreemptionVote(cfg.checkpoint.preempt_notice, cpu, 2)
+        assert vote.install_sigterm_handler()  # spawned process: the main thread may install it
+        votes = [vote.agree()]
         if rank == 0:
             write_notice(cfg.checkpoint.preempt_notice, "test")  # the job's notice, seen by rank 0 at least
-        votes.append(tl._agree_preempt(cfg, cpu, 2))
+        votes.append(vote.agree())
         dist.barrier()
         if rank == 0:
             clear_notice(cfg.checkpoint.preempt_notice)
         dist.barrier()
-        votes.append(tl._agree_preempt(cfg, cpu, 2))
+        votes.append(vote.agree())
         if rank == 1:
             os.kill(os.getpid(), signal.SIGTERM)  # a preemption notice to one rank only
             time.sleep(0.2)
-        votes.append(tl._agree_preempt(cfg, cpu, 2))
+        votes.append(vote.agree())
         (Path(root) / f"votes{rank}.json").write_text(json.dumps(votes))
     finally:
         dist.destroy_process_group()
@@ -221,7 +211,7 @@ def test_preemption_action_and_notice_files(tmp_path):
 
 
 def test_failure_events_know_planned_stops_and_interrupted_writes():
-    from gemray.train_loop import _interrupted_checkpoint
+    from gemray.events import interrupted_checkpoint
 
     def ev(kind, t, **d):
         return Event(kind, t=t, attempt=1, detail=d).to_dict()
@@ -231,18 +221,18 @@ def test_failure_events_know_planned_stops_and_interrupted_writes():
             ev("checkpoint_begin", 3, global_step=10)]
     f = failure_events(died)
     assert f["last_checkpoint_begun"] == 10 and f["last_checkpoint_saved"] == 5 and f["last_global_step"] == 10
-    assert _interrupted_checkpoint(f, 5) == {"global_step": 10, "state": "interrupted_write"}
+    assert interrupted_checkpoint(f, 5) == {"global_step": 10, "state": "interrupted_write"}
     reported = died + [ev("checkpoint_saved", 4, global_step=10)]
-    assert _interrupted_checkpoint(failure_events(reported), 5) == {"global_step": 10, "state": "not_committed"}
-    assert _interrupted_checkpoint(failure_events(reported), 10) is None
+    assert interrupted_checkpoint(failure_events(reported), 5) == {"global_step": 10, "state": "not_committed"}
+    assert interrupted_checkpoint(failure_events(reported), 10) is None
     # an attempt stopped by a preemption notice is a planned end: no failure; its resume is a "preemption" row
     stopped = reported + [ev("preempted", 5, global_step=10)]
     assert failure_events(stopped) is None
     # ... whose emergency checkpoint Ray committed (restored at 10), or did not (the run ended first, e.g. a
     # second SIGTERM to the driver: restored at 5)
     assert preempted_step(stopped) == 10 and preempted_step(reported) is None and preempted_step([]) is None
-    assert _interrupted_checkpoint(None, 10, preempted_step(stopped)) is None
-    assert _interrupted_checkpoint(None, 5, preempted_step(stopped)) == {"global_step": 10,
+    assert interrupted_checkpoint(None, 10, preempted_step(stopped)) is None
+    assert interrupted_checkpoint(None, 5, preempted_step(stopped)) == {"global_step": 10,
                                                                          "state": "stop_not_committed"}
     nxt = [Event("attempt_start", t=9, attempt=2, detail={"world_size": 2}).to_dict(),
            Event("checkpoint_restored", t=11, attempt=2, detail={"global_step": 10}).to_dict(),

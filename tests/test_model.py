@@ -161,24 +161,83 @@ def test_overfits_tiny_problem(negatives):
     assert float((ranks < 3).float().mean()) >= 0.75, ranks
 
 
-def test_meta_build_then_materialise():
-    cfg = tiny_cfg()
-    model = GEM(cfg, num_items=40, device="meta", max_seq_len=12)
-    assert all(p.device.type == "meta" for p in model.parameters())
-    # what DistributedModelParallel does for dense modules: allocate each module's own meta params and
-    # call its reset_parameters (every module owning parameters must have one)
-    for mod in model.modules():
-        own = [n for n, p in mod.named_parameters(recurse=False)]
-        if not own or mod is model.embeddings or mod in model.embeddings.modules():
-            continue
-        assert hasattr(mod, "reset_parameters"), type(mod).__name__
-        mod.to_empty(device="cpu", recurse=False)
-        mod.reset_parameters()
-    model.embeddings = make_embedding_collection(cfg, 40, "cpu")
-    loss, _ = model(random_batch([4, 3]))
+def _params(model):
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("features", [True, False])
+def test_meta_build_then_init_weights_equals_a_direct_build(features):
+    """A model built on meta (nothing allocated, nothing drawn) and materialised with to_empty + init_weights
+    gets exactly the parameters of a direct build with the same seed, and leaves the RNG where it does."""
+    cfg = tiny_cfg(use_rating_feature=features, use_time_feature=features)
+    torch.manual_seed(11)
+    direct = GEM(cfg, num_items=40, device="cpu", max_seq_len=12)
+    after_direct = torch.rand(3)
+    state = torch.get_rng_state()
+    meta = GEM(cfg, num_items=40, device="meta", max_seq_len=12)
+    assert all(p.is_meta for p in meta.parameters())
+    assert torch.equal(torch.get_rng_state(), state)  # a meta build draws nothing
+    meta.to_empty(device="cpu")
+    torch.manual_seed(11)
+    meta.init_weights()
+    assert torch.equal(torch.rand(3), after_direct)
+    a, b = _params(direct), _params(meta)
+    assert a.keys() == b.keys() and len(a) == len(list(direct.parameters()))
+    assert not [n for n in a if not torch.equal(a[n], b[n])]
+    # not trivially equal: another seed gives other values, and the tables are drawn as TorchRec does
+    torch.manual_seed(12)
+    meta.init_weights()
+    assert not torch.equal(_params(meta)["encoder.pos_emb"], a["encoder.pos_emb"])
+    item = b["embeddings.embeddings.item.weight"]
+    assert float(item.abs().max()) <= 0.02 * math.sqrt(3) + 1e-7 and 0.01 < float(item.std()) < 0.03
+    loss, _ = meta(random_batch([4, 3]))
     assert torch.isfinite(loss)
+
+
+def test_init_weights_with_tables_left_on_meta_gives_the_direct_build_dense_part():
+    """parallelize materialises only the dense part before TorchRec shards the tables: init_weights then skips
+    the tables' draws without allocating them, so the encoder is the direct build's and the RNG ends where
+    the direct build leaves it (TorchRec's shard initialisation draws next, as it did after a direct build)."""
+    from gemray.parallel import materialize_dense
+
+    cfg = tiny_cfg()
+    torch.manual_seed(5)
+    direct = GEM(cfg, num_items=40, device="cpu", max_seq_len=12)
+    after = torch.get_rng_state()
+    model = GEM(cfg, num_items=40, device="meta", max_seq_len=12)
+    torch.manual_seed(5)
+    materialize_dense(model, "cpu")
+    assert torch.equal(torch.get_rng_state(), after)
+    assert all(p.is_meta for p in model.embeddings.parameters())
+    assert not any(p.is_meta for p in model.encoder.parameters())
+    got, want = _params(model.encoder), _params(direct.encoder)
+    assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
     blk = model.encoder.blocks[0]
     assert 0.01 < float(blk.uvqk_weight.detach().std()) < 0.03 and float(blk.uvqk_bias.detach().abs().sum()) == 0
+    from gemray.model import init_embedding_tables
+
+    with pytest.raises(ValueError, match="unsharded torchrec EmbeddingCollection"):
+        init_embedding_tables(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("rows, dim", [(1, 4), (3, 5), (64, 16), (65, 16), (129, 3), (257, 8)])
+def test_skipped_table_draws_are_the_construction_draws(rows, dim, monkeypatch):
+    """Skipping a table's draws in chunks (a small chunk here, to cross chunk edges with every kind of
+    remainder) leaves the CPU RNG exactly where building the table does."""
+    from torchrec import EmbeddingCollection, EmbeddingConfig
+
+    from gemray.model import embeddings, skip_table_draws
+
+    monkeypatch.setattr(embeddings, "SKIP_CHUNK", 64)
+    cfg = EmbeddingConfig(name="t", num_embeddings=rows, embedding_dim=dim, feature_names=["f"],
+                          weight_init_min=-0.03, weight_init_max=0.03)
+    torch.manual_seed(9)
+    EmbeddingCollection(tables=[cfg], device=torch.device("cpu"))
+    built = torch.get_rng_state()
+    torch.manual_seed(9)
+    skip_table_draws(cfg, "cpu")
+    assert torch.equal(torch.get_rng_state(), built)
+    assert embeddings._chunk_sizes(rows * dim, 64) and sum(embeddings._chunk_sizes(rows * dim, 64)) == rows * dim
 
 
 def test_bad_config_and_sequence_raise():

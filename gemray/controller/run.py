@@ -175,7 +175,7 @@ def _train(cfg: JobConfig, storage: Path) -> Any:
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from gemray.train_loop import train_loop_per_worker
+    from gemray.train import train_loop_per_worker
 
     kw = scaling(cfg)
     with ExitStack() as stack:

@@ -1,4 +1,5 @@
-"""The sparse part of the model: one TorchRec EmbeddingCollection (the trainer shards it with DMP).
+"""The sparse part of the model: one TorchRec EmbeddingCollection (``gemray.parallel.parallelize`` shards
+it in place with DistributedModelParallel, which also materialises a meta-built one).
 
 Tables (all ``cfg.embedding_dim`` wide: an EmbeddingCollection needs one width):
     "item"      num_items + 1 rows (row 0 = padding id, never looked up), features item_id, neg_item_id
@@ -14,6 +15,7 @@ import math
 
 import torch
 from torchrec import EmbeddingCollection, EmbeddingConfig
+from torchrec.modules.embedding_configs import DataType
 
 from gemray.config import ModelConfig
 from gemray.jagged import ITEM_FEATURE, RATING_FEATURE, TIME_FEATURE
@@ -41,3 +43,76 @@ def make_embedding_collection(cfg: ModelConfig, num_items: int,
         tables.append(EmbeddingConfig(name="time_gap", num_embeddings=cfg.num_time_buckets,
                                       feature_names=[TIME_FEATURE], **kw))
     return EmbeddingCollection(tables=tables, device=torch.device(device))
+
+
+#: Scratch elements for skipping the construction draws of a table left on meta (4 MiB of float32).
+SKIP_CHUNK = 1 << 20
+
+
+def _chunk_sizes(n: int, chunk: int) -> list[int]:
+    """Chunk sizes summing to n: full chunks, the remainder as a last chunk, or merged into the last full one
+    when it is under 16. CPU ``normal_`` draws one word per element plus 16 more when the size is not a
+    multiple of 16 (sizes >= 16), so these chunks (chunk a multiple of 16) draw what one call on n draws."""
+    full, rem = divmod(n, chunk)
+    if full == 0:
+        return [n] if n else []
+    sizes = [chunk] * full
+    if rem >= 16:
+        sizes.append(rem)
+    elif rem:
+        sizes[-1] += rem
+    return sizes
+
+
+@torch.no_grad()
+def skip_table_draws(config: EmbeddingConfig, device: torch.device | str) -> None:
+    """Advance ``device``'s global RNG by exactly the draws ``EmbeddingCollection(...)`` makes for the table of
+    ``config`` on that device (``nn.Embedding``'s normal reset, then ``config.init_fn``), without allocating
+    the table: the same kernels on a scratch buffer of at most ``SKIP_CHUNK`` (+15) elements. Costs the
+    table's draws in time (rows x dim twice), not in memory.
+
+    Exact on CPU for ``make_embedding_collection``'s tables (float32, uniform ``init_fn``: one draw per
+    element; the normal kernel's per-call rule is kept by ``_chunk_sizes``), which tests/test_model.py
+    checks against a real construction. On CUDA the Philox offset advances per kernel launch, so chunked
+    draws leave the generator elsewhere than one launch per table would: deterministic, the same on every
+    rank, but not the values of a real-device build.
+    """
+    dtype = torch.float32 if config.data_type == DataType.FP32 else torch.float16
+    sizes = _chunk_sizes(int(config.num_embeddings) * int(config.embedding_dim), SKIP_CHUNK)
+    if not sizes:
+        return
+    buf = torch.empty(max(sizes), dtype=dtype, device=device)
+    for n in sizes:
+        buf[:n].normal_()
+    for n in sizes:
+        config.init_fn(buf[:n])
+
+
+@torch.no_grad()
+def init_embedding_tables(ec: EmbeddingCollection, device: torch.device | str | None = None) -> None:
+    """Draw the tables of an unsharded ``ec`` anew, exactly as ``EmbeddingCollection(...)`` on a real device
+    does: table by table in config order, ``nn.Embedding``'s own reset (normal) and then the table's
+    ``init_fn`` (uniform in +-weight_init bounds). Both draws, so that ``torch.manual_seed(s)`` before either
+    gives equal tables and leaves the global RNG in the same state for what is initialised next.
+
+    A table whose weight is still on the meta device waits for TorchRec's sharding (whose FBGEMM kernels
+    initialise each shard from ``weight_init_min/max``): it is not allocated, but with ``device`` (the device
+    the rest of the model is initialised on; None or "meta" = nothing to skip) its draws are skipped on that
+    device's RNG (:func:`skip_table_draws`), so what is initialised next gets the values it gets in a
+    real-device build, wherever the tables end up. Raises ValueError for anything but a plain (unsharded)
+    EmbeddingCollection.
+    """
+    if not isinstance(ec, EmbeddingCollection):
+        raise ValueError(f"init_embedding_tables: expected an unsharded torchrec EmbeddingCollection, got "
+                         f"{type(ec).__name__} (a sharded collection is initialised by TorchRec)")
+    # Only on CPU: there the replay is exact (the test machine's baselines); on CUDA it could not be (Philox
+    # advances per launch) and would cost rows x dim draws per start on GEM-scale tables for nothing.
+    skip_on = None if device is None or torch.device(device).type != "cpu" else torch.device(device)
+    for config in ec.embedding_configs():
+        table = ec.embeddings[config.name]
+        if table.weight.is_meta:
+            if skip_on is not None:
+                skip_table_draws(config, skip_on)
+            continue
+        table.reset_parameters()
+        config.init_fn(table.weight)

@@ -2,12 +2,17 @@
 
 Shape key: B sequences, T tokens, D = embedding_dim, N = num_items (ids 1..N), R = num_negatives.
 
-All sparse lookups go through ``self.embeddings`` (a ``torchrec.EmbeddingCollection``) so the trainer can
-replace it with its sharded version through DistributedModelParallel; everything else is dense.
+All sparse lookups go through ``self.embeddings`` (a ``torchrec.EmbeddingCollection``), which
+DistributedModelParallel shards in place (``gemray.parallel.parallelize``); everything else is dense.
+
+Every part is built on the ``device`` given, embeddings included. On a real device the constructors
+initialise it; a model built on ``"meta"`` (no memory, no RNG draws) is materialised later: the dense part
+with ``to_empty(device=...)`` + :meth:`GEM.init_weights`, the embedding tables by TorchRec's sharding.
 
 Example::
 
-    model = GEM(cfg.model, num_items=3706, max_seq_len=cfg.data.max_seq_len)
+    torch.manual_seed(cfg.train.seed)
+    model = GEM(cfg.model, num_items=3706, device="cpu", max_seq_len=cfg.data.max_seq_len)
     model.seed_sampling(cfg.train.seed)
     loss, stats = model(train_batch)            # every position predicts the next item
     users = model.user_embeddings(eval_batch)   # [B, D], unit norm
@@ -23,7 +28,7 @@ from torch import nn
 
 from gemray.config import ModelConfig
 from gemray.jagged import ITEM_FEATURE, RATING_FEATURE, TIME_FEATURE, JaggedBatch, query_timestamps
-from gemray.model.embeddings import make_embedding_collection
+from gemray.model.embeddings import init_embedding_tables, make_embedding_collection
 from gemray.model.features import NEG_ITEM_FEATURE, item_id_features, sparse_features
 from gemray.model.heads import RetrievalHead, sample_uniform, sample_uniform_per_position
 from gemray.model.hstu import HSTUEncoder
@@ -35,8 +40,8 @@ class GEM(nn.Module):
     Args:
         cfg: ModelConfig (validated here).
         num_items: N; the item table has N+1 rows (row 0 = padding id, never looked up).
-        device: where parameters live ("cpu", "cuda", or "meta" to be sharded/materialised later; every
-            dense module has ``reset_parameters`` for that).
+        device: where every parameter is built ("cpu", "cuda", or "meta": nothing allocated or drawn, to be
+            sharded / materialised later, see :meth:`init_weights`).
         max_seq_len: longest history the encoder accepts (positional table size and the HSTU 1/N
             normaliser); pass ``cfg.data.max_seq_len``.
     """
@@ -54,6 +59,22 @@ class GEM(nn.Module):
         self.encoder = HSTUEncoder(cfg, max_seq_len, device=device)
         self.head = RetrievalHead(cfg.negatives, cfg.num_negatives, cfg.temperature)
         self._generator = torch.Generator()
+
+    def init_weights(self) -> None:
+        """Draw every local parameter anew, in construction order and with the same global-RNG draws as
+        construction on a real device: the embedding tables (``init_embedding_tables``), then the encoder
+        (``HSTUEncoder.init_weights``); the head has none. Tables still on meta (before TorchRec shards them)
+        are not allocated, but their draws are skipped on the encoder's device, so the dense part gets the
+        values of a real-device build whether or not the tables are materialised here.
+
+        So ``torch.manual_seed(s); GEM(..., device="cpu")`` equals ``GEM(..., device="meta")`` followed by
+        ``to_empty(device="cpu")`` (or ``gemray.parallel.materialize_dense``: the dense part only),
+        ``torch.manual_seed(s)`` and ``init_weights()``, parameter for parameter, leaving the RNG in the
+        same state. Call after ``to_empty`` (on meta parameters the draws are no-ops). Raises ValueError when
+        ``self.embeddings`` is already sharded (TorchRec owns those tables: re-initialise before sharding).
+        """
+        init_embedding_tables(self.embeddings, device=self.encoder.pos_emb.device)
+        self.encoder.init_weights()
 
     def seed_sampling(self, seed: int) -> None:
         """Seed the CPU generator used for negative sampling when ``forward`` gets no generator."""

@@ -17,9 +17,12 @@ time of position i: with ``model.time_bias_query = "next"`` (default, as generat
 timestamp of the item position i predicts (its next item; at evaluation the held-out target's time, i.e.
 the request time), with "self" its own timestamp ts_i.
 
-Parameters are owned directly by the modules that initialise them and every such module has
-``reset_parameters()``, so a model built on device "meta" can be materialised by TorchRec's
-DistributedModelParallel (which calls ``reset_parameters`` on modules whose own parameters are meta).
+Parameters are owned directly by the modules that initialise them; every such module has
+``reset_parameters()`` (its own parameters) and the constructors call it, so a build on a real device is
+initialised. A build on device "meta" is materialised with ``to_empty(device=...)`` and then
+``init_weights()``, which draws exactly what construction on a real device draws, in the same order
+(children before their parent: per block the relative bias, then the block; the encoder's positional table
+last).
 """
 
 from __future__ import annotations
@@ -99,6 +102,11 @@ class HSTUBlock(nn.Module):
         nn.init.xavier_uniform_(self.o_weight)        # generative-recommenders' _o init
         nn.init.zeros_(self.o_bias)
 
+    def init_weights(self) -> None:
+        """Draw this block's parameters anew as construction does: ``rel_bias`` first, then the block's own."""
+        self.rel_bias.reset_parameters()
+        self.reset_parameters()
+
     def forward(self, x: torch.Tensor, offsets: torch.Tensor, timestamps: torch.Tensor,
                 buckets: tuple[torch.Tensor, torch.Tensor] | None = None,
                 cache: dict | None = None, query_timestamps: torch.Tensor | None = None) -> torch.Tensor:
@@ -147,6 +155,14 @@ class HSTUEncoder(nn.Module):
     def reset_parameters(self) -> None:
         std = math.sqrt(1.0 / self.d)
         nn.init.trunc_normal_(self.pos_emb, std=std, a=-2 * std, b=2 * std)
+
+    def init_weights(self) -> None:
+        """Draw every parameter anew, in construction order: the blocks in order (each its relative bias,
+        then its projections), then ``pos_emb``. The same global-RNG draws as ``HSTUEncoder(...)`` on a real
+        device, so ``torch.manual_seed(s)`` before either gives equal parameters."""
+        for block in self.blocks:
+            block.init_weights()
+        self.reset_parameters()
 
     def forward(self, tok_emb: torch.Tensor, offsets: torch.Tensor, timestamps: torch.Tensor,
                 query_timestamps: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,10 +1,11 @@
-"""Parallelism for a GEM model: a pure layout decision, then TorchRec sharding + DDP + optimizers.
+"""Parallelism for a GEM model: a pure layout decision, then TorchRec sharding + DDP, then the optimizer.
 
-Follows the TorchRec recipe (torchrec.distributed docs, "DistributedModelParallel"): build the model with
-its EmbeddingCollection on the ``meta`` device, attach the fused sparse optimizer *before* sharding
-(``apply_optimizer_in_backward``), let ``EmbeddingShardingPlanner`` choose a plan for the world size, wrap
-with ``DistributedModelParallel`` (embeddings sharded, dense part DDP), then optimise the dense parameters
-with AdamW and combine both optimizers in one ``CombinedOptimizer``.
+Follows the TorchRec recipe (torchrec.distributed docs, "DistributedModelParallel") on a model built wholly
+on the ``meta`` device: attach the fused sparse optimizer *before* sharding (``apply_optimizer_in_backward``),
+let ``EmbeddingShardingPlanner`` choose a plan for the world size, materialise the dense part
+(``to_empty`` + the model's seeded ``init_weights``), wrap with ``DistributedModelParallel`` (embeddings
+sharded and materialised per shard, dense part DDP) (:func:`parallelize`); then optimise the dense
+parameters with AdamW, combined with the fused one in a ``CombinedOptimizer`` (:func:`build_optimizer`).
 
 Measured on the CPU stack (see ../shared/NOTES.md): with gloo, EmbeddingCollection tables are sharded
 row-wise automatically; table-wise and column-wise also work; data-parallel EC fails, so it is never
@@ -110,21 +111,34 @@ def sparse_optimizer_kwargs(sparse_cls: type, cfg: JobConfig) -> dict:
 
 def parallelize(model: nn.Module, *, layout: Layout, cfg: JobConfig, device: torch.device,
                 pg: "torch.distributed.ProcessGroup | None" = None):
-    """Shard ``model`` over the default process group; returns ``(dmp, optimizer)``.
+    """Shard and materialise a model built on the meta device; returns its ``DistributedModelParallel``.
 
-    model: a plain module (e.g. ``gemray.model.gem.GEM``) with an ``embeddings`` attribute holding a
-        TorchRec ``EmbeddingCollection`` built on ``device="meta"``; other parameters are dense.
+    torchtitan's order (parallelism is applied to a model that holds no memory yet), with TorchRec for the
+    sparse part:
+
+    1. fused sparse optimizer attached to the EmbeddingCollection's parameters
+       (``apply_optimizer_in_backward``; TorchRec fuses it into the sharded kernels, so it comes first);
+    2. sharding plan: ``EmbeddingShardingPlanner.collective_plan`` over ``layout.sharding_types``;
+    3. dense part materialised: ``torch.manual_seed(cfg.train.seed)``, every module outside
+       ``model.embeddings`` ``to_empty(device=device)``, then ``model.init_weights()``: the same values on
+       every rank (DDP's broadcast from rank 0 then changes nothing); GEM's are those of a direct
+       real-device build with that seed (its init_weights skips the draws of the tables left on meta);
+    4. ``DistributedModelParallel``: shards the EmbeddingCollection per the plan and materialises each
+       rank's shards (FBGEMM initialises them from the tables' ``weight_init_min/max``, continuing the RNG
+       stream of step 3), then wraps the dense remainder in DDP.
+
+    model: a plain module (e.g. ``gemray.model.gem.GEM(..., device="meta")``) whose every parameter is on
+        the meta device, with an ``embeddings`` attribute holding a TorchRec ``EmbeddingCollection`` and an
+        ``init_weights()`` method that initialises its dense parameters (embedding tables left on meta).
     layout: from :func:`plan_layout`; its world size must match the process group's.
-    cfg: the job config; uses ``train.lr``, ``train.adam_betas``, ``train.weight_decay`` (dense AdamW),
-        ``train.sparse_optimizer`` and ``train.sparse_lr`` (the embedding optimizer, fused into the FBGEMM
-        backward; the Adam kinds also take ``train.adam_betas``).
+    cfg: the job config; uses ``train.seed`` (dense initialisation), ``train.sparse_optimizer`` and
+        ``train.sparse_lr`` (the embedding optimizer, fused into the FBGEMM backward; the Adam kinds also take
+        ``train.adam_betas``).
     device: this rank's device (``cuda:<local_rank>`` or ``cpu``).
-    Returns ``(DistributedModelParallel, CombinedOptimizer)``: call ``optimizer.step()`` after backward
-    (the sparse part has already stepped inside backward); the combined state_dict names parameters
-    ``"sparse.<fqn>"`` (fused embedding optimizer) and ``"dense.<fqn>"`` (AdamW).
+    Returns the ``DistributedModelParallel``; :func:`build_optimizer` adds the dense optimizer to its fused one.
     Raises ValueError if model.embedding_dim is not a multiple of 4 (FBGEMM), the process group is not
-    initialised, its size differs from the layout, or the
-    model has no ``embeddings`` EmbeddingCollection.
+    initialised, its size differs from the layout, the model has no ``embeddings`` EmbeddingCollection or
+    no ``init_weights``, or a parameter is not on the meta device.
     """
     import torch.distributed as dist
     from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -132,8 +146,6 @@ def parallelize(model: nn.Module, *, layout: Layout, cfg: JobConfig, device: tor
     from torchrec.distributed.planner.types import ParameterConstraints
     from torchrec.modules.embedding_modules import EmbeddingCollection
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
-    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
-    from torchrec.optim.optimizers import in_backward_optimizer_filter
 
     check_shardable(cfg.model)
     if not dist.is_available() or not dist.is_initialized():
@@ -146,6 +158,12 @@ def parallelize(model: nn.Module, *, layout: Layout, cfg: JobConfig, device: tor
     if not isinstance(ec, EmbeddingCollection):
         raise ValueError(f"parallelize: model.embeddings must be a torchrec EmbeddingCollection, got "
                          f"{type(ec).__name__}")
+    if not callable(getattr(model, "init_weights", None)):
+        raise ValueError(f"parallelize: {type(model).__name__} has no init_weights() to materialise its dense part")
+    real = [name for name, p in model.named_parameters() if not p.is_meta]
+    if real:
+        raise ValueError(f"parallelize: every parameter must be on the meta device (build the model with "
+                         f"device='meta'); {len(real)} are not, e.g. {real[0]}")
 
     # 1. Fused sparse optimizer, applied in backward, before sharding.
     sparse_cls, kernels = _sparse_optimizer(layout, cfg.train.sparse_optimizer)
@@ -162,17 +180,45 @@ def parallelize(model: nn.Module, *, layout: Layout, cfg: JobConfig, device: tor
         log.info("sharding plan (%d ranks, %s): %s", layout.world_size, layout.device_type,
                  _describe_plan(plan))
 
-    # 3. DMP: EC sharded per plan, the dense remainder wrapped in DDP.
-    dmp = DistributedModelParallel(module=model, device=device, plan=plan)
+    # 3. Dense part: real memory, then the same seeded draws on every rank.
+    torch.manual_seed(cfg.train.seed)
+    materialize_dense(model, device)
 
-    # 4. Dense AdamW over what the in-backward optimizer does not own; combine both.
+    # 4. DMP: EC sharded per plan (shards materialised by TorchRec), the dense remainder wrapped in DDP.
+    return DistributedModelParallel(module=model, device=device, plan=plan)
+
+
+def materialize_dense(model: nn.Module, device: torch.device | str) -> None:
+    """Give every module outside ``model.embeddings`` real, uninitialised memory on ``device``
+    (``to_empty``), then call ``model.init_weights()``, which draws from the global RNG (seed it first).
+
+    The EmbeddingCollection stays on meta: allocating it whole on one device is what sharding avoids.
+    """
+    sparse = set(model.embeddings.modules())
+    for module in model.modules():
+        if module not in sparse:
+            module.to_empty(device=device, recurse=False)
+    with torch.no_grad():
+        model.init_weights()
+
+
+def build_optimizer(dmp: nn.Module, cfg: JobConfig):
+    """The job's optimizer over a model from :func:`parallelize`: its fused embedding optimizer (stepping
+    inside backward) combined with AdamW over every other parameter (``train.lr``, ``train.adam_betas``,
+    ``train.weight_decay``).
+
+    Returns a TorchRec ``CombinedOptimizer``: call ``step()`` after backward; its state_dict names parameters
+    ``"sparse.<fqn>"`` (fused embedding optimizer) and ``"dense.<fqn>"`` (AdamW).
+    """
+    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
     dense_params = dict(in_backward_optimizer_filter(dmp.named_parameters()))
     dense_opt = KeyedOptimizerWrapper(
         dense_params,
         lambda params: torch.optim.AdamW(params, lr=cfg.train.lr, betas=tuple(cfg.train.adam_betas),
                                          weight_decay=cfg.train.weight_decay))
-    optimizer = CombinedOptimizer([("sparse", dmp.fused_optimizer), ("dense", dense_opt)])
-    return dmp, optimizer
+    return CombinedOptimizer([("sparse", dmp.fused_optimizer), ("dense", dense_opt)])
 
 
 def _describe_plan(plan) -> str:

@@ -1,0 +1,94 @@
+"""Evaluators: per-batch metric sums that the trainer adds up and all-reduces over ranks.
+
+An evaluator (the :class:`Evaluator` protocol) knows one task's metrics and nothing of ranks or streams:
+
+    ctx = ev.prepare(model, device)              # once per pass (collective lookups allowed), e.g. item table
+    s = ev.batch_sums(model, batch, ctx)         # [S] float64 on CPU, additive over batches and ranks
+    out = ev.compute(summed)                     # {"name": value}
+
+The trainer runs one pass over a split, feeding every batch to each evaluator, concatenates their sums,
+all-reduces once and hands each evaluator its slice (``gemray.train.trainer.Trainer.evaluate``). Collective
+discipline: ``prepare`` and ``batch_sums`` run on every rank the same number of times (an empty batch,
+B=0, still calls the model), so evaluators must not skip the model call for empty batches.
+
+Retrieval (:class:`RetrievalEvaluator`) follows the HSTU protocol (``gemray.metrics``). A ranking evaluator
+(NE / AUC over candidates) fits the same three methods beside it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from gemray.metrics import RetrievalMetrics, history_mask, target_ranks
+
+
+class Evaluator(Protocol):
+    """One task's evaluation metrics as additive sums (see the module docstring)."""
+
+    def num_sums(self) -> int:
+        """S, the length of the sums vector."""
+
+    def prepare(self, model: torch.nn.Module, device: torch.device) -> Any:
+        """Per-pass context (called in eval mode under no_grad, on every rank)."""
+
+    def batch_sums(self, model: torch.nn.Module, batch: Any, ctx: Any) -> torch.Tensor:
+        """[S] float64 CPU sums of one batch (already on the model's device)."""
+
+    def compute(self, sums: torch.Tensor) -> dict[str, float]:
+        """Metrics from [S] summed sums."""
+
+
+class RetrievalEvaluator:
+    """HR@K / NDCG@K of next-item retrieval, each user's held-out item ranked against ALL items.
+
+    Item table: ``model.item_embeddings(arange(0, N+1))`` -> [N+1, D] (same ids on every rank: the lookup
+    is collective; column 0 is the padding id, excluded by ``target_ranks``). Per batch: users
+    ``model.user_embeddings(batch)`` [B, D] @ items.T -> scores [B, N+1]. With ``exclude_history`` the items
+    of each user's input history are not ranked (``history_mask``, generative-recommenders' protocol) and the
+    all-items figures come too, as ``hr@K_unfiltered``.
+
+    num_items: N; ks: cut-offs (e.g. [10, 50, 200]). Sums layout: [users, hits@K..., ndcg@K...] filtered,
+    the same unfiltered, targets found in their history (with ``exclude_history``; else the first part only).
+    ``compute`` -> {"hr@K", "ndcg@K", "num_users"[, "hr@K_unfiltered", "ndcg@K_unfiltered",
+    "targets_in_history"]}. Raises ValueError for num_items < 1 or bad cut-offs.
+    """
+
+    def __init__(self, num_items: int, ks: list[int], *, exclude_history: bool = True):
+        if num_items < 1:
+            raise ValueError(f"RetrievalEvaluator: num_items must be >= 1, got {num_items}")
+        self.num_items, self.ks, self.exclude_history = int(num_items), list(ks), bool(exclude_history)
+        self._n = RetrievalMetrics(self.ks).sums().numel()
+
+    def num_sums(self) -> int:
+        return 2 * self._n + 1 if self.exclude_history else self._n
+
+    def prepare(self, model: torch.nn.Module, device: torch.device) -> torch.Tensor:
+        """The item table [N+1, D], unit norm (a collective lookup through the sharded embeddings)."""
+        return model.item_embeddings(torch.arange(0, self.num_items + 1, device=device))
+
+    def batch_sums(self, model: torch.nn.Module, batch: Any, items: torch.Tensor) -> torch.Tensor:
+        users = model.user_embeddings(batch)  # [B, D]; called for B=0 too (collective lookups)
+        if not batch.batch_size:
+            return torch.zeros(self.num_sums(), dtype=torch.float64)
+        scores = users @ items.T  # [B, N+1]
+        filtered = RetrievalMetrics(self.ks)
+        if not self.exclude_history:
+            filtered.update(target_ranks(scores, batch.targets))
+            return filtered.sums()
+        unfiltered = RetrievalMetrics(self.ks)
+        seen = history_mask(batch.item_ids, batch.offsets, self.num_items)
+        filtered.update(target_ranks(scores, batch.targets, seen))
+        unfiltered.update(target_ranks(scores, batch.targets))
+        in_history = torch.tensor([float(seen.gather(1, batch.targets.view(-1, 1)).sum())], dtype=torch.float64)
+        return torch.cat([filtered.sums(), unfiltered.sums(), in_history])
+
+    def compute(self, sums: torch.Tensor) -> dict[str, float]:
+        n, metrics = self._n, RetrievalMetrics(self.ks)
+        out = metrics.compute(sums[:n])
+        if self.exclude_history:
+            out.update({f"{k}_unfiltered": v for k, v in metrics.compute(sums[n:2 * n]).items()
+                        if k != "num_users"})
+            out["targets_in_history"] = float(sums[2 * n])
+        return out

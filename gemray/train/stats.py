@@ -1,0 +1,95 @@
+"""Per-epoch training statistics, reducible over ranks at any step boundary, and the rank-0 progress meter."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+
+class EpochStats:
+    """Running global statistics of one epoch, reducible at any step boundary (for mid-epoch checkpoints).
+
+    Local part: per-step token and sample counts of this rank, loss and target sums, wall seconds.
+    :meth:`reduce` (collective) folds them into the global part ``g``: {"loss_sum", "target_sum",
+    "samples", "tokens", "imb_sum", "imb_steps", "train_s"}, which is identical on every rank and is
+    what a checkpoint stores (``saved`` restores it on resume).
+    """
+
+    KEYS = ("loss_sum", "target_sum", "samples", "tokens", "imb_sum", "imb_steps", "train_s")
+
+    def __init__(self, saved: dict[str, float] | None = None):
+        self.g = {k: float((saved or {}).get(k, 0.0)) for k in self.KEYS}
+        self._clear()
+
+    def _clear(self) -> None:
+        self.tokens: list[int] = []
+        self.samples: list[int] = []
+        self.loss_sum = self.target_sum = 0.0
+        self.t0 = time.perf_counter()
+
+    def add(self, loss: float, num_targets: float, tokens: int, samples: int) -> None:
+        """One step of this rank: mean loss over its ``num_targets`` predicted positions, its token and
+        sample (sequence) counts."""
+        self.loss_sum += loss * num_targets
+        self.target_sum += num_targets
+        self.tokens.append(tokens)
+        self.samples.append(samples)
+
+    def reduce(self, device: torch.device, world: int) -> dict[str, float]:
+        """Collective: fold every rank's steps since the last reduce into the global sums; returns them.
+
+        Every rank must have added the same number of steps (the trainer's collective discipline).
+        """
+        wall = time.perf_counter() - self.t0
+        local = torch.tensor([self.tokens, self.samples], dtype=torch.int64, device=device).reshape(2, -1)
+        gathered = [torch.zeros_like(local) for _ in range(world)]
+        dist.all_gather(gathered, local)
+        per_rank = torch.stack([g[0].cpu() for g in gathered], dim=1).to(torch.float64)  # [steps, world]
+        mean = per_rank.mean(dim=1)
+        busy = mean > 0
+        sums = torch.tensor([self.loss_sum, self.target_sum], dtype=torch.float64, device=device)
+        dist.all_reduce(sums)
+        wall_t = torch.tensor([wall], dtype=torch.float64, device=device)
+        dist.all_reduce(wall_t, op=dist.ReduceOp.MAX)
+        sums = sums.cpu()
+        self.g["loss_sum"] += float(sums[0])
+        self.g["target_sum"] += float(sums[1])
+        self.g["samples"] += float(sum(int(g[1].sum()) for g in gathered))
+        self.g["tokens"] += float(per_rank.sum())
+        self.g["imb_sum"] += float((per_rank[busy].max(dim=1).values / mean[busy]).sum()) if bool(busy.any()) else 0.0
+        self.g["imb_steps"] += float(busy.sum())
+        self.g["train_s"] += float(wall_t.cpu())
+        self._clear()
+        return dict(self.g)
+
+    def result(self) -> dict[str, float]:
+        """The epoch's figures from the global sums (call after :meth:`reduce`): ``train_loss`` (mean over
+        predicted positions), ``samples_per_s`` / ``tokens_per_s`` (global, training seconds only),
+        ``token_imbalance`` (mean over steps with tokens of max/mean tokens across ranks), ``train_s``."""
+        g, w = self.g, max(self.g["train_s"], 1e-9)
+        return {"train_loss": g["loss_sum"] / g["target_sum"] if g["target_sum"] else 0.0,
+                "samples_per_s": g["samples"] / w, "tokens_per_s": g["tokens"] / w,
+                "token_imbalance": g["imb_sum"] / g["imb_steps"] if g["imb_steps"] else 1.0, "train_s": w}
+
+
+class ThroughputMeter:
+    """This rank's samples/s and tokens/s since the last :meth:`rates` call (for progress log lines)."""
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        self.t0, self.samples, self.tokens = time.perf_counter(), 0, 0
+
+    def add(self, samples: int, tokens: int) -> None:
+        self.samples += samples
+        self.tokens += tokens
+
+    def rates(self) -> tuple[float, float]:
+        """(samples/s, tokens/s) since the last call (or construction), then start counting anew."""
+        dt = max(time.perf_counter() - self.t0, 1e-9)
+        out = (self.samples / dt, self.tokens / dt)
+        self._reset()
+        return out

@@ -1,0 +1,398 @@
+"""The Trainer every Ray Train worker runs: one method per phase, and ``train_loop_per_worker`` calling them.
+
+Phases (torchtitan's order, ``torchtitan/trainer.py``): :meth:`Trainer.setup` (device, ranks, logging,
+the attempt id, data streams) -> :meth:`Trainer.build` (the whole model on the meta device ->
+``gemray.parallel.parallelize``: shard the embeddings, materialise the dense part seeded identically on every
+rank, DDP -> optimizer) -> :meth:`Trainer.restore` -> per epoch :meth:`Trainer.train_epoch` (steps:
+:meth:`Trainer.train_step`, the preemption vote, :meth:`Trainer.maybe_checkpoint`) and
+:meth:`Trainer.evaluate` -> :meth:`Trainer.finish`. Decisions live apart from the code that acts on them:
+``CheckpointPolicy`` (when to checkpoint), ``gemray.preemption.preemption_action`` (what a vote means),
+``gemray.events`` (what the previous attempt left).
+
+Collective discipline: every rank runs the same number of steps per epoch (``HistoryStream.num_batches`` is
+identical on all ranks; trailing batches may be empty, B=0, and still run forward/backward so DDP and the
+sharded embedding all-to-alls line up), the same number of evaluation lookups, and the same number of
+``ray.train.report`` calls.
+
+Evaluation follows the HSTU protocol (Zhai et al. 2024, sec. 4.1.1; ``gemray.metrics``,
+``gemray.train.evaluation``): each user's held-out item is ranked against ALL items, HR@K / NDCG@K sums are
+all-reduced over ranks.
+
+Reported metrics per epoch (rank 0's dict is attached to the checkpoint): ``epoch`` (the epoch just
+completed, 1-based, = completed epochs), ``global_step``, ``train_loss``, ``samples_per_s`` /
+``tokens_per_s`` (global, training steps only), ``token_imbalance`` (mean over steps of max/mean tokens
+across ranks, measured by all-gathering per-step counts), ``train_s``, ``valid_hr@K`` / ``valid_ndcg@K`` on
+eval epochs, ``epoch_s``; the last epoch's report also carries ``test_hr@K`` / ``test_ndcg@K``, ``final``,
+``world_size`` and ``history`` (the per-epoch dicts, restored across restarts). Ray Train V2's
+``Result.metrics`` is the dict reported with the latest checkpoint, so the last epoch always checkpoints. A
+checkpoint inside an epoch reports ``epoch`` (the one in progress, as the log lines number it),
+``epochs_completed``, ``global_step``, ``checkpoint`` (the reason) and ``preempted``
+(gemray.events.epoch_fields).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gemray.checkpoint import data_record, report_with_checkpoint, restore_from_ray
+from gemray.config import JobConfig, from_dict
+from gemray.events import epoch_fields
+from gemray.parallel import build_optimizer, parallelize, plan_layout
+from gemray.preemption import read_notice
+from gemray.train.checkpoint_policy import CheckpointPolicy
+from gemray.train.evaluation import RetrievalEvaluator
+from gemray.train.preemption_vote import PreemptionVote
+from gemray.train.recorder import RecoveryRecorder
+from gemray.train.stats import EpochStats, ThroughputMeter
+
+log = logging.getLogger("gemray.train")
+
+
+def _setup_logging(rank: int) -> None:
+    """INFO from gemray on rank 0, WARNING elsewhere, to stderr (Ray forwards it to the driver)."""
+    level = logging.INFO if rank == 0 else logging.WARNING
+    root = logging.getLogger("gemray")
+    root.setLevel(level)
+    if not any(getattr(h, "_gemray", False) for h in root.handlers):
+        h = logging.StreamHandler()
+        h.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s", "%H:%M:%S"))
+        h._gemray = True  # type: ignore[attr-defined]
+        root.addHandler(h)
+        root.propagate = False
+
+
+def step_seed(seed: int, global_step: int, rank: int) -> int:
+    """Seed for dropout / negative sampling at one global step of one rank: a function of (seed, step,
+    rank) only, so a run resumed mid-epoch draws exactly what an uninterrupted run would have drawn."""
+    return (int(seed) * 1_000_003 + int(global_step) * 7_919 + int(rank) * 104_729) % (2**63 - 1)
+
+
+def forward_backward_step(model: torch.nn.Module, optimizer: Any, batch: Any, device: torch.device
+                          ) -> tuple[float, float]:
+    """Forward, backward (the fused sparse optimizer steps inside), dense step. Returns (loss, targets).
+
+    model(batch) must return (loss scalar, stats dict with "num_targets"). Raises FloatingPointError,
+    before any weight moves, when the loss is NaN or infinite (a diverged run must fail, not go on to
+    report metrics of NaN scores).
+    """
+    batch = batch.to(device)
+    loss, stats = model(batch)
+    value = float(loss.detach())
+    if not math.isfinite(value):
+        raise FloatingPointError(f"training loss is {value}: the model diverged (check train.lr, "
+                                 f"train.sparse_lr, model.temperature); no weights were updated by this step")
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    n_t = float(stats.get("num_targets", 0)) if isinstance(stats, dict) else 0.0
+    return value, n_t
+
+
+def agree_attempt(rank: int, device: torch.device) -> int:
+    """Collective: one id for this start of the worker group, rank 0's clock in ns, shared with every rank."""
+    t = torch.tensor([time.time_ns() if rank == 0 else 0], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.cpu())
+
+
+class Trainer:
+    """One attempt of one worker: call the phases in order (see the module docstring).
+
+    cfg: the validated job config; t_start: unix time the train function started (startup timings).
+    State after :meth:`restore`: ``start_epoch`` (completed epochs), ``global_step``, ``history``; while an
+    epoch runs: ``epoch`` (0-based = completed epochs), ``consumed`` (samples of the epoch's global order),
+    ``epoch_step``; ``stopped`` once a preemption notice ended the attempt.
+    """
+
+    def __init__(self, cfg: JobConfig, *, t_start: float | None = None):
+        self.cfg = cfg
+        self.t_start = time.time() if t_start is None else t_start
+        self.stopped = False
+
+    # -- setup: who am I, where do I run, what data ------------------------------------------------------
+    def setup(self) -> None:
+        """Device and process-group facts (Ray Train's context), logging, the layout for this world size,
+        the attempt id (collective), the event recorder and preemption vote, then the data streams."""
+        import ray.train
+
+        cfg = self.cfg
+        ctx = ray.train.get_context()
+        self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
+        _setup_logging(self.rank)
+        if cfg.ray.use_gpu:
+            import ray.train.torch as rtt
+
+            self.device = rtt.get_device()
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+        self.layout = plan_layout(self.world, self.device.type)
+        self.attempt = agree_attempt(self.rank, self.device)
+        self.recorder = RecoveryRecorder(cfg.train.events_path, attempt=self.attempt, rank=self.rank,
+                                         t_start=self.t_start)
+        self.recorder.attempt_started(self.world, list(self.layout.sharding_types))
+        log.info("rank %d/%d on %s (%s); job %s", self.rank, self.world, self.device, self.layout.backend, cfg.name)
+        self.vote = PreemptionVote(cfg.checkpoint.preempt_notice, self.device, self.world,
+                                   cfg.checkpoint.preempt_poll_steps)
+        self.vote.install_sigterm_handler()
+        self._open_data()
+        self.recorder.phase_done("setup_and_data_s")
+
+    def _open_data(self) -> None:
+        import ray.data
+
+        from gemray.pipelines.movielens import load_manifest
+        from gemray.pipelines.stream import ElasticTrainStream, HistoryStream
+
+        cfg = self.cfg
+        ray.data.DataContext.get_current().enable_progress_bars = False
+        manifest = load_manifest(cfg.data.prepared_dir)
+        self.num_items = int(manifest["counts"]["items"])
+        self.trained_on = data_record(manifest)  # in every checkpoint: a resume on other data is refused up front
+        self.train_stream = ElasticTrainStream.from_config(cfg.data, rank=self.rank, world_size=self.world,
+                                                           seed=cfg.train.seed)
+        self.streams = {split: HistoryStream.from_config(cfg.data, split, rank=self.rank, world_size=self.world,
+                                                         seed=cfg.train.seed) for split in ("valid", "test")}
+
+    # -- build: meta model -> parallelize (shard + materialise) -> optimizer --------------------------------
+    def build(self) -> None:
+        """The whole GEM on the meta device (nothing allocated), sharded and materialised by
+        ``gemray.parallel.parallelize`` (a fresh TorchRec plan for this world size; the dense part seeded
+        with ``train.seed`` on every rank), then the optimizer, the evaluators and the checkpoint policy."""
+        from gemray.model.gem import GEM
+
+        cfg = self.cfg
+        model = GEM(cfg.model, self.num_items, "meta", max_seq_len=cfg.data.max_seq_len)
+        self.dmp = parallelize(model, layout=self.layout, cfg=cfg, device=self.device)
+        self.optimizer = build_optimizer(self.dmp, cfg)
+        self.evaluators = [RetrievalEvaluator(self.num_items, list(cfg.train.eval_ks),
+                                              exclude_history=cfg.train.eval_exclude_history)]
+        self.policy = CheckpointPolicy.from_config(cfg)
+        self.recorder.phase_done("build_and_shard_s")
+
+    # -- restore: the newest good committed checkpoint, or a fresh start ---------------------------------
+    def restore(self) -> None:
+        """Ray hands back the latest committed checkpoint after a failure or a resize (a corrupt one is
+        skipped for the previous good one; DCP reshards to this world size); continue at its global data
+        position. Records what became of the previous attempt, the startup timings and a resize; opens the
+        sample ledger."""
+        from gemray.ledger import LedgerWriter
+
+        cfg = self.cfg
+        state = restore_from_ray(self.dmp, self.optimizer)
+        self.recorder.phase_done("restore_s")
+        fresh = state is None
+        state = state or {"epoch": 0, "consumed": 0, "epoch_step": 0, "global_step": 0, "history": []}
+        self.start_epoch, self.history = int(state["epoch"]), list(state.get("history", []))
+        self.global_step = int(state.get("global_step", 0))
+        self._resume = {"consumed": int(state.get("consumed", 0)), "epoch_step": int(state.get("epoch_step", 0)),
+                        "partial": state.get("partial")}
+        if not fresh:
+            self.recorder.restored(state, world_size=self.world)
+            log.info("resuming at epoch %d, sample %d of its order (global step %d), checkpoint saved by %s "
+                     "ranks, now %d", self.start_epoch + 1, self._resume["consumed"], self.global_step,
+                     state.get("world_size"), self.world)
+        self.recorder.uncommitted(self.global_step, state.get("restored_from"))
+        self.recorder.startup()
+        self.recorder.resize(self.world, None if fresh else state.get("world_size"),
+                             list(self.layout.sharding_types))
+        self.ledger = (LedgerWriter(cfg.train.ledger_dir, attempt=self.attempt, rank=self.rank,
+                                    world_size=self.world, restored_global_step=self.global_step)
+                       if cfg.train.ledger_dir else None)
+
+    # -- training ----------------------------------------------------------------------------------------
+    def train_epoch(self, epoch: int) -> dict[str, float] | None:
+        """Train 0-based ``epoch`` from its saved position (the restored one for the first epoch of a
+        resumed attempt): steps, preemption votes, mid-epoch checkpoints. Returns ``EpochStats.result()``
+        (global, identical on every rank), or None when a preemption notice stopped the attempt (its
+        emergency checkpoint reported; ``stopped`` is then True)."""
+        cfg = self.cfg
+        self._epoch_t0 = time.perf_counter()
+        pos = self._resume if epoch == self.start_epoch else {"consumed": 0, "epoch_step": 0, "partial": None}
+        self.epoch, self.consumed, self.epoch_step = epoch, int(pos["consumed"]), int(pos["epoch_step"])
+        self.stats = EpochStats(pos["partial"])
+        steps = self.train_stream.num_steps(self.consumed)
+        if cfg.train.max_steps_per_epoch:
+            steps = min(steps, max(0, cfg.train.max_steps_per_epoch - self.epoch_step))
+        self.dmp.train()
+        meter = ThroughputMeter()
+        batches = self.train_stream.iter_epoch(epoch, self.consumed)
+        for i in range(steps):
+            batch, self.consumed = next(batches)
+            loss = self.train_step(batch)
+            meter.add(batch.batch_size, batch.num_tokens)
+            if self.rank == 0 and self.epoch_step % cfg.train.log_every == 0:
+                log.info("epoch %d step %d (global %d) loss %.4f rank0 %.0f samples/s %.0f tokens/s",
+                         epoch + 1, self.epoch_step, self.global_step, loss, *meter.rates())
+            # Without a notice the epoch-end checkpoint covers the last step; with one, the emergency checkpoint
+            # is taken here (a resumed run then has 0 steps left of this epoch and goes straight to its end).
+            last = i == steps - 1
+            action = self.vote.poll(self.global_step, last)
+            if last and action is None:
+                break
+            reason = self.maybe_checkpoint(self.global_step, epoch_end=False, preempt=action)
+            if action == "stop":
+                self._stop()
+                return None
+            if reason == "emergency":
+                self.vote.emergency_checkpoint_taken()
+        self.stats.reduce(self.device, self.world)
+        return self.stats.result()
+
+    def train_step(self, batch: Any) -> float:
+        """One global step of this rank: dropout and negative sampling seeded from (seed, global step, rank),
+        forward / backward / optimizer step, then the bookkeeping (statistics, counters, ledger, step event).
+        Returns the loss (this rank's mean over its predicted positions)."""
+        seed = self.cfg.train.seed
+        torch.manual_seed(step_seed(seed, self.global_step, self.rank))  # dropout
+        self.dmp.module.seed_sampling(step_seed(seed + 1, self.global_step, self.rank))  # negatives
+        loss, n_t = forward_backward_step(self.dmp, self.optimizer, batch, self.device)
+        self.stats.add(loss, n_t, batch.num_tokens, batch.batch_size)
+        self.global_step += 1
+        self.epoch_step += 1
+        if self.ledger is not None:
+            self.ledger.step(self.epoch, self.global_step, batch.user_ids.tolist())
+        self.recorder.step(self.global_step, self.epoch, self.consumed)
+        return loss
+
+    def epoch_seconds(self) -> float:
+        """Collective: seconds since the current epoch started, the max over ranks (so the history, which
+        DCP keeps one copy of, is identical on every rank)."""
+        t = torch.tensor([time.perf_counter() - self._epoch_t0], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t)
+
+    def _stop(self) -> None:
+        notice = read_notice(self.cfg.checkpoint.preempt_notice) or {"reason": "SIGTERM to a worker"}
+        log.warning("preemption notice (%s): emergency checkpoint of global step %d reported; stopping. Re-run "
+                    "the same command to resume at this step.", notice.get("reason"), self.global_step)
+        self.recorder.preempted(self.global_step, epochs_completed=self.epoch, consumed=self.consumed,
+                                notice=notice)
+        self.stopped = True
+
+    # -- checkpoints -------------------------------------------------------------------------------------
+    def maybe_checkpoint(self, step: int, *, epoch_end: bool, preempt: str | None = None,
+                         metrics: dict[str, Any] | None = None) -> str | None:
+        """Ask the policy whether to checkpoint after global step ``step``; if so, save and report. Returns
+        the reason, or None (then nothing was reported: at an epoch end the caller reports ``metrics``).
+
+        Inside an epoch (``epoch_end`` False): ``preempt`` is the vote's verdict; the report carries the
+        position (``epoch_fields``, ``global_step``, ``checkpoint`` reason, ``preempted``) and the state the
+        epoch's statistics so far (a collective reduce). At an epoch's end: ``metrics`` are the epoch's
+        report and the state points at the next epoch's start. Collective when it saves.
+        """
+        done = self.epoch + 1 if epoch_end else self.epoch
+        reason = self.policy.reason(step, epoch_end=epoch_end, epochs_done=done, preempt=preempt is not None)
+        if reason is None:
+            return None
+        if epoch_end:
+            state = {"epoch": done, "consumed": 0, "epoch_step": 0, "global_step": step,
+                     "history": self.history, "partial": None}
+            report = dict(metrics or {})
+        else:
+            state = {"epoch": done, "consumed": self.consumed, "epoch_step": self.epoch_step, "global_step": step,
+                     "history": self.history, "partial": self.stats.reduce(self.device, self.world)}
+            report = {**epoch_fields(done, in_progress=True), "global_step": step, "checkpoint": reason,
+                      "preempted": preempt == "stop"}
+        self.save(reason, report, state, in_progress=not epoch_end)
+        return reason
+
+    def save(self, reason: str, metrics: dict[str, Any], state: dict[str, Any], *, in_progress: bool) -> None:
+        """Collective: DCP-save ``state`` with the model and optimizer and report it with ``metrics`` to Ray
+        Train (``gemray.checkpoint.report_with_checkpoint``), between ``checkpoint_begin`` / ``_saved`` events."""
+        self.recorder.checkpoint_begin(reason, state["global_step"])
+        report_with_checkpoint(metrics, self.dmp, self.optimizer, state, data=self.trained_on)
+        self.recorder.checkpoint_saved(reason, state["global_step"], epochs_completed=state["epoch"],
+                                       in_progress=in_progress, consumed=state["consumed"])
+
+    def report(self, metrics: dict[str, Any]) -> None:
+        """Collective: report ``metrics`` to Ray Train without a checkpoint."""
+        import ray.train
+
+        ray.train.report(metrics)
+
+    # -- evaluation --------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, split: str) -> dict[str, float]:
+        """Every evaluator's metrics over every rank's users of ``split`` ("valid" or "test"): one pass over
+        the split, per-batch sums added up, one all-reduce. Returns the evaluators' metrics merged
+        (identical on every rank). Raises ValueError for an unknown split."""
+        if split not in self.streams:
+            raise ValueError(f"Trainer.evaluate: split must be one of {sorted(self.streams)}, got {split!r}")
+        model = self.dmp.module
+        self.dmp.eval()
+        ctxs = [ev.prepare(model, self.device) for ev in self.evaluators]
+        sums = [torch.zeros(ev.num_sums(), dtype=torch.float64) for ev in self.evaluators]
+        for batch in self.streams[split].iter_epoch(0):
+            batch = batch.to(self.device)
+            for ev, ctx, s in zip(self.evaluators, ctxs, sums):
+                s += ev.batch_sums(model, batch, ctx)
+        total = torch.cat(sums).to(self.device)
+        dist.all_reduce(total)
+        self.dmp.train()
+        out: dict[str, float] = {}
+        for ev, part in zip(self.evaluators, torch.split(total.cpu(), [s.numel() for s in sums])):
+            out.update(ev.compute(part))
+        return out
+
+    # -- the end -----------------------------------------------------------------------------------------
+    def finish(self) -> None:
+        """Close the ledger; unless stopped on a preemption notice, record ``finished``."""
+        if self.ledger is not None:
+            self.ledger.close()
+        if self.stopped:
+            return  # the run ends here; Ray Train commits the emergency checkpoint as the run's latest
+        if self.start_epoch >= self.cfg.train.epochs:
+            log.info("the restored checkpoint has %d epoch(s) done, train.epochs is %d: nothing to train",
+                     self.start_epoch, self.cfg.train.epochs)
+        self.recorder.finished(self.global_step)
+
+
+def _prefixed(prefix: str, metrics: dict[str, float], skip: tuple[str, ...] = ()) -> dict[str, float]:
+    return {f"{prefix}_{k}": v for k, v in metrics.items() if k not in skip}
+
+
+def train_loop_per_worker(config: dict[str, Any]) -> None:
+    """Ray Train entry point. ``config``: ``JobConfig.to_dict()`` with absolute data paths.
+
+    Elastic contract (Ray Train V2 restarts the whole worker group on a failure or a resize): on every
+    (re)start, derive the layout from the current world size, shard anew, restore the newest good committed checkpoint (DCP reshards it),
+    continue the epoch at the saved global data position (``consumed`` samples of the epoch's global
+    order: ElasticTrainStream), checkpoint every ``checkpoint.every_steps`` global steps, at epoch ends,
+    and on a preemption notice agreed by all ranks (polled every ``checkpoint.preempt_poll_steps``
+    steps): a job notice (gemray.preemption) -> emergency checkpoint, then return, so that Ray Train ends
+    the run with that checkpoint committed; Ray's node-drain notice -> emergency checkpoint, go on.
+    Every attempt logs a ``startup`` event with its phase timings.
+    """
+    trainer = Trainer(from_dict(config), t_start=time.time())
+    trainer.setup()
+    trainer.build()
+    trainer.restore()
+    cfg = trainer.cfg
+    for epoch in range(trainer.start_epoch, cfg.train.epochs):
+        stats = trainer.train_epoch(epoch)
+        if stats is None:
+            break  # stopped on a preemption notice, its emergency checkpoint reported
+        done = epoch + 1
+        metrics: dict[str, Any] = {"epoch": done, "global_step": trainer.global_step, **stats}
+        if done % cfg.train.eval_every == 0 or done == cfg.train.epochs:
+            metrics.update(_prefixed("valid", trainer.evaluate("valid"), skip=("num_users",)))
+        metrics["epoch_s"] = trainer.epoch_seconds()
+        trainer.history.append(dict(metrics))
+        log.info("epoch %d done: %s", done, ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                                      for k, v in metrics.items()))
+        if done == cfg.train.epochs:
+            # The test split once, at the end; reported with the last checkpoint so Ray's Result carries it.
+            test = trainer.evaluate("test")
+            log.info("test: %s", ", ".join(f"{k}={v:.4f}" for k, v in test.items()))
+            metrics.update(_prefixed("test", test))
+            metrics.update({"final": True, "world_size": trainer.world, "history": list(trainer.history)})
+        if trainer.maybe_checkpoint(trainer.global_step, epoch_end=True, metrics=metrics) is None:
+            trainer.report(metrics)
+    trainer.finish()
