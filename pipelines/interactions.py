@@ -119,12 +119,12 @@ TIME_UNITS = {"s": 1, "ms": 1000, "us": 10**6, "ns": 10**9}
 DEFAULT_MEMORY_BUDGET = "1GiB"
 MIN_MEMORY_BUDGET = 256 << 20
 #: Memory every process needs before it holds any rows (interpreter, numpy, pyarrow, allocator slack; measured
-#: ~80 MiB after imports, ~150 MiB once pyarrow's CSV reader and numpy have run): not part of the working set.
-PROCESS_BASELINE = 160 << 20
+#: ~80 MiB after imports, ~150-170 MiB once pyarrow and numpy have run): not part of the working set.
+PROCESS_BASELINE = 176 << 20
 MIN_WORK_BYTES = 48 << 20
 ROW_GROUPS_PER_FILE = 4
 DEFAULT_NUM_FILES = 8
-TOKENS_PER_FILE_AUTO = 1 << 22  # --num-files 0 (auto): max(8, ceil(interactions / 4M))
+TOKENS_PER_FILE_AUTO = 1 << 20  # --num-files 0 (auto): max(8, ceil(interactions / 1Mi)); row groups of ~256k tokens
 
 _FILE_SHIFT = 40  # input position = file index << 40 | row (or token) number in the file
 _EXT_FORMAT = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".tsv": "csv"}
@@ -321,21 +321,34 @@ class _Vocab:
             self._merge()
 
     def _merge(self) -> None:
+        """Fold the pending batches in: dedupe them among themselves, then append only the hashes not yet
+        known (transient memory ~ the pending values plus one argsort of the vocabulary)."""
         if not self._pending:
             return
-        hs = np.concatenate([self.h] + [p[0] for p in self._pending])
-        raws = pa.concat_arrays([self.raw] + [p[1].cast(self.raw.type) for p in self._pending])
+        hs = np.concatenate([p[0] for p in self._pending])
+        raws = pa.concat_arrays([p[1].cast(self.raw.type) for p in self._pending])
         self._pending, self._pending_n = [], 0
         u, first, inv = np.unique(hs, return_index=True, return_inverse=True)
         kept = raws.take(pa.array(first))
         if self.kind != "int" and u.size < hs.size:
-            same = pc.equal(raws, kept.take(pa.array(inv.reshape(-1)))).to_numpy(zero_copy_only=False)
-            if not same.all():
-                i = int(np.flatnonzero(~same)[0])
-                raise InputError(f"column {self.name!r}: the values {raws[i].as_py()!r} and "
-                                 f"{kept[int(inv.reshape(-1)[i])].as_py()!r} have the same 64-bit hash; gemray "
-                                 "cannot tell them apart (please report this)")
-        self.h, self.raw = u, kept
+            self._check_same(raws, kept.take(pa.array(inv.reshape(-1))))
+        pos = np.minimum(np.searchsorted(self.h, u), max(self.h.size - 1, 0))
+        known = self.h[pos] == u if self.h.size else np.zeros(u.size, bool)
+        if self.kind != "int" and known.any():
+            self._check_same(kept.filter(pa.array(known)), self.raw.take(pa.array(pos[known])))
+        new = ~known
+        h = np.concatenate([self.h, u[new]])
+        raw = pa.concat_arrays([self.raw, kept.filter(pa.array(new))])
+        order = np.argsort(h, kind="stable")
+        self.h, self.raw = h[order], raw.take(pa.array(order))
+
+    def _check_same(self, a: pa.Array, b: pa.Array) -> None:
+        """Values paired by equal hash must be equal: else two distinct values collide (InputError)."""
+        same = pc.equal(a, b).to_numpy(zero_copy_only=False)
+        if not same.all():
+            i = int(np.flatnonzero(~same)[0])
+            raise InputError(f"column {self.name!r}: the values {a[i].as_py()!r} and {b[i].as_py()!r} have the same "
+                             "64-bit hash; gemray cannot tell them apart (please report this)")
 
     def finalize(self) -> None:
         """Sort the values ascending (dense order) and build the lookup; call once, after the last add."""
@@ -1590,7 +1603,7 @@ def prepare_interactions(src: str | list[str], out: str | Path, *, fmt: str = "a
     rating_col (stars 0..5; default none: ratings 0), feature_cols: categorical columns carried as
     ``feat_<name>``. id_type: "auto" (Parquet: the column type; CSV: text), "string" or "int". time_unit: unit of
     numeric times. delimiter: CSV field separator (default ",", "\\t" for .tsv). k_core: 0 (off) or K >= 2.
-    on_bad_rows: "error" | "quarantine". num_files: history files (0: max(8, ceil(interactions / 4M)); capped
+    on_bad_rows: "error" | "quarantine". num_files: history files (0: max(8, ceil(interactions / 2**20)); capped
     at the user count). memory_budget: bytes or a size string (>= 256 MiB). workers: processes for passes 1-2.
     progress: tqdm bars on stderr. _tuning: tests only: overrides of the sizes derived from the budget
     (``part_bytes``, ``block_bytes``, ``flush_bytes``, ``split_bytes``) to force many partitions on small input.
@@ -1856,6 +1869,8 @@ def prepare_interactions(src: str | list[str], out: str | Path, *, fmt: str = "a
                     fv = np.where(r >= 0, feat_dense[c][np.maximum(r, 0)], 0)
                     arrays.append(_list(lengths, fv, pa.int64()))
                 asm.add(pa.Table.from_arrays(arrays, names=["user_raw", *hist_schema.names[1:]]))
+                del rows, users, arrays
+                _release()
                 bar.update(1)
         asm.close()
 

@@ -144,6 +144,21 @@ def test_hash_ids_is_fixed():
     assert np.unique(hash_ids(many)).size == 50_000
 
 
+def test_vocab_refuses_a_hash_collision():
+    from gemray.pipelines.interactions import _Vocab
+
+    v = _Vocab("item_id", "string")
+    v.add(np.array([5, 6], np.uint64), pa.array(["a", "b"]))
+    v.add(np.array([7], np.uint64), pa.array(["c"]))
+    v.finalize()
+    assert v.sorted_raw.to_pylist() == ["a", "b", "c"] and v.lookup(np.array([7, 5], np.uint64)).tolist() == [2, 0]
+    v = _Vocab("item_id", "string")
+    v.add(np.array([5, 6], np.uint64), pa.array(["a", "b"]))
+    v.add(np.array([5], np.uint64), pa.array(["z"]))  # another value, same hash
+    with pytest.raises(InputError, match="'z' and 'a' have the same 64-bit hash"):
+        v.finalize()
+
+
 def test_parse_memory_budget():
     assert parse_memory_budget("1GiB") == 1 << 30
     assert parse_memory_budget("512M") == 512 << 20
