@@ -59,16 +59,19 @@ that does not exist or cannot be reached) raises :class:`InputError` (a ValueErr
 column. Nothing is written to ``--out`` until everything succeeded: the output is built in a temporary folder
 beside it, fsynced, and renamed into place.
 
-Memory and parallelism: ``--memory-budget`` (default 1 GiB) bounds the working set, not the input size.
-Pass 1 streams every file in blocks (CSV: ``pyarrow.csv.open_csv``; Parquet: ``ParquetFile.iter_batches``;
-a block is ~budget/32), converts and checks the rows, and appends them to spill files partitioned by the hash
-range of their user (Arrow IPC, in the temporary folder: about 1-2x the input's size on disk). Pass 2 reads
-one partition at a time (each ~budget/8; a partition that came out larger is split again by hash range before
-it is read), sorts it by (user hash, user, time, input position) and encodes it; ``--k-core`` repeats a cheap
-pass over the encoded partitions; pass 3 writes the history files one row group at a time. The item and
-feature vocabularies are kept in memory (~30 bytes per distinct value plus its text): their size follows the
-catalogue, not the number of interactions. ``--workers N`` runs passes 1 (files) and 2 (partitions) in N
-processes, each with budget/N; the result is identical for every N and budget (tested byte for byte).
+Memory and parallelism: ``--memory-budget`` (default 1 GiB, at least 256 MiB) bounds the peak RSS of the
+process(es) whatever the input size: each process is allowed :data:`PROCESS_BASELINE` (~176 MiB: interpreter,
+numpy, pyarrow, allocator slack) and the rest sizes the working set. Pass 1 reads every file in blocks of
+whole lines (CSV: ``pyarrow.csv`` on each block, ~work/64; Parquet: ``ParquetFile.iter_batches``), converts
+and checks the rows, and appends them to spill files partitioned by the hash range of their user (Arrow IPC,
+in the temporary folder: about 1.3x the CSV's size on disk). Pass 2 reads one partition at a time (~work/8;
+one that came out larger is split again by hash range first), sorts it by (user hash, user, time, input
+position) and encodes it; ``--k-core`` repeats a cheap pass over the encoded partitions; pass 3 writes the
+history files one row group at a time (~256k interactions by default, planned from the counts alone). The
+item and feature vocabularies stay in memory (~30 bytes per distinct value plus its text): their size follows
+the catalogue, not the number of interactions. ``--workers N`` runs passes 1 (files) and 2 (partitions) in N
+spawned processes; the result is identical for every N and budget (tested byte for byte; BENCHMARKS.md: 20M
+rows on 2 cores, 224 MiB peak at a 256 MiB budget).
 """
 
 from __future__ import annotations
@@ -2054,7 +2057,7 @@ def format_summary(manifest: dict[str, Any], out: str | Path | None = None) -> s
         text += "; features " + ", ".join(f"{k} ({v['cardinality']} values)" for k, v in manifest["features"].items())
     if manifest.get("k_core"):
         k = manifest["k_core"]
-        text += (f"; {k['k']}-core ({k['iterations']} passes) removed {k['removed_interactions']} interactions, "
+        text += (f"; {k['k']}-core ({k['iterations']} pass{'es' if k['iterations'] > 1 else ''}) removed {k['removed_interactions']} interactions, "
                  f"{k['removed_users']} users, {k['removed_items']} items")
     run = manifest.get("run")
     if run:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import os
 import subprocess
 import sys
 import time
@@ -29,7 +28,7 @@ from gemray import cli
 from gemray.pipelines.interactions import (InputError, hash_ids, parse_memory_budget, prepare_interactions,
                                            resolve_sources)
 from gemray.pipelines.movielens import load_manifest
-from gemray.pipelines.schema import HISTORY_SCHEMA, BadRowError
+from gemray.pipelines.schema import HISTORY_SCHEMA
 
 REPO = Path(__file__).resolve().parents[1]
 GEMRAY = [sys.executable, "-m", "gemray.cli"]
@@ -167,6 +166,15 @@ def test_parse_memory_budget():
     for bad in ("lots", "100MiB", "1 PB"):
         with pytest.raises(ValueError, match="--memory-budget"):
             parse_memory_budget(bad)
+
+
+def test_budget_too_small_for_the_workers(tmp_path):
+    src = tmp_path / "log.csv"
+    src.write_text(HAND_CSV)
+    with pytest.raises(ValueError, match=r"--memory-budget 512 MiB is too small for 4 worker\(s\).*at least 1072 MiB"):
+        prepare_interactions(str(src), tmp_path / "out", user_col="uid", item_col="sku", time_col="ts",
+                             memory_budget="512MiB", workers=4, progress=False)
+    no_leftovers(tmp_path / "out")
 
 
 def test_glob_folder_and_order(tmp_path):
@@ -503,18 +511,26 @@ def test_quarantine_counts_every_kind(tmp_path):
 
 def sparse_short_log(path: Path, *, users: int = 1500, items: int = 400, seed: int = 5) -> Path:
     """A sparse short-history dataset (Amazon-like: 5-12 interactions per user, string ids, shuffled rows, two
-    extra columns): users follow one of 8 'tastes' (item clusters) in time order, so it is learnable."""
+    extra columns), with sequential signal: each user keeps to one of 8 item clusters, and after an item comes
+    its fixed successor 60% of the time (else another item of the cluster, 10% any item)."""
     rng = np.random.default_rng(seed)
     rows = []
     cluster = rng.integers(0, 8, items)
     by_cluster = [np.flatnonzero(cluster == c) for c in range(8)]
+    successor = np.empty(items, np.int64)
+    for members in by_cluster:  # one cycle through each cluster
+        order = rng.permutation(members)
+        successor[order] = np.roll(order, -1)
     for u in range(users):
-        taste = rng.integers(0, 8)
+        taste = int(rng.integers(0, 8))
         n = int(rng.integers(5, 13))
         t = 1_600_000_000 + int(rng.integers(0, 10**6))
+        i = int(rng.choice(by_cluster[taste]))
         for k in range(n):
-            c = taste if rng.random() < 0.8 else rng.integers(0, 8)
-            i = int(rng.choice(by_cluster[c]))
+            if k:
+                x = rng.random()
+                i = int(successor[i]) if x < 0.6 else int(rng.choice(by_cluster[taste])) if x < 0.9 else \
+                    int(rng.integers(0, items))
             t += int(rng.integers(60, 86400))
             rows.append((f"cust-{u:05d}", f"P{i:04d}", t, int(rng.integers(1, 6)), f"cat{cluster[i]}",
                          ["app", "web", ""][int(rng.integers(0, 3))]))
