@@ -540,9 +540,18 @@ def sparse_short_log(path: Path, *, users: int = 1500, items: int = 400, seed: i
     return path
 
 
-RECIPE = ["data.max_seq_len=50", "model.dropout=0.5", "model.num_blocks=2", "model.embedding_dim=64",
-          "model.attention_dim=32", "model.linear_dim=32", "model.negatives=in_batch", "data.batch_size=128",
-          "train.eval_ks=[10,50]"]
+#: The README's "sparse, short histories" recipe, as --set overrides of configs/ml-1m.toml.
+RECIPE = ["data.max_seq_len=50", "model.dropout=0.5", "model.num_negatives=512", "model.embedding_dim=64",
+          "model.num_blocks=4", "model.num_heads=4", "model.attention_dim=16", "model.linear_dim=16",
+          "train.epochs=200", "train.eval_ks=[10,50]"]
+
+
+def test_readme_recipe_is_the_tested_one():
+    text = (REPO / "README.md").read_text()
+    block = text[text.index("### Recipe: sparse, short histories"):]
+    block = block[block.index("```bash"):block.index("```", block.index("```bash") + 7)]
+    for override in RECIPE:
+        assert override in block, override
 
 
 @pytest.mark.slow
@@ -557,10 +566,11 @@ def test_prepare_then_train_end_to_end(tmp_path):
     m = load_manifest(prep)
     assert m["features"]["category"]["cardinality"] == 8 and m["features"]["channel"]["cardinality"] == 2
     out = tmp_path / "run"
-    proc = subprocess.run([*GEMRAY, "train", "--config", str(REPO / "configs" / "ml-latest-small.toml"), "--set",
+    proc = subprocess.run([*GEMRAY, "train", "--config", str(REPO / "configs" / "ml-1m.toml"), "--set",
                            f"data.prepared_dir={prep}", f"data.raw_dir={src.parent}", *RECIPE, "train.epochs=1",
-                           "train.max_steps_per_epoch=3", "ray.num_workers=1", "checkpoint.keep=1",
-                           "--output", str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+                           "train.max_steps_per_epoch=3", "train.eval_every=1", "ray.num_workers=1",
+                           "checkpoint.keep=1", "--output", str(out)], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = json.loads((out / "metrics.json").read_text())
     assert 0.0 <= metrics["hr@10"] <= metrics["hr@50"] <= 1.0
