@@ -17,7 +17,7 @@ TORCH_PIN := torch==2.13.0
 # CPU wheel on local disk). Elsewhere use: make demo TORCH_INDEX="--index-url https://download.pytorch.org/whl/cpu"
 TORCH_INDEX ?=
 STACK := fbgemm-gpu-cpu==1.8.0 "ray[data,train,default]==2.60.0" "pyarrow>=14" triton==3.9.0 \
-	tensordict "torchmetrics==1.0.3" pyre-extensions iopath tqdm numpy matplotlib
+	tensordict "torchmetrics==1.0.3" pyre-extensions iopath tqdm numpy matplotlib fsspec
 TORCHREC := torchrec==1.8.0
 TEST_DEPS := pytest jsonschema pyyaml kubernetes-validate==1.37.0 import-linter==2.17
 

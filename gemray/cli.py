@@ -3,6 +3,9 @@
     gemray prepare movielens --src DIR --out DIR [--on-bad-rows error|quarantine] [--num-files N]
     gemray prepare synthetic --out DIR --users U --items N --seed S [--max-len L] [--length-dist ...] ...
                                           (seeded GEM-style data: gemray.pipelines.synthetic)
+    gemray prepare interactions --src PATH|GLOB|URI --out DIR [--format ...] [--user-col C] [--item-col C]
+                               [--time-col C] [--rating-col C] [--feature-cols C1,C2] [--k-core K]
+                               [--memory-budget 1GiB] [--workers N] ...   (gemray.pipelines.interactions)
     gemray train --config FILE [--set section.key=value ...] [--output DIR]
     gemray preempt --output DIR | --notice PATH [--reason TEXT] [--wait SECONDS]
                                           (ask a running `gemray train` to checkpoint and stop)
@@ -138,6 +141,67 @@ def _add_synthetic_parser(prep_sub) -> None:
                    help="processes writing files in parallel (default: usable CPUs, at most --num-files); the "
                         "output does not depend on it")
     sy.set_defaults(func=_cmd_prepare_synthetic)
+
+
+def _cmd_prepare_interactions(ns: argparse.Namespace) -> int:
+    from gemray.pipelines.interactions import format_summary, prepare_interactions
+
+    features = [c.strip() for v in ns.feature_cols for c in v.split(",") if c.strip()]
+    manifest = prepare_interactions(
+        ns.src, ns.out, fmt=ns.format, user_col=ns.user_col, item_col=ns.item_col, time_col=ns.time_col,
+        rating_col=ns.rating_col, feature_cols=features, id_type=ns.id_type, time_unit=ns.time_unit,
+        delimiter=ns.delimiter, k_core=ns.k_core, on_bad_rows=ns.on_bad_rows, num_files=ns.num_files,
+        memory_budget=ns.memory_budget, workers=ns.workers, progress=sys.stderr.isatty())
+    print(format_summary(manifest, ns.out))
+    return 0
+
+
+def _add_prepare_interactions(prep_sub) -> None:
+    """The ``gemray prepare interactions`` parser (gemray.pipelines.interactions)."""
+    from gemray.pipelines.interactions import DEFAULT_MEMORY_BUDGET, FORMATS, ID_TYPES, TIME_UNITS
+
+    it = prep_sub.add_parser(
+        "interactions", help="your own logs: Parquet / CSV / Amazon review files, local or on an object store",
+        description="Convert interaction logs (one row per user-item event) to per-user Parquet histories with "
+                    "dense ids, out of core: memory is bounded by --memory-budget, not by the input size. "
+                    "Raw ids go to users.parquet / items.parquet, extra categorical columns become feat_<name> "
+                    "columns (features/<name>.parquet maps them back).")
+    it.add_argument("--src", required=True, action="append",
+                    help="file, folder, glob or URI (file://, s3://, gs://, hdfs://, or any installed fsspec "
+                         "scheme); repeat for several; files are read in path order")
+    it.add_argument("--out", required=True, help="output folder (prepared Parquet + manifest.json)")
+    it.add_argument("--format", choices=FORMATS, default="auto",
+                    help="auto (by extension: .parquet/.pq, .csv/.tsv, possibly .gz/.bz2/.zst/.lz4), parquet, csv, "
+                         "amazon-ratings (headerless user,item,rating,timestamp), amazon-seq (user item1 item2 ...)")
+    it.add_argument("--user-col", default=None, help="user id column (default user_id)")
+    it.add_argument("--item-col", default=None, help="item id column (default item_id)")
+    it.add_argument("--time-col", default=None, help="time column (default timestamp): unix time in --time-unit, "
+                    "ISO 8601 text, or a Parquet timestamp / date")
+    it.add_argument("--rating-col", default=None, help="star rating column, 0..5 in steps of 0.5 (default: none, "
+                    "ratings 0)")
+    it.add_argument("--feature-cols", action="append", default=[], metavar="C1,C2",
+                    help="categorical columns carried as sparse token features feat_<name> (comma-separated or "
+                         "repeated)")
+    it.add_argument("--id-type", choices=ID_TYPES, default="auto",
+                    help="auto (Parquet: the column type; CSV: the exact text), string, or int (non-integers are "
+                         "bad rows)")
+    it.add_argument("--time-unit", choices=tuple(TIME_UNITS), default="s", help="unit of numeric times (default s)")
+    it.add_argument("--delimiter", default=None, help="CSV field separator (default ',', tab for .tsv)")
+    it.add_argument("--k-core", type=int, default=0, metavar="K",
+                    help="keep only users and items with >= K interactions, repeated until stable (the Amazon "
+                         "5-core: 5; default 0 = off)")
+    it.add_argument("--on-bad-rows", choices=("error", "quarantine"), default="error",
+                    help="error (default): stop at the first bad row, naming file, line and field; quarantine: "
+                         "write bad rows to quarantine.jsonl, count them in the manifest and go on")
+    it.add_argument("--num-files", type=int, default=0,
+                    help="history files (default 0 = max(8, interactions / 1Mi): row groups of ~256k interactions, the shards "
+                         "training reads; capped at the user count)")
+    it.add_argument("--memory-budget", default=DEFAULT_MEMORY_BUDGET,
+                    help=f"working memory bound, e.g. 512MiB, 2GiB (default {DEFAULT_MEMORY_BUDGET}); the output "
+                         "does not depend on it")
+    it.add_argument("--workers", type=int, default=1,
+                    help="processes for reading and grouping (default 1); the output does not depend on it")
+    it.set_defaults(func=_cmd_prepare_interactions)
 
 
 def _cmd_train(ns: argparse.Namespace) -> int:
@@ -323,6 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "reads in parallel")
     ml.set_defaults(func=_cmd_prepare)
     _add_synthetic_parser(prep_sub)
+    _add_prepare_interactions(prep_sub)
 
     tr = sub.add_parser("train", help="train with Ray Train (embedded local cluster unless RAY_ADDRESS)",
                         description="Train the model of a TOML config with Ray Train: an embedded local Ray "
