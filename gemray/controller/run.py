@@ -41,7 +41,9 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
         checkpoints) go; default ``runs/<name>``.
     metrics.json: test-split ``hr@K``/``ndcg@K`` (K in train.eval_ks; history items excluded from the
     ranking unless ``train.eval_exclude_history`` is false), with ``eval_exclude_history``, the all-items
-    ``hr@K_unfiltered``/``ndcg@K_unfiltered`` and ``targets_in_history``, ``samples_per_s`` (mean over
+    ``hr@K_unfiltered``/``ndcg@K_unfiltered`` and ``targets_in_history`` (with a "retrieval" task), the
+    ranking tasks' ``test_<task>_ne`` / ``_auc`` / ``_auc_error_bound`` / ``_logloss`` / ``_base_rate`` /
+    ``_calibration`` / ``_num_examples`` (with "ctr" / "cvr"), ``samples_per_s`` (mean over
     epochs, global), ``wall_s`` (seconds; a run resumed in the same output folder adds the wall_s its
     previous metrics.json recorded), ``invocations`` (fits of this run that wrote metrics.json, this one
     included), ``epochs``, ``world_size``, ``bbs_imbalance`` (mean measured token imbalance max/mean across
