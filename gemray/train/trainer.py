@@ -187,7 +187,7 @@ class Trainer:
         manifest = load_manifest(cfg.data.prepared_dir)
         self.num_items = int(manifest["counts"]["items"])
         self.model_data = model_data_args(cfg, manifest)
-        self.trained_on = data_record(manifest)  # in every checkpoint: a resume on other data is refused up front
+        self.trained_on = data_record(manifest, item_table_rows=cfg.model.table_rows_map().get("item"))  # in every checkpoint: a resume on other data is refused up front
         self.train_stream = ElasticTrainStream.from_config(cfg.data, rank=self.rank, world_size=self.world,
                                                            seed=cfg.train.seed)
         self.streams = {split: HistoryStream.from_config(cfg.data, split, rank=self.rank, world_size=self.world,
