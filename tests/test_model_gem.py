@@ -164,9 +164,10 @@ def test_missing_item_features_and_candidates_raise():
         model(random_batch([3, 2], NUM_ITEMS))  # MovieLens-like batch: no side features, no candidates
 
 
-def test_bf16_autocast_forward_backward_on_cpu():
+@pytest.mark.parametrize("negatives", ["uniform", "uniform_shared", "in_batch"])
+def test_bf16_autocast_forward_backward_on_cpu(negatives):
     from gemray.train.precision import autocast
-    cfg = _cfg()
+    cfg = _cfg(negatives=negatives)
     torch.manual_seed(0)
     model = _model(cfg)
     batch = _gem_batch([5, 3], [2, 2])
@@ -183,3 +184,29 @@ def test_bf16_autocast_forward_backward_on_cpu():
     assert abs(float(ref) - float(loss)) < 0.05 * abs(float(ref)) + 0.05  # bf16 rounding, same model
     with pytest.raises(ValueError, match="train.precision"):
         autocast("fp16", "cpu")
+
+
+def test_ranking_evaluator_scores_each_task_on_its_population():
+    from gemray.metrics import BinaryMetrics
+    from gemray.train.evaluation import RankingEvaluator
+
+    cfg = _cfg()
+    torch.manual_seed(0)
+    model = _model(cfg).eval()
+    ev = RankingEvaluator.from_config(cfg, num_bins=64)
+    batches = [_gem_batch([5, 3, 7], [4, 6, 2], seed=1), _gem_batch([2, 9], [5, 3], seed=2), _gem_batch([], [])]
+    with torch.no_grad():
+        sums = sum(ev.batch_sums(model, b, ev.prepare(model, torch.device("cpu"))) for b in batches)
+        out = ev.compute(sums)
+        ctr, cvr = BinaryMetrics(64), BinaryMetrics(64)
+        for b in batches[:2]:
+            z = model.ranking_logits(b)
+            ctr.update(z[:, 0], b.labels[:, 0])
+            cvr.update(z[:, 1], b.labels[:, 1], mask=b.labels[:, 0] > 0.5)
+    assert sums.dtype == torch.float64 and sums.numel() == ev.num_sums()
+    for k, v in ctr.compute().items():
+        assert out[f"ctr_{k}"] == pytest.approx(v, nan_ok=True)
+    for k, v in cvr.compute().items():
+        assert out[f"cvr_{k}"] == pytest.approx(v, nan_ok=True)
+    assert out["ctr_num_examples"] == 20 and out["cvr_num_examples"] == float(
+        sum(b.labels[:, 0].sum() for b in batches[:2]))

@@ -75,7 +75,8 @@ class RetrievalEvaluator:
         users = model.user_embeddings(batch)  # [B, D]; called for B=0 too (collective lookups)
         if not batch.batch_size:
             return torch.zeros(self.num_sums(), dtype=torch.float64)
-        scores = users @ items.T  # [B, N+1]
+        with torch.autocast(users.device.type, enabled=False):  # full-precision scores under train.precision
+            scores = users.float() @ items.float().T  # [B, N+1]; bf16 scores would tie and rank pessimistically
         filtered = RetrievalMetrics(self.ks)
         if not self.exclude_history:
             filtered.update(target_ranks(scores, batch.targets))
