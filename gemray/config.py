@@ -275,6 +275,11 @@ class TrainConfig:
     eval_exclude_history: rank each target against the items outside the user's (max_seq_len) history, as
     generative-recommenders' evaluation that produced the published ML-1M numbers; the metrics over all
     items are reported beside them with the suffix ``_unfiltered``.
+    mfu_warmup_steps: the first N steps of each attempt (kernel compiles, allocator growth) are left out of
+    the run's ``local_mfu`` (gemray.train.throughput); their FLOPs still count in ``model_tflops_per_s``.
+    scaling_reference: "" or the path of a single-GPU reference run's metrics.json (``gemray train``) or JSON
+    (``gemray bench train --json``) with the same per-GPU batch: its ``tokens_per_s`` / ``local_mfu`` give a
+    multi-GPU run's ``scaling_ratio`` and ``e2e_mfu`` (null at world size > 1 without one).
     """
 
     epochs: int = 100
@@ -297,9 +302,13 @@ class TrainConfig:
     ledger_dir: str = ""
     # Controller events (gemray.events), JSONL written by rank 0; "" = fit uses <output_dir>/events.jsonl.
     events_path: str = ""
+    mfu_warmup_steps: int = 10
+    scaling_reference: str = ""
 
     def validate(self) -> None:
         _positive(self, "epochs", "lr", "sparse_lr", "eval_every", "log_every")
+        if self.mfu_warmup_steps < 0:
+            raise ValueError(f"train.mfu_warmup_steps: expected >= 0, got {self.mfu_warmup_steps}")
         if self.weight_decay < 0:
             raise ValueError(f"train.weight_decay: expected >= 0, got {self.weight_decay}")
         if not self.eval_ks or any(int(k) <= 0 for k in self.eval_ks):

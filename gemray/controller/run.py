@@ -42,7 +42,8 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
     metrics.json: test-split ``hr@K``/``ndcg@K`` (K in train.eval_ks; history items excluded from the
     ranking unless ``train.eval_exclude_history`` is false), with ``eval_exclude_history``, the all-items
     ``hr@K_unfiltered``/``ndcg@K_unfiltered`` and ``targets_in_history``, ``samples_per_s`` (mean over
-    epochs, global), ``wall_s`` (seconds; a run resumed in the same output folder adds the wall_s its
+    epochs, global), ``tokens_per_s`` / ``model_tflops_per_s`` / ``local_mfu`` / ``scaling_ratio`` /
+    ``e2e_mfu`` (:func:`gemray.controller.results.throughput_metrics`), ``wall_s`` (seconds; a run resumed in the same output folder adds the wall_s its
     previous metrics.json recorded), ``invocations`` (fits of this run that wrote metrics.json, this one
     included), ``epochs``, ``world_size``, ``bbs_imbalance`` (mean measured token imbalance max/mean across
     ranks), ``history`` (per-epoch dicts), ``events`` (controller events of every invocation:
@@ -64,6 +65,7 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
         raise NotADirectoryError(f"output folder {out} exists and is not a folder (--output / output_dir)")
     # resources before preparing the data: no GPU means no wait for the data
     preflight.preflight_resources(cfg, embedded=not session.ray_address(cfg))
+    results.load_scaling_reference(cfg.train.scaling_reference)  # a bad reference path fails now, not at the end
     manifest = _ensure_prepared(cfg)  # bad data paths fail before anything is written to the output folder
     previous = _previous_config(out)
     preflight.preflight_data(cfg, manifest, previous=previous)
