@@ -186,7 +186,20 @@ class Trainer:
         self.evaluators = [RetrievalEvaluator(self.num_items, list(cfg.train.eval_ks),
                                               exclude_history=cfg.train.eval_exclude_history)]
         self.policy = CheckpointPolicy.from_config(cfg)
+        self.warm_up_kernels()
         self.recorder.phase_done("build_and_shard_s")
+
+    def warm_up_kernels(self) -> None:
+        """On CUDA with the Triton attention backend: compile the attention kernels for every length regime
+        the config can reach, before step 1 (``gemray.train.warmup``; logged, a fixed number of calls, no
+        weight changes). The result is kept in ``warmup_compile``."""
+        from gemray.train.warmup import triton_in_use, warm_up_attention
+
+        self.warmup_compile = None
+        if self.device.type != "cuda" or not triton_in_use(self.cfg, self.device):
+            return
+        template = next((b for b, _ in self.train_stream.iter_epoch(0, 0) if b.batch_size), None)
+        self.warmup_compile = warm_up_attention(self.cfg, self.device, self.dmp.module, template)
 
     # -- restore: the newest good committed checkpoint, or a fresh start ---------------------------------
     def restore(self, from_ray: bool = True) -> None:
