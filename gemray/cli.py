@@ -339,7 +339,10 @@ def _cmd_bench_train(ns: argparse.Namespace) -> int:
     from gemray.bench.train import format_table, run_bench
     from gemray.config import load_config
 
+    from gemray.controller.run import ensure_prepared
+
     cfg = load_config(ns.config, ns.overrides)
+    ensure_prepared(cfg)  # as `gemray train`: prepare the data first where the config says how
     res = run_bench(cfg, steps=ns.steps, warmup=ns.warmup, profile=ns.profile, profile_steps=ns.profile_steps,
                     warm_up_kernels=not ns.no_kernel_warmup)
     print(format_table(res))

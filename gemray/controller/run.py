@@ -122,6 +122,12 @@ def _resolve(cfg: JobConfig) -> JobConfig:
     return cfg
 
 
+def ensure_prepared(cfg: JobConfig) -> dict[str, Any]:
+    """Public: what ``fit`` does with the data before Ray starts (:func:`_ensure_prepared`), for other entry
+    points that train in-process (``gemray bench train``)."""
+    return _ensure_prepared(cfg)
+
+
 def _ensure_prepared(cfg: JobConfig) -> dict[str, Any]:
     """The prepared data's manifest (every file checked against it), preparing the data from
     ``data.raw_dir`` first when ``data.prepared_dir`` holds none. Raises FileNotFoundError when neither is
