@@ -256,3 +256,44 @@ def test_warm_up_runs_interpreted_and_changes_no_weight(synthetic):
     finally:
         if made:
             dist.destroy_process_group()
+
+
+def test_train_epoch_logs_tflops_and_reports_local_mfu_fields(synthetic, caplog):
+    """Trainer.train_epoch outside Ray (world 1): every logged step carries TFLOP/s and MFU, the epoch's result
+    counts the FLOPs of exactly its batches and leaves the warm-up steps out of the MFU window."""
+    import logging
+
+    import torch.distributed as dist
+
+    from gemray.bench.train import _init_process_group
+    from gemray.train.throughput import batch_flops
+    from gemray.train.trainer import Trainer
+
+    cfg = load_config(CONFIG, [f"data.prepared_dir={synthetic}", "data.max_seq_len=48", "data.batch_size=16",
+                               "ray.use_gpu=false", "data.reader=arrow", "train.max_steps_per_epoch=4",
+                               "train.log_every=1", "train.mfu_warmup_steps=1", "checkpoint.every_epochs=1"])
+    device = torch.device("cpu")
+    made = _init_process_group(device)
+    try:
+        tr = Trainer(cfg)
+        tr.setup(context=(0, 1, device))
+        tr.build()
+        tr.restore(from_ray=False)
+        expected = [batch_flops(cfg.model, b) for (b, _), _ in zip(tr.train_stream.iter_epoch(0, 0), range(4))]
+        # gemray's logger does not propagate (the trainer's handler): listen on it directly
+        lg = logging.getLogger("gemray")
+        lg.addHandler(caplog.handler)
+        try:
+            res = tr.train_epoch(0)
+        finally:
+            lg.removeHandler(caplog.handler)
+        lines = [r.getMessage() for r in caplog.records if "TFLOP/s" in r.getMessage()]
+        assert len(lines) == 4 and all("MFU n/a" in m for m in lines)
+        assert tr.stats.g["flops"] == pytest.approx(sum(expected))
+        assert res["model_tflops_per_s"] == pytest.approx(sum(expected) / res["train_s"] / 1e12)
+        assert res["mfu_flops"] == pytest.approx(sum(expected[1:]))  # the first step is the warm-up
+        assert res["mfu_rank_s"] > 0 and res["local_mfu"] is None and res["peak_flops"] is None
+        assert math.isfinite(res["train_loss"])
+    finally:
+        if made:
+            dist.destroy_process_group()
