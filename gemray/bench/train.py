@@ -41,6 +41,10 @@ device kernel; on CPU, where there are no kernels, on the self time of each oper
    ``baddbmm`` / ``_scaled_mm`` / ``linear`` / ``matmul``;
 6. other: the rest (elementwise, norms, reductions, copies, memsets).
 
+The rules go by kernel name alone: on the reference attention path (``model.attention_backend = "reference"``)
+the attention is aten batched matmuls, softmax and masks, so its matmuls count as ``gemm`` and the rest as
+``other``; compare the two paths' step times, not their ``attention`` rows.
+
 ``data_wait`` is the host-measured ``data_s`` of the profiled steps; ``gpu_idle`` the profiled wall time in which
 no kernel ran (host-bound launches show up there).
 """

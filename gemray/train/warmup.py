@@ -124,9 +124,16 @@ def resample_batch(template: JaggedBatch, lengths: list[int], generator: torch.G
 
 
 def _dense_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """Parameters that take a gradient and have no optimizer fused into the backward (the embedding tables'
-    TorchRec ``apply_optimizer_in_backward`` marks them with ``_in_backward_optimizers``)."""
-    return [p for p in model.parameters() if p.requires_grad and not hasattr(p, "_in_backward_optimizers")]
+    """Parameters that take a gradient and have no optimizer fused into the backward: not those of a TorchRec
+    sharded module (FBGEMM's TBE updates its rows inside its backward), nor any that TorchRec's
+    ``apply_optimizer_in_backward`` marked with ``_in_backward_optimizers``."""
+    try:
+        from torchrec.distributed.types import ShardedModule
+    except ImportError:  # pragma: no cover - torchrec is a dependency of the model
+        ShardedModule = ()  # type: ignore[assignment]
+    sharded = {id(p) for m in model.modules() if isinstance(m, ShardedModule) for p in m.parameters()}
+    return [p for p in model.parameters()
+            if p.requires_grad and id(p) not in sharded and not hasattr(p, "_in_backward_optimizers")]
 
 
 def triton_in_use(cfg: JobConfig, device: torch.device) -> bool:
