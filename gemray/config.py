@@ -299,6 +299,11 @@ class TrainConfig:
     precision: "fp32" (default) or "bf16": the forward pass (training and evaluation) under torch.autocast
     bfloat16 on CUDA and CPU, master weights and optimizer state float32, embedding tables as TorchRec holds
     them (``gemray.train.precision.autocast``, the one place a mode is dispatched).
+    mfu_warmup_steps: the first N steps of each attempt (kernel compiles, allocator growth) are left out of
+    the run's ``local_mfu`` (gemray.train.throughput); their FLOPs still count in ``model_tflops_per_s``.
+    scaling_reference: "" or the path of a single-GPU reference run's metrics.json (``gemray train``) or JSON
+    (``gemray bench train --json``) with the same per-GPU batch: its ``tokens_per_s`` / ``local_mfu`` give a
+    multi-GPU run's ``scaling_ratio`` and ``e2e_mfu`` (null at world size > 1 without one).
     """
 
     PRECISIONS = ("fp32", "bf16")
@@ -324,10 +329,14 @@ class TrainConfig:
     # Controller events (gemray.events), JSONL written by rank 0; "" = fit uses <output_dir>/events.jsonl.
     events_path: str = ""
     precision: str = "fp32"
+    mfu_warmup_steps: int = 10
+    scaling_reference: str = ""
 
     def validate(self) -> None:
         _positive(self, "epochs", "lr", "sparse_lr", "eval_every", "log_every")
         _choice(self, "precision", self.PRECISIONS)
+        if self.mfu_warmup_steps < 0:
+            raise ValueError(f"train.mfu_warmup_steps: expected >= 0, got {self.mfu_warmup_steps}")
         if self.weight_decay < 0:
             raise ValueError(f"train.weight_decay: expected >= 0, got {self.weight_decay}")
         if not self.eval_ks or any(int(k) <= 0 for k in self.eval_ks):

@@ -44,7 +44,8 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
     ``hr@K_unfiltered``/``ndcg@K_unfiltered`` and ``targets_in_history`` (with a "retrieval" task), the
     ranking tasks' ``test_<task>_ne`` / ``_auc`` / ``_auc_error_bound`` / ``_logloss`` / ``_base_rate`` /
     ``_calibration`` / ``_num_examples`` (with "ctr" / "cvr"), ``samples_per_s`` (mean over
-    epochs, global), ``wall_s`` (seconds; a run resumed in the same output folder adds the wall_s its
+    epochs, global), ``tokens_per_s`` / ``model_tflops_per_s`` / ``local_mfu`` / ``scaling_ratio`` /
+    ``e2e_mfu`` (:func:`gemray.controller.results.throughput_metrics`), ``wall_s`` (seconds; a run resumed in the same output folder adds the wall_s its
     previous metrics.json recorded), ``invocations`` (fits of this run that wrote metrics.json, this one
     included), ``epochs``, ``world_size``, ``bbs_imbalance`` (mean measured token imbalance max/mean across
     ranks), ``history`` (per-epoch dicts), ``events`` (controller events of every invocation:
@@ -66,6 +67,7 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
         raise NotADirectoryError(f"output folder {out} exists and is not a folder (--output / output_dir)")
     # resources before preparing the data: no GPU means no wait for the data
     preflight.preflight_resources(cfg, embedded=not session.ray_address(cfg))
+    results.load_scaling_reference(cfg.train.scaling_reference)  # a bad reference path fails now, not at the end
     manifest = _ensure_prepared(cfg)  # bad data paths fail before anything is written to the output folder
     previous = _previous_config(out)
     preflight.preflight_data(cfg, manifest, previous=previous)
@@ -120,6 +122,12 @@ def _resolve(cfg: JobConfig) -> JobConfig:
         p = Path(value).expanduser()
         setattr(sec, name, str(p if p.is_absolute() else (Path.cwd() / p).resolve()))
     return cfg
+
+
+def ensure_prepared(cfg: JobConfig) -> dict[str, Any]:
+    """Public: what ``fit`` does with the data before Ray starts (:func:`_ensure_prepared`), for other entry
+    points that train in-process (``gemray bench train``)."""
+    return _ensure_prepared(cfg)
 
 
 def _ensure_prepared(cfg: JobConfig) -> dict[str, Any]:

@@ -20,7 +20,8 @@ all-reduced over ranks.
 
 Reported metrics per epoch (rank 0's dict is attached to the checkpoint): ``epoch`` (the epoch just
 completed, 1-based, = completed epochs), ``global_step``, ``train_loss``, ``samples_per_s`` /
-``tokens_per_s`` (global, training steps only), ``token_imbalance`` (mean over steps of max/mean tokens
+``tokens_per_s`` (global, training steps only), ``model_tflops_per_s``, ``local_mfu`` (with the sums behind it,
+``mfu_flops`` / ``mfu_rank_s``, and the device's ``peak_flops``: gemray.train.throughput), ``token_imbalance`` (mean over steps of max/mean tokens
 across ranks, measured by all-gathering per-step counts), ``train_s``, ``valid_hr@K`` / ``valid_ndcg@K`` on
 eval epochs, ``epoch_s``; the last epoch's report also carries ``test_hr@K`` / ``test_ndcg@K``, ``final``,
 ``world_size`` and ``history`` (the per-epoch dicts, restored across restarts). Ray Train V2's
@@ -52,6 +53,7 @@ from gemray.train.preemption_vote import PreemptionVote
 from gemray.train.recorder import RecoveryRecorder
 from gemray.train.stats import EpochStats, ThroughputMeter
 from gemray.train.task_stats import TaskLosses
+from gemray.train.throughput import StepClock, batch_flops, device_peak_flops
 
 log = logging.getLogger("gemray.train")
 
@@ -148,22 +150,32 @@ class Trainer:
         self.stopped = False
 
     # -- setup: who am I, where do I run, what data ------------------------------------------------------
-    def setup(self) -> None:
-        """Device and process-group facts (Ray Train's context), logging, the layout for this world size,
-        the attempt id (collective), the event recorder and preemption vote, then the data streams."""
-        import ray.train
+    def setup(self, context: tuple[int, int, torch.device] | None = None) -> None:
+        """Device and process-group facts, logging, the layout for this world size, the attempt id
+        (collective), the event recorder and preemption vote, then the data streams.
 
+        context: None = Ray Train's (world rank, world size, its device); or (rank, world_size, device) for a
+        process outside Ray Train whose caller made the default process group (``gemray bench train``: world
+        size 1, gloo). The device's dense bf16 peak (``peak_flops``, None on CPU) is looked up here."""
         cfg = self.cfg
-        ctx = ray.train.get_context()
-        self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
-        _setup_logging(self.rank)
-        if cfg.ray.use_gpu:
-            import ray.train.torch as rtt
+        if context is None:
+            import ray.train
 
-            self.device = rtt.get_device()
-            torch.cuda.set_device(self.device)
+            ctx = ray.train.get_context()
+            self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
+            if cfg.ray.use_gpu:
+                import ray.train.torch as rtt
+
+                self.device = rtt.get_device()
+            else:
+                self.device = torch.device("cpu")
         else:
-            self.device = torch.device("cpu")
+            self.rank, self.world, self.device = int(context[0]), int(context[1]), torch.device(context[2])
+        _setup_logging(self.rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.device_name, self.peak_flops = device_peak_flops(self.device)
+        self.attempt_steps = 0  # steps of this attempt: the first train.mfu_warmup_steps are left out of local MFU
         self.layout = plan_layout(self.world, self.device.type)
         self.attempt = agree_attempt(self.rank, self.device)
         self.recorder = RecoveryRecorder(cfg.train.events_path, attempt=self.attempt, rank=self.rank,
@@ -211,18 +223,31 @@ class Trainer:
         if cfg.model.ranking_tasks:
             self.evaluators.append(RankingEvaluator.from_config(cfg.model))
         self.policy = CheckpointPolicy.from_config(cfg)
+        self.warm_up_kernels()
         self.recorder.phase_done("build_and_shard_s")
 
+    def warm_up_kernels(self) -> None:
+        """On CUDA with the Triton attention backend: compile the attention kernels for every length regime
+        the config can reach, before step 1 (``gemray.train.warmup``; logged, a fixed number of calls, no
+        weight changes). The result is kept in ``warmup_compile``."""
+        from gemray.train.warmup import triton_in_use, warm_up_attention
+
+        self.warmup_compile = None
+        if self.device.type != "cuda" or not triton_in_use(self.cfg, self.device):
+            return
+        template = next((b for b, _ in self.train_stream.iter_epoch(0, 0) if b.batch_size), None)
+        self.warmup_compile = warm_up_attention(self.cfg, self.device, self.dmp.module, template)
+
     # -- restore: the newest good committed checkpoint, or a fresh start ---------------------------------
-    def restore(self) -> None:
+    def restore(self, from_ray: bool = True) -> None:
         """Ray hands back the latest committed checkpoint after a failure or a resize (a corrupt one is
         skipped for the previous good one; DCP reshards to this world size); continue at its global data
         position. Records what became of the previous attempt, the startup timings and a resize; opens the
-        sample ledger."""
+        sample ledger. ``from_ray`` False: a fresh start without asking Ray (a process outside Ray Train)."""
         from gemray.ledger import LedgerWriter
 
         cfg = self.cfg
-        state = restore_from_ray(self.dmp, self.optimizer)
+        state = restore_from_ray(self.dmp, self.optimizer) if from_ray else None
         self.recorder.phase_done("restore_s")
         fresh = state is None
         state = state or {"epoch": 0, "consumed": 0, "epoch_step": 0, "global_step": 0, "history": []}
@@ -259,15 +284,19 @@ class Trainer:
         if cfg.train.max_steps_per_epoch:
             steps = min(steps, max(0, cfg.train.max_steps_per_epoch - self.epoch_step))
         self.dmp.train()
-        meter = ThroughputMeter()
+        meter = ThroughputMeter(self.peak_flops)
         batches = self.train_stream.iter_epoch(epoch, self.consumed)
+        self.clock = StepClock()
         for i in range(steps):
             batch, self.consumed = next(batches)
             loss = self.train_step(batch)
-            meter.add(batch.batch_size, batch.num_tokens)
+            meter.add(batch.batch_size, batch.num_tokens, self.last_step_flops)
             if self.rank == 0 and self.epoch_step % cfg.train.log_every == 0:
-                log.info("epoch %d step %d (global %d) loss %.4f rank0 %.0f samples/s %.0f tokens/s",
-                         epoch + 1, self.epoch_step, self.global_step, loss, *meter.rates())
+                r = meter.rates_full()
+                log.info("epoch %d step %d (global %d) loss %.4f rank0 %.0f samples/s %.0f tokens/s "
+                         "%.3f TFLOP/s MFU %s", epoch + 1, self.epoch_step, self.global_step, loss,
+                         r["samples_per_s"], r["tokens_per_s"], r["tflops_per_s"],
+                         "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.2f}%")
             # Without a notice the epoch-end checkpoint covers the last step; with one, the emergency checkpoint
             # is taken here (a resumed run then has 0 steps left of this epoch and goes straight to its end).
             last = i == steps - 1
@@ -281,16 +310,19 @@ class Trainer:
             if reason == "emergency":
                 self.vote.emergency_checkpoint_taken()
         self.stats.reduce(self.device, self.world)
-        out = self.stats.result()
+        out = self.stats.result(self.peak_flops)
         if self.task_losses is not None:
             out.update(self.task_losses.reduce(self.device))
         return out
 
     def train_step(self, batch: Any) -> float:
         """One global step of this rank: dropout and negative sampling seeded from (seed, global step, rank),
-        forward / backward / optimizer step, then the bookkeeping (statistics, counters, ledger, step event).
-        Returns the loss (this rank's mean over its predicted positions)."""
+        forward / backward / optimizer step, then the bookkeeping (statistics with the step's model FLOPs
+        ``last_step_flops`` and its wall seconds ``last_step_s`` -- since the previous step's end, the batch
+        wait included -- counters, ledger, step event). Returns the loss (this rank's mean over its predicted
+        positions)."""
         seed = self.cfg.train.seed
+        self.last_step_flops = batch_flops(self.cfg.model, batch)  # host arithmetic on the offsets
         torch.manual_seed(step_seed(seed, self.global_step, self.rank))  # dropout
         self.dmp.module.seed_sampling(step_seed(seed + 1, self.global_step, self.rank))  # negatives
         step_stats: dict = {}
@@ -298,7 +330,11 @@ class Trainer:
                                           precision=self.cfg.train.precision, stats_out=step_stats)
         if self.task_losses is not None:
             self.task_losses.add(step_stats)
-        self.stats.add(loss, n_t, batch.num_tokens, batch.batch_size)
+        self.last_step_s = self.clock.lap()
+        self.attempt_steps += 1
+        measured = self.attempt_steps > self.cfg.train.mfu_warmup_steps
+        self.stats.add(loss, n_t, batch.num_tokens, batch.batch_size, self.last_step_flops,
+                       self.last_step_s if measured else None)
         self.global_step += 1
         self.epoch_step += 1
         if self.ledger is not None:
