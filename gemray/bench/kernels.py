@@ -1204,7 +1204,7 @@ def print_table(rows: list[dict]) -> None:
         if r.get("section") in ("norm_quant", "sweep", "env", "tiles", "done"):
             continue
         errs = "/".join(f"{r[k]:.1e}" for k in ("err_fwd", "err_dq", "err_dk", "err_dv", "err_dseeds",
-                                                 "rel_diff") if k in r)
+                                                 "err_dpos_w", "err_dts_w", "rel_diff") if k in r)
         if "error" in r:
             errs = "ERROR " + r["error"][:60]
 
