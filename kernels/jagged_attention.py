@@ -13,8 +13,16 @@ One kernel family covers the attention-like patterns of GEM / HSTU generative re
   jagged history; output ``[B, S, H, Dv]``);
 * block attention (each query sees only keys of its own fixed block of ``block_size`` positions) and
   sliding-window attention (``|i - j| < window``), whose cost grows linearly with the history length;
-* an optional additive bias ``attn_bias`` ([B, n, n] shared by heads or [B, H, n, n], e.g. HSTU's
-  relative position/time bias), differentiable (dbias written by the dQ kernel).
+* an optional additive bias ``attn_bias`` ([B, n, n] shared by heads or [B, H, n, n]), differentiable (dbias
+  written by the dQ kernel);
+* HSTU's relative position / time bias computed inside the kernels (``rel_bias``, :class:`RelBias`): from the
+  per-token query / key times [T] int64 and the bucket weights pos_w [P] / ts_w [NT], each tile bucketises
+  |i - j| (a per-distance table of ``reference.position_bucket_ref``) and tq_i - ts_j (an fp32 log estimate
+  corrected against the exact ``reference.time_bucket_ref`` thresholds: the reference's bucket, bit for bit) and
+  gathers the weights; no [B, n, n] tensor exists. Backward: each dQ program sums dS per bucket over its key tiles
+  (one masked reduction per bucket present in a tile, in registers) and adds its two histograms to the fp32
+  d pos_w / d ts_w once at its end (one atomic per touched bucket per program). With it the warp-specialized
+  forward and ``ds_store`` are off (the per-bucket sums live in the recomputing dQ kernel).
 
 Shape key: B sequences; T = offsets[-1] total tokens; H heads; Dqk query/key width; Dv value width;
 L_b = offsets[b+1] - offsets[b]. Tensors stay in gemray's jagged layout ``[T, H, D]`` with
