@@ -113,8 +113,9 @@ class HSTUBlock(nn.Module):
         """x [T, D] float, offsets [B+1] int64, timestamps [T] int64 -> [T, D].
 
         buckets / cache: optional ``ops.relative_bias_buckets`` of this batch and a dict, both shared by
-        the blocks of one forward (bucketise and slice once). query_timestamps: optional [T] int64 query
-        times of the time bias (default ``timestamps``; ignored when ``buckets`` are given).
+        the blocks of one forward (bucketise and slice once; the reference backend's). query_timestamps:
+        optional [T] int64 query times of the time bias (default ``timestamps``; the reference ignores them when
+        ``buckets`` are given, which must then have been made from them; the Triton kernels use them).
         """
         T = x.shape[0]
         x_norm = F.layer_norm(x, (self.d,), eps=LN_EPS)
@@ -180,9 +181,13 @@ class HSTUEncoder(nn.Module):
         pos = positions(offsets)
         x = tok_emb * math.sqrt(self.d) + self.pos_emb[pos]
         x = self.input_dropout(x)
-        buckets = ops.relative_bias_buckets(timestamps, offsets, n, self.cfg.num_position_buckets,
-                                            self.cfg.num_time_buckets, self.max_seq_len, query_timestamps)
+        # the reference bucketises once per forward ([B, n, n] indices shared by the blocks); the Triton kernels
+        # bucketise per tile from the timestamps themselves (no [B, n, n] tensor)
+        buckets = None
+        if ops.resolve_backend(self.cfg.attention_backend, x.device) is ops.AttentionBackend.REFERENCE:
+            buckets = ops.relative_bias_buckets(timestamps, offsets, n, self.cfg.num_position_buckets,
+                                                self.cfg.num_time_buckets, self.max_seq_len, query_timestamps)
         cache: dict = {}
         for block in self.blocks:
-            x = block(x, offsets, timestamps, buckets, cache)
+            x = block(x, offsets, timestamps, buckets, cache, query_timestamps)
         return F.normalize(x, dim=-1, eps=1e-6)
