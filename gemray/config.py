@@ -275,6 +275,21 @@ class TrainConfig:
     eval_exclude_history: rank each target against the items outside the user's (max_seq_len) history, as
     generative-recommenders' evaluation that produced the published ML-1M numbers; the metrics over all
     items are reported beside them with the suffix ``_unfiltered``.
+
+    precision: "fp32" (default), "bf16" (autocast bf16 around the forward) or "fp8" (bf16 autocast plus FP8
+    e4m3 GEMMs with rowwise scales for the HSTU projections and the MLP Linears, ``gemray.model.fp8``; the
+    HSTU pre-norm emits the FP8 activations itself; master weights and optimizer state stay in the
+    parameters' dtype). fp8_grad: format of the backward GEMMs under fp8, "e5m2" (FP8 dgrad/wgrad, e5m2
+    gradients) or "bf16". fp8_min_dim: GEMMs with K or N below it stay high precision (so do dims that are
+    not multiples of 16). fp8_attention_inputs: FP8 q/k/v into the attention kernels -- NOT implemented
+    (true is refused; the attention kernels take bf16/fp32). fp8_stats: log per-layer amax / overflow /
+    underflow of the FP8 quantizations every ``log_every`` steps.
+    activation_checkpointing: "none", "full" (recompute every HSTU block and the tower), "auto" (the planner
+    of ``gemray.parallel.activation_checkpoint`` picks modules, cheapest recompute per byte saved first,
+    until the predicted peak fits ``activation_memory_budget``) or "torch" (torch.compile each HSTU block
+    with ``torch._functorch.config.activation_memory_budget`` = the budget, a fraction).
+    activation_memory_budget: bytes (> 1) or a fraction 0 < f <= 1 of the measured no-checkpointing peak;
+    0 = off ("auto" then checkpoints nothing).
     """
 
     epochs: int = 100
@@ -297,9 +312,31 @@ class TrainConfig:
     ledger_dir: str = ""
     # Controller events (gemray.events), JSONL written by rank 0; "" = fit uses <output_dir>/events.jsonl.
     events_path: str = ""
+    precision: str = "fp32"
+    fp8_grad: str = "e5m2"
+    fp8_min_dim: int = 128
+    fp8_attention_inputs: bool = False
+    fp8_stats: bool = True
+    activation_checkpointing: str = "auto"
+    activation_memory_budget: float = 0.0
 
     def validate(self) -> None:
         _positive(self, "epochs", "lr", "sparse_lr", "eval_every", "log_every")
+        _choice(self, "precision", ("fp32", "bf16", "fp8"))
+        _choice(self, "fp8_grad", ("e5m2", "bf16"))
+        if self.fp8_min_dim < 16:
+            raise ValueError(f"train.fp8_min_dim: expected >= 16, got {self.fp8_min_dim}")
+        if self.fp8_attention_inputs:
+            raise ValueError("train.fp8_attention_inputs: FP8 attention inputs are not implemented (the jagged "
+                             "attention kernels take bf16/fp32 q/k/v); use false")
+        _choice(self, "activation_checkpointing", ("none", "full", "auto", "torch"))
+        b = self.activation_memory_budget
+        if b < 0 or (1 < b and b != int(b)):
+            raise ValueError(f"train.activation_memory_budget: expected bytes (an integer > 1), a fraction "
+                             f"0 < f <= 1 of the no-checkpointing peak, or 0 (off), got {b}")
+        if self.activation_checkpointing == "torch" and not 0 < b <= 1:
+            raise ValueError("train.activation_memory_budget: activation_checkpointing = 'torch' takes a fraction "
+                             f"0 < f <= 1 (torch._functorch.config.activation_memory_budget), got {b}")
         if self.weight_decay < 0:
             raise ValueError(f"train.weight_decay: expected >= 0, got {self.weight_decay}")
         if not self.eval_ks or any(int(k) <= 0 for k in self.eval_ks):

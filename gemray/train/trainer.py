@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -43,7 +44,9 @@ import torch.distributed as dist
 from gemray.checkpoint import data_record, report_with_checkpoint, restore_from_ray
 from gemray.config import JobConfig, from_dict
 from gemray.events import epoch_fields
+from gemray.model.fp8 import collect_fp8_stats, log_fp8_stats, pop_fp8_stats
 from gemray.parallel import build_optimizer, parallelize, plan_layout
+from gemray.parallel.activation_checkpoint import ActivationCheckpointer
 from gemray.preemption import read_notice
 from gemray.train.checkpoint_policy import CheckpointPolicy
 from gemray.train.evaluation import RetrievalEvaluator
@@ -73,16 +76,18 @@ def step_seed(seed: int, global_step: int, rank: int) -> int:
     return (int(seed) * 1_000_003 + int(global_step) * 7_919 + int(rank) * 104_729) % (2**63 - 1)
 
 
-def forward_backward_step(model: torch.nn.Module, optimizer: Any, batch: Any, device: torch.device
-                          ) -> tuple[float, float]:
+def forward_backward_step(model: torch.nn.Module, optimizer: Any, batch: Any, device: torch.device,
+                          precision: str = "fp32") -> tuple[float, float]:
     """Forward, backward (the fused sparse optimizer steps inside), dense step. Returns (loss, targets).
 
     model(batch) must return (loss scalar, stats dict with "num_targets"). Raises FloatingPointError,
     before any weight moves, when the loss is NaN or infinite (a diverged run must fail, not go on to
-    report metrics of NaN scores).
+    report metrics of NaN scores). precision "bf16" / "fp8": the forward under bf16 autocast (fp8's GEMMs are
+    the converted modules', ``gemray.model.fp8``).
     """
     batch = batch.to(device)
-    loss, stats = model(batch)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision in ("bf16", "fp8")):
+        loss, stats = model(batch)
     value = float(loss.detach())
     if not math.isfinite(value):
         raise FloatingPointError(f"training loss is {value}: the model diverged (check train.lr, "
@@ -169,7 +174,13 @@ class Trainer:
 
         cfg = self.cfg
         model = GEM(cfg.model, self.num_items, "meta", max_seq_len=cfg.data.max_seq_len)
+        if cfg.train.precision == "fp8":  # a model converter, before parallelize (torchtitan's order)
+            from gemray.model.fp8 import convert_to_fp8
+
+            convert_to_fp8(model, cfg.train.fp8_grad, min_dim=cfg.train.fp8_min_dim)
         self.dmp = parallelize(model, layout=self.layout, cfg=cfg, device=self.device)
+        self.checkpointer = ActivationCheckpointer.from_config(cfg.train)
+        self.checkpointer.setup(self.dmp)
         self.optimizer = build_optimizer(self.dmp, cfg)
         self.evaluators = [RetrievalEvaluator(self.num_items, list(cfg.train.eval_ks),
                                               exclude_history=cfg.train.eval_exclude_history)]
@@ -252,7 +263,13 @@ class Trainer:
         seed = self.cfg.train.seed
         torch.manual_seed(step_seed(seed, self.global_step, self.rank))  # dropout
         self.dmp.module.seed_sampling(step_seed(seed + 1, self.global_step, self.rank))  # negatives
-        loss, n_t = forward_backward_step(self.dmp, self.optimizer, batch, self.device)
+        tc = self.cfg.train
+        fp8_stats = tc.precision == "fp8" and tc.fp8_stats and self.epoch_step % tc.log_every == 0
+        with self.checkpointer.step(self.dmp, self.device), (collect_fp8_stats() if fp8_stats else nullcontext()):
+            loss, n_t = forward_backward_step(self.dmp, self.optimizer, batch, self.device, tc.precision)
+        self.checkpointer.after_step()
+        if fp8_stats and self.rank == 0:
+            log_fp8_stats(pop_fp8_stats())
         self.stats.add(loss, n_t, batch.num_tokens, batch.batch_size)
         self.global_step += 1
         self.epoch_step += 1
