@@ -82,6 +82,10 @@ def test_auto_checkpointer_probes_plans_and_applies():
     enc, tok, off, ts = _encoder_and_batch()
     ac = ActivationCheckpointer("auto", 0.6)
     ac.setup(enc)
+    with ac.step(enc, torch.device("cpu")):  # warm-up step: nothing measured, nothing planned
+        _loss_and_grads(enc, tok, off, ts)
+    assert ac.after_step() is None and ac.plan is None
+    enc.zero_grad()
     with ac.step(enc, torch.device("cpu")):
         _loss_and_grads(enc, tok, off, ts)
     plan = ac.after_step()

@@ -139,7 +139,7 @@ def test_hstu_block_fp8_uses_fused_norm_quant_and_stays_close():
     ya = ref(xa, offsets, ts)
     ya.sum().backward()
     st = pop_fp8_stats()
-    assert {"b.x", "b.w", "b.grad"} <= set(st)
+    assert {f"b.{g}.{o}" for g in ("uvqk", "o") for o in ("x", "w", "grad")} <= set(st)
     # two chained e4m3 GEMMs (uvqk, then the output projection) on the residual branch: stated 10%
     assert _rel(yb - xb, ya - xa) < 0.1 and _rel(xb.grad, xa.grad) < 0.1
     # the uvqk input is exactly the fused norm's FP8 output (block = the whole row)

@@ -132,7 +132,7 @@ class HSTUBlock(nn.Module):
         if self.fp8 is not None:
             from gemray.model.fp8 import fp8_linear
 
-            return x + fp8_linear(self.dropout(y), self.o_weight, self.o_bias, self.fp8)
+            return x + fp8_linear(self.dropout(y), self.o_weight, self.o_bias, self._fp8_for("o"))
         return x + F.linear(self.dropout(y), self.o_weight, self.o_bias)
 
     def _fp8_uvqk(self, x: torch.Tensor) -> torch.Tensor:
@@ -146,14 +146,20 @@ class HSTUBlock(nn.Module):
         w = self.uvqk_weight.t()  # [width, D]: the [N, K] layout fp8_linear takes (a view, no copy)
         if self.d & (self.d - 1):
             x_norm = F.layer_norm(x, (self.d,), eps=LN_EPS)
-            return fp8_linear(x_norm, w, self.uvqk_bias, self.fp8)
+            return fp8_linear(x_norm, w, self.uvqk_bias, self._fp8_for("uvqk"))
         if x.is_cuda:
             from gemray.kernels.norm_quant import norm_quant
 
             x_norm, x_q, x_s = norm_quant(x, None, None, kind="layer", eps=LN_EPS, block_size=self.d)
         else:
             x_norm, x_q, x_s = norm_quant_ref(x, None, None, kind="layer", eps=LN_EPS, block_size=self.d)
-        return fp8_linear(x_norm, w, self.uvqk_bias, self.fp8, x_fp8=x_q, x_scale=x_s)
+        return fp8_linear(x_norm, w, self.uvqk_bias, self._fp8_for("uvqk"), x_fp8=x_q, x_scale=x_s)
+
+    def _fp8_for(self, gemm: str):
+        """This block's FP8 settings named ``<block>.<gemm>`` (the numerics counters' key)."""
+        import dataclasses
+
+        return dataclasses.replace(self.fp8, name=f"{self.fp8.name}.{gemm}" if self.fp8.name else "")
 
 
 class HSTUEncoder(nn.Module):

@@ -1,7 +1,7 @@
 """Activation checkpointing under a memory budget: a pure planner, a probe that measures, one place that acts.
 
 Candidates: every ``HSTUBlock`` and the ``CandidateTower`` (the modules whose forward keeps the most for the
-backward). For each the probe measures, during one ordinary training step (forward with
+backward). For each the probe measures, during one ordinary training step (the second: the first compiles kernels) (forward with
 ``torch.autograd.graph.saved_tensors_hooks`` and forward pre/post hooks):
 
 * ``saved_bytes``: bytes of the tensors autograd saves while the module's forward runs (distinct storages;
@@ -136,7 +136,13 @@ class _Probe:
 
     def __init__(self, modules: dict[str, nn.Module], params: list[torch.Tensor]):
         self.modules = modules
-        self.param_ptrs = {p.untyped_storage().data_ptr() for p in params if p.device.type != "meta"}
+        self.param_ptrs = set()
+        for p in params:  # sharded embedding tables (ShardedTensor / DTensor) may have no plain storage
+            try:
+                if p.device.type != "meta":
+                    self.param_ptrs.add(p.untyped_storage().data_ptr())
+            except (RuntimeError, NotImplementedError, AttributeError, TypeError):
+                pass
         self.stack: list[str] = []
         self.saved: dict[str, int] = {n: 0 for n in modules}
         self.inputs: dict[str, int] = {n: 0 for n in modules}
@@ -236,9 +242,9 @@ def apply_torch_budget(model: nn.Module, fraction: float) -> list[str]:
 
 
 class ActivationCheckpointer:
-    """The trainer's one handle: ``setup(model)`` after build applies "full" / "torch"; in "auto" the first
-    ``step(model)`` context probes (no checkpointing) and ``after_step`` plans and applies, then logs the
-    measured peak of the next step beside the prediction.
+    """The trainer's one handle: ``setup(model)`` after build applies "full" / "torch"; in "auto" the second
+    ``step(model)`` context probes (no checkpointing; the first is a warm-up: kernel compilation) and its
+    ``after_step`` plans and applies, then logs the measured peak of the next step beside the prediction.
 
     mode: one of MODES; budget: ``train.activation_memory_budget``."""
 
@@ -248,7 +254,8 @@ class ActivationCheckpointer:
         self.mode, self.budget = mode, float(budget)
         self.plan: CheckpointPlan | None = None
         self._probe: _Probe | None = None
-        self._state = "probe" if (mode == "auto" and budget > 0) else "done"
+        # the probe runs on the second step: the first one compiles the Triton kernels, its times mean nothing
+        self._state = "warmup" if (mode == "auto" and budget > 0) else "done"
         self._modules: dict[str, nn.Module] = {}
         self._device: torch.device | None = None
 
@@ -284,6 +291,9 @@ class ActivationCheckpointer:
     def after_step(self) -> CheckpointPlan | None:
         """Call after each step; returns the plan on the step it was made (else None)."""
         dev = self._device
+        if self._state == "warmup":
+            self._state = "probe"
+            return None
         if self._state == "probe" and self._probe is not None:
             costs = self._probe.costs()
             modelled = self._probe.other + sum(c.saved_bytes for c in costs)
