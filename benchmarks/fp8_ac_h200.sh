@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # FP8 training and activation checkpointing on one lent H200 (issue 18), in one or two device calls: the GPU-marked
 # FP8 tests, then step time + peak memory of `gemray bench train` on the GEM-scale config for each variant:
-#   bf16, fp8 (e5m2 gradients), fp8 (bf16 gradients), AC none / full / auto at budget 0.5 / torch at budget 0.5,
+#   bf16, fp8 (e4m3 / e5m2 / bf16 gradients), AC none / full / auto at budget 0.5 / torch at budget 0.5,
 #   and a 2x history (data.max_seq_len doubled) under auto at the budget that is half the default's peak.
 # Then the numerics guard `gemray bench numerics` (bf16 vs fp8 on the same data and seed, exit 1 beyond RTOL).
 # Needs ray / torchrec / fbgemm-gpu in /tmp/site (../shared/tools/gpu-stack, see benchmarks/README.md), the prepared
@@ -26,14 +26,15 @@ echo "pytest rc=$?" >> "$OUT/pytest.log"; tail -3 "$OUT/pytest.log"
 MSL=$("$PY" -c "from gemray.config import load_config; print(load_config('$CONFIG').data.max_seq_len)") || exit 1
 declare -A SETS=(
   [bf16]="train.precision=bf16 train.activation_checkpointing=none"
-  [fp8]="train.precision=fp8 train.fp8_grad=e5m2 train.activation_checkpointing=none"
+  [fp8]="train.precision=fp8 train.fp8_grad=e4m3 train.activation_checkpointing=none"
+  [fp8_e5m2grad]="train.precision=fp8 train.fp8_grad=e5m2 train.activation_checkpointing=none"
   [fp8_bf16grad]="train.precision=fp8 train.fp8_grad=bf16 train.activation_checkpointing=none"
   [ac_full]="train.precision=bf16 train.activation_checkpointing=full"
   [ac_auto]="train.precision=bf16 train.activation_checkpointing=auto train.activation_memory_budget=0.5"
   [ac_torch]="train.precision=bf16 train.activation_checkpointing=torch train.activation_memory_budget=0.5"
   [hist2x_auto]="train.precision=bf16 data.max_seq_len=$((2 * MSL)) train.activation_checkpointing=auto"
 )
-ORDER=${VARIANTS:-"bf16 fp8 fp8_bf16grad ac_full ac_auto ac_torch hist2x_auto"}
+ORDER=${VARIANTS:-"bf16 fp8 fp8_e5m2grad fp8_bf16grad ac_full ac_auto ac_torch hist2x_auto"}
 peak_of() {  # peak bytes out of bench train's JSON (the first key naming a peak)
   "$PY" -c "import json,sys; d=json.load(open(sys.argv[1])); k=[k for k in d if 'peak' in k]; print(int(d[k[0]]) if k else 0)" "$1" 2>/dev/null || echo 0
 }

@@ -279,8 +279,8 @@ class TrainConfig:
     precision: "fp32" (default), "bf16" (autocast bf16 around the forward) or "fp8" (bf16 autocast plus FP8
     e4m3 GEMMs with rowwise scales for the HSTU projections and the MLP Linears, ``gemray.model.fp8``; the
     HSTU pre-norm emits the FP8 activations itself; master weights and optimizer state stay in the
-    parameters' dtype). fp8_grad: format of the backward GEMMs under fp8, "e5m2" (FP8 dgrad/wgrad, e5m2
-    gradients) or "bf16". fp8_min_dim: GEMMs with K or N below it stay high precision (so do dims that are
+    parameters' dtype). fp8_grad: format of the backward GEMMs under fp8: "e4m3" (FP8 dgrad/wgrad, e4m3
+    gradients with rowwise scales, torchao's rowwise recipe; default), "e5m2" (e5m2 gradients) or "bf16". fp8_min_dim: GEMMs with K or N below it stay high precision (so do dims that are
     not multiples of 16). fp8_attention_inputs: FP8 q/k/v into the attention kernels -- NOT implemented
     (true is refused; the attention kernels take bf16/fp32). fp8_stats: log per-layer amax / overflow /
     underflow of the FP8 quantizations every ``log_every`` steps.
@@ -313,7 +313,7 @@ class TrainConfig:
     # Controller events (gemray.events), JSONL written by rank 0; "" = fit uses <output_dir>/events.jsonl.
     events_path: str = ""
     precision: str = "fp32"
-    fp8_grad: str = "e5m2"
+    fp8_grad: str = "e4m3"
     fp8_min_dim: int = 128
     fp8_attention_inputs: bool = False
     fp8_stats: bool = True
@@ -323,7 +323,7 @@ class TrainConfig:
     def validate(self) -> None:
         _positive(self, "epochs", "lr", "sparse_lr", "eval_every", "log_every")
         _choice(self, "precision", ("fp32", "bf16", "fp8"))
-        _choice(self, "fp8_grad", ("e5m2", "bf16"))
+        _choice(self, "fp8_grad", ("e4m3", "e5m2", "bf16"))
         if self.fp8_min_dim < 16:
             raise ValueError(f"train.fp8_min_dim: expected >= 16, got {self.fp8_min_dim}")
         if self.fp8_attention_inputs:

@@ -53,10 +53,11 @@ def test_fp8_mm_emulation_is_dequantized_matmul():
         fp8_mm(aq, as_, bq.t(), bs.t(), torch.bfloat16, backend="scaled_mm")
 
 
-@pytest.mark.parametrize("grad", ["e5m2", "bf16"])
+@pytest.mark.parametrize("grad", ["e4m3", "e5m2", "bf16"])
 def test_fp8_linear_close_to_high_precision(grad):
     """e4m3 has 3 mantissa bits: per-element relative error <= 2^-4, so GEMM outputs land within a few
-    percent (norm-relative) of fp32; e5m2 gradients (2 bits) within ~8%. Stated tolerances: 4% / 10%."""
+    percent (norm-relative) of fp32; FP8 gradients add their own rounding (e5m2 has 2 mantissa bits). Stated
+    tolerances: output 4%; input / weight gradients 6% (e4m3), 10% (e5m2), 4% (bf16)."""
     torch.manual_seed(0)
     x, w, b = torch.randn(45, 128), torch.randn(64, 128) * 0.05, torch.randn(64)
     xs = [t.clone().requires_grad_() for t in (x, w, b)]
@@ -67,7 +68,7 @@ def test_fp8_linear_close_to_high_precision(grad):
     (y * g).sum().backward()
     (yr * g).sum().backward()
     assert _rel(y, yr) < 0.04
-    tol = 0.10 if grad == "e5m2" else 0.04
+    tol = {"e5m2": 0.10, "e4m3": 0.06, "bf16": 0.04}[grad]
     assert _rel(xs[0].grad, xr[0].grad) < tol and _rel(xs[1].grad, xr[1].grad) < tol
     torch.testing.assert_close(xs[2].grad, xr[2].grad)  # the bias gradient is exact (sum of g)
     assert y.dtype == torch.float32 and xs[1].grad.dtype == torch.float32
@@ -150,7 +151,7 @@ def test_hstu_block_fp8_uses_fused_norm_quant_and_stays_close():
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("grad", ["e5m2", "bf16"])
+@pytest.mark.parametrize("grad", ["e4m3", "e5m2", "bf16"])
 def test_scaled_mm_matches_emulation(grad):
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -173,7 +174,7 @@ def test_fp8_hstu_training_step_on_gpu():
     dev = torch.device("cuda")
     cfg = tiny_cfg(embedding_dim=256, num_heads=4, attention_dim=64, linear_dim=64, num_blocks=2)
     enc = HSTUEncoder(cfg, 64, device=dev)
-    convert_to_fp8(enc, "e5m2")
+    convert_to_fp8(enc, "e4m3")
     assert all(b.fp8 is not None for b in enc.blocks)
     opt = torch.optim.AdamW(enc.parameters(), lr=1e-3)
     offsets = torch.tensor([0, 37, 101, 150], device=dev)

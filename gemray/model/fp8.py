@@ -6,11 +6,15 @@ Recipe (torchao's ``Float8Linear`` "rowwise" recipe is the model followed; torch
 the lent H200 -- no network, not in the image -- so this is written on ``torch._scaled_mm`` directly)::
 
     forward   y  [M, N] = (x_q [M, K] e4m3 * sx [M, 1]) @ (w_q [N, K] e4m3 * sw [N, 1])^T     (+ bias)
-    dgrad     dx [M, K] = (g_q [M, N] e5m2 * sg [M, 1]) @ (w_q' [N, K] e4m3 * sw' [1, K])     grad="e5m2"
-    wgrad     dw [N, K] = (g_q' [N, M] e5m2 * sg' [N, 1]) @ (x_q' [M, K] e4m3 * sx' [1, K])   grad="e5m2"
+    dgrad     dx [M, K] = (g_q [M, N] fg * sg [M, 1]) @ (w_q' [N, K] e4m3 * sw' [1, K])      grad="e4m3"|"e5m2"
+    wgrad     dw [N, K] = (g_q' [N, M] fg * sg' [N, 1]) @ (x_q' [M, K] e4m3 * sx' [1, K])    (fg = that format)
 
 with every scale = amax / fp8_max over the contraction dimension of that GEMM (so each GEMM quantizes its
-operands along its own K: the forward's x rowwise, the wgrad's x columnwise). ``grad="bf16"`` runs dgrad and
+operands along its own K: the forward's x rowwise, the wgrad's x columnwise). The default gradient format is
+e4m3, as torchao's rowwise recipe (its rowwise kernels take e4m3 operands; with per-row scales the range e5m2
+would add matters less than its lost mantissa bit); "e5m2" is the classic FP8-training choice for gradients,
+selectable, and on the lent H200 to be measured (whether torch 2.11's rowwise ``_scaled_mm`` accepts an
+e5m2 x e4m3 pair was not checked from here). ``grad="bf16"`` runs dgrad and
 wgrad as plain bf16 GEMMs on the saved high-precision x and the master weight instead. The master weights and
 the optimizer state stay in the parameters' own dtype (fp32 from the meta build, bf16 if the model is cast):
 FP8 copies exist only inside a GEMM. The output is bf16 on CUDA (what rowwise ``_scaled_mm`` produces on sm90).
@@ -34,8 +38,8 @@ Outlier handling: scales are *current* (computed from this call's amax, no amax 
 overflow a stale scale) and per row, so one outlier token or output channel coarsens only its own row's grid,
 not the tensor's. A row's amax maps exactly to +-448 (e4m3) / +-57344 (e5m2), so nothing saturates except
 non-finite inputs; the cost of an outlier is underflow of the small values in its row (|v| < amax * 2^-17
-for e4m3 flushes to 0). An all-zero row gets scale 0 and q = 0. Gradients use e5m2 (range 2^-16..57344) for
-their wider dynamic range. The numerics counters below measure exactly these two effects per layer:
+for e4m3 flushes to 0). An all-zero row gets scale 0 and q = 0. Gradients can use e5m2 (2^-16..57344) for a
+wider range within a row. The numerics counters below measure exactly these two effects per layer:
 
 * ``amax``: the max |x| / |w| / |grad| seen (fp32);
 * ``overflow``: fraction of values saturated at the FP8 max (|v * inv_scale| > fp8_max before the clamp,
@@ -61,17 +65,18 @@ log = logging.getLogger(__name__)
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
-GRAD_FORMATS = ("e5m2", "bf16")
+GRAD_FORMATS = ("e4m3", "e5m2", "bf16")
 BACKENDS = ("auto", "scaled_mm", "emulate")
 MIN_DIM = 128  # default smallest K / N converted (smaller GEMMs gain nothing from FP8 and lose precision)
 
 
 @dataclass(frozen=True)
 class Fp8Settings:
-    """How one converted layer runs. grad: "e5m2" (FP8 dgrad + wgrad) or "bf16"; backend: "auto" (scaled_mm
+    """How one converted layer runs. grad: "e4m3" / "e5m2" (FP8 dgrad + wgrad, gradients in that format) or
+    "bf16"; backend: "auto" (scaled_mm
     on CUDA, emulate elsewhere), "scaled_mm" or "emulate"; name: the layer's qualified name (stats key)."""
 
-    grad: str = "e5m2"
+    grad: str = "e4m3"
     backend: str = "auto"
     name: str = ""
 
@@ -249,12 +254,13 @@ class _Fp8Linear(torch.autograd.Function):
                 dw = (gh.t() @ x.to(hp)).to(w_dt)
         else:
             out_dt = torch.bfloat16 if backend == "scaled_mm" else torch.float32
+            gdt = E5M2 if s.grad == "e5m2" else E4M3
             if ctx.needs_input_grad[0]:  # dx [M, K] = g [M, N] @ w [N, K]: contraction over N
-                g_q, g_s = quantize_rowwise(g, E5M2, -1, stats_key=f"{s.name}.grad")
+                g_q, g_s = quantize_rowwise(g, gdt, -1, stats_key=f"{s.name}.grad")
                 wt_q, wt_s = quantize_rowwise(w.t(), E4M3, -1)          # [K, N] rowwise over N
                 dx = fp8_mm(g_q, g_s, wt_q.t(), wt_s.t(), out_dt, backend=backend).to(x_dt)
             if ctx.needs_input_grad[1]:  # dw [N, K] = g^T [N, M] @ x [M, K]: contraction over M (padded to 16)
-                gt_q, gt_s = quantize_rowwise(_pad_rows(g).t(), E5M2, -1)  # [N, M'] rowwise over M
+                gt_q, gt_s = quantize_rowwise(_pad_rows(g).t(), gdt, -1)   # [N, M'] rowwise over M
                 xt_q, xt_s = quantize_rowwise(_pad_rows(x).t(), E4M3, -1)  # [K, M'] rowwise over M
                 dw = fp8_mm(gt_q, gt_s, xt_q.t(), xt_s.t(), out_dt, backend=backend).to(w_dt)
         if ctx.has_bias and ctx.needs_input_grad[2]:
@@ -321,7 +327,7 @@ def fp8_eligible(k: int, n: int, min_dim: int = MIN_DIM) -> str | None:
     return None
 
 
-def convert_to_fp8(model: nn.Module, grad: str = "e5m2", *, min_dim: int = MIN_DIM, backend: str = "auto"
+def convert_to_fp8(model: nn.Module, grad: str = "e4m3", *, min_dim: int = MIN_DIM, backend: str = "auto"
                    ) -> dict[str, list[str]]:
     """Swap the model's GEMMs to FP8 in place, before parallelize (torchtitan's "model converters").
 
