@@ -125,3 +125,36 @@ def test_probe_measures_block_bytes():
     T, D = 31, 32
     assert all(c.saved_bytes >= 3 * T * D * 4 and c.input_bytes >= T * D * 4 for c in costs)
     assert len({c.saved_bytes for c in costs}) == 1  # identical blocks save identical bytes
+
+
+def test_torch_mode_sets_the_budget_and_compiles_blocks():
+    import torch._functorch.config as fconfig
+
+    enc = _encoder_and_batch()[0]
+    old = fconfig.activation_memory_budget
+    try:
+        ActivationCheckpointer("torch", 0.5).setup(enc)
+        assert fconfig.activation_memory_budget == 0.5
+        assert all(m._compiled_call_impl is not None for m in candidate_modules(enc).values())
+    finally:
+        fconfig.activation_memory_budget = old
+
+
+@pytest.mark.parametrize("sets, msg", [
+    (dict(precision="fp16"), "precision"), (dict(fp8_grad="e3m4"), "fp8_grad"),
+    (dict(fp8_attention_inputs=True), "not implemented"), (dict(activation_checkpointing="some"), "activation_chec"),
+    (dict(activation_memory_budget=-1.0), "activation_memory_budget"),
+    (dict(activation_memory_budget=1.5), "activation_memory_budget"),
+    (dict(activation_checkpointing="torch", activation_memory_budget=4e9), "fraction"),
+])
+def test_config_fields_refuse_bad_values(sets, msg):
+    from gemray.config import JobConfig
+
+    cfg = JobConfig()
+    for k, v in sets.items():
+        setattr(cfg.train, k, v)
+    with pytest.raises(ValueError, match=msg):
+        cfg.validate()
+    ok = JobConfig()
+    ok.train.precision, ok.train.activation_memory_budget = "fp8", 40e9
+    ok.validate()

@@ -191,3 +191,13 @@ def test_fp8_hstu_training_step_on_gpu():
         losses.append(float(loss))
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
     assert enc.blocks[0].uvqk_weight.dtype == torch.float32  # master weights untouched
+
+
+def test_emulation_under_autocast_returns_the_autocast_dtype_with_fp32_math():
+    x, w = torch.randn(8, 32), torch.randn(16, 32)
+    st = Fp8Settings("bf16", "emulate")
+    ref = fp8_linear(x, w, None, st)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = fp8_linear(x, w, None, st)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y, ref.to(torch.bfloat16), rtol=0, atol=0)  # the same fp32 GEMM, rounded once

@@ -203,8 +203,9 @@ def fp8_mm(a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_scale:
     bf16); "emulate": dequantize to fp32 and matmul (any device). fast_accum: Hopper's fast FP8 accumulation
     (torchao uses it for the forward GEMM only)."""
     backend = _resolve_backend(backend, a_q.device)
-    if backend == "emulate":
-        return ((a_q.float() * a_scale) @ (b_q.float() * b_scale)).to(out_dtype)
+    if backend == "emulate":  # fp32 matmul of the dequantized operands, also inside an autocast region
+        with torch.autocast(a_q.device.type, enabled=False):
+            return ((a_q.float() * a_scale) @ (b_q.float() * b_scale)).to(out_dtype)
     return torch._scaled_mm(a_q, b_q, scale_a=a_scale.float().contiguous(), scale_b=b_scale.float().contiguous(),
                             out_dtype=out_dtype, use_fast_accum=fast_accum)
 
