@@ -201,3 +201,27 @@ def test_emulation_under_autocast_returns_the_autocast_dtype_with_fp32_math():
         y = fp8_linear(x, w, None, st)
     assert y.dtype == torch.bfloat16
     torch.testing.assert_close(y, ref.to(torch.bfloat16), rtol=0, atol=0)  # the same fp32 GEMM, rounded once
+
+
+@pytest.mark.parametrize("grad", ["e4m3", "bf16"])
+def test_empty_batch_runs_forward_and_backward(grad):
+    x = torch.zeros(0, 32, requires_grad=True)
+    w = torch.randn(16, 32, requires_grad=True)
+    b = torch.randn(16, requires_grad=True)
+    y = fp8_linear(x, w, b, Fp8Settings(grad, "emulate"))
+    assert y.shape == (0, 16)
+    y.sum().backward()
+    assert torch.all(w.grad == 0) and torch.all(b.grad == 0) and x.grad.shape == (0, 32)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("m", [0, 1, 17])
+def test_scaled_mm_odd_and_empty_token_counts(m):
+    dev = torch.device("cuda")
+    x = torch.randn(m, 128, device=dev, requires_grad=True)
+    w = torch.randn(256, 128, device=dev, requires_grad=True)
+    y = fp8_linear(x, w, None, Fp8Settings("e4m3", "scaled_mm"))
+    assert y.shape == (m, 256) and y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert w.grad.shape == w.shape and torch.isfinite(w.grad).all()

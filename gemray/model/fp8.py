@@ -203,6 +203,8 @@ def fp8_mm(a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_scale:
     bf16); "emulate": dequantize to fp32 and matmul (any device). fast_accum: Hopper's fast FP8 accumulation
     (torchao uses it for the forward GEMM only)."""
     backend = _resolve_backend(backend, a_q.device)
+    if 0 in (a_q.shape[0], a_q.shape[1], b_q.shape[1]):  # an empty batch (B = 0 trailing steps): no GEMM to run
+        return torch.zeros((a_q.shape[0], b_q.shape[1]), dtype=out_dtype, device=a_q.device)
     if backend == "emulate":  # fp32 matmul of the dequantized operands, also inside an autocast region
         with torch.autocast(a_q.device.type, enabled=False):
             return ((a_q.float() * a_scale) @ (b_q.float() * b_scale)).to(out_dtype)
