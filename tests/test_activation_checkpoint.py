@@ -158,3 +158,32 @@ def test_config_fields_refuse_bad_values(sets, msg):
     ok = JobConfig()
     ok.train.precision, ok.train.activation_memory_budget = "fp8", 40e9
     ok.validate()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (measured peaks)")
+def test_auto_plan_lowers_the_measured_peak_on_cuda():
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    cfg = tiny_cfg(embedding_dim=256, num_heads=4, attention_dim=64, linear_dim=64, num_blocks=4)
+    enc = HSTUEncoder(cfg, 512, device=dev)
+    offsets = torch.tensor([0, 300, 812, 1200], device=dev)
+    ts = torch.arange(1200, device=dev) * 60
+    tok = torch.randn(1200, 256, device=dev)
+
+    def step():
+        out = enc(tok, offsets, ts)
+        out.float().square().sum().backward()
+        enc.zero_grad(set_to_none=True)
+
+    ac = ActivationCheckpointer("auto", 0.6)
+    ac.setup(enc)
+    for _ in range(2):  # warm-up, probe (no checkpointing)
+        with ac.step(enc, dev):
+            step()
+        plan = ac.after_step()
+    assert plan is not None and plan.recompute
+    torch.cuda.reset_peak_memory_stats(dev)
+    step()
+    measured = torch.cuda.max_memory_allocated(dev)
+    assert measured < plan.no_checkpoint_peak
