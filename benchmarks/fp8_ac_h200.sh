@@ -19,8 +19,8 @@ GUARD_STEPS=${GUARD_STEPS:-0}; RTOL=${RTOL:-1e-3}
 mkdir -p "$OUT" || exit 1
 # shellcheck source=benchmarks/h200_env.sh
 . benchmarks/h200_env.sh
-echo "== $(date -u +%T) $(git rev-parse --short HEAD 2>/dev/null) pytest -m gpu tests/test_fp8.py"
-timeout -k 10 120 "$PY" -m pytest -m gpu -q -p no:cacheprovider -rfE tests/test_fp8.py > "$OUT/pytest.log" 2>&1
+echo "== $(date -u +%T) $(git rev-parse --short HEAD 2>/dev/null) pytest -m gpu tests/test_fp8.py tests/test_activation_checkpoint.py"
+timeout -k 10 120 "$PY" -m pytest -m gpu -q -p no:cacheprovider -rfE tests/test_fp8.py tests/test_activation_checkpoint.py > "$OUT/pytest.log" 2>&1
 echo "pytest rc=$?" >> "$OUT/pytest.log"; tail -3 "$OUT/pytest.log"
 # the default's max_seq_len, for the 2x history run
 MSL=$("$PY" -c "from gemray.config import load_config; print(load_config('$CONFIG').data.max_seq_len)") || exit 1
