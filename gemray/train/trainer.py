@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -44,7 +45,9 @@ import torch.distributed as dist
 from gemray.checkpoint import data_record, report_with_checkpoint, restore_from_ray
 from gemray.config import JobConfig, from_dict
 from gemray.events import epoch_fields
+from gemray.model.fp8 import collect_fp8_stats, log_fp8_stats, pop_fp8_stats
 from gemray.parallel import build_optimizer, parallelize, plan_layout
+from gemray.parallel.activation_checkpoint import ActivationCheckpointer
 from gemray.preemption import read_notice
 from gemray.train.checkpoint_policy import CheckpointPolicy
 from gemray.train.evaluation import RankingEvaluator, RetrievalEvaluator
@@ -85,7 +88,8 @@ def forward_backward_step(model: torch.nn.Module, optimizer: Any, batch: Any, de
     model(batch) must return (loss scalar, stats dict with "num_targets"); ``stats_out``, when given, is
     updated with that dict (e.g. the per-task "loss_<task>" / "count_<task>"). Raises FloatingPointError,
     before any weight moves, when the loss is NaN or infinite (a diverged run must fail, not go on to
-    report metrics of NaN scores).
+    report metrics of NaN scores). precision "bf16" / "fp8": the forward under bf16 autocast (fp8's GEMMs are
+    the converted modules', ``gemray.model.fp8``).
     """
     batch = batch.to(device)
     with autocast(precision, device):
@@ -214,7 +218,13 @@ class Trainer:
 
         cfg = self.cfg
         model = GEM(cfg.model, self.num_items, "meta", max_seq_len=cfg.data.max_seq_len, **self.model_data)
+        if cfg.train.precision == "fp8":  # a model converter, before parallelize (torchtitan's order)
+            from gemray.model.fp8 import convert_to_fp8
+
+            convert_to_fp8(model, cfg.train.fp8_grad, min_dim=cfg.train.fp8_min_dim)
         self.dmp = parallelize(model, layout=self.layout, cfg=cfg, device=self.device)
+        self.checkpointer = ActivationCheckpointer.from_config(cfg.train)
+        self.checkpointer.setup(self.dmp)
         self.optimizer = build_optimizer(self.dmp, cfg)
         self.evaluators: list[Any] = []
         if "retrieval" in cfg.model.tasks:
@@ -333,14 +343,20 @@ class Trainer:
         self.last_step_flops = batch_flops(self.cfg.model, batch)  # host arithmetic on the offsets
         torch.manual_seed(step_seed(seed, self.global_step, self.rank))  # dropout
         self.dmp.module.seed_sampling(step_seed(seed + 1, self.global_step, self.rank))  # negatives
+        tc = self.cfg.train
+        fp8_stats = tc.precision == "fp8" and tc.fp8_stats and self.epoch_step % tc.log_every == 0
         step_stats: dict = {}
-        loss, n_t = forward_backward_step(self.dmp, self.optimizer, batch, self.device,
-                                          precision=self.cfg.train.precision, stats_out=step_stats)
+        with self.checkpointer.step(self.dmp, self.device), (collect_fp8_stats() if fp8_stats else nullcontext()):
+            loss, n_t = forward_backward_step(self.dmp, self.optimizer, batch, self.device,
+                                              precision=tc.precision, stats_out=step_stats)
+        self.checkpointer.after_step()
+        if fp8_stats and self.rank == 0:
+            log_fp8_stats(pop_fp8_stats())
         if self.task_losses is not None:
             self.task_losses.add(step_stats)
         self.last_step_s = self.clock.lap()
         self.attempt_steps += 1
-        measured = self.attempt_steps > self.cfg.train.mfu_warmup_steps
+        measured = self.attempt_steps > tc.mfu_warmup_steps
         self.stats.add(loss, n_t, batch.num_tokens, batch.batch_size, self.last_step_flops,
                        self.last_step_s if measured else None)
         self.global_step += 1
