@@ -146,6 +146,7 @@ class Trainer:
         self.cfg = cfg
         self.t_start = time.time() if t_start is None else t_start
         self.stopped = False
+        self.task_losses: TaskLosses | None = None  # per-task loss sums of the epoch (several tasks only)
 
     # -- setup: who am I, where do I run, what data ------------------------------------------------------
     def setup(self) -> None:
