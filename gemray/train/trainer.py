@@ -21,9 +21,11 @@ all-reduced over ranks.
 Reported metrics per epoch (rank 0's dict is attached to the checkpoint): ``epoch`` (the epoch just
 completed, 1-based, = completed epochs), ``global_step``, ``train_loss``, ``samples_per_s`` /
 ``tokens_per_s`` (global, training steps only), ``model_tflops_per_s``, ``local_mfu`` (with the sums behind it,
-``mfu_flops`` / ``mfu_rank_s``, and the device's ``peak_flops``: gemray.train.throughput), ``token_imbalance`` (mean over steps of max/mean tokens
-across ranks, measured by all-gathering per-step counts), ``train_s``, ``valid_hr@K`` / ``valid_ndcg@K`` on
-eval epochs, ``epoch_s``; the last epoch's report also carries ``test_hr@K`` / ``test_ndcg@K``, ``final``,
+``mfu_flops`` / ``mfu_rank_s``, and the device's ``peak_flops``: gemray.train.throughput), ``token_imbalance`` (mean
+over steps of max/mean tokens across ranks, measured by all-gathering per-step counts), ``train_s``,
+``train_loss_<task>`` (several ``model.tasks``: each task's mean loss), ``valid_hr@K`` / ``valid_ndcg@K``
+(retrieval) and ``valid_<task>_ne`` / ``_auc`` ... (ranking tasks, ``RankingEvaluator``) on eval epochs,
+``epoch_s``; the last epoch's report also carries ``test_hr@K`` / ``test_ndcg@K``, ``final``,
 ``world_size`` and ``history`` (the per-epoch dicts, restored across restarts). Ray Train V2's
 ``Result.metrics`` is the dict reported with the latest checkpoint, so the last epoch always checkpoints. A
 checkpoint inside an epoch reports ``epoch`` (the one in progress, as the log lines number it),
@@ -152,6 +154,7 @@ class Trainer:
         self.cfg = cfg
         self.t_start = time.time() if t_start is None else t_start
         self.stopped = False
+        self.task_losses: TaskLosses | None = None  # per-task loss sums of the epoch (several tasks only)
 
     # -- setup: who am I, where do I run, what data ------------------------------------------------------
     def setup(self, context: tuple[int, int, torch.device] | None = None) -> None:
