@@ -111,6 +111,9 @@ def final_metrics(cfg: JobConfig, reported: dict[str, Any], events: list[dict[st
                                [f"{m}@{k}{s}" for s in ("", "_unfiltered") for k in cfg.train.eval_ks
                                 for m in ("hr", "ndcg")] + ["targets_in_history"]
                                if f"test_{k}" in reported}
+    # ranking tasks (gemray.train.evaluation.RankingEvaluator): kept under their reported names, test_ctr_ne ...
+    metrics.update({k: reported[k] for k in sorted(reported)
+                    if any(k.startswith(f"test_{t}_") for t in cfg.model.ranking_tasks)})
     metrics["eval_exclude_history"] = cfg.train.eval_exclude_history
     metrics["num_test_users"] = reported.get("test_num_users")
     tput = [h["samples_per_s"] for h in history if "samples_per_s" in h]

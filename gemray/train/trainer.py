@@ -47,10 +47,12 @@ from gemray.events import epoch_fields
 from gemray.parallel import build_optimizer, parallelize, plan_layout
 from gemray.preemption import read_notice
 from gemray.train.checkpoint_policy import CheckpointPolicy
-from gemray.train.evaluation import RetrievalEvaluator
+from gemray.train.evaluation import RankingEvaluator, RetrievalEvaluator
+from gemray.train.precision import autocast
 from gemray.train.preemption_vote import PreemptionVote
 from gemray.train.recorder import RecoveryRecorder
 from gemray.train.stats import EpochStats, ThroughputMeter
+from gemray.train.task_stats import TaskLosses
 from gemray.train.throughput import StepClock, batch_flops, device_peak_flops
 
 log = logging.getLogger("gemray.train")
@@ -75,16 +77,21 @@ def step_seed(seed: int, global_step: int, rank: int) -> int:
     return (int(seed) * 1_000_003 + int(global_step) * 7_919 + int(rank) * 104_729) % (2**63 - 1)
 
 
-def forward_backward_step(model: torch.nn.Module, optimizer: Any, batch: Any, device: torch.device
-                          ) -> tuple[float, float]:
-    """Forward, backward (the fused sparse optimizer steps inside), dense step. Returns (loss, targets).
+def forward_backward_step(model: torch.nn.Module, optimizer: Any, batch: Any, device: torch.device, *,
+                          precision: str = "fp32", stats_out: dict | None = None) -> tuple[float, float]:
+    """Forward (under ``gemray.train.precision.autocast(precision, device)``), backward (the fused sparse
+    optimizer steps inside), dense step. Returns (loss, targets).
 
-    model(batch) must return (loss scalar, stats dict with "num_targets"). Raises FloatingPointError,
+    model(batch) must return (loss scalar, stats dict with "num_targets"); ``stats_out``, when given, is
+    updated with that dict (e.g. the per-task "loss_<task>" / "count_<task>"). Raises FloatingPointError,
     before any weight moves, when the loss is NaN or infinite (a diverged run must fail, not go on to
     report metrics of NaN scores).
     """
     batch = batch.to(device)
-    loss, stats = model(batch)
+    with autocast(precision, device):
+        loss, stats = model(batch)
+    if stats_out is not None and isinstance(stats, dict):
+        stats_out.update(stats)
     value = float(loss.detach())
     if not math.isfinite(value):
         raise FloatingPointError(f"training loss is {value}: the model diverged (check train.lr, "
@@ -94,6 +101,31 @@ def forward_backward_step(model: torch.nn.Module, optimizer: Any, batch: Any, de
     optimizer.zero_grad(set_to_none=True)
     n_t = float(stats.get("num_targets", 0)) if isinstance(stats, dict) else 0.0
     return value, n_t
+
+
+def model_data_args(cfg: JobConfig, manifest: dict[str, Any]) -> dict[str, Any]:
+    """What ``GEM`` needs from a prepared folder beyond num_items: ``cardinalities`` {feature: C} (manifest
+    ``features``), ``num_users`` (with "user_id" as a context feature) and ``item_features`` {name: [N+1]
+    int64} for ``model.candidate_features`` (items.parquet, ``gemray.pipelines.stream.item_feature_tables``).
+    The defaults (ML-1M) need none of them: {}. Raises ValueError when the data lacks a configured feature."""
+    m = cfg.model
+    needed = list(m.token_features) + [c for c in m.context_features if c != m.USER_ID_FEATURE]
+    if not needed and not m.candidate_features and m.USER_ID_FEATURE not in m.context_features:
+        return {}
+    feats = manifest.get("features") or {}
+    missing = [f for f in needed if f not in feats and f not in m.table_rows_map()]
+    if missing:
+        raise ValueError(f"{cfg.data.prepared_dir}: the data has no feature {missing} (model.token_features / "
+                         f"model.context_features; manifest features: {sorted(feats)})")
+    out: dict[str, Any] = {"cardinalities": {k: int(v["cardinality"]) for k, v in feats.items()}}
+    if m.USER_ID_FEATURE in m.context_features:
+        out["num_users"] = int(manifest.get("vocab", {}).get("max_user_id", manifest["counts"]["users"]))
+    if m.candidate_features:
+        from gemray.pipelines.stream import item_feature_tables
+
+        tables = item_feature_tables(manifest)
+        out["item_features"] = {f: torch.from_numpy(tables[f]) for f in m.candidate_features if f in tables}
+    return out
 
 
 def agree_attempt(rank: int, device: torch.device) -> int:
@@ -166,7 +198,8 @@ class Trainer:
         ray.data.DataContext.get_current().enable_progress_bars = False
         manifest = load_manifest(cfg.data.prepared_dir)
         self.num_items = int(manifest["counts"]["items"])
-        self.trained_on = data_record(manifest)  # in every checkpoint: a resume on other data is refused up front
+        self.model_data = model_data_args(cfg, manifest)
+        self.trained_on = data_record(manifest, item_table_rows=cfg.model.table_rows_map().get("item"))  # in every checkpoint: a resume on other data is refused up front
         self.train_stream = ElasticTrainStream.from_config(cfg.data, rank=self.rank, world_size=self.world,
                                                            seed=cfg.train.seed)
         self.streams = {split: HistoryStream.from_config(cfg.data, split, rank=self.rank, world_size=self.world,
@@ -180,11 +213,15 @@ class Trainer:
         from gemray.model.gem import GEM
 
         cfg = self.cfg
-        model = GEM(cfg.model, self.num_items, "meta", max_seq_len=cfg.data.max_seq_len)
+        model = GEM(cfg.model, self.num_items, "meta", max_seq_len=cfg.data.max_seq_len, **self.model_data)
         self.dmp = parallelize(model, layout=self.layout, cfg=cfg, device=self.device)
         self.optimizer = build_optimizer(self.dmp, cfg)
-        self.evaluators = [RetrievalEvaluator(self.num_items, list(cfg.train.eval_ks),
-                                              exclude_history=cfg.train.eval_exclude_history)]
+        self.evaluators: list[Any] = []
+        if "retrieval" in cfg.model.tasks:
+            self.evaluators.append(RetrievalEvaluator(self.num_items, list(cfg.train.eval_ks),
+                                                      exclude_history=cfg.train.eval_exclude_history))
+        if cfg.model.ranking_tasks:
+            self.evaluators.append(RankingEvaluator.from_config(cfg.model))
         self.policy = CheckpointPolicy.from_config(cfg)
         self.warm_up_kernels()
         self.recorder.phase_done("build_and_shard_s")
@@ -242,6 +279,7 @@ class Trainer:
         pos = self._resume if epoch == self.start_epoch else {"consumed": 0, "epoch_step": 0, "partial": None}
         self.epoch, self.consumed, self.epoch_step = epoch, int(pos["consumed"]), int(pos["epoch_step"])
         self.stats = EpochStats(pos["partial"])
+        self.task_losses = TaskLosses(cfg.model.tasks) if len(cfg.model.tasks) > 1 else None
         steps = self.train_stream.num_steps(self.consumed)
         if cfg.train.max_steps_per_epoch:
             steps = min(steps, max(0, cfg.train.max_steps_per_epoch - self.epoch_step))
@@ -272,7 +310,10 @@ class Trainer:
             if reason == "emergency":
                 self.vote.emergency_checkpoint_taken()
         self.stats.reduce(self.device, self.world)
-        return self.stats.result(self.peak_flops)
+        out = self.stats.result(self.peak_flops)
+        if self.task_losses is not None:
+            out.update(self.task_losses.reduce(self.device))
+        return out
 
     def train_step(self, batch: Any) -> float:
         """One global step of this rank: dropout and negative sampling seeded from (seed, global step, rank),
@@ -284,7 +325,11 @@ class Trainer:
         self.last_step_flops = batch_flops(self.cfg.model, batch)  # host arithmetic on the offsets
         torch.manual_seed(step_seed(seed, self.global_step, self.rank))  # dropout
         self.dmp.module.seed_sampling(step_seed(seed + 1, self.global_step, self.rank))  # negatives
-        loss, n_t = forward_backward_step(self.dmp, self.optimizer, batch, self.device)
+        step_stats: dict = {}
+        loss, n_t = forward_backward_step(self.dmp, self.optimizer, batch, self.device,
+                                          precision=self.cfg.train.precision, stats_out=step_stats)
+        if self.task_losses is not None:
+            self.task_losses.add(step_stats)
         self.last_step_s = self.clock.lap()
         self.attempt_steps += 1
         measured = self.attempt_steps > self.cfg.train.mfu_warmup_steps
@@ -363,12 +408,14 @@ class Trainer:
             raise ValueError(f"Trainer.evaluate: split must be one of {sorted(self.streams)}, got {split!r}")
         model = self.dmp.module
         self.dmp.eval()
-        ctxs = [ev.prepare(model, self.device) for ev in self.evaluators]
+        with autocast(self.cfg.train.precision, self.device):
+            ctxs = [ev.prepare(model, self.device) for ev in self.evaluators]
         sums = [torch.zeros(ev.num_sums(), dtype=torch.float64) for ev in self.evaluators]
         for batch in self.streams[split].iter_epoch(0):
             batch = batch.to(self.device)
             for ev, ctx, s in zip(self.evaluators, ctxs, sums):
-                s += ev.batch_sums(model, batch, ctx)
+                with autocast(self.cfg.train.precision, self.device):
+                    s += ev.batch_sums(model, batch, ctx)
         total = torch.cat(sums).to(self.device)
         dist.all_reduce(total)
         self.dmp.train()
