@@ -275,18 +275,13 @@ class Trainer:
         (global, identical on every rank), or None when a preemption notice stopped the attempt (its
         emergency checkpoint reported; ``stopped`` is then True)."""
         cfg = self.cfg
-        self._epoch_t0 = time.perf_counter()
         pos = self._resume if epoch == self.start_epoch else {"consumed": 0, "epoch_step": 0, "partial": None}
-        self.epoch, self.consumed, self.epoch_step = epoch, int(pos["consumed"]), int(pos["epoch_step"])
-        self.stats = EpochStats(pos["partial"])
-        self.task_losses = TaskLosses(cfg.model.tasks) if len(cfg.model.tasks) > 1 else None
+        self.begin_epoch(epoch, pos)
         steps = self.train_stream.num_steps(self.consumed)
         if cfg.train.max_steps_per_epoch:
             steps = min(steps, max(0, cfg.train.max_steps_per_epoch - self.epoch_step))
-        self.dmp.train()
         meter = ThroughputMeter(self.peak_flops)
         batches = self.train_stream.iter_epoch(epoch, self.consumed)
-        self.clock = StepClock()
         for i in range(steps):
             batch, self.consumed = next(batches)
             loss = self.train_step(batch)
@@ -314,6 +309,19 @@ class Trainer:
         if self.task_losses is not None:
             out.update(self.task_losses.reduce(self.device))
         return out
+
+    def begin_epoch(self, epoch: int, pos: dict[str, Any] | None = None) -> None:
+        """The state :meth:`train_step` works on, for 0-based ``epoch`` from position ``pos`` ({"consumed",
+        "epoch_step", "partial"}; None = the epoch's start): position counters, fresh epoch statistics (the
+        saved partial ones on resume), per-task losses, the step clock; the model in training mode. Called by
+        :meth:`train_epoch` and by callers that drive the steps themselves (``gemray bench train``)."""
+        pos = pos or {"consumed": 0, "epoch_step": 0, "partial": None}
+        self._epoch_t0 = time.perf_counter()
+        self.epoch, self.consumed, self.epoch_step = epoch, int(pos["consumed"]), int(pos["epoch_step"])
+        self.stats = EpochStats(pos.get("partial"))
+        self.task_losses = TaskLosses(self.cfg.model.tasks) if len(self.cfg.model.tasks) > 1 else None
+        self.dmp.train()
+        self.clock = StepClock()
 
     def train_step(self, batch: Any) -> float:
         """One global step of this rank: dropout and negative sampling seeded from (seed, global step, rank),
