@@ -288,7 +288,11 @@ class Trainer:
         (global, identical on every rank), or None when a preemption notice stopped the attempt (its
         emergency checkpoint reported; ``stopped`` is then True)."""
         cfg = self.cfg
-        steps = self.begin_epoch(epoch)
+        pos = self._resume if epoch == self.start_epoch else {"consumed": 0, "epoch_step": 0, "partial": None}
+        self.begin_epoch(epoch, pos)
+        steps = self.train_stream.num_steps(self.consumed)
+        if cfg.train.max_steps_per_epoch:
+            steps = min(steps, max(0, cfg.train.max_steps_per_epoch - self.epoch_step))
         meter = ThroughputMeter(self.peak_flops)
         batches = self.train_stream.iter_epoch(epoch, self.consumed)
         for i in range(steps):
@@ -319,22 +323,18 @@ class Trainer:
             out.update(self.task_losses.reduce(self.device))
         return out
 
-    def begin_epoch(self, epoch: int) -> int:
-        """Open 0-based ``epoch`` at its saved position (the restored one for the first epoch of a resumed
-        attempt): position counters, fresh statistics (per-task losses with several tasks), the step clock,
-        train mode. Returns the number of steps left in it (``train.max_steps_per_epoch`` applied)."""
-        cfg = self.cfg
+    def begin_epoch(self, epoch: int, pos: dict[str, Any] | None = None) -> None:
+        """The state :meth:`train_step` works on, for 0-based ``epoch`` from position ``pos`` ({"consumed",
+        "epoch_step", "partial"}; None = the epoch's start): position counters, fresh epoch statistics (the
+        saved partial ones on resume), per-task losses, the step clock; the model in training mode. Called by
+        :meth:`train_epoch` and by callers that drive the steps themselves (``gemray bench train``)."""
+        pos = pos or {"consumed": 0, "epoch_step": 0, "partial": None}
         self._epoch_t0 = time.perf_counter()
-        pos = self._resume if epoch == self.start_epoch else {"consumed": 0, "epoch_step": 0, "partial": None}
         self.epoch, self.consumed, self.epoch_step = epoch, int(pos["consumed"]), int(pos["epoch_step"])
-        self.stats = EpochStats(pos["partial"])
-        self.task_losses = TaskLosses(cfg.model.tasks) if len(cfg.model.tasks) > 1 else None
-        steps = self.train_stream.num_steps(self.consumed)
-        if cfg.train.max_steps_per_epoch:
-            steps = min(steps, max(0, cfg.train.max_steps_per_epoch - self.epoch_step))
+        self.stats = EpochStats(pos.get("partial"))
+        self.task_losses = TaskLosses(self.cfg.model.tasks) if len(self.cfg.model.tasks) > 1 else None
         self.dmp.train()
         self.clock = StepClock()
-        return steps
 
     def train_step(self, batch: Any) -> float:
         """One global step of this rank: dropout and negative sampling seeded from (seed, global step, rank),
