@@ -7,17 +7,20 @@
     RecoveryRecorder                     the attempt's events                gemray.train.recorder
     EpochStats, ThroughputMeter          per-epoch statistics                gemray.train.stats
     PreemptionVote                       the ranks' preemption vote          gemray.train.preemption_vote
-    Evaluator, RetrievalEvaluator        per-batch metric sums               gemray.train.evaluation
+    Evaluator, RetrievalEvaluator,       per-batch metric sums, one pass     gemray.train.evaluation
+    build_evaluators, evaluation_sums
 
 Imports point one way: kernels <- ops <- model <- parallel <- train <- controller.
 """
 
 from gemray.train.checkpoint_policy import CheckpointPolicy
-from gemray.train.evaluation import Evaluator, RetrievalEvaluator
+from gemray.train.evaluation import (Evaluator, RetrievalEvaluator, build_evaluators, evaluation_metrics,
+                                     evaluation_sums)
 from gemray.train.preemption_vote import PreemptionVote
 from gemray.train.recorder import RecoveryRecorder
 from gemray.train.stats import EpochStats, ThroughputMeter
 from gemray.train.trainer import Trainer, train_loop_per_worker
 
 __all__ = ["CheckpointPolicy", "EpochStats", "Evaluator", "PreemptionVote", "RecoveryRecorder",
-           "RetrievalEvaluator", "ThroughputMeter", "Trainer", "train_loop_per_worker"]
+           "RetrievalEvaluator", "ThroughputMeter", "Trainer", "build_evaluators", "evaluation_metrics",
+           "evaluation_sums", "train_loop_per_worker"]

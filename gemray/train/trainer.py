@@ -46,7 +46,7 @@ from gemray.events import epoch_fields
 from gemray.parallel import build_optimizer, parallelize, plan_layout
 from gemray.preemption import read_notice
 from gemray.train.checkpoint_policy import CheckpointPolicy
-from gemray.train.evaluation import RetrievalEvaluator
+from gemray.train.evaluation import build_evaluators, evaluation_metrics, evaluation_sums
 from gemray.train.preemption_vote import PreemptionVote
 from gemray.train.recorder import RecoveryRecorder
 from gemray.train.stats import EpochStats, ThroughputMeter
@@ -171,8 +171,7 @@ class Trainer:
         model = GEM(cfg.model, self.num_items, "meta", max_seq_len=cfg.data.max_seq_len)
         self.dmp = parallelize(model, layout=self.layout, cfg=cfg, device=self.device)
         self.optimizer = build_optimizer(self.dmp, cfg)
-        self.evaluators = [RetrievalEvaluator(self.num_items, list(cfg.train.eval_ks),
-                                              exclude_history=cfg.train.eval_exclude_history)]
+        self.evaluators = build_evaluators(cfg, self.num_items)
         self.policy = CheckpointPolicy.from_config(cfg)
         self.recorder.phase_done("build_and_shard_s")
 
@@ -327,19 +326,11 @@ class Trainer:
             raise ValueError(f"Trainer.evaluate: split must be one of {sorted(self.streams)}, got {split!r}")
         model = self.dmp.module
         self.dmp.eval()
-        ctxs = [ev.prepare(model, self.device) for ev in self.evaluators]
-        sums = [torch.zeros(ev.num_sums(), dtype=torch.float64) for ev in self.evaluators]
-        for batch in self.streams[split].iter_epoch(0):
-            batch = batch.to(self.device)
-            for ev, ctx, s in zip(self.evaluators, ctxs, sums):
-                s += ev.batch_sums(model, batch, ctx)
+        sums = evaluation_sums(model, self.evaluators, self.streams[split].iter_epoch(0), self.device)
         total = torch.cat(sums).to(self.device)
         dist.all_reduce(total)
         self.dmp.train()
-        out: dict[str, float] = {}
-        for ev, part in zip(self.evaluators, torch.split(total.cpu(), [s.numel() for s in sums])):
-            out.update(ev.compute(part))
-        return out
+        return evaluation_metrics(self.evaluators, total)
 
     # -- the end -----------------------------------------------------------------------------------------
     def finish(self) -> None:
