@@ -179,3 +179,17 @@ def test_export_loads_without_training_stack(trained, tmp_path):
     torch.testing.assert_close(got["scores"], want_scores, atol=2e-5, rtol=1e-4)
     with pytest.raises(FileExistsError):
         export(trained, out)
+
+
+def test_checkpoint_not_found_is_a_clear_error(tmp_path, capsys):
+    from gemray.cli import main
+    from gemray.serve.model import locate_checkpoint
+
+    with pytest.raises(FileNotFoundError, match="no such folder"):
+        locate_checkpoint(tmp_path / "missing")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "config.toml").write_text('name = "x"\n')
+    with pytest.raises(FileNotFoundError, match="no committed checkpoint"):
+        locate_checkpoint(tmp_path / "out")
+    assert main(["evaluate", "--checkpoint", str(tmp_path / "out")]) == 2
+    assert "no committed checkpoint" in capsys.readouterr().err
