@@ -390,7 +390,7 @@ def _add_serve_parsers(sub) -> None:
     ev.add_argument("--world-size", type=int, default=None,
                     help="ranks to partition the split into (default: the checkpoint's, as its training did)")
     ev.add_argument("--json", default=None, metavar="FILE",
-                    help="where to write the result (default: evaluate_<split>.json beside the checkpoint's run; "
+                    help="where to write the result (default: evaluate_<split>.json in the run's folder, beside its config.toml; "
                          "'-' for stdout only)")
     ev.set_defaults(func=_cmd_evaluate)
 
@@ -428,7 +428,7 @@ def _cmd_evaluate(ns: argparse.Namespace) -> int:
     if ns.json == "-":
         print(text)
         return 0
-    path = Path(ns.json) if ns.json else trained.checkpoint.parent / f"evaluate_{ns.split}.json"
+    path = Path(ns.json) if ns.json else trained.config_file.parent / f"evaluate_{ns.split}.json"
     path.write_text(text + "\n")
     print(f"written: {path}")
     return 0

@@ -193,3 +193,23 @@ def test_checkpoint_not_found_is_a_clear_error(tmp_path, capsys):
         locate_checkpoint(tmp_path / "out")
     assert main(["evaluate", "--checkpoint", str(tmp_path / "out")]) == 2
     assert "no committed checkpoint" in capsys.readouterr().err
+
+
+def test_id_maps_raw_string_ids(tmp_path):
+    """A `gemray prepare interactions` folder maps string user / item ids: users are taken and items given back raw."""
+    import pyarrow as pa
+
+    from gemray.serve.recommend import IdMaps
+
+    pq.write_table(pa.table({"user_id": pa.array([1, 2, 3], pa.int64()), "raw_user_id": ["ann", "bob", "cy"]}),
+                   tmp_path / "users.parquet")
+    pq.write_table(pa.table({"item_id": pa.array([1, 2], pa.int64()), "raw_item_id": ["B00X", "B00Y"]}),
+                   tmp_path / "items.parquet")
+    maps = IdMaps({"prepared_dir": str(tmp_path), "id_maps": {"users": "users.parquet", "items": "items.parquet"}})
+    assert maps.dense_users(["cy", "ann"]) == [3, 1]
+    assert maps.raw_users(np.array([2, 3])) == ["bob", "cy"]
+    assert maps.raw_items(np.array([[2, 1]])) == ["B00Y", "B00X"]
+    with pytest.raises(ValueError, match="'dan'"):
+        maps.dense_users(["dan"])
+    plain = IdMaps({"prepared_dir": str(tmp_path / "none")})  # MovieLens-like without items.parquet: ids as is
+    assert plain.dense_users(["7"]) == [7] and plain.raw_items(np.array([5])) == [5]

@@ -103,7 +103,8 @@ class TrainedModel:
     evaluators call; dmp: its ``DistributedModelParallel`` (one rank); cfg: the run's config (overrides
     applied); checkpoint: the folder loaded; num_items: N (item table rows N+1); device; state: the trainer
     dict saved with it (``epoch``, ``global_step``, ``world_size``, ``history``); data: the checkpoint's
-    record of the prepared data it was trained on (``gemray.checkpoint.data_record``; None for old ones).
+    record of the prepared data it was trained on (``gemray.checkpoint.data_record``; None for old ones);
+    config_file: the config.toml it was read from (in a run's output folder).
     """
 
     model: Any
@@ -114,6 +115,7 @@ class TrainedModel:
     device: torch.device
     state: dict[str, Any] = field(default_factory=dict)
     data: dict[str, Any] | None = None
+    config_file: Path | None = None
 
 
 def pick_device(cfg: JobConfig, device: str | None = None) -> torch.device:
@@ -158,7 +160,7 @@ def load_trained(checkpoint: str | Path, *, config: str | Path | None = None, ov
     log.info("loaded %s (epoch %s, global step %s, saved by %s ranks) on %s", ckpt, state.get("epoch"),
              state.get("global_step"), state.get("world_size"), dev)
     return TrainedModel(model=dmp.module, dmp=dmp, cfg=cfg, checkpoint=ckpt, num_items=num_items, device=dev,
-                        state=state, data=record)
+                        state=state, data=record, config_file=cfg_file)
 
 
 def check_data(trained: TrainedModel, prepared_dir: str | Path) -> dict[str, Any]:
