@@ -273,6 +273,29 @@ def load_checkpoint(directory: str | Path, model: torch.nn.Module, optimizer: An
     return out
 
 
+def load_model_state(directory: str | Path, model: torch.nn.Module, *, verify: bool = True) -> dict[str, Any]:
+    """Verify (:func:`verify_checkpoint`) then DCP-load only the model's weights into ``model`` in place: the
+    inference path (``gemray evaluate`` / ``recommend`` / ``export``), which needs no optimizer (so a CPU
+    process can read a checkpoint whose fused optimizer was CUDA's partial row-wise Adam). DCP reshards to
+    this process group's world size as :func:`load_checkpoint` does.
+
+    Collective when ``model`` is sharded. Returns the trainer dict (epoch, global_step, world_size, history).
+    Raises ValueError for a corrupt checkpoint or one without trainer state.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    directory = Path(directory)
+    if verify:
+        verify_checkpoint(directory)
+    meta = dcp.FileSystemReader(str(directory)).read_metadata()
+    if "trainer.json" not in meta.state_dict_metadata:
+        raise ValueError(f"checkpoint {directory}: no trainer state (trainer.json) in DCP metadata")
+    state = {"model": model.state_dict(), "trainer": {"json": None}}
+    dcp.load(state, checkpoint_id=str(directory))
+    model.load_state_dict(state["model"])
+    return json.loads(state["trainer"]["json"])
+
+
 def report_with_checkpoint(metrics: dict[str, Any], model: torch.nn.Module, optimizer: Any,
                            trainer: dict[str, Any], *, data: dict[str, Any] | None = None) -> None:
     """Save this rank's DCP shards to a fresh local temp dir and ``ray.train.report`` them.

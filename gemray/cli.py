@@ -418,6 +418,100 @@ def _cmd_k8s(ns: argparse.Namespace) -> int:
     return k8s_main([ns.k8s_command, *ns.args])
 
 
+def _add_serve_parsers(sub) -> None:
+    """evaluate / recommend / export: use a trained checkpoint in this process (gemray.serve; no Ray cluster)."""
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--checkpoint", required=True, metavar="RUN_OR_CKPT_DIR",
+                       help="a `gemray train --output` folder (its newest committed checkpoint that verifies), "
+                            "its ray/<name> run folder, or one checkpoint_* folder")
+        p.add_argument("--config", default=None, help="training config (default: the run's config.toml)")
+        p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when the run trained on GPUs)")
+        _add_set(p)
+
+    ev = sub.add_parser("evaluate", help="HR@K / NDCG@K of a checkpoint on a split (as training evaluates)",
+                        description="Evaluate a trained checkpoint with the evaluators training used; prints a "
+                                    "table and writes JSON. On the run's own config and test split it reproduces "
+                                    "metrics.json's figures.")
+    common(ev)
+    ev.add_argument("--split", choices=("valid", "test"), default="test")
+    ev.add_argument("--k", type=int, nargs="+", default=None, help="cut-offs (default: the run's train.eval_ks)")
+    ev.add_argument("--data", default=None, metavar="PREPARED_DIR",
+                    help="another prepared folder with the same item vocabulary (default: the run's)")
+    ev.add_argument("--world-size", type=int, default=None,
+                    help="ranks to partition the split into (default: the checkpoint's, as its training did)")
+    ev.add_argument("--json", default=None, metavar="FILE",
+                    help="where to write the result (default: evaluate_<split>.json in the run's folder, beside its config.toml; "
+                         "'-' for stdout only)")
+    ev.set_defaults(func=_cmd_evaluate)
+
+    rc = sub.add_parser("recommend", help="top-K items per user from the retrieval head (history excluded)",
+                        description="Top-K items for users from their full history in the prepared data, none "
+                                    "from the history. Ids are the data's raw ids (users.parquet / items.parquet).")
+    common(rc)
+    who = rc.add_mutually_exclusive_group(required=True)
+    who.add_argument("--user", action="append", metavar="ID", help="a user id (repeat for more)")
+    who.add_argument("--users-file", metavar="FILE", help="user ids: one per line, or a user_id column (.parquet/.csv)")
+    rc.add_argument("--k", type=int, default=10, help="items per user (default 10)")
+    rc.add_argument("--data", default=None, metavar="PREPARED_DIR", help="histories from this prepared folder")
+    rc.add_argument("--out", default=None, metavar="RECS.parquet",
+                    help="write Parquet (user_id, rank, item_id, score) instead of printing")
+    rc.set_defaults(func=_cmd_recommend)
+
+    ex = sub.add_parser("export", help="serving artifact loadable with plain PyTorch (no gemray / TorchRec / Ray)",
+                        description="Export the user tower as a torch.export program over jagged inputs (values + "
+                                    "offsets) and the item embeddings as .npy, with serving.json; see the README.")
+    common(ex)
+    ex.add_argument("--out", required=True, metavar="DIR", help="output folder (created; must be empty)")
+    ex.set_defaults(func=_cmd_export)
+
+
+def _cmd_evaluate(ns: argparse.Namespace) -> int:
+    import json
+
+    from gemray.serve import load_trained
+    from gemray.serve.evaluate import evaluate, format_metrics
+
+    trained = load_trained(ns.checkpoint, config=ns.config, overrides=ns.overrides, device=ns.device)
+    res = evaluate(trained, ns.split, ks=ns.k, prepared_dir=ns.data, world_size=ns.world_size)
+    print(format_metrics(res))
+    text = json.dumps(res, indent=1, sort_keys=True)
+    if ns.json == "-":
+        print(text)
+        return 0
+    path = Path(ns.json) if ns.json else trained.config_file.parent / f"evaluate_{ns.split}.json"
+    path.write_text(text + "\n")
+    print(f"written: {path}")
+    return 0
+
+
+def _cmd_recommend(ns: argparse.Namespace) -> int:
+    from gemray.serve import load_trained
+    from gemray.serve.recommend import read_users_file, recommend
+
+    users = ns.user if ns.user else read_users_file(ns.users_file)
+    trained = load_trained(ns.checkpoint, config=ns.config, overrides=ns.overrides, device=ns.device)
+    recs = recommend(trained, users, k=ns.k, prepared_dir=ns.data)
+    if ns.out:
+        import pyarrow.parquet as pq
+
+        pq.write_table(recs, ns.out)
+        print(f"written: {ns.out} ({recs.num_rows} rows, {len(users)} users, k={ns.k})")
+        return 0
+    for row in recs.to_pylist():
+        print(f"user {row['user_id']}\t{row['rank']}\titem {row['item_id']}\t{row['score']:.4f}")
+    return 0
+
+
+def _cmd_export(ns: argparse.Namespace) -> int:
+    from gemray.serve import load_trained
+    from gemray.serve.export import export
+
+    trained = load_trained(ns.checkpoint, config=ns.config, overrides=ns.overrides, device=ns.device)
+    out = export(trained, ns.out)
+    print(f"exported: {out} (user_tower.pt2, item_embeddings.npy, serving.json; loading snippet in the README)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argparse tree (exposed for tests and docs)."""
     ap = argparse.ArgumentParser(prog="gemray", description="Ray-orchestrated GEM/HSTU training")
@@ -511,6 +605,7 @@ def build_parser() -> argparse.ArgumentParser:
         sm.set_defaults(func=_cmd_submit)
     # options after the subcommand go to gemray.k8s untouched: no option prefix of its own ("+" never starts an
     # argument here), no argparse help; the subcommand is checked in _cmd_k8s
+    _add_serve_parsers(sub)
     k8 = sub.add_parser("k8s", help="KubeRay manifests: render from a config, validate against the CRDs",
                         prefix_chars="+", add_help=False, usage=_K8S_HELP.splitlines()[0][len("usage: "):])
     k8.add_argument("k8s_command", nargs="?", metavar="{render,validate,regenerate}")

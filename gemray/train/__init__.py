@@ -8,8 +8,9 @@
     RecoveryRecorder                     the attempt's events                gemray.train.recorder
     EpochStats, ThroughputMeter          per-epoch statistics                gemray.train.stats
     PreemptionVote                       the ranks' preemption vote          gemray.train.preemption_vote
-    Evaluator, RetrievalEvaluator,       per-batch metric sums               gemray.train.evaluation
-    RankingEvaluator
+    Evaluator, RetrievalEvaluator,       per-batch metric sums, one pass     gemray.train.evaluation
+    RankingEvaluator, build_evaluators,
+    evaluation_sums
     autocast                             train.precision -> autocast context gemray.train.precision
     TaskLosses                           per-task training losses            gemray.train.task_stats
 
@@ -17,7 +18,8 @@ Imports point one way: kernels <- ops <- model <- parallel <- train <- controlle
 """
 
 from gemray.train.checkpoint_policy import CheckpointPolicy
-from gemray.train.evaluation import Evaluator, RankingEvaluator, RetrievalEvaluator
+from gemray.train.evaluation import (Evaluator, RankingEvaluator, RetrievalEvaluator, build_evaluators,
+                                     evaluation_metrics, evaluation_sums)
 from gemray.train.precision import autocast
 from gemray.train.preemption_vote import PreemptionVote
 from gemray.train.recorder import RecoveryRecorder
@@ -27,4 +29,5 @@ from gemray.train.trainer import Trainer, model_data_args, train_loop_per_worker
 
 __all__ = ["CheckpointPolicy", "EpochStats", "Evaluator", "PreemptionVote", "RankingEvaluator",
            "RecoveryRecorder", "RetrievalEvaluator", "TaskLosses", "ThroughputMeter", "Trainer", "autocast",
-           "model_data_args", "train_loop_per_worker"]
+           "build_evaluators", "evaluation_metrics", "evaluation_sums", "model_data_args",
+           "train_loop_per_worker"]

@@ -6,8 +6,10 @@ An evaluator (the :class:`Evaluator` protocol) knows one task's metrics and noth
     s = ev.batch_sums(model, batch, ctx)         # [S] float64 on CPU, additive over batches and ranks
     out = ev.compute(summed)                     # {"name": value}
 
-The trainer runs one pass over a split, feeding every batch to each evaluator, concatenates their sums,
-all-reduces once and hands each evaluator its slice (``gemray.train.trainer.Trainer.evaluate``). Collective
+The trainer runs one pass over a split, feeding every batch to each evaluator (:func:`evaluation_sums`),
+all-reduces the concatenated sums once and hands each evaluator its slice (:func:`evaluation_metrics`;
+``gemray.train.trainer.Trainer.evaluate``). ``gemray evaluate`` (``gemray.serve``) runs the same two functions
+over the evaluators of :func:`build_evaluators` on one process, so it reproduces the trainer's figures. Collective
 discipline: ``prepare`` and ``batch_sums`` run on every rank the same number of times (an empty batch,
 B=0, still calls the model), so evaluators must not skip the model call for empty batches.
 
@@ -25,6 +27,7 @@ import torch
 from gemray.config import ModelConfig
 from gemray.metrics import DEFAULT_AUC_BINS, MultiTaskMetrics, RetrievalMetrics, history_mask, target_ranks
 from gemray.model.ranking import MultiTaskHead
+from gemray.train.precision import autocast
 
 
 class Evaluator(Protocol):
@@ -41,6 +44,52 @@ class Evaluator(Protocol):
 
     def compute(self, sums: torch.Tensor) -> dict[str, float]:
         """Metrics from [S] summed sums."""
+
+
+def build_evaluators(cfg: Any, num_items: int, ks: list[int] | None = None) -> list[Evaluator]:
+    """The evaluators a job's config implies, in the order their metrics are merged: next-item retrieval
+    (:class:`RetrievalEvaluator`, HR@K / NDCG@K at ``ks``, default ``cfg.train.eval_ks``, with
+    ``cfg.train.eval_exclude_history``) when "retrieval" is in ``cfg.model.tasks``, then the ranking tasks'
+    (:class:`RankingEvaluator`, NE / AUC per task) when it has "ctr" / "cvr". cfg: a
+    ``gemray.config.JobConfig``; num_items: N."""
+    evaluators: list[Evaluator] = []
+    if "retrieval" in cfg.model.tasks:
+        evaluators.append(RetrievalEvaluator(num_items, list(ks if ks is not None else cfg.train.eval_ks),
+                                             exclude_history=cfg.train.eval_exclude_history))
+    if cfg.model.ranking_tasks:
+        evaluators.append(RankingEvaluator.from_config(cfg.model))
+    return evaluators
+
+
+def evaluation_sums(model: torch.nn.Module, evaluators: list[Evaluator], batches: Any,
+                    device: torch.device, precision: str = "fp32") -> list[torch.Tensor]:
+    """One pass of ``evaluators`` over ``batches`` (an iterable of JaggedBatch on CPU): each evaluator's
+    ``prepare`` once, then ``batch_sums`` added up batch by batch. Returns one [S_e] float64 CPU tensor per
+    evaluator (this process's sums; the trainer all-reduces their concatenation). Call under ``no_grad`` with
+    the model in eval mode; collective when the model is sharded (every rank the same number of batches).
+    precision: ``train.precision``; the forward passes run under its autocast (``gemray.train.precision``)."""
+    with autocast(precision, device):
+        ctxs = [ev.prepare(model, device) for ev in evaluators]
+    sums = [torch.zeros(ev.num_sums(), dtype=torch.float64) for ev in evaluators]
+    for batch in batches:
+        batch = batch.to(device)
+        for ev, ctx, s in zip(evaluators, ctxs, sums):
+            with autocast(precision, device):
+                s += ev.batch_sums(model, batch, ctx)
+    return sums
+
+
+def evaluation_metrics(evaluators: list[Evaluator], total: torch.Tensor) -> dict[str, float]:
+    """The evaluators' metrics, merged in order, from ``total``: [sum of S_e] float64, the concatenation of
+    their (summed over batches and ranks) sums. Raises ValueError when its length is not sum of S_e."""
+    sizes = [ev.num_sums() for ev in evaluators]
+    if total.numel() != sum(sizes):
+        raise ValueError(f"evaluation_metrics: expected {sum(sizes)} sums for evaluators of sizes {sizes}, got "
+                         f"{total.numel()}")
+    out: dict[str, float] = {}
+    for ev, part in zip(evaluators, torch.split(total.cpu(), sizes)):
+        out.update(ev.compute(part))
+    return out
 
 
 class RetrievalEvaluator:

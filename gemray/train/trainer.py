@@ -52,7 +52,7 @@ from gemray.parallel import build_optimizer, parallelize, plan_layout
 from gemray.parallel.activation_checkpoint import ActivationCheckpointer
 from gemray.preemption import read_notice
 from gemray.train.checkpoint_policy import CheckpointPolicy
-from gemray.train.evaluation import RankingEvaluator, RetrievalEvaluator
+from gemray.train.evaluation import build_evaluators, evaluation_metrics, evaluation_sums
 from gemray.train.precision import autocast
 from gemray.train.preemption_vote import PreemptionVote
 from gemray.train.recorder import RecoveryRecorder
@@ -229,12 +229,7 @@ class Trainer:
         self.checkpointer = ActivationCheckpointer.from_config(cfg.train)
         self.checkpointer.setup(self.dmp)
         self.optimizer = build_optimizer(self.dmp, cfg)
-        self.evaluators: list[Any] = []
-        if "retrieval" in cfg.model.tasks:
-            self.evaluators.append(RetrievalEvaluator(self.num_items, list(cfg.train.eval_ks),
-                                                      exclude_history=cfg.train.eval_exclude_history))
-        if cfg.model.ranking_tasks:
-            self.evaluators.append(RankingEvaluator.from_config(cfg.model))
+        self.evaluators = build_evaluators(cfg, self.num_items)
         self.policy = CheckpointPolicy.from_config(cfg)
         self.warm_up_kernels()
         self.recorder.phase_done("build_and_shard_s")
@@ -435,21 +430,12 @@ class Trainer:
             raise ValueError(f"Trainer.evaluate: split must be one of {sorted(self.streams)}, got {split!r}")
         model = self.dmp.module
         self.dmp.eval()
-        with autocast(self.cfg.train.precision, self.device):
-            ctxs = [ev.prepare(model, self.device) for ev in self.evaluators]
-        sums = [torch.zeros(ev.num_sums(), dtype=torch.float64) for ev in self.evaluators]
-        for batch in self.streams[split].iter_epoch(0):
-            batch = batch.to(self.device)
-            for ev, ctx, s in zip(self.evaluators, ctxs, sums):
-                with autocast(self.cfg.train.precision, self.device):
-                    s += ev.batch_sums(model, batch, ctx)
+        sums = evaluation_sums(model, self.evaluators, self.streams[split].iter_epoch(0), self.device,
+                               self.cfg.train.precision)
         total = torch.cat(sums).to(self.device)
         dist.all_reduce(total)
         self.dmp.train()
-        out: dict[str, float] = {}
-        for ev, part in zip(self.evaluators, torch.split(total.cpu(), [s.numel() for s in sums])):
-            out.update(ev.compute(part))
-        return out
+        return evaluation_metrics(self.evaluators, total)
 
     # -- the end -----------------------------------------------------------------------------------------
     def finish(self) -> None:

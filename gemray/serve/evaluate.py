@@ -1,0 +1,87 @@
+"""``gemray evaluate``: a checkpoint's metrics on a split, at any cut-offs, on the run's or another prepared data.
+
+The same code path as training's evaluation (``gemray.train.trainer.Trainer.evaluate``): the evaluators the
+config implies (``gemray.train.evaluation.build_evaluators``: HR@K / NDCG@K over all items, history excluded
+per ``train.eval_exclude_history``; a ranking task's NE / AUC evaluator joins there), one pass over the split
+(``evaluation_sums``), the sums added over ranks, ``evaluation_metrics``. The split is partitioned as the
+training partitioned it (``world_size`` ranks, each one's ``HistoryStream`` in turn, their sums added in rank
+order as the all-reduce adds them), so the checkpoint of a finished run reproduces the test figures of its
+``metrics.json`` exactly.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gemray.serve.model import TrainedModel, check_data
+
+log = logging.getLogger(__name__)
+
+SPLITS = ("valid", "test")
+
+
+def evaluate(trained: TrainedModel, split: str = "test", *, ks: list[int] | None = None,
+             prepared_dir: str | Path | None = None, world_size: int | None = None) -> dict[str, Any]:
+    """Metrics of ``trained`` on ``split`` ("valid" or "test").
+
+    ks: HR@K / NDCG@K cut-offs (default the run's ``train.eval_ks``); prepared_dir: another prepared folder
+    with the same item vocabulary (default the run's ``data.prepared_dir``; see
+    :func:`gemray.serve.model.check_data`); world_size: how many ranks' streams to partition the split into
+    (default the world size the checkpoint was saved by: the partition its training evaluated with; the
+    figures do not depend on it beyond float rounding).
+
+    Returns ``{"checkpoint", "split", "prepared_dir", "world_size", "epoch", "global_step", "seconds",
+    "metrics": {"hr@K", "ndcg@K", "num_users", ["hr@K_unfiltered", ..., "targets_in_history"]}}``.
+    Raises ValueError for an unknown split, bad cut-offs or data that does not fit the model.
+    """
+    from gemray.pipelines.stream import HistoryStream
+    from gemray.train.evaluation import build_evaluators, evaluation_metrics, evaluation_sums
+
+    if split not in SPLITS:
+        raise ValueError(f"--split {split!r}: expected one of {', '.join(SPLITS)}")
+    if ks is not None and (not ks or any(int(k) < 1 for k in ks)):
+        raise ValueError(f"--k {ks}: expected positive cut-offs")
+    cfg = trained.cfg
+    data_cfg = copy.deepcopy(cfg.data)
+    data_cfg.prepared_dir = str(Path(prepared_dir or data_cfg.prepared_dir).expanduser().resolve())
+    data_cfg.reader = "arrow"  # the same table as Ray Data reads, in this process
+    check_data(trained, data_cfg.prepared_dir)
+    world = int(world_size or trained.state.get("world_size") or 1)
+    if world < 1:
+        raise ValueError(f"--world-size {world}: expected >= 1")
+    evaluators = build_evaluators(cfg, trained.num_items, [int(k) for k in ks] if ks else None)
+    t0 = time.perf_counter()
+    total = None
+    with torch.no_grad():
+        for rank in range(world):
+            stream = HistoryStream.from_config(data_cfg, split, rank=rank, world_size=world, seed=cfg.train.seed)
+            part = torch.cat(evaluation_sums(trained.model, evaluators, stream.iter_epoch(0), trained.device,
+                                             cfg.train.precision))
+            total = part if total is None else total + part
+    metrics = evaluation_metrics(evaluators, total)
+    return {"checkpoint": str(trained.checkpoint), "split": split, "prepared_dir": data_cfg.prepared_dir,
+            "world_size": world, "epoch": trained.state.get("epoch"), "global_step": trained.state.get("global_step"),
+            "seconds": time.perf_counter() - t0, "metrics": metrics}
+
+
+def format_metrics(result: dict[str, Any]) -> str:
+    """Plain-text table of an :func:`evaluate` result: one row per cut-off (HR, NDCG, and the all-items figures
+    when history is excluded)."""
+    m = result["metrics"]
+    ks = sorted({int(k.split("@")[1].split("_")[0]) for k in m if k.startswith("hr@")})
+    lines = [f"{result['split']} split of {result['prepared_dir']}: {int(m.get('num_users', 0))} users, "
+             f"checkpoint {result['checkpoint']} (epoch {result['epoch']}, global step {result['global_step']})"]
+    unf = any(k.endswith("_unfiltered") for k in m)
+    lines.append(f"{'K':>6}{'HR@K':>10}{'NDCG@K':>10}" + (f"{'HR@K all':>11}{'NDCG@K all':>12}" if unf else ""))
+    for k in ks:
+        row = f"{k:>6}{m[f'hr@{k}']:>10.4f}{m[f'ndcg@{k}']:>10.4f}"
+        if unf:
+            row += f"{m[f'hr@{k}_unfiltered']:>11.4f}{m[f'ndcg@{k}_unfiltered']:>12.4f}"
+        lines.append(row)
+    return "\n".join(lines)

@@ -1,0 +1,185 @@
+"""A trained model back in one process: find the checkpoint, read its config, load the weights.
+
+``gemray evaluate`` / ``recommend`` / ``export`` all start here (:func:`load_trained`):
+
+1. :func:`locate_checkpoint` turns what the user names into a committed checkpoint folder and the run's
+   config: a run's output folder (``config.toml``, ``metrics.json``, ``ray/<name>/checkpoint_*``: the newest
+   committed checkpoint that verifies, as a restarted training picks it: ``committed_checkpoints`` +
+   ``choose_checkpoint``), a Ray Train run folder (``ray/<name>``) or one ``checkpoint_*`` folder.
+2. The model is built as training builds it (``GEM`` on the meta device, ``gemray.parallel.parallelize`` on a
+   one-process group: TorchRec shards every table onto this one rank) and the checkpoint's model weights are
+   DCP-loaded into it (``gemray.checkpoint.load_model_state``: verified against its manifests, resharded
+   from the world size it was saved by, no optimizer state needed).
+
+No Ray cluster is started: the process group is a single-rank one over an in-memory store
+(``torch.distributed.HashStore``; gloo on CPU, NCCL on CUDA).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gemray.checkpoint import (MANIFEST_GLOB, checkpoint_data, choose_checkpoint, committed_checkpoints,
+                               load_model_state)
+from gemray.config import JobConfig, apply_overrides, load_config
+
+log = logging.getLogger(__name__)
+
+CONFIG_FILE = "config.toml"
+
+
+def _is_checkpoint(path: Path) -> bool:
+    return path.is_dir() and any(path.glob(MANIFEST_GLOB))
+
+
+def locate_checkpoint(path: str | Path, config: str | Path | None = None) -> tuple[Path, Path]:
+    """``(checkpoint folder, config file)`` for a run folder, a Ray Train run folder or a checkpoint folder.
+
+    Output folder of ``gemray train`` (holds ``config.toml``): its Ray Train run is ``ray.storage_path`` (or
+    ``<folder>/ray``) ``/<name>``. Ray Train run folder: its ``config.toml`` two levels up. Checkpoint folder
+    (``manifest_rank*.json``): taken as is; its ``config.toml`` three levels up (``<out>/ray/<name>/ckpt``).
+    ``config``: use this file instead of the one found. Among a run's committed checkpoints the newest one
+    that verifies is chosen (a corrupt one is skipped with a warning, as a restarted training does).
+
+    Raises FileNotFoundError when ``path`` does not exist, holds no committed checkpoint, or no config is
+    found (give ``--config``); ValueError when no committed checkpoint verifies.
+    """
+    p = Path(path).expanduser().resolve()
+    if not p.exists():
+        raise FileNotFoundError(f"--checkpoint {path}: no such folder")
+    cfg_path = Path(config).expanduser().resolve() if config is not None else None
+    if _is_checkpoint(p):
+        found = p.parents[2] / CONFIG_FILE if len(p.parents) > 2 else None
+        ckpt = p
+    else:
+        if (p / CONFIG_FILE).is_file():
+            cfg = load_config(cfg_path or p / CONFIG_FILE)
+            storage = Path(cfg.ray.storage_path).expanduser().resolve() if cfg.ray.storage_path else p / "ray"
+            run_dir, found = storage / cfg.name, p / CONFIG_FILE
+        else:
+            run_dir, found = p, p.parents[1] / CONFIG_FILE if len(p.parents) > 1 else None
+        candidates = committed_checkpoints(run_dir)
+        if not candidates:
+            raise FileNotFoundError(f"--checkpoint {path}: no committed checkpoint in {run_dir} (give a "
+                                    "`gemray train --output` folder, its ray/<name> run or a checkpoint_* folder)")
+        ckpt, skipped = choose_checkpoint(candidates)
+        for c, why in skipped:
+            log.warning("checkpoint %s is unusable (%s); taking the previous committed one", c, why)
+        if ckpt is None:
+            raise ValueError(f"--checkpoint {path}: no committed checkpoint of {run_dir} verifies: "
+                             + "; ".join(f"{c.name}: {w}" for c, w in skipped))
+    cfg_file = cfg_path or found
+    if cfg_file is None or not cfg_file.is_file():
+        raise FileNotFoundError(f"--checkpoint {path}: no {CONFIG_FILE} found beside the run "
+                                f"({found}); give the training config with --config")
+    return ckpt, cfg_file
+
+
+def init_single_process_group(device: torch.device) -> None:
+    """A one-rank default process group (gloo on CPU, NCCL on CUDA) over an in-memory store, unless one is
+    initialised already. Raises ValueError when an initialised group has more than one rank."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        if dist.get_world_size() != 1:
+            raise ValueError(f"gemray.serve runs in one process; the process group has {dist.get_world_size()} "
+                             "ranks")
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+@dataclass
+class TrainedModel:
+    """A checkpoint loaded for inference.
+
+    model: the ``GEM`` (``dmp.module``, eval mode) whose ``user_embeddings`` / ``item_embeddings`` the
+    evaluators call; dmp: its ``DistributedModelParallel`` (one rank); cfg: the run's config (overrides
+    applied); checkpoint: the folder loaded; num_items: N (item table rows N+1); device; state: the trainer
+    dict saved with it (``epoch``, ``global_step``, ``world_size``, ``history``); data: the checkpoint's
+    record of the prepared data it was trained on (``gemray.checkpoint.data_record``; None for old ones);
+    config_file: the config.toml it was read from (in a run's output folder).
+    """
+
+    model: Any
+    dmp: Any
+    cfg: JobConfig
+    checkpoint: Path
+    num_items: int
+    device: torch.device
+    state: dict[str, Any] = field(default_factory=dict)
+    data: dict[str, Any] | None = None
+    config_file: Path | None = None
+
+
+def pick_device(cfg: JobConfig, device: str | None = None) -> torch.device:
+    """``device`` when given ("cpu", "cuda", "cuda:1"), else CUDA when the run trained on GPUs
+    (``ray.use_gpu``) and one is visible, else CPU: the same device as training reproduces its figures."""
+    if device:
+        return torch.device(device)
+    return torch.device("cuda") if cfg.ray.use_gpu and torch.cuda.is_available() else torch.device("cpu")
+
+
+def load_trained(checkpoint: str | Path, *, config: str | Path | None = None, overrides: list[str] | None = None,
+                 device: str | None = None) -> TrainedModel:
+    """Load a ``gemray train`` checkpoint into one process (see the module docstring).
+
+    checkpoint / config: as :func:`locate_checkpoint`; overrides: ``section.key=value`` applied to the run's
+    config (e.g. ``model.attention_backend=reference``); shape-changing ones make the load fail.
+    Raises FileNotFoundError / ValueError as :func:`locate_checkpoint`, ValueError for a corrupt checkpoint or
+    one whose tables do not fit the config's model.
+    """
+    from gemray.model.gem import GEM
+    from gemray.parallel import parallelize, plan_layout
+
+    ckpt, cfg_file = locate_checkpoint(checkpoint, config)
+    cfg = load_config(cfg_file)
+    cfg = apply_overrides(copy.deepcopy(cfg), list(overrides or []))
+    # the optimizer is never used here; "auto" keeps a CUDA-trained run (FBGEMM Adam) loadable on CPU
+    cfg.train.sparse_optimizer = "auto"
+    info = checkpoint_data(ckpt)
+    record = info["record"]
+    if record is not None:
+        num_items = int(record["num_items"])
+    elif info["item_table_rows"]:
+        num_items = int(info["item_table_rows"]) - 1
+    else:
+        raise ValueError(f"checkpoint {ckpt}: neither a data record nor an item table in its DCP metadata")
+    dev = pick_device(cfg, device)
+    init_single_process_group(dev)
+    model = GEM(cfg.model, num_items, "meta", max_seq_len=cfg.data.max_seq_len)
+    dmp = parallelize(model, layout=plan_layout(1, dev.type), cfg=cfg, device=dev)
+    state = load_model_state(ckpt, dmp)
+    dmp.eval()
+    log.info("loaded %s (epoch %s, global step %s, saved by %s ranks) on %s", ckpt, state.get("epoch"),
+             state.get("global_step"), state.get("world_size"), dev)
+    return TrainedModel(model=dmp.module, dmp=dmp, cfg=cfg, checkpoint=ckpt, num_items=num_items, device=dev,
+                        state=state, data=record, config_file=cfg_file)
+
+
+def check_data(trained: TrainedModel, prepared_dir: str | Path) -> dict[str, Any]:
+    """The manifest of ``prepared_dir`` after checking that it fits the model: the same item count as the
+    checkpoint's item table (else ValueError naming both). Another fingerprint with the same count (a
+    re-prepared or newer version of the data) is allowed with a warning: item ids are taken to mean the same
+    items. Raises FileNotFoundError when the folder is not prepared."""
+    from gemray.pipelines.movielens import load_manifest
+    from gemray.checkpoint import data_record
+
+    manifest = load_manifest(prepared_dir)
+    rec = data_record(manifest)
+    if rec["num_items"] != trained.num_items:
+        raise ValueError(f"--data {prepared_dir}: {rec['num_items']} items, but the checkpoint {trained.checkpoint} "
+                         f"has an item table for {trained.num_items} (trained on "
+                         f"{(trained.data or {}).get('prepared_dir', 'unknown data')}): item ids would not "
+                         "match; evaluate on data prepared with the same item vocabulary")
+    if trained.data is not None and rec["fingerprint"] != trained.data.get("fingerprint"):
+        log.warning("--data %s is another dataset version than the checkpoint was trained on (%s): same item "
+                    "count (%d), item ids taken to mean the same items", prepared_dir,
+                    trained.data.get("prepared_dir"), rec["num_items"])
+    return manifest

@@ -1,0 +1,208 @@
+"""``gemray recommend``: top-K items per user from the retrieval head, the user's history excluded.
+
+Per user: the full history in the prepared data (every interaction, the valid and test items included; the most
+recent ``data.max_seq_len`` fed to the encoder) -> ``GEM.user_embeddings`` [B, D] (the request time, the query
+time of the last position's time bias, is the last interaction's) -> scores against every item embedding
+(``GEM.item_embeddings``, unit norm, [N+1, D]) -> the K best items that are not the padding id and not in the
+user's history.
+
+Ids: the prepared data's dense ids (users 1..U, items 1..N) are what the model knows. A folder from
+``gemray prepare interactions`` maps them to the raw ids of the log (``users.parquet``: user_id, raw_user_id;
+``items.parquet``: item_id, raw_item_id); MovieLens keeps its raw user ids as user ids and maps the raw movie
+ids in ``items.parquet``. Users are given and items are returned as raw ids (:class:`IdMaps`).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as pads
+import pyarrow.parquet as pq
+import torch
+
+from gemray.serve.model import TrainedModel, check_data
+
+log = logging.getLogger(__name__)
+
+#: Columns of ``gemray recommend --out`` (Parquet), one row per (user, rank).
+RECS_COLUMNS = ("user_id", "rank", "item_id", "score")
+
+
+class IdMaps:
+    """Raw <-> dense ids of a prepared folder (see the module docstring).
+
+    ``users``: None (raw user ids are the dense ones) or (dense [U] int64, raw [U] array);
+    ``items``: (dense [N] int64, raw [N] array) or None when the folder has no ``items.parquet``.
+    """
+
+    def __init__(self, manifest: dict[str, Any]):
+        root = Path(manifest["prepared_dir"])
+        maps = manifest.get("id_maps") or {}
+        self.users = self._read(root / maps["users"], "user_id", "raw_user_id") if "users" in maps else None
+        items_file = root / (maps.get("items") or manifest.get("items_file") or "items.parquet")
+        self.items = self._read(items_file, "item_id", "raw_item_id") if items_file.is_file() else None
+        self._user_index = None
+        if self.users is not None:
+            self._user_index = {self._key(r): int(d) for d, r in zip(*self.users)}
+
+    @staticmethod
+    def _read(path: Path, dense: str, raw: str) -> tuple[np.ndarray, np.ndarray]:
+        t = pq.read_table(path, columns=[dense, raw])
+        return (t.column(dense).to_numpy().astype(np.int64),
+                np.asarray(t.column(raw).to_pylist(), dtype=object))
+
+    @staticmethod
+    def _key(raw: Any) -> str:
+        return str(raw)
+
+    def dense_users(self, raw_ids: list[Any]) -> list[int]:
+        """Dense user ids of ``raw_ids`` (strings or ints as given on the command line). Raises ValueError
+        naming the first id that is not a user of the data."""
+        out = []
+        for r in raw_ids:
+            if self._user_index is None:
+                try:
+                    out.append(int(r))
+                except (TypeError, ValueError):
+                    raise ValueError(f"user id {r!r}: this data's user ids are integers") from None
+                continue
+            d = self._user_index.get(self._key(r))
+            if d is None:
+                raise ValueError(f"user id {r!r}: not a user of this data (raw ids of users.parquet)")
+            out.append(d)
+        return out
+
+    def raw_users(self, dense: np.ndarray) -> list[Any]:
+        if self.users is None:
+            return [int(u) for u in dense]
+        lookup = dict(zip(self.users[0].tolist(), self.users[1].tolist()))
+        return [lookup[int(u)] for u in dense]
+
+    def raw_items(self, dense: np.ndarray) -> list[Any]:
+        if self.items is None:
+            return [int(i) for i in dense.reshape(-1)]
+        table = np.empty(int(self.items[0].max()) + 1, dtype=object)
+        table[self.items[0]] = self.items[1]
+        return table[dense.reshape(-1)].tolist()
+
+
+def read_histories(manifest: dict[str, Any], user_ids: list[int]) -> pa.Table:
+    """The full history rows (user_id, item_ids, ratings, timestamps) of dense ``user_ids``, in the order
+    given. Raises ValueError naming the first id the prepared folder has no history for."""
+    root = Path(manifest["prepared_dir"])
+    files = sorted({str(root / s["file"]) for s in manifest["shards"]})
+    wanted = pa.array(sorted(set(user_ids)), pa.int64())
+    table = pads.dataset(files, format="parquet").to_table(
+        columns=["user_id", "item_ids", "ratings", "timestamps"], filter=pc.field("user_id").isin(wanted))
+    got = table.column("user_id").to_numpy()
+    where = {int(u): i for i, u in enumerate(got)}
+    missing = [u for u in user_ids if u not in where]
+    if missing:
+        raise ValueError(f"user {missing[0]}: no history in {root} (dense user id; {len(missing)} missing)")
+    return table.take(pa.array([where[u] for u in user_ids], pa.int64()))
+
+
+def history_batch(table: pa.Table, max_seq_len: int):
+    """A :class:`gemray.jagged.JaggedBatch` of the most recent ``max_seq_len`` interactions of each row of
+    ``table`` (:func:`read_histories`), ``target_timestamps`` = each user's last interaction time, plus the
+    full histories as (item ids [sum n] int64, offsets [B+1] int64) for excluding them from the ranking."""
+    from gemray.jagged import JaggedBatch, lengths_to_offsets
+
+    n = pc.list_value_length(table.column("item_ids")).to_numpy().astype(np.int64)
+    if n.size and int(n.min()) < 1:
+        raise ValueError("read_histories: a user with an empty history")
+    items = pc.list_flatten(table.column("item_ids")).to_numpy().astype(np.int64)
+    ratings = pc.list_flatten(table.column("ratings")).to_numpy().astype(np.int64)
+    ts = pc.list_flatten(table.column("timestamps")).to_numpy().astype(np.int64)
+    full_off = lengths_to_offsets(torch.from_numpy(n))
+    keep = np.minimum(n, max_seq_len)
+    off = lengths_to_offsets(torch.from_numpy(keep))
+    ends = full_off[1:].numpy()
+    gather = np.repeat(ends - keep - off[:-1].numpy(), keep) + np.arange(int(keep.sum()), dtype=np.int64)
+    batch = JaggedBatch(user_ids=torch.from_numpy(table.column("user_id").to_numpy().astype(np.int64)),
+                        offsets=off, item_ids=torch.from_numpy(items[gather]),
+                        ratings=torch.from_numpy(ratings[gather]), timestamps=torch.from_numpy(ts[gather]),
+                        targets=None, target_timestamps=torch.from_numpy(ts[ends - 1]))
+    return batch, (torch.from_numpy(items), full_off)
+
+
+@torch.no_grad()
+def top_k(trained: TrainedModel, batch, history: tuple[torch.Tensor, torch.Tensor], k: int
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(item ids [B, k] int64, scores [B, k] float32): the ``k`` best-scoring items per user, highest first,
+    neither the padding id 0 nor an item of the user's full ``history`` (item ids, offsets). Fewer than k
+    rankable items give -inf scores in the last columns (their ids are then meaningless)."""
+    from gemray.metrics import history_mask
+
+    model, dev = trained.model, trained.device
+    items = model.item_embeddings(torch.arange(0, trained.num_items + 1, device=dev))  # [N+1, D]
+    users = model.user_embeddings(batch.to(dev))  # [B, D]
+    scores = (users @ items.T).float()
+    seen = history_mask(history[0].to(dev), history[1].to(dev), trained.num_items)
+    seen[:, 0] = True
+    scores = scores.masked_fill(seen, float("-inf"))
+    k = min(int(k), trained.num_items)
+    vals, ids = torch.topk(scores, k, dim=1)
+    return ids.cpu(), vals.cpu()
+
+
+def recommend(trained: TrainedModel, users: list[Any], *, k: int = 10, prepared_dir: str | Path | None = None,
+              batch_size: int | None = None) -> pa.Table:
+    """Top-``k`` items for each of ``users`` (raw user ids as the data knows them; see :class:`IdMaps`).
+
+    prepared_dir: the folder whose histories feed the users (default the run's ``data.prepared_dir``; another
+    one must have the checkpoint's item count); batch_size: users per forward (default
+    ``data.eval_batch_size``). Returns a pyarrow Table of :data:`RECS_COLUMNS`: user_id (raw), rank (1..k),
+    item_id (raw), score (cosine of user and item embedding, float32), users in the order given. Raises
+    ValueError for k < 1, an unknown user, or data that does not fit the model.
+    """
+    if int(k) < 1:
+        raise ValueError(f"--k {k}: expected >= 1")
+    cfg = trained.cfg
+    if cfg.model.token_features:
+        raise ValueError("recommend: models with model.token_features need per-token side features that "
+                         "only the prepared GEM folders carry; not supported by recommend yet")
+    manifest = check_data(trained, prepared_dir or cfg.data.prepared_dir)
+    maps = IdMaps(manifest)
+    dense = maps.dense_users(list(users))
+    bs = int(batch_size or cfg.data.eval_batch_size)
+    cols: dict[str, list] = {c: [] for c in RECS_COLUMNS}
+    for a in range(0, len(dense), bs):
+        part = dense[a:a + bs]
+        batch, hist = history_batch(read_histories(manifest, part), cfg.data.max_seq_len)
+        ids, vals = top_k(trained, batch, hist, k)
+        kk = ids.shape[1]
+        cols["user_id"] += [u for u in maps.raw_users(np.asarray(part)) for _ in range(kk)]
+        cols["rank"] += list(range(1, kk + 1)) * len(part)
+        cols["item_id"] += maps.raw_items(ids.numpy())
+        cols["score"] += vals.reshape(-1).tolist()
+    return pa.table({"user_id": pa.array(cols["user_id"]), "rank": pa.array(cols["rank"], pa.int32()),
+                     "item_id": pa.array(cols["item_id"]), "score": pa.array(cols["score"], pa.float32())})
+
+
+def read_users_file(path: str | Path) -> list[Any]:
+    """User ids from a file: one per line (text; blank lines and lines starting with # skipped), or the
+    ``user_id`` column of a Parquet / CSV file. Raises FileNotFoundError / ValueError naming the file."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"--users-file {p}: no such file")
+    if p.suffix == ".parquet":
+        t = pq.read_table(p)
+    elif p.suffix == ".csv":
+        import pyarrow.csv as pacsv
+
+        t = pacsv.read_csv(p)
+    else:
+        ids = [line.strip() for line in p.read_text().splitlines()]
+        ids = [i for i in ids if i and not i.startswith("#")]
+        if not ids:
+            raise ValueError(f"--users-file {p}: no user ids")
+        return ids
+    if "user_id" not in t.column_names:
+        raise ValueError(f"--users-file {p}: no user_id column (columns: {t.column_names})")
+    return t.column("user_id").to_pylist()

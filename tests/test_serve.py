@@ -1,0 +1,215 @@
+"""gemray evaluate / recommend / export on a checkpoint trained here (ml-latest-small, 2 workers, 3 steps).
+
+evaluate must give metrics.json's test figures and the history's validation figures bit for bit (the split
+partitioned as the 2-rank training partitioned it); recommend K items per user, none from the user's history;
+the exported user tower must load in a process where gemray, torchrec and ray cannot be imported and give the
+in-process model's user embeddings.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from paths import DATA
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+SRC = DATA / "ml-latest-small"
+TEST_KEYS = [f"{m}@{k}{s}" for k in (10, 50, 200) for m in ("hr", "ndcg") for s in ("", "_unfiltered")]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    if not SRC.is_dir():
+        pytest.skip(f"{SRC} not available")
+    import gemray
+
+    tmp = tmp_path_factory.mktemp("serve")
+    res = gemray.fit(REPO / "configs" / "ml-latest-small.toml", output_dir=tmp / "out",
+                     overrides=[f"data.raw_dir={SRC}", f"data.prepared_dir={tmp / 'prepared'}", "train.epochs=1",
+                                "train.max_steps_per_epoch=3", "ray.max_failures=0"])
+    return tmp, res
+
+
+@pytest.fixture(scope="module")
+def trained(run):
+    from gemray.serve import load_trained
+
+    tmp, res = run
+    return load_trained(tmp / "out")
+
+
+def test_evaluate_reproduces_metrics_json(run, trained):
+    from gemray.serve.evaluate import evaluate
+
+    tmp, res = run
+    assert str(trained.checkpoint) == res.checkpoint_path  # the run's newest committed checkpoint
+    m = json.loads((tmp / "out" / "metrics.json").read_text())
+    out = evaluate(trained, "test")
+    assert out["world_size"] == 2 and out["metrics"]["num_users"] == m["num_test_users"] == 610
+    assert {k: out["metrics"][k] for k in TEST_KEYS} == {k: m[k] for k in TEST_KEYS}
+    assert out["metrics"]["targets_in_history"] == m["targets_in_history"]
+    # the validation split reproduces the epoch's valid_* figures too
+    val = evaluate(trained, "valid")["metrics"]
+    hist = m["history"][-1]
+    assert {k: val[k] for k in TEST_KEYS} == {k: hist[f"valid_{k}"] for k in TEST_KEYS}
+    # one rank's partition gives the same figures up to float rounding
+    one = evaluate(trained, "test", world_size=1)["metrics"]
+    for k in TEST_KEYS:
+        assert one[k] == pytest.approx(m[k], rel=1e-9, abs=1e-12), k
+
+
+def test_evaluate_cli_other_k_and_json(run, trained, tmp_path, capsys):
+    from gemray.cli import main
+
+    tmp, _ = run
+    dest = tmp_path / "ev.json"
+    assert main(["evaluate", "--checkpoint", str(trained.checkpoint), "--k", "1", "5", "--json", str(dest)]) == 0
+    got = json.loads(dest.read_text())
+    assert got["split"] == "test" and set(got["metrics"]) >= {"hr@1", "hr@5", "ndcg@1", "ndcg@5"}
+    assert "hr@10" not in got["metrics"] and got["metrics"]["hr@1"] <= got["metrics"]["hr@5"]
+    assert "HR@K" in capsys.readouterr().out
+
+
+def test_evaluate_other_data_with_other_items_is_refused(trained, tmp_path):
+    from gemray.pipelines.movielens import prepare_movielens
+    from gemray.serve.evaluate import evaluate
+
+    if not (DATA / "ml-100k").is_dir():
+        pytest.skip("ml-100k not available")
+    other = tmp_path / "ml100k"
+    prepare_movielens(DATA / "ml-100k", other)
+    with pytest.raises(ValueError, match=r"1682 items.*item table for 9724"):
+        evaluate(trained, "test", prepared_dir=other)
+    # the run's own data named explicitly is accepted
+    from gemray.serve.model import check_data
+
+    assert check_data(trained, trained.cfg.data.prepared_dir)["counts"]["items"] == 9724
+
+
+def _histories(trained, users):
+    from gemray.pipelines.movielens import load_manifest
+    from gemray.serve.recommend import read_histories
+
+    return read_histories(load_manifest(trained.cfg.data.prepared_dir), users)
+
+
+def test_recommend_k_items_none_from_history(trained, tmp_path):
+    from gemray.cli import main
+    from gemray.serve.recommend import IdMaps, recommend
+
+    users = [1, 2, 3, 77, 610]
+    recs = recommend(trained, users, k=10)
+    assert recs.column_names == ["user_id", "rank", "item_id", "score"]
+    maps = IdMaps(__import__("gemray.pipelines.movielens", fromlist=["x"]).load_manifest(trained.cfg.data.prepared_dir))
+    hist = _histories(trained, users)
+    rows = recs.to_pylist()
+    for u, h in zip(users, hist.column("item_ids").to_pylist()):
+        mine = [r for r in rows if r["user_id"] == u]
+        assert [r["rank"] for r in mine] == list(range(1, 11))
+        seen_raw = set(maps.raw_items(np.asarray(h)))
+        assert not seen_raw & {r["item_id"] for r in mine}, u
+        assert len({r["item_id"] for r in mine}) == 10
+        scores = [r["score"] for r in mine]
+        assert scores == sorted(scores, reverse=True) and all(np.isfinite(scores))
+    # raw MovieLens movie ids come back (ml-latest-small's go up to 193609; dense ids stop at 9724)
+    assert set(recs.column("item_id").to_pylist()) <= set(maps.items[1].tolist())
+    # batch mode: a users file -> Parquet, same rows
+    uf = tmp_path / "users.txt"
+    uf.write_text("# users\n" + "\n".join(map(str, users)) + "\n")
+    out = tmp_path / "recs.parquet"
+    assert main(["recommend", "--checkpoint", str(trained.checkpoint), "--users-file", str(uf), "--k", "10",
+                 "--out", str(out)]) == 0
+    assert pq.read_table(out).to_pylist() == rows
+    with pytest.raises(ValueError, match="user 999999"):
+        recommend(trained, [999999], k=3)
+
+
+GUARD = r"""
+import importlib.abc, sys
+class Forbid(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in ("gemray", "torchrec", "ray", "fbgemm_gpu"):
+            raise ImportError(f"forbidden import: {name}")
+        return None
+sys.meta_path.insert(0, Forbid())
+import json, numpy as np, torch
+d = sys.argv[1]
+prog = torch.export.load(d + "/user_tower.pt2").module()
+items = torch.from_numpy(np.load(d + "/item_embeddings.npy"))
+inp = torch.load(d + "/../inputs.pt")
+users = prog(inp["item_ids"], inp["offsets"], inp["timestamps"], inp["ratings"], inp["query_time"])
+torch.save({"users": users, "scores": users @ items.T}, d + "/../got.pt")
+assert not [m for m in sys.modules if m.split(".")[0] in ("gemray", "torchrec", "ray")]
+print("ok", json.load(open(d + "/serving.json"))["num_items"])
+"""
+
+
+def test_export_loads_without_training_stack(trained, tmp_path):
+    from gemray.serve.export import export
+    from gemray.serve.recommend import history_batch
+
+    out = export(trained, tmp_path / "export")
+    spec = json.loads((out / "serving.json").read_text())
+    assert spec["num_items"] == 9724 and spec["embedding_dim"] == 32
+    ids = np.load(out / "item_ids.npy")
+    assert ids.shape == (9725,) and ids[0] == -1
+    # 7 users of very different lengths (some longer than max_seq_len = 50: truncated)
+    batch, _ = history_batch(_histories(trained, [1, 2, 5, 9, 100, 414, 610]), trained.cfg.data.max_seq_len)
+    assert int(batch.lengths.max()) == 50 and int(batch.lengths.min()) < 50
+    with torch.no_grad():
+        want_users = trained.model.user_embeddings(batch)
+        want_scores = want_users @ trained.model.item_embeddings(torch.arange(0, 9725)).T
+    torch.save({"item_ids": batch.item_ids, "offsets": batch.offsets, "timestamps": batch.timestamps,
+                "ratings": batch.ratings, "query_time": batch.target_timestamps}, tmp_path / "inputs.pt")
+    proc = subprocess.run([sys.executable, "-c", GUARD, str(out)], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().endswith("ok 9724")
+    got = torch.load(tmp_path / "got.pt")
+    torch.testing.assert_close(got["users"], want_users, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(got["scores"], want_scores, atol=2e-5, rtol=1e-4)
+    with pytest.raises(FileExistsError):
+        export(trained, out)
+
+
+def test_checkpoint_not_found_is_a_clear_error(tmp_path, capsys):
+    from gemray.cli import main
+    from gemray.serve.model import locate_checkpoint
+
+    with pytest.raises(FileNotFoundError, match="no such folder"):
+        locate_checkpoint(tmp_path / "missing")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "config.toml").write_text('name = "x"\n')
+    with pytest.raises(FileNotFoundError, match="no committed checkpoint"):
+        locate_checkpoint(tmp_path / "out")
+    assert main(["evaluate", "--checkpoint", str(tmp_path / "out")]) == 2
+    assert "no committed checkpoint" in capsys.readouterr().err
+
+
+def test_id_maps_raw_string_ids(tmp_path):
+    """A `gemray prepare interactions` folder maps string user / item ids: users are taken and items given back raw."""
+    import pyarrow as pa
+
+    from gemray.serve.recommend import IdMaps
+
+    pq.write_table(pa.table({"user_id": pa.array([1, 2, 3], pa.int64()), "raw_user_id": ["ann", "bob", "cy"]}),
+                   tmp_path / "users.parquet")
+    pq.write_table(pa.table({"item_id": pa.array([1, 2], pa.int64()), "raw_item_id": ["B00X", "B00Y"]}),
+                   tmp_path / "items.parquet")
+    maps = IdMaps({"prepared_dir": str(tmp_path), "id_maps": {"users": "users.parquet", "items": "items.parquet"}})
+    assert maps.dense_users(["cy", "ann"]) == [3, 1]
+    assert maps.raw_users(np.array([2, 3])) == ["bob", "cy"]
+    assert maps.raw_items(np.array([[2, 1]])) == ["B00Y", "B00X"]
+    with pytest.raises(ValueError, match="'dan'"):
+        maps.dense_users(["dan"])
+    plain = IdMaps({"prepared_dir": str(tmp_path / "none")})  # MovieLens-like without items.parquet: ids as is
+    assert plain.dense_users(["7"]) == [7] and plain.raw_items(np.array([5])) == [5]
