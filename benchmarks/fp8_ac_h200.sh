@@ -35,8 +35,9 @@ declare -A SETS=(
   [hist2x_auto]="train.precision=bf16 data.max_seq_len=$((2 * MSL)) train.activation_checkpointing=auto"
 )
 ORDER=${VARIANTS:-"bf16 fp8 fp8_e5m2grad fp8_bf16grad ac_full ac_auto ac_torch hist2x_auto"}
-peak_of() {  # peak bytes out of bench train's JSON (the first key naming a peak)
-  "$PY" -c "import json,sys; d=json.load(open(sys.argv[1])); k=[k for k in d if 'peak' in k]; print(int(d[k[0]]) if k else 0)" "$1" 2>/dev/null || echo 0
+peak_of() {  # peak allocated bytes out of bench train's JSON (peak_memory.allocated_bytes)
+  "$PY" -c "import json,sys; print(int(json.load(open(sys.argv[1]))['peak_memory']['allocated_bytes']))" "$1" 2>/dev/null \
+    || echo 0
 }
 : > "$OUT/summary.txt"
 for v in $ORDER; do
@@ -58,10 +59,9 @@ try:
     d = json.load(open(path))
 except (OSError, ValueError):
     print(f"{v:<14} rc={rc} (no JSON)"); sys.exit()
-step = next((d[k] for k in ("step_ms", "step_ms_median", "median_step_ms") if k in d), None)
-peak = next((d[k] for k in d if "peak" in k), None)
-print(f"{v:<14} rc={rc} step_ms={step} peak_GiB={None if peak is None else round(peak / 2**30, 2)} "
-      f"samples_per_s={d.get('samples_per_s')}")
+step, peak = d["step_s"]["median"] * 1e3, d["peak_memory"].get("allocated_bytes")
+print(f"{v:<14} rc={rc} step_ms={step:.1f} peak_GiB={None if peak is None else round(peak / 2**30, 2)} "
+      f"tokens_per_s={d.get('tokens_per_s'):.0f} local_mfu={d.get('local_mfu')}")
 PYEOF
   grep -E "activation checkpointing: (auto|measured)|fp8: converted" "$OUT/$v.log" | cut -c1-300
 done
