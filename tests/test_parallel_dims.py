@@ -25,7 +25,7 @@ def _pc(**kw) -> ParallelConfig:
     (dict(sparse_2d_group=4), 4, 1, (4, 1, 1, 0)),                     # a group of the whole world: plain
 ])
 def test_from_config(kw, world, gpn, want):
-    d = from_config(_pc(**kw), world, "cpu", gpn)
+    d = from_config(_pc(**kw), world, "cuda", gpn)
     assert (d.dp_replicate, d.dp_shard, d.ep, d.sparse_group) == want
     assert d.dp_replicate * d.dp_shard == world
     assert d.sparse_group_size * d.sparse_replicas == world
@@ -35,11 +35,18 @@ def test_from_config(kw, world, gpn, want):
     (dict(dense="hsdp", dp_shard=3), 4, "dp_shard=3 does not divide world size 4"),
     (dict(dense="fsdp", expert_parallel=3), 4, "expert_parallel=3 does not divide dp_shard=4"),
     (dict(sparse_2d_group=3), 4, "sparse_2d_group=3 does not divide world size 4"),
-    (dict(sparse_sharding="table_row_wise"), 2, "not supported on cpu"),
 ])
 def test_sizes_that_do_not_divide_name_them(kw, world, msg):
     with pytest.raises(ValueError, match=msg):
-        from_config(_pc(**kw), world, "cpu", 1)
+        from_config(_pc(**kw), world, "cuda", 1)
+
+
+def test_cpu_limits():
+    with pytest.raises(ValueError, match="not supported on cpu"):
+        from_config(_pc(sparse_sharding="table_row_wise"), 2, "cpu", 1)
+    with pytest.raises(ValueError, match="sparse_2d_group=2 needs CUDA"):
+        from_config(_pc(sparse_2d_group=2), 4, "cpu", 1)
+    assert from_config(_pc(sparse_2d_group=2), 2, "cpu", 1).sparse_group == 0  # a group of the world: plain
 
 
 def test_direct_construction_and_fill():
@@ -77,12 +84,12 @@ def test_elastic_4_to_3_nearest_valid():
     """4 -> 3 workers: HSDP shard 2 and a 2D group of 2 do not divide 3; each goes to the smallest divisor
     >= the configured degree (no rank holds more than before); logged changes name both."""
     pc = _pc(dense="hsdp", dp_shard=2, sparse_2d_group=2)
-    assert nearest_valid(pc, 4, "cpu") == (from_config(pc, 4, "cpu"), [])
-    d, changes = nearest_valid(pc, 3, "cpu")
+    assert nearest_valid(pc, 4, "cuda") == (from_config(pc, 4, "cuda"), [])
+    d, changes = nearest_valid(pc, 3, "cuda")
     assert (d.dp_replicate, d.dp_shard, d.sparse_group) == (1, 3, 0)
     assert len(changes) == 2 and "dp_shard 2 -> 3" in changes[0] and "sparse_2d_group 2 -> 3" in changes[1]
-    assert largest_valid_world(pc, 3, "cpu") == 2
-    assert largest_valid_world(pc, 4, "cpu") == 4
+    assert largest_valid_world(pc, 3, "cuda") == 2
+    assert largest_valid_world(pc, 4, "cuda") == 4
     # fill-only layouts hold at every size
     for kw in (dict(), dict(dense="fsdp")):
         for w in (1, 2, 3, 5):
@@ -94,10 +101,10 @@ def test_elastic_4_to_3_nearest_valid():
 
 def test_elastic_2_to_1_to_2():
     pc = _pc(dense="hsdp", dp_shard=2, sparse_2d_group=2)
-    d1 = resolve(pc, 1, "cpu", elastic=True, gpus_per_node=1)
+    d1 = resolve(pc, 1, "cuda", elastic=True, gpus_per_node=1)
     assert (d1.dp_replicate, d1.dp_shard, d1.sparse_group) == (1, 1, 0)
-    d2 = resolve(pc, 2, "cpu", elastic=True, gpus_per_node=1)
-    assert d2 == from_config(pc, 2, "cpu", 1)
+    d2 = resolve(pc, 2, "cuda", elastic=True, gpus_per_node=1)
+    assert d2 == from_config(pc, 2, "cuda", 1)
 
 
 def test_resolve_fixed_size_raises_elastic_logs(caplog):

@@ -101,6 +101,9 @@ class ParallelDims:
         if g and w % g:
             raise ValueError(f"parallel.sparse_2d_group={g} does not divide world size {w} (tables are sharded "
                              f"inside groups of that size, replicated across world/group groups)")
+        if g and g != w and self.device_type != "cuda":
+            raise ValueError(f"parallel.sparse_2d_group={g} needs CUDA: TorchRec's DMPCollection (2D parallel) "
+                             f"supports CUDA / MTIA only")
         object.__setattr__(self, "dp_replicate", rep)
         object.__setattr__(self, "dp_shard", shard)
         object.__setattr__(self, "sparse_group", 0 if g == w else g)

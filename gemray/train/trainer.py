@@ -3,7 +3,7 @@
 Phases (torchtitan's order, ``torchtitan/trainer.py``): :meth:`Trainer.setup` (device, ranks, logging,
 the attempt id, data streams) -> :meth:`Trainer.build` (the whole model on the meta device ->
 ``gemray.parallel.parallelize``: shard the embeddings, materialise the dense part seeded identically on every
-rank, DDP -> optimizer) -> :meth:`Trainer.restore` -> per epoch :meth:`Trainer.train_epoch` (steps:
+rank, DDP or FSDP2 / HSDP over the ``[parallel]`` layout's device mesh -> optimizer) -> :meth:`Trainer.restore` -> per epoch :meth:`Trainer.train_epoch` (steps:
 :meth:`Trainer.train_step`, the preemption vote, :meth:`Trainer.maybe_checkpoint`) and
 :meth:`Trainer.evaluate` -> :meth:`Trainer.finish`. Decisions live apart from the code that acts on them:
 ``CheckpointPolicy`` (when to checkpoint), ``gemray.preemption.preemption_action`` (what a vote means),
@@ -43,7 +43,8 @@ import torch.distributed as dist
 from gemray.checkpoint import data_record, report_with_checkpoint, restore_from_ray
 from gemray.config import JobConfig, from_dict
 from gemray.events import epoch_fields
-from gemray.parallel import build_optimizer, parallelize, plan_layout
+from gemray.parallel import (build_optimizer, dense_unsharded, parallelize, plan_layout, resolve,
+                             sync_sparse_replicas)
 from gemray.preemption import read_notice
 from gemray.train.checkpoint_policy import CheckpointPolicy
 from gemray.train.evaluation import RetrievalEvaluator
@@ -132,12 +133,17 @@ class Trainer:
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
-        self.layout = plan_layout(self.world, self.device.type)
+        # The mesh degrees for this world size ([parallel]); an elastic job resized to a size they do not
+        # divide runs the nearest valid layout (logged), a fixed-size job stops with the sizes named.
+        elastic = bool(cfg.ray.min_workers or cfg.ray.max_workers)
+        self.dims = resolve(cfg.parallel, self.world, self.device.type, elastic=elastic)
+        self.layout = plan_layout(self.world, self.device.type, self.dims)
         self.attempt = agree_attempt(self.rank, self.device)
         self.recorder = RecoveryRecorder(cfg.train.events_path, attempt=self.attempt, rank=self.rank,
                                          t_start=self.t_start)
         self.recorder.attempt_started(self.world, list(self.layout.sharding_types))
-        log.info("rank %d/%d on %s (%s); job %s", self.rank, self.world, self.device, self.layout.backend, cfg.name)
+        log.info("rank %d/%d on %s (%s); job %s; layout %s", self.rank, self.world, self.device,
+                 self.layout.backend, cfg.name, self.dims.describe())
         self.vote = PreemptionVote(cfg.checkpoint.preempt_notice, self.device, self.world,
                                    cfg.checkpoint.preempt_poll_steps)
         self.vote.install_sigterm_handler()
@@ -253,6 +259,7 @@ class Trainer:
         torch.manual_seed(step_seed(seed, self.global_step, self.rank))  # dropout
         self.dmp.module.seed_sampling(step_seed(seed + 1, self.global_step, self.rank))  # negatives
         loss, n_t = forward_backward_step(self.dmp, self.optimizer, batch, self.device)
+        sync_sparse_replicas(self.dmp)  # TorchRec 2D: average the table replicas (no-op otherwise)
         self.stats.add(loss, n_t, batch.num_tokens, batch.batch_size)
         self.global_step += 1
         self.epoch_step += 1
@@ -327,12 +334,13 @@ class Trainer:
             raise ValueError(f"Trainer.evaluate: split must be one of {sorted(self.streams)}, got {split!r}")
         model = self.dmp.module
         self.dmp.eval()
-        ctxs = [ev.prepare(model, self.device) for ev in self.evaluators]
         sums = [torch.zeros(ev.num_sums(), dtype=torch.float64) for ev in self.evaluators]
-        for batch in self.streams[split].iter_epoch(0):
-            batch = batch.to(self.device)
-            for ev, ctx, s in zip(self.evaluators, ctxs, sums):
-                s += ev.batch_sums(model, batch, ctx)
+        with dense_unsharded(model):  # FSDP2: evaluation reaches the dense part outside forward
+            ctxs = [ev.prepare(model, self.device) for ev in self.evaluators]
+            for batch in self.streams[split].iter_epoch(0):
+                batch = batch.to(self.device)
+                for ev, ctx, s in zip(self.evaluators, ctxs, sums):
+                    s += ev.batch_sums(model, batch, ctx)
         total = torch.cat(sums).to(self.device)
         dist.all_reduce(total)
         self.dmp.train()
