@@ -1,6 +1,6 @@
 """HSTU blocks and encoder, jagged end to end (Zhai et al. 2024, arXiv:2402.17152, sec. 3.1, eqs. 1-3).
 
-Shape key: T tokens, B sequences, D = embedding_dim (residual width), H heads, A = attention_dim
+Shape key: T tokens, B sequences, D = ``cfg.width`` (residual width: model_dim, or embedding_dim), H heads, A = attention_dim
 (per-head q/k width), V = linear_dim (per-head u/v width), N = max_seq_len, n = longest sequence.
 
 One block (generative-recommenders' ``SequentialTransductionUnitJagged``, "uvqk" + "rel_bias")::
@@ -81,7 +81,7 @@ class HSTUBlock(nn.Module):
         super().__init__()
         if cfg.attn_dropout > 0:
             raise ValueError("model.attn_dropout: attention dropout is not implemented (use 0.0)")
-        self.d, self.h, self.a, self.v = cfg.embedding_dim, cfg.num_heads, cfg.attention_dim, cfg.linear_dim
+        self.d, self.h, self.a, self.v = cfg.width, cfg.num_heads, cfg.attention_dim, cfg.linear_dim
         self.max_seq_len = max_seq_len
         self.activation = cfg.attn_activation
         self.backend = cfg.attention_backend
@@ -113,8 +113,9 @@ class HSTUBlock(nn.Module):
         """x [T, D] float, offsets [B+1] int64, timestamps [T] int64 -> [T, D].
 
         buckets / cache: optional ``ops.relative_bias_buckets`` of this batch and a dict, both shared by
-        the blocks of one forward (bucketise and slice once). query_timestamps: optional [T] int64 query
-        times of the time bias (default ``timestamps``; ignored when ``buckets`` are given).
+        the blocks of one forward (bucketise and slice once; the reference backend's). query_timestamps:
+        optional [T] int64 query times of the time bias (default ``timestamps``; the reference ignores them when
+        ``buckets`` are given, which must then have been made from them; the Triton kernels use them).
         """
         T = x.shape[0]
         x_norm = F.layer_norm(x, (self.d,), eps=LN_EPS)
@@ -144,7 +145,7 @@ class HSTUEncoder(nn.Module):
         if max_seq_len < 1:
             raise ValueError(f"max_seq_len: expected >= 1, got {max_seq_len}")
         self.cfg = cfg
-        self.d = cfg.embedding_dim
+        self.d = cfg.width
         self.max_seq_len = max_seq_len
         self.pos_emb = nn.Parameter(torch.empty(max_seq_len, self.d, device=device))
         self.input_dropout = nn.Dropout(cfg.dropout)
@@ -180,9 +181,13 @@ class HSTUEncoder(nn.Module):
         pos = positions(offsets)
         x = tok_emb * math.sqrt(self.d) + self.pos_emb[pos]
         x = self.input_dropout(x)
-        buckets = ops.relative_bias_buckets(timestamps, offsets, n, self.cfg.num_position_buckets,
-                                            self.cfg.num_time_buckets, self.max_seq_len, query_timestamps)
+        # the reference bucketises once per forward ([B, n, n] indices shared by the blocks); the Triton kernels
+        # bucketise per tile from the timestamps themselves (no [B, n, n] tensor)
+        buckets = None
+        if ops.resolve_backend(self.cfg.attention_backend, x.device) is ops.AttentionBackend.REFERENCE:
+            buckets = ops.relative_bias_buckets(timestamps, offsets, n, self.cfg.num_position_buckets,
+                                                self.cfg.num_time_buckets, self.max_seq_len, query_timestamps)
         cache: dict = {}
         for block in self.blocks:
-            x = block(x, offsets, timestamps, buckets, cache)
+            x = block(x, offsets, timestamps, buckets, cache, query_timestamps)
         return F.normalize(x, dim=-1, eps=1e-6)

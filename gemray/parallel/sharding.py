@@ -196,8 +196,10 @@ def parallelize(model: nn.Module, *, layout: Layout, cfg: JobConfig, device: tor
         raise ValueError(f"parallel.expert_parallel={dims.ep}: {type(model).__name__} has no mixture-of-experts "
                          f"layers to spread over the 'ep' mesh dimension (set parallel.expert_parallel=0)")
     group = dims.sparse_group_size  # 2D: the plan is for one sharding group, repeated across replicas
+    # on CUDA the GPU's real HBM, not TorchRec's 32 GB default (GEM-scale tables)
+    hbm = {"hbm_cap": torch.cuda.get_device_properties(device).total_memory} if layout.device_type == "cuda" else {}
     topology = Topology(world_size=group, local_world_size=group if dims.sparse_2d else None,
-                        compute_device=layout.device_type)
+                        compute_device=layout.device_type, **hbm)
     planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints)
     plan = planner.collective_plan(model, pg=pg)
     if dist.get_rank(pg) == 0:
