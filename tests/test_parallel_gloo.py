@@ -191,7 +191,7 @@ def _worker(rank: int, world: int, port: int, out: str, key) -> None:
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", [1, 2, pytest.param(4, marks=pytest.mark.slow)])  # 4 ranks on 2 cores: ~70 s
 def test_layouts_match_single_process(world, tmp_path):
     spawn_ranks(_worker, (world, free_port(), str(tmp_path), world), world,
                 [tmp_path / f"done{r}" for r in range(world)])
