@@ -136,6 +136,16 @@ def agree_attempt(rank: int, device: torch.device) -> int:
     return int(t.cpu())
 
 
+def rank_load(tokens: int, step_s: float, device: torch.device) -> tuple[list[int], list[float]]:
+    """Collective: every rank's tokens and wall seconds of its last step (``all_gather``), in rank order,
+    for the per-rank load log line (with BBS the token counts are balanced; without, they show the skew)."""
+    mine = torch.tensor([float(tokens), float(step_s)], dtype=torch.float64, device=device)
+    out = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, mine)
+    rows = torch.stack(out).cpu()
+    return [int(t) for t in rows[:, 0].tolist()], [float(t) for t in rows[:, 1].tolist()]
+
+
 class Trainer:
     """One attempt of one worker: call the phases in order (see the module docstring).
 
@@ -288,12 +298,15 @@ class Trainer:
             batch, self.consumed = next(batches)
             loss = self.train_step(batch)
             meter.add(batch.batch_size, batch.num_tokens, self.last_step_flops)
-            if self.rank == 0 and self.epoch_step % cfg.train.log_every == 0:
-                r = meter.rates_full()
-                log.info("epoch %d step %d (global %d) loss %.4f rank0 %.0f samples/s %.0f tokens/s "
-                         "%.3f TFLOP/s MFU %s", epoch + 1, self.epoch_step, self.global_step, loss,
-                         r["samples_per_s"], r["tokens_per_s"], r["tflops_per_s"],
-                         "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.2f}%")
+            if self.epoch_step % cfg.train.log_every == 0:
+                tokens, step_s = rank_load(batch.num_tokens, self.last_step_s, self.device)  # collective
+                if self.rank == 0:
+                    r = meter.rates_full()
+                    log.info("epoch %d step %d (global %d) loss %.4f rank0 %.0f samples/s %.0f tokens/s "
+                             "%.3f TFLOP/s MFU %s; per-rank tokens %s step_s %s", epoch + 1, self.epoch_step,
+                             self.global_step, loss, r["samples_per_s"], r["tokens_per_s"], r["tflops_per_s"],
+                             "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.2f}%", tokens,
+                             [round(t, 4) for t in step_s])
             # Without a notice the epoch-end checkpoint covers the last step; with one, the emergency checkpoint
             # is taken here (a resumed run then has 0 steps left of this epoch and goes straight to its end).
             last = i == steps - 1
