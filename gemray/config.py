@@ -455,6 +455,52 @@ class CheckpointConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """How one job is laid out over its ranks (``gemray.parallel.dims.ParallelDims`` reads these).
+
+    dense: the dense (non-embedding) part: "ddp" (replicated, DistributedDataParallel: the default),
+    "fsdp" (FSDP2 ``fully_shard`` over every rank) or "hsdp" (FSDP2 on a 2D mesh: replicate across groups
+    x shard inside a group of ``dp_shard`` ranks).
+    dp_shard: hsdp only: ranks one dense shard group spans (0 = the GPUs of one node; must divide the
+    world size, the replicate degree fills the rest).
+    sparse_sharding: the TorchRec sharding type of every embedding table: "auto" (the planner chooses among
+    those the device supports), "table_wise", "row_wise", "column_wise" or "table_row_wise" (CUDA only).
+    sparse_2d_group: > 0: TorchRec 2D parallel (``DMPCollection``): tables sharded inside groups of this
+    many ranks, replicated across groups (weights averaged across replicas after every step); 0 = every
+    table sharded over the whole world. Must divide the world size.
+    expert_parallel: ranks the experts of a mixture-of-experts layer are spread over (0 or 1 = off; borrows
+    from the dp_shard dimension, as torchtitan's EP). Needs a model with experts.
+    reshard_after_forward: FSDP2: free the gathered parameters of each block after its forward (re-gathered
+    in backward; less memory) or keep them until backward (less communication).
+    prefetch: FSDP2 explicit prefetch: block i+1's all-gather issued during block i's forward, block i-1's
+    during block i's backward.
+    gpus_per_node: devices of one node (0 = detect: the node's visible CUDA devices, 1 on CPU).
+    """
+
+    dense: str = "ddp"
+    dp_shard: int = 0
+    sparse_sharding: str = "auto"
+    sparse_2d_group: int = 0
+    expert_parallel: int = 0
+    reshard_after_forward: bool = True
+    prefetch: bool = True
+    gpus_per_node: int = 0
+
+    def validate(self) -> None:
+        _choice(self, "dense", ("ddp", "fsdp", "hsdp"))
+        _choice(self, "sparse_sharding", ("auto", "table_wise", "row_wise", "column_wise", "table_row_wise"))
+        for name in ("dp_shard", "sparse_2d_group", "expert_parallel", "gpus_per_node"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"parallel.{name}: expected >= 0, got {getattr(self, name)}")
+        if self.dp_shard and self.dense != "hsdp":
+            raise ValueError(f"parallel.dp_shard={self.dp_shard} applies to parallel.dense='hsdp' only "
+                             f"(got dense={self.dense!r}; 'fsdp' shards over every rank)")
+        if self.expert_parallel > 1 and self.dense == "ddp":
+            raise ValueError(f"parallel.expert_parallel={self.expert_parallel} borrows ranks from the dense "
+                             f"shard dimension: use parallel.dense='fsdp' or 'hsdp'")
+
+
+@dataclass
 class JobConfig:
     """The whole job: one TOML file, one section per dataclass above."""
 
@@ -464,6 +510,7 @@ class JobConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def validate(self) -> "JobConfig":
         if not str(self.name).strip():

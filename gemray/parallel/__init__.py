@@ -1,7 +1,12 @@
-"""Parallelism: ``plan_layout`` (pure decision from world size), ``parallelize`` (meta model -> TorchRec DMP,
+"""Parallelism: ``ParallelDims`` (pure layout decision: mesh degrees from world size and ``[parallel]``),
+``plan_layout``, ``parallelize`` (meta model -> TorchRec DMP / DMPCollection with DDP or FSDP2 dense,
 materialised) and ``build_optimizer`` (fused sparse + dense AdamW)."""
 
+from gemray.parallel.dims import ParallelDims, build_mesh, from_config, nearest_valid, resolve
+from gemray.parallel.fsdp import dense_unsharded
 from gemray.parallel.sharding import (Layout, build_optimizer, check_shardable, materialize_dense, parallelize,
-                                      plan_layout)
+                                      plan_layout, sync_sparse_replicas)
 
-__all__ = ["Layout", "build_optimizer", "check_shardable", "materialize_dense", "parallelize", "plan_layout"]
+__all__ = ["Layout", "ParallelDims", "build_mesh", "build_optimizer", "check_shardable", "dense_unsharded",
+           "from_config", "materialize_dense", "nearest_valid", "parallelize", "plan_layout", "resolve",
+           "sync_sparse_replicas"]

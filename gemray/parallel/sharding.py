@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from gemray.config import JobConfig
+from gemray.parallel.dims import ParallelDims
 
 log = logging.getLogger(__name__)
 
@@ -36,26 +37,37 @@ class Layout:
     world_size: number of ranks (Ray Train workers). device_type: "cpu" or "cuda".
     backend: process-group backend ("gloo" on CPU, "nccl" on CUDA).
     sharding_types: TorchRec ShardingType values the planner may choose from for every table.
+    dims: the mesh degrees (``gemray.parallel.dims.ParallelDims``), None = plain DDP (see ``parallel``).
     """
 
     world_size: int
     device_type: str
     backend: str
     sharding_types: tuple[str, ...]
+    dims: ParallelDims | None = None
+
+    @property
+    def parallel(self) -> ParallelDims:
+        """The mesh degrees; a layout planned without any is plain DDP with every table sharded over the world."""
+        return self.dims or ParallelDims(self.world_size, device_type=self.device_type)
 
 
-def plan_layout(world_size: int, device_type: str) -> Layout:
+def plan_layout(world_size: int, device_type: str, dims: ParallelDims | None = None) -> Layout:
     """Pure decision: the layout for ``world_size`` ranks on ``device_type`` ("cpu" or "cuda").
 
-    Raises ValueError for world_size < 1 or an unknown device type.
+    dims: the mesh degrees (``gemray.parallel.dims.resolve``); default: dense DDP, every table sharded over
+    the world by the planner's choice among the device's sharding types. Raises ValueError for
+    world_size < 1, an unknown device type, or dims of another world size / device.
     """
     if world_size < 1:
         raise ValueError(f"plan_layout: world_size must be >= 1, got {world_size}")
-    if device_type == "cpu":
-        return Layout(world_size, "cpu", "gloo", _CPU_SHARDING)
-    if device_type == "cuda":
-        return Layout(world_size, "cuda", "nccl", _GPU_SHARDING)
-    raise ValueError(f"plan_layout: device_type must be 'cpu' or 'cuda', got {device_type!r}")
+    if device_type not in ("cpu", "cuda"):
+        raise ValueError(f"plan_layout: device_type must be 'cpu' or 'cuda', got {device_type!r}")
+    if dims is not None and (dims.world_size, dims.device_type) != (world_size, device_type):
+        raise ValueError(f"plan_layout: dims are for {dims.world_size} ranks on {dims.device_type}, not "
+                         f"{world_size} on {device_type}")
+    types = dims.sharding_types if dims is not None else (_CPU_SHARDING if device_type == "cpu" else _GPU_SHARDING)
+    return Layout(world_size, device_type, "gloo" if device_type == "cpu" else "nccl", tuple(types), dims)
 
 
 def check_shardable(model_cfg) -> None:
@@ -118,14 +130,19 @@ def parallelize(model: nn.Module, *, layout: Layout, cfg: JobConfig, device: tor
 
     1. fused sparse optimizer attached to the EmbeddingCollection's parameters
        (``apply_optimizer_in_backward``; TorchRec fuses it into the sharded kernels, so it comes first);
-    2. sharding plan: ``EmbeddingShardingPlanner.collective_plan`` over ``layout.sharding_types``;
+    2. sharding plan: ``EmbeddingShardingPlanner.collective_plan``, every table constrained to
+       ``layout.sharding_types`` (``parallel.sparse_sharding``); for TorchRec 2D (``parallel.sparse_2d_group``)
+       the plan is for one sharding group;
     3. dense part materialised: ``torch.manual_seed(cfg.train.seed)``, every module outside
        ``model.embeddings`` ``to_empty(device=device)``, then ``model.init_weights()``: the same values on
        every rank (DDP's broadcast from rank 0 then changes nothing); GEM's are those of a direct
        real-device build with that seed (its init_weights skips the draws of the tables left on meta);
     4. ``DistributedModelParallel``: shards the EmbeddingCollection per the plan and materialises each
        rank's shards (FBGEMM initialises them from the tables' ``weight_init_min/max``, continuing the RNG
-       stream of step 3), then wraps the dense remainder in DDP.
+       stream of step 3), then wraps the dense remainder in DDP (``parallel.dense="ddp"``) or FSDP2 /
+       HSDP over the layout's device mesh (``gemray.parallel.fsdp.FullyShardWrapper``); with
+       ``parallel.sparse_2d_group`` > 0 a ``DMPCollection`` (tables sharded inside groups of that size,
+       replicated across; :func:`sync_sparse_replicas` after each step).
 
     model: a plain module (e.g. ``gemray.model.gem.GEM(..., device="meta")``) whose every parameter is on
         the meta device, with an ``embeddings`` attribute holding a TorchRec ``EmbeddingCollection`` and an
@@ -136,7 +153,8 @@ def parallelize(model: nn.Module, *, layout: Layout, cfg: JobConfig, device: tor
         ``train.adam_betas``).
     device: this rank's device (``cuda:<local_rank>`` or ``cpu``).
     Returns the ``DistributedModelParallel``; :func:`build_optimizer` adds the dense optimizer to its fused one.
-    Raises ValueError if model.embedding_dim is not a multiple of 4 (FBGEMM), the process group is not
+    Raises ValueError if parallel.expert_parallel > 1 (the model has no experts), model.embedding_dim is
+    not a multiple of 4 (FBGEMM), the process group is not
     initialised, its size differs from the layout, the model has no ``embeddings`` EmbeddingCollection or
     no ``init_weights``, or a parameter is not on the meta device.
     """
@@ -173,19 +191,53 @@ def parallelize(model: nn.Module, *, layout: Layout, cfg: JobConfig, device: tor
     constraints = {t.name: ParameterConstraints(sharding_types=list(layout.sharding_types),
                                                 compute_kernels=kernels)
                    for t in ec.embedding_configs()}
-    topology = Topology(world_size=layout.world_size, compute_device=layout.device_type, **({"hbm_cap": torch.cuda.get_device_properties(device).total_memory} if layout.device_type == "cuda" else {}))  # the GPU's real HBM, not TorchRec's 32 GB default (GEM-scale tables)
+    dims = layout.parallel
+    if dims.ep_enabled:
+        raise ValueError(f"parallel.expert_parallel={dims.ep}: {type(model).__name__} has no mixture-of-experts "
+                         f"layers to spread over the 'ep' mesh dimension (set parallel.expert_parallel=0)")
+    group = dims.sparse_group_size  # 2D: the plan is for one sharding group, repeated across replicas
+    # on CUDA the GPU's real HBM, not TorchRec's 32 GB default (GEM-scale tables)
+    hbm = {"hbm_cap": torch.cuda.get_device_properties(device).total_memory} if layout.device_type == "cuda" else {}
+    topology = Topology(world_size=group, local_world_size=group if dims.sparse_2d else None,
+                        compute_device=layout.device_type, **hbm)
     planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints)
     plan = planner.collective_plan(model, pg=pg)
     if dist.get_rank(pg) == 0:
-        log.info("sharding plan (%d ranks, %s): %s", layout.world_size, layout.device_type,
-                 _describe_plan(plan))
+        log.info("layout %s; sharding plan (%d ranks per group, %s): %s", dims.describe(), group,
+                 layout.device_type, _describe_plan(plan))
 
     # 3. Dense part: real memory, then the same seeded draws on every rank.
     torch.manual_seed(cfg.train.seed)
     materialize_dense(model, device)
 
-    # 4. DMP: EC sharded per plan (shards materialised by TorchRec), the dense remainder wrapped in DDP.
-    return DistributedModelParallel(module=model, device=device, plan=plan)
+    # 4. DMP: EC sharded per plan (shards materialised by TorchRec), the dense remainder wrapped in DDP, or
+    # by FSDP2 over the mesh's dp dims; DMPCollection for TorchRec 2D (shard in a group, replicate across).
+    wrapper = None
+    if dims.fsdp_enabled:
+        from gemray.parallel.dims import build_mesh, dense_mesh
+        from gemray.parallel.fsdp import data_parallel_wrapper
+
+        pcfg = getattr(cfg, "parallel", None)
+        wrapper = data_parallel_wrapper(
+            dense_mesh(build_mesh(dims), dims), precision=str(getattr(cfg.train, "precision", "fp32")),
+            reshard_after_forward=bool(getattr(pcfg, "reshard_after_forward", True)),
+            prefetch=bool(getattr(pcfg, "prefetch", True)))
+    if dims.sparse_2d:
+        from torchrec.distributed.model_parallel import DMPCollection
+
+        return DMPCollection(module=model, device=device, plan=plan, world_size=dims.world_size,
+                             sharding_group_size=dims.sparse_group, global_pg=pg,
+                             data_parallel_wrapper=wrapper)
+    return DistributedModelParallel(module=model, device=device, plan=plan, data_parallel_wrapper=wrapper)
+
+
+def sync_sparse_replicas(dmp: nn.Module) -> None:
+    """TorchRec 2D parallel: average the embedding shards (and their optimizer state) across the replica
+    groups (``DMPCollection.sync``); call after every optimizer step. No-op for a plain DMP."""
+    from torchrec.distributed.model_parallel import DMPCollection
+
+    if isinstance(dmp, DMPCollection):
+        dmp.sync()
 
 
 def materialize_dense(model: nn.Module, device: torch.device | str) -> None:

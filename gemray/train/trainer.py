@@ -3,7 +3,7 @@
 Phases (torchtitan's order, ``torchtitan/trainer.py``): :meth:`Trainer.setup` (device, ranks, logging,
 the attempt id, data streams) -> :meth:`Trainer.build` (the whole model on the meta device ->
 ``gemray.parallel.parallelize``: shard the embeddings, materialise the dense part seeded identically on every
-rank, DDP -> optimizer) -> :meth:`Trainer.restore` -> per epoch :meth:`Trainer.train_epoch` (steps:
+rank, DDP or FSDP2 / HSDP over the ``[parallel]`` layout's device mesh -> optimizer) -> :meth:`Trainer.restore` -> per epoch :meth:`Trainer.train_epoch` (steps:
 :meth:`Trainer.train_step`, the preemption vote, :meth:`Trainer.maybe_checkpoint`) and
 :meth:`Trainer.evaluate` -> :meth:`Trainer.finish`. Decisions live apart from the code that acts on them:
 ``CheckpointPolicy`` (when to checkpoint), ``gemray.preemption.preemption_action`` (what a vote means),
@@ -48,7 +48,8 @@ from gemray.checkpoint import data_record, report_with_checkpoint, restore_from_
 from gemray.config import JobConfig, from_dict
 from gemray.events import epoch_fields
 from gemray.model.fp8 import collect_fp8_stats, log_fp8_stats, pop_fp8_stats
-from gemray.parallel import build_optimizer, parallelize, plan_layout
+from gemray.parallel import (build_optimizer, dense_unsharded, parallelize, plan_layout, resolve,
+                             sync_sparse_replicas)
 from gemray.parallel.activation_checkpoint import ActivationCheckpointer
 from gemray.preemption import read_notice
 from gemray.train.checkpoint_policy import CheckpointPolicy
@@ -141,6 +142,16 @@ def agree_attempt(rank: int, device: torch.device) -> int:
     return int(t.cpu())
 
 
+def rank_load(tokens: int, step_s: float, device: torch.device) -> tuple[list[int], list[float]]:
+    """Collective: every rank's tokens and wall seconds of its last step (``all_gather``), in rank order,
+    for the per-rank load log line (with BBS the token counts are balanced; without, they show the skew)."""
+    mine = torch.tensor([float(tokens), float(step_s)], dtype=torch.float64, device=device)
+    out = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, mine)
+    rows = torch.stack(out).cpu()
+    return [int(t) for t in rows[:, 0].tolist()], [float(t) for t in rows[:, 1].tolist()]
+
+
 class Trainer:
     """One attempt of one worker: call the phases in order (see the module docstring).
 
@@ -183,12 +194,17 @@ class Trainer:
             torch.cuda.set_device(self.device)
         self.device_name, self.peak_flops = device_peak_flops(self.device)
         self.attempt_steps = 0  # steps of this attempt: the first train.mfu_warmup_steps are left out of local MFU
-        self.layout = plan_layout(self.world, self.device.type)
+        # The mesh degrees for this world size ([parallel]); an elastic job resized to a size they do not
+        # divide runs the nearest valid layout (logged), a fixed-size job stops with the sizes named.
+        elastic = bool(cfg.ray.min_workers or cfg.ray.max_workers)
+        self.dims = resolve(cfg.parallel, self.world, self.device.type, elastic=elastic)
+        self.layout = plan_layout(self.world, self.device.type, self.dims)
         self.attempt = agree_attempt(self.rank, self.device)
         self.recorder = RecoveryRecorder(cfg.train.events_path, attempt=self.attempt, rank=self.rank,
                                          t_start=self.t_start)
         self.recorder.attempt_started(self.world, list(self.layout.sharding_types))
-        log.info("rank %d/%d on %s (%s); job %s", self.rank, self.world, self.device, self.layout.backend, cfg.name)
+        log.info("rank %d/%d on %s (%s); job %s; layout %s", self.rank, self.world, self.device,
+                 self.layout.backend, cfg.name, self.dims.describe())
         self.vote = PreemptionVote(cfg.checkpoint.preempt_notice, self.device, self.world,
                                    cfg.checkpoint.preempt_poll_steps)
         self.vote.install_sigterm_handler()
@@ -294,12 +310,15 @@ class Trainer:
             batch, self.consumed = next(batches)
             loss = self.train_step(batch)
             meter.add(batch.batch_size, batch.num_tokens, self.last_step_flops)
-            if self.rank == 0 and self.epoch_step % cfg.train.log_every == 0:
-                r = meter.rates_full()
-                log.info("epoch %d step %d (global %d) loss %.4f rank0 %.0f samples/s %.0f tokens/s "
-                         "%.3f TFLOP/s MFU %s", epoch + 1, self.epoch_step, self.global_step, loss,
-                         r["samples_per_s"], r["tokens_per_s"], r["tflops_per_s"],
-                         "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.2f}%")
+            if self.epoch_step % cfg.train.log_every == 0:
+                tokens, step_s = rank_load(batch.num_tokens, self.last_step_s, self.device)  # collective
+                if self.rank == 0:
+                    r = meter.rates_full()
+                    log.info("epoch %d step %d (global %d) loss %.4f rank0 %.0f samples/s %.0f tokens/s "
+                             "%.3f TFLOP/s MFU %s; per-rank tokens %s step_s %s", epoch + 1, self.epoch_step,
+                             self.global_step, loss, r["samples_per_s"], r["tokens_per_s"], r["tflops_per_s"],
+                             "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.2f}%", tokens,
+                             [round(t, 4) for t in step_s])
             # Without a notice the epoch-end checkpoint covers the last step; with one, the emergency checkpoint
             # is taken here (a resumed run then has 0 steps left of this epoch and goes straight to its end).
             last = i == steps - 1
@@ -350,6 +369,7 @@ class Trainer:
         self.checkpointer.after_step()
         if fp8_stats and self.rank == 0:
             log_fp8_stats(pop_fp8_stats())
+        sync_sparse_replicas(self.dmp)  # TorchRec 2D: average the table replicas (no-op otherwise)
         if self.task_losses is not None:
             self.task_losses.add(step_stats)
         self.last_step_s = self.clock.lap()
@@ -430,8 +450,9 @@ class Trainer:
             raise ValueError(f"Trainer.evaluate: split must be one of {sorted(self.streams)}, got {split!r}")
         model = self.dmp.module
         self.dmp.eval()
-        sums = evaluation_sums(model, self.evaluators, self.streams[split].iter_epoch(0), self.device,
-                               self.cfg.train.precision)
+        with dense_unsharded(model):  # FSDP2: evaluation reaches the dense part outside forward
+            sums = evaluation_sums(model, self.evaluators, self.streams[split].iter_epoch(0), self.device,
+                                   self.cfg.train.precision)
         total = torch.cat(sums).to(self.device)
         dist.all_reduce(total)
         self.dmp.train()
