@@ -208,14 +208,20 @@ def _cmd_train(ns: argparse.Namespace) -> int:
     from gemray.config import load_config
     from gemray.controller.run import fit
 
+    from gemray.controller.console import console_session
+
     cfg = load_config(ns.config, ns.overrides)  # validate before anything starts
-    try:
-        res = fit(cfg, output_dir=ns.output)
-    except USER_ERRORS:
-        raise
-    except Exception as e:  # Ray's TrainingFailedError and friends: not a usage error
-        print(f"gemray: training failed: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
+    out = Path(ns.output or Path("runs") / cfg.name).expanduser().resolve()  # fit's default
+    with console_session(out, level=log_level(ns), verbose=ns.verbose) as run_log:
+        try:
+            res = fit(cfg, output_dir=ns.output)
+        except USER_ERRORS:
+            raise
+        except Exception as e:  # Ray's TrainingFailedError and friends: not a usage error
+            print(f"gemray: training failed: {type(e).__name__}: {e}", file=sys.stderr)
+            if run_log.path.is_file():
+                print(f"gemray: the full log (workers included) is in {run_log.path}", file=sys.stderr)
+            return 1
     if res.metrics.get("preempted"):
         print(f"preempted: emergency checkpoint of global step {res.metrics['global_step']} committed at "
               f"{res.checkpoint_path}; re-run the same command to resume there")

@@ -49,7 +49,7 @@ from gemray.train.checkpoint_policy import CheckpointPolicy
 from gemray.train.evaluation import RetrievalEvaluator
 from gemray.train.preemption_vote import PreemptionVote
 from gemray.train.recorder import RecoveryRecorder
-from gemray.train.stats import EpochStats, ThroughputMeter
+from gemray.train.stats import EpochStats, ThroughputMeter, progress_line
 
 log = logging.getLogger("gemray.train")
 
@@ -223,13 +223,14 @@ class Trainer:
         self.dmp.train()
         meter = ThroughputMeter()
         batches = self.train_stream.iter_epoch(epoch, self.consumed)
+        epoch_steps, t_loop = self.epoch_step + steps, time.perf_counter()
         for i in range(steps):
             batch, self.consumed = next(batches)
             loss = self.train_step(batch)
             meter.add(batch.batch_size, batch.num_tokens)
-            if self.rank == 0 and self.epoch_step % cfg.train.log_every == 0:
-                log.info("epoch %d step %d (global %d) loss %.4f rank0 %.0f samples/s %.0f tokens/s",
-                         epoch + 1, self.epoch_step, self.global_step, loss, *meter.rates())
+            if self.rank == 0 and (self.epoch_step % cfg.train.log_every == 0 or i == steps - 1):
+                log.info(progress_line(epoch + 1, self.epoch_step, epoch_steps, self.global_step, loss,
+                                       *meter.rates(), done=i + 1, elapsed_s=time.perf_counter() - t_loop))
             # Without a notice the epoch-end checkpoint covers the last step; with one, the emergency checkpoint
             # is taken here (a resumed run then has 0 steps left of this epoch and goes straight to its end).
             last = i == steps - 1
@@ -258,7 +259,7 @@ class Trainer:
         self.epoch_step += 1
         if self.ledger is not None:
             self.ledger.step(self.epoch, self.global_step, batch.user_ids.tolist())
-        self.recorder.step(self.global_step, self.epoch, self.consumed)
+        self.recorder.step(self.global_step, self.epoch, self.consumed, loss=loss)
         return loss
 
     def epoch_seconds(self) -> float:
