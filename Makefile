@@ -13,7 +13,7 @@ DEMO_SET ?= model.negatives=uniform_shared
 # The tested CPU stack (see README "Install"): `pip install -e .[cpu,test,k8s]` under the constraints file that pins
 # every package. torch first from the CPU wheel; torchrec --no-deps because its metadata asks for the CUDA
 # fbgemm-gpu, which would overwrite fbgemm-gpu-cpu (same fbgemm_gpu folder).
-CONSTRAINTS ?= deploy/constraints-cpu.txt
+CONSTRAINTS ?= configs/constraints-cpu.txt
 # Where the CPU torch wheel comes from. Empty = pip's configured indexes (this project's machines keep the
 # CPU wheel on local disk). Elsewhere use: make demo TORCH_INDEX="--index-url https://download.pytorch.org/whl/cpu"
 TORCH_INDEX ?=

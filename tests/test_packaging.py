@@ -14,7 +14,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
-CONSTRAINTS = REPO / "deploy" / "constraints-cpu.txt"
+CONSTRAINTS = REPO / "configs" / "constraints-cpu.txt"
 SOURCES = ("gemray", "kernels", "pipelines")
 # import names whose distribution is not installed in the test venv (optional: asked for by an env flag)
 NOT_INSTALLED = {"mlflow": "mlflow"}
