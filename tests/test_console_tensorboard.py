@@ -57,14 +57,17 @@ def test_filtered_stream_logs_every_line_and_holds_them_until_the_folder_exists(
     s = FilteredStream(term, log, level=logging.INFO, verbose=False)
     s.write(f"{C}(RayTrainWorker pid=1){R} Successfully loaded: 'x.so'\n(RayTrainWorker pid=1) 04:07:52 ")
     s.write("gemray.train INFO hello\n")
-    assert not (out / "logs").exists()  # before fit creates the output folder: held in memory
+    assert not (out / "logs").exists()  # before fit owns the output folder: held in memory
     out.mkdir()
+    s.write("still held\n")
+    assert not (out / "logs").exists()
+    (out / "config.toml").write_text("")  # fit's mark that the run owns the folder
     s.write("driver line\n")
     log.close()
-    assert term.getvalue() == "(RayTrainWorker pid=1) 04:07:52 gemray.train INFO hello\ndriver line\n"
+    assert term.getvalue() == "(RayTrainWorker pid=1) 04:07:52 gemray.train INFO hello\nstill held\ndriver line\n"
     assert (out / "logs" / "gemray.log").read_text().splitlines() == [
         "(RayTrainWorker pid=1) Successfully loaded: 'x.so'", "(RayTrainWorker pid=1) 04:07:52 gemray.train INFO hello",
-        "driver line"]
+        "still held", "driver line"]
 
 
 def test_progress_line():

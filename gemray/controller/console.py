@@ -13,9 +13,9 @@ puts a :class:`FilteredStream` in their place, which writes every line to the lo
 :func:`keep_line` accepts to the terminal. Output that libraries write to file descriptor 1/2 directly (C++
 code in the driver) bypasses Python and is not filtered.
 
-The log file is opened once the output folder exists (``fit`` creates it after its pre-flight checks): lines
-before that are held in memory, and dropped when the run is refused before the folder exists, so a refused run
-leaves nothing behind.
+The log file is opened once the run owns the output folder (``fit`` writes the run's ``config.toml`` there after
+its pre-flight checks): lines before that are held in memory, and dropped when the run is refused, so a refused
+run leaves nothing behind.
 
 :func:`keep_line` is pure; :class:`FilteredStream`, :class:`RunLog` and :func:`console_session` act.
 """
@@ -26,6 +26,7 @@ import logging
 import re
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -70,12 +71,14 @@ def keep_line(line: str, *, level: int = logging.INFO, verbose: bool = False) ->
 
 class RunLog:
     """The full log file ``<output>/logs/gemray.log``, appended to from several threads: held in memory until
-    ``output`` exists as a folder (checked at each write), then written line by line (flushed: a killed run
-    keeps its lines). A log that cannot be created is given up with one warning on ``fallback``."""
+    the run owns the folder (``fit`` has written this run's ``config.toml`` there, after every pre-flight check;
+    checked at each write), then written line by line (flushed: a killed run keeps its lines). A run refused
+    before that leaves no log. A log that cannot be created is given up with one warning on ``fallback``."""
 
     def __init__(self, output: Path, fallback: TextIO):
         self.path = Path(output) / LOG_NAME
-        self._output = Path(output)
+        self._config = Path(output) / "config.toml"
+        self._t0 = time.time() - 2.0  # file system timestamps may be coarse
         self._fallback = fallback
         self._pending: list[str] = []
         self._file: TextIO | None = None
@@ -88,7 +91,7 @@ class RunLog:
                 return
             if self._file is None:
                 self._pending.append(text)
-                if not self._output.is_dir():
+                if not self._owned():
                     return
                 try:
                     self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -101,6 +104,12 @@ class RunLog:
                 text, self._pending = "".join(self._pending), []
             self._file.write(text)
             self._file.flush()
+
+    def _owned(self) -> bool:
+        try:
+            return self._config.stat().st_mtime >= self._t0
+        except OSError:
+            return False
 
     def close(self) -> None:
         with self._lock:
@@ -168,21 +177,24 @@ def console_session(output: str | Path, *, level: int = logging.INFO, verbose: b
                     fmt: str = "%(asctime)s %(name)s %(levelname)s %(message)s",
                     datefmt: str = "%H:%M:%S") -> Iterator[RunLog]:
     """``with console_session(output_dir, level=..., verbose=...) as log:`` the quiet console and the full log
-    (:class:`RunLog` at ``output_dir/logs/gemray.log``) for the block: the root logger's handlers replaced by a
-    filtered console handler (gemray's loggers at ``level``; DEBUG and every third-party record when
-    ``verbose``) and a DEBUG file handler; ``sys.stdout`` / ``sys.stderr`` replaced by :class:`FilteredStream`.
-    Everything is restored on the way out."""
+    (:class:`RunLog` at ``output_dir/logs/gemray.log``) for the block: the root logger's handlers that print to
+    the terminal filtered (gemray's loggers at ``level``, third-party ones at WARNING; everything when
+    ``verbose``), a DEBUG handler to the log file added, ``sys.stdout`` / ``sys.stderr`` replaced by
+    :class:`FilteredStream`. Everything is restored on the way out."""
     out_term, err_term = sys.stdout, sys.stderr
     log = RunLog(Path(output), err_term)
     root = logging.getLogger()
-    saved_handlers, saved_level = root.handlers[:], root.level
+    saved_level = root.level
     saved_quiet = {n: logging.getLogger(n).level for n in QUIET_LOGGERS}
-    console = logging.StreamHandler(err_term)
-    console.setFormatter(logging.Formatter(fmt, datefmt))
-    console.addFilter(_ConsoleFilter(level, verbose))
+    # the root's handlers that print to the terminal (cli.main's basicConfig one) get the console filter
+    consoles = [h for h in root.handlers if isinstance(h, logging.StreamHandler)
+                and getattr(h, "stream", None) in (out_term, err_term)]
+    console_filter = _ConsoleFilter(level, verbose)
+    for h in consoles:
+        h.addFilter(console_filter)
     to_file = _RunLogHandler(log)
     to_file.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
-    root.handlers = [console, to_file]
+    root.addHandler(to_file)
     root.setLevel(logging.DEBUG)
     for name in QUIET_LOGGERS:  # their DEBUG would flood the file; INFO and up is kept there
         logging.getLogger(name).setLevel(logging.DEBUG if verbose else logging.INFO)
@@ -195,7 +207,10 @@ def console_session(output: str | Path, *, level: int = logging.INFO, verbose: b
             if isinstance(stream, FilteredStream) and stream._buf:
                 stream.write("\n")
         sys.stdout, sys.stderr = out_term, err_term
-        root.handlers, root.level = saved_handlers, saved_level
+        root.removeHandler(to_file)
+        for h in consoles:
+            h.removeFilter(console_filter)
+        root.setLevel(saved_level)
         for name, lvl in saved_quiet.items():
             logging.getLogger(name).setLevel(lvl)
         log.close()
