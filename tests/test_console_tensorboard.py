@@ -142,3 +142,26 @@ def test_train_console_log_and_tensorboard(tmp_path):
     losses = {e["detail"]["global_step"]: e["detail"]["loss"] for e in steps if e["kind"] == "step"}
     assert sorted(losses) == list(range(1, h["global_step"] + 1))
     assert got["step/train_loss"] == [(s, pytest.approx(v, rel=1e-6)) for s, v in sorted(losses.items())]
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_lines_become_a_bar_on_a_terminal(tmp_path):
+    from gemray.controller.console import ProgressBar, parse_progress
+
+    line = "(RayTrainWorker pid=1) 04:22:50 gemray.train INFO " + progress_line(1, 2, 4, 2, 7.5, 190, 8070, done=2,
+                                                                               elapsed_s=1.0)
+    assert parse_progress(line) == (1, 2, 4, "loss 7.5000, 190 samples/s")
+    assert parse_progress("(RayTrainWorker pid=1) 04:22:50 gemray.train INFO epoch 1 done: epoch=1") is None
+    term = _Tty()
+    s = FilteredStream(term, RunLog(tmp_path, term), level=logging.INFO, verbose=False, bar=ProgressBar(term))
+    s.write(line + "\n")
+    s.write("(RayTrainWorker pid=1) 04:22:51 gemray.train INFO epoch 1 done: epoch=1\n")
+    s.write(line.replace("step 2/4", "step 4/4") + "\n")
+    shown = term.getvalue()
+    assert "epoch 1:" in shown and "4/4" in shown and "loss 7.5000, 190 samples/s" in shown  # tqdm's bar
+    assert "step 2/4" not in shown and "epoch 1 done: epoch=1\n" in shown
+    assert s.bar.bar is None  # closed at the epoch's last step

@@ -11,7 +11,8 @@ How: Ray forwards the workers' stdout / stderr to the driver, printing each line
 prefix to ``sys.stdout`` / ``sys.stderr`` (``ray._private.worker.print_to_stdstream``); :func:`console_session`
 puts a :class:`FilteredStream` in their place, which writes every line to the log and the lines
 :func:`keep_line` accepts to the terminal. Output that libraries write to file descriptor 1/2 directly (C++
-code in the driver) bypasses Python and is not filtered.
+code in the driver) bypasses Python and is not filtered. On a terminal, rank 0's progress lines become a tqdm bar
+per epoch (:class:`ProgressBar`); elsewhere (a pipe, a file, CI) they stay plain lines.
 
 The log file is opened once the run owns the output folder (``fit`` writes the run's ``config.toml`` there after
 its pre-flight checks): lines before that are held in memory, and dropped when the run is refused, so a refused
@@ -120,13 +121,63 @@ class RunLog:
             self._failed = True  # a handler that outlives the session (Ray's) writes nowhere now
 
 
+# rank 0's progress line (gemray.train.stats.progress_line) as Ray forwards it
+_PROGRESS = re.compile(r"gemray\.train INFO epoch (\d+) step (\d+)/(\d+) \(global \d+\) loss (\S+), (\d+) samples/s, "
+                       r".* ETA (\S+)$")
+
+
+def parse_progress(line: str) -> tuple[int, int, int, str] | None:
+    """Pure: ``(epoch, step, steps, postfix)`` of a console line carrying rank 0's progress line, else None."""
+    m = _PROGRESS.search(_ANSI.sub("", line))
+    if not m:
+        return None
+    return int(m.group(1)), int(m.group(2)), int(m.group(3)), f"loss {m.group(4)}, {m.group(5)} samples/s"
+
+
+class ProgressBar:
+    """On a terminal: rank 0's progress lines drawn as one tqdm bar per epoch (step N/M, rate, ETA) instead of
+    printed one by one. Not thread-safe by itself: :class:`FilteredStream` calls it under its lock."""
+
+    def __init__(self, terminal: TextIO):
+        self.terminal = terminal
+        self.bar = None
+        self.epoch = None
+
+    def update(self, epoch: int, step: int, steps: int, postfix: str) -> None:
+        from tqdm import tqdm
+
+        if self.bar is None or self.epoch != epoch or self.bar.total != steps:
+            self.close()
+            self.bar = tqdm(total=steps, desc=f"epoch {epoch}", unit="step", file=self.terminal, leave=True,
+                            dynamic_ncols=True)
+            self.epoch = epoch
+        self.bar.update(max(0, step - self.bar.n))
+        self.bar.set_postfix_str(postfix)
+        if step >= steps:
+            self.close()
+
+    def write(self, line: str) -> None:
+        """``line`` above the bar."""
+        if self.bar is not None:
+            self.bar.clear()
+        self.terminal.write(line + "\n")
+        if self.bar is not None:
+            self.bar.refresh()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
 class FilteredStream:
     """A text stream in place of ``sys.stdout`` / ``sys.stderr``: each complete line goes to ``log`` (ANSI
-    colours removed) and, when :func:`keep_line` accepts it, to ``terminal``. Other attributes (``isatty``,
-    ``fileno``, ``encoding``) are the terminal's."""
+    colours removed) and, when :func:`keep_line` accepts it, to ``terminal``; with ``bar`` (a terminal), rank
+    0's progress lines drive it instead. Other attributes (``isatty``, ``fileno``, ``encoding``) are the
+    terminal's."""
 
-    def __init__(self, terminal: TextIO, log: RunLog, *, level: int, verbose: bool):
-        self.terminal, self.log, self.level, self.verbose = terminal, log, level, verbose
+    def __init__(self, terminal: TextIO, log: RunLog, *, level: int, verbose: bool, bar: ProgressBar | None = None):
+        self.terminal, self.log, self.level, self.verbose, self.bar = terminal, log, level, verbose, bar
         self._buf = ""
         self._lock = threading.Lock()
 
@@ -136,7 +187,14 @@ class FilteredStream:
             *lines, self._buf = self._buf.split("\n")
             for line in lines:
                 self.log.write(_ANSI.sub("", line) + "\n")
-                if keep_line(line, level=self.level, verbose=self.verbose):
+                if not keep_line(line, level=self.level, verbose=self.verbose):
+                    continue
+                progress = parse_progress(line) if self.bar is not None else None
+                if progress is not None:
+                    self.bar.update(*progress)
+                elif self.bar is not None:
+                    self.bar.write(line)
+                else:
                     self.terminal.write(line + "\n")
         return len(text)
 
@@ -198,8 +256,10 @@ def console_session(output: str | Path, *, level: int = logging.INFO, verbose: b
     root.setLevel(logging.DEBUG)
     for name in QUIET_LOGGERS:  # their DEBUG would flood the file; INFO and up is kept there
         logging.getLogger(name).setLevel(logging.DEBUG if verbose else logging.INFO)
+    tty = getattr(err_term, "isatty", lambda: False)()
+    bar = ProgressBar(err_term) if tty and not verbose else None  # Ray prints the workers' stderr to stderr
     sys.stdout = FilteredStream(out_term, log, level=level, verbose=verbose)
-    sys.stderr = FilteredStream(err_term, log, level=level, verbose=verbose)
+    sys.stderr = FilteredStream(err_term, log, level=level, verbose=verbose, bar=bar)
     try:
         yield log
     finally:
@@ -207,6 +267,8 @@ def console_session(output: str | Path, *, level: int = logging.INFO, verbose: b
             if isinstance(stream, FilteredStream) and stream._buf:
                 stream.write("\n")
         sys.stdout, sys.stderr = out_term, err_term
+        if bar is not None:
+            bar.close()
         root.removeHandler(to_file)
         for h in consoles:
             h.removeFilter(console_filter)
