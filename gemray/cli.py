@@ -226,7 +226,7 @@ def _cmd_train(ns: argparse.Namespace) -> int:
         print(f"preempted: emergency checkpoint of global step {res.metrics['global_step']} committed at "
               f"{res.checkpoint_path}; re-run the same command to resume there")
         return EXIT_PREEMPTED
-    print(f"outputs: {res.output_dir} (metrics.json, curves.png, config.toml); "
+    print(f"outputs: {res.output_dir} (metrics.json, curves.png, config.toml, logs/gemray.log, tensorboard/); "
           f"checkpoint: {res.checkpoint_path}")
     return 0
 
