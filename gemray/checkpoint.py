@@ -134,22 +134,28 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def data_record(manifest: dict[str, Any]) -> dict[str, Any]:
+def data_record(manifest: dict[str, Any], *, item_table_rows: int | None = None) -> dict[str, Any]:
     """What a checkpoint records about the prepared data it was trained on, from that data's manifest.
 
-    ``{"num_items", "item_table_rows" (num_items + 1: row 0 is padding), "fingerprint", "format",
-    "source_files" ([[name, sha256]] of the raw ratings files), "counts" ({"users", "items",
-    "interactions"}), "prepared_dir", "source_dir"}``. ``fingerprint`` is a short sha256 of format, source
-    files and counts only: preparing the same raw file again (elsewhere, with another ``num_files``) gives the
-    same fingerprint; another dataset or an edited ratings file gives another.
+    ``{"num_items", "item_table_rows" (num_items + 1: row 0 is padding; ``item_table_rows`` when the model's
+    ``table_rows`` sizes the item table beyond the data), "fingerprint", "format", "source_files" ([[name,
+    sha256]] of the raw ratings files), "counts" ({"users", "items", "interactions"}), "prepared_dir",
+    "source_dir"}``, plus ``"params_sha256"`` for generated data (``gemray prepare synthetic``: the manifest's
+    ``source.params_sha256``, the generator parameters). ``fingerprint`` is a short sha256 of format, source
+    files, counts and (generated data) params_sha256 only: preparing the same raw file again (elsewhere, with
+    another ``num_files``) gives the same fingerprint; another dataset, an edited ratings file or synthetic data
+    of other parameters (same counts, other seed) gives another.
     """
     vocab, counts, src = manifest.get("vocab", {}), manifest.get("counts", {}), manifest.get("source", {})
     n = int(vocab.get("num_items", counts.get("items", 0)))
     ident = {"format": manifest.get("format"),
              "source_files": sorted([str(f.get("name")), str(f.get("sha256"))] for f in src.get("files", [])),
              "counts": {k: counts.get(k) for k in ("users", "items", "interactions")}}
+    if src.get("params_sha256"):  # generated data: its parameters identify it (MovieLens fingerprints unchanged)
+        ident["params_sha256"] = str(src["params_sha256"])
     fingerprint = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
-    return {"num_items": n, "item_table_rows": n + 1, "fingerprint": fingerprint, **ident,
+    rows = int(item_table_rows) if item_table_rows else n + 1
+    return {"num_items": n, "item_table_rows": rows, "fingerprint": fingerprint, **ident,
             "prepared_dir": manifest.get("prepared_dir"), "source_dir": src.get("dir")}
 
 

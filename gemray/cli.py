@@ -11,6 +11,8 @@
                                           (ask a running `gemray train` to checkpoint and stop)
     gemray bench bbs --config FILE [--world-size N] [--set ...]
     gemray bench kernels [ARGS...]        (gemray.bench.kernels.main)
+    gemray bench train --config FILE [--set ...] [--steps N] [--warmup W] [--profile] [--json PATH]
+                                          (gemray.bench.train: step time, tokens/s, MFU, data stall)
     gemray submit --config FILE [--address URL] ...   (gemray.controller.submit)
     gemray k8s render --config FILE [--kind rayjob|raycluster|pvc] [--gpu] [--image ...] [--storage ...]
     gemray k8s validate FILES [--crds DIR]             (gemray.k8s.cli)
@@ -337,6 +339,27 @@ def _cmd_bench_kernels(ns: argparse.Namespace) -> int:
     return int(bench.main(ns.args) or 0)
 
 
+def _cmd_bench_train(ns: argparse.Namespace) -> int:
+    import json
+
+    from gemray.bench.train import format_table, run_bench
+    from gemray.config import load_config
+
+    from gemray.controller.run import ensure_prepared
+
+    cfg = load_config(ns.config, ns.overrides)
+    ensure_prepared(cfg)  # as `gemray train`: prepare the data first where the config says how
+    res = run_bench(cfg, steps=ns.steps, warmup=ns.warmup, profile=ns.profile, profile_steps=ns.profile_steps,
+                    warm_up_kernels=not ns.no_kernel_warmup)
+    print(format_table(res))
+    if ns.json:
+        out = Path(ns.json)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(res, indent=2, sort_keys=True, default=str))
+        print(f"json: {out}")
+    return 0
+
+
 def _cmd_submit(ns: argparse.Namespace) -> int:
     from gemray.controller.submit import cli_submit
 
@@ -428,6 +451,22 @@ def build_parser() -> argparse.ArgumentParser:
     bb.add_argument("--world-size", type=int, default=None, help="default: ray.num_workers")
     _add_set(bb)
     bb.set_defaults(func=_cmd_bench_bbs)
+    bt = bsub.add_parser("train", help="time real training steps in one process: step time, tokens/s, MFU, "
+                         "memory, data stall, compile stalls; --profile: where the step goes",
+                         description="Build the config's model through the Trainer (world size 1, no Ray), compile "
+                                     "the attention kernels for every reachable length regime, then time "
+                                     "--warmup + --steps training steps on the real data pipeline "
+                                     "(gemray.bench.train).")
+    bt.add_argument("--config", required=True)
+    _add_set(bt)
+    bt.add_argument("--steps", type=int, default=30, help="measured steps (default %(default)s)")
+    bt.add_argument("--warmup", type=int, default=10, help="steps before the measured ones (default %(default)s)")
+    bt.add_argument("--profile", action="store_true", help="torch.profiler over a few more steps: time by category")
+    bt.add_argument("--profile-steps", type=int, default=3, help="profiled steps (default %(default)s)")
+    bt.add_argument("--no-kernel-warmup", action="store_true",
+                    help="skip the ahead-of-time kernel compile (to see the compile stalls)")
+    bt.add_argument("--json", default=None, metavar="PATH", help="write the full result (per-step records too)")
+    bt.set_defaults(func=_cmd_bench_train)
     bk = bsub.add_parser("kernels", help="Triton kernel benchmarks (gemray.bench.kernels)",
                          prefix_chars="+")  # every option after `kernels` goes to gemray.bench.kernels
     bk.add_argument("args", nargs=argparse.REMAINDER, help="passed to gemray.bench.kernels")

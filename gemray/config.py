@@ -40,6 +40,10 @@ class DataConfig:
     train_includes_valid: train on each history up to and including the validation item (h[:-1]), as
     generative-recommenders' ML-1M training data does; the test item stays held out, but validation
     metrics then score items the model was trained on. Default False: train on h[:-2].
+    synthetic: ``gemray prepare synthetic`` parameters as "name=value" entries (the flags' names without
+    ``--``, e.g. ["users=20000", "items=1000000", "max_len=4096", "features=category:64,author:2048"]); [] =
+    not synthetic. When set, ``gemray train`` generates the data into ``prepared_dir`` if that folder holds none
+    (logged), and refuses a prepared folder whose manifest parameters differ (``raw_dir`` is then unused).
     """
 
     raw_dir: str = "../shared/data/ml-1m"
@@ -55,8 +59,25 @@ class DataConfig:
     num_files: int = 8
     reader: str = "ray_data"
     train_includes_valid: bool = False
+    synthetic: list[str] = field(default_factory=list)
+
+    def synthetic_params(self) -> dict[str, str]:
+        """``synthetic`` parsed: {parameter: value text}. Raises ValueError naming the bad entry."""
+        out: dict[str, str] = {}
+        for entry in self.synthetic:
+            key, sep, value = str(entry).partition("=")
+            key = key.strip().replace("-", "_")
+            if not sep or not re.fullmatch(r"[a-z][a-z0-9_]*", key) or not value.strip():
+                raise ValueError(f"data.synthetic: expected 'parameter=value', got {entry!r}")
+            if key in out:
+                raise ValueError(f"data.synthetic: parameter {key!r} given twice")
+            out[key] = value.strip()
+        if out and ("users" not in out or "items" not in out):
+            raise ValueError(f"data.synthetic: 'users=U' and 'items=N' are required, got {self.synthetic}")
+        return out
 
     def validate(self) -> None:
+        self.synthetic_params()
         _positive(self, "max_seq_len", "batch_size", "eval_batch_size", "sub_batch_size",
                   "bbs_window_batches", "num_files")
         if self.reader not in ("ray_data", "arrow"):
@@ -275,7 +296,17 @@ class TrainConfig:
     eval_exclude_history: rank each target against the items outside the user's (max_seq_len) history, as
     generative-recommenders' evaluation that produced the published ML-1M numbers; the metrics over all
     items are reported beside them with the suffix ``_unfiltered``.
+    precision: "fp32" (default) or "bf16": the forward pass (training and evaluation) under torch.autocast
+    bfloat16 on CUDA and CPU, master weights and optimizer state float32, embedding tables as TorchRec holds
+    them (``gemray.train.precision.autocast``, the one place a mode is dispatched).
+    mfu_warmup_steps: the first N steps of each attempt (kernel compiles, allocator growth) are left out of
+    the run's ``local_mfu`` (gemray.train.throughput); their FLOPs still count in ``model_tflops_per_s``.
+    scaling_reference: "" or the path of a single-GPU reference run's metrics.json (``gemray train``) or JSON
+    (``gemray bench train --json``) with the same per-GPU batch: its ``tokens_per_s`` / ``local_mfu`` give a
+    multi-GPU run's ``scaling_ratio`` and ``e2e_mfu`` (null at world size > 1 without one).
     """
+
+    PRECISIONS = ("fp32", "bf16")
 
     epochs: int = 100
     lr: float = 1e-3
@@ -297,9 +328,15 @@ class TrainConfig:
     ledger_dir: str = ""
     # Controller events (gemray.events), JSONL written by rank 0; "" = fit uses <output_dir>/events.jsonl.
     events_path: str = ""
+    precision: str = "fp32"
+    mfu_warmup_steps: int = 10
+    scaling_reference: str = ""
 
     def validate(self) -> None:
         _positive(self, "epochs", "lr", "sparse_lr", "eval_every", "log_every")
+        _choice(self, "precision", self.PRECISIONS)
+        if self.mfu_warmup_steps < 0:
+            raise ValueError(f"train.mfu_warmup_steps: expected >= 0, got {self.mfu_warmup_steps}")
         if self.weight_decay < 0:
             raise ValueError(f"train.weight_decay: expected >= 0, got {self.weight_decay}")
         if not self.eval_ks or any(int(k) <= 0 for k in self.eval_ks):

@@ -93,7 +93,7 @@ from .schema import (CANDIDATE_CLICK, CANDIDATE_CONVERT, CANDIDATE_ITEMS, HISTOR
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SyntheticSpec", "prepare_synthetic", "length_pmf", "parse_features", "format_synthetic_summary",
+__all__ = ["SyntheticSpec", "prepare_synthetic", "spec_from_params", "params_sha256", "length_pmf", "parse_features", "format_synthetic_summary",
            "normalized_entropy", "parse_fractions", "calibrate", "BLOCK_USERS"]
 
 GENERATOR_VERSION = 1
@@ -262,6 +262,42 @@ def parse_fractions(text: str) -> tuple[float, float, float]:
     if len(parts) != 3:
         raise ValueError(f"--split-fractions: expected three numbers train,valid,test, got {text!r}")
     return parts  # type: ignore[return-value]
+
+
+def spec_from_params(params: dict[str, str], where: str = "data.synthetic") -> SyntheticSpec:
+    """A :class:`SyntheticSpec` from {parameter: value text} (``DataConfig.synthetic_params()``: the CLI flags'
+    names with ``_``, values as on the command line: ``features="category=64,author=2048"``,
+    ``split_fractions="0.8,0.1,0.1"``, ``min_candidates="none"`` for the default). Raises ValueError naming
+    ``where`` and the parameter for an unknown name or a bad value."""
+    fields = {f.name: f for f in dataclasses.fields(SyntheticSpec)}
+    kw: dict[str, Any] = {}
+    for name, text in params.items():
+        if name not in fields:
+            raise ValueError(f"{where}: unknown parameter {name!r} (known: {sorted(fields)})")
+        try:
+            if name == "features":
+                kw[name] = parse_features(text)
+            elif name == "split_fractions":
+                kw[name] = parse_fractions(text)
+            elif name == "length_dist":
+                kw[name] = str(text)
+            elif name == "min_candidates" and str(text).lower() == "none":
+                kw[name] = None
+            elif isinstance(getattr(SyntheticSpec, name, None), float) or name in ("mean_len", "len_sigma"):
+                kw[name] = float(text)
+            else:
+                kw[name] = int(text)
+        except ValueError as e:
+            raise ValueError(f"{where}: {name}={text!r}: {e}") from None
+    try:
+        return SyntheticSpec(**kw)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
+def params_sha256(spec: SyntheticSpec) -> str:
+    """The manifest's ``source.params_sha256`` of ``spec``: sha256 of its parameters as sorted JSON."""
+    return hashlib.sha256(json.dumps(spec.to_dict(), sort_keys=True).encode()).hexdigest()
 
 
 # ------------------------------------------------------------------------------------------- distributions
@@ -931,7 +967,7 @@ def _manifest(spec: SyntheticSpec, items: _Items, calib: dict[str, float], len_p
         return None if math.isnan(v) else round(v, 6)
 
     params = spec.to_dict()
-    params_sha = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()
+    params_sha = params_sha256(spec)
     return {
         "manifest_version": MANIFEST_VERSION,
         "gemray_version": version("gemray"),

@@ -262,6 +262,28 @@ def test_data_record_fingerprints_what_the_data_is_not_where_it_lies():
     assert data_record(fewer)["fingerprint"] != rec["fingerprint"]
 
 
+def test_data_record_of_synthetic_data_names_its_generator_parameters():
+    """Synthetic data of the same counts but other parameters (e.g. another seed) is other data: a checkpoint
+    trained on one is refused on the other (preflight.resume_mismatch), naming the parameters."""
+    from gemray.checkpoint import data_record
+    from gemray.controller.preflight import resume_mismatch
+
+    def synth(sha):
+        return _data_manifest(format="synthetic", source={"generator": "gemray.pipelines.synthetic",
+                                                          "params_sha256": sha, "files": []})
+
+    a, b = data_record(synth("a" * 64)), data_record(synth("b" * 64))
+    assert a["params_sha256"] == "a" * 64 and a["fingerprint"] != b["fingerprint"]
+    assert "params_sha256" not in data_record(_data_manifest())  # MovieLens records (and fingerprints) unchanged
+    why = resume_mismatch({"record": a, "item_table_rows": 51}, b, "/data/synth")
+    assert why is not None and "generator parameters (params_sha256) aaaaaaaaaaaa.. -> bbbbbbbbbbbb.." in why[0]
+    assert resume_mismatch({"record": a, "item_table_rows": 51}, a, "/data/synth") is None
+    # a table sized beyond the data (model.table_rows "item=1000"): the record says the table's rows
+    big = data_record(synth("a" * 64), item_table_rows=1000)
+    assert big["item_table_rows"] == 1000 and big["num_items"] == 50
+    assert resume_mismatch({"record": big, "item_table_rows": 1000}, big, "/data/synth") is None
+
+
 def _tiny_model(num_items: int):
     """A plain module whose state has the item table under the name TorchRec gives it (no process group)."""
     model = torch.nn.Module()

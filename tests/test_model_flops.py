@@ -48,6 +48,9 @@ def test_step_flops_by_hand():
     assert f["input_projection"] == 3 * 2 * 5 * 16 * 4
     f = step_flops(_tiny(tasks=["retrieval"], negatives="uniform_shared"), LENGTHS)
     assert f["retrieval_head"] == 3 * (2 * 5 * 3 * 4 + 2 * 3 * 4) and f["mlp"] == f["tower_gemm"] == 0
+    # model_dim 6 != E = 4: the states are projected 6 -> 4 (GEM.retrieval_proj), then scored 4 wide
+    f = step_flops(_tiny(tasks=["retrieval"], model_dim=6), LENGTHS)
+    assert f["retrieval_head"] == 3 * (2 * 3 * (3 + 1) * 4 + 2 * 5 * 6 * 4)
     # window 2: pairs 3 + (3 + 2) = 8; block 2: 3 + (3 + 1) = 7
     assert step_flops(_tiny(attention_window=2), LENGTHS, CANDS)["hstu_attention"] == 3.5 * 2 * 2 * 8 * 5
     assert step_flops(_tiny(attention_block=2), LENGTHS, CANDS)["hstu_attention"] == 3.5 * 2 * 2 * 7 * 5

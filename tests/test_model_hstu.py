@@ -15,7 +15,7 @@ def padded_encoder(enc: HSTUEncoder, tok: torch.Tensor, offsets: torch.Tensor, t
     """Dense re-statement of HSTU: x [B, N, D], mask [B, N, N] from lengths, bias from a python lookup."""
     cfg = enc.cfg
     lengths = offsets[1:] - offsets[:-1]
-    B, D, H, A, V = lengths.numel(), cfg.embedding_dim, cfg.num_heads, cfg.attention_dim, cfg.linear_dim
+    B, D, H, A, V = lengths.numel(), cfg.width, cfg.num_heads, cfg.attention_dim, cfg.linear_dim
     x = jagged_to_padded(tok, offsets, N) * math.sqrt(D) + enc.pos_emb[:N].unsqueeze(0)
     tsp = jagged_to_padded(ts.view(-1, 1), offsets, N).view(B, N)
     i = torch.arange(N)

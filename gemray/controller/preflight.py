@@ -131,6 +131,9 @@ def _data_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
         x, y = (old.get("counts") or {}).get(k), (new.get("counts") or {}).get(k)
         if x != y:
             out.append(f"{k} {x} -> {y}")
+    if old.get("params_sha256") != new.get("params_sha256"):
+        out.append(f"generator parameters (params_sha256) {str(old.get('params_sha256'))[:12]}.. -> "
+                   f"{str(new.get('params_sha256'))[:12]}..")
     return out or ["source files and counts recorded differently"]
 
 
@@ -150,7 +153,8 @@ def preflight_resume(cfg: JobConfig, manifest: dict[str, Any], run_dir: str | Pa
     latest = next(iter(committed_checkpoints(run_dir)), None)
     if latest is None:
         return None
-    saved, now = checkpoint_data(latest), data_record(manifest)
+    saved = checkpoint_data(latest)
+    now = data_record(manifest, item_table_rows=cfg.model.table_rows_map().get("item"))
     rec = saved["record"]
     mismatch = resume_mismatch(saved, now, cfg.data.prepared_dir)
     if mismatch is None:

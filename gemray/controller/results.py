@@ -61,17 +61,61 @@ def run_record(cfg: JobConfig, out: Path, previous: JobConfig | None) -> tuple[i
     return len(read_events(cfg.train.events_path)), 0.0, 1
 
 
+def throughput_metrics(history: list[dict[str, Any]], world_size: int,
+                       reference: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Pure: the run's throughput figures from its per-epoch reports (``gemray.train.stats.EpochStats.result``):
+    ``tokens_per_s`` (mean over epochs, global), ``model_tflops_per_s`` (mean over epochs, global),
+    ``local_mfu`` (the measured steps of all epochs: their FLOPs / their seconds / the device peak; null on CPU
+    or without measured steps), ``scaling_ratio`` and ``e2e_mfu`` (:func:`gemray.train.throughput.scaling_fields`
+    against ``reference``, a single-GPU run's figures, or None)."""
+    from gemray.train.throughput import scaling_fields
+
+    tps = [h["tokens_per_s"] for h in history if "tokens_per_s" in h]
+    tf = [h["model_tflops_per_s"] for h in history if h.get("model_tflops_per_s") is not None]
+    flops = sum(float(h.get("mfu_flops") or 0.0) for h in history)
+    secs = sum(float(h.get("mfu_rank_s") or 0.0) for h in history)
+    peak = next((h["peak_flops"] for h in reversed(history) if h.get("peak_flops")), None)
+    local = flops / secs / peak if peak and secs > 0 else None
+    out: dict[str, Any] = {"tokens_per_s": sum(tps) / len(tps) if tps else 0.0,
+                           "model_tflops_per_s": sum(tf) / len(tf) if tf else 0.0, "local_mfu": local}
+    out.update(scaling_fields(world_size=world_size, tokens_per_s=out["tokens_per_s"], local_mfu=local,
+                              reference=reference))
+    return out
+
+
+def load_scaling_reference(path: str) -> dict[str, Any] | None:
+    """The single-GPU reference of ``train.scaling_reference`` ("" = None): a metrics.json or bench JSON with
+    ``tokens_per_s`` (and ``local_mfu``). Raises FileNotFoundError / ValueError naming the file."""
+    if not path:
+        return None
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise FileNotFoundError(f"train.scaling_reference: no such file {p}")
+    try:
+        ref = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"train.scaling_reference {p}: not JSON ({e})") from e
+    if not isinstance(ref, dict) or "tokens_per_s" not in ref:
+        raise ValueError(f"train.scaling_reference {p}: no tokens_per_s field (expected a metrics.json of "
+                         "`gemray train` or the --json of `gemray bench train`)")
+    return {"tokens_per_s": ref["tokens_per_s"], "local_mfu": ref.get("local_mfu")}
+
+
 def final_metrics(cfg: JobConfig, reported: dict[str, Any], events: list[dict[str, Any]], *, wall_s: float,
-                  invocations: int) -> dict[str, Any]:
+                  invocations: int, reference: dict[str, Any] | None = None) -> dict[str, Any]:
     """Pure: metrics.json of a run that trained to the end, from the last report of rank 0 (``reported``:
     ``test_*`` metrics, ``history``, ``epoch``, ``world_size``) and this run's controller ``events``; see
-    :func:`gemray.controller.run.fit` for the keys."""
+    :func:`gemray.controller.run.fit` for the keys. ``reference``: the single-GPU run behind the scaling
+    fields (:func:`throughput_metrics`)."""
     reported = dict(reported)
     history = list(reported.pop("history", []))
     metrics: dict[str, Any] = {k: reported[f"test_{k}"] for k in
                                [f"{m}@{k}{s}" for s in ("", "_unfiltered") for k in cfg.train.eval_ks
                                 for m in ("hr", "ndcg")] + ["targets_in_history"]
                                if f"test_{k}" in reported}
+    # ranking tasks (gemray.train.evaluation.RankingEvaluator): kept under their reported names, test_ctr_ne ...
+    metrics.update({k: reported[k] for k in sorted(reported)
+                    if any(k.startswith(f"test_{t}_") for t in cfg.model.ranking_tasks)})
     metrics["eval_exclude_history"] = cfg.train.eval_exclude_history
     metrics["num_test_users"] = reported.get("test_num_users")
     tput = [h["samples_per_s"] for h in history if "samples_per_s" in h]
@@ -86,6 +130,7 @@ def final_metrics(cfg: JobConfig, reported: dict[str, Any], events: list[dict[st
         "bbs_imbalance": sum(imb) / len(imb) if imb else 1.0,
         "history": history,
     })
+    metrics.update(throughput_metrics(history, metrics["world_size"], reference))
     metrics["events"] = [e for e in events if e["kind"] not in QUIET_KINDS]  # heartbeats stay in events.jsonl
     metrics["recovery"] = summarize_recovery(events)
     return metrics
@@ -138,7 +183,8 @@ def finish(cfg: JobConfig, out: Path, result: Any, *, events_from: int, wall_s: 
     from gemray.plots import plot_curves
 
     events = read_events(cfg.train.events_path)[events_from:]
-    metrics = final_metrics(cfg, result.metrics or {}, events, wall_s=wall_s, invocations=invocations)
+    metrics = final_metrics(cfg, result.metrics or {}, events, wall_s=wall_s, invocations=invocations,
+                            reference=load_scaling_reference(cfg.train.scaling_reference))
     for r in metrics["recovery"]:
         log.info("recovery (%s): attempt %s -> %s, world %s -> %s, %s step(s) lost, %.1f s from the last step "
                  "before the %s to the first resumed step", r["kind"], r["failed_attempt"], r["attempt"],

@@ -41,8 +41,11 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
         checkpoints) go; default ``runs/<name>``.
     metrics.json: test-split ``hr@K``/``ndcg@K`` (K in train.eval_ks; history items excluded from the
     ranking unless ``train.eval_exclude_history`` is false), with ``eval_exclude_history``, the all-items
-    ``hr@K_unfiltered``/``ndcg@K_unfiltered`` and ``targets_in_history``, ``samples_per_s`` (mean over
-    epochs, global), ``wall_s`` (seconds; a run resumed in the same output folder adds the wall_s its
+    ``hr@K_unfiltered``/``ndcg@K_unfiltered`` and ``targets_in_history`` (with a "retrieval" task), the
+    ranking tasks' ``test_<task>_ne`` / ``_auc`` / ``_auc_error_bound`` / ``_logloss`` / ``_base_rate`` /
+    ``_calibration`` / ``_num_examples`` (with "ctr" / "cvr"), ``samples_per_s`` (mean over
+    epochs, global), ``tokens_per_s`` / ``model_tflops_per_s`` / ``local_mfu`` / ``scaling_ratio`` /
+    ``e2e_mfu`` (:func:`gemray.controller.results.throughput_metrics`), ``wall_s`` (seconds; a run resumed in the same output folder adds the wall_s its
     previous metrics.json recorded), ``invocations`` (fits of this run that wrote metrics.json, this one
     included), ``epochs``, ``world_size``, ``bbs_imbalance`` (mean measured token imbalance max/mean across
     ranks), ``history`` (per-epoch dicts), ``events`` (controller events of every invocation:
@@ -64,6 +67,7 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
         raise NotADirectoryError(f"output folder {out} exists and is not a folder (--output / output_dir)")
     # resources before preparing the data: no GPU means no wait for the data
     preflight.preflight_resources(cfg, embedded=not session.ray_address(cfg))
+    results.load_scaling_reference(cfg.train.scaling_reference)  # a bad reference path fails now, not at the end
     manifest = _ensure_prepared(cfg)  # bad data paths fail before anything is written to the output folder
     previous = _previous_config(out)
     preflight.preflight_data(cfg, manifest, previous=previous)
@@ -120,12 +124,20 @@ def _resolve(cfg: JobConfig) -> JobConfig:
     return cfg
 
 
+def ensure_prepared(cfg: JobConfig) -> dict[str, Any]:
+    """Public: what ``fit`` does with the data before Ray starts (:func:`_ensure_prepared`), for other entry
+    points that train in-process (``gemray bench train``)."""
+    return _ensure_prepared(cfg)
+
+
 def _ensure_prepared(cfg: JobConfig) -> dict[str, Any]:
     """The prepared data's manifest (every file checked against it), preparing the data from
     ``data.raw_dir`` first when ``data.prepared_dir`` holds none. Raises FileNotFoundError when neither is
     there, ValueError for a damaged prepared folder."""
     from gemray.pipelines.movielens import format_summary, load_manifest, prepare_movielens
 
+    if cfg.data.synthetic:
+        return ensure_synthetic(cfg)
     try:
         manifest = load_manifest(cfg.data.prepared_dir, verify=True)  # a damaged folder: refused before Ray starts
         if any("sha256" not in f for f in manifest["files"]):
@@ -142,6 +154,49 @@ def _ensure_prepared(cfg: JobConfig) -> dict[str, Any]:
                                      num_files=cfg.data.num_files)
         print(format_summary(manifest, cfg.data.prepared_dir))
         return manifest
+
+
+def synthetic_mismatch(manifest: dict[str, Any], spec_params: dict[str, Any], prepared_dir: str) -> str | None:
+    """Pure: why the prepared folder of ``manifest`` is not the synthetic data ``spec_params``
+    (``SyntheticSpec.to_dict()``) describes, or None when it is (same generator parameters)."""
+    src = manifest.get("source") or {}
+    if manifest.get("format") != "synthetic":
+        return (f"data.prepared_dir {prepared_dir} holds {manifest.get('format')!r} data, not synthetic data: point "
+                "data.prepared_dir at a new folder (it is generated there) or remove data.synthetic")
+    have = src.get("params") or {}
+    diff = [f"{k}: prepared {have.get(k)!r}, config {spec_params.get(k)!r}"
+            for k in sorted(set(have) | set(spec_params)) if have.get(k) != spec_params.get(k)]
+    if diff:
+        return (f"data.prepared_dir {prepared_dir} holds synthetic data of other parameters than data.synthetic ("
+                + "; ".join(diff) + "): point data.prepared_dir at a new folder or delete it to regenerate")
+    return None
+
+
+def ensure_synthetic(cfg: JobConfig) -> dict[str, Any]:
+    """The manifest of the synthetic data ``cfg.data.synthetic`` describes: generated into
+    ``data.prepared_dir`` first (``gemray.pipelines.synthetic.prepare_synthetic``, ``data.num_files`` files,
+    logged with its time) when that folder holds no prepared data; an existing folder must hold data of the same
+    generator parameters. Raises ValueError for bad parameters or a mismatching folder (naming the parameters
+    that differ), and for a damaged one."""
+    from gemray.pipelines.movielens import load_manifest
+    from gemray.pipelines.synthetic import format_synthetic_summary, prepare_synthetic, spec_from_params
+
+    spec = spec_from_params(cfg.data.synthetic_params())
+    try:
+        manifest = load_manifest(cfg.data.prepared_dir, verify=True)
+    except FileNotFoundError:
+        log.info("prepared data missing at %s: generating synthetic data (data.synthetic: %s)",
+                 cfg.data.prepared_dir, ", ".join(cfg.data.synthetic))
+        t0 = time.perf_counter()
+        prepare_synthetic(cfg.data.prepared_dir, spec, num_files=cfg.data.num_files)
+        manifest = load_manifest(cfg.data.prepared_dir, verify=True)
+        log.info("generated %s in %.1f s", cfg.data.prepared_dir, time.perf_counter() - t0)
+        print(format_synthetic_summary(manifest, cfg.data.prepared_dir))
+        return manifest
+    why = synthetic_mismatch(manifest, spec.to_dict(), cfg.data.prepared_dir)
+    if why:
+        raise ValueError(why)
+    return manifest
 
 
 def _previous_config(out: Path) -> JobConfig | None:

@@ -250,8 +250,13 @@ def run_task(cfg: JobConfig, task: str) -> dict[str, Any]:
     if task == "prepare":
         from gemray.pipelines.movielens import prepare_movielens
 
-        manifest = prepare_movielens(cfg.data.raw_dir, cfg.data.prepared_dir,
-                                     on_bad_rows=cfg.data.on_bad_rows, num_files=cfg.data.num_files)
+        if cfg.data.synthetic:  # generated (or checked against data.synthetic when already there)
+            from gemray.controller.run import ensure_synthetic
+
+            manifest = ensure_synthetic(cfg)
+        else:
+            manifest = prepare_movielens(cfg.data.raw_dir, cfg.data.prepared_dir,
+                                         on_bad_rows=cfg.data.on_bad_rows, num_files=cfg.data.num_files)
         return {"task": "prepare", "prepared_dir": str(Path(cfg.data.prepared_dir).resolve()),
                 "manifest": manifest}
     if task == "train":

@@ -10,7 +10,8 @@ one curve over all its invocations. Tags (:func:`scalars`):
   ``train_loss``, ``samples_per_s``, ``tokens_per_s``, ``token_imbalance``, ``valid_hr@K``, ``valid_ndcg@K``,
   ``epoch_s``, ``train_s``, and MFU fields when the history has them;
 * ``test/<key>``: metrics.json's test ``hr@K`` / ``ndcg@K`` (and ``_unfiltered``) at x = the last epoch;
-* ``run/samples_per_s``, ``run/wall_s``, ``run/bbs_imbalance`` at x = the last epoch.
+* ``run/<key>``: ``samples_per_s``, ``tokens_per_s``, ``model_tflops_per_s``, ``local_mfu``, ``e2e_mfu``,
+  ``scaling_ratio`` (those measured: a null MFU is left out), ``wall_s``, ``bbs_imbalance`` at x = the last epoch.
 
 MLflow: with ``GEMRAY_MLFLOW=1`` in the driver's environment and ``mlflow`` importable, the same scalars are
 logged to an MLflow run named after the job (MLflow's own ``MLFLOW_TRACKING_URI`` / ``MLFLOW_EXPERIMENT_NAME``
@@ -34,7 +35,8 @@ log = logging.getLogger(__name__)
 TB_DIR = "tensorboard"  #: relative to the run's output folder
 _EPOCH_SKIP = ("epoch", "global_step", "final", "world_size")
 _TEST_KEYS = ("hr@", "ndcg@", "targets_in_history")
-_RUN_KEYS = ("samples_per_s", "wall_s", "bbs_imbalance")
+_RUN_KEYS = ("samples_per_s", "tokens_per_s", "model_tflops_per_s", "local_mfu", "e2e_mfu", "scaling_ratio", "wall_s",
+             "bbs_imbalance")
 
 
 def _number(v: Any) -> bool:

@@ -26,8 +26,9 @@ Components of ``step_flops`` (forward FLOPs, times the multiplier; all disjoint,
     tower_attention  2 H (A + V) * [sum_b Lc_b L_b (cross: every candidate x every key)                  x3.5
                      + S sum_b L_b (PMA: every seed x every key)]
     mlp              2 C sum_i in_i out_i over the widths [3d (+d with context), *mlp_dims, K]          x3
-    retrieval_head   "uniform" / "in_batch": 2 M (R + 1) d; "uniform_shared": 2 T R d + 2 M d           x3
-                     (negative logits as GEMMs over what is computed, + the positive dot products)
+    retrieval_head   "uniform" / "in_batch": 2 M (R + 1) E; "uniform_shared": 2 T R E + 2 M E           x3
+                     (negative logits as GEMMs over what is computed, + the positive dot products; scored
+                     in the item table's width E), + 2 T d E when d != E (``GEM.retrieval_proj``)
     embeddings       0
 
 Derived keys: ``gemm`` (hstu_gemm + input_projection + tower_gemm + mlp + retrieval_head), ``attention``
@@ -161,9 +162,11 @@ def step_flops(cfg: ModelConfig, lengths: torch.Tensor, candidate_lengths: torch
     if "retrieval" in cfg.tasks:
         R = cfg.num_negatives
         if cfg.negatives == "uniform_shared":
-            head = 2.0 * T * R * d + 2.0 * M * d
+            head = 2.0 * T * R * E + 2.0 * M * E
         else:
-            head = 2.0 * M * (R + 1) * d
+            head = 2.0 * M * (R + 1) * E
+        if d != E:  # GEM.retrieval_proj: the T states, d -> E, before scoring against the E-wide item table
+            head += 2.0 * T * d * E
         out["retrieval_head"] = gm * head
 
     total = sum(out[c] for c in COMPONENTS)

@@ -1,6 +1,6 @@
 """HSTU blocks and encoder, jagged end to end (Zhai et al. 2024, arXiv:2402.17152, sec. 3.1, eqs. 1-3).
 
-Shape key: T tokens, B sequences, D = embedding_dim (residual width), H heads, A = attention_dim
+Shape key: T tokens, B sequences, D = ``cfg.width`` (residual width: model_dim, or embedding_dim), H heads, A = attention_dim
 (per-head q/k width), V = linear_dim (per-head u/v width), N = max_seq_len, n = longest sequence.
 
 One block (generative-recommenders' ``SequentialTransductionUnitJagged``, "uvqk" + "rel_bias")::
@@ -81,7 +81,7 @@ class HSTUBlock(nn.Module):
         super().__init__()
         if cfg.attn_dropout > 0:
             raise ValueError("model.attn_dropout: attention dropout is not implemented (use 0.0)")
-        self.d, self.h, self.a, self.v = cfg.embedding_dim, cfg.num_heads, cfg.attention_dim, cfg.linear_dim
+        self.d, self.h, self.a, self.v = cfg.width, cfg.num_heads, cfg.attention_dim, cfg.linear_dim
         self.max_seq_len = max_seq_len
         self.activation = cfg.attn_activation
         self.backend = cfg.attention_backend
@@ -144,7 +144,7 @@ class HSTUEncoder(nn.Module):
         if max_seq_len < 1:
             raise ValueError(f"max_seq_len: expected >= 1, got {max_seq_len}")
         self.cfg = cfg
-        self.d = cfg.embedding_dim
+        self.d = cfg.width
         self.max_seq_len = max_seq_len
         self.pos_emb = nn.Parameter(torch.empty(max_seq_len, self.d, device=device))
         self.input_dropout = nn.Dropout(cfg.dropout)

@@ -140,7 +140,7 @@ class CandidateTower(nn.Module):
         x = ops.cross_attention(q, candidate_offsets, k, v, offsets, max_candidates, self.max_seq_len,
                                 activation=self.activation, backend=self.backend)
         x = self.out(x.reshape(C, H * V))                                       # [C, d]
-        u = ops.pma(self.seeds, k, v, offsets, self.max_seq_len, activation=self.activation,
+        u = ops.pma(self.seeds.to(k.dtype), k, v, offsets, self.max_seq_len, activation=self.activation,
                     backend=self.backend)                                       # [B, S, H, V]
         u = self.pool(u.reshape(B, self.s * H * V))                             # [B, d]
         req = segment_ids(candidate_offsets)                                    # [C]

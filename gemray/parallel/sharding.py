@@ -173,7 +173,7 @@ def parallelize(model: nn.Module, *, layout: Layout, cfg: JobConfig, device: tor
     constraints = {t.name: ParameterConstraints(sharding_types=list(layout.sharding_types),
                                                 compute_kernels=kernels)
                    for t in ec.embedding_configs()}
-    topology = Topology(world_size=layout.world_size, compute_device=layout.device_type)
+    topology = Topology(world_size=layout.world_size, compute_device=layout.device_type, **({"hbm_cap": torch.cuda.get_device_properties(device).total_memory} if layout.device_type == "cuda" else {}))  # the GPU's real HBM, not TorchRec's 32 GB default (GEM-scale tables)
     planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints)
     plan = planner.collective_plan(model, pg=pg)
     if dist.get_rank(pg) == 0:

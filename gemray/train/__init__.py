@@ -7,17 +7,20 @@
     RecoveryRecorder                     the attempt's events                gemray.train.recorder
     EpochStats, ThroughputMeter          per-epoch statistics                gemray.train.stats
     PreemptionVote                       the ranks' preemption vote          gemray.train.preemption_vote
-    Evaluator, RetrievalEvaluator        per-batch metric sums               gemray.train.evaluation
+    Evaluator, RetrievalEvaluator,       per-batch metric sums               gemray.train.evaluation
+    RankingEvaluator
+    autocast                             train.precision -> autocast context gemray.train.precision
+    TaskLosses                           per-task training losses            gemray.train.task_stats
 
 Imports point one way: kernels <- ops <- model <- parallel <- train <- controller.
 """
 
 from gemray.train.checkpoint_policy import CheckpointPolicy
-from gemray.train.evaluation import Evaluator, RetrievalEvaluator
+from gemray.train.evaluation import Evaluator, RankingEvaluator, RetrievalEvaluator
 from gemray.train.preemption_vote import PreemptionVote
 from gemray.train.recorder import RecoveryRecorder
 from gemray.train.stats import EpochStats, ThroughputMeter
 from gemray.train.trainer import Trainer, train_loop_per_worker
 
-__all__ = ["CheckpointPolicy", "EpochStats", "Evaluator", "PreemptionVote", "RecoveryRecorder",
-           "RetrievalEvaluator", "ThroughputMeter", "Trainer", "train_loop_per_worker"]
+__all__ = ["CheckpointPolicy", "EpochStats", "Evaluator", "PreemptionVote", "RankingEvaluator",
+           "RecoveryRecorder", "RetrievalEvaluator", "ThroughputMeter", "Trainer", "train_loop_per_worker"]

@@ -11,8 +11,9 @@ all-reduces once and hands each evaluator its slice (``gemray.train.trainer.Trai
 discipline: ``prepare`` and ``batch_sums`` run on every rank the same number of times (an empty batch,
 B=0, still calls the model), so evaluators must not skip the model call for empty batches.
 
-Retrieval (:class:`RetrievalEvaluator`) follows the HSTU protocol (``gemray.metrics``). A ranking evaluator
-(NE / AUC over candidates) fits the same three methods beside it.
+Retrieval (:class:`RetrievalEvaluator`) follows the HSTU protocol (``gemray.metrics``). Ranking
+(:class:`RankingEvaluator`) scores the held-out requests' candidates: NE and AUC per task (CTR / CVR,
+``gemray.metrics.MultiTaskMetrics``), each task on the population it is trained on.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from typing import Any, Protocol
 
 import torch
 
-from gemray.metrics import RetrievalMetrics, history_mask, target_ranks
+from gemray.config import ModelConfig
+from gemray.metrics import DEFAULT_AUC_BINS, MultiTaskMetrics, RetrievalMetrics, history_mask, target_ranks
+from gemray.model.ranking import MultiTaskHead
 
 
 class Evaluator(Protocol):
@@ -72,7 +75,8 @@ class RetrievalEvaluator:
         users = model.user_embeddings(batch)  # [B, D]; called for B=0 too (collective lookups)
         if not batch.batch_size:
             return torch.zeros(self.num_sums(), dtype=torch.float64)
-        scores = users @ items.T  # [B, N+1]
+        with torch.autocast(users.device.type, enabled=False):  # full-precision scores under train.precision
+            scores = users.float() @ items.float().T  # [B, N+1]; bf16 scores would tie and rank pessimistically
         filtered = RetrievalMetrics(self.ks)
         if not self.exclude_history:
             filtered.update(target_ranks(scores, batch.targets))
@@ -92,3 +96,46 @@ class RetrievalEvaluator:
                         if k != "num_users"})
             out["targets_in_history"] = float(sums[2 * n])
         return out
+
+
+class RankingEvaluator:
+    """NE / AUC / log loss / calibration per ranking task over the candidates of a split's requests.
+
+    Per batch: ``model.ranking_logits(batch)`` [C, K] (called for B = 0 too: collective lookups); targets and
+    populations from ``MultiTaskHead.targets_and_populations(batch.labels)`` ("ctr": click over every
+    candidate; "cvr": convert over the clicked candidates, or all with ``cvr_population = "all"``), the same
+    as training; sums of ``gemray.metrics.MultiTaskMetrics`` (K tasks x (4 + 2 num_bins) float64, additive).
+    A split's stream carries the candidates of that split's requests only (``gemray.pipelines.stream``), so
+    no label is scored twice or trained on.
+
+    ``compute`` -> {"<task>_ne", "<task>_auc", "<task>_auc_error_bound", "<task>_logloss", "<task>_base_rate",
+    "<task>_calibration", "<task>_num_examples"} (NaN where undefined, e.g. no positives); the trainer
+    prefixes them with the split (``test_ctr_ne``). Raises ValueError on bad tasks / populations / bins.
+    """
+
+    def __init__(self, tasks: list[str], *, cvr_population: str = "clicked", num_bins: int = DEFAULT_AUC_BINS):
+        self.head = MultiTaskHead(tasks, None, cvr_population)
+        self.tasks, self.num_bins = list(tasks), int(num_bins)
+        self._n = MultiTaskMetrics(self.tasks, self.num_bins).sums().numel()
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig, num_bins: int = DEFAULT_AUC_BINS) -> "RankingEvaluator":
+        """The evaluator of ``cfg``'s ranking tasks and CVR population."""
+        return cls(cfg.ranking_tasks, cvr_population=cfg.cvr_population, num_bins=num_bins)
+
+    def num_sums(self) -> int:
+        return self._n
+
+    def prepare(self, model: torch.nn.Module, device: torch.device) -> None:
+        return None
+
+    def batch_sums(self, model: torch.nn.Module, batch: Any, ctx: Any) -> torch.Tensor:
+        logits = model.ranking_logits(batch)  # [C, K]; called for B=0 too (collective lookups)
+        metrics = MultiTaskMetrics(self.tasks, self.num_bins)
+        if batch.batch_size and batch.labels is not None and logits.shape[0]:
+            targets, pop = self.head.targets_and_populations(batch.labels)
+            metrics.update(logits.float(), targets, pop)
+        return metrics.sums()
+
+    def compute(self, sums: torch.Tensor) -> dict[str, float]:
+        return MultiTaskMetrics(self.tasks, self.num_bins).compute(sums)

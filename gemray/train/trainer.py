@@ -20,7 +20,8 @@ all-reduced over ranks.
 
 Reported metrics per epoch (rank 0's dict is attached to the checkpoint): ``epoch`` (the epoch just
 completed, 1-based, = completed epochs), ``global_step``, ``train_loss``, ``samples_per_s`` /
-``tokens_per_s`` (global, training steps only), ``token_imbalance`` (mean over steps of max/mean tokens
+``tokens_per_s`` (global, training steps only), ``model_tflops_per_s``, ``local_mfu`` (with the sums behind it,
+``mfu_flops`` / ``mfu_rank_s``, and the device's ``peak_flops``: gemray.train.throughput), ``token_imbalance`` (mean over steps of max/mean tokens
 across ranks, measured by all-gathering per-step counts), ``train_s``, ``valid_hr@K`` / ``valid_ndcg@K`` on
 eval epochs, ``epoch_s``; the last epoch's report also carries ``test_hr@K`` / ``test_ndcg@K``, ``final``,
 ``world_size`` and ``history`` (the per-epoch dicts, restored across restarts). Ray Train V2's
@@ -46,10 +47,13 @@ from gemray.events import epoch_fields
 from gemray.parallel import build_optimizer, parallelize, plan_layout
 from gemray.preemption import read_notice
 from gemray.train.checkpoint_policy import CheckpointPolicy
-from gemray.train.evaluation import RetrievalEvaluator
+from gemray.train.evaluation import RankingEvaluator, RetrievalEvaluator
+from gemray.train.precision import autocast
 from gemray.train.preemption_vote import PreemptionVote
 from gemray.train.recorder import RecoveryRecorder
 from gemray.train.stats import EpochStats, ThroughputMeter, progress_line
+from gemray.train.task_stats import TaskLosses
+from gemray.train.throughput import StepClock, batch_flops, device_peak_flops
 
 log = logging.getLogger("gemray.train")
 
@@ -73,16 +77,21 @@ def step_seed(seed: int, global_step: int, rank: int) -> int:
     return (int(seed) * 1_000_003 + int(global_step) * 7_919 + int(rank) * 104_729) % (2**63 - 1)
 
 
-def forward_backward_step(model: torch.nn.Module, optimizer: Any, batch: Any, device: torch.device
-                          ) -> tuple[float, float]:
-    """Forward, backward (the fused sparse optimizer steps inside), dense step. Returns (loss, targets).
+def forward_backward_step(model: torch.nn.Module, optimizer: Any, batch: Any, device: torch.device, *,
+                          precision: str = "fp32", stats_out: dict | None = None) -> tuple[float, float]:
+    """Forward (under ``gemray.train.precision.autocast(precision, device)``), backward (the fused sparse
+    optimizer steps inside), dense step. Returns (loss, targets).
 
-    model(batch) must return (loss scalar, stats dict with "num_targets"). Raises FloatingPointError,
+    model(batch) must return (loss scalar, stats dict with "num_targets"); ``stats_out``, when given, is
+    updated with that dict (e.g. the per-task "loss_<task>" / "count_<task>"). Raises FloatingPointError,
     before any weight moves, when the loss is NaN or infinite (a diverged run must fail, not go on to
     report metrics of NaN scores).
     """
     batch = batch.to(device)
-    loss, stats = model(batch)
+    with autocast(precision, device):
+        loss, stats = model(batch)
+    if stats_out is not None and isinstance(stats, dict):
+        stats_out.update(stats)
     value = float(loss.detach())
     if not math.isfinite(value):
         raise FloatingPointError(f"training loss is {value}: the model diverged (check train.lr, "
@@ -92,6 +101,31 @@ def forward_backward_step(model: torch.nn.Module, optimizer: Any, batch: Any, de
     optimizer.zero_grad(set_to_none=True)
     n_t = float(stats.get("num_targets", 0)) if isinstance(stats, dict) else 0.0
     return value, n_t
+
+
+def model_data_args(cfg: JobConfig, manifest: dict[str, Any]) -> dict[str, Any]:
+    """What ``GEM`` needs from a prepared folder beyond num_items: ``cardinalities`` {feature: C} (manifest
+    ``features``), ``num_users`` (with "user_id" as a context feature) and ``item_features`` {name: [N+1]
+    int64} for ``model.candidate_features`` (items.parquet, ``gemray.pipelines.stream.item_feature_tables``).
+    The defaults (ML-1M) need none of them: {}. Raises ValueError when the data lacks a configured feature."""
+    m = cfg.model
+    needed = list(m.token_features) + [c for c in m.context_features if c != m.USER_ID_FEATURE]
+    if not needed and not m.candidate_features and m.USER_ID_FEATURE not in m.context_features:
+        return {}
+    feats = manifest.get("features") or {}
+    missing = [f for f in needed if f not in feats and f not in m.table_rows_map()]
+    if missing:
+        raise ValueError(f"{cfg.data.prepared_dir}: the data has no feature {missing} (model.token_features / "
+                         f"model.context_features; manifest features: {sorted(feats)})")
+    out: dict[str, Any] = {"cardinalities": {k: int(v["cardinality"]) for k, v in feats.items()}}
+    if m.USER_ID_FEATURE in m.context_features:
+        out["num_users"] = int(manifest.get("vocab", {}).get("max_user_id", manifest["counts"]["users"]))
+    if m.candidate_features:
+        from gemray.pipelines.stream import item_feature_tables
+
+        tables = item_feature_tables(manifest)
+        out["item_features"] = {f: torch.from_numpy(tables[f]) for f in m.candidate_features if f in tables}
+    return out
 
 
 def agree_attempt(rank: int, device: torch.device) -> int:
@@ -116,22 +150,32 @@ class Trainer:
         self.stopped = False
 
     # -- setup: who am I, where do I run, what data ------------------------------------------------------
-    def setup(self) -> None:
-        """Device and process-group facts (Ray Train's context), logging, the layout for this world size,
-        the attempt id (collective), the event recorder and preemption vote, then the data streams."""
-        import ray.train
+    def setup(self, context: tuple[int, int, torch.device] | None = None) -> None:
+        """Device and process-group facts, logging, the layout for this world size, the attempt id
+        (collective), the event recorder and preemption vote, then the data streams.
 
+        context: None = Ray Train's (world rank, world size, its device); or (rank, world_size, device) for a
+        process outside Ray Train whose caller made the default process group (``gemray bench train``: world
+        size 1, gloo). The device's dense bf16 peak (``peak_flops``, None on CPU) is looked up here."""
         cfg = self.cfg
-        ctx = ray.train.get_context()
-        self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
-        _setup_logging(self.rank)
-        if cfg.ray.use_gpu:
-            import ray.train.torch as rtt
+        if context is None:
+            import ray.train
 
-            self.device = rtt.get_device()
-            torch.cuda.set_device(self.device)
+            ctx = ray.train.get_context()
+            self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
+            if cfg.ray.use_gpu:
+                import ray.train.torch as rtt
+
+                self.device = rtt.get_device()
+            else:
+                self.device = torch.device("cpu")
         else:
-            self.device = torch.device("cpu")
+            self.rank, self.world, self.device = int(context[0]), int(context[1]), torch.device(context[2])
+        _setup_logging(self.rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.device_name, self.peak_flops = device_peak_flops(self.device)
+        self.attempt_steps = 0  # steps of this attempt: the first train.mfu_warmup_steps are left out of local MFU
         self.layout = plan_layout(self.world, self.device.type)
         self.attempt = agree_attempt(self.rank, self.device)
         self.recorder = RecoveryRecorder(cfg.train.events_path, attempt=self.attempt, rank=self.rank,
@@ -154,7 +198,8 @@ class Trainer:
         ray.data.DataContext.get_current().enable_progress_bars = False
         manifest = load_manifest(cfg.data.prepared_dir)
         self.num_items = int(manifest["counts"]["items"])
-        self.trained_on = data_record(manifest)  # in every checkpoint: a resume on other data is refused up front
+        self.model_data = model_data_args(cfg, manifest)
+        self.trained_on = data_record(manifest, item_table_rows=cfg.model.table_rows_map().get("item"))  # in every checkpoint: a resume on other data is refused up front
         self.train_stream = ElasticTrainStream.from_config(cfg.data, rank=self.rank, world_size=self.world,
                                                            seed=cfg.train.seed)
         self.streams = {split: HistoryStream.from_config(cfg.data, split, rank=self.rank, world_size=self.world,
@@ -168,24 +213,41 @@ class Trainer:
         from gemray.model.gem import GEM
 
         cfg = self.cfg
-        model = GEM(cfg.model, self.num_items, "meta", max_seq_len=cfg.data.max_seq_len)
+        model = GEM(cfg.model, self.num_items, "meta", max_seq_len=cfg.data.max_seq_len, **self.model_data)
         self.dmp = parallelize(model, layout=self.layout, cfg=cfg, device=self.device)
         self.optimizer = build_optimizer(self.dmp, cfg)
-        self.evaluators = [RetrievalEvaluator(self.num_items, list(cfg.train.eval_ks),
-                                              exclude_history=cfg.train.eval_exclude_history)]
+        self.evaluators: list[Any] = []
+        if "retrieval" in cfg.model.tasks:
+            self.evaluators.append(RetrievalEvaluator(self.num_items, list(cfg.train.eval_ks),
+                                                      exclude_history=cfg.train.eval_exclude_history))
+        if cfg.model.ranking_tasks:
+            self.evaluators.append(RankingEvaluator.from_config(cfg.model))
         self.policy = CheckpointPolicy.from_config(cfg)
+        self.warm_up_kernels()
         self.recorder.phase_done("build_and_shard_s")
 
+    def warm_up_kernels(self) -> None:
+        """On CUDA with the Triton attention backend: compile the attention kernels for every length regime
+        the config can reach, before step 1 (``gemray.train.warmup``; logged, a fixed number of calls, no
+        weight changes). The result is kept in ``warmup_compile``."""
+        from gemray.train.warmup import triton_in_use, warm_up_attention
+
+        self.warmup_compile = None
+        if self.device.type != "cuda" or not triton_in_use(self.cfg, self.device):
+            return
+        template = next((b for b, _ in self.train_stream.iter_epoch(0, 0) if b.batch_size), None)
+        self.warmup_compile = warm_up_attention(self.cfg, self.device, self.dmp.module, template)
+
     # -- restore: the newest good committed checkpoint, or a fresh start ---------------------------------
-    def restore(self) -> None:
+    def restore(self, from_ray: bool = True) -> None:
         """Ray hands back the latest committed checkpoint after a failure or a resize (a corrupt one is
         skipped for the previous good one; DCP reshards to this world size); continue at its global data
         position. Records what became of the previous attempt, the startup timings and a resize; opens the
-        sample ledger."""
+        sample ledger. ``from_ray`` False: a fresh start without asking Ray (a process outside Ray Train)."""
         from gemray.ledger import LedgerWriter
 
         cfg = self.cfg
-        state = restore_from_ray(self.dmp, self.optimizer)
+        state = restore_from_ray(self.dmp, self.optimizer) if from_ray else None
         self.recorder.phase_done("restore_s")
         fresh = state is None
         state = state or {"epoch": 0, "consumed": 0, "epoch_step": 0, "global_step": 0, "history": []}
@@ -217,20 +279,25 @@ class Trainer:
         pos = self._resume if epoch == self.start_epoch else {"consumed": 0, "epoch_step": 0, "partial": None}
         self.epoch, self.consumed, self.epoch_step = epoch, int(pos["consumed"]), int(pos["epoch_step"])
         self.stats = EpochStats(pos["partial"])
+        self.task_losses = TaskLosses(cfg.model.tasks) if len(cfg.model.tasks) > 1 else None
         steps = self.train_stream.num_steps(self.consumed)
         if cfg.train.max_steps_per_epoch:
             steps = min(steps, max(0, cfg.train.max_steps_per_epoch - self.epoch_step))
         self.dmp.train()
-        meter = ThroughputMeter()
+        meter = ThroughputMeter(self.peak_flops)
         batches = self.train_stream.iter_epoch(epoch, self.consumed)
+        self.clock = StepClock()
         epoch_steps, t_loop = self.epoch_step + steps, time.perf_counter()
         for i in range(steps):
             batch, self.consumed = next(batches)
             loss = self.train_step(batch)
-            meter.add(batch.batch_size, batch.num_tokens)
+            meter.add(batch.batch_size, batch.num_tokens, self.last_step_flops)
             if self.rank == 0 and (self.epoch_step % cfg.train.log_every == 0 or i == steps - 1):
+                r = meter.rates_full()
                 log.info(progress_line(epoch + 1, self.epoch_step, epoch_steps, self.global_step, loss,
-                                       *meter.rates(), done=i + 1, elapsed_s=time.perf_counter() - t_loop))
+                                       r["samples_per_s"], r["tokens_per_s"], done=i + 1,
+                                       elapsed_s=time.perf_counter() - t_loop, tflops_per_s=r["tflops_per_s"],
+                                       mfu=r["mfu"]))
             # Without a notice the epoch-end checkpoint covers the last step; with one, the emergency checkpoint
             # is taken here (a resumed run then has 0 steps left of this epoch and goes straight to its end).
             last = i == steps - 1
@@ -244,17 +311,31 @@ class Trainer:
             if reason == "emergency":
                 self.vote.emergency_checkpoint_taken()
         self.stats.reduce(self.device, self.world)
-        return self.stats.result()
+        out = self.stats.result(self.peak_flops)
+        if self.task_losses is not None:
+            out.update(self.task_losses.reduce(self.device))
+        return out
 
     def train_step(self, batch: Any) -> float:
         """One global step of this rank: dropout and negative sampling seeded from (seed, global step, rank),
-        forward / backward / optimizer step, then the bookkeeping (statistics, counters, ledger, step event).
-        Returns the loss (this rank's mean over its predicted positions)."""
+        forward / backward / optimizer step, then the bookkeeping (statistics with the step's model FLOPs
+        ``last_step_flops`` and its wall seconds ``last_step_s`` -- since the previous step's end, the batch
+        wait included -- counters, ledger, step event). Returns the loss (this rank's mean over its predicted
+        positions)."""
         seed = self.cfg.train.seed
+        self.last_step_flops = batch_flops(self.cfg.model, batch)  # host arithmetic on the offsets
         torch.manual_seed(step_seed(seed, self.global_step, self.rank))  # dropout
         self.dmp.module.seed_sampling(step_seed(seed + 1, self.global_step, self.rank))  # negatives
-        loss, n_t = forward_backward_step(self.dmp, self.optimizer, batch, self.device)
-        self.stats.add(loss, n_t, batch.num_tokens, batch.batch_size)
+        step_stats: dict = {}
+        loss, n_t = forward_backward_step(self.dmp, self.optimizer, batch, self.device,
+                                          precision=self.cfg.train.precision, stats_out=step_stats)
+        if self.task_losses is not None:
+            self.task_losses.add(step_stats)
+        self.last_step_s = self.clock.lap()
+        self.attempt_steps += 1
+        measured = self.attempt_steps > self.cfg.train.mfu_warmup_steps
+        self.stats.add(loss, n_t, batch.num_tokens, batch.batch_size, self.last_step_flops,
+                       self.last_step_s if measured else None)
         self.global_step += 1
         self.epoch_step += 1
         if self.ledger is not None:
@@ -328,12 +409,14 @@ class Trainer:
             raise ValueError(f"Trainer.evaluate: split must be one of {sorted(self.streams)}, got {split!r}")
         model = self.dmp.module
         self.dmp.eval()
-        ctxs = [ev.prepare(model, self.device) for ev in self.evaluators]
+        with autocast(self.cfg.train.precision, self.device):
+            ctxs = [ev.prepare(model, self.device) for ev in self.evaluators]
         sums = [torch.zeros(ev.num_sums(), dtype=torch.float64) for ev in self.evaluators]
         for batch in self.streams[split].iter_epoch(0):
             batch = batch.to(self.device)
             for ev, ctx, s in zip(self.evaluators, ctxs, sums):
-                s += ev.batch_sums(model, batch, ctx)
+                with autocast(self.cfg.train.precision, self.device):
+                    s += ev.batch_sums(model, batch, ctx)
         total = torch.cat(sums).to(self.device)
         dist.all_reduce(total)
         self.dmp.train()

@@ -1,0 +1,420 @@
+"""``gemray bench train``: time real training steps of a config in one process, and say where the step goes.
+
+The model, optimizer and data stream are the Trainer's own (:class:`gemray.train.Trainer`: ``setup`` with a
+world-1 context instead of Ray Train's, ``build``, a fresh ``restore``), and every step is
+:meth:`Trainer.train_step` on the next batch of the real pipeline (``ElasticTrainStream``, BBS and all; the
+Parquet shards read with pyarrow in this process, ``data.reader = "arrow"``, so no Ray is started). Before step
+1 the attention kernels are compiled for every length regime the config can reach
+(:func:`gemray.train.warmup.warm_up_attention`, on CUDA with the Triton backend).
+
+Per step it measures (host clock, the device synchronised at the end of the step):
+
+* ``data_s``: the wait for the next batch (``next()`` on the stream: reading, BBS planning and collation all
+  run in this process, no loader workers, so all of it is exposed);
+* ``step_s``: ``train_step`` (copy to the device, forward, backward, optimizer) until the device is idle;
+* the step's model FLOPs (``gemray.train.throughput.batch_flops``), tokens and samples.
+
+The result (:func:`run_bench`, the ``--json`` file; steps after the first ``warmup`` only):
+
+``step_s`` {median, p90, max, mean}; ``data_s`` {median, max, mean}; ``data_stall_pct`` (100 x sum data_s /
+sum (data_s + step_s)); ``tokens_per_s`` / ``samples_per_s`` / ``model_tflops_per_s`` (sums over the
+measured steps / their wall time data_s + step_s); ``local_mfu`` (model FLOP/s / the device's dense bf16 peak;
+null on CPU), ``local_mfu_compute`` (the same over step_s only: what a loader that never stalls would give);
+``peak_memory`` ({allocated_bytes, reserved_bytes} from torch.cuda.max_memory_* on CUDA, {rss_bytes} on CPU);
+``compile_stall`` {max_over_median, flagged (> 2)}; ``loader`` {workers: 0 (in-process), cpu_cores};
+``warmup_compile`` (the kernel warm-up's regimes and seconds); ``steps`` (per-step records); and with
+``--profile`` a ``profile`` (:func:`profile_breakdown`).
+
+Profile classification (:func:`classify_kernel`, first rule that matches, on the lower-cased name of each
+device kernel; on CPU, where there are no kernels, on the self time of each operator):
+
+1. communication: ``nccl`` (only the part not overlapped by a compute kernel on another stream counts as
+   ``exposed_communication``; the rest is reported as ``overlapped_communication``);
+2. embeddings_bwd / embeddings_fwd: FBGEMM table-batched embedding kernels and TorchRec's helpers (``embedding``,
+   ``tbe``, ``fbgemm``, ``bounds_check_indices``, ``linearize_cache``, ``jagged``/``permute`` index ops of
+   the KJT path are *not* matched); backward when the name has ``backward`` / ``bwd`` / ``grad``;
+3. attention: our Triton kernels (``_gdpa_``, ``_ws_fwd``, ``_bwd_delta``), SDPA / flash / memory-efficient
+   kernels (``flash``, ``fmha``, ``sdpa``, ``attention``, ``scaled_dot_product``);
+4. optimizer: ``adam``, ``adagrad``, ``multi_tensor_apply``, ``foreach``, ``optimizer``, ``sgd``;
+5. gemm: cuBLAS / CUTLASS / Hopper GEMM kernels (``gemm``, ``cublas``, ``cutlass``, ``nvjet``, ``xmma``,
+   ``sm90_``, ``sm80_``, ``splitk``, ``matmul``) and the CPU operators ``aten::mm`` / ``addmm`` / ``bmm`` /
+   ``baddbmm`` / ``_scaled_mm`` / ``linear`` / ``matmul``;
+6. other: the rest (elementwise, norms, reductions, copies, memsets).
+
+The rules go by kernel name alone: on the reference attention path (``model.attention_backend = "reference"``)
+the attention is aten batched matmuls, softmax and masks, so its matmuls count as ``gemm`` and the rest as
+``other``; compare the two paths' step times, not their ``attention`` rows.
+
+``data_wait`` is the host-measured ``data_s`` of the profiled steps; ``gpu_idle`` the profiled wall time in which
+no kernel ran (host-bound launches show up there).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import time
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from gemray.config import JobConfig
+from gemray.train.throughput import batch_flops, mfu_or_none
+
+log = logging.getLogger("gemray.bench.train")
+
+CATEGORIES = ("attention", "gemm", "embeddings_fwd", "embeddings_bwd", "optimizer", "data_wait",
+              "exposed_communication", "other")
+STALL_FACTOR = 2.0  # "no compile stalls": every measured step within 2x the median step
+
+_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("communication", ("nccl",)),
+    ("embeddings", ("embedding", "tbe_", "_tbe", "fbgemm", "bounds_check_indices", "linearize_cache")),
+    ("attention", ("_gdpa_", "gdpa", "_ws_fwd", "_bwd_delta", "flash", "fmha", "sdpa", "attention",
+                   "scaled_dot_product")),
+    ("optimizer", ("adam", "adagrad", "multi_tensor_apply", "foreach", "optimizer", "sgd")),
+    ("gemm", ("gemm", "cublas", "cutlass", "nvjet", "xmma", "sm90_", "sm80_", "splitk", "matmul", "aten::mm",
+              "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm", "aten::linear")),
+)
+
+
+def classify_kernel(name: str) -> str:
+    """The profile category of a device kernel (or, on CPU, an operator) by its name: "communication",
+    "embeddings_fwd", "embeddings_bwd", "attention", "optimizer", "gemm" or "other" (module docstring: the
+    rules in order)."""
+    n = name.lower()
+    for cat, keys in _RULES:
+        if any(k in n for k in keys):
+            if cat == "embeddings":
+                return "embeddings_bwd" if any(k in n for k in ("backward", "bwd", "grad")) else "embeddings_fwd"
+            return cat
+    return "other"
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _covered(a: float, b: float, merged: list[tuple[float, float]]) -> float:
+    """Length of [a, b] covered by the sorted disjoint intervals ``merged``."""
+    return sum(max(0.0, min(b, y) - max(a, x)) for x, y in merged if y > a and x < b)
+
+
+def kernel_breakdown(kernels: list[tuple[str, float, float]]) -> dict[str, float]:
+    """Pure: seconds per category from device kernels ``(name, start_s, end_s)``. Communication kernels count as
+    ``exposed_communication`` only where no compute kernel (any other category) runs at the same time; the
+    overlapped rest goes to ``overlapped_communication``. Also ``gpu_busy`` (the union of all kernels)."""
+    out = dict.fromkeys(CATEGORIES, 0.0)
+    out["overlapped_communication"] = 0.0
+    compute, comm = [], []
+    for name, a, b in kernels:
+        cat = classify_kernel(name)
+        if cat == "communication":
+            comm.append((a, b))
+        else:
+            out[cat] += b - a
+            compute.append((a, b))
+    merged = _union(compute)
+    for a, b in comm:
+        hidden = _covered(a, b, merged)
+        out["overlapped_communication"] += hidden
+        out["exposed_communication"] += (b - a) - hidden
+    out["gpu_busy"] = sum(b - a for a, b in _union(compute + comm))
+    return out
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    if not s:
+        return 0.0
+    k = (len(s) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def stall_check(step_s: list[float], factor: float = STALL_FACTOR) -> dict[str, Any]:
+    """Pure: the "no compile stalls" check over the measured steps: max step / median step, flagged when > factor."""
+    if not step_s:
+        return {"max_over_median": None, "flagged": False, "factor": factor}
+    med = statistics.median(step_s)
+    r = max(step_s) / med if med > 0 else float("inf")
+    return {"max_over_median": r, "flagged": r > factor, "factor": factor}
+
+
+def summarize(records: list[dict[str, Any]], peak: float | None) -> dict[str, Any]:
+    """Pure: the bench's figures from the measured steps' records ({data_s, step_s, flops, tokens, samples});
+    see the module docstring for the keys."""
+    step = [r["step_s"] for r in records]
+    data = [r["data_s"] for r in records]
+    wall = sum(step) + sum(data)
+    flops = sum(r["flops"] for r in records)
+    tokens = sum(r["tokens"] for r in records)
+    samples = sum(r["samples"] for r in records)
+    return {
+        "measured_steps": len(records),
+        "step_s": {"median": statistics.median(step) if step else 0.0, "p90": _percentile(step, 0.9),
+                   "max": max(step, default=0.0), "mean": sum(step) / len(step) if step else 0.0},
+        "data_s": {"median": statistics.median(data) if data else 0.0, "max": max(data, default=0.0),
+                   "mean": sum(data) / len(data) if data else 0.0},
+        "data_stall_pct": 100.0 * sum(data) / wall if wall > 0 else 0.0,
+        "tokens_per_s": tokens / wall if wall > 0 else 0.0,
+        "samples_per_s": samples / wall if wall > 0 else 0.0,
+        "model_flops_per_step": flops / len(records) if records else 0.0,
+        "model_tflops_per_s": flops / wall / 1e12 if wall > 0 else 0.0,
+        "local_mfu": mfu_or_none(flops, wall, peak),
+        "local_mfu_compute": mfu_or_none(flops, sum(step), peak),
+        "peak_flops": peak,
+        "compile_stall": stall_check(step),
+    }
+
+
+def _peak_memory(device: torch.device) -> dict[str, int]:
+    if device.type == "cuda":
+        return {"allocated_bytes": int(torch.cuda.max_memory_allocated(device)),
+                "reserved_bytes": int(torch.cuda.max_memory_reserved(device))}
+    import resource
+
+    return {"rss_bytes": int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024}  # Linux: KiB
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _init_process_group(device: torch.device) -> bool:
+    """A world-1 default process group for the Trainer's collectives (gloo on CPU, NCCL on CUDA); True when
+    made here (the caller destroys it)."""
+    if dist.is_initialized():
+        return False
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kw = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kw)
+    return True
+
+
+def bench_device(cfg: JobConfig) -> torch.device:
+    """cuda:0 when the config asks for GPUs (``ray.use_gpu``) and one is here, else the CPU. Raises
+    RuntimeError when ``ray.use_gpu`` is set and there is no CUDA device."""
+    if cfg.ray.use_gpu:
+        if not torch.cuda.is_available():
+            raise RuntimeError("bench train: ray.use_gpu is true but no CUDA device is visible "
+                               "(--set ray.use_gpu=false to bench on the CPU)")
+        return torch.device("cuda", 0)
+    return torch.device("cpu")
+
+
+class _Batches:
+    """The train stream's batches across epoch boundaries, timed: ``next()`` returns (batch, seconds waited)."""
+
+    def __init__(self, trainer: Any):
+        self.trainer, self.epoch = trainer, 0
+        self._it: Iterator | None = None
+
+    def next(self) -> tuple[Any, float]:
+        t0 = time.perf_counter()
+        for _ in range(2):
+            if self._it is None:
+                self._it = self.trainer.train_stream.iter_epoch(self.epoch, 0)
+            try:
+                batch, consumed = next(self._it)
+                self.trainer.consumed = consumed
+                return batch, time.perf_counter() - t0
+            except StopIteration:
+                self.epoch += 1
+                self.trainer.epoch = self.epoch
+                self._it = None
+        raise ValueError("bench train: the train split yields no batches")
+
+
+def first_batch(trainer: Any) -> Any:
+    """The first non-empty batch of the train stream's epoch 0 (CPU; a template for the kernel warm-up)."""
+    for batch, _ in trainer.train_stream.iter_epoch(0, 0):
+        if batch.batch_size:
+            return batch
+    raise ValueError("bench train: the train split yields no batches")
+
+
+def _run_steps(trainer: Any, batches: _Batches, n: int, device: torch.device, records: list[dict[str, Any]],
+               phase: str) -> None:
+    for _ in range(n):
+        batch, data_s = batches.next()
+        t0 = time.perf_counter()
+        loss = trainer.train_step(batch)
+        _sync(device)
+        step_s = time.perf_counter() - t0
+        records.append({"phase": phase, "data_s": data_s, "step_s": step_s, "flops": trainer.last_step_flops,
+                        "tokens": batch.num_tokens, "samples": batch.batch_size, "loss": loss})
+
+
+def device_kernels(events: list[Any]) -> list[tuple[str, float, float]]:
+    """(name, start_s, end_s) of the device activities (kernels, copies, memsets) among torch.profiler's
+    ``FunctionEvent``s, without the GPU-side projections of annotations (``ProfilerStep#``, record_function
+    ranges), which are spans, not work."""
+    out = []
+    for e in events:
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        if getattr(e, "is_user_annotation", False) or "annotation" in str(getattr(e, "activity_type", "")).lower():
+            continue
+        if e.name.startswith("ProfilerStep"):
+            continue
+        out.append((e.name, e.time_range.start / 1e6, e.time_range.end / 1e6))
+    return out
+
+
+def profile_breakdown(trainer: Any, batches: _Batches, steps: int, device: torch.device) -> dict[str, Any]:
+    """Profile ``steps`` more training steps with torch.profiler and split their time by category (module
+    docstring): {"steps", "wall_s", "per_step_s": {category: seconds per step}, "fraction": {category: share
+    of the profiled wall time}, "gpu_idle_s", "top_kernels": [[name, category, seconds], ...]}."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    records: list[dict[str, Any]] = []
+    _sync(device)
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        _run_steps(trainer, batches, steps, device, records, "profile")
+    wall = time.perf_counter() - t0
+    events = prof.events()
+    if device.type == "cuda":
+        kernels = device_kernels(events)
+        cats = kernel_breakdown(kernels)
+        busy = cats.pop("gpu_busy")
+        names = [(k[0], k[2] - k[1]) for k in kernels]
+    else:  # no kernels: the operators' self CPU time
+        cats = dict.fromkeys(CATEGORIES, 0.0)
+        cats["overlapped_communication"] = 0.0
+        names = []
+        for e in events:
+            if e.device_type == torch.autograd.DeviceType.CPU and e.self_cpu_time_total > 0:
+                c = classify_kernel(e.name)
+                c = "exposed_communication" if c == "communication" else c
+                cats[c] += e.self_cpu_time_total / 1e6
+                names.append((e.name, e.self_cpu_time_total / 1e6))
+        busy = None
+    cats["data_wait"] = sum(r["data_s"] for r in records)
+    total: dict[str, float] = {}
+    for name, s in names:
+        total[name] = total.get(name, 0.0) + s
+    top = sorted(total.items(), key=lambda kv: -kv[1])[:15]
+    out = {"steps": steps, "wall_s": wall, "step_wall_s": sum(r["step_s"] + r["data_s"] for r in records),
+           "per_step_s": {k: v / steps for k, v in cats.items()},
+           "fraction": {k: (v / wall if wall > 0 else 0.0) for k, v in cats.items()},
+           "gpu_idle_s": None if busy is None else max(0.0, wall - busy - cats["data_wait"]) / steps,
+           "top_kernels": [[n, classify_kernel(n), s / steps] for n, s in top]}
+    return out
+
+
+def run_bench(cfg: JobConfig, *, steps: int, warmup: int, profile: bool = False, profile_steps: int = 3,
+              warm_up_kernels: bool = True) -> dict[str, Any]:
+    """Build the config's model through the Trainer's phases in this process (world size 1) and time
+    ``warmup`` + ``steps`` training steps on the real pipeline, then optionally ``profile_steps`` profiled
+    ones. Returns the module docstring's dict. Raises ValueError for steps < 1 or warmup < 0, RuntimeError
+    when the config wants a GPU that is not here."""
+    from gemray.train.warmup import warm_up_attention
+    from gemray.train.stats import EpochStats
+    from gemray.train.throughput import StepClock
+    from gemray.train.trainer import Trainer
+
+    if steps < 1 or warmup < 0 or profile_steps < 1:
+        raise ValueError(f"bench train: expected --steps >= 1, --warmup >= 0 and profile steps >= 1, got "
+                         f"{steps}, {warmup}, {profile_steps}")
+    cfg.data.reader = "arrow"  # the same table, read in this process: no Ray
+    cfg.train.ledger_dir = ""
+    cfg.train.mfu_warmup_steps = warmup
+    cfg.validate()
+    device = bench_device(cfg)
+    made_pg = _init_process_group(device)
+    try:
+        t0 = time.perf_counter()
+        trainer = Trainer(cfg)
+        trainer.setup(context=(0, 1, device))
+        trainer.build()
+        trainer.restore(from_ray=False)
+        build_s = time.perf_counter() - t0
+        compile_info = getattr(trainer, "warmup_compile", None)  # the Trainer's build ran it (CUDA + Triton)
+        if compile_info is None or not compile_info.get("ran"):
+            compile_info = (warm_up_attention(cfg, device, trainer.dmp.module, first_batch(trainer))
+                            if warm_up_kernels else
+                            {"ran": False, "why": "disabled", "regimes": [], "seconds": 0.0})
+        trainer.epoch, trainer.consumed, trainer.epoch_step = 0, 0, 0
+        trainer.stats = EpochStats()
+        trainer.clock = StepClock()
+        trainer.dmp.train()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        batches = _Batches(trainer)
+        records: list[dict[str, Any]] = []
+        _run_steps(trainer, batches, warmup, device, records, "warmup")
+        _run_steps(trainer, batches, steps, device, records, "measured")
+        measured = [r for r in records if r["phase"] == "measured"]
+        out: dict[str, Any] = {
+            "config": cfg.name, "device": trainer.device_name, "world_size": 1,
+            "attention_backend": cfg.model.attention_backend,
+            "precision": getattr(cfg.train, "precision", "fp32"),
+            "batch_size": cfg.data.batch_size, "max_seq_len": cfg.data.max_seq_len,
+            "model": {"num_blocks": cfg.model.num_blocks, "width": cfg.model.width, "num_heads": cfg.model.num_heads,
+                      "attention_dim": cfg.model.attention_dim, "linear_dim": cfg.model.linear_dim,
+                      "tasks": list(cfg.model.tasks)},
+            "warmup_steps": warmup, "build_s": build_s, "warmup_compile": compile_info,
+            **summarize(measured, trainer.peak_flops),
+            "peak_memory": _peak_memory(device),
+            "loader": {"workers": 0, "in_process": True, "cpu_cores": len(os.sched_getaffinity(0))
+                       if hasattr(os, "sched_getaffinity") else os.cpu_count()},
+            "steps": records,
+        }
+        out["scaling_ratio"], out["e2e_mfu"] = 1.0, out["local_mfu"]  # world size 1 is its own reference
+        if profile:
+            out["profile"] = profile_breakdown(trainer, batches, profile_steps, device)
+        return out
+    finally:
+        if made_pg:
+            dist.destroy_process_group()
+
+
+def format_table(res: dict[str, Any]) -> str:
+    """The bench result as the printed table (text)."""
+    def pct(x):
+        return "n/a" if x is None else f"{100 * x:.2f}%"
+
+    s, m = res["step_s"], res["peak_memory"]
+    mem = ", ".join(f"{k.replace('_bytes', '')} {v / 2**30:.2f} GiB" for k, v in m.items())
+    cs = res["compile_stall"]
+    lines = [
+        f"gemray bench train: {res['config']} on {res['device']} ({res['attention_backend']} attention, "
+        f"batch {res['batch_size']}, max seq {res['max_seq_len']}), {res['measured_steps']} steps after "
+        f"{res['warmup_steps']} warm-up",
+        f"  step time       median {s['median'] * 1e3:.1f} ms  p90 {s['p90'] * 1e3:.1f} ms  max {s['max'] * 1e3:.1f} ms",
+        f"  throughput      {res['tokens_per_s']:.0f} tokens/s  {res['samples_per_s']:.1f} samples/s  "
+        f"{res['model_tflops_per_s']:.3f} model TFLOP/s",
+        f"  local MFU       {pct(res['local_mfu'])} (compute only {pct(res['local_mfu_compute'])})",
+        f"  data stall      {res['data_stall_pct']:.2f}% of step time (loader in-process, "
+        f"{res['loader']['cpu_cores']} cores)",
+        f"  peak memory     {mem}",
+        f"  compile stalls  max/median step {cs['max_over_median'] or 0:.2f}"
+        + (f"  FLAGGED (> {cs['factor']:g}x)" if cs["flagged"] else "  ok"),
+        f"  kernel warm-up  {res['warmup_compile'].get('seconds', 0.0):.1f} s over "
+        f"{len(res['warmup_compile'].get('regimes', []))} regime(s)"
+        + ("" if res["warmup_compile"].get("ran") else f" (skipped: {res['warmup_compile'].get('why')})"),
+    ]
+    p = res.get("profile")
+    if p:
+        lines.append(f"  profile ({p['steps']} steps, {p['wall_s'] / p['steps'] * 1e3:.1f} ms per step wall):")
+        for k in (*CATEGORIES, "overlapped_communication"):
+            lines.append(f"    {k:<26} {p['per_step_s'][k] * 1e3:9.2f} ms  {100 * p['fraction'][k]:6.2f}%")
+        if p["gpu_idle_s"] is not None:
+            lines.append(f"    {'gpu_idle':<26} {p['gpu_idle_s'] * 1e3:9.2f} ms")
+    return "\n".join(lines)
+
+
+__all__ = ["CATEGORIES", "bench_device", "classify_kernel", "device_kernels", "first_batch", "format_table", "kernel_breakdown",
+           "profile_breakdown", "run_bench", "stall_check", "summarize"]

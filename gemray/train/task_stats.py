@@ -1,0 +1,42 @@
+"""Per-task training losses of a multi-task GEM (retrieval / ctr / cvr), reduced over ranks at epoch ends."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class TaskLosses:
+    """Running per-task loss sums of one epoch: each step's ``loss_<task>`` (the task's mean over its
+    population on this rank) weighted by ``count_<task>`` (that population's size), as ``GEM.forward``'s stats
+    give them.
+
+    tasks: the task names (``cfg.model.tasks``). :meth:`reduce` (collective) -> {"train_loss_<task>": global
+    mean over the epoch's populations (0.0 where a task saw none)}. A single-task model has nothing to add
+    (``train_loss`` is its loss), so the trainer only keeps one for several tasks. Counts restart with an
+    attempt: after a mid-epoch restore the epoch's per-task figures cover the steps since the restore.
+    """
+
+    def __init__(self, tasks: list[str]):
+        self.tasks = list(tasks)
+        self._sums = [0.0] * (2 * len(self.tasks))
+
+    def add(self, stats: dict) -> None:
+        """One step's stats dict (tensors or floats); tasks absent from it add nothing."""
+        for j, t in enumerate(self.tasks):
+            n = stats.get(f"count_{t}")
+            if n is None:
+                continue
+            n = float(n)
+            self._sums[2 * j] += float(stats[f"loss_{t}"]) * n
+            self._sums[2 * j + 1] += n
+
+    def reduce(self, device: torch.device) -> dict[str, float]:
+        """Collective: sum over ranks, return the per-task means and restart the sums."""
+        s = torch.tensor(self._sums, dtype=torch.float64, device=device)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(s)
+        s = s.cpu()
+        self._sums = [0.0] * (2 * len(self.tasks))
+        return {f"train_loss_{t}": float(s[2 * j] / s[2 * j + 1]) if float(s[2 * j + 1]) > 0 else 0.0
+                for j, t in enumerate(self.tasks)}

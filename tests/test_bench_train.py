@@ -1,0 +1,299 @@
+"""gemray bench train (CPU): the JSON's fields and their arithmetic, the profile classifier, the kernel warm-up's
+regimes and its no-side-effect run (interpreted Triton), and the throughput fields of training."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from gemray.bench.train import (classify_kernel, kernel_breakdown, stall_check, summarize)
+from gemray.cli import main
+from gemray.config import load_config
+from gemray.kernels.config import DEFAULT
+from gemray.train.throughput import mfu_or_none, peak_flops_for, scaling_fields
+from gemray.train.warmup import reachable_regimes, warmup_lengths
+
+CONFIG = "configs/ml-latest-small.toml"
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory):
+    from gemray.pipelines.synthetic import SyntheticSpec, prepare_synthetic
+
+    out = tmp_path_factory.mktemp("bench") / "syn"
+    spec = SyntheticSpec(users=120, items=200, seed=3, max_len=48, min_len=4, mean_len=16.0, candidates=6)
+    prepare_synthetic(out, spec, num_files=2, progress=False, workers=1)
+    return out
+
+
+def _overrides(prepared, *extra):
+    return ["--set", f"data.prepared_dir={prepared}", "data.max_seq_len=48", "data.batch_size=16",
+            "ray.use_gpu=false", *extra]
+
+
+def test_bench_train_smoke_json_fields_and_arithmetic(synthetic, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    rc = main(["bench", "train", "--config", CONFIG, *_overrides(synthetic), "--steps", "3", "--warmup", "1",
+               "--profile", "--profile-steps", "1", "--json", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "step time" in printed and "local MFU" in printed and "profile (1 steps" in printed
+    r = json.loads(out.read_text())
+    for key in ("step_s", "data_s", "tokens_per_s", "samples_per_s", "model_tflops_per_s", "local_mfu",
+                "local_mfu_compute", "peak_memory", "data_stall_pct", "compile_stall", "loader", "warmup_compile",
+                "scaling_ratio", "e2e_mfu", "profile", "steps"):
+        assert key in r, key
+    assert r["measured_steps"] == 3 and len(r["steps"]) == 1 + 3
+    meas = [s for s in r["steps"] if s["phase"] == "measured"]
+    wall = sum(s["step_s"] + s["data_s"] for s in meas)
+    flops = sum(s["flops"] for s in meas)
+    assert flops > 0
+    assert r["model_tflops_per_s"] == pytest.approx(flops / wall / 1e12, rel=1e-9)
+    assert r["tokens_per_s"] == pytest.approx(sum(s["tokens"] for s in meas) / wall, rel=1e-9)
+    assert r["data_stall_pct"] == pytest.approx(100 * sum(s["data_s"] for s in meas) / wall, rel=1e-9)
+    assert r["step_s"]["max"] == pytest.approx(max(s["step_s"] for s in meas))
+    assert r["local_mfu"] is None and r["peak_flops"] is None  # CPU: TFLOP/s only
+    assert r["scaling_ratio"] == 1.0 and r["world_size"] == 1
+    assert r["peak_memory"]["rss_bytes"] > 0 and r["loader"]["workers"] == 0
+    assert r["warmup_compile"]["ran"] is False  # reference attention on CPU: nothing to compile
+    p = r["profile"]
+    assert p["per_step_s"]["gemm"] > 0 and p["per_step_s"]["embeddings_fwd"] > 0
+    assert p["per_step_s"]["data_wait"] > 0 and p["steps"] == 1
+    assert sum(p["per_step_s"].values()) <= 1.5 * p["step_wall_s"]  # operators' self time: no double counting
+
+
+def test_summarize_mfu_is_flops_over_time_over_peak():
+    recs = [{"data_s": 0.01, "step_s": 0.09, "flops": 5e12, "tokens": 1000, "samples": 8},
+            {"data_s": 0.0, "step_s": 0.1, "flops": 3e12, "tokens": 600, "samples": 8},
+            {"data_s": 0.02, "step_s": 0.28, "flops": 7e12, "tokens": 1400, "samples": 8}]
+    s = summarize(recs, 989e12)
+    wall = 0.5
+    assert s["model_tflops_per_s"] == pytest.approx(15e12 / wall / 1e12)
+    assert s["local_mfu"] == pytest.approx(15e12 / wall / 989e12)
+    assert s["local_mfu_compute"] == pytest.approx(15e12 / 0.47 / 989e12)
+    assert s["tokens_per_s"] == pytest.approx(3000 / wall) and s["samples_per_s"] == pytest.approx(24 / wall)
+    assert s["data_stall_pct"] == pytest.approx(100 * 0.03 / wall)
+    assert s["step_s"]["median"] == pytest.approx(0.1) and s["step_s"]["max"] == pytest.approx(0.28)
+    assert s["compile_stall"]["flagged"] and s["compile_stall"]["max_over_median"] == pytest.approx(2.8)
+    assert summarize(recs, None)["local_mfu"] is None
+
+
+def test_stall_check_flags_only_above_twice_the_median():
+    assert not stall_check([1.0, 1.0, 2.0])["flagged"]
+    assert stall_check([1.0, 1.0, 2.01])["flagged"]
+    assert stall_check([])["max_over_median"] is None
+
+
+@pytest.mark.parametrize("name,cat", [
+    ("_gdpa_fwd", "attention"), ("_gdpa_bwd", "attention"), ("_gdpa_dq_ds", "attention"), ("_ws_fwd", "attention"),
+    ("_bwd_delta", "attention"), ("flash_fwd_kernel", "attention"),
+    ("void pytorch_flash::flash_bwd_dq_dk_dv_loop_kernel<...>", "attention"),
+    ("fmha_cutlassF_f32_aligned_64x64_rf_sm80", "attention"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "gemm"),
+    ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN", "gemm"), ("ampere_sgemm_128x64_nn", "gemm"),
+    ("void cutlass::Kernel2<cutlass_80_tensorop_s1688gemm_64x64_16x6_nn_align4>", "gemm"),
+    ("aten::mm", "gemm"), ("aten::addmm", "gemm"), ("aten::bmm", "gemm"),
+    ("split_embedding_codegen_forward_unweighted_kernel", "embeddings_fwd"),
+    ("split_embedding_backward_codegen_rowwise_adagrad_unweighted_kernel_cta_per_row_1", "embeddings_bwd"),
+    ("bounds_check_indices_kernel", "embeddings_fwd"), ("fbgemm::jagged_to_padded_dense", "embeddings_fwd"),
+    ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "communication"),
+    ("ncclKernel_AllToAll_RING_LL_Sum_int8_t", "communication"),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<...FusedAdamMathFunctor...>", "optimizer"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::silu_kernel>", "other"),
+    ("Memcpy HtoD (Pageable -> Device)", "other"), ("_norm_quant_fwd", "other"),
+])
+def test_classify_kernel(name, cat):
+    assert classify_kernel(name) == cat
+
+
+def test_kernel_breakdown_counts_only_the_exposed_part_of_communication():
+    ks = [("sm90_xmma_gemm", 0.0, 1.0), ("_gdpa_fwd", 1.0, 1.5), ("ncclDevKernel_AllToAll", 0.8, 2.0),
+          ("elementwise", 3.0, 3.2)]
+    b = kernel_breakdown(ks)
+    assert b["gemm"] == pytest.approx(1.0) and b["attention"] == pytest.approx(0.5)
+    assert b["overlapped_communication"] == pytest.approx(0.7)  # 0.8..1.5 under compute
+    assert b["exposed_communication"] == pytest.approx(0.5)     # 1.5..2.0
+    assert b["other"] == pytest.approx(0.2) and b["gpu_busy"] == pytest.approx(2.2)
+
+
+def test_peak_table_and_scaling_fields():
+    assert peak_flops_for("NVIDIA H200") == 989e12 and peak_flops_for("NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_flops_for("NVIDIA H100 PCIe") == 756e12 and peak_flops_for("cpu") is None
+    assert mfu_or_none(1e12, 0.0, 989e12) is None and mfu_or_none(1e12, 1.0, None) is None
+    assert scaling_fields(world_size=1, tokens_per_s=100.0, local_mfu=0.3) == {"scaling_ratio": 1.0, "e2e_mfu": 0.3}
+    assert scaling_fields(world_size=4, tokens_per_s=360.0, local_mfu=0.25) == {"scaling_ratio": None,
+                                                                               "e2e_mfu": None}
+    f = scaling_fields(world_size=4, tokens_per_s=360.0, local_mfu=0.25,
+                       reference={"tokens_per_s": 100.0, "local_mfu": 0.4})
+    assert f["scaling_ratio"] == pytest.approx(0.9) and f["e2e_mfu"] == pytest.approx(0.36)
+    with pytest.raises(ValueError, match="tokens_per_s"):
+        scaling_fields(world_size=2, tokens_per_s=1.0, local_mfu=None, reference={"tokens_per_s": 0})
+
+
+def test_throughput_metrics_over_epochs(tmp_path):
+    from gemray.controller.results import load_scaling_reference, throughput_metrics
+
+    hist = [{"tokens_per_s": 100.0, "model_tflops_per_s": 1.0, "mfu_flops": 0.0, "mfu_rank_s": 0.0,
+             "peak_flops": 1e12},
+            {"tokens_per_s": 300.0, "model_tflops_per_s": 3.0, "mfu_flops": 6e12, "mfu_rank_s": 2.0,
+             "peak_flops": 1e12}]
+    m = throughput_metrics(hist, 1)
+    assert m["tokens_per_s"] == 200.0 and m["model_tflops_per_s"] == 2.0
+    assert m["local_mfu"] == pytest.approx(3.0) and m["scaling_ratio"] == 1.0 and m["e2e_mfu"] == m["local_mfu"]
+    cpu = throughput_metrics([{**h, "peak_flops": None} for h in hist], 2)
+    assert cpu["local_mfu"] is None and cpu["scaling_ratio"] is None
+    ref = tmp_path / "ref.json"
+    ref.write_text(json.dumps({"tokens_per_s": 100.0, "local_mfu": 0.5}))
+    m2 = throughput_metrics(hist, 2, load_scaling_reference(str(ref)))
+    assert m2["scaling_ratio"] == pytest.approx(1.0) and m2["e2e_mfu"] == pytest.approx(0.5)
+    assert load_scaling_reference("") is None
+    with pytest.raises(FileNotFoundError, match="scaling_reference"):
+        load_scaling_reference(str(tmp_path / "missing.json"))
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="tokens_per_s"):
+        load_scaling_reference(str(tmp_path / "bad.json"))
+
+
+def test_epoch_stats_carry_flops_and_the_mfu_window():
+    import torch.distributed as dist
+
+    from gemray.train.stats import EpochStats
+
+    made = not dist.is_initialized()
+    if made:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        st = EpochStats()
+        st.add(1.0, 10, 100, 4, flops=5e12, seconds=None)  # warm-up step: FLOPs counted, not in the MFU window
+        st.add(1.0, 10, 100, 4, flops=2e12, seconds=0.5)
+        st.add(1.0, 10, 100, 4, flops=2e12, seconds=1.5)
+        st.reduce(torch.device("cpu"), 1)
+        r = st.result(1e12)
+        assert r["mfu_flops"] == 4e12 and r["mfu_rank_s"] == 2.0
+        assert r["local_mfu"] == pytest.approx(2.0)
+        assert r["model_tflops_per_s"] == pytest.approx(9e12 / r["train_s"] / 1e12)
+        assert st.result(None)["local_mfu"] is None
+    finally:
+        if made:
+            dist.destroy_process_group()
+
+
+def test_reachable_regimes_follow_the_mean_length_bounds():
+    assert reachable_regimes(50) == ["short"]
+    assert reachable_regimes(200) == ["short"]
+    assert reachable_regimes(256) == ["short", "medium"]
+    assert reachable_regimes(1024) == ["short", "medium", "long"]
+    assert reachable_regimes(4096) == ["short", "medium", "long", "xlong"]
+    kc = DEFAULT.replace(regime_mean_len=(8, 16, 32))
+    assert reachable_regimes(20, kc) == ["short", "medium", "long"]
+    with pytest.raises(ValueError):
+        reachable_regimes(0)
+
+
+@pytest.mark.parametrize("max_len", [48, 200, 1000, 4096])
+@pytest.mark.parametrize("batch", [1, 3, 32])
+def test_warmup_lengths_land_in_their_regime_with_both_alignments(max_len, batch):
+    for reg in reachable_regimes(max_len):
+        variants = warmup_lengths(reg, batch, max_len)
+        assert 1 <= len(variants) <= 2
+        for lens in variants:
+            assert len(lens) == batch and all(1 <= n <= max_len for n in lens)
+            assert DEFAULT.regime_of(sum(lens), batch) == reg
+        assert sum(variants[0]) % 16 == 0 or batch * variants[0][0] < 16
+        if len(variants) == 2:
+            assert sum(variants[1]) % 16 != 0 and max(variants[1]) == max_len
+
+
+def test_warm_up_runs_interpreted_and_changes_no_weight(synthetic):
+    """The warm-up on the Triton backend (the CPU interpreter): every reachable regime runs forward + backward,
+    and no parameter, embedding row or .grad changes."""
+    import torch.distributed as dist
+
+    from gemray.bench.train import _init_process_group, first_batch
+    from gemray.kernels.jagged_attention import interpreting
+    from gemray.train.trainer import Trainer
+    from gemray.train.warmup import warm_up_attention
+
+    if not interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1 (set by conftest without a GPU)")
+    cfg = load_config(CONFIG, [f"data.prepared_dir={synthetic}", "data.max_seq_len=32", "data.batch_size=4",
+                               "data.sub_batch_size=4", "ray.use_gpu=false", "data.reader=arrow",
+                               "model.attention_backend=triton"])
+    device = torch.device("cpu")
+    made = _init_process_group(device)
+    try:
+        tr = Trainer(cfg)
+        tr.setup(context=(0, 1, device))
+        tr.build()
+        def local(v):  # a ShardedTensor's rows on this rank (world size 1: all of them)
+            if hasattr(v, "local_shards"):
+                return torch.cat([s.tensor.detach().flatten() for s in v.local_shards()])
+            return v.detach().flatten()
+
+        before = {k: local(v).clone() for k, v in tr.dmp.state_dict().items() if isinstance(v, torch.Tensor)}
+        assert any("embeddings" in k for k in before)
+        info = warm_up_attention(cfg, device, tr.dmp.module, first_batch(tr))
+        assert info["ran"] and [d["regime"] for d in info["regimes"]] == ["short", "short"]
+        assert {d["tokens"] % 16 == 0 for d in info["regimes"]} == {True, False}
+        after = tr.dmp.state_dict()
+        assert all(torch.equal(before[k], local(after[k])) for k in before)
+        assert all(p.grad is None for p in tr.dmp.parameters())
+        # the check can fail: one real training step moves the embedding rows it looked up
+        from gemray.train.stats import EpochStats
+        from gemray.train.throughput import StepClock
+
+        tr.restore(from_ray=False)
+        tr.epoch = tr.consumed = tr.epoch_step = 0
+        tr.stats, tr.clock = EpochStats(), StepClock()
+        tr.train_step(first_batch(tr))
+        moved = tr.dmp.state_dict()
+        assert any(not torch.equal(before[k], local(moved[k])) for k in before if "embeddings" in k)
+        off = warm_up_attention(load_config(CONFIG, ["ray.use_gpu=false"]), device, tr.dmp.module, first_batch(tr))
+        assert off["ran"] is False and "does not use the Triton kernels" in off["why"]
+    finally:
+        if made:
+            dist.destroy_process_group()
+
+
+def test_train_epoch_logs_tflops_and_reports_local_mfu_fields(synthetic, caplog):
+    """Trainer.train_epoch outside Ray (world 1): every logged step carries TFLOP/s and MFU, the epoch's result
+    counts the FLOPs of exactly its batches and leaves the warm-up steps out of the MFU window."""
+    import logging
+
+    import torch.distributed as dist
+
+    from gemray.bench.train import _init_process_group
+    from gemray.train.throughput import batch_flops
+    from gemray.train.trainer import Trainer
+
+    cfg = load_config(CONFIG, [f"data.prepared_dir={synthetic}", "data.max_seq_len=48", "data.batch_size=16",
+                               "ray.use_gpu=false", "data.reader=arrow", "train.max_steps_per_epoch=4",
+                               "train.log_every=1", "train.mfu_warmup_steps=1", "checkpoint.every_epochs=1"])
+    device = torch.device("cpu")
+    made = _init_process_group(device)
+    try:
+        tr = Trainer(cfg)
+        tr.setup(context=(0, 1, device))
+        tr.build()
+        tr.restore(from_ray=False)
+        expected = [batch_flops(cfg.model, b) for (b, _), _ in zip(tr.train_stream.iter_epoch(0, 0), range(4))]
+        # gemray's logger does not propagate (the trainer's handler): listen on it directly
+        lg = logging.getLogger("gemray")
+        lg.addHandler(caplog.handler)
+        try:
+            res = tr.train_epoch(0)
+        finally:
+            lg.removeHandler(caplog.handler)
+        lines = [r.getMessage() for r in caplog.records if "TFLOP/s" in r.getMessage()]
+        assert len(lines) == 4 and all("MFU n/a" in m for m in lines)
+        assert tr.stats.g["flops"] == pytest.approx(sum(expected))
+        assert res["model_tflops_per_s"] == pytest.approx(sum(expected) / res["train_s"] / 1e12)
+        assert res["mfu_flops"] == pytest.approx(sum(expected[1:]))  # the first step is the warm-up
+        assert res["mfu_rank_s"] > 0 and res["local_mfu"] is None and res["peak_flops"] is None
+        assert math.isfinite(res["train_loss"])
+    finally:
+        if made:
+            dist.destroy_process_group()
