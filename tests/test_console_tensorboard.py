@@ -154,7 +154,7 @@ def test_progress_lines_become_a_bar_on_a_terminal(tmp_path):
 
     line = "(RayTrainWorker pid=1) 04:22:50 gemray.train INFO " + progress_line(1, 2, 4, 2, 7.5, 190, 8070, done=2,
                                                                                elapsed_s=1.0)
-    assert parse_progress(line) == (1, 2, 4, "loss 7.5000, 190 samples/s")
+    assert parse_progress(line) == (1, 2, 4, "loss 7.5000, 190 samples/s, ETA 0:00:01")
     assert parse_progress("(RayTrainWorker pid=1) 04:22:50 gemray.train INFO epoch 1 done: epoch=1") is None
     term = _Tty()
     s = FilteredStream(term, RunLog(tmp_path, term), level=logging.INFO, verbose=False, bar=ProgressBar(term))
@@ -162,6 +162,6 @@ def test_progress_lines_become_a_bar_on_a_terminal(tmp_path):
     s.write("(RayTrainWorker pid=1) 04:22:51 gemray.train INFO epoch 1 done: epoch=1\n")
     s.write(line.replace("step 2/4", "step 4/4") + "\n")
     shown = term.getvalue()
-    assert "epoch 1:" in shown and "4/4" in shown and "loss 7.5000, 190 samples/s" in shown  # tqdm's bar
+    assert "epoch 1:" in shown and "4/4" in shown and "loss 7.5000, 190 samples/s, ETA 0:00:01" in shown  # tqdm's bar
     assert "step 2/4" not in shown and "epoch 1 done: epoch=1\n" in shown
     assert s.bar.bar is None  # closed at the epoch's last step

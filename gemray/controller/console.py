@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import re
+import shutil
 import sys
 import threading
 import time
@@ -131,7 +132,8 @@ def parse_progress(line: str) -> tuple[int, int, int, str] | None:
     m = _PROGRESS.search(_ANSI.sub("", line))
     if not m:
         return None
-    return int(m.group(1)), int(m.group(2)), int(m.group(3)), f"loss {m.group(4)}, {m.group(5)} samples/s"
+    return (int(m.group(1)), int(m.group(2)), int(m.group(3)),
+            f"loss {m.group(4)}, {m.group(5)} samples/s, ETA {m.group(6)}")
 
 
 class ProgressBar:
@@ -148,8 +150,13 @@ class ProgressBar:
 
         if self.bar is None or self.epoch != epoch or self.bar.total != steps:
             self.close()
+            # the width once per epoch; a terminal that reports 0 columns (a bare pty) gets 100
+            width = shutil.get_terminal_size((100, 20)).columns
             self.bar = tqdm(total=steps, desc=f"epoch {epoch}", unit="step", file=self.terminal, leave=True,
-                            dynamic_ncols=True)
+                            ncols=width, mininterval=0,
+                            # rate and ETA from rank 0's line (the postfix): Ray forwards lines in batches, so
+                            # tqdm's own timing of the updates would be the forwarding's, not the training's
+                            bar_format="{desc}: {percentage:3.0f}%|{bar}| {n}/{total} [{elapsed}{postfix}]")
             self.epoch = epoch
         self.bar.update(max(0, step - self.bar.n))
         self.bar.set_postfix_str(postfix)
