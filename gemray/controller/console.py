@@ -44,11 +44,6 @@ _GEMRAY_RECORD = re.compile(r"^\d\d:\d\d:\d\d gemray(?:\.[\w.]+)? (DEBUG|INFO|WA
 # Ray's own driver-side log format: "2026-12-02 04:06:22,714<TAB>WARNING file.py:85 -- message"
 _RAY_RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+\s+(DEBUG|INFO|WARNING|ERROR|CRITICAL)\s")
 
-#: Third-party loggers held at WARNING on the console (their INFO goes to the log file only).
-QUIET_LOGGERS = ("ray", "torchrec", "fbgemm_gpu", "torch", "torch.distributed", "urllib3", "filelock",
-                 "matplotlib", "fsspec")
-
-
 def keep_line(line: str, *, level: int = logging.INFO, verbose: bool = False) -> bool:
     """Pure: whether a console line (ANSI colours allowed, no newline) is shown on the terminal.
 
@@ -244,13 +239,13 @@ def console_session(output: str | Path, *, level: int = logging.INFO, verbose: b
     """``with console_session(output_dir, level=..., verbose=...) as log:`` the quiet console and the full log
     (:class:`RunLog` at ``output_dir/logs/gemray.log``) for the block: the root logger's handlers that print to
     the terminal filtered (gemray's loggers at ``level``, third-party ones at WARNING; everything when
-    ``verbose``), a DEBUG handler to the log file added, ``sys.stdout`` / ``sys.stderr`` replaced by
+    ``verbose``; their own logger levels are left as they are, so torch's INFO stays off), a DEBUG handler to the
+    log file added, ``sys.stdout`` / ``sys.stderr`` replaced by
     :class:`FilteredStream`. Everything is restored on the way out."""
     out_term, err_term = sys.stdout, sys.stderr
     log = RunLog(Path(output), err_term)
     root = logging.getLogger()
     saved_level = root.level
-    saved_quiet = {n: logging.getLogger(n).level for n in QUIET_LOGGERS}
     # the root's handlers that print to the terminal (cli.main's basicConfig one) get the console filter
     consoles = [h for h in root.handlers if isinstance(h, logging.StreamHandler)
                 and getattr(h, "stream", None) in (out_term, err_term)]
@@ -261,8 +256,6 @@ def console_session(output: str | Path, *, level: int = logging.INFO, verbose: b
     to_file.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     root.addHandler(to_file)
     root.setLevel(logging.DEBUG)
-    for name in QUIET_LOGGERS:  # their DEBUG would flood the file; INFO and up is kept there
-        logging.getLogger(name).setLevel(logging.DEBUG if verbose else logging.INFO)
     tty = getattr(err_term, "isatty", lambda: False)()
     bar = ProgressBar(err_term) if tty and not verbose else None  # Ray prints the workers' stderr to stderr
     sys.stdout = FilteredStream(out_term, log, level=level, verbose=verbose)
@@ -280,6 +273,4 @@ def console_session(output: str | Path, *, level: int = logging.INFO, verbose: b
         for h in consoles:
             h.removeFilter(console_filter)
         root.setLevel(saved_level)
-        for name, lvl in saved_quiet.items():
-            logging.getLogger(name).setLevel(lvl)
         log.close()
