@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The full kernel benchmark on one lent H200, in one device call (3-6 minutes): the GPU-marked kernel tests, then
 # `gemray bench kernels` (jagged attention and GDPA silu vs varlen_attn / padded SDPA / FlexAttention, cross-attention
-# and PMA, block attention, fused norm + FP8; eager and CUDA-graph times, errors against the float32 reference, the
+# and PMA, block attention, HSTU attention with the in-kernel relative bias vs the dense-bias path, fused norm + FP8;
+# eager and CUDA-graph times, errors against the float32 reference, the
 # summary against the bars), then `gemray bench kernels --host-profile` (this host's Python work per fwd+bwd, launches
 # stubbed). Installs the checkout in place first (benchmarks/h200_env.sh). From the repository root:
 #   OUT=$OUT bash benchmarks/kernels_h200.sh                # the kernels as committed
@@ -24,7 +25,7 @@ mkdir -p "$OUT" && rm -rf "$WORK" && mkdir -p "$WORK" || exit 1
 . benchmarks/h200_env.sh
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw,memory.used --format=csv \
   > "$OUT/nvidia-smi.txt" 2>&1
-TESTS="tests/test_kernels_attention.py tests/test_kernels_norm_quant.py"
+TESTS="tests/test_kernels_attention.py tests/test_kernels_norm_quant.py tests/test_kernels_rel_bias.py"
 gpu_tests() {  # 8 pytest processes: pytest-xdist when installed, else the collected ids dealt 8 ways
   if "$PY" -c "import xdist" 2>/dev/null; then
     # shellcheck disable=SC2086

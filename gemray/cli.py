@@ -333,6 +333,33 @@ def _cmd_bench_bbs(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_numerics(ns: argparse.Namespace) -> int:
+    """Train the config in bf16 and in fp8 (same data, seed, steps) and compare NE / AUC or HR@10."""
+    import json
+
+    from gemray.bench.numerics import compare_quality, format_rows
+    from gemray.controller.run import fit
+
+    if ns.steps < 1:
+        return _fail(f"--steps must be >= 1, got {ns.steps}")
+    out = Path(ns.output)
+    metrics = {}
+    for precision in ("bf16", "fp8"):
+        sets = list(ns.overrides) + [f"train.precision={precision}", "train.epochs=1", "train.eval_every=1",
+                                     f"train.max_steps_per_epoch={ns.steps}"]
+        res = fit(ns.config, output_dir=out / precision, overrides=sets)
+        metrics[precision] = {k: v for k, v in res.metrics.items() if isinstance(v, (int, float))}
+    ok, rows = compare_quality(metrics["bf16"], metrics["fp8"], ns.rtol)
+    print(f"numerics guard: {ns.config}, {ns.steps} steps, outputs in {out}")
+    print(format_rows(rows, ns.rtol))
+    (out / "numerics.json").write_text(json.dumps({"ok": ok, "rtol": ns.rtol, "steps": ns.steps, "rows": rows,
+                                                   "bf16": metrics["bf16"], "fp8": metrics["fp8"]}, indent=2))
+    if not ok:
+        print(f"numerics guard FAILED: fp8 differs from bf16 by more than rtol {ns.rtol:g}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _cmd_bench_kernels(ns: argparse.Namespace) -> int:
     from gemray.bench import kernels as bench
 
@@ -467,6 +494,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="skip the ahead-of-time kernel compile (to see the compile stalls)")
     bt.add_argument("--json", default=None, metavar="PATH", help="write the full result (per-step records too)")
     bt.set_defaults(func=_cmd_bench_train)
+    bn = bsub.add_parser("numerics", help="FP8 numerics guard: train bf16 and fp8 on the same data and seed, "
+                         "exit 1 when NE / AUC (ranking) or HR@10 (retrieval) differ by more than --rtol")
+    bn.add_argument("--config", required=True)
+    bn.add_argument("--steps", type=int, required=True, help="training steps of each run (one epoch)")
+    bn.add_argument("--rtol", type=float, default=1e-3, help="largest relative difference (default %(default)g)")
+    bn.add_argument("--output", default="runs/numerics", help="folder of the two runs (bf16/, fp8/) and "
+                    "numerics.json (default %(default)s)")
+    _add_set(bn)
+    bn.set_defaults(func=_cmd_bench_numerics)
     bk = bsub.add_parser("kernels", help="Triton kernel benchmarks (gemray.bench.kernels)",
                          prefix_chars="+")  # every option after `kernels` goes to gemray.bench.kernels
     bk.add_argument("args", nargs=argparse.REMAINDER, help="passed to gemray.bench.kernels")

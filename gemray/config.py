@@ -296,17 +296,30 @@ class TrainConfig:
     eval_exclude_history: rank each target against the items outside the user's (max_seq_len) history, as
     generative-recommenders' evaluation that produced the published ML-1M numbers; the metrics over all
     items are reported beside them with the suffix ``_unfiltered``.
-    precision: "fp32" (default) or "bf16": the forward pass (training and evaluation) under torch.autocast
+    precision: "fp32" (default), "bf16" or "fp8": the forward pass (training and evaluation) under torch.autocast
     bfloat16 on CUDA and CPU, master weights and optimizer state float32, embedding tables as TorchRec holds
-    them (``gemray.train.precision.autocast``, the one place a mode is dispatched).
+    them (``gemray.train.precision.autocast``, the one place a mode is dispatched); "fp8" = bf16 autocast plus
+    FP8 e4m3 GEMMs with rowwise scales for the HSTU projections and the MLP Linears (``gemray.model.fp8``, a
+    model converter applied before parallelize; the HSTU pre-norm emits the FP8 activations itself).
     mfu_warmup_steps: the first N steps of each attempt (kernel compiles, allocator growth) are left out of
     the run's ``local_mfu`` (gemray.train.throughput); their FLOPs still count in ``model_tflops_per_s``.
     scaling_reference: "" or the path of a single-GPU reference run's metrics.json (``gemray train``) or JSON
     (``gemray bench train --json``) with the same per-GPU batch: its ``tokens_per_s`` / ``local_mfu`` give a
     multi-GPU run's ``scaling_ratio`` and ``e2e_mfu`` (null at world size > 1 without one).
+    fp8_grad: format of the backward GEMMs under fp8: "e4m3" (FP8 dgrad/wgrad, e4m3
+    gradients with rowwise scales, torchao's rowwise recipe; default), "e5m2" (e5m2 gradients) or "bf16". fp8_min_dim: GEMMs with K or N below it stay high precision (so do dims that are
+    not multiples of 16). fp8_attention_inputs: FP8 q/k/v into the attention kernels -- NOT implemented
+    (true is refused; the attention kernels take bf16/fp32). fp8_stats: log per-layer amax / overflow /
+    underflow of the FP8 quantizations every ``log_every`` steps.
+    activation_checkpointing: "none", "full" (recompute every HSTU block and the tower), "auto" (the planner
+    of ``gemray.parallel.activation_checkpoint`` picks modules, cheapest recompute per byte saved first,
+    until the predicted peak fits ``activation_memory_budget``) or "torch" (torch.compile each HSTU block
+    with ``torch._functorch.config.activation_memory_budget`` = the budget, a fraction).
+    activation_memory_budget: bytes (> 1) or a fraction 0 < f <= 1 of the measured no-checkpointing peak;
+    0 = off ("auto" then checkpoints nothing).
     """
 
-    PRECISIONS = ("fp32", "bf16")
+    PRECISIONS = ("fp32", "bf16", "fp8")
 
     epochs: int = 100
     lr: float = 1e-3
@@ -329,6 +342,12 @@ class TrainConfig:
     # Controller events (gemray.events), JSONL written by rank 0; "" = fit uses <output_dir>/events.jsonl.
     events_path: str = ""
     precision: str = "fp32"
+    fp8_grad: str = "e4m3"
+    fp8_min_dim: int = 128
+    fp8_attention_inputs: bool = False
+    fp8_stats: bool = True
+    activation_checkpointing: str = "auto"
+    activation_memory_budget: float = 0.0
     mfu_warmup_steps: int = 10
     scaling_reference: str = ""
 
@@ -337,6 +356,20 @@ class TrainConfig:
         _choice(self, "precision", self.PRECISIONS)
         if self.mfu_warmup_steps < 0:
             raise ValueError(f"train.mfu_warmup_steps: expected >= 0, got {self.mfu_warmup_steps}")
+        _choice(self, "fp8_grad", ("e4m3", "e5m2", "bf16"))
+        if self.fp8_min_dim < 16:
+            raise ValueError(f"train.fp8_min_dim: expected >= 16, got {self.fp8_min_dim}")
+        if self.fp8_attention_inputs:
+            raise ValueError("train.fp8_attention_inputs: FP8 attention inputs are not implemented (the jagged "
+                             "attention kernels take bf16/fp32 q/k/v); use false")
+        _choice(self, "activation_checkpointing", ("none", "full", "auto", "torch"))
+        b = self.activation_memory_budget
+        if b < 0 or (1 < b and b != int(b)):
+            raise ValueError(f"train.activation_memory_budget: expected bytes (an integer > 1), a fraction "
+                             f"0 < f <= 1 of the no-checkpointing peak, or 0 (off), got {b}")
+        if self.activation_checkpointing == "torch" and not 0 < b <= 1:
+            raise ValueError("train.activation_memory_budget: activation_checkpointing = 'torch' takes a fraction "
+                             f"0 < f <= 1 (torch._functorch.config.activation_memory_budget), got {b}")
         if self.weight_decay < 0:
             raise ValueError(f"train.weight_decay: expected >= 0, got {self.weight_decay}")
         if not self.eval_ks or any(int(k) <= 0 for k in self.eval_ks):

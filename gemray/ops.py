@@ -14,9 +14,11 @@ Like generative-recommenders' ``hstu_mha(..., kernel=HammerKernel.TRITON)``, the
 argument; unlike it, an explicit backend never silently becomes another.
 
 Relative attention bias: ``rel_bias`` (a :class:`RelativeBiasInputs`, the HSTU position / time bias ingredients)
-or a dense ``attn_bias`` [B, n', n']. The reference takes the ingredients (grouped by length, no dense tensor);
-the Triton kernels take a dense bias, which :func:`_triton_bias` materialises from the ingredients here -- the
-seam where a kernel that takes the ingredients itself (buckets and weights) will plug in.
+or a dense ``attn_bias`` [B, n', n']. Both backends take the ingredients and never materialise a [B, n, n] bias:
+the reference groups sequences by length and gathers the bucket weights per group; the Triton kernels compute
+the bias of each tile in the kernel from the per-token query / key times and the two weight vectors
+(``gemray.kernels.jagged_attention.RelBias``: the same bucket indices, bit for bit), forward and backward
+(d pos_w / d ts_w summed per bucket in the kernel).
 """
 
 from __future__ import annotations
@@ -251,10 +253,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.
         raise ValueError("attention: pass attn_bias or rel_bias, not both")
     chosen = resolve_backend(backend, q.device)
     if chosen is AttentionBackend.TRITON:
-        if rel_bias is not None:
-            attn_bias = _triton_bias(rel_bias, offsets)
-        return _triton_module()[0].jagged_attention_triton(q, k, v, offsets, max_len, activation=activation, causal=causal,
-                                       attn_bias=attn_bias, alpha=alpha, num_targets=num_targets, config=config)
+        mod = _triton_module()[0]
+        return mod.jagged_attention_triton(q, k, v, offsets, max_len, activation=activation, causal=causal,
+                                           attn_bias=attn_bias, alpha=alpha, num_targets=num_targets, config=config,
+                                           rel_bias=None if rel_bias is None else _triton_rel_bias(mod, rel_bias))
     if rel_bias is not None:
         alpha = _ref.check_attention_args(q, k, v, offsets, max_len, activation=activation, attn_bias=None,
                                           alpha=alpha, num_targets=num_targets)
@@ -265,12 +267,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.
                                      attn_bias=attn_bias, alpha=alpha, num_targets=num_targets)
 
 
-def _triton_bias(rel_bias: RelativeBiasInputs, offsets: torch.Tensor) -> torch.Tensor:
-    """The dense relative bias [B, n, n] the Triton kernels take (the seam: a kernel that takes the bucket indices
-    and the weights itself replaces this materialisation). n: the precomputed buckets' size when given (>= the
-    longest sequence; no host sync, nothing data-dependent under torch.compile), else the longest sequence."""
-    n = rel_bias.buckets[0].shape[-1] if rel_bias.buckets is not None else _longest(offsets)
-    return rel_bias.dense(offsets, n)
+def _triton_rel_bias(mod, rel_bias: RelativeBiasInputs):
+    """The Triton kernels' in-kernel bias ingredients (``RelBias``) of ``rel_bias``: query times
+    (``query_timestamps``, else the keys' own ``timestamps``), key times, the two weight vectors and the position
+    bucketing's max_len. Precomputed ``buckets`` are not used (the kernels bucketise per tile): callers give
+    ``query_timestamps`` with them when the buckets were made from query times."""
+    ts = rel_bias.timestamps.to(torch.int64).contiguous()
+    tq = ts if rel_bias.query_timestamps is None else rel_bias.query_timestamps.to(torch.int64).contiguous()
+    return mod.RelBias(tq, ts, rel_bias.pos_weights, rel_bias.ts_weights, int(rel_bias.max_len))
 
 
 def _longest(offsets: torch.Tensor) -> int:

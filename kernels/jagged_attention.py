@@ -13,8 +13,16 @@ One kernel family covers the attention-like patterns of GEM / HSTU generative re
   jagged history; output ``[B, S, H, Dv]``);
 * block attention (each query sees only keys of its own fixed block of ``block_size`` positions) and
   sliding-window attention (``|i - j| < window``), whose cost grows linearly with the history length;
-* an optional additive bias ``attn_bias`` ([B, n, n] shared by heads or [B, H, n, n], e.g. HSTU's
-  relative position/time bias), differentiable (dbias written by the dQ kernel).
+* an optional additive bias ``attn_bias`` ([B, n, n] shared by heads or [B, H, n, n]), differentiable (dbias
+  written by the dQ kernel);
+* HSTU's relative position / time bias computed inside the kernels (``rel_bias``, :class:`RelBias`): from the
+  per-token query / key times [T] int64 and the bucket weights pos_w [P] / ts_w [NT], each tile bucketises
+  |i - j| (a per-distance table of ``reference.position_bucket_ref``) and tq_i - ts_j (an fp32 log estimate
+  corrected against the exact ``reference.time_bucket_ref`` thresholds: the reference's bucket, bit for bit) and
+  gathers the weights; no [B, n, n] tensor exists. Backward: each dQ program sums dS per bucket over its key tiles
+  (one masked reduction per bucket present in a tile, in registers) and adds its two histograms to the fp32
+  d pos_w / d ts_w once at its end (one atomic per touched bucket per program). With it the warp-specialized
+  forward and ``ds_store`` are off (the per-bucket sums live in the recomputing dQ kernel).
 
 Shape key: B sequences; T = offsets[-1] total tokens; H heads; Dqk query/key width; Dv value width;
 L_b = offsets[b+1] - offsets[b]. Tensors stay in gemray's jagged layout ``[T, H, D]`` with
@@ -466,14 +474,59 @@ def _load_bias(bias_base, qpos, kpos, stride_bi, stride_bj, lq, lk, ACT: tl.cons
         b = b * 1.4426950408889634
     return b
 
+@triton.jit
+def _rel_bias(qpos, kpos, tq, tk, lq, lk, PB_TAB, TTHR, PW, TW, n_tb, ACT: tl.constexpr):
+    """HSTU relative bias of a tile computed from its ingredients (no dense bias): ``PW[pb(|i-j|)] +
+    TW[tb(tq_i - ts_j)]`` at broadcastable query / key positions qpos / kpos with their times tq / tk (int64).
+    Returns (bias fp32, base 2 for softmax; position bucket int32; time bucket int32), 0 / bucket 0 outside the
+    sequence. pb: PB_TAB [max_len] int32 (the host's ``position_bucket_ref`` per distance). tb = the largest b
+    with |dt| >= TTHR[b] (TTHR [n_tb + 1] int64 sorted, TTHR[0] = 0, TTHR[n_tb] = int64 max: the host's exact
+    ``time_bucket_ref`` thresholds), found from an fp32 log estimate (off by at most one bucket) corrected by
+    two exact integer comparisons: the same bucket as ``time_bucket_ref`` on the device, bit for bit."""
+    ok = (qpos < lq) & (kpos < lk)
+    d = qpos - kpos
+    d = tl.where(d < 0, -d, d)
+    pb = tl.load(PB_TAB + d, mask=ok, other=0)
+    dt = tq - tk
+    adt = tl.where(dt < 0, -dt, dt)
+    est = (tl.log(tl.maximum(adt, 1).to(tl.float32)) * (1.0 / 0.301)).to(tl.int32)
+    tb = tl.minimum(tl.maximum(est, 0), n_tb - 1)
+    tb = tl.where(ok, tb, 0)
+    lo = tl.load(TTHR + tb, mask=ok, other=0)
+    tb = tl.where(adt < lo, tb - 1, tb)
+    hi = tl.load(TTHR + tb + 1, mask=ok, other=0)
+    tb = tl.where(ok & (adt >= hi), tb + 1, tb)
+    tb = tl.where(ok, tb, 0)
+    b = tl.load(PW + pb, mask=ok, other=0.0).to(tl.float32) + tl.load(TW + tb, mask=ok, other=0.0).to(tl.float32)
+    if ACT == 0:
+        b = b * 1.4426950408889634
+    return b, pb, tb
+
+
+@triton.jit
+def _bucket_sums(hist, ds, idx, NB_PAD: tl.constexpr):
+    """hist [NB_PAD] fp32 += per-bucket sums of the tile ds [R, C] (fp32) over its bucket indices idx [R, C]
+    (int32): one masked reduction per bucket present among the tile's non-zero ds (pairs with ds = 0 -- masked
+    or outside the sequence -- add nothing, so they do not widen the loop); no atomics (the program adds its
+    histogram to the global one once, at its end)."""
+    nz = ds != 0.0
+    b_lo = tl.min(tl.min(tl.where(nz, idx, NB_PAD), 1), 0)
+    b_hi = tl.max(tl.max(tl.where(nz, idx, -1), 1), 0)
+    slots = tl.arange(0, NB_PAD)
+    for bkt in range(b_lo, b_hi + 1):
+        s = tl.sum(tl.sum(tl.where(idx == bkt, ds, 0.0), 1), 0)
+        hist += tl.where(slots == bkt, s, 0.0)
+    return hist
+
 
 @triton.jit
 def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, lq, lk, n_hist, alpha_s,
                inv_n, lo, hi, offs_dk, offs_dv, D_QK, D_V, bias_base, stride_bi, stride_bj,
+               tq, tk_base, PB_TAB, TTHR, PW, TW, n_tb,
                ACT: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
                ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, EVEN_D: tl.constexpr,
                BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr,
-               CONTEXT: tl.constexpr, FAST: tl.constexpr, TMA: tl.constexpr):
+               CONTEXT: tl.constexpr, FAST: tl.constexpr, TMA: tl.constexpr, REL: tl.constexpr):
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         if TMA:  # k_base / v_base are tensor descriptors [lk, D]: rows past lk arrive as zeros
@@ -495,6 +548,12 @@ def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, l
         if HAS_BIAS:
             s = s * alpha_s + _load_bias(bias_base, offs_m[:, None], offs_n[None, :], stride_bi, stride_bj,
                                          lq, lk, ACT)
+            sc = 1.0
+        elif REL:
+            tk = tl.load(tk_base + offs_n, mask=offs_n < lk, other=0)
+            rb, _pb, _tb = _rel_bias(offs_m[:, None], offs_n[None, :], tq[:, None], tk[None, :], lq, lk, PB_TAB,
+                                     TTHR, PW, TW, n_tb, ACT)
+            s = s * alpha_s + rb
             sc = 1.0
         else:
             sc = alpha_s
@@ -526,16 +585,20 @@ def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, l
 
 
 @triton.jit
-def _gdpa_fwd(Q, K, V, O, LSE, Q_OFF, KV_OFF, NT, WORK, BIAS,
+def _gdpa_fwd(Q, K, V, O, LSE, Q_OFF, KV_OFF, NT, WORK, BIAS, TQ, TK, PB_TAB, TTHR, PW, TW,
               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
               stride_lh, stride_bb, stride_bh, stride_bi, stride_bj, alpha, inv_n, n_tiles, D_QK, D_V, n_heads,
+              n_tb,
               ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
               ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, Q_BCAST: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
               BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr,
-              CONTEXT: tl.constexpr, FAST: tl.constexpr, HEADS_INNER: tl.constexpr, TMA: tl.constexpr):
+              CONTEXT: tl.constexpr, FAST: tl.constexpr, HEADS_INNER: tl.constexpr, TMA: tl.constexpr,
+              REL: tl.constexpr):
     """Forward work item: grid (items, H), or (items * H,) with HEADS_INNER (see _item_head). TMA: the key /
-    value tiles of the loop come through tensor descriptors (Hopper's bulk tensor copy; needs EVEN_D)."""
+    value tiles of the loop come through tensor descriptors (Hopper's bulk tensor copy; needs EVEN_D). REL: the
+    HSTU relative bias computed per tile from query times TQ / key times TK [T] int64, the position-bucket table
+    PB_TAB, the time thresholds TTHR and the weights PW / TW (see _rel_bias); self-attention only."""
     w, h = _item_head(WORK, n_heads, HEADS_INNER)
     if w < 0:
         return
@@ -565,17 +628,22 @@ def _gdpa_fwd(Q, K, V, O, LSE, Q_OFF, KV_OFF, NT, WORK, BIAS,
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if REL:
+        tq = tl.load(TQ + q_start + offs_m, mask=offs_m < lq, other=0)
+    else:
+        tq = offs_m
+    tk_base = TK + kv_start
     lo, hi, full_hi = _key_range(m0, lk, n_hist, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, BLOCK_M, BLOCK_N, CONTEXT)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, lq, lk,
                                n_hist, alpha_s, inv_n, lo, full_hi, offs_dk, offs_dv, D_QK, D_V,
-                               bias_base, stride_bi, stride_bj,
+                               bias_base, stride_bi, stride_bj, tq, tk_base, PB_TAB, TTHR, PW, TW, n_tb,
                                ACT, False, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, EVEN_D, BLOCK_N,
-                               DOT_PREC, HAS_BIAS, CONTEXT, FAST, TMA)
+                               DOT_PREC, HAS_BIAS, CONTEXT, FAST, TMA, REL)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, lq, lk,
                                n_hist, alpha_s, inv_n, full_hi, hi, offs_dk, offs_dv, D_QK, D_V,
-                               bias_base, stride_bi, stride_bj,
+                               bias_base, stride_bi, stride_bj, tq, tk_base, PB_TAB, TTHR, PW, TW, n_tb,
                                ACT, True, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, EVEN_D, BLOCK_N,
-                               DOT_PREC, HAS_BIAS, CONTEXT, FAST, TMA)
+                               DOT_PREC, HAS_BIAS, CONTEXT, FAST, TMA, REL)
     row_ok = offs_m < lq
     if ACT == 0:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -598,11 +666,11 @@ def _gdpa_fwd(Q, K, V, O, LSE, Q_OFF, KV_OFF, NT, WORK, BIAS,
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n, lq, lk, n_hist,
                 alpha_s, lo, hi, offs_dk, offs_dv, D_QK, D_V, bias_base, stride_bi, stride_bj, dbias_base, stride_dbi,
-                stride_dbj, ds_scale, ds_desc, n0,
+                stride_dbj, ds_scale, ds_desc, n0, tq_base, tk, PB_TAB, TTHR, PW, TW, n_tb,
                 ACT: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                 HAS_TARGETS: tl.constexpr, ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,
                 DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr, CONTEXT: tl.constexpr, FAST: tl.constexpr,
-                STORE_DBIAS: tl.constexpr, TMA: tl.constexpr, STORE_DS: tl.constexpr):
+                STORE_DBIAS: tl.constexpr, TMA: tl.constexpr, STORE_DS: tl.constexpr, REL: tl.constexpr):
     """The query loop of a dK/dV program over query tiles [lo, hi), scores laid out key-rows-first (s^T = k q^T
     [BLOCK_N, BLOCK_M]: lse / delta per column)."""
     for m0 in range(lo, hi, BLOCK_M):
@@ -619,6 +687,11 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, 
         st = tl.dot(k, qt, input_precision=DOT_PREC) * alpha_s  # [BLOCK_N, BLOCK_M]
         if HAS_BIAS:
             st = st + _load_bias(bias_base, offs_m[None, :], offs_n[:, None], stride_bi, stride_bj, lq, lk, ACT)
+        elif REL:
+            tq = tl.load(tq_base + offs_m, mask=row_ok, other=0)
+            rb, _pb, _tb = _rel_bias(offs_m[None, :], offs_n[:, None], tq[None, :], tk[:, None], lq, lk, PB_TAB,
+                                     TTHR, PW, TW, n_tb, ACT)
+            st = st + rb
         dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
         if ACT == 0:
             lse = tl.load(lse_base + offs_m, mask=row_ok, other=float("inf"))
@@ -659,7 +732,8 @@ def _dkdv_tile(Q, K, V, DO, LSE, DELTA, DK, DV, Q_OFF, KV_OFF, NT, BIAS, DBIAS, 
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
                BLOCK_DV: tl.constexpr, DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr,
                CONTEXT: tl.constexpr, FAST: tl.constexpr, STORE_DBIAS: tl.constexpr, TMA: tl.constexpr, DS,
-               stride_dsh, stride_dst, STORE_DS: tl.constexpr):
+               stride_dsh, stride_dst, STORE_DS: tl.constexpr, TQ, TK, PB_TAB, TTHR, PW, TW, n_tb,
+               REL: tl.constexpr):
     """dK, dV of keys [n0, n0 + BLOCK_N) of sequence b, head h and, with STORE_DBIAS, dbias of their pairs.
     STORE_DS: also writes dS^T of every pair it visits (0 where masked) into DS, rows = key rows, columns = query
     positions."""
@@ -697,17 +771,26 @@ def _dkdv_tile(Q, K, V, DO, LSE, DELTA, DK, DV, Q_OFF, KV_OFF, NT, BIAS, DBIAS, 
         ds_scale = inv_n
     lo, hi, full_lo = _query_range(n0, lq, n_hist, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, BLOCK_M,
                                    BLOCK_N, CONTEXT)
+    if REL:
+        tk = tl.load(TK + kv_start + offs_n, mask=col_ok, other=0)
+    else:
+        tk = offs_n
+    tq_base = TQ + q_start
     ds_desc = DS
     if STORE_DS:
         ds_desc = _ds_desc(DS, h, kv_start, lk, lq, stride_dsh, stride_dst, BLOCK_N, BLOCK_M)
     dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n, lq,
                          lk, n_hist, alpha_s, lo, full_lo, offs_dk, offs_dv, D_QK, D_V, bias_base, stride_bi, stride_bj,
-                         dbias_base, stride_dbi, stride_dbj, ds_scale, ds_desc, n0, ACT, True, CAUSAL, HAS_TARGETS,
-                         ATT_BLOCK, WINDOW, BLOCK_M, DOT_PREC, HAS_BIAS, CONTEXT, FAST, STORE_DBIAS, TMA, STORE_DS)
+                         dbias_base, stride_dbi, stride_dbj, ds_scale, ds_desc, n0, tq_base, tk, PB_TAB, TTHR, PW,
+                         TW, n_tb, ACT, True, CAUSAL, HAS_TARGETS,
+                         ATT_BLOCK, WINDOW, BLOCK_M, DOT_PREC, HAS_BIAS, CONTEXT, FAST, STORE_DBIAS, TMA, STORE_DS,
+                         REL)
     dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n, lq,
                          lk, n_hist, alpha_s, full_lo, hi, offs_dk, offs_dv, D_QK, D_V, bias_base, stride_bi, stride_bj,
-                         dbias_base, stride_dbi, stride_dbj, ds_scale, ds_desc, n0, ACT, False, CAUSAL, HAS_TARGETS,
-                         ATT_BLOCK, WINDOW, BLOCK_M, DOT_PREC, HAS_BIAS, CONTEXT, FAST, STORE_DBIAS, TMA, STORE_DS)
+                         dbias_base, stride_dbi, stride_dbj, ds_scale, ds_desc, n0, tq_base, tk, PB_TAB, TTHR, PW,
+                         TW, n_tb, ACT, False, CAUSAL, HAS_TARGETS,
+                         ATT_BLOCK, WINDOW, BLOCK_M, DOT_PREC, HAS_BIAS, CONTEXT, FAST, STORE_DBIAS, TMA, STORE_DS,
+                         REL)
     if ACT == 0:
         dk = dk * alpha
     else:
@@ -722,11 +805,14 @@ def _dkdv_tile(Q, K, V, DO, LSE, DELTA, DK, DV, Q_OFF, KV_OFF, NT, BIAS, DBIAS, 
 @triton.jit
 def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_m, lq, lk, n_hist, alpha_s,
               ds_scale, lo, hi, offs_dk, offs_dv, D_QK, D_V, bias_base, stride_bi, stride_bj, dbias_base,
-              stride_dbi, stride_dbj,
+              stride_dbi, stride_dbj, tq, tk_base, PB_TAB, TTHR, PW, TW, n_tb, hist_p, hist_t,
               ACT: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
               ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
               DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_DBIAS: tl.constexpr,
-              CONTEXT: tl.constexpr, FAST: tl.constexpr, TMA: tl.constexpr):
+              CONTEXT: tl.constexpr, FAST: tl.constexpr, TMA: tl.constexpr, REL: tl.constexpr,
+              P_PAD: tl.constexpr, NT_PAD: tl.constexpr):
+    """The key loop of a dQ program over key tiles [lo, hi). REL: also the per-bucket sums of dS (without 1/N)
+    into the program's histograms hist_p [P_PAD] / hist_t [NT_PAD]. Returns (dq, hist_p, hist_t)."""
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         col_ok = offs_n < lk
@@ -741,6 +827,11 @@ def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_
         s = tl.dot(q, kt, input_precision=DOT_PREC) * alpha_s
         if HAS_BIAS:
             s = s + _load_bias(bias_base, offs_m[:, None], offs_n[None, :], stride_bi, stride_bj, lq, lk, ACT)
+        elif REL:
+            tk = tl.load(tk_base + offs_n, mask=col_ok, other=0)
+            rb, pb, tb = _rel_bias(offs_m[:, None], offs_n[None, :], tq[:, None], tk[None, :], lq, lk, PB_TAB,
+                                   TTHR, PW, TW, n_tb, ACT)
+            s = s + rb
         dp = tl.dot(do, vt, input_precision=DOT_PREC)
         if ACT == 0:
             p = tl.exp2(s - lse[:, None])
@@ -759,8 +850,11 @@ def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_
         if STORE_DBIAS:  # d logits = d bias; every (row, key) pair is written by exactly one program
             tl.store(dbias_base + offs_m[:, None] * stride_dbi + offs_n[None, :] * stride_dbj, ds * ds_scale,
                      mask=(offs_m[:, None] < lq) & (offs_n[None, :] < lk))
+        if REL:  # d pos_w / d ts_w: every (row, key) pair is visited by exactly one dQ program
+            hist_p = _bucket_sums(hist_p, ds, pb, P_PAD)
+            hist_t = _bucket_sums(hist_t, ds, tb, NT_PAD)
         dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq, input_precision=DOT_PREC)
-    return dq
+    return dq, hist_p, hist_t
 
 
 @triton.jit
@@ -774,7 +868,8 @@ def _dq_tile(Q, K, V, DO, LSE, DELTA, O, DQ, Q_OFF, KV_OFF, NT, BIAS, DBIAS, b, 
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
              BLOCK_DV: tl.constexpr, DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr,
              STORE_DBIAS: tl.constexpr, CONTEXT: tl.constexpr, FAST: tl.constexpr, STORE_DELTA: tl.constexpr,
-             TMA: tl.constexpr):
+             TMA: tl.constexpr, TQ, TK, PB_TAB, TTHR, PW, TW, DPW, DTW, n_pb, n_tb, REL: tl.constexpr,
+             P_PAD: tl.constexpr, NT_PAD: tl.constexpr):
     """dQ (and dbias) of query rows [m0, m0 + BLOCK_M) of sequence b, head h. softmax: with STORE_DELTA, delta =
     rowsum(o * dO) of these rows is computed here from o and written to DELTA for the dK/dV launch that runs after
     this one; else it is loaded from DELTA."""
@@ -816,14 +911,30 @@ def _dq_tile(Q, K, V, DO, LSE, DELTA, O, DQ, Q_OFF, KV_OFF, NT, BIAS, DBIAS, b, 
     lo, hi, full_hi = _key_range(m0, lk, n_hist, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, BLOCK_M, BLOCK_N, CONTEXT)
     bias_base = BIAS + b.to(tl.int64) * stride_bb + h * stride_bh
     dbias_base = DBIAS + b.to(tl.int64) * stride_dbb + h * stride_dbh
-    dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_m, lq, lk, n_hist,
-                   alpha_s, ds_scale, lo, full_hi, offs_dk, offs_dv, D_QK, D_V, bias_base, stride_bi, stride_bj,
-                   dbias_base, stride_dbi, stride_dbj, ACT, False, CAUSAL,
-                   HAS_TARGETS, ATT_BLOCK, WINDOW, BLOCK_N, DOT_PREC, HAS_BIAS, STORE_DBIAS, CONTEXT, FAST, TMA)
-    dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_m, lq, lk, n_hist,
-                   alpha_s, ds_scale, full_hi, hi, offs_dk, offs_dv, D_QK, D_V, bias_base, stride_bi, stride_bj,
-                   dbias_base, stride_dbi, stride_dbj, ACT, True, CAUSAL,
-                   HAS_TARGETS, ATT_BLOCK, WINDOW, BLOCK_N, DOT_PREC, HAS_BIAS, STORE_DBIAS, CONTEXT, FAST, TMA)
+    if REL:
+        tq = tl.load(TQ + q_start + offs_m, mask=row_ok, other=0)
+    else:
+        tq = offs_m
+    tk_base = TK + kv_start
+    hist_p = tl.zeros([P_PAD], dtype=tl.float32)
+    hist_t = tl.zeros([NT_PAD], dtype=tl.float32)
+    dq, hist_p, hist_t = _dq_inner(
+        dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_m, lq, lk, n_hist,
+        alpha_s, ds_scale, lo, full_hi, offs_dk, offs_dv, D_QK, D_V, bias_base, stride_bi, stride_bj,
+        dbias_base, stride_dbi, stride_dbj, tq, tk_base, PB_TAB, TTHR, PW, TW, n_tb, hist_p, hist_t, ACT, False,
+        CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, BLOCK_N, DOT_PREC, HAS_BIAS, STORE_DBIAS, CONTEXT, FAST, TMA, REL,
+        P_PAD, NT_PAD)
+    dq, hist_p, hist_t = _dq_inner(
+        dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_m, lq, lk, n_hist,
+        alpha_s, ds_scale, full_hi, hi, offs_dk, offs_dv, D_QK, D_V, bias_base, stride_bi, stride_bj,
+        dbias_base, stride_dbi, stride_dbj, tq, tk_base, PB_TAB, TTHR, PW, TW, n_tb, hist_p, hist_t, ACT, True,
+        CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, BLOCK_N, DOT_PREC, HAS_BIAS, STORE_DBIAS, CONTEXT, FAST, TMA, REL,
+        P_PAD, NT_PAD)
+    if REL:  # one atomic per touched bucket per program (the histograms summed over its key tiles)
+        slots_p = tl.arange(0, P_PAD)
+        tl.atomic_add(DPW + slots_p, hist_p * ds_scale, mask=(slots_p < n_pb) & (hist_p != 0.0), sem="relaxed")
+        slots_t = tl.arange(0, NT_PAD)
+        tl.atomic_add(DTW + slots_t, hist_t * ds_scale, mask=(slots_t < n_tb) & (hist_t != 0.0), sem="relaxed")
     dq = dq * (alpha * ds_scale)
     tl.store(DQ + (q_start + offs_m[:, None]) * stride_dqt + h * stride_dqh + offs_dk[None, :],
              dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (offs_dk[None, :] < D_QK))
@@ -831,22 +942,26 @@ def _dq_tile(Q, K, V, DO, LSE, DELTA, O, DQ, Q_OFF, KV_OFF, NT, BIAS, DBIAS, b, 
 
 @triton.jit
 def _gdpa_bwd(Q, K, V, DO, LSE, DELTA, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, WORK, BIAS, DBIAS, DS,
+              TQ, TK, PB_TAB, TTHR, PW, TW, DPW, DTW,
               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
               stride_ot, stride_oh,
               stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh, stride_lh,
               stride_bb, stride_bh, stride_bi, stride_bj, stride_dbb, stride_dbh, stride_dbi, stride_dbj,
-              stride_dsh, stride_dst, alpha, inv_n, n_tiles_k, n_tiles_q, D_QK, D_V, n_heads,
+              stride_dsh, stride_dst, alpha, inv_n, n_tiles_k, n_tiles_q, D_QK, D_V, n_heads, n_pb, n_tb,
               ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
               ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, Q_BCAST: tl.constexpr, PART: tl.constexpr,
               DK_BM: tl.constexpr, DK_BN: tl.constexpr, DQ_BM: tl.constexpr, DQ_BN: tl.constexpr,
               BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, DOT_PREC: tl.constexpr,
               HAS_BIAS: tl.constexpr, STORE_DBIAS: tl.constexpr, CONTEXT: tl.constexpr, FAST: tl.constexpr,
-              STORE_DELTA: tl.constexpr, HEADS_INNER: tl.constexpr, TMA: tl.constexpr, STORE_DS: tl.constexpr):
+              STORE_DELTA: tl.constexpr, HEADS_INNER: tl.constexpr, TMA: tl.constexpr, STORE_DS: tl.constexpr,
+              REL: tl.constexpr, P_PAD: tl.constexpr, NT_PAD: tl.constexpr):
     """Backward work item WORK[pid]: with PART 1 a dK/dV key tile (b * n_tiles_k + tile), with PART 2 a dQ query
     tile (b * n_tiles_q + tile); each launch compiles one branch. LSE and DELTA are [H, T_out] fp32 (softmax):
     the forward's base-2 log-sum-exp and delta = rowsum(o * dO), written by the dQ launch (PART 2 with
     STORE_DELTA, which runs first) or by _bwd_delta. STORE_DBIAS is set for the launch that writes dbias (the dQ
-    items', or the dK/dV items' with STORE_DS). Grid (items, H) or, with HEADS_INNER, (items * H,)."""
+    items', or the dK/dV items' with STORE_DS). Grid (items, H) or, with HEADS_INNER, (items * H,). REL: the
+    in-kernel relative bias (see _gdpa_fwd); the dQ items also add the per-bucket sums of dS into DPW [n_pb] /
+    DTW [n_tb] fp32 (zeroed by the host; never with STORE_DS)."""
     w, h = _item_head(WORK, n_heads, HEADS_INNER)
     if w < 0:
         return
@@ -857,7 +972,8 @@ def _gdpa_bwd(Q, K, V, DO, LSE, DELTA, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, WORK, B
                    stride_bb, stride_bh, stride_bi, stride_bj, stride_dbb, stride_dbh, stride_dbi, stride_dbj,
                    alpha, inv_n, D_QK, D_V,
                    ACT, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, Q_BCAST, DK_BM, DK_BN, BLOCK_DQK, BLOCK_DV,
-                   DOT_PREC, HAS_BIAS, CONTEXT, FAST, STORE_DBIAS, TMA, DS, stride_dsh, stride_dst, STORE_DS)
+                   DOT_PREC, HAS_BIAS, CONTEXT, FAST, STORE_DBIAS, TMA, DS, stride_dsh, stride_dst, STORE_DS,
+                   TQ, TK, PB_TAB, TTHR, PW, TW, n_tb, REL)
     else:
         _dq_tile(Q, K, V, DO, LSE, DELTA, O, DQ, Q_OFF, KV_OFF, NT, BIAS, DBIAS, w // n_tiles_q,
                  (w % n_tiles_q) * DQ_BM, h, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -865,7 +981,8 @@ def _gdpa_bwd(Q, K, V, DO, LSE, DELTA, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, WORK, B
                  stride_bi,
                  stride_bj, stride_dbb, stride_dbh, stride_dbi, stride_dbj, alpha, inv_n, D_QK, D_V,
                  ACT, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, Q_BCAST, DQ_BM, DQ_BN, BLOCK_DQK, BLOCK_DV,
-                 DOT_PREC, HAS_BIAS, STORE_DBIAS, CONTEXT, FAST, STORE_DELTA, TMA)
+                 DOT_PREC, HAS_BIAS, STORE_DBIAS, CONTEXT, FAST, STORE_DELTA, TMA, TQ, TK, PB_TAB, TTHR, PW, TW,
+                 DPW, DTW, n_pb, n_tb, REL, P_PAD, NT_PAD)
 
 
 @triton.jit
@@ -1137,6 +1254,81 @@ def _fast_act(dtype: torch.dtype, cfg: KernelConfig) -> bool:
     return cfg.fast_act and dtype != torch.float32 and not _interpreting()
 
 
+# ----------------------------------------------------------------------------------------------------------
+# The in-kernel relative bias (HSTU rab^{p,t}): its lookup tables, made on the host once per shape and device
+# ----------------------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=32)
+def _pos_bucket_table(n_pb: int, bucket_max_len: int, n: int, device: torch.device) -> torch.Tensor:
+    """[max(n, 1)] int32: the position bucket of each distance |i - j| < n, by ``reference.position_bucket_ref``
+    itself on ``device`` (so the kernel's buckets are the reference's, bit for bit)."""
+    from gemray.kernels.reference import position_bucket_ref
+
+    d = torch.arange(max(n, 1), device=device, dtype=torch.int64)
+    return position_bucket_ref(d, n_pb, bucket_max_len).to(torch.int32).contiguous()
+
+
+_INT64_MAX = 2 ** 63 - 1
+
+
+@functools.lru_cache(maxsize=32)
+def _time_thresholds(n_tb: int, device: torch.device) -> torch.Tensor:
+    """[n_tb + 1] int64: thr[b] = the smallest |dt| (integer seconds) that ``reference.time_bucket_ref`` puts in
+    bucket >= b (thr[0] = 0), int64 max for buckets no |dt| < 2^62 reaches and as the end sentinel thr[n_tb]. Found
+    by a bisection over the reference function itself on ``device`` (it is non-decreasing in |dt|), so ``the
+    largest b with |dt| >= thr[b]`` is exactly its bucket."""
+    from gemray.kernels.reference import time_bucket_ref
+
+    want = torch.arange(n_tb, device=device, dtype=torch.int64)
+    lo = torch.zeros(n_tb, device=device, dtype=torch.int64)  # bucket(lo) < want (for want >= 1)
+    top = 2 ** 62
+    hi = torch.full((n_tb,), top, device=device, dtype=torch.int64)
+    for _ in range(64):
+        mid = lo + (hi - lo) // 2
+        up = time_bucket_ref(mid, n_tb) >= want
+        hi = torch.where(up, mid, hi)
+        lo = torch.where(up, lo, mid)
+        if bool(((hi - lo) <= 1).all()):
+            break
+    reached = time_bucket_ref(hi, n_tb) >= want
+    thr = torch.where(reached, hi, torch.full_like(hi, _INT64_MAX))
+    thr[0] = 0
+    return torch.cat([thr, thr.new_full((1,), _INT64_MAX)]).contiguous()
+
+
+@dataclass(frozen=True)
+class RelBias:
+    """The in-kernel HSTU relative bias of a self-attention call (``gdpa_triton(rel_bias=...)``): bias(i, j) =
+    pos_w[position_bucket(|i - j|, P, max_len)] + ts_w[time_bucket(query_times[i] - key_times[j], NT)], the
+    bucketing of ``gemray.kernels.reference.position_bucket_ref`` / ``time_bucket_ref`` (as
+    ``gemray.ops.relative_bias_buckets``), shared by all heads, added to the scaled logits.
+
+    query_times / key_times: [T] int64 seconds (the query time tq of each position, e.g. the next item's, and each
+    key's own timestamp); pos_w: [P] float; ts_w: [NT] float (differentiable: the backward sums dS per bucket);
+    max_len: the N of the position bucketing."""
+
+    query_times: torch.Tensor
+    key_times: torch.Tensor
+    pos_w: torch.Tensor
+    ts_w: torch.Tensor
+    max_len: int
+
+
+def _pad_buckets(n: int) -> int:
+    return max(16, 1 << (max(n, 1) - 1).bit_length())
+
+
+def _rel_tensors(rel: tuple | None, max_q_len: int, dummy: torch.Tensor) -> list:
+    """The kernels' REL tensor arguments [TQ, TK, PB_TAB, TTHR, PW, TW] (``dummy`` six times without a bias).
+    rel: (query_times, key_times, pos_w, ts_w, max_len)."""
+    if rel is None:
+        return [dummy] * 6
+    tq, tk, pw, tw, bucket_len = rel
+    return [tq, tk, _pos_bucket_table(pw.numel(), int(bucket_len), int(max_q_len), tq.device),
+            _time_thresholds(tw.numel(), tq.device), pw, tw]
+
+
 @dataclass(eq=False)
 class _FwdPlan:
     """What a forward call launches, decided once per batch and call configuration (:func:`_fwd_plan`).
@@ -1168,29 +1360,31 @@ class _BwdPlan:
 
 def _fwd_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
               q_off: torch.Tensor, kv_off: torch.Tensor, nt: torch.Tensor | None, spec: _Spec,
-              t_out: int, cfg: KernelConfig) -> _FwdPlan:
+              t_out: int, cfg: KernelConfig, rel: tuple | None = None) -> _FwdPlan:
     """The cached forward plan of a call, keyed on the offsets / num_targets objects (as the work tables), the
     spec, the shapes, strides, dtype, device and 16-byte alignment of q / k / v, the bias's layout, dtype and
     alignment, and the config's name (another config: another plan). Making a plan also checks the batch
     (_check_batch), so a batch is checked once per configuration, not per call."""
     key = ("fwd plan", cfg.name, spec, t_out, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(),
            q.dtype, q.device, q.data_ptr() % 16 == 0, k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0,
-           None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.data_ptr() % 16 == 0))
+           None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.data_ptr() % 16 == 0),
+           None if rel is None else (rel[2].numel(), rel[3].numel()))
 
     def make():
         _check_batch(q_off, kv_off, nt, bias, t_out, k.shape[0], spec.max_q_len, spec.max_kv_len)
-        return _make_fwd_plan(q, k, v, bias, q_off, kv_off, nt, spec, t_out, cfg)
+        return _make_fwd_plan(q, k, v, bias, q_off, kv_off, nt, spec, t_out, cfg, rel)
 
     return _cached((q_off, kv_off, nt), key, make)
 
 
-def _make_fwd_plan(q, k, v, bias, q_off, kv_off, nt, spec: _Spec, t_out: int, cfg: KernelConfig) -> _FwdPlan:
+def _make_fwd_plan(q, k, v, bias, q_off, kv_off, nt, spec: _Spec, t_out: int, cfg: KernelConfig,
+                   rel: tuple | None = None) -> _FwdPlan:
     h = k.shape[1]
     d_qk, d_v = q.shape[2], v.shape[2]
     bdk, bdv = _block_d(d_qk), _block_d(d_v)
     reg = cfg.regime_of(t_out, q_off.numel() - 1)
     rc = cfg.regime(reg)
-    if _use_ws_fwd(rc, spec, nt, bias, q, k, v):  # Hopper: warp-specialized forward (Gluon)
+    if rel is None and _use_ws_fwd(rc, spec, nt, bias, q, k, v):  # Hopper: warp-specialized forward (Gluon)
         table, n_tiles = _q_table(spec, q_off, kv_off, ws.block_m(rc.ws_tiles), t_out, grouped=cfg.seq_order_fwd)
         return _FwdPlan(reg, (rc.ws_tiles, table, n_tiles), None, False, {})
     even_d = bdk == d_qk and bdv == d_v
@@ -1202,17 +1396,17 @@ def _make_fwd_plan(q, k, v, bias, q_off, kv_off, nt, spec: _Spec, t_out: int, cf
     tma = _use_tma(rc, even_d, spec, k, v)
     launch = _Launch(_gdpa_fwd, (table.numel() * h,) if inner else (table.numel(), h), [
         *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *o_strides, stride_lh, *_bias_strides(bias),
-        spec.alpha, spec.inv_n, n_tiles, d_qk, d_v, h], dict(
+        spec.alpha, spec.inv_n, n_tiles, d_qk, d_v, h, 0 if rel is None else rel[3].numel()], dict(
         ACT=spec.act, CAUSAL=spec.causal, HAS_TARGETS=nt is not None, ATT_BLOCK=spec.att_block,
         WINDOW=spec.window, Q_BCAST=spec.q_bcast, BLOCK_M=bm, BLOCK_N=bn,
         BLOCK_DQK=bdk, BLOCK_DV=bdv, EVEN_D=even_d, DOT_PREC=_dot_prec(q.dtype), HAS_BIAS=bias is not None,
-        CONTEXT=spec.context, FAST=_fast_act(q.dtype, cfg), HEADS_INNER=inner, TMA=tma), warps, stages,
-        cfg.direct_launch)
+        CONTEXT=spec.context, FAST=_fast_act(q.dtype, cfg), HEADS_INNER=inner, TMA=tma, REL=rel is not None),
+        warps, stages, cfg.direct_launch)
     return _FwdPlan(reg, None, (launch, table), tma, {})
 
 
 def _bwd_plan(fwd: _FwdPlan, q, k, v, bias, do, q_off, kv_off, nt, spec: _Spec, want_dbias: bool,
-              ds_ok: bool, cfg: KernelConfig) -> _BwdPlan:
+              ds_ok: bool, cfg: KernelConfig, rel: tuple | None = None) -> _BwdPlan:
     """The cached backward plan of a call, kept on its forward plan (made for the same config) by dO's strides,
     dtype and alignment, whether dbias is wanted and whether the DS_STORE scratch may be used (``ds_ok``: False
     after its allocation failed)."""
@@ -1220,12 +1414,12 @@ def _bwd_plan(fwd: _FwdPlan, q, k, v, bias, do, q_off, kv_off, nt, spec: _Spec, 
     plan = fwd.bwd.get(key)
     if plan is None:
         plan = fwd.bwd[key] = _make_bwd_plan(fwd, q, k, v, bias, do, q_off, kv_off, nt, spec, want_dbias, ds_ok,
-                                             cfg)
+                                             cfg, rel)
     return plan
 
 
 def _make_bwd_plan(fwd: _FwdPlan, q, k, v, bias, do, q_off, kv_off, nt, spec: _Spec, want_dbias: bool,
-                   ds_ok: bool, cfg: KernelConfig) -> _BwdPlan:
+                   ds_ok: bool, cfg: KernelConfig, rel: tuple | None = None) -> _BwdPlan:
     reg = fwd.reg
     rc = cfg.regime(reg)
     h = k.shape[1]
@@ -1235,7 +1429,8 @@ def _make_bwd_plan(fwd: _FwdPlan, q, k, v, bias, do, q_off, kv_off, nt, spec: _S
     softmax = spec.act == 0
     # softmax reads o (contiguous) and lse / delta [H, T_out]; the pointwise activations read neither: dO stands in
     o_strides, stride_lh = ((h * d_v, d_v), t_out) if softmax else (do.stride()[:2], 0)
-    ds_store = ds_ok and _use_ds_store(rc, spec, h, k.shape[0], q, cfg)
+    # the in-kernel relative bias sums dS per bucket in the recomputing dQ kernel: no ds_store with it
+    ds_store = ds_ok and rel is None and _use_ds_store(rc, spec, h, k.shape[0], q, cfg)
     # dS^T [H, Tk, W]: every entry the dQ launch reads unmasked is written by the dK/dV launch
     ds_shape = (h, k.shape[0], _ds_width(spec.max_q_len)) if ds_store else None
 
@@ -1257,17 +1452,20 @@ def _make_bwd_plan(fwd: _FwdPlan, q, k, v, bias, do, q_off, kv_off, nt, spec: _S
     ds_strides = (ds_shape[1] * ds_shape[2], ds_shape[2]) if ds_store else (0, 0)
     args = [*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *do.stride()[:2], *o_strides, *dk_strides,
             *dv_strides, *dq_strides, stride_lh, *_bias_strides(bias), *dbias_strides, *ds_strides,
-            spec.alpha, spec.inv_n, 1, 1, d_qk, d_v, h]
+            spec.alpha, spec.inv_n, 1, 1, d_qk, d_v, h,
+            0 if rel is None else rel[2].numel(), 0 if rel is None else rel[3].numel()]
     even_d = bdk == d_qk and bdv == d_v
     use_tma = _use_tma(rc, even_d, spec, q, k, v, do)
     consts = dict(ACT=spec.act, CAUSAL=spec.causal, HAS_TARGETS=nt is not None, HAS_BIAS=bias is not None,
                   ATT_BLOCK=spec.att_block, WINDOW=spec.window, Q_BCAST=spec.q_bcast, CONTEXT=spec.context,
                   BLOCK_DQK=bdk, BLOCK_DV=bdv, DOT_PREC=_dot_prec(q.dtype), FAST=_fast_act(q.dtype, cfg),
-                  HEADS_INNER=rc.heads_inner, TMA=use_tma)
+                  HEADS_INNER=rc.heads_inner, TMA=use_tma, REL=rel is not None,
+                  P_PAD=_pad_buckets(0 if rel is None else rel[2].numel()),
+                  NT_PAD=_pad_buckets(0 if rel is None else rel[3].numel()))
 
     def bwd(table, items: tuple, warps: int, stages: int, **part) -> tuple:  # a _gdpa_bwd launch
         a = list(args)
-        a[-5:-3] = items  # (n_tiles_k, n_tiles_q)
+        a[-7:-5] = items  # (n_tiles_k, n_tiles_q)
         return _Launch(_gdpa_bwd, grid(table.numel(), rc.heads_inner), a, dict(**part, **consts), warps, stages,
                        cfg.direct_launch), table, False
 
@@ -1304,9 +1502,10 @@ def _make_bwd_plan(fwd: _FwdPlan, q, k, v, bias, do, q_off, kv_off, nt, spec: _S
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, q_off: torch.Tensor,
              kv_off: torch.Tensor, nt: torch.Tensor | None, spec: _Spec, t_out: int, cfg: KernelConfig,
-             plan: _FwdPlan | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+             plan: _FwdPlan | None, rel: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run a forward: (o [T_out, H, Dv] in q's dtype, lse [H, T_out] fp32 (base 2) for softmax, else None).
-    ``plan``: the call's forward plan (None for an empty batch: o = 0, lse = +inf)."""
+    ``plan``: the call's forward plan (None for an empty batch: o = 0, lse = +inf); ``rel``: the in-kernel
+    relative bias (query_times, key_times, pos_w, ts_w, max_len) or None."""
     h = k.shape[1]
     softmax = spec.act == 0
     if plan is None:
@@ -1323,22 +1522,25 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tens
         triton.set_allocator(_scratch)  # a context variable: set per call
     launch, table = plan.launch
     launch.planned([q, k, v, o, lse if lse is not None else o, q_off, kv_off, nt if nt is not None else q_off,
-                    table, bias if bias is not None else q])
+                    table, bias if bias is not None else q, *_rel_tensors(rel, spec.max_q_len, q_off)])
     return o, lse
 
 
 def _backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor | None,
               lse: torch.Tensor | None, bias: torch.Tensor | None, q_off: torch.Tensor, kv_off: torch.Tensor,
               nt: torch.Tensor | None, spec: _Spec, want_dbias: bool, cfg: KernelConfig,
-              plan: _FwdPlan | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Run a backward: (dq like q, dk like k, dv like v, dbias like bias or None). o / lse: the forward's
-    (softmax; None for the pointwise activations); ``plan``: the forward's plan (None: empty batch, zeros)."""
+              plan: _FwdPlan | None, rel: tuple | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, tuple | None]:
+    """Run a backward: (dq like q, dk like k, dv like v, dbias like bias or None, (d pos_w, d ts_w) like the
+    weights with ``rel``, else None). o / lse: the forward's (softmax; None for the pointwise activations);
+    ``plan``: the forward's plan (None: empty batch, zeros); ``rel``: as :func:`_forward`'s."""
     if plan is None:
         return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v),
-                torch.zeros_like(bias) if want_dbias else None)
+                torch.zeros_like(bias) if want_dbias else None,
+                None if rel is None else (torch.zeros_like(rel[2]), torch.zeros_like(rel[3])))
     if do.stride(-1) != 1:
         do = do.contiguous()
-    bplan = _bwd_plan(plan, q, k, v, bias, do, q_off, kv_off, nt, spec, want_dbias, True, cfg)
+    bplan = _bwd_plan(plan, q, k, v, bias, do, q_off, kv_off, nt, spec, want_dbias, True, cfg, rel)
     ds = None
     if bplan.ds_shape is not None:
         try:
@@ -1346,7 +1548,7 @@ def _backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         except torch.OutOfMemoryError:  # under the caps but not free now: recompute dS instead
             log.warning("gdpa backward: no memory for the %.2f GiB dS buffer, recomputing dS (ds_store)",
                         math.prod(bplan.ds_shape) * q.element_size() / 2**30)
-            bplan = _bwd_plan(plan, q, k, v, bias, do, q_off, kv_off, nt, spec, want_dbias, False, cfg)
+            bplan = _bwd_plan(plan, q, k, v, bias, do, q_off, kv_off, nt, spec, want_dbias, False, cfg, rel)
     if bplan.tma:
         triton.set_allocator(_scratch)  # its tensor descriptors are made on the device (autograd's thread)
     h, d_qk = k.shape[1], q.shape[2]
@@ -1364,8 +1566,12 @@ def _backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     dbias = (torch.zeros(bplan.dbias_shape, device=q.device, dtype=torch.float32)
              if bplan.dbias_shape is not None else None)
     ntarg = nt if nt is not None else q_off
+    # d pos_w / d ts_w: fp32 sums of dS per bucket, added to by the dQ programs' atomics
+    dpw = torch.zeros(rel[2].numel(), device=q.device, dtype=torch.float32) if rel is not None else q_off
+    dtw = torch.zeros(rel[3].numel(), device=q.device, dtype=torch.float32) if rel is not None else q_off
     tensors = [q, k, v, do, lse, delta, o, dk, dv, dq, q_off, kv_off, ntarg, None, bias if bias is not None else q,
-               dbias if dbias is not None else q, ds if ds is not None else q]
+               dbias if dbias is not None else q, ds if ds is not None else q,
+               *_rel_tensors(rel, spec.max_q_len, q_off), dpw, dtw]
     for launch, table, dq_from_ds in bplan.steps:
         if dq_from_ds:
             launch.planned([ds, k, dq, q_off, kv_off, ntarg, table])
@@ -1376,7 +1582,8 @@ def _backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         dq = dq.view(-1, q.shape[0], h, d_qk).sum(0, dtype=torch.float32).to(q.dtype)
     if dbias is not None:
         dbias = (dbias if bias.dim() == 4 else dbias.sum(1)).to(bias.dtype)
-    return dq, dk, dv, dbias
+    drel = None if rel is None else (dpw.to(rel[2].dtype), dtw.to(rel[3].dtype))
+    return dq, dk, dv, dbias, drel
 
 
 def _spec_of(activation: str, causal: bool, alpha: float, inv_n: float, block_size: int, window: int,
@@ -1385,7 +1592,8 @@ def _spec_of(activation: str, causal: bool, alpha: float, inv_n: float, block_si
                  bool(q_broadcast), int(max_q_len), int(max_kv_len), int(contextual_len))
 
 
-def _plan_of(q, k, v, bias, q_off, kv_off, nt, spec: _Spec, cfg: KernelConfig) -> tuple[int, _FwdPlan | None]:
+def _plan_of(q, k, v, bias, q_off, kv_off, nt, spec: _Spec, cfg: KernelConfig,
+             rel: tuple | None = None) -> tuple[int, _FwdPlan | None]:
     """(T_out, the call's forward plan or None for an empty batch, whose offsets are still checked)."""
     bsz = q_off.numel() - 1
     t_out = bsz * q.shape[0] if spec.q_bcast else q.shape[0]
@@ -1393,7 +1601,7 @@ def _plan_of(q, k, v, bias, q_off, kv_off, nt, spec: _Spec, cfg: KernelConfig) -
         if bsz:
             _check_batch(q_off, kv_off, nt, bias, t_out, k.shape[0], spec.max_q_len, spec.max_kv_len)
         return t_out, None
-    return t_out, _fwd_plan(q, k, v, bias, q_off, kv_off, nt, spec, t_out, cfg)
+    return t_out, _fwd_plan(q, k, v, bias, q_off, kv_off, nt, spec, t_out, cfg, rel)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1406,7 +1614,9 @@ def gdpa_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: to
                 kv_offsets: torch.Tensor, num_targets: Optional[torch.Tensor], attn_bias: Optional[torch.Tensor],
                 max_q_len: int, max_kv_len: int, activation: str, causal: bool, alpha: float, inv_n: float,
                 block_size: int, window: int, q_broadcast: bool, contextual_len: int,
-                config: str) -> tuple[torch.Tensor, torch.Tensor]:
+                config: str, query_times: Optional[torch.Tensor] = None, key_times: Optional[torch.Tensor] = None,
+                pos_w: Optional[torch.Tensor] = None, ts_w: Optional[torch.Tensor] = None,
+                rel_max_len: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """GDPA forward as a custom op (arguments checked by :func:`gdpa_triton`, which calls it).
 
     q: [Tq, H, Dqk] (q_broadcast: [S, H, Dqk]); k: [Tk, H, Dqk]; v: [Tk, H, Dv]; offsets [B+1] int64;
@@ -1414,18 +1624,27 @@ def gdpa_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: to
     ACTIVATIONS; alpha > 0; inv_n = 1 / N; config: a KernelConfig name (gemray.kernels.config.lookup).
     Returns (out [T_out, H, Dv] in q's dtype, lse [H, T_out] fp32 base-2 log-sum-exp for softmax, else an empty
     [0] fp32 tensor); T_out = B * S with q_broadcast, else Tq. Under TRITON_INTERPRET=1 give it float32 or
-    float16 (gdpa_triton runs bf16 in float32 there)."""
+    float16 (gdpa_triton runs bf16 in float32 there). query_times / key_times [T] int64, pos_w [P] / ts_w [NT]
+    float, rel_max_len: the in-kernel relative bias (:class:`RelBias`; all four tensors or none)."""
     cfg = kconfig.lookup(config)
     spec = _spec_of(activation, causal, alpha, inv_n, block_size, window, q_broadcast, max_q_len, max_kv_len,
                     contextual_len)
-    t_out, plan = _plan_of(q, k, v, attn_bias, q_offsets, kv_offsets, num_targets, spec, cfg)
-    o, lse = _forward(q, k, v, attn_bias, q_offsets, kv_offsets, num_targets, spec, t_out, cfg, plan)
+    rel = _rel_tuple(query_times, key_times, pos_w, ts_w, rel_max_len)
+    t_out, plan = _plan_of(q, k, v, attn_bias, q_offsets, kv_offsets, num_targets, spec, cfg, rel)
+    o, lse = _forward(q, k, v, attn_bias, q_offsets, kv_offsets, num_targets, spec, t_out, cfg, plan, rel)
     return o, (lse if lse is not None else q.new_empty((0,), dtype=torch.float32))
+
+
+def _rel_tuple(query_times, key_times, pos_w, ts_w, rel_max_len) -> tuple | None:
+    if pos_w is None:
+        return None
+    return (query_times, key_times, pos_w, ts_w, int(rel_max_len))
 
 
 @gdpa_fwd_op.register_fake
 def _gdpa_fwd_fake(q, k, v, q_offsets, kv_offsets, num_targets, attn_bias, max_q_len, max_kv_len, activation,
-                   causal, alpha, inv_n, block_size, window, q_broadcast, contextual_len, config):
+                   causal, alpha, inv_n, block_size, window, q_broadcast, contextual_len, config, query_times=None,
+                   key_times=None, pos_w=None, ts_w=None, rel_max_len=0):
     t_out = (q_offsets.shape[0] - 1) * q.shape[0] if q_broadcast else q.shape[0]
     o = q.new_empty((t_out, k.shape[1], v.shape[2]))
     if activation == "softmax":
@@ -1439,43 +1658,56 @@ def gdpa_bwd_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                 kv_offsets: torch.Tensor, num_targets: Optional[torch.Tensor], attn_bias: Optional[torch.Tensor],
                 max_q_len: int, max_kv_len: int, activation: str, causal: bool, alpha: float, inv_n: float,
                 block_size: int, window: int, q_broadcast: bool, contextual_len: int, need_dbias: bool,
-                config: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                config: str, query_times: Optional[torch.Tensor] = None, key_times: Optional[torch.Tensor] = None,
+                pos_w: Optional[torch.Tensor] = None, ts_w: Optional[torch.Tensor] = None, rel_max_len: int = 0
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """GDPA backward as a custom op: grad_out [T_out, H, Dv]; out / lse the forward's (softmax; None otherwise);
     the other arguments as :func:`gdpa_fwd_op`'s. Returns (dq like q, dk like k, dv like v, dbias like attn_bias
-    when ``need_dbias``, else an empty [0] tensor)."""
+    when ``need_dbias``, else an empty [0] tensor, d pos_w like pos_w and d ts_w like ts_w with the in-kernel
+    relative bias, else empty [0] tensors)."""
     cfg = kconfig.lookup(config)
     spec = _spec_of(activation, causal, alpha, inv_n, block_size, window, q_broadcast, max_q_len, max_kv_len,
                     contextual_len)
-    _, plan = _plan_of(q, k, v, attn_bias, q_offsets, kv_offsets, num_targets, spec, cfg)
-    dq, dk, dv, dbias = _backward(grad_out, q, k, v, out, lse, attn_bias, q_offsets, kv_offsets, num_targets, spec,
-                                  need_dbias, cfg, plan)
-    return dq, dk, dv, (dbias if dbias is not None else q.new_empty((0,)))
+    rel = _rel_tuple(query_times, key_times, pos_w, ts_w, rel_max_len)
+    _, plan = _plan_of(q, k, v, attn_bias, q_offsets, kv_offsets, num_targets, spec, cfg, rel)
+    dq, dk, dv, dbias, drel = _backward(grad_out, q, k, v, out, lse, attn_bias, q_offsets, kv_offsets, num_targets,
+                                        spec, need_dbias, cfg, plan, rel)
+    empty = q.new_empty((0,))
+    dpw, dtw = drel if drel is not None else (empty, q.new_empty((0,)))
+    return dq, dk, dv, (dbias if dbias is not None else q.new_empty((0,))), dpw, dtw
 
 
 @gdpa_bwd_op.register_fake
 def _gdpa_bwd_fake(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, num_targets, attn_bias, max_q_len,
                    max_kv_len, activation, causal, alpha, inv_n, block_size, window, q_broadcast, contextual_len,
-                   need_dbias, config):
+                   need_dbias, config, query_times=None, key_times=None, pos_w=None, ts_w=None, rel_max_len=0):
     dbias = torch.empty_like(attn_bias) if need_dbias else q.new_empty((0,))
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
+    dpw = torch.empty_like(pos_w) if pos_w is not None else q.new_empty((0,))
+    dtw = torch.empty_like(ts_w) if ts_w is not None else q.new_empty((0,))
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias, dpw, dtw
 
 
 def _op_setup_context(ctx, inputs, output) -> None:
     q, k, v, q_off, kv_off, nt, bias = inputs[:7]
     o, lse = output
     softmax = inputs[9] == "softmax"
-    ctx.save_for_backward(q, k, v, q_off, kv_off, nt, bias, o if softmax else None, lse if softmax else None)
+    tq, tk, pw, tw = (list(inputs[18:22]) + [None] * 4)[:4]
+    ctx.save_for_backward(q, k, v, q_off, kv_off, nt, bias, o if softmax else None, lse if softmax else None,
+                          tq, tk, pw, tw)
     ctx.scalars = inputs[7:17]  # max_q_len ... contextual_len
     ctx.config = inputs[17]
+    ctx.rel_max_len = inputs[22] if len(inputs) > 22 else 0
     ctx.mark_non_differentiable(lse)
 
 
 def _op_backward(ctx, grad_out, _grad_lse):
-    q, k, v, q_off, kv_off, nt, bias, o, lse = ctx.saved_tensors
+    q, k, v, q_off, kv_off, nt, bias, o, lse, tq, tk, pw, tw = ctx.saved_tensors
     need_dbias = bias is not None and ctx.needs_input_grad[6]
-    dq, dk, dv, dbias = gdpa_bwd_op(grad_out, q, k, v, o, lse, q_off, kv_off, nt, bias, *ctx.scalars, need_dbias,
-                                    ctx.config)
-    return dq, dk, dv, None, None, None, dbias if need_dbias else None, *([None] * 11)
+    dq, dk, dv, dbias, dpw, dtw = gdpa_bwd_op(grad_out, q, k, v, o, lse, q_off, kv_off, nt, bias, *ctx.scalars,
+                                              need_dbias, ctx.config, tq, tk, pw, tw, ctx.rel_max_len)
+    rel = pw is not None
+    return (dq, dk, dv, None, None, None, dbias if need_dbias else None, *([None] * 11), None, None,
+            dpw if rel else None, dtw if rel else None, None)
 
 
 gdpa_fwd_op.register_autograd(_op_backward, setup_context=_op_setup_context)
@@ -1488,22 +1720,28 @@ class _GDPA(torch.autograd.Function):
     place), which saves their unpacking per backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, meta: tuple):
-        """meta = (q_off [B+1] int64, kv_off [B+1] int64, nt [B] int64 or None, spec, t_out, config, plan)."""
-        q_off, kv_off, nt, spec, t_out, cfg, plan = meta
-        o, lse = _forward(q, k, v, bias, q_off, kv_off, nt, spec, t_out, cfg, plan)
+    def forward(ctx, q, k, v, bias, pos_w, ts_w, meta: tuple):
+        """meta = (q_off [B+1] int64, kv_off [B+1] int64, nt [B] int64 or None, spec, t_out, config, plan,
+        rel_meta: (query_times, key_times, max_len) of the in-kernel relative bias or None); pos_w / ts_w: its
+        weights (None without)."""
+        q_off, kv_off, nt, spec, t_out, cfg, plan, rel_meta = meta
+        rel = None if rel_meta is None else (rel_meta[0], rel_meta[1], pos_w, ts_w, rel_meta[2])
+        o, lse = _forward(q, k, v, bias, q_off, kv_off, nt, spec, t_out, cfg, plan, rel)
         # o only for softmax (delta = rowsum(o * dO)): saving an output costs a detach and its unpacking
-        ctx.save_for_backward(q, k, v, bias, o if spec.act == 0 else None)
+        ctx.save_for_backward(q, k, v, bias, o if spec.act == 0 else None, pos_w, ts_w)
         ctx.lse, ctx.meta = lse, meta
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, bias, o = ctx.saved_tensors
-        q_off, kv_off, nt, spec, _, cfg, plan = ctx.meta
+        q, k, v, bias, o, pos_w, ts_w = ctx.saved_tensors
+        q_off, kv_off, nt, spec, _, cfg, plan, rel_meta = ctx.meta
+        rel = None if rel_meta is None else (rel_meta[0], rel_meta[1], pos_w, ts_w, rel_meta[2])
         want_dbias = bias is not None and ctx.needs_input_grad[3]
-        dq, dk, dv, dbias = _backward(do, q, k, v, o, ctx.lse, bias, q_off, kv_off, nt, spec, want_dbias, cfg, plan)
-        return dq, dk, dv, dbias, None
+        dq, dk, dv, dbias, drel = _backward(do, q, k, v, o, ctx.lse, bias, q_off, kv_off, nt, spec, want_dbias, cfg,
+                                            plan, rel)
+        dpw, dtw = drel if drel is not None else (None, None)
+        return dq, dk, dv, dbias, dpw, dtw, None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1579,7 +1817,8 @@ def gdpa_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: to
                 causal: bool = False, alpha: float | None = None, norm: float | None = None,
                 num_targets: torch.Tensor | None = None, block_size: int = 0, window: int = 0,
                 q_broadcast: bool = False, attn_bias: torch.Tensor | None = None,
-                contextual_len: int = 0, config: KernelConfig | None = None) -> torch.Tensor:
+                contextual_len: int = 0, config: KernelConfig | None = None,
+                rel_bias: RelBias | None = None) -> torch.Tensor:
     """Generalized jagged attention: ``out_i = sum_j f(alpha * q_i.k_j + bias_ij) v_j`` over valid pairs.
 
     Args:
@@ -1605,6 +1844,9 @@ def gdpa_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: to
         contextual_len: > 0 (causal only): the first contextual_len positions of every sequence form a
             bidirectional prefix (they see each other; later positions see them causally anyway).
         config: the kernels' KernelConfig (tiles and launch modes per regime); None = config.DEFAULT.
+        rel_bias: optional :class:`RelBias` (self-attention only, not with attn_bias): the HSTU relative
+            position / time bias computed inside the kernels from per-token times and the bucket weights (no
+            dense [B, n, n] tensor), forward and backward (differentiable in pos_w / ts_w).
     Returns:
         out: [Tq, H, Dv] (q_broadcast: [B*S, H, Dv]) in q's dtype; rows with no valid key are 0.
     Raises:
@@ -1651,12 +1893,14 @@ def gdpa_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: to
                 or not attn_bias.is_floating_point() or attn_bias.device != q.device):
             raise ValueError(f"gdpa: attn_bias must be float [B={bsz}, n1, n2] or [B, H={q.shape[1]}, n1, n2] "
                              f"on {q.device}, got {attn_bias.dtype} {tuple(attn_bias.shape)} on {attn_bias.device}")
+    if rel_bias is not None:
+        _check_rel_bias(rel_bias, q, k, q_offsets, kv_offsets, q_broadcast, attn_bias)
     if _interpreting() and q.dtype == torch.bfloat16:
         # Triton's CPU interpreter computes bf16 tl.dot wrongly (triton-lang/triton#11584): run in float32
         up = gdpa_triton(q.float(), k.float(), v.float(), q_offsets, kv_offsets, max_q_len, max_kv_len,
                          activation=activation, causal=causal, alpha=alpha, norm=norm, num_targets=num_targets,
                          block_size=block_size, window=window, q_broadcast=q_broadcast, attn_bias=attn_bias,
-                         contextual_len=contextual_len, config=cfg)
+                         contextual_len=contextual_len, config=cfg, rel_bias=rel_bias)
         return up.to(torch.bfloat16)
     if alpha is None:  # the reference's convention (gemray.kernels.reference.jagged_attention_ref)
         alpha = 1.0 / math.sqrt(dq) if activation == "softmax" else 1.0
@@ -1665,26 +1909,55 @@ def gdpa_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: to
     if norm is None:
         norm = float(max(max_kv_len, 1))
     inv_n = 1.0 / float(norm)
-    if not plain_eager(q, k, v, attn_bias, q_offsets):
+    rb = rel_bias
+    pos_w = ts_w = None
+    if rb is not None:
+        pos_w, ts_w = rb.pos_w.contiguous(), rb.ts_w.contiguous()
+    if not plain_eager(q, k, v, attn_bias, q_offsets, pos_w):
+        rel_args = () if rb is None else (rb.query_times, rb.key_times, pos_w, ts_w, int(rb.max_len))
         out, _ = gdpa_fwd_op(q, k, v, q_offsets, kv_offsets, num_targets, attn_bias, int(max_q_len),
                              int(max_kv_len), activation, bool(causal), float(alpha), inv_n, int(block_size),
-                             int(window), bool(q_broadcast), int(contextual_len), cfg.name)
+                             int(window), bool(q_broadcast), int(contextual_len), cfg.name, *rel_args)
         return out
     spec = _spec_of(activation, causal, alpha, inv_n, block_size, window, q_broadcast, max_q_len, max_kv_len,
                     contextual_len)
+    rel = None if rb is None else (rb.query_times, rb.key_times, pos_w, ts_w, int(rb.max_len))
     # the launch plan, made (and the batch checked: _check_batch) once per batch and configuration
-    t_out, plan = _plan_of(q, k, v, attn_bias, q_offsets, kv_offsets, num_targets, spec, cfg)
+    t_out, plan = _plan_of(q, k, v, attn_bias, q_offsets, kv_offsets, num_targets, spec, cfg, rel)
     # the non-differentiable arguments travel as one tuple: autograd.Function.apply's cost grows per argument
-    return _GDPA.apply(q, k, v, attn_bias, (q_offsets, kv_offsets, num_targets, spec, t_out, cfg, plan))
+    rel_meta = None if rb is None else (rb.query_times, rb.key_times, int(rb.max_len))
+    return _GDPA.apply(q, k, v, attn_bias, pos_w, ts_w,
+                       (q_offsets, kv_offsets, num_targets, spec, t_out, cfg, plan, rel_meta))
+
+
+def _check_rel_bias(rb: RelBias, q: torch.Tensor, k: torch.Tensor, q_offsets: torch.Tensor,
+                    kv_offsets: torch.Tensor, q_broadcast: bool, attn_bias: torch.Tensor | None) -> None:
+    """ValueError naming the field for a rel_bias gdpa_triton cannot take."""
+    if attn_bias is not None:
+        raise ValueError("gdpa: pass attn_bias or rel_bias, not both")
+    if q_broadcast or q.shape[0] != k.shape[0] or (
+            q_offsets is not kv_offsets and not torch.equal(q_offsets, kv_offsets)):
+        raise ValueError("gdpa: rel_bias needs self-attention (q and k rows share their offsets)")
+    for name, t in (("query_times", rb.query_times), ("key_times", rb.key_times)):
+        if t.dtype != torch.int64 or t.shape != (k.shape[0],) or t.device != q.device or not t.is_contiguous():
+            raise ValueError(f"gdpa: rel_bias.{name} must be contiguous int64 [T={k.shape[0]}] on {q.device}, got "
+                             f"{t.dtype} {tuple(t.shape)} on {t.device}")
+    for name, t in (("pos_w", rb.pos_w), ("ts_w", rb.ts_w)):
+        if t.dim() != 1 or t.numel() < 1 or not t.is_floating_point() or t.device != q.device:
+            raise ValueError(f"gdpa: rel_bias.{name} must be a non-empty 1-D float tensor on {q.device}, got "
+                             f"{t.dtype} {tuple(t.shape)} on {t.device}")
+    if rb.max_len < 1:
+        raise ValueError(f"gdpa: rel_bias.max_len must be >= 1, got {rb.max_len}")
 
 
 def jagged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
                             max_len: int, *, activation: str = "silu", causal: bool = True,
                             attn_bias: torch.Tensor | None = None, alpha: float | None = None,
                             num_targets: torch.Tensor | None = None, contextual_len: int = 0,
-                            config: KernelConfig | None = None) -> torch.Tensor:
+                            config: KernelConfig | None = None, rel_bias: RelBias | None = None) -> torch.Tensor:
     """Jagged self-attention (JFA for softmax, HSTU for silu); signature of ``jagged_attention_ref``
-    plus ``contextual_len`` (bidirectional prefix of that many positions) and ``config`` (see ``gdpa_triton``).
+    plus ``contextual_len`` (bidirectional prefix of that many positions), ``config`` and ``rel_bias`` (the
+    in-kernel relative position / time bias, :class:`RelBias`) (see ``gdpa_triton``).
 
     q: [T, H, Dqk], k: [T, H, Dqk], v: [T, H, Dv]; offsets: [B+1] int64; max_len: host int >= every
     length, also the N of ``silu(alpha*qk + bias)/N``. attn_bias: optional float [B, n', n'] or
@@ -1693,7 +1966,7 @@ def jagged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o
     """
     return gdpa_triton(q, k, v, offsets, offsets, max_len, max_len, activation=activation, causal=causal,
                        alpha=alpha, norm=float(max(max_len, 1)), num_targets=num_targets, attn_bias=attn_bias,
-                       contextual_len=contextual_len, config=config)
+                       contextual_len=contextual_len, config=config, rel_bias=rel_bias)
 
 
 def jagged_cross_attention_triton(q: torch.Tensor, q_offsets: torch.Tensor, k: torch.Tensor,

@@ -86,6 +86,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from gemray.config import DataConfig
+
 from .movielens import _check_replaceable, _file_sha256, _fsync_path
 from .schema import (CANDIDATE_CLICK, CANDIDATE_CONVERT, CANDIDATE_ITEMS, HISTORIES_DIR, ITEMS_FILE,
                      ITEMS_SCHEMA, LABEL_NAMES, MANIFEST_FILE, MANIFEST_VERSION, MIN_HISTORY_FOR_SPLITS,
@@ -93,7 +95,8 @@ from .schema import (CANDIDATE_CLICK, CANDIDATE_CONVERT, CANDIDATE_ITEMS, HISTOR
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SyntheticSpec", "prepare_synthetic", "spec_from_params", "params_sha256", "length_pmf", "parse_features", "format_synthetic_summary",
+__all__ = ["SyntheticSpec", "prepare_synthetic", "spec_from_params", "params_sha256", "ensure_synthetic",
+           "synthetic_mismatch", "length_pmf", "parse_features", "format_synthetic_summary",
            "normalized_entropy", "parse_fractions", "calibrate", "BLOCK_USERS"]
 
 GENERATOR_VERSION = 1
@@ -1025,3 +1028,48 @@ def format_synthetic_summary(manifest: dict[str, Any], out: str | Path | None = 
             + ", ".join(f"{s} {r['requests'][s]}" for s in SPLITS)
             + "; click NE of the true probabilities (the floor) "
             + ", ".join(f"{s} {ne[s]}" for s in SPLITS))
+
+
+# ------------------------------------------------------------------------------------------- from a config
+
+
+def synthetic_mismatch(manifest: dict[str, Any], spec_params: dict[str, Any], prepared_dir: str) -> str | None:
+    """Pure: why the prepared folder of ``manifest`` is not the synthetic data ``spec_params``
+    (``SyntheticSpec.to_dict()``) describes, or None when it is (same generator parameters)."""
+    src = manifest.get("source") or {}
+    if manifest.get("format") != "synthetic":
+        return (f"data.prepared_dir {prepared_dir} holds {manifest.get('format')!r} data, not synthetic data: point "
+                "data.prepared_dir at a new folder (it is generated there) or remove data.synthetic")
+    have = src.get("params") or {}
+    diff = [f"{k}: prepared {have.get(k)!r}, config {spec_params.get(k)!r}"
+            for k in sorted(set(have) | set(spec_params)) if have.get(k) != spec_params.get(k)]
+    if diff:
+        return (f"data.prepared_dir {prepared_dir} holds synthetic data of other parameters than data.synthetic ("
+                + "; ".join(diff) + "): point data.prepared_dir at a new folder or delete it to regenerate")
+    return None
+
+
+def ensure_synthetic(data_cfg: DataConfig) -> dict[str, Any]:
+    """The manifest of the synthetic data ``data_cfg.synthetic`` describes (``gemray train``'s and ``gemray bench
+    train``'s auto-preparation): generated into ``data_cfg.prepared_dir`` first (:func:`prepare_synthetic`,
+    ``data_cfg.num_files`` files, logged with its time) when that folder holds no prepared data; an existing
+    folder must hold data of the same generator parameters. Raises ValueError for bad parameters, a folder of
+    other parameters (naming those that differ) or a damaged folder."""
+    from .movielens import load_manifest
+
+    spec = spec_from_params(data_cfg.synthetic_params())
+    try:
+        manifest = load_manifest(data_cfg.prepared_dir, verify=True)
+    except FileNotFoundError:
+        log.info("prepared data missing at %s: generating synthetic data (data.synthetic: %s)",
+                 data_cfg.prepared_dir, ", ".join(data_cfg.synthetic))
+        t0 = time.perf_counter()
+        prepare_synthetic(data_cfg.prepared_dir, spec, num_files=data_cfg.num_files)
+        manifest = load_manifest(data_cfg.prepared_dir, verify=True)
+        log.info("generated %s in %.1f s", data_cfg.prepared_dir, time.perf_counter() - t0)
+        print(format_synthetic_summary(manifest, data_cfg.prepared_dir))
+        return manifest
+    why = synthetic_mismatch(manifest, spec.to_dict(), data_cfg.prepared_dir)
+    if why:
+        raise ValueError(why)
+    return manifest

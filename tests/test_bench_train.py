@@ -242,12 +242,8 @@ def test_warm_up_runs_interpreted_and_changes_no_weight(synthetic):
         assert all(torch.equal(before[k], local(after[k])) for k in before)
         assert all(p.grad is None for p in tr.dmp.parameters())
         # the check can fail: one real training step moves the embedding rows it looked up
-        from gemray.train.stats import EpochStats
-        from gemray.train.throughput import StepClock
-
         tr.restore(from_ray=False)
-        tr.epoch = tr.consumed = tr.epoch_step = 0
-        tr.stats, tr.clock = EpochStats(), StepClock()
+        tr.begin_epoch(0)
         tr.train_step(first_batch(tr))
         moved = tr.dmp.state_dict()
         assert any(not torch.equal(before[k], local(moved[k])) for k in before if "embeddings" in k)
@@ -297,3 +293,19 @@ def test_train_epoch_logs_tflops_and_reports_local_mfu_fields(synthetic, caplog)
     finally:
         if made:
             dist.destroy_process_group()
+
+
+def test_device_kernels_keep_device_work_only():
+    from types import SimpleNamespace as NS
+
+    from gemray.bench.train import device_kernels
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def ev(name, dev, a, b, **kw):
+        return NS(name=name, device_type=dev, time_range=NS(start=a, end=b), **kw)
+
+    events = [ev("aten::mm", cpu, 0, 10), ev("sm90_xmma_gemm", cuda, 2, 6), ev("ProfilerStep#3", cuda, 0, 50),
+              ev("train_step", cuda, 0, 40, is_user_annotation=True), ev("_gdpa_fwd", cuda, 6, 9),
+              ev("span", cuda, 0, 9, activity_type="gpu_user_annotation")]
+    assert device_kernels(events) == [("sm90_xmma_gemm", 2e-6, 6e-6), ("_gdpa_fwd", 6e-6, 9e-6)]

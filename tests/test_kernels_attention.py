@@ -432,7 +432,7 @@ def test_ds_store_falls_back_where_it_does_not_apply(monkeypatch):
 # -------------------------------------------------------- the model's call: HSTU block through gemray.ops
 # gemray.model.hstu.HSTUBlock calls gemray.ops.attention(q, k, v, offsets, max_len, activation="silu",
 # causal=True, rel_bias=RelativeBiasInputs(...)) with H=2, Dqk=Dv=25 (not a power of two), max_len 200;
-# the Triton backend gets attn_bias = rel_bias.dense(offsets, longest) [B, n, n]. The reference backend
+# the Triton backend computes the bias in the kernels from the ingredients (RelBias). The reference backend
 # (grouped reference with the bias ingredients) is the spec; gradients include the two bias weight vectors.
 MODEL_H, MODEL_D, MODEL_MAX_LEN = 2, 25, 200
 

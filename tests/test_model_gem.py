@@ -210,3 +210,17 @@ def test_ranking_evaluator_scores_each_task_on_its_population():
         assert out[f"cvr_{k}"] == pytest.approx(v, nan_ok=True)
     assert out["ctr_num_examples"] == 20 and out["cvr_num_examples"] == float(
         sum(b.labels[:, 0].sum() for b in batches[:2]))
+
+
+def test_empty_batch_with_every_feature_keeps_every_parameter_in_the_graph():
+    """Trailing B=0 batches of a rank still run forward / backward (collective discipline)."""
+    torch.manual_seed(0)
+    model = _model(_cfg())
+    loss, _ = model(_gem_batch([], []))
+    loss.backward()
+    assert float(loss.detach()) == 0.0 and all(p.grad is not None for p in model.parameters())
+    with torch.no_grad():
+        model.eval()
+        assert model.ranking_logits(_gem_batch([], [])).shape == (0, 2)
+        assert model.user_embeddings(_gem_batch([], [])).shape == (0, 8)
+        assert model.ranking_logits(_gem_batch([3, 0], [0, 2])).shape == (2, 2)  # a request without history

@@ -306,17 +306,28 @@ def test_backend_choice_is_logged_once(caplog):
     assert lines == ["gemray.ops.attention: reference backend on cpu (auto: tensors on cpu)"]
 
 
-def test_triton_bias_is_the_dense_relative_bias():
-    """The Triton path's dense bias (ops._triton_bias): [B, n, n] with n the precomputed buckets' size when given
-    (no host sync), else the longest sequence; its values are relative_bias_ref's, differentiable in the weights."""
+def test_dense_relative_bias_and_the_triton_ingredients():
+    """RelativeBiasInputs.dense: [B, n, n] equal to relative_bias_ref, from precomputed buckets of a wider n too,
+    differentiable in the weights. The Triton path takes no dense bias: ops._triton_rel_bias hands the kernels the
+    ingredients (query times = query_timestamps, else the keys' own timestamps; int64, contiguous; the weights
+    themselves, so their gradients flow)."""
     _, _, _, offsets, g = make_batch([3, 0, 4])
     ts = torch.tensor([5, 9, 900, 1, 2, 3000, 3001])
     pw = torch.randn(6, generator=g, dtype=torch.float64, requires_grad=True)
     tw = torch.randn(16, generator=g, dtype=torch.float64, requires_grad=True)
-    plain = ops._triton_bias(ops.RelativeBiasInputs(ts, pw, tw, 4), offsets)
+    plain = ops.RelativeBiasInputs(ts, pw, tw, 4).dense(offsets, 4)
     torch.testing.assert_close(plain, relative_bias_ref(ts, offsets, 4, pw, tw, 4))
     bk = ops.relative_bias_buckets(ts, offsets, 6, 6, 16, 4)  # buckets for n = 6 > the longest (4)
-    wide = ops._triton_bias(ops.RelativeBiasInputs(ts, pw, tw, 4, bk), offsets)
+    wide = ops.RelativeBiasInputs(ts, pw, tw, 4, bk).dense(offsets, 6)
     assert wide.shape == (3, 6, 6)
     torch.testing.assert_close(wide[:, :4, :4], plain)
     assert torch.autograd.grad(wide.sum(), tw)[0].abs().sum() > 0
+    mod, err = ops._triton_module()
+    if mod is None:
+        pytest.skip(err)
+    rb = ops._triton_rel_bias(mod, ops.RelativeBiasInputs(ts.int(), pw, tw, 4))
+    assert torch.equal(rb.query_times, ts) and torch.equal(rb.key_times, ts) and rb.key_times.dtype == torch.int64
+    assert rb.pos_w is pw and rb.ts_w is tw and rb.max_len == 4
+    tq = ts + 7
+    rb = ops._triton_rel_bias(mod, ops.RelativeBiasInputs(ts, pw, tw, 4, bk, query_timestamps=tq))
+    assert torch.equal(rb.query_times, tq) and torch.equal(rb.key_times, ts)

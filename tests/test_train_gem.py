@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from gemray.config import load_config
-from gemray.controller.run import ensure_synthetic, synthetic_mismatch
+from gemray.pipelines.synthetic import ensure_synthetic, synthetic_mismatch
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "gem-tiny.toml"
@@ -24,20 +24,20 @@ def _tiny_overrides(tmp: Path, *extra: str) -> list[str]:
 
 def test_auto_prepare_generates_then_refuses_other_parameters(tmp_path, caplog):
     cfg = load_config(TINY, overrides=[f"data.prepared_dir={tmp_path / 'data'}"])
-    with caplog.at_level("INFO", logger="gemray.controller.run"):
-        manifest = ensure_synthetic(cfg)
+    with caplog.at_level("INFO", logger="gemray.pipelines.synthetic"):
+        manifest = ensure_synthetic(cfg.data)
     assert "generating synthetic data" in caplog.text and "generated" in caplog.text
     assert manifest["format"] == "synthetic" and manifest["counts"]["users"] == 320
     assert (tmp_path / "data" / "manifest.json").is_file()
-    again = ensure_synthetic(cfg)  # prepared and matching: used as is, not regenerated
+    again = ensure_synthetic(cfg.data)  # prepared and matching: used as is, not regenerated
     assert again["source"]["params_sha256"] == manifest["source"]["params_sha256"]
     other = load_config(TINY, overrides=[f"data.prepared_dir={tmp_path / 'data'}",
                                          "data.synthetic=[users=320,items=400,seed=1]"])
     with pytest.raises(ValueError, match=r"other parameters than data.synthetic \(.*seed: prepared 0, config 1"):
-        ensure_synthetic(other)
+        ensure_synthetic(other.data)
     with pytest.raises(ValueError, match="unknown parameter 'colour'"):
         ensure_synthetic(load_config(TINY, overrides=[f"data.prepared_dir={tmp_path / 'x'}",
-                                                      "data.synthetic=[users=3,items=4,colour=red]"]))
+                                                      "data.synthetic=[users=3,items=4,colour=red]"]).data)
     assert "not synthetic data" in synthetic_mismatch({"format": "ml-1m"}, {}, "d")
     with pytest.raises(ValueError, match="data.synthetic: 'users=U' and 'items=N' are required"):
         load_config(TINY, overrides=["data.synthetic=[seed=1]"])

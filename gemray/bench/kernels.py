@@ -12,7 +12,9 @@ Variants per batch: ours ``jfa`` (softmax) and ``gdpa_silu`` (HSTU silu(alpha qk
 [B, H, n, D], is_causal), ``silu_padded`` (PyTorch matmul/silu/mask/matmul on padded tensors) and
 ``flex`` (FlexAttention, document + causal block mask over the packed batch, torch.compile).
 Then cross-attention (64 candidates per user against the heavy history) and PMA (8 seeds) against
-padded SDPA with a key-padding mask, block attention (block 64) at N=4096 vs N=16384, and the fused
+padded SDPA with a key-padding mask, block attention (block 64) at N=4096 vs N=16384, HSTU attention with the
+relative position / time bias at GEM scale (B=32, N=4096, H=4, D=256: the in-kernel bias vs the former dense
+[B, n, n] bias path, ``relbias``), and the fused
 norm+FP8 quantize benchmark of gemray.kernels.norm_quant when it is importable.
 
 Correctness: for every kernel and batch, the rows of a subset of sequences (the 6 longest, 6 random,
@@ -657,6 +659,98 @@ def bench_block(rec: Recorder, config: KernelConfig = DEFAULT) -> None:
                 traceback.print_exc()
 
 
+REL_BIAS_SHAPE = dict(b=32, n=4096, h=4, d=256, n_pos=128, n_time=128)  # GEM scale (NVIDIA's HSTU recipe)
+
+
+def rel_bias_inputs(kind: str, b: int, n: int, h: int, d: int, n_pos: int, n_time: int, seed: int = 0):
+    """A bench batch with the HSTU relative bias ingredients: (lengths, offsets, q, k, v [T, H, D] bf16, timestamps
+    [T] int64 (1 s .. ~100 days apart), next-item query times [T] int64, pos_w [P], ts_w [NT] fp32), grads on."""
+    from gemray.jagged import query_timestamps
+
+    lengths = make_lengths(kind, b, n, seed)
+    off = offsets_of(lengths)
+    t = int(off[-1])
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(t, h, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
+               for _ in range(3))
+    gaps = torch.exp(torch.rand(t, device="cuda", generator=g) * 16).long()
+    ts = 1_700_000_000 + torch.cumsum(gaps, 0)
+    tq = query_timestamps(ts, off)
+    pos_w = (torch.randn(n_pos, device="cuda", generator=g) * 0.1).requires_grad_(True)
+    ts_w = (torch.randn(n_time, device="cuda", generator=g) * 0.1).requires_grad_(True)
+    return lengths, off, q, k, v, ts, tq, pos_w, ts_w
+
+
+def _peak_mib(fn, inputs) -> float:
+    """Peak CUDA memory (MiB) above the inputs during one fwd+bwd of fn(*inputs)."""
+    out = fn(*inputs)
+    do = torch.randn_like(out)
+    del out
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn(*inputs).backward(do)
+    torch.cuda.synchronize()
+    for x in inputs:
+        x.grad = None
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def bench_rel_bias(rec: Recorder, config: KernelConfig = DEFAULT, shape: dict | None = None) -> None:
+    """HSTU attention with the relative position / time bias at GEM scale (B=32, max 4096, H=4, D=256; uniform
+    and heavy-tailed lengths; silu and softmax): ``inkernel`` (gemray.ops.attention's Triton path: the kernels
+    bucketise per tile, issue 17) vs ``dense`` (the former path: rel_bias.dense(offsets, n) [B, n, n] fp32 built
+    per call, fed as attn_bias) vs ``nobias``. fwd / fwd+bwd ms, useful TFLOP/s (causal pairs), peak MiB of a
+    fwd+bwd, and the in-kernel path's errors against the dense one (forward, dq, d pos_w, d ts_w)."""
+    from gemray import ops
+    from gemray.kernels.jagged_attention import jagged_attention_triton
+
+    sh = dict(REL_BIAS_SHAPE, **(shape or {}))
+    b, n, h, d = sh["b"], sh["n"], sh["h"], sh["d"]
+    for kind in ("heavy", "uniform"):
+        lengths, off, q, k, v, ts, tq, pos_w, ts_w = rel_bias_inputs(kind, b, n, h, d, sh["n_pos"], sh["n_time"])
+        useful = causal_flops_fwd(lengths, h, d)
+        tag = f"{kind} B={b} N={n} H={h} D={d}"
+        for act in ("silu", "softmax"):
+            def inkernel(a, bb, c, pw, tw, act=act):
+                rel = ops.RelativeBiasInputs(ts, pw, tw, n, query_timestamps=tq)
+                return ops.attention(a, bb, c, off, n, activation=act, rel_bias=rel, backend="triton", config=config)
+
+            def dense(a, bb, c, pw, tw, act=act):
+                rel = ops.RelativeBiasInputs(ts, pw, tw, n, query_timestamps=tq)
+                bias = rel.dense(off, max(lengths))
+                return jagged_attention_triton(a, bb, c, off, n, activation=act, attn_bias=bias, config=config)
+
+            def nobias(a, bb, c, pw, tw, act=act):
+                return jagged_attention_triton(a, bb, c, off, n, activation=act, config=config)
+
+            inputs = (q, k, v, pos_w, ts_w)
+            errs: dict = {}
+            try:  # the in-kernel path against the dense one (the dense path is checked against the reference)
+                outs = []
+                for fn in (inkernel, dense):
+                    o = fn(*inputs)
+                    gd = torch.autograd.grad(o, (q, pos_w, ts_w), torch.ones_like(o) * 1e-2)
+                    outs.append((o, *gd))
+                errs = {f"err_{nm}": _rel(a, bb) for nm, a, bb in zip(("fwd", "dq", "dpos_w", "dts_w"), *outs)}
+                del outs
+            except Exception as e:
+                errs = {"check_error": repr(e)[:300]}
+                traceback.print_exc()
+            for name, fn in (("inkernel", inkernel), ("dense", dense), ("nobias", nobias)):
+                variant = f"relbias_{name}_{act}"
+                try:
+                    t_f, t_fb = _time_fwd_bwd(fn, inputs)
+                    peak = _peak_mib(fn, inputs)
+                    rec.add(section="relbias", batch=tag, variant=variant, n=n, ms_fwd=t_f, ms_fwd_bwd=t_fb,
+                            tflops_fwd=useful / t_f / 1e9, tflops_fwd_bwd=3.5 * useful / t_fb / 1e9,
+                            peak_mib_fwd_bwd=peak, **(errs if name == "inkernel" else {}))
+                except Exception as e:
+                    rec.add(section="relbias", batch=tag, variant=variant, error=repr(e)[:300])
+                    traceback.print_exc()
+                torch.cuda.empty_cache()
+
+
 def bench_norm(rec: Recorder) -> None:
     try:
         from gemray.bench.norm_quant import bench_norm_quant
@@ -1110,7 +1204,7 @@ def print_table(rows: list[dict]) -> None:
         if r.get("section") in ("norm_quant", "sweep", "env", "tiles", "done"):
             continue
         errs = "/".join(f"{r[k]:.1e}" for k in ("err_fwd", "err_dq", "err_dk", "err_dv", "err_dseeds",
-                                                 "rel_diff") if k in r)
+                                                 "err_dpos_w", "err_dts_w", "rel_diff") if k in r)
         if "error" in r:
             errs = "ERROR " + r["error"][:60]
 
@@ -1128,7 +1222,8 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``gemray bench kernels``; returns a process exit code (0 ok, 2 no CUDA)."""
     p = argparse.ArgumentParser(prog="gemray bench kernels", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT", "runs/bench"), help="output folder")
-    p.add_argument("--skip", default="", help="comma list of: self,cross,block,norm,flex,varlen,sdpa,silu_padded")
+    p.add_argument("--skip", default="",
+                   help="comma list of: self,cross,block,relbias,norm,flex,varlen,sdpa,silu_padded")
     p.add_argument("--quick", action="store_true", help="only the two N=1024 batches")
     p.add_argument("--sweep", action="store_true", help="sweep tile configs first and use the best")
     p.add_argument("--time-limit", type=float, default=0.0,
@@ -1197,6 +1292,8 @@ def main(argv: list[str] | None = None) -> int:
         bench_cross_pma(rec, skip, config)
     if section("block", 15):
         bench_block(rec, config)
+    if section("relbias", 30):
+        bench_rel_bias(rec, config)
     if section("norm", 15):
         bench_norm(rec)
     if "self" not in skip and section("flex", 30):

@@ -321,8 +321,6 @@ def run_bench(cfg: JobConfig, *, steps: int, warmup: int, profile: bool = False,
     ones. Returns the module docstring's dict. Raises ValueError for steps < 1 or warmup < 0, RuntimeError
     when the config wants a GPU that is not here."""
     from gemray.train.warmup import warm_up_attention
-    from gemray.train.stats import EpochStats
-    from gemray.train.throughput import StepClock
     from gemray.train.trainer import Trainer
 
     if steps < 1 or warmup < 0 or profile_steps < 1:
@@ -346,10 +344,7 @@ def run_bench(cfg: JobConfig, *, steps: int, warmup: int, profile: bool = False,
             compile_info = (warm_up_attention(cfg, device, trainer.dmp.module, first_batch(trainer))
                             if warm_up_kernels else
                             {"ran": False, "why": "disabled", "regimes": [], "seconds": 0.0})
-        trainer.epoch, trainer.consumed, trainer.epoch_step = 0, 0, 0
-        trainer.stats = EpochStats()
-        trainer.clock = StepClock()
-        trainer.dmp.train()
+        trainer.begin_epoch(0)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         batches = _Batches(trainer)
@@ -360,7 +355,7 @@ def run_bench(cfg: JobConfig, *, steps: int, warmup: int, profile: bool = False,
         out: dict[str, Any] = {
             "config": cfg.name, "device": trainer.device_name, "world_size": 1,
             "attention_backend": cfg.model.attention_backend,
-            "precision": getattr(cfg.train, "precision", "fp32"),
+            "precision": cfg.train.precision,
             "batch_size": cfg.data.batch_size, "max_seq_len": cfg.data.max_seq_len,
             "model": {"num_blocks": cfg.model.num_blocks, "width": cfg.model.width, "num_heads": cfg.model.num_heads,
                       "attention_dim": cfg.model.attention_dim, "linear_dim": cfg.model.linear_dim,

@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 
 #: Model fields that fix parameter shapes: a checkpoint made with other values cannot be restored.
 SHAPE_FIELDS = ("embedding_dim", "num_blocks", "num_heads", "attention_dim", "linear_dim", "use_rating_feature",
-                "use_time_feature", "num_time_buckets", "num_position_buckets")
+                "use_time_feature", "num_time_buckets", "num_position_buckets", "model_dim", "token_features",
+                "candidate_features", "context_features", "combiner", "tasks", "pma_seeds", "mlp_dims", "table_rows")
 
 
 def preflight_resources(cfg: JobConfig, *, embedded: bool, num_gpus: int | None = None) -> None:

@@ -137,7 +137,9 @@ def _ensure_prepared(cfg: JobConfig) -> dict[str, Any]:
     from gemray.pipelines.movielens import format_summary, load_manifest, prepare_movielens
 
     if cfg.data.synthetic:
-        return ensure_synthetic(cfg)
+        from gemray.pipelines.synthetic import ensure_synthetic
+
+        return ensure_synthetic(cfg.data)
     try:
         manifest = load_manifest(cfg.data.prepared_dir, verify=True)  # a damaged folder: refused before Ray starts
         if any("sha256" not in f for f in manifest["files"]):
@@ -154,49 +156,6 @@ def _ensure_prepared(cfg: JobConfig) -> dict[str, Any]:
                                      num_files=cfg.data.num_files)
         print(format_summary(manifest, cfg.data.prepared_dir))
         return manifest
-
-
-def synthetic_mismatch(manifest: dict[str, Any], spec_params: dict[str, Any], prepared_dir: str) -> str | None:
-    """Pure: why the prepared folder of ``manifest`` is not the synthetic data ``spec_params``
-    (``SyntheticSpec.to_dict()``) describes, or None when it is (same generator parameters)."""
-    src = manifest.get("source") or {}
-    if manifest.get("format") != "synthetic":
-        return (f"data.prepared_dir {prepared_dir} holds {manifest.get('format')!r} data, not synthetic data: point "
-                "data.prepared_dir at a new folder (it is generated there) or remove data.synthetic")
-    have = src.get("params") or {}
-    diff = [f"{k}: prepared {have.get(k)!r}, config {spec_params.get(k)!r}"
-            for k in sorted(set(have) | set(spec_params)) if have.get(k) != spec_params.get(k)]
-    if diff:
-        return (f"data.prepared_dir {prepared_dir} holds synthetic data of other parameters than data.synthetic ("
-                + "; ".join(diff) + "): point data.prepared_dir at a new folder or delete it to regenerate")
-    return None
-
-
-def ensure_synthetic(cfg: JobConfig) -> dict[str, Any]:
-    """The manifest of the synthetic data ``cfg.data.synthetic`` describes: generated into
-    ``data.prepared_dir`` first (``gemray.pipelines.synthetic.prepare_synthetic``, ``data.num_files`` files,
-    logged with its time) when that folder holds no prepared data; an existing folder must hold data of the same
-    generator parameters. Raises ValueError for bad parameters or a mismatching folder (naming the parameters
-    that differ), and for a damaged one."""
-    from gemray.pipelines.movielens import load_manifest
-    from gemray.pipelines.synthetic import format_synthetic_summary, prepare_synthetic, spec_from_params
-
-    spec = spec_from_params(cfg.data.synthetic_params())
-    try:
-        manifest = load_manifest(cfg.data.prepared_dir, verify=True)
-    except FileNotFoundError:
-        log.info("prepared data missing at %s: generating synthetic data (data.synthetic: %s)",
-                 cfg.data.prepared_dir, ", ".join(cfg.data.synthetic))
-        t0 = time.perf_counter()
-        prepare_synthetic(cfg.data.prepared_dir, spec, num_files=cfg.data.num_files)
-        manifest = load_manifest(cfg.data.prepared_dir, verify=True)
-        log.info("generated %s in %.1f s", cfg.data.prepared_dir, time.perf_counter() - t0)
-        print(format_synthetic_summary(manifest, cfg.data.prepared_dir))
-        return manifest
-    why = synthetic_mismatch(manifest, spec.to_dict(), cfg.data.prepared_dir)
-    if why:
-        raise ValueError(why)
-    return manifest
 
 
 def _previous_config(out: Path) -> JobConfig | None:

@@ -251,9 +251,9 @@ def run_task(cfg: JobConfig, task: str) -> dict[str, Any]:
         from gemray.pipelines.movielens import prepare_movielens
 
         if cfg.data.synthetic:  # generated (or checked against data.synthetic when already there)
-            from gemray.controller.run import ensure_synthetic
+            from gemray.pipelines.synthetic import ensure_synthetic
 
-            manifest = ensure_synthetic(cfg)
+            manifest = ensure_synthetic(cfg.data)
         else:
             manifest = prepare_movielens(cfg.data.raw_dir, cfg.data.prepared_dir,
                                          on_bad_rows=cfg.data.on_bad_rows, num_files=cfg.data.num_files)

@@ -93,6 +93,7 @@ class HSTUBlock(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
         self.rel_bias = RelativeBucketedBias(cfg.num_position_buckets, cfg.num_time_buckets, max_seq_len,
                                              device=device)
+        self.fp8 = None  # gemray.model.fp8.Fp8Settings once convert_to_fp8 converted this block
         self.reset_parameters()
 
     @torch.no_grad()
@@ -113,19 +114,53 @@ class HSTUBlock(nn.Module):
         """x [T, D] float, offsets [B+1] int64, timestamps [T] int64 -> [T, D].
 
         buckets / cache: optional ``ops.relative_bias_buckets`` of this batch and a dict, both shared by
-        the blocks of one forward (bucketise and slice once). query_timestamps: optional [T] int64 query
-        times of the time bias (default ``timestamps``; ignored when ``buckets`` are given).
+        the blocks of one forward (bucketise and slice once; the reference backend's). query_timestamps:
+        optional [T] int64 query times of the time bias (default ``timestamps``; the reference ignores them when
+        ``buckets`` are given, which must then have been made from them; the Triton kernels use them).
         """
         T = x.shape[0]
-        x_norm = F.layer_norm(x, (self.d,), eps=LN_EPS)
-        uvqk = F.silu(torch.addmm(self.uvqk_bias, x_norm, self.uvqk_weight))
+        if self.fp8 is None:
+            x_norm = F.layer_norm(x, (self.d,), eps=LN_EPS)
+            uvqk = F.silu(torch.addmm(self.uvqk_bias, x_norm, self.uvqk_weight))
+        else:
+            uvqk = F.silu(self._fp8_uvqk(x))
         u, v, q, k = torch.split(uvqk, [self.h * self.v, self.h * self.v, self.h * self.a, self.h * self.a], 1)
         attn = ops.attention(
             q.reshape(T, self.h, self.a), k.reshape(T, self.h, self.a), v.reshape(T, self.h, self.v),
             offsets, self.max_seq_len, activation=self.activation, causal=True,
             rel_bias=self.rel_bias.inputs(timestamps, buckets, cache, query_timestamps), backend=self.backend)
         y = F.layer_norm(attn.reshape(T, self.h * self.v), (self.h * self.v,), eps=LN_EPS) * u
+        if self.fp8 is not None:
+            from gemray.model.fp8 import fp8_linear
+
+            return x + fp8_linear(self.dropout(y), self.o_weight, self.o_bias, self._fp8_for("o"))
         return x + F.linear(self.dropout(y), self.o_weight, self.o_bias)
+
+    def _fp8_uvqk(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, D] -> x_norm @ W_uvqk + b_uvqk [T, width] in FP8: the LayerNorm emits its output as e4m3 with
+        one scale per row (``norm_quant(block_size=D)``: the fused Triton kernel on CUDA, the reference
+        elsewhere) straight into the rowwise FP8 GEMM (``gemray.model.fp8``). A D that is not a power of two
+        (the kernel's block must be) falls back to LayerNorm + a separate quantization."""
+        from gemray.kernels.reference import norm_quant_ref
+        from gemray.model.fp8 import fp8_linear
+
+        w = self.uvqk_weight.t()  # [width, D]: the [N, K] layout fp8_linear takes (a view, no copy)
+        if self.d & (self.d - 1):
+            x_norm = F.layer_norm(x, (self.d,), eps=LN_EPS)
+            return fp8_linear(x_norm, w, self.uvqk_bias, self._fp8_for("uvqk"))
+        if x.is_cuda:
+            from gemray.kernels.norm_quant import norm_quant
+
+            x_norm, x_q, x_s = norm_quant(x, None, None, kind="layer", eps=LN_EPS, block_size=self.d)
+        else:
+            x_norm, x_q, x_s = norm_quant_ref(x, None, None, kind="layer", eps=LN_EPS, block_size=self.d)
+        return fp8_linear(x_norm, w, self.uvqk_bias, self._fp8_for("uvqk"), x_fp8=x_q, x_scale=x_s)
+
+    def _fp8_for(self, gemm: str):
+        """This block's FP8 settings named ``<block>.<gemm>`` (the numerics counters' key)."""
+        import dataclasses
+
+        return dataclasses.replace(self.fp8, name=f"{self.fp8.name}.{gemm}" if self.fp8.name else "")
 
 
 class HSTUEncoder(nn.Module):
@@ -180,9 +215,13 @@ class HSTUEncoder(nn.Module):
         pos = positions(offsets)
         x = tok_emb * math.sqrt(self.d) + self.pos_emb[pos]
         x = self.input_dropout(x)
-        buckets = ops.relative_bias_buckets(timestamps, offsets, n, self.cfg.num_position_buckets,
-                                            self.cfg.num_time_buckets, self.max_seq_len, query_timestamps)
+        # the reference bucketises once per forward ([B, n, n] indices shared by the blocks); the Triton kernels
+        # bucketise per tile from the timestamps themselves (no [B, n, n] tensor)
+        buckets = None
+        if ops.resolve_backend(self.cfg.attention_backend, x.device) is ops.AttentionBackend.REFERENCE:
+            buckets = ops.relative_bias_buckets(timestamps, offsets, n, self.cfg.num_position_buckets,
+                                                self.cfg.num_time_buckets, self.max_seq_len, query_timestamps)
         cache: dict = {}
         for block in self.blocks:
-            x = block(x, offsets, timestamps, buckets, cache)
+            x = block(x, offsets, timestamps, buckets, cache, query_timestamps)
         return F.normalize(x, dim=-1, eps=1e-6)

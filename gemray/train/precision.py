@@ -10,7 +10,8 @@ copies per op; no GradScaler is needed for bf16), the embedding tables stay as T
 (their lookups are not autocast ops) and the losses reduce in float32 (autocast's fp32 ops: log_softmax,
 logsumexp, BCE-with-logits, layer_norm). The backward runs outside the context, as autocast requires.
 
-A new mode (e.g. "fp8") is one more branch of :func:`autocast` and one more entry of
+"fp8": bf16 autocast as well; its FP8 GEMMs are the modules ``gemray.model.fp8.convert_to_fp8`` swapped in
+before parallelize. A new mode is one more branch of :func:`autocast` and one more entry of
 ``gemray.config.TrainConfig.PRECISIONS`` (what the config accepts).
 """
 
@@ -34,6 +35,6 @@ def autocast(precision: str, device: torch.device | str) -> ContextManager:
     dev = torch.device(device)
     if precision == "fp32":
         return contextlib.nullcontext()
-    if precision == "bf16":
+    if precision in ("bf16", "fp8"):  # fp8: its GEMMs are the converted modules' (gemray.model.fp8)
         return torch.autocast(device_type=dev.type, dtype=torch.bfloat16)
     raise ValueError(f"train.precision: expected one of {PRECISIONS}, got {precision!r}")

@@ -21,9 +21,11 @@ all-reduced over ranks.
 Reported metrics per epoch (rank 0's dict is attached to the checkpoint): ``epoch`` (the epoch just
 completed, 1-based, = completed epochs), ``global_step``, ``train_loss``, ``samples_per_s`` /
 ``tokens_per_s`` (global, training steps only), ``model_tflops_per_s``, ``local_mfu`` (with the sums behind it,
-``mfu_flops`` / ``mfu_rank_s``, and the device's ``peak_flops``: gemray.train.throughput), ``token_imbalance`` (mean over steps of max/mean tokens
-across ranks, measured by all-gathering per-step counts), ``train_s``, ``valid_hr@K`` / ``valid_ndcg@K`` on
-eval epochs, ``epoch_s``; the last epoch's report also carries ``test_hr@K`` / ``test_ndcg@K``, ``final``,
+``mfu_flops`` / ``mfu_rank_s``, and the device's ``peak_flops``: gemray.train.throughput), ``token_imbalance`` (mean
+over steps of max/mean tokens across ranks, measured by all-gathering per-step counts), ``train_s``,
+``train_loss_<task>`` (several ``model.tasks``: each task's mean loss), ``valid_hr@K`` / ``valid_ndcg@K``
+(retrieval) and ``valid_<task>_ne`` / ``_auc`` ... (ranking tasks, ``RankingEvaluator``) on eval epochs,
+``epoch_s``; the last epoch's report also carries ``test_hr@K`` / ``test_ndcg@K``, ``final``,
 ``world_size`` and ``history`` (the per-epoch dicts, restored across restarts). Ray Train V2's
 ``Result.metrics`` is the dict reported with the latest checkpoint, so the last epoch always checkpoints. A
 checkpoint inside an epoch reports ``epoch`` (the one in progress, as the log lines number it),
@@ -36,6 +38,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -44,7 +47,9 @@ import torch.distributed as dist
 from gemray.checkpoint import data_record, report_with_checkpoint, restore_from_ray
 from gemray.config import JobConfig, from_dict
 from gemray.events import epoch_fields
+from gemray.model.fp8 import collect_fp8_stats, log_fp8_stats, pop_fp8_stats
 from gemray.parallel import build_optimizer, parallelize, plan_layout
+from gemray.parallel.activation_checkpoint import ActivationCheckpointer
 from gemray.preemption import read_notice
 from gemray.train.checkpoint_policy import CheckpointPolicy
 from gemray.train.evaluation import RankingEvaluator, RetrievalEvaluator
@@ -85,7 +90,8 @@ def forward_backward_step(model: torch.nn.Module, optimizer: Any, batch: Any, de
     model(batch) must return (loss scalar, stats dict with "num_targets"); ``stats_out``, when given, is
     updated with that dict (e.g. the per-task "loss_<task>" / "count_<task>"). Raises FloatingPointError,
     before any weight moves, when the loss is NaN or infinite (a diverged run must fail, not go on to
-    report metrics of NaN scores).
+    report metrics of NaN scores). precision "bf16" / "fp8": the forward under bf16 autocast (fp8's GEMMs are
+    the converted modules', ``gemray.model.fp8``).
     """
     batch = batch.to(device)
     with autocast(precision, device):
@@ -148,6 +154,7 @@ class Trainer:
         self.cfg = cfg
         self.t_start = time.time() if t_start is None else t_start
         self.stopped = False
+        self.task_losses: TaskLosses | None = None  # per-task loss sums of the epoch (several tasks only)
 
     # -- setup: who am I, where do I run, what data ------------------------------------------------------
     def setup(self, context: tuple[int, int, torch.device] | None = None) -> None:
@@ -214,7 +221,13 @@ class Trainer:
 
         cfg = self.cfg
         model = GEM(cfg.model, self.num_items, "meta", max_seq_len=cfg.data.max_seq_len, **self.model_data)
+        if cfg.train.precision == "fp8":  # a model converter, before parallelize (torchtitan's order)
+            from gemray.model.fp8 import convert_to_fp8
+
+            convert_to_fp8(model, cfg.train.fp8_grad, min_dim=cfg.train.fp8_min_dim)
         self.dmp = parallelize(model, layout=self.layout, cfg=cfg, device=self.device)
+        self.checkpointer = ActivationCheckpointer.from_config(cfg.train)
+        self.checkpointer.setup(self.dmp)
         self.optimizer = build_optimizer(self.dmp, cfg)
         self.evaluators: list[Any] = []
         if "retrieval" in cfg.model.tasks:
@@ -275,18 +288,13 @@ class Trainer:
         (global, identical on every rank), or None when a preemption notice stopped the attempt (its
         emergency checkpoint reported; ``stopped`` is then True)."""
         cfg = self.cfg
-        self._epoch_t0 = time.perf_counter()
         pos = self._resume if epoch == self.start_epoch else {"consumed": 0, "epoch_step": 0, "partial": None}
-        self.epoch, self.consumed, self.epoch_step = epoch, int(pos["consumed"]), int(pos["epoch_step"])
-        self.stats = EpochStats(pos["partial"])
-        self.task_losses = TaskLosses(cfg.model.tasks) if len(cfg.model.tasks) > 1 else None
+        self.begin_epoch(epoch, pos)
         steps = self.train_stream.num_steps(self.consumed)
         if cfg.train.max_steps_per_epoch:
             steps = min(steps, max(0, cfg.train.max_steps_per_epoch - self.epoch_step))
-        self.dmp.train()
         meter = ThroughputMeter(self.peak_flops)
         batches = self.train_stream.iter_epoch(epoch, self.consumed)
-        self.clock = StepClock()
         epoch_steps, t_loop = self.epoch_step + steps, time.perf_counter()
         for i in range(steps):
             batch, self.consumed = next(batches)
@@ -316,6 +324,19 @@ class Trainer:
             out.update(self.task_losses.reduce(self.device))
         return out
 
+    def begin_epoch(self, epoch: int, pos: dict[str, Any] | None = None) -> None:
+        """The state :meth:`train_step` works on, for 0-based ``epoch`` from position ``pos`` ({"consumed",
+        "epoch_step", "partial"}; None = the epoch's start): position counters, fresh epoch statistics (the
+        saved partial ones on resume), per-task losses, the step clock; the model in training mode. Called by
+        :meth:`train_epoch` and by callers that drive the steps themselves (``gemray bench train``)."""
+        pos = pos or {"consumed": 0, "epoch_step": 0, "partial": None}
+        self._epoch_t0 = time.perf_counter()
+        self.epoch, self.consumed, self.epoch_step = epoch, int(pos["consumed"]), int(pos["epoch_step"])
+        self.stats = EpochStats(pos.get("partial"))
+        self.task_losses = TaskLosses(self.cfg.model.tasks) if len(self.cfg.model.tasks) > 1 else None
+        self.dmp.train()
+        self.clock = StepClock()
+
     def train_step(self, batch: Any) -> float:
         """One global step of this rank: dropout and negative sampling seeded from (seed, global step, rank),
         forward / backward / optimizer step, then the bookkeeping (statistics with the step's model FLOPs
@@ -326,14 +347,20 @@ class Trainer:
         self.last_step_flops = batch_flops(self.cfg.model, batch)  # host arithmetic on the offsets
         torch.manual_seed(step_seed(seed, self.global_step, self.rank))  # dropout
         self.dmp.module.seed_sampling(step_seed(seed + 1, self.global_step, self.rank))  # negatives
+        tc = self.cfg.train
+        fp8_stats = tc.precision == "fp8" and tc.fp8_stats and self.epoch_step % tc.log_every == 0
         step_stats: dict = {}
-        loss, n_t = forward_backward_step(self.dmp, self.optimizer, batch, self.device,
-                                          precision=self.cfg.train.precision, stats_out=step_stats)
+        with self.checkpointer.step(self.dmp, self.device), (collect_fp8_stats() if fp8_stats else nullcontext()):
+            loss, n_t = forward_backward_step(self.dmp, self.optimizer, batch, self.device,
+                                              precision=tc.precision, stats_out=step_stats)
+        self.checkpointer.after_step()
+        if fp8_stats and self.rank == 0:
+            log_fp8_stats(pop_fp8_stats())
         if self.task_losses is not None:
             self.task_losses.add(step_stats)
         self.last_step_s = self.clock.lap()
         self.attempt_steps += 1
-        measured = self.attempt_steps > self.cfg.train.mfu_warmup_steps
+        measured = self.attempt_steps > tc.mfu_warmup_steps
         self.stats.add(loss, n_t, batch.num_tokens, batch.batch_size, self.last_step_flops,
                        self.last_step_s if measured else None)
         self.global_step += 1

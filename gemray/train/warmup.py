@@ -152,7 +152,8 @@ def warm_up_attention(cfg: JobConfig, device: torch.device, model: torch.nn.Modu
                       kernel_config: KernelConfig | None = None) -> dict[str, Any]:
     """Compile the attention kernels for every regime ``cfg`` can reach (module docstring) on ``model`` (the
     unwrapped model: ``dmp.module``), from ``template`` (a real train batch, CPU). ``forward(model, batch)``
-    returns the loss (default: ``model(batch)[0]``). Returns {"ran": bool, "why": str, "regimes": [{"regime",
+    returns the loss (default: ``model(batch)[0]`` under ``train.precision``'s autocast, as training runs it, so
+    the kernels compile for the dtypes training uses). Returns {"ran": bool, "why": str, "regimes": [{"regime",
     "lengths_mean", "tokens", "seconds"}, ...], "seconds": total}. Raises ValueError when the template is
     empty."""
     if model is None or template is None:
@@ -160,7 +161,12 @@ def warm_up_attention(cfg: JobConfig, device: torch.device, model: torch.nn.Modu
     if not triton_in_use(cfg, device):
         return {"ran": False, "why": f"attention backend {cfg.model.attention_backend!r} on {device.type} does "
                                      "not use the Triton kernels", "regimes": [], "seconds": 0.0}
-    forward = forward or (lambda m, b: m(b)[0])
+    if forward is None:
+        from gemray.train.precision import autocast
+
+        def forward(m, b):  # as forward_backward_step: the forward under train.precision's autocast
+            with autocast(cfg.train.precision, device):
+                return m(b)[0]
     params = _dense_params(model)
     gen = torch.Generator().manual_seed(int(cfg.train.seed))
     rng_state = torch.get_rng_state()

@@ -1,0 +1,227 @@
+"""FP8 training GEMMs (gemray.model.fp8): scaling math exact, emulation close to bf16/fp32, the converter's
+skip rules, the norm-fused HSTU path, numerics counters; GPU: torch._scaled_mm against the emulation."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gemray.kernels.reference import norm_quant_ref, quantize_blocks_ref
+from gemray.model.fp8 import (E4M3, E5M2, Fp8Linear, Fp8Settings, collect_fp8_stats, convert_to_fp8, fp8_eligible,
+                              fp8_linear, fp8_mm, pop_fp8_stats, quantize_rowwise)
+from gemray.model.hstu import HSTUBlock, HSTUEncoder
+from model_utils import tiny_cfg
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (torch._scaled_mm)")
+
+
+def _rel(a, b):
+    return float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm())
+
+
+def test_quantize_rowwise_scaling_is_exact():
+    x = torch.tensor([[1.0, -2.0, 0.5, 448.0 / 3], [0.0, 0.0, 0.0, 0.0], [1e-3, 2e-3, -4e-3, 8e-3]])
+    q, s = quantize_rowwise(x)
+    assert s.shape == (3, 1) and q.dtype == E4M3 and q.is_contiguous()
+    assert s[0, 0] == pytest.approx(448.0 / 3 / 448.0) and s[1, 0] == 0 and s[2, 0] == pytest.approx(8e-3 / 448)
+    assert torch.all(q[1].float() == 0)
+    # the row's amax maps exactly to the e4m3 max; powers of two times the scale are exact
+    assert q[0, 3].float() == 448.0 and q[2, 3].float() == 448.0 and q[2, 0].float() == 56.0
+    # columnwise (the wgrad's contraction over M) and the same bytes as the fused norm kernel's reference
+    qc, sc = quantize_rowwise(x, E4M3, 0)
+    assert sc.shape == (1, 4) and torch.equal(qc.view(torch.uint8), quantize_rowwise(x.t())[0].t().view(torch.uint8))
+    y = torch.randn(33, 64)
+    qr, sr = quantize_blocks_ref(y, 64)
+    q2, s2 = quantize_rowwise(y)
+    assert torch.equal(q2.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s2, sr)
+    # e5m2 keeps the range: amax -> 57344
+    qe, se = quantize_rowwise(y, E5M2)
+    assert float(qe.float().abs().amax(1).min()) == 57344.0
+    with pytest.raises(ValueError):
+        quantize_rowwise(y, torch.bfloat16)
+
+
+def test_fp8_mm_emulation_is_dequantized_matmul():
+    a, b = torch.randn(20, 32), torch.randn(48, 32)
+    aq, as_ = quantize_rowwise(a)
+    bq, bs = quantize_rowwise(b)
+    out = fp8_mm(aq, as_, bq.t(), bs.t(), torch.float32, backend="emulate")
+    ref = (aq.float() * as_) @ (bq.float() * bs).t()
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="CUDA"):
+        fp8_mm(aq, as_, bq.t(), bs.t(), torch.bfloat16, backend="scaled_mm")
+
+
+@pytest.mark.parametrize("grad", ["e4m3", "e5m2", "bf16"])
+def test_fp8_linear_close_to_high_precision(grad):
+    """e4m3 has 3 mantissa bits: per-element relative error <= 2^-4, so GEMM outputs land within a few
+    percent (norm-relative) of fp32; FP8 gradients add their own rounding (e5m2 has 2 mantissa bits). Stated
+    tolerances: output 4%; input / weight gradients 6% (e4m3), 10% (e5m2), 4% (bf16)."""
+    torch.manual_seed(0)
+    x, w, b = torch.randn(45, 128), torch.randn(64, 128) * 0.05, torch.randn(64)
+    xs = [t.clone().requires_grad_() for t in (x, w, b)]
+    xr = [t.clone().requires_grad_() for t in (x, w, b)]
+    g = torch.randn(45, 64)
+    y = fp8_linear(*xs, Fp8Settings(grad, "emulate"))
+    yr = F.linear(*xr)
+    (y * g).sum().backward()
+    (yr * g).sum().backward()
+    assert _rel(y, yr) < 0.04
+    tol = {"e5m2": 0.10, "e4m3": 0.06, "bf16": 0.04}[grad]
+    assert _rel(xs[0].grad, xr[0].grad) < tol and _rel(xs[1].grad, xr[1].grad) < tol
+    torch.testing.assert_close(xs[2].grad, xr[2].grad)  # the bias gradient is exact (sum of g)
+    assert y.dtype == torch.float32 and xs[1].grad.dtype == torch.float32
+
+
+def test_fp8_linear_with_given_quantized_input_and_transposed_weight():
+    x, w = torch.randn(10, 64), torch.randn(64, 32)  # w stored [K, N] as HSTU's uvqk_weight
+    q, s = quantize_rowwise(x)
+    st = Fp8Settings("bf16", "emulate")
+    a = fp8_linear(x, w.t(), None, st, x_fp8=q, x_scale=s)
+    torch.testing.assert_close(a, fp8_linear(x, w.t(), None, st))
+    with pytest.raises(ValueError):
+        fp8_linear(x, w.t(), None, st, x_fp8=q)
+    with pytest.raises(ValueError):
+        fp8_linear(x, w, None, st)
+
+
+def test_stats_count_underflow_and_overflow():
+    x = torch.tensor([[1.0, 1e-9, 0.0, 2.0], [float("inf"), 1.0, 1.0, 1.0]])
+    with collect_fp8_stats():
+        quantize_rowwise(x, stats_key="l.x")
+    st = pop_fp8_stats()["l.x"]
+    # row 0: 1e-9 flushed (the 0.0 is not counted); row 1: the inf amax scales its finite values to 0
+    assert st["underflow"] == pytest.approx(4 / 8)
+    assert st["overflow"] == pytest.approx(1 / 8)  # the inf itself (NaN after scaling) is off the grid
+    assert pop_fp8_stats() == {}
+    quantize_rowwise(x, stats_key="l.x")  # outside the block: nothing collected
+    assert pop_fp8_stats() == {}
+
+
+def test_converter_skip_rules_and_shared_parameters():
+    model = nn.Sequential(nn.Linear(128, 256), nn.SiLU(), nn.Linear(256, 64), nn.Linear(256, 144),
+                          nn.Linear(144, 130))
+    w0 = model[0].weight
+    report = convert_to_fp8(model, "bf16", min_dim=128)
+    assert report["converted"] == ["0", "3"]
+    assert [s.split(":")[0] for s in report["skipped"]] == ["2", "4"]
+    assert "below min_dim" in report["skipped"][0] and "multiples of 16" in report["skipped"][1]
+    assert isinstance(model[0], Fp8Linear) and model[0].weight is w0 and type(model[2]) is nn.Linear
+    assert set(model.state_dict()) == {f"{i}.{p}" for i in (0, 2, 3, 4) for p in ("weight", "bias")}
+    assert fp8_eligible(128, 128) is None and fp8_eligible(120, 128) and fp8_eligible(64, 128)
+    with pytest.raises(ValueError):
+        convert_to_fp8(model, "fp16")
+
+
+def test_converter_on_meta_hstu_and_block_path():
+    cfg = tiny_cfg(embedding_dim=32, num_heads=2, attention_dim=16, linear_dim=16)
+    enc = HSTUEncoder(cfg, 16, device="meta")
+    rep = convert_to_fp8(enc, min_dim=16)
+    assert rep["converted"] == ["blocks.0", "blocks.1"] and enc.blocks[0].fp8.name == "blocks.0"
+    small = HSTUEncoder(tiny_cfg(), 16, device="meta")  # D=16, H*V=8: not multiples of 16 -> kept
+    assert convert_to_fp8(small, min_dim=16)["converted"] == []
+
+
+def test_hstu_block_fp8_uses_fused_norm_quant_and_stays_close():
+    torch.manual_seed(0)
+    cfg = tiny_cfg(embedding_dim=32, num_heads=2, attention_dim=16, linear_dim=16, num_blocks=1)
+    ref = HSTUBlock(cfg, 16)
+    blk = HSTUBlock(cfg, 16)
+    blk.load_state_dict(ref.state_dict())
+    blk.fp8 = Fp8Settings("e5m2", "emulate", "b")
+    offsets = torch.tensor([0, 5, 12])
+    ts = torch.arange(12) * 100
+    x = torch.randn(12, 32)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with collect_fp8_stats():
+        yb = blk(xb, offsets, ts)
+        yb.sum().backward()
+    ya = ref(xa, offsets, ts)
+    ya.sum().backward()
+    st = pop_fp8_stats()
+    assert {f"b.{g}.{o}" for g in ("uvqk", "o") for o in ("x", "w", "grad")} <= set(st)
+    # two chained e4m3 GEMMs (uvqk, then the output projection) on the residual branch: stated 10%
+    assert _rel(yb - xb, ya - xa) < 0.1 and _rel(xb.grad, xa.grad) < 0.1
+    # the uvqk input is exactly the fused norm's FP8 output (block = the whole row)
+    _, q, s = norm_quant_ref(x, None, None, kind="layer", eps=1e-6, block_size=32)
+    assert s.shape == (12, 1)
+    torch.testing.assert_close(quantize_rowwise(F.layer_norm(x, (32,), eps=1e-6))[1], s)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("grad", ["e4m3", "e5m2", "bf16"])
+def test_scaled_mm_matches_emulation(grad):
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    x, w, b = torch.randn(1000, 256, device=dev), torch.randn(512, 256, device=dev) * 0.05, torch.randn(512, device=dev)
+    outs = {}
+    for backend in ("scaled_mm", "emulate"):
+        ts = [t.clone().requires_grad_() for t in (x, w, b)]
+        y = fp8_linear(*ts, Fp8Settings(grad, backend))
+        (y.float() * 0.01).square().sum().backward()
+        outs[backend] = (y.float(), *(t.grad.float() for t in ts))
+    for a, e in zip(outs["scaled_mm"], outs["emulate"]):
+        assert _rel(a, e) < 0.01  # same FP8 bytes; bf16 output rounding and accumulation order only
+    assert outs["scaled_mm"][0].dtype == torch.float32
+
+
+@gpu
+@needs_cuda
+def test_fp8_hstu_training_step_on_gpu():
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    cfg = tiny_cfg(embedding_dim=256, num_heads=4, attention_dim=64, linear_dim=64, num_blocks=2)
+    enc = HSTUEncoder(cfg, 64, device=dev)
+    convert_to_fp8(enc, "e4m3")
+    assert all(b.fp8 is not None for b in enc.blocks)
+    opt = torch.optim.AdamW(enc.parameters(), lr=1e-3)
+    offsets = torch.tensor([0, 37, 101, 150], device=dev)
+    ts = torch.arange(150, device=dev) * 60
+    tok = torch.randn(150, 256, device=dev)
+    losses = []
+    for _ in range(5):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = enc(tok, offsets, ts)
+        loss = (1 - (out[:-1].float() * out[1:].float()).sum(-1)).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+    assert enc.blocks[0].uvqk_weight.dtype == torch.float32  # master weights untouched
+
+
+def test_emulation_under_autocast_returns_the_autocast_dtype_with_fp32_math():
+    x, w = torch.randn(8, 32), torch.randn(16, 32)
+    st = Fp8Settings("bf16", "emulate")
+    ref = fp8_linear(x, w, None, st)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = fp8_linear(x, w, None, st)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y, ref.to(torch.bfloat16), rtol=0, atol=0)  # the same fp32 GEMM, rounded once
+
+
+@pytest.mark.parametrize("grad", ["e4m3", "bf16"])
+def test_empty_batch_runs_forward_and_backward(grad):
+    x = torch.zeros(0, 32, requires_grad=True)
+    w = torch.randn(16, 32, requires_grad=True)
+    b = torch.randn(16, requires_grad=True)
+    y = fp8_linear(x, w, b, Fp8Settings(grad, "emulate"))
+    assert y.shape == (0, 16)
+    y.sum().backward()
+    assert torch.all(w.grad == 0) and torch.all(b.grad == 0) and x.grad.shape == (0, 32)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("m", [0, 1, 17])
+def test_scaled_mm_odd_and_empty_token_counts(m):
+    dev = torch.device("cuda")
+    x = torch.randn(m, 128, device=dev, requires_grad=True)
+    w = torch.randn(256, 128, device=dev, requires_grad=True)
+    y = fp8_linear(x, w, None, Fp8Settings("e4m3", "scaled_mm"))
+    assert y.shape == (m, 256) and y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert w.grad.shape == w.shape and torch.isfinite(w.grad).all()
