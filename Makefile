@@ -10,25 +10,22 @@ DEMO_EPOCHS ?= 10
 # ~1.8x more CPU per step and would not fit the 20-minute budget on a 2-core machine.
 DEMO_SET ?= model.negatives=uniform_shared
 
-# Pinned CPU stack (see README "Install"). torch first from the CPU wheel; torchrec --no-deps because its
-# metadata asks for the CUDA fbgemm-gpu, which would overwrite fbgemm-gpu-cpu (same fbgemm_gpu folder).
-TORCH_PIN := torch==2.13.0
+# The tested CPU stack (see README "Install"): `pip install -e .[cpu,test,k8s]` under the constraints file that pins
+# every package. torch first from the CPU wheel; torchrec --no-deps because its metadata asks for the CUDA
+# fbgemm-gpu, which would overwrite fbgemm-gpu-cpu (same fbgemm_gpu folder).
+CONSTRAINTS ?= configs/constraints-cpu.txt
 # Where the CPU torch wheel comes from. Empty = pip's configured indexes (this project's machines keep the
 # CPU wheel on local disk). Elsewhere use: make demo TORCH_INDEX="--index-url https://download.pytorch.org/whl/cpu"
 TORCH_INDEX ?=
-STACK := fbgemm-gpu-cpu==1.8.0 "ray[data,train,default]==2.60.0" "pyarrow>=14" triton==3.9.0 \
-	tensordict "torchmetrics==1.0.3" pyre-extensions iopath tqdm numpy matplotlib fsspec
-TORCHREC := torchrec==1.8.0
-TEST_DEPS := pytest jsonschema pyyaml kubernetes-validate==1.37.0 import-linter==2.17
+PIP = $(BIN)/python -m pip install -q -c $(CONSTRAINTS)
 
 .PHONY: venv install demo test data clean
 
-$(BIN)/.installed: pyproject.toml Makefile
+$(BIN)/.installed: pyproject.toml Makefile $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q $(TORCH_INDEX) $(TORCH_PIN)
-	$(BIN)/pip install -q $(TORCH_PIN) $(STACK) $(TEST_DEPS)
-	$(BIN)/pip install -q --no-deps $(TORCHREC)
-	$(BIN)/pip install -q --no-deps -e .
+	$(PIP) $(TORCH_INDEX) torch
+	$(PIP) -e ".[cpu,test,k8s]"
+	$(PIP) --no-deps torchrec
 	touch $@
 
 venv install: $(BIN)/.installed

@@ -9,7 +9,20 @@ Python entry points (imported lazily so that ``import gemray`` stays light):
 from gemray.config import JobConfig, load_config
 
 __all__ = ["JobConfig", "load_config", "fit", "submit"]
-__version__ = "0.1.0"
+
+
+def _version() -> str:
+    """The installed distribution's version (pyproject.toml's [project] version, via importlib.metadata);
+    "0+unknown" when gemray runs from a checkout that was never installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("gemray")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+__version__ = _version()
 
 
 def fit(config, **kwargs):

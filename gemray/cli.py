@@ -210,19 +210,25 @@ def _cmd_train(ns: argparse.Namespace) -> int:
     from gemray.config import load_config
     from gemray.controller.run import fit
 
+    from gemray.controller.console import console_session
+
     cfg = load_config(ns.config, ns.overrides)  # validate before anything starts
-    try:
-        res = fit(cfg, output_dir=ns.output)
-    except USER_ERRORS:
-        raise
-    except Exception as e:  # Ray's TrainingFailedError and friends: not a usage error
-        print(f"gemray: training failed: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
+    out = Path(ns.output or Path("runs") / cfg.name).expanduser().resolve()  # fit's default
+    with console_session(out, level=log_level(ns), verbose=ns.verbose) as run_log:
+        try:
+            res = fit(cfg, output_dir=ns.output)
+        except USER_ERRORS:
+            raise
+        except Exception as e:  # Ray's TrainingFailedError and friends: not a usage error
+            print(f"gemray: training failed: {type(e).__name__}: {e}", file=sys.stderr)
+            if run_log.path.is_file():
+                print(f"gemray: the full log (workers included) is in {run_log.path}", file=sys.stderr)
+            return 1
     if res.metrics.get("preempted"):
         print(f"preempted: emergency checkpoint of global step {res.metrics['global_step']} committed at "
               f"{res.checkpoint_path}; re-run the same command to resume there")
         return EXIT_PREEMPTED
-    print(f"outputs: {res.output_dir} (metrics.json, curves.png, config.toml); "
+    print(f"outputs: {res.output_dir} (metrics.json, curves.png, config.toml, logs/gemray.log, tensorboard/); "
           f"checkpoint: {res.checkpoint_path}")
     return 0
 
@@ -515,7 +521,8 @@ def _cmd_export(ns: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The argparse tree (exposed for tests and docs)."""
     ap = argparse.ArgumentParser(prog="gemray", description="Ray-orchestrated GEM/HSTU training")
-    ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    ap.add_argument("--version", action="version", version=f"gemray {_version()}")
+    _add_verbosity(ap, top=True)
     sub = ap.add_subparsers(dest="command", required=True)
 
     prep = sub.add_parser("prepare", help="convert raw data to Parquet histories")
@@ -611,15 +618,52 @@ def build_parser() -> argparse.ArgumentParser:
     k8.add_argument("k8s_command", nargs="?", metavar="{render,validate,regenerate}")
     k8.add_argument("args", nargs=argparse.REMAINDER, help="see `gemray k8s render --help`")
     k8.set_defaults(func=_cmd_k8s)
+    _add_verbosity_everywhere(ap)
     return ap
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _version() -> str:
+    from gemray import __version__
+
+    return __version__
+
+
+def _add_verbosity(p: argparse.ArgumentParser, *, top: bool) -> None:
+    """``-v`` / ``--log-level`` on ``p``. Below the top level their default is SUPPRESS, so that
+    ``gemray -v train ...`` and ``gemray train ... -v`` both work and a subcommand never resets the top's."""
+    dflt = {} if top else {"default": argparse.SUPPRESS}
+    p.add_argument("-v", "--verbose", action="store_true", **({"default": False} if top else dflt),
+                   help="debug logging, and every line of Ray and the workers on the console (default: gemray's "
+                        "own lines and warnings; the full log is in <output>/logs/gemray.log)")
+    p.add_argument("--log-level", choices=LOG_LEVELS, **({"default": "info"} if top else dflt),
+                   help="gemray's console log level (default info; -v = debug)")
+
+
+def _add_verbosity_everywhere(ap: argparse.ArgumentParser) -> None:
+    """Give every subcommand parser (recursively) the ``-v`` / ``--log-level`` options, except those that pass
+    their options on untouched (``prefix_chars="+"``: bench kernels, k8s)."""
+    for action in ap._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sp in action.choices.values():
+                if sp.prefix_chars == "-":
+                    _add_verbosity(sp, top=False)
+                    _add_verbosity_everywhere(sp)
+
+
+def log_level(ns: argparse.Namespace) -> int:
+    """Pure: the console log level of gemray's loggers for parsed arguments ``ns``."""
+    return logging.DEBUG if ns.verbose else getattr(logging, ns.log_level.upper())
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``gemray`` console script; returns the exit status."""
     ap = build_parser()
     ns = ap.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if ns.verbose else logging.INFO,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(level=log_level(ns), format="%(asctime)s %(name)s %(levelname)s %(message)s",
+                        datefmt="%H:%M:%S")
     if getattr(ns, "world_size", None) is not None and ns.world_size < 1:
         return _fail(f"--world-size must be >= 1, got {ns.world_size}")
     try:

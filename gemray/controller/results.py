@@ -1,5 +1,6 @@
 """What ``fit`` leaves in the output folder and hands back: ``metrics.json``, ``curves.png``, the table of this
-run against the published ML-1M numbers, and :class:`Result`.
+run against the published ML-1M numbers, the TensorBoard event files (gemray.controller.tensorboard), and
+:class:`Result`.
 
 Pure: :func:`run_record` (what a resumed run carries over), :func:`final_metrics`, :func:`preempted_metrics`,
 :func:`comparison_table`. Acting: :func:`finish` (a run that trained to the end) and :func:`finish_preempted`
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from gemray.config import JobConfig
+from gemray.controller import tensorboard
 from gemray.events import epoch_fields, read_events, summarize_recovery
 from gemray.preemption import clear_active, mark_handled, read_notice
 
@@ -193,6 +195,7 @@ def finish(cfg: JobConfig, out: Path, result: Any, *, events_from: int, wall_s: 
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
     if metrics["history"]:
         plot_curves(metrics["history"], out / "curves.png")
+    tensorboard.export(cfg.name, out, metrics, events)  # the same values, as TensorBoard scalars
     print(comparison_table(metrics))
     log.info("results in %s (checkpoint %s)", out, ckpt)
     late_notice(cfg.checkpoint.preempt_notice, metrics, ckpt)
@@ -209,6 +212,7 @@ def finish_preempted(cfg: JobConfig, out: Path, result: Any, *, events_from: int
     metrics = preempted_metrics(result.metrics or {}, events, wall_s=wall_s, invocations=invocations)
     ckpt = _checkpoint_path(result)
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True, default=str))
+    tensorboard.export(cfg.name, out, metrics, events)  # the steps trained so far
     notice = cfg.checkpoint.preempt_notice
     try:  # tells `gemray preempt --wait` (a Kubernetes preStop hook) that the checkpoint is committed
         mark_handled(notice, metrics["global_step"], ckpt)

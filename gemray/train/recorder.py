@@ -133,10 +133,12 @@ class RecoveryRecorder:
                              dense_mesh=[world_size, 1])
 
     # -- while training ----------------------------------------------------------------------------------
-    def step(self, global_step: int, epoch: int, consumed: int) -> None:
-        """A ``step`` heartbeat (file only) after global step ``global_step`` of 0-based ``epoch``; the
-        ``first_step`` event after the first step of a resumed attempt."""
-        self.events.emit("step", quiet=True, global_step=global_step, epoch=epoch + 1, consumed=consumed)
+    def step(self, global_step: int, epoch: int, consumed: int, loss: float | None = None) -> None:
+        """A ``step`` heartbeat (file only) after global step ``global_step`` of 0-based ``epoch``, with rank 0's
+        ``loss`` of the step when given (TensorBoard's per-step curve); the ``first_step`` event after the
+        first step of a resumed attempt."""
+        extra = {} if loss is None else {"loss": float(loss)}
+        self.events.emit("step", quiet=True, global_step=global_step, epoch=epoch + 1, consumed=consumed, **extra)
         if self._first_step_pending:
             self.events.emit("first_step", global_step=global_step, since_start_s=time.time() - self.t_start)
             self._first_step_pending = False

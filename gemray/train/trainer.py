@@ -57,7 +57,7 @@ from gemray.train.evaluation import build_evaluators, evaluation_metrics, evalua
 from gemray.train.precision import autocast
 from gemray.train.preemption_vote import PreemptionVote
 from gemray.train.recorder import RecoveryRecorder
-from gemray.train.stats import EpochStats, ThroughputMeter
+from gemray.train.stats import EpochStats, ThroughputMeter, progress_line
 from gemray.train.task_stats import TaskLosses
 from gemray.train.throughput import StepClock, batch_flops, device_peak_flops
 
@@ -306,19 +306,23 @@ class Trainer:
             steps = min(steps, max(0, cfg.train.max_steps_per_epoch - self.epoch_step))
         meter = ThroughputMeter(self.peak_flops)
         batches = self.train_stream.iter_epoch(epoch, self.consumed)
+        epoch_steps, t_loop = self.epoch_step + steps, time.perf_counter()
         for i in range(steps):
             batch, self.consumed = next(batches)
             loss = self.train_step(batch)
             meter.add(batch.batch_size, batch.num_tokens, self.last_step_flops)
-            if self.epoch_step % cfg.train.log_every == 0:
-                tokens, step_s = rank_load(batch.num_tokens, self.last_step_s, self.device)  # collective
+            log_now = self.epoch_step % cfg.train.log_every == 0
+            if log_now:  # per-rank load (collective: every rank takes part); to the run's log file (debug)
+                tokens, step_s = rank_load(batch.num_tokens, self.last_step_s, self.device)
                 if self.rank == 0:
-                    r = meter.rates_full()
-                    log.info("epoch %d step %d (global %d) loss %.4f rank0 %.0f samples/s %.0f tokens/s "
-                             "%.3f TFLOP/s MFU %s; per-rank tokens %s step_s %s", epoch + 1, self.epoch_step,
-                             self.global_step, loss, r["samples_per_s"], r["tokens_per_s"], r["tflops_per_s"],
-                             "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.2f}%", tokens,
-                             [round(t, 4) for t in step_s])
+                    log.debug("epoch %d step %d: per-rank tokens %s step_s %s", epoch + 1, self.epoch_step, tokens,
+                              [round(s, 4) for s in step_s])
+            if self.rank == 0 and (log_now or i == steps - 1):
+                r = meter.rates_full()
+                log.info(progress_line(epoch + 1, self.epoch_step, epoch_steps, self.global_step, loss,
+                                       r["samples_per_s"], r["tokens_per_s"], done=i + 1,
+                                       elapsed_s=time.perf_counter() - t_loop, tflops_per_s=r["tflops_per_s"],
+                                       mfu=r["mfu"]))
             # Without a notice the epoch-end checkpoint covers the last step; with one, the emergency checkpoint
             # is taken here (a resumed run then has 0 steps left of this epoch and goes straight to its end).
             last = i == steps - 1
@@ -381,7 +385,7 @@ class Trainer:
         self.epoch_step += 1
         if self.ledger is not None:
             self.ledger.step(self.epoch, self.global_step, batch.user_ids.tolist())
-        self.recorder.step(self.global_step, self.epoch, self.consumed)
+        self.recorder.step(self.global_step, self.epoch, self.consumed, loss=loss)
         return loss
 
     def epoch_seconds(self) -> float:

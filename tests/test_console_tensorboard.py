@@ -1,0 +1,167 @@
+"""The quiet console of ``gemray train`` (gemray.controller.console), its full log in the run folder, the
+per-epoch progress line, and the TensorBoard scalars (gemray.controller.tensorboard) read back against
+metrics.json."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import re
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+from paths import DATA
+
+from gemray.controller.console import FilteredStream, RunLog, keep_line
+from gemray.controller.tensorboard import log_mlflow, scalars
+from gemray.train.stats import progress_line
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = DATA / "ml-latest-small"
+C = "\x1b[36m"  # Ray's colour of a worker prefix
+R = "\x1b[0m"
+
+
+@pytest.mark.parametrize("line, shown", [
+    (f"{C}(RayTrainWorker pid=21606){R} 04:07:52 gemray.train INFO rank 0/2 on cpu (gloo)", True),
+    (f"{C}(RayTrainWorker pid=21606){R} Successfully loaded: 'fbgemm_gpu_py.so'", False),
+    (f"{C}(RayTrainWorker pid=21606){R} GreedyPerfPartitioner - sort_by: SortBy.STORAGE", False),
+    (f"{C}(PlacementGroupCleaner pid=21492){R} Found multiple active Ray instances: {{'a', 'b'}}.", False),
+    (f"{C}(PlacementGroupCleaner pid=21492){R} Failed to query Ray Train Controller actor state.", False),
+    ("(pid=123, ip=10.0.0.2) 04:07:52 gemray.events WARNING event failure_detected: {}", True),
+    ("(raylet) [2026-12-02 04:07:52,480 E 21015] core_worker.cc:2465: Actor died", False),
+    ("2026-12-02 04:06:45,420\tINFO worker.py:2038 -- Started a local Ray instance.", False),
+    ("2026-12-02 04:06:22,714\tWARNING authentication_token_setup.py:85 -- Token authentication", True),
+    ("model                    HR@10  NDCG@10", True),  # the driver's own prints
+    ("04:06:49 gemray.controller.session INFO started an embedded Ray cluster", True),
+])
+def test_keep_line(line, shown):
+    assert keep_line(line) is shown
+    assert keep_line(line, verbose=True)
+
+
+def test_keep_line_follows_the_level():
+    line = "(RayTrainWorker pid=1) 04:07:52 gemray.train INFO epoch 1 step 2/5"
+    assert not keep_line(line, level=logging.WARNING)
+    assert keep_line(line.replace(" INFO ", " WARNING "), level=logging.WARNING)
+
+
+def test_filtered_stream_logs_every_line_and_holds_them_until_the_folder_exists(tmp_path):
+    term = io.StringIO()
+    out = tmp_path / "run"
+    log = RunLog(out, term)
+    s = FilteredStream(term, log, level=logging.INFO, verbose=False)
+    s.write(f"{C}(RayTrainWorker pid=1){R} Successfully loaded: 'x.so'\n(RayTrainWorker pid=1) 04:07:52 ")
+    s.write("gemray.train INFO hello\n")
+    assert not (out / "logs").exists()  # before fit owns the output folder: held in memory
+    out.mkdir()
+    s.write("still held\n")
+    assert not (out / "logs").exists()
+    (out / "config.toml").write_text("")  # fit's mark that the run owns the folder
+    s.write("driver line\n")
+    log.close()
+    assert term.getvalue() == "(RayTrainWorker pid=1) 04:07:52 gemray.train INFO hello\nstill held\ndriver line\n"
+    assert (out / "logs" / "gemray.log").read_text().splitlines() == [
+        "(RayTrainWorker pid=1) Successfully loaded: 'x.so'", "(RayTrainWorker pid=1) 04:07:52 gemray.train INFO hello",
+        "still held", "driver line"]
+
+
+def test_progress_line():
+    line = progress_line(2, 30, 120, 150, 5.0, 800.4, 30000.0, done=10, elapsed_s=20.0)
+    assert line == ("epoch 2 step 30/120 (global 150) loss 5.0000, 800 samples/s, 30000 tokens/s (rank 0), "
+                    "ETA 0:03:00")  # 90 steps left at 2 s per step
+    assert progress_line(1, 0, 5, 0, 1.0, 0, 0, done=0, elapsed_s=0).endswith("ETA ?")
+
+
+def test_scalars_and_mlflow(monkeypatch):
+    metrics = {"history": [{"epoch": 1, "global_step": 5, "train_loss": 7.5, "valid_hr@10": 0.1, "final": True},
+                           {"epoch": 2, "global_step": 10, "train_loss": 7.0, "samples_per_s": 99.0}],
+               "hr@10": 0.2, "ndcg@10_unfiltered": 0.05, "epochs": 2, "wall_s": 12.0, "samples_per_s": 99.0,
+               "bbs": True, "world_size": 2}
+    events = [{"kind": "step", "detail": {"global_step": 1, "loss": 8.0}},
+              {"kind": "step", "detail": {"global_step": 2}},  # an older run's heartbeat: no loss
+              {"kind": "step", "detail": {"global_step": 1, "loss": 7.9}},  # a restarted attempt repeats step 1
+              {"kind": "resize", "detail": {"global_step": 1, "loss": 0.0}}]
+    pts = scalars(metrics, events)
+    assert pts == [("step/train_loss", 7.9, 1), ("epoch/train_loss", 7.5, 1), ("epoch/valid_hr@10", 0.1, 1),
+                   ("epoch/samples_per_s", 99.0, 2), ("epoch/train_loss", 7.0, 2), ("test/hr@10", 0.2, 2),
+                   ("test/ndcg@10_unfiltered", 0.05, 2), ("run/samples_per_s", 99.0, 2), ("run/wall_s", 12.0, 2)]
+    logged = []
+    fake = types.SimpleNamespace(start_run=lambda run_name: open(__file__),  # any context manager
+                                 log_metric=lambda k, v, step: logged.append((k, v, step)))
+    monkeypatch.setitem(sys.modules, "mlflow", fake)
+    assert not log_mlflow("job", pts, environ={})
+    assert log_mlflow("job", pts, environ={"GEMRAY_MLFLOW": "1"})
+    assert ("epoch/valid_hr_at_10", 0.1, 1) in logged and len(logged) == len(pts)
+
+
+@pytest.mark.slow
+def test_train_console_log_and_tensorboard(tmp_path):
+    """A tiny `gemray train` (2 workers, 1 epoch of 6 steps): the console is gemray's own lines plus at most a few
+    others, with progress lines "step N/M ... ETA"; the full log in <output>/logs/gemray.log has the rest; the
+    TensorBoard scalars read back equal metrics.json (and the step losses of events.jsonl)."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    if not (SMALL / "ratings.csv").is_file():
+        pytest.skip(f"needs {SMALL}")
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "gemray.cli", "train", "--config", str(REPO / "configs" / "ml-latest-small.toml"),
+           "--set", "train.epochs=1", "train.max_steps_per_epoch=6", "train.log_every=2", "train.eval_ks=[10]",
+           f"data.raw_dir={SMALL}", f"data.prepared_dir={tmp_path / 'data'}", "--output", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    console = [x for x in (proc.stdout + proc.stderr).splitlines() if x.strip()]
+    plain = [re.sub(r"\x1b\[[0-9;]*m", "", x) for x in console]
+    ours = re.compile(r"^(\(\S+ pid=\d+\) )?\d\d:\d\d:\d\d gemray[.\w]* [A-Z]+ ")
+    own_prints = ("model ", "---", "this run", "SASRec", "HSTU", "(published rows", "outputs: ", "prepared ")
+    others = [x for x in plain if not ours.match(x) and not x.startswith(own_prints)]
+    assert len(others) <= 3, others
+    progress = [x for x in plain if re.search(r"gemray\.train INFO epoch 1 step \d+/\d+ .* ETA \d+:\d\d:\d\d$", x)]
+    assert progress and progress[-1].split("step ")[1].split(" ")[0] in ("5/5", "6/6"), progress
+    log = out / "logs" / "gemray.log"
+    lines = log.read_text().splitlines()
+    assert len(lines) > len(console) + 20
+    assert any("Successfully loaded" in x or "GreedyPerfPartitioner" in x for x in lines)  # the workers' chatter
+
+    metrics = json.loads((out / "metrics.json").read_text())
+    acc = EventAccumulator(str(out / "tensorboard"))
+    acc.Reload()
+    got = {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
+    h = metrics["history"][0]
+    for k in ("train_loss", "samples_per_s", "tokens_per_s", "valid_hr@10", "valid_ndcg@10"):
+        assert got[f"epoch/{k}"] == [(1, pytest.approx(h[k], rel=1e-6))], k
+    for k in ("hr@10", "ndcg@10"):
+        assert got[f"test/{k}"] == [(1, pytest.approx(metrics[k], rel=1e-6))], k
+    assert got["run/samples_per_s"] == [(1, pytest.approx(metrics["samples_per_s"], rel=1e-6))]
+    steps = [json.loads(x) for x in (out / "events.jsonl").read_text().splitlines()]
+    losses = {e["detail"]["global_step"]: e["detail"]["loss"] for e in steps if e["kind"] == "step"}
+    assert sorted(losses) == list(range(1, h["global_step"] + 1))
+    assert got["step/train_loss"] == [(s, pytest.approx(v, rel=1e-6)) for s, v in sorted(losses.items())]
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_lines_become_a_bar_on_a_terminal(tmp_path):
+    from gemray.controller.console import ProgressBar, parse_progress
+
+    line = "(RayTrainWorker pid=1) 04:22:50 gemray.train INFO " + progress_line(1, 2, 4, 2, 7.5, 190, 8070, done=2,
+                                                                               elapsed_s=1.0)
+    assert parse_progress(line) == (1, 2, 4, "loss 7.5000, 190 samples/s, ETA 0:00:01")
+    assert parse_progress("(RayTrainWorker pid=1) 04:22:50 gemray.train INFO epoch 1 done: epoch=1") is None
+    term = _Tty()
+    s = FilteredStream(term, RunLog(tmp_path, term), level=logging.INFO, verbose=False, bar=ProgressBar(term))
+    s.write(line + "\n")
+    s.write("(RayTrainWorker pid=1) 04:22:51 gemray.train INFO epoch 1 done: epoch=1\n")
+    s.write(line.replace("step 2/4", "step 4/4") + "\n")
+    shown = term.getvalue()
+    assert "epoch 1:" in shown and "4/4" in shown and "loss 7.5000, 190 samples/s, ETA 0:00:01" in shown  # tqdm's bar
+    assert "step 2/4" not in shown and "epoch 1 done: epoch=1\n" in shown
+    assert s.bar.bar is None  # closed at the epoch's last step
