@@ -53,7 +53,9 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
     ``global_step``, ``epoch`` and ``epochs_completed`` instead of test metrics.
     Raises FileNotFoundError / ValueError for a bad config or data path, or for an output folder whose
     checkpoint was trained on other data (:func:`~gemray.controller.preflight.preflight_resume`),
-    FileExistsError for an output folder in which another run is active
+    ValueError for an output folder this process cannot write
+    (:func:`~gemray.controller.preflight.preflight_output`), FileExistsError for an output folder in which
+    another run is active
     (:func:`~gemray.controller.output_lock.claim_output`), all before any worker starts, and Ray's
     TrainingFailedError when training fails beyond ``ray.max_failures``.
     """
@@ -62,6 +64,7 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
     out = Path(output_dir or Path("runs") / cfg.name).expanduser().resolve()
     if out.exists() and not out.is_dir():
         raise NotADirectoryError(f"output folder {out} exists and is not a folder (--output / output_dir)")
+    preflight.preflight_output(out)  # a read-only --output: one line, exit 2, before anything starts
     # resources before preparing the data: no GPU means no wait for the data
     preflight.preflight_resources(cfg, embedded=not session.ray_address(cfg))
     manifest = _ensure_prepared(cfg)  # bad data paths fail before anything is written to the output folder
