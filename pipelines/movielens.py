@@ -117,18 +117,20 @@ class _Parsed:
     bad: list[dict[str, Any]]  # quarantined rows
 
 
+def _strip_bom(data: bytes) -> bytes:
+    """``data`` without a leading UTF-8 byte-order mark (an editor's save): no byte of line 1, in any format."""
+    return data[len(_BOM):] if data.startswith(_BOM) else data
+
+
 def _parse_fast(data: bytes, fmt: MovieLensFormat) -> _Parsed | None:
     """Vectorised parse with pyarrow.csv. Returns None whenever anything is off (the slow path decides)."""
+    data = _strip_bom(data)
     if data and not data.endswith(b"\n"):
         return None  # a possibly truncated last line: the strict parser reports it
     if fmt.header is not None:
-        if data.startswith(_BOM):
-            data = data[len(_BOM):]
         first, _, _ = data.partition(b"\n")
         if first.rstrip(b"\r") != fmt.header.encode():
             return None
-    elif data.startswith(_BOM):
-        return None
     # Only the bytes a well-formed file can hold: pyarrow's converters are laxer than _parse_line
     # (they trim spaces and take "0x1", "4e0", "4.", ".5"); anything unusual goes to the strict parser.
     allowed = b"0123456789-\r\n" + fmt.delimiter[0].encode() + (b"." if fmt.half_stars else b"")
@@ -228,6 +230,7 @@ def _parse_line(raw: bytes, lineno: int, fmt: MovieLensFormat, fname: str) -> tu
 
 def _parse_slow(data: bytes, fmt: MovieLensFormat, fname: str, quarantine: bool) -> _Parsed:
     """Line-by-line strict parse; raises the first BadRowError, or collects bad rows when quarantining."""
+    data = _strip_bom(data)
     us: list[int] = []
     it: list[int] = []
     rs: list[int] = []
@@ -244,8 +247,6 @@ def _parse_slow(data: bytes, fmt: MovieLensFormat, fname: str, quarantine: bool)
         if raw.endswith(b"\r"):
             raw = raw[:-1]
         if lineno == 1 and fmt.header is not None:
-            if raw.startswith(_BOM):
-                raw = raw[len(_BOM):]
             if raw == fmt.header.encode():
                 continue
             # A missing header is a bad first line, not silently data.

@@ -461,3 +461,20 @@ def test_file_cut_mid_line_is_a_bad_row(fmt, tmp_path):
     m = prepare_movielens(src, tmp_path / "out", on_bad_rows="quarantine")
     assert m["quarantine"]["by_reason"] == {"truncated": 1}
     assert m["counts"]["interactions"] + 1 == m["counts"]["source_data_lines"]
+
+
+@pytest.mark.parametrize("fmt", ["ml-1m", "ml-100k", "ml-latest-small"])
+@pytest.mark.parametrize("on_bad_rows", ["error", "quarantine"])
+def test_a_utf8_bom_is_accepted_in_every_format(fmt, on_bad_rows, tmp_path):
+    """issue 22: a UTF-8 byte-order mark before line 1 of ratings.dat / u.data (as of ratings.csv) is no data
+    byte: the file prepares, and with quarantine its first (valid) row is kept, nothing quarantined."""
+    src = tmp_path / "src"
+    src.mkdir()
+    lines = ([HEADER[fmt]] if fmt == "ml-latest-small" else []) + GOOD[fmt]
+    (src / ml.FORMATS[fmt].filename).write_bytes(b"\xef\xbb\xbf" + "\n".join(lines).encode() + b"\n")
+    m = prepare_movielens(src, tmp_path / "o", on_bad_rows=on_bad_rows)
+    assert m["counts"]["interactions"] == len(GOOD[fmt]) and m["counts"]["quarantined"] == 0, m["counts"]
+    f = ml.FORMATS[fmt]
+    data = (src / f.filename).read_bytes()
+    slow = ml._parse_slow(data, f, f.filename, quarantine=True)
+    assert not slow.bad and slow.users.tolist()[0] == 1 and slow.items.tolist()[0] == 10
