@@ -41,7 +41,7 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from .schema import (HISTORIES_DIR, HISTORY_SCHEMA, ITEMS_FILE, ITEMS_SCHEMA, MANIFEST_FILE,
-                     MANIFEST_VERSION, MAX_ID, MIN_HISTORY_FOR_SPLITS, QUARANTINE_FILE, SPLIT_PROTOCOL,
+                     MANIFEST_VERSION, MAX_ID, MIN_HISTORY_FOR_SPLITS, QUARANTINE_FILE, RUN_FILE, SPLIT_PROTOCOL,
                      BadRowError)
 
 log = logging.getLogger(__name__)
@@ -301,6 +301,17 @@ def _sha256_check(path: Path, digest: str) -> str:
     return "not listed"
 
 
+def write_run_file(folder: Path, run: dict[str, Any]) -> None:
+    """Write ``folder/prepare_run.json`` (:data:`~pipelines.schema.RUN_FILE`): the run-time facts of one
+    preparation (``created_unix``, ``seconds``, ...), kept out of manifest.json so that two preparations of
+    the same source give identical manifests. Durable (fsynced) like the manifest."""
+    with open(folder / RUN_FILE, "w", encoding="utf-8") as f:
+        json.dump(run, f, indent=2, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def _fsync_path(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -436,7 +447,6 @@ def prepare_movielens(src: str | Path, out: str | Path, *, on_bad_rows: str = "e
             "gemray_version": version("gemray"),
             "format": fmt.name,
             "on_bad_rows": on_bad_rows,
-            "created_unix": int(time.time()),
             "source": {"dir": str(path.parent.resolve()), "files": [{
                 "name": path.name, "sha256": digest, "bytes": path.stat().st_size,
                 "sha256sums": sha_status}]},
@@ -459,14 +469,15 @@ def prepare_movielens(src: str | Path, out: str | Path, *, on_bad_rows: str = "e
             "items_file": ITEMS_FILE,
             "items_sha256": _file_sha256(tmp / ITEMS_FILE),
             "shards": shards,
-            "conversion": {"parser": "pyarrow.csv" if fast else "python-strict",
-                           "seconds": round(time.perf_counter() - t0, 3)},
+            "conversion": {"parser": "pyarrow.csv" if fast else "python-strict"},
+            "run_file": RUN_FILE,
         }
         with open(tmp / MANIFEST_FILE, "w", encoding="utf-8") as f:
             json.dump(manifest, f, indent=2)
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())
+        write_run_file(tmp, {"created_unix": int(time.time()), "seconds": round(time.perf_counter() - t0, 3)})
         for d in (tmp / HISTORIES_DIR, tmp):
             _fsync_path(d)
 
@@ -512,6 +523,8 @@ def _check_replaceable(out: Path, src_file: Path) -> dict[str, Any] | None:
         listed = {f["path"] for f in prev["files"]} | {prev.get("items_file", ITEMS_FILE)}
         if (prev.get("quarantine") or {}).get("file"):
             listed.add(prev["quarantine"]["file"])
+        if prev.get("run_file"):
+            listed.add(prev["run_file"])
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         raise ValueError(f"{refuse} (its {MANIFEST_FILE} is not a gemray manifest); refusing to replace it") from None
     listed = {str(Path(p)) for p in listed} | {MANIFEST_FILE, HISTORIES_DIR}
