@@ -218,7 +218,7 @@ def _cmd_train(ns: argparse.Namespace) -> int:
         return 1
     if res.metrics.get("preempted"):
         print(f"preempted: emergency checkpoint of global step {res.metrics['global_step']} committed at "
-              f"{res.checkpoint_path}; re-run the same command to resume there")
+              f"{res.checkpoint_path}; re-run the same command to resume from step {res.metrics['global_step']}")
         return EXIT_PREEMPTED
     print(f"outputs: {res.output_dir} (metrics.json, curves.png, config.toml); "
           f"checkpoint: {res.checkpoint_path}")
