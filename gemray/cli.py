@@ -226,11 +226,31 @@ def _cmd_train(ns: argparse.Namespace) -> int:
             return 1
     if res.metrics.get("preempted"):
         print(f"preempted: emergency checkpoint of global step {res.metrics['global_step']} committed at "
-              f"{res.checkpoint_path}; re-run the same command to resume there")
+              f"{res.checkpoint_path}; re-run the same command to resume from step {res.metrics['global_step']}")
         return EXIT_PREEMPTED
     print(f"outputs: {res.output_dir} (metrics.json, curves.png, config.toml, logs/gemray.log, tensorboard/); "
           f"checkpoint: {res.checkpoint_path}")
     return 0
+
+
+TRAIN_EPILOG = """\
+config keys:
+  every key of the [data], [model], [train], [ray] and [checkpoint] sections is documented in the class
+  docstrings of gemray/config.py (DataConfig, ModelConfig, TrainConfig, RayConfig, CheckpointConfig);
+  configs/*.toml are complete examples. --set takes the same keys: section.key=value.
+
+exit status:
+  0   finished: metrics.json, curves.png, config.toml and the final checkpoint are in --output
+  1   training failed (the error is printed; see the run's events.jsonl)
+  2   usage error: bad config value, unknown key, missing file, unwritable --output, bad data row
+  75  preempted (SIGTERM, `gemray preempt`, or Ctrl-C): the emergency checkpoint is committed;
+      re-run the same command to resume from it. A second Ctrl-C stops at once (status 130).
+
+examples:
+  gemray train --config configs/ml-1m.toml
+  gemray train --config configs/ml-1m.toml --set train.epochs=2 data.batch_size=64 --output runs/try
+  gemray preempt --output runs/try --wait 300     # from another shell: checkpoint and stop
+"""
 
 
 def _run_active(notice: Path) -> bool:
@@ -544,13 +564,19 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Train the model of a TOML config with Ray Train: an embedded local Ray "
                                     "cluster unless RAY_ADDRESS is set; writes metrics.json, curves.png, "
                                     "config.toml and checkpoints to --output. Re-running the same command "
-                                    "resumes from the newest committed checkpoint.")
+                                    "resumes from the newest committed checkpoint.",
+                        epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     tr.add_argument("--config", required=True, help="TOML config, e.g. configs/ml-1m.toml")
     _add_set(tr)
     tr.add_argument("--output", default=None, help="output folder (default runs/<name>)")
     tr.set_defaults(func=_cmd_train)
 
-    pre = sub.add_parser("preempt", help="ask a running `gemray train` to take an emergency checkpoint and stop")
+    pre = sub.add_parser("preempt", help="ask a running `gemray train` to take an emergency checkpoint and stop",
+                         description="Write a preemption notice (the file DIR/PREEMPT, or --notice PATH) for a "
+                                     "running `gemray train`: at its next poll step "
+                                     "(checkpoint.preempt_poll_steps) every rank agrees to stop, the run commits "
+                                     "an emergency checkpoint and exits with status 75; re-running the same "
+                                     "train command resumes from it. Works across hosts on a shared folder.")
     where = pre.add_mutually_exclusive_group(required=True)
     where.add_argument("--output", default=None,
                        help="the run's output folder (its --output, default runs/<name>); notice: DIR/PREEMPT")
@@ -568,7 +594,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench", required=True)
     bb = bsub.add_parser("bbs", help="token imbalance across ranks with and without BBS")
-    bb.add_argument("--config", required=True)
+    bb.add_argument("--config", required=True,
+                    help="TOML config: its data.prepared_dir, batch sizes and bbs_window_batches are simulated")
     bb.add_argument("--world-size", type=int, default=None, help="default: ray.num_workers")
     _add_set(bb)
     bb.set_defaults(func=_cmd_bench_bbs)
@@ -607,7 +634,11 @@ def build_parser() -> argparse.ArgumentParser:
     except ImportError:  # pragma: no cover - submit needs ray[default]'s job client
         add_submit_arguments = None
     if add_submit_arguments is not None:
-        sm = sub.add_parser("submit", help="submit a job to a running Ray cluster (ray job submit)")
+        sm = sub.add_parser("submit", help="submit a job to a running Ray cluster (ray job submit)",
+                            description="Submit a gemray task (train, or prepare) to a running Ray cluster's job "
+                                        "server (gemray.submit): the config is validated here and sent with the "
+                                        "job; paths in it are read on the cluster. Waits for the job and prints "
+                                        "its result unless --no-wait.")
         add_submit_arguments(sm)
         sm.set_defaults(func=_cmd_submit)
     # options after the subcommand go to gemray.k8s untouched: no option prefix of its own ("+" never starts an

@@ -12,6 +12,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import re
@@ -621,6 +622,16 @@ def _field_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+def _did_you_mean(name: str, known: list[str] | set[str]) -> str:
+    """`` (did you mean 'x'?)`` for the closest known name by difflib, or ``""`` when none is close."""
+    close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _sections(cfg: "JobConfig") -> list[str]:
+    return sorted(f.name for f in dataclasses.fields(cfg) if dataclasses.is_dataclass(getattr(cfg, f.name)))
+
+
 def from_dict(raw: dict[str, Any]) -> JobConfig:
     """Build a validated JobConfig from a nested dict (TOML layout, TOML types: a string where a number or
     a bool belongs is an error). Unknown keys raise ValueError."""
@@ -628,7 +639,8 @@ def from_dict(raw: dict[str, Any]) -> JobConfig:
     top_types = _field_types(JobConfig)
     for key, val in raw.items():
         if key not in top_types:
-            raise ValueError(f"unknown config section or key {key!r} (known: {sorted(top_types)})")
+            raise ValueError(f"unknown config section or key {key!r}{_did_you_mean(key, top_types)} "
+                             f"(known: {sorted(top_types)})")
         sub = getattr(cfg, key)
         if dataclasses.is_dataclass(sub):
             if not isinstance(val, dict):
@@ -636,7 +648,7 @@ def from_dict(raw: dict[str, Any]) -> JobConfig:
             types = _field_types(type(sub))
             for k, v in val.items():
                 if k not in types:
-                    raise ValueError(f"unknown key {key}.{k} (known: {sorted(types)})")
+                    raise ValueError(f"unknown key {key}.{k}{_did_you_mean(k, types)} (known: {sorted(types)})")
                 setattr(sub, k, _coerce(v, types[k], f"{key}.{k}", strict=True))
         else:
             setattr(cfg, key, _coerce(val, top_types[key], key, strict=True))
@@ -652,8 +664,12 @@ def apply_overrides(cfg: JobConfig, overrides: list[str]) -> JobConfig:
         parts = path.strip().split(".")
         if len(parts) == 1:
             types = _field_types(JobConfig)
-            if parts[0] not in types or dataclasses.is_dataclass(getattr(cfg, parts[0])):
-                raise ValueError(f"--set {item!r}: unknown key {parts[0]!r}")
+            if parts[0] in types and dataclasses.is_dataclass(getattr(cfg, parts[0])):
+                raise ValueError(f"--set {item!r}: {parts[0]!r} is a section; set one of its keys as "
+                                 f"{parts[0]}.KEY=VALUE")
+            if parts[0] not in types:
+                raise ValueError(f"--set {item!r}: unknown key {parts[0]!r}{_did_you_mean(parts[0], types)} "
+                                 f"(sections: {_sections(cfg)})")
             setattr(cfg, parts[0], _coerce(value, types[parts[0]], parts[0]))
             continue
         if len(parts) != 2:
@@ -661,10 +677,12 @@ def apply_overrides(cfg: JobConfig, overrides: list[str]) -> JobConfig:
         section, key = parts
         sub = getattr(cfg, section, None)
         if not dataclasses.is_dataclass(sub):
-            raise ValueError(f"--set {item!r}: unknown section {section!r}")
+            raise ValueError(f"--set {item!r}: unknown section {section!r}"
+                             f"{_did_you_mean(section, _sections(cfg))} (sections: {_sections(cfg)})")
         types = _field_types(type(sub))
         if key not in types:
-            raise ValueError(f"--set {item!r}: unknown key {section}.{key} (known: {sorted(types)})")
+            raise ValueError(f"--set {item!r}: unknown key {section}.{key}{_did_you_mean(key, types)} "
+                             f"(known: {sorted(types)})")
         setattr(sub, key, _coerce(value, types[key], f"{section}.{key}"))
     return cfg.validate()
 

@@ -353,3 +353,40 @@ def install_driver_sigterm(notice_path: str | Path) -> Callable[[], None]:
             signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
     return restore
+
+
+def install_driver_sigint(notice_path: str | Path) -> Callable[[], None]:
+    """In the driver: Ctrl-C (SIGINT, which a terminal sends to the whole process group) is a preemption notice,
+    as SIGTERM is: the first writes the notice (the workers checkpoint at their next poll step, the run exits
+    75 and a re-run resumes there, a preemption, not a failure); the second raises KeyboardInterrupt at once
+    (``gemray train`` exits 130), without waiting for the emergency checkpoint.
+
+    Returns a function that restores the previous handler. A no-op off the main thread. Ray Train installs its
+    own SIGINT handler in ``trainer.fit()`` on the main thread (an abort that counts as a failure), so the
+    caller runs ``fit`` on another thread (:func:`gemray.controller.run._train`).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = signal.getsignal(signal.SIGINT)
+    seen = {"n": 0}
+
+    def handler(signum, frame):  # noqa: ARG001
+        seen["n"] += 1
+        if seen["n"] == 1:
+            write_notice(notice_path, "Ctrl-C (SIGINT) to the driver")
+            log.warning("Ctrl-C: taking an emergency checkpoint at the next poll step "
+                        "(checkpoint.preempt_poll_steps), then stopping (exit 75; re-run the same command to "
+                        "resume). Press Ctrl-C again to stop at once, without it.")
+            return
+        log.warning("second Ctrl-C: stopping at once, without the emergency checkpoint; a re-run resumes from the "
+                    "last committed checkpoint")
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, handler)
+
+    def restore() -> None:
+        if signal.getsignal(signal.SIGINT) is handler:
+            signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
+
+    return restore

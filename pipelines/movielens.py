@@ -41,7 +41,7 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from .schema import (HISTORIES_DIR, HISTORY_SCHEMA, ITEMS_FILE, ITEMS_SCHEMA, MANIFEST_FILE,
-                     MANIFEST_VERSION, MAX_ID, MIN_HISTORY_FOR_SPLITS, QUARANTINE_FILE, SPLIT_PROTOCOL,
+                     MANIFEST_VERSION, MAX_ID, MIN_HISTORY_FOR_SPLITS, QUARANTINE_FILE, RUN_FILE, SPLIT_PROTOCOL,
                      BadRowError)
 
 log = logging.getLogger(__name__)
@@ -117,18 +117,20 @@ class _Parsed:
     bad: list[dict[str, Any]]  # quarantined rows
 
 
+def _strip_bom(data: bytes) -> bytes:
+    """``data`` without a leading UTF-8 byte-order mark (an editor's save): no byte of line 1, in any format."""
+    return data[len(_BOM):] if data.startswith(_BOM) else data
+
+
 def _parse_fast(data: bytes, fmt: MovieLensFormat) -> _Parsed | None:
     """Vectorised parse with pyarrow.csv. Returns None whenever anything is off (the slow path decides)."""
+    data = _strip_bom(data)
     if data and not data.endswith(b"\n"):
         return None  # a possibly truncated last line: the strict parser reports it
     if fmt.header is not None:
-        if data.startswith(_BOM):
-            data = data[len(_BOM):]
         first, _, _ = data.partition(b"\n")
         if first.rstrip(b"\r") != fmt.header.encode():
             return None
-    elif data.startswith(_BOM):
-        return None
     # Only the bytes a well-formed file can hold: pyarrow's converters are laxer than _parse_line
     # (they trim spaces and take "0x1", "4e0", "4.", ".5"); anything unusual goes to the strict parser.
     allowed = b"0123456789-\r\n" + fmt.delimiter[0].encode() + (b"." if fmt.half_stars else b"")
@@ -228,6 +230,7 @@ def _parse_line(raw: bytes, lineno: int, fmt: MovieLensFormat, fname: str) -> tu
 
 def _parse_slow(data: bytes, fmt: MovieLensFormat, fname: str, quarantine: bool) -> _Parsed:
     """Line-by-line strict parse; raises the first BadRowError, or collects bad rows when quarantining."""
+    data = _strip_bom(data)
     us: list[int] = []
     it: list[int] = []
     rs: list[int] = []
@@ -244,8 +247,6 @@ def _parse_slow(data: bytes, fmt: MovieLensFormat, fname: str, quarantine: bool)
         if raw.endswith(b"\r"):
             raw = raw[:-1]
         if lineno == 1 and fmt.header is not None:
-            if raw.startswith(_BOM):
-                raw = raw[len(_BOM):]
             if raw == fmt.header.encode():
                 continue
             # A missing header is a bad first line, not silently data.
@@ -298,6 +299,17 @@ def _sha256_check(path: Path, digest: str) -> str:
                                  f"anyway, remove {sums.name} from its folder)")
             return "matched"
     return "not listed"
+
+
+def write_run_file(folder: Path, run: dict[str, Any]) -> None:
+    """Write ``folder/prepare_run.json`` (:data:`~pipelines.schema.RUN_FILE`): the run-time facts of one
+    preparation (``created_unix``, ``seconds``, ...), kept out of manifest.json so that two preparations of
+    the same source give identical manifests. Durable (fsynced) like the manifest."""
+    with open(folder / RUN_FILE, "w", encoding="utf-8") as f:
+        json.dump(run, f, indent=2, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _fsync_path(path: Path) -> None:
@@ -435,7 +447,6 @@ def prepare_movielens(src: str | Path, out: str | Path, *, on_bad_rows: str = "e
             "gemray_version": version("gemray"),
             "format": fmt.name,
             "on_bad_rows": on_bad_rows,
-            "created_unix": int(time.time()),
             "source": {"dir": str(path.parent.resolve()), "files": [{
                 "name": path.name, "sha256": digest, "bytes": path.stat().st_size,
                 "sha256sums": sha_status}]},
@@ -458,14 +469,15 @@ def prepare_movielens(src: str | Path, out: str | Path, *, on_bad_rows: str = "e
             "items_file": ITEMS_FILE,
             "items_sha256": _file_sha256(tmp / ITEMS_FILE),
             "shards": shards,
-            "conversion": {"parser": "pyarrow.csv" if fast else "python-strict",
-                           "seconds": round(time.perf_counter() - t0, 3)},
+            "conversion": {"parser": "pyarrow.csv" if fast else "python-strict"},
+            "run_file": RUN_FILE,
         }
         with open(tmp / MANIFEST_FILE, "w", encoding="utf-8") as f:
             json.dump(manifest, f, indent=2)
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())
+        write_run_file(tmp, {"created_unix": int(time.time()), "seconds": round(time.perf_counter() - t0, 3)})
         for d in (tmp / HISTORIES_DIR, tmp):
             _fsync_path(d)
 
@@ -511,6 +523,8 @@ def _check_replaceable(out: Path, src_file: Path) -> dict[str, Any] | None:
         listed = {f["path"] for f in prev["files"]} | {prev.get("items_file", ITEMS_FILE)}
         if (prev.get("quarantine") or {}).get("file"):
             listed.add(prev["quarantine"]["file"])
+        if prev.get("run_file"):
+            listed.add(prev["run_file"])
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         raise ValueError(f"{refuse} (its {MANIFEST_FILE} is not a gemray manifest); refusing to replace it") from None
     listed = {str(Path(p)) for p in listed} | {MANIFEST_FILE, HISTORIES_DIR}

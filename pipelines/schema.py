@@ -65,6 +65,9 @@ import pyarrow as pa
 
 MANIFEST_VERSION = 1
 MANIFEST_FILE = "manifest.json"
+#: Run-time facts of one preparation (when, how long, workers, memory): beside the manifest, never in it, so that
+#: preparing the same source twice gives an identical manifest.json.
+RUN_FILE = "prepare_run.json"
 HISTORIES_DIR = "histories"
 ITEMS_FILE = "items.parquet"
 QUARANTINE_FILE = "quarantine.jsonl"

@@ -67,6 +67,14 @@ def _by_user(table: pa.Table) -> pa.Table:
     return table.sort_by("user_id")
 
 
+def damaged_file_error(path: str | Path, err: BaseException, row_group: int | None = None) -> ValueError:
+    """The ValueError for a prepared Parquet file pyarrow cannot read (truncated, corrupt): names the file
+    (and row group), pyarrow's message, and the fix."""
+    where = f" (row group {row_group})" if row_group is not None else ""
+    return ValueError(f"{path}{where}: cannot read this Parquet file ({type(err).__name__}: {err}); it is "
+                      "truncated or damaged: prepare the data again (gemray prepare ...)")
+
+
 def read_shard_lengths(manifest: dict[str, Any], shards: list[dict[str, Any]]) -> np.ndarray:
     """[S] int64 full history lengths of the split-eligible users in ``shards``, ascending user_id.
 
@@ -74,8 +82,13 @@ def read_shard_lengths(manifest: dict[str, Any], shards: list[dict[str, Any]]) -
     what :func:`gemray.pipelines.bbs.simulate_imbalance` needs to replay a rank's plan.
     """
     root = Path(manifest["prepared_dir"])
-    parts = [pq.ParquetFile(root / s["file"]).read_row_group(s["row_group"], columns=["user_id", "item_ids"])
-             for s in shards]
+    parts = []
+    for s in shards:
+        path = root / s["file"]
+        try:
+            parts.append(pq.ParquetFile(path).read_row_group(s["row_group"], columns=["user_id", "item_ids"]))
+        except (pa.ArrowException, OSError) as e:
+            raise damaged_file_error(path, e, row_group=s["row_group"]) from e
     if not parts:
         return np.empty(0, np.int64)
     table = _eligible(pa.concat_tables(parts))

@@ -54,7 +54,7 @@ from .movielens import load_manifest
 from .schema import (CANDIDATE_CLICK, CANDIDATE_CONVERT, CANDIDATE_ITEMS, HISTORY_SCHEMA, ITEMS_FILE,
                      REQUEST_SPLIT, SPLITS, check_features, check_split, history_schema,
                      split_input_bounds)
-from .shards import _by_user, _check_rank, _eligible, assign_shards, num_batches_for
+from .shards import _by_user, _check_rank, _eligible, assign_shards, damaged_file_error, num_batches_for
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,10 @@ def _read_rank_table_uncached(manifest: dict[str, Any], shards: list[dict[str, A
     paths = [str(root / f) for f in sorted({s["file"] for s in shards})]
     schema = history_schema(manifest)
     for path in paths[:1] if schema == HISTORY_SCHEMA else paths:  # a declared column must be in every file
-        have = pq.read_schema(path)
+        try:
+            have = pq.read_schema(path)
+        except (pa.ArrowException, OSError) as e:
+            raise damaged_file_error(path, e) from e
         for f in schema:
             if have.get_field_index(f.name) < 0 or not have.field(f.name).type.equals(f.type):
                 got = have.field(f.name).type if have.get_field_index(f.name) >= 0 else "no such column"
@@ -103,20 +106,39 @@ def _read_rank_table_uncached(manifest: dict[str, Any], shards: list[dict[str, A
     for s in shards:
         term = (user >= s["first_user_id"]) & (user <= s["last_user_id"])
         expr = term if expr is None else expr | term
-    if reader == "arrow":
-        import pyarrow.dataset as pads
+    try:
+        if reader == "arrow":
+            import pyarrow.dataset as pads
 
-        log.info("reading shards %s of %s with pyarrow", [s["index"] for s in shards], root)
-        read = pads.dataset(paths, format="parquet").to_table(columns=schema.names, filter=expr)
-        parts = [read] if read.num_rows else []
-    else:
-        parts = _read_with_ray_data(paths, expr, root, shards, schema.names)
+            log.info("reading shards %s of %s with pyarrow", [s["index"] for s in shards], root)
+            read = pads.dataset(paths, format="parquet").to_table(columns=schema.names, filter=expr)
+            parts = [read] if read.num_rows else []
+        else:
+            parts = _read_with_ray_data(paths, expr, root, shards, schema.names)
+    except Exception as e:  # pyarrow's / Ray Data's error names no file: find the one that cannot be read
+        bad = _first_unreadable(paths, schema.names)
+        if bad is None:
+            raise
+        raise damaged_file_error(*bad) from e
     table = pa.concat_tables(parts).select(schema.names).cast(schema) if parts else schema.empty_table()
     want = sum(s["rows"] for s in shards)
     if table.num_rows != want:
         raise ValueError(f"{root}: read {table.num_rows} rows for shards {[s['index'] for s in shards]}, "
                          f"manifest says {want}; the prepared folder changed since its manifest was written")
     return _by_user(table)
+
+
+def _first_unreadable(paths: list[str], columns: list[str]) -> tuple[str, BaseException] | None:
+    """The first of ``paths`` pyarrow cannot read whole (footer, then every row group of ``columns``), with its
+    error; None when all read. Only on the error path of a read that failed without naming its file."""
+    for path in paths:
+        try:
+            f = pq.ParquetFile(path)
+            for g in range(f.num_row_groups):
+                f.read_row_group(g, columns=columns)
+        except (pa.ArrowException, OSError) as e:
+            return path, e
+    return None
 
 
 def _read_with_ray_data(paths: list[str], expr: Any, root: Path, shards: list[dict[str, Any]],

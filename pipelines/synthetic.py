@@ -88,10 +88,11 @@ import pyarrow.parquet as pq
 
 from gemray.config import DataConfig
 
-from .movielens import _check_replaceable, _file_sha256, _fsync_path
+from .movielens import _check_replaceable, _file_sha256, _fsync_path, write_run_file
 from .schema import (CANDIDATE_CLICK, CANDIDATE_CONVERT, CANDIDATE_ITEMS, HISTORIES_DIR, ITEMS_FILE,
                      ITEMS_SCHEMA, LABEL_NAMES, MANIFEST_FILE, MANIFEST_VERSION, MIN_HISTORY_FOR_SPLITS,
-                     RANKING_PROTOCOL, REQUEST_SPLIT, SPLIT_PROTOCOL, SPLITS, feature_column, history_schema)
+                     RANKING_PROTOCOL, REQUEST_SPLIT, RUN_FILE, SPLIT_PROTOCOL, SPLITS, feature_column,
+                     history_schema)
 
 log = logging.getLogger(__name__)
 
@@ -843,11 +844,14 @@ def prepare_synthetic(out: str | Path, spec: SyntheticSpec, *, num_files: int = 
         results = _run_tasks(tasks, items, workers, spec.users, progress)
         manifest = _manifest(spec, items, calib, len_params, layout, results, tmp)
         manifest["generation"] = {"block_users": BLOCK_USERS}
+        manifest["run_file"] = RUN_FILE
         with open(tmp / MANIFEST_FILE, "w", encoding="utf-8") as f:
             json.dump(manifest, f, indent=2)
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())
+        write_run_file(tmp, {"created_unix": int(time.time()), "seconds": round(time.perf_counter() - t0, 3),
+                             "workers": workers})
         for dd in (tmp / HISTORIES_DIR, tmp):
             _fsync_path(dd)
         old = None

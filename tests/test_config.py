@@ -91,3 +91,26 @@ def test_bad_files(tmp_path):
     cfg = load_config(bad)
     assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float) and cfg.train.eval_ks == [10, 50]
     assert apply_overrides(JobConfig(), ["data.batch_size=64"]).data.batch_size == 64  # --set strings parse
+
+
+def test_unknown_section_lists_sections_and_suggests():
+    """issue 22: ``--set trian.epochs=1`` names the known sections and the close match."""
+    with pytest.raises(ValueError) as err:
+        apply_overrides(JobConfig(), ["trian.epochs=1"])
+    msg = str(err.value)
+    assert "did you mean 'train'?" in msg
+    for section in ("data", "model", "train", "ray", "checkpoint"):
+        assert repr(section) in msg, msg
+
+
+@pytest.mark.parametrize("item, suggestion", [("train.epoch=1", "epochs"), ("data.batch_sise=8", "batch_size")])
+def test_unknown_key_suggests_the_close_one(item, suggestion):
+    with pytest.raises(ValueError, match=f"did you mean '{suggestion}'"):
+        apply_overrides(JobConfig(), [item])
+
+
+def test_unknown_key_in_toml_suggests(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[train]\nepoch = 1\n")
+    with pytest.raises(ValueError, match="did you mean 'epochs'"):
+        load_config(path)

@@ -605,3 +605,73 @@ def test_output_claimed_releases_the_folder_however_the_block_ends(tmp_path):
             assert claimed and active_path(notice).is_file()
             raise RuntimeError("boom")
     assert not active_path(notice).exists()
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A folder nobody here can write: mode 0555, and for root (who writes anywhere) also immutable
+    (chattr +i); skips where neither applies (root without chattr support)."""
+    import os
+    import shutil
+    import subprocess
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    immutable = False
+    if os.geteuid() == 0:
+        chattr = shutil.which("chattr")
+        immutable = bool(chattr) and subprocess.run([chattr, "+i", str(ro)], capture_output=True).returncode == 0
+        if not immutable:
+            ro.chmod(0o755)
+            pytest.skip("running as root without chattr +i: no folder is read-only for this process")
+    yield ro
+    if immutable:
+        subprocess.run(["chattr", "-i", str(ro)], check=True)
+    ro.chmod(0o755)
+
+
+@pytest.mark.parametrize("sub", ["", "new"])
+def test_train_into_a_read_only_output_exits_2_before_ray(tmp_path, read_only_dir, monkeypatch, capsys, sub):
+    """issue 22: a `--output` that cannot be written (an existing read-only folder, or one whose parent is
+    read-only): `gemray: error: --output ... is not writable`, exit 2, one line, before Ray starts (was: a
+    warning naming the active marker, then "training failed: OSError", exit 1)."""
+    from gemray.cli import main
+
+    def no_ray(cfg):
+        raise AssertionError("Ray must not start")
+
+    monkeypatch.setattr(session, "connect", no_ray)
+    out = read_only_dir / sub if sub else read_only_dir
+    rc = main(["train", "--config", str(REPO / "configs" / "ml-latest-small.toml"), "--output", str(out), "--set",
+               f"data.raw_dir={DATA / 'ml-latest-small'}", f"data.prepared_dir={tmp_path / 'prep'}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith(f"gemray: error: --output {out} is not writable"), err
+    assert list(read_only_dir.iterdir()) == [] and not (tmp_path / "prep").exists()
+
+
+def test_fit_probes_the_output_before_anything_starts(tmp_path, monkeypatch):
+    """The probe's failure (any OSError creating a file there) is the ValueError, raised before the data is
+    prepared or Ray is reached (runs as root too: the file system's refusal is simulated)."""
+    import errno
+    import tempfile
+
+    def refuse(*a, **k):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", refuse)
+    monkeypatch.setattr(session, "connect", lambda cfg: pytest.fail("Ray must not start"))
+    cfg = apply_overrides(JobConfig(), [f"data.raw_dir={DATA / 'ml-latest-small'}",
+                                        f"data.prepared_dir={tmp_path / 'prep'}"])
+    with pytest.raises(ValueError, match=r"--output .* is not writable .*: Read-only file system"):
+        run.fit(cfg, output_dir=tmp_path / "out")
+    assert not (tmp_path / "prep").exists() and not (tmp_path / "out").exists()
+
+
+def test_preflight_output_refuses_a_file_on_the_path(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(NotADirectoryError, match="is not a folder"):
+        preflight.preflight_output(tmp_path / "f" / "out")
+    preflight.preflight_output(tmp_path / "new" / "out")  # creatable: fine, nothing made
+    assert not (tmp_path / "new").exists()

@@ -433,3 +433,24 @@ def test_python_m_gemray_k8s_regenerates_in_place(tmp_path):
     assert stale.read_text() == src.read_text()
     r = subprocess.run([sys.executable, "-m", "gemray.k8s"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "python -m gemray.k8s regenerate deploy/*.yaml" in r.stderr
+
+
+@pytest.mark.parametrize("storage", ["pvc:gemray-data", "s3://bucket/runs"])
+def test_rendered_job_writes_results_on_the_volume(storage):
+    """issue 22: the RayJob's `gemray train` gets `--output` on the shared volume, so metrics.json, curves.png,
+    config.toml and events.jsonl outlive the cluster; with pvc: storage it is the folder of the checkpoints
+    (Ray Train's storage_path/<name>) and of the preemption notice."""
+    cfg = load_config(REPO / "configs" / "ml-latest-small.toml")
+    m = render.render(cfg, render.DeployOptions(kind="rayjob", storage=storage,
+                                                config_path="configs/ml-latest-small.toml"))
+    argv = shlex.split(m["spec"]["entrypoint"])
+    assert argv.count("--output") == 1
+    output = argv[argv.index("--output") + 1]
+    assert output == f"{render.MOUNT_PATH}/runs/{cfg.name}"
+    mounts = {mt["mountPath"] for pod in _pod_templates(m) for c in pod["spec"]["containers"]
+              for mt in c.get("volumeMounts", [])}
+    assert render.MOUNT_PATH in mounts
+    sets = dict(argv[i + 1].split("=", 1) for i, a in enumerate(argv) if a == "--set")
+    if storage.startswith("pvc:"):
+        assert f"{sets['ray.storage_path']}/{cfg.name}" == output  # beside the checkpoints
+        assert sets["checkpoint.preempt_notice"] == f"{output}/PREEMPT"

@@ -461,3 +461,38 @@ def test_file_cut_mid_line_is_a_bad_row(fmt, tmp_path):
     m = prepare_movielens(src, tmp_path / "out", on_bad_rows="quarantine")
     assert m["quarantine"]["by_reason"] == {"truncated": 1}
     assert m["counts"]["interactions"] + 1 == m["counts"]["source_data_lines"]
+
+
+@pytest.mark.parametrize("fmt", ["ml-1m", "ml-100k", "ml-latest-small"])
+@pytest.mark.parametrize("on_bad_rows", ["error", "quarantine"])
+def test_a_utf8_bom_is_accepted_in_every_format(fmt, on_bad_rows, tmp_path):
+    """issue 22: a UTF-8 byte-order mark before line 1 of ratings.dat / u.data (as of ratings.csv) is no data
+    byte: the file prepares, and with quarantine its first (valid) row is kept, nothing quarantined."""
+    src = tmp_path / "src"
+    src.mkdir()
+    lines = ([HEADER[fmt]] if fmt == "ml-latest-small" else []) + GOOD[fmt]
+    (src / ml.FORMATS[fmt].filename).write_bytes(b"\xef\xbb\xbf" + "\n".join(lines).encode() + b"\n")
+    m = prepare_movielens(src, tmp_path / "o", on_bad_rows=on_bad_rows)
+    assert m["counts"]["interactions"] == len(GOOD[fmt]) and m["counts"]["quarantined"] == 0, m["counts"]
+    f = ml.FORMATS[fmt]
+    data = (src / f.filename).read_bytes()
+    slow = ml._parse_slow(data, f, f.filename, quarantine=True)
+    assert not slow.bad and slow.users.tolist()[0] == 1 and slow.items.tolist()[0] == 10
+
+
+def test_preparing_twice_gives_an_identical_manifest(tmp_path, monkeypatch):
+    """issue 22: run-time facts (created_unix, seconds) go to prepare_run.json, so manifest.json is the same
+    bytes for two preparations of the same source; the second replaces the first (its run file is listed)."""
+    src, _ = _write_src(tmp_path, "ml-1m", b"3::10::4::100")
+    prepare_movielens(src, tmp_path / "a")
+    first = (tmp_path / "a" / "manifest.json").read_bytes()
+    run_first = json.loads((tmp_path / "a" / ml.RUN_FILE).read_text())
+    monkeypatch.setattr(ml.time, "time", lambda: run_first["created_unix"] + 3600.0)  # an hour later
+    prepare_movielens(src, tmp_path / "a")  # replaces its own earlier output
+    prepare_movielens(src, tmp_path / "b")
+    assert (tmp_path / "a" / "manifest.json").read_bytes() == first == (tmp_path / "b" / "manifest.json").read_bytes()
+    run = json.loads((tmp_path / "a" / ml.RUN_FILE).read_text())
+    assert run["created_unix"] > run_first["created_unix"] and run["seconds"] >= 0
+    m = json.loads(first)
+    assert "created_unix" not in m and "seconds" not in m["conversion"] and m["run_file"] == ml.RUN_FILE
+    load_manifest(tmp_path / "a", verify=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -232,3 +233,37 @@ def test_train_includes_valid_trains_on_test_inputs(synthetic):
             seen.update(_rows(b))
         assert seen == want
     assert ref_test != ref_train
+
+
+@pytest.fixture
+def truncated(synthetic, tmp_path) -> tuple[Path, Path]:
+    """A copy of the prepared folder whose second history file lost its second half (a cut copy)."""
+    import shutil
+
+    d = tmp_path / "prepared"
+    shutil.copytree(synthetic, d)
+    bad = d / "histories" / "part-00001.parquet"
+    bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])
+    return d, bad
+
+
+@pytest.mark.parametrize("reader", ["arrow", "ray_data"])
+def test_a_truncated_shard_is_named(truncated, reader):
+    """issue 22: a worker reading a damaged shard ends with an error naming the file (was: a cut Ray Data /
+    pyarrow traceback with no path)."""
+    d, bad = truncated
+    with pytest.raises(ValueError, match=re.escape(str(bad)) + r".*truncated or damaged"):
+        list(HistoryStream(d, "train", rank=0, world_size=1, batch_size=4, max_seq_len=MAX_LEN, sub_batch_size=4,
+                           reader=reader).iter_epoch(1))
+
+
+def test_bench_bbs_names_a_truncated_file(truncated, capsys):
+    """`gemray bench bbs` on a truncated Parquet file: exit 2, one line naming the file."""
+    from gemray.cli import main
+
+    d, bad = truncated
+    cfg = Path(__file__).resolve().parents[1] / "configs" / "ml-latest-small.toml"
+    assert main(["bench", "bbs", "--config", str(cfg), "--world-size", "2", "--set", f"data.prepared_dir={d}",
+                 "data.batch_size=4", "data.sub_batch_size=2", "data.max_seq_len=8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("gemray: error: ") and str(bad) in err[0], err

@@ -72,8 +72,10 @@ def _files(folder: Path) -> dict[str, bytes]:
 def test_same_seed_byte_identical_whatever_the_worker_count(folders):
     a, b = _files(folders("small_w1")), _files(folders("small_w2"))
     assert sorted(a) == ["histories/part-00000.parquet", "histories/part-00001.parquet",
-                         "histories/part-00002.parquet", "items.parquet", "manifest.json"]
-    assert a == b
+                         "histories/part-00002.parquet", "items.parquet", "manifest.json", "prepare_run.json"]
+    run_a, run_b = json.loads(a.pop("prepare_run.json")), json.loads(b.pop("prepare_run.json"))
+    assert (run_a["workers"], run_b["workers"]) == (1, 2) and run_a["seconds"] >= 0  # run-time facts only there
+    assert a == b  # manifest.json included
 
 
 def test_layout_changes_files_not_rows(folders):

@@ -7,6 +7,7 @@ refused at once, in one line naming the field or folder, before anything is writ
   shape against the previous run in the output folder;
 * :func:`preflight_resume`: the checkpoint a resume would restore was trained on this data
   (:func:`resume_mismatch` is the pure comparison);
+* :func:`preflight_output`: the output folder is (or can be made) a folder this process can write;
 * :func:`preflight_active`: no other run is active in the output folder
   (:mod:`gemray.controller.output_lock` claims it).
 
@@ -33,6 +34,29 @@ log = logging.getLogger(__name__)
 SHAPE_FIELDS = ("embedding_dim", "num_blocks", "num_heads", "attention_dim", "linear_dim", "use_rating_feature",
                 "use_time_feature", "num_time_buckets", "num_position_buckets", "model_dim", "token_features",
                 "candidate_features", "context_features", "combiner", "tasks", "pma_seeds", "mlp_dims", "table_rows")
+
+
+def preflight_output(out: str | Path, *, what: str = "--output") -> None:
+    """Refuse an output folder this process cannot write, before Ray starts: ``out`` if it exists, else its
+    nearest existing parent (where ``mkdir`` would create it), must be a folder in which a file can be
+    created (probed with a temporary file that is removed at once; ``os.access`` alone is not enough for
+    root or read-only mounts). Raises NotADirectoryError when ``out`` or that parent is not a folder and
+    ValueError ``--output DIR is not writable: ...`` otherwise."""
+    import tempfile
+
+    out = Path(out)
+    probe = out
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise NotADirectoryError(f"{what} {out}: {probe} exists and is not a folder")
+    try:
+        with tempfile.TemporaryFile(dir=probe, prefix=".gemray-write-probe-"):
+            pass
+    except OSError as e:
+        where = "" if probe == out else f" (its parent {probe} is not writable, so it cannot be created)"
+        raise ValueError(f"{what} {out} is not writable{where}: {e.strerror or e}; give a folder you can "
+                         "write to") from e
 
 
 def preflight_resources(cfg: JobConfig, *, embedded: bool, num_gpus: int | None = None) -> None:

@@ -25,7 +25,7 @@ from gemray.config import JobConfig, apply_overrides, load_config, to_toml
 from gemray.controller import output_lock, preflight, results, session
 from gemray.controller.results import Result
 from gemray.parallel.sharding import check_shardable
-from gemray.preemption import NOTICE_NAME, clear_notice, install_driver_sigterm
+from gemray.preemption import NOTICE_NAME, clear_notice, install_driver_sigint, install_driver_sigterm
 
 __all__ = ["Result", "fit"]
 
@@ -56,7 +56,9 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
     ``global_step``, ``epoch`` and ``epochs_completed`` instead of test metrics.
     Raises FileNotFoundError / ValueError for a bad config or data path, or for an output folder whose
     checkpoint was trained on other data (:func:`~gemray.controller.preflight.preflight_resume`),
-    FileExistsError for an output folder in which another run is active
+    ValueError for an output folder this process cannot write
+    (:func:`~gemray.controller.preflight.preflight_output`), FileExistsError for an output folder in which
+    another run is active
     (:func:`~gemray.controller.output_lock.claim_output`), all before any worker starts, and Ray's
     TrainingFailedError when training fails beyond ``ray.max_failures``.
     """
@@ -65,6 +67,7 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
     out = Path(output_dir or Path("runs") / cfg.name).expanduser().resolve()
     if out.exists() and not out.is_dir():
         raise NotADirectoryError(f"output folder {out} exists and is not a folder (--output / output_dir)")
+    preflight.preflight_output(out)  # a read-only --output: one line, exit 2, before anything starts
     # resources before preparing the data: no GPU means no wait for the data
     preflight.preflight_resources(cfg, embedded=not session.ray_address(cfg))
     results.load_scaling_reference(cfg.train.scaling_reference)  # a bad reference path fails now, not at the end
@@ -196,6 +199,7 @@ def _train(cfg: JobConfig, storage: Path) -> Any:
         stack.enter_context(session.ray_session(cfg))
         # after ray.init, which installs its own SIGTERM handler in the driver: SIGTERM -> preemption notice
         stack.callback(install_driver_sigterm(cfg.checkpoint.preempt_notice))
+        stack.callback(install_driver_sigint(cfg.checkpoint.preempt_notice))  # Ctrl-C: the same notice
         stack.enter_context(session.train_env(cfg))
         trainer = TorchTrainer(
             train_loop_per_worker,
@@ -208,4 +212,28 @@ def _train(cfg: JobConfig, storage: Path) -> Any:
         )
         if isinstance(kw["num_workers"], tuple):
             stack.enter_context(session.ResourceViewRefresher(min(cfg.ray.resize_interval_s, 1.0)))
-        return trainer.fit()
+        return _fit_off_main_thread(trainer)
+
+
+def _fit_off_main_thread(trainer: Any, poll_s: float = 0.2) -> Any:
+    """``trainer.fit()`` on a helper thread while the main thread waits, so that the main thread keeps the
+    driver's signal handlers (Ray Train replaces SIGINT's with an abort that counts as a failure when fit runs
+    on the main thread; it leaves it alone elsewhere, as under Ray Tune). Returns fit's result or re-raises
+    its exception; a KeyboardInterrupt from a second Ctrl-C leaves the (daemon) thread behind."""
+    import threading
+
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["result"] = trainer.fit()
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread
+            box["error"] = e
+
+    t = threading.Thread(target=target, name="gemray-train-fit", daemon=True)
+    t.start()
+    while t.is_alive():
+        t.join(poll_s)
+    if "error" in box:
+        raise box["error"]
+    return box["result"]

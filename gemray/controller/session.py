@@ -73,7 +73,20 @@ def connect(cfg: JobConfig) -> bool:
             log.warning("the embedded Ray cluster did not start in time (%s); starting it once more", e)
             ray.shutdown()
     log.info("started an embedded Ray cluster advertising %d CPUs", num_cpus)
+    _start_watchdog()
     return True
+
+
+def _start_watchdog() -> None:
+    """Reap this embedded cluster if the driver dies without ``ray.shutdown()`` (:mod:`gemray.controller.watchdog`)."""
+    from gemray.controller import watchdog
+
+    try:
+        import ray._private.worker as ray_worker  # the session folder: no public API names it
+
+        watchdog.start(ray_worker._global_node.get_session_dir_path())
+    except Exception as e:  # noqa: BLE001 - a missing watchdog only means slower cleanup after a SIGKILL
+        log.debug("no watchdog for the embedded cluster: %s", e)
 
 
 @contextmanager
@@ -82,12 +95,15 @@ def ray_session(cfg: JobConfig) -> Iterator[None]:
     down on the way out, whatever happened inside."""
     import ray
 
+    from gemray.controller import watchdog
+
     started = connect(cfg)
     try:
         yield
     finally:
         if started:
             ray.shutdown()
+            watchdog.stop()
 
 
 def ray_train_env(cfg: JobConfig, environ: Mapping[str, str] = os.environ) -> dict[str, str]:

@@ -303,7 +303,9 @@ def add_submit_arguments(p: Any) -> None:
                    help="override config values, e.g. train.epochs=2 (several after one --set, as gemray train)")
     p.add_argument("--address", default=None,
                    help="Ray job server, e.g. http://127.0.0.1:8265 (default: $RAY_ADDRESS)")
-    p.add_argument("--task", choices=TASKS, default="train")
+    p.add_argument("--task", choices=TASKS, default="train",
+                   help="train (default): `gemray train` on the cluster; prepare: convert the config's MovieLens "
+                   "raw files (data.raw_dir) to Parquet (data.prepared_dir) on the cluster")
     p.add_argument("--working-dir", default=None, help="folder to upload and run in (e.g. .)")
     p.add_argument("--python", default="python", help="interpreter on the cluster")
     p.add_argument("--output", default=None, help="train: output folder on the cluster (absolute)")

@@ -220,7 +220,11 @@ def prestop_command(notice: str, wait_s: int) -> list[str]:
 
 def entrypoint(cfg: JobConfig, opts: DeployOptions) -> list[str]:
     """The ``gemray train`` command line the job runs (argv list), with the storage/data overrides that
-    make the config fit the pod layout, and with ``pvc:`` storage the shared preemption notice path."""
+    make the config fit the pod layout, and with ``pvc:`` storage the shared preemption notice path.
+
+    ``--output`` is :func:`results_dir` on the shared volume (``/mnt/gemray/runs/<cfg.name>``, with ``pvc:``
+    storage the Ray Train run folder holding the checkpoints), so metrics.json, curves.png, config.toml and
+    events.jsonl outlive the cluster (``shutdownAfterJobFinishes``) instead of the image's working folder."""
     scheme, target = parse_storage(opts.storage)
     sets = []
     sets.append(f"ray.storage_path={MOUNT_PATH}/runs" if scheme == "pvc" else f"ray.storage_path={target}")
@@ -234,10 +238,17 @@ def entrypoint(cfg: JobConfig, opts: DeployOptions) -> list[str]:
     if opts.gpu or cfg.ray.use_gpu:
         sets.append("ray.use_gpu=true")
     sets.extend(opts.overrides)
-    argv = ["gemray", "train", "--config", opts.config_path]
+    argv = ["gemray", "train", "--config", opts.config_path, "--output", results_dir(cfg)]
     for s in sets:
         argv += ["--set", s]
     return argv
+
+
+def results_dir(cfg: JobConfig) -> str:
+    """The job's ``gemray train --output`` on the shared volume: ``/mnt/gemray/runs/<cfg.name>``, beside the
+    checkpoints (with ``pvc:`` storage Ray Train keeps them under ``ray.storage_path/<name>``, the same
+    folder; with ``s3://`` / ``gs://`` storage the checkpoints are in the bucket, the results on the volume)."""
+    return f"{MOUNT_PATH}/runs/{cfg.name}"
 
 
 def _dataset_dir(raw_dir: str) -> str:

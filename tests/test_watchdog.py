@@ -1,0 +1,93 @@
+"""The embedded cluster's watchdog (issue 22): after the driver is SIGKILLed, the dashboard and runtime-env
+agents (and the rest of the cluster) do not linger; the pure process-tree selection it acts on."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from paths import DATA
+
+from gemray.controller import watchdog
+
+REPO = Path(__file__).resolve().parents[1]
+SRC = DATA / "ml-latest-small"
+SESSION = "session_2026-12-02_04-44-26_309615_100"
+
+
+def test_session_processes_takes_the_drivers_ray_children_and_their_descendants():
+    table = {
+        100: (1, "python gemray train", 10),
+        101: (100, f"gcs_server --session_name={SESSION}", 11),
+        102: (100, f"raylet --session_dir=/tmp/ray/{SESSION}", 12),
+        103: (102, "ray::DashboardAgent", 13),  # retitled: found as the raylet's child
+        104: (102, "ray::RuntimeEnvAgent", 13),
+        105: (103, "python default_worker.py", 14),
+        106: (100, "tee log", 15),  # the driver's other child: not Ray's
+        107: (100, f"python -m gemray.controller.watchdog --session {SESSION}", 16),  # the watchdog itself
+        200: (1, f"raylet --session_dir=/tmp/ray/{SESSION}", 17),  # not the driver's child
+    }
+    found = watchdog.session_processes(table, 100, SESSION, exclude=107)
+    assert found == {101: 11, 102: 12, 103: 13, 104: 13, 105: 14}
+    # a pid reused by another process (other start time) is not "still running"
+    later = {**table, 103: (1, "something else", 99)}
+    del later[104]
+    assert watchdog.still_running(found, later) == {101: 11, 102: 12, 105: 14}
+
+
+def _group(pgid: int) -> dict[int, str]:
+    out = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if os.getpgid(int(d.name)) == pgid:
+                    out[int(d.name)] = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="the watchdog reads /proc (Linux)")
+def test_no_agents_linger_after_the_driver_is_sigkilled(tmp_path):
+    if not SRC.is_dir():
+        pytest.skip(f"{SRC} not available")
+    sets = ["name=wd", f"data.raw_dir={SRC}", f"data.prepared_dir={tmp_path / 'prepared'}", "data.batch_size=16",
+            "data.sub_batch_size=8", "model.embedding_dim=16", "model.num_blocks=1", "model.attention_dim=8",
+            "model.linear_dim=8", "model.num_negatives=16", "train.epochs=30", "train.eval_every=30",
+            "train.log_every=1", "ray.num_workers=1"]
+    cmd = [str(Path(sys.executable).with_name("gemray")), "train", "--config",
+           str(REPO / "configs" / "ml-latest-small.toml"), "--output", str(tmp_path / "out"), "--set", *sets]
+    log = tmp_path / "run.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+    try:
+        t0 = time.monotonic()
+        while not re.search(r"epoch 1 step \d+ \(global", log.read_text()):
+            assert proc.poll() is None and time.monotonic() - t0 < 300, log.read_text()[-3000:]
+            time.sleep(0.3)
+        before = _group(proc.pid)
+        assert any("ray::DashboardAgent" in c for c in before.values()), before
+        assert any("ray::RuntimeEnvAgent" in c for c in before.values()), before
+        os.kill(proc.pid, signal.SIGKILL)  # the driver only, as the OOM killer would
+        proc.wait()
+        ray_names = ("ray::DashboardAgent", "ray::RuntimeEnvAgent", "raylet", "gcs_server", "dashboard.py")
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            left = {p: c for p, c in _group(proc.pid).items() if any(n in c for n in ray_names)}
+            if not left:
+                break
+            time.sleep(0.5)
+        assert not left, left
+    finally:
+        for pid in _group(proc.pid):  # whatever is left of this test's process group
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
