@@ -26,34 +26,39 @@ from gemray.kernels import jagged_attention as ja
 from gemray.kernels.config import DEFAULT, KernelConfig
 
 _FWD_TYPES = dict(Q="*bf16", K="*bf16", V="*bf16", O="*bf16", LSE="*fp32", Q_OFF="*i64", KV_OFF="*i64",
-                  NT="*i64", WORK="*i32", BIAS="*bf16", alpha="fp32", inv_n="fp32")
+                  NT="*i64", WORK="*i32", BIAS="*bf16", alpha="fp32", inv_n="fp32",
+                  TQ="*i64", TK="*i64", PB_TAB="*i32", TTHR="*i64", PW="*fp32", TW="*fp32")
 _BWD_TYPES = dict(Q="*bf16", K="*bf16", V="*bf16", DO="*bf16", LSE="*fp32", DELTA="*fp32", O="*bf16",
                   DK="*bf16", DV="*bf16", DQ="*bf16", Q_OFF="*i64", KV_OFF="*i64", NT="*i64", WORK="*i32",
-                  BIAS="*fp32", DBIAS="*fp32", DS="*bf16", alpha="fp32", inv_n="fp32")
+                  BIAS="*fp32", DBIAS="*fp32", DS="*bf16", alpha="fp32", inv_n="fp32",
+                  TQ="*i64", TK="*i64", PB_TAB="*i32", TTHR="*i64", PW="*fp32", TW="*fp32", DPW="*fp32",
+                  DTW="*fp32")
 _DQ_DS_TYPES = dict(DS="*bf16", K="*bf16", DQ="*bf16", Q_OFF="*i64", KV_OFF="*i64", NT="*i64", WORK="*i32",
                     dq_scale="fp32")
 _BASE = dict(CAUSAL=True, HAS_TARGETS=False, ATT_BLOCK=0, WINDOW=0, Q_BCAST=False, BLOCK_DQK=128, BLOCK_DV=128,
-             DOT_PREC=None, HAS_BIAS=False, CONTEXT=0, FAST=True, HEADS_INNER=False, TMA=False)
+             DOT_PREC=None, HAS_BIAS=False, CONTEXT=0, FAST=True, HEADS_INNER=False, TMA=False, REL=False)
 
 
-def fwd_variant(act: int, bm: int, bn: int, warps: int, stages: int, tma: bool = False) -> tuple:
+def fwd_variant(act: int, bm: int, bn: int, warps: int, stages: int, tma: bool = False, rel: bool = False) -> tuple:
     """(name, jit fn, arg types, constexprs, warps, stages) of a bf16 D=128 causal forward (``tma``: tile
-    loads through tensor descriptors)."""
-    return (f"fwd act={act} {bm}x{bn}/{warps}w/{stages}s{' tma' if tma else ''}", ja._gdpa_fwd, _FWD_TYPES,
-            dict(_BASE, ACT=act, BLOCK_M=bm, BLOCK_N=bn, EVEN_D=True, TMA=tma), warps, stages)
+    loads through tensor descriptors; ``rel``: the in-kernel relative bias)."""
+    return (f"fwd act={act} {bm}x{bn}/{warps}w/{stages}s{' tma' if tma else ''}{' rel' if rel else ''}",
+            ja._gdpa_fwd, _FWD_TYPES,
+            dict(_BASE, ACT=act, BLOCK_M=bm, BLOCK_N=bn, EVEN_D=True, TMA=tma, REL=rel), warps, stages)
 
 
 def bwd_variant(act: int, part: int, dk: tuple[int, int], dq: tuple[int, int], warps: int, stages: int,
-                tma: bool = False, store_ds: bool = False) -> tuple:
+                tma: bool = False, store_ds: bool = False, rel: bool = False) -> tuple:
     """A bf16 D=128 causal backward: part 1 (dK/dV; with ``store_ds`` also storing dS^T for _gdpa_dq_ds) or 2
     (dQ; softmax: it also stores delta, as in the two-launch backward); dk / dq = (BM, BN)."""
     dk = dk if part != 2 else (0, 0)
     dq = dq if part != 1 else (0, 0)
     return (f"bwd act={act} part={part} dkdv={dk[0]}x{dk[1]} dq={dq[0]}x{dq[1]}/{warps}w/{stages}s"
-            f"{' tma' if tma else ''}{' store-ds' if store_ds else ''}",
+            f"{' tma' if tma else ''}{' store-ds' if store_ds else ''}{' rel' if rel else ''}",
             ja._gdpa_bwd, _BWD_TYPES,
             dict(_BASE, ACT=act, PART=part, DK_BM=dk[0], DK_BN=dk[1], DQ_BM=dq[0], DQ_BN=dq[1],
-                 STORE_DBIAS=False, STORE_DELTA=part == 2 and act == 0, TMA=tma, STORE_DS=store_ds), warps, stages)
+                 STORE_DBIAS=False, STORE_DELTA=part == 2 and act == 0, TMA=tma, STORE_DS=store_ds, REL=rel,
+                 P_PAD=128 if rel else 16, NT_PAD=128 if rel else 16), warps, stages)
 
 
 def dq_ds_variant(bm: int, bn: int, warps: int, stages: int, tma: bool = False) -> tuple:
@@ -122,6 +127,11 @@ def default_variants(full: bool = False, config: KernelConfig = DEFAULT) -> list
                 k, q = tiles.get("dkdv", 128), tiles.get("dq", 128)
                 out.append(bwd_variant(act, 1, k[:2], q[:2], k[2], k[3], tma=tma))
                 out.append(bwd_variant(act, 2, k[:2], q[:2], q[2], q[3], tma=tma))
+            if reg == "long":  # the in-kernel relative bias (never with ds_store: the recomputing dQ kernel)
+                k, q = tiles.get("dkdv", 128), tiles.get("dq", 128)
+                out.append(fwd_variant(act, bm, bn, w, s, tma, rel=True))
+                out.append(bwd_variant(act, 1, k[:2], q[:2], k[2], k[3], tma=tma, rel=True))
+                out.append(bwd_variant(act, 2, k[:2], q[:2], q[2], q[3], tma=tma, rel=True))
     if full:
         from gemray.bench import kernels as bench
 
