@@ -100,3 +100,21 @@ def test_encoder_rejects_too_long():
     enc = HSTUEncoder(cfg, max_seq_len=4)
     with pytest.raises(ValueError, match="max_seq_len"):
         enc(torch.randn(5, 8), torch.tensor([0, 5]), torch.arange(5))
+
+
+def test_relative_bias_off_has_no_bias_and_ignores_time():
+    """model.relative_bias = false: the blocks hold no rab^{p,t} parameters and the output no longer depends on the
+    timestamps (with the bias on, it does: the check can fail)."""
+    kw = dict(embedding_dim=8, num_blocks=2, num_heads=2, attention_dim=3, linear_dim=4, dropout=0.0)
+    offsets, tok = torch.tensor([0, 2, 6]), torch.randn(6, 8)
+    ts_a, ts_b = torch.arange(6) * 100, torch.arange(6) * 100_000
+    torch.manual_seed(0)
+    on = HSTUEncoder(ModelConfig(**kw), max_seq_len=10)
+    torch.manual_seed(0)
+    off = HSTUEncoder(ModelConfig(**kw, relative_bias=False), max_seq_len=10)
+    assert all(b.rel_bias is None for b in off.blocks)
+    assert not any("rel_bias" in n for n, _ in off.named_parameters())
+    assert any("rel_bias" in n for n, _ in on.named_parameters())
+    torch.testing.assert_close(off(tok, offsets, ts_a), off(tok, offsets, ts_b))
+    assert not torch.allclose(on(tok, offsets, ts_a), on(tok, offsets, ts_b))
+    off.init_weights()  # skips the absent bias

@@ -386,7 +386,7 @@ def test_input_layer_refusals():
     (dict(task_weights=[0.0]), "task_weights"), (dict(combiner="mean"), "combiner"),
     (dict(candidate_features=["category"]), "candidate_features"),
     (dict(token_features=["rating"]), "token_features"), (dict(token_features=["Cat"]), "token_features"),
-    (dict(attention_window=64, attention_block=64), "at most one"), (dict(model_dim=-1), "model_dim"),
+    (dict(attention_window=64, attention_block=64), "not wired"), (dict(attention_window=64), "not wired"), (dict(model_dim=-1), "model_dim"),
     (dict(table_rows=["item"]), "table_rows"), (dict(table_rows=["author=5"]), "no table"),
     (dict(mlp_dims=[8, 0]), "mlp_dims"), (dict(pma_seeds=0), "pma_seeds"),
     (dict(token_features=["hour"], context_features=["hour"]), "also token"),

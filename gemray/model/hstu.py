@@ -91,8 +91,9 @@ class HSTUBlock(nn.Module):
         self.o_weight = nn.Parameter(torch.empty(self.d, self.h * self.v, device=device))
         self.o_bias = nn.Parameter(torch.empty(self.d, device=device))
         self.dropout = nn.Dropout(cfg.dropout)
-        self.rel_bias = RelativeBucketedBias(cfg.num_position_buckets, cfg.num_time_buckets, max_seq_len,
-                                             device=device)
+        # model.relative_bias = false: no rab^{p,t} (no parameters, attention without a bias)
+        self.rel_bias = (RelativeBucketedBias(cfg.num_position_buckets, cfg.num_time_buckets, max_seq_len,
+                                              device=device) if cfg.relative_bias else None)
         self.fp8 = None  # gemray.model.fp8.Fp8Settings once convert_to_fp8 converted this block
         self.reset_parameters()
 
@@ -105,7 +106,8 @@ class HSTUBlock(nn.Module):
 
     def init_weights(self) -> None:
         """Draw this block's parameters anew as construction does: ``rel_bias`` first, then the block's own."""
-        self.rel_bias.reset_parameters()
+        if self.rel_bias is not None:
+            self.rel_bias.reset_parameters()
         self.reset_parameters()
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor, timestamps: torch.Tensor,
@@ -128,7 +130,9 @@ class HSTUBlock(nn.Module):
         attn = ops.attention(
             q.reshape(T, self.h, self.a), k.reshape(T, self.h, self.a), v.reshape(T, self.h, self.v),
             offsets, self.max_seq_len, activation=self.activation, causal=True,
-            rel_bias=self.rel_bias.inputs(timestamps, buckets, cache, query_timestamps), backend=self.backend)
+            rel_bias=(None if self.rel_bias is None else self.rel_bias.inputs(timestamps, buckets, cache,
+                                                                               query_timestamps)),
+            backend=self.backend)
         y = F.layer_norm(attn.reshape(T, self.h * self.v), (self.h * self.v,), eps=LN_EPS) * u
         if self.fp8 is not None:
             from gemray.model.fp8 import fp8_linear
@@ -218,7 +222,8 @@ class HSTUEncoder(nn.Module):
         # the reference bucketises once per forward ([B, n, n] indices shared by the blocks); the Triton kernels
         # bucketise per tile from the timestamps themselves (no [B, n, n] tensor)
         buckets = None
-        if ops.resolve_backend(self.cfg.attention_backend, x.device) is ops.AttentionBackend.REFERENCE:
+        if self.cfg.relative_bias and (ops.resolve_backend(self.cfg.attention_backend, x.device)
+                                       is ops.AttentionBackend.REFERENCE):
             buckets = ops.relative_bias_buckets(timestamps, offsets, n, self.cfg.num_position_buckets,
                                                 self.cfg.num_time_buckets, self.max_seq_len, query_timestamps)
         cache: dict = {}
