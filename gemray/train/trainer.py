@@ -189,7 +189,8 @@ class Trainer:
                 self.device = torch.device("cpu")
         else:
             self.rank, self.world, self.device = int(context[0]), int(context[1]), torch.device(context[2])
-        _setup_logging(self.rank)
+        if context is None:  # a Ray Train worker; in-process callers (gemray bench train) keep their own logging
+            _setup_logging(self.rank)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.device_name, self.peak_flops = device_peak_flops(self.device)
