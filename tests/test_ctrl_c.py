@@ -74,7 +74,7 @@ def tmp(tmp_path):
 def test_ctrl_c_checkpoints_exits_75_and_the_rerun_resumes_there(tmp):
     cmd, log = _cmd(tmp, "ctrlc", poll_steps=1), tmp / "run1.log"
     proc = _start(cmd, log)
-    _wait_for(proc, log, r"gemray\.train INFO epoch 1 step \d+ \(global \d+\)")  # the first step is logged
+    _wait_for(proc, log, r"gemray\.train INFO epoch 1 step \d+/\d+ \(global \d+\)")  # the first step is logged
     os.killpg(proc.pid, signal.SIGINT)
     rc = _finish(proc)
     text = log.read_text()
@@ -106,7 +106,7 @@ def test_a_second_ctrl_c_stops_at_once_with_130(tmp):
 
     cmd, log = _cmd(tmp, "twice", poll_steps=1000), tmp / "run.log"
     proc = _start(cmd, log)
-    _wait_for(proc, log, r"gemray\.train INFO epoch 1 step \d+ \(global \d+\)")
+    _wait_for(proc, log, r"gemray\.train INFO epoch 1 step \d+/\d+ \(global \d+\)")
     os.killpg(proc.pid, signal.SIGINT)
     _wait_for(proc, log, r"Ctrl-C: taking an emergency checkpoint", timeout=30)
     os.killpg(proc.pid, signal.SIGINT)

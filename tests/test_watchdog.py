@@ -69,7 +69,7 @@ def test_no_agents_linger_after_the_driver_is_sigkilled(tmp_path):
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
     try:
         t0 = time.monotonic()
-        while not re.search(r"epoch 1 step \d+ \(global", log.read_text()):
+        while not re.search(r"epoch 1 step \d+/\d+ \(global", log.read_text()):
             assert proc.poll() is None and time.monotonic() - t0 < 300, log.read_text()[-3000:]
             time.sleep(0.3)
         before = _group(proc.pid)
