@@ -26,6 +26,17 @@ SRC = DATA / "ml-latest-small"
 TEST_KEYS = [f"{m}@{k}{s}" for k in (10, 50, 200) for m in ("hr", "ndcg") for s in ("", "_unfiltered")]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _no_leftover_process_group():
+    """gemray.serve opens a one-rank process group in this process (init_single_process_group) and keeps it, as a
+    notebook user would want; tests after this module expect none."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     if not SRC.is_dir():
