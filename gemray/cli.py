@@ -504,7 +504,11 @@ def _cmd_evaluate(ns: argparse.Namespace) -> int:
     if ns.json == "-":
         print(text)
         return 0
-    path = Path(ns.json) if ns.json else trained.config_file.parent / f"evaluate_{ns.split}.json"
+    # default: the run's output folder when --checkpoint is one (it holds config.toml), else beside the checkpoint
+    # (never beside a --config file, which may sit in the source tree)
+    given = Path(ns.checkpoint).expanduser()
+    base = given if (given / "config.toml").is_file() else trained.checkpoint.parent
+    path = Path(ns.json) if ns.json else base / f"evaluate_{ns.split}.json"
     path.write_text(text + "\n")
     print(f"written: {path}")
     return 0

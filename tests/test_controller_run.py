@@ -100,6 +100,8 @@ def test_preflight_refuses_jobs_that_would_fail_in_the_workers(tmp_path):
         ("train.sparse_optimizer='adam' needs ray.use_gpu", dict(train={"sparse_optimizer": "adam"})),
         ("model.attention_backend='triton' needs ray.use_gpu", dict(model={"attention_backend": "triton"})),
         ("ray.cpus_per_worker=8.0 exceeds the 4 CPUs", dict(ray={"cpus_per_worker": 8.0})),
+        # each worker fits, the group does not: 2 x 3 CPUs on 4 (it waited forever before)
+        (r"2 worker\(s\) x ray.cpus_per_worker=3.0 exceed the 4 CPUs", dict(ray={"cpus_per_worker": 3.0})),
         ("train.eval_ks=.*above the 1000 items", dict(train={"eval_ks": [10, 2000]})),
     ]
     for msg, changes in cases:

@@ -85,6 +85,12 @@ def preflight_resources(cfg: JobConfig, *, embedded: bool, num_gpus: int | None 
     if embedded and cfg.ray.cpus_per_worker > embedded_num_cpus(cfg):
         raise ValueError(f"ray.cpus_per_worker={cfg.ray.cpus_per_worker} exceeds the {embedded_num_cpus(cfg)} CPUs "
                          "the embedded Ray cluster advertises (ray.num_cpus): the workers would never start")
+    workers = cfg.ray.min_workers or cfg.ray.num_workers  # an elastic run starts with at least min_workers
+    if embedded and workers * cfg.ray.cpus_per_worker > embedded_num_cpus(cfg):
+        raise ValueError(f"{workers} worker(s) x ray.cpus_per_worker={cfg.ray.cpus_per_worker} exceed the "
+                         f"{embedded_num_cpus(cfg)} CPUs the embedded Ray cluster advertises (ray.num_cpus): the "
+                         "worker group would never start; ask fewer CPUs per worker, fewer workers or more "
+                         "ray.num_cpus")
 
 
 def preflight_data(cfg: JobConfig, manifest: dict[str, Any], *, previous: JobConfig | None = None) -> None:

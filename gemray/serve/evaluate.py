@@ -47,6 +47,9 @@ def evaluate(trained: TrainedModel, split: str = "test", *, ks: list[int] | None
         raise ValueError(f"--split {split!r}: expected one of {', '.join(SPLITS)}")
     if ks is not None and (not ks or any(int(k) < 1 for k in ks)):
         raise ValueError(f"--k {ks}: expected positive cut-offs")
+    if ks is not None and max(int(k) for k in ks) > trained.num_items:
+        raise ValueError(f"--k {ks}: a cut-off above the {trained.num_items} items of the catalogue makes HR@K "
+                         "trivially 1 (as gemray train refuses it)")
     cfg = trained.cfg
     data_cfg = copy.deepcopy(cfg.data)
     data_cfg.prepared_dir = str(Path(prepared_dir or data_cfg.prepared_dir).expanduser().resolve())

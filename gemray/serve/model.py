@@ -126,6 +126,19 @@ def pick_device(cfg: JobConfig, device: str | None = None) -> torch.device:
     return torch.device("cuda") if cfg.ray.use_gpu and torch.cuda.is_available() else torch.device("cpu")
 
 
+def _model_data(cfg: JobConfig) -> dict[str, Any]:
+    """GEM's data-given arguments (side-feature cardinalities, users, candidate item tables) from the run's
+    prepared folder, as the Trainer builds them (``gemray.train.model_data_args``); {} for the ML-1M family."""
+    from gemray.train import model_data_args
+
+    m = cfg.model
+    if not (m.token_features or m.candidate_features or m.context_features):
+        return {}
+    from gemray.pipelines.movielens import load_manifest
+
+    return model_data_args(cfg, load_manifest(cfg.data.prepared_dir))
+
+
 def load_trained(checkpoint: str | Path, *, config: str | Path | None = None, overrides: list[str] | None = None,
                  device: str | None = None) -> TrainedModel:
     """Load a ``gemray train`` checkpoint into one process (see the module docstring).
@@ -153,7 +166,7 @@ def load_trained(checkpoint: str | Path, *, config: str | Path | None = None, ov
         raise ValueError(f"checkpoint {ckpt}: neither a data record nor an item table in its DCP metadata")
     dev = pick_device(cfg, device)
     init_single_process_group(dev)
-    model = GEM(cfg.model, num_items, "meta", max_seq_len=cfg.data.max_seq_len)
+    model = GEM(cfg.model, num_items, "meta", max_seq_len=cfg.data.max_seq_len, **_model_data(cfg))
     dmp = parallelize(model, layout=plan_layout(1, dev.type), cfg=cfg, device=dev)
     state = load_model_state(ckpt, dmp)
     dmp.eval()
