@@ -697,8 +697,13 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``gemray`` console script; returns the exit status."""
     ap = build_parser()
     ns = ap.parse_args(argv)
-    logging.basicConfig(level=log_level(ns), format="%(asctime)s %(name)s %(levelname)s %(message)s",
-                        datefmt="%H:%M:%S")
+    level = log_level(ns)
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    if getattr(ns, "func", None) is not _cmd_train and not ns.verbose:
+        # a quiet console for the other commands too (train has its own, gemray.controller.console): other
+        # libraries' INFO (TorchRec planner tables, FBGEMM's "Successfully loaded" lines) only with -v
+        logging.getLogger().setLevel(max(level, logging.WARNING))
+        logging.getLogger("gemray").setLevel(level)
     if getattr(ns, "world_size", None) is not None and ns.world_size < 1:
         return _fail(f"--world-size must be >= 1, got {ns.world_size}")
     try:
