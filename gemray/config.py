@@ -42,7 +42,7 @@ class DataConfig:
     generative-recommenders' ML-1M training data does; the test item stays held out, but validation
     metrics then score items the model was trained on. Default False: train on h[:-2].
     synthetic: ``gemray prepare synthetic`` parameters as "name=value" entries (the flags' names without
-    ``--``, e.g. ["users=20000", "items=1000000", "max_len=4096", "features=category:64,author:2048"]); [] =
+    ``--``, e.g. ["users=20000", "items=1000000", "max_len=4096", "features=category=64,author=2048"]); [] =
     not synthetic. When set, ``gemray train`` generates the data into ``prepared_dir`` if that folder holds none
     (logged), and refuses a prepared folder whose manifest parameters differ (``raw_dir`` is then unused).
     """
@@ -397,7 +397,7 @@ class RayConfig:
     and stopped for the run. num_workers: Ray Train workers (= world size). min_workers/max_workers:
     elastic bounds (0 = fixed at num_workers). use_gpu: one GPU per worker, NCCL; else gloo on CPU.
     cpus_per_worker: CPU resource each worker asks for; num_cpus: CPUs the embedded cluster advertises
-    (0 = detect).
+    (0 = 2 per worker, at least 4: two workers and Ray Data's read tasks starve on 2 real CPUs).
     """
 
     address: str = ""
@@ -423,7 +423,7 @@ class RayConfig:
     def validate(self) -> None:
         _positive(self, "num_workers", "cpus_per_worker")
         if self.num_cpus < 0:
-            raise ValueError(f"ray.num_cpus: expected >= 0 (0 = detect), got {self.num_cpus}")
+            raise ValueError(f"ray.num_cpus: expected >= 0 (0 = 2 per worker, at least 4), got {self.num_cpus}")
         if self.max_failures < -1:
             raise ValueError(f"ray.max_failures: expected >= 0 or -1 (retry forever), got {self.max_failures}")
         if self.min_workers < 0 or self.max_workers < 0:
