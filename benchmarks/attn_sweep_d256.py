@@ -1,0 +1,159 @@
+"""Tile sweep of the jagged attention kernels at GEM scale's head dim (D = 256), on the lent H200.
+
+The D = 256 tiles of ``gemray.kernels.config`` were never swept (kept from run 3); the GEM-scale config
+(configs/gem-h200.toml: 4 heads x 256, batch 32, log-normal lengths of mean ~1000 capped at 4096) runs them in every
+HSTU layer. This script times, on a batch drawn like that config's histories, every candidate tile of the kernel
+kinds the batch's regime launches -- the silu forward, then the DS_STORE backward's dK/dV and dQ launches, then the
+recomputing backward's (ds_store off) -- one kind at a time (coordinate descent from the defaults), with and without
+the in-kernel relative position / time bias. A candidate that does not fit the SM (Triton OutOfResources) or whose
+output differs from the default's by more than 1e-2 (relative) is recorded and skipped.
+
+    . benchmarks/h200_env.sh && python3 benchmarks/attn_sweep_d256.py --out $OUT [--deadline-s 240]
+
+Prints one line per timed candidate and, at the end, the winners as ``KernelConfig`` tiles with the fwd+bwd ms of
+the default and of the winners; writes $OUT/attn_sweep_d256.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from gemray import ops
+from gemray.kernels.config import DEFAULT, KernelConfig
+
+B, N, H, D = 32, 4096, 4, 256
+FWD = [(64, 32, 4, 2), (64, 64, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2), (128, 64, 8, 2), (128, 64, 8, 1),
+       (64, 64, 4, 1), (64, 128, 8, 1), (128, 128, 8, 1), (64, 32, 4, 3)]
+DKDV = [(32, 64, 4, 2), (64, 64, 4, 2), (64, 64, 8, 2), (32, 128, 4, 2), (32, 128, 8, 2), (64, 128, 8, 1),
+        (64, 32, 4, 2), (32, 64, 4, 1), (64, 64, 8, 1), (128, 64, 8, 1)]
+DQ = [(64, 32, 4, 2), (64, 64, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2), (128, 64, 8, 2), (128, 64, 8, 1),
+      (64, 128, 8, 1), (32, 64, 4, 2)]
+
+
+def gem_lengths(seed: int = 0) -> list[int]:
+    """B log-normal lengths of mean ~1024 (sigma 1), in [16, N]: the gem-h200 config's histories."""
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(B, generator=g)
+    return torch.exp(math.log(1024) - 0.5 + z).round().clamp(16, N).long().tolist()
+
+
+def inputs(seed: int = 0):
+    lengths = gem_lengths(seed)
+    off = torch.tensor([0] + lengths, device="cuda", dtype=torch.int64).cumsum(0)
+    t = int(off[-1])
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(t, H, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
+               for _ in range(3))
+    gaps = torch.exp(torch.rand(t, device="cuda", generator=g) * 16).long()
+    ts = 1_700_000_000 + torch.cumsum(gaps, 0)
+    from gemray.jagged import query_timestamps
+
+    tq = query_timestamps(ts, off)
+    pos_w = (torch.randn(128, device="cuda", generator=g) * 0.1).requires_grad_(True)
+    ts_w = (torch.randn(64, device="cuda", generator=g) * 0.1).requires_grad_(True)
+    return lengths, off, q, k, v, ts, tq, pos_w, ts_w
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("/tmp/out"))
+    ap.add_argument("--deadline-s", type=float, default=240.0, help="stop starting candidates after this")
+    args = ap.parse_args()
+    from triton.testing import do_bench
+
+    t_end = time.monotonic() + args.deadline_s
+    lengths, off, q, k, v, ts, tq, pos_w, ts_w = inputs()
+    reg = DEFAULT.regime_of(int(off[-1]), B)
+    pairs = sum(n * (n + 1) / 2 for n in lengths)
+    flop_fb = 3.5 * 4.0 * H * D * pairs
+    print(f"batch: B={B} tokens={int(off[-1])} max={max(lengths)} mean={sum(lengths) / B:.0f} regime={reg} "
+          f"H={H} D={D}; {flop_fb / 1e12:.3f} TFLOP fwd+bwd (NVIDIA convention)", flush=True)
+    rows: list[dict] = []
+
+    def run(cfg: KernelConfig, bias: bool, backward: bool) -> float:
+        rel = ops.RelativeBiasInputs(ts, pos_w, ts_w, N, query_timestamps=tq) if bias else None
+
+        def fwd():
+            return ops.attention(q, k, v, off, N, activation="silu", rel_bias=rel, backend="triton", config=cfg)
+
+        if not backward:
+            with torch.no_grad():
+                return float(do_bench(fwd, warmup=5, rep=30, return_mode="median"))
+        do = torch.randn(q.shape[0], H, D, device="cuda", dtype=torch.bfloat16)
+        return float(do_bench(lambda: fwd().backward(do), warmup=5, rep=30, return_mode="median",
+                              grad_to_none=[q, k, v, pos_w, ts_w]))
+
+    def output(cfg: KernelConfig, bias: bool):
+        rel = ops.RelativeBiasInputs(ts, pos_w, ts_w, N, query_timestamps=tq) if bias else None
+        qq, kk, vv = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+        o = ops.attention(qq, kk, vv, off, N, activation="silu", rel_bias=rel, backend="triton", config=cfg)
+        o.backward(torch.ones_like(o) * 1e-2)
+        return [x.detach().float() for x in (o, qq.grad, kk.grad, vv.grad)]
+
+    summary = {}
+    for bias in (False, True):
+        tag = "bias" if bias else "nobias"
+        base = DEFAULT
+        ref = output(base, bias)
+        t_default = run(base, bias, True)
+        print(f"[{tag}] default: fwd+bwd {t_default:.3f} ms ({flop_fb / t_default / 1e9:.0f} TF/s)", flush=True)
+        best_cfg, best_t = base, t_default
+        stages = [("fwd_silu", FWD, False, {}), ("dkdv_ds", DKDV, True, {"ds_store": True}),
+                  ("dq_ds", DQ, True, {"ds_store": True}), ("dkdv", DKDV, True, {"ds_store": False}),
+                  ("dq", DQ, True, {"ds_store": False})]
+        for kind, cands, backward, mode in stages:
+            stage_base = best_cfg.with_regime(reg, **mode) if mode else best_cfg
+            timed = []
+            for tile in cands:
+                if time.monotonic() > t_end:
+                    print(f"[{tag}] deadline: {kind} {tile} not timed", flush=True)
+                    break
+                cfg = stage_base.with_tile(reg, kind, tile, d=256)
+                row = {"bias": bias, "kind": kind, "tile": list(tile), **mode}
+                try:
+                    got = output(cfg, bias)
+                    err = max(float((a - b).norm() / b.norm().clamp_min(1e-30)) for a, b in zip(got, ref))
+                    row["err"] = err
+                    if not err < 1e-2:
+                        row["skipped"] = "output differs from the default's"
+                    else:
+                        row["ms"] = run(cfg, bias, backward)
+                        timed.append((row["ms"], tile))
+                except Exception as e:  # OutOfResources (shared memory / registers) and compile failures
+                    row["error"] = repr(e)[:200]
+                    if "OutOfResources" not in repr(e):
+                        traceback.print_exc()
+                rows.append(row)
+                print(f"[{tag}] {kind} {tile} {mode or ''}: "
+                      + (f"{row['ms']:.3f} ms" if "ms" in row else row.get("error", row.get("skipped", ""))),
+                      flush=True)
+                torch.cuda.empty_cache()
+            if timed:
+                ms, tile = min(timed)
+                cand_cfg = stage_base.with_tile(reg, kind, tile, d=256)
+                t_fb = run(cand_cfg, bias, True)
+                if t_fb < best_t:
+                    best_cfg, best_t = cand_cfg, t_fb
+                print(f"[{tag}] best {kind}: {tile} -> fwd+bwd {t_fb:.3f} ms (best so far {best_t:.3f})", flush=True)
+        rc = best_cfg.regime(reg)
+        summary[tag] = {"regime": reg, "default_ms": t_default, "best_ms": best_t,
+                        "default_tflops": flop_fb / t_default / 1e9, "best_tflops": flop_fb / best_t / 1e9,
+                        "ds_store": rc.ds_store,
+                        "tiles_d256": {kk: list(rc.tiles.get(kk, 256)) for kk in
+                                       ("fwd_silu", "dkdv_ds", "dq_ds", "dkdv", "dq")}}
+        print(f"[{tag}] RESULT {json.dumps(summary[tag])}", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "attn_sweep_d256.json").write_text(json.dumps({"summary": summary, "rows": rows,
+                                                               "lengths": lengths}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
