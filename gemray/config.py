@@ -91,6 +91,28 @@ class DataConfig:
                 f"({self.sub_batch_size})")
 
 
+def kernel_tiles_spec(kernel_tiles: str) -> dict:
+    """The JSON object of a ``model.kernel_tiles`` value: inline JSON (starting with "{") or the path of a JSON
+    file ({} for ""). Raises ValueError naming model.kernel_tiles for an unreadable file, malformed JSON or a
+    value that is not an object (its regimes / kinds are checked by ``gemray.model.hstu.kernel_config_of``)."""
+    if not kernel_tiles:
+        return {}
+    text = kernel_tiles
+    if not kernel_tiles.lstrip().startswith("{"):
+        try:
+            text = Path(kernel_tiles).read_text(encoding="utf-8")
+        except OSError as e:
+            raise ValueError(f"model.kernel_tiles: cannot read {kernel_tiles!r}: {e.strerror or e}") from None
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"model.kernel_tiles: not JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    if not isinstance(spec, dict):
+        raise ValueError(f"model.kernel_tiles: expected a JSON object {{regime: {{kind: ...}}}}, got "
+                         f"{type(spec).__name__}")
+    return spec
+
+
 @dataclass
 class ModelConfig:
     """GEM-like model shape (defaults: HSTU-large for ML-1M, generative-recommenders configs).
@@ -110,6 +132,12 @@ class ModelConfig:
     generative-recommenders' LocalNegativesSampler), "uniform_shared" (R ids per sequence, shared by its
     positions: cheaper) or "in_batch" (the batch's own targets).
     attention_backend: "auto" (Triton on CUDA, reference elsewhere), "triton" or "reference".
+    kernel_tiles: "" (the kernels' defaults) or the Triton attention kernels' tiles / launch modes for this
+    machine, as inline JSON or the path of a JSON file (absolute, or relative to the working directory of every
+    process that builds the model): the "chosen tiles" format the sweeps print (``gemray bench kernels --sweep``,
+    benchmarks/attn_sweep_d256.py; ``gemray.kernels.config.apply_tiles``), e.g.
+    ``{"medium": {"fwd_silu": {"256": [64, 64, 4, 2]}, "mode": {"ds_store": true}}}``. Used by the HSTU blocks'
+    self-attention; the reference backend ignores it.
     time_bias_query: query time of the relative time bias: "next" (the time of the item a position
     predicts, at evaluation the target's time = the request time; as generative-recommenders' HSTU) or
     "self" (the position's own timestamp).
@@ -161,6 +189,7 @@ class ModelConfig:
     num_negatives: int = 128
     temperature: float = 0.05
     attention_backend: str = "auto"
+    kernel_tiles: str = ""
     time_bias_query: str = "next"
     # GEM at scale (see the docstring); the defaults keep the ML-1M retrieval model exactly
     model_dim: int = 0
@@ -232,6 +261,8 @@ class ModelConfig:
         _choice(self, "negatives", ("uniform", "uniform_shared", "in_batch"))
         _choice(self, "attention_backend", ("auto", "triton", "reference"))
         _choice(self, "time_bias_query", ("next", "self"))
+        if self.kernel_tiles:
+            kernel_tiles_spec(self.kernel_tiles)  # ValueError naming model.kernel_tiles before any worker starts
         self._validate_gem()
 
     def _validate_gem(self) -> None:

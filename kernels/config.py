@@ -277,5 +277,44 @@ def registered() -> Mapping[str, KernelConfig]:
     return MappingProxyType(_REGISTRY)
 
 
-__all__ = ["DEFAULT", "HEAD_DIM_BUCKETS", "KernelConfig", "REGIMES", "RegimeConfig", "TILE_KINDS", "Tile", "TileSet",
-           "WsTiles", "lookup", "registered", "resolve"]
+MODE_FIELDS = ("heads_inner", "tma_loads", "ds_store")
+
+
+def apply_tiles(spec: Mapping, config: KernelConfig | None = None) -> KernelConfig:
+    """``config`` (None: DEFAULT) with the tiles and launch modes of ``spec``: {regime: {kind: {"<head-dim
+    bucket>": [BLOCK_M, BLOCK_N, num_warps, num_stages], ...}, "mode": {"heads_inner": bool, "tma_loads": bool,
+    "ds_store": bool}}} -- the "chosen tiles" JSON the sweeps print (``gemray bench kernels --sweep``,
+    benchmarks/attn_sweep_d256.py) and what ``model.kernel_tiles`` and ``gemray bench kernels --tiles`` read.
+    A mode entry changes only the keys it names. Raises ValueError naming the entry for an unknown regime, tile
+    kind, head-dim bucket or mode, or a tile that is not 4 positive ints."""
+    config = resolve(config)
+    if not isinstance(spec, Mapping):
+        raise ValueError(f"kernel tiles: expected a JSON object {{regime: {{kind: ...}}}}, got {type(spec).__name__}")
+    for reg, kinds in spec.items():
+        if reg not in REGIMES:
+            raise ValueError(f"kernel tiles: unknown regime {reg!r} (one of {list(REGIMES)})")
+        if not isinstance(kinds, Mapping):
+            raise ValueError(f"kernel tiles: {reg}: expected an object of tile kinds, got {kinds!r}")
+        for kind, table in kinds.items():
+            if kind == "mode":
+                if not isinstance(table, Mapping) or set(table) - set(MODE_FIELDS):
+                    raise ValueError(f"kernel tiles: {reg}.mode: expected an object with keys from {MODE_FIELDS}, "
+                                     f"got {table!r}")
+                config = config.with_regime(reg, **{k: bool(v) for k, v in table.items()})
+                continue
+            if kind not in TILE_KINDS:
+                raise ValueError(f"kernel tiles: {reg}: unknown tile kind {kind!r} (one of {list(TILE_KINDS)} or "
+                                 "'mode')")
+            for d, tile in dict(table).items():
+                if (not isinstance(tile, (list, tuple)) or len(tile) != 4
+                        or not all(isinstance(x, int) and x > 0 for x in tile)):
+                    raise ValueError(f"kernel tiles: {reg}.{kind}.{d}: expected [BLOCK_M, BLOCK_N, num_warps, "
+                                     f"num_stages] (positive ints), got {tile!r}")
+                if int(d) not in HEAD_DIM_BUCKETS:
+                    raise ValueError(f"kernel tiles: {reg}.{kind}: head-dim bucket {d!r} not in {HEAD_DIM_BUCKETS}")
+                config = config.with_tile(reg, kind, tuple(tile), int(d))
+    return config
+
+
+__all__ = ["DEFAULT", "HEAD_DIM_BUCKETS", "KernelConfig", "MODE_FIELDS", "REGIMES", "RegimeConfig", "TILE_KINDS", "Tile", "TileSet",
+           "WsTiles", "apply_tiles", "lookup", "registered", "resolve"]

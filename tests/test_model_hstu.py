@@ -118,3 +118,29 @@ def test_relative_bias_off_has_no_bias_and_ignores_time():
     torch.testing.assert_close(off(tok, offsets, ts_a), off(tok, offsets, ts_b))
     assert not torch.allclose(on(tok, offsets, ts_a), on(tok, offsets, ts_b))
     off.init_weights()  # skips the absent bias
+
+
+def test_kernel_tiles_reach_the_blocks(tmp_path):
+    """model.kernel_tiles (inline JSON or a file) becomes the KernelConfig every block's self-attention is called
+    with; "" is the kernels' DEFAULT; bad values are refused naming model.kernel_tiles."""
+    from gemray.kernels.config import DEFAULT
+
+    spec = '{"medium": {"fwd_silu": {"256": [64, 64, 4, 2]}, "mode": {"ds_store": false}}}'
+    f = tmp_path / "tiles.json"
+    f.write_text(spec)
+    for value in (spec, str(f)):
+        enc = HSTUEncoder(ModelConfig(embedding_dim=16, num_blocks=2, num_heads=2, attention_dim=8, linear_dim=8,
+                                      kernel_tiles=value), max_seq_len=32)
+        cfgs = {id(b.kernel_config) for b in enc.blocks}
+        assert len(cfgs) == 1
+        kc = enc.blocks[0].kernel_config
+        assert kc.medium.tiles.get("fwd_silu", 256) == (64, 64, 4, 2) and not kc.medium.ds_store
+        assert kc.long == DEFAULT.long and kc.name != DEFAULT.name
+    assert HSTUEncoder(ModelConfig(embedding_dim=16, num_blocks=1, num_heads=2, attention_dim=8, linear_dim=8),
+                       max_seq_len=32).blocks[0].kernel_config is DEFAULT
+    for bad, why in (('{"huge": {}}', "unknown regime"), ('{"long": {"fwd": {"96": [64, 64, 4, 2]}}}', "bucket"),
+                     ('{"long": {"fwd": {"128": [64, 64, 4]}}}', "BLOCK_M"), ("{", "not JSON"),
+                     (str(tmp_path / "missing.json"), "cannot read")):
+        with pytest.raises(ValueError, match=f"model.kernel_tiles.*{why}"):
+            HSTUEncoder(ModelConfig(embedding_dim=16, num_blocks=1, num_heads=2, attention_dim=8, linear_dim=8,
+                                    kernel_tiles=bad), max_seq_len=32)

@@ -831,7 +831,7 @@ SWEEP = {  # regime -> kernel -> candidate (BLOCK_M, BLOCK_N, num_warps, num_sta
 # won medium / long / xlong (-3 to -8%), lost short (+8% device time). The modes that lost everywhere (one-launch
 # backward, inline delta, atomic dQ, query-rows-first dK/dV; runs 4-8) were deleted with their kernels.
 _F = False
-MODE_FIELDS = ("heads_inner", "tma_loads", "ds_store")
+MODE_FIELDS = kconfig.MODE_FIELDS
 BWD_MODES = [(_F, _F, _F), (_F, True, _F), (True, _F, _F), (True, True, _F), (_F, _F, True), (_F, True, True)]
 # the launch-mode lists that runs 4-41 printed: [one launch, delta inline, atomic dQ, heads inner, TMA loads,
 # query-rows dK/dV, dS stored] (2 to 7 entries, the missing ones off); entries 0, 1, 2, 5 name deleted modes
@@ -872,25 +872,21 @@ def set_mode(config: KernelConfig, which: str, mode) -> KernelConfig:
 
 
 def apply_tiles(tiles_json: str, config: KernelConfig = DEFAULT) -> KernelConfig:
-    """``config`` with the tiles and launch modes of the "chosen tiles" JSON a bench run prints: {regime: {kind:
-    {"128": [BLOCK_M, BLOCK_N, warps, stages]}, "mode": {...} or [...]}} (``--tiles``). Tile kinds of deleted modes
-    ("dkdv_atomic", "dkdv_qrows", in JSON printed by runs 5-41) are skipped with a log line. Raises
-    json.JSONDecodeError / KeyError / ValueError for malformed JSON, an unknown regime or tile kind, a deleted
-    mode switched on."""
-    for which, kinds in json.loads(tiles_json).items():
+    """``config`` with the tiles and launch modes of the "chosen tiles" JSON a bench run prints
+    (``gemray.kernels.config.apply_tiles``'s format; ``--tiles``). Also read: the launch-mode lists and the tile
+    kinds of deleted modes ("dkdv_atomic", "dkdv_qrows") that runs 5-41 printed (skipped with a log line).
+    Raises json.JSONDecodeError / KeyError / ValueError for malformed JSON, an unknown regime or tile kind, a
+    deleted mode switched on."""
+    spec = json.loads(tiles_json)
+    for which, kinds in spec.items():
         if which not in kconfig.REGIMES:
             raise KeyError(f"unknown regime {which!r} (one of {list(kconfig.REGIMES)})")
-        for kind, table in kinds.items():
-            if kind == "mode":
-                config = set_mode(config, which, table)
-            elif kind in _DELETED_KINDS:
-                log.info("--tiles: %s %s skipped (its launch mode was deleted)", which, kind)
-            elif kind not in kconfig.TILE_KINDS:
-                raise KeyError(f"unknown tile kind {kind!r} (one of {list(kconfig.TILE_KINDS)} or 'mode')")
-            else:
-                for dk, cfg in table.items():
-                    config = config.with_tile(which, kind, tuple(cfg), int(dk))
-    return config
+        for kind in [k for k in kinds if k in _DELETED_KINDS]:
+            log.info("--tiles: %s %s skipped (its launch mode was deleted)", which, kind)
+            del kinds[kind]
+        if "mode" in kinds:
+            kinds["mode"] = dict(zip(MODE_FIELDS, parse_mode(kinds["mode"])))
+    return kconfig.apply_tiles(spec, config)
 
 
 def tiles_json(config: KernelConfig) -> str:

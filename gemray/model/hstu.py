@@ -27,6 +27,7 @@ last).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -34,10 +35,27 @@ import torch.nn.functional as F
 from torch import nn
 
 from gemray import ops
-from gemray.config import ModelConfig
+from gemray.config import ModelConfig, kernel_tiles_spec
+from gemray.kernels import config as kconfig
+from gemray.kernels.config import KernelConfig
 from gemray.jagged import positions
 
 LN_EPS = 1e-6
+
+
+@functools.lru_cache(maxsize=16)
+def kernel_config_of(kernel_tiles: str) -> KernelConfig:
+    """The attention kernels' ``KernelConfig`` of a ``model.kernel_tiles`` value ("" -> DEFAULT; see
+    ``gemray.config.ModelConfig``), cached per value (configs are immutable). Raises ValueError naming
+    model.kernel_tiles for an unreadable file, malformed JSON, an unknown regime / tile kind / head-dim bucket
+    or a malformed tile."""
+    spec = kernel_tiles_spec(kernel_tiles)
+    if not spec:
+        return kconfig.DEFAULT
+    try:
+        return kconfig.apply_tiles(spec)
+    except ValueError as e:
+        raise ValueError(f"model.kernel_tiles: {str(e).removeprefix('kernel tiles: ')}") from None
 
 
 class RelativeBucketedBias(nn.Module):
@@ -85,6 +103,7 @@ class HSTUBlock(nn.Module):
         self.max_seq_len = max_seq_len
         self.activation = cfg.attn_activation
         self.backend = cfg.attention_backend
+        self.kernel_config = kernel_config_of(cfg.kernel_tiles)
         width = 2 * self.h * self.v + 2 * self.h * self.a
         self.uvqk_weight = nn.Parameter(torch.empty(self.d, width, device=device))
         self.uvqk_bias = nn.Parameter(torch.empty(width, device=device))
@@ -132,7 +151,7 @@ class HSTUBlock(nn.Module):
             offsets, self.max_seq_len, activation=self.activation, causal=True,
             rel_bias=(None if self.rel_bias is None else self.rel_bias.inputs(timestamps, buckets, cache,
                                                                                query_timestamps)),
-            backend=self.backend)
+            backend=self.backend, config=self.kernel_config)
         y = F.layer_norm(attn.reshape(T, self.h * self.v), (self.h * self.v,), eps=LN_EPS) * u
         if self.fp8 is not None:
             from gemray.model.fp8 import fp8_linear
