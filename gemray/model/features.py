@@ -62,7 +62,8 @@ def time_gap_buckets(timestamps: torch.Tensor, offsets: torch.Tensor, num_bucket
 
 def sparse_features(batch: JaggedBatch, *, neg_ids: torch.Tensor | None, cfg: ModelConfig,
                     neg_rows: torch.Tensor | None = None) -> KeyedJaggedTensor:
-    """Build the KJT for ``batch`` (keys ``feature_names(cfg)``, lengths [B] per key, stride max(B, 1)).
+    """Build the KJT for ``batch`` (keys ``feature_names(cfg)``, lengths [B] per key, stride max(B, 1)), its
+    ``length_per_key`` given from the values' shapes (host ints: no device read).
 
     neg_ids: optional [K, R] int64 negative item ids, rows grouped by sequence in batch order.
     neg_rows: optional [B] int64, how many of the K rows belong to each sequence (sum K); None means one
@@ -78,7 +79,8 @@ def sparse_features(batch: JaggedBatch, *, neg_ids: torch.Tensor | None, cfg: Mo
     if B == 0:
         names = feature_names(cfg)
         return KeyedJaggedTensor(keys=names, values=torch.zeros(0, dtype=torch.int64, device=dev),
-                                 lengths=torch.zeros(len(names), dtype=torch.int64, device=dev), stride=1)
+                                 lengths=torch.zeros(len(names), dtype=torch.int64, device=dev), stride=1,
+                                 length_per_key=[0] * len(names))
     values = [batch.item_ids.to(torch.int64)]
     lens = [lengths]
     if neg_ids is not None:
@@ -97,6 +99,7 @@ def sparse_features(batch: JaggedBatch, *, neg_ids: torch.Tensor | None, cfg: Mo
         values.append(neg_ids.reshape(-1).to(torch.int64))
         lens.append(neg_lens)
     else:
+        values.append(batch.item_ids.new_zeros(0, dtype=torch.int64))
         lens.append(torch.zeros(B, dtype=torch.int64, device=dev))
     if cfg.use_rating_feature:
         r = batch.ratings.to(torch.int64)
@@ -108,8 +111,11 @@ def sparse_features(batch: JaggedBatch, *, neg_ids: torch.Tensor | None, cfg: Mo
     if cfg.use_time_feature:
         values.append(time_gap_buckets(batch.timestamps.to(torch.int64), batch.offsets, cfg.num_time_buckets))
         lens.append(lengths)
+    # length_per_key: each key's value count, host ints (shapes): TorchRec would otherwise sum the lengths on the
+    # device and read them back (a host sync per lookup) to split the KJT by key
     return KeyedJaggedTensor(keys=feature_names(cfg), values=torch.cat(values),
-                             lengths=torch.cat(lens).to(torch.int64), stride=B)
+                             lengths=torch.cat(lens).to(torch.int64), stride=B,
+                             length_per_key=[v.numel() for v in values])
 
 
 def item_id_features(ids: torch.Tensor, cfg: ModelConfig) -> KeyedJaggedTensor:

@@ -173,7 +173,9 @@ class GEM(nn.Module):
         return KeyedJaggedTensor(keys=kjt.keys() + [k for k, _, _ in extra],
                                  values=torch.cat([kjt.values()] + [v for _, v, _ in extra]),
                                  lengths=torch.cat([kjt.lengths()] + [n for _, _, n in extra]).to(torch.int64),
-                                 stride=kjt.stride())
+                                 stride=kjt.stride(),
+                                 # host ints from the values' shapes: TorchRec need not read the lengths back
+                                 length_per_key=kjt.length_per_key() + [v.numel() for _, v, _ in extra])
 
     # -- forward -----------------------------------------------------------------------------------------
     def _encode(self, batch: JaggedBatch, neg_ids: torch.Tensor | None, neg_rows: torch.Tensor | None = None):

@@ -216,6 +216,8 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.device_name, self.peak_flops = device_peak_flops(self.device)
+        # CUDA: losses stay on the device and are read every train.log_every steps (train_step)
+        self.defer_loss = self.device.type == "cuda"
         self.attempt_steps = 0  # steps of this attempt: the first train.mfu_warmup_steps are left out of local MFU
         # The mesh degrees for this world size ([parallel]); an elastic job resized to a size they do not
         # divide runs the nearest valid layout (logged), a fixed-size job stops with the sizes named.
@@ -416,7 +418,7 @@ class Trainer:
         tc = self.cfg.train
         fp8_stats = tc.precision == "fp8" and tc.fp8_stats and self.epoch_step % tc.log_every == 0
         step_stats: dict = {}
-        defer = self.device.type == "cuda"
+        defer = self.defer_loss
         with self.checkpointer.step(self.dmp, self.device), (collect_fp8_stats() if fp8_stats else nullcontext()):
             loss, n_t = forward_backward_step(self.dmp, self.optimizer, batch, self.device,
                                               precision=tc.precision, stats_out=step_stats, read_loss=not defer)
