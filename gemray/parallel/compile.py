@@ -28,6 +28,19 @@ log = logging.getLogger(__name__)
 
 #: the backends ``train.compile_backend`` accepts (torch._dynamo's registered names)
 BACKENDS = ("inductor", "aot_eager", "eager")
+#: dynamo's per-code-object graph limit while modules are compiled here: every ``Module.compile()``d module runs
+#: the one ``nn.Module._call_impl`` code object, so blocks, tower, their no-grad (evaluation) variants and the
+#: sizes dynamo specialises (0 / 1) all count against one limit (default 8; past it dynamo silently runs eager)
+RECOMPILE_LIMIT = 64
+
+
+def _raise_recompile_limit() -> None:
+    import torch._dynamo.config as dconfig
+
+    for name in ("recompile_limit", "cache_size_limit"):  # the name changed across torch versions
+        if hasattr(dconfig, name) and getattr(dconfig, name) < RECOMPILE_LIMIT:
+            setattr(dconfig, name, RECOMPILE_LIMIT)
+            return
 
 
 def compile_targets(model: nn.Module, *, tower: bool = True) -> dict[str, nn.Module]:
@@ -47,9 +60,11 @@ def compile_dense_modules(model: nn.Module, *, backend: str | Callable = "induct
     "torch" mode and ``train.compile`` share one compile). Logs the choice once per call that compiles anything.
 
     backend: a torch._dynamo backend name (``BACKENDS``) or a backend callable (tests: a counting wrapper).
-    Raises ValueError for an unknown backend name."""
+    Raises dynamo's recompile limit to at least ``RECOMPILE_LIMIT``. Raises ValueError for an unknown backend
+    name."""
     if isinstance(backend, str) and backend not in BACKENDS:
         raise ValueError(f"train.compile_backend: expected one of {BACKENDS}, got {backend!r}")
+    _raise_recompile_limit()
     done = []
     for name, m in compile_targets(model, tower=tower).items():
         if getattr(m, "_gemray_compiled", False):
