@@ -376,8 +376,9 @@ def sync_debug_step(trainer: Any, batches: "_Batches", device: torch.device) -> 
     captured (``warnings.catch_warnings``, "always", a ``showwarning`` that also keeps the Python stack) and
     grouped by site. Returns {"step_s", "total", "sites": [{"site": "path:line" (the frame that called into
     torch), "frame": the innermost gemray / kernels / pipelines frame or None, "count", "message"}, ...]} most
-    frequent first. The step is a real one (its loss is read after it, outside the capture). Raises
-    RuntimeError off CUDA (sync debug mode is a CUDA feature)."""
+    frequent first. The step is a real one, and an ordinary one: not a ``train.log_every`` step (which reads the
+    pending losses: one more step runs first when the next would be one); its loss is read after it, outside the
+    capture. Raises RuntimeError off CUDA (sync debug mode is a CUDA feature)."""
     if device.type != "cuda":
         raise RuntimeError(f"bench train --sync-debug needs a CUDA device (torch.cuda.set_sync_debug_mode); this "
                            f"run is on {device.type}")
@@ -391,6 +392,10 @@ def sync_debug_step(trainer: Any, batches: "_Batches", device: torch.device) -> 
                                                "message": str(message).splitlines()[0][:200]})
         rec["count"] += 1
 
+    if (trainer.epoch_step + 1) % trainer.cfg.train.log_every == 0:  # a log step reads the pending losses: not
+        trainer.train_step(batches.next()[0])                       # the ordinary step this is to show
+        _sync(device)
+        trainer.flush_losses()
     batch, _ = batches.next()
     _sync(device)
     t0 = time.perf_counter()
