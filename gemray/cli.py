@@ -11,7 +11,7 @@
                                           (ask a running `gemray train` to checkpoint and stop)
     gemray bench bbs --config FILE [--world-size N] [--set ...]
     gemray bench kernels [ARGS...]        (gemray.bench.kernels.main)
-    gemray bench train --config FILE [--set ...] [--steps N] [--warmup W] [--profile] [--json PATH]
+    gemray bench train --config FILE [--set ...] [--steps N] [--warmup W] [--profile] [--sync-debug] [--json PATH]
                                           (gemray.bench.train: step time, tokens/s, MFU, data stall)
     gemray submit --config FILE [--address URL] ...   (gemray.controller.submit)
     gemray k8s render --config FILE [--kind rayjob|raycluster|pvc] [--gpu] [--image ...] [--storage ...]
@@ -395,9 +395,17 @@ def _cmd_bench_train(ns: argparse.Namespace) -> int:
     from gemray.controller.run import ensure_prepared
 
     cfg = load_config(ns.config, ns.overrides)
+    if ns.sync_debug:  # refused before the data is prepared or anything is built
+        import torch
+
+        if not (cfg.ray.use_gpu and torch.cuda.is_available()):
+            print("gemray: error: bench train --sync-debug needs a CUDA device (torch.cuda.set_sync_debug_mode); "
+                  f"this run would be on the CPU (ray.use_gpu = {str(cfg.ray.use_gpu).lower()}, CUDA "
+                  f"{'available' if torch.cuda.is_available() else 'not available'})", file=sys.stderr)
+            return 2
     ensure_prepared(cfg)  # as `gemray train`: prepare the data first where the config says how
     res = run_bench(cfg, steps=ns.steps, warmup=ns.warmup, profile=ns.profile, profile_steps=ns.profile_steps,
-                    warm_up_kernels=not ns.no_kernel_warmup)
+                    warm_up_kernels=not ns.no_kernel_warmup, sync_debug=ns.sync_debug)
     print(format_table(res))
     if ns.json:
         out = Path(ns.json)
@@ -617,6 +625,9 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--profile-steps", type=int, default=3, help="profiled steps (default %(default)s)")
     bt.add_argument("--no-kernel-warmup", action="store_true",
                     help="skip the ahead-of-time kernel compile (to see the compile stalls)")
+    bt.add_argument("--sync-debug", action="store_true",
+                    help="GPU only: one more step under torch.cuda.set_sync_debug_mode('warn'), reporting each host "
+                         "synchronisation site (file:line) with its count")
     bt.add_argument("--json", default=None, metavar="PATH", help="write the full result (per-step records too)")
     bt.set_defaults(func=_cmd_bench_train)
     bn = bsub.add_parser("numerics", help="FP8 numerics guard: train bf16 and fp8 on the same data and seed, "

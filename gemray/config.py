@@ -356,6 +356,14 @@ class TrainConfig:
     with ``torch._functorch.config.activation_memory_budget`` = the budget, a fraction).
     activation_memory_budget: bytes (> 1) or a fraction 0 < f <= 1 of the measured no-checkpointing peak;
     0 = off ("auto" then checkpoints nothing).
+    compile: torch.compile the dense per-token modules -- every HSTU block and the candidate tower -- one by one,
+    after parallelize, with dynamic shapes (the token count changes every step: one graph per module kind, not one
+    per batch); their elementwise work (casts, LayerNorms, SiLU, the residual) fuses and the launches drop. The
+    attention stays the Triton custom ops. Default false; the first steps compile (``gemray bench train``'s
+    warm-up covers them). Shares ``gemray.parallel.compile`` with activation_checkpointing "torch" (which
+    compiles the blocks whatever this says). compile_backend: the torch._dynamo backend, "inductor" (default;
+    on CUDA), "aot_eager" or "eager" (both for debugging: no codegen). compile_tower: also compile the
+    candidate tower (default true).
     """
 
     PRECISIONS = ("fp32", "bf16", "fp8")
@@ -389,6 +397,9 @@ class TrainConfig:
     activation_memory_budget: float = 0.0
     mfu_warmup_steps: int = 10
     scaling_reference: str = ""
+    compile: bool = False
+    compile_backend: str = "inductor"
+    compile_tower: bool = True
 
     def validate(self) -> None:
         _positive(self, "epochs", "lr", "sparse_lr", "eval_every", "log_every")
@@ -402,6 +413,7 @@ class TrainConfig:
             raise ValueError("train.fp8_attention_inputs: FP8 attention inputs are not implemented (the jagged "
                              "attention kernels take bf16/fp32 q/k/v); use false")
         _choice(self, "activation_checkpointing", ("none", "full", "auto", "torch"))
+        _choice(self, "compile_backend", ("inductor", "aot_eager", "eager"))
         b = self.activation_memory_budget
         if b < 0 or (1 < b and b != int(b)):
             raise ValueError(f"train.activation_memory_budget: expected bytes (an integer > 1), a fraction "

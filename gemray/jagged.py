@@ -20,11 +20,18 @@ Example (B=2, candidates 2 and 1)::
     labels            = [[1., 0.], [0., 0.], [1., 1.]]     # [C, 2]: click, convert
 
 Padded conversions exist for references and tests only; the model path stays jagged.
+
+Host shape facts (:class:`HostShape`): token / candidate counts, the longest sequence, the positions with a next
+item. On a CPU batch they are plain arithmetic on the offsets; read from a CUDA tensor each would block the host
+until the device catches up (a host sync per read). ``JaggedBatch.to(device)`` computes them from the CPU
+offsets before the copy and carries them (``host``), so the model's training step reads them without a sync;
+:meth:`JaggedBatch.host_shape` gives them for any batch (None: a device batch made without them).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
+from typing import Optional
 
 import torch
 
@@ -34,6 +41,34 @@ RATING_FEATURE = "rating"
 TIME_FEATURE = "time_gap"
 # Column order of JaggedBatch.labels (the names of gemray.pipelines.schema.LABEL_NAMES).
 LABEL_NAMES = ("click", "convert")
+
+
+@dataclass(frozen=True)
+class HostShape:
+    """Host ints of a batch's jagged layout (see the module docstring), computed once from CPU offsets.
+
+    num_tokens: T; max_len: the longest sequence (0 for B = 0); num_next: M = sum(max(L_b - 1, 0)), the
+    positions that have a next item; num_candidates: C (0 without candidates); max_candidates: the most
+    candidates of one request (0 without)."""
+
+    num_tokens: int
+    max_len: int
+    num_next: int
+    num_candidates: int = 0
+    max_candidates: int = 0
+
+    @classmethod
+    def of(cls, offsets: torch.Tensor, candidate_offsets: torch.Tensor | None = None) -> "HostShape":
+        """From CPU offsets [B+1] (and candidate offsets [B+1]); raises ValueError for tensors on another
+        device (reading them would sync)."""
+        for name, t in (("offsets", offsets), ("candidate_offsets", candidate_offsets)):
+            if t is not None and t.device.type != "cpu":
+                raise ValueError(f"HostShape.of: {name} must be a CPU tensor, got one on {t.device}")
+        lengths = (offsets[1:] - offsets[:-1]).tolist()
+        cands = [] if candidate_offsets is None else (candidate_offsets[1:] - candidate_offsets[:-1]).tolist()
+        return cls(num_tokens=int(offsets[-1]) if offsets.numel() else 0, max_len=max(lengths, default=0),
+                   num_next=sum(max(n - 1, 0) for n in lengths), num_candidates=sum(cands),
+                   max_candidates=max(cands, default=0))
 
 
 @dataclass
@@ -63,6 +98,9 @@ class JaggedBatch:
     labels:     [C, 2] float32 0/1 per candidate: column 0 click, column 1 convert (1 only where clicked);
                 see ``LABEL_NAMES``.
     The three candidate fields are all set or all None.
+
+    host:       HostShape or None: the layout's host ints, set by ``to()`` when a CPU batch moves to another
+                device (module docstring); not a tensor, never moved.
     """
 
     user_ids: torch.Tensor
@@ -77,13 +115,26 @@ class JaggedBatch:
     candidate_offsets: torch.Tensor | None = None
     candidate_ids: torch.Tensor | None = None
     labels: torch.Tensor | None = None
+    host: Optional[HostShape] = None
 
     @property
     def batch_size(self) -> int:
         return int(self.offsets.numel() - 1)
 
+    def host_shape(self) -> HostShape | None:
+        """The batch's :class:`HostShape`: ``host`` when set, else computed from CPU offsets (no sync), else None
+        (a device batch without it: callers then read the device, one sync per value)."""
+        if self.host is not None:
+            return self.host
+        if self.offsets.device.type == "cpu" and (self.candidate_offsets is None
+                                                  or self.candidate_offsets.device.type == "cpu"):
+            return HostShape.of(self.offsets, self.candidate_offsets)
+        return None
+
     @property
     def num_tokens(self) -> int:
+        if self.host is not None:
+            return self.host.num_tokens
         return int(self.offsets[-1])
 
     @property
@@ -93,15 +144,20 @@ class JaggedBatch:
 
     @property
     def max_len(self) -> int:
+        if self.host is not None:
+            return self.host.max_len
         return int(self.lengths.max()) if self.batch_size else 0
 
     @property
     def num_candidates(self) -> int:
         """C, the candidates of all rows together (0 without ranking data)."""
-        return 0 if self.candidate_offsets is None else int(self.candidate_offsets[-1])
+        if self.candidate_offsets is None:
+            return 0
+        return self.host.num_candidates if self.host is not None else int(self.candidate_offsets[-1])
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "JaggedBatch":
-        """A copy with every tensor (those inside ``features`` / ``context`` too) on ``device``."""
+        """A copy with every tensor (those inside ``features`` / ``context`` too) on ``device``; moving a CPU batch
+        to another device also records its :class:`HostShape` (``host``) from the CPU offsets first."""
         def move(v):
             if isinstance(v, torch.Tensor):
                 return v.to(device, non_blocking=non_blocking)
@@ -109,7 +165,12 @@ class JaggedBatch:
                 return {k: move(x) for k, x in v.items()}
             return v
 
-        return JaggedBatch(**{f.name: move(getattr(self, f.name)) for f in fields(self)})
+        host = self.host
+        if host is None and torch.device(device).type != "cpu":
+            host = self.host_shape()
+        out = JaggedBatch(**{f.name: move(getattr(self, f.name)) for f in fields(self) if f.name != "host"})
+        out.host = host
+        return out
 
     def pin_memory(self) -> "JaggedBatch":
         """A copy in page-locked host memory (needs CUDA), so that ``to(cuda, non_blocking=True)`` overlaps."""
@@ -120,7 +181,7 @@ class JaggedBatch:
                 return {k: pin(x) for k, x in v.items()}
             return v
 
-        return JaggedBatch(**{f.name: pin(getattr(self, f.name)) for f in fields(self)})
+        return JaggedBatch(**{f.name: pin(getattr(self, f.name)) for f in fields(self)})  # host: kept as is
 
     def validate(self) -> "JaggedBatch":
         """Check the invariants above; raises ValueError naming the broken field."""
@@ -184,16 +245,34 @@ def lengths_to_offsets(lengths: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def segment_ids(offsets: torch.Tensor) -> torch.Tensor:
-    """[B+1] offsets -> [T] int64 index of the sequence each token belongs to."""
+def segment_ids(offsets: torch.Tensor, total: int | None = None) -> torch.Tensor:
+    """[B+1] offsets -> [T] int64 index of the sequence each token belongs to.
+
+    total: T when the caller knows it on the host (e.g. a tensor's ``shape[0]``): then no host sync on CUDA
+    (``repeat_interleave`` needs the output size; without it, it reads the device)."""
     lengths = offsets[1:] - offsets[:-1]
-    return torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths)
+    return torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths,
+                                   output_size=total)
 
 
-def positions(offsets: torch.Tensor) -> torch.Tensor:
-    """[B+1] offsets -> [T] int64 position of each token inside its sequence (0-based)."""
-    seg = segment_ids(offsets)
+def positions(offsets: torch.Tensor, total: int | None = None) -> torch.Tensor:
+    """[B+1] offsets -> [T] int64 position of each token inside its sequence (0-based); total: as
+    ``segment_ids``."""
+    seg = segment_ids(offsets, total)
     return torch.arange(seg.numel(), device=offsets.device) - offsets[:-1][seg]
+
+
+def next_item_index(offsets: torch.Tensor, num_next: int | None = None) -> torch.Tensor:
+    """[B+1] offsets -> [M] int64 token indices t that have a next item t+1 in the same sequence, by sequence then
+    position. num_next: M when known on the host (``HostShape.num_next``): then no host sync (the count of such
+    positions is what a device tensor would have to be read for)."""
+    lengths = offsets[1:] - offsets[:-1]
+    rows = (lengths - 1).clamp(min=0)                                       # [B] positions with a next item
+    if num_next is None:
+        num_next = int(rows.sum()) if rows.numel() else 0
+    seg = torch.repeat_interleave(torch.arange(rows.numel(), device=offsets.device), rows, output_size=num_next)
+    row_start = torch.cumsum(rows, 0) - rows                                # [B] first row of each sequence
+    return offsets[:-1][seg] + (torch.arange(num_next, device=offsets.device) - row_start[seg])
 
 
 def query_timestamps(timestamps: torch.Tensor, offsets: torch.Tensor,
@@ -205,15 +284,21 @@ def query_timestamps(timestamps: torch.Tensor, offsets: torch.Tensor,
     position keeps its own timestamp (in training it predicts nothing). Returns [T] int64.
     As generative-recommenders' RelativeBucketedTimeAndPositionBasedBias, whose time bias buckets
     ``ts[i+1] - ts[j]`` with the target's timestamp scattered after the history (arXiv:2402.17152).
+    No host sync: the last positions are written by one scatter into a [T+1] buffer whose extra slot takes the
+    writes of empty sequences.
     """
-    out = timestamps.clone()
-    if out.numel() > 1:
-        out[:-1] = timestamps[1:]
+    T = timestamps.numel()
+    out = torch.empty(T + 1, dtype=timestamps.dtype, device=timestamps.device)
+    out[:T] = timestamps
+    if T > 1:
+        out[:T - 1] = timestamps[1:]
     lengths = offsets[1:] - offsets[:-1]
     has = lengths > 0
-    ends = offsets[1:][has] - 1
-    out[ends] = timestamps[ends] if last is None else last[has].to(timestamps.dtype)
-    return out
+    ends = torch.where(has, offsets[1:] - 1, T)                             # [B], T = the spare slot
+    own = timestamps[(offsets[1:] - 1).clamp(min=0)] if T else torch.zeros_like(ends, dtype=timestamps.dtype)
+    vals = own if last is None else last.to(timestamps.dtype)
+    out.scatter_(0, ends, vals.to(timestamps.dtype))
+    return out[:T]
 
 
 def jagged_to_padded(values: torch.Tensor, offsets: torch.Tensor, max_len: int,

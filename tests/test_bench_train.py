@@ -44,8 +44,10 @@ def test_bench_train_smoke_json_fields_and_arithmetic(synthetic, tmp_path, capsy
     r = json.loads(out.read_text())
     for key in ("step_s", "data_s", "tokens_per_s", "samples_per_s", "model_tflops_per_s", "local_mfu",
                 "local_mfu_compute", "peak_memory", "data_stall_pct", "compile_stall", "loader", "warmup_compile",
-                "scaling_ratio", "e2e_mfu", "profile", "steps"):
+                "scaling_ratio", "e2e_mfu", "profile", "steps", "torch_compile"):
         assert key in r, key
+    tc = r["torch_compile"]
+    assert tc["enabled"] is False and tc["modules"] == [] and tc["during_measured"]["frames"] == 0
     assert r["measured_steps"] == 3 and len(r["steps"]) == 1 + 3
     meas = [s for s in r["steps"] if s["phase"] == "measured"]
     wall = sum(s["step_s"] + s["data_s"] for s in meas)
@@ -305,3 +307,68 @@ def test_device_kernels_keep_device_work_only():
               ev("train_step", cuda, 0, 40, is_user_annotation=True), ev("_gdpa_fwd", cuda, 6, 9),
               ev("span", cuda, 0, 9, activity_type="gpu_user_annotation")]
     assert device_kernels(events) == [("sm90_xmma_gemm", 2e-6, 6e-6), ("_gdpa_fwd", 6e-6, 9e-6)]
+
+
+def test_compile_report_splits_the_warm_up_from_the_measured_steps():
+    from gemray.bench.train import compile_report, format_table
+
+    def snap(frames, breaks, inner, bw):
+        return {"frames": frames, "frames_total": frames, "graphs": frames, "graph_breaks": breaks,
+                "seconds": {"_compile.compile_inner": inner, "compile_fx.<locals>.bw_compiler": bw,
+                            "GraphLowering.run": inner / 2}}
+
+    rep = compile_report(True, "inductor", ["encoder.blocks.0", "tower"], snap(0, 0, 0.0, 0.0),
+                         snap(2, 0, 30.0, 12.0), snap(2, 0, 30.0, 12.0))
+    u, d = rep["until_measured"], rep["during_measured"]
+    assert (u["frames"], u["graph_breaks"], u["seconds"]) == (2, 0, 42.0)  # frames + lazily compiled backward
+    assert u["seconds_by_phase"]["GraphLowering.run"] == 15.0
+    assert (d["frames"], d["seconds"], d["seconds_by_phase"]) == (0, 0.0, {})
+    again = compile_report(True, "inductor", [], snap(0, 0, 0.0, 0.0), snap(1, 0, 5.0, 1.0), snap(2, 1, 9.0, 1.0))
+    assert (again["during_measured"]["frames"], again["during_measured"]["graph_breaks"],
+            again["during_measured"]["seconds"]) == (1, 1, 4.0)
+    res = {"config": "c", "device": "d", "attention_backend": "triton", "batch_size": 1, "max_seq_len": 1,
+           "measured_steps": 1, "warmup_steps": 1, "step_s": {"median": 0.1, "p90": 0.1, "max": 0.1},
+           "tokens_per_s": 1.0, "samples_per_s": 1.0, "model_tflops_per_s": 1.0, "local_mfu": None,
+           "local_mfu_compute": None, "data_stall_pct": 0.0, "loader": {"cpu_cores": 1}, "peak_memory": {},
+           "compile_stall": {"max_over_median": 1.0, "flagged": False, "factor": 2.0},
+           "warmup_compile": {"ran": True, "seconds": 1.0, "regimes": []}, "torch_compile": again,
+           "sync_debug": {"total": 3, "step_s": 0.2, "sites": [
+               {"site": "gemray/jagged.py:10", "frame": "gemray/jagged.py:10", "count": 2, "message": "m"},
+               {"site": "torchrec/x.py:5", "frame": "gemray/model/gem.py:7", "count": 1, "message": "m"}]}}
+    table = format_table(res)
+    assert "during them 1 frame(s), 4.0 s  RECOMPILED" in table
+    assert "3 in one step" in table and "   2x gemray/jagged.py:10\n" in table + "\n"
+    assert "1x torchrec/x.py:5  (from gemray/model/gem.py:7)" in table
+
+
+def test_sync_debug_is_refused_off_cuda(tmp_path, capsys):
+    rc = main(["bench", "train", "--config", CONFIG, *_overrides(tmp_path / "nowhere"), "--steps", "1",
+               "--sync-debug"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "--sync-debug needs a CUDA device" in err and "ray.use_gpu = false" in err
+    from gemray.bench.train import run_bench
+
+    cfg = load_config(CONFIG, _overrides(tmp_path / "nowhere")[1:])
+    with pytest.raises(RuntimeError, match="--sync-debug needs a CUDA device"):
+        run_bench(cfg, steps=1, warmup=0, sync_debug=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_bench_train_compiled_with_sync_debug(synthetic, tmp_path, capsys):
+    """On the GPU: train.compile (inductor) compiles before the measured steps (none during them, no stall flag),
+    and --sync-debug lists the host syncs left in one step by site (printed and in the JSON)."""
+    out = tmp_path / "r.json"
+    overrides = _overrides(synthetic, "train.compile=true", "model.attention_backend=triton")
+    overrides[overrides.index("ray.use_gpu=false")] = "ray.use_gpu=true"
+    rc = main(["bench", "train", "--config", CONFIG, *overrides, "--steps", "6", "--warmup", "4", "--sync-debug",
+               "--json", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    r = json.loads(out.read_text())
+    tc = r["torch_compile"]
+    assert tc["enabled"] and tc["modules"] and tc["until_measured"]["frames"] >= 1
+    assert tc["during_measured"]["frames"] == 0 and not r["compile_stall"]["flagged"]
+    sd = r["sync_debug"]
+    assert "host syncs" in printed and sd["total"] == sum(s["count"] for s in sd["sites"])

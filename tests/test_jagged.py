@@ -56,3 +56,47 @@ def test_validate_target_timestamps_shape():
                     target_timestamps=torch.tensor([5]))
     with pytest.raises(ValueError, match="target_timestamps"):
         b.validate()
+
+
+def test_host_shape_and_sync_free_helpers_match_the_device_reads():
+    """HostShape's ints equal what reading the offsets gives; JaggedBatch.to carries them (not as a tensor) and the
+    batch's properties use them; next_item_index / positions / query_timestamps with host sizes (the sync-free forms)
+    equal the mask / nonzero definitions, empty sequences (leading, inner, trailing) and B = 0 included."""
+    from gemray.jagged import HostShape, next_item_index, positions, query_timestamps, segment_ids
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        B = int(torch.randint(0, 6, (1,), generator=g))
+        lens = torch.randint(0, 5, (B,), generator=g)
+        if trial % 7 == 0 and B:
+            lens[0] = 0
+        off = lengths_to_offsets(lens)
+        T = int(off[-1])
+        ts = torch.cumsum(torch.randint(0, 100, (T,), generator=g), 0)
+        last = torch.randint(0, 10 ** 6, (B,), generator=g)
+        hs = HostShape.of(off)
+        assert (hs.num_tokens, hs.max_len, hs.num_next) == (T, int(lens.max()) if B else 0,
+                                                           int((lens - 1).clamp(min=0).sum()))
+        seg = segment_ids(off)
+        pos = positions(off)
+        want_idx = torch.nonzero(pos < (lens[seg] - 1)).view(-1)
+        assert torch.equal(next_item_index(off), want_idx) and torch.equal(next_item_index(off, hs.num_next), want_idx)
+        assert torch.equal(positions(off, T), pos) and torch.equal(segment_ids(off, T), seg)
+        for lst in (None, last):
+            want = ts.clone()
+            if T > 1:
+                want[:-1] = ts[1:]
+            has = lens > 0
+            ends = off[1:][has] - 1
+            want[ends] = ts[ends] if lst is None else lst[has]
+            assert torch.equal(query_timestamps(ts, off, lst), want)
+    batch = JaggedBatch(user_ids=torch.arange(3), offsets=lengths_to_offsets(torch.tensor([2, 0, 5])),
+                        item_ids=torch.arange(1, 8), ratings=torch.ones(7, dtype=torch.int64),
+                        timestamps=torch.arange(7), candidate_offsets=torch.tensor([0, 1, 1, 4]),
+                        candidate_ids=torch.arange(4), labels=torch.zeros(4, 2))
+    moved = batch.to("meta")
+    assert moved.host == HostShape(num_tokens=7, max_len=5, num_next=5, num_candidates=4, max_candidates=3)
+    assert moved.offsets.is_meta and (moved.num_tokens, moved.max_len, moved.num_candidates) == (7, 5, 4)
+    assert moved.host_shape() is moved.host and batch.to("cpu").host is None  # CPU batches compute it on demand
+    with pytest.raises(ValueError, match="CPU tensor"):
+        HostShape.of(moved.offsets)

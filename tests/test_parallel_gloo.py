@@ -1,8 +1,8 @@
 """Layouts on gloo at world sizes 1, 2 and 4: loss, dense gradients and embedding updates equal the
 single-process model's.
 
-Every combination (sparse TW / RW / CW / TorchRec 2D x dense DDP / FSDP2 / HSDP) is built as the Trainer
-builds (GEM on meta -> parallelize -> optimizer) inside one spawned process group per world size (start-up
+Every combination (sparse TW / RW / CW / TorchRec 2D x dense DDP / FSDP2 / HSDP; at world 1 FSDP2 also with
+train.compile) is built as the Trainer builds (GEM on meta -> parallelize -> [compile] -> optimizer) inside one spawned process group per world size (start-up
 dominates). Rank r trains sub-batch r of one global batch with its negatives drawn from seed + r. The
 reference is one unsharded GEM in each process with the same dense initialisation and the sharded run's
 tables (gathered), trained on the same sub-batches one after the other:
@@ -28,7 +28,8 @@ LR, SPARSE_LR, EPS = 0.01, 0.05, 1e-8
 
 # (dense, sparse_sharding, extra overrides) per world size; each combo runs in the same process group.
 COMBOS = {
-    1: [("fsdp", "table_wise", [])],
+    # the second: train.compile after FSDP2's wrapping (the Trainer's order), aot_eager (no codegen on CPU)
+    1: [("fsdp", "table_wise", []), ("fsdp", "table_wise", ["train.compile=true", "train.compile_backend=aot_eager"])],
     2: [("ddp", "table_wise", []), ("ddp", "row_wise", []), ("fsdp", "column_wise", []),
         ("hsdp", "row_wise", ["parallel.dp_shard=1"])],
     4: [("hsdp", "row_wise", ["parallel.dp_shard=2"]), ("ddp", "column_wise", [])],
@@ -95,6 +96,10 @@ def _check_combo(rank: int, world: int, device: torch.device, dense: str, sparse
     dims = from_config(cfg.parallel, world, device.type, 1)
     model = GEM(cfg.model, NUM_ITEMS, "meta", max_seq_len=cfg.data.max_seq_len)
     dmp = parallelize(model, layout=plan_layout(world, device.type, dims), cfg=cfg, device=device)
+    if cfg.train.compile:  # as Trainer.build: after parallelize, per module
+        from gemray.parallel.compile import compile_dense_modules
+
+        assert compile_dense_modules(dmp, backend=cfg.train.compile_backend), "nothing compiled"
     opt = build_optimizer(dmp, cfg)
     replicas = dims.sparse_replicas
     tables0 = _tables(dmp, replicas)

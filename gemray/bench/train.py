@@ -22,8 +22,12 @@ measured steps / their wall time data_s + step_s); ``local_mfu`` (model FLOP/s /
 null on CPU), ``local_mfu_compute`` (the same over step_s only: what a loader that never stalls would give);
 ``peak_memory`` ({allocated_bytes, reserved_bytes} from torch.cuda.max_memory_* on CUDA, {rss_bytes} on CPU);
 ``compile_stall`` {max_over_median, flagged (> 2)}; ``loader`` {workers: 0 (in-process), cpu_cores};
-``warmup_compile`` (the kernel warm-up's regimes and seconds); ``steps`` (per-step records); and with
-``--profile`` a ``profile`` (:func:`profile_breakdown`).
+``warmup_compile`` (the kernel warm-up's regimes and seconds); ``torch_compile`` (``train.compile``:
+:func:`compile_report` -- the modules compiled, graphs, graph breaks, dynamo / AOT / inductor seconds, split into
+before the measured steps and during them: compile time is never inside the measured figures unless a batch
+recompiles there, which ``during_measured`` shows and the max/median stall flag catches); ``steps`` (per-step
+records); with ``--profile`` a ``profile`` (:func:`profile_breakdown`); with ``--sync-debug`` (CUDA only) a
+``sync_debug`` (:func:`sync_debug_step`: the host synchronisations one training step still makes, by site).
 
 Profile classification (:func:`classify_kernel`, first rule that matches, on the lower-cased name of each
 device kernel; on CPU, where there are no kernels, on the self time of each operator):
@@ -55,6 +59,8 @@ import logging
 import os
 import statistics
 import time
+import traceback
+import warnings
 from typing import Any, Iterator
 
 import torch
@@ -251,6 +257,8 @@ def _run_steps(trainer: Any, batches: _Batches, n: int, device: torch.device, re
         loss = trainer.train_step(batch)
         _sync(device)
         step_s = time.perf_counter() - t0
+        if loss is None:  # CUDA: the trainer reads losses every log_every steps; the device is idle now anyway
+            loss = trainer.flush_losses()
         records.append({"phase": phase, "data_s": data_s, "step_s": step_s, "flops": trainer.last_step_flops,
                         "tokens": batch.num_tokens, "samples": batch.batch_size, "loss": loss})
 
@@ -314,12 +322,106 @@ def profile_breakdown(trainer: Any, batches: _Batches, steps: int, device: torch
     return out
 
 
+def compile_snapshot() -> dict[str, Any]:
+    """torch._dynamo's counters and compile-time sums now (for :func:`compile_report`)."""
+    from torch._dynamo.utils import compilation_time_metrics, counters
+
+    return {"frames": int(counters["frames"].get("ok", 0)), "frames_total": int(counters["frames"].get("total", 0)),
+            "graphs": int(counters["stats"].get("unique_graphs", 0)),
+            "graph_breaks": int(sum(counters["graph_break"].values())),
+            "seconds": {k: float(sum(v)) for k, v in compilation_time_metrics.items()}}
+
+
+def _compile_seconds(metrics: dict[str, float]) -> float:
+    """Dynamo's frame compiles (their backends included) plus the lazily compiled backward graphs."""
+    return sum(v for k, v in metrics.items() if k == "_compile.compile_inner" or "bw_compiler" in k)
+
+
+def compile_report(enabled: bool, backend: str, modules: list[str], before: dict[str, Any],
+                   after_warmup: dict[str, Any], after_measured: dict[str, Any]) -> dict[str, Any]:
+    """Pure: the bench's ``torch_compile`` figures from three :func:`compile_snapshot` (before the build, after
+    the warm-up steps, after the measured steps): totals up to the end of the warm-up and what the measured
+    steps added (frames compiled, graph breaks, seconds: all 0 when no batch recompiled)."""
+    def diff(a, b):
+        keys = set(a["seconds"]) | set(b["seconds"])
+        secs = {k: b["seconds"].get(k, 0.0) - a["seconds"].get(k, 0.0) for k in keys}
+        return {"frames": b["frames"] - a["frames"], "graphs": b["graphs"] - a["graphs"],
+                "graph_breaks": b["graph_breaks"] - a["graph_breaks"], "seconds": _compile_seconds(secs),
+                "seconds_by_phase": {k: v for k, v in sorted(secs.items()) if v > 0}}
+
+    return {"enabled": enabled, "backend": backend, "modules": list(modules),
+            "until_measured": diff(before, after_warmup), "during_measured": diff(after_warmup, after_measured)}
+
+
+def _short_path(path: str) -> str:
+    for root in ("site-packages/", "/gemray/", "/kernels/", "/pipelines/"):
+        i = path.rfind(root)
+        if i >= 0:
+            return (path[i + 1:] if root.startswith("/") else path[i + len(root):])
+    return path
+
+
+def _own_frame(stack: list[traceback.FrameSummary]) -> str | None:
+    """The innermost frame of this project (gemray/, kernels/, pipelines/) in a stack, as "path:line"."""
+    for f in reversed(stack):
+        fn = f.filename.replace("\\", "/")
+        if ("/gemray/" in fn or "/kernels/" in fn or "/pipelines/" in fn) and "/bench/train.py" not in fn:
+            return f"{_short_path(fn)}:{f.lineno}"
+    return None
+
+
+def sync_debug_step(trainer: Any, batches: "_Batches", device: torch.device) -> dict[str, Any]:
+    """One more training step under ``torch.cuda.set_sync_debug_mode("warn")``: every host synchronisation
+    (``.item()``, ``.cpu()``, a blocking copy, ``nonzero`` / boolean-mask indexing, ...) raises a warning, all
+    captured (``warnings.catch_warnings``, "always", a ``showwarning`` that also keeps the Python stack) and
+    grouped by site. Returns {"step_s", "total", "sites": [{"site": "path:line" (the frame that called into
+    torch), "frame": the innermost gemray / kernels / pipelines frame or None, "count", "message"}, ...]} most
+    frequent first. The step is a real one, and an ordinary one: not a ``train.log_every`` step (which reads the
+    pending losses: one more step runs first when the next would be one); its loss is read after it, outside the
+    capture. Raises RuntimeError off CUDA (sync debug mode is a CUDA feature)."""
+    if device.type != "cuda":
+        raise RuntimeError(f"bench train --sync-debug needs a CUDA device (torch.cuda.set_sync_debug_mode); this "
+                           f"run is on {device.type}")
+    sites: dict[tuple[str, str | None], dict[str, Any]] = {}
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        stack = traceback.extract_stack()[:-1]
+        site = f"{_short_path(str(filename))}:{lineno}"
+        frame = _own_frame(stack)
+        rec = sites.setdefault((site, frame), {"site": site, "frame": frame, "count": 0,
+                                               "message": str(message).splitlines()[0][:200]})
+        rec["count"] += 1
+
+    if (trainer.epoch_step + 1) % trainer.cfg.train.log_every == 0:  # a log step reads the pending losses: not
+        trainer.train_step(batches.next()[0])                       # the ordinary step this is to show
+        _sync(device)
+        trainer.flush_losses()
+    batch, _ = batches.next()
+    _sync(device)
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            loss = trainer.train_step(batch)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    _sync(device)
+    step_s = time.perf_counter() - t0
+    if loss is None:
+        trainer.flush_losses()
+    out = sorted(sites.values(), key=lambda r: (-r["count"], r["site"]))
+    return {"step_s": step_s, "total": sum(r["count"] for r in out), "sites": out}
+
+
 def run_bench(cfg: JobConfig, *, steps: int, warmup: int, profile: bool = False, profile_steps: int = 3,
-              warm_up_kernels: bool = True) -> dict[str, Any]:
+              warm_up_kernels: bool = True, sync_debug: bool = False) -> dict[str, Any]:
     """Build the config's model through the Trainer's phases in this process (world size 1) and time
     ``warmup`` + ``steps`` training steps on the real pipeline, then optionally ``profile_steps`` profiled
-    ones. Returns the module docstring's dict. Raises ValueError for steps < 1 or warmup < 0, RuntimeError
-    when the config wants a GPU that is not here."""
+    ones, and with ``sync_debug`` one step under CUDA's sync debug mode (:func:`sync_debug_step`). Returns the
+    module docstring's dict. Raises ValueError for steps < 1 or warmup < 0, RuntimeError when the config wants a
+    GPU that is not here or ``sync_debug`` is asked for off CUDA (before anything is built)."""
     from gemray.train.warmup import warm_up_attention
     from gemray.train.trainer import Trainer
 
@@ -331,8 +433,12 @@ def run_bench(cfg: JobConfig, *, steps: int, warmup: int, profile: bool = False,
     cfg.train.mfu_warmup_steps = warmup
     cfg.validate()
     device = bench_device(cfg)
+    if sync_debug and device.type != "cuda":
+        raise RuntimeError(f"bench train --sync-debug needs a CUDA device (torch.cuda.set_sync_debug_mode); this "
+                           f"run is on {device.type} (ray.use_gpu = {cfg.ray.use_gpu})")
     made_pg = _init_process_group(device)
     try:
+        snap0 = compile_snapshot()
         t0 = time.perf_counter()
         trainer = Trainer(cfg)
         trainer.setup(context=(0, 1, device))
@@ -350,7 +456,9 @@ def run_bench(cfg: JobConfig, *, steps: int, warmup: int, profile: bool = False,
         batches = _Batches(trainer)
         records: list[dict[str, Any]] = []
         _run_steps(trainer, batches, warmup, device, records, "warmup")
+        snap1 = compile_snapshot()
         _run_steps(trainer, batches, steps, device, records, "measured")
+        snap2 = compile_snapshot()
         measured = [r for r in records if r["phase"] == "measured"]
         out: dict[str, Any] = {
             "config": cfg.name, "device": trainer.device_name, "world_size": 1,
@@ -361,6 +469,8 @@ def run_bench(cfg: JobConfig, *, steps: int, warmup: int, profile: bool = False,
                       "attention_dim": cfg.model.attention_dim, "linear_dim": cfg.model.linear_dim,
                       "tasks": list(cfg.model.tasks)},
             "warmup_steps": warmup, "build_s": build_s, "warmup_compile": compile_info,
+            "torch_compile": compile_report(cfg.train.compile, cfg.train.compile_backend,
+                                            list(getattr(trainer, "compiled", [])), snap0, snap1, snap2),
             **summarize(measured, trainer.peak_flops),
             "peak_memory": _peak_memory(device),
             "loader": {"workers": 0, "in_process": True, "cpu_cores": len(os.sched_getaffinity(0))
@@ -368,6 +478,8 @@ def run_bench(cfg: JobConfig, *, steps: int, warmup: int, profile: bool = False,
             "steps": records,
         }
         out["scaling_ratio"], out["e2e_mfu"] = 1.0, out["local_mfu"]  # world size 1 is its own reference
+        if sync_debug:
+            out["sync_debug"] = sync_debug_step(trainer, batches, device)
         if profile:
             out["profile"] = profile_breakdown(trainer, batches, profile_steps, device)
         return out
@@ -401,6 +513,20 @@ def format_table(res: dict[str, Any]) -> str:
         f"{len(res['warmup_compile'].get('regimes', []))} regime(s)"
         + ("" if res["warmup_compile"].get("ran") else f" (skipped: {res['warmup_compile'].get('why')})"),
     ]
+    tc = res.get("torch_compile")
+    if tc and (tc["enabled"] or tc["modules"] or tc["until_measured"]["frames"]):
+        u, d = tc["until_measured"], tc["during_measured"]
+        lines.append(f"  torch.compile   {'on' if tc['enabled'] else 'off (train.compile)'}, {tc['backend']}, "
+                     f"{len(tc['modules'])} module(s): {u['frames']} frame(s), {u['graph_breaks']} graph break(s), "
+                     f"{u['seconds']:.1f} s before the measured steps; during them {d['frames']} frame(s), "
+                     f"{d['seconds']:.1f} s" + ("" if d["frames"] == 0 else "  RECOMPILED"))
+    sd = res.get("sync_debug")
+    if sd is not None:
+        lines.append(f"  host syncs      {sd['total']} in one step ({sd['step_s'] * 1e3:.1f} ms under sync debug mode)"
+                     + ("" if sd["sites"] else ": none"))
+        for r in sd["sites"]:
+            lines.append(f"    {r['count']:4d}x {r['site']}" + (f"  (from {r['frame']})" if r["frame"] and
+                                                                 r["frame"] != r["site"] else ""))
     p = res.get("profile")
     if p:
         lines.append(f"  profile ({p['steps']} steps, {p['wall_s'] / p['steps'] * 1e3:.1f} ms per step wall):")
@@ -411,5 +537,6 @@ def format_table(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["CATEGORIES", "bench_device", "classify_kernel", "device_kernels", "first_batch", "format_table", "kernel_breakdown",
-           "profile_breakdown", "run_bench", "stall_check", "summarize"]
+__all__ = ["CATEGORIES", "bench_device", "classify_kernel", "compile_report", "compile_snapshot", "device_kernels",
+           "first_batch", "format_table", "kernel_breakdown", "profile_breakdown", "run_bench", "stall_check",
+           "summarize", "sync_debug_step"]

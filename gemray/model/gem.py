@@ -173,18 +173,23 @@ class GEM(nn.Module):
         return KeyedJaggedTensor(keys=kjt.keys() + [k for k, _, _ in extra],
                                  values=torch.cat([kjt.values()] + [v for _, v, _ in extra]),
                                  lengths=torch.cat([kjt.lengths()] + [n for _, _, n in extra]).to(torch.int64),
-                                 stride=kjt.stride())
+                                 stride=kjt.stride(),
+                                 # host ints from the values' shapes: TorchRec need not read the lengths back
+                                 length_per_key=kjt.length_per_key() + [v.numel() for _, v, _ in extra])
 
     # -- forward -----------------------------------------------------------------------------------------
     def _encode(self, batch: JaggedBatch, neg_ids: torch.Tensor | None, neg_rows: torch.Tensor | None = None):
-        """-> (states [T, d] unit norm, emb {key: JaggedTensor}) of one batch."""
+        """-> (states [T, d] unit norm, emb {key: JaggedTensor}) of one batch (the longest sequence from
+        ``batch.host_shape()`` when it has one: no host sync)."""
         out = self.embeddings(self._kjt(batch, neg_ids, neg_rows))  # sharded: a LazyAwaitable of the dict
         emb = {k: out[k] for k in self._keys}
         tok = self.inputs.token_embeddings(emb)                     # [T, d]
         tq = None
         if self.cfg.time_bias_query == "next":   # HSTU: bias by the time of the item being predicted
             tq = query_timestamps(batch.timestamps, batch.offsets, batch.target_timestamps)
-        states = self.encoder(tok, batch.offsets, batch.timestamps, tq)  # [T, d], unit norm
+        hs = batch.host_shape()
+        states = self.encoder(tok, batch.offsets, batch.timestamps, tq,
+                              max_len=None if hs is None else hs.max_len)  # [T, d], unit norm
         return states, emb
 
     def _retrieval_states(self, states: torch.Tensor) -> torch.Tensor:
@@ -200,7 +205,9 @@ class GEM(nn.Module):
                              "with `gemray prepare synthetic` or give candidate_offsets / candidate_ids / labels)")
         cands = self.inputs.candidate_embeddings(emb)               # [C, d]
         ctx = self.inputs.context_embeddings(emb)                   # [B, d] or None
-        return self.tower(states, batch.offsets, cands, batch.candidate_offsets, ctx)
+        hs = batch.host_shape()
+        return self.tower(states, batch.offsets, cands, batch.candidate_offsets, ctx,
+                          max_candidates=None if hs is None else hs.max_candidates)
 
     def forward(self, batch: JaggedBatch, generator: torch.Generator | None = None
                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -219,11 +226,13 @@ class GEM(nn.Module):
         "pos_logit", ranking "num_candidates". All detached.
         """
         g = generator if generator is not None else self._generator
+        hs = batch.host_shape()  # host ints of the layout (moved batches carry them): no host syncs below
         neg_ids = neg_rows = None
         if self.head is not None and batch.batch_size > 0:
             if self.cfg.negatives == "uniform":
                 neg_ids, neg_rows = sample_uniform_per_position(batch.offsets, self.cfg.num_negatives,
-                                                                self.num_items, g)
+                                                                self.num_items, g,
+                                                                num_next=None if hs is None else hs.num_next)
             elif self.cfg.negatives == "uniform_shared":
                 neg_ids = sample_uniform(batch.batch_size, self.cfg.num_negatives, self.num_items, g,
                                          batch.offsets.device)
@@ -234,7 +243,8 @@ class GEM(nn.Module):
             loss, st = self.head(self._retrieval_states(states), batch.offsets, batch.item_ids,
                                  emb[ITEM_FEATURE].values(), neg_ids=neg_ids,
                                  neg_emb=emb[NEG_ITEM_FEATURE].values() if neg_ids is not None else None,
-                                 generator=g)
+                                 generator=g, max_len=None if hs is None else hs.max_len,
+                                 num_next=None if hs is None else hs.num_next)
             stats.update(st)
             if self.tower is None:
                 return loss, stats  # the retrieval model: exactly the head's loss and stats

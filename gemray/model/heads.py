@@ -19,6 +19,7 @@ Negatives:
                 the same negatives).
     "in_batch": R = num_negatives draws (with replacement, so popularity-weighted) from the batch's own
                 positive targets, shared by the whole batch; their embeddings are the targets' embeddings.
+``next_item_index`` lives in ``gemray.jagged`` (imported here, where it was defined first).
 """
 
 from __future__ import annotations
@@ -27,48 +28,47 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gemray.jagged import jagged_to_padded, padded_to_jagged, positions, segment_ids
+from gemray.jagged import jagged_to_padded, next_item_index, padded_to_jagged, segment_ids
 
 
 def sample_uniform(batch_size: int, num_negatives: int, num_items: int,
                    generator: torch.Generator | None = None, device: torch.device | str = "cpu") -> torch.Tensor:
-    """[B, R] int64 ids uniform in 1..num_items (drawn on the generator's device, then moved to ``device``)."""
+    """[B, R] int64 ids uniform in 1..num_items (drawn on the generator's device, then moved to ``device``: from
+    a CPU generator to CUDA through pinned memory, asynchronously -- a pageable copy would block the host)."""
     gdev = generator.device if generator is not None else torch.device("cpu")
     ids = torch.randint(1, num_items + 1, (batch_size, num_negatives), generator=generator, device=gdev)
+    device = torch.device(device)
+    if ids.device.type == "cpu" and device.type == "cuda":
+        return ids.pin_memory().to(device, non_blocking=True)
     return ids.to(device)
 
 
 def sample_uniform_per_position(offsets: torch.Tensor, num_negatives: int, num_items: int,
-                                generator: torch.Generator | None = None
+                                generator: torch.Generator | None = None, num_next: int | None = None
                                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One row of R uniform negatives per position that has a next item (LocalNegativesSampler).
 
     offsets: [B+1] int64. Returns (neg_ids [M, R] int64 in 1..num_items, rows [B] int64 = max(L_b - 1, 0)),
     rows ordered as ``next_item_index(offsets)`` (by sequence, then position). Drawn on the generator's
-    device, returned on ``offsets.device``. Raises ValueError when num_negatives < 1 or num_items < 1.
+    device, returned on ``offsets.device``. num_next: M when known on the host (``HostShape.num_next``; else
+    read from the offsets: a host sync on CUDA). Raises ValueError when num_negatives < 1 or num_items < 1.
     """
     if num_negatives < 1 or num_items < 1:
         raise ValueError(f"sample_uniform_per_position: num_negatives ({num_negatives}) and num_items "
                          f"({num_items}) must be >= 1")
     rows = (offsets[1:] - offsets[:-1] - 1).clamp(min=0)
-    M = int(rows.sum()) if rows.numel() else 0
+    M = num_next if num_next is not None else (int(rows.sum()) if rows.numel() else 0)
     return sample_uniform(M, num_negatives, num_items, generator, offsets.device), rows
 
 
-def next_item_index(offsets: torch.Tensor) -> torch.Tensor:
-    """[B+1] offsets -> [M] int64 token indices t that have a next item t+1 in the same sequence."""
-    lengths = offsets[1:] - offsets[:-1]
-    pos = positions(offsets)
-    seg = segment_ids(offsets)
-    return torch.nonzero(pos < (lengths[seg] - 1)).view(-1)
-
-
-def _jagged_dense_bmm(x: torch.Tensor, offsets: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def _jagged_dense_bmm(x: torch.Tensor, offsets: torch.Tensor, y: torch.Tensor, max_len: int | None = None
+                      ) -> torch.Tensor:
     """x [T, D] jagged by offsets [B+1], y [B, D, R] -> [T, R] (row t times y of its sequence).
 
     FBGEMM's jagged_dense_bmm (CPU and CUDA, float32/half/bf16); other dtypes pad through gemray.jagged.
+    max_len: the longest sequence when known on the host (else read from the offsets: a host sync on CUDA).
     """
-    n = int((offsets[1:] - offsets[:-1]).max()) if offsets.numel() > 1 else 0
+    n = max_len if max_len is not None else (int((offsets[1:] - offsets[:-1]).max()) if offsets.numel() > 1 else 0)
     if x.dtype in (torch.float32, torch.float16, torch.bfloat16):
         try:
             import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
@@ -100,7 +100,8 @@ class RetrievalHead(nn.Module):
     def forward(self, states: torch.Tensor, offsets: torch.Tensor, item_ids: torch.Tensor,
                 item_emb: torch.Tensor, neg_ids: torch.Tensor | None = None,
                 neg_emb: torch.Tensor | None = None,
-                generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                generator: torch.Generator | None = None, *, max_len: int | None = None,
+                num_next: int | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Loss and stats for a training batch.
 
         states: [T, D] unit-norm user states; offsets [B+1] int64; item_ids [T] int64;
@@ -110,8 +111,10 @@ class RetrievalHead(nn.Module):
         Raises ValueError when the negatives a mode needs are missing or mis-shaped.
         Returns (loss: scalar, {"num_targets": float tensor, "pos_logit": mean positive cosine}).
         With M == 0 the loss is 0 but stays connected to every input (distributed backward).
+        max_len / num_next: the longest sequence and M as host ints (``gemray.jagged.HostShape``), so that no
+        shape is read from a device tensor (each such read is a host sync); None: read from the offsets.
         """
-        idx = next_item_index(offsets)
+        idx = next_item_index(offsets, num_next)
         M = idx.numel()
         target_ids = item_ids[idx + 1]
         zero = states.sum() * 0.0 + item_emb.sum() * 0.0
@@ -139,8 +142,8 @@ class RetrievalHead(nn.Module):
                 raise ValueError("RetrievalHead: 'uniform_shared' negatives need neg_ids and neg_emb")
             B, R = neg_ids.shape
             e_neg = F.normalize(neg_emb, dim=-1, eps=1e-6).view(B, R, -1)
-            neg = _jagged_dense_bmm(states, offsets, e_neg.transpose(1, 2))[idx]  # [M, R]
-            same = neg_ids[segment_ids(offsets)[idx]] == target_ids.view(-1, 1)
+            neg = _jagged_dense_bmm(states, offsets, e_neg.transpose(1, 2), max_len)[idx]  # [M, R]
+            same = neg_ids[segment_ids(offsets, states.shape[0])[idx]] == target_ids.view(-1, 1)
         else:
             R = self.num_negatives
             draw = torch.randint(0, M, (R,), generator=generator,

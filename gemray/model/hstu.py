@@ -223,19 +223,24 @@ class HSTUEncoder(nn.Module):
         self.reset_parameters()
 
     def forward(self, tok_emb: torch.Tensor, offsets: torch.Tensor, timestamps: torch.Tensor,
-                query_timestamps: torch.Tensor | None = None) -> torch.Tensor:
+                query_timestamps: torch.Tensor | None = None, *, max_len: int | None = None) -> torch.Tensor:
         """tok_emb [T, D] float, offsets [B+1] int64, timestamps [T] int64 -> states [T, D], unit L2 norm.
 
         query_timestamps: optional [T] int64 query time of each position for the time bias (default
         ``timestamps``; the model passes ``gemray.jagged.query_timestamps``, see the module docstring).
+        max_len: the longest sequence as a host int (``gemray.jagged.HostShape``; GEM passes it); None: read
+        from the offsets, which on CUDA is a host sync (the Triton kernels bound it by ``max_seq_len`` anyway
+        and assert on the device).
 
-        Raises ValueError when a sequence is longer than ``max_seq_len``.
+        Raises ValueError when a sequence is longer than ``max_seq_len`` (with max_len known or on the CPU).
         """
-        lengths = offsets[1:] - offsets[:-1]
-        n = int(lengths.max()) if lengths.numel() else 0
-        if n > self.max_seq_len:
+        n = max_len
+        if n is None and (offsets.device.type == "cpu" or self._needs_n()):
+            lengths = offsets[1:] - offsets[:-1]
+            n = int(lengths.max()) if lengths.numel() else 0
+        if n is not None and n > self.max_seq_len:
             raise ValueError(f"HSTUEncoder: a sequence of length {n} > max_seq_len {self.max_seq_len}")
-        pos = positions(offsets)
+        pos = positions(offsets, tok_emb.shape[0])
         x = tok_emb * math.sqrt(self.d) + self.pos_emb[pos]
         x = self.input_dropout(x)
         # the reference bucketises once per forward ([B, n, n] indices shared by the blocks); the Triton kernels
@@ -246,6 +251,11 @@ class HSTUEncoder(nn.Module):
             buckets = ops.relative_bias_buckets(timestamps, offsets, n, self.cfg.num_position_buckets,
                                                 self.cfg.num_time_buckets, self.max_seq_len, query_timestamps)
         cache: dict = {}
-        for block in self.blocks:
+        for block in self.blocks:  # (train.compile: each block a compiled module, gemray.parallel.compile)
             x = block(x, offsets, timestamps, buckets, cache, query_timestamps)
         return F.normalize(x, dim=-1, eps=1e-6)
+
+    def _needs_n(self) -> bool:
+        """Whether the forward needs the longest length itself: the reference backend's bucketing does."""
+        return bool(self.cfg.relative_bias) and ops.resolve_backend(
+            self.cfg.attention_backend, self.pos_emb.device) is ops.AttentionBackend.REFERENCE

@@ -179,7 +179,7 @@ def extra_sparse_features(batch: JaggedBatch, cfg: ModelConfig,
         return [(n, torch.zeros(0, dtype=torch.int64, device=dev), torch.zeros(1, dtype=torch.int64, device=dev))
                 for n in names]
     out = []
-    T = batch.num_tokens
+    T = batch.item_ids.numel()  # = offsets[-1] (validated batches); a shape, not a device read
     feats = getattr(batch, "features", None) or {}  # the optional GEM fields of JaggedBatch
     for f in cfg.token_features:
         if f not in feats or feats[f].numel() != T:
@@ -192,7 +192,7 @@ def extra_sparse_features(batch: JaggedBatch, cfg: ModelConfig,
             raise ValueError("batch.candidate_offsets / candidate_ids: None, but model.tasks has ranking tasks "
                              f"{cfg.ranking_tasks}")
         c_len = cand_off[1:] - cand_off[:-1]
-        C = int(cand_off[-1])
+        C = cand_ids.numel()  # = candidate_offsets[-1]; a shape, not a device read
         out.append((CANDIDATE_ITEM_FEATURE, cand_ids.to(torch.int64), c_len))
         cf = candidate_features or {}
         for f in cfg.candidate_features:

@@ -109,7 +109,8 @@ class CandidateTower(nn.Module):
             candidates: [C, d] float candidate embeddings (``InputLayer.candidate_embeddings``), jagged by
                 candidate_offsets [B+1] int64 (the same B).
             context: [B, d] float request embeddings; required iff ``has_context``.
-            max_candidates: host int >= every request's candidate count (default: computed, one host sync).
+            max_candidates: host int >= every request's candidate count (default: computed, one host sync on
+                CUDA; ``GEM`` passes ``HostShape.max_candidates``).
         Returns:
             [C, K] float logits, K = len(cfg.ranking_tasks), tasks in ``cfg.tasks`` order.
         Raises:
@@ -121,14 +122,14 @@ class CandidateTower(nn.Module):
         if history.dim() != 2 or history.shape[1] != self.d or candidates.dim() != 2 or candidates.shape[1] != self.d:
             raise ValueError(f"CandidateTower: expected history [T, {self.d}] and candidates [C, {self.d}], got "
                              f"{tuple(history.shape)} and {tuple(candidates.shape)}")
-        if candidate_offsets.numel() != B + 1 or int(offsets[-1]) != T or int(candidate_offsets[-1]) != C:
-            raise ValueError(f"CandidateTower: offsets [B+1={B + 1}] must end at T={T} and candidate_offsets "
-                             f"[B+1] at C={C}, got {tuple(offsets.shape)} -> {int(offsets[-1])}, "
-                             f"{tuple(candidate_offsets.shape)} -> {int(candidate_offsets[-1])}")
+        if candidate_offsets.numel() != B + 1:
+            raise ValueError(f"CandidateTower: candidate_offsets must be [B+1={B + 1}], got "
+                             f"{tuple(candidate_offsets.shape)}")
         if (context is not None) != self.has_context or (context is not None and context.shape != (B, self.d)):
             raise ValueError(f"CandidateTower: context expected {'[B, d]' if self.has_context else 'None'} "
                              f"(has_context={self.has_context}), got "
                              f"{None if context is None else tuple(context.shape)}")
+        _check_ends(offsets, T, candidate_offsets, C)
         if max_candidates is None:
             max_candidates = int((candidate_offsets[1:] - candidate_offsets[:-1]).max()) if B else 0
         H, A, V = self.h, self.a, self.v
@@ -143,11 +144,25 @@ class CandidateTower(nn.Module):
         u = ops.pma(self.seeds.to(k.dtype), k, v, offsets, self.max_seq_len, activation=self.activation,
                     backend=self.backend)                                       # [B, S, H, V]
         u = self.pool(u.reshape(B, self.s * H * V))                             # [B, d]
-        req = segment_ids(candidate_offsets)                                    # [C]
+        req = segment_ids(candidate_offsets, C)                                 # [C]
         parts = [x, candidates, u[req]]
         if context is not None:
             parts.append(context[req])
         return self.mlp(torch.cat(parts, dim=1))
+
+
+def _check_ends(offsets: torch.Tensor, T: int, candidate_offsets: torch.Tensor, C: int) -> None:
+    """offsets[-1] == T and candidate_offsets[-1] == C: a ValueError on CPU tensors; on CUDA an asynchronous
+    device assertion (reading the ends would block the host every step); nothing while torch.compile traces
+    (the custom attention ops check their offsets themselves)."""
+    if torch.compiler.is_compiling():
+        return
+    if offsets.device.type == "cpu" and candidate_offsets.device.type == "cpu":
+        if int(offsets[-1]) != T or int(candidate_offsets[-1]) != C:
+            raise ValueError(f"CandidateTower: offsets must end at T={T} and candidate_offsets at C={C}, got "
+                             f"{int(offsets[-1])} and {int(candidate_offsets[-1])}")
+        return
+    torch._assert_async((offsets[-1] == T) & (candidate_offsets[-1] == C))
 
 
 class MultiTaskHead(nn.Module):
@@ -186,7 +201,7 @@ class MultiTaskHead(nn.Module):
         if labels.dim() != 2 or labels.shape[1] < 2:
             raise ValueError(f"MultiTaskHead: labels must be [C, 2] (click, convert), got {tuple(labels.shape)}")
         cols = [LABEL_COLUMN[t] for t in self.tasks]
-        targets = labels[:, cols].to(torch.float32)
+        targets = torch.stack([labels[:, c] for c in cols], 1).to(torch.float32)  # no list index: no H2D copy
         pop = torch.ones_like(targets, dtype=torch.bool)
         if "cvr" in self.tasks and self.cvr_population == "clicked":
             pop[:, self.tasks.index("cvr")] = labels[:, 0] > 0.5
@@ -196,7 +211,9 @@ class MultiTaskHead(nn.Module):
         """logits [C, K] float (``CandidateTower``), labels [C, 2] float32 -> (loss scalar, stats).
 
         stats: {"loss_<task>": mean BCE of the task (0 when its population is empty), "count_<task>": its
-        population size (float), "num_candidates": C}, all detached. Raises ValueError on mismatched shapes.
+        population size (float32 scalar on the logits' device), "num_candidates": C (CPU)}, all detached. No
+        host sync: each mean is a masked sum over its population divided by its size (at least 1). Raises
+        ValueError on mismatched shapes.
         """
         if logits.dim() != 2 or logits.shape[1] != len(self.tasks) or labels.shape[0] != logits.shape[0]:
             raise ValueError(f"MultiTaskHead: logits must be [C, {len(self.tasks)}] with labels [C, 2], got "
@@ -204,14 +221,13 @@ class MultiTaskHead(nn.Module):
         targets, pop = self.targets_and_populations(labels)
         loss = logits.sum() * 0.0  # connects every parameter behind the logits, also when C == 0
         stats: dict[str, torch.Tensor] = {"num_candidates": torch.tensor(float(logits.shape[0]))}
+        # masked means instead of logits[pop] (a boolean index reads the mask on the host: a sync per task)
+        bce = F.binary_cross_entropy_with_logits(logits.float(), targets, reduction="none")     # [C, K]
+        bce = torch.where(pop, bce, torch.zeros_like(bce))
+        counts = pop.sum(0)                                                                    # [K] int64
+        means = bce.sum(0) / counts.clamp(min=1).to(bce.dtype)                                 # [K], 0 if empty
         for j, (t, w) in enumerate(zip(self.tasks, self.weights)):
-            m = pop[:, j]
-            n = int(m.sum())
-            if n:
-                lt = F.binary_cross_entropy_with_logits(logits[m, j].float(), targets[m, j])
-                loss = loss + w * lt
-            else:
-                lt = logits.new_zeros((), dtype=torch.float32)
-            stats[f"loss_{t}"] = lt.detach()
-            stats[f"count_{t}"] = torch.tensor(float(n))
+            loss = loss + w * means[j]
+            stats[f"loss_{t}"] = means[j].detach()
+            stats[f"count_{t}"] = counts[j].detach().to(torch.float32)
         return loss, stats

@@ -24,7 +24,7 @@ recomputes all of them.
 
 Modes (``train.activation_checkpointing``): "none"; "full" (every candidate); "auto" (this planner, when
 ``train.activation_memory_budget`` > 0: bytes, or a fraction of P0); "torch" (torch's own min-cut
-recomputation: each HSTU block ``compile()``d with ``torch._functorch.config.activation_memory_budget`` set
+recomputation: each HSTU block compiled by ``gemray.parallel.compile`` with ``torch._functorch.config.activation_memory_budget`` set
 to the fraction). Recomputation is ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` (dropout's RNG
 state is replayed) around the module's own forward, patched on the instance so the state-dict keys do not
 change (``checkpoint_wrapper`` would insert ``_checkpoint_wrapped_module.`` and break resuming).
@@ -225,20 +225,19 @@ def apply_checkpointing(modules: dict[str, nn.Module], names) -> None:
         m._gemray_checkpointed = True
 
 
-def apply_torch_budget(model: nn.Module, fraction: float) -> list[str]:
-    """Mode "torch": set ``torch._functorch.config.activation_memory_budget`` and ``compile()`` every HSTU
-    block (torch.compile's min-cut partitioner then recomputes to that fraction). Returns the block names."""
+def apply_torch_budget(model: nn.Module, fraction: float, backend: str = "inductor") -> list[str]:
+    """Mode "torch": set ``torch._functorch.config.activation_memory_budget`` and compile every HSTU block
+    (torch.compile's min-cut partitioner then recomputes to that fraction) through
+    ``gemray.parallel.compile.compile_dense_modules``, the one compile path (``train.compile`` shares it: a block
+    compiled already is not compiled twice). Returns the HSTU block names."""
     import torch._functorch.config as fconfig
 
     from gemray.model.hstu import HSTUBlock
+    from gemray.parallel.compile import compile_dense_modules
 
     fconfig.activation_memory_budget = float(fraction)
-    names = []
-    for n, m in model.named_modules():
-        if isinstance(m, HSTUBlock):
-            m.compile()
-            names.append(n)
-    return names
+    compile_dense_modules(model, backend=backend, tower=False, reason="activation_checkpointing = 'torch'")
+    return [n for n, m in model.named_modules() if isinstance(m, HSTUBlock)]
 
 
 class ActivationCheckpointer:
@@ -246,12 +245,13 @@ class ActivationCheckpointer:
     ``step(model)`` context probes (no checkpointing; the first is a warm-up: kernel compilation) and its
     ``after_step`` plans and applies, then logs the measured peak of the next step beside the prediction.
 
-    mode: one of MODES; budget: ``train.activation_memory_budget``."""
+    mode: one of MODES; budget: ``train.activation_memory_budget``; compile_backend: ``train.compile_backend``
+    (the blocks' backend in mode "torch")."""
 
-    def __init__(self, mode: str = "none", budget: float = 0.0):
+    def __init__(self, mode: str = "none", budget: float = 0.0, compile_backend: str = "inductor"):
         if mode not in MODES:
             raise ValueError(f"activation_checkpointing: expected one of {MODES}, got {mode!r}")
-        self.mode, self.budget = mode, float(budget)
+        self.mode, self.budget, self.compile_backend = mode, float(budget), compile_backend
         self.plan: CheckpointPlan | None = None
         self._probe: _Probe | None = None
         # the probe runs on the second step: the first one compiles the Triton kernels, its times mean nothing
@@ -261,7 +261,8 @@ class ActivationCheckpointer:
 
     @classmethod
     def from_config(cls, train_cfg) -> "ActivationCheckpointer":
-        return cls(train_cfg.activation_checkpointing, train_cfg.activation_memory_budget)
+        return cls(train_cfg.activation_checkpointing, train_cfg.activation_memory_budget,
+                   getattr(train_cfg, "compile_backend", "inductor"))
 
     def setup(self, model: nn.Module) -> None:
         self._modules = candidate_modules(model)
@@ -269,7 +270,7 @@ class ActivationCheckpointer:
             apply_checkpointing(self._modules, list(self._modules))
             log.info("activation checkpointing: full, recomputing %d module(s)", len(self._modules))
         elif self.mode == "torch":
-            names = apply_torch_budget(model, self.budget)
+            names = apply_torch_budget(model, self.budget, self.compile_backend)
             log.info("activation checkpointing: torch.compile'd %d HSTU block(s) with activation_memory_budget "
                      "%.3g", len(names), self.budget)
 

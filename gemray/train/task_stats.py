@@ -19,21 +19,30 @@ class TaskLosses:
 
     def __init__(self, tasks: list[str]):
         self.tasks = list(tasks)
-        self._sums = [0.0] * (2 * len(self.tasks))
+        self._sums: list = [0.0] * (2 * len(self.tasks))
 
     def add(self, stats: dict) -> None:
-        """One step's stats dict (tensors or floats); tasks absent from it add nothing."""
+        """One step's stats dict (tensors or floats); tasks absent from it add nothing. Tensors are summed as
+        tensors, on their device (float64): nothing is read on the host until :meth:`reduce` (a read per step
+        and task would be a host sync each on CUDA)."""
         for j, t in enumerate(self.tasks):
             n = stats.get(f"count_{t}")
             if n is None:
                 continue
-            n = float(n)
-            self._sums[2 * j] += float(stats[f"loss_{t}"]) * n
-            self._sums[2 * j + 1] += n
+            loss = stats[f"loss_{t}"]
+            if isinstance(n, torch.Tensor) or isinstance(loss, torch.Tensor):
+                # a CPU 0-d count beside a device loss (retrieval's num_targets) multiplies as a scalar: no copy
+                n = torch.as_tensor(n).detach().to(torch.float64)
+                loss = torch.as_tensor(loss).detach().to(torch.float64)
+            else:
+                n, loss = float(n), float(loss)
+            self._sums[2 * j] = self._sums[2 * j] + loss * n
+            self._sums[2 * j + 1] = self._sums[2 * j + 1] + n
 
     def reduce(self, device: torch.device) -> dict[str, float]:
         """Collective: sum over ranks, return the per-task means and restart the sums."""
-        s = torch.tensor(self._sums, dtype=torch.float64, device=device)
+        s = torch.stack([torch.as_tensor(v).detach().to(device=device, dtype=torch.float64).reshape(())
+                         for v in self._sums])
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(s)
         s = s.cpu()

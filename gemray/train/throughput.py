@@ -77,9 +77,10 @@ def mfu_or_none(flops: float, seconds: float, peak: float | None) -> float | Non
 
 class StepClock:
     """Wall seconds of each training step, measured end to end: from the end of the previous step (or
-    :meth:`start`) to the end of this one, so the wait for the batch is inside. No device synchronisation:
-    the loss read in every step bounds how far the device can lag, and the sums over many steps are exact to
-    within one step."""
+    :meth:`start`) to the end of this one, so the wait for the batch is inside. No device synchronisation: on
+    CUDA the host may run ahead of the device (the loss is read every ``train.log_every`` steps, ``Trainer``),
+    bounded by those reads and the launch queue; the sums over many steps are exact to within that lag, a
+    single step's lap is not (``gemray bench train`` synchronises per step for its per-step figures)."""
 
     def __init__(self) -> None:
         self.t = time.perf_counter()

@@ -84,30 +84,52 @@ def step_seed(seed: int, global_step: int, rank: int) -> int:
 
 
 def forward_backward_step(model: torch.nn.Module, optimizer: Any, batch: Any, device: torch.device, *,
-                          precision: str = "fp32", stats_out: dict | None = None) -> tuple[float, float]:
+                          precision: str = "fp32", stats_out: dict | None = None, read_loss: bool = True
+                          ) -> tuple[Any, float]:
     """Forward (under ``gemray.train.precision.autocast(precision, device)``), backward (the fused sparse
     optimizer steps inside), dense step. Returns (loss, targets).
 
-    model(batch) must return (loss scalar, stats dict with "num_targets"); ``stats_out``, when given, is
-    updated with that dict (e.g. the per-task "loss_<task>" / "count_<task>"). Raises FloatingPointError,
-    before any weight moves, when the loss is NaN or infinite (a diverged run must fail, not go on to
-    report metrics of NaN scores). precision "bf16" / "fp8": the forward under bf16 autocast (fp8's GEMMs are
-    the converted modules', ``gemray.model.fp8``).
+    model(batch) must return (loss scalar, stats dict with "num_targets", a CPU value); ``stats_out``, when
+    given, is updated with that dict (e.g. the per-task "loss_<task>" / "count_<task>"). The batch goes to
+    ``device`` through pinned memory, asynchronously, on CUDA (a pageable copy blocks the host per tensor).
+
+    read_loss True (default): the loss is read on the host (a float; on CUDA a host sync) and checked: raises
+    FloatingPointError, before any weight moves, when it is NaN or infinite (a diverged run must fail, not go
+    on to report metrics of NaN scores). read_loss False: returns the detached 0-d loss tensor unread (no sync;
+    the caller reads and checks it later: ``Trainer`` every ``train.log_every`` steps). precision "bf16" /
+    "fp8": the forward under bf16 autocast (fp8's GEMMs are the converted modules', ``gemray.model.fp8``).
     """
-    batch = batch.to(device)
+    if device.type == "cuda" and batch.offsets.device.type == "cpu":
+        batch = batch.pin_memory().to(device, non_blocking=True)
+    else:
+        batch = batch.to(device)
     with autocast(precision, device):
         loss, stats = model(batch)
     if stats_out is not None and isinstance(stats, dict):
         stats_out.update(stats)
-    value = float(loss.detach())
-    if not math.isfinite(value):
-        raise FloatingPointError(f"training loss is {value}: the model diverged (check train.lr, "
-                                 f"train.sparse_lr, model.temperature); no weights were updated by this step")
+    if read_loss:
+        value = float(loss.detach())
+        check_finite_loss([value])
+    else:
+        value = loss.detach()
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     n_t = float(stats.get("num_targets", 0)) if isinstance(stats, dict) else 0.0
     return value, n_t
+
+
+def check_finite_loss(values: list[float], first_step: int | None = None) -> None:
+    """Raise FloatingPointError naming the first non-finite loss of ``values`` (the losses of consecutive
+    steps; ``first_step``: the global step of ``values[0]`` when they were read late, None: just computed, no
+    weight updated yet)."""
+    for i, v in enumerate(values):
+        if not math.isfinite(v):
+            where = ("no weights were updated by this step" if first_step is None else
+                     f"read at a log step: global step {first_step + i + 1} is the first non-finite one, and "
+                     f"the weights were updated by the steps since")
+            raise FloatingPointError(f"training loss is {v}: the model diverged (check train.lr, "
+                                     f"train.sparse_lr, model.temperature); {where}")
 
 
 def model_data_args(cfg: JobConfig, manifest: dict[str, Any]) -> dict[str, Any]:
@@ -194,6 +216,8 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.device_name, self.peak_flops = device_peak_flops(self.device)
+        # CUDA: losses stay on the device and are read every train.log_every steps (train_step)
+        self.defer_loss = self.device.type == "cuda"
         self.attempt_steps = 0  # steps of this attempt: the first train.mfu_warmup_steps are left out of local MFU
         # The mesh degrees for this world size ([parallel]); an elastic job resized to a size they do not
         # divide runs the nearest valid layout (logged), a fixed-size job stops with the sizes named.
@@ -245,11 +269,27 @@ class Trainer:
         self.dmp = parallelize(model, layout=self.layout, cfg=cfg, device=self.device)
         self.checkpointer = ActivationCheckpointer.from_config(cfg.train)
         self.checkpointer.setup(self.dmp)
+        self.compiled = self.compile_dense()
         self.optimizer = build_optimizer(self.dmp, cfg)
         self.evaluators = build_evaluators(cfg, self.num_items)
         self.policy = CheckpointPolicy.from_config(cfg)
         self.warm_up_kernels()
         self.recorder.phase_done("build_and_shard_s")
+
+    def compile_dense(self) -> list[str]:
+        """``train.compile``: torch.compile every HSTU block (and the candidate tower, ``train.compile_tower``) in
+        place, after parallelize and the activation-checkpointing setup (``gemray.parallel.compile``: one path
+        with mode "torch"; blocks that mode compiled already are skipped). Returns the names compiled here;
+        logs the choice once (also when off)."""
+        tc = self.cfg.train
+        if not tc.compile:
+            log.info("torch.compile: off (train.compile = false)%s",
+                     "; the HSTU blocks are compiled by activation_checkpointing = 'torch'"
+                     if tc.activation_checkpointing == "torch" else "")
+            return []
+        from gemray.parallel.compile import compile_dense_modules
+
+        return compile_dense_modules(self.dmp, backend=tc.compile_backend, tower=tc.compile_tower)
 
     def warm_up_kernels(self) -> None:
         """On CUDA with the Triton attention backend: compile the attention kernels for every length regime
@@ -318,6 +358,8 @@ class Trainer:
                 if self.rank == 0:
                     log.debug("epoch %d step %d: per-rank tokens %s step_s %s", epoch + 1, self.epoch_step, tokens,
                               [round(s, 4) for s in step_s])
+            if loss is None and i == steps - 1:
+                loss = self.flush_losses()
             if self.rank == 0 and (log_now or i == steps - 1):
                 r = meter.rates_full()
                 log.info(progress_line(epoch + 1, self.epoch_step, epoch_steps, self.global_step, loss,
@@ -336,6 +378,7 @@ class Trainer:
                 return None
             if reason == "emergency":
                 self.vote.emergency_checkpoint_taken()
+        self.flush_losses()
         self.stats.reduce(self.device, self.world)
         out = self.stats.result(self.peak_flops)
         if self.task_losses is not None:
@@ -354,13 +397,20 @@ class Trainer:
         self.task_losses = TaskLosses(self.cfg.model.tasks) if len(self.cfg.model.tasks) > 1 else None
         self.dmp.train()
         self.clock = StepClock()
+        self._pending: list[tuple] = []  # steps whose loss is not read yet (train_step)
 
-    def train_step(self, batch: Any) -> float:
+    def train_step(self, batch: Any) -> float | None:
         """One global step of this rank: dropout and negative sampling seeded from (seed, global step, rank),
         forward / backward / optimizer step, then the bookkeeping (statistics with the step's model FLOPs
         ``last_step_flops`` and its wall seconds ``last_step_s`` -- since the previous step's end, the batch
         wait included -- counters, ledger, step event). Returns the loss (this rank's mean over its predicted
-        positions)."""
+        positions), or None when it is not read yet.
+
+        On CUDA the loss stays on the device (reading it is a host sync that stalls the launch queue every
+        step): the losses of the steps since the last read are read together (:meth:`flush_losses`) at every
+        ``train.log_every``-th step of the epoch, at the attempt's first step and before statistics are
+        reduced; only then are they checked for NaN / inf (FloatingPointError naming the first bad step), added
+        to the epoch statistics and written as step events. On the CPU every step reads its loss as before."""
         seed = self.cfg.train.seed
         self.last_step_flops = batch_flops(self.cfg.model, batch)  # host arithmetic on the offsets
         torch.manual_seed(step_seed(seed, self.global_step, self.rank))  # dropout
@@ -368,9 +418,10 @@ class Trainer:
         tc = self.cfg.train
         fp8_stats = tc.precision == "fp8" and tc.fp8_stats and self.epoch_step % tc.log_every == 0
         step_stats: dict = {}
+        defer = self.defer_loss
         with self.checkpointer.step(self.dmp, self.device), (collect_fp8_stats() if fp8_stats else nullcontext()):
             loss, n_t = forward_backward_step(self.dmp, self.optimizer, batch, self.device,
-                                              precision=tc.precision, stats_out=step_stats)
+                                              precision=tc.precision, stats_out=step_stats, read_loss=not defer)
         self.checkpointer.after_step()
         if fp8_stats and self.rank == 0:
             log_fp8_stats(pop_fp8_stats())
@@ -380,14 +431,35 @@ class Trainer:
         self.last_step_s = self.clock.lap()
         self.attempt_steps += 1
         measured = self.attempt_steps > tc.mfu_warmup_steps
-        self.stats.add(loss, n_t, batch.num_tokens, batch.batch_size, self.last_step_flops,
-                       self.last_step_s if measured else None)
+        self._pending.append((loss, n_t, batch.num_tokens, batch.batch_size, self.last_step_flops,
+                              self.last_step_s if measured else None, self.global_step, self.epoch, self.consumed))
         self.global_step += 1
         self.epoch_step += 1
         if self.ledger is not None:
             self.ledger.step(self.epoch, self.global_step, batch.user_ids.tolist())
-        self.recorder.step(self.global_step, self.epoch, self.consumed, loss=loss)
-        return loss
+        if not defer or self.epoch_step % tc.log_every == 0 or self.attempt_steps == 1:
+            return self.flush_losses()
+        return None
+
+    def flush_losses(self) -> float | None:
+        """Read the losses of the steps not read yet (one host sync for all of them on CUDA), check them
+        (FloatingPointError at the first NaN / inf), add those steps to the epoch statistics and emit their
+        step events. Returns the last step's loss (None when nothing was pending)."""
+        pending = getattr(self, "_pending", None)
+        if not pending:
+            return None
+        self._pending = []
+        raw = [p[0] for p in pending]
+        if any(isinstance(v, torch.Tensor) for v in raw):
+            values = torch.stack([torch.as_tensor(v, dtype=torch.float32).to(self.device).reshape(())
+                                  for v in raw]).cpu().tolist()
+        else:
+            values = [float(v) for v in raw]
+        check_finite_loss(values, first_step=pending[0][6])
+        for v, (_, n_t, tokens, samples, flops, seconds, step, epoch, consumed) in zip(values, pending):
+            self.stats.add(v, n_t, tokens, samples, flops, seconds)
+            self.recorder.step(step + 1, epoch, consumed, loss=v)
+        return values[-1]
 
     def epoch_seconds(self) -> float:
         """Collective: seconds since the current epoch started, the max over ranks (so the history, which
@@ -424,6 +496,7 @@ class Trainer:
                      "history": self.history, "partial": None}
             report = dict(metrics or {})
         else:
+            self.flush_losses()
             state = {"epoch": done, "consumed": self.consumed, "epoch_step": self.epoch_step, "global_step": step,
                      "history": self.history, "partial": self.stats.reduce(self.device, self.world)}
             report = {**epoch_fields(done, in_progress=True), "global_step": step, "checkpoint": reason,

@@ -1,0 +1,88 @@
+"""torch.compile of the dense per-token modules: each HSTU block and the candidate tower, one by one.
+
+Why per module (torchtitan's per-block compile, ``torchtitan/models/llama3/infra/parallelize.py``): the modules
+between them (TorchRec's sharded embeddings, the KJT plumbing, the loss heads) are host-heavy and full of
+data-dependent shapes; a block is pure dense math around one attention custom op (``gemray::gdpa_fwd`` /
+``gdpa_bwd``, with fake implementations: no graph break), so its casts, LayerNorms, SiLUs, splits and the
+residual fuse into a few Triton kernels and the launches per block drop.
+
+Shapes: the token count T (and B, C) changes every step, so the modules compile with ``dynamic=True`` (T, B,
+C symbolic from the first call: one graph per module kind instead of one per batch; sizes 0 and 1, which dynamo
+specialises, add at most one graph each). Parameters keep static shapes (dynamo's default).
+
+Order: after ``gemray.parallel.parallelize`` (DDP / FSDP2 units are made per ``HSTUBlock`` first), in place:
+``nn.Module.compile()`` compiles the module's ``_call_impl``, so state-dict keys do not change (a
+``torch.compile(module)`` wrapper would add ``_orig_mod.`` and break resuming) and FSDP2's hooks stay on the
+module (dynamo runs them eagerly). Activation checkpointing mode "torch" compiles the blocks through the same
+function (:func:`compile_dense_modules`); calling it again is a no-op per module.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+#: the backends ``train.compile_backend`` accepts (torch._dynamo's registered names)
+BACKENDS = ("inductor", "aot_eager", "eager")
+#: dynamo's per-code-object graph limit while modules are compiled here: every ``Module.compile()``d module runs
+#: the one ``nn.Module._call_impl`` code object, so blocks, tower, their no-grad (evaluation) variants and the
+#: sizes dynamo specialises (0 / 1) all count against one limit (default 8; past it dynamo silently runs eager)
+RECOMPILE_LIMIT = 64
+
+
+def _raise_recompile_limit() -> None:
+    import torch._dynamo.config as dconfig
+
+    for name in ("recompile_limit", "cache_size_limit"):  # the name changed across torch versions
+        if hasattr(dconfig, name) and getattr(dconfig, name) < RECOMPILE_LIMIT:
+            setattr(dconfig, name, RECOMPILE_LIMIT)
+            return
+
+
+def compile_targets(model: nn.Module, *, tower: bool = True) -> dict[str, nn.Module]:
+    """{qualified name: module} of the modules :func:`compile_dense_modules` compiles: every ``HSTUBlock`` and,
+    with ``tower``, every ``CandidateTower`` (FSDP2's class-swapped units included: they subclass them)."""
+    from gemray.model.hstu import HSTUBlock
+    from gemray.model.ranking import CandidateTower
+
+    kinds = (HSTUBlock, CandidateTower) if tower else (HSTUBlock,)
+    return {n: m for n, m in model.named_modules() if isinstance(m, kinds)}
+
+
+def compile_dense_modules(model: nn.Module, *, backend: str | Callable = "inductor", tower: bool = True,
+                          dynamic: bool = True, reason: str = "train.compile") -> list[str]:
+    """``module.compile(backend=backend, dynamic=dynamic)`` on every :func:`compile_targets` module not compiled
+    yet; returns the names compiled now (already-compiled ones are skipped, so the activation-checkpointing
+    "torch" mode and ``train.compile`` share one compile). Logs the choice once per call that compiles anything.
+
+    backend: a torch._dynamo backend name (``BACKENDS``) or a backend callable (tests: a counting wrapper).
+    Raises dynamo's recompile limit to at least ``RECOMPILE_LIMIT``. Raises ValueError for an unknown backend
+    name."""
+    if isinstance(backend, str) and backend not in BACKENDS:
+        raise ValueError(f"train.compile_backend: expected one of {BACKENDS}, got {backend!r}")
+    _raise_recompile_limit()
+    done = []
+    for name, m in compile_targets(model, tower=tower).items():
+        if getattr(m, "_gemray_compiled", False):
+            continue
+        m.compile(backend=backend, dynamic=dynamic)
+        m._gemray_compiled = True
+        done.append(name)
+    if done:
+        kinds = sorted({type(m).__name__.replace("FSDP", "") for n, m in model.named_modules() if n in set(done)})
+        log.info("torch.compile (%s): %d module(s) [%s], backend %s, dynamic=%s; the first steps compile them",
+                 reason, len(done), ", ".join(kinds), backend if isinstance(backend, str) else
+                 getattr(backend, "__name__", type(backend).__name__), dynamic)
+    return done
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """Whether :func:`compile_dense_modules` compiled ``module``."""
+    return bool(getattr(module, "_gemray_compiled", False))
+
+
+__all__ = ["BACKENDS", "compile_dense_modules", "compile_targets", "is_compiled"]
