@@ -102,7 +102,7 @@ import pyarrow.ipc as paipc
 import pyarrow.parquet as pq
 
 from . import amazon
-from .movielens import _file_sha256, _fsync_path
+from .movielens import _file_sha256, _fsync_path, check_replaceable, swap_into_place
 from .schema import (HISTORIES_DIR, HISTORY_SCHEMA, ITEMS_FILE, MANIFEST_FILE, MANIFEST_VERSION,
                      MIN_HISTORY_FOR_SPLITS, QUARANTINE_FILE, SPLIT_PROTOCOL, BadRowError)
 
@@ -1540,53 +1540,9 @@ def _bar(progress: bool, **kw):
 
 
 def _check_replaceable(out: Path, files: list[SourceFile]) -> dict[str, Any] | None:
-    """Refuse (ValueError) to prepare into ``out`` unless replacing it loses nothing but an earlier preparation:
-    missing, empty, or a gemray prepared folder holding only the files its manifest lists; refuse an ``out``
-    that contains a local source file. Returns the manifest being replaced, or None."""
-    out_abs = out.resolve()
-    for f in files:
-        if isinstance(f.fs, pafs.LocalFileSystem):
-            p = Path(f.path).resolve()
-            if out_abs == p or out_abs in p.parents:
-                raise ValueError(f"{out}: holds the source {f.display}; replacing it would delete the source: "
-                                 "choose another --out")
-    if not out.exists():
-        return None
-    if not out.is_dir():
-        raise ValueError(f"{out}: exists and is not a folder; refusing to replace it")
-    if not any(out.iterdir()):
-        return None
-    refuse = f"{out}: exists and is not a prepared gemray folder"
-    if not (out / MANIFEST_FILE).is_file():
-        raise ValueError(f"{refuse} (no {MANIFEST_FILE}); refusing to replace it")
-    try:
-        prev = json.loads((out / MANIFEST_FILE).read_text(encoding="utf-8"))
-        listed = set(_listed_files(prev))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        raise ValueError(f"{refuse} (its {MANIFEST_FILE} is not a gemray manifest); refusing to replace it") from None
-    dirs = {str(Path(p).parent) for p in listed} - {"."}
-    extra = sorted(str(p.relative_to(out)) for p in out.rglob("*")
-                   if str(p.relative_to(out)) not in listed | dirs)
-    if extra:
-        more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
-        raise ValueError(f"{out}: holds files its {MANIFEST_FILE} does not list ({', '.join(extra[:5])}{more}); "
-                         "replacing the folder would delete them: move them out or choose another --out")
-    return prev
-
-
-def _listed_files(manifest: dict[str, Any]) -> list[str]:
-    """Every file a prepared folder's manifest accounts for (MovieLens or interactions)."""
-    if "manifest_version" not in manifest:
-        raise KeyError("manifest_version")
-    listed = [f["path"] for f in manifest["files"]] + [manifest.get("items_file", ITEMS_FILE), MANIFEST_FILE]
-    if (manifest.get("quarantine") or {}).get("file"):
-        listed.append(manifest["quarantine"]["file"])
-    maps = manifest.get("id_maps") or {}
-    listed += [maps[k] for k in ("users", "items") if k in maps]
-    listed += list((maps.get("features") or {}).values())
-    if manifest.get("run_file"):
-        listed.append(manifest["run_file"])
-    return [str(Path(p)) for p in listed]
+    """:func:`pipelines.movielens.check_replaceable` with this preparation's local source files."""
+    return check_replaceable(out, [(Path(f.path), f.display) for f in files
+                                   if isinstance(f.fs, pafs.LocalFileSystem)])
 
 
 def prepare_interactions(src: str | list[str], out: str | Path, *, fmt: str = "auto", user_col: str | None = None,
@@ -1979,15 +1935,9 @@ def prepare_interactions(src: str | list[str], out: str | Path, *, fmt: str = "a
             os.fsync(f.fileno())
         for d in ([tmp / HISTORIES_DIR] + ([tmp / FEATURES_DIR] if spec.features else []) + [tmp]):
             _fsync_path(d)
-        old = None
         if out.exists():
             _warn_if_replacing(out, prev_manifest, manifest)
-            old = out.parent / f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            os.rename(out, old)
-        os.rename(tmp, out)
-        _fsync_path(out.parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        swap_into_place(tmp, out)
     except BaseException:
         if pool is not None:
             pool.close()

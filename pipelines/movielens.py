@@ -357,7 +357,7 @@ def prepare_movielens(src: str | Path, out: str | Path, *, on_bad_rows: str = "e
     out = Path(out)
     if out.is_symlink():  # replace the folder it points to, not the link
         out = out.resolve()
-    prev_manifest = _check_replaceable(out, path)
+    prev_manifest = check_replaceable(out, [(path, str(path))])
 
     data = path.read_bytes()
     digest = hashlib.sha256(data).hexdigest()
@@ -481,15 +481,9 @@ def prepare_movielens(src: str | Path, out: str | Path, *, on_bad_rows: str = "e
         for d in (tmp / HISTORIES_DIR, tmp):
             _fsync_path(d)
 
-        old = None
         if out.exists():
             _warn_if_other_source(out, prev_manifest, manifest)
-            old = out.parent / f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            os.rename(out, old)
-        os.rename(tmp, out)
-        _fsync_path(out.parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        swap_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -497,16 +491,19 @@ def prepare_movielens(src: str | Path, out: str | Path, *, on_bad_rows: str = "e
     return manifest
 
 
-def _check_replaceable(out: Path, src_file: Path) -> dict[str, Any] | None:
+def check_replaceable(out: Path, sources: list[tuple[Path, str]]) -> dict[str, Any] | None:
     """Refuse (ValueError naming the folder and what is in the way) to prepare into ``out`` unless replacing it
     loses nothing but an earlier preparation: ``out`` is missing or empty, or holds a gemray manifest and only the
-    files that manifest lists (its histories, items, quarantine). A folder with other files (notes, a source
-    copy, another program's manifest.json) is refused, as is an ``out`` that contains the source file itself.
+    files that manifest lists (:func:`listed_files`: histories, items, quarantine, id maps, the run file). A
+    folder with other files (notes, a source copy, another program's manifest.json) is refused, as is an ``out``
+    that contains one of the local ``sources`` ((path, name to show) pairs). Used by every ``prepare`` command.
     Returns the manifest of the preparation that will be replaced, or None (nothing to replace)."""
-    src_abs, out_abs = src_file.resolve(), out.resolve()
-    if out_abs == src_abs or out_abs in src_abs.parents:
-        raise ValueError(f"{out}: holds the source {src_file}; replacing it would delete the source: choose another "
-                         "--out")
+    out_abs = out.resolve()
+    for src, shown in sources:
+        src_abs = src.resolve()
+        if out_abs == src_abs or out_abs in src_abs.parents:
+            raise ValueError(f"{out}: holds the source {shown}; replacing it would delete the source: choose "
+                             "another --out")
     if not out.exists():
         return None
     if not out.is_dir():
@@ -518,16 +515,10 @@ def _check_replaceable(out: Path, src_file: Path) -> dict[str, Any] | None:
         raise ValueError(f"{refuse} (no {MANIFEST_FILE}); refusing to replace it")
     try:
         prev = json.loads((out / MANIFEST_FILE).read_text(encoding="utf-8"))
-        if "manifest_version" not in prev:
-            raise KeyError("manifest_version")
-        listed = {f["path"] for f in prev["files"]} | {prev.get("items_file", ITEMS_FILE)}
-        if (prev.get("quarantine") or {}).get("file"):
-            listed.add(prev["quarantine"]["file"])
-        if prev.get("run_file"):
-            listed.add(prev["run_file"])
+        listed = set(listed_files(prev))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         raise ValueError(f"{refuse} (its {MANIFEST_FILE} is not a gemray manifest); refusing to replace it") from None
-    listed = {str(Path(p)) for p in listed} | {MANIFEST_FILE, HISTORIES_DIR}
+    listed |= {str(Path(p).parent) for p in listed} - {"."} | {HISTORIES_DIR}
     extra = sorted(str(p.relative_to(out)) for p in out.rglob("*") if str(p.relative_to(out)) not in listed)
     if extra:
         more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
@@ -536,9 +527,39 @@ def _check_replaceable(out: Path, src_file: Path) -> dict[str, Any] | None:
     return prev
 
 
+def listed_files(manifest: dict[str, Any]) -> list[str]:
+    """Every file a prepared folder's manifest accounts for (MovieLens, interactions or synthetic). Raises
+    KeyError for a dict that is not a gemray manifest."""
+    if "manifest_version" not in manifest:
+        raise KeyError("manifest_version")
+    listed = [f["path"] for f in manifest["files"]] + [manifest.get("items_file", ITEMS_FILE), MANIFEST_FILE]
+    if (manifest.get("quarantine") or {}).get("file"):
+        listed.append(manifest["quarantine"]["file"])
+    maps = manifest.get("id_maps") or {}
+    listed += [maps[k] for k in ("users", "items") if k in maps]
+    listed += list((maps.get("features") or {}).values())
+    if manifest.get("run_file"):
+        listed.append(manifest["run_file"])
+    return [str(Path(p)) for p in listed]
+
+
+def swap_into_place(tmp: Path, out: Path) -> None:
+    """Make the finished preparation ``tmp`` (a sibling folder of ``out``, fsynced) the folder ``out``: the old
+    ``out`` is renamed aside, ``tmp`` renamed into place, the parent fsynced, then the old folder deleted -- a
+    reader sees the old preparation or the new one, never a mix."""
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        os.rename(out, old)
+    os.rename(tmp, out)
+    _fsync_path(out.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def _warn_if_other_source(out: Path, prev: dict[str, Any] | None, new: dict[str, Any]) -> None:
     """Log a warning when the prepared folder ``out`` about to be replaced (its manifest ``prev``, as
-    :func:`_check_replaceable` read it) holds data of another source file (other format, name or sha256) than
+    :func:`check_replaceable` read it) holds data of another source file (other format, name or sha256) than
     ``new``'s: re-preparing into a folder is allowed, silently swapping one dataset for another under a training
     run's configured path is not."""
     try:

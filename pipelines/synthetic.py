@@ -88,7 +88,7 @@ import pyarrow.parquet as pq
 
 from gemray.config import DataConfig
 
-from .movielens import _check_replaceable, _file_sha256, _fsync_path, write_run_file
+from .movielens import _file_sha256, _fsync_path, check_replaceable, swap_into_place, write_run_file
 from .schema import (CANDIDATE_CLICK, CANDIDATE_CONVERT, CANDIDATE_ITEMS, HISTORIES_DIR, ITEMS_FILE,
                      ITEMS_SCHEMA, LABEL_NAMES, MANIFEST_FILE, MANIFEST_VERSION, MIN_HISTORY_FOR_SPLITS,
                      RANKING_PROTOCOL, REQUEST_SPLIT, RUN_FILE, SPLIT_PROTOCOL, SPLITS, feature_column,
@@ -819,7 +819,7 @@ def prepare_synthetic(out: str | Path, spec: SyntheticSpec, *, num_files: int = 
     out = Path(out)
     if out.is_symlink():
         out = out.resolve()
-    _check_replaceable(out, Path(__file__))
+    check_replaceable(out, [(Path(__file__), str(Path(__file__)))])
     k, pmf, len_params = length_pmf(spec)
     layout = _layout(spec, len_params["mean"], num_files, row_groups_per_file)
     if workers is None:
@@ -854,14 +854,7 @@ def prepare_synthetic(out: str | Path, spec: SyntheticSpec, *, num_files: int = 
                              "workers": workers})
         for dd in (tmp / HISTORIES_DIR, tmp):
             _fsync_path(dd)
-        old = None
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            os.rename(out, old)
-        os.rename(tmp, out)
-        _fsync_path(out.parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        swap_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
