@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from gemray import ops
+from gemray.bench.kernels import rel_bias_inputs
 from gemray.kernels.config import DEFAULT, KernelConfig
 
 B, N, H, D = 32, 4096, 4, 256
@@ -45,20 +46,8 @@ def gem_lengths(seed: int = 0) -> list[int]:
 
 
 def inputs(seed: int = 0):
-    lengths = gem_lengths(seed)
-    off = torch.tensor([0] + lengths, device="cuda", dtype=torch.int64).cumsum(0)
-    t = int(off[-1])
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q, k, v = (torch.randn(t, H, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
-               for _ in range(3))
-    gaps = torch.exp(torch.rand(t, device="cuda", generator=g) * 16).long()
-    ts = 1_700_000_000 + torch.cumsum(gaps, 0)
-    from gemray.jagged import query_timestamps
-
-    tq = query_timestamps(ts, off)
-    pos_w = (torch.randn(128, device="cuda", generator=g) * 0.1).requires_grad_(True)
-    ts_w = (torch.randn(64, device="cuda", generator=g) * 0.1).requires_grad_(True)
-    return lengths, off, q, k, v, ts, tq, pos_w, ts_w
+    """(lengths, offsets, q, k, v, timestamps, query times, pos_w [128], ts_w [64]) of a gem-h200-like batch."""
+    return rel_bias_inputs("gem", B, N, H, D, 128, 64, seed, lengths=gem_lengths(seed))
 
 
 def main() -> int:

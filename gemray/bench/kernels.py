@@ -662,12 +662,14 @@ def bench_block(rec: Recorder, config: KernelConfig = DEFAULT) -> None:
 REL_BIAS_SHAPE = dict(b=32, n=4096, h=4, d=256, n_pos=128, n_time=128)  # GEM scale (NVIDIA's HSTU recipe)
 
 
-def rel_bias_inputs(kind: str, b: int, n: int, h: int, d: int, n_pos: int, n_time: int, seed: int = 0):
+def rel_bias_inputs(kind: str, b: int, n: int, h: int, d: int, n_pos: int, n_time: int, seed: int = 0,
+                    lengths: list[int] | None = None):
     """A bench batch with the HSTU relative bias ingredients: (lengths, offsets, q, k, v [T, H, D] bf16, timestamps
-    [T] int64 (1 s .. ~100 days apart), next-item query times [T] int64, pos_w [P], ts_w [NT] fp32), grads on."""
+    [T] int64 (1 s .. ~100 days apart), next-item query times [T] int64, pos_w [P], ts_w [NT] fp32), grads on.
+    ``lengths``: the sequence lengths (default: ``make_lengths(kind, b, n, seed)``)."""
     from gemray.jagged import query_timestamps
 
-    lengths = make_lengths(kind, b, n, seed)
+    lengths = make_lengths(kind, b, n, seed) if lengths is None else list(lengths)
     off = offsets_of(lengths)
     t = int(off[-1])
     g = torch.Generator(device="cuda").manual_seed(seed)
