@@ -130,11 +130,18 @@ def regime(total: int, batch: int, config: KernelConfig | None = None) -> str:
     return kconfig.resolve(config).regime_of(total, batch)
 
 
-def _tiles(kind: str, d: int, reg: str, max_q_len: int | None, cfg: KernelConfig) -> tuple[int, int, int, int]:
-    """Tile config (BLOCK_M, BLOCK_N, num_warps, num_stages) of a kernel kind in regime ``reg`` (the interpreter:
-    ``cfg.interpret_tiles``); ``max_q_len`` <= 64 (cross/PMA with few queries) shrinks BLOCK_M."""
-    tiles = cfg.interpret_tiles if _interpreting() else cfg.regime(reg).tiles
-    bm, bn, warps, stages = tiles.get(kind, d)
+def _tiles(kind: str, d: int, reg: str, max_q_len: int | None, cfg: KernelConfig, *, d_v: int | None = None,
+           rel: bool = False, elem_bytes: int = 2, device: torch.device | None = None) -> tuple[int, int, int, int]:
+    """Tile config (BLOCK_M, BLOCK_N, num_warps, num_stages) of a kernel kind in regime ``reg`` at head dims
+    ``d`` (q / k) and ``d_v`` (default d) with ``elem_bytes``-byte inputs: ``cfg.tile`` -- the regime's tile,
+    shrunk where its shared memory would not fit ``device``'s per-block limit (the in-kernel relative bias,
+    ``rel``, needs more) -- or, in the interpreter, ``cfg.interpret_tiles``; ``max_q_len`` <= 64 (cross/PMA with
+    few queries) shrinks BLOCK_M."""
+    if _interpreting():
+        bm, bn, warps, stages = cfg.interpret_tiles.get(kind, d)
+    else:
+        bm, bn, warps, stages = cfg.tile(reg, kind, d, d_v, rel=rel, elem_bytes=elem_bytes,
+                                         limit=_smem_limit(device))
     if not _interpreting() and max_q_len is not None and max_q_len <= 64:
         small = max(16, 1 << (max_q_len - 1).bit_length())
         if kind in ("fwd", "fwd_silu", "dq", "dq_ds"):
@@ -142,6 +149,15 @@ def _tiles(kind: str, d: int, reg: str, max_q_len: int | None, cfg: KernelConfig
         else:
             bm = min(bm, small)
     return bm, bn, warps, stages
+
+
+@functools.lru_cache(maxsize=16)
+def _smem_limit(device: torch.device | None) -> int:
+    """Shared memory one block may opt into on ``device`` (bytes; sm_90's 232,448 when torch does not say)."""
+    if device is None or device.type != "cuda":
+        return kconfig.SMEM_LIMIT_SM90
+    props = torch.cuda.get_device_properties(device)
+    return int(getattr(props, "shared_memory_per_block_optin", 0) or kconfig.SMEM_LIMIT_SM90)
 
 
 _CACHE: OrderedDict = OrderedDict()
@@ -1390,7 +1406,8 @@ def _make_fwd_plan(q, k, v, bias, q_off, kv_off, nt, spec: _Spec, t_out: int, cf
     even_d = bdk == d_qk and bdv == d_v
     # o is allocated contiguous [T_out, H, Dv]; softmax's lse is [H, T_out] (pointwise activations: o stands in)
     o_strides, stride_lh = (h * d_v, d_v), (t_out if spec.act == 0 else 0)
-    bm, bn, warps, stages = _tiles("fwd_silu" if spec.act == 1 else "fwd", d_qk, reg, spec.max_q_len, cfg)
+    bm, bn, warps, stages = _tiles("fwd_silu" if spec.act == 1 else "fwd", d_qk, reg, spec.max_q_len, cfg,
+                                   d_v=d_v, rel=rel is not None, elem_bytes=q.element_size(), device=q.device)
     table, n_tiles = _q_table(spec, q_off, kv_off, bm, t_out, cfg.seq_order_fwd)
     inner = rc.heads_inner
     tma = _use_tma(rc, even_d, spec, k, v)
@@ -1469,13 +1486,14 @@ def _make_bwd_plan(fwd: _FwdPlan, q, k, v, bias, do, q_off, kv_off, nt, spec: _S
         return _Launch(_gdpa_bwd, grid(table.numel(), rc.heads_inner), a, dict(**part, **consts), warps, stages,
                        cfg.direct_launch), table, False
 
+    fit = dict(d_v=d_v, rel=rel is not None, elem_bytes=q.element_size(), device=q.device)  # _tiles' smem fit
     steps = []
     if ds_store:  # dK/dV (also storing dS^T), then dQ = dS K from the stored tiles
-        kbm, kbn, kwarps, kstages = _tiles("dkdv_ds", d_qk, reg, spec.max_q_len, cfg)
+        kbm, kbn, kwarps, kstages = _tiles("dkdv_ds", d_qk, reg, spec.max_q_len, cfg, **fit)
         table, ntk = _k_table(spec, q_off, kv_off, kbn, k.shape[0], grouped=cfg.seq_order_dkdv)
         steps.append(bwd(table, (ntk, 1), kwarps, kstages, PART=1, DK_BM=kbm, DK_BN=kbn, DQ_BM=0, DQ_BN=0,
                          STORE_DBIAS=want_dbias, STORE_DELTA=False, STORE_DS=True))
-        qbm, qbn, qwarps, qstages = _tiles("dq_ds", d_qk, reg, spec.max_q_len, cfg)
+        qbm, qbn, qwarps, qstages = _tiles("dq_ds", d_qk, reg, spec.max_q_len, cfg, **fit)
         table, ntq = _q_table(spec, q_off, kv_off, qbm, t_out, grouped=cfg.seq_order_dq)
         steps.append((_Launch(_gdpa_dq_ds, grid(table.numel(), rc.heads_inner), [
             *ds_strides, *k.stride()[:2], *dq_strides, spec.alpha * (1.0 if softmax else spec.inv_n), ntq, d_qk, h],
@@ -1483,12 +1501,12 @@ def _make_bwd_plan(fwd: _FwdPlan, q, k, v, bias, do, q_off, kv_off, nt, spec: _S
                  BLOCK_DQK=bdk, DOT_PREC=consts["DOT_PREC"], HEADS_INNER=rc.heads_inner, TMA=use_tma),
             qwarps, qstages, cfg.direct_launch), table, True))
     else:  # two launches: dQ first (it writes softmax's delta), then dK/dV (reads it)
-        qbm, qbn, qwarps, qstages = _tiles("dq", d_qk, reg, spec.max_q_len, cfg)
+        qbm, qbn, qwarps, qstages = _tiles("dq", d_qk, reg, spec.max_q_len, cfg, **fit)
         table, ntq = _q_table(spec, q_off, kv_off, qbm, t_out)
         # the other part's tile sizes are unused (pruned branch): 0 keeps one compiled variant per config
         steps.append(bwd(table, (1, ntq), qwarps, qstages, PART=2, DK_BM=0, DK_BN=0, DQ_BM=qbm, DQ_BN=qbn,
                          STORE_DBIAS=want_dbias, STORE_DELTA=softmax, STORE_DS=False))
-        kbm, kbn, kwarps, kstages = _tiles("dkdv", d_qk, reg, spec.max_q_len, cfg)
+        kbm, kbn, kwarps, kstages = _tiles("dkdv", d_qk, reg, spec.max_q_len, cfg, **fit)
         table, ntk = _k_table(spec, q_off, kv_off, kbn, k.shape[0])
         steps.append(bwd(table, (ntk, 1), kwarps, kstages, PART=1, DK_BM=kbm, DK_BN=kbn, DQ_BM=0, DQ_BN=0,
                          STORE_DBIAS=False, STORE_DELTA=False, STORE_DS=False))
