@@ -96,3 +96,17 @@ def test_fit_tile_shrinks_in_order_and_refuses_what_cannot_fit():
         kc.fit_tile("fwd", (64, 64, 4, 2), 256, limit=8 * 1024)
     with pytest.raises(ValueError, match="unknown tile kind"):
         kc.smem_bytes("bwd", (64, 64, 4, 2), 128)
+
+
+def test_sass_check_smem_lists_the_launched_tiles():
+    """``python -m gemray.bench.sass_check --smem`` (the device-side check of this model under the device's
+    Triton) compiles exactly the tiles config.tile launches, at the asked head dims, bias on and off."""
+    from gemray.bench import sass_check as sc
+
+    vs = sc.smem_variants(dims=(128,))
+    got = {(v[0].split(" D=")[0], kind, rel): tile for kind, rel, d, tile, v in vs}
+    assert got[("long", "fwd_silu", True)] == (128, 32, 8, 3) and got[("long", "dkdv", True)] == (32, 128, 8, 2)
+    assert got[("xlong", "dq_ds", False)] == DEFAULT.xlong.tiles.get("dq_ds", 128)
+    for kind, rel, d, tile, (name, fn, types, consts, warps, stages) in vs:
+        assert d == 128 and consts["BLOCK_DQK"] == 128 and (warps, stages) == tile[2:]
+        assert consts.get("REL", False) == rel

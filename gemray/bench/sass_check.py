@@ -181,14 +181,14 @@ def smem_variants(config: KernelConfig = DEFAULT, dims: tuple[int, ...] = (64, 1
     return out
 
 
-def check_smem(config: KernelConfig = DEFAULT) -> int:
+def check_smem(config: KernelConfig = DEFAULT, dims: tuple[int, ...] = (64, 128, 256)) -> int:
     """Compile every launch of :func:`smem_variants` for sm_90 and print its shared memory next to
     ``kconfig.smem_bytes``'s estimate and the budget ``fit_tile`` keeps it under; returns the number of launches
     over the sm_90 limit (232,448 bytes) or whose compile exceeds the estimate (the model would be wrong)."""
     from gemray.kernels import config as kconfig
 
     bad = 0
-    for kind, rel, d, tile, v in smem_variants(config):
+    for kind, rel, d, tile, v in smem_variants(config, dims):
         est = kconfig.smem_bytes(kind, tile, d, rel=rel)
         try:
             r = check(v)
@@ -210,10 +210,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smem", action="store_true", help="instead: every launch of the default config at head dims "
                    "64 / 128 / 256, with and without the in-kernel relative bias, its shared memory against "
                    "gemray.kernels.config.smem_bytes and the sm_90 limit (exit code 1 if one is over)")
+    p.add_argument("--dims", default="64,128,256", help="with --smem: the head dims (comma-separated)")
     args = p.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)
     if args.smem:
-        return 1 if check_smem() else 0
+        return 1 if check_smem(dims=tuple(int(x) for x in args.dims.split(","))) else 0
     bad = 0
     for v in default_variants(args.all):
         try:
