@@ -338,7 +338,7 @@ class _Fp8Linear(torch.autograd.Function):
                 xt_q, xt_s = quantize_rowwise(x.t(), E4M3, -1, pad_to=16)  # [K, M'] rowwise over M
                 dw = fp8_mm(gt_q, gt_s, xt_q.t(), xt_s.t(), backend=backend).to(w_dt)
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = g.float().sum(0).to(b_dt)
+            db = g.sum(0, dtype=torch.float32).to(b_dt)  # one pass, fp32 accumulation
         return dx, dw, db, None, None, None
 
 
