@@ -118,33 +118,38 @@ class RegimeConfig:
 # B=256 N=4096, long uniform B=128 N=1024, xlong uniform B=64 N=4096), changed after runs 6-8 (medium dK/dV and dQ
 # 64x64/4w/2, long forward 128x64/8w/3) and after run 15, the first sweep timed in device time (short dK/dV and dQ
 # 64x64/4w/2). dkdv_ds / dq_ds: the best of runs 19-24 per regime; with the tables grouped by sequence (seq_order)
-# run 34 moved dq_ds to 128x64/4w/3 in medium / long / xlong. D=64 / 256 entries are not measured (kept from run 3).
+# run 34 moved dq_ds to 128x64/4w/3 in medium / long / xlong. D=64 / 256 entries are not timed (kept from run 3),
+# except D=256's fwd / fwd_silu / dq / dkdv: 8 warps instead of 4 (2026-12-02, from sm_90 compiles, not yet timed):
+# at 4 warps the dK/dV accumulators alone (2 x 64 x 256 fp32 over 128 threads) exceed 255 registers -- with the
+# relative bias its query loop spilled 128 STL / 171-209 LDL per iteration (stack 1,432-1,512 B), at 8 warps 0-18 /
+# 43-60 (392-464 B); without the bias its stack 1,128-1,136 -> 168-272 B; the forward's spills go (with the bias:
+# stack 120-248 -> 0 B; without: 242-254 -> 172-179 registers), the bias-free dq's stack 8-24 -> 0 B.
 _SHORT = TileSet(
-    fwd=_by_dim((64, 64, 4, 3), (64, 64, 4, 3), (64, 32, 4, 2)),
-    fwd_silu=_by_dim((64, 64, 4, 3), (64, 64, 4, 3), (64, 32, 4, 2)),
-    dkdv=_by_dim((64, 64, 8, 2), (64, 64, 4, 2), (32, 64, 4, 2)),
-    dq=_by_dim((64, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2)),
+    fwd=_by_dim((64, 64, 4, 3), (64, 64, 4, 3), (64, 32, 8, 2)),
+    fwd_silu=_by_dim((64, 64, 4, 3), (64, 64, 4, 3), (64, 32, 8, 2)),
+    dkdv=_by_dim((64, 64, 8, 2), (64, 64, 4, 2), (32, 64, 8, 2)),
+    dq=_by_dim((64, 64, 8, 2), (64, 64, 4, 2), (64, 32, 8, 2)),
     dkdv_ds=_by_dim((64, 64, 4, 2), (64, 64, 4, 2), (32, 64, 4, 2)),
     dq_ds=_by_dim((64, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 2)))
 _MEDIUM = TileSet(
-    fwd=_by_dim((64, 64, 4, 3), (64, 64, 4, 3), (64, 32, 4, 2)),
-    fwd_silu=_by_dim((64, 64, 4, 3), (64, 64, 4, 3), (64, 32, 4, 2)),
-    dkdv=_by_dim((64, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 2)),
-    dq=_by_dim((128, 64, 8, 3), (64, 64, 4, 2), (64, 32, 4, 2)),
+    fwd=_by_dim((64, 64, 4, 3), (64, 64, 4, 3), (64, 32, 8, 2)),
+    fwd_silu=_by_dim((64, 64, 4, 3), (64, 64, 4, 3), (64, 32, 8, 2)),
+    dkdv=_by_dim((64, 128, 8, 2), (64, 64, 4, 2), (32, 64, 8, 2)),
+    dq=_by_dim((128, 64, 8, 3), (64, 64, 4, 2), (64, 32, 8, 2)),
     dkdv_ds=_by_dim((64, 64, 4, 2), (64, 64, 4, 2), (32, 64, 4, 2)),
     dq_ds=_by_dim((128, 64, 4, 3), (128, 64, 4, 3), (64, 64, 4, 2)))
 _LONG = TileSet(
-    fwd=_by_dim((128, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 2)),
-    fwd_silu=_by_dim((128, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 2)),
-    dkdv=_by_dim((64, 128, 8, 2), (64, 128, 8, 2), (32, 64, 4, 2)),
-    dq=_by_dim((128, 64, 8, 3), (128, 64, 8, 3), (64, 32, 4, 2)),
+    fwd=_by_dim((128, 64, 4, 3), (128, 64, 8, 3), (64, 32, 8, 2)),
+    fwd_silu=_by_dim((128, 64, 4, 3), (128, 64, 8, 3), (64, 32, 8, 2)),
+    dkdv=_by_dim((64, 128, 8, 2), (64, 128, 8, 2), (32, 64, 8, 2)),
+    dq=_by_dim((128, 64, 8, 3), (128, 64, 8, 3), (64, 32, 8, 2)),
     dkdv_ds=_by_dim((64, 64, 4, 2), (64, 64, 4, 2), (32, 64, 4, 2)),
     dq_ds=_by_dim((128, 64, 4, 3), (128, 64, 4, 3), (64, 64, 4, 2)))
 _XLONG = TileSet(
-    fwd=_by_dim((128, 64, 4, 3), (128, 128, 8, 3), (64, 32, 4, 2)),
-    fwd_silu=_by_dim((128, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 2)),
-    dkdv=_by_dim((64, 128, 8, 2), (64, 128, 8, 2), (32, 64, 4, 2)),
-    dq=_by_dim((128, 64, 8, 3), (128, 64, 8, 3), (64, 32, 4, 2)),
+    fwd=_by_dim((128, 64, 4, 3), (128, 128, 8, 3), (64, 32, 8, 2)),
+    fwd_silu=_by_dim((128, 64, 4, 3), (128, 64, 8, 3), (64, 32, 8, 2)),
+    dkdv=_by_dim((64, 128, 8, 2), (64, 128, 8, 2), (32, 64, 8, 2)),
+    dq=_by_dim((128, 64, 8, 3), (128, 64, 8, 3), (64, 32, 8, 2)),
     dkdv_ds=_by_dim((64, 128, 8, 3), (64, 128, 8, 3), (32, 64, 4, 2)),
     dq_ds=_by_dim((128, 64, 4, 3), (128, 64, 4, 3), (64, 64, 4, 2)))
 
