@@ -496,15 +496,22 @@ def _rel_bias(qpos, kpos, tq, tk, lq, lk, PB_TAB, TTHR, PW, TW, n_tb, ACT: tl.co
     TW[tb(tq_i - ts_j)]`` at broadcastable query / key positions qpos / kpos with their times tq / tk (int64).
     Returns (bias fp32, base 2 for softmax; position bucket int32; time bucket int32), 0 / bucket 0 outside the
     sequence. pb: PB_TAB [max_len] int32 (the host's ``position_bucket_ref`` per distance). tb = the largest b
-    with |dt| >= TTHR[b] (TTHR [n_tb + 1] int64 sorted, TTHR[0] = 0, TTHR[n_tb] = int64 max: the host's exact
+    with |dt| >= TTHR[b] (TTHR [n_tb + 1] sorted, TTHR[0] = 0, TTHR[n_tb] = the type's max: the host's exact
     ``time_bucket_ref`` thresholds), found from an fp32 log estimate (off by at most one bucket) corrected by
-    two exact integer comparisons: the same bucket as ``time_bucket_ref`` on the device, bit for bit."""
+    two exact integer comparisons: the same bucket as ``time_bucket_ref`` on the device, bit for bit.
+    TTHR int32 (:func:`_kernel_thresholds`: when every real threshold is below 2^31 - 2, e.g. 64 time buckets):
+    |dt| is saturated to 2^31 - 2 right after the int64 subtraction and the bucket search runs on int32 tiles --
+    exact for every int64 input, since any |dt| >= 2^31 - 2 is past the last real threshold (the last bucket
+    either way); this halves the registers of the two threshold gathers and of |dt| (the kernels spilled with
+    int64 tiles here). TTHR int64: the search on int64 tiles (more buckets, e.g. 128 reach |dt| >= 2^31)."""
     ok = (qpos < lq) & (kpos < lk)
     d = qpos - kpos
     d = tl.where(d < 0, -d, d)
     pb = tl.load(PB_TAB + d, mask=ok, other=0)
     dt = tq - tk
     adt = tl.where(dt < 0, -dt, dt)
+    if TTHR.dtype.element_ty == tl.int32:
+        adt = tl.minimum(adt, 2147483646).to(tl.int32)
     est = (tl.log(tl.maximum(adt, 1).to(tl.float32)) * (1.0 / 0.301)).to(tl.int32)
     tb = tl.minimum(tl.maximum(est, 0), n_tb - 1)
     tb = tl.where(ok, tb, 0)
@@ -1313,6 +1320,20 @@ def _time_thresholds(n_tb: int, device: torch.device) -> torch.Tensor:
     return torch.cat([thr, thr.new_full((1,), _INT64_MAX)]).contiguous()
 
 
+_INT32_SAT = 2 ** 31 - 2  # the int32 bucket search's saturation of |dt| (below the table's sentinel 2^31 - 1)
+
+
+@functools.lru_cache(maxsize=32)
+def _kernel_thresholds(n_tb: int, device: torch.device) -> torch.Tensor:
+    """The TTHR table the kernels get: :func:`_time_thresholds` as int32 (saturated at 2^31 - 1, the sentinel)
+    when its last real threshold thr[n_tb - 1] <= 2^31 - 2 -- then the kernels' int32 search is exact for every
+    int64 time difference (see _rel_bias) --, else the int64 table. One host read per (n_tb, device)."""
+    thr = _time_thresholds(n_tb, device)
+    if int(thr[n_tb - 1]) <= _INT32_SAT:
+        return thr.clamp(max=_INT32_SAT + 1).to(torch.int32).contiguous()
+    return thr
+
+
 @dataclass(frozen=True)
 class RelBias:
     """The in-kernel HSTU relative bias of a self-attention call (``gdpa_triton(rel_bias=...)``): bias(i, j) =
@@ -1342,7 +1363,7 @@ def _rel_tensors(rel: tuple | None, max_q_len: int, dummy: torch.Tensor) -> list
         return [dummy] * 6
     tq, tk, pw, tw, bucket_len = rel
     return [tq, tk, _pos_bucket_table(pw.numel(), int(bucket_len), int(max_q_len), tq.device),
-            _time_thresholds(tw.numel(), tq.device), pw, tw]
+            _kernel_thresholds(tw.numel(), tq.device), pw, tw]
 
 
 @dataclass(eq=False)

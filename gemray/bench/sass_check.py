@@ -6,7 +6,9 @@ variant: shared memory, registers, ptxas stack (local memory) bytes, whether the
 wgmma (HGMMA in SASS), and for each loop of the SASS (a backward branch and its target) the spill stores
 and loads (STL / LDL) executed per iteration. Spills inside a loop cost every tile; spills outside the
 loops (values kept across them) cost once per program. the kernel run reports (benchmarks/reports/kernels_h200_*.md) records what this showed.
-The device may run another triton version: re-check there when a number matters.
+The device may run another triton version: re-check there when a number matters. The relative-bias
+variants take the int32 time-threshold table (``jagged_attention._kernel_thresholds``: up to 71 time buckets,
+e.g. the GEM config's 64).
 """
 
 from __future__ import annotations
@@ -27,11 +29,11 @@ from gemray.kernels.config import DEFAULT, KernelConfig
 
 _FWD_TYPES = dict(Q="*bf16", K="*bf16", V="*bf16", O="*bf16", LSE="*fp32", Q_OFF="*i64", KV_OFF="*i64",
                   NT="*i64", WORK="*i32", BIAS="*bf16", alpha="fp32", inv_n="fp32",
-                  TQ="*i64", TK="*i64", PB_TAB="*i32", TTHR="*i64", PW="*fp32", TW="*fp32")
+                  TQ="*i64", TK="*i64", PB_TAB="*i32", TTHR="*i32", PW="*fp32", TW="*fp32")
 _BWD_TYPES = dict(Q="*bf16", K="*bf16", V="*bf16", DO="*bf16", LSE="*fp32", DELTA="*fp32", O="*bf16",
                   DK="*bf16", DV="*bf16", DQ="*bf16", Q_OFF="*i64", KV_OFF="*i64", NT="*i64", WORK="*i32",
                   BIAS="*fp32", DBIAS="*fp32", DS="*bf16", alpha="fp32", inv_n="fp32",
-                  TQ="*i64", TK="*i64", PB_TAB="*i32", TTHR="*i64", PW="*fp32", TW="*fp32", DPW="*fp32",
+                  TQ="*i64", TK="*i64", PB_TAB="*i32", TTHR="*i32", PW="*fp32", TW="*fp32", DPW="*fp32",
                   DTW="*fp32")
 _DQ_DS_TYPES = dict(DS="*bf16", K="*bf16", DQ="*bf16", Q_OFF="*i64", KV_OFF="*i64", NT="*i64", WORK="*i32",
                     dq_scale="fp32")
