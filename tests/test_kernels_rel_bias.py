@@ -272,12 +272,15 @@ def test_rel_bias_bad_arguments():
 @needs_cuda
 @pytest.mark.parametrize("n", [1024, 2048, 4096])
 @pytest.mark.parametrize("activation", ["silu", "softmax"])
-def test_gpu_rel_bias_long_sequences_bf16(n, activation):
-    """bf16 on CUDA at n = 1024 .. 4096 (one max-length sequence, shorter ones, an empty and a length-1 one),
-    HSTU widths (H=2, D=128, P=128 position buckets, NT=64 time buckets), next-item query times: the in-kernel
-    bias against the reference backend in fp32."""
+@pytest.mark.parametrize("d", [128, 256])
+def test_gpu_rel_bias_long_sequences_bf16(n, activation, d):
+    """bf16 on CUDA at n = 1024 .. 4096 (one max-length sequence, shorter ones, an empty and a length-1 one: the
+    medium regime at n <= 2048, the long one at 4096), HSTU widths (H=2, D=128 or the GEM config's 256, P=128
+    position buckets, NT=64 time buckets), next-item query times: the in-kernel bias against the reference
+    backend in fp32. n = 4096 at D = 128 failed to launch before the tiles were fitted to shared memory (run 7 of
+    benchmarks/reports/gem_h200_2026-12-02.md; tests/test_kernels_smem.py)."""
     lengths = [n, n // 3, 1, 0, n // 2 + 7]
-    off, (q, k, v), ts, pos_w, ts_w = _inputs(lengths, 2, 128, 21, device="cuda", dtype=torch.bfloat16,
+    off, (q, k, v), ts, pos_w, ts_w = _inputs(lengths, 2, d, 21, device="cuda", dtype=torch.bfloat16,
                                               n_pos=128, n_time=64)
     tq = query_timestamps(ts, off)
     rel = ops.RelativeBiasInputs(ts, pos_w, ts_w, n, query_timestamps=tq)
