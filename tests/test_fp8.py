@@ -72,6 +72,8 @@ def test_quantize_rowwise_pads_the_contraction_in_place_and_handles_edge_slices(
     assert torch.all(qf[:2] == 0) and torch.isnan(qf[2, 0]) and qf[2, 1] == 0 and torch.isnan(qf[3, 0])
     assert qf[4].tolist() == [3.0, -448.0] and s[4, 0] == 1.0
     assert quantize_rowwise(torch.zeros(0, 8))[0].shape == (0, 8)
+    with pytest.raises(ValueError, match="pad_to"):
+        quantize_rowwise(g, E4M3, 0, pad_to=16)
 
 
 def test_weight_cache_quantizes_once_per_step_and_never_serves_a_stale_copy(monkeypatch):

@@ -185,7 +185,7 @@ def quantize_rowwise(x: torch.Tensor, dtype: torch.dtype = E4M3, dim: int = -1, 
     ``pad_to``: the last dim of q is padded with zeros to a multiple of it (``_scaled_mm`` wants contraction
     dims that are multiples of 16; the scales do not change) -- written in place, x is not copied.
     Returns (q [M, K'] ``dtype``, contiguous row-major; scale). ``x ~= q[:, :K].float() * scale``.
-    Raises ValueError for a non-FP8 dtype or x not 2-D.
+    Raises ValueError for a non-FP8 dtype, x not 2-D or a pad_to < 1 / with dim=0.
 
     Cost (eager, no clamp needed: |x| <= amax keeps |x * inv| <= fp8_max up to fp32 rounding, which the cast
     rounds to fp8_max): one amax reduction over x, two tiny kernels on the scales, one multiply into an fp32
@@ -196,6 +196,9 @@ def quantize_rowwise(x: torch.Tensor, dtype: torch.dtype = E4M3, dim: int = -1, 
         raise ValueError(f"quantize_rowwise: dtype must be float8_e4m3fn or float8_e5m2, got {dtype}")
     if x.dim() != 2:
         raise ValueError(f"quantize_rowwise: x must be 2-D [M, K], got {tuple(x.shape)}")
+    if pad_to < 1 or (pad_to > 1 and dim not in (-1, 1)):
+        raise ValueError(f"quantize_rowwise: pad_to must be >= 1 and pads the contraction (dim=-1), got pad_to="
+                         f"{pad_to}, dim={dim}")
     fmax = FP8_MAX[dtype]
     if x.numel():
         amax = torch.linalg.vector_norm(x, float("inf"), dim=dim, keepdim=True, dtype=torch.float32)
