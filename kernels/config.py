@@ -45,6 +45,11 @@ TILE_KINDS = ("fwd", "fwd_silu", "dkdv", "dq", "dkdv_ds", "dq_ds")
 HEAD_DIM_BUCKETS = (64, 128, 256)
 
 
+def _pow2(d: int) -> int:
+    """The kernels' tile width of a head dim d: the next power of two >= d, at least 16."""
+    return max(16, 1 << (d - 1).bit_length())
+
+
 def _by_dim(d64: Tile, d128: Tile, d256: Tile) -> TileByDim:
     return ((64, d64), (128, d128), (256, d256))
 
@@ -113,35 +118,129 @@ class RegimeConfig:
 # B=256 N=4096, long uniform B=128 N=1024, xlong uniform B=64 N=4096), changed after runs 6-8 (medium dK/dV and dQ
 # 64x64/4w/2, long forward 128x64/8w/3) and after run 15, the first sweep timed in device time (short dK/dV and dQ
 # 64x64/4w/2). dkdv_ds / dq_ds: the best of runs 19-24 per regime; with the tables grouped by sequence (seq_order)
-# run 34 moved dq_ds to 128x64/4w/3 in medium / long / xlong. D=64 / 256 entries are not measured (kept from run 3).
+# run 34 moved dq_ds to 128x64/4w/3 in medium / long / xlong. D=64 / 256 entries are not timed (kept from run 3),
+# except D=256's fwd / fwd_silu / dq / dkdv: 8 warps instead of 4 (2026-12-02, from sm_90 compiles, not yet timed):
+# at 4 warps the dK/dV accumulators alone (2 x 64 x 256 fp32 over 128 threads) exceed 255 registers -- with the
+# relative bias its query loop spilled 128 STL / 171-209 LDL per iteration (stack 1,432-1,512 B), at 8 warps 0-18 /
+# 43-60 (392-464 B); without the bias its stack 1,128-1,136 -> 168-272 B; the forward's spills go (with the bias:
+# stack 120-248 -> 0 B; without: 242-254 -> 172-179 registers), the bias-free dq's stack 8-24 -> 0 B.
 _SHORT = TileSet(
-    fwd=_by_dim((64, 64, 4, 3), (64, 64, 4, 3), (64, 32, 4, 2)),
-    fwd_silu=_by_dim((64, 64, 4, 3), (64, 64, 4, 3), (64, 32, 4, 2)),
-    dkdv=_by_dim((64, 64, 8, 2), (64, 64, 4, 2), (32, 64, 4, 2)),
-    dq=_by_dim((64, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2)),
+    fwd=_by_dim((64, 64, 4, 3), (64, 64, 4, 3), (64, 32, 8, 2)),
+    fwd_silu=_by_dim((64, 64, 4, 3), (64, 64, 4, 3), (64, 32, 8, 2)),
+    dkdv=_by_dim((64, 64, 8, 2), (64, 64, 4, 2), (32, 64, 8, 2)),
+    dq=_by_dim((64, 64, 8, 2), (64, 64, 4, 2), (64, 32, 8, 2)),
     dkdv_ds=_by_dim((64, 64, 4, 2), (64, 64, 4, 2), (32, 64, 4, 2)),
     dq_ds=_by_dim((64, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 2)))
 _MEDIUM = TileSet(
-    fwd=_by_dim((64, 64, 4, 3), (64, 64, 4, 3), (64, 32, 4, 2)),
-    fwd_silu=_by_dim((64, 64, 4, 3), (64, 64, 4, 3), (64, 32, 4, 2)),
-    dkdv=_by_dim((64, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 2)),
-    dq=_by_dim((128, 64, 8, 3), (64, 64, 4, 2), (64, 32, 4, 2)),
+    fwd=_by_dim((64, 64, 4, 3), (64, 64, 4, 3), (64, 32, 8, 2)),
+    fwd_silu=_by_dim((64, 64, 4, 3), (64, 64, 4, 3), (64, 32, 8, 2)),
+    dkdv=_by_dim((64, 128, 8, 2), (64, 64, 4, 2), (32, 64, 8, 2)),
+    dq=_by_dim((128, 64, 8, 3), (64, 64, 4, 2), (64, 32, 8, 2)),
     dkdv_ds=_by_dim((64, 64, 4, 2), (64, 64, 4, 2), (32, 64, 4, 2)),
     dq_ds=_by_dim((128, 64, 4, 3), (128, 64, 4, 3), (64, 64, 4, 2)))
 _LONG = TileSet(
-    fwd=_by_dim((128, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 2)),
-    fwd_silu=_by_dim((128, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 2)),
-    dkdv=_by_dim((64, 128, 8, 2), (64, 128, 8, 2), (32, 64, 4, 2)),
-    dq=_by_dim((128, 64, 8, 3), (128, 64, 8, 3), (64, 32, 4, 2)),
+    fwd=_by_dim((128, 64, 4, 3), (128, 64, 8, 3), (64, 32, 8, 2)),
+    fwd_silu=_by_dim((128, 64, 4, 3), (128, 64, 8, 3), (64, 32, 8, 2)),
+    dkdv=_by_dim((64, 128, 8, 2), (64, 128, 8, 2), (32, 64, 8, 2)),
+    dq=_by_dim((128, 64, 8, 3), (128, 64, 8, 3), (64, 32, 8, 2)),
     dkdv_ds=_by_dim((64, 64, 4, 2), (64, 64, 4, 2), (32, 64, 4, 2)),
     dq_ds=_by_dim((128, 64, 4, 3), (128, 64, 4, 3), (64, 64, 4, 2)))
 _XLONG = TileSet(
-    fwd=_by_dim((128, 64, 4, 3), (128, 128, 8, 3), (64, 32, 4, 2)),
-    fwd_silu=_by_dim((128, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 2)),
-    dkdv=_by_dim((64, 128, 8, 2), (64, 128, 8, 2), (32, 64, 4, 2)),
-    dq=_by_dim((128, 64, 8, 3), (128, 64, 8, 3), (64, 32, 4, 2)),
+    fwd=_by_dim((128, 64, 4, 3), (128, 128, 8, 3), (64, 32, 8, 2)),
+    fwd_silu=_by_dim((128, 64, 4, 3), (128, 64, 8, 3), (64, 32, 8, 2)),
+    dkdv=_by_dim((64, 128, 8, 2), (64, 128, 8, 2), (32, 64, 8, 2)),
+    dq=_by_dim((128, 64, 8, 3), (128, 64, 8, 3), (64, 32, 8, 2)),
     dkdv_ds=_by_dim((64, 128, 8, 3), (64, 128, 8, 3), (32, 64, 4, 2)),
     dq_ds=_by_dim((128, 64, 4, 3), (128, 64, 4, 3), (64, 64, 4, 2)))
+
+# ------------------------------------------------------------------------------------------------------------
+# Shared memory per launch: the model behind fit_tile, so that no shipped (regime, head dim, kernel) can ask more
+# than a Hopper block may have (run 7 of benchmarks/reports/gem_h200_2026-12-02.md: the relative-bias forward of
+# the long regime at D = 128 asked 295,936 bytes on triton 3.6 and failed to launch).
+# ------------------------------------------------------------------------------------------------------------
+SMEM_LIMIT_SM90 = 232_448  # bytes of shared memory one block may opt into on sm_90 (H100 / H200): 227 KiB
+SMEM_SLACK = 2048  # mbarriers and reduction scratch that smem_bytes does not count (measured: <= 512 B)
+REL_SMEM_FRACTION = 0.9  # the in-kernel bias's gather buffers depend on Triton's pipeliner: a 10% margin
+REL_PAIR_BYTES = 20  # per (query, key) pair of a tile: the pipelined bias gathers (position bucket i32, upper time
+#                      threshold i64, pos_w / ts_w values f32), one buffer each (sm_90 compiles, triton 3.6 / 3.9)
+_LOOP_AXIS = {"fwd": 1, "fwd_silu": 1, "dq": 1, "dq_ds": 1, "dkdv": 0, "dkdv_ds": 0}  # the tile axis the loop
+#            streams (BLOCK_N of the query-tile kernels, BLOCK_M of the key-tile ones); the other one is held
+
+
+def smem_bytes(kind: str, tile: Tile, d_qk: int, d_v: int | None = None, *, rel: bool = False,
+               elem_bytes: int = 2) -> int:
+    """Estimated shared memory (bytes) of one program of a kernel kind (one of TILE_KINDS) with ``tile`` =
+    (BLOCK_M, BLOCK_N, num_warps, num_stages), tile widths ``d_qk`` / ``d_v`` (the kernels' BLOCK_DQK / BLOCK_DV,
+    powers of two; d_v defaults to d_qk), ``elem_bytes`` per q / k / v / dO element (2: bf16 / fp16, 4: fp32) and
+    ``rel`` (the in-kernel relative bias).
+
+    What Triton keeps in shared memory on sm_90: the tiles a tl.dot reads that stay fixed over the loop (held
+    once), and every tile the loop loads, num_stages copies (the software pipeliner's buffers):
+
+    * fwd / fwd_silu (query tile, key loop): Q [BM, Dqk] held; K [BN, Dqk] + V [BN, Dv] per stage;
+    * dq (query tile, key loop): Q [BM, Dqk] + dO [BM, Dv] held; K + V [BN, D] per stage;
+    * dkdv (key tile, query loop): K [BN, Dqk] + V [BN, Dv] held; Q [BM, Dqk] + dO [BM, Dv] + lse / delta
+      [BM] fp32 per stage; dkdv_ds adds the dS^T tile [BN, BM] staged for its TMA store;
+    * dq_ds (query tile, key loop over the stored dS^T): dS^T [BN, BM] + K [BN, Dqk] per stage;
+    * rel: the loop's key (or query) times [BN] (or [BM]) int64 and REL_PAIR_BYTES per pair of the tile for the
+      bias gathers, which the pipeliner also moves into shared memory (one buffer each).
+
+    Checked against sm_90 compiles (``python -m gemray.bench.sass_check --smem``): equal to the byte for the
+    kernels without the bias (triton 3.9); with it an upper bound (triton 3.9 keeps K / V in num_stages - 1
+    buffers and fewer gathers in the dK/dV kernel; triton 3.6's failing forward above is this model + 512 B).
+    Raises ValueError for an unknown kind."""
+    if kind not in TILE_KINDS:
+        raise ValueError(f"unknown tile kind {kind!r} (one of {TILE_KINDS})")
+    bm, bn, _warps, stages = tile
+    d_v = d_qk if d_v is None else d_v
+    e, s = elem_bytes, max(1, stages)
+    if kind in ("fwd", "fwd_silu"):
+        held, per_stage = bm * d_qk * e, bn * (d_qk + d_v) * e
+    elif kind == "dq":
+        held, per_stage = bm * (d_qk + d_v) * e, bn * (d_qk + d_v) * e
+    elif kind in ("dkdv", "dkdv_ds"):
+        held, per_stage = bn * (d_qk + d_v) * e, bm * (d_qk + d_v) * e + 2 * bm * 4
+        if kind == "dkdv_ds":
+            held += bn * bm * e
+    else:  # dq_ds
+        held, per_stage = 0, bn * bm * e + bn * d_qk * e
+    total = held + s * per_stage
+    if rel:
+        total += (bm if _LOOP_AXIS[kind] == 0 else bn) * 8 + bm * bn * REL_PAIR_BYTES
+    return total
+
+
+def smem_budget(rel: bool, limit: int = SMEM_LIMIT_SM90) -> int:
+    """The most smem_bytes a launch may have on a device allowing ``limit`` bytes per block: limit - SMEM_SLACK,
+    and REL_SMEM_FRACTION of that with the in-kernel bias (whose model is a bound, not an exact count)."""
+    budget = limit - SMEM_SLACK
+    return int(budget * REL_SMEM_FRACTION) if rel else budget
+
+
+def fit_tile(kind: str, tile: Tile, d_qk: int, d_v: int | None = None, *, rel: bool = False, elem_bytes: int = 2,
+             limit: int = SMEM_LIMIT_SM90) -> Tile:
+    """``tile``, or the nearest smaller one whose :func:`smem_bytes` fits :func:`smem_budget` (the launch's tile:
+    a tile that fits is returned unchanged). Shrinks in this order until it fits: the loop's tile axis (halved down
+    to 32), num_stages (down to 2), the held axis (halved down to 32, with at most 4 warps below 64 rows), then
+    num_stages 1 and both axes down to 16. Raises ValueError when even (16, 16, w, 1) does not fit."""
+    budget = smem_budget(rel, limit)
+    t = list(tile)
+    loop, held = _LOOP_AXIS[kind], 1 - _LOOP_AXIS[kind]
+
+    def fits() -> bool:
+        return smem_bytes(kind, tuple(t), d_qk, d_v, rel=rel, elem_bytes=elem_bytes) <= budget
+
+    for axis, floor, is_stage in ((loop, 32, False), (3, 2, True), (held, 32, False), (3, 1, True),
+                                  (loop, 16, False), (held, 16, False)):
+        while not fits() and t[axis] > floor:
+            t[axis] = t[axis] - 1 if is_stage else t[axis] // 2
+            if axis == held and not is_stage and t[held] < 64:
+                t[2] = min(t[2], 4)
+    if not fits():
+        raise ValueError(f"gdpa: no {kind} tile fits {budget} bytes of shared memory at head dims {d_qk} / "
+                         f"{d_v if d_v is not None else d_qk} ({elem_bytes}-byte elements, rel_bias={rel})")
+    return tuple(t)
+
 
 _REGISTRY: dict[str, "KernelConfig"] = {}
 _DEFAULT_DIGEST: list[str] = []  # the default config's digest, once DEFAULT is built
@@ -223,6 +322,17 @@ class KernelConfig:
             if mean < bound:
                 return name
         return "xlong"
+
+    def tile(self, reg: str, kind: str, d_qk: int, d_v: int | None = None, *, rel: bool = False,
+             elem_bytes: int = 2, limit: int = SMEM_LIMIT_SM90) -> Tile:
+        """The tile a GPU launch of ``kind`` uses in regime ``reg`` at head dims ``d_qk`` / ``d_v`` (the
+        regime's tile of d_qk's bucket, through :func:`fit_tile` at the kernel's tile widths, the next powers of
+        two >= 16): the shipped tile wherever it fits the device's ``limit`` bytes of shared memory per block;
+        with ``rel`` (the in-kernel relative bias, whose gathers need shared memory too) often a smaller one.
+        Raises ValueError as TileSet.get / fit_tile."""
+        d_v = d_qk if d_v is None else d_v
+        base = self.regime(reg).tiles.get(kind, d_qk)
+        return fit_tile(kind, base, _pow2(d_qk), _pow2(d_v), rel=rel, elem_bytes=elem_bytes, limit=limit)
 
     def with_regime(self, reg: str, **changes) -> "KernelConfig":
         """A copy with regime ``reg``'s RegimeConfig fields changed (``heads_inner=True``, ``tiles=...``)."""
@@ -316,5 +426,6 @@ def apply_tiles(spec: Mapping, config: KernelConfig | None = None) -> KernelConf
     return config
 
 
-__all__ = ["DEFAULT", "HEAD_DIM_BUCKETS", "KernelConfig", "MODE_FIELDS", "REGIMES", "RegimeConfig", "TILE_KINDS", "Tile", "TileSet",
-           "WsTiles", "apply_tiles", "lookup", "registered", "resolve"]
+__all__ = ["DEFAULT", "HEAD_DIM_BUCKETS", "KernelConfig", "MODE_FIELDS", "REGIMES", "RegimeConfig", "SMEM_LIMIT_SM90",
+           "TILE_KINDS", "Tile", "TileSet", "WsTiles", "apply_tiles", "fit_tile", "lookup", "registered", "resolve",
+           "smem_budget", "smem_bytes"]

@@ -130,11 +130,18 @@ def regime(total: int, batch: int, config: KernelConfig | None = None) -> str:
     return kconfig.resolve(config).regime_of(total, batch)
 
 
-def _tiles(kind: str, d: int, reg: str, max_q_len: int | None, cfg: KernelConfig) -> tuple[int, int, int, int]:
-    """Tile config (BLOCK_M, BLOCK_N, num_warps, num_stages) of a kernel kind in regime ``reg`` (the interpreter:
-    ``cfg.interpret_tiles``); ``max_q_len`` <= 64 (cross/PMA with few queries) shrinks BLOCK_M."""
-    tiles = cfg.interpret_tiles if _interpreting() else cfg.regime(reg).tiles
-    bm, bn, warps, stages = tiles.get(kind, d)
+def _tiles(kind: str, d: int, reg: str, max_q_len: int | None, cfg: KernelConfig, *, d_v: int | None = None,
+           rel: bool = False, elem_bytes: int = 2, device: torch.device | None = None) -> tuple[int, int, int, int]:
+    """Tile config (BLOCK_M, BLOCK_N, num_warps, num_stages) of a kernel kind in regime ``reg`` at head dims
+    ``d`` (q / k) and ``d_v`` (default d) with ``elem_bytes``-byte inputs: ``cfg.tile`` -- the regime's tile,
+    shrunk where its shared memory would not fit ``device``'s per-block limit (the in-kernel relative bias,
+    ``rel``, needs more) -- or, in the interpreter, ``cfg.interpret_tiles``; ``max_q_len`` <= 64 (cross/PMA with
+    few queries) shrinks BLOCK_M."""
+    if _interpreting():
+        bm, bn, warps, stages = cfg.interpret_tiles.get(kind, d)
+    else:
+        bm, bn, warps, stages = cfg.tile(reg, kind, d, d_v, rel=rel, elem_bytes=elem_bytes,
+                                         limit=_smem_limit(device))
     if not _interpreting() and max_q_len is not None and max_q_len <= 64:
         small = max(16, 1 << (max_q_len - 1).bit_length())
         if kind in ("fwd", "fwd_silu", "dq", "dq_ds"):
@@ -142,6 +149,15 @@ def _tiles(kind: str, d: int, reg: str, max_q_len: int | None, cfg: KernelConfig
         else:
             bm = min(bm, small)
     return bm, bn, warps, stages
+
+
+@functools.lru_cache(maxsize=16)
+def _smem_limit(device: torch.device | None) -> int:
+    """Shared memory one block may opt into on ``device`` (bytes; sm_90's 232,448 when torch does not say)."""
+    if device is None or device.type != "cuda":
+        return kconfig.SMEM_LIMIT_SM90
+    props = torch.cuda.get_device_properties(device)
+    return int(getattr(props, "shared_memory_per_block_optin", 0) or kconfig.SMEM_LIMIT_SM90)
 
 
 _CACHE: OrderedDict = OrderedDict()
@@ -480,15 +496,22 @@ def _rel_bias(qpos, kpos, tq, tk, lq, lk, PB_TAB, TTHR, PW, TW, n_tb, ACT: tl.co
     TW[tb(tq_i - ts_j)]`` at broadcastable query / key positions qpos / kpos with their times tq / tk (int64).
     Returns (bias fp32, base 2 for softmax; position bucket int32; time bucket int32), 0 / bucket 0 outside the
     sequence. pb: PB_TAB [max_len] int32 (the host's ``position_bucket_ref`` per distance). tb = the largest b
-    with |dt| >= TTHR[b] (TTHR [n_tb + 1] int64 sorted, TTHR[0] = 0, TTHR[n_tb] = int64 max: the host's exact
+    with |dt| >= TTHR[b] (TTHR [n_tb + 1] sorted, TTHR[0] = 0, TTHR[n_tb] = the type's max: the host's exact
     ``time_bucket_ref`` thresholds), found from an fp32 log estimate (off by at most one bucket) corrected by
-    two exact integer comparisons: the same bucket as ``time_bucket_ref`` on the device, bit for bit."""
+    two exact integer comparisons: the same bucket as ``time_bucket_ref`` on the device, bit for bit.
+    TTHR int32 (:func:`_kernel_thresholds`: when every real threshold is below 2^31 - 2, e.g. 64 time buckets):
+    |dt| is saturated to 2^31 - 2 right after the int64 subtraction and the bucket search runs on int32 tiles --
+    exact for every int64 input, since any |dt| >= 2^31 - 2 is past the last real threshold (the last bucket
+    either way); this halves the registers of the two threshold gathers and of |dt| (the kernels spilled with
+    int64 tiles here). TTHR int64: the search on int64 tiles (more buckets, e.g. 128 reach |dt| >= 2^31)."""
     ok = (qpos < lq) & (kpos < lk)
     d = qpos - kpos
     d = tl.where(d < 0, -d, d)
     pb = tl.load(PB_TAB + d, mask=ok, other=0)
     dt = tq - tk
     adt = tl.where(dt < 0, -dt, dt)
+    if TTHR.dtype.element_ty == tl.int32:
+        adt = tl.minimum(adt, 2147483646).to(tl.int32)
     est = (tl.log(tl.maximum(adt, 1).to(tl.float32)) * (1.0 / 0.301)).to(tl.int32)
     tb = tl.minimum(tl.maximum(est, 0), n_tb - 1)
     tb = tl.where(ok, tb, 0)
@@ -1297,6 +1320,20 @@ def _time_thresholds(n_tb: int, device: torch.device) -> torch.Tensor:
     return torch.cat([thr, thr.new_full((1,), _INT64_MAX)]).contiguous()
 
 
+_INT32_SAT = 2 ** 31 - 2  # the int32 bucket search's saturation of |dt| (below the table's sentinel 2^31 - 1)
+
+
+@functools.lru_cache(maxsize=32)
+def _kernel_thresholds(n_tb: int, device: torch.device) -> torch.Tensor:
+    """The TTHR table the kernels get: :func:`_time_thresholds` as int32 (saturated at 2^31 - 1, the sentinel)
+    when its last real threshold thr[n_tb - 1] <= 2^31 - 2 -- then the kernels' int32 search is exact for every
+    int64 time difference (see _rel_bias) --, else the int64 table. One host read per (n_tb, device)."""
+    thr = _time_thresholds(n_tb, device)
+    if int(thr[n_tb - 1]) <= _INT32_SAT:
+        return thr.clamp(max=_INT32_SAT + 1).to(torch.int32).contiguous()
+    return thr
+
+
 @dataclass(frozen=True)
 class RelBias:
     """The in-kernel HSTU relative bias of a self-attention call (``gdpa_triton(rel_bias=...)``): bias(i, j) =
@@ -1326,7 +1363,7 @@ def _rel_tensors(rel: tuple | None, max_q_len: int, dummy: torch.Tensor) -> list
         return [dummy] * 6
     tq, tk, pw, tw, bucket_len = rel
     return [tq, tk, _pos_bucket_table(pw.numel(), int(bucket_len), int(max_q_len), tq.device),
-            _time_thresholds(tw.numel(), tq.device), pw, tw]
+            _kernel_thresholds(tw.numel(), tq.device), pw, tw]
 
 
 @dataclass(eq=False)
@@ -1390,7 +1427,8 @@ def _make_fwd_plan(q, k, v, bias, q_off, kv_off, nt, spec: _Spec, t_out: int, cf
     even_d = bdk == d_qk and bdv == d_v
     # o is allocated contiguous [T_out, H, Dv]; softmax's lse is [H, T_out] (pointwise activations: o stands in)
     o_strides, stride_lh = (h * d_v, d_v), (t_out if spec.act == 0 else 0)
-    bm, bn, warps, stages = _tiles("fwd_silu" if spec.act == 1 else "fwd", d_qk, reg, spec.max_q_len, cfg)
+    bm, bn, warps, stages = _tiles("fwd_silu" if spec.act == 1 else "fwd", d_qk, reg, spec.max_q_len, cfg,
+                                   d_v=d_v, rel=rel is not None, elem_bytes=q.element_size(), device=q.device)
     table, n_tiles = _q_table(spec, q_off, kv_off, bm, t_out, cfg.seq_order_fwd)
     inner = rc.heads_inner
     tma = _use_tma(rc, even_d, spec, k, v)
@@ -1469,13 +1507,14 @@ def _make_bwd_plan(fwd: _FwdPlan, q, k, v, bias, do, q_off, kv_off, nt, spec: _S
         return _Launch(_gdpa_bwd, grid(table.numel(), rc.heads_inner), a, dict(**part, **consts), warps, stages,
                        cfg.direct_launch), table, False
 
+    fit = dict(d_v=d_v, rel=rel is not None, elem_bytes=q.element_size(), device=q.device)  # _tiles' smem fit
     steps = []
     if ds_store:  # dK/dV (also storing dS^T), then dQ = dS K from the stored tiles
-        kbm, kbn, kwarps, kstages = _tiles("dkdv_ds", d_qk, reg, spec.max_q_len, cfg)
+        kbm, kbn, kwarps, kstages = _tiles("dkdv_ds", d_qk, reg, spec.max_q_len, cfg, **fit)
         table, ntk = _k_table(spec, q_off, kv_off, kbn, k.shape[0], grouped=cfg.seq_order_dkdv)
         steps.append(bwd(table, (ntk, 1), kwarps, kstages, PART=1, DK_BM=kbm, DK_BN=kbn, DQ_BM=0, DQ_BN=0,
                          STORE_DBIAS=want_dbias, STORE_DELTA=False, STORE_DS=True))
-        qbm, qbn, qwarps, qstages = _tiles("dq_ds", d_qk, reg, spec.max_q_len, cfg)
+        qbm, qbn, qwarps, qstages = _tiles("dq_ds", d_qk, reg, spec.max_q_len, cfg, **fit)
         table, ntq = _q_table(spec, q_off, kv_off, qbm, t_out, grouped=cfg.seq_order_dq)
         steps.append((_Launch(_gdpa_dq_ds, grid(table.numel(), rc.heads_inner), [
             *ds_strides, *k.stride()[:2], *dq_strides, spec.alpha * (1.0 if softmax else spec.inv_n), ntq, d_qk, h],
@@ -1483,12 +1522,12 @@ def _make_bwd_plan(fwd: _FwdPlan, q, k, v, bias, do, q_off, kv_off, nt, spec: _S
                  BLOCK_DQK=bdk, DOT_PREC=consts["DOT_PREC"], HEADS_INNER=rc.heads_inner, TMA=use_tma),
             qwarps, qstages, cfg.direct_launch), table, True))
     else:  # two launches: dQ first (it writes softmax's delta), then dK/dV (reads it)
-        qbm, qbn, qwarps, qstages = _tiles("dq", d_qk, reg, spec.max_q_len, cfg)
+        qbm, qbn, qwarps, qstages = _tiles("dq", d_qk, reg, spec.max_q_len, cfg, **fit)
         table, ntq = _q_table(spec, q_off, kv_off, qbm, t_out)
         # the other part's tile sizes are unused (pruned branch): 0 keeps one compiled variant per config
         steps.append(bwd(table, (1, ntq), qwarps, qstages, PART=2, DK_BM=0, DK_BN=0, DQ_BM=qbm, DQ_BN=qbn,
                          STORE_DBIAS=want_dbias, STORE_DELTA=softmax, STORE_DS=False))
-        kbm, kbn, kwarps, kstages = _tiles("dkdv", d_qk, reg, spec.max_q_len, cfg)
+        kbm, kbn, kwarps, kstages = _tiles("dkdv", d_qk, reg, spec.max_q_len, cfg, **fit)
         table, ntk = _k_table(spec, q_off, kv_off, kbn, k.shape[0])
         steps.append(bwd(table, (ntk, 1), kwarps, kstages, PART=1, DK_BM=kbm, DK_BN=kbn, DQ_BM=0, DQ_BN=0,
                          STORE_DBIAS=False, STORE_DELTA=False, STORE_DS=False))

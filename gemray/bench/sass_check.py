@@ -1,12 +1,14 @@
 """Compile-only check of the jagged attention kernels for Hopper (sm_90), no GPU needed.
 
-``python -m gemray.bench.sass_check [--all]`` compiles kernel variants with ``triton.compile(...,
+``python -m gemray.bench.sass_check [--all | --smem]`` compiles kernel variants with ``triton.compile(...,
 target=GPUTarget("cuda", 90, 32))`` (ptxas and cuobjdump come with the triton wheel) and prints, per
 variant: shared memory, registers, ptxas stack (local memory) bytes, whether the matrix products use
 wgmma (HGMMA in SASS), and for each loop of the SASS (a backward branch and its target) the spill stores
 and loads (STL / LDL) executed per iteration. Spills inside a loop cost every tile; spills outside the
 loops (values kept across them) cost once per program. the kernel run reports (benchmarks/reports/kernels_h200_*.md) records what this showed.
-The device may run another triton version: re-check there when a number matters.
+The device may run another triton version: re-check there when a number matters. The relative-bias
+variants take the int32 time-threshold table (``jagged_attention._kernel_thresholds``: up to 71 time buckets,
+e.g. the GEM config's 64).
 """
 
 from __future__ import annotations
@@ -27,11 +29,11 @@ from gemray.kernels.config import DEFAULT, KernelConfig
 
 _FWD_TYPES = dict(Q="*bf16", K="*bf16", V="*bf16", O="*bf16", LSE="*fp32", Q_OFF="*i64", KV_OFF="*i64",
                   NT="*i64", WORK="*i32", BIAS="*bf16", alpha="fp32", inv_n="fp32",
-                  TQ="*i64", TK="*i64", PB_TAB="*i32", TTHR="*i64", PW="*fp32", TW="*fp32")
+                  TQ="*i64", TK="*i64", PB_TAB="*i32", TTHR="*i32", PW="*fp32", TW="*fp32")
 _BWD_TYPES = dict(Q="*bf16", K="*bf16", V="*bf16", DO="*bf16", LSE="*fp32", DELTA="*fp32", O="*bf16",
                   DK="*bf16", DV="*bf16", DQ="*bf16", Q_OFF="*i64", KV_OFF="*i64", NT="*i64", WORK="*i32",
                   BIAS="*fp32", DBIAS="*fp32", DS="*bf16", alpha="fp32", inv_n="fp32",
-                  TQ="*i64", TK="*i64", PB_TAB="*i32", TTHR="*i64", PW="*fp32", TW="*fp32", DPW="*fp32",
+                  TQ="*i64", TK="*i64", PB_TAB="*i32", TTHR="*i32", PW="*fp32", TW="*fp32", DPW="*fp32",
                   DTW="*fp32")
 _DQ_DS_TYPES = dict(DS="*bf16", K="*bf16", DQ="*bf16", Q_OFF="*i64", KV_OFF="*i64", NT="*i64", WORK="*i32",
                     dq_scale="fp32")
@@ -150,12 +152,71 @@ def default_variants(full: bool = False, config: KernelConfig = DEFAULT) -> list
             yield v
 
 
+def smem_variants(config: KernelConfig = DEFAULT, dims: tuple[int, ...] = (64, 128, 256)) -> list[tuple]:
+    """(kind, rel, variant) of every launch ``config`` makes on an sm_90 GPU in bf16, per regime and head dim
+    (q / k = v width): the tiles ``config.tile`` picks (shrunk to fit shared memory where needed), each kernel
+    kind with and without the in-kernel relative bias (never with the DS_STORE kinds), softmax and silu, tile
+    loads as the regime's ``tma_loads``. Duplicates (the same compile) are listed once."""
+    seen, out = set(), []
+    for reg in ("short", "medium", "long", "xlong"):
+        tma = config.regime(reg).tma_loads
+        for d in dims:
+            for act in (0, 1):
+                for kind in ("fwd_silu" if act else "fwd", "dq", "dkdv", "dq_ds", "dkdv_ds"):
+                    for rel in ((False,) if kind.endswith("_ds") else (False, True)):
+                        t = config.tile(reg, kind, d, rel=rel)
+                        if kind.startswith("fwd"):
+                            v = fwd_variant(act, *t, tma=tma, rel=rel)
+                        elif kind == "dq_ds":
+                            v = dq_ds_variant(*t, tma=tma)
+                        else:
+                            part = 2 if kind == "dq" else 1
+                            v = bwd_variant(act, part, t[:2], t[:2], t[2], t[3], tma=tma,
+                                            store_ds=kind == "dkdv_ds", rel=rel)
+                        name, fn, types, consts, warps, stages = v
+                        consts = dict(consts, BLOCK_DQK=d, **({} if kind == "dq_ds" else {"BLOCK_DV": d}))
+                        v = (f"{reg} D={d} {name}", fn, types, consts, warps, stages)
+                        key = (name, d)
+                        if key not in seen:
+                            seen.add(key)
+                            out.append((kind, rel, d, t, v))
+    return out
+
+
+def check_smem(config: KernelConfig = DEFAULT, dims: tuple[int, ...] = (64, 128, 256)) -> int:
+    """Compile every launch of :func:`smem_variants` for sm_90 and print its shared memory next to
+    ``kconfig.smem_bytes``'s estimate and the budget ``fit_tile`` keeps it under; returns the number of launches
+    over the sm_90 limit (232,448 bytes) or whose compile exceeds the estimate (the model would be wrong)."""
+    from gemray.kernels import config as kconfig
+
+    bad = 0
+    for kind, rel, d, tile, v in smem_variants(config, dims):
+        est = kconfig.smem_bytes(kind, tile, d, rel=rel)
+        try:
+            r = check(v)
+        except Exception as e:  # report and go on
+            bad += 1
+            print(f"{v[0]}: COMPILE FAILED {e!r}"[:400], flush=True)
+            continue
+        over = r["shared"] > kconfig.SMEM_LIMIT_SM90 or r["shared"] > est + kconfig.SMEM_SLACK
+        bad += over
+        print(f"{v[0]}: smem {r['shared']} B (estimate {est}, budget {kconfig.smem_budget(rel)}), {r['regs']} regs, "
+              f"stack {r['stack']} B{'  <-- OVER' if over else ''}", flush=True)
+    return bad
+
+
 def main(argv: list[str] | None = None) -> int:
     """Print one line per compiled variant; exit code 1 when a variant fails to compile."""
     p = argparse.ArgumentParser(prog="python -m gemray.bench.sass_check", description=__doc__.split("\n\n")[0])
     p.add_argument("--all", action="store_true", help="also every dK/dV and dQ candidate of the bench sweep")
+    p.add_argument("--smem", action="store_true", help="instead: every launch of the default config at head dims "
+                   "64 / 128 / 256, with and without the in-kernel relative bias, its shared memory against "
+                   "gemray.kernels.config.smem_bytes and the sm_90 limit (exit code 1 if one is over)")
+    p.add_argument("--dims", default="64,128,256", help="with --smem: the head dims (comma-separated)")
     args = p.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)
+    if args.smem:
+        return 1 if check_smem(dims=tuple(int(x) for x in args.dims.split(","))) else 0
     bad = 0
     for v in default_variants(args.all):
         try:

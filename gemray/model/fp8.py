@@ -17,7 +17,8 @@ selectable, and on the lent H200 to be measured (whether torch 2.11's rowwise ``
 e5m2 x e4m3 pair was not checked from here). ``grad="bf16"`` runs dgrad and
 wgrad as plain bf16 GEMMs on the saved high-precision x and the master weight instead. The master weights and
 the optimizer state stay in the parameters' own dtype (fp32 from the meta build, bf16 if the model is cast):
-FP8 copies exist only inside a GEMM. The output is bf16 on CUDA (what rowwise ``_scaled_mm`` produces on sm90).
+FP8 copies exist only inside a GEMM (the weights' once per training step, :func:`fp8_weight_cache`). The output is
+bf16 on both backends (what rowwise ``_scaled_mm`` produces on sm90, and what the emulation models).
 
 Why rowwise and not the DeepSeek-V3 1x128 / 128x128 blocks: blockwise scaling is reached only through
 ``torch.nn.functional.scaled_mm`` / ``torch._scaled_mm_v2`` (``ScalingType.BlockWise1x128``), which needs
@@ -31,8 +32,26 @@ Norm fusion: the HSTU block's pre-norm LayerNorm produces its output directly as
 them (``fp8_linear(..., x_fp8=, x_scale=)``) without a second quantization pass.
 
 CPU / emulation: ``backend="emulate"`` (the default off CUDA) quantizes with the same scales to the same FP8
-bytes and multiplies the dequantized operands in fp32, so CPU tests exercise the scaling code; ``"scaled_mm"``
-(the default on CUDA) calls ``torch._scaled_mm``. The two differ only by the GEMM's accumulation order.
+bytes, multiplies the dequantized operands with fp32 accumulation and rounds the product to bf16 as
+``_scaled_mm`` does, so CPU tests exercise the scaling code; ``"scaled_mm"`` (the default on CUDA) calls
+``torch._scaled_mm``. The two differ only by the GEMM's accumulation order (see :func:`fp8_mm`). Until
+2026-12-02 the emulation returned the fp32 product unrounded: a caller's gradient of that output then differed
+from the scaled_mm side's by bf16's rounding, and re-quantizing two such gradients to FP8 put ~1/64 of their
+values on the neighbouring e4m3 step -- the GPU test's dgrad / wgrad differences of 1.3% (e4m3) / 1.8% (e5m2)
+(reproduced on the CPU by the same comparison with a bf16-rounding stand-in for _scaled_mm: 1.25% / 1.74%).
+
+What FP8 can gain at the GEM-scale shape (configs/gem-h200.toml: 8 HSTU blocks, width 1024, uvqk 1024 -> 4096,
+output 1024 -> 1024, 32,270 tokens per step; benchmarks/reports/gem_h200_2026-12-02.md, runs 1 and 6): every GEMM
+of the bf16 step together takes 11.2 ms of 167.8 (the profile), so FP8's 2x tensor-core rate can save at most
+5.6 ms (3.3%). Against it, the quantizations a step needs touch ~3.4 G elements (per block: the output
+projection's input forward; backward the uvqk gradient rowwise and transposed, the uvqk input transposed, the
+output projection's gradient both ways and its input transposed: 13,312 values per token), which even a fused
+kernel at ~4 bytes per element (read bf16, write e4m3; a second read for the transposed ones) moves in ~4 ms at
+3.3 TB/s. So the best FP8 step at this shape is ~1% faster than bf16 -- FP8 pays only where GEMMs dominate
+(wider layers, longer rows per GEMM). The measured 0.69x (243.8 vs 167.8 ms) came from the eager quantization:
+~38 bytes of traffic and ~12 launches per quantization, the padding copies of g and x for the wgrad, on a step
+whose GPU already idles 40% waiting for the host; now 13 bytes, ~6 launches, no copies (not re-measured:
+``VARIANTS="bf16 fp8" OUT=$OUT bash benchmarks/fp8_ac_h200.sh``; expected still below 1x).
 
 Outlier handling: scales are *current* (computed from this call's amax, no amax history: a spike cannot
 overflow a stale scale) and per row, so one outlier token or output channel coarsens only its own row's grid,
@@ -42,8 +61,8 @@ for e4m3 flushes to 0). An all-zero row gets scale 0 and q = 0. Gradients can us
 wider range within a row. The numerics counters below measure exactly these two effects per layer:
 
 * ``amax``: the max |x| / |w| / |grad| seen (fp32);
-* ``overflow``: fraction of values saturated at the FP8 max (|v * inv_scale| > fp8_max before the clamp,
-  beyond fp32 rounding: non-finite inputs with current scaling);
+* ``overflow``: fraction of values off the FP8 grid (|v * inv_scale| > fp8_max beyond fp32 rounding, i.e.
+  non-finite inputs with current scaling);
 * ``underflow``: fraction of nonzero values quantized to 0.
 
 They are collected only inside :func:`collect_fp8_stats` (the trainer opens it every ``train.log_every``
@@ -54,10 +73,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 log = logging.getLogger(__name__)
@@ -154,36 +173,47 @@ def _record_quantized(key: str, x: torch.Tensor, q: torch.Tensor, scale: torch.T
 # ----------------------------------------------------------------------------------------------------------
 # quantization
 # ----------------------------------------------------------------------------------------------------------
-def quantize_rowwise(x: torch.Tensor, dtype: torch.dtype = E4M3, dim: int = -1, *, stats_key: str = ""
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rowwise(x: torch.Tensor, dtype: torch.dtype = E4M3, dim: int = -1, *, stats_key: str = "",
+                     pad_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale + cast ``x`` [M, K] to FP8 with one scale per slice along ``dim`` (the GEMM's contraction).
 
     dim=-1: scale [M, 1] (one per row); dim=0: scale [1, K] (one per column). ``scale = amax / fp8_max``
-    (float32, 0 for an all-zero slice) and ``q = clamp(x * (fp8_max / amax), +-fp8_max)`` cast with
-    round-to-nearest-even -- the same arithmetic as ``gemray.kernels.reference.quantize_blocks_ref`` /
-    the fused norm kernel, so ``quantize_rowwise(y)`` equals the kernel's ``(y_fp8, scales)`` for
-    ``block_size = K``. Returns (q [M, K] ``dtype``, contiguous row-major; scale). ``x ~= q.float() * scale``.
-    Raises ValueError for a non-FP8 dtype or x not 2-D.
+    (float32) and ``q = x * (fp8_max / amax)`` cast with round-to-nearest-even -- the same arithmetic as
+    ``gemray.kernels.reference.quantize_blocks_ref`` / the fused norm kernel, so ``quantize_rowwise(y)`` equals
+    the kernel's ``(y_fp8, scales)`` for ``block_size = K``. A slice whose ``fp8_max / amax`` is not finite (all
+    zeros, non-finite values, amax < 448 / 3.4e38) is multiplied by 0: q = 0 (NaN where x is not finite).
+    ``pad_to``: the last dim of q is padded with zeros to a multiple of it (``_scaled_mm`` wants contraction
+    dims that are multiples of 16; the scales do not change) -- written in place, x is not copied.
+    Returns (q [M, K'] ``dtype``, contiguous row-major; scale). ``x ~= q[:, :K].float() * scale``.
+    Raises ValueError for a non-FP8 dtype, x not 2-D or a pad_to < 1 / with dim=0.
+
+    Cost (eager, no clamp needed: |x| <= amax keeps |x * inv| <= fp8_max up to fp32 rounding, which the cast
+    rounds to fp8_max): one amax reduction over x, two tiny kernels on the scales, one multiply into an fp32
+    buffer and one cast -- 13 bytes of traffic per element of a bf16 x (the former eager chain: about 38 and
+    twice the launches). The numerics counters (inside :func:`collect_fp8_stats` only) add their own passes.
     """
     if dtype not in FP8_MAX:
         raise ValueError(f"quantize_rowwise: dtype must be float8_e4m3fn or float8_e5m2, got {dtype}")
     if x.dim() != 2:
         raise ValueError(f"quantize_rowwise: x must be 2-D [M, K], got {tuple(x.shape)}")
+    if pad_to < 1 or (pad_to > 1 and dim not in (-1, 1)):
+        raise ValueError(f"quantize_rowwise: pad_to must be >= 1 and pads the contraction (dim=-1), got pad_to="
+                         f"{pad_to}, dim={dim}")
     fmax = FP8_MAX[dtype]
-    xf = x.float()
-    amax = xf.abs().amax(dim=dim, keepdim=True) if x.numel() else xf.new_zeros(
-        (x.shape[0], 1) if dim in (-1, 1) else (1, x.shape[1]))
-    nz = amax > 0
-    inv = torch.where(nz, fmax / torch.where(nz, amax, torch.ones_like(amax)), torch.zeros_like(amax))
-    scaled = xf * inv
-    q = scaled.clamp(-fmax, fmax).to(dtype).contiguous()
-    _record(stats_key, x, scaled, q, fmax)
+    if x.numel():
+        amax = torch.linalg.vector_norm(x, float("inf"), dim=dim, keepdim=True, dtype=torch.float32)
+    else:
+        amax = x.new_zeros((x.shape[0], 1) if dim in (-1, 1) else (1, x.shape[1]), dtype=torch.float32)
+    inv = (fmax / amax).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+    k = x.shape[1]
+    k_pad = -(-k // pad_to) * pad_to
+    scaled = torch.empty((x.shape[0], k_pad), dtype=torch.float32, device=x.device)
+    if k_pad != k:
+        scaled[:, k:] = 0.0
+    torch.mul(x, inv, out=scaled[:, :k])
+    q = scaled.to(dtype)
+    _record(stats_key, x, scaled[:, :k], q[:, :k], fmax)
     return q, amax / fmax
-
-
-def _pad_rows(t: torch.Tensor, multiple: int = 16) -> torch.Tensor:
-    pad = (-t.shape[0]) % multiple
-    return F.pad(t, (0, 0, 0, pad)) if pad else t
 
 
 def _resolve_backend(backend: str, device: torch.device) -> str:
@@ -194,35 +224,81 @@ def _resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
-def fp8_mm(a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_scale: torch.Tensor,
-           out_dtype: torch.dtype, *, backend: str = "auto", fast_accum: bool = False) -> torch.Tensor:
-    """``(a_q * a_scale) @ (b_q * b_scale)``: a_q [M, K] FP8 row-major, a_scale [M, 1] fp32; b_q [K, N] FP8
-    column-major (the transpose of a row-major [N, K]), b_scale [1, N] fp32 -> [M, N] ``out_dtype``.
+def fp8_mm(a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_scale: torch.Tensor, *,
+           backend: str = "auto", fast_accum: bool = False) -> torch.Tensor:
+    """``(a_q * a_scale) @ (b_q * b_scale)`` rounded to bf16: a_q [M, K] FP8 row-major, a_scale [M, 1] fp32;
+    b_q [K, N] FP8 column-major (the transpose of a row-major [N, K]), b_scale [1, N] fp32 -> [M, N] bfloat16,
+    the only output type of rowwise-scaled ``_scaled_mm`` on sm90.
 
-    backend "scaled_mm": ``torch._scaled_mm`` (rowwise scales, sm89+; K and N multiples of 16; out_dtype
-    bf16); "emulate": dequantize to fp32 and matmul (any device). fast_accum: Hopper's fast FP8 accumulation
-    (torchao uses it for the forward GEMM only)."""
+    backend "scaled_mm": ``torch._scaled_mm`` (rowwise scales, sm89+; K and N multiples of 16): the FP8 products
+    accumulated in fp32, then ``acc * a_scale[m] * b_scale[n]`` rounded once to bf16. "emulate" (any device)
+    models exactly that: the dequantized operands (each FP8 value times its fp32 scale: exact but for one fp32
+    rounding) multiplied with fp32 accumulation, rounded once to bf16 -- the same FP8 bytes and scales, so the
+    two differ only by the accumulation's order (and ``fast_accum``'s reduced-precision accumulator: Hopper's
+    fast FP8 accumulation, which torchao uses for the forward GEMM only), which can move an output across a bf16
+    rounding boundary: at most one bf16 ulp per element. Scales are used as given (no power-of-two rounding) and
+    multiply (``amax / fp8_max``, the dequantization scale, not its reciprocal)."""
     backend = _resolve_backend(backend, a_q.device)
     if 0 in (a_q.shape[0], a_q.shape[1], b_q.shape[1]):  # an empty batch (B = 0 trailing steps): no GEMM to run
-        return torch.zeros((a_q.shape[0], b_q.shape[1]), dtype=out_dtype, device=a_q.device)
+        return torch.zeros((a_q.shape[0], b_q.shape[1]), dtype=torch.bfloat16, device=a_q.device)
     if backend == "emulate":  # fp32 matmul of the dequantized operands, also inside an autocast region
         with torch.autocast(a_q.device.type, enabled=False):
-            return ((a_q.float() * a_scale) @ (b_q.float() * b_scale)).to(out_dtype)
+            return ((a_q.float() * a_scale) @ (b_q.float() * b_scale)).to(torch.bfloat16)
     return torch._scaled_mm(a_q, b_q, scale_a=a_scale.float().contiguous(), scale_b=b_scale.float().contiguous(),
-                            out_dtype=out_dtype, use_fast_accum=fast_accum)
+                            out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
 
 
-def _out_dtype(x: torch.Tensor, backend: str) -> torch.dtype:
-    if backend == "scaled_mm":
-        return torch.bfloat16
-    if torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
-    return x.dtype
+# ----------------------------------------------------------------------------------------------------------
+# the weights' FP8 copies, once per training step
+# ----------------------------------------------------------------------------------------------------------
+_WCACHE: dict | None = None  # None: no step open (every use quantizes)
+
+
+@contextlib.contextmanager
+def fp8_weight_cache():
+    """Within this block (one training step: forward, backward, activation-checkpoint recomputes) each weight is
+    quantized at most once per layout -- rowwise over K for the forward, over N for the dgrad -- and its FP8 copy
+    reused by every later use (a recompute, a weight shared by two GEMMs). A copy is keyed on the weight
+    tensor's identity (a view's: its base parameter's, with the view's shape / strides / offset) and its version
+    counter, so an in-place update (the optimizer step) is never served a
+    stale copy; the copies are dropped when the block ends."""
+    global _WCACHE
+    outer, _WCACHE = _WCACHE, {}
+    try:
+        yield
+    finally:
+        _WCACHE = outer
+
+
+def _quantize_weight(w: torch.Tensor, dim: int, stats_key: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rowwise(w, E4M3, -1) (dim -1: the forward's [N, K] rowwise) or of w.t() (dim 0: the dgrad's
+    [K, N] rowwise over N), through the step's cache when one is open (stats are recorded on a miss only)."""
+    src = w if dim == -1 else w.t()
+    if _WCACHE is None:
+        return quantize_rowwise(src, E4M3, -1, stats_key=stats_key)
+    base = w if w._base is None else w._base  # HSTU passes a fresh view (uvqk_weight.t()) per call: key the parameter
+    key = (id(base), tuple(w.shape), w.stride(), w.storage_offset(), dim)
+    hit = _WCACHE.get(key)
+    if hit is not None and hit[0]() is base and hit[1] == w._version:  # a view shares its base's version counter
+        return hit[2]
+    val = quantize_rowwise(src, E4M3, -1, stats_key=stats_key)
+    _WCACHE[key] = (weakref.ref(base), w._version, val)
+    return val
 
 
 class _Fp8Linear(torch.autograd.Function):
     """y = x @ w^T + b with FP8 GEMMs (module docstring). x [M, K], w [N, K], b [N] or None; x_q / x_s: an
-    FP8 copy of x with rowwise scales made by the caller (the fused norm), or None."""
+    FP8 copy of x with rowwise scales made by the caller (the fused norm), or None. y is bf16 (the GEMM's output
+    on both backends), dx / dw / db in the dtypes of x / w / b.
+
+    Extra kernels per call beyond the bf16 layer's three GEMMs (counted on the eager code below; each
+    quantization = 1 amax reduction + 2 tiny scale kernels + 1 multiply + 1 cast):
+    forward: quantize x (skipped when the fused norm gave x_q), quantize w (once per step with
+    :func:`fp8_weight_cache`), two scale copies into _scaled_mm; dgrad: quantize g rowwise, quantize w^T (once per
+    step), cast dx to x's dtype; wgrad: quantize g^T and x^T (a transposing write each, zero-padded to a multiple
+    of 16 tokens in place), cast dw to w's dtype; the bias: one cast + add forward, one sum backward. The
+    numerics counters add ~4 reductions per quantization, only inside :func:`collect_fp8_stats` (the trainer's
+    log steps)."""
 
     @staticmethod
     def forward(ctx, x, w, b, x_q, x_s, settings: Fp8Settings):
@@ -232,9 +308,8 @@ class _Fp8Linear(torch.autograd.Function):
             x_q, x_s = quantize_rowwise(x, E4M3, -1, stats_key=f"{name}.x")
         else:
             _record_quantized(f"{name}.x", x, x_q, x_s, FP8_MAX[E4M3])
-        w_q, w_s = quantize_rowwise(w, E4M3, -1, stats_key=f"{name}.w")
-        out_dtype = _out_dtype(x, backend)
-        y = fp8_mm(x_q, x_s, w_q.t(), w_s.t(), out_dtype, backend=backend, fast_accum=True)
+        w_q, w_s = _quantize_weight(w, -1, stats_key=f"{name}.w")
+        y = fp8_mm(x_q, x_s, w_q.t(), w_s.t(), backend=backend, fast_accum=True)
         if b is not None:
             y = y + b.to(y.dtype)
         ctx.save_for_backward(x, w)
@@ -249,25 +324,24 @@ class _Fp8Linear(torch.autograd.Function):
         x_dt, w_dt, b_dt = ctx.dtypes
         dx = dw = db = None
         if s.grad == "bf16":
-            hp = torch.bfloat16 if backend == "scaled_mm" else g.dtype
+            hp = torch.bfloat16  # cuBLAS's bf16 GEMMs on CUDA; the same inputs and output rounding emulated
             gh = g.to(hp)
             if ctx.needs_input_grad[0]:
                 dx = (gh @ w.to(hp)).to(x_dt)
             if ctx.needs_input_grad[1]:
                 dw = (gh.t() @ x.to(hp)).to(w_dt)
         else:
-            out_dt = torch.bfloat16 if backend == "scaled_mm" else torch.float32
             gdt = E5M2 if s.grad == "e5m2" else E4M3
             if ctx.needs_input_grad[0]:  # dx [M, K] = g [M, N] @ w [N, K]: contraction over N
                 g_q, g_s = quantize_rowwise(g, gdt, -1, stats_key=f"{s.name}.grad")
-                wt_q, wt_s = quantize_rowwise(w.t(), E4M3, -1)          # [K, N] rowwise over N
-                dx = fp8_mm(g_q, g_s, wt_q.t(), wt_s.t(), out_dt, backend=backend).to(x_dt)
+                wt_q, wt_s = _quantize_weight(w, 0)                         # [K, N] rowwise over N
+                dx = fp8_mm(g_q, g_s, wt_q.t(), wt_s.t(), backend=backend).to(x_dt)
             if ctx.needs_input_grad[1]:  # dw [N, K] = g^T [N, M] @ x [M, K]: contraction over M (padded to 16)
-                gt_q, gt_s = quantize_rowwise(_pad_rows(g).t(), gdt, -1)   # [N, M'] rowwise over M
-                xt_q, xt_s = quantize_rowwise(_pad_rows(x).t(), E4M3, -1)  # [K, M'] rowwise over M
-                dw = fp8_mm(gt_q, gt_s, xt_q.t(), xt_s.t(), out_dt, backend=backend).to(w_dt)
+                gt_q, gt_s = quantize_rowwise(g.t(), gdt, -1, pad_to=16)   # [N, M'] rowwise over M
+                xt_q, xt_s = quantize_rowwise(x.t(), E4M3, -1, pad_to=16)  # [K, M'] rowwise over M
+                dw = fp8_mm(gt_q, gt_s, xt_q.t(), xt_s.t(), backend=backend).to(w_dt)
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = g.float().sum(0).to(b_dt)
+            db = g.sum(0, dtype=torch.float32).to(b_dt)  # one pass, fp32 accumulation
         return dx, dw, db, None, None, None
 
 
@@ -281,7 +355,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         settings: :class:`Fp8Settings`.
         x_fp8, x_scale: optional [M, K] float8_e4m3fn and [M, 1] float32 (x ~= x_fp8 * x_scale), e.g. from
             ``norm_quant(..., block_size=K)``; skips the activation quantization.
-    Returns [M, N]: bf16 on the scaled_mm backend, else the autocast dtype or x.dtype.
+    Returns [M, N] bfloat16 on both backends (rowwise ``_scaled_mm``'s output; the emulation models it).
     Raises ValueError on mismatched shapes.
     """
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:

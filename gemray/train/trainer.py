@@ -47,7 +47,7 @@ import torch.distributed as dist
 from gemray.checkpoint import data_record, report_with_checkpoint, restore_from_ray
 from gemray.config import JobConfig, from_dict
 from gemray.events import epoch_fields
-from gemray.model.fp8 import collect_fp8_stats, log_fp8_stats, pop_fp8_stats
+from gemray.model.fp8 import collect_fp8_stats, fp8_weight_cache, log_fp8_stats, pop_fp8_stats
 from gemray.parallel import (build_optimizer, dense_unsharded, parallelize, plan_layout, resolve,
                              sync_sparse_replicas)
 from gemray.parallel.activation_checkpoint import ActivationCheckpointer
@@ -419,7 +419,9 @@ class Trainer:
         fp8_stats = tc.precision == "fp8" and tc.fp8_stats and self.epoch_step % tc.log_every == 0
         step_stats: dict = {}
         defer = self.defer_loss
-        with self.checkpointer.step(self.dmp, self.device), (collect_fp8_stats() if fp8_stats else nullcontext()):
+        fp8 = tc.precision == "fp8"  # the weights' FP8 copies once per step (recomputes reuse them)
+        with self.checkpointer.step(self.dmp, self.device), (collect_fp8_stats() if fp8_stats else nullcontext()), \
+                (fp8_weight_cache() if fp8 else nullcontext()):
             loss, n_t = forward_backward_step(self.dmp, self.optimizer, batch, self.device,
                                               precision=tc.precision, stats_out=step_stats, read_loss=not defer)
         self.checkpointer.after_step()
