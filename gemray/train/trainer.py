@@ -49,7 +49,7 @@ from gemray.config import JobConfig, from_dict
 from gemray.events import epoch_fields
 from gemray.model.fp8 import collect_fp8_stats, log_fp8_stats, pop_fp8_stats
 from gemray.parallel import (build_optimizer, dense_unsharded, parallelize, plan_layout, resolve,
-                             sync_sparse_replicas)
+                             sparse_steps_kept, sync_sparse_replicas)
 from gemray.parallel.activation_checkpoint import ActivationCheckpointer
 from gemray.preemption import read_notice
 from gemray.train.checkpoint_policy import CheckpointPolicy
@@ -455,7 +455,9 @@ class Trainer:
             raise ValueError(f"Trainer.evaluate: split must be one of {sorted(self.streams)}, got {split!r}")
         model = self.dmp.module
         self.dmp.eval()
-        with dense_unsharded(model):  # FSDP2: evaluation reaches the dense part outside forward
+        # dense_unsharded: FSDP2, evaluation reaches the dense part outside forward; sparse_steps_kept: its embedding
+        # lookups do not count as optimizer steps (FBGEMM's TBE counts one per forward, its Adam reads the count)
+        with dense_unsharded(model), sparse_steps_kept(model):
             sums = evaluation_sums(model, self.evaluators, self.streams[split].iter_epoch(0), self.device,
                                    self.cfg.train.precision)
         total = torch.cat(sums).to(self.device)
