@@ -348,3 +348,44 @@ def test_evaluate_counts_no_fused_optimizer_step(synthetic):
     finally:
         if made:
             dist.destroy_process_group()
+
+
+def test_checkpoint_state_carries_the_sparse_step_count_and_restore_sets_it(synthetic, monkeypatch):
+    """TorchRec's checkpoints hold the tables and the fused optimizer's moments but not FBGEMM's step count (its
+    Adam bias correction): the trainer's checkpoint state carries it and a restore sets it on every TBE; a
+    checkpoint without it (older) gives the restored global step."""
+    import torch.distributed as dist
+
+    import gemray.train.trainer as trainer_mod
+    from gemray.bench.train import _init_process_group
+    from gemray.parallel import sparse_step_counts
+    from gemray.train.trainer import Trainer
+
+    cfg = load_config(CONFIG, [f"data.prepared_dir={synthetic}", "data.max_seq_len=48", "data.batch_size=16",
+                               "ray.use_gpu=false", "data.reader=arrow", "train.max_steps_per_epoch=3"])
+    device = torch.device("cpu")
+    made = _init_process_group(device)
+    try:
+        tr = Trainer(cfg)
+        tr.setup(context=(0, 1, device))
+        tr.build()
+        tr.restore(from_ray=False)
+        tr.train_epoch(0)
+        saved = []
+        monkeypatch.setattr(tr, "save", lambda reason, metrics, state, in_progress: saved.append(state))
+        assert tr.maybe_checkpoint(tr.global_step, epoch_end=True, metrics={}) is not None
+        assert saved[-1]["sparse_steps"] == 3 == saved[-1]["global_step"]
+        fresh = Trainer(cfg)
+        fresh.setup(context=(0, 1, device))
+        fresh.build()
+        assert set(sparse_step_counts(fresh.dmp.module)) == {0}
+        state = {**saved[-1], "sparse_steps": 7}  # as loaded back: the count need not be the global step
+        monkeypatch.setattr(trainer_mod, "restore_from_ray", lambda model, opt: dict(state))
+        fresh.restore()
+        assert fresh.global_step == 3 and set(sparse_step_counts(fresh.dmp.module)) == {7}
+        state.pop("sparse_steps")
+        fresh.restore()
+        assert set(sparse_step_counts(fresh.dmp.module)) == {3}
+    finally:
+        if made:
+            dist.destroy_process_group()

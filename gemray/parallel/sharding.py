@@ -272,6 +272,21 @@ def sparse_step_counts(model: nn.Module) -> list[int]:
     return [int(m.iter.detach().reshape(-1)[0]) for m in sparse_step_modules(model)]
 
 
+def set_sparse_step_counts(model: nn.Module, count: int) -> int:
+    """Set the step count (``iter`` and its CPU copy ``iter_cpu``) of every TBE module of ``model``
+    (:func:`sparse_step_modules`) to ``count``: a restore's, since TorchRec's checkpoints (the sharded tables and the
+    fused optimizer's moments) do not hold it and FBGEMM's Adam would restart its bias correction at 1 with the
+    restored moments. Returns the number of modules set. Raises ValueError for count < 0."""
+    if count < 0:
+        raise ValueError(f"set_sparse_step_counts: count must be >= 0, got {count}")
+    mods = sparse_step_modules(model)
+    with torch.no_grad():
+        for m in mods:
+            m.iter.fill_(int(count))
+            m.iter_cpu.fill_(int(count))
+    return len(mods)
+
+
 @contextmanager
 def sparse_steps_kept(model: nn.Module) -> Iterator[int]:
     """Forward passes that are not training steps (the kernel warm-up, evaluation) leave the fused embedding

@@ -49,7 +49,8 @@ from gemray.config import JobConfig, from_dict
 from gemray.events import epoch_fields
 from gemray.model.fp8 import collect_fp8_stats, log_fp8_stats, pop_fp8_stats
 from gemray.parallel import (build_optimizer, dense_unsharded, parallelize, plan_layout, resolve,
-                             sparse_steps_kept, sync_sparse_replicas)
+                             set_sparse_step_counts, sparse_step_counts, sparse_steps_kept,
+                             sync_sparse_replicas)
 from gemray.parallel.activation_checkpoint import ActivationCheckpointer
 from gemray.preemption import read_notice
 from gemray.train.checkpoint_policy import CheckpointPolicy
@@ -281,6 +282,9 @@ class Trainer:
         self._resume = {"consumed": int(state.get("consumed", 0)), "epoch_step": int(state.get("epoch_step", 0)),
                         "partial": state.get("partial")}
         if not fresh:
+            # the fused embedding optimizer's step count (FBGEMM keeps it outside the checkpointed state; its Adam
+            # bias correction reads it): the saved one, or for an older checkpoint the global step it was saved at
+            set_sparse_step_counts(self.dmp.module, int(state.get("sparse_steps", self.global_step)))
             self.recorder.restored(state, world_size=self.world)
             log.info("resuming at epoch %d, sample %d of its order (global step %d), checkpoint saved by %s "
                      "ranks, now %d", self.start_epoch + 1, self._resume["consumed"], self.global_step,
@@ -419,13 +423,15 @@ class Trainer:
         reason = self.policy.reason(step, epoch_end=epoch_end, epochs_done=done, preempt=preempt is not None)
         if reason is None:
             return None
+        sparse_steps = max(sparse_step_counts(self.dmp.module), default=0)  # restored by restore()
         if epoch_end:
             state = {"epoch": done, "consumed": 0, "epoch_step": 0, "global_step": step,
-                     "history": self.history, "partial": None}
+                     "history": self.history, "partial": None, "sparse_steps": sparse_steps}
             report = dict(metrics or {})
         else:
             state = {"epoch": done, "consumed": self.consumed, "epoch_step": self.epoch_step, "global_step": step,
-                     "history": self.history, "partial": self.stats.reduce(self.device, self.world)}
+                     "history": self.history, "partial": self.stats.reduce(self.device, self.world),
+                     "sparse_steps": sparse_steps}
             report = {**epoch_fields(done, in_progress=True), "global_step": step, "checkpoint": reason,
                       "preempted": preempt == "stop"}
         self.save(reason, report, state, in_progress=not epoch_end)
