@@ -10,11 +10,14 @@
 #   OUT=$OUT bash benchmarks/ml1m_h200.sh                                         # the full-length run, 100 epochs
 #   NAME=hstu OUT=$OUT bash benchmarks/ml1m_h200.sh model.use_rating_feature=false   # more --set values
 # Knobs: NAME (cfg), EPOCHS (100), DEADLINE_S (540), RUNS (/tmp/gemray-runs), DATA (data/ml-1m), CONFIG
-# (configs/ml-1m.toml), PY (python3). Results in $OUT: $NAME.metrics.json, $NAME.curves.png, $NAME.events.jsonl and
-# $NAME.log (the end of the run's log); the exit status is gemray train's (75: stopped at the deadline).
+# (configs/ml-1m.toml), PY (python3), CPUS_PER_WORKER (8) and NUM_CPUS (16: the embedded cluster's CPUs; keep at
+# least one more than CPUS_PER_WORKER for Ray Data's read tasks). Results in $OUT: $NAME.metrics.json,
+# $NAME.curves.png, $NAME.events.jsonl and $NAME.log (the end of the run's log); the exit status is gemray train's
+# (75: stopped at the deadline).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; NAME=${NAME:-cfg}; EPOCHS=${EPOCHS:-100}; DEADLINE_S=${DEADLINE_S:-540}
 RUNS=${RUNS:-/tmp/gemray-runs}; DATA=${DATA:-data/ml-1m}; CONFIG=${CONFIG:-configs/ml-1m.toml}
+CPUS_PER_WORKER=${CPUS_PER_WORKER:-8}; NUM_CPUS=${NUM_CPUS:-16}
 RUN=$RUNS/$NAME
 case $DATA in /*) ;; *) DATA=$PWD/$DATA ;; esac   # the Ray workers read it from their own working folders
 export PYTHONUNBUFFERED=1
@@ -36,7 +39,8 @@ rm -f "$RUN/session"
 setsid --wait bash -c 'echo $$ > "$0"; exec "$@"' "$RUN/session" \
   timeout --foreground --preserve-status -s TERM -k 120 "$DEADLINE_S" \
   gemray train --config "$CONFIG" --set data.prepared_dir="$DATA" ray.use_gpu=true ray.num_workers=1 \
-    ray.cpus_per_worker=8 ray.num_cpus=16 train.sparse_optimizer=adam train.sparse_lr=1e-3 train.epochs="$EPOCHS" \
+    ray.cpus_per_worker="$CPUS_PER_WORKER" ray.num_cpus="$NUM_CPUS" train.sparse_optimizer=adam train.sparse_lr=1e-3 \
+    train.epochs="$EPOCHS" \
     "$@" --output "$RUN/full" >> "$RUN/train.log" 2>&1
 rc=$?
 sid=$(cat "$RUN/session" 2>/dev/null)

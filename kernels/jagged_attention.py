@@ -20,9 +20,10 @@ One kernel family covers the attention-like patterns of GEM / HSTU generative re
   |i - j| (a per-distance table of ``reference.position_bucket_ref``) and tq_i - ts_j (an fp32 log estimate
   corrected against the exact ``reference.time_bucket_ref`` thresholds: the reference's bucket, bit for bit) and
   gathers the weights; no [B, n, n] tensor exists. Backward: each dQ program sums dS per bucket over its key tiles
-  (one masked reduction per bucket present in a tile, in registers) and adds its two histograms to the fp32
-  d pos_w / d ts_w once at its end (one atomic per touched bucket per program). With it the warp-specialized
-  forward and ``ds_store`` are off (the per-bucket sums live in the recomputing dQ kernel).
+  (one masked reduction per bucket present in a tile, in registers) and writes its two histograms to its own row
+  of an fp32 [programs, buckets] buffer that the host sums in row order (no atomics: d pos_w / d ts_w are the
+  same bits on every run). With it the warp-specialized forward and ``ds_store`` are off (the per-bucket sums
+  live in the recomputing dQ kernel).
 
 Shape key: B sequences; T = offsets[-1] total tokens; H heads; Dqk query/key width; Dv value width;
 L_b = offsets[b+1] - offsets[b]. Tensors stay in gemray's jagged layout ``[T, H, D]`` with
@@ -530,8 +531,8 @@ def _rel_bias(qpos, kpos, tq, tk, lq, lk, PB_TAB, TTHR, PW, TW, n_tb, ACT: tl.co
 def _bucket_sums(hist, ds, idx, NB_PAD: tl.constexpr):
     """hist [NB_PAD] fp32 += per-bucket sums of the tile ds [R, C] (fp32) over its bucket indices idx [R, C]
     (int32): one masked reduction per bucket present among the tile's non-zero ds (pairs with ds = 0 -- masked
-    or outside the sequence -- add nothing, so they do not widen the loop); no atomics (the program adds its
-    histogram to the global one once, at its end)."""
+    or outside the sequence -- add nothing, so they do not widen the loop); no atomics (the program writes its
+    histogram to its own row once, at its end; the host sums the rows)."""
     nz = ds != 0.0
     b_lo = tl.min(tl.min(tl.where(nz, idx, NB_PAD), 1), 0)
     b_hi = tl.max(tl.max(tl.where(nz, idx, -1), 1), 0)
@@ -892,7 +893,7 @@ def _dq_tile(Q, K, V, DO, LSE, DELTA, O, DQ, Q_OFF, KV_OFF, NT, BIAS, DBIAS, b, 
              BLOCK_DV: tl.constexpr, DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr,
              STORE_DBIAS: tl.constexpr, CONTEXT: tl.constexpr, FAST: tl.constexpr, STORE_DELTA: tl.constexpr,
              TMA: tl.constexpr, TQ, TK, PB_TAB, TTHR, PW, TW, DPW, DTW, n_pb, n_tb, REL: tl.constexpr,
-             P_PAD: tl.constexpr, NT_PAD: tl.constexpr):
+             P_PAD: tl.constexpr, NT_PAD: tl.constexpr, prog):
     """dQ (and dbias) of query rows [m0, m0 + BLOCK_M) of sequence b, head h. softmax: with STORE_DELTA, delta =
     rowsum(o * dO) of these rows is computed here from o and written to DELTA for the dK/dV launch that runs after
     this one; else it is loaded from DELTA."""
@@ -953,11 +954,11 @@ def _dq_tile(Q, K, V, DO, LSE, DELTA, O, DQ, Q_OFF, KV_OFF, NT, BIAS, DBIAS, b, 
         dbias_base, stride_dbi, stride_dbj, tq, tk_base, PB_TAB, TTHR, PW, TW, n_tb, hist_p, hist_t, ACT, True,
         CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, BLOCK_N, DOT_PREC, HAS_BIAS, STORE_DBIAS, CONTEXT, FAST, TMA, REL,
         P_PAD, NT_PAD)
-    if REL:  # one atomic per touched bucket per program (the histograms summed over its key tiles)
-        slots_p = tl.arange(0, P_PAD)
-        tl.atomic_add(DPW + slots_p, hist_p * ds_scale, mask=(slots_p < n_pb) & (hist_p != 0.0), sem="relaxed")
-        slots_t = tl.arange(0, NT_PAD)
-        tl.atomic_add(DTW + slots_t, hist_t * ds_scale, mask=(slots_t < n_tb) & (hist_t != 0.0), sem="relaxed")
+    if REL:  # this program's histograms (summed over its key tiles) to its own rows: no atomics, the host sums
+        # the rows in a fixed order, so d pos_w / d ts_w are the same bits on every run
+        row = prog.to(tl.int64)
+        tl.store(DPW + row * P_PAD + tl.arange(0, P_PAD), hist_p * ds_scale)
+        tl.store(DTW + row * NT_PAD + tl.arange(0, NT_PAD), hist_t * ds_scale)
     dq = dq * (alpha * ds_scale)
     tl.store(DQ + (q_start + offs_m[:, None]) * stride_dqt + h * stride_dqh + offs_dk[None, :],
              dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (offs_dk[None, :] < D_QK))
@@ -983,8 +984,9 @@ def _gdpa_bwd(Q, K, V, DO, LSE, DELTA, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, WORK, B
     the forward's base-2 log-sum-exp and delta = rowsum(o * dO), written by the dQ launch (PART 2 with
     STORE_DELTA, which runs first) or by _bwd_delta. STORE_DBIAS is set for the launch that writes dbias (the dQ
     items', or the dK/dV items' with STORE_DS). Grid (items, H) or, with HEADS_INNER, (items * H,). REL: the
-    in-kernel relative bias (see _gdpa_fwd); the dQ items also add the per-bucket sums of dS into DPW [n_pb] /
-    DTW [n_tb] fp32 (zeroed by the host; never with STORE_DS)."""
+    in-kernel relative bias (see _gdpa_fwd); each dQ program writes its per-bucket sums of dS to its own row of
+    DPW [programs, P_PAD] / DTW [programs, NT_PAD] fp32 (row = the program's linear id; zeroed by the host, which
+    sums the rows: d pos_w / d ts_w without atomics, bit-reproducible; never with STORE_DS)."""
     w, h = _item_head(WORK, n_heads, HEADS_INNER)
     if w < 0:
         return
@@ -1005,7 +1007,8 @@ def _gdpa_bwd(Q, K, V, DO, LSE, DELTA, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, WORK, B
                  stride_bj, stride_dbb, stride_dbh, stride_dbi, stride_dbj, alpha, inv_n, D_QK, D_V,
                  ACT, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, Q_BCAST, DQ_BM, DQ_BN, BLOCK_DQK, BLOCK_DV,
                  DOT_PREC, HAS_BIAS, STORE_DBIAS, CONTEXT, FAST, STORE_DELTA, TMA, TQ, TK, PB_TAB, TTHR, PW, TW,
-                 DPW, DTW, n_pb, n_tb, REL, P_PAD, NT_PAD)
+                 DPW, DTW, n_pb, n_tb, REL, P_PAD, NT_PAD,
+                 tl.program_id(0) if HEADS_INNER else tl.program_id(0) * n_heads + tl.program_id(1))
 
 
 @triton.jit
@@ -1387,12 +1390,15 @@ class _BwdPlan:
 
     dbias_shape: the fp32 [B, H, n1, n2] dbias buffer (zeroed) or None; ds_shape: the DS_STORE scratch [H, Tk, W]
     or None; tma: set Triton's allocator first; delta: the _bwd_delta launch or None; steps: ((_Launch, work
-    table, dq_from_ds), ...) in launch order, dq_from_ds marking the _gdpa_dq_ds launch (its own tensor list)."""
+    table, dq_from_ds), ...) in launch order, dq_from_ds marking the _gdpa_dq_ds launch (its own tensor list);
+    rel_rows: with the in-kernel relative bias, the dQ launch's program count = the rows of its d pos_w / d ts_w
+    partial sums (0 without)."""
     dbias_shape: tuple | None
     ds_shape: tuple | None
     tma: bool
     delta: _Launch | None
     steps: tuple
+    rel_rows: int = 0
 
 
 def _fwd_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
@@ -1508,7 +1514,7 @@ def _make_bwd_plan(fwd: _FwdPlan, q, k, v, bias, do, q_off, kv_off, nt, spec: _S
                        cfg.direct_launch), table, False
 
     fit = dict(d_v=d_v, rel=rel is not None, elem_bytes=q.element_size(), device=q.device)  # _tiles' smem fit
-    steps = []
+    steps, rel_rows = [], 0
     if ds_store:  # dK/dV (also storing dS^T), then dQ = dS K from the stored tiles
         kbm, kbn, kwarps, kstages = _tiles("dkdv_ds", d_qk, reg, spec.max_q_len, cfg, **fit)
         table, ntk = _k_table(spec, q_off, kv_off, kbn, k.shape[0], grouped=cfg.seq_order_dkdv)
@@ -1527,11 +1533,12 @@ def _make_bwd_plan(fwd: _FwdPlan, q, k, v, bias, do, q_off, kv_off, nt, spec: _S
         # the other part's tile sizes are unused (pruned branch): 0 keeps one compiled variant per config
         steps.append(bwd(table, (1, ntq), qwarps, qstages, PART=2, DK_BM=0, DK_BN=0, DQ_BM=qbm, DQ_BN=qbn,
                          STORE_DBIAS=want_dbias, STORE_DELTA=softmax, STORE_DS=False))
+        rel_rows = table.numel() * h if rel is not None else 0  # one row per dQ program (grid items x H)
         kbm, kbn, kwarps, kstages = _tiles("dkdv", d_qk, reg, spec.max_q_len, cfg, **fit)
         table, ntk = _k_table(spec, q_off, kv_off, kbn, k.shape[0])
         steps.append(bwd(table, (ntk, 1), kwarps, kstages, PART=1, DK_BM=kbm, DK_BN=kbn, DQ_BM=0, DQ_BN=0,
                          STORE_DBIAS=False, STORE_DELTA=False, STORE_DS=False))
-    return _BwdPlan(dbias_shape, ds_shape, use_tma or ds_store, delta, tuple(steps))
+    return _BwdPlan(dbias_shape, ds_shape, use_tma or ds_store, delta, tuple(steps), rel_rows)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1605,9 +1612,13 @@ def _backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     dbias = (torch.zeros(bplan.dbias_shape, device=q.device, dtype=torch.float32)
              if bplan.dbias_shape is not None else None)
     ntarg = nt if nt is not None else q_off
-    # d pos_w / d ts_w: fp32 sums of dS per bucket, added to by the dQ programs' atomics
-    dpw = torch.zeros(rel[2].numel(), device=q.device, dtype=torch.float32) if rel is not None else q_off
-    dtw = torch.zeros(rel[3].numel(), device=q.device, dtype=torch.float32) if rel is not None else q_off
+    # d pos_w / d ts_w: fp32 sums of dS per bucket, one row per dQ program (padded to P_PAD / NT_PAD buckets),
+    # summed here in row order: no atomics, the same bits on every run
+    if rel is not None:
+        dpw = torch.zeros((bplan.rel_rows, _pad_buckets(rel[2].numel())), device=q.device, dtype=torch.float32)
+        dtw = torch.zeros((bplan.rel_rows, _pad_buckets(rel[3].numel())), device=q.device, dtype=torch.float32)
+    else:
+        dpw = dtw = q_off
     tensors = [q, k, v, do, lse, delta, o, dk, dv, dq, q_off, kv_off, ntarg, None, bias if bias is not None else q,
                dbias if dbias is not None else q, ds if ds is not None else q,
                *_rel_tensors(rel, spec.max_q_len, q_off), dpw, dtw]
@@ -1621,7 +1632,8 @@ def _backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         dq = dq.view(-1, q.shape[0], h, d_qk).sum(0, dtype=torch.float32).to(q.dtype)
     if dbias is not None:
         dbias = (dbias if bias.dim() == 4 else dbias.sum(1)).to(bias.dtype)
-    drel = None if rel is None else (dpw.to(rel[2].dtype), dtw.to(rel[3].dtype))
+    drel = None if rel is None else (dpw.sum(0)[:rel[2].numel()].to(rel[2].dtype),
+                                     dtw.sum(0)[:rel[3].numel()].to(rel[3].dtype))
     return dq, dk, dv, dbias, drel
 
 

@@ -211,11 +211,12 @@ def test_warmup_lengths_land_in_their_regime_with_both_alignments(max_len, batch
 
 def test_warm_up_runs_interpreted_and_changes_no_weight(synthetic):
     """The warm-up on the Triton backend (the CPU interpreter): every reachable regime runs forward + backward,
-    and no parameter, embedding row or .grad changes."""
+    and no parameter, embedding row, .grad or fused-optimizer step count changes."""
     import torch.distributed as dist
 
     from gemray.bench.train import _init_process_group, first_batch
     from gemray.kernels.jagged_attention import interpreting
+    from gemray.parallel import sparse_step_counts, sparse_step_modules
     from gemray.train.trainer import Trainer
     from gemray.train.warmup import warm_up_attention
 
@@ -237,7 +238,13 @@ def test_warm_up_runs_interpreted_and_changes_no_weight(synthetic):
 
         before = {k: local(v).clone() for k, v in tr.dmp.state_dict().items() if isinstance(v, torch.Tensor)}
         assert any("embeddings" in k for k in before)
+        steps = sparse_step_counts(tr.dmp.module)
+        assert steps and set(steps) == {0}  # the TBE kernels are found (TorchRec keeps them out of .modules())
         info = warm_up_attention(cfg, device, tr.dmp.module, first_batch(tr))
+        # FBGEMM counts an optimizer step per TBE forward (its Adam bias correction reads it): the warm-up's 2
+        # forwards left it at 2, so the Triton path's first Adam update was ~0.64x the reference path's
+        assert sparse_step_counts(tr.dmp.module) == steps
+        assert [int(m.iter_cpu[0]) for m in sparse_step_modules(tr.dmp.module)] == steps
         assert info["ran"] and [d["regime"] for d in info["regimes"]] == ["short", "short"]
         assert {d["tokens"] % 16 == 0 for d in info["regimes"]} == {True, False}
         after = tr.dmp.state_dict()
@@ -247,6 +254,7 @@ def test_warm_up_runs_interpreted_and_changes_no_weight(synthetic):
         tr.restore(from_ray=False)
         tr.begin_epoch(0)
         tr.train_step(first_batch(tr))
+        assert sparse_step_counts(tr.dmp.module) == [1] * len(steps)  # a training step counts (the check can fail)
         moved = tr.dmp.state_dict()
         assert any(not torch.equal(before[k], local(moved[k])) for k in before if "embeddings" in k)
         off = warm_up_attention(load_config(CONFIG, ["ray.use_gpu=false"]), device, tr.dmp.module, first_batch(tr))
@@ -372,3 +380,79 @@ def test_gpu_bench_train_compiled_with_sync_debug(synthetic, tmp_path, capsys):
     assert tc["during_measured"]["frames"] == 0 and not r["compile_stall"]["flagged"]
     sd = r["sync_debug"]
     assert "host syncs" in printed and sd["total"] == sum(s["count"] for s in sd["sites"])
+
+
+def test_evaluate_counts_no_fused_optimizer_step(synthetic):
+    """Trainer.evaluate's embedding lookups leave FBGEMM's per-TBE step count (the one its Adam bias correction
+    reads) where training left it; the same evaluation pass run bare does move it, so the check can fail."""
+    import torch.distributed as dist
+
+    from gemray.bench.train import _init_process_group
+    from gemray.parallel import sparse_step_counts
+    from gemray.train.evaluation import evaluation_sums
+    from gemray.train.trainer import Trainer
+
+    cfg = load_config(CONFIG, [f"data.prepared_dir={synthetic}", "data.max_seq_len=48", "data.batch_size=16",
+                               "ray.use_gpu=false", "data.reader=arrow", "train.max_steps_per_epoch=2",
+                               "data.eval_batch_size=32"])
+    device = torch.device("cpu")
+    made = _init_process_group(device)
+    try:
+        tr = Trainer(cfg)
+        tr.setup(context=(0, 1, device))
+        tr.build()
+        tr.restore(from_ray=False)
+        tr.train_epoch(0)
+        trained = sparse_step_counts(tr.dmp.module)
+        assert trained and set(trained) == {2}
+        metrics = tr.evaluate("valid")
+        assert metrics["num_users"] > 32  # several batches were looked up
+        assert sparse_step_counts(tr.dmp.module) == trained
+        tr.dmp.eval()
+        with torch.no_grad():
+            evaluation_sums(tr.dmp.module, tr.evaluators, tr.streams["valid"].iter_epoch(0), device)
+        assert all(c > t for c, t in zip(sparse_step_counts(tr.dmp.module), trained))
+    finally:
+        if made:
+            dist.destroy_process_group()
+
+
+def test_checkpoint_state_carries_the_sparse_step_count_and_restore_sets_it(synthetic, monkeypatch):
+    """TorchRec's checkpoints hold the tables and the fused optimizer's moments but not FBGEMM's step count (its
+    Adam bias correction): the trainer's checkpoint state carries it and a restore sets it on every TBE; a
+    checkpoint without it (older) gives the restored global step."""
+    import torch.distributed as dist
+
+    import gemray.train.trainer as trainer_mod
+    from gemray.bench.train import _init_process_group
+    from gemray.parallel import sparse_step_counts
+    from gemray.train.trainer import Trainer
+
+    cfg = load_config(CONFIG, [f"data.prepared_dir={synthetic}", "data.max_seq_len=48", "data.batch_size=16",
+                               "ray.use_gpu=false", "data.reader=arrow", "train.max_steps_per_epoch=3"])
+    device = torch.device("cpu")
+    made = _init_process_group(device)
+    try:
+        tr = Trainer(cfg)
+        tr.setup(context=(0, 1, device))
+        tr.build()
+        tr.restore(from_ray=False)
+        tr.train_epoch(0)
+        saved = []
+        monkeypatch.setattr(tr, "save", lambda reason, metrics, state, in_progress: saved.append(state))
+        assert tr.maybe_checkpoint(tr.global_step, epoch_end=True, metrics={}) is not None
+        assert saved[-1]["sparse_steps"] == 3 == saved[-1]["global_step"]
+        fresh = Trainer(cfg)
+        fresh.setup(context=(0, 1, device))
+        fresh.build()
+        assert set(sparse_step_counts(fresh.dmp.module)) == {0}
+        state = {**saved[-1], "sparse_steps": 7}  # as loaded back: the count need not be the global step
+        monkeypatch.setattr(trainer_mod, "restore_from_ray", lambda model, opt: dict(state))
+        fresh.restore()
+        assert fresh.global_step == 3 and set(sparse_step_counts(fresh.dmp.module)) == {7}
+        state.pop("sparse_steps")
+        fresh.restore()
+        assert set(sparse_step_counts(fresh.dmp.module)) == {3}
+    finally:
+        if made:
+            dist.destroy_process_group()

@@ -5,8 +5,9 @@ materialised) and ``build_optimizer`` (fused sparse + dense AdamW)."""
 from gemray.parallel.dims import ParallelDims, build_mesh, from_config, nearest_valid, resolve
 from gemray.parallel.fsdp import dense_unsharded
 from gemray.parallel.sharding import (Layout, build_optimizer, check_shardable, materialize_dense, parallelize,
-                                      plan_layout, sync_sparse_replicas)
+                                      plan_layout, set_sparse_step_counts, sparse_step_counts, sparse_step_modules, sparse_steps_kept,
+                                      sync_sparse_replicas)
 
 __all__ = ["Layout", "ParallelDims", "build_mesh", "build_optimizer", "check_shardable", "dense_unsharded",
            "from_config", "materialize_dense", "nearest_valid", "parallelize", "plan_layout", "resolve",
-           "sync_sparse_replicas"]
+           "set_sparse_step_counts", "sparse_step_counts", "sparse_step_modules", "sparse_steps_kept", "sync_sparse_replicas"]

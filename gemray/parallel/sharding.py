@@ -15,7 +15,9 @@ allowed here.
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -238,6 +240,76 @@ def sync_sparse_replicas(dmp: nn.Module) -> None:
 
     if isinstance(dmp, DMPCollection):
         dmp.sync()
+
+
+def sparse_step_modules(model: nn.Module) -> list[nn.Module]:
+    """The FBGEMM table-batched embedding (TBE) modules of ``model``: every module with an int64 tensor ``iter``
+    (the fused optimizer's step count, on the table's device) and a CPU copy ``iter_cpu``
+    (``SplitTableBatchedEmbeddingBagsCodegen``). TorchRec's sharded modules keep their lookups in a plain list
+    (``_lookups``), which ``nn.Module.modules()`` does not enter, so those are walked too. Returns [] for a model
+    without TBE (an unsharded one)."""
+    out: list[nn.Module] = []
+    seen: set[int] = set()
+
+    def visit(root: nn.Module) -> None:
+        for m in root.modules():
+            if id(m) in seen:
+                continue
+            seen.add(id(m))
+            if isinstance(getattr(m, "iter", None), torch.Tensor) and \
+                    isinstance(getattr(m, "iter_cpu", None), torch.Tensor):
+                out.append(m)
+            for lookup in getattr(m, "_lookups", None) or ():
+                if isinstance(lookup, nn.Module):
+                    visit(lookup)
+
+    visit(model)
+    return out
+
+
+def sparse_step_counts(model: nn.Module) -> list[int]:
+    """The step count (``iter``) of each of ``model``'s TBE modules (:func:`sparse_step_modules`), in their order."""
+    return [int(m.iter.detach().reshape(-1)[0]) for m in sparse_step_modules(model)]
+
+
+def set_sparse_step_counts(model: nn.Module, count: int) -> int:
+    """Set the step count (``iter`` and its CPU copy ``iter_cpu``) of every TBE module of ``model``
+    (:func:`sparse_step_modules`) to ``count``: a restore's, since TorchRec's checkpoints (the sharded tables and the
+    fused optimizer's moments) do not hold it and FBGEMM's Adam would restart its bias correction at 1 with the
+    restored moments. Returns the number of modules set. Raises ValueError for count < 0."""
+    if count < 0:
+        raise ValueError(f"set_sparse_step_counts: count must be >= 0, got {count}")
+    mods = sparse_step_modules(model)
+    with torch.no_grad():
+        for m in mods:
+            m.iter.fill_(int(count))
+            m.iter_cpu.fill_(int(count))
+    return len(mods)
+
+
+@contextmanager
+def sparse_steps_kept(model: nn.Module) -> Iterator[int]:
+    """Forward passes that are not training steps (the kernel warm-up, evaluation) leave the fused embedding
+    optimizer's step counts as they found them. Yields the number of TBE modules covered.
+
+    Why: FBGEMM's TBE counts a step in every *forward* (``iter`` / ``iter_cpu`` += 1, train or eval mode, with or
+    without grad; fbgemm_gpu 1.6-1.8 ``SplitTableBatchedEmbeddingBagsCodegen.forward``), not in its fused update,
+    and its Adam kinds use that count in the bias correction ``1 - beta^iter``. A forward that trains nothing
+    therefore shrinks the next updates as if steps had been taken: 2 warm-up forwards before step 1 (the Triton
+    path only) made step 1's Adam update of every row it touched ~0.64x the reference path's, and every
+    validation pass (1 + one per batch) shifted the rest of the run. The Adagrad kinds ignore the count.
+    Restores ``iter``, ``iter_cpu`` and the reporting counter ``step`` on exit (also on an error)."""
+    saved = [(m, m.iter.detach().clone(), m.iter_cpu.detach().clone(), getattr(m, "step", None))
+             for m in sparse_step_modules(model)]
+    try:
+        yield len(saved)
+    finally:
+        with torch.no_grad():
+            for m, it, it_cpu, step in saved:
+                m.iter.copy_(it)
+                m.iter_cpu.copy_(it_cpu)
+                if isinstance(step, int):
+                    m.step = step
 
 
 def materialize_dense(model: nn.Module, device: torch.device | str) -> None:

@@ -49,6 +49,7 @@ from gemray.config import JobConfig, from_dict
 from gemray.events import epoch_fields
 from gemray.model.fp8 import collect_fp8_stats, fp8_weight_cache, log_fp8_stats, pop_fp8_stats
 from gemray.parallel import (build_optimizer, dense_unsharded, parallelize, plan_layout, resolve,
+                             set_sparse_step_counts, sparse_step_counts, sparse_steps_kept,
                              sync_sparse_replicas)
 from gemray.parallel.activation_checkpoint import ActivationCheckpointer
 from gemray.preemption import read_notice
@@ -321,6 +322,9 @@ class Trainer:
         self._resume = {"consumed": int(state.get("consumed", 0)), "epoch_step": int(state.get("epoch_step", 0)),
                         "partial": state.get("partial")}
         if not fresh:
+            # the fused embedding optimizer's step count (FBGEMM keeps it outside the checkpointed state; its Adam
+            # bias correction reads it): the saved one, or for an older checkpoint the global step it was saved at
+            set_sparse_step_counts(self.dmp.module, int(state.get("sparse_steps", self.global_step)))
             self.recorder.restored(state, world_size=self.world)
             log.info("resuming at epoch %d, sample %d of its order (global step %d), checkpoint saved by %s "
                      "ranks, now %d", self.start_epoch + 1, self._resume["consumed"], self.global_step,
@@ -493,14 +497,16 @@ class Trainer:
         reason = self.policy.reason(step, epoch_end=epoch_end, epochs_done=done, preempt=preempt is not None)
         if reason is None:
             return None
+        sparse_steps = max(sparse_step_counts(self.dmp.module), default=0)  # restored by restore()
         if epoch_end:
             state = {"epoch": done, "consumed": 0, "epoch_step": 0, "global_step": step,
-                     "history": self.history, "partial": None}
+                     "history": self.history, "partial": None, "sparse_steps": sparse_steps}
             report = dict(metrics or {})
         else:
             self.flush_losses()
             state = {"epoch": done, "consumed": self.consumed, "epoch_step": self.epoch_step, "global_step": step,
-                     "history": self.history, "partial": self.stats.reduce(self.device, self.world)}
+                     "history": self.history, "partial": self.stats.reduce(self.device, self.world),
+                     "sparse_steps": sparse_steps}
             report = {**epoch_fields(done, in_progress=True), "global_step": step, "checkpoint": reason,
                       "preempted": preempt == "stop"}
         self.save(reason, report, state, in_progress=not epoch_end)
@@ -530,7 +536,9 @@ class Trainer:
             raise ValueError(f"Trainer.evaluate: split must be one of {sorted(self.streams)}, got {split!r}")
         model = self.dmp.module
         self.dmp.eval()
-        with dense_unsharded(model):  # FSDP2: evaluation reaches the dense part outside forward
+        # dense_unsharded: FSDP2, evaluation reaches the dense part outside forward; sparse_steps_kept: its embedding
+        # lookups do not count as optimizer steps (FBGEMM's TBE counts one per forward, its Adam reads the count)
+        with dense_unsharded(model), sparse_steps_kept(model):
             sums = evaluation_sums(model, self.evaluators, self.streams[split].iter_epoch(0), self.device,
                                    self.cfg.train.precision)
         total = torch.cat(sums).to(self.device)

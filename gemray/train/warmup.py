@@ -15,8 +15,9 @@ for the compile (issue 17: steps of 36 s, 72 s and 2 minutes). This module compi
   requests and candidates resampled from it, so every field the model reads is valid), runs the model's
   forward on it and the backward into the *dense* parameters only (``torch.autograd.grad``: no ``.grad`` is
   written, the embedding tables' fused optimizer never runs, DDP's hooks are bypassed by calling the unwrapped
-  module), and logs the seconds per regime. The number of calls is fixed (2 per reachable regime): bounded.
-  Every rank runs the same batches, so sharded-embedding collectives line up.
+  module; the step count FBGEMM's TBE adds to in every forward, which its Adam bias correction reads, is put
+  back: ``gemray.parallel.sparse_steps_kept``), and logs the seconds per regime. The number of calls is fixed (2
+  per reachable regime): bounded. Every rank runs the same batches, so sharded-embedding collectives line up.
 
 It runs where the Triton backend is used (``ops.resolve_backend`` gives TRITON: CUDA, or the CPU interpreter
 when ``model.attention_backend = "triton"`` under TRITON_INTERPRET=1); elsewhere nothing compiles and it
@@ -146,6 +147,27 @@ def triton_in_use(cfg: JobConfig, device: torch.device) -> bool:
         return False
 
 
+def _compile_regimes(cfg: JobConfig, device: torch.device, model: torch.nn.Module, template: JaggedBatch,
+                     forward: Callable[[torch.nn.Module, JaggedBatch], torch.Tensor],
+                     params: list[torch.nn.Parameter], gen: torch.Generator, kernel_config: KernelConfig | None,
+                     done: list[dict[str, Any]]) -> None:
+    """The warm-up's batches: per reachable regime and length variant one forward + ``torch.autograd.grad`` into
+    ``params``, timed; one record per batch appended to ``done``."""
+    for reg in reachable_regimes(cfg.data.max_seq_len, kernel_config):
+        for lens in warmup_lengths(reg, cfg.data.batch_size, cfg.data.max_seq_len, kernel_config):
+            t0 = time.perf_counter()
+            batch = resample_batch(template, lens, gen).to(device)
+            loss = forward(model, batch)
+            torch.autograd.grad(loss, params, allow_unused=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            s = time.perf_counter() - t0
+            done.append({"regime": reg, "lengths_mean": sum(lens) / len(lens), "tokens": int(sum(lens)),
+                         "seconds": s})
+            log.info("kernel warm-up: regime %s, %d sequences of mean length %.1f (%d tokens): %.1f s",
+                     reg, len(lens), sum(lens) / len(lens), sum(lens), s)
+
+
 def warm_up_attention(cfg: JobConfig, device: torch.device, model: torch.nn.Module | None = None,
                       template: JaggedBatch | None = None,
                       forward: Callable[[torch.nn.Module, JaggedBatch], torch.Tensor] | None = None,
@@ -167,6 +189,8 @@ def warm_up_attention(cfg: JobConfig, device: torch.device, model: torch.nn.Modu
         def forward(m, b):  # as forward_backward_step: the forward under train.precision's autocast
             with autocast(cfg.train.precision, device):
                 return m(b)[0]
+    from gemray.parallel import sparse_steps_kept
+
     params = _dense_params(model)
     gen = torch.Generator().manual_seed(int(cfg.train.seed))
     rng_state = torch.get_rng_state()
@@ -174,20 +198,11 @@ def warm_up_attention(cfg: JobConfig, device: torch.device, model: torch.nn.Modu
     was_training = model.training
     model.train()
     done, t_all = [], time.perf_counter()
+    # sparse_steps_kept: FBGEMM's TBE counts an optimizer step per forward (its Adam bias correction reads the
+    # count): without it the Triton path alone started training as if some steps had been taken already
     try:
-        for reg in reachable_regimes(cfg.data.max_seq_len, kernel_config):
-            for lens in warmup_lengths(reg, cfg.data.batch_size, cfg.data.max_seq_len, kernel_config):
-                t0 = time.perf_counter()
-                batch = resample_batch(template, lens, gen).to(device)
-                loss = forward(model, batch)
-                torch.autograd.grad(loss, params, allow_unused=True)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                s = time.perf_counter() - t0
-                done.append({"regime": reg, "lengths_mean": sum(lens) / len(lens), "tokens": int(sum(lens)),
-                             "seconds": s})
-                log.info("kernel warm-up: regime %s, %d sequences of mean length %.1f (%d tokens): %.1f s",
-                         reg, len(lens), sum(lens) / len(lens), sum(lens), s)
+        with sparse_steps_kept(model):
+            _compile_regimes(cfg, device, model, template, forward, params, gen, kernel_config, done)
     finally:
         model.train(was_training)
         torch.set_rng_state(rng_state)
