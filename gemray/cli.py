@@ -491,12 +491,41 @@ def _add_serve_parsers(sub) -> None:
     ex.set_defaults(func=_cmd_export)
 
 
+def _writable_file(path: str | Path, option: str) -> Path:
+    """Check, before any model is loaded, that ``path`` (the value of ``option``, e.g. ``--out``) names a file this
+    process can create or replace: not a folder, in a folder that exists and in which a file can be created (probed
+    with a temporary file removed at once; ``os.access`` alone says yes to root on a read-only mount). Writes nothing
+    at ``path``. Returns it as a Path; raises ValueError (NotADirectoryError when a parent on the path is a file)
+    naming the option and the path."""
+    import tempfile
+
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise ValueError(f"{option} {p} is a folder; give a file name in it")
+    parent = p.parent
+    if not parent.exists():
+        raise ValueError(f"{option} {p}: the folder {parent} does not exist (create it first)")
+    if not parent.is_dir():
+        raise NotADirectoryError(f"{option} {p}: {parent} is not a folder")
+    try:
+        with tempfile.TemporaryFile(dir=parent, prefix=".gemray-write-probe-"):
+            pass
+        if p.exists():
+            with open(p, "ab"):  # replaceable in place (appends nothing)
+                pass
+    except OSError as e:
+        raise ValueError(f"{option} {p} is not writable: {e.strerror or e}") from e
+    return p
+
+
 def _cmd_evaluate(ns: argparse.Namespace) -> int:
     import json
 
     from gemray.serve import load_trained
     from gemray.serve.evaluate import evaluate, format_metrics
 
+    if ns.json not in (None, "-"):
+        _writable_file(ns.json, "--json")  # before the model is loaded and the split evaluated
     trained = load_trained(ns.checkpoint, config=ns.config, overrides=ns.overrides, device=ns.device)
     res = evaluate(trained, ns.split, ks=ns.k, prepared_dir=ns.data, world_size=ns.world_size)
     print(format_metrics(res))
@@ -518,6 +547,8 @@ def _cmd_recommend(ns: argparse.Namespace) -> int:
     from gemray.serve import load_trained
     from gemray.serve.recommend import read_users_file, recommend
 
+    if ns.out:
+        _writable_file(ns.out, "--out")  # before the model is loaded and the users scored
     users = ns.user if ns.user else read_users_file(ns.users_file)
     trained = load_trained(ns.checkpoint, config=ns.config, overrides=ns.overrides, device=ns.device)
     recs = recommend(trained, users, k=ns.k, prepared_dir=ns.data)
