@@ -459,7 +459,9 @@ def _add_serve_parsers(sub) -> None:
                                     "table and writes JSON. On the run's own config and test split it reproduces "
                                     "metrics.json's figures.")
     common(ev)
-    ev.add_argument("--split", choices=("valid", "test"), default="test")
+    ev.add_argument("--split", choices=("valid", "test"), default="test",
+                    help="test (default): each user's last item as the target, as metrics.json's test figures; valid: "
+                         "the item before it, as the per-epoch validation figures")
     ev.add_argument("--k", type=int, nargs="+", default=None, help="cut-offs (default: the run's train.eval_ks)")
     ev.add_argument("--data", default=None, metavar="PREPARED_DIR",
                     help="another prepared folder with the same item vocabulary (default: the run's)")
@@ -640,7 +642,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      "the attention kernels for every reachable length regime, then time "
                                      "--warmup + --steps training steps on the real data pipeline "
                                      "(gemray.bench.train).")
-    bt.add_argument("--config", required=True)
+    bt.add_argument("--config", required=True,
+                    help="TOML config (e.g. configs/gem-h200.toml): its model, data and train sections are built "
+                         "and timed as one rank, no Ray (ray.use_gpu picks cuda:0)")
     _add_set(bt)
     bt.add_argument("--steps", type=int, default=30, help="measured steps (default %(default)s)")
     bt.add_argument("--warmup", type=int, default=10, help="steps before the measured ones (default %(default)s)")
@@ -652,7 +656,9 @@ def build_parser() -> argparse.ArgumentParser:
     bt.set_defaults(func=_cmd_bench_train)
     bn = bsub.add_parser("numerics", help="FP8 numerics guard: train bf16 and fp8 on the same data and seed, "
                          "exit 1 when NE / AUC (ranking) or HR@10 (retrieval) differ by more than --rtol")
-    bn.add_argument("--config", required=True)
+    bn.add_argument("--config", required=True,
+                    help="TOML config of both runs (e.g. configs/gem-h200.toml); train.precision is set per run: "
+                         "bf16 for bf16/, fp8 for fp8/")
     bn.add_argument("--steps", type=int, required=True, help="training steps of each run (one epoch)")
     bn.add_argument("--rtol", type=float, default=1e-3, help="largest relative difference (default %(default)g)")
     bn.add_argument("--output", default="runs/numerics", help="folder of the two runs (bf16/, fp8/) and "
@@ -681,7 +687,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_parsers(sub)
     k8 = sub.add_parser("k8s", help="KubeRay manifests: render from a config, validate against the CRDs",
                         prefix_chars="+", add_help=False, usage=_K8S_HELP.splitlines()[0][len("usage: "):])
-    k8.add_argument("k8s_command", nargs="?", metavar="{render,validate,regenerate}")
+    k8.add_argument("k8s_command", nargs="?", metavar="{render,validate,regenerate}",
+                    help="render a manifest from a config, validate manifests, regenerate deploy/*.yaml")
     k8.add_argument("args", nargs=argparse.REMAINDER, help="see `gemray k8s render --help`")
     k8.set_defaults(func=_cmd_k8s)
     _add_verbosity_everywhere(ap)

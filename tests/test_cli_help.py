@@ -70,3 +70,29 @@ def test_k8s_regenerate_without_files_is_an_error(capsys):
 def test_k8s_regenerate_missing_file_is_an_error(capsys, tmp_path):
     assert main(["k8s", "regenerate", str(tmp_path / "nope.yaml")]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def _walk(parser: argparse.ArgumentParser, path: tuple[str, ...] = ("gemray",)):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _walk(sub, (*path, name))
+        else:
+            yield path, action
+
+
+def test_every_option_of_every_subcommand_has_help():
+    """Not only the ones issue 22 named: `evaluate --split`, `bench train --config`, `bench numerics --config`
+    had none; any new option without a help text fails here."""
+    missing = [f"{' '.join(path)} {'/'.join(a.option_strings) or a.dest}" for path, a in _walk(build_parser())
+               if not a.help]
+    assert not missing, missing
+    names = {" ".join(path) for path, _ in _walk(build_parser())}
+    assert {"gemray evaluate", "gemray bench train", "gemray bench numerics"} <= names
+
+
+def test_evaluate_split_help_names_both_splits(capsys):
+    with pytest.raises(SystemExit):
+        main(["evaluate", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--split {valid,test}" in out and "metrics.json's test figures" in out and "validation" in out
