@@ -1,5 +1,6 @@
 """The ``gemray`` command line.
 
+    gemray --version | --help             (every subcommand: -v / --log-level LEVEL; --help lists its options)
     gemray prepare movielens --src DIR --out DIR [--on-bad-rows error|quarantine] [--num-files N]
     gemray prepare synthetic --out DIR --users U --items N --seed S [--max-len L] [--length-dist ...] ...
                                           (seeded GEM-style data: gemray.pipelines.synthetic)
@@ -9,18 +10,27 @@
     gemray train --config FILE [--set section.key=value ...] [--output DIR]
     gemray preempt --output DIR | --notice PATH [--reason TEXT] [--wait SECONDS]
                                           (ask a running `gemray train` to checkpoint and stop)
+    gemray evaluate --checkpoint RUN_OR_CKPT [--split valid|test] [--k K ...] [--data DIR] [--json FILE]
+                                          (gemray.serve.evaluate: reproduces metrics.json's test figures)
+    gemray recommend --checkpoint RUN_OR_CKPT (--user ID ... | --users-file FILE) [--k K] [--out RECS.parquet]
+                                          (gemray.serve.recommend: top-K per user, history excluded)
+    gemray export --checkpoint RUN_OR_CKPT --out DIR
+                                          (gemray.serve.export: torch.export user tower + item embeddings)
     gemray bench bbs --config FILE [--world-size N] [--set ...]
     gemray bench kernels [ARGS...]        (gemray.bench.kernels.main)
     gemray bench train --config FILE [--set ...] [--steps N] [--warmup W] [--profile] [--json PATH]
                                           (gemray.bench.train: step time, tokens/s, MFU, data stall)
-    gemray submit --config FILE [--address URL] ...   (gemray.controller.submit)
+    gemray bench numerics --config FILE --steps N [--rtol R] [--output DIR] [--set ...]
+                                          (gemray.bench.numerics: the FP8 numerics guard, bf16 vs fp8)
+    gemray submit --config FILE [--address URL] [--task train|prepare] ...   (gemray.controller.submit)
     gemray k8s render --config FILE [--kind rayjob|raycluster|pvc] [--gpu] [--image ...] [--storage ...]
     gemray k8s validate FILES [--crds DIR]             (gemray.k8s.cli)
+    gemray k8s regenerate FILES                        (re-render deploy/*.yaml from their first lines)
 
 User errors (bad config values, unknown keys, missing files, bad data rows) print one line
 ``gemray: error: ...`` and exit with status 2; a training failure exits with status 1; a run stopped by a
-preemption notice (SIGTERM to ``gemray train``, or ``gemray preempt``) after its emergency checkpoint exits
-with status 75 (EX_TEMPFAIL: re-run the same command to resume).
+preemption notice (SIGTERM or Ctrl-C to ``gemray train``, or ``gemray preempt``) after its emergency checkpoint
+exits with status 75 (EX_TEMPFAIL: re-run the same command to resume); a second Ctrl-C stops at once, 130.
 """
 
 from __future__ import annotations

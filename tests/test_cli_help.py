@@ -96,3 +96,19 @@ def test_evaluate_split_help_names_both_splits(capsys):
         main(["evaluate", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "--split {valid,test}" in out and "metrics.json's test figures" in out and "validation" in out
+
+
+def test_module_docstring_lists_every_command():
+    """gemray/cli.py's docstring is the overview of the commands: each subcommand of the parser (and the k8s
+    subcommands, parsed in gemray.k8s.cli) has a line there."""
+    import gemray.cli
+    from gemray.cli import _K8S_COMMANDS
+
+    doc = gemray.cli.__doc__
+    leaves = {" ".join(path) for path, a in _walk(build_parser()) if not isinstance(a, argparse._SubParsersAction)}
+    nested = {" ".join(path[:i]) for path, _ in _walk(build_parser()) for i in range(1, len(path))}
+    commands = sorted(leaves - nested - {"gemray", "gemray k8s"}) + [f"gemray k8s {c}" for c in _K8S_COMMANDS]
+    missing = [c for c in commands if f"    {c} " not in doc]
+    assert not missing, missing
+    assert {"gemray evaluate", "gemray recommend", "gemray export", "gemray bench numerics",
+            "gemray prepare interactions"} <= set(commands)
