@@ -38,6 +38,8 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from gemray.preemption import EXIT_PREEMPTED  # 75, sysexits EX_TEMPFAIL
@@ -741,13 +743,47 @@ def log_level(ns: argparse.Namespace) -> int:
     return logging.DEBUG if ns.verbose else getattr(logging, ns.log_level.upper())
 
 
+#: Loggers of other libraries whose warnings are about how gemray calls them, not about the user's job:
+#: TorchRec's planner ("The topology was constructed directly ...", "known issue with TorchRec's dense tensor
+#: size calculation in dry run") and torch.fx's "is_fx_tracing will return true for both ...".
+_INTERNAL_WARNING_LOGGERS = ("torchrec.distributed.planner", "torch.fx._symbolic_trace")
+
+
+@contextmanager
+def _quiet_libraries(verbose: bool) -> Iterator[None]:
+    """For the commands other than train (which has its own console, gemray.controller.console): while the
+    command runs, hide other libraries' deprecation notices (FutureWarning / DeprecationWarning: TorchRec's
+    ``broadcast_buffers``, DCP's "Please use DTensor instead ... ShardedTensor") and the warnings of
+    ``_INTERNAL_WARNING_LOGGERS``, which address gemray's code rather than the user (``gemray evaluate`` printed
+    12 such lines around its 4 own). Other warnings stay. ``verbose`` (-v): nothing is hidden. The warning filters
+    and logger levels are restored afterwards."""
+    if verbose:
+        yield
+        return
+    import warnings
+
+    loggers = [logging.getLogger(name) for name in _INTERNAL_WARNING_LOGGERS]
+    saved = [lg.level for lg in loggers]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for lg in loggers:
+            lg.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            for lg, lvl in zip(loggers, saved):
+                lg.setLevel(lvl)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``gemray`` console script; returns the exit status."""
     ap = build_parser()
     ns = ap.parse_args(argv)
     level = log_level(ns)
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
-    if getattr(ns, "func", None) is not _cmd_train and not ns.verbose:
+    train = getattr(ns, "func", None) is _cmd_train
+    if not train and not ns.verbose:
         # a quiet console for the other commands too (train has its own, gemray.controller.console): other
         # libraries' INFO (TorchRec planner tables, FBGEMM's "Successfully loaded" lines) only with -v
         logging.getLogger().setLevel(max(level, logging.WARNING))
@@ -755,7 +791,8 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(ns, "world_size", None) is not None and ns.world_size < 1:
         return _fail(f"--world-size must be >= 1, got {ns.world_size}")
     try:
-        return ns.func(ns)
+        with _quiet_libraries(ns.verbose or train):
+            return ns.func(ns)
     except USER_ERRORS as e:
         return _fail(str(e))
     except KeyboardInterrupt:
