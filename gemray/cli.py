@@ -1,5 +1,6 @@
 """The ``gemray`` command line.
 
+    gemray --version | --help             (every subcommand: -v / --log-level LEVEL; --help lists its options)
     gemray prepare movielens --src DIR --out DIR [--on-bad-rows error|quarantine] [--num-files N]
     gemray prepare synthetic --out DIR --users U --items N --seed S [--max-len L] [--length-dist ...] ...
                                           (seeded GEM-style data: gemray.pipelines.synthetic)
@@ -9,18 +10,27 @@
     gemray train --config FILE [--set section.key=value ...] [--output DIR]
     gemray preempt --output DIR | --notice PATH [--reason TEXT] [--wait SECONDS]
                                           (ask a running `gemray train` to checkpoint and stop)
+    gemray evaluate --checkpoint RUN_OR_CKPT [--split valid|test] [--k K ...] [--data DIR] [--json FILE]
+                                          (gemray.serve.evaluate: reproduces metrics.json's test figures)
+    gemray recommend --checkpoint RUN_OR_CKPT (--user ID ... | --users-file FILE) [--k K] [--out RECS.parquet]
+                                          (gemray.serve.recommend: top-K per user, history excluded)
+    gemray export --checkpoint RUN_OR_CKPT --out DIR
+                                          (gemray.serve.export: torch.export user tower + item embeddings)
     gemray bench bbs --config FILE [--world-size N] [--set ...]
     gemray bench kernels [ARGS...]        (gemray.bench.kernels.main)
     gemray bench train --config FILE [--set ...] [--steps N] [--warmup W] [--profile] [--sync-debug] [--json PATH]
                                           (gemray.bench.train: step time, tokens/s, MFU, data stall)
-    gemray submit --config FILE [--address URL] ...   (gemray.controller.submit)
+    gemray bench numerics --config FILE --steps N [--rtol R] [--output DIR] [--set ...]
+                                          (gemray.bench.numerics: the FP8 numerics guard, bf16 vs fp8)
+    gemray submit --config FILE [--address URL] [--task train|prepare] ...   (gemray.controller.submit)
     gemray k8s render --config FILE [--kind rayjob|raycluster|pvc] [--gpu] [--image ...] [--storage ...]
     gemray k8s validate FILES [--crds DIR]             (gemray.k8s.cli)
+    gemray k8s regenerate FILES                        (re-render deploy/*.yaml from their first lines)
 
 User errors (bad config values, unknown keys, missing files, bad data rows) print one line
 ``gemray: error: ...`` and exit with status 2; a training failure exits with status 1; a run stopped by a
-preemption notice (SIGTERM to ``gemray train``, or ``gemray preempt``) after its emergency checkpoint exits
-with status 75 (EX_TEMPFAIL: re-run the same command to resume).
+preemption notice (SIGTERM or Ctrl-C to ``gemray train``, or ``gemray preempt``) after its emergency checkpoint
+exits with status 75 (EX_TEMPFAIL: re-run the same command to resume); a second Ctrl-C stops at once, 130.
 """
 
 from __future__ import annotations
@@ -28,6 +38,8 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from gemray.preemption import EXIT_PREEMPTED  # 75, sysexits EX_TEMPFAIL
@@ -467,7 +479,9 @@ def _add_serve_parsers(sub) -> None:
                                     "table and writes JSON. On the run's own config and test split it reproduces "
                                     "metrics.json's figures.")
     common(ev)
-    ev.add_argument("--split", choices=("valid", "test"), default="test")
+    ev.add_argument("--split", choices=("valid", "test"), default="test",
+                    help="test (default): each user's last item as the target, as metrics.json's test figures; valid: "
+                         "the item before it, as the per-epoch validation figures")
     ev.add_argument("--k", type=int, nargs="+", default=None, help="cut-offs (default: the run's train.eval_ks)")
     ev.add_argument("--data", default=None, metavar="PREPARED_DIR",
                     help="another prepared folder with the same item vocabulary (default: the run's)")
@@ -499,12 +513,41 @@ def _add_serve_parsers(sub) -> None:
     ex.set_defaults(func=_cmd_export)
 
 
+def _writable_file(path: str | Path, option: str) -> Path:
+    """Check, before any model is loaded, that ``path`` (the value of ``option``, e.g. ``--out``) names a file this
+    process can create or replace: not a folder, in a folder that exists and in which a file can be created (probed
+    with a temporary file removed at once; ``os.access`` alone says yes to root on a read-only mount). Writes nothing
+    at ``path``. Returns it as a Path; raises ValueError (NotADirectoryError when a parent on the path is a file)
+    naming the option and the path."""
+    import tempfile
+
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise ValueError(f"{option} {p} is a folder; give a file name in it")
+    parent = p.parent
+    if not parent.exists():
+        raise ValueError(f"{option} {p}: the folder {parent} does not exist (create it first)")
+    if not parent.is_dir():
+        raise NotADirectoryError(f"{option} {p}: {parent} is not a folder")
+    try:
+        with tempfile.TemporaryFile(dir=parent, prefix=".gemray-write-probe-"):
+            pass
+        if p.exists():
+            with open(p, "ab"):  # replaceable in place (appends nothing)
+                pass
+    except OSError as e:
+        raise ValueError(f"{option} {p} is not writable: {e.strerror or e}") from e
+    return p
+
+
 def _cmd_evaluate(ns: argparse.Namespace) -> int:
     import json
 
     from gemray.serve import load_trained
     from gemray.serve.evaluate import evaluate, format_metrics
 
+    if ns.json not in (None, "-"):
+        _writable_file(ns.json, "--json")  # before the model is loaded and the split evaluated
     trained = load_trained(ns.checkpoint, config=ns.config, overrides=ns.overrides, device=ns.device)
     res = evaluate(trained, ns.split, ks=ns.k, prepared_dir=ns.data, world_size=ns.world_size)
     print(format_metrics(res))
@@ -526,6 +569,8 @@ def _cmd_recommend(ns: argparse.Namespace) -> int:
     from gemray.serve import load_trained
     from gemray.serve.recommend import read_users_file, recommend
 
+    if ns.out:
+        _writable_file(ns.out, "--out")  # before the model is loaded and the users scored
     users = ns.user if ns.user else read_users_file(ns.users_file)
     trained = load_trained(ns.checkpoint, config=ns.config, overrides=ns.overrides, device=ns.device)
     recs = recommend(trained, users, k=ns.k, prepared_dir=ns.data)
@@ -617,7 +662,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      "the attention kernels for every reachable length regime, then time "
                                      "--warmup + --steps training steps on the real data pipeline "
                                      "(gemray.bench.train).")
-    bt.add_argument("--config", required=True)
+    bt.add_argument("--config", required=True,
+                    help="TOML config (e.g. configs/gem-h200.toml): its model, data and train sections are built "
+                         "and timed as one rank, no Ray (ray.use_gpu picks cuda:0)")
     _add_set(bt)
     bt.add_argument("--steps", type=int, default=30, help="measured steps (default %(default)s)")
     bt.add_argument("--warmup", type=int, default=10, help="steps before the measured ones (default %(default)s)")
@@ -632,7 +679,9 @@ def build_parser() -> argparse.ArgumentParser:
     bt.set_defaults(func=_cmd_bench_train)
     bn = bsub.add_parser("numerics", help="FP8 numerics guard: train bf16 and fp8 on the same data and seed, "
                          "exit 1 when NE / AUC (ranking) or HR@10 (retrieval) differ by more than --rtol")
-    bn.add_argument("--config", required=True)
+    bn.add_argument("--config", required=True,
+                    help="TOML config of both runs (e.g. configs/gem-h200.toml); train.precision is set per run: "
+                         "bf16 for bf16/, fp8 for fp8/")
     bn.add_argument("--steps", type=int, required=True, help="training steps of each run (one epoch)")
     bn.add_argument("--rtol", type=float, default=1e-3, help="largest relative difference (default %(default)g)")
     bn.add_argument("--output", default="runs/numerics", help="folder of the two runs (bf16/, fp8/) and "
@@ -661,7 +710,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_parsers(sub)
     k8 = sub.add_parser("k8s", help="KubeRay manifests: render from a config, validate against the CRDs",
                         prefix_chars="+", add_help=False, usage=_K8S_HELP.splitlines()[0][len("usage: "):])
-    k8.add_argument("k8s_command", nargs="?", metavar="{render,validate,regenerate}")
+    k8.add_argument("k8s_command", nargs="?", metavar="{render,validate,regenerate}",
+                    help="render a manifest from a config, validate manifests, regenerate deploy/*.yaml")
     k8.add_argument("args", nargs=argparse.REMAINDER, help="see `gemray k8s render --help`")
     k8.set_defaults(func=_cmd_k8s)
     _add_verbosity_everywhere(ap)
@@ -704,13 +754,47 @@ def log_level(ns: argparse.Namespace) -> int:
     return logging.DEBUG if ns.verbose else getattr(logging, ns.log_level.upper())
 
 
+#: Loggers of other libraries whose warnings are about how gemray calls them, not about the user's job:
+#: TorchRec's planner ("The topology was constructed directly ...", "known issue with TorchRec's dense tensor
+#: size calculation in dry run") and torch.fx's "is_fx_tracing will return true for both ...".
+_INTERNAL_WARNING_LOGGERS = ("torchrec.distributed.planner", "torch.fx._symbolic_trace")
+
+
+@contextmanager
+def _quiet_libraries(verbose: bool) -> Iterator[None]:
+    """For the commands other than train (which has its own console, gemray.controller.console): while the
+    command runs, hide other libraries' deprecation notices (FutureWarning / DeprecationWarning: TorchRec's
+    ``broadcast_buffers``, DCP's "Please use DTensor instead ... ShardedTensor") and the warnings of
+    ``_INTERNAL_WARNING_LOGGERS``, which address gemray's code rather than the user (``gemray evaluate`` printed
+    12 such lines around its 4 own). Other warnings stay. ``verbose`` (-v): nothing is hidden. The warning filters
+    and logger levels are restored afterwards."""
+    if verbose:
+        yield
+        return
+    import warnings
+
+    loggers = [logging.getLogger(name) for name in _INTERNAL_WARNING_LOGGERS]
+    saved = [lg.level for lg in loggers]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for lg in loggers:
+            lg.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            for lg, lvl in zip(loggers, saved):
+                lg.setLevel(lvl)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``gemray`` console script; returns the exit status."""
     ap = build_parser()
     ns = ap.parse_args(argv)
     level = log_level(ns)
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
-    if getattr(ns, "func", None) is not _cmd_train and not ns.verbose:
+    train = getattr(ns, "func", None) is _cmd_train
+    if not train and not ns.verbose:
         # a quiet console for the other commands too (train has its own, gemray.controller.console): other
         # libraries' INFO (TorchRec planner tables, FBGEMM's "Successfully loaded" lines) only with -v
         logging.getLogger().setLevel(max(level, logging.WARNING))
@@ -718,7 +802,8 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(ns, "world_size", None) is not None and ns.world_size < 1:
         return _fail(f"--world-size must be >= 1, got {ns.world_size}")
     try:
-        return ns.func(ns)
+        with _quiet_libraries(ns.verbose or train):
+            return ns.func(ns)
     except USER_ERRORS as e:
         return _fail(str(e))
     except KeyboardInterrupt:

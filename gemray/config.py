@@ -164,8 +164,8 @@ class ModelConfig:
     tower_activation: activation of the tower's cross-attention and PMA ("softmax", "silu", "gelu", "none").
     attention_window: > 0: HSTU self-attention sees only keys with i - window < j <= i (sliding window).
     attention_block: > 0: HSTU self-attention sees only keys of the query's own block of that many positions.
-    (At most one of the two; both 0 = full causal attention. For the longest histories. Not wired into the
-    HSTU blocks yet: validate refuses a non-zero value.)
+    (Both 0 = full causal attention. For the longest histories. Not wired into the HSTU blocks yet: validate
+    refuses any non-zero value, so at most one of the two is checked only once they are wired.)
     relative_bias: the HSTU blocks' learned relative position / time bias (rab^{p,t}) on or off.
     table_rows: row-count overrides "table=rows" (e.g. ["user=200000000", "item=100000000"]) so that tables can
     be sized by configuration (capacity beyond the data's ids); a table's default is what the data needs
@@ -275,9 +275,6 @@ class ModelConfig:
             raise ValueError(f"model.attention_window ({self.attention_window}) / model.attention_block "
                              f"({self.attention_block}): windowed and block attention are not wired into the HSTU "
                              "blocks yet; use 0 (full causal attention)")
-        if self.attention_window and self.attention_block:
-            raise ValueError(f"model.attention_window ({self.attention_window}) and model.attention_block "
-                             f"({self.attention_block}): use at most one")
         _choice(self, "combiner", ("sum", "concat"))
         _choice(self, "cvr_population", ("clicked", "all"))
         _choice(self, "tower_activation", ("softmax", "silu", "gelu", "none"))

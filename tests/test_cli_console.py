@@ -73,3 +73,37 @@ def test_verbosity_before_or_after_the_subcommand(argv, level):
     import logging
 
     assert logging.getLevelName(log_level(build_parser().parse_args(argv))) == level
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_quiet_libraries_hides_deprecations_and_internal_warnings(verbose, caplog):
+    """evaluate / recommend / export / bench: other libraries' deprecation notices and the TorchRec planner's /
+    torch.fx's warnings about gemray's own calls are hidden unless -v; other warnings stay; all restored after."""
+    import logging
+    import warnings
+
+    from gemray.cli import _quiet_libraries
+
+    planner = logging.getLogger("torchrec.distributed.planner.types")
+    fx = logging.getLogger("torch.fx._symbolic_trace")
+    before = (planner.level, fx.level)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with caplog.at_level(logging.WARNING), _quiet_libraries(verbose):
+            warnings.warn("Please use DTensor instead and we are deprecating ShardedTensor.", FutureWarning)
+            warnings.warn("broadcast_buffers is deprecated", DeprecationWarning)
+            warnings.warn("a user-facing warning", UserWarning)
+            planner.warning("The topology was constructed directly")
+            fx.warning("is_fx_tracing will return true")
+            logging.getLogger("gemray.serve").warning("gemray's own warning")
+        warnings.warn("after", FutureWarning)
+    shown = [str(w.message) for w in seen]
+    logged = [r.getMessage() for r in caplog.records]
+    assert "a user-facing warning" in shown and "after" in shown and "gemray's own warning" in logged
+    hidden = {"Please use DTensor instead and we are deprecating ShardedTensor.", "broadcast_buffers is deprecated",
+              "The topology was constructed directly", "is_fx_tracing will return true"}
+    if verbose:
+        assert hidden <= set(shown) | set(logged)
+    else:
+        assert not hidden & (set(shown) | set(logged)), (shown, logged)
+    assert (planner.level, fx.level) == before

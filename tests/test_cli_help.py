@@ -70,3 +70,45 @@ def test_k8s_regenerate_without_files_is_an_error(capsys):
 def test_k8s_regenerate_missing_file_is_an_error(capsys, tmp_path):
     assert main(["k8s", "regenerate", str(tmp_path / "nope.yaml")]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def _walk(parser: argparse.ArgumentParser, path: tuple[str, ...] = ("gemray",)):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _walk(sub, (*path, name))
+        else:
+            yield path, action
+
+
+def test_every_option_of_every_subcommand_has_help():
+    """Not only the ones issue 22 named: `evaluate --split`, `bench train --config`, `bench numerics --config`
+    had none; any new option without a help text fails here."""
+    missing = [f"{' '.join(path)} {'/'.join(a.option_strings) or a.dest}" for path, a in _walk(build_parser())
+               if not a.help]
+    assert not missing, missing
+    names = {" ".join(path) for path, _ in _walk(build_parser())}
+    assert {"gemray evaluate", "gemray bench train", "gemray bench numerics"} <= names
+
+
+def test_evaluate_split_help_names_both_splits(capsys):
+    with pytest.raises(SystemExit):
+        main(["evaluate", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--split {valid,test}" in out and "metrics.json's test figures" in out and "validation" in out
+
+
+def test_module_docstring_lists_every_command():
+    """gemray/cli.py's docstring is the overview of the commands: each subcommand of the parser (and the k8s
+    subcommands, parsed in gemray.k8s.cli) has a line there."""
+    import gemray.cli
+    from gemray.cli import _K8S_COMMANDS
+
+    doc = gemray.cli.__doc__
+    leaves = {" ".join(path) for path, a in _walk(build_parser()) if not isinstance(a, argparse._SubParsersAction)}
+    nested = {" ".join(path[:i]) for path, _ in _walk(build_parser()) for i in range(1, len(path))}
+    commands = sorted(leaves - nested - {"gemray", "gemray k8s"}) + [f"gemray k8s {c}" for c in _K8S_COMMANDS]
+    missing = [c for c in commands if f"    {c} " not in doc]
+    assert not missing, missing
+    assert {"gemray evaluate", "gemray recommend", "gemray export", "gemray bench numerics",
+            "gemray prepare interactions"} <= set(commands)

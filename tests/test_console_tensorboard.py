@@ -18,7 +18,7 @@ from paths import DATA
 
 from gemray.controller.console import FilteredStream, RunLog, keep_line
 from gemray.controller.tensorboard import log_mlflow, scalars
-from gemray.train.stats import progress_line
+from gemray.train.stats import epoch_summary, progress_line
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = DATA / "ml-latest-small"
@@ -75,6 +75,21 @@ def test_progress_line():
     assert line == ("epoch 2 step 30/120 (global 150) loss 5.0000, 800 samples/s, 30000 tokens/s (rank 0), "
                     "ETA 0:03:00")  # 90 steps left at 2 s per step
     assert progress_line(1, 0, 5, 0, 1.0, 0, 0, done=0, elapsed_s=0).endswith("ETA ?")
+
+
+def test_epoch_summary_is_short_and_keeps_the_figures():
+    """The console's per-epoch line: no None fields or bookkeeping (was: every field of the record, e.g.
+    `local_mfu=None, mfu_flops=7.132e+11, peak_flops=None`, and the unfiltered twins of each figure)."""
+    rec = {"epoch": 5, "global_step": 120, "train_loss": 3.0371, "samples_per_s": 59.95, "tokens_per_s": 6473.2,
+           "token_imbalance": 1.03, "train_s": 100.7, "model_tflops_per_s": 0.007079, "local_mfu": None,
+           "mfu_flops": 7.132e11, "mfu_rank_s": 201.5, "peak_flops": None, "valid_hr@10": 0.18891,
+           "valid_ndcg@10": 0.10154, "valid_hr@10_unfiltered": 0.1412, "valid_targets_in_history": 0,
+           "epoch_s": 157.64}
+    assert epoch_summary(10, rec) == (
+        "epoch 5/10 done in 157.6 s (global step 120): train loss 3.037, 59.95 samples/s, 6473 tokens/s, "
+        "token imbalance 1.030, 0.00708 TFLOP/s; valid hr@10 0.1889, ndcg@10 0.1015")
+    assert epoch_summary(3, {"epoch": 1, "global_step": 4, "train_loss": 2.0, "local_mfu": 0.4012}) == (
+        "epoch 1/3 done (global step 4): train loss 2, MFU 40.12%")
 
 
 def test_scalars_and_mlflow(monkeypatch):

@@ -126,7 +126,7 @@ def test_validate_cli_accepts_deploy_and_names_the_broken_field(tmp_path, capsys
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"gemray: error: no such file: {tmp_path / 'none.yaml'}"], err
     p.write_text(yaml.safe_dump(typo))
-    assert cli.main(["validate", str(p), "--crds", str(tmp_path / "no-crds")]) == 1
+    assert cli.main(["validate", str(p), "--crds", str(tmp_path / "no-crds")]) == 2  # a usage error
     err = capsys.readouterr().err
     assert "KubeRay CRD not found" in err and "--crds names the folder" in err and "invalid at" not in err
 
@@ -454,3 +454,23 @@ def test_rendered_job_writes_results_on_the_volume(storage):
     if storage.startswith("pvc:"):
         assert f"{sets['ray.storage_path']}/{cfg.name}" == output  # beside the checkpoints
         assert sets["checkpoint.preempt_notice"] == f"{output}/PREEMPT"
+
+
+def test_validate_with_a_crd_missing_is_a_usage_error(tmp_path, capsys):
+    """A KubeRay CRD file missing from --crds is how the command was called, not an invalid manifest: exit 2
+    (as a missing manifest file), one line naming the CRD path and --crds (was: exit 1, as a broken manifest)."""
+    import shutil
+
+    crds = tmp_path / "crds"
+    crds.mkdir()
+    if (CRD_DIR / validate.CRD_FILES["RayJob"]).is_file():
+        shutil.copy(CRD_DIR / validate.CRD_FILES["RayJob"], crds)  # the job's CRD only: the cluster's is missing
+    cluster = DEPLOY / "raycluster-cpu.yaml"
+    assert cli.main(["validate", str(cluster), "--crds", str(crds)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    want = f"gemray: error: KubeRay CRD not found: {crds / validate.CRD_FILES['RayCluster']} (--crds names"
+    assert len(err) == 1 and err[0].startswith(want), err
+    from gemray.cli import main
+
+    assert main(["k8s", "validate", str(cluster), "--crds", str(tmp_path / "nowhere")]) == 2  # the gemray CLI too
+    assert "gemray: error: KubeRay CRD not found" in capsys.readouterr().err

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import re
 import subprocess
 import sys
 import time
@@ -552,6 +553,23 @@ def test_readme_recipe_is_the_tested_one():
     block = block[block.index("```bash"):block.index("```", block.index("```bash") + 7)]
     for override in RECIPE:
         assert override in block, override
+
+
+def test_readme_describes_the_log_the_test_generates():
+    """The README's figures for the recipe are on `sparse_short_log` as the end-to-end test calls it (its
+    defaults): the users / items / lengths it states are the function's."""
+    import inspect
+
+    text = " ".join((REPO / "README.md").read_text().split())
+    m = re.search(r"`sparse_short_log` in `tests/test_pipelines_interactions.py`: ([\d,]+) users with (\d+)-(\d+) "
+                  r"interactions each, ([\d,]+) string-id items in (\d+) clusters", text)
+    assert m, "README: the sparse-recipe paragraph no longer names sparse_short_log's counts"
+    defaults = {k: p.default for k, p in inspect.signature(sparse_short_log).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+    assert int(m.group(1).replace(",", "")) == defaults["users"]
+    assert int(m.group(4).replace(",", "")) == defaults["items"]
+    src = inspect.getsource(sparse_short_log)
+    assert f"rng.integers({m.group(2)}, {int(m.group(3)) + 1})" in src and f"range({m.group(5)})" in src
 
 
 @pytest.mark.slow

@@ -206,6 +206,37 @@ def test_checkpoint_not_found_is_a_clear_error(tmp_path, capsys):
     assert "no committed checkpoint" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["recommend", "evaluate"])
+def test_output_path_is_checked_before_the_model_loads(command, tmp_path, monkeypatch, capsys):
+    """`recommend --out` / `evaluate --json` that cannot be written: exit 2 with one line naming the option, before
+    the checkpoint is even looked at (was: after loading the model and scoring every user)."""
+    import errno
+    import tempfile
+
+    import gemray.serve
+    from gemray.cli import main
+
+    monkeypatch.setattr(gemray.serve, "load_trained", lambda *a, **k: pytest.fail("the model must not load"))
+    args = {"recommend": ["recommend", "--user", "1", "--out"], "evaluate": ["evaluate", "--json"]}[command]
+    option = args[-1]
+    base = [*args[:-1], "--checkpoint", str(tmp_path / "run")]
+    (tmp_path / "adir").mkdir()
+    cases = [(tmp_path / "nowhere" / "r.parquet", "does not exist"), (tmp_path / "adir", "is a folder")]
+    for target, why in cases:
+        assert main([*base, option, str(target)]) == 2, target
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"gemray: error: {option} {target}") and why in err[0], err
+
+    def refuse(*a, **k):  # a read-only folder, for root too
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", refuse)
+    assert main([*base, option, str(tmp_path / "r.out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"gemray: error: {option} {tmp_path / 'r.out'} is not writable: Read-only file system"], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adir"]  # nothing written
+
+
 def test_id_maps_raw_string_ids(tmp_path):
     """A `gemray prepare interactions` folder maps string user / item ids: users are taken and items given back raw."""
     import pyarrow as pa

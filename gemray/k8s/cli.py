@@ -132,7 +132,8 @@ def add_validate_arguments(p: Any) -> None:
 
 def cli_validate(ns: Any) -> int:
     """Run ``gemray k8s validate``: print one ok line per document, or the first error; exit status 0, 1 for an
-    invalid manifest, 2 for a file that does not exist."""
+    invalid manifest, 2 for a usage error: a manifest file that does not exist, or a KubeRay CRD file missing
+    from ``--crds``."""
     missing = [f for f in ns.files if not os.path.isfile(f)]
     if missing:  # a usage error (exit 2, as for other missing files), not an invalid manifest (exit 1)
         print(f"gemray: error: no such file: {', '.join(missing)}", file=sys.stderr)
@@ -140,7 +141,10 @@ def cli_validate(ns: Any) -> int:
     try:
         for line in validate_files(ns.files, ns.crds):
             print(line)
-    except (ValueError, FileNotFoundError) as e:
+    except FileNotFoundError as e:  # a missing CRD: how it was called, not the manifest (exit 2)
+        print(f"gemray: error: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

@@ -93,7 +93,9 @@ def validate_files(paths: list[str], crd_dir: str) -> list[str]:
     """Validate YAML files (one or more documents each); returns ``"<file>: <kind> <name>: ok"`` lines.
 
     Ray kinds go against the CRDs; built-in kinds (PVC, Secret, ...) through kubernetes-validate when it
-    is installed (strict, Kubernetes 1.32). Raises ValueError naming the file and document on failure.
+    is installed (strict, Kubernetes 1.32). Raises ValueError naming the file and document when a manifest is
+    invalid, and FileNotFoundError (naming the path and ``--crds``) when a KubeRay CRD file a document needs is not
+    in ``crd_dir``.
     """
     import yaml
 
@@ -135,8 +137,8 @@ def validate_files(paths: list[str], crd_dir: str) -> list[str]:
                     kubernetes_validate.validate(doc, "1.32", strict=True)
             except ImportError as e:
                 raise ValueError(f"{where}: cannot validate a built-in kind: {e}") from None
-            except FileNotFoundError as e:  # the CRD, not the manifest
-                raise ValueError(f"{e} (--crds names the folder of the KubeRay CRD YAML files)") from None
+            except FileNotFoundError as e:  # the CRD, not the manifest: the caller's usage error, kept apart
+                raise FileNotFoundError(f"{e} (--crds names the folder of the KubeRay CRD YAML files)") from None
             except Exception as e:  # jsonschema / kubernetes_validate errors
                 msg = getattr(e, "message", None) or str(e)
                 path = "/".join(str(x) for x in getattr(e, "absolute_path", []) or [])

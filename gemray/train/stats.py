@@ -149,3 +149,35 @@ def progress_line(epoch: int, step: int, steps: int, global_step: int, loss: flo
             + ("" if tflops_per_s is None else
                f"{tflops_per_s:.3f} TFLOP/s, MFU {'n/a' if mfu is None else f'{100 * mfu:.2f}%'}, ")
             + f"ETA {eta}")
+
+
+
+#: What :func:`epoch_summary` shows of an epoch's record, in order: (key, format with the value as {}).
+_EPOCH_FIELDS = (("train_loss", "train loss {:.4g}"), ("samples_per_s", "{:.4g} samples/s"),
+                 ("tokens_per_s", "{:.0f} tokens/s"), ("token_imbalance", "token imbalance {:.3f}"),
+                 ("model_tflops_per_s", "{:.3g} TFLOP/s"))
+
+
+def epoch_summary(epochs: int, metrics: dict) -> str:
+    """Pure: rank 0's one-line summary of a finished epoch for the console, e.g.
+    ``epoch 5/10 done in 157.6 s (global step 120): train loss 3.037, 59.95 samples/s, 6473 tokens/s, token
+    imbalance 1.030, 0.00708 TFLOP/s; valid hr@10 0.1889, ndcg@10 0.1015``.
+
+    epochs: ``train.epochs``; metrics: the epoch's record as ``train_fn`` reports it (``epoch``, ``global_step``,
+    ``epoch_s``, the ``EpochStats.result()`` fields, the ``valid_*`` figures on evaluation epochs). Shown: the
+    fields of ``_EPOCH_FIELDS`` present, the local MFU when known (not None), and the history-filtered
+    validation figures (not the ``*_unfiltered`` ones nor ``valid_targets_in_history``); every field stays in
+    metrics.json's ``history``."""
+    m = metrics
+    head = f"epoch {m['epoch']}/{epochs} done"
+    if isinstance(m.get("epoch_s"), (int, float)):
+        head += f" in {m['epoch_s']:.1f} s"
+    parts = [fmt.format(m[k]) for k, fmt in _EPOCH_FIELDS if isinstance(m.get(k), (int, float))]
+    if isinstance(m.get("local_mfu"), (int, float)):
+        parts.append(f"MFU {100 * m['local_mfu']:.2f}%")
+    line = f"{head} (global step {m.get('global_step')}): " + ", ".join(parts)
+    valid = [(k[len("valid_"):], v) for k, v in m.items() if k.startswith("valid_") and isinstance(v, (int, float))
+             and not k.endswith("_unfiltered") and k != "valid_targets_in_history"]
+    if valid:
+        line += "; valid " + ", ".join(f"{k} {v:.4f}" for k, v in valid)
+    return line

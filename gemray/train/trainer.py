@@ -58,7 +58,7 @@ from gemray.train.evaluation import build_evaluators, evaluation_metrics, evalua
 from gemray.train.precision import autocast
 from gemray.train.preemption_vote import PreemptionVote
 from gemray.train.recorder import RecoveryRecorder
-from gemray.train.stats import EpochStats, ThroughputMeter, progress_line
+from gemray.train.stats import EpochStats, ThroughputMeter, epoch_summary, progress_line
 from gemray.train.task_stats import TaskLosses
 from gemray.train.throughput import StepClock, batch_flops, device_peak_flops
 
@@ -590,8 +590,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             metrics.update(_prefixed("valid", trainer.evaluate("valid"), skip=("num_users",)))
         metrics["epoch_s"] = trainer.epoch_seconds()
         trainer.history.append(dict(metrics))
-        log.info("epoch %d done: %s", done, ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                                                      for k, v in metrics.items()))
+        log.info("%s", epoch_summary(cfg.train.epochs, metrics))  # every field: metrics.json's history
         if done == cfg.train.epochs:
             # The test split once, at the end; reported with the last checkpoint so Ray's Result carries it.
             test = trainer.evaluate("test")
