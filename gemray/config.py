@@ -143,6 +143,15 @@ class ModelConfig:
     be sized by configuration (capacity beyond the data's ids); a table's default is what the data needs
     (item: num_items + 1; a side feature: its cardinality + 1; user: num_users). Tables: "item", "rating",
     "time_gap", each token / context feature name, and "user".
+
+    Mixture of experts in the candidate tower (``gemray.model.moe``; Switch Transformer / GShard routing):
+    moe_experts: E > 0 replaces the first two layers of the interaction MLP (in -> mlp_dims[0] -> mlp_dims[1])
+    by E such two-layer SiLU FFN experts under token-choice top-k routing of each candidate (needs a ranking
+    task and at least two ``mlp_dims``); 0 = the dense MLP. Spread over ranks by ``parallel.expert_parallel``.
+    moe_top_k: experts per candidate, 1..E (1 = Switch, 2 = GShard). moe_capacity_factor: assignments an
+    expert takes from one rank's C candidates, ceil(factor * C * k / E) (Switch's 1.0-1.25); the overflow is
+    dropped and reported (stat "moe_dropped"); 0 = no limit. moe_aux_weight: weight of Switch's
+    load-balancing loss E * sum_e f_e P_e added to the training loss (Switch's 0.01; 0 = off).
     """
 
     embedding_dim: int = 52  # HSTU's ML-1M uses 50; FBGEMM's sharded tables need a multiple of 4
@@ -178,6 +187,10 @@ class ModelConfig:
     attention_block: int = 0
     relative_bias: bool = True
     table_rows: list[str] = field(default_factory=list)
+    moe_experts: int = 0
+    moe_top_k: int = 2
+    moe_capacity_factor: float = 1.25
+    moe_aux_weight: float = 0.01
 
     TASKS = ("retrieval", "ctr", "cvr")
     RANKING_TASKS = ("ctr", "cvr")
@@ -234,6 +247,24 @@ class ModelConfig:
         _choice(self, "time_bias_query", ("next", "self"))
         self._validate_gem()
 
+    def _validate_moe(self) -> None:
+        if self.moe_experts < 0:
+            raise ValueError(f"model.moe_experts: expected >= 0 (0 = no experts), got {self.moe_experts}")
+        if self.moe_capacity_factor < 0 or self.moe_aux_weight < 0:
+            raise ValueError(f"model.moe_capacity_factor ({self.moe_capacity_factor}) and model.moe_aux_weight "
+                             f"({self.moe_aux_weight}): expected >= 0")
+        if not self.moe_experts:
+            return
+        if not 1 <= self.moe_top_k <= self.moe_experts:
+            raise ValueError(f"model.moe_top_k: expected 1..moe_experts={self.moe_experts}, got {self.moe_top_k}")
+        if not self.ranking_tasks:
+            raise ValueError(f"model.moe_experts={self.moe_experts}: the experts replace the candidate tower's "
+                             f"interaction MLP, which needs a ranking task in model.tasks (got {self.tasks})")
+        if len(self.mlp_dims) < 2:
+            raise ValueError(f"model.moe_experts={self.moe_experts}: each expert is the interaction MLP's first two "
+                             f"layers (in -> mlp_dims[0] -> mlp_dims[1]): model.mlp_dims needs at least two widths, "
+                             f"got {self.mlp_dims}")
+
     def _validate_gem(self) -> None:
         for name in ("model_dim", "attention_window", "attention_block"):
             if getattr(self, name) < 0:
@@ -262,6 +293,7 @@ class ModelConfig:
                                  f"{self.task_weights}")
         if any(int(m) <= 0 for m in self.mlp_dims):
             raise ValueError(f"model.mlp_dims: expected positive widths, got {self.mlp_dims}")
+        self._validate_moe()
         for group in ("token_features", "candidate_features", "context_features"):
             names = getattr(self, group)
             if len(set(names)) != len(names):

@@ -193,14 +193,16 @@ class GEM(nn.Module):
             return states
         return F.normalize(self.retrieval_proj(states), dim=-1, eps=1e-6)
 
-    def _logits(self, batch: JaggedBatch, states: torch.Tensor, emb: Mapping) -> torch.Tensor:
-        """[C, K] ranking logits of the batch's candidates. Raises ValueError without candidates."""
+    def _logits(self, batch: JaggedBatch, states: torch.Tensor, emb: Mapping
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """([C, K] ranking logits of the batch's candidates, the tower's mixture-of-experts aux dict: {}
+        without experts). Raises ValueError without candidates."""
         if batch.candidate_offsets is None:
             raise ValueError("GEM: model.tasks has ranking tasks but the batch has no candidates (prepare the data "
                              "with `gemray prepare synthetic` or give candidate_offsets / candidate_ids / labels)")
         cands = self.inputs.candidate_embeddings(emb)               # [C, d]
         ctx = self.inputs.context_embeddings(emb)                   # [B, d] or None
-        return self.tower(states, batch.offsets, cands, batch.candidate_offsets, ctx)
+        return self.tower.logits_and_aux(states, batch.offsets, cands, batch.candidate_offsets, ctx)
 
     def forward(self, batch: JaggedBatch, generator: torch.Generator | None = None
                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -211,12 +213,14 @@ class GEM(nn.Module):
         "uniform" draws R ids per position with a next item (M*R lookups of the "neg_item_id" feature),
         "uniform_shared" R ids per sequence (B*R lookups), "in_batch" reuses the batch's targets.
         Ranking: BCE of each task on the batch's candidates (``MultiTaskHead``).
-        Loss = w_retrieval * retrieval loss + the ranking head's weighted BCE sum; an empty batch (B=0) or one
-        without any target gives 0 connected to every parameter.
+        Loss = w_retrieval * retrieval loss + the ranking head's weighted BCE sum (+ ``moe_aux_weight`` x the
+        experts' load-balancing loss with ``moe_experts``); an empty batch (B=0) or one without any target
+        gives 0 connected to every parameter.
 
         stats: "num_targets" (retrieval: M positions with a next item; ranking only: C candidates), and per task
         "loss_<task>" (the task's unweighted mean loss) with "count_<task>" (its population); retrieval adds
-        "pos_logit", ranking "num_candidates". All detached.
+        "pos_logit", ranking "num_candidates", experts "moe_aux_loss" / "moe_dropped" (share of assignments
+        over capacity). All detached.
         """
         g = generator if generator is not None else self._generator
         neg_ids = neg_rows = None
@@ -243,9 +247,13 @@ class GEM(nn.Module):
             if self.retrieval_weight != 1.0:
                 loss = loss * self.retrieval_weight
         if self.tower is not None:
-            logits = self._logits(batch, states, emb)
+            logits, moe = self._logits(batch, states, emb)
             rank_loss, st = self.ranking_head(logits, batch.labels)
             stats.update(st)
+            if moe:  # Switch's load-balancing loss, weighted; the routing figures as stats
+                rank_loss = rank_loss + self.cfg.moe_aux_weight * moe["aux_loss"]
+                stats["moe_aux_loss"] = moe["aux_loss"].detach()
+                stats["moe_dropped"] = moe["dropped"]
             if self.head is None:
                 stats["num_targets"] = st["num_candidates"]
                 # the retrieval-side embeddings take no part: keep them in the graph (sharded backward)
@@ -261,7 +269,7 @@ class GEM(nn.Module):
         if self.tower is None:
             raise ValueError(f"GEM.ranking_logits: model.tasks {self.tasks} has no ranking task")
         states, emb = self._encode(batch, None)
-        return self._logits(batch, states, emb).float()
+        return self._logits(batch, states, emb)[0].float()
 
     def user_embeddings(self, batch: JaggedBatch) -> torch.Tensor:
         """[B, E] float32 unit-norm state at each sequence's last position (zeros for an empty sequence), in
