@@ -103,7 +103,7 @@ class MoEFFN(nn.Module):
     @property
     def local_experts(self) -> int:
         """E_l: experts whose weights this rank holds."""
-        return int(self.w1.shape[0])
+        return int(_local(self.w1).shape[0])
 
     def expert_parameters(self) -> list[nn.Parameter]:
         """The batched expert weights (what expert parallelism shards): w1, b1, w2, b2."""

@@ -58,7 +58,7 @@ class CandidateTower(nn.Module):
         has_context: whether ``forward`` gets a context vector (default: ``cfg`` has context features).
         device: where parameters are built ("meta" too: ``to_empty`` + ``init_weights`` later).
     Parameters: q / kv / out / pool (nn.Linear), seeds [S, H, A] (normal, std 0.02), mlp (nn.Sequential; its
-    first entry a ``MoEFFN`` when ``cfg.moe_experts`` > 0, also held as ``moe``).
+    first entry a ``MoEFFN`` when ``cfg.moe_experts`` > 0, see ``moe``).
     Raises ValueError without a ranking task or with max_seq_len < 1.
     """
 
@@ -83,11 +83,9 @@ class CandidateTower(nn.Module):
         self.pool = nn.Linear(S * H * V, d, device=device)
         dims = [d * (4 if self.has_context else 3)] + [int(m) for m in cfg.mlp_dims]
         layers: list[nn.Module] = []
-        self.moe: MoEFFN | None = None
         if cfg.moe_experts:
-            self.moe = MoEFFN(dims[0], dims[1], dims[2], cfg.moe_experts, cfg.moe_top_k, cfg.moe_capacity_factor,
-                              device=device)
-            layers += [self.moe, nn.SiLU()]
+            layers += [MoEFFN(dims[0], dims[1], dims[2], cfg.moe_experts, cfg.moe_top_k, cfg.moe_capacity_factor,
+                              device=device), nn.SiLU()]
             dims = dims[2:]
         for i, o in zip(dims[:-1], dims[1:]):
             layers += [nn.Linear(i, o, device=device), nn.SiLU()]
@@ -95,6 +93,12 @@ class CandidateTower(nn.Module):
         self.mlp = nn.Sequential(*layers)
         self.seeds = nn.Parameter(torch.empty(S, H, A, device=device))
         self.reset_parameters()
+
+    @property
+    def moe(self) -> MoEFFN | None:
+        """The mixture-of-experts layer (``mlp[0]``) with ``cfg.moe_experts`` > 0, else None."""
+        first = self.mlp[0]
+        return first if isinstance(first, MoEFFN) else None
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -168,8 +172,9 @@ class CandidateTower(nn.Module):
             parts.append(context[req])
         z = torch.cat(parts, dim=1)
         aux: dict[str, torch.Tensor] = {}
-        if self.moe is not None:
-            z, aux = self.moe(z)
+        moe = self.moe
+        if moe is not None:
+            z, aux = moe(z)
             return self.mlp[1:](z), aux
         return self.mlp(z), aux
 

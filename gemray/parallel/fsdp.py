@@ -58,7 +58,7 @@ def _sharded_module_params(module: nn.Module) -> set[nn.Parameter]:
 
 
 def apply_fully_shard(module: nn.Module, mesh, *, precision: str = "fp32", reshard_after_forward: bool = True,
-                      prefetch: bool = True) -> list[nn.Module]:
+                      prefetch: bool = True, ignored_params: set[nn.Parameter] | None = None) -> list[nn.Module]:
     """FSDP2 on the dense part of ``module`` in place; returns the block units in forward order.
 
     module: the (TorchRec-sharded) model; its transformer blocks (``HSTUBlock``) become one FSDP unit each,
@@ -67,11 +67,13 @@ def apply_fully_shard(module: nn.Module, mesh, *, precision: str = "fp32", resha
     precision: ``train.precision`` ("bf16" -> bf16 compute, fp32 reduce). reshard_after_forward: free each
     block's gathered parameters after its forward (the root keeps its own until backward: it is needed first
     in backward). prefetch: explicit forward / backward prefetch of the neighbouring block.
+    ignored_params: further parameters FSDP must leave alone (expert-parallel experts, which
+    ``gemray.parallel.expert`` shards and reduces itself).
     """
     from torch.distributed.fsdp import fully_shard
 
     mp = mixed_precision_policy(precision)
-    ignored = _sharded_module_params(module)
+    ignored = _sharded_module_params(module) | set(ignored_params or ())
     blocks = [m for m in module.modules() if isinstance(m, _block_types())]
     for block in blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
@@ -91,26 +93,31 @@ class FullyShardWrapper:
     """TorchRec ``DataParallelWrapper`` applying :func:`apply_fully_shard` to the DMP's module (instead of
     DDP). mesh / precision / reshard_after_forward / prefetch: as :func:`apply_fully_shard`."""
 
-    def __init__(self, mesh, *, precision: str = "fp32", reshard_after_forward: bool = True, prefetch: bool = True):
+    def __init__(self, mesh, *, precision: str = "fp32", reshard_after_forward: bool = True, prefetch: bool = True,
+                 ignored_params: set[nn.Parameter] | None = None):
         self.mesh, self.precision = mesh, precision
+        self.ignored_params = set(ignored_params or ())
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         self.blocks: list[nn.Module] = []
 
     def wrap(self, dmp, env, device: torch.device) -> None:
         module = dmp._dmp_wrapped_module
         self.blocks = apply_fully_shard(module, self.mesh, precision=self.precision,
-                                        reshard_after_forward=self.reshard_after_forward, prefetch=self.prefetch)
+                                        reshard_after_forward=self.reshard_after_forward, prefetch=self.prefetch,
+                                        ignored_params=self.ignored_params)
         log.info("FSDP2 over mesh %s: %d block units + root (%s, reshard_after_forward=%s, prefetch=%s)",
                  tuple(self.mesh.shape), len(self.blocks), self.precision, self.reshard_after_forward,
                  self.prefetch)
 
 
-def data_parallel_wrapper(mesh, *, precision: str, reshard_after_forward: bool, prefetch: bool):
+def data_parallel_wrapper(mesh, *, precision: str, reshard_after_forward: bool, prefetch: bool,
+                          ignored_params: set[nn.Parameter] | None = None):
     """A :class:`FullyShardWrapper` that is also a ``torchrec...DataParallelWrapper`` (its abstract base)."""
     from torchrec.distributed.model_parallel import DataParallelWrapper
 
     cls = type("TorchRecFullyShardWrapper", (FullyShardWrapper, DataParallelWrapper), {})
-    return cls(mesh, precision=precision, reshard_after_forward=reshard_after_forward, prefetch=prefetch)
+    return cls(mesh, precision=precision, reshard_after_forward=reshard_after_forward, prefetch=prefetch,
+               ignored_params=ignored_params)
 
 
 @contextlib.contextmanager
