@@ -164,3 +164,18 @@ def test_gem_with_experts_trains_and_meta_build_matches():
     for k, v in direct.state_dict().items():
         if not k.startswith("embeddings."):
             assert torch.equal(sd[k], v), k
+
+
+def test_expert_parallel_refuses_where_it_cannot_apply():
+    from test_model_gem import _cfg, _model
+
+    from gemray.config import load_config
+    from gemray.parallel.expert import check_expert_parallel
+
+    with pytest.raises(ValueError, match="has no mixture-of-experts layers"):
+        check_expert_parallel(_model(_cfg(mlp_dims=[16, 8]), device="meta"), 2)
+    with pytest.raises(ValueError, match="expert_parallel=2 does not divide model.moe_experts=3"):
+        check_expert_parallel(_model(_cfg(mlp_dims=[16, 8], moe_experts=3, moe_top_k=1), device="meta"), 2)
+    check_expert_parallel(_model(_cfg(mlp_dims=[16, 8], moe_experts=4), device="meta"), 2)
+    with pytest.raises(ValueError, match="use parallel.dense='fsdp' or 'hsdp'"):
+        load_config(None, ["parallel.expert_parallel=2"])  # dense DDP replicates: no shard ranks to borrow

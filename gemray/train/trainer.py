@@ -198,7 +198,8 @@ class Trainer:
         # The mesh degrees for this world size ([parallel]); an elastic job resized to a size they do not
         # divide runs the nearest valid layout (logged), a fixed-size job stops with the sizes named.
         elastic = bool(cfg.ray.min_workers or cfg.ray.max_workers)
-        self.dims = resolve(cfg.parallel, self.world, self.device.type, elastic=elastic)
+        self.dims = resolve(cfg.parallel, self.world, self.device.type, elastic=elastic,
+                            num_experts=cfg.model.moe_experts)
         self.layout = plan_layout(self.world, self.device.type, self.dims)
         self.attempt = agree_attempt(self.rank, self.device)
         self.recorder = RecoveryRecorder(cfg.train.events_path, attempt=self.attempt, rank=self.rank,
