@@ -179,3 +179,17 @@ def test_expert_parallel_refuses_where_it_cannot_apply():
     check_expert_parallel(_model(_cfg(mlp_dims=[16, 8], moe_experts=4), device="meta"), 2)
     with pytest.raises(ValueError, match="use parallel.dense='fsdp' or 'hsdp'"):
         load_config(None, ["parallel.expert_parallel=2"])  # dense DDP replicates: no shard ranks to borrow
+
+
+def test_step_flops_count_the_router_and_k_experts():
+    from test_model_flops import _tiny
+
+    from gemray.model.flops import step_flops
+
+    lengths = (torch.tensor([3, 2]), torch.tensor([2, 1]))
+    cfg = _tiny(tasks=["ctr"], mlp_dims=[5, 4], moe_experts=3, moe_top_k=2)
+    dense = _tiny(tasks=["ctr"], mlp_dims=[5, 4])
+    f, f0 = step_flops(cfg, *lengths), step_flops(dense, *lengths)
+    C, i = 3, dense.width * 3
+    assert f0["mlp"] == 3 * 2 * C * (i * 5 + 5 * 4 + 4 * 1)
+    assert f["mlp"] == 3 * 2 * C * (i * 3 + 2 * (i * 5 + 5 * 4) + 4 * 1)

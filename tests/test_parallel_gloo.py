@@ -44,7 +44,8 @@ COMBOS = {
         ("fsdp", "row_wise", MOE + ["parallel.expert_parallel=4"])],
     # TorchRec 2D (DMPCollection) is CUDA-only: the GPU test below, on NCCL
     "gpu2": [("ddp", "row_wise", ["parallel.sparse_2d_group=1"]),
-             ("hsdp", "table_wise", ["parallel.dp_shard=2", "parallel.sparse_2d_group=1"])],
+             ("hsdp", "table_wise", ["parallel.dp_shard=2", "parallel.sparse_2d_group=1"]),
+             ("fsdp", "row_wise", MOE + ["parallel.expert_parallel=2"])],  # EP's all-to-all on NCCL
 }
 
 
@@ -228,7 +229,7 @@ def test_layouts_match_single_process(world, tmp_path):
 @pytest.mark.gpu
 def test_sparse_2d_matches_single_process_on_two_gpus(tmp_path):
     """TorchRec 2D (DMPCollection: groups of 1 rank, 2 replicas, weights averaged by sync()) x DDP / FSDP2,
-    on 2 GPUs with NCCL."""
+    and expert parallelism over the 2 GPUs (NCCL all-to-all), on 2 GPUs with NCCL."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     spawn_ranks(_worker, (2, free_port(), str(tmp_path), "gpu2"), 2, [tmp_path / f"done{r}" for r in range(2)])
