@@ -515,6 +515,15 @@ class ParallelConfig:
     prefetch: FSDP2 explicit prefetch: block i+1's all-gather issued during block i's forward, block i-1's
     during block i's backward.
     gpus_per_node: devices of one node (0 = detect: the node's visible CUDA devices, 1 on CPU).
+    train_pipeline: "none" (each step copies its batch, then distributes its sparse input, then computes) or
+    "sparse_dist" (``gemray.train.pipeline``: batch i+1's host-to-device copy, negatives, KJT and TorchRec
+    input distribution run while batch i computes, on a CUDA side stream; TorchRec's own
+    ``TrainPipelineSparseDist`` cannot trace GEM's forward, see there). Same losses either way.
+    collectives: how the FSDP all-gather / reduce-scatter (and every NCCL collective of the job) use the GPU
+    (``gemray.parallel.collectives``): "nccl" (NCCL's SM kernels, the default), "copy_engine" (NCCL >= 2.28
+    copy-engine collectives on symmetric memory, ``NCCL_CTA_POLICY``=2 "zero-CTA"; SM-free where NCCL can),
+    "symmetric_memory" (FSDP2's all-gather / reduce-scatter buffers in NCCL symmetric memory, no multicast);
+    CUDA / NCCL only, refused on gloo.
     """
 
     dense: str = "ddp"
@@ -525,9 +534,13 @@ class ParallelConfig:
     reshard_after_forward: bool = True
     prefetch: bool = True
     gpus_per_node: int = 0
+    train_pipeline: str = "none"
+    collectives: str = "nccl"
 
     def validate(self) -> None:
         _choice(self, "dense", ("ddp", "fsdp", "hsdp"))
+        _choice(self, "train_pipeline", ("none", "sparse_dist"))
+        _choice(self, "collectives", ("nccl", "copy_engine", "symmetric_memory"))
         _choice(self, "sparse_sharding", ("auto", "table_wise", "row_wise", "column_wise", "table_row_wise"))
         for name in ("dp_shard", "sparse_2d_group", "expert_parallel", "gpus_per_node"):
             if getattr(self, name) < 0:

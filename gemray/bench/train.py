@@ -218,8 +218,21 @@ class _Batches:
     def __init__(self, trainer: Any):
         self.trainer, self.epoch = trainer, 0
         self._it: Iterator | None = None
+        self._ahead: tuple[Any, float] | None = None
+
+    def peek(self) -> Any:
+        """The batch the next ``next()`` returns (fetched now; the sparse-dist pipeline prefetches it)."""
+        if self._ahead is None:
+            self._ahead = self._fetch()
+        return self._ahead[0]
 
     def next(self) -> tuple[Any, float]:
+        if self._ahead is not None:
+            out, self._ahead = self._ahead, None
+            return out
+        return self._fetch()
+
+    def _fetch(self) -> tuple[Any, float]:
         t0 = time.perf_counter()
         for _ in range(2):
             if self._it is None:
@@ -248,7 +261,8 @@ def _run_steps(trainer: Any, batches: _Batches, n: int, device: torch.device, re
     for _ in range(n):
         batch, data_s = batches.next()
         t0 = time.perf_counter()
-        loss = trainer.train_step(batch)
+        nxt = batches.peek() if getattr(trainer, "pipeline", None) is not None else None  # sparse-dist: prefetched
+        loss = trainer.train_step(batch, next_batch=nxt)
         _sync(device)
         step_s = time.perf_counter() - t0
         records.append({"phase": phase, "data_s": data_s, "step_s": step_s, "flops": trainer.last_step_flops,

@@ -84,7 +84,9 @@ def step_seed(seed: int, global_step: int, rank: int) -> int:
 
 
 def forward_backward_step(model: torch.nn.Module, optimizer: Any, batch: Any, device: torch.device, *,
-                          precision: str = "fp32", stats_out: dict | None = None) -> tuple[float, float]:
+                          precision: str = "fp32", stats_out: dict | None = None, pipeline: Any = None,
+                          sampling_seed: int = 0, next_batch: Any = None,
+                          next_sampling_seed: int = 0) -> tuple[float, float]:
     """Forward (under ``gemray.train.precision.autocast(precision, device)``), backward (the fused sparse
     optimizer steps inside), dense step. Returns (loss, targets).
 
@@ -93,10 +95,22 @@ def forward_backward_step(model: torch.nn.Module, optimizer: Any, batch: Any, de
     before any weight moves, when the loss is NaN or infinite (a diverged run must fail, not go on to
     report metrics of NaN scores). precision "bf16" / "fp8": the forward under bf16 autocast (fp8's GEMMs are
     the converted modules', ``gemray.model.fp8``).
+    pipeline: a ``gemray.train.pipeline.SparseDistPipeline`` (``parallel.train_pipeline = "sparse_dist"``):
+    this batch comes from it (its negatives drawn with ``sampling_seed`` if it was not prefetched), and
+    ``next_batch`` (the next step's host batch, None at the last step) is prefetched with
+    ``next_sampling_seed`` while this one computes.
     """
-    batch = batch.to(device)
-    with autocast(precision, device):
-        loss, stats = model(batch)
+    if pipeline is None:
+        batch = batch.to(device)
+        with autocast(precision, device):
+            loss, stats = model(batch)
+    else:
+        batch, sparse, served = pipeline.take(batch, sampling_seed)
+        if next_batch is not None:
+            pipeline.prefetch(next_batch, next_sampling_seed)
+        with autocast(precision, device), served:
+            loss, stats = model(batch, sparse=sparse)
+        pipeline.advance()
     if stats_out is not None and isinstance(stats, dict):
         stats_out.update(stats)
     value = float(loss.detach())
@@ -166,6 +180,7 @@ class Trainer:
         self.t_start = time.time() if t_start is None else t_start
         self.stopped = False
         self.task_losses: TaskLosses | None = None  # per-task loss sums of the epoch (several tasks only)
+        self.pipeline = None  # gemray.train.pipeline.SparseDistPipeline with parallel.train_pipeline="sparse_dist"
 
     # -- setup: who am I, where do I run, what data ------------------------------------------------------
     def setup(self, context: tuple[int, int, torch.device] | None = None) -> None:
@@ -247,6 +262,10 @@ class Trainer:
         self.checkpointer = ActivationCheckpointer.from_config(cfg.train)
         self.checkpointer.setup(self.dmp)
         self.optimizer = build_optimizer(self.dmp, cfg)
+        if cfg.parallel.train_pipeline == "sparse_dist":
+            from gemray.train.pipeline import SparseDistPipeline
+
+            self.pipeline = SparseDistPipeline(self.dmp, self.device)
         self.evaluators = build_evaluators(cfg, self.num_items)
         self.policy = CheckpointPolicy.from_config(cfg)
         self.warm_up_kernels()
@@ -309,9 +328,11 @@ class Trainer:
         meter = ThroughputMeter(self.peak_flops)
         batches = self.train_stream.iter_epoch(epoch, self.consumed)
         epoch_steps, t_loop = self.epoch_step + steps, time.perf_counter()
+        ahead = None  # with the sparse-dist pipeline: the next step's (batch, consumed), prefetched by this step
         for i in range(steps):
-            batch, self.consumed = next(batches)
-            loss = self.train_step(batch)
+            batch, self.consumed = ahead if ahead is not None else next(batches)
+            ahead = next(batches) if self.pipeline is not None and i + 1 < steps else None
+            loss = self.train_step(batch, next_batch=None if ahead is None else ahead[0])
             meter.add(batch.batch_size, batch.num_tokens, self.last_step_flops)
             log_now = self.epoch_step % cfg.train.log_every == 0
             if log_now:  # per-rank load (collective: every rank takes part); to the run's log file (debug)
@@ -333,10 +354,14 @@ class Trainer:
                 break
             reason = self.maybe_checkpoint(self.global_step, epoch_end=False, preempt=action)
             if action == "stop":
+                if self.pipeline is not None:
+                    self.pipeline.reset()
                 self._stop()
                 return None
             if reason == "emergency":
                 self.vote.emergency_checkpoint_taken()
+        if self.pipeline is not None:
+            self.pipeline.reset()  # a batch prefetched past a break (last step with a notice) is not trained
         self.stats.reduce(self.device, self.world)
         out = self.stats.result(self.peak_flops)
         if self.task_losses is not None:
@@ -356,12 +381,13 @@ class Trainer:
         self.dmp.train()
         self.clock = StepClock()
 
-    def train_step(self, batch: Any) -> float:
+    def train_step(self, batch: Any, next_batch: Any = None) -> float:
         """One global step of this rank: dropout and negative sampling seeded from (seed, global step, rank),
         forward / backward / optimizer step, then the bookkeeping (statistics with the step's model FLOPs
         ``last_step_flops`` and its wall seconds ``last_step_s`` -- since the previous step's end, the batch
         wait included -- counters, ledger, step event). Returns the loss (this rank's mean over its predicted
-        positions)."""
+        positions). ``next_batch``: the next step's host batch, prefetched during this step by the sparse-dist
+        pipeline (``parallel.train_pipeline``; ignored without it)."""
         seed = self.cfg.train.seed
         self.last_step_flops = batch_flops(self.cfg.model, batch)  # host arithmetic on the offsets
         torch.manual_seed(step_seed(seed, self.global_step, self.rank))  # dropout
@@ -370,8 +396,10 @@ class Trainer:
         fp8_stats = tc.precision == "fp8" and tc.fp8_stats and self.epoch_step % tc.log_every == 0
         step_stats: dict = {}
         with self.checkpointer.step(self.dmp, self.device), (collect_fp8_stats() if fp8_stats else nullcontext()):
-            loss, n_t = forward_backward_step(self.dmp, self.optimizer, batch, self.device,
-                                              precision=tc.precision, stats_out=step_stats)
+            loss, n_t = forward_backward_step(
+                self.dmp, self.optimizer, batch, self.device, precision=tc.precision, stats_out=step_stats,
+                pipeline=self.pipeline, sampling_seed=step_seed(seed + 1, self.global_step, self.rank),
+                next_batch=next_batch, next_sampling_seed=step_seed(seed + 1, self.global_step + 1, self.rank))
         self.checkpointer.after_step()
         if fp8_stats and self.rank == 0:
             log_fp8_stats(pop_fp8_stats())
