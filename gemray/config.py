@@ -581,6 +581,10 @@ class JobConfig:
                     if any(isinstance(x, float) and not math.isfinite(x) for x in vals):
                         raise ValueError(f"{f.name}.{sf.name}: expected a finite number, got {v}")
                 sub.validate()
+        if self.parallel.collectives != "nccl" and not self.ray.use_gpu:
+            raise ValueError(f"parallel.collectives={self.parallel.collectives!r} needs NCCL on CUDA GPUs "
+                             f"(ray.use_gpu=true): gloo on CPU has no copy-engine / symmetric-memory collectives; "
+                             f"use parallel.collectives='nccl'")
         return self
 
     def to_dict(self) -> dict[str, Any]:

@@ -345,6 +345,9 @@ def run_bench(cfg: JobConfig, *, steps: int, warmup: int, profile: bool = False,
     cfg.train.mfu_warmup_steps = warmup
     cfg.validate()
     device = bench_device(cfg)
+    from gemray.parallel.collectives import apply_collectives_env
+
+    apply_collectives_env(cfg.parallel.collectives)  # before NCCL's communicator (eager: device_id)
     made_pg = _init_process_group(device)
     try:
         t0 = time.perf_counter()

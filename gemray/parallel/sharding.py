@@ -169,6 +169,9 @@ def parallelize(model: nn.Module, *, layout: Layout, cfg: JobConfig, device: tor
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
     check_shardable(cfg.model)
+    from gemray.parallel.collectives import check_collectives
+
+    check_collectives(str(getattr(getattr(cfg, "parallel", None), "collectives", "nccl")), layout.backend)
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("parallelize: torch.distributed is not initialised (run inside Ray Train)")
     pg = pg or dist.GroupMember.WORLD
@@ -232,7 +235,8 @@ def parallelize(model: nn.Module, *, layout: Layout, cfg: JobConfig, device: tor
             dense_mesh(mesh, dims), precision=str(getattr(cfg.train, "precision", "fp32")),
             reshard_after_forward=bool(getattr(pcfg, "reshard_after_forward", True)),
             prefetch=bool(getattr(pcfg, "prefetch", True)),
-            ignored_params=expert_parameters(model) if dims.ep_enabled else set())
+            ignored_params=expert_parameters(model) if dims.ep_enabled else set(),
+            collectives=str(getattr(pcfg, "collectives", "nccl")))
     if dims.sparse_2d:
         from torchrec.distributed.model_parallel import DMPCollection
 

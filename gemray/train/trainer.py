@@ -191,6 +191,11 @@ class Trainer:
         process outside Ray Train whose caller made the default process group (``gemray bench train``: world
         size 1, gloo). The device's dense bf16 peak (``peak_flops``, None on CPU) is looked up here."""
         cfg = self.cfg
+        # parallel.collectives: NCCL's environment before this process's first NCCL communicator (the
+        # controller already put it in the workers' runtime_env; this covers processes started without it)
+        from gemray.parallel.collectives import apply_collectives_env
+
+        apply_collectives_env(cfg.parallel.collectives)
         if context is None:
             import ray.train
 
