@@ -149,8 +149,8 @@ class ModelConfig:
     by E such two-layer SiLU FFN experts under token-choice top-k routing of each candidate (needs a ranking
     task and at least two ``mlp_dims``); 0 = the dense MLP. Spread over ranks by ``parallel.expert_parallel``.
     moe_top_k: experts per candidate, 1..E (1 = Switch, 2 = GShard). moe_capacity_factor: assignments an
-    expert takes from one rank's C candidates, ceil(factor * C * k / E) (Switch's 1.0-1.25); the overflow is
-    dropped and reported (stat "moe_dropped"); 0 = no limit. moe_aux_weight: weight of Switch's
+    expert takes from one rank's C candidates, ceil(factor * C * k / E) (Switch's 1.0-1.25), in training (evaluation
+    drops nothing); the overflow is dropped and reported (epoch metric ``train_moe_dropped``); 0 = no limit. moe_aux_weight: weight of Switch's
     load-balancing loss E * sum_e f_e P_e added to the training loss (Switch's 0.01; 0 = off).
     """
 

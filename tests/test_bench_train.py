@@ -293,7 +293,8 @@ def test_train_epoch_logs_tflops_and_reports_local_mfu_fields(synthetic, caplog)
 
 def test_train_epoch_with_the_sparse_dist_pipeline_trains_the_same(synthetic):
     """Trainer.train_epoch (world 1, outside Ray) with parallel.train_pipeline = "sparse_dist": every step after
-    the first was prefetched by the one before, and the epoch's losses equal the plain run's."""
+    the first was prefetched by the one before, and the epoch's losses equal the plain run's. The model has a
+    ranking task with a 4-expert MoE tower: its routing figures are in the epoch's result."""
     import torch.distributed as dist
 
     from gemray.bench.train import _init_process_group
@@ -306,7 +307,9 @@ def test_train_epoch_with_the_sparse_dist_pipeline_trains_the_same(synthetic):
         for pipe in ("none", "sparse_dist"):
             cfg = load_config(CONFIG, [f"data.prepared_dir={synthetic}", "data.max_seq_len=48", "data.batch_size=16",
                                        "ray.use_gpu=false", "data.reader=arrow", "train.max_steps_per_epoch=3",
-                                       "checkpoint.every_epochs=1", f"parallel.train_pipeline={pipe}"])
+                                       "checkpoint.every_epochs=1", f"parallel.train_pipeline={pipe}",
+                                       "model.tasks=retrieval,ctr", "model.mlp_dims=16,8", "model.moe_experts=4",
+                                       "model.moe_capacity_factor=1.0"])
             tr = Trainer(cfg)
             tr.setup(context=(0, 1, device))
             tr.build()
@@ -319,6 +322,7 @@ def test_train_epoch_with_the_sparse_dist_pipeline_trains_the_same(synthetic):
         assert len(out["none"][0]) == 3
         assert out["sparse_dist"][0] == pytest.approx(out["none"][0], rel=1e-6)
         assert out["sparse_dist"][1] == pytest.approx(out["none"][1], rel=1e-6)
+        assert res["train_moe_aux_loss"] > 0.0 and 0.0 <= res["train_moe_dropped"] < 1.0
     finally:
         if made:
             dist.destroy_process_group()

@@ -89,6 +89,10 @@ def test_capacity_overflow_drops_second_choices_first_and_is_counted():
     assert aux["tokens_per_expert"].tolist() == [2, 2]
     torch.testing.assert_close(y, _per_token_reference(m, x, keep), rtol=1e-5, atol=1e-6)
     assert torch.equal(y[3], torch.zeros(2))       # both of token 3's assignments dropped: no output
+    m.eval()                                       # evaluation drops nothing
+    y, aux = m(x)
+    assert float(aux["dropped"]) == 0.0
+    torch.testing.assert_close(y, _per_token_reference(m, x), rtol=1e-5, atol=1e-6)
 
 
 def test_empty_input_and_errors():
@@ -193,3 +197,15 @@ def test_step_flops_count_the_router_and_k_experts():
     C, i = 3, dense.width * 3
     assert f0["mlp"] == 3 * 2 * C * (i * 5 + 5 * 4 + 4 * 1)
     assert f["mlp"] == 3 * 2 * C * (i * 3 + 2 * (i * 5 + 5 * 4) + 4 * 1)
+
+
+def test_epoch_moe_stats_average_steps():
+    from gemray.train.task_stats import MoEStats
+
+    s = MoEStats()
+    s.add({"loss_ctr": 1.0})  # a step without experts' stats adds nothing
+    s.add({"moe_aux_loss": torch.tensor(1.2), "moe_dropped": torch.tensor(0.1)})
+    s.add({"moe_aux_loss": 1.0, "moe_dropped": 0.3})
+    out = s.reduce(torch.device("cpu"))
+    assert out == pytest.approx({"train_moe_aux_loss": 1.1, "train_moe_dropped": 0.2})
+    assert s.reduce(torch.device("cpu")) == {"train_moe_aux_loss": 0.0, "train_moe_dropped": 0.0}

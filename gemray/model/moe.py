@@ -9,7 +9,8 @@ to top-k as in GShard (Lepikhin et al. 2021, arXiv:2006.16668, §2.2) and torcht
     p        = softmax(x @ W_r)                      [N, E]  router probabilities (fp32)
     e, g     = top-k of p                            [N, k]  expert ids, gates; k > 1: gates renormalised to
                                                              sum 1 (GShard's top-2), k = 1: g = p_e (Switch)
-    capacity = ceil(capacity_factor * N * k / E)     per expert, on this rank's tokens (0 factor: no limit)
+    capacity = ceil(capacity_factor * N * k / E)     per expert, on this rank's tokens (0 factor: no limit);
+                                                     training only: in eval() mode nothing is dropped
     keep     = position of the assignment in its expert's queue < capacity, the queue ordered slot-major
                (every token's first choice before any second choice, tokens in order within a slot), so an
                overflow drops second choices first; a dropped assignment contributes nothing (no re-normalising)
@@ -167,7 +168,8 @@ class MoEFFN(nn.Module):
         onehot = F.one_hot(e_flat, E)                                            # [k*N, E]
         routed = onehot.sum(0)                                                   # [E] before capacity
         pos = ((torch.cumsum(onehot, 0) - 1) * onehot).sum(1)                    # place in its expert's queue
-        keep = pos < expert_capacity(N, k, E, self.capacity_factor)
+        # capacity in training only: evaluation routes every assignment (Switch evaluates with a larger factor)
+        keep = pos < expert_capacity(N, k, E, self.capacity_factor if self.training else 0.0)
         if N:
             frac = routed.float() / (N * k)
             aux = E * (frac * probs.mean(0)).sum()

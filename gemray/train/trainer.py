@@ -23,7 +23,9 @@ completed, 1-based, = completed epochs), ``global_step``, ``train_loss``, ``samp
 ``tokens_per_s`` (global, training steps only), ``model_tflops_per_s``, ``local_mfu`` (with the sums behind it,
 ``mfu_flops`` / ``mfu_rank_s``, and the device's ``peak_flops``: gemray.train.throughput), ``token_imbalance`` (mean
 over steps of max/mean tokens across ranks, measured by all-gathering per-step counts), ``train_s``,
-``train_loss_<task>`` (several ``model.tasks``: each task's mean loss), ``valid_hr@K`` / ``valid_ndcg@K``
+``train_loss_<task>`` (several ``model.tasks``: each task's mean loss), ``train_moe_aux_loss`` /
+``train_moe_dropped`` (``model.moe_experts`` > 0: the experts' load-balancing loss and share of assignments
+over capacity, means over steps and ranks), ``valid_hr@K`` / ``valid_ndcg@K``
 (retrieval) and ``valid_<task>_ne`` / ``_auc`` ... (ranking tasks, ``RankingEvaluator``) on eval epochs,
 ``epoch_s``; the last epoch's report also carries ``test_hr@K`` / ``test_ndcg@K``, ``final``,
 ``world_size`` and ``history`` (the per-epoch dicts, restored across restarts). Ray Train V2's
@@ -58,7 +60,7 @@ from gemray.train.precision import autocast
 from gemray.train.preemption_vote import PreemptionVote
 from gemray.train.recorder import RecoveryRecorder
 from gemray.train.stats import EpochStats, ThroughputMeter, progress_line
-from gemray.train.task_stats import TaskLosses
+from gemray.train.task_stats import MoEStats, TaskLosses
 from gemray.train.throughput import StepClock, batch_flops, device_peak_flops
 
 log = logging.getLogger("gemray.train")
@@ -180,6 +182,7 @@ class Trainer:
         self.t_start = time.time() if t_start is None else t_start
         self.stopped = False
         self.task_losses: TaskLosses | None = None  # per-task loss sums of the epoch (several tasks only)
+        self.moe_stats: MoEStats | None = None  # routing figures of the epoch (model.moe_experts > 0 only)
         self.pipeline = None  # gemray.train.pipeline.SparseDistPipeline with parallel.train_pipeline="sparse_dist"
 
     # -- setup: who am I, where do I run, what data ------------------------------------------------------
@@ -371,6 +374,8 @@ class Trainer:
         out = self.stats.result(self.peak_flops)
         if self.task_losses is not None:
             out.update(self.task_losses.reduce(self.device))
+        if self.moe_stats is not None:  # collective, as the per-task losses
+            out.update(self.moe_stats.reduce(self.device))
         return out
 
     def begin_epoch(self, epoch: int, pos: dict[str, Any] | None = None) -> None:
@@ -383,6 +388,7 @@ class Trainer:
         self.epoch, self.consumed, self.epoch_step = epoch, int(pos["consumed"]), int(pos["epoch_step"])
         self.stats = EpochStats(pos.get("partial"))
         self.task_losses = TaskLosses(self.cfg.model.tasks) if len(self.cfg.model.tasks) > 1 else None
+        self.moe_stats = MoEStats() if self.cfg.model.moe_experts else None
         self.dmp.train()
         self.clock = StepClock()
 
@@ -411,6 +417,8 @@ class Trainer:
         sync_sparse_replicas(self.dmp)  # TorchRec 2D: average the table replicas (no-op otherwise)
         if self.task_losses is not None:
             self.task_losses.add(step_stats)
+        if self.moe_stats is not None:
+            self.moe_stats.add(step_stats)
         self.last_step_s = self.clock.lap()
         self.attempt_steps += 1
         measured = self.attempt_steps > tc.mfu_warmup_steps
