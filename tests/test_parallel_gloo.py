@@ -46,6 +46,12 @@ COMBOS = {
     "gpu2": [("ddp", "row_wise", ["parallel.sparse_2d_group=1"]),
              ("hsdp", "table_wise", ["parallel.dp_shard=2", "parallel.sparse_2d_group=1"]),
              ("fsdp", "row_wise", MOE + ["parallel.expert_parallel=2"])],  # EP's all-to-all on NCCL
+    # SM-free collectives (parallel.collectives): FSDP2 / HSDP with symmetric-memory all-gather buffers, NCCL's
+    # zero-CTA policy in the environment before the process group (gemray.parallel.collectives)
+    "gpu2_copy_engine": [("fsdp", "row_wise", ["ray.use_gpu=true", "parallel.collectives=copy_engine"]),
+                         ("fsdp", "table_wise", MOE + ["ray.use_gpu=true", "parallel.collectives=copy_engine",
+                                                       "parallel.expert_parallel=2"])],
+    "gpu2_symmetric_memory": [("fsdp", "row_wise", ["ray.use_gpu=true", "parallel.collectives=symmetric_memory"])],
 }
 
 
@@ -200,9 +206,13 @@ def _worker(rank: int, world: int, port: int, out: str, key) -> None:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    gpu = key == "gpu2"
+    gpu = str(key).startswith("gpu2")
     if gpu:
         torch.cuda.set_device(rank)
+    if str(key).startswith("gpu2_"):  # parallel.collectives: NCCL's environment before its communicators
+        from gemray.parallel.collectives import apply_collectives_env
+
+        apply_collectives_env(str(key)[len("gpu2_"):])
     device = torch.device(f"cuda:{rank}") if gpu else torch.device("cpu")
     dist.init_process_group("nccl" if gpu else "gloo", rank=rank, world_size=world)
     lines = []
@@ -234,3 +244,16 @@ def test_sparse_2d_matches_single_process_on_two_gpus(tmp_path):
         pytest.skip("needs 2 GPUs")
     spawn_ranks(_worker, (2, free_port(), str(tmp_path), "gpu2"), 2, [tmp_path / f"done{r}" for r in range(2)])
     assert len((tmp_path / "combos.txt").read_text().splitlines()) == len(COMBOS["gpu2"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("collectives", ["copy_engine", "symmetric_memory"])
+def test_sm_free_collectives_match_single_process_on_two_gpus(collectives, tmp_path):
+    """parallel.collectives on 2 GPUs: the same loss / gradients / tables as one process (what changes is
+    where the all-gather runs, not what it computes). Run with NCCL_DEBUG=INFO to see NCCL's choice:
+    "CTA policy flags set to 2" and "AllGather [Copy Engine]" for copy_engine."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    key = f"gpu2_{collectives}"
+    spawn_ranks(_worker, (2, free_port(), str(tmp_path), key), 2, [tmp_path / f"done{r}" for r in range(2)])
+    assert len((tmp_path / "combos.txt").read_text().splitlines()) == len(COMBOS[key])
