@@ -509,7 +509,9 @@ class ParallelConfig:
     many ranks, replicated across groups (weights averaged across replicas after every step); 0 = every
     table sharded over the whole world. Must divide the world size.
     expert_parallel: ranks the experts of a mixture-of-experts layer are spread over (0 or 1 = off; borrows
-    from the dp_shard dimension, as torchtitan's EP). Needs a model with experts.
+    from the dp_shard dimension, as torchtitan's EP; ``gemray.parallel.expert``: all-to-all dispatch, expert
+    gradients reduced over the other data-parallel ranks). Needs ``model.moe_experts`` > 0 divisible by it,
+    and dense "fsdp" or "hsdp".
     reshard_after_forward: FSDP2: free the gathered parameters of each block after its forward (re-gathered
     in backward; less memory) or keep them until backward (less communication).
     prefetch: FSDP2 explicit prefetch: block i+1's all-gather issued during block i's forward, block i-1's
