@@ -36,7 +36,7 @@ MOE = ["model.tasks=ctr", "model.mlp_dims=8,6", "model.pma_seeds=2", "model.moe_
 COMBOS = {
     1: [("fsdp", "table_wise", []), ("ddp", "row_wise", MOE)],
     2: [("ddp", "table_wise", []), ("ddp", "row_wise", []), ("fsdp", "column_wise", []),
-        ("hsdp", "row_wise", ["parallel.dp_shard=1"]), ("ddp", "table_wise", MOE),
+        ("hsdp", "row_wise", ["parallel.dp_shard=1"]), ("ddp", "table_wise", MOE), ("fsdp", "column_wise", MOE),
         ("fsdp", "row_wise", MOE + ["parallel.expert_parallel=2"])],
     4: [("hsdp", "row_wise", ["parallel.dp_shard=2"]), ("ddp", "column_wise", []),
         ("hsdp", "table_wise", MOE + ["parallel.dp_shard=2", "parallel.expert_parallel=2"]),
@@ -45,7 +45,8 @@ COMBOS = {
     # TorchRec 2D (DMPCollection) is CUDA-only: the GPU test below, on NCCL
     "gpu2": [("ddp", "row_wise", ["parallel.sparse_2d_group=1"]),
              ("hsdp", "table_wise", ["parallel.dp_shard=2", "parallel.sparse_2d_group=1"]),
-             ("fsdp", "row_wise", MOE + ["parallel.expert_parallel=2"])],  # EP's all-to-all on NCCL
+             ("fsdp", "row_wise", MOE + ["parallel.expert_parallel=2"]),  # EP's all-to-all on NCCL
+             ("fsdp", "table_wise", MOE + ["parallel.expert_parallel=2", "parallel.sparse_2d_group=1"])],
     # SM-free collectives (parallel.collectives): FSDP2 / HSDP with symmetric-memory all-gather buffers, NCCL's
     # zero-CTA policy in the environment before the process group (gemray.parallel.collectives)
     "gpu2_copy_engine": [("fsdp", "row_wise", ["ray.use_gpu=true", "parallel.collectives=copy_engine"]),
@@ -191,10 +192,12 @@ def _check_combo(rank: int, world: int, device: torch.device, dense: str, sparse
         assert torch.equal(tables1[k][untouched], w0[untouched]), f"{k}: rows no rank looked up moved"
         if k.endswith(".item.weight"):
             assert not torch.equal(tables1[k], w0), "the item table did not move"
-    if cfg.model.moe_experts:  # the experts are sharded exactly when EP is on, and were trained
-        moe = dmp.module.tower.moe
-        local = moe.w1.to_local() if hasattr(moe.w1, "to_local") else moe.w1
-        assert local.shape[0] == cfg.model.moe_experts // dims.ep, (tuple(local.shape), dims.ep)
+    if cfg.model.moe_experts:  # the experts are sharded over "ep" exactly when EP is on, and were trained
+        w1 = dmp.module.tower.moe.w1
+        names = tuple(getattr(getattr(w1, "device_mesh", None), "mesh_dim_names", None) or ())
+        assert ("ep" in names) == dims.ep_enabled, (names, dims.ep)
+        if dims.ep_enabled:
+            assert w1.to_local().shape[0] == cfg.model.moe_experts // dims.ep, (tuple(w1.to_local().shape), dims.ep)
         assert "tower.mlp.0.w1" in grads, sorted(grads)
     return f"{dims.describe()} plan={sorted(plan_types)} loss={float(mean_loss):.6f}"
 
