@@ -128,7 +128,8 @@ class SparseDistPipeline:
         if self.stream is not None:
             cur = torch.cuda.current_stream(self.device)
             cur.wait_stream(self.stream)
-            _record([p.batch, p.sparse.kjt, data], cur)
+            # everything made on the side stream and used on this one (the context holds input_dist tensors)
+            _record([p.batch, p.sparse.kjt, p.sparse.neg_ids, p.sparse.neg_rows, data, p.ctx], cur)
         return p.batch, p.sparse, self._serve(p.ctx, data, p.sparse.kjt)
 
     @contextlib.contextmanager
