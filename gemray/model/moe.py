@@ -165,9 +165,12 @@ class MoEFFN(nn.Module):
             gate = gate / gate.sum(dim=-1, keepdim=True)
         # slot-major queue: assignment a = j * N + t (choice j of token t)
         e_flat = expert.t().reshape(-1)                                          # [k*N]
-        onehot = F.one_hot(e_flat, E)                                            # [k*N, E]
-        routed = onehot.sum(0)                                                   # [E] before capacity
-        pos = ((torch.cumsum(onehot, 0) - 1) * onehot).sum(1)                    # place in its expert's queue
+        routed = torch.bincount(e_flat, minlength=E)                             # [E] before capacity
+        # place of each assignment in its expert's queue: rank among the same expert's, in queue order
+        by_expert = torch.argsort(e_flat, stable=True)
+        first = torch.cumsum(routed, 0) - routed                                 # [E] queue starts
+        pos = torch.empty_like(e_flat)
+        pos[by_expert] = torch.arange(e_flat.numel(), device=x.device) - first[e_flat[by_expert]]
         # capacity in training only: evaluation routes every assignment (Switch evaluates with a larger factor)
         keep = pos < expert_capacity(N, k, E, self.capacity_factor if self.training else 0.0)
         if N:
@@ -175,13 +178,10 @@ class MoEFFN(nn.Module):
             aux = E * (frac * probs.mean(0)).sum()
         else:
             aux = probs.sum() * 0.0
-        kept = torch.nonzero(keep).squeeze(1)
-        e_kept = e_flat[kept]
-        order = torch.argsort(e_kept, stable=True)
-        a_sorted = kept[order]                                                   # assignments by expert
+        a_sorted = by_expert[keep[by_expert]]                                    # kept assignments by expert
         tok = a_sorted % max(N, 1)
         g_sorted = gate.t().reshape(-1)[a_sorted]
-        counts = torch.bincount(e_kept, minlength=E)                             # [E]
+        counts = torch.bincount(e_flat[a_sorted], minlength=E)                   # [E] kept per expert
         xs = x[tok]
         if self.dispatcher is None:
             ys = self.compute_experts(xs, counts.tolist())
