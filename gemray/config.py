@@ -171,6 +171,15 @@ class ModelConfig:
     be sized by configuration (capacity beyond the data's ids); a table's default is what the data needs
     (item: num_items + 1; a side feature: its cardinality + 1; user: num_users). Tables: "item", "rating",
     "time_gap", each token / context feature name, and "user".
+
+    Mixture of experts in the candidate tower (``gemray.model.moe``; Switch Transformer / GShard routing):
+    moe_experts: E > 0 replaces the first two layers of the interaction MLP (in -> mlp_dims[0] -> mlp_dims[1])
+    by E such two-layer SiLU FFN experts under token-choice top-k routing of each candidate (needs a ranking
+    task and at least two ``mlp_dims``); 0 = the dense MLP. Spread over ranks by ``parallel.expert_parallel``.
+    moe_top_k: experts per candidate, 1..E (1 = Switch, 2 = GShard). moe_capacity_factor: assignments an
+    expert takes from one rank's C candidates, ceil(factor * C * k / E) (Switch's 1.0-1.25), in training (evaluation
+    drops nothing); the overflow is dropped and reported (epoch metric ``train_moe_dropped``); 0 = no limit. moe_aux_weight: weight of Switch's
+    load-balancing loss E * sum_e f_e P_e added to the training loss (Switch's 0.01; 0 = off).
     """
 
     embedding_dim: int = 52  # HSTU's ML-1M uses 50; FBGEMM's sharded tables need a multiple of 4
@@ -207,6 +216,10 @@ class ModelConfig:
     attention_block: int = 0
     relative_bias: bool = True
     table_rows: list[str] = field(default_factory=list)
+    moe_experts: int = 0
+    moe_top_k: int = 2
+    moe_capacity_factor: float = 1.25
+    moe_aux_weight: float = 0.01
 
     TASKS = ("retrieval", "ctr", "cvr")
     RANKING_TASKS = ("ctr", "cvr")
@@ -265,6 +278,24 @@ class ModelConfig:
             kernel_tiles_spec(self.kernel_tiles)  # ValueError naming model.kernel_tiles before any worker starts
         self._validate_gem()
 
+    def _validate_moe(self) -> None:
+        if self.moe_experts < 0:
+            raise ValueError(f"model.moe_experts: expected >= 0 (0 = no experts), got {self.moe_experts}")
+        if self.moe_capacity_factor < 0 or self.moe_aux_weight < 0:
+            raise ValueError(f"model.moe_capacity_factor ({self.moe_capacity_factor}) and model.moe_aux_weight "
+                             f"({self.moe_aux_weight}): expected >= 0")
+        if not self.moe_experts:
+            return
+        if not 1 <= self.moe_top_k <= self.moe_experts:
+            raise ValueError(f"model.moe_top_k: expected 1..moe_experts={self.moe_experts}, got {self.moe_top_k}")
+        if not self.ranking_tasks:
+            raise ValueError(f"model.moe_experts={self.moe_experts}: the experts replace the candidate tower's "
+                             f"interaction MLP, which needs a ranking task in model.tasks (got {self.tasks})")
+        if len(self.mlp_dims) < 2:
+            raise ValueError(f"model.moe_experts={self.moe_experts}: each expert is the interaction MLP's first two "
+                             f"layers (in -> mlp_dims[0] -> mlp_dims[1]): model.mlp_dims needs at least two widths, "
+                             f"got {self.mlp_dims}")
+
     def _validate_gem(self) -> None:
         for name in ("model_dim", "attention_window", "attention_block"):
             if getattr(self, name) < 0:
@@ -290,6 +321,7 @@ class ModelConfig:
                                  f"{self.task_weights}")
         if any(int(m) <= 0 for m in self.mlp_dims):
             raise ValueError(f"model.mlp_dims: expected positive widths, got {self.mlp_dims}")
+        self._validate_moe()
         for group in ("token_features", "candidate_features", "context_features"):
             names = getattr(self, group)
             if len(set(names)) != len(names):
@@ -517,12 +549,23 @@ class ParallelConfig:
     many ranks, replicated across groups (weights averaged across replicas after every step); 0 = every
     table sharded over the whole world. Must divide the world size.
     expert_parallel: ranks the experts of a mixture-of-experts layer are spread over (0 or 1 = off; borrows
-    from the dp_shard dimension, as torchtitan's EP). Needs a model with experts.
+    from the dp_shard dimension, as torchtitan's EP; ``gemray.parallel.expert``: all-to-all dispatch, expert
+    gradients reduced over the other data-parallel ranks). Needs ``model.moe_experts`` > 0 divisible by it,
+    and dense "fsdp" or "hsdp".
     reshard_after_forward: FSDP2: free the gathered parameters of each block after its forward (re-gathered
     in backward; less memory) or keep them until backward (less communication).
     prefetch: FSDP2 explicit prefetch: block i+1's all-gather issued during block i's forward, block i-1's
     during block i's backward.
     gpus_per_node: devices of one node (0 = detect: the node's visible CUDA devices, 1 on CPU).
+    train_pipeline: "none" (each step copies its batch, then distributes its sparse input, then computes) or
+    "sparse_dist" (``gemray.train.pipeline``: batch i+1's host-to-device copy, negatives, KJT and TorchRec
+    input distribution run while batch i computes, on a CUDA side stream; TorchRec's own
+    ``TrainPipelineSparseDist`` cannot trace GEM's forward, see there). Same losses either way.
+    collectives: how the FSDP all-gather / reduce-scatter (and every NCCL collective of the job) use the GPU
+    (``gemray.parallel.collectives``): "nccl" (NCCL's SM kernels, the default), "copy_engine" (NCCL >= 2.28
+    copy-engine collectives on symmetric memory, ``NCCL_CTA_POLICY``=2 "zero-CTA"; SM-free where NCCL can),
+    "symmetric_memory" (FSDP2's all-gather / reduce-scatter buffers in NCCL symmetric memory, no multicast);
+    CUDA / NCCL only, refused on gloo.
     """
 
     dense: str = "ddp"
@@ -533,9 +576,13 @@ class ParallelConfig:
     reshard_after_forward: bool = True
     prefetch: bool = True
     gpus_per_node: int = 0
+    train_pipeline: str = "none"
+    collectives: str = "nccl"
 
     def validate(self) -> None:
         _choice(self, "dense", ("ddp", "fsdp", "hsdp"))
+        _choice(self, "train_pipeline", ("none", "sparse_dist"))
+        _choice(self, "collectives", ("nccl", "copy_engine", "symmetric_memory"))
         _choice(self, "sparse_sharding", ("auto", "table_wise", "row_wise", "column_wise", "table_row_wise"))
         for name in ("dp_shard", "sparse_2d_group", "expert_parallel", "gpus_per_node"):
             if getattr(self, name) < 0:
@@ -576,6 +623,10 @@ class JobConfig:
                     if any(isinstance(x, float) and not math.isfinite(x) for x in vals):
                         raise ValueError(f"{f.name}.{sf.name}: expected a finite number, got {v}")
                 sub.validate()
+        if self.parallel.collectives != "nccl" and not self.ray.use_gpu:
+            raise ValueError(f"parallel.collectives={self.parallel.collectives!r} needs NCCL on CUDA GPUs "
+                             f"(ray.use_gpu=true): gloo on CPU has no copy-engine / symmetric-memory collectives; "
+                             f"use parallel.collectives='nccl'")
         return self
 
     def to_dict(self) -> dict[str, Any]:

@@ -172,6 +172,15 @@ class JaggedBatch:
         out.host = host
         return out
 
+    def record_stream(self, stream: "torch.cuda.Stream") -> None:
+        """Mark every CUDA tensor as used on ``stream`` (for a batch copied to the device on a side stream and
+        consumed on another: the caching allocator then keeps its memory until ``stream``'s work is done)."""
+        for f in fields(self):
+            v = getattr(self, f.name)
+            for t in (v.values() if isinstance(v, dict) else [v]):
+                if isinstance(t, torch.Tensor) and t.is_cuda:
+                    t.record_stream(stream)
+
     def pin_memory(self) -> "JaggedBatch":
         """A copy in page-locked host memory (needs CUDA), so that ``to(cuda, non_blocking=True)`` overlaps."""
         def pin(v):

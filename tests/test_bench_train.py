@@ -301,6 +301,43 @@ def test_train_epoch_logs_tflops_and_reports_local_mfu_fields(synthetic, caplog)
             dist.destroy_process_group()
 
 
+def test_train_epoch_with_the_sparse_dist_pipeline_trains_the_same(synthetic):
+    """Trainer.train_epoch (world 1, outside Ray) with parallel.train_pipeline = "sparse_dist": every step after
+    the first was prefetched by the one before, and the epoch's losses equal the plain run's. The model has a
+    ranking task with a 4-expert MoE tower: its routing figures are in the epoch's result."""
+    import torch.distributed as dist
+
+    from gemray.bench.train import _init_process_group
+    from gemray.train.trainer import Trainer
+
+    device = torch.device("cpu")
+    made = _init_process_group(device)
+    try:
+        out = {}
+        for pipe in ("none", "sparse_dist"):
+            cfg = load_config(CONFIG, [f"data.prepared_dir={synthetic}", "data.max_seq_len=48", "data.batch_size=16",
+                                       "ray.use_gpu=false", "data.reader=arrow", "train.max_steps_per_epoch=3",
+                                       "checkpoint.every_epochs=1", f"parallel.train_pipeline={pipe}",
+                                       "model.tasks=retrieval,ctr", "model.mlp_dims=16,8", "model.moe_experts=4",
+                                       "model.moe_capacity_factor=1.0"])
+            tr = Trainer(cfg)
+            tr.setup(context=(0, 1, device))
+            tr.build()
+            tr.restore(from_ray=False)
+            losses = []
+            tr.recorder.step = lambda *a, loss=None, **k: losses.append(loss)
+            res = tr.train_epoch(0)
+            out[pipe] = (losses, res["train_loss"], tr.pipeline)
+        assert out["none"][2] is None and out["sparse_dist"][2].served_ahead == 2
+        assert len(out["none"][0]) == 3
+        assert out["sparse_dist"][0] == pytest.approx(out["none"][0], rel=1e-6)
+        assert out["sparse_dist"][1] == pytest.approx(out["none"][1], rel=1e-6)
+        assert res["train_moe_aux_loss"] > 0.0 and 0.0 <= res["train_moe_dropped"] < 1.0
+    finally:
+        if made:
+            dist.destroy_process_group()
+
+
 def test_device_kernels_keep_device_work_only():
     from types import SimpleNamespace as NS
 

@@ -129,3 +129,31 @@ def test_config_section():
         load_config(None, ["parallel.dp_shard=2"])
     with pytest.raises(ValueError, match="use parallel.dense='fsdp' or 'hsdp'"):
         load_config(None, ["parallel.expert_parallel=2"])
+
+
+def test_expert_parallel_must_divide_the_experts():
+    assert from_config(_pc(dense="fsdp", expert_parallel=2), 4, "cpu", 1, num_experts=4).ep == 2
+    with pytest.raises(ValueError, match="expert_parallel=4 does not divide model.moe_experts=6"):
+        from_config(_pc(dense="fsdp", expert_parallel=4), 4, "cpu", 1, num_experts=6)
+    with pytest.raises(ValueError, match="expert_parallel=2 does not divide model.moe_experts=3"):
+        resolve(_pc(dense="fsdp", expert_parallel=2), 2, "cpu", elastic=False, gpus_per_node=1, num_experts=3)
+
+
+def test_elastic_4_to_3_with_experts_logs_the_nearest_layout(caplog):
+    """FSDP with ep 2 over 4 experts: at 3 ranks dp_shard is 3 and no ep > 1 divides both 3 and the 4 experts:
+    ep goes to 1 (every rank holds every expert), logged; HSDP shard 2 x ep 2 at 3 ranks likewise; 8 experts
+    with ep 2 at 6 ranks keep ep 2 (it divides 6 and 8); 2 -> 1 -> 2 returns to the configured layout."""
+    pc = _pc(dense="fsdp", expert_parallel=2)
+    assert nearest_valid(pc, 4, "cpu", 1, num_experts=4)[1] == []
+    with caplog.at_level("WARNING", logger="gemray.parallel.dims"):
+        d = resolve(pc, 3, "cpu", elastic=True, gpus_per_node=1, num_experts=4)
+    assert (d.dp_shard, d.ep, d.num_experts) == (3, 1, 4)
+    assert "expert_parallel 2 -> 1 (must divide dp_shard 3 and model.moe_experts 4)" in caplog.text
+    assert "holds at 2 ranks" in caplog.text
+    d, changes = nearest_valid(_pc(dense="hsdp", dp_shard=2, expert_parallel=2), 3, "cpu", 1, num_experts=4)
+    assert (d.dp_replicate, d.dp_shard, d.ep) == (1, 3, 1) and len(changes) == 2
+    d, changes = nearest_valid(_pc(dense="fsdp", expert_parallel=4), 6, "cpu", 1, num_experts=8)
+    assert d.ep == 2 and "expert_parallel 4 -> 2" in changes[0]  # none >= 4 divides 6 and 8: the largest below
+    d1 = resolve(pc, 1, "cpu", elastic=True, gpus_per_node=1, num_experts=4)
+    assert (d1.dp_shard, d1.ep) == (1, 1)
+    assert resolve(pc, 2, "cpu", elastic=True, gpus_per_node=1, num_experts=4).ep == 2

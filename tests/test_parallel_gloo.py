@@ -1,15 +1,18 @@
 """Layouts on gloo at world sizes 1, 2 and 4: loss, dense gradients and embedding updates equal the
 single-process model's.
 
-Every combination (sparse TW / RW / CW / TorchRec 2D x dense DDP / FSDP2 / HSDP; at world 1 FSDP2 also with
-train.compile) is built as the Trainer builds (GEM on meta -> parallelize -> [compile] -> optimizer) inside one spawned process group per world size (start-up
+Every combination (sparse TW / RW / CW / TorchRec 2D x dense DDP / FSDP2 / HSDP x expert parallelism on /
+off, the EP combos on a ranking GEM whose candidate tower is a 4-expert top-2 MoE with a capacity that drops
+assignments; at world 1 FSDP2 also with train.compile) is built as the Trainer
+builds (GEM on meta -> parallelize -> [compile] -> optimizer) inside one spawned process group per world size (start-up
 dominates). Rank r trains sub-batch r of one global batch with its negatives drawn from seed + r. The
 reference is one unsharded GEM in each process with the same dense initialisation and the sharded run's
 tables (gathered), trained on the same sub-batches one after the other:
 
 - loss: the mean over ranks of the per-rank losses;
 - dense gradients: the mean over ranks of the per-sub-batch gradients (what DDP all-reduces and FSDP
-  reduce-scatters; FSDP's ``grad.full_tensor()``);
+  reduce-scatters; FSDP's ``grad.full_tensor()``; the experts' too: under EP each expert's gradient sums
+  its ep group's tokens and is reduced over the other data-parallel ranks, ``gemray.parallel.expert``);
 - embedding tables after the step: FBGEMM's fused row-wise Adagrad applied to the SUM over ranks of the
   per-sub-batch gradients (TorchRec sums embedding gradients over ranks); for 2D, per replica group (the
   sum over the group's ranks), then averaged across the groups (``DMPCollection.sync``).
@@ -26,16 +29,32 @@ from proc_utils import free_port, spawn_ranks
 NUM_ITEMS = 40
 LR, SPARSE_LR, EPS = 0.01, 0.05, 1e-8
 
+# a ranking GEM (CTR) whose interaction MLP is 4 experts, top-2, capacity factor 1 (some assignments drop)
+MOE = ["model.tasks=ctr", "model.mlp_dims=8,6", "model.pma_seeds=2", "model.moe_experts=4", "model.moe_top_k=2",
+       "model.moe_capacity_factor=1.0", "model.moe_aux_weight=0.1"]
 # (dense, sparse_sharding, extra overrides) per world size; each combo runs in the same process group.
 COMBOS = {
     # the second: train.compile after FSDP2's wrapping (the Trainer's order), aot_eager (no codegen on CPU)
-    1: [("fsdp", "table_wise", []), ("fsdp", "table_wise", ["train.compile=true", "train.compile_backend=aot_eager"])],
+    1: [("fsdp", "table_wise", []), ("fsdp", "table_wise", ["train.compile=true", "train.compile_backend=aot_eager"]),
+        ("ddp", "row_wise", MOE)],
     2: [("ddp", "table_wise", []), ("ddp", "row_wise", []), ("fsdp", "column_wise", []),
-        ("hsdp", "row_wise", ["parallel.dp_shard=1"])],
-    4: [("hsdp", "row_wise", ["parallel.dp_shard=2"]), ("ddp", "column_wise", [])],
+        ("hsdp", "row_wise", ["parallel.dp_shard=1"]), ("ddp", "table_wise", MOE), ("fsdp", "column_wise", MOE),
+        ("fsdp", "row_wise", MOE + ["parallel.expert_parallel=2"])],
+    4: [("hsdp", "row_wise", ["parallel.dp_shard=2"]), ("ddp", "column_wise", []),
+        ("hsdp", "table_wise", MOE + ["parallel.dp_shard=2", "parallel.expert_parallel=2"]),
+        ("fsdp", "column_wise", MOE + ["parallel.expert_parallel=2"]),
+        ("fsdp", "row_wise", MOE + ["parallel.expert_parallel=4"])],
     # TorchRec 2D (DMPCollection) is CUDA-only: the GPU test below, on NCCL
     "gpu2": [("ddp", "row_wise", ["parallel.sparse_2d_group=1"]),
-             ("hsdp", "table_wise", ["parallel.dp_shard=2", "parallel.sparse_2d_group=1"])],
+             ("hsdp", "table_wise", ["parallel.dp_shard=2", "parallel.sparse_2d_group=1"]),
+             ("fsdp", "row_wise", MOE + ["parallel.expert_parallel=2"]),  # EP's all-to-all on NCCL
+             ("fsdp", "table_wise", MOE + ["parallel.expert_parallel=2", "parallel.sparse_2d_group=1"])],
+    # SM-free collectives (parallel.collectives): FSDP2 / HSDP with symmetric-memory all-gather buffers, NCCL's
+    # zero-CTA policy in the environment before the process group (gemray.parallel.collectives)
+    "gpu2_copy_engine": [("fsdp", "row_wise", ["ray.use_gpu=true", "parallel.collectives=copy_engine"]),
+                         ("fsdp", "table_wise", MOE + ["ray.use_gpu=true", "parallel.collectives=copy_engine",
+                                                       "parallel.expert_parallel=2"])],
+    "gpu2_symmetric_memory": [("fsdp", "row_wise", ["ray.use_gpu=true", "parallel.collectives=symmetric_memory"])],
 }
 
 
@@ -49,15 +68,24 @@ def _cfg(dense: str, sparse: str, extra: list[str]):
                               f"parallel.sparse_sharding={sparse}", *extra])
 
 
-def _batch(lengths: list[int], gen: torch.Generator):
+def _batch(lengths: list[int], gen: torch.Generator, candidates: list[int] | None = None):
+    """A JaggedBatch of these history lengths; with ``candidates`` (counts per row) also candidates and
+    click / convert labels (ranking)."""
     from gemray.jagged import JaggedBatch, lengths_to_offsets
 
     lens = torch.tensor(lengths, dtype=torch.int64)
     t = int(lens.sum())
     ts = torch.cumsum(torch.randint(1, 1000, (t,), generator=gen), 0)
+    extra = {}
+    if candidates is not None:
+        coff = lengths_to_offsets(torch.tensor(candidates, dtype=torch.int64))
+        c = int(coff[-1])
+        click = (torch.rand(c, generator=gen) < 0.5).float()
+        extra = dict(candidate_offsets=coff, candidate_ids=torch.randint(1, NUM_ITEMS + 1, (c,), generator=gen),
+                     labels=torch.stack([click, click * (torch.rand(c, generator=gen) < 0.5).float()], 1))
     return JaggedBatch(user_ids=torch.arange(len(lengths), dtype=torch.int64), offsets=lengths_to_offsets(lens),
                        item_ids=torch.randint(1, NUM_ITEMS + 1, (t,), generator=gen),
-                       ratings=torch.randint(1, 11, (t,), generator=gen), timestamps=ts)
+                       ratings=torch.randint(1, 11, (t,), generator=gen), timestamps=ts, **extra)
 
 
 def _full(v, replicas: int) -> torch.Tensor:
@@ -114,7 +142,9 @@ def _check_combo(rank: int, world: int, device: torch.device, dense: str, sparse
         ref_sd[k].copy_(v)
 
     gen = torch.Generator().manual_seed(7)
-    batches = [_batch([5, 3, 6][: 2 + (r % 2)], gen).to(device) for r in range(world)]  # ragged, different B per rank
+    ranking = bool(cfg.model.ranking_tasks)
+    batches = [_batch([5, 3, 6][: 2 + (r % 2)], gen, [4, 7, 2][: 2 + (r % 2)] if ranking else None).to(device)
+               for r in range(world)]  # ragged, different B per rank
 
     # the run: rank r's step (its fused embedding optimizer steps inside backward)
     dmp.module.seed_sampling(1000 + rank)
@@ -168,6 +198,13 @@ def _check_combo(rank: int, world: int, device: torch.device, dense: str, sparse
         assert torch.equal(tables1[k][untouched], w0[untouched]), f"{k}: rows no rank looked up moved"
         if k.endswith(".item.weight"):
             assert not torch.equal(tables1[k], w0), "the item table did not move"
+    if cfg.model.moe_experts:  # the experts are sharded over "ep" exactly when EP is on, and were trained
+        w1 = dmp.module.tower.moe.w1
+        names = tuple(getattr(getattr(w1, "device_mesh", None), "mesh_dim_names", None) or ())
+        assert ("ep" in names) == dims.ep_enabled, (names, dims.ep)
+        if dims.ep_enabled:
+            assert w1.to_local().shape[0] == cfg.model.moe_experts // dims.ep, (tuple(w1.to_local().shape), dims.ep)
+        assert "tower.mlp.0.w1" in grads, sorted(grads)
     return f"{dims.describe()} plan={sorted(plan_types)} loss={float(mean_loss):.6f}"
 
 
@@ -178,9 +215,13 @@ def _worker(rank: int, world: int, port: int, out: str, key) -> None:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    gpu = key == "gpu2"
+    gpu = str(key).startswith("gpu2")
     if gpu:
         torch.cuda.set_device(rank)
+    if str(key).startswith("gpu2_"):  # parallel.collectives: NCCL's environment before its communicators
+        from gemray.parallel.collectives import apply_collectives_env
+
+        apply_collectives_env(str(key)[len("gpu2_"):])
     device = torch.device(f"cuda:{rank}") if gpu else torch.device("cpu")
     dist.init_process_group("nccl" if gpu else "gloo", rank=rank, world_size=world)
     lines = []
@@ -207,8 +248,21 @@ def test_layouts_match_single_process(world, tmp_path):
 @pytest.mark.gpu
 def test_sparse_2d_matches_single_process_on_two_gpus(tmp_path):
     """TorchRec 2D (DMPCollection: groups of 1 rank, 2 replicas, weights averaged by sync()) x DDP / FSDP2,
-    on 2 GPUs with NCCL."""
+    and expert parallelism over the 2 GPUs (NCCL all-to-all), on 2 GPUs with NCCL."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     spawn_ranks(_worker, (2, free_port(), str(tmp_path), "gpu2"), 2, [tmp_path / f"done{r}" for r in range(2)])
     assert len((tmp_path / "combos.txt").read_text().splitlines()) == len(COMBOS["gpu2"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("collectives", ["copy_engine", "symmetric_memory"])
+def test_sm_free_collectives_match_single_process_on_two_gpus(collectives, tmp_path):
+    """parallel.collectives on 2 GPUs: the same loss / gradients / tables as one process (what changes is
+    where the all-gather runs, not what it computes). Run with NCCL_DEBUG=INFO to see NCCL's choice:
+    "CTA policy flags set to 2" and "AllGather [Copy Engine]" for copy_engine."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    key = f"gpu2_{collectives}"
+    spawn_ranks(_worker, (2, free_port(), str(tmp_path), key), 2, [tmp_path / f"done{r}" for r in range(2)])
+    assert len((tmp_path / "combos.txt").read_text().splitlines()) == len(COMBOS[key])

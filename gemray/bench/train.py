@@ -224,8 +224,21 @@ class _Batches:
     def __init__(self, trainer: Any):
         self.trainer, self.epoch = trainer, 0
         self._it: Iterator | None = None
+        self._ahead: tuple[Any, float] | None = None
+
+    def peek(self) -> Any:
+        """The batch the next ``next()`` returns (fetched now; the sparse-dist pipeline prefetches it)."""
+        if self._ahead is None:
+            self._ahead = self._fetch()
+        return self._ahead[0]
 
     def next(self) -> tuple[Any, float]:
+        if self._ahead is not None:
+            out, self._ahead = self._ahead, None
+            return out
+        return self._fetch()
+
+    def _fetch(self) -> tuple[Any, float]:
         t0 = time.perf_counter()
         for _ in range(2):
             if self._it is None:
@@ -254,7 +267,8 @@ def _run_steps(trainer: Any, batches: _Batches, n: int, device: torch.device, re
     for _ in range(n):
         batch, data_s = batches.next()
         t0 = time.perf_counter()
-        loss = trainer.train_step(batch)
+        nxt = batches.peek() if getattr(trainer, "pipeline", None) is not None else None  # sparse-dist: prefetched
+        loss = trainer.train_step(batch, next_batch=nxt)
         _sync(device)
         step_s = time.perf_counter() - t0
         if loss is None:  # CUDA: the trainer reads losses every log_every steps; the device is idle now anyway
@@ -436,6 +450,9 @@ def run_bench(cfg: JobConfig, *, steps: int, warmup: int, profile: bool = False,
     if sync_debug and device.type != "cuda":
         raise RuntimeError(f"bench train --sync-debug needs a CUDA device (torch.cuda.set_sync_debug_mode); this "
                            f"run is on {device.type} (ray.use_gpu = {cfg.ray.use_gpu})")
+    from gemray.parallel.collectives import apply_collectives_env
+
+    apply_collectives_env(cfg.parallel.collectives)  # before NCCL's communicator (eager: device_id)
     made_pg = _init_process_group(device)
     try:
         snap0 = compile_snapshot()

@@ -54,10 +54,15 @@ def connect(cfg: JobConfig) -> bool:
 
     if ray.is_initialized():
         return False
+    from gemray.parallel.collectives import collectives_env
+
+    # parallel.collectives: NCCL's variables in every worker from its start (before any communicator)
+    env = collectives_env(cfg.parallel.collectives)
+    kw = {"runtime_env": {"env_vars": env}} if env else {}
     address = ray_address(cfg)
     if address:
         check_gcs_reachable(address)
-        ray.init(address=address)
+        ray.init(address=address, **kw)
         return False
     num_cpus = embedded_num_cpus(cfg)
     # address="local": always a new cluster, never one that `ray start` left running on this machine.
@@ -65,7 +70,7 @@ def connect(cfg: JobConfig) -> bool:
     # load average 22 on 2 cores) that can run out, so try a second time before giving up.
     for attempt in (1, 2):
         try:
-            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True, **kw)
             break
         except Exception as e:  # Ray raises a bare Exception for this
             if attempt == 2 or "timed out during startup" not in str(e):

@@ -26,6 +26,8 @@ Components of ``step_flops`` (forward FLOPs, times the multiplier; all disjoint,
     tower_attention  2 H (A + V) * [sum_b Lc_b L_b (cross: every candidate x every key)                  x3.5
                      + S sum_b L_b (PMA: every seed x every key)]
     mlp              2 C sum_i in_i out_i over the widths [3d (+d with context), *mlp_dims, K]          x3
+                     (MoE, moe_experts = X: the first two layers count k times, + 2 C in X for the
+                     router; nominal: assignments dropped over capacity are not subtracted)
     retrieval_head   "uniform" / "in_batch": 2 M (R + 1) E; "uniform_shared": 2 T R E + 2 M E           x3
                      (negative logits as GEMMs over what is computed, + the positive dot products; scored
                      in the item table's width E), + 2 T d E when d != E (``GEM.retrieval_proj``)
@@ -156,7 +158,12 @@ def step_flops(cfg: ModelConfig, lengths: torch.Tensor, candidate_lengths: torch
         tower_pairs = int((Lc * L).sum()) + S * T
         out["tower_attention"] = am * float(gdpa_flops(tower_pairs, H, A, V))
         dims = [d * (4 if cfg.context_features else 3)] + [int(m) for m in cfg.mlp_dims] + [len(cfg.ranking_tasks)]
-        out["mlp"] = gm * 2.0 * C * sum(i * o for i, o in zip(dims[:-1], dims[1:]))
+        if cfg.moe_experts:  # router + top-k experts per candidate (nominal: capacity drops not subtracted)
+            per_c = dims[0] * cfg.moe_experts + cfg.moe_top_k * (dims[0] * dims[1] + dims[1] * dims[2])
+            per_c += sum(i * o for i, o in zip(dims[2:-1], dims[3:]))
+        else:
+            per_c = sum(i * o for i, o in zip(dims[:-1], dims[1:]))
+        out["mlp"] = gm * 2.0 * C * per_c
     out["input_projection"] = gm * proj
 
     if "retrieval" in cfg.tasks:

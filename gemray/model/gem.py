@@ -42,6 +42,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +59,19 @@ from gemray.model.hstu import HSTUEncoder
 from gemray.model.inputs import (InputLayer, embedding_configs, extra_feature_names,
                                  extra_sparse_features)
 from gemray.model.ranking import CandidateTower, MultiTaskHead
+
+
+@dataclass
+class SparseInputs:
+    """What one training forward looks up, prepared before it (``GEM.sparse_inputs``): ``kjt`` (the batch's
+    KeyedJaggedTensor over every key of the collection), the sampled negatives ``neg_ids`` / ``neg_rows``
+    (None without retrieval, or "in_batch"), and ``generator``: the sampling generator after the draws (the
+    retrieval head draws on from it)."""
+
+    kjt: KeyedJaggedTensor
+    neg_ids: torch.Tensor | None
+    neg_rows: torch.Tensor | None
+    generator: torch.Generator
 
 
 class GEM(nn.Module):
@@ -178,10 +192,32 @@ class GEM(nn.Module):
                                  length_per_key=kjt.length_per_key() + [v.numel() for _, v, _ in extra])
 
     # -- forward -----------------------------------------------------------------------------------------
-    def _encode(self, batch: JaggedBatch, neg_ids: torch.Tensor | None, neg_rows: torch.Tensor | None = None):
-        """-> (states [T, d] unit norm, emb {key: JaggedTensor}) of one batch (the longest sequence from
-        ``batch.host_shape()`` when it has one: no host sync)."""
-        out = self.embeddings(self._kjt(batch, neg_ids, neg_rows))  # sharded: a LazyAwaitable of the dict
+    def sparse_inputs(self, batch: JaggedBatch, generator: torch.Generator | None = None) -> SparseInputs:
+        """The negatives (drawn from ``generator``, default: the model's, see ``seed_sampling``) and the KJT of
+        one training batch: the first part of :meth:`forward`, separable so that a train pipeline can build
+        batch i+1's KJT and start its sparse input distribution while batch i computes
+        (``gemray.train.pipeline``). "uniform" draws R ids per position with a next item, "uniform_shared" R
+        per sequence, "in_batch" none."""
+        g = generator if generator is not None else self._generator
+        hs = batch.host_shape()  # host ints of the layout (moved batches carry them): no host syncs below
+        neg_ids = neg_rows = None
+        if self.head is not None and batch.batch_size > 0:
+            if self.cfg.negatives == "uniform":
+                neg_ids, neg_rows = sample_uniform_per_position(batch.offsets, self.cfg.num_negatives,
+                                                                self.num_items, g,
+                                                                num_next=None if hs is None else hs.num_next)
+            elif self.cfg.negatives == "uniform_shared":
+                neg_ids = sample_uniform(batch.batch_size, self.cfg.num_negatives, self.num_items, g,
+                                         batch.offsets.device)
+        return SparseInputs(self._kjt(batch, neg_ids, neg_rows), neg_ids, neg_rows, g)
+
+    def _encode(self, batch: JaggedBatch, neg_ids: torch.Tensor | None, neg_rows: torch.Tensor | None = None,
+                kjt: KeyedJaggedTensor | None = None):
+        """-> (states [T, d] unit norm, emb {key: JaggedTensor}) of one batch (``kjt``: the batch's, prepared; the
+        longest sequence from ``batch.host_shape()`` when it has one: no host sync)."""
+        if kjt is None:
+            kjt = self._kjt(batch, neg_ids, neg_rows)
+        out = self.embeddings(kjt)  # sharded: a LazyAwaitable of the dict
         emb = {k: out[k] for k in self._keys}
         tok = self.inputs.token_embeddings(emb)                     # [T, d]
         tq = None
@@ -198,8 +234,10 @@ class GEM(nn.Module):
             return states
         return F.normalize(self.retrieval_proj(states), dim=-1, eps=1e-6)
 
-    def _logits(self, batch: JaggedBatch, states: torch.Tensor, emb: Mapping) -> torch.Tensor:
-        """[C, K] ranking logits of the batch's candidates. Raises ValueError without candidates."""
+    def _logits(self, batch: JaggedBatch, states: torch.Tensor, emb: Mapping
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """([C, K] ranking logits of the batch's candidates, the tower's mixture-of-experts aux dict: {}
+        without experts). Raises ValueError without candidates."""
         if batch.candidate_offsets is None:
             raise ValueError("GEM: model.tasks has ranking tasks but the batch has no candidates (prepare the data "
                              "with `gemray prepare synthetic` or give candidate_offsets / candidate_ids / labels)")
@@ -207,36 +245,32 @@ class GEM(nn.Module):
         ctx = self.inputs.context_embeddings(emb)                   # [B, d] or None
         hs = batch.host_shape()
         return self.tower(states, batch.offsets, cands, batch.candidate_offsets, ctx,
-                          max_candidates=None if hs is None else hs.max_candidates)
+                          max_candidates=None if hs is None else hs.max_candidates, return_aux=True)
 
-    def forward(self, batch: JaggedBatch, generator: torch.Generator | None = None
-                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def forward(self, batch: JaggedBatch, generator: torch.Generator | None = None,
+                sparse: SparseInputs | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Training step: (loss scalar, stats).
 
         Retrieval: every position with a next item in its sequence predicts that item (``batch.targets`` is
         not used). Negatives are drawn from ``generator`` (default: the model's, see ``seed_sampling``):
         "uniform" draws R ids per position with a next item (M*R lookups of the "neg_item_id" feature),
         "uniform_shared" R ids per sequence (B*R lookups), "in_batch" reuses the batch's targets.
-        Ranking: BCE of each task on the batch's candidates (``MultiTaskHead``).
-        Loss = w_retrieval * retrieval loss + the ranking head's weighted BCE sum; an empty batch (B=0) or one
-        without any target gives 0 connected to every parameter.
+        Ranking: BCE of each task on the batch's candidates (``MultiTaskHead``). ``sparse``: this batch's
+        :meth:`sparse_inputs`, prepared by the caller (then ``generator`` is not used).
+        Loss = w_retrieval * retrieval loss + the ranking head's weighted BCE sum (+ ``moe_aux_weight`` x the
+        experts' load-balancing loss with ``moe_experts``); an empty batch (B=0) or one without any target
+        gives 0 connected to every parameter.
 
         stats: "num_targets" (retrieval: M positions with a next item; ranking only: C candidates), and per task
         "loss_<task>" (the task's unweighted mean loss) with "count_<task>" (its population); retrieval adds
-        "pos_logit", ranking "num_candidates". All detached.
+        "pos_logit", ranking "num_candidates", experts "moe_aux_loss" / "moe_dropped" (share of assignments
+        over capacity). All detached.
         """
-        g = generator if generator is not None else self._generator
         hs = batch.host_shape()  # host ints of the layout (moved batches carry them): no host syncs below
-        neg_ids = neg_rows = None
-        if self.head is not None and batch.batch_size > 0:
-            if self.cfg.negatives == "uniform":
-                neg_ids, neg_rows = sample_uniform_per_position(batch.offsets, self.cfg.num_negatives,
-                                                                self.num_items, g,
-                                                                num_next=None if hs is None else hs.num_next)
-            elif self.cfg.negatives == "uniform_shared":
-                neg_ids = sample_uniform(batch.batch_size, self.cfg.num_negatives, self.num_items, g,
-                                         batch.offsets.device)
-        states, emb = self._encode(batch, neg_ids, neg_rows)
+        if sparse is None:
+            sparse = self.sparse_inputs(batch, generator)
+        g, neg_ids = sparse.generator, sparse.neg_ids
+        states, emb = self._encode(batch, neg_ids, sparse.neg_rows, sparse.kjt)
         stats: dict[str, torch.Tensor] = {}
         loss = None
         if self.head is not None:
@@ -253,9 +287,13 @@ class GEM(nn.Module):
             if self.retrieval_weight != 1.0:
                 loss = loss * self.retrieval_weight
         if self.tower is not None:
-            logits = self._logits(batch, states, emb)
+            logits, moe = self._logits(batch, states, emb)
             rank_loss, st = self.ranking_head(logits, batch.labels)
             stats.update(st)
+            if moe:  # Switch's load-balancing loss, weighted; the routing figures as stats
+                rank_loss = rank_loss + self.cfg.moe_aux_weight * moe["aux_loss"]
+                stats["moe_aux_loss"] = moe["aux_loss"].detach()
+                stats["moe_dropped"] = moe["dropped"]
             if self.head is None:
                 stats["num_targets"] = st["num_candidates"]
                 # the retrieval-side embeddings take no part: keep them in the graph (sharded backward)
@@ -271,7 +309,7 @@ class GEM(nn.Module):
         if self.tower is None:
             raise ValueError(f"GEM.ranking_logits: model.tasks {self.tasks} has no ranking task")
         states, emb = self._encode(batch, None)
-        return self._logits(batch, states, emb).float()
+        return self._logits(batch, states, emb)[0].float()
 
     def user_embeddings(self, batch: JaggedBatch) -> torch.Tensor:
         """[B, E] float32 unit-norm state at each sequence's last position (zeros for an empty sequence), in

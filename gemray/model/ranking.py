@@ -16,7 +16,9 @@ candidate_offsets [B+1]), d = ``cfg.width``, H heads, A = ``attention_dim`` (per
     logits = MLP([x | candidates | u[req] | ctx[req]])         [C, K]   ctx only with context features
 
 req = the request of each candidate (``segment_ids(candidate_offsets)``). The MLP is Linear + SiLU per
-``mlp_dims`` entry, then Linear to K. Attention: ``tower_activation`` ("softmax" default: alpha = 1/sqrt(A);
+``mlp_dims`` entry, then Linear to K. With ``moe_experts`` E > 0 its first two layers (in -> mlp_dims[0] ->
+mlp_dims[1], each Linear + SiLU) are a mixture of E such FFN experts (``gemray.model.moe.MoEFFN``, token-choice
+top-k over the candidates), followed by SiLU and the remaining dense layers: ``mlp = [moe, SiLU, Linear...]``. Attention: ``tower_activation`` ("softmax" default: alpha = 1/sqrt(A);
 pointwise: act(q.k)/N with N = max_seq_len). A request with no history gets x = b_o and u = b_p (attention
 over nothing is 0); one with no candidates contributes nothing to the logits.
 
@@ -40,6 +42,7 @@ from torch import nn
 from gemray import ops
 from gemray.config import ModelConfig
 from gemray.jagged import segment_ids
+from gemray.model.moe import MoEFFN
 
 LN_EPS = 1e-6
 LABEL_COLUMN = {"ctr": 0, "cvr": 1}  # the column of JaggedBatch.labels each task reads (click, convert)
@@ -54,7 +57,8 @@ class CandidateTower(nn.Module):
         max_seq_len: the longest history (the attention bound and the N of pointwise activations).
         has_context: whether ``forward`` gets a context vector (default: ``cfg`` has context features).
         device: where parameters are built ("meta" too: ``to_empty`` + ``init_weights`` later).
-    Parameters: q / kv / out / pool (nn.Linear), seeds [S, H, A] (normal, std 0.02), mlp (nn.Sequential).
+    Parameters: q / kv / out / pool (nn.Linear), seeds [S, H, A] (normal, std 0.02), mlp (nn.Sequential; its
+    first entry a ``MoEFFN`` when ``cfg.moe_experts`` > 0, see ``moe``).
     Raises ValueError without a ranking task or with max_seq_len < 1.
     """
 
@@ -79,12 +83,22 @@ class CandidateTower(nn.Module):
         self.pool = nn.Linear(S * H * V, d, device=device)
         dims = [d * (4 if self.has_context else 3)] + [int(m) for m in cfg.mlp_dims]
         layers: list[nn.Module] = []
+        if cfg.moe_experts:
+            layers += [MoEFFN(dims[0], dims[1], dims[2], cfg.moe_experts, cfg.moe_top_k, cfg.moe_capacity_factor,
+                              device=device), nn.SiLU()]
+            dims = dims[2:]
         for i, o in zip(dims[:-1], dims[1:]):
             layers += [nn.Linear(i, o, device=device), nn.SiLU()]
         layers.append(nn.Linear(dims[-1], self.num_tasks, device=device))
         self.mlp = nn.Sequential(*layers)
         self.seeds = nn.Parameter(torch.empty(S, H, A, device=device))
         self.reset_parameters()
+
+    @property
+    def moe(self) -> MoEFFN | None:
+        """The mixture-of-experts layer (``mlp[0]``) with ``cfg.moe_experts`` > 0, else None."""
+        first = self.mlp[0]
+        return first if isinstance(first, MoEFFN) else None
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -95,14 +109,24 @@ class CandidateTower(nn.Module):
     def init_weights(self) -> None:
         """Draw every parameter anew in construction order (the Linears, then the seeds), as construction does."""
         for m in (self.q, self.kv, self.out, self.pool, *self.mlp):
-            if isinstance(m, nn.Linear):
+            if isinstance(m, (nn.Linear, MoEFFN)):
                 m.reset_parameters()
         self.reset_parameters()
 
     def forward(self, history: torch.Tensor, offsets: torch.Tensor, candidates: torch.Tensor,
                 candidate_offsets: torch.Tensor, context: torch.Tensor | None = None, *,
-                max_candidates: int | None = None) -> torch.Tensor:
-        """Logits of every candidate for every ranking task.
+                max_candidates: int | None = None, return_aux: bool = False):
+        """[C, K] logits of every candidate for every ranking task (:meth:`logits_and_aux`); with ``return_aux``
+        the pair (logits, the mixture-of-experts statistics) -- what training calls, through ``__call__`` so
+        that a compiled tower (``train.compile``) runs compiled."""
+        logits, aux = self.logits_and_aux(history, offsets, candidates, candidate_offsets, context,
+                                          max_candidates=max_candidates)
+        return (logits, aux) if return_aux else logits
+
+    def logits_and_aux(self, history: torch.Tensor, offsets: torch.Tensor, candidates: torch.Tensor,
+                       candidate_offsets: torch.Tensor, context: torch.Tensor | None = None, *,
+                       max_candidates: int | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Logits of every candidate for every ranking task, and the experts' routing statistics.
 
         Args:
             history: [T, d] float, the encoded history (e.g. the HSTU states), jagged by offsets [B+1] int64.
@@ -112,7 +136,8 @@ class CandidateTower(nn.Module):
             max_candidates: host int >= every request's candidate count (default: computed, one host sync on
                 CUDA; ``GEM`` passes ``HostShape.max_candidates``).
         Returns:
-            [C, K] float logits, K = len(cfg.ranking_tasks), tasks in ``cfg.tasks`` order.
+            ([C, K] float logits, K = len(cfg.ranking_tasks), tasks in ``cfg.tasks`` order; aux: {} without
+            experts, else ``MoEFFN.forward``'s {"aux_loss" (in the graph), "dropped", "tokens_per_expert"}).
         Raises:
             ValueError: mismatched shapes / batch sizes, a missing or unexpected context, a history longer
             than max_seq_len.
@@ -148,7 +173,13 @@ class CandidateTower(nn.Module):
         parts = [x, candidates, u[req]]
         if context is not None:
             parts.append(context[req])
-        return self.mlp(torch.cat(parts, dim=1))
+        z = torch.cat(parts, dim=1)
+        aux: dict[str, torch.Tensor] = {}
+        moe = self.moe
+        if moe is not None:
+            z, aux = moe(z)
+            return self.mlp[1:](z), aux
+        return self.mlp(z), aux
 
 
 def _check_ends(offsets: torch.Tensor, T: int, candidate_offsets: torch.Tensor, C: int) -> None:

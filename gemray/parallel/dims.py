@@ -43,7 +43,8 @@ class ParallelDims:
     world_size; at most one of them -1 (= world_size / the other). dense: "ddp" (needs dp_shard 1),
     "fsdp" (needs dp_replicate 1) or "hsdp". ep: expert-parallel degree (1 = off), must divide dp_shard.
     sparse_group: ranks of one TorchRec sharding group (0 or world_size = no 2D), must divide world_size.
-    sparse_sharding: one of ``SPARSE_KINDS``. device_type: "cpu" or "cuda".
+    sparse_sharding: one of ``SPARSE_KINDS``. device_type: "cpu" or "cuda". num_experts: the experts of the
+    model's MoE layers (``model.moe_experts``; 0 = not known here / none), which ep must divide when > 1.
 
     Raises ValueError naming the field and the sizes when the degrees do not multiply to / divide the
     world size, or a choice is unknown or unsupported on the device.
@@ -57,6 +58,7 @@ class ParallelDims:
     dense: str = "ddp"
     sparse_sharding: str = "auto"
     device_type: str = "cpu"
+    num_experts: int = 0
 
     def __post_init__(self) -> None:
         w = self.world_size
@@ -95,6 +97,9 @@ class ParallelDims:
         if shard % self.ep:
             raise ValueError(f"parallel.expert_parallel={self.ep} does not divide dp_shard={shard} (experts are "
                              f"spread over the dense shard ranks; world size {w})")
+        if self.ep > 1 and self.num_experts and self.num_experts % self.ep:
+            raise ValueError(f"parallel.expert_parallel={self.ep} does not divide model.moe_experts="
+                             f"{self.num_experts} (each rank of an ep group holds moe_experts / ep experts)")
         g = self.sparse_group
         if g < 0:
             raise ValueError(f"parallel.sparse_2d_group: expected >= 0, got {g}")
@@ -175,11 +180,13 @@ def detect_gpus_per_node(pcfg, device_type: str) -> int:
     return max(1, torch.cuda.device_count())
 
 
-def from_config(pcfg, world_size: int, device_type: str, gpus_per_node: int = 1) -> ParallelDims:
+def from_config(pcfg, world_size: int, device_type: str, gpus_per_node: int = 1, num_experts: int = 0
+                ) -> ParallelDims:
     """Pure decision: the ParallelDims the ``[parallel]`` section asks for at ``world_size`` ranks.
 
     pcfg: ``gemray.config.ParallelConfig``. gpus_per_node: devices per node (HSDP's default shard size,
-    capped at the world size). Raises ValueError naming the sizes when they do not divide.
+    capped at the world size). num_experts: ``model.moe_experts`` (expert parallelism must divide it).
+    Raises ValueError naming the sizes when they do not divide.
     """
     dense = pcfg.dense
     if dense == "ddp":
@@ -191,7 +198,8 @@ def from_config(pcfg, world_size: int, device_type: str, gpus_per_node: int = 1)
         rep = -1
     return ParallelDims(world_size=world_size, dp_replicate=rep, dp_shard=shard,
                         ep=max(1, int(pcfg.expert_parallel)), sparse_group=int(pcfg.sparse_2d_group),
-                        dense=dense, sparse_sharding=pcfg.sparse_sharding, device_type=device_type)
+                        dense=dense, sparse_sharding=pcfg.sparse_sharding, device_type=device_type,
+                        num_experts=int(num_experts))
 
 
 def _divisor_at_least(n: int, want: int) -> int:
@@ -202,7 +210,15 @@ def _divisor_at_least(n: int, want: int) -> int:
     return n
 
 
-def nearest_valid(pcfg, world_size: int, device_type: str, gpus_per_node: int = 1
+def _common_divisor_near(a: int, b: int, want: int) -> int:
+    """The common divisor of a and b (b = 0: any divisor of a) nearest ``want``: the smallest >= want, else
+    the largest below it."""
+    common = [d for d in range(1, a + 1) if a % d == 0 and (not b or b % d == 0)]
+    above = [d for d in common if d >= want]
+    return above[0] if above else common[-1]
+
+
+def nearest_valid(pcfg, world_size: int, device_type: str, gpus_per_node: int = 1, num_experts: int = 0
                   ) -> tuple[ParallelDims, list[str]]:
     """Elastic resize: the layout for exactly ``world_size`` ranks closest to the configured one.
 
@@ -212,10 +228,13 @@ def nearest_valid(pcfg, world_size: int, device_type: str, gpus_per_node: int = 
     experts and table rows the configured layout gave it, so a shrink cannot run out of memory for
     layout reasons); the fill dimension (HSDP's dp_replicate) takes the rest. E.g. HSDP dp_shard=2 at
     3 ranks -> dp_shard 3 x dp_replicate 1; sparse_2d_group=2 at 3 ranks -> one group of 3 (plain).
+    expert_parallel must divide both dp_shard and ``num_experts`` (``model.moe_experts``): it goes to the
+    smallest common divisor >= the configured degree, else the largest below it (FSDP over 3 ranks with 4
+    experts: ep 2 -> 1, every rank holding all experts).
     Raises ValueError for choices that are wrong at any size (unknown kinds, TWRW on CPU).
     """
     try:
-        return from_config(pcfg, world_size, device_type, gpus_per_node), []
+        return from_config(pcfg, world_size, device_type, gpus_per_node, num_experts), []
     except ValueError:
         pass
     changes: list[str] = []
@@ -229,9 +248,10 @@ def nearest_valid(pcfg, world_size: int, device_type: str, gpus_per_node: int = 
     elif pcfg.dense == "ddp":
         shard = 1
     ep = max(1, int(pcfg.expert_parallel))
-    if shard % ep:
-        new = _divisor_at_least(shard, ep)
-        changes.append(f"parallel.expert_parallel {ep} -> {new} (does not divide dp_shard {shard})")
+    if shard % ep or (ep > 1 and num_experts and num_experts % ep):
+        new = _common_divisor_near(shard, int(num_experts), ep)
+        changes.append(f"parallel.expert_parallel {ep} -> {new} (must divide dp_shard {shard}"
+                       + (f" and model.moe_experts {num_experts})" if num_experts else ")"))
         ep = new
     group = int(pcfg.sparse_2d_group)
     if group and world_size % group:
@@ -240,33 +260,36 @@ def nearest_valid(pcfg, world_size: int, device_type: str, gpus_per_node: int = 
         group = new
     pc = dataclasses.replace(pcfg, dp_shard=shard if pcfg.dense == "hsdp" else 0, expert_parallel=ep,
                              sparse_2d_group=group)
-    return from_config(pc, world_size, device_type, gpus_per_node), changes
+    return from_config(pc, world_size, device_type, gpus_per_node, num_experts), changes
 
 
-def largest_valid_world(pcfg, world_size: int, device_type: str, gpus_per_node: int = 1) -> int:
+def largest_valid_world(pcfg, world_size: int, device_type: str, gpus_per_node: int = 1, num_experts: int = 0
+                        ) -> int:
     """The largest world size <= ``world_size`` at which the configured layout holds unchanged (0 if none)."""
     for w in range(world_size, 0, -1):
         try:
-            from_config(pcfg, w, device_type, gpus_per_node)
+            from_config(pcfg, w, device_type, gpus_per_node, num_experts)
             return w
         except ValueError:
             continue
     return 0
 
 
-def resolve(pcfg, world_size: int, device_type: str, *, elastic: bool, gpus_per_node: int | None = None
-            ) -> ParallelDims:
+def resolve(pcfg, world_size: int, device_type: str, *, elastic: bool, gpus_per_node: int | None = None,
+            num_experts: int = 0) -> ParallelDims:
     """The layout this attempt runs: the configured one or, for an elastic job whose new world size it does
     not divide, :func:`nearest_valid` (each change logged as a WARNING, with the largest world size at
-    which the configured layout would have held). A fixed-size job gets the ValueError instead."""
+    which the configured layout would have held). A fixed-size job gets the ValueError instead.
+    num_experts: ``model.moe_experts`` (expert parallelism must divide it)."""
     gpn = detect_gpus_per_node(pcfg, device_type) if gpus_per_node is None else gpus_per_node
     if not elastic:
-        return from_config(pcfg, world_size, device_type, gpn)
-    dims, changes = nearest_valid(pcfg, world_size, device_type, gpn)
+        return from_config(pcfg, world_size, device_type, gpn, num_experts)
+    dims, changes = nearest_valid(pcfg, world_size, device_type, gpn, num_experts)
     if changes:
         log.warning("elastic resize to %d ranks: the configured layout does not fit (it holds at %d ranks); "
                     "nearest valid layout: %s (%s)", world_size,
-                    largest_valid_world(pcfg, world_size, device_type, gpn), dims.describe(), "; ".join(changes))
+                    largest_valid_world(pcfg, world_size, device_type, gpn, num_experts), dims.describe(),
+                    "; ".join(changes))
     return dims
 
 

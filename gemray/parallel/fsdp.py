@@ -58,7 +58,8 @@ def _sharded_module_params(module: nn.Module) -> set[nn.Parameter]:
 
 
 def apply_fully_shard(module: nn.Module, mesh, *, precision: str = "fp32", reshard_after_forward: bool = True,
-                      prefetch: bool = True) -> list[nn.Module]:
+                      prefetch: bool = True, ignored_params: set[nn.Parameter] | None = None,
+                      collectives: str = "nccl") -> list[nn.Module]:
     """FSDP2 on the dense part of ``module`` in place; returns the block units in forward order.
 
     module: the (TorchRec-sharded) model; its transformer blocks (``HSTUBlock``) become one FSDP unit each,
@@ -67,17 +68,23 @@ def apply_fully_shard(module: nn.Module, mesh, *, precision: str = "fp32", resha
     precision: ``train.precision`` ("bf16" -> bf16 compute, fp32 reduce). reshard_after_forward: free each
     block's gathered parameters after its forward (the root keeps its own until backward: it is needed first
     in backward). prefetch: explicit forward / backward prefetch of the neighbouring block.
+    ignored_params: further parameters FSDP must leave alone (expert-parallel experts, which
+    ``gemray.parallel.expert`` shards and reduces itself). collectives: ``parallel.collectives``
+    (``gemray.parallel.collectives``: symmetric-memory all-gather buffers on every unit unless "nccl").
     """
     from torch.distributed.fsdp import fully_shard
 
     mp = mixed_precision_policy(precision)
-    ignored = _sharded_module_params(module)
+    ignored = _sharded_module_params(module) | set(ignored_params or ())
     blocks = [m for m in module.modules() if isinstance(m, _block_types())]
     for block in blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
     root_mp = type(mp)(param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype, output_dtype=mp.output_dtype,
                        cast_forward_inputs=False)  # the root's input is a JaggedBatch of ids
     fully_shard(module, mesh=mesh, reshard_after_forward=False, mp_policy=root_mp, ignored_params=ignored)
+    from gemray.parallel.collectives import configure_fsdp_units
+
+    configure_fsdp_units([*blocks, module], collectives)
     if prefetch and len(blocks) > 1:
         for i, block in enumerate(blocks):
             if i + 1 < len(blocks):
@@ -91,26 +98,31 @@ class FullyShardWrapper:
     """TorchRec ``DataParallelWrapper`` applying :func:`apply_fully_shard` to the DMP's module (instead of
     DDP). mesh / precision / reshard_after_forward / prefetch: as :func:`apply_fully_shard`."""
 
-    def __init__(self, mesh, *, precision: str = "fp32", reshard_after_forward: bool = True, prefetch: bool = True):
-        self.mesh, self.precision = mesh, precision
+    def __init__(self, mesh, *, precision: str = "fp32", reshard_after_forward: bool = True, prefetch: bool = True,
+                 ignored_params: set[nn.Parameter] | None = None, collectives: str = "nccl"):
+        self.mesh, self.precision, self.collectives = mesh, precision, collectives
+        self.ignored_params = set(ignored_params or ())
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         self.blocks: list[nn.Module] = []
 
     def wrap(self, dmp, env, device: torch.device) -> None:
         module = dmp._dmp_wrapped_module
         self.blocks = apply_fully_shard(module, self.mesh, precision=self.precision,
-                                        reshard_after_forward=self.reshard_after_forward, prefetch=self.prefetch)
+                                        reshard_after_forward=self.reshard_after_forward, prefetch=self.prefetch,
+                                        ignored_params=self.ignored_params, collectives=self.collectives)
         log.info("FSDP2 over mesh %s: %d block units + root (%s, reshard_after_forward=%s, prefetch=%s)",
                  tuple(self.mesh.shape), len(self.blocks), self.precision, self.reshard_after_forward,
                  self.prefetch)
 
 
-def data_parallel_wrapper(mesh, *, precision: str, reshard_after_forward: bool, prefetch: bool):
+def data_parallel_wrapper(mesh, *, precision: str, reshard_after_forward: bool, prefetch: bool,
+                          ignored_params: set[nn.Parameter] | None = None, collectives: str = "nccl"):
     """A :class:`FullyShardWrapper` that is also a ``torchrec...DataParallelWrapper`` (its abstract base)."""
     from torchrec.distributed.model_parallel import DataParallelWrapper
 
     cls = type("TorchRecFullyShardWrapper", (FullyShardWrapper, DataParallelWrapper), {})
-    return cls(mesh, precision=precision, reshard_after_forward=reshard_after_forward, prefetch=prefetch)
+    return cls(mesh, precision=precision, reshard_after_forward=reshard_after_forward, prefetch=prefetch,
+               ignored_params=ignored_params, collectives=collectives)
 
 
 @contextlib.contextmanager

@@ -135,7 +135,9 @@ def parallelize(model: nn.Module, *, layout: Layout, cfg: JobConfig, device: tor
     2. sharding plan: ``EmbeddingShardingPlanner.collective_plan``, every table constrained to
        ``layout.sharding_types`` (``parallel.sparse_sharding``); for TorchRec 2D (``parallel.sparse_2d_group``)
        the plan is for one sharding group;
-    3. dense part materialised: ``torch.manual_seed(cfg.train.seed)``, every module outside
+    3. expert parallelism (``parallel.expert_parallel`` > 1, ``gemray.parallel.expert``): every MoE layer's
+       experts sharded over the mesh's "ep" dimension (DTensors), all-to-all dispatch installed; then the
+       dense part materialised: ``torch.manual_seed(cfg.train.seed)``, every module outside
        ``model.embeddings`` ``to_empty(device=device)``, then ``model.init_weights()``: the same values on
        every rank (DDP's broadcast from rank 0 then changes nothing); GEM's are those of a direct
        real-device build with that seed (its init_weights skips the draws of the tables left on meta);
@@ -155,8 +157,9 @@ def parallelize(model: nn.Module, *, layout: Layout, cfg: JobConfig, device: tor
         ``train.adam_betas``).
     device: this rank's device (``cuda:<local_rank>`` or ``cpu``).
     Returns the ``DistributedModelParallel``; :func:`build_optimizer` adds the dense optimizer to its fused one.
-    Raises ValueError if parallel.expert_parallel > 1 (the model has no experts), model.embedding_dim is
-    not a multiple of 4 (FBGEMM), the process group is not
+    Raises ValueError if parallel.expert_parallel > 1 cannot apply (no MoE layer, or it does not divide
+    ``model.moe_experts``: ``gemray.parallel.expert``), model.embedding_dim is not a multiple of 4 (FBGEMM),
+    the process group is not
     initialised, its size differs from the layout, the model has no ``embeddings`` EmbeddingCollection or
     no ``init_weights``, or a parameter is not on the meta device.
     """
@@ -168,6 +171,9 @@ def parallelize(model: nn.Module, *, layout: Layout, cfg: JobConfig, device: tor
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
     check_shardable(cfg.model)
+    from gemray.parallel.collectives import check_collectives
+
+    check_collectives(str(getattr(getattr(cfg, "parallel", None), "collectives", "nccl")), layout.backend)
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("parallelize: torch.distributed is not initialised (run inside Ray Train)")
     pg = pg or dist.GroupMember.WORLD
@@ -194,9 +200,9 @@ def parallelize(model: nn.Module, *, layout: Layout, cfg: JobConfig, device: tor
                                                 compute_kernels=kernels)
                    for t in ec.embedding_configs()}
     dims = layout.parallel
-    if dims.ep_enabled:
-        raise ValueError(f"parallel.expert_parallel={dims.ep}: {type(model).__name__} has no mixture-of-experts "
-                         f"layers to spread over the 'ep' mesh dimension (set parallel.expert_parallel=0)")
+    from gemray.parallel.expert import apply_expert_parallel, check_expert_parallel, expert_parameters
+
+    check_expert_parallel(model, dims.ep)
     group = dims.sparse_group_size  # 2D: the plan is for one sharding group, repeated across replicas
     # on CUDA the GPU's real HBM, not TorchRec's 32 GB default (GEM-scale tables)
     hbm = {"hbm_cap": torch.cuda.get_device_properties(device).total_memory} if layout.device_type == "cuda" else {}
@@ -208,7 +214,14 @@ def parallelize(model: nn.Module, *, layout: Layout, cfg: JobConfig, device: tor
         log.info("layout %s; sharding plan (%d ranks per group, %s): %s", dims.describe(), group,
                  layout.device_type, _describe_plan(plan))
 
-    # 3. Dense part: real memory, then the same seeded draws on every rank.
+    # 3. Expert parallelism on the meta model (experts sharded over the mesh's "ep" dimension, all-to-all
+    # dispatch); then the dense part: real memory, the same seeded draws on every rank (experts: the slice).
+    mesh = None
+    if dims.fsdp_enabled or dims.ep_enabled:
+        from gemray.parallel.dims import build_mesh
+
+        mesh = build_mesh(dims)
+    apply_expert_parallel(model, mesh, ep=dims.ep)
     torch.manual_seed(cfg.train.seed)
     materialize_dense(model, device)
 
@@ -216,21 +229,28 @@ def parallelize(model: nn.Module, *, layout: Layout, cfg: JobConfig, device: tor
     # by FSDP2 over the mesh's dp dims; DMPCollection for TorchRec 2D (shard in a group, replicate across).
     wrapper = None
     if dims.fsdp_enabled:
-        from gemray.parallel.dims import build_mesh, dense_mesh
+        from gemray.parallel.dims import dense_mesh
         from gemray.parallel.fsdp import data_parallel_wrapper
 
         pcfg = getattr(cfg, "parallel", None)
         wrapper = data_parallel_wrapper(
-            dense_mesh(build_mesh(dims), dims), precision=str(getattr(cfg.train, "precision", "fp32")),
+            dense_mesh(mesh, dims), precision=str(getattr(cfg.train, "precision", "fp32")),
             reshard_after_forward=bool(getattr(pcfg, "reshard_after_forward", True)),
-            prefetch=bool(getattr(pcfg, "prefetch", True)))
+            prefetch=bool(getattr(pcfg, "prefetch", True)),
+            ignored_params=expert_parameters(model) if dims.ep_enabled else set(),
+            collectives=str(getattr(pcfg, "collectives", "nccl")))
     if dims.sparse_2d:
         from torchrec.distributed.model_parallel import DMPCollection
 
-        return DMPCollection(module=model, device=device, plan=plan, world_size=dims.world_size,
-                             sharding_group_size=dims.sparse_group, global_pg=pg,
-                             data_parallel_wrapper=wrapper)
-    return DistributedModelParallel(module=model, device=device, plan=plan, data_parallel_wrapper=wrapper)
+        dmp = DMPCollection(module=model, device=device, plan=plan, world_size=dims.world_size,
+                            sharding_group_size=dims.sparse_group, global_pg=pg, data_parallel_wrapper=wrapper)
+    else:
+        dmp = DistributedModelParallel(module=model, device=device, plan=plan, data_parallel_wrapper=wrapper)
+    if dims.ep_enabled:  # expert gradients: summed over the ranks holding the same experts, not over ep
+        from gemray.parallel.expert import register_expert_grad_reduction
+
+        register_expert_grad_reduction(dmp.module, mesh, dims.world_size)
+    return dmp
 
 
 def sync_sparse_replicas(dmp: nn.Module) -> None:

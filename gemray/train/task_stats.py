@@ -49,3 +49,32 @@ class TaskLosses:
         self._sums = [0.0] * (2 * len(self.tasks))
         return {f"train_loss_{t}": float(s[2 * j] / s[2 * j + 1]) if float(s[2 * j + 1]) > 0 else 0.0
                 for j, t in enumerate(self.tasks)}
+
+
+class MoEStats:
+    """Mixture-of-experts routing figures of one epoch: the mean over steps and ranks of each step's
+    ``moe_aux_loss`` (Switch's load-balancing loss, 1.0 = balanced) and ``moe_dropped`` (share of the
+    token-expert assignments over capacity), as ``GEM.forward``'s stats give them. :meth:`reduce`
+    (collective) -> {"train_moe_aux_loss", "train_moe_dropped"} and restarts the sums."""
+
+    KEYS = ("moe_aux_loss", "moe_dropped")
+
+    def __init__(self):
+        self._sums = [0.0] * (len(self.KEYS) + 1)
+
+    def add(self, stats: dict) -> None:
+        """One step's stats dict; a step without the keys adds nothing."""
+        if self.KEYS[0] not in stats:
+            return
+        for j, k in enumerate(self.KEYS):
+            self._sums[j] += float(stats[k])
+        self._sums[-1] += 1.0
+
+    def reduce(self, device: torch.device) -> dict[str, float]:
+        s = torch.tensor(self._sums, dtype=torch.float64, device=device)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(s)
+        s = s.cpu()
+        self._sums = [0.0] * (len(self.KEYS) + 1)
+        n = float(s[-1])
+        return {f"train_{k}": float(s[j]) / n if n else 0.0 for j, k in enumerate(self.KEYS)}

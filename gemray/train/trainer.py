@@ -23,7 +23,9 @@ completed, 1-based, = completed epochs), ``global_step``, ``train_loss``, ``samp
 ``tokens_per_s`` (global, training steps only), ``model_tflops_per_s``, ``local_mfu`` (with the sums behind it,
 ``mfu_flops`` / ``mfu_rank_s``, and the device's ``peak_flops``: gemray.train.throughput), ``token_imbalance`` (mean
 over steps of max/mean tokens across ranks, measured by all-gathering per-step counts), ``train_s``,
-``train_loss_<task>`` (several ``model.tasks``: each task's mean loss), ``valid_hr@K`` / ``valid_ndcg@K``
+``train_loss_<task>`` (several ``model.tasks``: each task's mean loss), ``train_moe_aux_loss`` /
+``train_moe_dropped`` (``model.moe_experts`` > 0: the experts' load-balancing loss and share of assignments
+over capacity, means over steps and ranks), ``valid_hr@K`` / ``valid_ndcg@K``
 (retrieval) and ``valid_<task>_ne`` / ``_auc`` ... (ranking tasks, ``RankingEvaluator``) on eval epochs,
 ``epoch_s``; the last epoch's report also carries ``test_hr@K`` / ``test_ndcg@K``, ``final``,
 ``world_size`` and ``history`` (the per-epoch dicts, restored across restarts). Ray Train V2's
@@ -59,7 +61,7 @@ from gemray.train.precision import autocast
 from gemray.train.preemption_vote import PreemptionVote
 from gemray.train.recorder import RecoveryRecorder
 from gemray.train.stats import EpochStats, ThroughputMeter, epoch_summary, progress_line
-from gemray.train.task_stats import TaskLosses
+from gemray.train.task_stats import MoEStats, TaskLosses
 from gemray.train.throughput import StepClock, batch_flops, device_peak_flops
 
 log = logging.getLogger("gemray.train")
@@ -85,8 +87,9 @@ def step_seed(seed: int, global_step: int, rank: int) -> int:
 
 
 def forward_backward_step(model: torch.nn.Module, optimizer: Any, batch: Any, device: torch.device, *,
-                          precision: str = "fp32", stats_out: dict | None = None, read_loss: bool = True
-                          ) -> tuple[Any, float]:
+                          precision: str = "fp32", stats_out: dict | None = None, read_loss: bool = True,
+                          pipeline: Any = None, sampling_seed: int = 0, next_batch: Any = None,
+                          next_sampling_seed: int = 0) -> tuple[Any, float]:
     """Forward (under ``gemray.train.precision.autocast(precision, device)``), backward (the fused sparse
     optimizer steps inside), dense step. Returns (loss, targets).
 
@@ -99,13 +102,25 @@ def forward_backward_step(model: torch.nn.Module, optimizer: Any, batch: Any, de
     on to report metrics of NaN scores). read_loss False: returns the detached 0-d loss tensor unread (no sync;
     the caller reads and checks it later: ``Trainer`` every ``train.log_every`` steps). precision "bf16" /
     "fp8": the forward under bf16 autocast (fp8's GEMMs are the converted modules', ``gemray.model.fp8``).
+    pipeline: a ``gemray.train.pipeline.SparseDistPipeline`` (``parallel.train_pipeline = "sparse_dist"``):
+    this batch comes from it (its negatives drawn with ``sampling_seed`` if it was not prefetched), and
+    ``next_batch`` (the next step's host batch, None at the last step) is prefetched with
+    ``next_sampling_seed`` while this one computes.
     """
-    if device.type == "cuda" and batch.offsets.device.type == "cpu":
-        batch = batch.pin_memory().to(device, non_blocking=True)
+    if pipeline is None:
+        if device.type == "cuda" and batch.offsets.device.type == "cpu":
+            batch = batch.pin_memory().to(device, non_blocking=True)
+        else:
+            batch = batch.to(device)
+        with autocast(precision, device):
+            loss, stats = model(batch)
     else:
-        batch = batch.to(device)
-    with autocast(precision, device):
-        loss, stats = model(batch)
+        batch, sparse, served = pipeline.take(batch, sampling_seed)
+        if next_batch is not None:
+            pipeline.prefetch(next_batch, next_sampling_seed)
+        with autocast(precision, device), served:
+            loss, stats = model(batch, sparse=sparse)
+        pipeline.advance()
     if stats_out is not None and isinstance(stats, dict):
         stats_out.update(stats)
     if read_loss:
@@ -189,6 +204,8 @@ class Trainer:
         self.t_start = time.time() if t_start is None else t_start
         self.stopped = False
         self.task_losses: TaskLosses | None = None  # per-task loss sums of the epoch (several tasks only)
+        self.moe_stats: MoEStats | None = None  # routing figures of the epoch (model.moe_experts > 0 only)
+        self.pipeline = None  # gemray.train.pipeline.SparseDistPipeline with parallel.train_pipeline="sparse_dist"
 
     # -- setup: who am I, where do I run, what data ------------------------------------------------------
     def setup(self, context: tuple[int, int, torch.device] | None = None) -> None:
@@ -199,6 +216,11 @@ class Trainer:
         process outside Ray Train whose caller made the default process group (``gemray bench train``: world
         size 1, gloo). The device's dense bf16 peak (``peak_flops``, None on CPU) is looked up here."""
         cfg = self.cfg
+        # parallel.collectives: NCCL's environment before this process's first NCCL communicator (the
+        # controller already put it in the workers' runtime_env; this covers processes started without it)
+        from gemray.parallel.collectives import apply_collectives_env
+
+        apply_collectives_env(cfg.parallel.collectives)
         if context is None:
             import ray.train
 
@@ -223,7 +245,8 @@ class Trainer:
         # The mesh degrees for this world size ([parallel]); an elastic job resized to a size they do not
         # divide runs the nearest valid layout (logged), a fixed-size job stops with the sizes named.
         elastic = bool(cfg.ray.min_workers or cfg.ray.max_workers)
-        self.dims = resolve(cfg.parallel, self.world, self.device.type, elastic=elastic)
+        self.dims = resolve(cfg.parallel, self.world, self.device.type, elastic=elastic,
+                            num_experts=cfg.model.moe_experts)
         self.layout = plan_layout(self.world, self.device.type, self.dims)
         self.attempt = agree_attempt(self.rank, self.device)
         self.recorder = RecoveryRecorder(cfg.train.events_path, attempt=self.attempt, rank=self.rank,
@@ -272,6 +295,10 @@ class Trainer:
         self.checkpointer.setup(self.dmp)
         self.compiled = self.compile_dense()
         self.optimizer = build_optimizer(self.dmp, cfg)
+        if cfg.parallel.train_pipeline == "sparse_dist":
+            from gemray.train.pipeline import SparseDistPipeline
+
+            self.pipeline = SparseDistPipeline(self.dmp, self.device)
         self.evaluators = build_evaluators(cfg, self.num_items)
         self.policy = CheckpointPolicy.from_config(cfg)
         self.warm_up_kernels()
@@ -352,9 +379,11 @@ class Trainer:
         meter = ThroughputMeter(self.peak_flops)
         batches = self.train_stream.iter_epoch(epoch, self.consumed)
         epoch_steps, t_loop = self.epoch_step + steps, time.perf_counter()
+        ahead = None  # with the sparse-dist pipeline: the next step's (batch, consumed), prefetched by this step
         for i in range(steps):
-            batch, self.consumed = next(batches)
-            loss = self.train_step(batch)
+            batch, self.consumed = ahead if ahead is not None else next(batches)
+            ahead = next(batches) if self.pipeline is not None and i + 1 < steps else None
+            loss = self.train_step(batch, next_batch=None if ahead is None else ahead[0])
             meter.add(batch.batch_size, batch.num_tokens, self.last_step_flops)
             log_now = self.epoch_step % cfg.train.log_every == 0
             if log_now:  # per-rank load (collective: every rank takes part); to the run's log file (debug)
@@ -378,15 +407,21 @@ class Trainer:
                 break
             reason = self.maybe_checkpoint(self.global_step, epoch_end=False, preempt=action)
             if action == "stop":
+                if self.pipeline is not None:
+                    self.pipeline.reset()
                 self._stop()
                 return None
             if reason == "emergency":
                 self.vote.emergency_checkpoint_taken()
         self.flush_losses()
+        if self.pipeline is not None:
+            self.pipeline.reset()  # a batch prefetched past a break (last step with a notice) is not trained
         self.stats.reduce(self.device, self.world)
         out = self.stats.result(self.peak_flops)
         if self.task_losses is not None:
             out.update(self.task_losses.reduce(self.device))
+        if self.moe_stats is not None:  # collective, as the per-task losses
+            out.update(self.moe_stats.reduce(self.device))
         return out
 
     def begin_epoch(self, epoch: int, pos: dict[str, Any] | None = None) -> None:
@@ -399,16 +434,18 @@ class Trainer:
         self.epoch, self.consumed, self.epoch_step = epoch, int(pos["consumed"]), int(pos["epoch_step"])
         self.stats = EpochStats(pos.get("partial"))
         self.task_losses = TaskLosses(self.cfg.model.tasks) if len(self.cfg.model.tasks) > 1 else None
+        self.moe_stats = MoEStats() if self.cfg.model.moe_experts else None
         self.dmp.train()
         self.clock = StepClock()
         self._pending: list[tuple] = []  # steps whose loss is not read yet (train_step)
 
-    def train_step(self, batch: Any) -> float | None:
+    def train_step(self, batch: Any, next_batch: Any = None) -> float | None:
         """One global step of this rank: dropout and negative sampling seeded from (seed, global step, rank),
         forward / backward / optimizer step, then the bookkeeping (statistics with the step's model FLOPs
         ``last_step_flops`` and its wall seconds ``last_step_s`` -- since the previous step's end, the batch
         wait included -- counters, ledger, step event). Returns the loss (this rank's mean over its predicted
-        positions), or None when it is not read yet.
+        positions), or None when it is not read yet. ``next_batch``: the next step's host batch, prefetched
+        during this step by the sparse-dist pipeline (``parallel.train_pipeline``; ignored without it).
 
         On CUDA the loss stays on the device (reading it is a host sync that stalls the launch queue every
         step): the losses of the steps since the last read are read together (:meth:`flush_losses`) at every
@@ -426,14 +463,19 @@ class Trainer:
         fp8 = tc.precision == "fp8"  # the weights' FP8 copies once per step (recomputes reuse them)
         with self.checkpointer.step(self.dmp, self.device), (collect_fp8_stats() if fp8_stats else nullcontext()), \
                 (fp8_weight_cache() if fp8 else nullcontext()):
-            loss, n_t = forward_backward_step(self.dmp, self.optimizer, batch, self.device,
-                                              precision=tc.precision, stats_out=step_stats, read_loss=not defer)
+            loss, n_t = forward_backward_step(
+                self.dmp, self.optimizer, batch, self.device, precision=tc.precision, stats_out=step_stats,
+                read_loss=not defer, pipeline=self.pipeline,
+                sampling_seed=step_seed(seed + 1, self.global_step, self.rank), next_batch=next_batch,
+                next_sampling_seed=step_seed(seed + 1, self.global_step + 1, self.rank))
         self.checkpointer.after_step()
         if fp8_stats and self.rank == 0:
             log_fp8_stats(pop_fp8_stats())
         sync_sparse_replicas(self.dmp)  # TorchRec 2D: average the table replicas (no-op otherwise)
         if self.task_losses is not None:
             self.task_losses.add(step_stats)
+        if self.moe_stats is not None:
+            self.moe_stats.add(step_stats)
         self.last_step_s = self.clock.lap()
         self.attempt_steps += 1
         measured = self.attempt_steps > tc.mfu_warmup_steps
