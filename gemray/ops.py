@@ -120,7 +120,8 @@ class RelativeBiasInputs:
 
 class _BucketGather(torch.autograd.Function):
     """weights[idx] whose backward is one ``bincount`` (the default index backward sorts millions of
-    indices into a few dozen buckets, which dominated CPU step time)."""
+    indices into a few dozen buckets, which dominated CPU step time). CPU only: the CPU bincount adds in index
+    order (reproducible); the CUDA one adds with float atomics, in whatever order the threads run."""
 
     @staticmethod
     def forward(ctx, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -136,10 +137,13 @@ class _BucketGather(torch.autograd.Function):
 
 
 def bucket_gather(weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """weights [Q] float, idx int64 (any shape, values in [0, Q)) -> weights[idx], same shape as idx. Eager: the
-    bincount backward (_BucketGather); under torch.compile plain indexing (bincount's output size depends on the
-    data, which would break the graph; the compiled index backward is a scatter-add)."""
-    if torch.compiler.is_compiling():
+    """weights [Q] float, idx int64 (any shape, values in [0, Q)) -> weights[idx], same shape as idx. Eager on the
+    CPU: the bincount backward (_BucketGather). On CUDA plain indexing: its backward (``index_put_`` with
+    accumulate, which sorts the indices and adds each bucket's terms in a fixed order) gives the same gradient on
+    every run, where CUDA's weighted bincount adds with atomics and made the reference path's d pos_w / d ts_w
+    differ run to run in the last bits. Under torch.compile plain indexing too (bincount's output size depends
+    on the data, which would break the graph; the compiled index backward is a scatter-add)."""
+    if torch.compiler.is_compiling() or weights.device.type == "cuda":
         return weights[idx]
     return _BucketGather.apply(weights, idx)
 
