@@ -393,6 +393,14 @@ class TrainConfig:
     compiles the blocks whatever this says). compile_backend: the torch._dynamo backend, "inductor" (default;
     on CUDA), "aot_eager" or "eager" (both for debugging: no codegen). compile_tower: also compile the
     candidate tower (default true).
+    deterministic: bit-reproducible training (default true): ``torch.use_deterministic_algorithms(True,
+    warn_only=True)`` in every worker before the model is built (``gemray.train.trainer.apply_determinism``). Without
+    it the same seed gives runs that drift apart from the first steps: FBGEMM's TBE backward on CUDA splits an
+    embedding row that occurs more than 1024 times in a batch (the rating / time-gap features, popular items)
+    over several thread blocks and adds their partial gradients with atomics, and on CPU the multi-threaded
+    index backward (the position embedding) adds in thread order. The drift starts at ~1e-9 in the tables and
+    can grow through training until the epoch loss differs in the 4th decimal (ML-1M on an H200: from epoch 6 of
+    12). False: FBGEMM's split long rows and PyTorch's default kernels (faster where they differ).
     """
 
     PRECISIONS = ("fp32", "bf16", "fp8")
@@ -429,6 +437,7 @@ class TrainConfig:
     compile: bool = False
     compile_backend: str = "inductor"
     compile_tower: bool = True
+    deterministic: bool = True
 
     def validate(self) -> None:
         _positive(self, "epochs", "lr", "sparse_lr", "eval_every", "log_every")

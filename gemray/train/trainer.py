@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from contextlib import nullcontext
 from typing import Any
@@ -78,6 +79,25 @@ def _setup_logging(rank: int) -> None:
         h._gemray = True  # type: ignore[attr-defined]
         root.addHandler(h)
         root.propagate = False
+
+
+def apply_determinism(enabled: bool, device: torch.device) -> None:
+    """``train.deterministic``: set this process's ``torch.use_deterministic_algorithms`` to ``enabled`` (warn_only:
+    an op without a deterministic kernel warns once instead of failing the run). Call before the model is built.
+
+    What it changes here: FBGEMM's TBE backward on CUDA reads the flag and no longer splits an embedding row that
+    occurs more than 1024 times in a batch over several thread blocks whose partial gradients are added with
+    atomics (fbgemm_gpu ``embedding_backward_split_template.cu``: ``max_segment_length_per_cta``); PyTorch's CPU
+    index backward (``index_put_`` with accumulate, e.g. the position embedding) sorts instead of adding in
+    thread order. Enabled, it also turns off ``torch.utils.deterministic.fill_uninitialized_memory`` (NaN-filling
+    every ``torch.empty``: a cost, and no part of the determinism of a correct program) and, on CUDA, sets
+    ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` unless given (cuBLAS's reproducibility setting; read when the first cuBLAS
+    handle is made)."""
+    if enabled:
+        if device.type == "cuda":
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.utils.deterministic.fill_uninitialized_memory = False
+    torch.use_deterministic_algorithms(bool(enabled), warn_only=True)
 
 
 def step_seed(seed: int, global_step: int, rank: int) -> int:
@@ -238,6 +258,7 @@ class Trainer:
             _setup_logging(self.rank)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        apply_determinism(cfg.train.deterministic, self.device)  # before anything is built or warmed up
         self.device_name, self.peak_flops = device_peak_flops(self.device)
         # CUDA: losses stay on the device and are read every train.log_every steps (train_step)
         self.defer_loss = self.device.type == "cuda"
