@@ -417,7 +417,8 @@ def _cmd_bench_train(ns: argparse.Namespace) -> int:
             return 2
     ensure_prepared(cfg)  # as `gemray train`: prepare the data first where the config says how
     res = run_bench(cfg, steps=ns.steps, warmup=ns.warmup, profile=ns.profile, profile_steps=ns.profile_steps,
-                    warm_up_kernels=not ns.no_kernel_warmup, sync_debug=ns.sync_debug)
+                    warm_up_kernels=not ns.no_kernel_warmup, sync_debug=ns.sync_debug,
+                    host_profile_steps=ns.host_profile)
     print(format_table(res))
     if ns.json:
         out = Path(ns.json)
@@ -670,6 +671,8 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--warmup", type=int, default=10, help="steps before the measured ones (default %(default)s)")
     bt.add_argument("--profile", action="store_true", help="torch.profiler over a few more steps: time by category")
     bt.add_argument("--profile-steps", type=int, default=3, help="profiled steps (default %(default)s)")
+    bt.add_argument("--host-profile", type=int, default=0, metavar="N",
+                    help="N more steps under cProfile: where the host's time goes, own time per function")
     bt.add_argument("--no-kernel-warmup", action="store_true",
                     help="skip the ahead-of-time kernel compile (to see the compile stalls)")
     bt.add_argument("--sync-debug", action="store_true",

@@ -37,10 +37,11 @@ def _overrides(prepared, *extra):
 def test_bench_train_smoke_json_fields_and_arithmetic(synthetic, tmp_path, capsys):
     out = tmp_path / "r.json"
     rc = main(["bench", "train", "--config", CONFIG, *_overrides(synthetic), "--steps", "3", "--warmup", "1",
-               "--profile", "--profile-steps", "1", "--json", str(out)])
+               "--profile", "--profile-steps", "1", "--host-profile", "2", "--json", str(out)])
     assert rc == 0
     printed = capsys.readouterr().out
     assert "step time" in printed and "local MFU" in printed and "profile (1 steps" in printed
+    assert "host profile (2 steps" in printed
     r = json.loads(out.read_text())
     for key in ("step_s", "data_s", "tokens_per_s", "samples_per_s", "model_tflops_per_s", "local_mfu",
                 "local_mfu_compute", "peak_memory", "data_stall_pct", "compile_stall", "loader", "warmup_compile",
@@ -65,6 +66,13 @@ def test_bench_train_smoke_json_fields_and_arithmetic(synthetic, tmp_path, capsy
     assert p["per_step_s"]["gemm"] > 0 and p["per_step_s"]["embeddings_fwd"] > 0
     assert p["per_step_s"]["data_wait"] > 0 and p["steps"] == 1
     assert sum(p["per_step_s"].values()) <= 1.5 * p["step_wall_s"]  # operators' self time: no double counting
+    hp = r["host_profile"]
+    assert hp["steps"] == 2 and hp["host_s"] > 0
+    own = {n: sec for n, sec, _ in hp["by_own"]}
+    cum = {n: sec for n, sec, _ in hp["by_cumulative"]}
+    assert any("train_step" in n for n in cum), list(cum)[:10]  # the step itself is on the cumulative list
+    assert 0 < max(own.values()) <= hp["wall_s"] / 2 * 1.05  # own seconds per step fit inside a step
+    assert all(s["host_s"] == s["step_s"] for s in r["steps"])  # CPU: operators run as called
 
 
 def test_summarize_mfu_is_flops_over_time_over_peak():
@@ -81,6 +89,17 @@ def test_summarize_mfu_is_flops_over_time_over_peak():
     assert s["step_s"]["median"] == pytest.approx(0.1) and s["step_s"]["max"] == pytest.approx(0.28)
     assert s["compile_stall"]["flagged"] and s["compile_stall"]["max_over_median"] == pytest.approx(2.8)
     assert summarize(recs, None)["local_mfu"] is None
+
+
+def test_summarize_with_a_measured_window_uses_it_as_the_wall():
+    # CUDA: batches are read while the device works, so the window is shorter than data_s + step_s
+    recs = [{"data_s": 0.02, "step_s": 0.1, "host_s": 0.06, "flops": 4e12, "tokens": 1000, "samples": 8},
+            {"data_s": 0.02, "step_s": 0.1, "host_s": 0.08, "flops": 4e12, "tokens": 1000, "samples": 8}]
+    s = summarize(recs, 989e12, wall_s=0.2)
+    assert s["wall_s"] == 0.2 and s["tokens_per_s"] == pytest.approx(10_000)
+    assert s["local_mfu"] == pytest.approx(8e12 / 0.2 / 989e12)
+    assert s["data_stall_pct"] == pytest.approx(20.0) and s["host_s"]["median"] == pytest.approx(0.07)
+    assert summarize(recs, 989e12)["wall_s"] == pytest.approx(0.24)  # no window: the parts' sum
 
 
 def test_stall_check_flags_only_above_twice_the_median():

@@ -7,18 +7,26 @@ Parquet shards read with pyarrow in this process, ``data.reader = "arrow"``, so 
 1 the attention kernels are compiled for every length regime the config can reach
 (:func:`gemray.train.warmup.warm_up_attention`, on CUDA with the Triton backend).
 
-Per step it measures (host clock, the device synchronised at the end of the step):
+The steps run as ``Trainer.train_epoch`` runs them: on CUDA the host never waits for the device between steps
+(the launch queue runs ahead; losses are read every ``train.log_every`` steps), the device is synchronised
+only at the start and end of each phase (warm-up, measured, profiled). Per step it measures:
 
-* ``data_s``: the wait for the next batch (``next()`` on the stream: reading, BBS planning and collation all
-  run in this process, no loader workers, so all of it is exposed);
-* ``step_s``: ``train_step`` (copy to the device, forward, backward, optimizer) until the device is idle;
+* ``data_s``: the host's wait for the next batch (``next()`` on the stream: reading, BBS planning and
+  collation all run in this process, no loader workers; on CUDA the device may still be busy meanwhile);
+* ``step_s``: on CUDA the device time from the end of the previous step to the end of this one (CUDA events
+  recorded after each ``train_step``: forward, backward, optimizer, and any wait for the host's launches); on
+  the CPU ``train_step``'s wall time;
+* ``host_s``: the host's time inside ``train_step`` (on CUDA: enqueueing; ``host_s`` near ``step_s`` means
+  the step is host-bound);
 * the step's model FLOPs (``gemray.train.throughput.batch_flops``), tokens and samples.
 
 The result (:func:`run_bench`, the ``--json`` file; steps after the first ``warmup`` only):
 
-``step_s`` {median, p90, max, mean}; ``data_s`` {median, max, mean}; ``data_stall_pct`` (100 x sum data_s /
-sum (data_s + step_s)); ``tokens_per_s`` / ``samples_per_s`` / ``model_tflops_per_s`` (sums over the
-measured steps / their wall time data_s + step_s); ``local_mfu`` (model FLOP/s / the device's dense bf16 peak;
+``step_s`` {median, p90, max, mean}; ``data_s`` {median, max, mean}; ``host_s`` {median, mean}; ``wall_s``
+(the measured window: synchronised device to synchronised device on CUDA, sum of data_s + step_s on the CPU);
+``data_stall_pct`` (100 x sum data_s / wall_s: the host's share spent waiting for batches, an upper bound of
+what the device waits); ``tokens_per_s`` / ``samples_per_s`` / ``model_tflops_per_s`` (sums over the
+measured steps / wall_s); ``local_mfu`` (model FLOP/s / the device's dense bf16 peak;
 null on CPU), ``local_mfu_compute`` (the same over step_s only: what a loader that never stalls would give);
 ``peak_memory`` ({allocated_bytes, reserved_bytes} from torch.cuda.max_memory_* on CUDA, {rss_bytes} on CPU);
 ``compile_stall`` {max_over_median, flagged (> 2)}; ``loader`` {workers: 0 (in-process), cpu_cores};
@@ -27,7 +35,8 @@ null on CPU), ``local_mfu_compute`` (the same over step_s only: what a loader th
 before the measured steps and during them: compile time is never inside the measured figures unless a batch
 recompiles there, which ``during_measured`` shows and the max/median stall flag catches); ``steps`` (per-step
 records); with ``--profile`` a ``profile`` (:func:`profile_breakdown`); with ``--sync-debug`` (CUDA only) a
-``sync_debug`` (:func:`sync_debug_step`: the host synchronisations one training step still makes, by site).
+``sync_debug`` (:func:`sync_debug_step`: the host synchronisations one training step still makes, by site); with
+``--host-profile N`` a ``host_profile`` (:func:`host_profile`: cProfile over N more steps).
 
 Profile classification (:func:`classify_kernel`, first rule that matches, on the lower-cased name of each
 device kernel; on CPU, where there are no kernels, on the self time of each operator):
@@ -155,12 +164,15 @@ def stall_check(step_s: list[float], factor: float = STALL_FACTOR) -> dict[str, 
     return {"max_over_median": r, "flagged": r > factor, "factor": factor}
 
 
-def summarize(records: list[dict[str, Any]], peak: float | None) -> dict[str, Any]:
-    """Pure: the bench's figures from the measured steps' records ({data_s, step_s, flops, tokens, samples});
-    see the module docstring for the keys."""
+def summarize(records: list[dict[str, Any]], peak: float | None, wall_s: float | None = None) -> dict[str, Any]:
+    """Pure: the bench's figures from the measured steps' records ({data_s, step_s, flops, tokens, samples,
+    optionally host_s}); see the module docstring for the keys. wall_s: the measured window's wall seconds
+    (CUDA: steps overlap the next batch's read, so the window is not the sum of the parts); None: the sum of
+    data_s + step_s (the CPU, where nothing overlaps)."""
     step = [r["step_s"] for r in records]
     data = [r["data_s"] for r in records]
-    wall = sum(step) + sum(data)
+    host = [r["host_s"] for r in records if "host_s" in r]
+    wall = sum(step) + sum(data) if wall_s is None else wall_s
     flops = sum(r["flops"] for r in records)
     tokens = sum(r["tokens"] for r in records)
     samples = sum(r["samples"] for r in records)
@@ -170,6 +182,9 @@ def summarize(records: list[dict[str, Any]], peak: float | None) -> dict[str, An
                    "max": max(step, default=0.0), "mean": sum(step) / len(step) if step else 0.0},
         "data_s": {"median": statistics.median(data) if data else 0.0, "max": max(data, default=0.0),
                    "mean": sum(data) / len(data) if data else 0.0},
+        "host_s": {"median": statistics.median(host) if host else None, "mean": sum(host) / len(host) if host
+                   else None},
+        "wall_s": wall,
         "data_stall_pct": 100.0 * sum(data) / wall if wall > 0 else 0.0,
         "tokens_per_s": tokens / wall if wall > 0 else 0.0,
         "samples_per_s": samples / wall if wall > 0 else 0.0,
@@ -263,18 +278,73 @@ def first_batch(trainer: Any) -> Any:
 
 
 def _run_steps(trainer: Any, batches: _Batches, n: int, device: torch.device, records: list[dict[str, Any]],
-               phase: str) -> None:
+               phase: str) -> float:
+    """Run ``n`` training steps as training runs them and append one record per step; returns the phase's wall
+    seconds (from a synchronised device to a synchronised device).
+
+    On CUDA the host does not wait for the device between steps (as ``Trainer.train_epoch``: the launch queue
+    runs ahead and the next batch is read while the device works): ``step_s`` is the time between the device
+    reaching the end of the previous step and the end of this one (CUDA events recorded after each
+    ``train_step``), ``host_s`` the host's time inside ``train_step`` (enqueueing; ``host_s`` close to ``step_s``
+    means the step is host-bound). On the CPU every operator runs as it is called: ``step_s`` = ``host_s``."""
+    cuda = device.type == "cuda"
+    _sync(device)
+    t_phase = time.perf_counter()
+    prev = None
+    if cuda:
+        prev = torch.cuda.Event(enable_timing=True)
+        prev.record()
+    marks = []
     for _ in range(n):
         batch, data_s = batches.next()
         t0 = time.perf_counter()
         nxt = batches.peek() if getattr(trainer, "pipeline", None) is not None else None  # sparse-dist: prefetched
         loss = trainer.train_step(batch, next_batch=nxt)
-        _sync(device)
-        step_s = time.perf_counter() - t0
-        if loss is None:  # CUDA: the trainer reads losses every log_every steps; the device is idle now anyway
-            loss = trainer.flush_losses()
-        records.append({"phase": phase, "data_s": data_s, "step_s": step_s, "flops": trainer.last_step_flops,
-                        "tokens": batch.num_tokens, "samples": batch.batch_size, "loss": loss})
+        host_s = time.perf_counter() - t0
+        if cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            marks.append(ev)
+        records.append({"phase": phase, "data_s": data_s, "host_s": host_s, "step_s": host_s,
+                        "flops": trainer.last_step_flops, "tokens": batch.num_tokens, "samples": batch.batch_size,
+                        "loss": loss})
+    _sync(device)
+    wall = time.perf_counter() - t_phase
+    mine = records[len(records) - n:] if n else []
+    for rec, ev in zip(mine, marks):
+        rec["step_s"] = prev.elapsed_time(ev) / 1e3
+        prev = ev
+    if mine and mine[-1]["loss"] is None:  # CUDA: the trainer reads losses every log_every steps
+        mine[-1]["loss"] = trainer.flush_losses()
+    return wall
+
+
+def host_profile(trainer: Any, batches: _Batches, steps: int, device: torch.device, top: int = 30) -> dict[str, Any]:
+    """``steps`` more training steps under cProfile (the host side: Python, the dispatcher, launches; the device
+    synchronised once at the end): {"steps", "wall_s", "host_s" (mean seconds per step in ``train_step``),
+    "by_own": [[function, own seconds per step, calls per step], ...], "by_cumulative": [[function, cumulative
+    seconds per step, calls per step], ...]} (``top`` each; function = "path:line(name)", paths shortened to the
+    package). cProfile slows Python down: compare shares, not absolute times, with the unprofiled steps."""
+    import cProfile
+    import pstats
+
+    records: list[dict[str, Any]] = []
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        wall = _run_steps(trainer, batches, steps, device, records, "host_profile")
+    finally:
+        prof.disable()
+    st = pstats.Stats(prof)
+
+    def name(key):
+        path, line, fn = key
+        return f"{_short_path(path)}:{line}({fn})" if path != "~" else fn
+
+    rows = [(name(k), v[2] / steps, v[3] / steps, v[1] / steps) for k, v in st.stats.items()]  # own, cum, calls
+    return {"steps": steps, "wall_s": wall, "host_s": sum(r["host_s"] for r in records) / max(steps, 1),
+            "by_own": [[n, o, c] for n, o, _, c in sorted(rows, key=lambda r: -r[1])[:top]],
+            "by_cumulative": [[n, cu, c] for n, _, cu, c in sorted(rows, key=lambda r: -r[2])[:top]]}
 
 
 def device_kernels(events: list[Any]) -> list[tuple[str, float, float]]:
@@ -296,22 +366,27 @@ def device_kernels(events: list[Any]) -> list[tuple[str, float, float]]:
 def profile_breakdown(trainer: Any, batches: _Batches, steps: int, device: torch.device) -> dict[str, Any]:
     """Profile ``steps`` more training steps with torch.profiler and split their time by category (module
     docstring): {"steps", "wall_s", "per_step_s": {category: seconds per step}, "fraction": {category: share
-    of the profiled wall time}, "gpu_idle_s", "top_kernels": [[name, category, seconds], ...]}."""
+    of the profiled wall time}, "gpu_idle_s" (seconds per step in which no kernel ran), "top_kernels": [[name,
+    category, seconds per step], ...] (30), on CUDA also "top_host_ops": [[operator, host self seconds per step,
+    calls per step], ...] (30: where the host's time inside the operators goes)}."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     records: list[dict[str, Any]] = []
-    _sync(device)
-    t0 = time.perf_counter()
     with profile(activities=acts) as prof:
-        _run_steps(trainer, batches, steps, device, records, "profile")
-    wall = time.perf_counter() - t0
+        wall = _run_steps(trainer, batches, steps, device, records, "profile")
     events = prof.events()
     if device.type == "cuda":
         kernels = device_kernels(events)
         cats = kernel_breakdown(kernels)
         busy = cats.pop("gpu_busy")
         names = [(k[0], k[2] - k[1]) for k in kernels]
+        host_ops: dict[str, list[float]] = {}
+        for e in events:
+            if e.device_type == torch.autograd.DeviceType.CPU and e.self_cpu_time_total > 0:
+                acc = host_ops.setdefault(e.name, [0.0, 0])
+                acc[0] += e.self_cpu_time_total / 1e6
+                acc[1] += 1
     else:  # no kernels: the operators' self CPU time
         cats = dict.fromkeys(CATEGORIES, 0.0)
         cats["overlapped_communication"] = 0.0
@@ -327,12 +402,16 @@ def profile_breakdown(trainer: Any, batches: _Batches, steps: int, device: torch
     total: dict[str, float] = {}
     for name, s in names:
         total[name] = total.get(name, 0.0) + s
-    top = sorted(total.items(), key=lambda kv: -kv[1])[:15]
-    out = {"steps": steps, "wall_s": wall, "step_wall_s": sum(r["step_s"] + r["data_s"] for r in records),
+    top = sorted(total.items(), key=lambda kv: -kv[1])[:30]
+    out = {"steps": steps, "wall_s": wall,
+           "step_wall_s": wall if busy is not None else sum(r["step_s"] + r["data_s"] for r in records),
            "per_step_s": {k: v / steps for k, v in cats.items()},
            "fraction": {k: (v / wall if wall > 0 else 0.0) for k, v in cats.items()},
-           "gpu_idle_s": None if busy is None else max(0.0, wall - busy - cats["data_wait"]) / steps,
+           "gpu_idle_s": None if busy is None else max(0.0, wall - busy) / steps,
            "top_kernels": [[n, classify_kernel(n), s / steps] for n, s in top]}
+    if busy is not None:
+        out["top_host_ops"] = [[n, v[0] / steps, v[1] / steps]
+                               for n, v in sorted(host_ops.items(), key=lambda kv: -kv[1][0])[:30]]
     return out
 
 
@@ -430,18 +509,19 @@ def sync_debug_step(trainer: Any, batches: "_Batches", device: torch.device) -> 
 
 
 def run_bench(cfg: JobConfig, *, steps: int, warmup: int, profile: bool = False, profile_steps: int = 3,
-              warm_up_kernels: bool = True, sync_debug: bool = False) -> dict[str, Any]:
+              warm_up_kernels: bool = True, sync_debug: bool = False, host_profile_steps: int = 0) -> dict[str, Any]:
     """Build the config's model through the Trainer's phases in this process (world size 1) and time
     ``warmup`` + ``steps`` training steps on the real pipeline, then optionally ``profile_steps`` profiled
-    ones, and with ``sync_debug`` one step under CUDA's sync debug mode (:func:`sync_debug_step`). Returns the
+    ones, with ``sync_debug`` one step under CUDA's sync debug mode (:func:`sync_debug_step`), with
+    ``host_profile_steps`` > 0 that many under cProfile (:func:`host_profile`). Returns the
     module docstring's dict. Raises ValueError for steps < 1 or warmup < 0, RuntimeError when the config wants a
     GPU that is not here or ``sync_debug`` is asked for off CUDA (before anything is built)."""
     from gemray.train.warmup import warm_up_attention
     from gemray.train.trainer import Trainer
 
-    if steps < 1 or warmup < 0 or profile_steps < 1:
-        raise ValueError(f"bench train: expected --steps >= 1, --warmup >= 0 and profile steps >= 1, got "
-                         f"{steps}, {warmup}, {profile_steps}")
+    if steps < 1 or warmup < 0 or profile_steps < 1 or host_profile_steps < 0:
+        raise ValueError(f"bench train: expected --steps >= 1, --warmup >= 0, profile steps >= 1 and host-profile "
+                         f"steps >= 0, got {steps}, {warmup}, {profile_steps}, {host_profile_steps}")
     cfg.data.reader = "arrow"  # the same table, read in this process: no Ray
     cfg.train.ledger_dir = ""
     cfg.train.mfu_warmup_steps = warmup
@@ -474,7 +554,7 @@ def run_bench(cfg: JobConfig, *, steps: int, warmup: int, profile: bool = False,
         records: list[dict[str, Any]] = []
         _run_steps(trainer, batches, warmup, device, records, "warmup")
         snap1 = compile_snapshot()
-        _run_steps(trainer, batches, steps, device, records, "measured")
+        wall = _run_steps(trainer, batches, steps, device, records, "measured")
         snap2 = compile_snapshot()
         measured = [r for r in records if r["phase"] == "measured"]
         out: dict[str, Any] = {
@@ -488,7 +568,7 @@ def run_bench(cfg: JobConfig, *, steps: int, warmup: int, profile: bool = False,
             "warmup_steps": warmup, "build_s": build_s, "warmup_compile": compile_info,
             "torch_compile": compile_report(cfg.train.compile, cfg.train.compile_backend,
                                             list(getattr(trainer, "compiled", [])), snap0, snap1, snap2),
-            **summarize(measured, trainer.peak_flops),
+            **summarize(measured, trainer.peak_flops, wall if device.type == "cuda" else None),
             "peak_memory": _peak_memory(device),
             "loader": {"workers": 0, "in_process": True, "cpu_cores": len(os.sched_getaffinity(0))
                        if hasattr(os, "sched_getaffinity") else os.cpu_count()},
@@ -499,6 +579,8 @@ def run_bench(cfg: JobConfig, *, steps: int, warmup: int, profile: bool = False,
             out["sync_debug"] = sync_debug_step(trainer, batches, device)
         if profile:
             out["profile"] = profile_breakdown(trainer, batches, profile_steps, device)
+        if host_profile_steps > 0:
+            out["host_profile"] = host_profile(trainer, batches, host_profile_steps, device)
         return out
     finally:
         if made_pg:
@@ -517,7 +599,9 @@ def format_table(res: dict[str, Any]) -> str:
         f"gemray bench train: {res['config']} on {res['device']} ({res['attention_backend']} attention, "
         f"batch {res['batch_size']}, max seq {res['max_seq_len']}), {res['measured_steps']} steps after "
         f"{res['warmup_steps']} warm-up",
-        f"  step time       median {s['median'] * 1e3:.1f} ms  p90 {s['p90'] * 1e3:.1f} ms  max {s['max'] * 1e3:.1f} ms",
+        f"  step time       median {s['median'] * 1e3:.1f} ms  p90 {s['p90'] * 1e3:.1f} ms  max {s['max'] * 1e3:.1f} ms"
+        + ("" if (res.get("host_s") or {}).get("median") in (None, s["median"]) else
+           f"  (host {res['host_s']['median'] * 1e3:.1f} ms in train_step)"),
         f"  throughput      {res['tokens_per_s']:.0f} tokens/s  {res['samples_per_s']:.1f} samples/s  "
         f"{res['model_tflops_per_s']:.3f} model TFLOP/s",
         f"  local MFU       {pct(res['local_mfu'])} (compute only {pct(res['local_mfu_compute'])})",
@@ -551,6 +635,15 @@ def format_table(res: dict[str, Any]) -> str:
             lines.append(f"    {k:<26} {p['per_step_s'][k] * 1e3:9.2f} ms  {100 * p['fraction'][k]:6.2f}%")
         if p["gpu_idle_s"] is not None:
             lines.append(f"    {'gpu_idle':<26} {p['gpu_idle_s'] * 1e3:9.2f} ms")
+        lines.append("    top device kernels (ms per step):")
+        for n, c, sec in p["top_kernels"][:12]:
+            lines.append(f"      {sec * 1e3:8.2f}  {c:<15} {n[:90]}")
+    hp = res.get("host_profile")
+    if hp:
+        lines.append(f"  host profile ({hp['steps']} steps under cProfile, {hp['host_s'] * 1e3:.1f} ms per step in "
+                     f"train_step), own time per step:")
+        for n, sec, calls in hp["by_own"][:15]:
+            lines.append(f"      {sec * 1e3:8.2f} ms {calls:8.1f} calls  {n[:100]}")
     return "\n".join(lines)
 
 
