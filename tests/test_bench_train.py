@@ -228,6 +228,27 @@ def test_warmup_lengths_land_in_their_regime_with_both_alignments(max_len, batch
             assert sum(variants[1]) % 16 != 0 and max(variants[1]) == max_len
 
 
+def test_warmup_batches_stay_within_the_token_budget_and_their_regime():
+    from gemray.kernels.config import REGIMES
+    from gemray.train.warmup import warmup_lengths_within, warmup_token_budget
+
+    budget = warmup_token_budget(129_000)  # a real gem-h200 batch of 128 histories
+    assert budget == 161_250
+    for reg in reachable_regimes(4096):
+        full = warmup_lengths(reg, 128, 4096)
+        got = warmup_lengths_within(reg, 128, 4096, budget)
+        lo, hi = (1, *DEFAULT.regime_mean_len)[REGIMES.index(reg)], (*DEFAULT.regime_mean_len, 1 << 62)[REGIMES.index(reg)]
+        for lens in got:
+            assert lo <= sum(lens) / len(lens) < hi and max(lens) <= 4096
+        if all(sum(lens) <= budget for lens in full):
+            assert got == full  # within the budget: unchanged
+        else:                   # e.g. xlong (mean >= 2048): 2x a real batch at 128 histories
+            assert all(sum(lens) <= budget for lens in got) and len(got[0]) < 128
+            assert [sum(lens) % 16 == 0 for lens in got] == [sum(lens) % 16 == 0 for lens in full]
+    assert len(warmup_lengths_within("xlong", 128, 4096, budget)[0]) == 64  # 64 x 2048 = 131,072 tokens
+    assert len(warmup_lengths_within("xlong", 128, 4096, 1)[0]) == 2  # never below two sequences
+
+
 def test_warm_up_runs_interpreted_and_changes_no_weight(synthetic):
     """The warm-up on the Triton backend (the CPU interpreter): every reachable regime runs forward + backward,
     and no parameter, embedding row, .grad or fused-optimizer step count changes."""

@@ -278,6 +278,28 @@ def test_head_uniform_shared_loss_matches_loop(dtype):
     assert float(stats["num_targets"]) == 3
 
 
+def test_jagged_dense_bmm_matches_a_loop_forward_and_backward():
+    from gemray.model.heads import _jagged_dense_bmm
+
+    g = torch.Generator().manual_seed(3)
+    lengths = [4, 0, 1, 7, 2]                          # empty, length 1 and the max (7) in one batch
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    x = torch.randn(sum(lengths), 5, generator=g, dtype=torch.bfloat16, requires_grad=True)
+    y = torch.randn(len(lengths), 5, 3, generator=g, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # as in training: the product stays float32
+        out = _jagged_dense_bmm(x, offsets, y, max(lengths))
+    assert out.dtype == torch.float32 and out.shape == (sum(lengths), 3)
+    xr, yr = x.detach().float().requires_grad_(), y.detach().clone().requires_grad_()
+    seg = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    ref = torch.stack([xr[t] @ yr[seg[t]] for t in range(sum(lengths))])
+    torch.testing.assert_close(out, ref)
+    w = torch.randn(out.shape, generator=g)
+    (out * w).sum().backward()
+    (ref * w).sum().backward()
+    torch.testing.assert_close(x.grad.float(), xr.grad, atol=2e-2, rtol=2e-2)  # x.grad rounds to bf16
+    torch.testing.assert_close(y.grad, yr.grad)
+
+
 @pytest.mark.parametrize("mode", ["next", "self"])
 def test_time_bias_query_uses_target_time(mode):
     """HSTU's time bias is keyed by the time of the predicted item: at evaluation the user state at the last

@@ -63,20 +63,28 @@ def sample_uniform_per_position(offsets: torch.Tensor, num_negatives: int, num_i
 
 def _jagged_dense_bmm(x: torch.Tensor, offsets: torch.Tensor, y: torch.Tensor, max_len: int | None = None
                       ) -> torch.Tensor:
-    """x [T, D] jagged by offsets [B+1], y [B, D, R] -> [T, R] (row t times y of its sequence).
+    """x [T, D] jagged by offsets [B+1] int64, y [B, D, R] -> [T, R] float32 or float64 (row t times y of its
+    sequence).
 
-    FBGEMM's jagged_dense_bmm (CPU and CUDA, float32/half/bf16); other dtypes pad through gemray.jagged.
-    max_len: the longest sequence when known on the host (else read from the offsets: a host sync on CUDA).
+    Padded through FBGEMM (``jagged_to_padded_dense`` -> one batched GEMM -> ``dense_to_jagged``, both with
+    autograd), in float32 with autocast off: the sampled-softmax logits are divided by a small temperature,
+    so they keep float32 as before. FBGEMM's own ``jagged_dense_bmm`` kernel, used here until 2026-12-03, was
+    the third-largest kernel of the GEM-scale step on the H200 (14 ms of 179 at batch 128: a CUDA-core kernel
+    for a [T, 64] x [64, 512] product per sequence), while cuBLAS runs the padded product (<= 4x the work for
+    these heavy-tailed lengths) in a fraction of that.
+    max_len: the longest sequence when known on the host (else read from the offsets: a host sync on CUDA);
+    rows past it would be dropped, so it must be >= every length (the callers pass the batch's max).
     """
-    n = max_len if max_len is not None else (int((offsets[1:] - offsets[:-1]).max()) if offsets.numel() > 1 else 0)
-    if x.dtype in (torch.float32, torch.float16, torch.bfloat16):
-        try:
-            import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
+    import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm; a dependency of the model, as TorchRec)
 
-            return torch.ops.fbgemm.jagged_dense_bmm(x, offsets, y, n)[0]
-        except (ImportError, AttributeError, RuntimeError, NotImplementedError):
-            pass
-    return padded_to_jagged(torch.bmm(jagged_to_padded(x, offsets, n), y), offsets)
+    n = max_len if max_len is not None else (int((offsets[1:] - offsets[:-1]).max()) if offsets.numel() > 1 else 0)
+    if x.dtype == torch.float64:  # FBGEMM's jagged ops stop at float32; float64 is for tests
+        return padded_to_jagged(torch.bmm(jagged_to_padded(x, offsets, n), y.to(x.dtype)), offsets)
+    dt = torch.float32
+    with torch.autocast(x.device.type, enabled=False):
+        xp = torch.ops.fbgemm.jagged_to_padded_dense(x.to(dt), [offsets], [max(n, 1)], 0.0)  # [B, n, D]
+        out = torch.bmm(xp, y.to(dt))                                                       # [B, n, R]
+        return torch.ops.fbgemm.dense_to_jagged(out, [offsets], x.shape[0])[0]               # [T, R]
 
 
 class RetrievalHead(nn.Module):

@@ -11,6 +11,8 @@ for the compile (issue 17: steps of 36 s, 72 s and 2 minutes). This module compi
 * :func:`warmup_lengths` (pure): per regime two batches of ``data.batch_size`` sequences -- every length a
   multiple of 16, and one sequence at ``max_seq_len`` with the rest chosen so the mean stays in the regime
   and the token count is not a multiple of 16 -- so both integer specialisations compile;
+  :func:`warmup_lengths_within` halves the number of sequences of a regime whose batches would hold more than
+  :func:`warmup_token_budget` tokens (1.25x a real batch);
 * :func:`warm_up_attention`: builds each batch from a real batch of the train stream (tokens, features,
   requests and candidates resampled from it, so every field the model reads is valid), runs the model's
   forward on it and the backward into the *dense* parameters only (``torch.autograd.grad``: no ``.grad`` is
@@ -89,6 +91,27 @@ def warmup_lengths(reg: str, batch_size: int, max_seq_len: int, kernel_config: K
     return out
 
 
+def warmup_token_budget(template_tokens: int) -> int:
+    """Pure: the most tokens a warm-up batch may hold: 1.25x the real template batch's (batch-to-batch
+    variation), so that compiling a regime the data rarely reaches never needs more memory than training does
+    (at batch 128 the GEM config's long-history regime asked 2x a real batch and ran out of memory under FSDP)."""
+    return max(1, template_tokens * 5 // 4)
+
+
+def warmup_lengths_within(reg: str, batch_size: int, max_seq_len: int, max_tokens: int,
+                          kernel_config: KernelConfig | None = None) -> list[list[int]]:
+    """Pure: :func:`warmup_lengths` with the fewest halvings of the number of sequences (from ``batch_size``,
+    down to 2) that keep every batch within ``max_tokens``. The kernels a batch compiles follow its mean length
+    (the regime) and its token count's alignment, not its number of sequences, so a shorter batch compiles the
+    same variants. Raises ValueError as :func:`warmup_lengths`."""
+    n = batch_size
+    while True:
+        out = warmup_lengths(reg, n, max_seq_len, kernel_config)
+        if n <= 2 or all(sum(lens) <= max_tokens for lens in out):
+            return out
+        n = max(2, n // 2)
+
+
 def resample_batch(template: JaggedBatch, lengths: list[int], generator: torch.Generator) -> JaggedBatch:
     """A batch with the given history ``lengths`` made of ``template``'s values (on CPU): tokens (items,
     ratings, per-token features) drawn from its tokens, timestamps drawn and sorted per sequence, requests
@@ -153,8 +176,9 @@ def _compile_regimes(cfg: JobConfig, device: torch.device, model: torch.nn.Modul
                      done: list[dict[str, Any]]) -> None:
     """The warm-up's batches: per reachable regime and length variant one forward + ``torch.autograd.grad`` into
     ``params``, timed; one record per batch appended to ``done``."""
+    budget = warmup_token_budget(int(template.num_tokens))
     for reg in reachable_regimes(cfg.data.max_seq_len, kernel_config):
-        for lens in warmup_lengths(reg, cfg.data.batch_size, cfg.data.max_seq_len, kernel_config):
+        for lens in warmup_lengths_within(reg, cfg.data.batch_size, cfg.data.max_seq_len, budget, kernel_config):
             t0 = time.perf_counter()
             batch = resample_batch(template, lens, gen).to(device)
             loss = forward(model, batch)
@@ -214,4 +238,5 @@ def warm_up_attention(cfg: JobConfig, device: torch.device, model: torch.nn.Modu
     return {"ran": True, "why": "triton backend", "regimes": done, "seconds": total}
 
 
-__all__ = ["reachable_regimes", "resample_batch", "triton_in_use", "warm_up_attention", "warmup_lengths"]
+__all__ = ["reachable_regimes", "resample_batch", "triton_in_use", "warm_up_attention", "warmup_lengths",
+           "warmup_lengths_within", "warmup_token_budget"]
