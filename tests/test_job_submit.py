@@ -96,7 +96,7 @@ class Head:
         except ProcessLookupError:
             pass
         try:
-            self.proc.wait(timeout=30)
+            self.proc.wait(timeout=14)  # ray start --block rarely exits on SIGTERM alone: then SIGKILL
         except subprocess.TimeoutExpired:
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
