@@ -1,4 +1,4 @@
-# gemray: `make demo` (set-up + data + main job on ML-1M) and `make test`.
+# gemray: `make demo` (set-up + data + main job on ML-1M), `make test` and `make test-slow`.
 SHELL := /bin/bash
 PY ?= python3
 VENV ?= .venv
@@ -19,7 +19,7 @@ CONSTRAINTS ?= configs/constraints-cpu.txt
 TORCH_INDEX ?=
 PIP = $(BIN)/python -m pip install -q -c $(CONSTRAINTS)
 
-.PHONY: venv install demo test data clean
+.PHONY: venv install demo test test-slow data clean
 
 $(BIN)/.installed: pyproject.toml Makefile $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -40,8 +40,13 @@ data: $(BIN)/.installed
 demo: $(BIN)/.installed data
 	$(BIN)/gemray train --config configs/ml-1m.toml --set train.epochs=$(DEMO_EPOCHS) $(DEMO_SET) --output $(OUT)
 
+# make test: everything but the multi-process / Ray-cluster tests marked slow (pyproject.toml), which
+# make test-slow runs; CI (.ci/run) runs both.
 test: $(BIN)/.installed
-	$(BIN)/python -m pytest -x -q tests
+	$(BIN)/python -m pytest -x -q -m "not slow" tests
+
+test-slow: $(BIN)/.installed
+	$(BIN)/python -m pytest -x -q -m slow tests
 
 clean:
 	rm -rf $(VENV) runs data .pytest_cache

@@ -23,6 +23,8 @@ from paths import DATA
 from gemray.checkpoint import committed_checkpoints
 from gemray.events import read_events
 
+# two real `gemray train` runs (~130 s): make test-slow (CI); make test has the Ctrl-C unit tests in
+# tests/test_preempt_wait.py and the SIGTERM -> exit 75 -> resume run in tests/test_elastic.py
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]

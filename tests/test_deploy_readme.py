@@ -117,7 +117,7 @@ def test_kubernetes_section_runs_up_to_validation(tmp_path):
         assert "kind: RayJob" in (clone / "runs" / "gemray-small.yaml").read_text()
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # Ray head + job submit + train, as the README: make test-slow (CI)
 def test_cluster_section_runs_as_written(tmp_path):
     if not _has_cli("train"):
         pytest.skip("`gemray train` is not in gemray/cli.py yet")

@@ -37,8 +37,6 @@ from gemray.events import read_events
 from gemray.preemption import read_notice
 from gemray.ledger import audit, read_attempts
 
-pytestmark = pytest.mark.slow
-
 REPO = Path(__file__).resolve().parents[1]
 SRC = DATA / "ml-latest-small"
 CONFIG = REPO / "configs" / "ml-latest-small.toml"
@@ -239,6 +237,7 @@ def test_kill_mid_write_then_preempt_and_resume(baseline):
               "emergency_step": at, "steps_lost_on_resume": 0})
 
 
+@pytest.mark.slow  # make test-slow; make test: the SIGTERM vote above, epoch-end polls in test_train_parts.py
 def test_preemption_vote_at_epoch_end_when_poll_divides_the_epoch(baseline):
     """checkpoint.preempt_poll_steps = the steps per epoch (20): every poll step is an epoch's last step, so
     the vote must happen there too (it was skipped: SIGTERM was ignored and the run exited 0, the notice left
@@ -314,6 +313,7 @@ def test_corrupt_and_partial_checkpoints_fall_back(baseline):
         assert ep["trained"] == 610 and ep["lost"] == [] and ep["duplicated"] == [], (e, ep)
 
 
+@pytest.mark.slow  # make test-slow; make test runs the same scenario with HSDP (tests/test_parallel_elastic.py)
 def test_resize_two_one_two(tmp_path):
     """Two 3-CPU "nodes", workers ask 2 CPUs (one per node; Ray Data's 1-CPU read tasks need the 1 left): remove a
     node mid-epoch (2 -> 1 workers), add one back (1 -> 2). Every resize restarts the group, which

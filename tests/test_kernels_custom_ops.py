@@ -74,7 +74,6 @@ PATTERNS = ["softmax", "silu_targets_bias", "gelu_context_full_bias", "cross", "
 
 
 @cpu_only
-@pytest.mark.slow  # ~1 min a pattern on the 2-core box: opcheck runs the interpreter's kernels many times
 @pytest.mark.parametrize("pattern", PATTERNS)
 def test_opcheck_gdpa_fwd(pattern):
     """opcheck of gemray::gdpa_fwd (schema, autograd registration, fake tensor, AOT dispatch dynamic: the latter
@@ -83,7 +82,6 @@ def test_opcheck_gdpa_fwd(pattern):
 
 
 @cpu_only
-@pytest.mark.slow
 @pytest.mark.parametrize("pattern", ["softmax", "silu_targets_bias", "pma"])
 def test_opcheck_gdpa_bwd(pattern):
     """opcheck of gemray::gdpa_bwd on the forward's outputs (no autograd formula of its own: inputs without grad)."""

@@ -225,7 +225,6 @@ def _op_args(act, grad):
 
 
 @cpu_only
-@pytest.mark.slow  # opcheck runs the interpreter's kernels many times
 @pytest.mark.parametrize("act", ["silu", "softmax"])
 def test_opcheck_gdpa_ops_with_rel_bias(act):
     """opcheck of gemray::gdpa_fwd (schema, fake, autograd registration incl. d pos_w / d ts_w) and gdpa_bwd with

@@ -120,7 +120,6 @@ def _load_one(rank: int, port: int, root: str) -> None:
     dist.destroy_process_group()
 
 
-@pytest.mark.slow  # two process groups, six builds: ~150 s on the shared 2 cores
 def test_fsdp_two_ranks_restore_at_one_rank_fsdp_and_ddp(tmp_path):
     spawn_ranks(_save_two, (free_port(), str(tmp_path)), 2, [tmp_path / "saved0", tmp_path / "saved1"])
     spawn_ranks(_load_one, (free_port(), str(tmp_path)), 1, [tmp_path / "loaded"])

@@ -9,8 +9,6 @@ from __future__ import annotations
 import pytest
 import test_elastic as te
 
-pytestmark = pytest.mark.slow
-
 
 def test_resize_two_one_two_hsdp(tmp_path, monkeypatch):
     base = te._overrides

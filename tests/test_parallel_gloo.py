@@ -39,7 +39,9 @@ COMBOS = {
         ("ddp", "row_wise", MOE)],
     2: [("ddp", "table_wise", []), ("ddp", "row_wise", []), ("fsdp", "column_wise", []),
         ("hsdp", "row_wise", ["parallel.dp_shard=1"]), ("ddp", "table_wise", MOE), ("fsdp", "column_wise", MOE),
-        ("fsdp", "row_wise", MOE + ["parallel.expert_parallel=2"])],
+        ("fsdp", "row_wise", MOE + ["parallel.expert_parallel=2"]),
+        # HSDP x EP (world 4's third combo, make test-slow) at world 2, so that make test runs it too
+        ("hsdp", "table_wise", MOE + ["parallel.dp_shard=2", "parallel.expert_parallel=2"])],
     4: [("hsdp", "row_wise", ["parallel.dp_shard=2"]), ("ddp", "column_wise", []),
         ("hsdp", "table_wise", MOE + ["parallel.dp_shard=2", "parallel.expert_parallel=2"]),
         ("fsdp", "column_wise", MOE + ["parallel.expert_parallel=2"]),
@@ -237,7 +239,7 @@ def _worker(rank: int, world: int, port: int, out: str, key) -> None:
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [1, 2, pytest.param(4, marks=pytest.mark.slow)])  # 4 ranks on 2 cores: ~70 s
+@pytest.mark.parametrize("world", [1, 2, pytest.param(4, marks=pytest.mark.slow)])  # 4 ranks on 2 cores: ~35-70 s
 def test_layouts_match_single_process(world, tmp_path):
     spawn_ranks(_worker, (world, free_port(), str(tmp_path), world), world,
                 [tmp_path / f"done{r}" for r in range(world)])

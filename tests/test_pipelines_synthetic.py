@@ -461,7 +461,6 @@ def test_cli_prepare_synthetic(tmp_path, capsys):
     assert "--stickiness" in capsys.readouterr().err
 
 
-@pytest.mark.slow  # starts Ray (~15 s idle, a minute on a loaded 2-core box)
 def test_ray_data_reader_reads_the_gem_columns(folders):
     """The Ray Data reader (the default inside Ray Train) brings the extra columns too: same batches as pyarrow."""
     ray = pytest.importorskip("ray")

@@ -369,3 +369,72 @@ def test_notice_pointing_at_a_folder_is_a_clear_error(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "is a folder: give the notice file's path" in err[0], err
     assert not list(tmp_path.parent.glob(f".{tmp_path.name}*")) and not list(tmp_path.iterdir())
+
+
+def test_ctrl_c_in_the_driver_first_is_a_notice_second_stops_at_once(tmp_path, caplog):
+    """What tests/test_ctrl_c.py (``make test-slow``) shows on a real ``gemray train``, without Ray: with
+    ``trainer.fit()`` on the helper thread (``_fit_off_main_thread``, as ``fit`` runs it) the main thread keeps
+    the driver's SIGINT handler; the first Ctrl-C writes the notice and training goes on, the second raises
+    KeyboardInterrupt out of the wait at once; the previous handler is back afterwards."""
+    import logging
+    import signal
+
+    from gemray.controller.run import _fit_off_main_thread
+    from gemray.preemption import install_driver_sigint, log
+
+    notice = tmp_path / NOTICE_NAME
+    before = signal.getsignal(signal.SIGINT)
+    release = threading.Event()
+
+    class Trainer:  # the first Ctrl-C comes during fit; fit ends once the notice is there (the checkpoint)
+        def fit(self):
+            os.kill(os.getpid(), signal.SIGINT)
+            t0 = time.monotonic()
+            while read_notice(notice) is None and time.monotonic() - t0 < 20:
+                time.sleep(0.02)
+            return "preempted" if read_notice(notice) else "no notice"
+
+    class Stuck:  # the second Ctrl-C: fit would not end by itself
+        def fit(self):
+            os.kill(os.getpid(), signal.SIGINT)
+            release.wait(60)
+
+    restore = install_driver_sigint(notice)
+    try:
+        with caplog.at_level(logging.WARNING, logger=log.name):
+            assert _fit_off_main_thread(Trainer(), poll_s=0.05) == "preempted"
+            assert read_notice(notice)["reason"] == "Ctrl-C (SIGINT) to the driver"
+            assert "Ctrl-C: taking an emergency checkpoint at the next poll step" in caplog.text
+            t0 = time.monotonic()
+            with pytest.raises(KeyboardInterrupt):
+                _fit_off_main_thread(Stuck(), poll_s=0.05)
+            assert time.monotonic() - t0 < 10
+        assert "second Ctrl-C: stopping at once, without the emergency checkpoint" in caplog.text
+        assert signal.getsignal(signal.SIGINT) is before  # the second put the previous handler back
+        restore()
+        assert signal.getsignal(signal.SIGINT) is before
+    finally:
+        release.set()
+        signal.signal(signal.SIGINT, before)
+
+
+@pytest.mark.parametrize("outcome", ["preempted", "interrupted"])
+def test_gemray_train_exits_75_when_preempted_and_130_on_a_second_ctrl_c(outcome, tmp_path, monkeypatch, capsys):
+    """`gemray train`'s exit statuses for the two Ctrl-C outcomes (tests/test_ctrl_c.py runs them for real):
+    a preempted result is 75 with the step to resume from; a KeyboardInterrupt out of fit is 130."""
+    import gemray.controller.run as run
+
+    def fake_fit(cfg, output_dir=None, **kw):
+        if outcome == "interrupted":
+            raise KeyboardInterrupt
+        return SimpleNamespace(metrics={"preempted": True, "global_step": 7}, checkpoint_path="ckpt",
+                               output_dir=output_dir)
+
+    monkeypatch.setattr(run, "fit", fake_fit)
+    rc = main(["train", "--config", str(REPO / "configs" / "ml-latest-small.toml"), "--output",
+               str(tmp_path / "out")])
+    cap = capsys.readouterr()
+    if outcome == "preempted":
+        assert rc == 75 and "re-run the same command to resume from step 7" in cap.out, cap
+    else:
+        assert rc == 130 and "gemray: error: interrupted" in cap.err, cap

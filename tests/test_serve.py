@@ -19,8 +19,6 @@ import pytest
 import torch
 from paths import DATA
 
-pytestmark = pytest.mark.slow
-
 REPO = Path(__file__).resolve().parents[1]
 SRC = DATA / "ml-latest-small"
 TEST_KEYS = [f"{m}@{k}{s}" for k in (10, 50, 200) for m in ("hr", "ndcg") for s in ("", "_unfiltered")]

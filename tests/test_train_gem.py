@@ -43,7 +43,6 @@ def test_auto_prepare_generates_then_refuses_other_parameters(tmp_path, caplog):
         load_config(TINY, overrides=["data.synthetic=[seed=1]"])
 
 
-@pytest.mark.slow
 def test_gem_tiny_trains_end_to_end_with_ne_and_auc(tmp_path):
     import gemray
 
@@ -60,7 +59,6 @@ def test_gem_tiny_trains_end_to_end_with_ne_and_auc(tmp_path):
     assert "valid_ctr_auc" in last and "valid_hr@10" in last
 
 
-@pytest.mark.slow
 def test_gem_tiny_bf16_ranking_only_on_cpu(tmp_path):
     import gemray
 

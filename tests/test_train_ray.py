@@ -17,8 +17,6 @@ from paths import DATA
 from gemray.checkpoint import verify_checkpoint
 from gemray.config import load_config
 
-pytestmark = pytest.mark.slow
-
 REPO = Path(__file__).resolve().parents[1]
 SRC = DATA / "ml-latest-small"  # $GEMRAY_SHARED or ../shared beside the checkout (tests/paths.py)
 KEYS = ("hr@10", "ndcg@10", "hr@50", "ndcg@50", "hr@200", "ndcg@200")

@@ -24,7 +24,6 @@ def test_trial_overrides_are_set_strings():
     assert reportable({"hr@10": 0.5, "epochs": 2, "final": True, "history": []}) == {"hr@10": 0.5, "epochs": 2.0}
 
 
-@pytest.mark.slow
 def test_two_trial_grid(tmp_path):
     if not SRC.is_dir():
         pytest.skip(f"{SRC} not available")
@@ -33,7 +32,7 @@ def test_two_trial_grid(tmp_path):
     from gemray.controller.tune import tune_fit
 
     grid = tune_fit(REPO / "configs" / "ml-latest-small.toml", {"train.lr": tune.grid_search([1e-3, 3e-3])},
-                    metric="ndcg@10", mode="max", output_dir=tmp_path / "search",
+                    metric="ndcg@10", mode="max", output_dir=tmp_path / "search", max_concurrent_trials=2,
                     overrides=[f"data.raw_dir={SRC}", f"data.prepared_dir={tmp_path / 'prepared'}", "train.epochs=1",
                                "train.max_steps_per_epoch=2", "ray.num_workers=1", "ray.max_failures=0",
                                "train.eval_ks=10"])

@@ -53,7 +53,64 @@ def _group(pgid: int) -> dict[int, str]:
     return out
 
 
-@pytest.mark.slow
+RAY_NAMES = ("ray::DashboardAgent", "ray::RuntimeEnvAgent", "raylet", "gcs_server", "dashboard.py")
+
+
+def _sigkill_driver_and_expect_no_ray_left(proc: subprocess.Popen) -> None:
+    before = _group(proc.pid)
+    assert any("ray::DashboardAgent" in c for c in before.values()), before
+    assert any("ray::RuntimeEnvAgent" in c for c in before.values()), before
+    os.kill(proc.pid, signal.SIGKILL)  # the driver only, as the OOM killer would
+    proc.wait()
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        left = {p: c for p, c in _group(proc.pid).items() if any(n in c for n in RAY_NAMES)}
+        if not left:
+            break
+        time.sleep(0.5)
+    assert not left, left
+
+
+def _kill_group(pgid: int) -> None:
+    for pid in _group(pgid):  # whatever is left of this test's process group
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+# A driver that starts the embedded cluster as `gemray train` does (session.connect: ray.init + the watchdog),
+# runs one task (a worker process too) and then only waits: the watchdog's part without the training.
+DRIVER = """
+import sys, time
+import ray
+from gemray.config import load_config
+from gemray.controller import session
+assert session.connect(load_config(None, ["ray.num_workers=1"]))
+assert ray.get(ray.remote(lambda: 1).remote()) == 1
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="the watchdog reads /proc (Linux)")
+def test_no_agents_linger_after_an_embedded_cluster_driver_is_sigkilled(tmp_path):
+    """The cheap form of the test below (``make test``): the same cluster start and SIGKILL, no training."""
+    log = tmp_path / "driver.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-c", DRIVER], stdout=f, stderr=subprocess.STDOUT, cwd=tmp_path,
+                                start_new_session=True)
+    try:
+        t0 = time.monotonic()
+        while "ready" not in log.read_text().split():
+            assert proc.poll() is None and time.monotonic() - t0 < 300, log.read_text()[-3000:]
+            time.sleep(0.3)
+        _sigkill_driver_and_expect_no_ray_left(proc)
+    finally:
+        _kill_group(proc.pid)
+
+
+@pytest.mark.slow  # a real `gemray train` (~40 s); the test above covers the watchdog in `make test`
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="the watchdog reads /proc (Linux)")
 def test_no_agents_linger_after_the_driver_is_sigkilled(tmp_path):
     if not SRC.is_dir():
@@ -72,22 +129,6 @@ def test_no_agents_linger_after_the_driver_is_sigkilled(tmp_path):
         while not re.search(r"epoch 1 step \d+/\d+ \(global", log.read_text()):
             assert proc.poll() is None and time.monotonic() - t0 < 300, log.read_text()[-3000:]
             time.sleep(0.3)
-        before = _group(proc.pid)
-        assert any("ray::DashboardAgent" in c for c in before.values()), before
-        assert any("ray::RuntimeEnvAgent" in c for c in before.values()), before
-        os.kill(proc.pid, signal.SIGKILL)  # the driver only, as the OOM killer would
-        proc.wait()
-        ray_names = ("ray::DashboardAgent", "ray::RuntimeEnvAgent", "raylet", "gcs_server", "dashboard.py")
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
-            left = {p: c for p, c in _group(proc.pid).items() if any(n in c for n in ray_names)}
-            if not left:
-                break
-            time.sleep(0.5)
-        assert not left, left
+        _sigkill_driver_and_expect_no_ray_left(proc)
     finally:
-        for pid in _group(proc.pid):  # whatever is left of this test's process group
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
+        _kill_group(proc.pid)
