@@ -9,6 +9,8 @@
 # From the repository root:
 #   OUT=$OUT bash benchmarks/ml1m_h200.sh                                         # the full-length run, 100 epochs
 #   NAME=hstu OUT=$OUT bash benchmarks/ml1m_h200.sh model.use_rating_feature=false   # more --set values
+#   CONFIG=configs/gem-h200.toml DATA=data/gem-h200 NAME=gem EPOCHS=1 OUT=$OUT bash benchmarks/ml1m_h200.sh \
+#     train.sparse_optimizer=rowwise_adagrad train.sparse_lr=1e-2     # another config (synthetic: generated on first use)
 # Knobs: NAME (cfg), EPOCHS (100), DEADLINE_S (540), RUNS (/tmp/gemray-runs), DATA (data/ml-1m), CONFIG
 # (configs/ml-1m.toml), PY (python3), CPUS_PER_WORKER (8) and NUM_CPUS (16: the embedded cluster's CPUs; keep at
 # least one more than CPUS_PER_WORKER for Ray Data's read tasks). Results in $OUT: $NAME.metrics.json,
@@ -27,7 +29,7 @@ mkdir -p "$OUT" "$RUN" || exit 1
 if [ -f "$RUN/DONE" ]; then echo "$NAME: finished in an earlier call ($RUN)"; exit 0; fi
 "$PY" -c "import ray, torchrec, fbgemm_gpu" 2>/dev/null \
   || { echo "ray / torchrec / fbgemm-gpu missing: install ../shared/tools/gpu-stack into /tmp/site first" >&2; exit 1; }
-[ -f "$DATA/manifest.json" ] || { echo "$DATA: no prepared ML-1M (gemray prepare movielens ... --out $DATA)" >&2; exit 1; }
+[ -f "$DATA/manifest.json" ] || grep -q "^synthetic *=" "$CONFIG" || { echo "$DATA: no prepared ML-1M (gemray prepare movielens ... --out $DATA)" >&2; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 "$PY" -c "import torch, triton, torchrec, fbgemm_gpu, ray; print('torch', torch.__version__, 'triton', \
 triton.__version__, 'torchrec', torchrec.__version__, 'fbgemm_gpu', fbgemm_gpu.__version__, 'ray', ray.__version__)"

@@ -114,6 +114,7 @@ def test_scalars_and_mlflow(monkeypatch):
     assert ("epoch/valid_hr_at_10", 0.1, 1) in logged and len(logged) == len(pts)
 
 
+@pytest.mark.slow  # a real `gemray train` (~1 min): make test-slow; make test: the filter, progress and summary tests above
 def test_train_console_log_and_tensorboard(tmp_path):
     """A tiny `gemray train` (2 workers, 1 epoch of 6 steps): the console is gemray's own lines plus at most a few
     others, with progress lines "step N/M ... ETA"; the full log in <output>/logs/gemray.log has the rest; the

@@ -143,6 +143,8 @@ def _wait_for(what: str, cond, proc: subprocess.Popen, timeout: float = 240.0):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+@pytest.mark.slow  # ~2 min: make test-slow; make test: a kill inside the DCP write (test_corrupt_and_partial_checkpoints_fall_back,
+# test_checkpoint.py's pause hook) and the SIGTERM vote on one rank (test_elastic_policy.py)
 def test_kill_mid_write_then_preempt_and_resume(baseline):
     tmp, base = baseline
     out, ledger, pause = tmp / "preempt", tmp / "ledger-preempt", tmp / "pause"
@@ -237,7 +239,7 @@ def test_kill_mid_write_then_preempt_and_resume(baseline):
               "emergency_step": at, "steps_lost_on_resume": 0})
 
 
-@pytest.mark.slow  # make test-slow; make test: the SIGTERM vote above, epoch-end polls in test_train_parts.py
+@pytest.mark.slow  # make test-slow; make test: the SIGTERM vote (test_elastic_policy.py), epoch-end polls in test_train_parts.py
 def test_preemption_vote_at_epoch_end_when_poll_divides_the_epoch(baseline):
     """checkpoint.preempt_poll_steps = the steps per epoch (20): every poll step is an epoch's last step, so
     the vote must happen there too (it was skipped: SIGTERM was ignored and the run exited 0, the notice left

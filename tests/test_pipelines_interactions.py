@@ -572,6 +572,7 @@ def test_readme_describes_the_log_the_test_generates():
     assert f"rng.integers({m.group(2)}, {int(m.group(3)) + 1})" in src and f"range({m.group(5)})" in src
 
 
+@pytest.mark.slow  # prepare + a real `gemray train` (~45 s): make test-slow; make test: preparation tests here, training elsewhere
 def test_prepare_then_train_end_to_end(tmp_path):
     """The sparse short-history recipe of the README: a string-id CSV with shuffled rows and two extra columns
     is prepared (5-core) and `gemray train` runs on it and writes metrics."""

@@ -24,6 +24,7 @@ def test_trial_overrides_are_set_strings():
     assert reportable({"hr@10": 0.5, "epochs": 2, "final": True, "history": []}) == {"hr@10": 0.5, "epochs": 2.0}
 
 
+@pytest.mark.slow  # two Ray Tune trials (~1 min): make test-slow; make test: the trial overrides above, the train loop elsewhere
 def test_two_trial_grid(tmp_path):
     if not SRC.is_dir():
         pytest.skip(f"{SRC} not available")
