@@ -56,8 +56,9 @@ def steps(name):  # {global_step: (epoch, loss)}, the last attempt's value of a 
             e = json.loads(line)
         except ValueError:
             continue
-        if e.get("kind") == "step" and "loss" in e:
-            out[int(e["global_step"])] = (int(e["epoch"]), float(e["loss"]))
+        d = e.get("detail", {})  # gemray.events: {"kind", "t", "attempt", "detail": {...}}
+        if e.get("kind") == "step" and "loss" in d:
+            out[int(d["global_step"])] = (int(d["epoch"]), float(d["loss"]))
     return out
 
 def epochs(name, st):  # {epoch: train_loss}: metrics.json's history, else the mean of the steps' losses

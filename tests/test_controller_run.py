@@ -145,13 +145,17 @@ def test_relative_paths_are_taken_from_the_driver_directory(tmp_path, monkeypatc
     cfg = JobConfig()
     cfg.data.raw_dir, cfg.data.prepared_dir = "raw", "~/prep"
     cfg.train.events_path, cfg.train.ledger_dir = "logs/events.jsonl", "ledger"
+    cfg.model.kernel_tiles = "configs/tiles.json"
     cfg = run._resolve(cfg)
+    assert cfg.model.kernel_tiles == str(tmp_path / "configs" / "tiles.json")  # a Ray worker read it relative
     assert cfg.data.raw_dir == str(tmp_path / "raw")
     assert cfg.data.prepared_dir == str(Path("~/prep").expanduser())
     assert cfg.train.events_path == str(tmp_path / "logs" / "events.jsonl")
     assert cfg.train.ledger_dir == str(tmp_path / "ledger")
     cfg = JobConfig()
-    assert (run._resolve(cfg).train.events_path, cfg.train.ledger_dir) == ("", "")
+    assert (run._resolve(cfg).train.events_path, cfg.train.ledger_dir, cfg.model.kernel_tiles) == ("", "", "")
+    cfg.model.kernel_tiles = ' {"medium": {}}'  # inline JSON stays as it is
+    assert run._resolve(cfg).model.kernel_tiles == ' {"medium": {}}'
 
 
 def test_preflight_compares_model_shape_with_the_previous_run():

@@ -113,14 +113,16 @@ def _load(config: JobConfig | str | Path, overrides: list[str] | str | None) -> 
 
 
 def _resolve(cfg: JobConfig) -> JobConfig:
-    """Make the data paths and the set ``train.events_path`` / ``train.ledger_dir`` absolute (relative to the
-    current directory): the workers run in folders of Ray's, where a relative path would land elsewhere (and
-    the driver reads the events back from its own directory)."""
+    """Make the data paths, the set ``train.events_path`` / ``train.ledger_dir`` and a ``model.kernel_tiles``
+    file path absolute (relative to the current directory): the workers run in folders of Ray's, where a
+    relative path would land elsewhere (and the driver reads the events back from its own directory)."""
     for section, name in (("data", "raw_dir"), ("data", "prepared_dir"), ("train", "events_path"),
-                          ("train", "ledger_dir")):
+                          ("train", "ledger_dir"), ("model", "kernel_tiles")):
         sec = getattr(cfg, section)
         value = getattr(sec, name)
-        if section == "train" and not value:  # "" = default (events: <output>/events.jsonl) or off (ledger)
+        if section != "data" and not value:  # "" = default (events: <output>/events.jsonl) or off
+            continue
+        if name == "kernel_tiles" and value.lstrip().startswith("{"):  # inline JSON, not a path
             continue
         p = Path(value).expanduser()
         setattr(sec, name, str(p if p.is_absolute() else (Path.cwd() / p).resolve()))
