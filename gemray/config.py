@@ -159,6 +159,10 @@ class ModelConfig:
     cvr_population: candidates CVR is trained and evaluated on: "clicked" (post-click conversion
     p(convert | click), the standard definition; 0 clicked candidates give loss 0) or "all" (every
     candidate, i.e. p(click and convert), ESMM's pCTCVR target: no sample-selection bias, sparser positives).
+    task_base_rates: [] (default) or one rate in (0, 1) per ranking task (``ranking_tasks`` order: the click rate
+        for "ctr", the conversion rate of its ``cvr_population`` for "cvr"): the tower's output bias of each task
+        starts at logit(rate), so the first predictions are calibrated (a zero bias predicts 0.5, and Adam moves a
+        bias about ``train.lr`` per step: ~3,000 steps from 0 to logit(0.05) at lr 1e-3).
     pma_seeds: S, learned seed queries per head of the tower's PMA pooling of the history (Set Transformer).
     mlp_dims: hidden widths of the tower's per-candidate interaction MLP ([] = one Linear to the task logits).
     tower_activation: activation of the tower's cross-attention and PMA ("softmax", "silu", "gelu", "none").
@@ -209,6 +213,7 @@ class ModelConfig:
     tasks: list[str] = field(default_factory=lambda: ["retrieval"])
     task_weights: list[float] = field(default_factory=list)
     cvr_population: str = "clicked"
+    task_base_rates: list[float] = field(default_factory=list)
     pma_seeds: int = 4
     mlp_dims: list[int] = field(default_factory=lambda: [256, 64])
     tower_activation: str = "softmax"
@@ -321,6 +326,10 @@ class ModelConfig:
                                  f"{self.task_weights}")
         if any(int(m) <= 0 for m in self.mlp_dims):
             raise ValueError(f"model.mlp_dims: expected positive widths, got {self.mlp_dims}")
+        if self.task_base_rates and (len(self.task_base_rates) != len(self.ranking_tasks)
+                                     or not all(0.0 < float(r) < 1.0 for r in self.task_base_rates)):
+            raise ValueError(f"model.task_base_rates: expected [] or one rate in (0, 1) per ranking task "
+                             f"{self.ranking_tasks}, got {self.task_base_rates}")
         self._validate_moe()
         for group in ("token_features", "candidate_features", "context_features"):
             names = getattr(self, group)

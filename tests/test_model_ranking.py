@@ -238,6 +238,38 @@ def test_meta_build_then_init_weights_equals_direct_build():
             assert torch.equal(sa[key], sb[key]), key
 
 
+def test_task_base_rates_start_the_predictions_at_the_rates():
+    """model.task_base_rates: the output bias starts at logit(rate) per task, on a real build and after a meta
+    build + init_weights alike (no RNG draw: the other parameters equal a build without rates), so the mean
+    prediction of a fresh tower is near each rate; without rates it is near 0.5."""
+    rates = [0.05, 0.3]
+    cfg = _tower_cfg(task_base_rates=rates, context_features=["hour"], token_features=["category"], model_dim=12)
+    torch.manual_seed(5)
+    with_rates = CandidateTower(cfg, MAX_LEN)
+    torch.manual_seed(5)
+    plain = CandidateTower(_tower_cfg(context_features=["hour"], token_features=["category"], model_dim=12), MAX_LEN)
+    bias = with_rates.mlp[-1].bias.detach()
+    assert torch.allclose(bias.double(), torch.logit(torch.tensor(rates, dtype=torch.float64)), atol=1e-6)
+    for (name, a), (_, b) in zip(with_rates.state_dict().items(), plain.state_dict().items()):
+        if name != "mlp.4.bias":
+            assert torch.equal(a, b), name
+    later = CandidateTower(cfg, MAX_LEN, device="meta").to_empty(device="cpu")
+    torch.manual_seed(5)
+    later.init_weights()
+    for key, v in with_rates.state_dict().items():
+        assert torch.equal(v, later.state_dict()[key]), key
+    lengths, cands = [5, 0, 12, 3] * 8, [6, 2, 0, 9] * 8
+    off, coff = _offsets(lengths), _offsets(cands)
+    g = torch.Generator().manual_seed(0)
+    h, c = torch.randn(sum(lengths), 12, generator=g), torch.randn(sum(cands), 12, generator=g)
+    ctx = torch.randn(len(lengths), 12, generator=g)
+    with torch.no_grad():
+        p_rates = torch.sigmoid(with_rates(h, off, c, coff, ctx)).mean(0)
+        p_plain = torch.sigmoid(plain(h, off, c, coff, ctx)).mean(0)
+    assert torch.allclose(p_rates, torch.tensor(rates), atol=0.03), p_rates
+    assert torch.allclose(p_plain, torch.tensor([0.5, 0.5]), atol=0.15), p_plain
+
+
 # ---------------------------------------------------------------------------------------------- head
 
 
@@ -392,6 +424,9 @@ def test_input_layer_refusals():
     (dict(table_rows=["item"]), "table_rows"), (dict(table_rows=["author=5"]), "no table"),
     (dict(mlp_dims=[8, 0]), "mlp_dims"), (dict(pma_seeds=0), "pma_seeds"),
     (dict(token_features=["hour"], context_features=["hour"]), "also token"),
+    (dict(tasks=["ctr", "cvr"], task_base_rates=[0.05]), "task_base_rates"),
+    (dict(tasks=["ctr"], task_base_rates=[1.0]), "task_base_rates"),
+    (dict(tasks=["ctr"], task_base_rates=[0.0]), "task_base_rates"),
 ])
 def test_config_refuses(kw, needle):
     with pytest.raises(ValueError, match=needle):

@@ -92,6 +92,7 @@ class CandidateTower(nn.Module):
         layers.append(nn.Linear(dims[-1], self.num_tasks, device=device))
         self.mlp = nn.Sequential(*layers)
         self.seeds = nn.Parameter(torch.empty(S, H, A, device=device))
+        self.base_rates = [float(r) for r in cfg.task_base_rates]
         self.reset_parameters()
 
     @property
@@ -102,12 +103,17 @@ class CandidateTower(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """This module's own parameter (the PMA seeds); the nn.Linear children reset themselves."""
+        """This module's own parameter (the PMA seeds; the nn.Linear children reset themselves), and with
+        ``cfg.task_base_rates`` the output layer's bias set to logit(rate) per task (no RNG draw)."""
         nn.init.normal_(self.seeds, std=0.02)
+        if self.base_rates:
+            rates = torch.tensor(self.base_rates, dtype=torch.float64)
+            self.mlp[-1].bias.copy_(torch.log(rates / (1.0 - rates)).to(self.mlp[-1].bias.dtype))
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Draw every parameter anew in construction order (the Linears, then the seeds), as construction does."""
+        """Draw every parameter anew in construction order (the Linears, then the seeds and the base-rate
+        output bias), as construction does."""
         for m in (self.q, self.kv, self.out, self.pool, *self.mlp):
             if isinstance(m, (nn.Linear, MoEFFN)):
                 m.reset_parameters()
