@@ -149,25 +149,40 @@ def preempted_metrics(reported: dict[str, Any], events: list[dict[str, Any]], *,
             "events": [e for e in events if e["kind"] not in QUIET_KINDS], "recovery": summarize_recovery(events)}
 
 
-def comparison_table(metrics: dict[str, Any]) -> str:
+def comparison_table(metrics: dict[str, Any], data_format: str | None = None) -> str:
     """Plain-text table of this run's HR@10/NDCG@10 next to the published ML-1M numbers.
 
     The published numbers rank each target against the items outside the user's history
     (generative-recommenders' evaluation); a run with ``train.eval_exclude_history=false`` ranks against all
     items and says so in its row. The all-items figures of a filtered run get a row of their own.
+    data_format: the prepared data's manifest ``format`` ("ml-1m", "synthetic", "interactions", ...; None when
+    unknown): the published rows are printed for ML-1M (and unknown) data only, since they are ML-1M's.
     """
     if "hr@10" not in metrics:
         return "(no HR@10 / NDCG@10 to compare with the published ML-1M numbers: 10 is not in train.eval_ks)"
+    published = data_format in (None, "ml-1m")
     label = "this run" if metrics.get("eval_exclude_history", True) else "this run (all items)"
     rows = [(label, metrics.get("hr@10", float("nan")), metrics.get("ndcg@10", float("nan")))]
     if "hr@10_unfiltered" in metrics:
         rows.append(("this run (all items)", metrics["hr@10_unfiltered"], metrics.get("ndcg@10_unfiltered",
                                                                                      float("nan"))))
-    rows += [(name, hr, nd) for name, (hr, nd) in PUBLISHED_ML1M.items()]
+    if published:
+        rows += [(name, hr, nd) for name, (hr, nd) in PUBLISHED_ML1M.items()]
     lines = [f"{'model':<22}{'HR@10':>8}{'NDCG@10':>9}", "-" * 39]
     lines += [f"{n:<22}{hr:>8.4f}{nd:>9.4f}" for n, hr, nd in rows]
-    lines.append("(published rows: ML-1M, Zhai et al. 2024; compare only against an ML-1M run)")
+    lines.append("(published rows: ML-1M, Zhai et al. 2024; compare only against an ML-1M run)" if published else
+                 f"(no published rows: they are ML-1M's, this run's data is {data_format!r})")
     return "\n".join(lines)
+
+
+def data_format(prepared_dir: str | Path) -> str | None:
+    """The ``format`` field of ``prepared_dir/manifest.json`` (e.g. "ml-1m", "synthetic"); None when the
+    manifest is missing or unreadable (the table then keeps the published rows)."""
+    try:
+        fmt = json.loads((Path(prepared_dir) / "manifest.json").read_text()).get("format")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return fmt if isinstance(fmt, str) else None
 
 
 def _checkpoint_path(result: Any) -> str | None:
@@ -196,7 +211,7 @@ def finish(cfg: JobConfig, out: Path, result: Any, *, events_from: int, wall_s: 
     if metrics["history"]:
         plot_curves(metrics["history"], out / "curves.png")
     tensorboard.export(cfg.name, out, metrics, events)  # the same values, as TensorBoard scalars
-    print(comparison_table(metrics))
+    print(comparison_table(metrics, data_format(cfg.data.prepared_dir)))
     log.info("results in %s (checkpoint %s)", out, ckpt)
     late_notice(cfg.checkpoint.preempt_notice, metrics, ckpt)
     return Result(metrics=metrics, checkpoint_path=ckpt, output_dir=str(out))
