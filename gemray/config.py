@@ -326,6 +326,9 @@ class ModelConfig:
                                  f"{self.task_weights}")
         if any(int(m) <= 0 for m in self.mlp_dims):
             raise ValueError(f"model.mlp_dims: expected positive widths, got {self.mlp_dims}")
+        if self.task_base_rates and not self.ranking_tasks:
+            raise ValueError(f"model.task_base_rates {self.task_base_rates}: model.tasks {self.tasks} has no ranking "
+                             f"task ({', '.join(self.RANKING_TASKS)}) to start at a rate; use []")
         if self.task_base_rates and (len(self.task_base_rates) != len(self.ranking_tasks)
                                      or not all(0.0 < float(r) < 1.0 for r in self.task_base_rates)):
             raise ValueError(f"model.task_base_rates: expected [] or one rate in (0, 1) per ranking task "
@@ -812,6 +815,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | str | Non
     raw: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
+        if p.is_dir():
+            raise FileNotFoundError(f"config file {p} is a folder: give a .toml file (e.g. configs/ml-1m.toml)")
         if not p.is_file():
             raise FileNotFoundError(f"config file not found: {p}")
         try:

@@ -38,6 +38,8 @@ def test_bad_set_is_one_line_exit_2(capsys, sets, needle):
 def test_missing_config_and_source(capsys, tmp_path):
     assert main(["train", "--config", str(tmp_path / "none.toml")]) == 2
     assert "config file not found" in _err_line(capsys)
+    assert main(["train", "--config", str(tmp_path)]) == 2
+    assert "is a folder" in _err_line(capsys)
     assert main(["prepare", "movielens", "--src", str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == 2
     assert "does not exist" in _err_line(capsys)
     bad = tmp_path / "bad.toml"

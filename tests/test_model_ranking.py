@@ -427,6 +427,7 @@ def test_input_layer_refusals():
     (dict(tasks=["ctr", "cvr"], task_base_rates=[0.05]), "task_base_rates"),
     (dict(tasks=["ctr"], task_base_rates=[1.0]), "task_base_rates"),
     (dict(tasks=["ctr"], task_base_rates=[0.0]), "task_base_rates"),
+    (dict(tasks=["retrieval"], task_base_rates=[0.05]), "no ranking task"),
 ])
 def test_config_refuses(kw, needle):
     with pytest.raises(ValueError, match=needle):
