@@ -506,16 +506,11 @@ def test_comparison_table_rows():
     assert "nan" not in results.comparison_table({"hr@50": 0.5}) and "eval_ks" in results.comparison_table({"hr@50": 0.5})
 
 
-def test_comparison_table_prints_the_published_rows_for_ml1m_data_only(tmp_path):
+def test_comparison_table_prints_the_published_rows_for_ml1m_data_only():
     m = {"hr@10": 0.2, "ndcg@10": 0.1}
     assert "HSTU-large" in results.comparison_table(m, "ml-1m") and "HSTU-large" in results.comparison_table(m)
     t = results.comparison_table(m, "synthetic")
     assert "HSTU-large" not in t and "SASRec" not in t and "'synthetic'" in t and "0.2000" in t
-    (tmp_path / "manifest.json").write_text(json.dumps({"format": "synthetic"}))
-    assert results.data_format(tmp_path) == "synthetic"
-    assert results.data_format(tmp_path / "missing") is None
-    (tmp_path / "manifest.json").write_text("{not json")
-    assert results.data_format(tmp_path) is None
 
 
 def test_a_notice_after_the_last_vote_is_reported_and_marked_handled(tmp_path, caplog):

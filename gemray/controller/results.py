@@ -175,26 +175,17 @@ def comparison_table(metrics: dict[str, Any], data_format: str | None = None) ->
     return "\n".join(lines)
 
 
-def data_format(prepared_dir: str | Path) -> str | None:
-    """The ``format`` field of ``prepared_dir/manifest.json`` (e.g. "ml-1m", "synthetic"); None when the
-    manifest is missing or unreadable (the table then keeps the published rows)."""
-    try:
-        fmt = json.loads((Path(prepared_dir) / "manifest.json").read_text()).get("format")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return fmt if isinstance(fmt, str) else None
-
-
 def _checkpoint_path(result: Any) -> str | None:
     """The path of a ``ray.train.Result``'s latest committed checkpoint (None if none was committed)."""
     return result.checkpoint.path if result.checkpoint is not None else None
 
 
 def finish(cfg: JobConfig, out: Path, result: Any, *, events_from: int, wall_s: float,
-           invocations: int) -> Result:
+           invocations: int, data_format: str | None = None) -> Result:
     """A run that trained to the end (``result``: the ``ray.train.Result`` of ``TorchTrainer.fit``): write
     ``metrics.json`` (:func:`final_metrics`) and ``curves.png``, log the recovery figures, print
-    :func:`comparison_table`, handle a preemption notice that came too late (:func:`late_notice`)."""
+    :func:`comparison_table` (``data_format``: the prepared data's manifest ``format``), handle a preemption
+    notice that came too late (:func:`late_notice`)."""
     from gemray.plots import plot_curves
 
     events = read_events(cfg.train.events_path)[events_from:]
@@ -211,7 +202,7 @@ def finish(cfg: JobConfig, out: Path, result: Any, *, events_from: int, wall_s: 
     if metrics["history"]:
         plot_curves(metrics["history"], out / "curves.png")
     tensorboard.export(cfg.name, out, metrics, events)  # the same values, as TensorBoard scalars
-    print(comparison_table(metrics, data_format(cfg.data.prepared_dir)))
+    print(comparison_table(metrics, data_format))
     log.info("results in %s (checkpoint %s)", out, ckpt)
     late_notice(cfg.checkpoint.preempt_notice, metrics, ckpt)
     return Result(metrics=metrics, checkpoint_path=ckpt, output_dir=str(out))

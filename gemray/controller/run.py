@@ -93,9 +93,12 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
             log.warning("data.train_includes_valid: training uses each validation item, so validation HR/NDCG "
                         "score trained targets; only the test split is held out")
         result = _train(cfg, storage)
-        done = results.finish_preempted if (result.metrics or {}).get("preempted") else results.finish
-        return done(cfg, out, result, events_from=events_from, wall_s=wall_before + time.perf_counter() - t0,
-                    invocations=invocations)
+        wall_s = wall_before + time.perf_counter() - t0
+        if (result.metrics or {}).get("preempted"):
+            return results.finish_preempted(cfg, out, result, events_from=events_from, wall_s=wall_s,
+                                            invocations=invocations)
+        return results.finish(cfg, out, result, events_from=events_from, wall_s=wall_s, invocations=invocations,
+                              data_format=manifest.get("format"))
 
 
 def _load(config: JobConfig | str | Path, overrides: list[str] | str | None) -> JobConfig:

@@ -107,8 +107,7 @@ class CandidateTower(nn.Module):
         ``cfg.task_base_rates`` the output layer's bias set to logit(rate) per task (no RNG draw)."""
         nn.init.normal_(self.seeds, std=0.02)
         if self.base_rates:
-            rates = torch.tensor(self.base_rates, dtype=torch.float64)
-            self.mlp[-1].bias.copy_(torch.log(rates / (1.0 - rates)).to(self.mlp[-1].bias.dtype))
+            self.mlp[-1].bias.copy_(torch.logit(torch.tensor(self.base_rates, dtype=torch.float64)))
 
     @torch.no_grad()
     def init_weights(self) -> None:
