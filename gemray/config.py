@@ -404,7 +404,17 @@ class TrainConfig:
     warm-up covers them). Shares ``gemray.parallel.compile`` with activation_checkpointing "torch" (which
     compiles the blocks whatever this says). compile_backend: the torch._dynamo backend, "inductor" (default;
     on CUDA), "aot_eager" or "eager" (both for debugging: no codegen). compile_tower: also compile the
-    candidate tower (default true).
+    candidate tower (default true). compile_dynamic: "auto" (default; ``dynamic=None``: dynamo's automatic
+    dynamic shapes: the sizes seen changing between calls -- T, B, C -- become symbolic at the second call, the
+    rest stays static; one more compile per module kind) or "all" (``dynamic=True``: every size symbolic from the
+    first call). Under FSDP2 "all" also makes the blocks' own integer attributes (heads, head widths) symbolic --
+    dynamo does not guard FSDP modules, so it cannot specialise them -- and inductor then emits the blocks'
+    kernels for unknown widths (the GEM block's fused SiLU / LayerNorm backward 3.8x slower, bias gradients as a
+    separate column reduction: benchmarks/reports/gem_h200_2026-12-04.md). compile_optimize_ddp: dynamo's
+    DDPOptimizer (``torch._dynamo.config.optimize_ddp``) for the blocks compiled inside DDP's forward
+    (``parallel.dense = "ddp"``): false (default) keeps one graph per block, whose gradients fill DDP's buckets
+    block by block; true (torch's default) splits each compiled block at DDP's 25 MB bucket boundaries (a GEM
+    block holds 20 MB of parameters: every block was cut in two, its bias gradient a separate reduction).
     deterministic: bit-reproducible training (default true): ``torch.use_deterministic_algorithms(True,
     warn_only=True)`` in every worker before the model is built (``gemray.train.trainer.apply_determinism``). Without
     it the same seed gives runs that drift apart from the first steps: FBGEMM's TBE backward on CUDA splits an
@@ -449,6 +459,8 @@ class TrainConfig:
     compile: bool = False
     compile_backend: str = "inductor"
     compile_tower: bool = True
+    compile_dynamic: str = "auto"
+    compile_optimize_ddp: bool = False
     deterministic: bool = True
 
     def validate(self) -> None:
@@ -464,6 +476,7 @@ class TrainConfig:
                              "attention kernels take bf16/fp32 q/k/v); use false")
         _choice(self, "activation_checkpointing", ("none", "full", "auto", "torch"))
         _choice(self, "compile_backend", ("inductor", "aot_eager", "eager"))
+        _choice(self, "compile_dynamic", ("all", "auto"))
         b = self.activation_memory_budget
         if b < 0 or (1 < b and b != int(b)):
             raise ValueError(f"train.activation_memory_budget: expected bytes (an integer > 1), a fraction "

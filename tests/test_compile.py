@@ -102,9 +102,10 @@ def test_compiled_gem_matches_eager_with_bounded_graphs_and_no_breaks():
                 continue
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
-    # one graph per module kind (the blocks share theirs: same code, parameters inlined), at most one more each
-    # for a size dynamo specialises (0 / 1): not one per batch -- 4 steps of new T, B and C compiled no more
-    assert 2 <= len(graphs) <= 4, [g.code[:200] for g in graphs]
+    # per module kind (the blocks share theirs: same code, parameters inlined) a static graph for the first batch
+    # and a dynamic one from the second (train.compile_dynamic = "auto"), at most one more each for a size dynamo
+    # specialises (0 / 1): not one per batch -- 4 steps of new T, B and C would be 8
+    assert 2 <= len(graphs) <= 6, [g.code[:200] for g in graphs]
     assert counters["frames"]["total"] == counters["frames"]["ok"] <= len(graphs), dict(counters["frames"])
 
 

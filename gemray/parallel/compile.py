@@ -6,9 +6,15 @@ data-dependent shapes; a block is pure dense math around one attention custom op
 ``gdpa_bwd``, with fake implementations: no graph break), so its casts, LayerNorms, SiLUs, splits and the
 residual fuse into a few Triton kernels and the launches per block drop.
 
-Shapes: the token count T (and B, C) changes every step, so the modules compile with ``dynamic=True`` (T, B,
-C symbolic from the first call: one graph per module kind instead of one per batch; sizes 0 and 1, which dynamo
-specialises, add at most one graph each). Parameters keep static shapes (dynamo's default).
+Shapes: the token count T (and B, C) changes every step. By default (``train.compile_dynamic = "auto"``) the
+modules compile with dynamo's automatic dynamic shapes (``dynamic=None``): the first call specialises, the
+second marks the sizes that changed (T, B, C) symbolic -- one more compile per module kind, then one graph per
+kind instead of one per batch -- and everything else stays static. "all" (``dynamic=True``) makes every size
+symbolic from the first call; under FSDP2 that includes the blocks' integer attributes (dynamo does not guard
+FSDP modules), so inductor's kernels lose the widths they are specialised for. Parameters keep static shapes.
+
+DDP (``parallel.dense = "ddp"``): the blocks compile inside DDP's forward, where dynamo's DDPOptimizer would cut
+each graph at DDP's bucket boundaries (``train.compile_optimize_ddp``, default off: one graph per block).
 
 Order: after ``gemray.parallel.parallelize`` (DDP / FSDP2 units are made per ``HSTUBlock`` first), in place:
 ``nn.Module.compile()`` compiles the module's ``_call_impl``, so state-dict keys do not change (a
@@ -54,10 +60,14 @@ def compile_targets(model: nn.Module, *, tower: bool = True) -> dict[str, nn.Mod
 
 
 def compile_dense_modules(model: nn.Module, *, backend: str | Callable = "inductor", tower: bool = True,
-                          dynamic: bool = True, reason: str = "train.compile") -> list[str]:
+                          dynamic: bool | None = None, optimize_ddp: bool | None = None,
+                          reason: str = "train.compile") -> list[str]:
     """``module.compile(backend=backend, dynamic=dynamic)`` on every :func:`compile_targets` module not compiled
     yet; returns the names compiled now (already-compiled ones are skipped, so the activation-checkpointing
     "torch" mode and ``train.compile`` share one compile). Logs the choice once per call that compiles anything.
+    dynamic: True (every input size symbolic from the first call) or None (dynamo's automatic dynamic shapes:
+    ``train.compile_dynamic = "auto"``). optimize_ddp: sets ``torch._dynamo.config.optimize_ddp`` (process-wide:
+    ``train.compile_optimize_ddp``); None leaves it as it is.
 
     backend: a torch._dynamo backend name (``BACKENDS``) or a backend callable (tests: a counting wrapper).
     Raises dynamo's recompile limit to at least ``RECOMPILE_LIMIT``. Raises ValueError for an unknown backend
@@ -65,6 +75,10 @@ def compile_dense_modules(model: nn.Module, *, backend: str | Callable = "induct
     if isinstance(backend, str) and backend not in BACKENDS:
         raise ValueError(f"train.compile_backend: expected one of {BACKENDS}, got {backend!r}")
     _raise_recompile_limit()
+    if optimize_ddp is not None:
+        import torch._dynamo.config as dconfig
+
+        dconfig.optimize_ddp = bool(optimize_ddp)
     done = []
     for name, m in compile_targets(model, tower=tower).items():
         if getattr(m, "_gemray_compiled", False):

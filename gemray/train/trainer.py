@@ -338,7 +338,9 @@ class Trainer:
             return []
         from gemray.parallel.compile import compile_dense_modules
 
-        return compile_dense_modules(self.dmp, backend=tc.compile_backend, tower=tc.compile_tower)
+        return compile_dense_modules(self.dmp, backend=tc.compile_backend, tower=tc.compile_tower,
+                                     dynamic=True if tc.compile_dynamic == "all" else None,
+                                     optimize_ddp=tc.compile_optimize_ddp)
 
     def warm_up_kernels(self) -> None:
         """On CUDA with the Triton attention backend: compile the attention kernels for every length regime
