@@ -338,3 +338,23 @@ def test_scaled_mm_odd_and_empty_token_counts(m):
     assert y.shape == (m, 256) and y.dtype == torch.bfloat16
     y.float().sum().backward()
     assert w.grad.shape == w.shape and torch.isfinite(w.grad).all()
+
+
+@pytest.mark.parametrize("a_layout, b_layout", [("row", "col"), ("col", "row"), ("row", "row")])
+def test_scaled_mm_gets_the_layouts_it_requires_whatever_the_operands(a_layout, b_layout):
+    """_scaled_mm takes a row-major a and a column-major b; traced under torch.compile, the FP8 copy of a
+    transposed weight view came with the view's strides and the compiled FP8 step failed on the H200 ("mat2 must be
+    col_major"). Checked on the meta device (the op's meta function makes the same layout checks, no GPU needed)."""
+    from gemray.model.fp8 import fp8_mm
+
+    M, K, N = 64, 128, 256
+    a = torch.empty(M, K, dtype=E4M3, device="meta") if a_layout == "row" else \
+        torch.empty(K, M, dtype=E4M3, device="meta").t()
+    b = torch.empty(N, K, dtype=E4M3, device="meta").t() if b_layout == "col" else \
+        torch.empty(K, N, dtype=E4M3, device="meta")
+    sa, sb = torch.ones(M, 1, device="meta"), torch.ones(1, N, device="meta")
+    if (a_layout, b_layout) != ("row", "col"):  # the raw op refuses these layouts
+        with pytest.raises(RuntimeError, match="major"):
+            torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+    y = fp8_mm(a, sa, b, sb, backend="scaled_mm")
+    assert y.shape == (M, N) and y.dtype == torch.bfloat16

@@ -219,7 +219,7 @@ def quantize_rowwise(x: torch.Tensor, dtype: torch.dtype = E4M3, dim: int = -1, 
 def _resolve_backend(backend: str, device: torch.device) -> str:
     if backend == "auto":
         return "scaled_mm" if device.type == "cuda" else "emulate"
-    if backend == "scaled_mm" and device.type != "cuda":
+    if backend == "scaled_mm" and device.type not in ("cuda", "meta"):  # meta: shapes and layout checks only
         raise RuntimeError("fp8 backend 'scaled_mm' needs CUDA tensors (use 'emulate' on CPU)")
     return backend
 
@@ -244,6 +244,11 @@ def fp8_mm(a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_scale:
     if backend == "emulate":  # fp32 matmul of the dequantized operands, also inside an autocast region
         with torch.autocast(a_q.device.type, enabled=False):
             return ((a_q.float() * a_scale) @ (b_q.float() * b_scale)).to(torch.bfloat16)
+    # _scaled_mm takes a row-major a and a column-major b only. The callers' operands are in those layouts in
+    # eager mode, but under torch.compile the FP8 copy of a transposed weight view (HSTU's uvqk_weight.t()) is
+    # traced with the view's strides, and the compiled step failed ("mat2 must be col_major"): make the layouts
+    # explicit (a no-op where they already hold).
+    a_q, b_q = a_q.contiguous(), b_q.t().contiguous().t()  # unconditional: the graph must carry them
     return torch._scaled_mm(a_q, b_q, scale_a=a_scale.float().contiguous(), scale_b=b_scale.float().contiguous(),
                             out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
 
