@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from gemray.bench.train import (classify_kernel, kernel_breakdown, stall_check, summarize)
+from gemray.bench.train import (classify_kernel, idle_gaps, kernel_breakdown, stall_check, summarize)
 from gemray.cli import main
 from gemray.config import load_config
 from gemray.kernels.config import DEFAULT
@@ -138,6 +138,29 @@ def test_kernel_breakdown_counts_only_the_exposed_part_of_communication():
     assert b["overlapped_communication"] == pytest.approx(0.7)  # 0.8..1.5 under compute
     assert b["exposed_communication"] == pytest.approx(0.5)     # 1.5..2.0
     assert b["other"] == pytest.approx(0.2) and b["gpu_busy"] == pytest.approx(2.2)
+
+
+def test_idle_gaps_charge_each_gap_to_the_innermost_running_host_op_and_its_phase():
+    # kernels: busy 0-1, 1.5-2 (gap 0.5), 2.05-3 (gap 0.05), 3-4 touching (no gap), 6-7 (gap 2)
+    ks = [("a", 0.0, 1.0), ("b", 1.5, 2.0), ("c", 2.05, 3.0), ("d", 3.0, 4.0), ("e", 6.0, 7.0), ("f", 0.2, 0.4)]
+    host = [("aten::copy_", 0.9, 1.6, 1), ("cudaStreamSynchronize", 1.0, 1.45, 1),   # nested: the sync is inner
+            ("python_op", 1.9, 2.2, 1),
+            ("autograd::engine", 4.0, 8.0, 2), ("CompiledFunctionBackward", 4.5, 5.5, 2),  # another thread
+            ("aten::mm", 5.1, 5.3, 2)]
+    phases = [("gemray.forward", 0.0, 2.5), ("gemray.backward", 4.0, 8.0)]
+    r = idle_gaps(ks, host, phases, min_gap_s=0.01)
+    assert r["gaps"] == 3 and r["idle_s"] == pytest.approx(0.5 + 0.05 + 2.0)
+    by = {n: (s, k) for n, s, k in r["by_host_op"]}
+    assert by["cudaStreamSynchronize"] == (pytest.approx(0.5), 1)   # midpoint 1.25: inside the sync
+    assert by["python_op"] == (pytest.approx(0.05), 1)              # midpoint 2.025
+    assert by["CompiledFunctionBackward"] == (pytest.approx(2.0), 1)  # midpoint 5.0: after aten::mm ended
+    assert r["by_phase"] == {"gemray.backward": pytest.approx(2.0), "gemray.forward": pytest.approx(0.55)}
+    assert [g[1] for g in r["largest"]] == pytest.approx([2.0, 0.5, 0.05])
+    # a gap shorter than min_gap_s is not counted; no host op at all
+    r = idle_gaps([("a", 0.0, 1.0), ("b", 1.001, 2.0), ("c", 3.0, 4.0)], [], min_gap_s=0.01)
+    assert r["gaps"] == 1 and r["by_host_op"] == [["(no host op)", pytest.approx(1.0), 1]]
+    assert r["by_phase"] == {"(between phases)": pytest.approx(1.0)}
+    assert idle_gaps([], [])["gaps"] == 0
 
 
 def test_peak_table_and_scaling_fields():

@@ -80,6 +80,8 @@ from gemray.train.throughput import batch_flops, mfu_or_none
 
 log = logging.getLogger("gemray.bench.train")
 
+#: the train step's profiler annotations (``gemray.train.trainer.forward_backward_step``)
+PHASE_PREFIX = "gemray."
 CATEGORIES = ("attention", "gemm", "embeddings_fwd", "embeddings_bwd", "optimizer", "data_wait",
               "exposed_communication", "other")
 STALL_FACTOR = 2.0  # "no compile stalls": every measured step within 2x the median step
@@ -144,6 +146,65 @@ def kernel_breakdown(kernels: list[tuple[str, float, float]]) -> dict[str, float
         out["exposed_communication"] += (b - a) - hidden
     out["gpu_busy"] = sum(b - a for a, b in _union(compute + comm))
     return out
+
+
+def idle_gaps(kernels: list[tuple[str, float, float]], host_ops: list[tuple[str, float, float, int]],
+              phases: list[tuple[str, float, float]] = (), *, min_gap_s: float = 10e-6, top: int = 15
+              ) -> dict[str, Any]:
+    """Pure: where the GPU's idle time goes, by what the host was doing while no kernel ran.
+
+    kernels: device kernels ``(name, start_s, end_s)``; host_ops: host operators ``(name, start_s, end_s,
+    thread)`` (nested per thread, as the profiler records them); phases: the train step's annotations
+    ``(name, start_s, end_s)`` (``gemray.forward`` ...). Every gap of at least ``min_gap_s`` between the union of
+    the kernels (from the first kernel's start to the last one's end) is charged to the innermost host operator
+    containing the gap's midpoint, over all threads the one that started last (the op the device is waiting
+    for: a sync, a slow host op, the launch of the next kernel), and to the phase containing it.
+
+    Returns {"gaps": n, "idle_s": total, "by_host_op": [[name, seconds, gaps], ...] (``top``, largest first;
+    "(no host op)" where none contains the midpoint), "by_phase": {phase or "(between phases)": seconds},
+    "largest": [[start_s, seconds, host op, phase], ...] (``top``)}."""
+    import bisect
+
+    merged = _union([(a, b) for _, a, b in kernels])
+    gaps = [(merged[i][1], merged[i + 1][0]) for i in range(len(merged) - 1)
+            if merged[i + 1][0] - merged[i][1] >= min_gap_s]
+    by_thread: dict[int, list[tuple[float, float, str]]] = {}
+    for name, a, b, th in host_ops:
+        by_thread.setdefault(th, []).append((a, b, name))
+    starts, parents = {}, {}
+    for th, evs in by_thread.items():
+        evs.sort(key=lambda e: (e[0], -e[1]))  # a parent before the children that start with it
+        starts[th] = [e[0] for e in evs]
+        par, stack = [], []
+        for j, (a, b, _) in enumerate(evs):
+            while stack and evs[stack[-1]][1] < a:
+                stack.pop()
+            par.append(stack[-1] if stack else -1)
+            stack.append(j)
+        parents[th] = par
+    by_op: dict[str, list[float]] = {}
+    by_phase: dict[str, float] = {}
+    largest = []
+    for a, b in gaps:
+        mid, dur = (a + b) / 2, b - a
+        best = None  # (start, name) of the innermost op containing mid, latest start over threads
+        for th, evs in by_thread.items():
+            i = bisect.bisect_right(starts[th], mid) - 1
+            while i >= 0 and evs[i][1] < mid:  # up the nesting: the first op that still runs at mid
+                i = parents[th][i]
+            if i >= 0 and (best is None or evs[i][0] > best[0]):
+                best = (evs[i][0], evs[i][2])
+        op = best[1] if best else "(no host op)"
+        phase = next((n for n, s0, e0 in phases if s0 <= mid <= e0), "(between phases)")
+        acc = by_op.setdefault(op, [0.0, 0])
+        acc[0] += dur
+        acc[1] += 1
+        by_phase[phase] = by_phase.get(phase, 0.0) + dur
+        largest.append([a, dur, op, phase])
+    largest.sort(key=lambda r: -r[1])
+    return {"gaps": len(gaps), "idle_s": sum(b - a for a, b in gaps),
+            "by_host_op": [[n, v[0], v[1]] for n, v in sorted(by_op.items(), key=lambda kv: -kv[1][0])[:top]],
+            "by_phase": dict(sorted(by_phase.items(), key=lambda kv: -kv[1])), "largest": largest[:top]}
 
 
 def _percentile(xs: list[float], q: float) -> float:
@@ -382,11 +443,20 @@ def profile_breakdown(trainer: Any, batches: _Batches, steps: int, device: torch
         busy = cats.pop("gpu_busy")
         names = [(k[0], k[2] - k[1]) for k in kernels]
         host_ops: dict[str, list[float]] = {}
+        spans, phases = [], []
         for e in events:
-            if e.device_type == torch.autograd.DeviceType.CPU and e.self_cpu_time_total > 0:
+            if e.device_type != torch.autograd.DeviceType.CPU:
+                continue
+            span = (e.name, e.time_range.start / 1e6, e.time_range.end / 1e6)
+            if e.name.startswith(PHASE_PREFIX):
+                phases.append(span)
+            elif not e.name.startswith("ProfilerStep"):
+                spans.append((*span, e.thread))
+            if e.self_cpu_time_total > 0:
                 acc = host_ops.setdefault(e.name, [0.0, 0])
                 acc[0] += e.self_cpu_time_total / 1e6
                 acc[1] += 1
+        gaps = idle_gaps(kernels, spans, phases)
     else:  # no kernels: the operators' self CPU time
         cats = dict.fromkeys(CATEGORIES, 0.0)
         cats["overlapped_communication"] = 0.0
@@ -412,6 +482,10 @@ def profile_breakdown(trainer: Any, batches: _Batches, steps: int, device: torch
     if busy is not None:
         out["top_host_ops"] = [[n, v[0] / steps, v[1] / steps]
                                for n, v in sorted(host_ops.items(), key=lambda kv: -kv[1][0])[:30]]
+        out["idle"] = {"gaps_per_step": gaps["gaps"] / steps, "idle_s_per_step": gaps["idle_s"] / steps,
+                       "by_host_op": [[n, sec / steps, k / steps] for n, sec, k in gaps["by_host_op"]],
+                       "by_phase": {k: v / steps for k, v in gaps["by_phase"].items()},
+                       "largest": gaps["largest"]}
     return out
 
 
@@ -635,6 +709,14 @@ def format_table(res: dict[str, Any]) -> str:
             lines.append(f"    {k:<26} {p['per_step_s'][k] * 1e3:9.2f} ms  {100 * p['fraction'][k]:6.2f}%")
         if p["gpu_idle_s"] is not None:
             lines.append(f"    {'gpu_idle':<26} {p['gpu_idle_s'] * 1e3:9.2f} ms")
+        idle = p.get("idle")
+        if idle:
+            lines.append(f"    GPU idle between kernels: {idle['idle_s_per_step'] * 1e3:.2f} ms in "
+                         f"{idle['gaps_per_step']:.0f} gaps per step; by step phase: " + ", ".join(
+                             f"{k.removeprefix(PHASE_PREFIX)} {v * 1e3:.2f}" for k, v in idle["by_phase"].items()))
+            lines.append("    ... by the host operator running meanwhile (ms per step, gaps per step):")
+            for n, sec, k in idle["by_host_op"][:10]:
+                lines.append(f"      {sec * 1e3:8.2f} {k:7.1f}  {n[:90]}")
         lines.append("    top device kernels (ms per step):")
         for n, c, sec in p["top_kernels"][:12]:
             lines.append(f"      {sec * 1e3:8.2f}  {c:<15} {n[:90]}")
@@ -648,5 +730,5 @@ def format_table(res: dict[str, Any]) -> str:
 
 
 __all__ = ["CATEGORIES", "bench_device", "classify_kernel", "compile_report", "compile_snapshot", "device_kernels",
-           "first_batch", "format_table", "kernel_breakdown", "profile_breakdown", "run_bench", "stall_check",
+           "first_batch", "format_table", "idle_gaps", "kernel_breakdown", "profile_breakdown", "run_bench", "stall_check",
            "summarize", "sync_debug_step"]

@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from gemray.checkpoint import data_record, report_with_checkpoint, restore_from_ray
 from gemray.config import JobConfig, from_dict
@@ -128,17 +129,19 @@ def forward_backward_step(model: torch.nn.Module, optimizer: Any, batch: Any, de
     ``next_sampling_seed`` while this one computes.
     """
     if pipeline is None:
-        if device.type == "cuda" and batch.offsets.device.type == "cpu":
-            batch = batch.pin_memory().to(device, non_blocking=True)
-        else:
-            batch = batch.to(device)
-        with autocast(precision, device):
+        with record_function("gemray.to_device"):
+            if device.type == "cuda" and batch.offsets.device.type == "cpu":
+                batch = batch.pin_memory().to(device, non_blocking=True)
+            else:
+                batch = batch.to(device)
+        with autocast(precision, device), record_function("gemray.forward"):
             loss, stats = model(batch)
     else:
-        batch, sparse, served = pipeline.take(batch, sampling_seed)
-        if next_batch is not None:
-            pipeline.prefetch(next_batch, next_sampling_seed)
-        with autocast(precision, device), served:
+        with record_function("gemray.to_device"):
+            batch, sparse, served = pipeline.take(batch, sampling_seed)
+            if next_batch is not None:
+                pipeline.prefetch(next_batch, next_sampling_seed)
+        with autocast(precision, device), served, record_function("gemray.forward"):
             loss, stats = model(batch, sparse=sparse)
         pipeline.advance()
     if stats_out is not None and isinstance(stats, dict):
@@ -148,9 +151,11 @@ def forward_backward_step(model: torch.nn.Module, optimizer: Any, batch: Any, de
         check_finite_loss([value])
     else:
         value = loss.detach()
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    with record_function("gemray.backward"):
+        loss.backward()
+    with record_function("gemray.optimizer"):
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
     n_t = float(stats.get("num_targets", 0)) if isinstance(stats, dict) else 0.0
     return value, n_t
 
