@@ -20,6 +20,15 @@ Variants (``--variants``, comma separated; lab code: the model keeps the one tha
   fsdp_fp32    FSDP2 with fp32 parameters (MixedPrecisionPolicy(): autocast makes the bf16 copies, as under DDP)
   tower        the candidate tower (CandidateTower: cross-attention + PMA + MLP, 64 candidates per request) alone
   tower_mm     the tower with its nn.Linear biases added as in bias_mm
+  ddp          base inside DDP (world 1, NCCL) as the model trains under parallel.dense=ddp: each block compiled
+               inside DDP's forward, where dynamo's DDPOptimizer splits a compiled graph at DDP's bucket boundaries
+  ddp_noopt    ddp with torch._dynamo.config.optimize_ddp = False (one graph per block, DDP's hooks fire per block)
+  auto         base compiled with dynamic=None (automatic dynamic: only the dims seen changing, T and B, become
+               symbolic; the parameters' sizes stay static), after a first call on a shorter batch
+  fsdp_auto    fsdp with the same automatic dynamic shapes
+  ddp_auto     ddp_noopt with the same automatic dynamic shapes
+  fsdp_wrap    fsdp with each block compiled by a torch.compile wrapper made before fully_shard (torchtitan's
+               order: FSDP2's hooks then run outside the compiled module)
 
 Runs on the H200 image as it is (no ray / torchrec / fbgemm: the model package's __init__, which imports
 torchrec, is bypassed). From the repository root:
@@ -143,6 +152,23 @@ def build(variant: str, hstu, cfg, num_blocks: int, device):
     else:
         blocks = refs
     stack = nn.ModuleList(blocks).to(device)
+    dynamic = None if variant in ("auto", "fsdp_auto", "ddp_auto") else True
+    import torch._dynamo.config as dcfg
+
+    dcfg.optimize_ddp = variant == "ddp"
+    if variant == "fsdp_wrap":
+        stack = nn.ModuleList(torch.compile(b, dynamic=True) for b in stack)
+    if variant.startswith(("fsdp", "ddp")):
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", "29533")
+            dist.init_process_group("nccl", rank=0, world_size=1)
+    if variant.startswith("ddp"):
+        for b in stack:
+            b.compile(dynamic=dynamic)
+        return DDPStack(stack, device)
     if variant.startswith("fsdp"):
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
@@ -161,9 +187,38 @@ def build(variant: str, hstu, cfg, num_blocks: int, device):
     import torch._inductor.config as icfg
 
     icfg.coordinate_descent_tuning = variant == "cdt"
-    for b in stack:
-        b.compile(dynamic=True)
+    if variant != "fsdp_wrap":
+        for b in stack:
+            b.compile(dynamic=dynamic)
     return stack
+
+
+class DDPStack(nn.Module):
+    """The blocks in one module under DDP (world 1), iterated like the plain stack (``step`` calls the DDP
+    module's forward once for the whole stack, as the model's DDP root wraps every block)."""
+
+    def __init__(self, stack: nn.ModuleList, device):
+        super().__init__()
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        class _Seq(nn.Module):
+            def __init__(self, blocks):
+                super().__init__()
+                self.blocks = blocks
+
+            def forward(self, x, offsets, ts):
+                for b in self.blocks:
+                    x = b(x, offsets, ts)
+                return x
+
+        self.inner = stack
+        self.ddp = DDP(_Seq(stack), device_ids=[device.index or 0])
+
+    def __iter__(self):
+        return iter([self])
+
+    def forward(self, x, offsets, ts):
+        return self.ddp(x, offsets, ts)
 
 
 TOWER_INPUTS: dict = {}
@@ -188,7 +243,10 @@ def step(stack, x0, offsets, ts):
 
 def grads_of(stack):
     out = []
+    if isinstance(stack, DDPStack):
+        stack = stack.inner
     for b in stack:
+        b = getattr(b, "_orig_mod", b)  # fsdp_wrap: the block inside its torch.compile wrapper
         names = ("uvqk_weight", "uvqk_bias", "o_weight", "o_bias")
         if not hasattr(b, "uvqk_weight"):  # the tower: every parameter, in order
             out += [p.grad.detach().float().clone() for p in b.parameters() if p.grad is not None]
@@ -255,9 +313,14 @@ def main() -> int:
             print(f"{variant}: skipped (deadline {args.deadline_s:.0f} s)", flush=True)
             continue
         t0 = time.monotonic()
+        torch._dynamo.reset()  # each variant compiles afresh (the blocks share one code object's cache entries)
         try:
             stack = build(variant, hstu, cfg, args.blocks, dev)
             xin = x0.clone().requires_grad_(variant.startswith("tower"))  # the tower's history: the encoder's states
+            if variant in ("auto", "fsdp_auto", "ddp_auto"):  # a first, shorter batch: T and B become dynamic
+                step(stack, xin[: int(offsets[-2])], offsets[:-1], ts[: int(offsets[-2])])
+                for b in stack:
+                    b.zero_grad(set_to_none=True)
             out = step(stack, xin, offsets, ts)  # compiles
             torch.cuda.synchronize()
             compile_s = time.monotonic() - t0
