@@ -5,8 +5,9 @@ in "other" kernels of the compiled blocks and ~44 ms in GEMMs; under FSDP2 (worl
 took 29.9 ms instead of 7.8. This script rebuilds only that part (``NUM_BLOCKS`` HSTU blocks at width 1024, 4
 heads x 256, silu, the swept D = 256 tiles, bf16 autocast, each block ``Module.compile(dynamic=True)``, the
 former ``train.compile`` default; the ``auto`` variants compile with ``dynamic=None``, today's) on a gem-h200-like
-batch (B = 128 log-normal lengths, mean ~1000, capped at 4096) and times a forward + backward of the stack per variant, one after the other, with the top kernels of a profiled
-iteration; each variant's output and gradients are checked against the first's.
+batch (B = 128 log-normal lengths, mean ~1000, capped at 4096) and times a forward + backward of the stack per
+variant, one after the other, with the top kernels of a profiled iteration; each variant's output and gradients
+are checked against the first's.
 
 Variants (``--variants``, comma separated; lab code: the model keeps the one that wins):
   base         gemray.model.hstu.HSTUBlock as it is (addmm with the uvqk bias; F.linear for W_o)
