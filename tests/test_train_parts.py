@@ -12,6 +12,7 @@ import torch
 from gemray.events import read_events
 from gemray.metrics import RetrievalMetrics, history_mask, target_ranks
 from gemray.model import GEM
+from gemray.parallel.dims import ParallelDims
 from gemray.train import PreemptionVote, RecoveryRecorder, RetrievalEvaluator
 from model_utils import random_batch, tiny_cfg
 
@@ -84,7 +85,7 @@ def test_recorder_tells_the_previous_attempts_story(tmp_path, caplog):
     assert lost == {"global_step": 10, "state": "interrupted_write"}
     assert "checkpoint of global step 10 is not used: the attempt was killed while writing it" in caplog.text
     rec.startup()
-    rec.resize(1, 2, ["row_wise"])
+    rec.resize(1, 2, ["row_wise"], ParallelDims(1, dense="fsdp").mesh_fields())
     rec.step(6, 0, 96)
     rec.step(7, 0, 112)
     rec.finished(7)
@@ -95,9 +96,28 @@ def test_recorder_tells_the_previous_attempts_story(tmp_path, caplog):
     by = {e["kind"]: e["detail"] for e in mine}
     assert (by["checkpoint_restored"]["epoch"], by["checkpoint_restored"]["consumed"]) == (1, 80)
     assert by["resize"] == {"from_world_size": 2, "to_world_size": 1, "resharded_from": 2,
-                            "sharding_types": ["row_wise"], "dense_mesh": [1, 1]}
+                            "sharding_types": ["row_wise"], "dense_mesh": [1, 1],
+                            "layout": {"dense": "fsdp", "dp_replicate": 1, "dp_shard": 1, "ep": 1, "sparse_group": 0}}
     assert set(by["startup"]) == {"process_to_train_fn_s", "setup_and_data_s"}
     assert by["first_step"]["global_step"] == 6
+
+
+def test_attempt_start_and_resize_carry_the_layout_the_attempt_runs(tmp_path):
+    """4 -> 3 ranks with HSDP dp_shard 2 (elastic): the nearest valid layout, dp_replicate 1 x dp_shard 3, is what
+    the attempt_start and resize events say (the resize event said [world, 1] whatever the layout)."""
+    from gemray.config import ParallelConfig
+    from gemray.parallel.dims import resolve
+
+    path = tmp_path / "events.jsonl"
+    path.write_text(json.dumps(_ev("attempt_start", 1, world_size=4)) + "\n")
+    dims = resolve(ParallelConfig(dense="hsdp", dp_shard=2), 3, "cpu", elastic=True)
+    rec = RecoveryRecorder(str(path), attempt=2, rank=0, t_start=0.0)
+    rec.attempt_started(3, ["row_wise"], dims.mesh_fields())
+    rec.resize(3, 4, ["row_wise"], dims.mesh_fields())
+    by = {e["kind"]: e["detail"] for e in read_events(path) if e["attempt"] == 2}
+    want = {"dense": "hsdp", "dp_replicate": 1, "dp_shard": 3, "ep": 1, "sparse_group": 0}
+    assert by["attempt_start"]["layout"] == want and by["resize"]["layout"] == want
+    assert by["resize"]["dense_mesh"] == [1, 3] and by["resize"]["from_world_size"] == 4
 
 
 def test_vote_polls_every_n_steps_and_at_the_epoch_end(monkeypatch):

@@ -157,6 +157,12 @@ class ParallelDims:
                     ("dp_replicate", "dp_shard_out_ep", "ep"))
         return (self.dp_replicate, self.dp_shard), ("dp_replicate", "dp_shard")
 
+    def mesh_fields(self) -> dict[str, object]:
+        """The layout as plain values for events (``attempt_start``, ``resize``): {"dense", "dp_replicate",
+        "dp_shard", "ep", "sparse_group" (0 = one group over the world)}."""
+        return {"dense": self.dense, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "ep": self.ep,
+                "sparse_group": self.sparse_group}
+
     def describe(self) -> str:
         """One line for logs and events."""
         s = (f"world {self.world_size}: dense {self.dense} (dp_replicate {self.dp_replicate} x dp_shard "

@@ -82,12 +82,15 @@ class RecoveryRecorder:
         self._first_step_pending = False
 
     # -- the start of the attempt ------------------------------------------------------------------------
-    def attempt_started(self, world_size: int, sharding_types: list[str]) -> None:
-        """``failure_detected`` (when the previous attempt died) and ``attempt_start``."""
+    def attempt_started(self, world_size: int, sharding_types: list[str],
+                        layout: dict[str, Any] | None = None) -> None:
+        """``failure_detected`` (when the previous attempt died) and ``attempt_start`` (with ``layout``: the mesh
+        degrees this attempt runs, ``ParallelDims.mesh_fields()`` -- after an elastic resize the nearest valid
+        layout, which may not be the configured one)."""
         if self.failed:
             self.events.emit("failure_detected", **self.failed)
         self.events.emit("attempt_start", world_size=world_size, t_start=self.t_start,
-                         sharding_types=list(sharding_types))
+                         sharding_types=list(sharding_types), **({} if layout is None else {"layout": dict(layout)}))
 
     def phase_done(self, name: str) -> None:
         """Close startup phase ``name`` (one of PHASES): seconds since the previous phase ended."""
@@ -123,14 +126,17 @@ class RecoveryRecorder:
         """The ``startup`` event: the phase timings so far, rounded to ms."""
         self.events.emit("startup", **{k: round(v, 3) for k, v in self.phases.items()})
 
-    def resize(self, world_size: int, restored_world_size: int | None, sharding_types: list[str]) -> None:
+    def resize(self, world_size: int, restored_world_size: int | None, sharding_types: list[str],
+               layout: dict[str, Any] | None = None) -> None:
         """A ``resize`` event when the previous attempt (from the event log) or the restored checkpoint
-        (``restored_world_size``; None on a fresh start) ran at another world size."""
+        (``restored_world_size``; None on a fresh start) ran at another world size. ``dense_mesh``: [dp_replicate,
+        dp_shard] of the new layout (``layout``: ``ParallelDims.mesh_fields()``; None: plain DDP, [world, 1])."""
         prev = (self.failed or {}).get("world_size") or restored_world_size
         if prev is not None and prev != world_size:
+            mesh = [world_size, 1] if layout is None else [int(layout["dp_replicate"]), int(layout["dp_shard"])]
             self.events.emit("resize", from_world_size=prev, to_world_size=world_size,
                              resharded_from=restored_world_size, sharding_types=list(sharding_types),
-                             dense_mesh=[world_size, 1])
+                             dense_mesh=mesh, **({} if layout is None else {"layout": dict(layout)}))
 
     # -- while training ----------------------------------------------------------------------------------
     def step(self, global_step: int, epoch: int, consumed: int, loss: float | None = None) -> None:

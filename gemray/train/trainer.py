@@ -277,7 +277,7 @@ class Trainer:
         self.attempt = agree_attempt(self.rank, self.device)
         self.recorder = RecoveryRecorder(cfg.train.events_path, attempt=self.attempt, rank=self.rank,
                                          t_start=self.t_start)
-        self.recorder.attempt_started(self.world, list(self.layout.sharding_types))
+        self.recorder.attempt_started(self.world, list(self.layout.sharding_types), self.dims.mesh_fields())
         log.info("rank %d/%d on %s (%s); job %s; layout %s", self.rank, self.world, self.device,
                  self.layout.backend, cfg.name, self.dims.describe())
         self.vote = PreemptionVote(cfg.checkpoint.preempt_notice, self.device, self.world,
@@ -387,7 +387,7 @@ class Trainer:
         self.recorder.uncommitted(self.global_step, state.get("restored_from"))
         self.recorder.startup()
         self.recorder.resize(self.world, None if fresh else state.get("world_size"),
-                             list(self.layout.sharding_types))
+                             list(self.layout.sharding_types), self.dims.mesh_fields())
         self.ledger = (LedgerWriter(cfg.train.ledger_dir, attempt=self.attempt, rank=self.rank,
                                     world_size=self.world, restored_global_step=self.global_step)
                        if cfg.train.ledger_dir else None)
