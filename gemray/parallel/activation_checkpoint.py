@@ -225,18 +225,21 @@ def apply_checkpointing(modules: dict[str, nn.Module], names) -> None:
         m._gemray_checkpointed = True
 
 
-def apply_torch_budget(model: nn.Module, fraction: float, backend: str = "inductor") -> list[str]:
+def apply_torch_budget(model: nn.Module, fraction: float, backend: str = "inductor", *,
+                       dynamic: bool | None = None, optimize_ddp: bool | None = None) -> list[str]:
     """Mode "torch": set ``torch._functorch.config.activation_memory_budget`` and compile every HSTU block
     (torch.compile's min-cut partitioner then recomputes to that fraction) through
     ``gemray.parallel.compile.compile_dense_modules``, the one compile path (``train.compile`` shares it: a block
-    compiled already is not compiled twice). Returns the HSTU block names."""
+    compiled already is not compiled twice; ``dynamic`` / ``optimize_ddp`` as there). Returns the HSTU block
+    names."""
     import torch._functorch.config as fconfig
 
     from gemray.model.hstu import HSTUBlock
     from gemray.parallel.compile import compile_dense_modules
 
     fconfig.activation_memory_budget = float(fraction)
-    compile_dense_modules(model, backend=backend, tower=False, reason="activation_checkpointing = 'torch'")
+    compile_dense_modules(model, backend=backend, tower=False, dynamic=dynamic, optimize_ddp=optimize_ddp,
+                          reason="activation_checkpointing = 'torch'")
     return [n for n, m in model.named_modules() if isinstance(m, HSTUBlock)]
 
 
@@ -245,13 +248,16 @@ class ActivationCheckpointer:
     ``step(model)`` context probes (no checkpointing; the first is a warm-up: kernel compilation) and its
     ``after_step`` plans and applies, then logs the measured peak of the next step beside the prediction.
 
-    mode: one of MODES; budget: ``train.activation_memory_budget``; compile_backend: ``train.compile_backend``
-    (the blocks' backend in mode "torch")."""
+    mode: one of MODES; budget: ``train.activation_memory_budget``; compile_backend / compile_dynamic /
+    compile_optimize_ddp: ``train.compile_backend`` / ``compile_dynamic`` / ``compile_optimize_ddp`` (how mode
+    "torch" compiles the blocks, as ``train.compile`` would)."""
 
-    def __init__(self, mode: str = "none", budget: float = 0.0, compile_backend: str = "inductor"):
+    def __init__(self, mode: str = "none", budget: float = 0.0, compile_backend: str = "inductor",
+                 compile_dynamic: str = "auto", compile_optimize_ddp: bool = False):
         if mode not in MODES:
             raise ValueError(f"activation_checkpointing: expected one of {MODES}, got {mode!r}")
         self.mode, self.budget, self.compile_backend = mode, float(budget), compile_backend
+        self.compile_dynamic, self.compile_optimize_ddp = compile_dynamic, bool(compile_optimize_ddp)
         self.plan: CheckpointPlan | None = None
         self._probe: _Probe | None = None
         # the probe runs on the second step: the first one compiles the Triton kernels, its times mean nothing
@@ -262,7 +268,8 @@ class ActivationCheckpointer:
     @classmethod
     def from_config(cls, train_cfg) -> "ActivationCheckpointer":
         return cls(train_cfg.activation_checkpointing, train_cfg.activation_memory_budget,
-                   getattr(train_cfg, "compile_backend", "inductor"))
+                   getattr(train_cfg, "compile_backend", "inductor"), getattr(train_cfg, "compile_dynamic", "auto"),
+                   getattr(train_cfg, "compile_optimize_ddp", False))
 
     def setup(self, model: nn.Module) -> None:
         self._modules = candidate_modules(model)
@@ -270,7 +277,9 @@ class ActivationCheckpointer:
             apply_checkpointing(self._modules, list(self._modules))
             log.info("activation checkpointing: full, recomputing %d module(s)", len(self._modules))
         elif self.mode == "torch":
-            names = apply_torch_budget(model, self.budget, self.compile_backend)
+            names = apply_torch_budget(model, self.budget, self.compile_backend,
+                                       dynamic=True if self.compile_dynamic == "all" else None,
+                                       optimize_ddp=self.compile_optimize_ddp)
             log.info("activation checkpointing: torch.compile'd %d HSTU block(s) with activation_memory_budget "
                      "%.3g", len(names), self.budget)
 
