@@ -186,7 +186,9 @@ def test_kill_mid_write_then_preempt_and_resume(baseline):
     assert "checkpoint of global step 10 is not used: the attempt was killed while writing it" in text
     (stop,) = [e for e in events if e["kind"] == "preempted"]
     at = stop["detail"]["global_step"]
-    assert 23 < at < 40 and stop["detail"]["notice"]["reason"] == "SIGTERM to the driver"
+    # the notice came once the ledger showed step 23; the ledger is written before that step's preemption poll
+    # (every step here), so the stop can be at step 23 itself (seen in a fresh-clone CI run) or soon after
+    assert 23 <= at < 40 and stop["detail"]["notice"]["reason"] == "SIGTERM to the driver"
     assert (stop["detail"]["epoch"], stop["detail"]["epochs_completed"]) == (2, 1)  # 20 steps per epoch
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["global_step"] == at and metrics["preempted"]["reason"] == "SIGTERM to the driver"
