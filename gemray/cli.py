@@ -247,8 +247,9 @@ def _cmd_train(ns: argparse.Namespace) -> int:
 
 TRAIN_EPILOG = """\
 config keys:
-  every key of the [data], [model], [train], [ray] and [checkpoint] sections is documented in the class
-  docstrings of gemray/config.py (DataConfig, ModelConfig, TrainConfig, RayConfig, CheckpointConfig);
+  every key of the [data], [model], [train], [ray], [checkpoint] and [parallel] sections is documented in the
+  class docstrings of gemray/config.py (DataConfig, ModelConfig, TrainConfig, RayConfig, CheckpointConfig,
+  ParallelConfig);
   configs/*.toml are complete examples. --set takes the same keys: section.key=value.
 
 exit status:

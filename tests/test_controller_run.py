@@ -126,6 +126,36 @@ def test_preflight_refuses_jobs_that_would_fail_in_the_workers(tmp_path):
     _preflight(big, _manifest(), embedded=False)  # an external cluster may have the CPUs
 
 
+def test_preflight_layout_refuses_parallel_degrees_a_fixed_world_cannot_hold(tmp_path):
+    """HSDP with dp_shard=3 on 2 workers failed in every worker's setup after Ray started (Ray Train restarted the
+    group ray.max_failures times, exit 1 with a traceback): refused before Ray, naming the sizes; an elastic job
+    and GPU HSDP with dp_shard=0 (the node's GPU count) are left to the workers."""
+    def cfg_with(**parallel):
+        cfg = JobConfig()
+        for k, v in parallel.items():
+            setattr(cfg.parallel, k, v)
+        return cfg
+
+    preflight.preflight_layout(cfg_with(dense="hsdp", dp_shard=2))  # 2 workers: 1 x 2
+    preflight.preflight_layout(cfg_with(dense="fsdp"))
+    with pytest.raises(ValueError, match="dp_shard=3 does not divide world size 2"):
+        preflight.preflight_layout(cfg_with(dense="hsdp", dp_shard=3))
+    with pytest.raises(ValueError, match="sparse_2d_group=3 does not divide world size 2"):
+        preflight.preflight_layout(cfg_with(sparse_2d_group=3))
+    elastic = cfg_with(dense="hsdp", dp_shard=3)
+    elastic.ray.min_workers, elastic.ray.max_workers = 1, 2
+    preflight.preflight_layout(elastic)  # each attempt takes the nearest valid layout
+    gpu = cfg_with(dense="hsdp", dp_shard=0)
+    gpu.ray.use_gpu = True
+    preflight.preflight_layout(gpu)
+    # fit refuses it before preparing data or writing anything
+    bad = cfg_with(dense="hsdp", dp_shard=3)
+    bad.data.raw_dir, bad.data.prepared_dir = str(tmp_path / "raw"), str(tmp_path / "prepared")
+    with pytest.raises(ValueError, match="dp_shard=3 does not divide world size 2"):
+        run.fit(bad, output_dir=tmp_path / "out")
+    assert not (tmp_path / "prepared").exists() and not (tmp_path / "out").exists()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without GPUs")
 def test_fit_refuses_a_gpu_job_without_gpus_before_preparing_data(tmp_path):
     """ray.use_gpu=true on a machine without GPUs is refused before the data is prepared (which can take

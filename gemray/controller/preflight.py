@@ -3,6 +3,7 @@ refused at once, in one line naming the field or folder, before anything is writ
 
 * :func:`preflight_resources`: GPUs, optimizer and attention backend against the device, CPUs per worker
   (needs no data: run before the data is prepared);
+* :func:`preflight_layout`: the ``[parallel]`` degrees of a fixed-size job against its world size;
 * :func:`preflight_data`: cut-offs against the catalogue, the prepared data's source files, the model
   shape against the previous run in the output folder;
 * :func:`preflight_resume`: the checkpoint a resume would restore was trained on this data
@@ -91,6 +92,26 @@ def preflight_resources(cfg: JobConfig, *, embedded: bool, num_gpus: int | None 
                          f"{embedded_num_cpus(cfg)} CPUs the embedded Ray cluster advertises (ray.num_cpus): the "
                          "worker group would never start; ask fewer CPUs per worker, fewer workers or more "
                          "ray.num_cpus")
+
+
+def preflight_layout(cfg: JobConfig) -> None:
+    """Refuse a fixed-size job (no ``ray.min_workers`` / ``ray.max_workers``) whose ``[parallel]`` degrees do not
+    fit ``ray.num_workers`` ranks -- ``parallel.dp_shard``, ``expert_parallel`` or ``sparse_2d_group`` not
+    dividing it, 2D sparse without GPUs, ... -- with the workers' own decision
+    (``gemray.parallel.dims.from_config``), so the job fails in one line before Ray starts instead of in every
+    worker's setup after it (Ray Train then restarted the group ``ray.max_failures`` times). An elastic job is
+    left to its workers: every attempt takes the nearest valid layout for its world size. HSDP on GPUs with
+    ``dp_shard = 0`` (the GPUs of a node) and no ``parallel.gpus_per_node`` is left to the workers too: only their
+    node knows its GPU count. Raises ValueError naming the sizes."""
+    from gemray.parallel.dims import from_config
+
+    if cfg.ray.min_workers or cfg.ray.max_workers:
+        return
+    p = cfg.parallel
+    device = "cuda" if cfg.ray.use_gpu else "cpu"
+    if device == "cuda" and p.dense == "hsdp" and not p.dp_shard and not p.gpus_per_node:
+        return
+    from_config(p, int(cfg.ray.num_workers), device, int(p.gpus_per_node or 1), int(cfg.model.moe_experts))
 
 
 def preflight_data(cfg: JobConfig, manifest: dict[str, Any], *, previous: JobConfig | None = None) -> None:

@@ -70,6 +70,7 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
     preflight.preflight_output(out)  # a read-only --output: one line, exit 2, before anything starts
     # resources before preparing the data: no GPU means no wait for the data
     preflight.preflight_resources(cfg, embedded=not session.ray_address(cfg))
+    preflight.preflight_layout(cfg)  # [parallel] degrees that cannot fit ray.num_workers: one line, not N restarts
     results.load_scaling_reference(cfg.train.scaling_reference)  # a bad reference path fails now, not at the end
     manifest = _ensure_prepared(cfg)  # bad data paths fail before anything is written to the output folder
     previous = _previous_config(out)
