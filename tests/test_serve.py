@@ -253,3 +253,17 @@ def test_id_maps_raw_string_ids(tmp_path):
         maps.dense_users(["dan"])
     plain = IdMaps({"prepared_dir": str(tmp_path / "none")})  # MovieLens-like without items.parquet: ids as is
     assert plain.dense_users(["7"]) == [7] and plain.raw_items(np.array([5])) == [5]
+
+
+def test_recommend_refuses_models_with_token_features_naming_them():
+    """A GEM run (model.token_features) is refused in one line that names the features and points at evaluate
+    (it said 'only the prepared GEM folders carry' them, on a run trained on such a folder)."""
+    from types import SimpleNamespace
+
+    from gemray.config import JobConfig
+    from gemray.serve.recommend import recommend
+
+    cfg = JobConfig()
+    cfg.model.token_features = ["category", "author"]
+    with pytest.raises(ValueError, match=r"token_features = \['category', 'author'\].*gemray evaluate"):
+        recommend(SimpleNamespace(cfg=cfg), [1], k=5)

@@ -165,8 +165,10 @@ def recommend(trained: TrainedModel, users: list[Any], *, k: int = 10, prepared_
         raise ValueError(f"--k {k}: expected >= 1")
     cfg = trained.cfg
     if cfg.model.token_features:
-        raise ValueError("recommend: models with model.token_features need per-token side features that "
-                         "only the prepared GEM folders carry; not supported by recommend yet")
+        raise ValueError(f"recommend: models with per-token side features (model.token_features = "
+                         f"{list(cfg.model.token_features)}, e.g. the GEM configs) are not supported by recommend yet: "
+                         "it builds each user's history from the item ids alone; `gemray evaluate` scores such "
+                         "models")
     manifest = check_data(trained, prepared_dir or cfg.data.prepared_dir)
     maps = IdMaps(manifest)
     dense = maps.dense_users(list(users))
