@@ -126,6 +126,8 @@ def test_torch_checkpointing_mode_and_train_compile_share_one_compile():
         assert [b._compiled_call_impl for b in model.encoder.blocks] == impls
         with pytest.raises(ValueError, match="compile_backend"):
             compile_dense_modules(_gem(_cfg()), backend="tensorrt")
+        with pytest.raises(ValueError, match="compile_dynamic"):
+            compile_dense_modules(_gem(_cfg()), backend="aot_eager", dynamic="sometimes")
     finally:
         fconfig.activation_memory_budget = old
 

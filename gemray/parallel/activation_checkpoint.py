@@ -226,7 +226,7 @@ def apply_checkpointing(modules: dict[str, nn.Module], names) -> None:
 
 
 def apply_torch_budget(model: nn.Module, fraction: float, backend: str = "inductor", *,
-                       dynamic: bool | None = None, optimize_ddp: bool | None = None) -> list[str]:
+                       dynamic: str = "auto", optimize_ddp: bool | None = None) -> list[str]:
     """Mode "torch": set ``torch._functorch.config.activation_memory_budget`` and compile every HSTU block
     (torch.compile's min-cut partitioner then recomputes to that fraction) through
     ``gemray.parallel.compile.compile_dense_modules``, the one compile path (``train.compile`` shares it: a block
@@ -278,7 +278,7 @@ class ActivationCheckpointer:
             log.info("activation checkpointing: full, recomputing %d module(s)", len(self._modules))
         elif self.mode == "torch":
             names = apply_torch_budget(model, self.budget, self.compile_backend,
-                                       dynamic=True if self.compile_dynamic == "all" else None,
+                                       dynamic=self.compile_dynamic,
                                        optimize_ddp=self.compile_optimize_ddp)
             log.info("activation checkpointing: torch.compile'd %d HSTU block(s) with activation_memory_budget "
                      "%.3g", len(names), self.budget)

@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 
 #: the backends ``train.compile_backend`` accepts (torch._dynamo's registered names)
 BACKENDS = ("inductor", "aot_eager", "eager")
+#: ``train.compile_dynamic`` -> ``torch.compile``'s ``dynamic`` argument
+DYNAMIC = {"auto": None, "all": True}
 #: dynamo's per-code-object graph limit while modules are compiled here: every ``Module.compile()``d module runs
 #: the one ``nn.Module._call_impl`` code object, so blocks, tower, their no-grad (evaluation) variants and the
 #: sizes dynamo specialises (0 / 1) all count against one limit (default 8; past it dynamo silently runs eager)
@@ -60,20 +62,22 @@ def compile_targets(model: nn.Module, *, tower: bool = True) -> dict[str, nn.Mod
 
 
 def compile_dense_modules(model: nn.Module, *, backend: str | Callable = "inductor", tower: bool = True,
-                          dynamic: bool | None = None, optimize_ddp: bool | None = None,
+                          dynamic: str = "auto", optimize_ddp: bool | None = None,
                           reason: str = "train.compile") -> list[str]:
-    """``module.compile(backend=backend, dynamic=dynamic)`` on every :func:`compile_targets` module not compiled
-    yet; returns the names compiled now (already-compiled ones are skipped, so the activation-checkpointing
+    """``module.compile(backend=backend, dynamic=DYNAMIC[dynamic])`` on every :func:`compile_targets` module not
+    compiled yet; returns the names compiled now (already-compiled ones are skipped, so the activation-checkpointing
     "torch" mode and ``train.compile`` share one compile). Logs the choice once per call that compiles anything.
-    dynamic: True (every input size symbolic from the first call) or None (dynamo's automatic dynamic shapes:
-    ``train.compile_dynamic = "auto"``). optimize_ddp: sets ``torch._dynamo.config.optimize_ddp`` (process-wide:
-    ``train.compile_optimize_ddp``); None leaves it as it is.
+    dynamic: ``train.compile_dynamic``, "auto" (``dynamic=None``: dynamo's automatic dynamic shapes) or "all"
+    (``dynamic=True``: every input size symbolic from the first call). optimize_ddp: sets
+    ``torch._dynamo.config.optimize_ddp`` (process-wide: ``train.compile_optimize_ddp``); None leaves it as it is.
 
     backend: a torch._dynamo backend name (``BACKENDS``) or a backend callable (tests: a counting wrapper).
     Raises dynamo's recompile limit to at least ``RECOMPILE_LIMIT``. Raises ValueError for an unknown backend
-    name."""
+    name or ``dynamic`` choice."""
     if isinstance(backend, str) and backend not in BACKENDS:
         raise ValueError(f"train.compile_backend: expected one of {BACKENDS}, got {backend!r}")
+    if dynamic not in DYNAMIC:
+        raise ValueError(f"train.compile_dynamic: expected one of {tuple(DYNAMIC)}, got {dynamic!r}")
     _raise_recompile_limit()
     if optimize_ddp is not None:
         import torch._dynamo.config as dconfig
@@ -83,7 +87,7 @@ def compile_dense_modules(model: nn.Module, *, backend: str | Callable = "induct
     for name, m in compile_targets(model, tower=tower).items():
         if getattr(m, "_gemray_compiled", False):
             continue
-        m.compile(backend=backend, dynamic=dynamic)
+        m.compile(backend=backend, dynamic=DYNAMIC[dynamic])
         m._gemray_compiled = True
         done.append(name)
     if done:
@@ -99,4 +103,4 @@ def is_compiled(module: nn.Module) -> bool:
     return bool(getattr(module, "_gemray_compiled", False))
 
 
-__all__ = ["BACKENDS", "compile_dense_modules", "compile_targets", "is_compiled"]
+__all__ = ["BACKENDS", "DYNAMIC", "compile_dense_modules", "compile_targets", "is_compiled"]

@@ -344,7 +344,7 @@ class Trainer:
         from gemray.parallel.compile import compile_dense_modules
 
         return compile_dense_modules(self.dmp, backend=tc.compile_backend, tower=tc.compile_tower,
-                                     dynamic=True if tc.compile_dynamic == "all" else None,
+                                     dynamic=tc.compile_dynamic,
                                      optimize_ddp=tc.compile_optimize_ddp)
 
     def warm_up_kernels(self) -> None:
