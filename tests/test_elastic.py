@@ -92,6 +92,41 @@ def _steps(ledger: Path) -> list[dict]:
     return read_attempts(ledger) if ledger.is_dir() else []
 
 
+def _fit_driving_cluster(cluster, tmp_path: Path, name: str, extra: list[str], drive, timeout_s: float) -> dict:
+    """``gemray.fit`` of CONFIG (``_overrides(tmp_path, name, extra=extra)``) on ``cluster`` in a thread --
+    ``Cluster.add_node`` installs signal handlers, so only the main thread may change the cluster -- while the
+    main thread calls ``drive(_steps(ledger))`` every 50 ms until it returns True, the fit ends or ``timeout_s``
+    passes; then Ray and the cluster are shut down. Returns {"res": Result} or {"error": exception}, and
+    "alive": whether the fit thread was still running after its join."""
+    import ray
+
+    import gemray
+
+    ray.init(address=cluster.address, log_to_driver=True)
+    ledger = tmp_path / f"ledger-{name}"
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["res"] = gemray.fit(CONFIG, output_dir=tmp_path / "out", overrides=_overrides(tmp_path, name,
+                                                                                            extra=extra))
+        except BaseException as e:  # surfaced by the caller
+            out["error"] = e
+
+    th = threading.Thread(target=run, daemon=True)
+    try:
+        th.start()
+        t0 = time.time()
+        while th.is_alive() and time.time() - t0 < timeout_s and not drive(_steps(ledger)):
+            time.sleep(0.05)
+        th.join(timeout=timeout_s)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    out["alive"] = th.is_alive()
+    return out
+
+
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory):
     """An uninterrupted 2-worker run: its final parameters and ledger are the reference."""
@@ -324,15 +359,11 @@ def test_resize_two_one_two(tmp_path):
     builds a new TorchRec plan and restores the last checkpoint resharded by DCP."""
     if not SRC.is_dir():
         pytest.skip(f"{SRC} not available")
-    import ray
     from ray.cluster_utils import Cluster
-
-    import gemray
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "include_dashboard": False})
     nodes = {"extra": cluster.add_node(num_cpus=3)}
     cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=True)
     ledger = tmp_path / "ledger-resize"
     marks: dict = {}
 
@@ -351,33 +382,15 @@ def test_resize_two_one_two(tmp_path):
             return True
         return False
 
-    # Cluster.add_node installs signal handlers: only the main thread may call it, so fit runs in a thread.
-    out: dict = {}
-
-    def run() -> None:
-        try:
-            out["res"] = gemray.fit(CONFIG, output_dir=tmp_path / "out", overrides=_overrides(
-                tmp_path, "resize", extra=["ray.min_workers=1", "ray.max_workers=2", "ray.cpus_per_worker=2",
-                                           "ray.resize_interval_s=2", "ray.max_failures=5",
-                                           # right after a node loss Ray Train may still see the old size and
-                                           # wait this long for a placement group that cannot be placed
-                                           "ray.worker_start_timeout_s=3",
-                                           # read in the worker: a group regrown onto the new node does not
-                                           # wait for cold Ray Data worker processes there (~11 s here)
-                                           "data.reader=arrow"]))
-        except BaseException as e:  # surfaced below
-            out["error"] = e
-
-    th = threading.Thread(target=run, daemon=True)
-    try:
-        th.start()
-        t0 = time.time()
-        while th.is_alive() and time.time() - t0 < 400 and not resize(_steps(ledger)):
-            time.sleep(0.05)
-        th.join(timeout=400)
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+    out = _fit_driving_cluster(cluster, tmp_path, "resize", [
+        "ray.min_workers=1", "ray.max_workers=2", "ray.cpus_per_worker=2", "ray.resize_interval_s=2",
+        "ray.max_failures=5",
+        # right after a node loss Ray Train may still see the old size and wait this long for a placement group
+        # that cannot be placed
+        "ray.worker_start_timeout_s=3",
+        # read in the worker: a group regrown onto the new node does not wait for cold Ray Data worker processes
+        # there (~11 s here)
+        "data.reader=arrow"], resize, timeout_s=400)
     assert "error" not in out, out.get("error")
     res = out["res"]
     assert "removed" in marks and "added" in marks, marks

@@ -13,11 +13,11 @@ and DCP restores across world sizes.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
 import test_elastic as te
+from test_elastic import _fit_driving_cluster
 
 from gemray.checkpoint import committed_checkpoints
 from gemray.events import read_events
@@ -39,15 +39,11 @@ def test_resize_four_three_hsdp(tmp_path):
     nearest valid HSDP layout, restores that checkpoint (DCP resharding 4 -> 3 ranks) and finishes there."""
     if not te.SRC.is_dir():
         pytest.skip(f"{te.SRC} not available")
-    import ray
     from ray.cluster_utils import Cluster
-
-    import gemray
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "include_dashboard": False})
     extra = cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=True)
     ledger, run_dir = tmp_path / "ledger-resize43", tmp_path / "out" / "ray" / "resize43"
     marks: dict = {}
 
@@ -63,30 +59,12 @@ def test_resize_four_three_hsdp(tmp_path):
             return True
         return False
 
-    out: dict = {}
-
-    def run() -> None:
-        try:
-            out["res"] = gemray.fit(te.CONFIG, output_dir=tmp_path / "out", overrides=te._overrides(
-                tmp_path, "resize43", extra=["ray.min_workers=3", "ray.max_workers=4", "ray.cpus_per_worker=1",
-                                             "ray.resize_interval_s=2", "ray.max_failures=5",
-                                             "ray.worker_start_timeout_s=3", "data.reader=arrow",
-                                             "parallel.dense=hsdp", "parallel.dp_shard=2"]))
-        except BaseException as e:  # surfaced below
-            out["error"] = e
-
-    th = threading.Thread(target=run, daemon=True)  # the main thread drives the cluster (see test_elastic)
-    try:
-        th.start()
-        t0 = time.time()
-        while th.is_alive() and time.time() - t0 < 300 and not remove_when_trained(te._steps(ledger)):
-            time.sleep(0.05)
-        th.join(timeout=300)
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+    out = _fit_driving_cluster(cluster, tmp_path, "resize43", [
+        "ray.min_workers=3", "ray.max_workers=4", "ray.cpus_per_worker=1", "ray.resize_interval_s=2",
+        "ray.max_failures=5", "ray.worker_start_timeout_s=3", "data.reader=arrow", "parallel.dense=hsdp",
+        "parallel.dp_shard=2"], remove_when_trained, timeout_s=300)
     assert "error" not in out, out.get("error")
-    assert not th.is_alive(), "gemray.fit did not return"
+    assert not out["alive"], "gemray.fit did not return"
     res = out["res"]
     assert "removed" in marks, marks
 
