@@ -4,7 +4,8 @@ Layout of one committed checkpoint (Ray Train V2 merges every rank's reported di
 
     checkpoint_<timestamp>/
         .metadata              DCP global metadata (written by rank 0, the DCP coordinator)
-        __<r>_0.distcp         rank r's shards (TorchRec ShardedTensors, deduplicated dense tensors)
+        __<r>_<i>_0.distcp     rank r's i-th write item (one tensor shard -- a TorchRec ShardedTensor's local
+                               shard, a deduplicated dense tensor, an optimizer state -- or one pickled object)
         manifest_rank<r>.json  {"rank", "world_size", "files": {name: sha256}, "data": {...}} of what rank r
                                wrote; "data" (:func:`data_record`) names the prepared data it was trained on
 
@@ -25,6 +26,11 @@ column-wise (see pytorch/torchrec#2534 for the DTensor/ShardedTensor caveats). T
 tests/test_checkpoint.py: same world size (exact parameters and optimizer state) and 2 -> 1 (the
 row-wise tables and row-wise optimizer state come back as the concatenation of the two ranks' rows).
 
+Host memory: a save stages one write item in host memory at a time (:class:`_OneItemWriter`), so its host
+peak is about the largest tensor shard of a rank, not the rank's whole state; ``save_checkpoint`` measures it
+(seconds, bytes, current and peak RSS) and logs it. Checkpoints written before (one ``__<r>_0.distcp`` per
+rank) load as before: DCP's ``.metadata`` records which file and offset holds each item.
+
 Follows torch.distributed.checkpoint docs ("Getting started with DCP") and Ray Train's
 "distributed checkpointing" guide (every rank reports its own directory).
 """
@@ -36,8 +42,11 @@ import json
 import logging
 import os
 import re
+import resource
 import shutil
 import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -82,8 +91,119 @@ def _state_initialised(optimizer: Any) -> bool:
     return set(st) == set(getattr(optimizer, "params", st)) and all(len(v) > 0 for v in st.values())
 
 
+def _rss_bytes() -> int | None:
+    """This process's current resident set size (``/proc/self/statm``, Linux), None where unreadable."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _maxrss_bytes() -> int:
+    """This process's peak resident set size so far (``getrusage``: KiB on Linux)."""
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+class _RssSampler:
+    """Samples :func:`_rss_bytes` every ``interval_s`` in a daemon thread: ``peak`` is the highest RSS seen
+    while it ran (a save's own host peak, which ``ru_maxrss`` cannot show once training peaked higher)."""
+
+    def __init__(self, interval_s: float = 0.05):
+        self.interval_s = interval_s
+        self.peak = _rss_bytes()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gemray-ckpt-rss", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._sample()
+
+    def _sample(self) -> None:
+        rss = _rss_bytes()
+        if rss is not None and (self.peak is None or rss > self.peak):
+            self.peak = rss
+
+    def __enter__(self) -> "_RssSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+
+_WRITER_CLASS: type | None = None
+
+
+def _one_item_writer_class() -> type:
+    """:class:`_OneItemWriter`, defined on first use (``torch.distributed.checkpoint`` is imported lazily)."""
+    global _WRITER_CLASS
+    if _WRITER_CLASS is None:
+        import dataclasses
+
+        import torch.distributed.checkpoint as dcp
+        from torch.futures import Future
+
+        class _OneItemWriter(dcp.FileSystemWriter):
+            """DCP's ``FileSystemWriter`` that writes one file per write item and stages one item at a time.
+
+            Why (torch/distributed/checkpoint/filesystem.py as of torch 2.13; the loader choice, one-file-per-rank
+            buckets and ``single_file_per_rank=False`` file-per-item are the same in older releases): the default writer
+            (``single_file_per_rank=True, thread_count=1``) puts all of a rank's items into one file, and
+            ``_write_files_from_queue`` keeps every staged CPU tensor of a file in ``tensor_dict`` until the
+            file is closed (it needs them only for the SAFETENSORS format) -- on a GPU the whole rank state in
+            host memory at once. On a GPU with ``thread_count == 1`` it also stages through
+            ``_OverlappingCpuLoader``: ``tensor.to("cpu", non_blocking=True)``, pinned memory from CUDA's
+            caching host allocator, which rounds each block up to a power of two and keeps freed blocks
+            cached. A 26 GB GEM state took a worker on an H200 box to 114.7 GB and Ray's memory monitor
+            killed it.
+
+            Here: ``single_file_per_rank=False`` (a file per item, so ``tensor_dict`` holds one item), and
+            ``per_thread_copy_ahead=0`` with ``thread_count=1``, which makes ``_write_files_from_queue``
+            choose ``_SerialCpuLoader`` (its test is ``thread_count == 1 and <accelerator available> and
+            inflight_threshhold > 0`` for the overlapping loader): a plain synchronous ``tensor.cpu()``,
+            pageable memory that goes back to the allocator when the item's file is closed. One thread, not
+            ``thread_count >= 2`` (which also selects the serial loader): each thread stages its own item, so
+            N threads hold N items, e.g. the item table and its optimizer state together. Last,
+            :meth:`write_data` hands the items to torch one per call: within one call
+            ``_write_files_from_queue``'s loop variable ``tensor`` still holds the previous file's staged
+            tensor while the next one is copied (two items at a time); a call per item ends that frame.
+            ``sync_files=True`` as before: every file is fsynced before ``.metadata`` is written.
+
+            Files: ``__<rank>_<i>_0.distcp`` (torch's prefix ``__<rank>_`` plus the item's index). The
+            reader takes file names and offsets from ``.metadata``, so old single-file checkpoints still load.
+            """
+
+            def __init__(self, path: str | os.PathLike) -> None:
+                super().__init__(path, single_file_per_rank=False, sync_files=True, thread_count=1,
+                                 per_thread_copy_ahead=0)
+
+            def write_data(self, plan, planner):  # noqa: ANN001 - DCP's SavePlan, SavePlanner
+                prefix = plan.storage_data.prefix  # torch's _StoragePrefix("__<rank>_")
+                results = []
+                for i, item in enumerate(plan.items):
+                    one = dataclasses.replace(
+                        plan, items=[item],
+                        storage_data=dataclasses.replace(plan.storage_data, prefix=f"{prefix}{i}_"))
+                    results.extend(super().write_data(one, planner).wait())
+                fut = Future()
+                fut.set_result(results)
+                return fut
+
+        _WRITER_CLASS = _OneItemWriter
+    return _WRITER_CLASS
+
+
+def checkpoint_writer(directory: str | Path):
+    """The DCP storage writer :func:`save_checkpoint` uses: see ``_OneItemWriter`` (one file per write item,
+    one item staged in host memory at a time, files fsynced)."""
+    return _one_item_writer_class()(str(directory))
+
+
 def save_checkpoint(directory: str | Path, model: torch.nn.Module, optimizer: Any,
-                    trainer: dict[str, Any], *, data: dict[str, Any] | None = None) -> Path:
+                    trainer: dict[str, Any], *, data: dict[str, Any] | None = None) -> dict[str, Any]:
     """Save with DCP into ``directory`` (this rank's own, fresh, local dir) and write its manifest.
 
     Every rank of the default process group must call this (DCP is collective). Writes
@@ -91,7 +211,14 @@ def save_checkpoint(directory: str | Path, model: torch.nn.Module, optimizer: An
     Python values (epoch, step, global_step, history) and must be identical on every rank: DCP
     deduplicates same-named entries and keeps rank 0's copy. This rank's RNG state is added under
     ``rng_rank<r>``. ``data``: what the model was trained on (:func:`data_record`), stored in the manifest as
-    ``"data"`` so that a resume on other data can be refused before any worker starts. Returns the directory.
+    ``"data"`` so that a resume on other data can be refused before any worker starts.
+
+    Writes through :func:`checkpoint_writer` (one item staged in host memory at a time) and logs, per rank,
+    what the save took (INFO, ``gemray.checkpoint``). Returns those figures: ``{"directory", "rank", "files",
+    "bytes" (this rank's files, ``.metadata`` included), "seconds" (DCP save + fsync + sha256 + manifest),
+    "rss_before", "rss_after" (current RSS), "rss_peak" (highest RSS sampled every 50 ms during the save),
+    "maxrss_before", "maxrss_after" (the process's high-water mark, ``ru_maxrss``)}``, bytes; an RSS figure is
+    None where ``/proc/self/statm`` cannot be read.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -108,22 +235,43 @@ def save_checkpoint(directory: str | Path, model: torch.nn.Module, optimizer: An
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
              "trainer": {"json": text, f"rng_rank{rank}": torch.get_rng_state()}}
     before = {p.name for p in directory.iterdir()}
-    dcp.save(state, checkpoint_id=str(directory))
-    written = sorted(p.name for p in directory.iterdir() if p.is_file() and p.name not in before)
-    for name in written:  # durable before the manifest that vouches for them
-        _fsync(directory / name)
-    manifest = {"rank": rank, "world_size": world,
-                "files": {name: file_sha256(directory / name) for name in written}}
-    if data is not None:
-        manifest["data"] = data
-    # Atomic manifest: temp file, fsync, rename, fsync the directory. A checkpoint killed mid-write has
-    # no manifest for this rank and fails verify_checkpoint.
-    tmp = directory / f".manifest_rank{rank}.json.tmp"
-    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
-    _fsync(tmp)
-    os.replace(tmp, directory / f"manifest_rank{rank}.json")
-    _fsync(directory)
-    return directory
+    t0, rss0, maxrss0 = time.perf_counter(), _rss_bytes(), _maxrss_bytes()
+    with _RssSampler() as sampler:
+        dcp.save(state, checkpoint_id=str(directory), storage_writer=checkpoint_writer(directory))
+        written = sorted(p.name for p in directory.iterdir() if p.is_file() and p.name not in before)
+        for name in written:  # durable before the manifest that vouches for them
+            _fsync(directory / name)
+        manifest = {"rank": rank, "world_size": world,
+                    "files": {name: file_sha256(directory / name) for name in written}}
+        if data is not None:
+            manifest["data"] = data
+        # Atomic manifest: temp file, fsync, rename, fsync the directory. A checkpoint killed mid-write has
+        # no manifest for this rank and fails verify_checkpoint.
+        tmp = directory / f".manifest_rank{rank}.json.tmp"
+        tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+        _fsync(tmp)
+        os.replace(tmp, directory / f"manifest_rank{rank}.json")
+        _fsync(directory)
+    stats = {"directory": str(directory), "rank": rank, "files": len(written),
+             "bytes": sum((directory / n).stat().st_size for n in written),
+             "seconds": time.perf_counter() - t0, "rss_before": rss0, "rss_after": _rss_bytes(),
+             "rss_peak": sampler.peak, "maxrss_before": maxrss0, "maxrss_after": _maxrss_bytes()}
+    log.info("rank %d/%d checkpoint save: %s", rank, world, save_summary(stats))
+    return stats
+
+
+def _gb(n: int | None) -> str:
+    return "?" if n is None else f"{n / 1e9:.2f}"
+
+
+def save_summary(stats: dict[str, Any]) -> str:
+    """One line of :func:`save_checkpoint`'s figures, e.g. ``26.10 GB in 41.3 s (632 MB/s, 212 files); host RSS
+    30.12 -> 30.15 GB, peak 43.01 GB during the save; process peak (ru_maxrss) 44.20 -> 44.20 GB``."""
+    secs = max(float(stats["seconds"]), 1e-9)
+    return (f"{_gb(stats['bytes'])} GB in {stats['seconds']:.1f} s ({stats['bytes'] / secs / 1e6:.0f} MB/s, "
+            f"{stats['files']} files); host RSS {_gb(stats['rss_before'])} -> {_gb(stats['rss_after'])} GB, "
+            f"peak {_gb(stats['rss_peak'])} GB during the save; process peak (ru_maxrss) "
+            f"{_gb(stats['maxrss_before'])} -> {_gb(stats['maxrss_after'])} GB")
 
 
 def _fsync(path: Path) -> None:
@@ -297,21 +445,22 @@ def load_model_state(directory: str | Path, model: torch.nn.Module, *, verify: b
 
 
 def report_with_checkpoint(metrics: dict[str, Any], model: torch.nn.Module, optimizer: Any,
-                           trainer: dict[str, Any], *, data: dict[str, Any] | None = None) -> None:
+                           trainer: dict[str, Any], *, data: dict[str, Any] | None = None) -> dict[str, Any]:
     """Save this rank's DCP shards to a fresh local temp dir and ``ray.train.report`` them.
 
     Every rank must call it (DCP and ``ray.train.report`` are both collective); Ray Train V2 merges the
     ranks' directories into one committed checkpoint. The temp dir is removed after the upload. ``data``:
-    see :func:`save_checkpoint`.
+    see :func:`save_checkpoint`. Returns :func:`save_checkpoint`'s figures of this rank's save.
     """
     import ray.train
 
     tmp = Path(tempfile.mkdtemp(prefix="gemray-ckpt-"))
     try:
-        save_checkpoint(tmp, model, optimizer, trainer, data=data)
+        stats = save_checkpoint(tmp, model, optimizer, trainer, data=data)
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(str(tmp)))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    return stats
 
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -184,14 +185,42 @@ def merged_checkpoint(tmp_path_factory) -> Path:
     return root / "merged"
 
 
+def _data_files(ckpt: Path, rank: int) -> list[str]:
+    """Rank ``rank``'s DCP data files (``__<rank>_<item>_0.distcp``: one per write item)."""
+    return sorted(p.name for p in ckpt.glob(f"__{rank}_*.distcp"))
+
+
+def _largest_data_file(ckpt: Path, rank: int) -> str:
+    """Rank ``rank``'s biggest data file (an embedding-table shard on these checkpoints)."""
+    return max(_data_files(ckpt, rank), key=lambda n: (ckpt / n).stat().st_size)
+
+
+def _files_per_item(ckpt: Path) -> dict[str, int]:
+    """How many of the DCP ``.metadata``'s items each data file holds."""
+    from collections import Counter
+
+    import torch.distributed.checkpoint as dcp
+
+    meta = dcp.FileSystemReader(str(ckpt)).read_metadata()
+    return dict(Counter(info.relative_path for info in meta.storage_data.values()))
+
+
 def test_restore_equals_saved_on_two_ranks(merged_checkpoint):
     # The equality checks run inside the workers (they raise there); here: the merged layout.
     names = sorted(p.name for p in merged_checkpoint.iterdir())
-    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", "manifest_rank0.json", "manifest_rank1.json"]
+    d0, d1 = _data_files(merged_checkpoint, 0), _data_files(merged_checkpoint, 1)
+    assert len(d0) > 2 and len(d1) > 2, names  # model shards, optimizer state, trainer entries
+    assert all(re.fullmatch(r"__[01]_\d+_0\.distcp", n) for n in d0 + d1), names
+    assert names == sorted([".metadata", *d0, *d1, "manifest_rank0.json", "manifest_rank1.json"])
+    # one file per write item: every data file holds exactly one of the items DCP's metadata lists
+    per_file = _files_per_item(merged_checkpoint)
+    assert sorted(per_file) == sorted(d0 + d1) and set(per_file.values()) == {1}, per_file
     info = verify_checkpoint(merged_checkpoint)
     assert info["world_size"] == 2
     m0 = json.loads((merged_checkpoint / "manifest_rank0.json").read_text())
-    assert set(m0["files"]) == {".metadata", "__0_0.distcp"}  # rank 0 is DCP's coordinator
+    assert set(m0["files"]) == {".metadata", *d0}  # rank 0 is DCP's coordinator
+    m1 = json.loads((merged_checkpoint / "manifest_rank1.json").read_text())
+    assert set(m1["files"]) == set(d1)
 
 
 def test_load_at_world_size_one(merged_checkpoint):
@@ -203,10 +232,11 @@ def test_load_at_world_size_one(merged_checkpoint):
 def test_corrupted_file_is_named(merged_checkpoint, tmp_path):
     bad = tmp_path / "bad"
     shutil.copytree(merged_checkpoint, bad)
-    data = bytearray((bad / "__1_0.distcp").read_bytes())
+    name = _largest_data_file(bad, 1)  # a shard of rank 1's embedding table
+    data = bytearray((bad / name).read_bytes())
     data[len(data) // 2] ^= 0xFF
-    (bad / "__1_0.distcp").write_bytes(bytes(data))
-    with pytest.raises(ValueError, match=r"__1_0\.distcp is corrupted"):
+    (bad / name).write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=re.escape(name) + " is corrupted"):
         verify_checkpoint(bad)
 
 
@@ -218,8 +248,9 @@ def test_missing_rank_manifest_and_file(merged_checkpoint, tmp_path):
         verify_checkpoint(a)
     b = tmp_path / "b"
     shutil.copytree(merged_checkpoint, b)
-    (b / "__0_0.distcp").unlink()
-    with pytest.raises(ValueError, match=r"__0_0\.distcp listed in a manifest is missing"):
+    name = _data_files(b, 0)[0]
+    (b / name).unlink()
+    with pytest.raises(ValueError, match=re.escape(name) + " listed in a manifest is missing"):
         verify_checkpoint(b)
 
 
@@ -348,7 +379,8 @@ def test_pause_hook_stops_one_rank_inside_the_dcp_write(tmp_path):
         assert proc.poll() is None  # paused, not finished
         assert (tmp_path / "step-2" / ".metadata").is_file()  # step 2 saved normally
         files = {p.name for p in (tmp_path / "step-3").iterdir()}
-        assert "__0_0.distcp" in files and ".metadata" not in files, files
+        assert any(f.startswith("__0_") and f.endswith(".distcp") for f in files), files  # data files written
+        assert ".metadata" not in files, files
     finally:
         proc.kill()
         out = proc.communicate(timeout=30)[0]
@@ -384,3 +416,114 @@ def test_committed_checkpoints_are_what_ray_train_reads_back(tmp_path, capfd):
     # a committed folder removed by hand: Ray refuses the run folder, so does this (with a warning)
     (tmp_path / reported[0]).rmdir()
     assert committed_checkpoints(tmp_path) == [] and uncommitted_checkpoints(tmp_path) == []
+
+
+def _small_model(seed: int):
+    """A few dense tensors and, after one Adam step, their optimizer state (two moments and a step each)."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.randn(5, 6)).square().sum().backward()
+    opt.step()
+    return model, opt
+
+
+def _assert_same(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_save_writes_one_file_per_item_and_reports_host_memory(tmp_path, caplog):
+    """save_checkpoint writes one DCP data file per write item (what bounds a GPU save's host memory to one
+    staged tensor at a time), reports and logs its seconds, bytes and host RSS figures, and loads back."""
+    import logging
+
+    from gemray.checkpoint import load_checkpoint, save_checkpoint
+
+    model, opt = _small_model(0)
+    with caplog.at_level(logging.INFO, logger="gemray.checkpoint"):
+        stats = save_checkpoint(tmp_path / "c", model, opt, {"epoch": 1, "global_step": 1})
+    ck = tmp_path / "c"
+    data = _data_files(ck, 0)
+    per_file = _files_per_item(ck)
+    # 4 parameters + 4 x (exp_avg, exp_avg_sq, step) + param_groups entries + trainer json and RNG state
+    assert len(data) >= 4 + 4 * 3 + 2 and sorted(per_file) == data and set(per_file.values()) == {1}, per_file
+    assert set(json.loads((ck / "manifest_rank0.json").read_text())["files"]) == {".metadata", *data}
+    assert stats["files"] == len(data) + 1
+    assert stats["bytes"] == sum((ck / n).stat().st_size for n in [".metadata", *data])
+    assert stats["seconds"] > 0 and stats["directory"] == str(ck) and stats["rank"] == 0
+    for k in ("rss_before", "rss_after", "rss_peak", "maxrss_before", "maxrss_after"):
+        assert isinstance(stats[k], int) and stats[k] > 0, (k, stats)
+    assert stats["maxrss_after"] >= stats["maxrss_before"] and stats["rss_peak"] >= stats["rss_before"]
+    line = next(r.getMessage() for r in caplog.records if "checkpoint save:" in r.getMessage())
+    assert line.startswith("rank 0/1 checkpoint save: ") and " files); host RSS " in line and "ru_maxrss" in line
+    fresh, fresh_opt = _small_model(1)
+    out = load_checkpoint(ck, fresh, fresh_opt)
+    assert out["global_step"] == 1
+    _assert_same(model, fresh)
+    assert torch.equal(fresh_opt.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+
+
+def test_single_file_per_rank_checkpoint_still_loads(tmp_path, monkeypatch):
+    """Checkpoints written before (DCP's default writer: every item in one ``__<rank>_0.distcp``) verify
+    and load: the reader takes each item's file and offset from ``.metadata``."""
+    import torch.distributed.checkpoint as dcp
+
+    import gemray.checkpoint as ck
+    from gemray.checkpoint import load_checkpoint, save_checkpoint
+
+    model, opt = _small_model(0)
+    monkeypatch.setattr(ck, "checkpoint_writer", lambda d: dcp.FileSystemWriter(str(d)))  # the old save
+    save_checkpoint(tmp_path / "old", model, opt, {"epoch": 2, "global_step": 7})
+    monkeypatch.undo()
+    names = sorted(p.name for p in (tmp_path / "old").iterdir())
+    assert names == [".metadata", "__0_0.distcp", "manifest_rank0.json"]
+    assert _files_per_item(tmp_path / "old") == {"__0_0.distcp": len(dcp.FileSystemReader(
+        str(tmp_path / "old")).read_metadata().storage_data)}
+    fresh, fresh_opt = _small_model(1)
+    assert load_checkpoint(tmp_path / "old", fresh, fresh_opt)["global_step"] == 7
+    _assert_same(model, fresh)
+
+
+_STAGING_SCRIPT = """
+import json, sys
+import torch
+import torch.distributed.checkpoint as dcp
+import gemray.checkpoint as ck
+
+writer, out, item = sys.argv[1], sys.argv[2], int(sys.argv[3])
+n = 6
+base = torch.ones(n, item // 4 + 1024)  # touched: part of the RSS before the save
+class Model(torch.nn.Module):
+    def state_dict(self):  # views into base: DCP's loaders stage a copy of each (storage larger than the view)
+        return {f"w{i}": base[i, :item // 4] for i in range(n)}
+class Optim:
+    def state_dict(self):
+        return {}
+if writer == "dcp-default":
+    ck.checkpoint_writer = lambda d: dcp.FileSystemWriter(str(d))
+print(json.dumps(ck.save_checkpoint(out, Model(), Optim(), {"global_step": 1})))
+"""
+
+
+def test_save_stages_one_item_at_a_time(tmp_path):
+    """Host memory of a save: each write item's staged CPU copy is freed before the next one is made. On CPU
+    only a view (storage larger than the tensor) is staged as a copy, so the state here is 6 views of 64 MiB;
+    the process's peak RSS during the save grows by about one item. DCP's default writer (one file per rank)
+    keeps every staged copy until its file closes: about all six -- the GPU case that ran out of host memory."""
+    import subprocess
+    import sys
+
+    item = 64 << 20
+    script = tmp_path / "stage.py"
+    script.write_text(_STAGING_SCRIPT)
+    grew = {}
+    for writer in ("gemray", "dcp-default"):
+        run = subprocess.run([sys.executable, str(script), writer, str(tmp_path / writer), str(item)],
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stdout + run.stderr
+        stats = json.loads(run.stdout.strip().splitlines()[-1])
+        assert stats["bytes"] >= 6 * item
+        grew[writer] = (stats["maxrss_after"] - stats["rss_before"]) / item
+    assert grew["gemray"] < 1.5, grew
+    assert grew["dcp-default"] > 4.5, grew  # what the measurement shows when every item is held

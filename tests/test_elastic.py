@@ -329,13 +329,17 @@ def test_corrupt_and_partial_checkpoints_fall_back(baseline):
     cks = committed_checkpoints(run_dir)
     assert len(cks) == 3  # checkpoint.keep=3: steps 40 (final), 35, 30
     newest, second, third = cks
-    # newest: one byte flipped in a shard file; second: rank 1's part missing (killed mid-write)
-    f = newest / "__1_0.distcp"
+    # newest: one byte flipped in a shard file (rank 1's largest: an embedding-table shard); second: rank 1's
+    # part missing (killed mid-write: its data files, one per write item, and its manifest)
+    f = max(newest.glob("__1_*.distcp"), key=lambda p: p.stat().st_size)
     data = bytearray(f.read_bytes())
     data[len(data) // 2] ^= 0xFF
     f.write_bytes(bytes(data))
     (second / "manifest_rank1.json").unlink()
-    (second / "__1_0.distcp").unlink()
+    rank1 = list(second.glob("__1_*.distcp"))
+    assert rank1
+    for p in rank1:
+        p.unlink()
     verify_checkpoint(third)
 
     res = gemray.fit(CONFIG, output_dir=tmp / "base", overrides=_overrides(tmp, "base", epochs=EPOCHS + 1))

@@ -22,7 +22,7 @@ from gemray.preemption import preemption_action
 
 def test_choose_checkpoint_falls_back(tmp_path):
     dirs = [tmp_path / n for n in ("c3", "c2", "c1")]
-    bad = {"c3": "file __1_0.distcp is corrupted", "c2": "missing manifest for rank(s) [1]"}
+    bad = {"c3": "file __1_7_0.distcp is corrupted", "c2": "missing manifest for rank(s) [1]"}
 
     def verify(p):
         if p.name in bad:

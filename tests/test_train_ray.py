@@ -79,7 +79,9 @@ def test_checkpoint_committed(first_run):
     ckpt = Path(res.checkpoint_path)
     info = verify_checkpoint(ckpt)
     assert info["world_size"] == 2
-    assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= set(info["files"])
+    assert ".metadata" in info["files"]
+    for r in (0, 1):  # each rank's data files: one per write item (__<rank>_<item>_0.distcp)
+        assert len([n for n in info["files"] if n.startswith(f"__{r}_") and n.endswith(".distcp")]) > 2, info
     # one checkpoint per epoch, both kept (checkpoint.keep=3)
     assert len([p for p in ckpt.parent.glob("checkpoint_*") if p.is_dir()]) == 2
     # every rank's manifest names the data the model was trained on (checked before a resume)

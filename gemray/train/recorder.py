@@ -153,9 +153,20 @@ class RecoveryRecorder:
         self.events.emit("checkpoint_begin", quiet=True, reason=reason, global_step=global_step)
 
     def checkpoint_saved(self, reason: str, global_step: int, *, epochs_completed: int, in_progress: bool,
-                         consumed: int) -> None:
+                         consumed: int, save: dict[str, Any] | None = None) -> None:
+        """``save``: :func:`gemray.checkpoint.save_checkpoint`'s figures of this rank's save; the event (and its
+        log line) carries ``save`` = ``{"seconds", "bytes", "files", "rss_before", "rss_after", "rss_peak",
+        "maxrss_before", "maxrss_after"}`` (bytes) and ``save_summary``, the same in words."""
+        extra: dict[str, Any] = {}
+        if save:
+            from gemray.checkpoint import save_summary
+
+            keys = ("seconds", "bytes", "files", "rss_before", "rss_after", "rss_peak", "maxrss_before",
+                    "maxrss_after")
+            extra = {"save": {k: (round(save[k], 3) if k == "seconds" else save[k]) for k in keys if k in save},
+                     "save_summary": save_summary(save)}
         self.events.emit("checkpoint_saved", reason=reason, global_step=global_step,
-                         **epoch_fields(epochs_completed, in_progress=in_progress), consumed=consumed)
+                         **epoch_fields(epochs_completed, in_progress=in_progress), consumed=consumed, **extra)
 
     def preempted(self, global_step: int, *, epochs_completed: int, consumed: int, notice: dict[str, Any]) -> None:
         self.events.emit("preempted", global_step=global_step, **epoch_fields(epochs_completed, in_progress=True),

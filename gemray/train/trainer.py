@@ -584,11 +584,12 @@ class Trainer:
 
     def save(self, reason: str, metrics: dict[str, Any], state: dict[str, Any], *, in_progress: bool) -> None:
         """Collective: DCP-save ``state`` with the model and optimizer and report it with ``metrics`` to Ray
-        Train (``gemray.checkpoint.report_with_checkpoint``), between ``checkpoint_begin`` / ``_saved`` events."""
+        Train (``gemray.checkpoint.report_with_checkpoint``), between ``checkpoint_begin`` / ``_saved`` events;
+        ``checkpoint_saved`` carries rank 0's save figures (seconds, bytes, host RSS before/after/peak)."""
         self.recorder.checkpoint_begin(reason, state["global_step"])
-        report_with_checkpoint(metrics, self.dmp, self.optimizer, state, data=self.trained_on)
+        saved = report_with_checkpoint(metrics, self.dmp, self.optimizer, state, data=self.trained_on)
         self.recorder.checkpoint_saved(reason, state["global_step"], epochs_completed=state["epoch"],
-                                       in_progress=in_progress, consumed=state["consumed"])
+                                       in_progress=in_progress, consumed=state["consumed"], save=saved)
 
     def report(self, metrics: dict[str, Any]) -> None:
         """Collective: report ``metrics`` to Ray Train without a checkpoint."""

@@ -4,7 +4,8 @@ A test puts this folder first on ``PYTHONPATH`` of the ``gemray train`` it start
 ``GEMRAY_TEST_PAUSE_CKPT_WRITE="<global_step>:<rank>:<folder>"``. Python imports ``sitecustomize`` at start in
 every process of that run (the driver, and Ray's worker processes, which inherit the environment), and
 here, once ``gemray.checkpoint`` is imported, ``torch.distributed.checkpoint.save`` is wrapped: rank
-``<rank>`` saving the checkpoint of ``<global_step>`` writes its shard file, then (the collective finish
+``<rank>`` saving the checkpoint of ``<global_step>`` writes its data files (through the storage writer gemray
+passes, ``gemray.checkpoint.checkpoint_writer``, whose ``write_data`` is wrapped), then (the collective finish
 and ``.metadata`` not yet written) writes ``<folder>/paused-rank<r>.json`` (``{"pid", "global_step"}``)
 and sleeps, so that the test can SIGKILL the process mid-write. Once only: an existing marker disables it
 (the restarted attempt writes normally). Without the variable this file does nothing.
@@ -39,10 +40,12 @@ def _wrap_dcp_save(step: int, rank: int, folder: Path) -> None:
     original = dcp.save
     marker = folder / f"paused-rank{rank}.json"
 
-    class PausingWriter(dcp.FileSystemWriter):
-        def write_data(self, plan, planner):  # noqa: ANN001
-            fut = super().write_data(plan, planner)
-            fut.wait()  # this rank's shard file is on disk
+    def pause_after(write_data):  # noqa: ANN001, ANN202
+        """``write_data`` that, once it has written this rank's data files, writes the marker and sleeps."""
+
+        def paused(plan, planner):  # noqa: ANN001
+            fut = write_data(plan, planner)
+            fut.wait()  # this rank's data files are on disk
             marker.parent.mkdir(parents=True, exist_ok=True)
             marker.write_text(json.dumps({"pid": os.getpid(), "global_step": step}))
             logging.getLogger(__name__).warning("%s: rank %d paused inside the DCP write of global step %d "
@@ -50,11 +53,16 @@ def _wrap_dcp_save(step: int, rank: int, folder: Path) -> None:
             time.sleep(600)  # the test kills this process
             return fut
 
+        return paused
+
     def save(state_dict, *, checkpoint_id=None, storage_writer=None, **kw):  # noqa: ANN001
         trainer = json.loads(state_dict.get("trainer", {}).get("json") or "{}")  # gemray's trainer state
-        if (storage_writer is None and checkpoint_id is not None and trainer.get("global_step") == step
+        if (checkpoint_id is not None and trainer.get("global_step") == step
                 and dist.is_initialized() and dist.get_rank() == rank and not marker.exists()):
-            storage_writer = PausingWriter(str(checkpoint_id))
+            # gemray passes its own writer (gemray.checkpoint.checkpoint_writer): pause that one, with its
+            # settings; without one, DCP's default FileSystemWriter
+            storage_writer = storage_writer or dcp.FileSystemWriter(str(checkpoint_id))
+            storage_writer.write_data = pause_after(storage_writer.write_data)
         return original(state_dict, checkpoint_id=checkpoint_id, storage_writer=storage_writer, **kw)
 
     dcp.save = save
