@@ -390,7 +390,7 @@ class TrainConfig:
     gradients with rowwise scales, torchao's rowwise recipe; default), "e5m2" (e5m2 gradients) or "bf16". fp8_min_dim: GEMMs with K or N below it stay high precision (so do dims that are
     not multiples of 16). fp8_attention_inputs: FP8 q/k/v into the attention kernels -- NOT implemented
     (true is refused; the attention kernels take bf16/fp32). fp8_stats: log per-layer amax / overflow /
-    underflow of the FP8 quantizations every ``log_every`` steps.
+    underflow of the FP8 quantizations every ``log_every`` steps (eager steps only: not under ``compile``).
     activation_checkpointing: "none", "full" (recompute every HSTU block and the tower), "auto" (the planner
     of ``gemray.parallel.activation_checkpoint`` picks modules, cheapest recompute per byte saved first,
     until the predicted peak fits ``activation_memory_budget``) or "torch" (torch.compile each HSTU block

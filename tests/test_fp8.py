@@ -358,3 +358,43 @@ def test_scaled_mm_gets_the_layouts_it_requires_whatever_the_operands(a_layout, 
             torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
     y = fp8_mm(a, sa, b, sb, backend="scaled_mm")
     assert y.shape == (M, N) and y.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("grad", ["e4m3", "bf16"])
+def test_fp8_linear_compiles_as_one_graph_and_matches_eager(grad):
+    """Under torch.compile the FP8 linear traces whole, forward and backward: a graph break (the weight cache's
+    id / version-counter keys, an ``out=`` into a padded view) left every quantization eager, and the compiled
+    FP8 GEM step took 297 ms against bf16's 165 on the H200 (2026-12-04). The traced step quantizes to the same
+    bytes (same scales, same rounding) as eager, inside an open weight cache and a stats collection alike (the
+    counters are eager-only: none are recorded by the traced step, and the next eager step records again)."""
+    from gemray.model import fp8 as fp8mod
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    st = Fp8Settings(grad, "emulate", "lin")
+    w = torch.randn(48, 32, requires_grad=True)
+    b = torch.randn(48, requires_grad=True)
+
+    def step(x):
+        y = fp8_linear(x, w, b, st)
+        return (F.silu(y.float()) * torch.linspace(-1, 1, y.shape[1])).sum()
+
+    x = torch.randn(37, 32)  # 37 tokens: the wgrad pads the contraction to 48
+    xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
+    explain = torch._dynamo.explain(step)(x.clone().requires_grad_())
+    assert explain.graph_break_count == 0, [str(r.reason).split("\n")[0] for r in explain.break_reasons]
+    le = step(xe)
+    le.backward()
+    ge = (xe.grad, w.grad.clone(), b.grad.clone())
+    w.grad = b.grad = None
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    with fp8mod.fp8_weight_cache(), collect_fp8_stats():
+        lc = compiled(xc)
+        lc.backward()
+    assert pop_fp8_stats() == {}
+    torch.testing.assert_close(lc, le, rtol=0, atol=0)
+    for got, want in zip((xc.grad, w.grad, b.grad), ge):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with collect_fp8_stats():
+        fp8_linear(x, w, b, st)
+    assert "lin.x" in pop_fp8_stats()

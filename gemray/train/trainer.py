@@ -316,6 +316,9 @@ class Trainer:
             from gemray.model.fp8 import convert_to_fp8
 
             convert_to_fp8(model, cfg.train.fp8_grad, min_dim=cfg.train.fp8_min_dim)
+            if cfg.train.compile and cfg.train.fp8_stats and self.rank == 0:
+                log.info("fp8: the per-layer amax / overflow / underflow counters are not collected under "
+                         "train.compile (they are eager code); a run with train.compile=false logs them")
         self.dmp = parallelize(model, layout=self.layout, cfg=cfg, device=self.device)
         self.checkpointer = ActivationCheckpointer.from_config(cfg.train)
         self.checkpointer.setup(self.dmp)
@@ -485,7 +488,8 @@ class Trainer:
         torch.manual_seed(step_seed(seed, self.global_step, self.rank))  # dropout
         self.dmp.module.seed_sampling(step_seed(seed + 1, self.global_step, self.rank))  # negatives
         tc = self.cfg.train
-        fp8_stats = tc.precision == "fp8" and tc.fp8_stats and self.epoch_step % tc.log_every == 0
+        fp8_stats = (tc.precision == "fp8" and tc.fp8_stats and not tc.compile
+                     and self.epoch_step % tc.log_every == 0)
         step_stats: dict = {}
         defer = self.defer_loss
         fp8 = tc.precision == "fp8"  # the weights' FP8 copies once per step (recomputes reuse them)
