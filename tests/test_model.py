@@ -336,3 +336,23 @@ def test_time_bias_buckets_follow_query_times():
     assert int(tb_next[0, 1, 0]) == int(time_bucket_ref(torch.tensor(1000), 64))
     assert int(tb_next[1, 0, 0]) == int(time_bucket_ref(torch.tensor(7 - 50), 64))
     assert int(tb_self[0, 2, 0]) == int(time_bucket_ref(torch.tensor(1000), 64))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (Philox offsets per launch)")
+def test_tables_left_on_meta_replay_cuda_draws_as_a_direct_gpu_build():
+    """On CUDA, a model built on meta and initialised with its (small) tables left for TorchRec gets the dense
+    weights of a direct GPU build: the tables' draws are replayed one launch each, so Philox's offset ends
+    where the direct build's construction leaves it."""
+    from gemray.parallel import materialize_dense
+
+    cfg = tiny_cfg()
+    torch.manual_seed(5)
+    direct = GEM(cfg, num_items=40, device="cuda", max_seq_len=12)
+    after = torch.cuda.get_rng_state()
+    model = GEM(cfg, num_items=40, device="meta", max_seq_len=12)
+    torch.manual_seed(5)
+    materialize_dense(model, "cuda")
+    assert torch.equal(torch.cuda.get_rng_state(), after)
+    got, want = _params(model.encoder), _params(direct.encoder)
+    assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)

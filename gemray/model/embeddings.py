@@ -47,6 +47,9 @@ def make_embedding_collection(cfg: ModelConfig, num_items: int,
 
 #: Scratch elements for skipping the construction draws of a table left on meta (4 MiB of float32).
 SKIP_CHUNK = 1 << 20
+#: Largest table (elements) whose construction draws are replayed on CUDA, one launch per draw as a real-device
+#: build makes them (a 64 MiB float32 scratch buffer at most); larger tables are not replayed there.
+CUDA_REPLAY_MAX = 1 << 24
 
 
 def _chunk_sizes(n: int, chunk: int) -> list[int]:
@@ -73,12 +76,14 @@ def skip_table_draws(config: EmbeddingConfig, device: torch.device | str) -> Non
 
     Exact on CPU for ``make_embedding_collection``'s tables (float32, uniform ``init_fn``: one draw per
     element; the normal kernel's per-call rule is kept by ``_chunk_sizes``), which tests/test_model.py
-    checks against a real construction. On CUDA the Philox offset advances per kernel launch, so chunked
-    draws leave the generator elsewhere than one launch per table would: deterministic, the same on every
-    rank, but not the values of a real-device build.
+    checks against a real construction. On CUDA the Philox offset advances per kernel launch by an amount
+    that depends on the launch's size, so the draws are replayed as one launch each on a scratch buffer of the
+    table's size -- exact, and what :func:`init_embedding_tables` does only up to :data:`CUDA_REPLAY_MAX`
+    elements (the GPU test in tests/test_model.py checks it against a real construction).
     """
     dtype = torch.float32 if config.data_type == DataType.FP32 else torch.float16
-    sizes = _chunk_sizes(int(config.num_embeddings) * int(config.embedding_dim), SKIP_CHUNK)
+    n_all = int(config.num_embeddings) * int(config.embedding_dim)
+    sizes = [n_all] if torch.device(device).type == "cuda" and n_all else _chunk_sizes(n_all, SKIP_CHUNK)
     if not sizes:
         return
     buf = torch.empty(max(sizes), dtype=dtype, device=device)
@@ -105,13 +110,18 @@ def init_embedding_tables(ec: EmbeddingCollection, device: torch.device | str | 
     if not isinstance(ec, EmbeddingCollection):
         raise ValueError(f"init_embedding_tables: expected an unsharded torchrec EmbeddingCollection, got "
                          f"{type(ec).__name__} (a sharded collection is initialised by TorchRec)")
-    # Only on CPU: there the replay is exact (the test machine's baselines); on CUDA it could not be (Philox
-    # advances per launch) and would cost rows x dim draws per start on GEM-scale tables for nothing.
-    skip_on = None if device is None or torch.device(device).type != "cpu" else torch.device(device)
+    # Replayed on CPU (the test machine's baselines) and on CUDA for tables of up to CUDA_REPLAY_MAX elements:
+    # one launch per draw there, which leaves Philox's offset where a real-device build does. Until 2026-12-04
+    # CUDA replayed nothing, so a GPU run's dense weights (drawn after the tables) were another sample than a
+    # direct GPU build's: ML-1M's curve on the H200 moved from 4.7911 to 4.8127 at epoch 1 (test HR@10 .3724
+    # on 2026-11-30, .3659 / .3639 after). GEM-scale tables are not replayed on CUDA (rows x dim draws per
+    # start for nothing but the sample): deterministic, the same on every rank.
+    skip_on = None if device is None or torch.device(device).type not in ("cpu", "cuda") else torch.device(device)
     for config in ec.embedding_configs():
         table = ec.embeddings[config.name]
         if table.weight.is_meta:
-            if skip_on is not None:
+            if skip_on is not None and (skip_on.type == "cpu" or int(config.num_embeddings) * int(
+                    config.embedding_dim) <= CUDA_REPLAY_MAX):
                 skip_table_draws(config, skip_on)
             continue
         table.reset_parameters()
