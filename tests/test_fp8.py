@@ -398,3 +398,18 @@ def test_fp8_linear_compiles_as_one_graph_and_matches_eager(grad):
     with collect_fp8_stats():
         fp8_linear(x, w, b, st)
     assert "lin.x" in pop_fp8_stats()
+
+
+def test_compiled_wgrad_quantization_does_not_recompile_on_token_count_parity():
+    """The wgrad quantizes x^T padded to a multiple of 16 tokens: under torch.compile (automatic dynamic shapes)
+    token counts 37, 53, 48, 64, 71 compile twice (the first, static, then one dynamic graph), not again when
+    a count is a multiple of 16."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    cnt = CompileCounter()
+    f = torch.compile(lambda x: quantize_rowwise(x.t(), E4M3, -1, pad_to=16), backend=cnt, dynamic=None)
+    for m in (37, 53, 48, 64, 71):
+        q, s = f(torch.randn(m, 32))
+        assert q.shape == (32, -(-m // 16) * 16) and s.shape == (32, 1)
+    assert cnt.frame_count == 2
