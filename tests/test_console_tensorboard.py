@@ -96,15 +96,17 @@ def test_scalars_and_mlflow(monkeypatch):
     metrics = {"history": [{"epoch": 1, "global_step": 5, "train_loss": 7.5, "valid_hr@10": 0.1, "final": True},
                            {"epoch": 2, "global_step": 10, "train_loss": 7.0, "samples_per_s": 99.0}],
                "hr@10": 0.2, "ndcg@10_unfiltered": 0.05, "epochs": 2, "wall_s": 12.0, "samples_per_s": 99.0,
-               "bbs": True, "world_size": 2}
+               "bbs": True, "world_size": 2, "test_ctr_ne": 0.9, "test_ctr_auc": float("nan"),
+               "test_cvr_calibration": 1.1, "num_test_users": 7}
     events = [{"kind": "step", "detail": {"global_step": 1, "loss": 8.0}},
               {"kind": "step", "detail": {"global_step": 2}},  # an older run's heartbeat: no loss
               {"kind": "step", "detail": {"global_step": 1, "loss": 7.9}},  # a restarted attempt repeats step 1
               {"kind": "resize", "detail": {"global_step": 1, "loss": 0.0}}]
     pts = scalars(metrics, events)
     assert pts == [("step/train_loss", 7.9, 1), ("epoch/train_loss", 7.5, 1), ("epoch/valid_hr@10", 0.1, 1),
-                   ("epoch/samples_per_s", 99.0, 2), ("epoch/train_loss", 7.0, 2), ("test/hr@10", 0.2, 2),
-                   ("test/ndcg@10_unfiltered", 0.05, 2), ("run/samples_per_s", 99.0, 2), ("run/wall_s", 12.0, 2)]
+                   ("epoch/samples_per_s", 99.0, 2), ("epoch/train_loss", 7.0, 2), ("test/ctr_ne", 0.9, 2),
+                   ("test/cvr_calibration", 1.1, 2), ("test/hr@10", 0.2, 2), ("test/ndcg@10_unfiltered", 0.05, 2),
+                   ("run/samples_per_s", 99.0, 2), ("run/wall_s", 12.0, 2)]  # a NaN (no positives) left out
     logged = []
     fake = types.SimpleNamespace(start_run=lambda run_name: open(__file__),  # any context manager
                                  log_metric=lambda k, v, step: logged.append((k, v, step)))
@@ -112,6 +114,38 @@ def test_scalars_and_mlflow(monkeypatch):
     assert not log_mlflow("job", pts, environ={})
     assert log_mlflow("job", pts, environ={"GEMRAY_MLFLOW": "1"})
     assert ("epoch/valid_hr_at_10", 0.1, 1) in logged and len(logged) == len(pts)
+
+
+def test_ranking_test_metrics_reach_tensorboard(tmp_path):
+    """A gem-tiny run's metrics.json (gemray.controller.results.final_metrics of a last report with retrieval and
+    ranking-task test metrics) exported as event files: every numeric test metric reads back under test/, the
+    ranking tasks' as test/<task>_<metric> (was: test/hr@K and test/ndcg@K only), at x = the last epoch."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from gemray.config import load_config
+    from gemray.controller import results, tensorboard
+
+    cfg = load_config(REPO / "configs" / "gem-tiny.toml", overrides=["train.eval_ks=[10]"])
+    assert set(cfg.model.ranking_tasks) == {"ctr", "cvr"}
+    ranking = {f"test_{t}_{m}": v for t in ("ctr", "cvr") for m, v in
+               (("ne", 0.93 if t == "ctr" else 0.71), ("auc", 0.61), ("auc_error_bound", 0.004), ("logloss", 0.52),
+                ("base_rate", 0.2), ("calibration", 1.07), ("num_examples", 640.0))}
+    reported = {"test_hr@10": 0.3, "test_ndcg@10": 0.2, "test_num_users": 32, "epoch": 2, **ranking,
+                "history": [{"epoch": 1, "train_loss": 3.0, "valid_ctr_ne": 0.95},
+                            {"epoch": 2, "train_loss": 2.5, "valid_ctr_ne": 0.94}]}
+    metrics = results.final_metrics(cfg, reported, [], wall_s=1.0, invocations=1)
+    assert metrics["test_ctr_ne"] == 0.93  # metrics.json keeps the reported names
+    tensorboard.export(cfg.name, tmp_path, metrics, [])
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    got = {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
+    for k, v in ranking.items():
+        assert got[f"test/{k[len('test_'):]}"] == [(2, pytest.approx(v, rel=1e-6))], k
+    assert got["test/ctr_ne"] == [(2, pytest.approx(0.93))] and got["test/cvr_ne"] == [(2, pytest.approx(0.71))]
+    assert got["test/hr@10"] == [(2, pytest.approx(0.3))] and got["test/ndcg@10"] == [(2, pytest.approx(0.2))]
+    assert got["epoch/valid_ctr_ne"] == [(1, pytest.approx(0.95)), (2, pytest.approx(0.94))]
+    assert not any(t.startswith("test/test_") for t in got)
 
 
 @pytest.mark.slow  # a real `gemray train` (~1 min): make test-slow; make test: the filter, progress and summary tests above

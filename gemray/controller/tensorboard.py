@@ -9,7 +9,10 @@ one curve over all its invocations. Tags (:func:`scalars`):
 * ``epoch/<key>``: each numeric per-epoch field of metrics.json's ``history`` at x = the epoch (1-based):
   ``train_loss``, ``samples_per_s``, ``tokens_per_s``, ``token_imbalance``, ``valid_hr@K``, ``valid_ndcg@K``,
   ``epoch_s``, ``train_s``, and MFU fields when the history has them;
-* ``test/<key>``: metrics.json's test ``hr@K`` / ``ndcg@K`` (and ``_unfiltered``) at x = the last epoch;
+* ``test/<key>``: metrics.json's test ``hr@K`` / ``ndcg@K`` (and ``_unfiltered``) and
+  ``targets_in_history``, and each numeric ranking-task test metric ``test_<task>_<metric>`` as
+  ``test/<task>_<metric>`` (``test/ctr_ne``, ``test/ctr_auc``, ``test/cvr_calibration``, ...) at x = the last
+  epoch (a NaN, e.g. the AUC of a task with no positives, is left out, as in the other groups);
 * ``run/<key>``: ``samples_per_s``, ``tokens_per_s``, ``model_tflops_per_s``, ``local_mfu``, ``e2e_mfu``,
   ``scaling_ratio`` (those measured: a null MFU is left out), ``wall_s``, ``bbs_imbalance`` at x = the last epoch.
 
@@ -59,8 +62,10 @@ def scalars(metrics: Mapping[str, Any], events: list[Mapping[str, Any]] = ()) ->
         x = int(h.get("epoch", i + 1))
         out += [(f"epoch/{k}", float(v), x) for k, v in sorted(h.items()) if k not in _EPOCH_SKIP and _number(v)]
     last = int(metrics.get("epochs") or (history[-1].get("epoch", len(history)) if history else 0))
-    out += [(f"test/{k}", float(v), last) for k, v in sorted(metrics.items())
-            if k.startswith(_TEST_KEYS) and _number(v)]
+    test = {f"test/{k}": v for k, v in metrics.items() if k.startswith(_TEST_KEYS) and _number(v)}
+    # the ranking tasks' test metrics, kept in metrics.json under their reported names (test_ctr_ne, ...)
+    test.update({f"test/{k[len('test_'):]}": v for k, v in metrics.items() if k.startswith("test_") and _number(v)})
+    out += [(tag, float(v), last) for tag, v in sorted(test.items())]
     out += [(f"run/{k}", float(metrics[k]), last) for k in _RUN_KEYS if _number(metrics.get(k))]
     return out
 
