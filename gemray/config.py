@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import logging
 import math
 import re
 import tomllib
@@ -21,6 +22,9 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
+_WARNED: set[str] = set()  #: the "has no effect" warnings given in this process (each once: see JobConfig.validate)
 
 
 @dataclass
@@ -416,6 +420,10 @@ class TrainConfig:
     block by block; true (torch's default) splits each compiled block at DDP's 25 MB bucket boundaries (a GEM
     block holds 20 MB of parameters: its graphs came out cut in two, and 2 blocks under DDP ran 4% slower on
     the H200). Both also apply to the blocks that activation_checkpointing "torch" compiles.
+    With ``compile = false`` a non-default compile_backend / compile_dynamic / compile_optimize_ddp (unless
+    activation_checkpointing is "torch", which compiles the blocks with them) and compile_tower do nothing:
+    they are still validated, and kept (a config may hold them for toggling ``compile``), with one warning
+    (:meth:`ineffective_compile_settings`).
     deterministic: bit-reproducible training (default true): ``torch.use_deterministic_algorithms(True,
     warn_only=True)`` in every worker before the model is built (``gemray.train.trainer.apply_determinism``). Without
     it the same seed gives runs that drift apart from the first steps: FBGEMM's TBE backward on CUDA splits an
@@ -494,6 +502,19 @@ class TrainConfig:
         if self.max_steps_per_epoch < 0:
             raise ValueError("train.max_steps_per_epoch: expected >= 0")
         _choice(self, "sparse_optimizer", ("auto", "rowwise_adam", "adam", "rowwise_adagrad", "adagrad"))
+
+    def ineffective_compile_settings(self) -> list[str]:
+        """Pure: the ``compile_*`` settings at a non-default value that do nothing because ``compile`` is off,
+        as ``"train.<name> = <value>"``: all four, or only ``compile_tower`` under activation_checkpointing
+        "torch" (it compiles the HSTU blocks with compile_backend / compile_dynamic / compile_optimize_ddp, never
+        the tower). Empty with ``compile = true``."""
+        if self.compile:
+            return []
+        names = ["compile_backend", "compile_tower", "compile_dynamic", "compile_optimize_ddp"]
+        if self.activation_checkpointing == "torch":
+            names = ["compile_tower"]
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        return [f"train.{n} = {_toml_value(getattr(self, n))}" for n in names if getattr(self, n) != defaults[n]]
 
 
 @dataclass
@@ -642,7 +663,10 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
-    def validate(self) -> "JobConfig":
+    def validate(self, *, warn: bool = True) -> "JobConfig":
+        """Raise ValueError naming the first bad field; return self. ``warn``: log settings that are valid but
+        have no effect here (:meth:`TrainConfig.ineffective_compile_settings`), once per process and message
+        (a config is validated again on every override and resume)."""
         if not str(self.name).strip():
             raise ValueError("name: expected a non-empty job name (it names the Ray Train run; resume finds "
                              "the run by it)")
@@ -662,7 +686,22 @@ class JobConfig:
             raise ValueError(f"parallel.collectives={self.parallel.collectives!r} needs NCCL on CUDA GPUs "
                              f"(ray.use_gpu=true): gloo on CPU has no copy-engine / symmetric-memory collectives; "
                              f"use parallel.collectives='nccl'")
+        if warn:
+            self._warn_ineffective()
         return self
+
+    def _warn_ineffective(self) -> None:
+        idle = self.train.ineffective_compile_settings()
+        if not idle:
+            return
+        why = ("activation_checkpointing = 'torch' compiles the HSTU blocks only, never the tower"
+               if self.train.activation_checkpointing == "torch" else
+               "nothing is torch.compile'd: neither train.compile nor activation_checkpointing = 'torch' is on")
+        msg = (f"{', '.join(idle)} {'has' if len(idle) == 1 else 'have'} no effect without train.compile = true "
+               f"({why}); kept for when train.compile is turned on")
+        if msg not in _WARNED:
+            _WARNED.add(msg)
+            log.warning("%s", msg)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -765,9 +804,10 @@ def _sections(cfg: "JobConfig") -> list[str]:
     return sorted(f.name for f in dataclasses.fields(cfg) if dataclasses.is_dataclass(getattr(cfg, f.name)))
 
 
-def from_dict(raw: dict[str, Any]) -> JobConfig:
+def from_dict(raw: dict[str, Any], *, warn: bool = True) -> JobConfig:
     """Build a validated JobConfig from a nested dict (TOML layout, TOML types: a string where a number or
-    a bool belongs is an error). Unknown keys raise ValueError."""
+    a bool belongs is an error). Unknown keys raise ValueError. ``warn``: as :meth:`JobConfig.validate`
+    (false where the driver has validated, and warned about, the same config already: the training workers)."""
     cfg = JobConfig()
     top_types = _field_types(JobConfig)
     for key, val in raw.items():
@@ -785,7 +825,7 @@ def from_dict(raw: dict[str, Any]) -> JobConfig:
                 setattr(sub, k, _coerce(v, types[k], f"{key}.{k}", strict=True))
         else:
             setattr(cfg, key, _coerce(val, top_types[key], key, strict=True))
-    return cfg.validate()
+    return cfg.validate(warn=warn)
 
 
 def apply_overrides(cfg: JobConfig, overrides: list[str]) -> JobConfig:
@@ -843,18 +883,20 @@ def load_config(path: str | Path | None = None, overrides: list[str] | str | Non
     return apply_overrides(cfg, overrides or [])
 
 
+def _toml_value(v: Any) -> str:
+    """A config value as TOML writes it (``true``, ``"all"``, ``[10, 50]``)."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return repr(v)
+
+
 def to_toml(cfg: JobConfig) -> str:
     """Serialise a JobConfig back to TOML text (round-trips through load_config)."""
-
-    def fmt(v: Any) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, str):
-            return json.dumps(v)
-        if isinstance(v, list):
-            return "[" + ", ".join(fmt(x) for x in v) + "]"
-        return repr(v)
-
+    fmt = _toml_value
     lines = [f"name = {fmt(cfg.name)}"]
     for f in dataclasses.fields(cfg):
         sub = getattr(cfg, f.name)
