@@ -732,9 +732,19 @@ def _section_name(obj: Any) -> str:
 
 
 def _split_list(text: str, where: str) -> list[str]:
-    """A --set list: ``[a, b]`` or ``a,b`` (a trailing comma allowed, ``[]`` empty). Unbalanced or nested
+    """A --set list: ``[a, b]`` or ``a,b`` (a trailing comma allowed, ``[]`` empty), or a TOML array as a
+    config file writes it, ``["a", "b,c"]`` (read by tomllib when it holds quotes: its strings may contain
+    commas, e.g. ``data.synthetic``'s ``"features=category=512,author=100000"``). Unbalanced or nested
     brackets and empty elements raise ValueError naming the field (``[10,`` was read as ``[10]``)."""
     body = text.strip()
+    if body.startswith("[") and ('"' in body or "'" in body):
+        try:
+            parsed = tomllib.loads(f"v = {body}")["v"]
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"{where}: malformed TOML array {text!r} ({e})") from None
+        if any(isinstance(x, (list, dict)) for x in parsed):
+            raise ValueError(f"{where}: malformed list {text!r} (nested arrays / tables are not a value here)")
+        return [x if isinstance(x, str) else _toml_value(x) for x in parsed]
     if body.startswith("[") and body.endswith("]"):
         body = body[1:-1]
     items = [v.strip() for v in body.split(",")]
@@ -828,8 +838,9 @@ def from_dict(raw: dict[str, Any], *, warn: bool = True) -> JobConfig:
     return cfg.validate(warn=warn)
 
 
-def apply_overrides(cfg: JobConfig, overrides: list[str]) -> JobConfig:
-    """Apply ``section.key=value`` strings (the CLI's ``--set``) and re-validate."""
+def apply_overrides(cfg: JobConfig, overrides: list[str], *, warn: bool = True) -> JobConfig:
+    """Apply ``section.key=value`` strings (the CLI's ``--set``) and re-validate (``warn``: as
+    :meth:`JobConfig.validate`'s)."""
     for item in overrides or []:
         if "=" not in item:
             raise ValueError(f"--set {item!r}: expected section.key=value")
@@ -857,12 +868,14 @@ def apply_overrides(cfg: JobConfig, overrides: list[str]) -> JobConfig:
             raise ValueError(f"--set {item!r}: unknown key {section}.{key}{_did_you_mean(key, types)} "
                              f"(known: {sorted(types)})")
         setattr(sub, key, _coerce(value, types[key], f"{section}.{key}"))
-    return cfg.validate()
+    return cfg.validate(warn=warn)
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | str | None = None) -> JobConfig:
+def load_config(path: str | Path | None = None, overrides: list[str] | str | None = None, *,
+                warn: bool = True) -> JobConfig:
     """Read a TOML config (or defaults if ``path`` is None), apply overrides (``section.key=value`` strings, or
-    one such string), validate.
+    one such string), validate. ``warn=False``: log none of the "has no effect" warnings (for a caller that
+    validates early and warns later, e.g. ``gemray train`` once its log file is open).
 
     Raises FileNotFoundError for a missing file and ValueError naming the field for bad values.
     """
@@ -877,10 +890,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | str | Non
             raw = tomllib.loads(p.read_text())
         except tomllib.TOMLDecodeError as e:
             raise ValueError(f"{p}: invalid TOML: {e}") from None
-    cfg = from_dict(raw)
+    cfg = from_dict(raw, warn=warn)
     if isinstance(overrides, str):  # one override, not its characters
         overrides = [overrides]
-    return apply_overrides(cfg, overrides or [])
+    return apply_overrides(cfg, overrides or [], warn=warn)
 
 
 def _toml_value(v: Any) -> str:

@@ -54,10 +54,25 @@ def test_load_config_takes_one_override_string():
     ("train.eval_ks=[10,", "train.eval_ks: malformed list"),  # was read as [10]
     ("train.eval_ks=10]]]", "train.eval_ks: malformed list"),
     ("train.adam_betas=[0.9,,0.98]", "train.adam_betas: malformed list"),
+    ('model.tasks=["retrieval", ', "model.tasks: malformed TOML array"),
+    ('model.tasks=[["retrieval"]]', "model.tasks: malformed list"),
 ])
 def test_bad_overrides_name_the_field(item, needle):
     with pytest.raises(ValueError, match=needle.replace(".", r"\.").replace("[", r"\[")):
         apply_overrides(JobConfig(), [item])
+
+
+def test_set_takes_toml_arrays_as_a_config_file_writes_them():
+    """--set list values as in a TOML file, quotes included (a new user copies them from a config): strings may
+    hold commas (data.synthetic's feature entry could not be set before), numbers and the plain forms as before."""
+    cfg = apply_overrides(JobConfig(), ['model.tasks=["retrieval", "ctr"]', "model.task_weights=[1.0, 0.5]",
+                                        'data.synthetic=["users=64", "items=50", "features=category=8,author=32"]',
+                                        "train.eval_ks=[5,10]", "model.context_features=[]",
+                                        "model.token_features=category,author"])
+    assert cfg.model.tasks == ["retrieval", "ctr"] and cfg.model.task_weights == [1.0, 0.5]
+    assert cfg.data.synthetic == ["users=64", "items=50", "features=category=8,author=32"]
+    assert cfg.train.eval_ks == [5, 10] and cfg.model.context_features == []
+    assert cfg.model.token_features == ["category", "author"]
 
 
 def test_toml_round_trip(tmp_path):
