@@ -161,6 +161,7 @@ def test_train_console_log_and_tensorboard(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "gemray.cli", "train", "--config", str(REPO / "configs" / "ml-latest-small.toml"),
            "--set", "train.epochs=1", "train.max_steps_per_epoch=6", "train.log_every=2", "train.eval_ks=[10]",
+           "train.compile_dynamic=all",  # compile is off: one "has no effect" warning, on the console and in the log
            f"data.raw_dir={SMALL}", f"data.prepared_dir={tmp_path / 'data'}", "--output", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -176,6 +177,8 @@ def test_train_console_log_and_tensorboard(tmp_path):
     lines = log.read_text().splitlines()
     assert len(lines) > len(console) + 20
     assert any("Successfully loaded" in x or "GreedyPerfPartitioner" in x for x in lines)  # the workers' chatter
+    idle = "gemray.config WARNING train.compile_dynamic = \"all\" has no effect without train.compile = true"
+    assert sum(idle in x for x in plain) == 1 and sum(idle in x for x in lines) == 1
 
     metrics = json.loads((out / "metrics.json").read_text())
     acc = EventAccumulator(str(out / "tensorboard"))
