@@ -268,7 +268,9 @@ def save_summary(stats: dict[str, Any]) -> str:
     """One line of :func:`save_checkpoint`'s figures, e.g. ``26.10 GB in 41.3 s (632 MB/s, 212 files); host RSS
     30.12 -> 30.15 GB, peak 43.01 GB during the save; process peak (ru_maxrss) 44.20 -> 44.20 GB``."""
     secs = max(float(stats["seconds"]), 1e-9)
-    return (f"{_gb(stats['bytes'])} GB in {stats['seconds']:.1f} s ({stats['bytes'] / secs / 1e6:.0f} MB/s, "
+    n = stats["bytes"]
+    size = f"{_gb(n)} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"  # a small state (ML-1M's: 4 MB) reads 0.00 GB
+    return (f"{size} in {stats['seconds']:.1f} s ({n / secs / 1e6:.1f} MB/s, "
             f"{stats['files']} files); host RSS {_gb(stats['rss_before'])} -> {_gb(stats['rss_after'])} GB, "
             f"peak {_gb(stats['rss_peak'])} GB during the save; process peak (ru_maxrss) "
             f"{_gb(stats['maxrss_before'])} -> {_gb(stats['maxrss_after'])} GB")

@@ -457,6 +457,11 @@ def test_save_writes_one_file_per_item_and_reports_host_memory(tmp_path, caplog)
     assert stats["maxrss_after"] >= stats["maxrss_before"] and stats["rss_peak"] >= stats["rss_before"]
     line = next(r.getMessage() for r in caplog.records if "checkpoint save:" in r.getMessage())
     assert line.startswith("rank 0/1 checkpoint save: ") and " files); host RSS " in line and "ru_maxrss" in line
+    assert f"checkpoint save: {stats['bytes'] / 1e6:.1f} MB in " in line  # a small state in MB, not "0.00 GB"
+    from gemray.checkpoint import save_summary
+
+    assert save_summary({**stats, "bytes": 26_720_000_000, "seconds": 68.1}).startswith(
+        "26.72 GB in 68.1 s (392.4 MB/s, ")
     fresh, fresh_opt = _small_model(1)
     out = load_checkpoint(ck, fresh, fresh_opt)
     assert out["global_step"] == 1
