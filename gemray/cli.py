@@ -224,9 +224,7 @@ def _cmd_train(ns: argparse.Namespace) -> int:
 
     from gemray.controller.console import console_session
 
-    # validate before anything starts; its warnings come from fit's own validation, inside the console
-    # session, so that logs/gemray.log has them too
-    cfg = load_config(ns.config, ns.overrides, warn=False)
+    cfg = load_config(ns.config, ns.overrides)  # validate before anything starts
     out = Path(ns.output or Path("runs") / cfg.name).expanduser().resolve()  # fit's default
     with console_session(out, level=log_level(ns), verbose=ns.verbose) as run_log:
         try:

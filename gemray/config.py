@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
-import logging
 import math
 import re
 import tomllib
@@ -22,9 +21,6 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-log = logging.getLogger(__name__)
-_WARNED: set[str] = set()  #: the "has no effect" warnings given in this process (each once: see JobConfig.validate)
 
 
 @dataclass
@@ -422,8 +418,8 @@ class TrainConfig:
     the H200). Both also apply to the blocks that activation_checkpointing "torch" compiles.
     With ``compile = false`` a non-default compile_backend / compile_dynamic / compile_optimize_ddp (unless
     activation_checkpointing is "torch", which compiles the blocks with them) and compile_tower do nothing:
-    they are still validated, and kept (a config may hold them for toggling ``compile``), with one warning
-    (:meth:`ineffective_compile_settings`).
+    they are still validated, and kept (a config may hold them for toggling ``compile``); ``fit`` logs one
+    warning (:meth:`JobConfig.ineffective_settings_warning`).
     deterministic: bit-reproducible training (default true): ``torch.use_deterministic_algorithms(True,
     warn_only=True)`` in every worker before the model is built (``gemray.train.trainer.apply_determinism``). Without
     it the same seed gives runs that drift apart from the first steps: FBGEMM's TBE backward on CUDA splits an
@@ -663,10 +659,8 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
-    def validate(self, *, warn: bool = True) -> "JobConfig":
-        """Raise ValueError naming the first bad field; return self. ``warn``: log settings that are valid but
-        have no effect here (:meth:`TrainConfig.ineffective_compile_settings`), once per process and message
-        (a config is validated again on every override and resume)."""
+    def validate(self) -> "JobConfig":
+        """Raise ValueError naming the first bad field; return self."""
         if not str(self.name).strip():
             raise ValueError("name: expected a non-empty job name (it names the Ray Train run; resume finds "
                              "the run by it)")
@@ -686,22 +680,19 @@ class JobConfig:
             raise ValueError(f"parallel.collectives={self.parallel.collectives!r} needs NCCL on CUDA GPUs "
                              f"(ray.use_gpu=true): gloo on CPU has no copy-engine / symmetric-memory collectives; "
                              f"use parallel.collectives='nccl'")
-        if warn:
-            self._warn_ineffective()
         return self
 
-    def _warn_ineffective(self) -> None:
+    def ineffective_settings_warning(self) -> str | None:
+        """Pure: the warning for settings that are valid but have no effect in this config
+        (:meth:`TrainConfig.ineffective_compile_settings`), or None. ``fit`` logs it once per run."""
         idle = self.train.ineffective_compile_settings()
         if not idle:
-            return
+            return None
         why = ("activation_checkpointing = 'torch' compiles the HSTU blocks only, never the tower"
                if self.train.activation_checkpointing == "torch" else
                "nothing is torch.compile'd: neither train.compile nor activation_checkpointing = 'torch' is on")
-        msg = (f"{', '.join(idle)} {'has' if len(idle) == 1 else 'have'} no effect without train.compile = true "
-               f"({why}); kept for when train.compile is turned on")
-        if msg not in _WARNED:
-            _WARNED.add(msg)
-            log.warning("%s", msg)
+        return (f"{', '.join(idle)} {'has' if len(idle) == 1 else 'have'} no effect without train.compile = true "
+                f"({why}); kept for when train.compile is turned on")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -814,10 +805,9 @@ def _sections(cfg: "JobConfig") -> list[str]:
     return sorted(f.name for f in dataclasses.fields(cfg) if dataclasses.is_dataclass(getattr(cfg, f.name)))
 
 
-def from_dict(raw: dict[str, Any], *, warn: bool = True) -> JobConfig:
+def from_dict(raw: dict[str, Any]) -> JobConfig:
     """Build a validated JobConfig from a nested dict (TOML layout, TOML types: a string where a number or
-    a bool belongs is an error). Unknown keys raise ValueError. ``warn``: as :meth:`JobConfig.validate`
-    (false where the driver has validated, and warned about, the same config already: the training workers)."""
+    a bool belongs is an error). Unknown keys raise ValueError."""
     cfg = JobConfig()
     top_types = _field_types(JobConfig)
     for key, val in raw.items():
@@ -835,12 +825,11 @@ def from_dict(raw: dict[str, Any], *, warn: bool = True) -> JobConfig:
                 setattr(sub, k, _coerce(v, types[k], f"{key}.{k}", strict=True))
         else:
             setattr(cfg, key, _coerce(val, top_types[key], key, strict=True))
-    return cfg.validate(warn=warn)
+    return cfg.validate()
 
 
-def apply_overrides(cfg: JobConfig, overrides: list[str], *, warn: bool = True) -> JobConfig:
-    """Apply ``section.key=value`` strings (the CLI's ``--set``) and re-validate (``warn``: as
-    :meth:`JobConfig.validate`'s)."""
+def apply_overrides(cfg: JobConfig, overrides: list[str]) -> JobConfig:
+    """Apply ``section.key=value`` strings (the CLI's ``--set``) and re-validate."""
     for item in overrides or []:
         if "=" not in item:
             raise ValueError(f"--set {item!r}: expected section.key=value")
@@ -868,14 +857,12 @@ def apply_overrides(cfg: JobConfig, overrides: list[str], *, warn: bool = True) 
             raise ValueError(f"--set {item!r}: unknown key {section}.{key}{_did_you_mean(key, types)} "
                              f"(known: {sorted(types)})")
         setattr(sub, key, _coerce(value, types[key], f"{section}.{key}"))
-    return cfg.validate(warn=warn)
+    return cfg.validate()
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | str | None = None, *,
-                warn: bool = True) -> JobConfig:
+def load_config(path: str | Path | None = None, overrides: list[str] | str | None = None) -> JobConfig:
     """Read a TOML config (or defaults if ``path`` is None), apply overrides (``section.key=value`` strings, or
-    one such string), validate. ``warn=False``: log none of the "has no effect" warnings (for a caller that
-    validates early and warns later, e.g. ``gemray train`` once its log file is open).
+    one such string), validate.
 
     Raises FileNotFoundError for a missing file and ValueError naming the field for bad values.
     """
@@ -890,10 +877,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | str | Non
             raw = tomllib.loads(p.read_text())
         except tomllib.TOMLDecodeError as e:
             raise ValueError(f"{p}: invalid TOML: {e}") from None
-    cfg = from_dict(raw, warn=warn)
+    cfg = from_dict(raw)
     if isinstance(overrides, str):  # one override, not its characters
         overrides = [overrides]
-    return apply_overrides(cfg, overrides or [], warn=warn)
+    return apply_overrides(cfg, overrides or [])
 
 
 def _toml_value(v: Any) -> str:

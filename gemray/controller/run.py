@@ -64,6 +64,9 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
     """
     t0 = time.perf_counter()
     cfg = _load(config, overrides)
+    idle = cfg.ineffective_settings_warning()
+    if idle:  # valid but doing nothing here: said once per run (the CLI's log file is open by now)
+        logging.getLogger("gemray.config").warning("%s", idle)
     out = Path(output_dir or Path("runs") / cfg.name).expanduser().resolve()
     if out.exists() and not out.is_dir():
         raise NotADirectoryError(f"output folder {out} exists and is not a folder (--output / output_dir)")

@@ -650,7 +650,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     the run with that checkpoint committed; Ray's node-drain notice -> emergency checkpoint, go on.
     Every attempt logs a ``startup`` event with its phase timings.
     """
-    trainer = Trainer(from_dict(config, warn=False), t_start=time.time())  # the driver warned already
+    trainer = Trainer(from_dict(config), t_start=time.time())
     trainer.setup()
     trainer.build()
     trainer.restore()
