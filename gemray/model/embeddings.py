@@ -93,6 +93,13 @@ def skip_table_draws(config: EmbeddingConfig, device: torch.device | str) -> Non
         config.init_fn(buf[:n])
 
 
+def _replayed(config: EmbeddingConfig, device: torch.device) -> bool:
+    """Pure: whether :func:`init_embedding_tables` replays a meta table's draws on ``device`` (CPU always, CUDA up
+    to :data:`CUDA_REPLAY_MAX` elements, nothing elsewhere)."""
+    n = int(config.num_embeddings) * int(config.embedding_dim)
+    return device.type == "cpu" or (device.type == "cuda" and n <= CUDA_REPLAY_MAX)
+
+
 @torch.no_grad()
 def init_embedding_tables(ec: EmbeddingCollection, device: torch.device | str | None = None) -> None:
     """Draw the tables of an unsharded ``ec`` anew, exactly as ``EmbeddingCollection(...)`` on a real device
@@ -116,12 +123,11 @@ def init_embedding_tables(ec: EmbeddingCollection, device: torch.device | str | 
     # direct GPU build's: ML-1M's curve on the H200 moved from 4.7911 to 4.8127 at epoch 1 (test HR@10 .3724
     # on 2026-11-30, .3659 / .3639 after). GEM-scale tables are not replayed on CUDA (rows x dim draws per
     # start for nothing but the sample): deterministic, the same on every rank.
-    skip_on = None if device is None or torch.device(device).type not in ("cpu", "cuda") else torch.device(device)
+    skip_on = None if device is None else torch.device(device)
     for config in ec.embedding_configs():
         table = ec.embeddings[config.name]
         if table.weight.is_meta:
-            if skip_on is not None and (skip_on.type == "cpu" or int(config.num_embeddings) * int(
-                    config.embedding_dim) <= CUDA_REPLAY_MAX):
+            if skip_on is not None and _replayed(config, skip_on):
                 skip_table_draws(config, skip_on)
             continue
         table.reset_parameters()

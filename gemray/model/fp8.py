@@ -66,8 +66,9 @@ wider range within a row. The numerics counters below measure exactly these two 
 * ``underflow``: fraction of nonzero values quantized to 0.
 
 They are collected only inside :func:`collect_fp8_stats` (the trainer opens it every ``train.log_every``
-steps) and only by eager code: a step under ``torch.compile`` records none (reading the counters' global would
-guard the graph on it and recompile it at each collection), as device tensors summed per layer, and read once by :func:`pop_fp8_stats`.
+steps), as device tensors summed per layer, and read once by :func:`pop_fp8_stats`. Only eager code records
+them: a step under ``torch.compile`` records none (a traced read of the counters' global would guard the graph
+on it and recompile it at each collection).
 """
 
 from __future__ import annotations
