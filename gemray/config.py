@@ -371,7 +371,13 @@ class TrainConfig:
     """Optimisation and evaluation.
 
     epochs: passes over the training split; lr / weight_decay: dense AdamW; sparse_lr: learning rate of the
-    embedding tables' optimizer (``sparse_optimizer``, fused into FBGEMM's backward); eval_every: evaluate
+    embedding tables' optimizer (``sparse_optimizer``, fused into FBGEMM's backward). lr_base_fan_in: width
+    scaling of the dense learning rate (muP's Adam rule, ``gemray.model.lr_scaling``): a weight matrix with
+    fan-in K > lr_base_fan_in learns at ``lr x lr_base_fan_in / K`` (the HSTU blocks' projections, the tower's
+    Linears, the MoE experts), everything else at ``lr``; 0 = off (default). lr_warmup_steps: the dense learning
+    rates rise linearly over the first N global steps, ``(step + 1) / N`` of their value (0 = off, default; a
+    function of the global step, so resuming continues it; the embedding tables' fused optimizer keeps
+    ``sparse_lr``). eval_every: evaluate
     the validation split every N epochs (test split always at the end); eval_ks: cut-offs for HR@K / NDCG@K; seed: everything.
     eval_exclude_history: rank each target against the items outside the user's (max_seq_len) history, as
     generative-recommenders' evaluation that produced the published ML-1M numbers; the metrics over all
@@ -435,6 +441,8 @@ class TrainConfig:
     epochs: int = 100
     lr: float = 1e-3
     sparse_lr: float = 1e-3
+    lr_base_fan_in: int = 0
+    lr_warmup_steps: int = 0
     weight_decay: float = 0.0
     # Adam(W) (beta1, beta2) for the dense part and the Adam kinds of sparse optimizer; (0.9, 0.98) as
     # generative-recommenders' ML-1M recipe.
@@ -471,8 +479,9 @@ class TrainConfig:
     def validate(self) -> None:
         _positive(self, "epochs", "lr", "sparse_lr", "eval_every", "log_every")
         _choice(self, "precision", self.PRECISIONS)
-        if self.mfu_warmup_steps < 0:
-            raise ValueError(f"train.mfu_warmup_steps: expected >= 0, got {self.mfu_warmup_steps}")
+        for name in ("mfu_warmup_steps", "lr_base_fan_in", "lr_warmup_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"train.{name}: expected >= 0, got {getattr(self, name)}")
         _choice(self, "fp8_grad", ("e4m3", "e5m2", "bf16"))
         if self.fp8_min_dim < 16:
             raise ValueError(f"train.fp8_min_dim: expected >= 16, got {self.fp8_min_dim}")

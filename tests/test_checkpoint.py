@@ -29,7 +29,8 @@ def _cfg():
     return load_config(None, ["model.embedding_dim=8", "model.num_blocks=1", "model.num_heads=2",
                               "model.attention_dim=4", "model.linear_dim=4", "model.num_negatives=4",
                               "model.dropout=0.0", "data.max_seq_len=8", "train.lr=0.01",
-                              "train.sparse_lr=0.05"])
+                              "train.sparse_lr=0.05",
+                              "train.lr_base_fan_in=4"])  # two dense AdamW groups (lr x 1, x 0.5) round-trip
 
 
 def _batch(lengths: list[int], gen: torch.Generator):
@@ -105,6 +106,8 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
     try:
         cfg = _cfg()
         dmp, opt = _build(cfg, world)
+        from gemray.parallel import dense_lr_scales
+        assert dense_lr_scales(opt) == [1.0, 0.5]
         _check_materialised(dmp, cfg, world)
         gen = torch.Generator().manual_seed(100 + rank)
         # rank 1: an empty batch at step 1 (still forward/backward), a length-1 sequence at step 2.

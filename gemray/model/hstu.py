@@ -95,6 +95,10 @@ class RelativeBucketedBias(nn.Module):
 class HSTUBlock(nn.Module):
     """One HSTU layer over jagged tokens ``x [T, D]`` (see module docstring for the exact math)."""
 
+    # the fan-in dimension of each weight matrix (gemray.model.lr_scaling): uvqk_weight [D, W] is x @ W,
+    # o_weight [D, H*V] is nn.Linear's [out, in]
+    FAN_IN_DIMS = {"uvqk_weight": 0, "o_weight": 1}
+
     def __init__(self, cfg: ModelConfig, max_seq_len: int, device=None):
         super().__init__()
         if cfg.attn_dropout > 0:

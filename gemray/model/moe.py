@@ -79,6 +79,9 @@ class MoEFFN(nn.Module):
     (E_l rows after expert parallelism). Raises ValueError on bad sizes.
     """
 
+    # the fan-in dimension of the batched expert weights (gemray.model.lr_scaling): w1 [E, D, Hd], w2 [E, Hd, O]
+    FAN_IN_DIMS = {"w1": 1, "w2": 1}
+
     def __init__(self, in_dim: int, hidden_dim: int, out_dim: int, num_experts: int, top_k: int,
                  capacity_factor: float = 1.25, *, device=None):
         super().__init__()

@@ -349,20 +349,60 @@ def materialize_dense(model: nn.Module, device: torch.device | str) -> None:
 def build_optimizer(dmp: nn.Module, cfg: JobConfig):
     """The job's optimizer over a model from :func:`parallelize`: its fused embedding optimizer (stepping
     inside backward) combined with AdamW over every other parameter (``train.lr``, ``train.adam_betas``,
-    ``train.weight_decay``).
+    ``train.weight_decay``). With ``train.lr_base_fan_in`` > 0 the dense parameters form one AdamW param group
+    per learning-rate multiplier (``gemray.model.lr_scaling``: ``min(1, base / fan-in)`` for the weight
+    matrices); each group carries its multiplier as ``"lr_scale"`` and its ``lr`` = ``train.lr`` x that.
 
     Returns a TorchRec ``CombinedOptimizer``: call ``step()`` after backward; its state_dict names parameters
-    ``"sparse.<fqn>"`` (fused embedding optimizer) and ``"dense.<fqn>"`` (AdamW).
+    ``"sparse.<fqn>"`` (fused embedding optimizer) and ``"dense.<fqn>"`` (AdamW). :func:`dense_lr_scales` /
+    :func:`set_dense_lr` read and set the dense groups' rates (the trainer's warm-up).
     """
     from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
+    from gemray.model.lr_scaling import lr_scales, parameter_fan_ins
+
     dense_params = dict(in_backward_optimizer_filter(dmp.named_parameters()))
-    dense_opt = KeyedOptimizerWrapper(
-        dense_params,
-        lambda params: torch.optim.AdamW(params, lr=cfg.train.lr, betas=tuple(cfg.train.adam_betas),
-                                         weight_decay=cfg.train.weight_decay))
+    scales = lr_scales(parameter_fan_ins(dmp), cfg.train.lr_base_fan_in)
+    groups: dict[float, list[str]] = {}
+    for name in dense_params:
+        groups.setdefault(scales.get(name, 1.0), []).append(name)
+    if len(groups) > 1:
+        log.info("dense learning rates (train.lr_base_fan_in=%d): %s", cfg.train.lr_base_fan_in, "; ".join(
+            f"lr x {sc:.4g}: {len(names)} tensors, {sum(dense_params[n].numel() for n in names):,} values"
+            for sc, names in sorted(groups.items(), reverse=True)))
+
+    def make(_params):
+        return torch.optim.AdamW(
+            [{"params": [dense_params[n] for n in names], "lr": cfg.train.lr * sc, "lr_scale": sc}
+             for sc, names in sorted(groups.items(), reverse=True)],
+            lr=cfg.train.lr, betas=tuple(cfg.train.adam_betas), weight_decay=cfg.train.weight_decay)
+
+    dense_opt = KeyedOptimizerWrapper(dense_params, make)
     return CombinedOptimizer([("sparse", dmp.fused_optimizer), ("dense", dense_opt)])
+
+
+def _dense_groups(optimizer) -> list[dict]:
+    for name, opt in optimizer.optimizers:
+        if name == "dense":
+            return opt.param_groups
+    raise ValueError("set_dense_lr: the optimizer has no 'dense' part (expected build_optimizer's)")
+
+
+def dense_lr_scales(optimizer) -> list[float]:
+    """The learning-rate multiplier of each dense AdamW param group of :func:`build_optimizer`'s optimizer, in
+    group order (read once after building: a restored optimizer state may not carry them)."""
+    return [float(g.get("lr_scale", 1.0)) for g in _dense_groups(optimizer)]
+
+
+def set_dense_lr(optimizer, lr: float, scales: list[float]) -> None:
+    """Set the dense param groups' ``lr`` to ``lr x scales[i]`` (``scales`` from :func:`dense_lr_scales`).
+    Raises ValueError when the group count differs from ``scales``."""
+    groups = _dense_groups(optimizer)
+    if len(groups) != len(scales):
+        raise ValueError(f"set_dense_lr: {len(groups)} dense param groups, {len(scales)} scales")
+    for g, sc in zip(groups, scales):
+        g["lr"] = lr * sc
 
 
 def _describe_plan(plan) -> str:

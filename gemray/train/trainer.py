@@ -52,8 +52,9 @@ from gemray.checkpoint import data_record, report_with_checkpoint, restore_from_
 from gemray.config import JobConfig, from_dict
 from gemray.events import epoch_fields
 from gemray.model.fp8 import collect_fp8_stats, fp8_weight_cache, log_fp8_stats, pop_fp8_stats
-from gemray.parallel import (build_optimizer, dense_unsharded, parallelize, plan_layout, resolve,
-                             set_sparse_step_counts, sparse_step_counts, sparse_steps_kept,
+from gemray.model.lr_scaling import warmup_factor
+from gemray.parallel import (build_optimizer, dense_lr_scales, dense_unsharded, parallelize, plan_layout, resolve,
+                             set_dense_lr, set_sparse_step_counts, sparse_step_counts, sparse_steps_kept,
                              sync_sparse_replicas)
 from gemray.parallel.activation_checkpoint import ActivationCheckpointer
 from gemray.preemption import read_notice
@@ -324,6 +325,7 @@ class Trainer:
         self.checkpointer.setup(self.dmp)
         self.compiled = self.compile_dense()
         self.optimizer = build_optimizer(self.dmp, cfg)
+        self.lr_scales = dense_lr_scales(self.optimizer)  # per dense group; the warm-up multiplies train.lr
         if cfg.parallel.train_pipeline == "sparse_dist":
             from gemray.train.pipeline import SparseDistPipeline
 
@@ -491,6 +493,8 @@ class Trainer:
         fp8_stats = (tc.precision == "fp8" and tc.fp8_stats and not tc.compile
                      and self.epoch_step % tc.log_every == 0)
         step_stats: dict = {}
+        if tc.lr_warmup_steps:
+            set_dense_lr(self.optimizer, tc.lr * warmup_factor(self.global_step, tc.lr_warmup_steps), self.lr_scales)
         defer = self.defer_loss
         fp8 = tc.precision == "fp8"  # the weights' FP8 copies once per step (recomputes reuse them)
         with self.checkpointer.step(self.dmp, self.device), (collect_fp8_stats() if fp8_stats else nullcontext()), \
