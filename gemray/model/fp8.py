@@ -1,4 +1,5 @@
-"""FP8 (e4m3) training GEMMs with rowwise scales, the norm-fused activation quantization, and numerics counters.
+"""FP8 (e4m3) training GEMMs with rowwise or tensorwise scales, the norm-fused activation quantization, and
+numerics counters.
 
 Shape key: M rows (tokens), K input features (the contraction), N output features.
 
@@ -19,6 +20,34 @@ wgrad as plain bf16 GEMMs on the saved high-precision x and the master weight in
 the optimizer state stay in the parameters' own dtype (fp32 from the meta build, bf16 if the model is cast):
 FP8 copies exist only inside a GEMM (the weights' once per training step, :func:`fp8_weight_cache`). The output is
 bf16 on both backends (what rowwise ``_scaled_mm`` produces on sm90, and what the emulation models).
+
+Tensorwise recipe (``Fp8Settings.recipe = "tensorwise"``, ``train.fp8_recipe``; torchao's default recipe)::
+
+    forward   y  [M, N] = (x_q [M, K] e4m3 * sx) @ (w_q [N, K] e4m3 * sw)^T                         (+ bias)
+    dgrad     dx [M, K] = (g_q [M, N] fg * sg) @ (w_q [N, K] e4m3 * sw)             w_q: the forward's bytes
+    wgrad     dw [N, K] = (g_q^T [N, M'] fg * sg) @ (x_q^T [K, M'] e4m3 * sx)^T     g_q, x_q: the same bytes
+
+with ONE fp32 scale per tensor (0-dim, current: this call's amax), s = amax(|t|) / fp8_max, so x, w and g are
+quantized once each and the backward's operands are the forward's / dgrad's FP8 bytes, transposed (1 byte read +
+1 written per element, no amax; the wgrad's contraction M zero-padded to M' = a multiple of 16). The forward saves
+x_q, sx, w_q, sw for the backward instead of x and w: 1 byte per element of x instead of 2 (bf16) or 4 (fp32:
+the HSTU GEMMs' inputs under autocast, a LayerNorm's output and its product with u). grad="bf16" saves x and w as
+rowwise does (its bf16 GEMMs need them). Quantizations per linear per training step (eager, FP8 gradients, the
+weight through :func:`fp8_weight_cache`): rowwise 4 over activations -- x (none for the uvqk GEMM: the fused
+norm's), g, then g^T and x^T column-wise -- and 2 over the weight (w, w^T); tensorwise 2 over activations (x, g)
+and 1 over the weight, plus 3 byte transposes (g_q, x_q, w_q). Under torch.compile the weight is quantized at
+each use instead (rowwise twice, tensorwise once: its FP8 copy is saved), and which tensors the compiled step keeps
+for its backward is AOT autograd's partitioner's choice. What tensorwise gives up: its amax is a whole-tensor
+reduction that must finish before the first element is cast (rowwise: a per-row one, fused with the cast); one
+outlier coarsens the whole tensor's grid (below); and the HSTU pre-norm's output is quantized after the LayerNorm,
+not by the fused kernel (``HSTUBlock._fp8_uvqk`` says why), so the uvqk input costs a pass that rowwise does not.
+Measured: nothing on a GPU yet -- neither the step time nor the peak memory against rowwise and bf16 (the run is
+planned in benchmarks/README.md, "FP8 recipes") nor tensorwise ``_scaled_mm`` against the emulation (the GPU
+test ``test_scaled_mm_matches_emulation[*-tensorwise]``). On the CPU every GEMM of both recipes passes torch's
+meta checks of ``_scaled_mm`` (layouts, multiples of 16, 1-element fp32 scales = tensorwise; torch 2.13's meta
+function, not 2.11's CUDA op). torchao's own figures for Llama3-8B (+25% tensorwise, +10% rowwise over bf16) are
+the reason to try it: the compiled rowwise GEM step spent ~28 ms in the kernels that hold the wgrad operands'
+column-wise amax reductions (benchmarks/reports/gem_h200_2026-12-04.md: 16.5 + 12.0 ms of its 204.8).
 
 Why rowwise and not the DeepSeek-V3 1x128 / 128x128 blocks: blockwise scaling is reached only through
 ``torch.nn.functional.scaled_mm`` / ``torch._scaled_mm_v2`` (``ScalingType.BlockWise1x128``), which needs
@@ -54,10 +83,10 @@ whose GPU already idles 40% waiting for the host; now 13 bytes, ~6 launches, no 
 ``VARIANTS="bf16 fp8" OUT=$OUT bash benchmarks/fp8_ac_h200.sh``; expected still below 1x).
 
 Outlier handling: scales are *current* (computed from this call's amax, no amax history: a spike cannot
-overflow a stale scale) and per row, so one outlier token or output channel coarsens only its own row's grid,
-not the tensor's. A row's amax maps exactly to +-448 (e4m3) / +-57344 (e5m2), so nothing saturates except
+overflow a stale scale) and, rowwise, per row, so one outlier token or output channel coarsens only its own row's
+grid, not the tensor's (tensorwise: the whole tensor's -- every value below amax * 2^-17 then flushes to 0). A row's amax maps exactly to +-448 (e4m3) / +-57344 (e5m2), so nothing saturates except
 non-finite inputs; the cost of an outlier is underflow of the small values in its row (|v| < amax * 2^-17
-for e4m3 flushes to 0). An all-zero row gets scale 0 and q = 0. Gradients can use e5m2 (2^-16..57344) for a
+for e4m3 flushes to 0). An all-zero row (tensorwise: tensor) gets scale 0 and q = 0. Gradients can use e5m2 (2^-16..57344) for a
 wider range within a row. The numerics counters below measure exactly these two effects per layer:
 
 * ``amax``: the max |x| / |w| / |grad| seen (fp32);
