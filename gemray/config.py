@@ -385,15 +385,23 @@ class TrainConfig:
     precision: "fp32" (default), "bf16" or "fp8": the forward pass (training and evaluation) under torch.autocast
     bfloat16 on CUDA and CPU, master weights and optimizer state float32, embedding tables as TorchRec holds
     them (``gemray.train.precision.autocast``, the one place a mode is dispatched); "fp8" = bf16 autocast plus
-    FP8 e4m3 GEMMs with rowwise scales for the HSTU projections and the MLP Linears (``gemray.model.fp8``, a
-    model converter applied before parallelize; the HSTU pre-norm emits the FP8 activations itself).
+    FP8 e4m3 GEMMs for the HSTU projections and the MLP Linears (``gemray.model.fp8``, a model converter applied
+    before parallelize; with rowwise scales the HSTU pre-norm emits the FP8 activations itself).
     mfu_warmup_steps: the first N steps of each attempt (kernel compiles, allocator growth) are left out of
     the run's ``local_mfu`` (gemray.train.throughput); their FLOPs still count in ``model_tflops_per_s``.
     scaling_reference: "" or the path of a single-GPU reference run's metrics.json (``gemray train``) or JSON
     (``gemray bench train --json``) with the same per-GPU batch: its ``tokens_per_s`` / ``local_mfu`` give a
     multi-GPU run's ``scaling_ratio`` and ``e2e_mfu`` (null at world size > 1 without one).
+    fp8_recipe: how the FP8 GEMMs scale their operands (torchao's two ``Float8Linear`` recipes): "rowwise"
+    (default; one scale per row along each GEMM's contraction: the backward quantizes the gradient twice and x
+    once more, column-wise, for the weight gradient) or "tensorwise" (one scale per tensor: x, the weight and the
+    gradient are quantized once each and their FP8 bytes, transposed, serve the backward GEMMs; the forward saves
+    x's FP8 copy for the backward instead of x; the pre-norm's FP8 output is not fused). On the H200 at GEM
+    scale rowwise measured 0.79x the bf16 step; tensorwise is not measured on a GPU yet (``gemray.model.fp8``).
     fp8_grad: format of the backward GEMMs under fp8: "e4m3" (FP8 dgrad/wgrad, e4m3
-    gradients with rowwise scales, torchao's rowwise recipe; default), "e5m2" (e5m2 gradients) or "bf16". fp8_min_dim: GEMMs with K or N below it stay high precision (so do dims that are
+    gradients scaled as fp8_recipe says, as torchao's recipes; default), "e5m2" (e5m2 gradients) or "bf16" (bf16
+    GEMMs on the high-precision x and weight, which the forward then saves under either recipe).
+    fp8_min_dim: GEMMs with K or N below it stay high precision (so do dims that are
     not multiples of 16). fp8_attention_inputs: FP8 q/k/v into the attention kernels -- NOT implemented
     (true is refused; the attention kernels take bf16/fp32). fp8_stats: log per-layer amax / overflow /
     underflow of the FP8 quantizations every ``log_every`` steps (eager steps only: not under ``compile``).
@@ -461,6 +469,7 @@ class TrainConfig:
     # Controller events (gemray.events), JSONL written by rank 0; "" = fit uses <output_dir>/events.jsonl.
     events_path: str = ""
     precision: str = "fp32"
+    fp8_recipe: str = "rowwise"
     fp8_grad: str = "e4m3"
     fp8_min_dim: int = 128
     fp8_attention_inputs: bool = False
@@ -482,6 +491,7 @@ class TrainConfig:
         for name in ("mfu_warmup_steps", "lr_base_fan_in", "lr_warmup_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"train.{name}: expected >= 0, got {getattr(self, name)}")
+        _choice(self, "fp8_recipe", ("rowwise", "tensorwise"))
         _choice(self, "fp8_grad", ("e4m3", "e5m2", "bf16"))
         if self.fp8_min_dim < 16:
             raise ValueError(f"train.fp8_min_dim: expected >= 16, got {self.fp8_min_dim}")

@@ -142,6 +142,7 @@ def test_torch_mode_sets_the_budget_and_compiles_blocks():
 
 @pytest.mark.parametrize("sets, msg", [
     (dict(precision="fp16"), "precision"), (dict(fp8_grad="e3m4"), "fp8_grad"),
+    (dict(fp8_recipe="block"), "fp8_recipe"),
     (dict(fp8_attention_inputs=True), "not implemented"), (dict(activation_checkpointing="some"), "activation_chec"),
     (dict(activation_memory_budget=-1.0), "activation_memory_budget"),
     (dict(activation_memory_budget=1.5), "activation_memory_budget"),

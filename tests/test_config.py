@@ -176,3 +176,19 @@ def test_compile_settings_are_validated_with_compile_off(override, match):
     assert cfg.train.compile is False
     with pytest.raises(ValueError, match=match):
         apply_overrides(cfg, [override])
+
+
+def test_fp8_recipe_defaults_to_rowwise_takes_tensorwise_and_refuses_others(tmp_path):
+    assert JobConfig().train.fp8_recipe == "rowwise"  # nothing changes until tensorwise is measured on the GPU
+    cfg = apply_overrides(JobConfig(), ["train.precision=fp8", "train.fp8_recipe=tensorwise"])
+    assert cfg.train.fp8_recipe == "tensorwise"
+    p = tmp_path / "c.toml"
+    p.write_text(to_toml(cfg))
+    assert load_config(p).train.fp8_recipe == "tensorwise"
+    with pytest.raises(ValueError, match=r"train\.fp8_recipe: expected one of \('rowwise', 'tensorwise'\), "
+                                         r"got 'blockwise'"):
+        apply_overrides(JobConfig(), ["train.fp8_recipe=blockwise"])
+    bad = JobConfig()
+    bad.train.fp8_recipe = "Tensorwise"  # a TOML file's value goes through the same validation
+    with pytest.raises(ValueError, match="train.fp8_recipe"):
+        bad.validate()

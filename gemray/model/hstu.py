@@ -167,12 +167,17 @@ class HSTUBlock(nn.Module):
         """x [T, D] -> x_norm @ W_uvqk + b_uvqk [T, width] in FP8: the LayerNorm emits its output as e4m3 with
         one scale per row (``norm_quant(block_size=D)``: the fused Triton kernel on CUDA, the reference
         elsewhere) straight into the rowwise FP8 GEMM (``gemray.model.fp8``). A D that is not a power of two
-        (the kernel's block must be) falls back to LayerNorm + a separate quantization."""
+        (the kernel's block must be) falls back to LayerNorm + a separate quantization, and so does the
+        tensorwise recipe: its one scale is the amax of the whole [T, D] output, known only once every row is
+        normalised, so a row-by-row kernel cannot emit those bytes. Re-scaling the kernel's rowwise bytes to the
+        tensor's scale instead would round every value twice (the row grid, then the coarser tensor grid) and
+        still cost a pass over x; quantizing the LayerNorm's output once is both simpler and exact to the one
+        rounding of the recipe."""
         from gemray.kernels.reference import norm_quant_ref
         from gemray.model.fp8 import fp8_linear
 
         w = self.uvqk_weight.t()  # [width, D]: the [N, K] layout fp8_linear takes (a view, no copy)
-        if self.d & (self.d - 1):
+        if self.d & (self.d - 1) or self.fp8.recipe == "tensorwise":
             x_norm = F.layer_norm(x, (self.d,), eps=LN_EPS)
             return fp8_linear(x_norm, w, self.uvqk_bias, self._fp8_for("uvqk"))
         if x.is_cuda:

@@ -316,7 +316,8 @@ class Trainer:
         if cfg.train.precision == "fp8":  # a model converter, before parallelize (torchtitan's order)
             from gemray.model.fp8 import convert_to_fp8
 
-            convert_to_fp8(model, cfg.train.fp8_grad, min_dim=cfg.train.fp8_min_dim)
+            convert_to_fp8(model, cfg.train.fp8_grad, min_dim=cfg.train.fp8_min_dim,
+                           recipe=cfg.train.fp8_recipe)
             if cfg.train.compile and cfg.train.fp8_stats and self.rank == 0:
                 log.info("fp8: the per-layer amax / overflow / underflow counters are not collected under "
                          "train.compile (they are eager code); a run with train.compile=false logs them")
