@@ -718,3 +718,72 @@ def test_preflight_output_refuses_a_file_on_the_path(tmp_path):
         preflight.preflight_output(tmp_path / "f" / "out")
     preflight.preflight_output(tmp_path / "new" / "out")  # creatable: fine, nothing made
     assert not (tmp_path / "new").exists()
+
+
+def _failing_connect(root: logging.Logger, seen: list[int]):
+    """A stand-in for session.connect that records how many run-log handlers the root has, writes a line to
+    stdout (as Ray forwards a worker's) and a DEBUG record, then fails as Ray would."""
+    from gemray.controller.console import _RunLogHandler
+
+    def connect(cfg):
+        seen.append(sum(isinstance(h, _RunLogHandler) for h in root.handlers))
+        print("a worker line on stdout")
+        logging.getLogger("gemray.test").debug("a driver debug record")
+        raise RuntimeError("no Ray here")
+    return connect
+
+
+def test_fit_from_python_writes_the_run_log_and_restores_logging(tmp_path, monkeypatch, capsys):
+    """gemray.fit from Python writes <output>/logs/gemray.log as `gemray train` does (it wrote none): stdout
+    lines and every driver record at DEBUG, while the console shows what it showed before; afterwards the root
+    logger's handlers and level and sys.stdout / sys.stderr are as they were."""
+    import sys
+
+    root = logging.getLogger()
+    before = (list(root.handlers), root.level, sys.stdout, sys.stderr)
+    seen: list[int] = []
+    monkeypatch.setattr(session, "connect", _failing_connect(root, seen))
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="no Ray here"):
+        run.fit(REPO / "configs" / "ml-latest-small.toml", output_dir=out,
+                overrides=[f"data.raw_dir={DATA / 'ml-latest-small'}", f"data.prepared_dir={tmp_path / 'prep'}"])
+    assert seen == [1]
+    assert (list(root.handlers), root.level, sys.stdout, sys.stderr) == before
+    text = (out / "logs" / "gemray.log").read_text()
+    assert "a worker line on stdout" in text and "gemray.test DEBUG a driver debug record" in text
+    assert "gemray.controller.run INFO prepared data missing at" in text  # held until config.toml, then written
+    assert "a worker line on stdout" in capsys.readouterr().out  # the console unchanged
+
+
+def test_train_cli_and_fit_share_one_run_log(tmp_path, monkeypatch, capsys):
+    """`gemray train` opens the run's log and fit, called inside, uses it: one handler, each line once."""
+    from gemray.cli import main
+
+    root = logging.getLogger()
+    handlers = list(root.handlers)
+    seen: list[int] = []
+    monkeypatch.setattr(session, "connect", _failing_connect(root, seen))
+    out = tmp_path / "out"
+    rc = main(["train", "--config", str(REPO / "configs" / "ml-latest-small.toml"), "--output", str(out), "--set",
+               f"data.raw_dir={DATA / 'ml-latest-small'}", f"data.prepared_dir={tmp_path / 'prep'}"])
+    assert rc == 1 and "training failed: RuntimeError: no Ray here" in capsys.readouterr().err
+    assert seen == [1] and root.handlers == handlers
+    text = (out / "logs" / "gemray.log").read_text()
+    assert text.count("a worker line on stdout") == 1 and text.count("a driver debug record") == 1
+
+
+def test_fit_from_python_keeps_last_resort_warnings_on_stderr(tmp_path, monkeypatch, capsys):
+    """With no logging configured (no root handler), Python prints warnings to stderr through its last-resort
+    handler; the run log's handler must not silence them, nor show the INFO / DEBUG records it logs."""
+    from gemray.controller.console import console_session
+
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", [])
+    monkeypatch.setattr(root, "level", logging.WARNING)
+    with console_session(tmp_path, keep_console=True):
+        (tmp_path / "config.toml").write_text("")  # the run owns the folder: the log is written
+        logging.getLogger("gemray.x").warning("a warning")
+        logging.getLogger("gemray.x").info("an info record")
+    assert root.handlers == [] and root.level == logging.WARNING
+    assert capsys.readouterr().err == "a warning\n"
+    assert (tmp_path / "logs" / "gemray.log").read_text().splitlines()[-1].endswith("gemray.x INFO an info record")

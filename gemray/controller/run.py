@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from gemray.config import JobConfig, apply_overrides, load_config, to_toml
-from gemray.controller import output_lock, preflight, results, session
+from gemray.controller import console, output_lock, preflight, results, session
 from gemray.controller.results import Result
 from gemray.parallel.sharding import check_shardable
 from gemray.preemption import NOTICE_NAME, clear_notice, install_driver_sigint, install_driver_sigterm
@@ -38,7 +38,8 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
 
     config: a JobConfig or a TOML path; overrides: ``section.key=value`` strings applied on top.
     output_dir: where ``metrics.json``, ``curves.png``, ``config.toml`` and ``ray/`` (Ray Train storage:
-        checkpoints) go; default ``runs/<name>``.
+        checkpoints) go; default ``runs/<name>``. The run's full log goes to ``<output>/logs/gemray.log`` as under
+        ``gemray train`` (:func:`gemray.controller.console.run_log`; the console is left as it is).
     metrics.json: test-split ``hr@K``/``ndcg@K`` (K in train.eval_ks; history items excluded from the
     ranking unless ``train.eval_exclude_history`` is false), with ``eval_exclude_history``, the all-items
     ``hr@K_unfiltered``/``ndcg@K_unfiltered`` and ``targets_in_history`` (with a "retrieval" task), the
@@ -64,10 +65,16 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
     """
     t0 = time.perf_counter()
     cfg = _load(config, overrides)
-    idle = cfg.ineffective_settings_warning()
-    if idle:  # valid but doing nothing here: said once per run (the CLI's log file is open by now)
-        logging.getLogger("gemray.config").warning("%s", idle)
     out = Path(output_dir or Path("runs") / cfg.name).expanduser().resolve()
+    with console.run_log(out):  # <out>/logs/gemray.log, as under `gemray train` (whose session it then uses)
+        return _fit(cfg, out, t0)
+
+
+def _fit(cfg: JobConfig, out: Path, t0: float) -> Result:
+    """:func:`fit`'s work once the config is loaded and the output folder named (inside its run log)."""
+    idle = cfg.ineffective_settings_warning()
+    if idle:  # valid but doing nothing here: said once per run (the run's log file is open by now)
+        logging.getLogger("gemray.config").warning("%s", idle)
     if out.exists() and not out.is_dir():
         raise NotADirectoryError(f"output folder {out} exists and is not a folder (--output / output_dir)")
     preflight.preflight_output(out)  # a read-only --output: one line, exit 2, before anything starts
