@@ -787,3 +787,28 @@ def test_fit_from_python_keeps_last_resort_warnings_on_stderr(tmp_path, monkeypa
     assert root.handlers == [] and root.level == logging.WARNING
     assert capsys.readouterr().err == "a warning\n"
     assert (tmp_path / "logs" / "gemray.log").read_text().splitlines()[-1].endswith("gemray.x INFO an info record")
+
+
+@pytest.mark.parametrize("raw", ["missing", "empty"])
+def test_no_data_names_both_paths_and_how_to_point_at_movielens(tmp_path, monkeypatch, capsys, raw):
+    """No prepared data and no MovieLens ratings file in data.raw_dir (absent, or a folder without one): one line
+    naming both paths and how to point gemray at the download (--set data.raw_dir=..., GEMRAY_SHARED, make
+    demo's DATA_SRC), exit 2 before Ray starts; the empty folder used to give prepare's bare 'no MovieLens
+    ratings file found', the absent one a line with no way out."""
+    from gemray.cli import main
+
+    src = tmp_path / "ml-latest-small"
+    if raw == "empty":
+        src.mkdir()
+    monkeypatch.setattr(session, "connect", lambda cfg: pytest.fail("Ray must not start"))
+    rc = main(["train", "--config", str(REPO / "configs" / "ml-latest-small.toml"), "--output", str(tmp_path / "o"),
+               "--set", f"data.raw_dir={src}", f"data.prepared_dir={tmp_path / 'prep'}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith(f"gemray: error: no data to train on: data.prepared_dir {tmp_path / 'prep'} is not "
+                             "prepared (no manifest.json")
+    why = "holds no MovieLens ratings file (ratings.dat, u.data or ratings.csv)" if raw == "empty" else "does not exist"
+    assert f"data.raw_dir {src} {why}" in err[0]
+    assert "--set data.raw_dir=/path/to/ml-latest-small" in err[0]
+    assert "GEMRAY_SHARED" in err[0] and "DATA_SRC=/path/to/ml-1m" in err[0]
+    assert not (tmp_path / "o").exists() and not (tmp_path / "prep").exists()
