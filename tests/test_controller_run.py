@@ -728,7 +728,8 @@ def _failing_connect(root: logging.Logger, seen: list[int]):
     def connect(cfg):
         seen.append(sum(isinstance(h, _RunLogHandler) for h in root.handlers))
         print("a worker line on stdout")
-        logging.getLogger("gemray.test").debug("a driver debug record")
+        # a logger outside gemray's: cli.main of other commands (tests/test_cli.py) leaves gemray's level set
+        logging.getLogger("driver.test").debug("a driver debug record")
         raise RuntimeError("no Ray here")
     return connect
 
@@ -750,7 +751,7 @@ def test_fit_from_python_writes_the_run_log_and_restores_logging(tmp_path, monke
     assert seen == [1]
     assert (list(root.handlers), root.level, sys.stdout, sys.stderr) == before
     text = (out / "logs" / "gemray.log").read_text()
-    assert "a worker line on stdout" in text and "gemray.test DEBUG a driver debug record" in text
+    assert "a worker line on stdout" in text and "driver.test DEBUG a driver debug record" in text
     assert "gemray.controller.run INFO prepared data missing at" in text  # held until config.toml, then written
     assert "a worker line on stdout" in capsys.readouterr().out  # the console unchanged
 
@@ -782,11 +783,11 @@ def test_fit_from_python_keeps_last_resort_warnings_on_stderr(tmp_path, monkeypa
     monkeypatch.setattr(root, "level", logging.WARNING)
     with console_session(tmp_path, keep_console=True):
         (tmp_path / "config.toml").write_text("")  # the run owns the folder: the log is written
-        logging.getLogger("gemray.x").warning("a warning")
-        logging.getLogger("gemray.x").info("an info record")
+        logging.getLogger("driver.x").warning("a warning")
+        logging.getLogger("driver.x").info("an info record")
     assert root.handlers == [] and root.level == logging.WARNING
     assert capsys.readouterr().err == "a warning\n"
-    assert (tmp_path / "logs" / "gemray.log").read_text().splitlines()[-1].endswith("gemray.x INFO an info record")
+    assert (tmp_path / "logs" / "gemray.log").read_text().splitlines()[-1].endswith("driver.x INFO an info record")
 
 
 @pytest.mark.parametrize("raw", ["missing", "empty"])

@@ -3,10 +3,11 @@
 ``gemray evaluate`` / ``recommend`` / ``export`` all start here (:func:`load_trained`):
 
 1. :func:`locate_checkpoint` turns what the user names into a committed checkpoint folder and the run's
-   config (:func:`find_config` finds that alone, without reading a checkpoint: :func:`run_config`, which
-   ``recommend`` / ``export`` check first): a run's output folder (``config.toml``, ``metrics.json``, ``ray/<name>/checkpoint_*``: the newest
+   config: a run's output folder (``config.toml``, ``metrics.json``, ``ray/<name>/checkpoint_*``: the newest
    committed checkpoint that verifies, as a restarted training picks it: ``committed_checkpoints`` +
    ``choose_checkpoint``), a Ray Train run folder (``ray/<name>``) or one ``checkpoint_*`` folder.
+   :func:`find_config` finds the config alone, without reading any checkpoint (:func:`run_config`: what
+   ``recommend`` / ``export`` check before loading a model they cannot serve).
 2. The model is built as training builds it (``GEM`` on the meta device, ``gemray.parallel.parallelize`` on a
    one-process group: TorchRec shards every table onto this one rank) and the checkpoint's model weights are
    DCP-loaded into it (``gemray.checkpoint.load_model_state``: verified against its manifests, resharded
