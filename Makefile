@@ -3,7 +3,8 @@ SHELL := /bin/bash
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-DATA_SRC ?= ../shared/data/ml-1m
+# the shared inputs folder: $GEMRAY_SHARED when set (as for the configs' ../shared/... paths), else ../shared
+DATA_SRC ?= $(or $(GEMRAY_SHARED),../shared)/data/ml-1m
 OUT ?= runs/demo
 DEMO_EPOCHS ?= 10
 # The demo trains with per-sequence shared negatives: per-position ones (configs/ml-1m.toml, as HSTU) cost

@@ -569,10 +569,13 @@ def _cmd_evaluate(ns: argparse.Namespace) -> int:
 
 def _cmd_recommend(ns: argparse.Namespace) -> int:
     from gemray.serve import load_trained
-    from gemray.serve.recommend import read_users_file, recommend
+    from gemray.serve.model import run_config
+    from gemray.serve.recommend import check_recommendable, read_users_file, recommend
 
     if ns.out:
         _writable_file(ns.out, "--out")  # before the model is loaded and the users scored
+    # a model recommend cannot serve is refused from its config, before any checkpoint is read
+    check_recommendable(run_config(ns.checkpoint, config=ns.config, overrides=ns.overrides))
     users = ns.user if ns.user else read_users_file(ns.users_file)
     trained = load_trained(ns.checkpoint, config=ns.config, overrides=ns.overrides, device=ns.device)
     recs = recommend(trained, users, k=ns.k, prepared_dir=ns.data)
@@ -589,8 +592,11 @@ def _cmd_recommend(ns: argparse.Namespace) -> int:
 
 def _cmd_export(ns: argparse.Namespace) -> int:
     from gemray.serve import load_trained
-    from gemray.serve.export import export
+    from gemray.serve.export import check_exportable, export
+    from gemray.serve.model import run_config
 
+    # a model export cannot write is refused from its config, before any checkpoint is read
+    check_exportable(run_config(ns.checkpoint, config=ns.config, overrides=ns.overrides))
     trained = load_trained(ns.checkpoint, config=ns.config, overrides=ns.overrides, device=ns.device)
     out = export(trained, ns.out)
     print(f"exported: {out} (user_tower.pt2, item_embeddings.npy, serving.json; loading snippet in the README)")

@@ -15,6 +15,7 @@ import dataclasses
 import difflib
 import json
 import math
+import os
 import re
 import tomllib
 import typing
@@ -27,7 +28,9 @@ from typing import Any
 class DataConfig:
     """Where the data lives and how batches are formed.
 
-    raw_dir: folder with MovieLens raw files (ratings.dat / u.data / ratings.csv), read by path.
+    raw_dir: folder with MovieLens raw files (ratings.dat / u.data / ratings.csv), read by path. Like every path
+    of a config, one starting with ``../shared/`` is read under ``$GEMRAY_SHARED`` when that is set
+    (:func:`shared_path`).
     prepared_dir: Parquet output of ``gemray prepare movielens`` (created by ``gemray train`` if missing).
     max_seq_len: longest history (items) fed to the model; longer histories keep the most recent items.
     batch_size: samples per rank per step.
@@ -847,8 +850,24 @@ def from_dict(raw: dict[str, Any]) -> JobConfig:
     return cfg.validate()
 
 
+SHARED_ENV = "GEMRAY_SHARED"  #: the shared inputs folder (MovieLens data, KubeRay CRDs), ../shared by default
+SHARED_PREFIX = "../shared"  #: how the configs name it: the README's layout, ../shared beside the checkout
+
+
+def shared_path(value: str, environ: typing.Mapping[str, str] = os.environ) -> str:
+    """Pure: ``value`` with a leading ``../shared`` (the configs' name for the shared inputs folder beside the
+    checkout) replaced by ``$GEMRAY_SHARED`` when that is set and not empty; any other value as it is.
+    ``../shared/data/ml-1m`` with ``GEMRAY_SHARED=/mnt/shared`` -> ``/mnt/shared/data/ml-1m``."""
+    shared = environ.get(SHARED_ENV, "")
+    if not shared or not (value == SHARED_PREFIX or value.startswith(SHARED_PREFIX + "/")):
+        return value
+    return str(Path(shared).expanduser() / value[len(SHARED_PREFIX) + 1:])
+
+
 def apply_overrides(cfg: JobConfig, overrides: list[str]) -> JobConfig:
-    """Apply ``section.key=value`` strings (the CLI's ``--set``) and re-validate."""
+    """Apply ``section.key=value`` strings (the CLI's ``--set``), read every ``../shared/...`` value under
+    ``$GEMRAY_SHARED`` (:func:`shared_path`) and re-validate. Every config is finished here (``load_config``,
+    ``fit`` of a JobConfig, tune, submit, serve), so this is the one place that maps shared paths."""
     for item in overrides or []:
         if "=" not in item:
             raise ValueError(f"--set {item!r}: expected section.key=value")
@@ -876,12 +895,19 @@ def apply_overrides(cfg: JobConfig, overrides: list[str]) -> JobConfig:
             raise ValueError(f"--set {item!r}: unknown key {section}.{key}{_did_you_mean(key, types)} "
                              f"(known: {sorted(types)})")
         setattr(sub, key, _coerce(value, types[key], f"{section}.{key}"))
+    for f in dataclasses.fields(cfg):
+        sub = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(sub):
+            for sf in dataclasses.fields(sub):
+                value = getattr(sub, sf.name)
+                if isinstance(value, str):
+                    setattr(sub, sf.name, shared_path(value))
     return cfg.validate()
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | str | None = None) -> JobConfig:
     """Read a TOML config (or defaults if ``path`` is None), apply overrides (``section.key=value`` strings, or
-    one such string), validate.
+    one such string), map ``../shared/...`` paths under ``$GEMRAY_SHARED`` (:func:`apply_overrides`), validate.
 
     Raises FileNotFoundError for a missing file and ValueError naming the field for bad values.
     """

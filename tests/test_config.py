@@ -192,3 +192,29 @@ def test_fp8_recipe_defaults_to_rowwise_takes_tensorwise_and_refuses_others(tmp_
     bad.train.fp8_recipe = "Tensorwise"  # a TOML file's value goes through the same validation
     with pytest.raises(ValueError, match="train.fp8_recipe"):
         bad.validate()
+
+
+def test_shared_paths_follow_gemray_shared(monkeypatch, tmp_path):
+    """A config value starting with ../shared/ (the shipped configs' raw_dir) is read under $GEMRAY_SHARED when that
+    is set: from a TOML file, from --set and in a JobConfig given to fit; other values, and every value without
+    the variable, stay as written."""
+    from gemray.config import shared_path
+    from gemray.controller import run
+
+    assert shared_path("../shared/data/ml-1m", {"GEMRAY_SHARED": "/mnt/s"}) == "/mnt/s/data/ml-1m"
+    assert shared_path("../shared", {"GEMRAY_SHARED": "/mnt/s"}) == "/mnt/s"
+    for value in ("../shared-other/x", "data/../shared/x", "/abs/../shared/x"):
+        assert shared_path(value, {"GEMRAY_SHARED": "/mnt/s"}) == value
+    assert shared_path("../shared/data/ml-1m", {"GEMRAY_SHARED": ""}) == "../shared/data/ml-1m"
+
+    monkeypatch.delenv("GEMRAY_SHARED", raising=False)
+    assert load_config(ROOT / "configs" / "ml-1m.toml").data.raw_dir == "../shared/data/ml-1m"
+    monkeypatch.setenv("GEMRAY_SHARED", str(tmp_path))
+    cfg = load_config(ROOT / "configs" / "ml-1m.toml",
+                      ["train.ledger_dir=../shared/ledger", "train.events_path=runs/events.jsonl"])
+    assert cfg.data.raw_dir == str(tmp_path / "data" / "ml-1m")
+    assert cfg.data.prepared_dir == "data/ml-1m"  # not a shared path: relative to the current directory
+    assert (cfg.train.ledger_dir, cfg.train.events_path) == (str(tmp_path / "ledger"), "runs/events.jsonl")
+    (tmp_path / "config.toml").write_text(to_toml(cfg))  # what a run records loads back the same
+    assert load_config(tmp_path / "config.toml").data.raw_dir == cfg.data.raw_dir
+    assert run._load(JobConfig(), None).data.raw_dir == str(tmp_path / "data" / "ml-1m")  # fit(JobConfig())

@@ -718,3 +718,98 @@ def test_preflight_output_refuses_a_file_on_the_path(tmp_path):
         preflight.preflight_output(tmp_path / "f" / "out")
     preflight.preflight_output(tmp_path / "new" / "out")  # creatable: fine, nothing made
     assert not (tmp_path / "new").exists()
+
+
+def _failing_connect(root: logging.Logger, seen: list[int]):
+    """A stand-in for session.connect that records how many run-log handlers the root has, writes a line to
+    stdout (as Ray forwards a worker's) and a DEBUG record, then fails as Ray would."""
+    from gemray.controller.console import _RunLogHandler
+
+    def connect(cfg):
+        seen.append(sum(isinstance(h, _RunLogHandler) for h in root.handlers))
+        print("a worker line on stdout")
+        # a logger outside gemray's: cli.main of other commands (tests/test_cli.py) leaves gemray's level set
+        logging.getLogger("driver.test").debug("a driver debug record")
+        raise RuntimeError("no Ray here")
+    return connect
+
+
+def test_fit_from_python_writes_the_run_log_and_restores_logging(tmp_path, monkeypatch, capsys):
+    """gemray.fit from Python writes <output>/logs/gemray.log as `gemray train` does (it wrote none): stdout
+    lines and every driver record at DEBUG, while the console shows what it showed before; afterwards the root
+    logger's handlers and level and sys.stdout / sys.stderr are as they were."""
+    import sys
+
+    root = logging.getLogger()
+    before = (list(root.handlers), root.level, sys.stdout, sys.stderr)
+    seen: list[int] = []
+    monkeypatch.setattr(session, "connect", _failing_connect(root, seen))
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="no Ray here"):
+        run.fit(REPO / "configs" / "ml-latest-small.toml", output_dir=out,
+                overrides=[f"data.raw_dir={DATA / 'ml-latest-small'}", f"data.prepared_dir={tmp_path / 'prep'}"])
+    assert seen == [1]
+    assert (list(root.handlers), root.level, sys.stdout, sys.stderr) == before
+    text = (out / "logs" / "gemray.log").read_text()
+    assert "a worker line on stdout" in text and "driver.test DEBUG a driver debug record" in text
+    assert "gemray.controller.run INFO prepared data missing at" in text  # held until config.toml, then written
+    assert "a worker line on stdout" in capsys.readouterr().out  # the console unchanged
+
+
+def test_train_cli_and_fit_share_one_run_log(tmp_path, monkeypatch, capsys):
+    """`gemray train` opens the run's log and fit, called inside, uses it: one handler, each line once."""
+    from gemray.cli import main
+
+    root = logging.getLogger()
+    handlers = list(root.handlers)
+    seen: list[int] = []
+    monkeypatch.setattr(session, "connect", _failing_connect(root, seen))
+    out = tmp_path / "out"
+    rc = main(["train", "--config", str(REPO / "configs" / "ml-latest-small.toml"), "--output", str(out), "--set",
+               f"data.raw_dir={DATA / 'ml-latest-small'}", f"data.prepared_dir={tmp_path / 'prep'}"])
+    assert rc == 1 and "training failed: RuntimeError: no Ray here" in capsys.readouterr().err
+    assert seen == [1] and root.handlers == handlers
+    text = (out / "logs" / "gemray.log").read_text()
+    assert text.count("a worker line on stdout") == 1 and text.count("a driver debug record") == 1
+
+
+def test_fit_from_python_keeps_last_resort_warnings_on_stderr(tmp_path, monkeypatch, capsys):
+    """With no logging configured (no root handler), Python prints warnings to stderr through its last-resort
+    handler; the run log's handler must not silence them, nor show the INFO / DEBUG records it logs."""
+    from gemray.controller.console import console_session
+
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", [])
+    monkeypatch.setattr(root, "level", logging.WARNING)
+    with console_session(tmp_path, keep_console=True):
+        (tmp_path / "config.toml").write_text("")  # the run owns the folder: the log is written
+        logging.getLogger("driver.x").warning("a warning")
+        logging.getLogger("driver.x").info("an info record")
+    assert root.handlers == [] and root.level == logging.WARNING
+    assert capsys.readouterr().err == "a warning\n"
+    assert (tmp_path / "logs" / "gemray.log").read_text().splitlines()[-1].endswith("driver.x INFO an info record")
+
+
+@pytest.mark.parametrize("raw", ["missing", "empty"])
+def test_no_data_names_both_paths_and_how_to_point_at_movielens(tmp_path, monkeypatch, capsys, raw):
+    """No prepared data and no MovieLens ratings file in data.raw_dir (absent, or a folder without one): one line
+    naming both paths and how to point gemray at the download (--set data.raw_dir=..., GEMRAY_SHARED, make
+    demo's DATA_SRC), exit 2 before Ray starts; the empty folder used to give prepare's bare 'no MovieLens
+    ratings file found', the absent one a line with no way out."""
+    from gemray.cli import main
+
+    src = tmp_path / "ml-latest-small"
+    if raw == "empty":
+        src.mkdir()
+    monkeypatch.setattr(session, "connect", lambda cfg: pytest.fail("Ray must not start"))
+    rc = main(["train", "--config", str(REPO / "configs" / "ml-latest-small.toml"), "--output", str(tmp_path / "o"),
+               "--set", f"data.raw_dir={src}", f"data.prepared_dir={tmp_path / 'prep'}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith(f"gemray: error: no data to train on: data.prepared_dir {tmp_path / 'prep'} is not "
+                             "prepared (no manifest.json")
+    why = "holds no MovieLens ratings file (ratings.dat, u.data or ratings.csv)" if raw == "empty" else "does not exist"
+    assert f"data.raw_dir {src} {why}" in err[0]
+    assert "--set data.raw_dir=/path/to/ml-latest-small" in err[0]
+    assert "GEMRAY_SHARED" in err[0] and "DATA_SRC=/path/to/ml-1m" in err[0]
+    assert not (tmp_path / "o").exists() and not (tmp_path / "prep").exists()

@@ -267,3 +267,67 @@ def test_recommend_refuses_models_with_token_features_naming_them():
     cfg.model.token_features = ["category", "author"]
     with pytest.raises(ValueError, match=r"token_features = \['category', 'author'\].*gemray evaluate"):
         recommend(SimpleNamespace(cfg=cfg), [1], k=5)
+
+
+def _gem_run(tmp_path: Path, corrupt: bool, sets: list[str] | None = None) -> Path:
+    """A gem-tiny run folder (config.toml) whose checkpoint is absent, or (``corrupt``) a checkpoint_* folder whose
+    manifest is garbage and that holds no DCP files; returns what --checkpoint names: the run, or that folder."""
+    from gemray.config import load_config, to_toml
+
+    out = tmp_path / "run"
+    out.mkdir()
+    cfg = load_config(REPO / "configs" / "gem-tiny.toml", sets)
+    (out / "config.toml").write_text(to_toml(cfg))
+    if not corrupt:
+        return out
+    ckpt = out / "ray" / cfg.name / "checkpoint_2026-12-04_00-00-00.000000"
+    ckpt.mkdir(parents=True)
+    (ckpt / "manifest_rank0.json").write_text("{not json")
+    return ckpt
+
+
+NO_TOKENS = ["model.token_features=[]", "model.candidate_features=[]"]  # gem-tiny's ranking tasks stay
+
+
+@pytest.mark.parametrize("corrupt", [False, True], ids=["absent", "corrupt"])
+@pytest.mark.parametrize("command, sets, refusal", [
+    ("recommend", None, r"recommend: models with per-token side features \(model.token_features = "
+                        r"\['category', 'author'\]"),
+    ("export", None, r"export: .* this model has model.token_features = \['category', 'author'\] and ranking tasks "
+                     r"\(model.tasks = \['retrieval', 'ctr', 'cvr'\]\), which is not exported yet"),
+    ("export", NO_TOKENS, r"export: .* this model has ranking tasks \(model.tasks = \['retrieval', 'ctr', 'cvr'\]\), "
+                          r"which is not exported yet"),
+])
+def test_unservable_models_are_refused_from_the_config_before_the_checkpoint(command, sets, refusal, corrupt,
+                                                                             tmp_path, monkeypatch, capsys):
+    """recommend / export refuse a model they cannot serve from the run's config.toml, before any checkpoint is
+    looked at: on a run whose checkpoint is absent or corrupt the error is still the refusal (it was 'no committed
+    checkpoint', or a load error after reading the checkpoint), exit 2, one line."""
+    import re
+
+    import gemray.serve.model as serve_model
+    from gemray.cli import main
+
+    for name in ("committed_checkpoints", "checkpoint_data", "load_model_state"):
+        monkeypatch.setattr(serve_model, name, lambda *a, **k: pytest.fail("the checkpoint must not be read"))
+    target = _gem_run(tmp_path, corrupt, sets)
+    args = {"recommend": ["recommend", "--user", "1"], "export": ["export", "--out", str(tmp_path / "serving")]}
+    assert main([*args[command], "--checkpoint", str(target)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.match(f"gemray: error: {refusal}", err[0]), err
+    assert not (tmp_path / "serving").exists()
+
+
+def test_run_config_is_found_without_a_checkpoint(tmp_path):
+    """find_config / run_config: the run's config.toml from an output folder, a Ray Train run folder and a
+    checkpoint folder, overrides applied; a folder with none names where it looked."""
+    from gemray.serve.model import find_config, run_config
+
+    ckpt = _gem_run(tmp_path, corrupt=True)
+    out = tmp_path / "run"
+    for given in (out, ckpt.parent, ckpt):
+        assert find_config(given) == out / "config.toml", given
+    assert run_config(ckpt, overrides=["train.epochs=7"]).train.epochs == 7
+    (tmp_path / "other").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"no config.toml found beside the run .*--config"):
+        find_config(tmp_path / "other")

@@ -18,7 +18,11 @@ The log file is opened once the run owns the output folder (``fit`` writes the r
 its pre-flight checks): lines before that are held in memory, and dropped when the run is refused, so a refused
 run leaves nothing behind.
 
-:func:`keep_line` is pure; :class:`FilteredStream`, :class:`RunLog` and :func:`console_session` act.
+``fit`` called from Python (no CLI) writes the same log (:func:`run_log`): the same session with the console left as
+it was (every line shown, log records at the levels the loggers had); under ``gemray train`` it uses the CLI's
+session, one handler.
+
+:func:`keep_line` is pure; :class:`FilteredStream`, :class:`RunLog`, :func:`console_session` and :func:`run_log` act.
 """
 
 from __future__ import annotations
@@ -232,45 +236,109 @@ class _RunLogHandler(logging.Handler):
             self.handleError(record)
 
 
+class _AsBefore(logging.Filter):
+    """A root handler's records as they were before the session lowered the root logger to DEBUG: a record
+    passes when it is at or above the level its logger had then (its own, an ancestor's, or ``root_level``)."""
+
+    def __init__(self, root_level: int):
+        super().__init__()
+        self.root_level = root_level
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        lg = logging.getLogger(record.name)
+        while lg.level == logging.NOTSET and lg.parent is not None:
+            lg = lg.parent
+        return record.levelno >= (self.root_level if lg.parent is None else lg.level)
+
+
+class _LastResort(logging.Handler):
+    """Stands in for ``logging.lastResort`` while the run log is the root's only handler: a record that no
+    handler below the root takes goes to it, as it did before the run log's handler existed (Python prints such
+    warnings to stderr only when no handler at all takes them)."""
+
+    def __init__(self, root_level: int):
+        super().__init__(logging.lastResort.level)
+        self.addFilter(_AsBefore(root_level))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        lg = logging.getLogger(record.name)
+        while lg.parent is not None:
+            if lg.handlers:
+                return
+            lg = lg.parent
+        logging.lastResort.handle(record)
+
+
+#: the log file of each open session (resolved path -> RunLog): :func:`run_log` joins one instead of opening twice
+_OPEN: dict[Path, RunLog] = {}
+
+
 @contextmanager
 def console_session(output: str | Path, *, level: int = logging.INFO, verbose: bool = False,
-                    fmt: str = "%(asctime)s %(name)s %(levelname)s %(message)s",
-                    datefmt: str = "%H:%M:%S") -> Iterator[RunLog]:
+                    keep_console: bool = False) -> Iterator[RunLog]:
     """``with console_session(output_dir, level=..., verbose=...) as log:`` the quiet console and the full log
     (:class:`RunLog` at ``output_dir/logs/gemray.log``) for the block: the root logger's handlers that print to
     the terminal filtered (gemray's loggers at ``level``, third-party ones at WARNING; everything when
     ``verbose``; their own logger levels are left as they are, so torch's INFO stays off), a DEBUG handler to the
-    log file added, ``sys.stdout`` / ``sys.stderr`` replaced by
-    :class:`FilteredStream`. Everything is restored on the way out."""
+    log file added, ``sys.stdout`` / ``sys.stderr`` replaced by :class:`FilteredStream`.
+
+    ``keep_console`` (``fit`` from Python, :func:`run_log`): the same log, the console as it was: every line
+    shown, and each of the root's handlers gets the records it got before (:class:`_AsBefore`; with no handler
+    at all, Python's last-resort stderr printer keeps printing warnings, :class:`_LastResort`); ``level`` and
+    ``verbose`` are unused. Everything is restored on the way out."""
     out_term, err_term = sys.stdout, sys.stderr
     log = RunLog(Path(output), err_term)
+    key = log.path.resolve()
     root = logging.getLogger()
     saved_level = root.level
-    # the root's handlers that print to the terminal (cli.main's basicConfig one) get the console filter
-    consoles = [h for h in root.handlers if isinstance(h, logging.StreamHandler)
-                and getattr(h, "stream", None) in (out_term, err_term)]
-    console_filter = _ConsoleFilter(level, verbose)
-    for h in consoles:
+    if keep_console:
+        filtered, console_filter = list(root.handlers), _AsBefore(saved_level)
+    else:  # the root's handlers that print to the terminal (cli.main's basicConfig one) get the console filter
+        filtered = [h for h in root.handlers if isinstance(h, logging.StreamHandler)
+                    and getattr(h, "stream", None) in (out_term, err_term)]
+        console_filter = _ConsoleFilter(level, verbose)
+    for h in filtered:
         h.addFilter(console_filter)
+    added = [_LastResort(saved_level)] if keep_console and not root.handlers and logging.lastResort else []
     to_file = _RunLogHandler(log)
     to_file.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
-    root.addHandler(to_file)
+    added.append(to_file)
+    for h in added:
+        root.addHandler(h)
     root.setLevel(logging.DEBUG)
+    shown = verbose or keep_console
     tty = getattr(err_term, "isatty", lambda: False)()
-    bar = ProgressBar(err_term) if tty and not verbose else None  # Ray prints the workers' stderr to stderr
-    sys.stdout = FilteredStream(out_term, log, level=level, verbose=verbose)
-    sys.stderr = FilteredStream(err_term, log, level=level, verbose=verbose, bar=bar)
+    bar = ProgressBar(err_term) if tty and not shown else None  # Ray prints the workers' stderr to stderr
+    sys.stdout = FilteredStream(out_term, log, level=level, verbose=shown)
+    sys.stderr = FilteredStream(err_term, log, level=level, verbose=shown, bar=bar)
+    _OPEN[key] = log
     try:
         yield log
     finally:
+        _OPEN.pop(key, None)
         for stream in (sys.stdout, sys.stderr):
             if isinstance(stream, FilteredStream) and stream._buf:
                 stream.write("\n")
         sys.stdout, sys.stderr = out_term, err_term
         if bar is not None:
             bar.close()
-        root.removeHandler(to_file)
-        for h in consoles:
+        for h in added:
+            root.removeHandler(h)
+        for h in filtered:
             h.removeFilter(console_filter)
         root.setLevel(saved_level)
         log.close()
+
+
+@contextmanager
+def run_log(output: str | Path) -> Iterator[RunLog]:
+    """``with run_log(output_dir) as log:`` what ``fit`` runs in: the full log ``output_dir/logs/gemray.log``.
+    Under ``gemray train`` the CLI's :func:`console_session` for that folder is open already and is used as it
+    is (one handler, one copy of each line); otherwise (``fit`` from Python) a :func:`console_session` with
+    ``keep_console`` for the block, closed on the way out, as the CLI's is."""
+    log = _OPEN.get((Path(output) / LOG_NAME).resolve())
+    if log is not None:
+        yield log
+        return
+    with console_session(output, keep_console=True) as log:
+        yield log

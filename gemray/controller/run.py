@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from gemray.config import JobConfig, apply_overrides, load_config, to_toml
-from gemray.controller import output_lock, preflight, results, session
+from gemray.controller import console, output_lock, preflight, results, session
 from gemray.controller.results import Result
 from gemray.parallel.sharding import check_shardable
 from gemray.preemption import NOTICE_NAME, clear_notice, install_driver_sigint, install_driver_sigterm
@@ -38,7 +38,8 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
 
     config: a JobConfig or a TOML path; overrides: ``section.key=value`` strings applied on top.
     output_dir: where ``metrics.json``, ``curves.png``, ``config.toml`` and ``ray/`` (Ray Train storage:
-        checkpoints) go; default ``runs/<name>``.
+        checkpoints) go; default ``runs/<name>``. The run's full log goes to ``<output>/logs/gemray.log`` as under
+        ``gemray train`` (:func:`gemray.controller.console.run_log`; the console is left as it is).
     metrics.json: test-split ``hr@K``/``ndcg@K`` (K in train.eval_ks; history items excluded from the
     ranking unless ``train.eval_exclude_history`` is false), with ``eval_exclude_history``, the all-items
     ``hr@K_unfiltered``/``ndcg@K_unfiltered`` and ``targets_in_history`` (with a "retrieval" task), the
@@ -54,7 +55,8 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
     after a preemption, told apart by ``kind``: steps_lost, seconds_to_first_step; see
     gemray.events.summarize_recovery). A run stopped by a preemption notice writes ``preempted``,
     ``global_step``, ``epoch`` and ``epochs_completed`` instead of test metrics.
-    Raises FileNotFoundError / ValueError for a bad config or data path, or for an output folder whose
+    Raises FileNotFoundError / ValueError for a bad config or data path (no prepared data and no MovieLens
+    ratings file in ``data.raw_dir``: :func:`no_data_message`), or for an output folder whose
     checkpoint was trained on other data (:func:`~gemray.controller.preflight.preflight_resume`),
     ValueError for an output folder this process cannot write
     (:func:`~gemray.controller.preflight.preflight_output`), FileExistsError for an output folder in which
@@ -64,10 +66,16 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
     """
     t0 = time.perf_counter()
     cfg = _load(config, overrides)
-    idle = cfg.ineffective_settings_warning()
-    if idle:  # valid but doing nothing here: said once per run (the CLI's log file is open by now)
-        logging.getLogger("gemray.config").warning("%s", idle)
     out = Path(output_dir or Path("runs") / cfg.name).expanduser().resolve()
+    with console.run_log(out):  # <out>/logs/gemray.log, as under `gemray train` (whose session it then uses)
+        return _fit(cfg, out, t0)
+
+
+def _fit(cfg: JobConfig, out: Path, t0: float) -> Result:
+    """:func:`fit`'s work once the config is loaded and the output folder named (inside its run log)."""
+    idle = cfg.ineffective_settings_warning()
+    if idle:  # valid but doing nothing here: said once per run (the run's log file is open by now)
+        logging.getLogger("gemray.config").warning("%s", idle)
     if out.exists() and not out.is_dir():
         raise NotADirectoryError(f"output folder {out} exists and is not a folder (--output / output_dir)")
     preflight.preflight_output(out)  # a read-only --output: one line, exit 2, before anything starts
@@ -145,8 +153,8 @@ def ensure_prepared(cfg: JobConfig) -> dict[str, Any]:
 def _ensure_prepared(cfg: JobConfig) -> dict[str, Any]:
     """The prepared data's manifest (every file checked against it), preparing the data from
     ``data.raw_dir`` first when ``data.prepared_dir`` holds none. Raises FileNotFoundError when neither is
-    there, ValueError for a damaged prepared folder."""
-    from gemray.pipelines.movielens import format_summary, load_manifest, prepare_movielens
+    there (:func:`no_data_message`), ValueError for a damaged prepared folder."""
+    from gemray.pipelines.movielens import detect_format, format_summary, load_manifest, prepare_movielens
 
     if cfg.data.synthetic:
         from gemray.pipelines.synthetic import ensure_synthetic
@@ -159,15 +167,33 @@ def _ensure_prepared(cfg: JobConfig) -> dict[str, Any]:
                         "and row counts are checked; prepare it again to have every byte checked",
                         cfg.data.prepared_dir)
         return manifest
-    except FileNotFoundError:
+    except FileNotFoundError as unprepared:
+        try:
+            detect_format(cfg.data.raw_dir)
+        except FileNotFoundError:
+            raw = Path(cfg.data.raw_dir)
+            raise FileNotFoundError(no_data_message(cfg.data.prepared_dir, str(unprepared).split(";")[0], raw,
+                                                    raw.is_dir())) from None
         log.info("prepared data missing at %s: preparing it from %s", cfg.data.prepared_dir, cfg.data.raw_dir)
-        if not Path(cfg.data.raw_dir).exists():
-            raise FileNotFoundError(f"data.raw_dir {cfg.data.raw_dir} does not exist and data.prepared_dir "
-                                    f"{cfg.data.prepared_dir} is not prepared") from None
         manifest = prepare_movielens(cfg.data.raw_dir, cfg.data.prepared_dir, on_bad_rows=cfg.data.on_bad_rows,
                                      num_files=cfg.data.num_files)
         print(format_summary(manifest, cfg.data.prepared_dir))
         return manifest
+
+
+def no_data_message(prepared_dir: str, why: str, raw_dir: Path, raw_exists: bool) -> str:
+    """Pure: the error when ``data.prepared_dir`` is not prepared (``why``: load_manifest's reason) and
+    ``data.raw_dir`` holds no MovieLens ratings file (``raw_exists``: the folder is there): both paths named, and
+    how to point gemray at the user's MovieLens download (--set / overrides, $GEMRAY_SHARED, make demo's
+    DATA_SRC)."""
+    release = raw_dir.name if raw_dir.name.startswith("ml-") else "ml-1m"
+    raw_why = ("holds no MovieLens ratings file (ratings.dat, u.data or ratings.csv)" if raw_exists
+               else "does not exist")
+    return (f"no data to train on: data.prepared_dir {prepared_dir} is not prepared "
+            f"({why.removeprefix(f'{prepared_dir}: ')}) and data.raw_dir {raw_dir} {raw_why}; point data.raw_dir "
+            f"at your MovieLens download: --set data.raw_dir=/path/to/{release} (Python: "
+            f"overrides=[\"data.raw_dir=/path/to/{release}\"]), or set GEMRAY_SHARED to the folder holding "
+            f"data/{release} for the configs' ../shared/... paths (make demo: DATA_SRC=/path/to/ml-1m)")
 
 
 def _previous_config(out: Path) -> JobConfig | None:

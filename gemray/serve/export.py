@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gemray.config import JobConfig
 from gemray.kernels.reference import position_bucket_ref
 from gemray.serve.model import TrainedModel
 
@@ -196,6 +197,19 @@ def example_inputs(num_items: int, max_seq_len: int) -> tuple[torch.Tensor, ...]
             torch.tensor([10**9 + 5000, 10**9 + 6000]))
 
 
+def check_exportable(cfg: JobConfig) -> None:
+    """Refuse, from the run's config alone (``gemray export`` checks it before loading the checkpoint), a model
+    :func:`export` cannot write: one with per-token side features (``model.token_features``) or ranking tasks
+    (``model.tasks`` with "ctr" / "cvr"), which the program does not cover. Raises ValueError naming the field
+    and its value."""
+    m = cfg.model
+    what = ([f"model.token_features = {list(m.token_features)}"] if m.token_features else []) + \
+           ([f"ranking tasks (model.tasks = {list(m.tasks)})"] if m.ranking_tasks else [])
+    if what:
+        raise ValueError(f"export: the program covers the retrieval model over item / rating / time histories; "
+                         f"this model has {' and '.join(what)}, which is not exported yet")
+
+
 def export(trained: TrainedModel, out_dir: str | Path) -> Path:
     """Write the serving artifact of ``trained`` into ``out_dir`` (see the module docstring); returns the folder.
 
@@ -205,9 +219,7 @@ def export(trained: TrainedModel, out_dir: str | Path) -> Path:
     from gemray.serve.recommend import IdMaps
 
     cfg = trained.cfg
-    if cfg.model.token_features or getattr(cfg.model, "ranking_tasks", None):
-        raise ValueError("export: the program covers the retrieval model over item / rating / time histories; "
-                         "models with model.token_features or ranking tasks are not exported yet")
+    check_exportable(cfg)
     out = Path(out_dir).expanduser().resolve()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"--out {out}: exists and is not an empty folder")

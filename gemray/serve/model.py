@@ -6,6 +6,8 @@
    config: a run's output folder (``config.toml``, ``metrics.json``, ``ray/<name>/checkpoint_*``: the newest
    committed checkpoint that verifies, as a restarted training picks it: ``committed_checkpoints`` +
    ``choose_checkpoint``), a Ray Train run folder (``ray/<name>``) or one ``checkpoint_*`` folder.
+   :func:`find_config` finds the config alone, without reading any checkpoint (:func:`run_config`: what
+   ``recommend`` / ``export`` check before loading a model they cannot serve).
 2. The model is built as training builds it (``GEM`` on the meta device, ``gemray.parallel.parallelize`` on a
    one-process group: TorchRec shards every table onto this one rank) and the checkpoint's model weights are
    DCP-loaded into it (``gemray.checkpoint.load_model_state``: verified against its manifests, resharded
@@ -17,7 +19,6 @@ No Ray cluster is started: the process group is a single-rank one over an in-mem
 
 from __future__ import annotations
 
-import copy
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,46 +39,66 @@ def _is_checkpoint(path: Path) -> bool:
     return path.is_dir() and any(path.glob(MANIFEST_GLOB))
 
 
+def find_config(path: str | Path, config: str | Path | None = None) -> Path:
+    """The run's config file for ``--checkpoint path``, found without reading any checkpoint: ``config`` when
+    given; else ``config.toml`` in a ``gemray train`` output folder, two levels above a Ray Train run folder
+    (``<out>/ray/<name>``) or three above a checkpoint folder (``<out>/ray/<name>/checkpoint_*``).
+
+    Raises FileNotFoundError when ``path`` does not exist or no config file is there (give ``--config``)."""
+    p = Path(path).expanduser().resolve()
+    if not p.exists():
+        raise FileNotFoundError(f"--checkpoint {path}: no such folder")
+    if config is not None:
+        return Path(config).expanduser().resolve()  # load_config names it if it is missing
+    up = 3 if _is_checkpoint(p) else 0 if (p / CONFIG_FILE).is_file() else 2
+    found = [p, *p.parents][up] / CONFIG_FILE if len(p.parents) >= up else None
+    if found is None or not found.is_file():
+        raise FileNotFoundError(f"--checkpoint {path}: no {CONFIG_FILE} found beside the run ({found}); give a "
+                                "`gemray train --output` folder, its ray/<name> run or a checkpoint_* folder, or "
+                                "the training config with --config")
+    return found
+
+
+def run_config(checkpoint: str | Path, *, config: str | Path | None = None,
+               overrides: list[str] | None = None) -> JobConfig:
+    """The run's config (:func:`find_config`) with ``overrides`` applied, read without touching the checkpoint:
+    what ``gemray recommend`` / ``export`` check before loading a model they cannot serve."""
+    return apply_overrides(load_config(find_config(checkpoint, config)), list(overrides or []))
+
+
 def locate_checkpoint(path: str | Path, config: str | Path | None = None) -> tuple[Path, Path]:
     """``(checkpoint folder, config file)`` for a run folder, a Ray Train run folder or a checkpoint folder.
 
     Output folder of ``gemray train`` (holds ``config.toml``): its Ray Train run is ``ray.storage_path`` (or
     ``<folder>/ray``) ``/<name>``. Ray Train run folder: its ``config.toml`` two levels up. Checkpoint folder
     (``manifest_rank*.json``): taken as is; its ``config.toml`` three levels up (``<out>/ray/<name>/ckpt``).
-    ``config``: use this file instead of the one found. Among a run's committed checkpoints the newest one
-    that verifies is chosen (a corrupt one is skipped with a warning, as a restarted training does).
+    ``config``: use this file instead of the one found (:func:`find_config`). Among a run's committed
+    checkpoints the newest one that verifies is chosen (a corrupt one is skipped with a warning, as a restarted
+    training does).
 
-    Raises FileNotFoundError when ``path`` does not exist, holds no committed checkpoint, or no config is
-    found (give ``--config``); ValueError when no committed checkpoint verifies.
+    Raises FileNotFoundError when ``path`` does not exist, no config is found (give ``--config``) or it holds no
+    committed checkpoint; ValueError when no committed checkpoint verifies.
     """
     p = Path(path).expanduser().resolve()
-    if not p.exists():
-        raise FileNotFoundError(f"--checkpoint {path}: no such folder")
-    cfg_path = Path(config).expanduser().resolve() if config is not None else None
+    cfg_file = find_config(path, config)
     if _is_checkpoint(p):
-        found = p.parents[2] / CONFIG_FILE if len(p.parents) > 2 else None
-        ckpt = p
+        return p, cfg_file
+    if (p / CONFIG_FILE).is_file():
+        cfg = load_config(cfg_file)
+        storage = Path(cfg.ray.storage_path).expanduser().resolve() if cfg.ray.storage_path else p / "ray"
+        run_dir = storage / cfg.name
     else:
-        if (p / CONFIG_FILE).is_file():
-            cfg = load_config(cfg_path or p / CONFIG_FILE)
-            storage = Path(cfg.ray.storage_path).expanduser().resolve() if cfg.ray.storage_path else p / "ray"
-            run_dir, found = storage / cfg.name, p / CONFIG_FILE
-        else:
-            run_dir, found = p, p.parents[1] / CONFIG_FILE if len(p.parents) > 1 else None
-        candidates = committed_checkpoints(run_dir)
-        if not candidates:
-            raise FileNotFoundError(f"--checkpoint {path}: no committed checkpoint in {run_dir} (give a "
-                                    "`gemray train --output` folder, its ray/<name> run or a checkpoint_* folder)")
-        ckpt, skipped = choose_checkpoint(candidates)
-        for c, why in skipped:
-            log.warning("checkpoint %s is unusable (%s); taking the previous committed one", c, why)
-        if ckpt is None:
-            raise ValueError(f"--checkpoint {path}: no committed checkpoint of {run_dir} verifies: "
-                             + "; ".join(f"{c.name}: {w}" for c, w in skipped))
-    cfg_file = cfg_path or found
-    if cfg_file is None or not cfg_file.is_file():
-        raise FileNotFoundError(f"--checkpoint {path}: no {CONFIG_FILE} found beside the run "
-                                f"({found}); give the training config with --config")
+        run_dir = p
+    candidates = committed_checkpoints(run_dir)
+    if not candidates:
+        raise FileNotFoundError(f"--checkpoint {path}: no committed checkpoint in {run_dir} (give a "
+                                "`gemray train --output` folder, its ray/<name> run or a checkpoint_* folder)")
+    ckpt, skipped = choose_checkpoint(candidates)
+    for c, why in skipped:
+        log.warning("checkpoint %s is unusable (%s); taking the previous committed one", c, why)
+    if ckpt is None:
+        raise ValueError(f"--checkpoint {path}: no committed checkpoint of {run_dir} verifies: "
+                         + "; ".join(f"{c.name}: {w}" for c, w in skipped))
     return ckpt, cfg_file
 
 
@@ -152,8 +173,7 @@ def load_trained(checkpoint: str | Path, *, config: str | Path | None = None, ov
     from gemray.parallel import parallelize, plan_layout
 
     ckpt, cfg_file = locate_checkpoint(checkpoint, config)
-    cfg = load_config(cfg_file)
-    cfg = apply_overrides(copy.deepcopy(cfg), list(overrides or []))
+    cfg = apply_overrides(load_config(cfg_file), list(overrides or []))
     # the optimizer is never used here; "auto" keeps a CUDA-trained run (FBGEMM Adam) loadable on CPU
     cfg.train.sparse_optimizer = "auto"
     info = checkpoint_data(ckpt)

@@ -25,6 +25,7 @@ import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import torch
 
+from gemray.config import JobConfig
 from gemray.serve.model import TrainedModel, check_data
 
 log = logging.getLogger(__name__)
@@ -151,6 +152,17 @@ def top_k(trained: TrainedModel, batch, history: tuple[torch.Tensor, torch.Tenso
     return ids.cpu(), vals.cpu()
 
 
+def check_recommendable(cfg: JobConfig) -> None:
+    """Refuse, from the run's config alone (``gemray recommend`` checks it before loading the checkpoint), a model
+    :func:`recommend` cannot serve: one with per-token side features (``model.token_features``), whose
+    histories it cannot build from item ids. Raises ValueError naming the field and its value."""
+    if cfg.model.token_features:
+        raise ValueError(f"recommend: models with per-token side features (model.token_features = "
+                         f"{list(cfg.model.token_features)}, e.g. the GEM configs) are not supported by recommend yet: "
+                         "it builds each user's history from the item ids alone; `gemray evaluate` scores such "
+                         "models")
+
+
 def recommend(trained: TrainedModel, users: list[Any], *, k: int = 10, prepared_dir: str | Path | None = None,
               batch_size: int | None = None) -> pa.Table:
     """Top-``k`` items for each of ``users`` (raw user ids as the data knows them; see :class:`IdMaps`).
@@ -164,11 +176,7 @@ def recommend(trained: TrainedModel, users: list[Any], *, k: int = 10, prepared_
     if int(k) < 1:
         raise ValueError(f"--k {k}: expected >= 1")
     cfg = trained.cfg
-    if cfg.model.token_features:
-        raise ValueError(f"recommend: models with per-token side features (model.token_features = "
-                         f"{list(cfg.model.token_features)}, e.g. the GEM configs) are not supported by recommend yet: "
-                         "it builds each user's history from the item ids alone; `gemray evaluate` scores such "
-                         "models")
+    check_recommendable(cfg)
     manifest = check_data(trained, prepared_dir or cfg.data.prepared_dir)
     maps = IdMaps(manifest)
     dense = maps.dense_users(list(users))
