@@ -384,3 +384,71 @@ def test_cuda_parallelize_fp16_tables_are_the_fp32_rows_rounded_and_train():
         after = _tables(d16)
         assert int((after["embeddings.embeddings.item.weight"] != before["embeddings.embeddings.item.weight"])
                    .any(1).sum()) > 5
+
+
+# --- checkpoints -------------------------------------------------------------------------------------------------
+
+def _train(dmp, opt, steps: int = 2) -> None:
+    for step in range(steps):
+        loss, _ = dmp(_batch([4, 2, 3], seed=10 + step))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def test_fp16_checkpoint_round_trips_exactly_and_loads_across_dtypes_with_a_warning(tmp_path, caplog):
+    """DCP save/load of fp16 tables (and their float32 optimizer state) is exact; an fp32 checkpoint loads into an
+    fp16 model rounded to nearest, an fp16 one into an fp32 model exactly, each with a warning naming both dtypes;
+    the inference path (load_model_state) casts and warns the same."""
+    from gemray.checkpoint import load_checkpoint, load_model_state, save_checkpoint
+
+    with _world_of_one():
+        d16, o16 = _shard_build(_job("fp16"), seed=0)
+        _train(d16, o16)
+        saved16, opt16 = _tables(d16), _optim_state(o16)
+        save_checkpoint(tmp_path / "fp16", d16, o16, {"epoch": 1})
+        d32, o32 = _shard_build(_job("fp32"), seed=0)
+        _train(d32, o32)
+        saved32 = _tables(d32)
+        save_checkpoint(tmp_path / "fp32", d32, o32, {"epoch": 1})
+
+        back, oback = _shard_build(_job("fp16"), seed=77)
+        assert any(not torch.equal(v, saved16[k]) for k, v in _tables(back).items())  # not trivially equal
+        with caplog.at_level(logging.WARNING, logger="gemray.checkpoint"):
+            caplog.clear()
+            load_checkpoint(tmp_path / "fp16", back, oback)
+            assert "load with a cast" not in caplog.text
+            got = _tables(back)
+            assert got.keys() == saved16.keys()
+            assert all(got[k].dtype == torch.float16 and torch.equal(got[k], saved16[k]) for k in got)
+            st = _optim_state(oback)
+            assert st.keys() == opt16.keys() and all(torch.equal(st[k], opt16[k]) for k in st)
+
+            caplog.clear()
+            down, odown = _shard_build(_job("fp16"), seed=78)
+            load_checkpoint(tmp_path / "fp32", down, odown)
+            assert "float32 -> float16 (rounded to nearest)" in caplog.text
+            assert "embeddings.embeddings.item.weight" in caplog.text and "model.table_dtype" in caplog.text
+            got = _tables(down)
+            assert all(got[k].dtype == torch.float16 and torch.equal(got[k], saved32[k].half()) for k in got)
+            _train(down, odown, steps=1)  # and it trains on
+
+            caplog.clear()
+            up, _ = _shard_build(_job("fp32"), seed=79)
+            load_model_state(tmp_path / "fp16", up)
+            assert "float16 -> float32 (exact)" in caplog.text
+            got = _tables(up)
+            assert all(got[k].dtype == torch.float32 and torch.equal(got[k], saved16[k].float()) for k in got)
+
+
+def test_dtype_change_message_names_tensors_and_both_dtypes():
+    from gemray.checkpoint import dtype_change_message
+
+    assert dtype_change_message("c", []) is None
+    changes = [(f"embeddings.embeddings.t{i}.weight", "float32", "float16") for i in range(6)]
+    msg = dtype_change_message("/ck/checkpoint_1", changes)
+    assert msg.startswith("checkpoint /ck/checkpoint_1: 6 model tensor(s) load with a cast, float32 -> float16 "
+                          "(rounded to nearest): embeddings.embeddings.t0.weight")
+    assert "t3.weight, ..." in msg and "t4" not in msg and "model.table_dtype" in msg
+    up = dtype_change_message("c", [("x", "float16", "float32")])
+    assert "float16 -> float32 (exact): x" in up
