@@ -246,7 +246,7 @@ def test_parallelize_fp16_tables_are_the_fp32_rows_rounded_and_train(caplog):
         assert all(w.dtype == torch.float16 for m in tbes for w in m.split_embedding_weights())
         assert all(m.weights_precision == SparseType.FP32 for m in sparse_step_modules(d32))
         logs = caplog.text
-        assert "embedding tables: 3 tables, 20,075 rows x 8, float16: 0.00 GB of weights" in logs
+        assert "embedding tables: 3 tables, 20,075 rows x 8, float16: 0.32 MB of weights" in logs  # 20,075 x 8 x 2
         assert "stochastic rounding exists only in its CUDA kernels" in logs
 
         before = _tables(d16)

@@ -93,12 +93,13 @@ def table_bytes(configs: list[EmbeddingConfig]) -> int:
 
 def describe_tables(configs: list[EmbeddingConfig]) -> str:
     """One line on the tables' size, e.g. ``8 tables, 100,000,105 rows x 64, float16: 12.80 GB of weights``
-    (GB = 1e9 bytes, :func:`table_bytes`); the dtypes joined by '/' if they differ."""
+    (:func:`table_bytes`; GB = 1e9 bytes, MB = 1e6 under 1 GB); the dtypes joined by '/' if they differ."""
     rows = sum(int(c.num_embeddings) for c in configs)
     dims = sorted({int(c.embedding_dim) for c in configs})
     dtypes = sorted({str(table_dtype(c)).removeprefix("torch.") for c in configs})
-    return (f"{len(configs)} tables, {rows:,} rows x {'/'.join(map(str, dims))}, {'/'.join(dtypes)}: "
-            f"{table_bytes(configs) / 1e9:.2f} GB of weights")
+    n = table_bytes(configs)
+    size = f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.2f} MB"
+    return f"{len(configs)} tables, {rows:,} rows x {'/'.join(map(str, dims))}, {'/'.join(dtypes)}: {size} of weights"
 
 
 def make_embedding_collection(cfg: ModelConfig, num_items: int,
