@@ -385,13 +385,63 @@ def verify_checkpoint(directory: str | Path) -> dict[str, Any]:
     return {"world_size": world, "files": files}
 
 
+def _tensor_dtype(v: Any) -> torch.dtype | None:
+    """The dtype of a state-dict value: a plain tensor / DTensor's, a TorchRec ShardedTensor's (its global
+    metadata: a rank may hold no shard), None for anything else."""
+    meta = getattr(v, "metadata", None)
+    if callable(meta) and hasattr(v, "local_shards"):
+        return meta().tensor_properties.dtype
+    return v.dtype if isinstance(v, torch.Tensor) else None
+
+
+def dtype_changes(saved: Any, model_state: dict[str, Any], prefix: str = "model.") -> list[tuple[str, str, str]]:
+    """Pure: ``[(key, saved dtype, model dtype)]`` for every tensor of ``model_state`` (a model's
+    ``state_dict()``) that the checkpoint holds in another dtype, e.g. an embedding table saved under
+    ``model.table_dtype = "fp32"`` loaded into an fp16 model. ``saved``: the checkpoint's DCP ``Metadata``
+    (``FileSystemReader(...).read_metadata()``); its keys are ``prefix`` + the model's keys. Dtypes as torch
+    names without "torch." ("float32"); keys the checkpoint lacks are not listed (DCP refuses those)."""
+    out = []
+    for key, value in model_state.items():
+        md = saved.state_dict_metadata.get(prefix + key)
+        props = getattr(md, "properties", None)
+        have = _tensor_dtype(value)
+        if props is None or have is None or props.dtype == have:
+            continue
+        out.append((key, str(props.dtype).removeprefix("torch."), str(have).removeprefix("torch.")))
+    return out
+
+
+def dtype_change_message(directory: str | Path, changes: list[tuple[str, str, str]]) -> str | None:
+    """Pure: the warning for :func:`dtype_changes`' list (None when empty), naming the checkpoint, the tensors
+    and both dtypes, e.g. ``checkpoint C: 3 model tensor(s) load with a cast, float32 -> float16 (rounded to
+    nearest): embeddings.embeddings.item.weight, ... (an embedding table's dtype is model.table_dtype)``."""
+    if not changes:
+        return None
+    pairs = sorted({(a, b) for _, a, b in changes})
+    casts = ", ".join(f"{a} -> {b} ({'rounded to nearest' if b in ('float16', 'bfloat16') else 'exact'})"
+                      for a, b in pairs)
+    names = ", ".join(k for k, _, _ in changes[:4]) + (", ..." if len(changes) > 4 else "")
+    return (f"checkpoint {directory}: {len(changes)} model tensor(s) load with a cast, {casts}: {names} (an "
+            "embedding table's dtype is model.table_dtype; the fused optimizer's state is float32 either way)")
+
+
+def _warn_dtype_changes(directory: Path, changes: list[tuple[str, str, str]]) -> None:
+    """Log :func:`dtype_change_message` once (rank 0). DCP copies each saved tensor into the model's own, so a
+    float32 table lands in a float16 model rounded to nearest, a float16 one in a float32 model exactly."""
+    msg = dtype_change_message(directory, changes)
+    if msg and _rank_world()[0] == 0:
+        log.warning("%s", msg)
+
+
 def load_checkpoint(directory: str | Path, model: torch.nn.Module, optimizer: Any,
                     *, verify: bool = True) -> dict[str, Any]:
     """Verify (see :func:`verify_checkpoint`) then DCP-load into ``model``/``optimizer`` in place.
 
     Collective: every rank calls it. Returns the trainer dict (epoch, step, global_step, world_size,
     history). Restores this rank's RNG state if the saved run had this rank, else leaves it alone.
-    Raises ValueError for a corrupt checkpoint (see verify_checkpoint).
+    Model tensors saved in another dtype (embedding tables of another ``model.table_dtype``) load with a cast --
+    float32 -> float16 rounded to nearest, float16 -> float32 exact -- and a WARNING naming both dtypes
+    (:func:`dtype_changes`). Raises ValueError for a corrupt checkpoint (see verify_checkpoint).
     """
     import torch.distributed.checkpoint as dcp
 
@@ -404,6 +454,7 @@ def load_checkpoint(directory: str | Path, model: torch.nn.Module, optimizer: An
     meta = dcp.FileSystemReader(str(directory)).read_metadata()
     saved_keys = set(meta.state_dict_metadata)
     state = build_state(model, optimizer)
+    _warn_dtype_changes(directory, dtype_changes(meta, state["model"]))
     # "trainer.json" is one object entry; this rank's RNG state loads in place if it was saved.
     rng_key = f"rng_rank{rank}"
     if "trainer.json" not in saved_keys:
@@ -430,6 +481,7 @@ def load_model_state(directory: str | Path, model: torch.nn.Module, *, verify: b
     this process group's world size as :func:`load_checkpoint` does.
 
     Collective when ``model`` is sharded. Returns the trainer dict (epoch, global_step, world_size, history).
+    Tables of another ``model.table_dtype`` load with a cast and a warning, as in :func:`load_checkpoint`.
     Raises ValueError for a corrupt checkpoint or one without trainer state.
     """
     import torch.distributed.checkpoint as dcp
@@ -441,6 +493,7 @@ def load_model_state(directory: str | Path, model: torch.nn.Module, *, verify: b
     if "trainer.json" not in meta.state_dict_metadata:
         raise ValueError(f"checkpoint {directory}: no trainer state (trainer.json) in DCP metadata")
     state = {"model": model.state_dict(), "trainer": {"json": None}}
+    _warn_dtype_changes(directory, dtype_changes(meta, state["model"]))
     dcp.load(state, checkpoint_id=str(directory))
     model.load_state_dict(state["model"])
     return json.loads(state["trainer"]["json"])

@@ -178,6 +178,18 @@ class ModelConfig:
     be sized by configuration (capacity beyond the data's ids); a table's default is what the data needs
     (item: num_items + 1; a side feature: its cardinality + 1; user: num_users). Tables: "item", "rating",
     "time_gap", each token / context feature name, and "user".
+    table_dtype: storage of every embedding table: "fp32" (default) or "fp16": half the table bytes (12.8 of the
+    25.6 GB of configs/gem-h200.toml) and half the row bytes lookups read and updates write (TorchRec
+    ``EmbeddingConfig.data_type``, FBGEMM's TBE ``weights_precision``). Lookups still return float32 rows and the
+    fused optimizer's state stays float32 (row-wise Adagrad: one value per row); each update is computed in
+    float32 and rounded into the float16 row: stochastically on CUDA (FBGEMM's ``stochastic_rounding``, requested
+    for every fp16 table by ``gemray.parallel.parallelize``: to nearest, every update under half an ulp -- 2^-12
+    to 2^-11 of the weight -- would be dropped and rows with small updates would stop learning), to nearest on
+    the CPU (FBGEMM's CPU kernels have no stochastic rounding; ``parallelize`` logs a warning: fine for tests, not
+    for a CPU training run). The initial rows are the fp32 draws rounded to nearest, with the RNG stream (hence
+    the dense weights) of the fp32 build (``gemray.model.embeddings``). A checkpoint of the other dtype loads with
+    a cast and a warning naming both dtypes (``gemray.checkpoint``), so an output folder's run may be resumed
+    under the other dtype. One dtype for all tables: the small ones weigh nothing next to item / user.
 
     Mixture of experts in the candidate tower (``gemray.model.moe``; Switch Transformer / GShard routing):
     moe_experts: E > 0 replaces the first two layers of the interaction MLP (in -> mlp_dims[0] -> mlp_dims[1])
@@ -224,12 +236,14 @@ class ModelConfig:
     attention_block: int = 0
     relative_bias: bool = True
     table_rows: list[str] = field(default_factory=list)
+    table_dtype: str = "fp32"
     moe_experts: int = 0
     moe_top_k: int = 2
     moe_capacity_factor: float = 1.25
     moe_aux_weight: float = 0.01
 
     TASKS = ("retrieval", "ctr", "cvr")
+    TABLE_DTYPES = ("fp32", "fp16")
     RANKING_TASKS = ("ctr", "cvr")
     USER_ID_FEATURE = "user_id"
     # table / KJT names the side features may not take (fixed tables of the model)
@@ -317,6 +331,7 @@ class ModelConfig:
         _choice(self, "combiner", ("sum", "concat"))
         _choice(self, "cvr_population", ("clicked", "all"))
         _choice(self, "tower_activation", ("softmax", "silu", "gelu", "none"))
+        _choice(self, "table_dtype", self.TABLE_DTYPES)
         if not self.tasks or len(set(self.tasks)) != len(self.tasks) or \
                 any(t not in self.TASKS for t in self.tasks):
             raise ValueError(f"model.tasks: expected distinct entries of {self.TASKS}, got {self.tasks}")

@@ -47,18 +47,27 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchrec import EmbeddingCollection
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from gemray.config import ModelConfig
 from gemray.jagged import ITEM_FEATURE, JaggedBatch, query_timestamps
-from gemray.model.embeddings import init_embedding_tables
+from gemray.model.embeddings import build_embedding_collection, init_embedding_tables
 from gemray.model.features import NEG_ITEM_FEATURE, feature_names, sparse_features
 from gemray.model.heads import RetrievalHead, sample_uniform, sample_uniform_per_position
 from gemray.model.hstu import HSTUEncoder
 from gemray.model.inputs import (InputLayer, embedding_configs, extra_feature_names,
                                  extra_sparse_features)
 from gemray.model.ranking import CandidateTower, MultiTaskHead
+
+
+def _float_rows(jt: JaggedTensor) -> JaggedTensor:
+    """``jt`` with float32 values: an unsharded EmbeddingCollection returns its tables' dtype (float16 under
+    ``model.table_dtype = "fp16"``), TorchRec's sharded one float32 (FBGEMM's TBE ``output_dtype``); the dense
+    model takes float32 either way. ``jt`` itself when already float32."""
+    v = jt.values()
+    if v.dtype == torch.float32:
+        return jt
+    return JaggedTensor(values=v.float(), lengths=jt.lengths(), offsets=jt.offsets())
 
 
 @dataclass
@@ -121,7 +130,7 @@ class GEM(nn.Module):
             self._item_features[f] = t
         self._item_features_on: dict[tuple[str, str], torch.Tensor] = {}
         configs = embedding_configs(cfg, num_items, cardinalities=cardinalities, num_users=num_users)
-        self.embeddings = EmbeddingCollection(tables=configs, device=torch.device(device))
+        self.embeddings = build_embedding_collection(configs, device)
         self._keys = feature_names(cfg) + extra_feature_names(cfg)
         self.inputs = InputLayer(cfg, device=device)
         self.encoder = HSTUEncoder(cfg, max_seq_len, device=device)
@@ -218,7 +227,7 @@ class GEM(nn.Module):
         if kjt is None:
             kjt = self._kjt(batch, neg_ids, neg_rows)
         out = self.embeddings(kjt)  # sharded: a LazyAwaitable of the dict
-        emb = {k: out[k] for k in self._keys}
+        emb = {k: _float_rows(out[k]) for k in self._keys}
         tok = self.inputs.token_embeddings(emb)                     # [T, d]
         tq = None
         if self.cfg.time_bias_query == "next":   # HSTU: bias by the time of the item being predicted
@@ -334,5 +343,5 @@ class GEM(nn.Module):
         lengths[0] = ids.numel()
         kjt = KeyedJaggedTensor(keys=list(self._keys), values=ids.to(torch.int64).reshape(-1), lengths=lengths,
                                 stride=1)
-        emb = self.embeddings(kjt)[ITEM_FEATURE].values()
-        return F.normalize(emb, dim=-1, eps=1e-6).float()
+        emb = self.embeddings(kjt)[ITEM_FEATURE].values().float()  # float16 rows of an unsharded fp16 table
+        return F.normalize(emb, dim=-1, eps=1e-6)

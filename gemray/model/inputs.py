@@ -37,7 +37,6 @@ Example (E = 4, d = 8, token_features ["category"], combiner "concat")::
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 
 import torch
@@ -47,7 +46,7 @@ from torchrec import EmbeddingConfig
 
 from gemray.config import ModelConfig
 from gemray.jagged import ITEM_FEATURE, RATING_FEATURE, TIME_FEATURE, JaggedBatch
-from gemray.model.embeddings import INIT_STD
+from gemray.model.embeddings import table_config_kwargs
 from gemray.model.features import NEG_ITEM_FEATURE, NUM_RATINGS
 
 CANDIDATE_ITEM_FEATURE = "cand_item_id"
@@ -94,8 +93,8 @@ def extra_feature_names(cfg: ModelConfig) -> list[str]:
 
 def embedding_configs(cfg: ModelConfig, num_items: int, *, cardinalities: Mapping[str, int] | None = None,
                       num_users: int | None = None) -> list[EmbeddingConfig]:
-    """The EmbeddingCollection's tables for ``cfg`` (see the module docstring), all E wide, initialised
-    uniform in +-0.02*sqrt(3) as ``gemray.model.embeddings``.
+    """The EmbeddingCollection's tables for ``cfg`` (see the module docstring), all E wide, stored in
+    ``cfg.table_dtype`` and initialised uniform in +-0.02*sqrt(3) (``gemray.model.embeddings.table_config_kwargs``).
 
     Args:
         num_items: N (item ids 1..N).
@@ -124,8 +123,7 @@ def embedding_configs(cfg: ModelConfig, num_items: int, *, cardinalities: Mappin
             raise ValueError(f"model.table_rows: {table}={n} is smaller than the {needed} rows its ids need")
         return n
 
-    bound = INIT_STD * math.sqrt(3.0)
-    kw = dict(embedding_dim=cfg.embedding_dim, weight_init_min=-bound, weight_init_max=bound)
+    kw = table_config_kwargs(cfg)
     ranking = bool(cfg.ranking_tasks)
     item_features = [ITEM_FEATURE, NEG_ITEM_FEATURE] + ([CANDIDATE_ITEM_FEATURE] if ranking else [])
     tables = [EmbeddingConfig(name="item", num_embeddings=rows("item", num_items + 1),

@@ -110,6 +110,44 @@ def _sparse_optimizer(layout: Layout, name: str = "auto") -> tuple[type[torch.op
     return table[name], ["fused"]
 
 
+def table_constraints(configs, layout: Layout, kernels: list[str]) -> dict:
+    """Pure: the planner's ``ParameterConstraints`` per table name: the layout's sharding types, ``kernels``,
+    and for every table stored below float32 (``model.table_dtype = "fp16"``) ``stochastic_rounding=True``,
+    which TorchRec passes to FBGEMM's TBE as a fused parameter.
+
+    Why explicit: FBGEMM's default is already on, but it is what keeps an fp16 table learning -- the fused
+    optimizer computes each update in float32 and rounds the new row into float16; to nearest, every update
+    under half an ulp (2^-12 to 2^-11 of the weight) is dropped, so rows whose updates are small (rare ids, late in
+    training, row-wise Adagrad's shrinking steps) stop moving. Stochastic rounding keeps each update's expected
+    value. Float32 tables get no such constraint (their fused params stay as they were)."""
+    from torchrec.distributed.planner.types import ParameterConstraints
+    from torchrec.modules.embedding_configs import DataType
+
+    out = {}
+    for t in configs:
+        extra = {} if t.data_type == DataType.FP32 else {"stochastic_rounding": True}
+        out[t.name] = ParameterConstraints(sharding_types=list(layout.sharding_types), compute_kernels=kernels,
+                                           **extra)
+    return out
+
+
+def half_table_warning(configs, layout: Layout) -> str | None:
+    """Pure: the warning for float16 tables trained on the CPU, or None (float32 tables, or CUDA).
+
+    FBGEMM's CPU TBE backward (fbgemm_gpu 1.8, ``embedding_backward_split_cpu_template.cpp``) writes the
+    optimizer's update straight into the float16 row (``host_weights_data[...] -= ...``): round to nearest,
+    ``stochastic_rounding`` is a parameter of the CUDA kernels only. tests/test_table_dtype.py checks both."""
+    from torchrec.modules.embedding_configs import DataType
+
+    half = [t.name for t in configs if t.data_type != DataType.FP32]
+    if not half or layout.device_type == "cuda":
+        return None
+    return (f"model.table_dtype: tables {half} are float16 on the CPU, where FBGEMM's TBE rounds every fused "
+            "update to nearest (stochastic rounding exists only in its CUDA kernels): updates under half a float16 "
+            "ulp (2^-12 to 2^-11 of the weight) are lost, so rows stop learning sooner than on a GPU. Use "
+            "model.table_dtype = \"fp32\" for CPU training runs")
+
+
 def sparse_optimizer_kwargs(sparse_cls: type, cfg: JobConfig) -> dict:
     """Keyword arguments of the fused embedding optimizer, in FBGEMM TBE's names (TorchRec passes them on
     as fused params, renaming only ``lr`` to ``learning_rate``): ``lr`` = ``train.sparse_lr``, plus
@@ -133,8 +171,10 @@ def parallelize(model: nn.Module, *, layout: Layout, cfg: JobConfig, device: tor
     1. fused sparse optimizer attached to the EmbeddingCollection's parameters
        (``apply_optimizer_in_backward``; TorchRec fuses it into the sharded kernels, so it comes first);
     2. sharding plan: ``EmbeddingShardingPlanner.collective_plan``, every table constrained to
-       ``layout.sharding_types`` (``parallel.sparse_sharding``); for TorchRec 2D (``parallel.sparse_2d_group``)
-       the plan is for one sharding group;
+       ``layout.sharding_types`` (``parallel.sparse_sharding``), float16 tables (``model.table_dtype``) to
+       stochastic rounding of their fused updates (:func:`table_constraints`; on the CPU FBGEMM rounds to
+       nearest: :func:`half_table_warning` is logged); the planner sizes shards by the tables' own element
+       size; for TorchRec 2D (``parallel.sparse_2d_group``) the plan is for one sharding group;
     3. expert parallelism (``parallel.expert_parallel`` > 1, ``gemray.parallel.expert``): every MoE layer's
        experts sharded over the mesh's "ep" dimension (DTensors), all-to-all dispatch installed; then the
        dense part materialised: ``torch.manual_seed(cfg.train.seed)``, every module outside
@@ -166,9 +206,10 @@ def parallelize(model: nn.Module, *, layout: Layout, cfg: JobConfig, device: tor
     import torch.distributed as dist
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
-    from torchrec.distributed.planner.types import ParameterConstraints
     from torchrec.modules.embedding_modules import EmbeddingCollection
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    from gemray.model.embeddings import describe_tables
 
     check_shardable(cfg.model)
     from gemray.parallel.collectives import check_collectives
@@ -195,10 +236,14 @@ def parallelize(model: nn.Module, *, layout: Layout, cfg: JobConfig, device: tor
     sparse_cls, kernels = _sparse_optimizer(layout, cfg.train.sparse_optimizer)
     apply_optimizer_in_backward(sparse_cls, ec.parameters(), sparse_optimizer_kwargs(sparse_cls, cfg))
 
-    # 2. Planner over the topology; constrain every table to the layout's sharding types.
-    constraints = {t.name: ParameterConstraints(sharding_types=list(layout.sharding_types),
-                                                compute_kernels=kernels)
-                   for t in ec.embedding_configs()}
+    # 2. Planner over the topology; constrain every table to the layout's sharding types (and round the fused
+    # updates of fp16 tables stochastically: table_constraints).
+    constraints = table_constraints(ec.embedding_configs(), layout, kernels)
+    if dist.get_rank(pg) == 0:
+        log.info("embedding tables: %s", describe_tables(ec.embedding_configs()))
+        warning = half_table_warning(ec.embedding_configs(), layout)
+        if warning:
+            log.warning("%s", warning)
     dims = layout.parallel
     from gemray.parallel.expert import apply_expert_parallel, check_expert_parallel, expert_parameters
 
