@@ -182,6 +182,10 @@ def test_checkpointed_levels_give_identical_loss_and_grads(backend):
         assert loss == ref_loss and set(enc.state_dict()) == keys
         for n, g in grads.items():
             torch.testing.assert_close(g, ref_grads[n], rtol=0, atol=0, msg=lambda m, n=n: f"{n}: {m}")
+    for _ in range(2):  # back to none, twice: the original forwards again
+        apply_checkpointing(mods, {n: "none" for n in mods})
+    assert not any(hasattr(m, "_gemray_checkpointed") for m in mods.values())
+    assert _grads(enc, tok, off, ts)[0] == ref_loss
     enc.eval()
     with torch.no_grad():  # evaluation runs the plain forward
         torch.testing.assert_close(enc(tok, off, ts), HSTUEncoder.forward(enc, tok, off, ts), rtol=0, atol=0)

@@ -426,8 +426,8 @@ def apply_checkpointing(modules: dict[str, nn.Module], levels: Mapping[str, str]
     KeyError for an unknown name and ValueError for an unknown level."""
     for name, level in _as_levels(levels).items():
         m = modules[name]
-        if getattr(m, "_gemray_checkpointed", None) == level or (level == "none" and
-                                                                   not hasattr(m, "_gemray_orig_forward")):
+        current = getattr(m, "_gemray_checkpointed", "none")
+        if current == level:
             continue
         orig = m.__dict__.get("_gemray_orig_forward", m.forward)
         m._gemray_orig_forward = orig
