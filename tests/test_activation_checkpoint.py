@@ -511,7 +511,7 @@ def test_trainer_auto_mode_plans_selective_under_a_budget(synthetic, caplog):
     import logging
 
     with caplog.at_level(logging.INFO, logger="gemray.parallel.activation_checkpoint"):
-        losses, tr = _train(synthetic, 4, "train.activation_checkpointing=auto", "train.activation_memory_budget=0.97",
+        losses, tr = _train(synthetic, 3, "train.activation_checkpointing=auto", "train.activation_memory_budget=0.97",
                             "model.attention_backend=triton")
     plan = tr.checkpointer.plan
     assert plan is not None and plan.fits and plan.budget == int(0.97 * plan.no_checkpoint_peak)
