@@ -423,10 +423,13 @@ class TrainConfig:
     not multiples of 16). fp8_attention_inputs: FP8 q/k/v into the attention kernels -- NOT implemented
     (true is refused; the attention kernels take bf16/fp32). fp8_stats: log per-layer amax / overflow /
     underflow of the FP8 quantizations every ``log_every`` steps (eager steps only: not under ``compile``).
-    activation_checkpointing: "none", "full" (recompute every HSTU block and the tower), "auto" (the planner
-    of ``gemray.parallel.activation_checkpoint`` picks modules, cheapest recompute per byte saved first,
-    until the predicted peak fits ``activation_memory_budget``) or "torch" (torch.compile each HSTU block
-    with ``torch._functorch.config.activation_memory_budget`` = the budget, a fraction).
+    activation_checkpointing: "none", "full" (recompute every HSTU block and the tower), "selective"
+    (op-level selective checkpointing of every HSTU block and the tower: the outputs of the GEMMs and of the
+    attention custom ops are kept, the LayerNorms, SiLU, products, dropout and casts recomputed in the
+    backward), "auto" (the planner of ``gemray.parallel.activation_checkpoint`` picks a level -- none,
+    selective or full -- per module, cheapest recompute per byte saved first, until the predicted peak fits
+    ``activation_memory_budget``) or "torch" (torch.compile each HSTU block with
+    ``torch._functorch.config.activation_memory_budget`` = the budget, a fraction).
     activation_memory_budget: bytes (> 1) or a fraction 0 < f <= 1 of the measured no-checkpointing peak;
     0 = off ("auto" then checkpoints nothing).
     compile: torch.compile the dense per-token modules -- every HSTU block and the candidate tower -- one by one,
@@ -463,6 +466,8 @@ class TrainConfig:
     """
 
     PRECISIONS = ("fp32", "bf16", "fp8")
+    #: activation_checkpointing's modes (``gemray.parallel.activation_checkpoint.MODES``)
+    CHECKPOINTING = ("none", "full", "selective", "auto", "torch")
 
     epochs: int = 100
     lr: float = 1e-3
@@ -516,7 +521,7 @@ class TrainConfig:
         if self.fp8_attention_inputs:
             raise ValueError("train.fp8_attention_inputs: FP8 attention inputs are not implemented (the jagged "
                              "attention kernels take bf16/fp32 q/k/v); use false")
-        _choice(self, "activation_checkpointing", ("none", "full", "auto", "torch"))
+        _choice(self, "activation_checkpointing", self.CHECKPOINTING)
         _choice(self, "compile_backend", ("inductor", "aot_eager", "eager"))
         _choice(self, "compile_dynamic", ("all", "auto"))
         b = self.activation_memory_budget

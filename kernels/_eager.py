@@ -8,6 +8,11 @@ attention fwd+bwd than an ``autograd.Function`` over the same launches, measured
 short heavy-tailed batch's whole fwd+bwd takes ~150 us of host work (the kernel run reports (benchmarks/reports/kernels_h200_*.md) "Runs 39-41": that batch is
 host-bound). So a plain eager call runs the ops' implementation behind an autograd.Function, and everything that
 traces goes through the ops; both run the same implementation functions (tests compare them bitwise).
+
+A Python ``TorchDispatchMode`` on the dispatch stack -- selective activation checkpointing's caching and cached
+modes (``torch.utils.checkpoint.create_selective_checkpoint_contexts``), a ``FlopCounterMode``, an op census --
+sees only what goes through the dispatcher: the autograd.Function's launches would be invisible to it (SAC could
+neither save nor replay the attention's output), so such calls take the ops too.
 """
 
 from __future__ import annotations
@@ -15,20 +20,17 @@ from __future__ import annotations
 import torch
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
-_TRACING_MODES = tuple(getattr(torch._C._TorchDispatchModeKey, name) for name in ("FAKE", "PROXY", "FUNCTIONAL")
-                       if hasattr(torch._C._TorchDispatchModeKey, name))
 
 
 def plain_eager(*tensors) -> bool:
     """True when a call may take the eager autograd.Function instead of the custom ops: not under torch.compile /
-    export (dynamo), no FakeTensor / proxy (make_fx) / functionalization mode active, and every given tensor
-    (None entries skipped) a plain tensor or Parameter not on the meta device. Anything else -- FakeTensor,
-    FunctionalTensor, DTensor or other subclasses, meta tensors, those tracing modes -- takes the ops."""
-    if torch.compiler.is_compiling():
+    export (dynamo), no FakeTensor / proxy (make_fx) / functionalization mode and no other Python dispatch mode
+    active (module docstring), and every given tensor (None entries skipped) a plain tensor or Parameter not on
+    the meta device. Anything else -- FakeTensor, FunctionalTensor, DTensor or other subclasses, meta tensors,
+    those modes -- takes the ops."""
+    # the stack's length counts the infra modes (FakeTensor, proxy, functional) as well as the Python ones
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
         return False
-    for key in _TRACING_MODES:
-        if torch._C._get_dispatch_mode(key) is not None:
-            return False
     for t in tensors:
         if t is not None and (type(t) not in _PLAIN_TYPES or t.is_meta):
             return False

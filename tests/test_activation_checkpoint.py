@@ -1,12 +1,19 @@
-"""Activation checkpointing planner (pure, hand-checked costs), the probe, and the checkpointed model's exactness."""
+"""Activation checkpointing: the planner (pure, hand-checked costs, three levels per module), the probe and its op
+census, the checkpointed model's exactness at levels full and selective (eager and compiled), what each level
+keeps and recomputes, and the trainer's modes "selective" and "auto"."""
+
+import copy
+import gc
+import weakref
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from gemray.model.hstu import HSTUEncoder
-from gemray.parallel.activation_checkpoint import (ActivationCheckpointer, ModuleCost, apply_checkpointing,
+from gemray.parallel.activation_checkpoint import (ActivationCheckpointer, ModuleCost, _Probe, apply_checkpointing,
                                                    candidate_modules, plan_checkpointing, predicted_peak,
-                                                   resolve_budget)
+                                                   resolve_budget, saves_output)
 from model_utils import tiny_cfg
 
 MiB = 2 ** 20
@@ -39,6 +46,72 @@ def test_planner_cheapest_recompute_per_byte_first_until_budget():
         plan_checkpointing(c + [c[0]], 1, P0)
 
 
+def _blocks(n=4, tower=False):
+    # a block: saves 100, input 10; selective keeps 40 more (gain 50 at cost 2: 0.04 per MiB), full gain 90 at
+    # cost 10 (0.111 per MiB); selective -> full: 40 more for 8 (0.2 per MiB). The tower: selective keeps 80 more
+    # (gain 10 at cost 5: 0.5 per MiB), full gain 90 at cost 9 (0.1 per MiB): straight to full is cheaper per byte
+    costs = [ModuleCost(f"b{i}", 100 * MiB, 10 * MiB, 10.0, 40 * MiB, 2.0) for i in range(n)]
+    if tower:
+        costs.append(ModuleCost("tower", 100 * MiB, 10 * MiB, 9.0, 80 * MiB, 5.0))
+    return costs
+
+
+def _total_cost(costs, plan):
+    return sum(c.cost(plan.level(c.name)) for c in costs)
+
+
+def test_peak_model_of_mixed_levels_hand_checked():
+    c, P0 = _blocks(), 1000 * MiB
+    b0 = c[0]
+    assert (b0.gain("selective"), b0.gain("full"), b0.live("selective"), b0.live("full")) == \
+        (50 * MiB, 90 * MiB, 60 * MiB, 100 * MiB)
+    assert predicted_peak(c, {"b0": "selective"}, P0) == (1000 - 50 + 60) * MiB
+    assert predicted_peak(c, {"b0": "selective", "b1": "full"}, P0) == (1000 - 50 - 90 + 100) * MiB
+    assert predicted_peak(c, {"b0": "none"}, P0) == P0 == predicted_peak(c, {}, P0)
+    assert predicted_peak(c, ("b0", "b1"), P0) == predicted_peak(c, {"b0": "full", "b1": "full"}, P0)
+    with pytest.raises(ValueError, match="levels"):
+        predicted_peak(c, {"b0": "half"}, P0)
+    with pytest.raises(ValueError, match="not offered"):
+        ModuleCost("x", 10, 1, 1.0).kept("selective")
+
+
+def test_planner_takes_selective_on_every_block_when_that_fits():
+    c, P0 = _blocks(), 1000 * MiB
+    p = plan_checkpointing(c, 870 * MiB, P0)  # 4 x selective: 1000 - 200 + 60 = 860
+    assert p.levels == (("b0", "selective"), ("b1", "selective"), ("b2", "selective"), ("b3", "selective"))
+    assert p.predicted_peak == 860 * MiB and p.fits and p.recompute == ("b0", "b1", "b2", "b3")
+    assert "selective 4 [b0, b1, b2, b3]" in p.describe() and "full" not in p.describe().split(";")[0]
+    # the whole-block planner (no selective offered) needs 3 blocks at full for the same budget: 30 vs 8
+    whole = [ModuleCost(x.name, x.saved_bytes, x.input_bytes, x.recompute_cost) for x in c]
+    q = plan_checkpointing(whole, 870 * MiB, P0)
+    assert q.levels == (("b0", "full"), ("b1", "full"), ("b2", "full")) and q.predicted_peak == 830 * MiB
+    assert _total_cost(c, p) == 8.0 < _total_cost(whole, q) == 30.0
+
+
+def test_planner_upgrades_blocks_to_full_when_selective_is_not_enough():
+    c, P0 = _blocks(), 1000 * MiB
+    p = plan_checkpointing(c, 800 * MiB, P0)  # 860 with all selective; then b0, b1, b2 to full: 1000 - 320 + 100
+    assert dict(p.levels) == {"b0": "full", "b1": "full", "b2": "full", "b3": "selective"}
+    assert p.predicted_peak == 780 * MiB and p.fits and _total_cost(c, p) == 32.0
+    # with the tower: after the blocks' selective steps its straight-to-full step (0.1 per MiB) comes before any
+    # block's selective -> full (0.2): 1000 - 290 + 100 = 810, then b0 to full: 770
+    c, P0 = _blocks(tower=True), 1000 * MiB
+    p = plan_checkpointing(c, 800 * MiB, P0)
+    assert p.levels == (("b0", "full"), ("b1", "selective"), ("b2", "selective"), ("b3", "selective"),
+                        ("tower", "full"))
+    assert p.predicted_peak == 770 * MiB and p.fits
+
+
+def test_planner_recomputes_everything_fully_when_the_budget_is_out_of_reach():
+    c, P0 = _blocks(tower=True), 1000 * MiB
+    p = plan_checkpointing(c, 100 * MiB, P0)
+    assert {lvl for _, lvl in p.levels} == {"full"} and set(p.recompute) == {c.name for c in c}
+    assert p.predicted_peak == (1000 - 5 * 90 + 100) * MiB and not p.fits and "NOT met" in p.describe()
+    assert plan_checkpointing(c, P0, P0).levels == ()  # fits already: nothing
+    with pytest.raises(ValueError, match="negative"):
+        plan_checkpointing([ModuleCost("x", 10, 1, 1.0, -1, 0.0)], 1, 10)
+
+
 def test_resolve_budget():
     assert resolve_budget(0.5, 1000) == 500 and resolve_budget(1, 1000) == 1000
     assert resolve_budget(4096, 1000) == 4096 and resolve_budget(0, 1000) == 1000
@@ -64,22 +137,229 @@ def _loss_and_grads(enc, tok, offsets, ts):
     return float(loss.detach()), {n: p.grad.clone() for n, p in enc.named_parameters()}
 
 
-def test_checkpointed_model_gives_identical_loss_and_grads():
-    enc, tok, off, ts = _encoder_and_batch()
-    ref_loss, ref_grads = _loss_and_grads(enc, tok, off, ts)
+LENGTHS = [9, 0, 21, 1]  # an empty and a length-1 sequence among them
+
+
+def _jagged(lengths=LENGTHS, d=32, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    offsets = torch.tensor([0] + list(lengths)).cumsum(0)
+    T = int(offsets[-1])
+    ts = torch.cumsum(torch.randint(0, 10 ** 5, (T,), generator=g), 0)
+    return torch.randn(T, d, generator=g), offsets, ts
+
+
+def _grads(enc, tok, offsets, ts):
+    """(loss, {name: grad} of the parameters and of the input tokens); dropout seeded."""
+    enc.zero_grad(set_to_none=True)
+    tok = tok.clone().requires_grad_()
+    torch.manual_seed(123)
+    out = enc(tok, offsets, ts)
+    loss = (out * torch.linspace(-1, 1, out.shape[1])).sum()
+    loss.backward()
+    return float(loss.detach()), {"tokens": tok.grad, **{n: p.grad.clone() for n, p in enc.named_parameters()}}
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_checkpointed_levels_give_identical_loss_and_grads(backend):
+    """Blocks at full and at selective (one of each, then changed) give the loss and gradients of the plain
+    encoder bit for bit, dropout included (its RNG replayed), on the reference attention and on the Triton kernels
+    (the interpreter here: the path that saves gemray::gdpa_fwd); state-dict keys do not change."""
+    torch.manual_seed(0)
+    cfg = tiny_cfg(embedding_dim=32, num_heads=2, attention_dim=8, linear_dim=8, num_blocks=3, dropout=0.2,
+                   attention_backend=backend)
+    enc = HSTUEncoder(cfg, 32)
+    tok, off, ts = _jagged()
+    ref_loss, ref_grads = _grads(enc, tok, off, ts)
     keys = set(enc.state_dict())
-    enc.zero_grad()
     mods = candidate_modules(enc)
     assert list(mods) == ["blocks.0", "blocks.1", "blocks.2"]
-    apply_checkpointing(mods, ["blocks.0", "blocks.2"])
-    loss, grads = _loss_and_grads(enc, tok, off, ts)
-    assert loss == ref_loss and set(enc.state_dict()) == keys  # dropout replayed; state-dict keys unchanged
+    for levels in ({"blocks.0": "selective", "blocks.1": "full", "blocks.2": "selective"},
+                   {"blocks.0": "none", "blocks.1": "selective"}):
+        apply_checkpointing(mods, levels)
+        assert [getattr(m, "_gemray_checkpointed", "none") for m in mods.values()] == \
+            [levels.get(n, "selective") for n in mods]
+        loss, grads = _grads(enc, tok, off, ts)
+        assert loss == ref_loss and set(enc.state_dict()) == keys
+        for n, g in grads.items():
+            torch.testing.assert_close(g, ref_grads[n], rtol=0, atol=0, msg=lambda m, n=n: f"{n}: {m}")
+    for _ in range(2):  # back to none, twice: the original forwards again
+        apply_checkpointing(mods, {n: "none" for n in mods})
+    assert not any(hasattr(m, "_gemray_checkpointed") for m in mods.values())
+    assert _grads(enc, tok, off, ts)[0] == ref_loss
+    enc.eval()
+    with torch.no_grad():  # evaluation runs the plain forward
+        torch.testing.assert_close(enc(tok, off, ts), HSTUEncoder.forward(enc, tok, off, ts), rtol=0, atol=0)
+
+
+def test_selective_fp8_blocks_under_bf16_autocast_give_identical_loss_and_grads():
+    """FP8 blocks (gemray.model.fp8: the norm-fused quantization into the FP8 GEMMs, emulated on the CPU, inside
+    an autograd.Function) under bf16 autocast, as train.precision = "fp8" runs them: at selective the loss and
+    gradients are the plain blocks' bit for bit (the GEMM outputs come back from the cache, the quantization and
+    casts are recomputed)."""
+    from gemray.model.fp8 import convert_to_fp8
+
+    torch.manual_seed(0)
+    cfg = tiny_cfg(embedding_dim=32, num_heads=2, attention_dim=8, linear_dim=16, num_blocks=2, dropout=0.1,
+                   attention_backend="reference")
+    enc = HSTUEncoder(cfg, 32)
+    assert convert_to_fp8(enc, "e4m3", min_dim=16)["converted"] == ["blocks.0", "blocks.1"]
+    tok, off, ts = _jagged()
+
+    def run():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return _grads(enc, tok, off, ts)
+
+    ref_loss, ref_grads = run()
+    apply_checkpointing(candidate_modules(enc), {"blocks.0": "selective", "blocks.1": "selective"})
+    loss, grads = run()
+    assert loss == ref_loss
     for n, g in grads.items():
-        torch.testing.assert_close(g, ref_grads[n], rtol=0, atol=0)
+        torch.testing.assert_close(g, ref_grads[n], rtol=0, atol=0, msg=lambda m, n=n: f"{n}: {m}")
+
+
+class _LiveStorages(TorchDispatchMode):
+    """Weak references to the storage of every new op output (view ops' outputs share an older storage: not
+    new) while active; :meth:`live_bytes` sums those still alive (what the forward left for the backward, however
+    held: autograd's saved tensors, a checkpoint's cache)."""
+
+    def __init__(self):
+        super().__init__()
+        self.refs: dict[int, tuple] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor) and not func.is_view:
+                st = t.untyped_storage()
+                old = self.refs.get(st.data_ptr())
+                if old is None or old[0]() is None:
+                    self.refs[st.data_ptr()] = (weakref.ref(st), st.nbytes())
+        return out
+
+    def live_bytes(self, *exclude: torch.Tensor) -> int:
+        gc.collect()
+        skip = {t.untyped_storage().data_ptr() for t in exclude}
+        return sum(n for p, (r, n) in self.refs.items() if r() is not None and p not in skip)
+
+
+class _OpCount(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.name()
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_selective_keeps_less_than_none_more_than_full_and_recomputes_no_gemm(backend):
+    """One block's forward, at each level: the bytes still alive for the backward order none > selective > full
+    (= only the input, which the caller holds anyway); selective's are exactly the outputs of the ops the census
+    classified as kept (the probe's selective_bytes), none's the probe's saved bytes less the input's (and less
+    the reference attention's per-batch layout cache's, warmed by the probe's forward: they predate the measured
+    ones). In the backward, full recomputes the uvqk GEMM (and, on the Triton kernels, the attention's forward
+    op), selective neither -- it recomputes the pointwise ops (LayerNorm, SiLU) instead."""
+    torch.manual_seed(0)
+    cfg = tiny_cfg(embedding_dim=32, num_heads=2, attention_dim=8, linear_dim=8, num_blocks=1,
+                   attention_backend=backend)
+    block = HSTUEncoder(cfg, 32).blocks[0]
+    tok, off, ts = _jagged()
+    x = tok.requires_grad_()
+    with _Probe({"b": block}, list(block.parameters())) as probe:
+        block(x, off, ts)
+    cost = probe.costs()[0]
+    assert cost.input_bytes == x.numel() * 4 + off.numel() * 8 + ts.numel() * 8
+    assert 0 < cost.selective_cost < cost.recompute_cost and 0 < cost.selective_bytes < cost.saved_bytes
+    kept, bwd = {}, {}
+    for level in ("none", "selective", "full"):
+        apply_checkpointing({"b": block}, {"b": level})
+        live = _LiveStorages()
+        with live:
+            out = block(x, off, ts)
+        kept[level] = live.live_bytes(out)
+        count = _OpCount()
+        with count:
+            out.backward(torch.ones_like(out))
+        bwd[level] = count.counts
+        del out
+    assert kept["none"] > kept["selective"] > kept["full"] == 0, kept
+    assert kept["selective"] == cost.selective_bytes
+    # the probe's saved bytes also count the saved storages that predate the forward (x, the layout cache's)
+    assert 0.95 * (cost.saved_bytes - x.numel() * 4) <= kept["none"] <= cost.saved_bytes - x.numel() * 4
+    gemms = {lvl: c.get("aten::mm", 0) + c.get("aten::addmm", 0) for lvl, c in bwd.items()}
+    # full re-runs the uvqk GEMM; not the output GEMM: torch's early stop ends the recompute once the last tensor
+    # the backward needs (the output GEMM's input) is back
+    assert gemms["selective"] == gemms["none"] and gemms["full"] == gemms["none"] + 1, gemms
+    assert bwd["none"].get("aten::native_layer_norm", 0) == bwd["none"].get("aten::silu", 0) == 0
+    assert bwd["selective"]["aten::native_layer_norm"] == bwd["full"]["aten::native_layer_norm"] == 2
+    assert bwd["selective"]["aten::silu"] >= 1  # the uvqk SiLU (and the reference attention's)
+    if backend == "triton":
+        assert [bwd[lvl].get("gemray::gdpa_fwd", 0) for lvl in ("none", "selective", "full")] == [0, 0, 1]
+        assert all(bwd[lvl]["gemray::gdpa_bwd"] == 1 for lvl in bwd)
+    assert saves_output(torch.ops.aten.addmm.default) and not saves_output(torch.ops.aten.bmm.default)
+
+
+def _recording_aot_eager(backward_graphs: list):
+    """aot_eager (its min-cut partitioner, which honours selective checkpointing's tags) that keeps the backward
+    graphs it is given."""
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+
+    def bw(gm, example_inputs):
+        backward_graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    return aot_autograd(fw_compiler=lambda gm, example_inputs: make_boxed_func(gm.forward), bw_compiler=bw,
+                        partition_fn=min_cut_rematerialization_partition)
+
+
+def _graph_ops(gm) -> list[str]:
+    return [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def test_levels_under_compile_keep_the_gemms_and_the_attention():
+    """Compiled blocks (train.compile's in-place ``Module.compile``, the Triton kernels in the interpreter), the
+    level applied after their first compiled step, as "auto" does: the checkpoint runs inside the compiled region
+    (dynamo recompiles for the new forward, no graph break) and gives eager's values and gradients. In the compiled
+    backward, selective re-runs no GEMM and no attention forward (only the four gradient GEMMs); full re-runs the
+    uvqk GEMM and gemray::gdpa_fwd."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from gemray.parallel.compile import compile_dense_modules
+
+    torch.manual_seed(0)
+    cfg = tiny_cfg(embedding_dim=32, num_heads=2, attention_dim=8, linear_dim=8, num_blocks=1,
+                   attention_backend="triton")
+    base = HSTUEncoder(cfg, 32)
+    for level in ("selective", "full"):
+        enc, graphs = copy.deepcopy(base), []
+        torch._dynamo.reset()
+        counters.clear()
+        assert compile_dense_modules(enc, backend=_recording_aot_eager(graphs)) == ["blocks.0"]
+        for step, lengths in enumerate(([5, 0, 12, 1], LENGTHS, [3, 7, 1])):
+            if step == 1:
+                apply_checkpointing(candidate_modules(enc), {"blocks.0": level})
+                graphs.clear()
+            tok, off, ts = _jagged(lengths, seed=step)
+            loss, grads = _grads(enc, tok, off, ts)
+            ref_loss, ref_grads = _grads(base, tok, off, ts)
+            assert loss == pytest.approx(ref_loss, rel=1e-6)
+            for n, g in grads.items():
+                torch.testing.assert_close(g, ref_grads[n], rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
+        assert graphs and sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+        for gm in graphs:  # the backward graphs compiled after the level was applied
+            ops = _graph_ops(gm)
+            gemms = sum(o.startswith(("aten.mm", "aten.addmm")) for o in ops)
+            recomputed_attention = sum("gdpa_fwd" in o for o in ops)
+            assert (gemms, recomputed_attention) == ((4, 0) if level == "selective" else (5, 1)), (level, ops)
 
 
 def test_auto_checkpointer_probes_plans_and_applies():
     enc, tok, off, ts = _encoder_and_batch()
+    ref_loss = _loss_and_grads(copy.deepcopy(enc), tok, off, ts)[0]
     ac = ActivationCheckpointer("auto", 0.6)
     ac.setup(enc)
     with ac.step(enc, torch.device("cpu")):  # warm-up step: nothing measured, nothing planned
@@ -87,21 +367,25 @@ def test_auto_checkpointer_probes_plans_and_applies():
     assert ac.after_step() is None and ac.plan is None
     enc.zero_grad()
     with ac.step(enc, torch.device("cpu")):
-        _loss_and_grads(enc, tok, off, ts)
+        probe_loss = _loss_and_grads(enc, tok, off, ts)[0]
+    assert probe_loss == ref_loss  # the census's extra forwards forked the RNG: the step's dropout is unchanged
     plan = ac.after_step()
     assert plan is not None and plan.recompute and plan.fits
     assert plan.budget == int(0.6 * plan.no_checkpoint_peak)
     probe_saved = plan.no_checkpoint_peak  # CPU: modelled = saved bytes of the blocks + the rest
     assert probe_saved > 0
-    assert all(getattr(candidate_modules(enc)[n], "_gemray_checkpointed", False) for n in plan.recompute)
+    mods = candidate_modules(enc)
+    assert {n: getattr(m, "_gemray_checkpointed", "none") for n, m in mods.items()} == \
+        {n: plan.level(n) for n in mods}
     enc.zero_grad()
     with ac.step(enc, torch.device("cpu")):
-        _loss_and_grads(enc, tok, off, ts)
+        assert _loss_and_grads(enc, tok, off, ts)[0] == ref_loss
     assert ac.after_step() is None
-    # full: every block; none with a budget of 0 in auto mode
-    enc2 = _encoder_and_batch()[0]
-    ActivationCheckpointer("full").setup(enc2)
-    assert all(getattr(m, "_gemray_checkpointed", False) for m in candidate_modules(enc2).values())
+    # full / selective: every block; none with a budget of 0 in auto mode
+    for mode in ("full", "selective"):
+        enc2 = _encoder_and_batch()[0]
+        ActivationCheckpointer(mode).setup(enc2)
+        assert all(getattr(m, "_gemray_checkpointed", None) == mode for m in candidate_modules(enc2).values())
     enc3 = _encoder_and_batch()[0]
     ac3 = ActivationCheckpointer("auto", 0)
     ac3.setup(enc3)
@@ -115,8 +399,6 @@ def test_auto_checkpointer_probes_plans_and_applies():
 
 def test_probe_measures_block_bytes():
     enc, tok, off, ts = _encoder_and_batch()
-    from gemray.parallel.activation_checkpoint import _Probe
-
     with _Probe(candidate_modules(enc), list(enc.parameters())) as p:
         enc(tok, off, ts)
     costs = p.costs()
@@ -125,6 +407,11 @@ def test_probe_measures_block_bytes():
     T, D = 31, 32
     assert all(c.saved_bytes >= 3 * T * D * 4 and c.input_bytes >= T * D * 4 for c in costs)
     assert len({c.saved_bytes for c in costs}) == 1  # identical blocks save identical bytes
+    # the census: on the reference attention selective keeps the two GEMMs' outputs, uvqk [T, 2HV + 2HA] and the
+    # output projection's [T, D]; recomputing the rest costs less than the whole forward
+    W = 2 * 2 * 8 + 2 * 2 * 8
+    assert all(c.selective_bytes == T * (W + D) * 4 for c in costs)
+    assert all(0 < c.selective_cost < c.recompute_cost for c in costs)
 
 
 def test_torch_mode_sets_the_budget_and_compiles_blocks():
@@ -159,6 +446,82 @@ def test_config_fields_refuse_bad_values(sets, msg):
     ok = JobConfig()
     ok.train.precision, ok.train.activation_memory_budget = "fp8", 40e9
     ok.validate()
+    for mode in ("none", "full", "selective", "auto"):
+        ok.train.activation_checkpointing = mode
+        ok.validate()
+
+
+TRAIN_CONFIG = "configs/gem-tiny.toml"
+TRAIN_DATA = ["data.num_files=1", "data.max_seq_len=32", "data.batch_size=8", "data.sub_batch_size=8",
+              'data.synthetic=["users=64", "items=200", "seed=5", "max_len=32", "min_len=4", "mean_len=12", '
+              '"features=category=8,author=32", "devices=3", "candidates=6"]']
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory):
+    """gem-tiny's generator at a smaller size (its token / candidate / context features), prepared once."""
+    from gemray.config import load_config
+    from gemray.pipelines.synthetic import ensure_synthetic
+
+    out = tmp_path_factory.mktemp("ac") / "syn"
+    ensure_synthetic(load_config(TRAIN_CONFIG, [f"data.prepared_dir={out}", *TRAIN_DATA]).data)
+    return out
+
+
+def _train(synthetic, steps: int, *sets: str):
+    """(the losses of ``steps`` Trainer.train_step calls on the first batch, the trainer) of gem-tiny (2 HSTU
+    blocks, the candidate tower) on the CPU with ``sets`` applied."""
+    import torch.distributed as dist
+
+    from gemray.bench.train import _init_process_group, first_batch
+    from gemray.config import load_config
+    from gemray.train.trainer import Trainer
+
+    cfg = load_config(TRAIN_CONFIG, [f"data.prepared_dir={synthetic}", *TRAIN_DATA, "ray.use_gpu=false",
+                                     "model.num_blocks=2", "model.dropout=0.1", *sets])
+    device = torch.device("cpu")
+    made = _init_process_group(device)
+    try:
+        tr = Trainer(cfg)
+        tr.setup(context=(0, 1, device))
+        tr.build()
+        tr.restore(from_ray=False)
+        tr.begin_epoch(0)
+        batch = first_batch(tr)
+        return [float(tr.train_step(batch)) for _ in range(steps)], tr
+    finally:
+        if made:
+            dist.destroy_process_group()
+
+
+def test_trainer_selective_mode_trains_exactly_as_without_checkpointing(synthetic):
+    """train.activation_checkpointing = "selective": every HSTU block and the tower at level selective, and three
+    training steps (dropout on) give the losses of the same run without checkpointing, bit for bit."""
+    plain, _ = _train(synthetic, 3, "train.activation_checkpointing=none", "model.attention_backend=reference")
+    sel, tr = _train(synthetic, 3, "train.activation_checkpointing=selective", "model.attention_backend=reference")
+    mods = candidate_modules(tr.dmp)
+    assert len(mods) == 3 and all(m._gemray_checkpointed == "selective" for m in mods.values())
+    assert sel == plain
+
+
+def test_trainer_auto_mode_plans_selective_under_a_budget(synthetic, caplog):
+    """train.activation_checkpointing = "auto" with a budget a little under the no-checkpointing peak, on the Triton
+    kernels (the interpreter): the probe (step 2) finds selective some ten times cheaper per byte than full (the
+    attention forward is saved, only pointwise ops are recomputed), the plan puts modules at selective and none at
+    full, the modules run at the plan's levels, and training goes on."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="gemray.parallel.activation_checkpoint"):
+        losses, tr = _train(synthetic, 3, "train.activation_checkpointing=auto", "train.activation_memory_budget=0.97",
+                            "model.attention_backend=triton")
+    plan = tr.checkpointer.plan
+    assert plan is not None and plan.fits and plan.budget == int(0.97 * plan.no_checkpoint_peak)
+    levels = dict(plan.levels)
+    assert set(levels.values()) == {"selective"}, plan.describe()
+    assert {n: getattr(m, "_gemray_checkpointed", "none") for n, m in candidate_modules(tr.dmp).items()} == \
+        {n: plan.level(n) for n in candidate_modules(tr.dmp)}
+    assert f"auto, recompute {len(levels)} module(s): selective {len(levels)} [" in caplog.text
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
 
 
 @pytest.mark.gpu
@@ -188,3 +551,52 @@ def test_auto_plan_lowers_the_measured_peak_on_cuda():
     step()
     measured = torch.cuda.max_memory_allocated(dev)
     assert measured < plan.no_checkpoint_peak
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (measured peaks)")
+@pytest.mark.parametrize("compiled", [False, True])
+def test_selective_peak_lies_between_none_and_full_on_cuda(compiled):
+    """On the GPU (Triton kernels, bf16 autocast as train.precision = "bf16"; eager and under inductor), the
+    measured peak of a training step of 4 blocks orders none > selective > full, and selective's gradients are the
+    plain blocks' (eager: bit for bit; compiled: within bf16 rounding of the compiled plain blocks')."""
+    import torch._dynamo
+
+    from gemray.parallel.compile import compile_dense_modules
+
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    cfg = tiny_cfg(embedding_dim=256, num_heads=4, attention_dim=64, linear_dim=64, num_blocks=4,
+                   attention_backend="triton")
+    base = HSTUEncoder(cfg, 512, device=dev)
+    offsets = torch.tensor([0, 300, 812, 812, 813, 1200], device=dev)  # an empty and a length-1 sequence
+    ts = torch.arange(1200, device=dev) * 60
+    tok = torch.randn(1200, 256, device=dev)
+    peaks, grads = {}, {}
+    for level in ("none", "selective", "full"):
+        torch._dynamo.reset()
+        enc = copy.deepcopy(base)
+        apply_checkpointing(candidate_modules(enc), {n: level for n in candidate_modules(enc)})
+        if compiled:
+            compile_dense_modules(enc, backend="inductor")
+
+        def step():
+            enc.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = enc(tok, offsets, ts, max_len=512)
+            out.float().square().sum().backward()
+
+        for _ in range(2):  # kernel / graph compiles
+            step()
+        torch.cuda.synchronize(dev)
+        start = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        step()
+        peaks[level] = torch.cuda.max_memory_allocated(dev) - start
+        grads[level] = [p.grad.float() for p in enc.parameters()]
+    assert peaks["none"] > peaks["selective"] > peaks["full"], peaks
+    for a, b in zip(grads["selective"], grads["none"]):
+        if compiled:
+            torch.testing.assert_close(a, b, rtol=2e-2, atol=1e-3)
+        else:
+            assert torch.equal(a, b)

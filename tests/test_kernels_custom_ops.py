@@ -186,6 +186,37 @@ def test_eager_path_and_op_path_agree_bitwise(pattern):
 
 
 @cpu_only
+def test_a_python_dispatch_mode_sees_the_attention_as_one_op():
+    """Under a TorchDispatchMode (selective activation checkpointing's, a FlopCounterMode) an eager call takes the
+    custom ops, so the mode sees gemray::gdpa_fwd (and, in the backward, gdpa_bwd) -- not the eager
+    autograd.Function's launches -- and gets the same values; without a mode the call stays on the eager path."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from gemray.kernels._eager import plain_eager
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    q, k, v, q_off, off, nt, bias, max_q, n, act, causal, alpha, *_ = _fwd_args("silu_targets_bias")
+    call = dict(activation=act, causal=causal, alpha=alpha, norm=n, num_targets=nt, attn_bias=bias)
+    assert plain_eager(q, k, v)
+    eager = ja.gdpa_triton(q, k, v, q_off, off, max_q, n, **call)
+    mode = Ops()
+    with mode:
+        assert not plain_eager(q, k, v)
+        seen = ja.gdpa_triton(q, k, v, q_off, off, max_q, n, **call)
+        torch.autograd.grad(seen, (q, k, v), torch.ones_like(seen))
+    assert mode.seen.count("gemray.gdpa_fwd.default") == 1 and mode.seen.count("gemray.gdpa_bwd.default") == 1
+    assert torch.equal(seen, eager)
+
+
+@cpu_only
 def test_plan_cache_hits_inside_the_op():
     """The op's implementation finds the launch plan the first call made (keyed on the offsets object): one forward
     plan for two op calls and an eager call on the same batch and config; a new offsets object gets a new one."""

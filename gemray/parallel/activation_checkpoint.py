@@ -1,33 +1,74 @@
 """Activation checkpointing under a memory budget: a pure planner, a probe that measures, one place that acts.
 
 Candidates: every ``HSTUBlock`` and the ``CandidateTower`` (the modules whose forward keeps the most for the
-backward). For each the probe measures, during one ordinary training step (the second: the first compiles kernels) (forward with
-``torch.autograd.graph.saved_tensors_hooks`` and forward pre/post hooks):
+backward). Each can run at one of three levels (``LEVELS``):
+
+* "none": autograd keeps what the forward saves;
+* "selective" (op-level selective activation checkpointing, torchtitan's "op" SAC): the module's forward runs
+  under ``torch.utils.checkpoint.checkpoint(use_reentrant=False, context_fn=selective_contexts)``, whose policy
+  (:func:`sac_policy`) SAVES the outputs of the expensive ops (``SAVED_OPS``: the GEMMs ``aten::mm`` /
+  ``addmm`` / ``_scaled_mm`` and the jagged attention custom ops ``gemray::gdpa_fwd`` (the HSTU blocks' Triton
+  kernels), ``gemray::cross_attention`` and ``gemray::pma`` (the tower's)) and RECOMPUTES everything else in the
+  backward: the LayerNorms, SiLU, ``u * norm(attn)``, dropout (its RNG state replayed), casts, the residual. An
+  HSTU block then keeps its input x [T, D], the uvqk GEMM's output [T, 2HV + 2HA] (SiLU's backward needs its
+  input), the attention's output [T, HV] (and, eagerly, the output GEMM's [T, D], which the backward never
+  reads -- SAC caches every saved op's output as it runs -- while under torch.compile the partitioner drops it).
+  The reference attention (``attention_backend = "reference"``, the CPU spec) is plain aten ops whose GEMMs are
+  ``bmm`` over [B*H, n, n] scores: not saved, so selective recomputes that attention whole. (Eager calls of
+  the Triton kernels normally skip the dispatcher, ``gemray.kernels._eager.plain_eager``; under SAC's dispatch
+  modes they take the custom ops -- which SAC can see, cache and replay -- at the dispatcher's ~100-200 us of
+  host time per call);
+* "full": the whole forward recomputed from the inputs (up to the last tensor the backward needs).
+
+The probe measures, during one ordinary training step (the second: the first compiles kernels) with
+``torch.autograd.graph.saved_tensors_hooks`` and forward pre/post hooks, per candidate:
 
 * ``saved_bytes``: bytes of the tensors autograd saves while the module's forward runs (distinct storages;
   parameters and their views excluded -- they stay resident anyway);
 * ``input_bytes``: bytes of its tensor inputs, what a checkpoint keeps instead;
-* ``recompute_cost``: seconds its forward took (CUDA-synchronised around it), what a checkpoint spends again
-  in the backward. Time rather than counted FLOPs, because the jagged attention kernels are custom Triton
-  ops a FLOP counter does not see.
+* an op census (:class:`_OpCensus`, a ``TorchDispatchMode``): in the forward pre-hook the module's forward runs
+  once more, eagerly, under ``torch.no_grad()`` on the same inputs (the RNG state forked, so the step's own
+  dropout draws are unchanged; on CUDA the census's transient memory is kept out of the measured peak), and
+  every op is timed -- CUDA-synchronised before and after, except view ops, which launch nothing -- and
+  classified by :func:`sac_policy`. ``selective_bytes``: bytes of the outputs of the ops selective saves (what it
+  keeps beyond the inputs); ``recompute_cost``: the seconds of all the forward's ops (what "full" recomputes);
+  ``selective_cost``: the seconds of the ops selective recomputes -- "the forward time minus the saved ops'
+  time", both from the same eager, op-by-op measurement, so the two levels are in one unit. Time rather than
+  counted FLOPs: the recomputed ops are memory-bound (no FLOPs to count) and the jagged attention kernels are
+  custom Triton ops. The census is eager even for compiled modules (a dispatch mode makes dynamo run frames
+  eagerly anyway), which also keeps the compiled modules' (re)compiles out of the measurement. Known biases,
+  documented rather than corrected: under torch.compile the real recomputation is cheaper than the eager census
+  says, most of all selective's (inductor fuses its pointwise ops into the backward), so the census favours
+  "full" there; in eager mode torch's early stop ends a recompute once the last tensor the backward needs is back
+  -- before an HSTU block's output GEMM -- so "full" costs one GEMM less than the census counts, which favours
+  "selective". Costs only decide which level buys the bytes; whether the plan fits is decided on bytes alone.
 
-Peak model (``predicted_peak``): with R the recomputed set and P0 the peak of the probe step (measured on
-CUDA; ``base_bytes + sum(saved)`` elsewhere)::
+Peak model (``predicted_peak``): with L_i the level of module i, P0 the peak of the probe step (measured on
+CUDA; ``base_bytes + sum(saved)`` elsewhere), kept_i = input_i (full), input_i + selective_bytes_i (selective),
+gain_i = saved_i - kept_i, and live_i the bytes its recomputation brings back in the backward (full: saved_i;
+selective: saved_i - selective_bytes_i; the inputs counted in, conservatively)::
 
-    peak(R) = P0 - sum_{i in R} (saved_i - input_i) + max_{i in R} saved_i
+    peak(L) = P0 - sum_{i recomputed} gain_i(L_i) + max_{i recomputed} live_i(L_i)
 
 (the last term: in the backward one recomputed module's activations are live at a time). The planner
-(``plan_checkpointing``) adds modules in order of ``recompute_cost / (saved - input)`` -- cheapest recompute
-per byte saved first, as the issue asks -- until ``peak(R) <= budget``; a module that saves no more than its
-inputs is never chosen. When even all candidates miss the budget the plan says so (``fits = False``) and
-recomputes all of them.
+(``plan_checkpointing``) starts from every module at "none" and repeatedly takes the upgrade with the lowest
+extra recompute cost per extra byte saved -- none -> selective, none -> full or selective -> full, whichever of a
+module's next steps is cheapest per byte, as the issue asks -- until ``peak(L) <= budget``; a step that saves no
+bytes is never taken. When even every module at its highest level misses the budget the plan says so (``fits =
+False``) and recomputes all of them fully.
 
-Modes (``train.activation_checkpointing``): "none"; "full" (every candidate); "auto" (this planner, when
-``train.activation_memory_budget`` > 0: bytes, or a fraction of P0); "torch" (torch's own min-cut
-recomputation: each HSTU block compiled by ``gemray.parallel.compile`` with ``torch._functorch.config.activation_memory_budget`` set
-to the fraction). Recomputation is ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` (dropout's RNG
-state is replayed) around the module's own forward, patched on the instance so the state-dict keys do not
-change (``checkpoint_wrapper`` would insert ``_checkpoint_wrapped_module.`` and break resuming).
+Modes (``train.activation_checkpointing``, ``MODES``): "none"; "full" (every candidate); "selective" (every
+candidate at level selective); "auto" (this planner, when ``train.activation_memory_budget`` > 0: bytes, or a
+fraction of P0); "torch" (torch's own min-cut recomputation: each HSTU block compiled by
+``gemray.parallel.compile`` with ``torch._functorch.config.activation_memory_budget`` set to the fraction).
+Recomputation is ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` (dropout's RNG state is replayed)
+around the module's own forward, patched on the instance so the state-dict keys do not change
+(``checkpoint_wrapper`` would insert ``_checkpoint_wrapped_module.`` and break resuming). A module compiled in
+place (``train.compile``: ``nn.Module.compile`` compiles ``_call_impl``, which calls the patched ``forward``) has
+the checkpoint inside its compiled region, as torchtitan's per-block compile of checkpoint-wrapped blocks: dynamo
+traces it as the ``tag_activation_checkpoint`` higher-order op, the selective policy tags the traced ops, and the
+min-cut partitioner (inductor's and aot_eager's) saves the tagged ones and recomputes the rest inside the compiled
+backward (``tests/test_activation_checkpoint.py`` checks the compiled backward graph on aot_eager).
 """
 
 from __future__ import annotations
@@ -35,48 +76,124 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from gemray.config import TrainConfig
 
 log = logging.getLogger(__name__)
 
-MODES = ("none", "full", "auto", "torch")
+MODES = TrainConfig.CHECKPOINTING  # ("none", "full", "selective", "auto", "torch")
+#: a candidate's checkpointing level, cheapest (and keeping the most) first
+LEVELS = ("none", "selective", "full")
+#: the ops whose outputs selective checkpointing keeps (qualified names, every overload): the GEMMs and the jagged
+#: attention custom ops (gemray.kernels.jagged_attention: gdpa_fwd; gemray.ops: cross_attention, pma)
+SAVED_OPS = frozenset({"aten::mm", "aten::addmm", "aten::_scaled_mm", "gemray::gdpa_fwd",
+                       "gemray::cross_attention", "gemray::pma"})
+
+
+def saves_output(op) -> bool:
+    """Whether selective checkpointing keeps the output of ``op`` (an OpOverload): its qualified name is in
+    ``SAVED_OPS``."""
+    name = getattr(op, "name", None)
+    return callable(name) and name() in SAVED_OPS
+
+
+def sac_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """The selective level's policy (``create_selective_checkpoint_contexts``): MUST_SAVE the outputs of
+    ``SAVED_OPS``, PREFER_RECOMPUTE everything else (MUST: torch.compile's partitioner may not override it)."""
+    return CheckpointPolicy.MUST_SAVE if saves_output(op) else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_contexts():
+    """``context_fn`` of the selective level: a fresh (caching, cached) pair of dispatch modes per call. A plain
+    module-level function, which dynamo accepts as a checkpoint ``context_fn`` under torch.compile."""
+    return create_selective_checkpoint_contexts(sac_policy)
 
 
 @dataclass(frozen=True)
 class ModuleCost:
-    """One candidate: name, saved_bytes / input_bytes (int bytes), recompute_cost (seconds or FLOPs: any unit,
-    the planner only compares ratios)."""
+    """One candidate (module docstring): name; saved_bytes / input_bytes (int bytes: what autograd saves with no
+    checkpointing, the tensor inputs); recompute_cost: what recomputing the whole forward costs (level "full");
+    selective_bytes: bytes of the outputs selective keeps beyond the inputs and selective_cost: what recomputing
+    the other ops costs, both None when the level is not offered. Costs in any one unit (the planner compares
+    ratios); the probe's are seconds."""
 
     name: str
     saved_bytes: int
     input_bytes: int
     recompute_cost: float
+    selective_bytes: int | None = None
+    selective_cost: float | None = None
 
-    @property
-    def gain(self) -> int:
-        return self.saved_bytes - self.input_bytes
+    def offers(self, level: str) -> bool:
+        """Whether ``level`` (one of LEVELS) is an option for this module."""
+        return level != "selective" or (self.selective_bytes is not None and self.selective_cost is not None)
+
+    def kept(self, level: str) -> int:
+        """Bytes held from the forward to the backward at ``level``. Raises ValueError for a level not offered."""
+        if not self.offers(level):
+            raise ValueError(f"{self.name}: level {level!r} is not offered")
+        return {"none": self.saved_bytes, "selective": self.input_bytes + (self.selective_bytes or 0),
+                "full": self.input_bytes}[level]
+
+    def gain(self, level: str = "full") -> int:
+        """Bytes saved at ``level`` against "none" (negative: it keeps more than no checkpointing)."""
+        return self.saved_bytes - self.kept(level)
+
+    def cost(self, level: str = "full") -> float:
+        """Recompute cost at ``level`` (0 at "none")."""
+        return {"none": 0.0, "selective": self.selective_cost, "full": self.recompute_cost}[level]
+
+    def live(self, level: str) -> int:
+        """Bytes the recomputation brings back during this module's backward at ``level`` (0 at "none"; the
+        inputs counted in, conservatively)."""
+        if level == "none":
+            return 0
+        return self.saved_bytes if level == "full" else max(self.saved_bytes - (self.selective_bytes or 0), 0)
 
 
 @dataclass(frozen=True)
 class CheckpointPlan:
-    """The planner's answer: which modules to recompute (in choice order), the predicted peak with them, the
-    no-checkpointing peak it starts from, the budget (bytes) and whether the prediction fits it."""
+    """The planner's answer: ``levels``, the (module, level) pairs of the modules it recomputes ("selective" or
+    "full"; in the order each first left "none"; a module not listed stays at "none"), the predicted peak with
+    them, the no-checkpointing peak it starts from, the budget (bytes) and whether the prediction fits it."""
 
-    recompute: tuple[str, ...]
+    levels: tuple[tuple[str, str], ...]
     predicted_peak: int
     no_checkpoint_peak: int
     budget: int
     fits: bool
 
+    @property
+    def recompute(self) -> tuple[str, ...]:
+        """The modules recomputed at any level, in choice order."""
+        return tuple(n for n, _ in self.levels)
+
+    def level(self, name: str) -> str:
+        """The level of module ``name`` ("none" when the plan does not recompute it)."""
+        return dict(self.levels).get(name, "none")
+
     def describe(self) -> str:
-        gib = 2.0 ** 30
-        return (f"recompute {len(self.recompute)} module(s) [{', '.join(self.recompute) or 'none'}]; predicted "
-                f"peak {self.predicted_peak / gib:.2f} GiB (no checkpointing {self.no_checkpoint_peak / gib:.2f} "
-                f"GiB, budget {self.budget / gib:.2f} GiB{'' if self.fits else ', NOT met'})")
+        parts = [f"{lvl} {len(names)} [{', '.join(names)}]" for lvl in LEVELS[1:]
+                 if (names := [n for n, v in self.levels if v == lvl])]
+        return (f"recompute {len(self.levels)} module(s): {'; '.join(parts) or 'none'}; predicted peak "
+                f"{format_bytes(self.predicted_peak)} (no checkpointing {format_bytes(self.no_checkpoint_peak)}, "
+                f"budget {format_bytes(self.budget)}{'' if self.fits else ', NOT met'})")
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes as "12.3 KiB" / "4.56 MiB" / "7.89 GiB" (B below 1 KiB), for the log."""
+    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
 
 
 def resolve_budget(budget: float, no_checkpoint_peak: int) -> int:
@@ -91,29 +208,59 @@ def resolve_budget(budget: float, no_checkpoint_peak: int) -> int:
     return int(budget)
 
 
-def predicted_peak(costs: list[ModuleCost], recompute: set[str] | tuple[str, ...], no_checkpoint_peak: int) -> int:
-    """peak(R) of the module docstring, bytes."""
-    chosen = [c for c in costs if c.name in set(recompute)]
-    return int(no_checkpoint_peak - sum(c.gain for c in chosen) + max((c.saved_bytes for c in chosen), default=0))
+def _as_levels(levels: Mapping[str, str] | Iterable[str]) -> dict[str, str]:
+    """{name: level}; a plain collection of names means every one at "full". Raises ValueError for an unknown
+    level."""
+    out = dict(levels) if isinstance(levels, Mapping) else {n: "full" for n in levels}
+    bad = {v for v in out.values() if v not in LEVELS}
+    if bad:
+        raise ValueError(f"checkpointing levels: expected one of {LEVELS}, got {sorted(bad)}")
+    return out
+
+
+def predicted_peak(costs: list[ModuleCost], levels: Mapping[str, str] | Iterable[str],
+                   no_checkpoint_peak: int) -> int:
+    """peak(L) of the module docstring, bytes. ``levels``: {name: level} (absent names: "none"), or a collection
+    of names all at "full"."""
+    lv = _as_levels(levels)
+    chosen = [(c, lv[c.name]) for c in costs if lv.get(c.name, "none") != "none"]
+    return int(no_checkpoint_peak - sum(c.gain(v) for c, v in chosen)
+               + max((c.live(v) for c, v in chosen), default=0))
 
 
 def plan_checkpointing(costs: list[ModuleCost], budget_bytes: int, no_checkpoint_peak: int) -> CheckpointPlan:
-    """Choose modules to recompute, cheapest ``recompute_cost / (saved - input)`` first, until the predicted
-    peak <= ``budget_bytes`` (pure; ties broken by name). Modules with ``saved <= input`` are never chosen.
-    Raises ValueError on negative byte counts or duplicate names."""
+    """Choose a level per module (module docstring; pure): from every module at "none", repeatedly take the
+    upgrade -- to any higher level the module offers -- with the lowest extra cost per extra byte saved
+    (``(cost(new) - cost(old)) / (gain(new) - gain(old))``; ties broken by module name, then the lower level)
+    until the predicted peak <= ``budget_bytes``. An upgrade that saves no bytes is never taken, so a module that
+    saves no more than its inputs stays at "none". Raises ValueError on negative byte counts or costs, or
+    duplicate names."""
     if len({c.name for c in costs}) != len(costs):
         raise ValueError("plan_checkpointing: duplicate module names")
-    if any(c.saved_bytes < 0 or c.input_bytes < 0 or c.recompute_cost < 0 for c in costs):
+    if any(c.saved_bytes < 0 or c.input_bytes < 0 or c.recompute_cost < 0 or (c.selective_bytes or 0) < 0
+           or (c.selective_cost or 0) < 0 for c in costs):
         raise ValueError("plan_checkpointing: negative bytes or cost")
-    order = sorted((c for c in costs if c.gain > 0), key=lambda c: (c.recompute_cost / c.gain, c.name))
-    chosen: list[str] = []
+    levels: dict[str, str] = {}
     peak = int(no_checkpoint_peak)
-    for c in order:
-        if peak <= budget_bytes:
+    while peak > budget_bytes:
+        best = None
+        for c in costs:
+            cur = levels.get(c.name, "none")
+            for new in LEVELS[LEVELS.index(cur) + 1:]:
+                if not c.offers(new):
+                    continue
+                extra = c.gain(new) - c.gain(cur)
+                if extra <= 0:
+                    continue
+                key = (max(c.cost(new) - c.cost(cur), 0.0) / extra, c.name, LEVELS.index(new))
+                if best is None or key < best[0]:
+                    best = (key, c.name, new)
+        if best is None:
             break
-        chosen.append(c.name)
-        peak = predicted_peak(costs, chosen, no_checkpoint_peak)
-    return CheckpointPlan(tuple(chosen), peak, int(no_checkpoint_peak), int(budget_bytes), peak <= budget_bytes)
+        levels[best[1]] = best[2]  # dicts keep first-insertion order: the order modules first left "none"
+        peak = predicted_peak(costs, levels, no_checkpoint_peak)
+    return CheckpointPlan(tuple(levels.items()), peak, int(no_checkpoint_peak), int(budget_bytes),
+                          peak <= budget_bytes)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -131,8 +278,52 @@ def _tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _device_of(args, kwargs) -> torch.device | None:
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            return a.device
+    return None
+
+
+class _OpCensus(TorchDispatchMode):
+    """Times and classifies every op of a forward (module docstring): ``saved_s`` / ``other_s`` the seconds of
+    the ops :func:`saves_output` keeps / of the rest, ``saved_bytes`` the bytes of the kept ops' outputs
+    (distinct storages). On ``sync_device`` (a CUDA device, or None) each non-view op is synchronised before
+    and after."""
+
+    def __init__(self, sync_device: torch.device | None):
+        super().__init__()
+        self.sync_device = sync_device
+        self.saved_s = 0.0
+        self.other_s = 0.0
+        self.saved_bytes = 0
+        self._ptrs: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        sync = self.sync_device is not None and not getattr(func, "is_view", False)
+        if sync:
+            torch.cuda.synchronize(self.sync_device)
+        t0 = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        if sync:
+            torch.cuda.synchronize(self.sync_device)
+        dt = time.perf_counter() - t0
+        if not saves_output(func):
+            self.other_s += dt
+            return out
+        self.saved_s += dt
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in self._ptrs:
+                    self._ptrs.add(storage.data_ptr())
+                    self.saved_bytes += storage.nbytes()
+        return out
+
+
 class _Probe:
-    """Context manager measuring ModuleCost of each candidate during one forward (module docstring)."""
+    """Context manager measuring ModuleCost of each candidate during one forward (module docstring). After the
+    step, :meth:`measured_peak` is the step's CUDA peak without the censuses' transient memory."""
 
     def __init__(self, modules: dict[str, nn.Module], params: list[torch.Tensor]):
         self.modules = modules
@@ -146,30 +337,48 @@ class _Probe:
         self.stack: list[str] = []
         self.saved: dict[str, int] = {n: 0 for n in modules}
         self.inputs: dict[str, int] = {n: 0 for n in modules}
-        self.time: dict[str, float] = {n: 0.0 for n in modules}
+        self.full_s: dict[str, float] = {n: 0.0 for n in modules}
+        self.selective_s: dict[str, float] = {n: 0.0 for n in modules}
+        self.selective_bytes: dict[str, int] = {n: 0 for n in modules}
         self.seen: set[tuple[int, str]] = set()
         self.other = 0
-        self._t0: dict[str, float] = {}
+        self._peaks: list[int] = []  # CUDA peaks of the step's segments before each census
         self._handles: list = []
         self._hooks = None
 
-    def _sync(self, m: nn.Module) -> None:
-        p = next(m.parameters(), None)
-        if p is not None and p.is_cuda:
-            torch.cuda.synchronize(p.device)
+    def _run_census(self, name: str, mod: nn.Module, args, kwargs) -> None:
+        """The module's (class) forward once more, eagerly, under no_grad and the census, RNG forked; on CUDA the
+        peak so far is kept and the peak statistics reset after it, so its transient memory is not measured."""
+        dev = _device_of(args, kwargs)
+        cuda = dev is not None and dev.type == "cuda"
+        if cuda:
+            self._peaks.append(torch.cuda.max_memory_allocated(dev))
+        census = _OpCensus(dev if cuda else None)
+        with torch.no_grad(), torch.random.fork_rng(devices=[dev] if cuda else []), census:
+            type(mod).forward(mod, *args, **kwargs)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(dev)
+        self.full_s[name] += census.saved_s + census.other_s
+        self.selective_s[name] += census.other_s
+        self.selective_bytes[name] += census.saved_bytes
+
+    def measured_peak(self, device: torch.device) -> int:
+        """The step's peak allocated bytes on CUDA ``device`` without the censuses' own (0 off CUDA)."""
+        if device.type != "cuda":
+            return 0
+        return max(self._peaks + [torch.cuda.max_memory_allocated(device)])
 
     def __enter__(self):
         for name, m in self.modules.items():
+            @torch.compiler.disable
             def pre(mod, args, kwargs, name=name):
-                self._sync(mod)
+                self._run_census(name, mod, args, kwargs)
                 self.stack.append(name)
                 self.inputs[name] += sum(_tensor_bytes(a) for a in list(args) + list(kwargs.values())
                                          if isinstance(a, torch.Tensor))
-                self._t0[name] = time.perf_counter()
 
-            def post(mod, args, kwargs, out, name=name):
-                self._sync(mod)
-                self.time[name] += time.perf_counter() - self._t0.pop(name)
+            @torch.compiler.disable
+            def post(mod, args, kwargs, out):
                 self.stack.pop()
 
             self._handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
@@ -204,25 +413,37 @@ class _Probe:
         return False
 
     def costs(self) -> list[ModuleCost]:
-        return [ModuleCost(n, self.saved[n], self.inputs[n], self.time[n]) for n in self.modules]
+        return [ModuleCost(n, self.saved[n], self.inputs[n], self.full_s[n], self.selective_bytes[n],
+                           self.selective_s[n]) for n in self.modules]
 
 
-def apply_checkpointing(modules: dict[str, nn.Module], names) -> None:
-    """Recompute ``names`` (keys of ``modules``) in the backward: their instance ``forward`` becomes
-    ``checkpoint(original_forward, ..., use_reentrant=False)``. Idempotent per module."""
-    for name in names:
+def apply_checkpointing(modules: dict[str, nn.Module], levels: Mapping[str, str] | Iterable[str]) -> None:
+    """Recompute modules in the backward: ``levels`` maps names (keys of ``modules``) to a level of LEVELS (a
+    plain collection of names: all "full"). The instance ``forward`` of a module at "full" becomes
+    ``checkpoint(original_forward, ..., use_reentrant=False)``, at "selective" the same with
+    ``context_fn=selective_contexts``, at "none" the original again. Idempotent; a module's level can change
+    (the wrapper always calls the original forward). Under no_grad (evaluation) the original runs. Raises
+    KeyError for an unknown name and ValueError for an unknown level."""
+    for name, level in _as_levels(levels).items():
         m = modules[name]
-        if getattr(m, "_gemray_checkpointed", False):
+        current = getattr(m, "_gemray_checkpointed", "none")
+        if current == level:
             continue
-        orig = m.forward
+        orig = m.__dict__.get("_gemray_orig_forward", m.forward)
+        m._gemray_orig_forward = orig
+        if level == "none":
+            m.forward = orig
+            del m._gemray_checkpointed
+            continue
+        context_fn = {"selective": {"context_fn": selective_contexts}, "full": {}}[level]
 
-        def fwd(*args, _orig=orig, **kwargs):
+        def fwd(*args, _orig=orig, _ctx=context_fn, **kwargs):
             if not torch.is_grad_enabled():
                 return _orig(*args, **kwargs)
-            return checkpoint(_orig, *args, use_reentrant=False, **kwargs)
+            return checkpoint(_orig, *args, use_reentrant=False, **_ctx, **kwargs)
 
         m.forward = fwd
-        m._gemray_checkpointed = True
+        m._gemray_checkpointed = level
 
 
 def apply_torch_budget(model: nn.Module, fraction: float, backend: str = "inductor", *,
@@ -244,9 +465,10 @@ def apply_torch_budget(model: nn.Module, fraction: float, backend: str = "induct
 
 
 class ActivationCheckpointer:
-    """The trainer's one handle: ``setup(model)`` after build applies "full" / "torch"; in "auto" the second
-    ``step(model)`` context probes (no checkpointing; the first is a warm-up: kernel compilation) and its
-    ``after_step`` plans and applies, then logs the measured peak of the next step beside the prediction.
+    """The trainer's one handle: ``setup(model)`` after build applies "full" / "selective" / "torch"; in "auto"
+    the second ``step(model)`` context probes (no checkpointing; the first is a warm-up: kernel compilation) and
+    its ``after_step`` plans and applies a level per module, then logs the measured peak of the next step beside
+    the prediction.
 
     mode: one of MODES; budget: ``train.activation_memory_budget``; compile_backend / compile_dynamic /
     compile_optimize_ddp: ``train.compile_backend`` / ``compile_dynamic`` / ``compile_optimize_ddp`` (how mode
@@ -273,9 +495,9 @@ class ActivationCheckpointer:
 
     def setup(self, model: nn.Module) -> None:
         self._modules = candidate_modules(model)
-        if self.mode == "full":
-            apply_checkpointing(self._modules, list(self._modules))
-            log.info("activation checkpointing: full, recomputing %d module(s)", len(self._modules))
+        if self.mode in ("full", "selective"):
+            apply_checkpointing(self._modules, {n: self.mode for n in self._modules})
+            log.info("activation checkpointing: %s, recomputing %d module(s)", self.mode, len(self._modules))
         elif self.mode == "torch":
             names = apply_torch_budget(model, self.budget, self.compile_backend,
                                        dynamic=self.compile_dynamic,
@@ -307,20 +529,22 @@ class ActivationCheckpointer:
         if self._state == "probe" and self._probe is not None:
             costs = self._probe.costs()
             modelled = self._probe.other + sum(c.saved_bytes for c in costs)
-            measured = torch.cuda.max_memory_allocated(dev) if dev is not None and dev.type == "cuda" else 0
+            measured = self._probe.measured_peak(dev) if dev is not None else 0
             peak0 = measured or modelled
             budget = resolve_budget(self.budget, peak0)
             self.plan = plan_checkpointing(costs, budget, peak0)
             for c in costs:
-                log.info("activation checkpointing probe: %s saves %.1f MiB (inputs %.1f MiB), forward %.2f ms",
-                         c.name, c.saved_bytes / 2**20, c.input_bytes / 2**20, 1e3 * c.recompute_cost)
+                log.info("activation checkpointing probe: %s saves %s (inputs %s; selective keeps %s more), "
+                         "recompute %.2f ms full, %.2f ms selective", c.name, format_bytes(c.saved_bytes),
+                         format_bytes(c.input_bytes), format_bytes(c.selective_bytes or 0), 1e3 * c.recompute_cost,
+                         1e3 * (c.selective_cost or 0.0))
             log.info("activation checkpointing: auto, %s", self.plan.describe())
-            apply_checkpointing(self._modules, self.plan.recompute)
+            apply_checkpointing(self._modules, dict(self.plan.levels))
             self._probe, self._state = None, "measure"
             return self.plan
         if self._state == "measure":
             if dev is not None and dev.type == "cuda" and self.plan is not None:
-                log.info("activation checkpointing: measured peak %.2f GiB (predicted %.2f GiB)",
-                         torch.cuda.max_memory_allocated(dev) / 2**30, self.plan.predicted_peak / 2**30)
+                log.info("activation checkpointing: measured peak %s (predicted %s)",
+                         format_bytes(torch.cuda.max_memory_allocated(dev)), format_bytes(self.plan.predicted_peak))
             self._state = "done"
         return None
