@@ -12,12 +12,15 @@ traces goes through the ops; both run the same implementation functions (tests c
 A Python ``TorchDispatchMode`` on the dispatch stack -- selective activation checkpointing's caching and cached
 modes (``torch.utils.checkpoint.create_selective_checkpoint_contexts``), a ``FlopCounterMode``, an op census --
 sees only what goes through the dispatcher: the autograd.Function's launches would be invisible to it (SAC could
-neither save nor replay the attention's output), so such calls take the ops too.
+neither save nor replay the attention's output), so such calls take the ops too -- except under a mode whose class
+sets ``observes_eager_path = True``: one that only watches what the eager path runs (``gemray bench kernels
+--host-profile``'s aten-op census, which measures that path's host cost).
 """
 
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
@@ -25,11 +28,14 @@ _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 def plain_eager(*tensors) -> bool:
     """True when a call may take the eager autograd.Function instead of the custom ops: not under torch.compile /
     export (dynamo), no FakeTensor / proxy (make_fx) / functionalization mode and no other Python dispatch mode
-    active (module docstring), and every given tensor (None entries skipped) a plain tensor or Parameter not on
+    active but those marked ``observes_eager_path`` (module docstring), and every given tensor (None entries skipped) a plain tensor or Parameter not on
     the meta device. Anything else -- FakeTensor, FunctionalTensor, DTensor or other subclasses, meta tensors,
     those modes -- takes the ops."""
+    if torch.compiler.is_compiling():
+        return False
     # the stack's length counts the infra modes (FakeTensor, proxy, functional) as well as the Python ones
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+    if torch._C._len_torch_dispatch_stack() and not all(
+            getattr(m, "observes_eager_path", False) for m in _get_current_dispatch_mode_stack()):
         return False
     for t in tensors:
         if t is not None and (type(t) not in _PLAIN_TYPES or t.is_meta):

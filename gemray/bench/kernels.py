@@ -276,6 +276,8 @@ def host_profile(activation: str = "softmax", kind: str = "heavy", b: int = 128,
     from gemray.kernels import jagged_attention as ja
 
     class _Ops(TorchDispatchMode):
+        observes_eager_path = True  # counts the eager path's aten ops: the attention calls must not take the ops
+
         def __init__(self):
             super().__init__()
             self.ops: Counter = Counter()
