@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from gemray.config import ModelConfig
@@ -26,3 +28,25 @@ def random_batch(lengths, num_items=40, seed=0, targets=False):
         timestamps=torch.cumsum(torch.randint(0, 10 ** 5, (T,), generator=g), 0),
         targets=torch.randint(1, num_items + 1, (len(lengths),), generator=g) if targets else None,
     ).validate()
+
+
+@contextlib.contextmanager
+def cpu_trainer(cfg):
+    """A ``Trainer`` for ``cfg`` set up, built and restored (no checkpoint) on the CPU at world size 1, inside a
+    gloo process group made for it when none exists (destroyed on exit)."""
+    import torch.distributed as dist
+
+    from gemray.bench.train import _init_process_group
+    from gemray.train.trainer import Trainer
+
+    device = torch.device("cpu")
+    made = _init_process_group(device)
+    try:
+        tr = Trainer(cfg)
+        tr.setup(context=(0, 1, device))
+        tr.build()
+        tr.restore(from_ray=False)
+        yield tr
+    finally:
+        if made:
+            dist.destroy_process_group()

@@ -14,7 +14,7 @@ from gemray.model.hstu import HSTUEncoder
 from gemray.parallel.activation_checkpoint import (ActivationCheckpointer, ModuleCost, _Probe, apply_checkpointing,
                                                    candidate_modules, plan_checkpointing, predicted_peak,
                                                    resolve_budget, saves_output)
-from model_utils import tiny_cfg
+from model_utils import cpu_trainer, tiny_cfg
 
 MiB = 2 ** 20
 
@@ -471,27 +471,15 @@ def synthetic(tmp_path_factory):
 def _train(synthetic, steps: int, *sets: str):
     """(the losses of ``steps`` Trainer.train_step calls on the first batch, the trainer) of gem-tiny (2 HSTU
     blocks, the candidate tower) on the CPU with ``sets`` applied."""
-    import torch.distributed as dist
-
-    from gemray.bench.train import _init_process_group, first_batch
+    from gemray.bench.train import first_batch
     from gemray.config import load_config
-    from gemray.train.trainer import Trainer
 
     cfg = load_config(TRAIN_CONFIG, [f"data.prepared_dir={synthetic}", *TRAIN_DATA, "ray.use_gpu=false",
                                      "model.num_blocks=2", "model.dropout=0.1", *sets])
-    device = torch.device("cpu")
-    made = _init_process_group(device)
-    try:
-        tr = Trainer(cfg)
-        tr.setup(context=(0, 1, device))
-        tr.build()
-        tr.restore(from_ray=False)
+    with cpu_trainer(cfg) as tr:
         tr.begin_epoch(0)
         batch = first_batch(tr)
         return [float(tr.train_step(batch)) for _ in range(steps)], tr
-    finally:
-        if made:
-            dist.destroy_process_group()
 
 
 def test_trainer_selective_mode_trains_exactly_as_without_checkpointing(synthetic):

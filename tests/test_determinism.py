@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from gemray.config import load_config
+from model_utils import cpu_trainer
 from paths import DATA
 
 CONFIG = "configs/ml-latest-small.toml"
@@ -47,20 +48,9 @@ def mls(tmp_path_factory):
 def _train(prepared, *extra) -> tuple[list[float], dict[str, torch.Tensor], list[dict]]:
     """Two epochs of 6 steps in this process (world 1, gloo, CPU), validation after each: (per-step losses, every
     tensor of the model's and the optimizer's state at the end, the validation metrics)."""
-    import torch.distributed as dist
-
-    from gemray.bench.train import _init_process_group
-    from gemray.train.trainer import Trainer
-
     cfg = load_config(CONFIG, [f"data.prepared_dir={prepared}", "ray.use_gpu=false", "data.reader=arrow",
                                "train.epochs=2", "train.eval_every=1", "train.max_steps_per_epoch=6", *extra])
-    device = torch.device("cpu")
-    made = _init_process_group(device)
-    try:
-        tr = Trainer(cfg)
-        tr.setup(context=(0, 1, device))
-        tr.build()
-        tr.restore(from_ray=False)
+    with cpu_trainer(cfg) as tr:
         losses: list[float] = []
         tr.recorder.step = lambda *a, loss=None, **k: losses.append(loss)
         valid = []
@@ -81,9 +71,6 @@ def _train(prepared, *extra) -> tuple[list[float], dict[str, torch.Tensor], list
         add("model", tr.dmp.state_dict())
         add("optim", tr.optimizer.state_dict()["state"])
         return losses, state, valid
-    finally:
-        if made:
-            dist.destroy_process_group()
 
 
 def test_training_is_bit_reproducible_across_validation(mls, torch_state):

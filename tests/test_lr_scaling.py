@@ -10,7 +10,7 @@ import torch
 from gemray.config import load_config
 from gemray.model import GEM
 from gemray.model.lr_scaling import lr_scales, parameter_fan_ins, warmup_factor
-from model_utils import tiny_cfg
+from model_utils import cpu_trainer, tiny_cfg
 
 CONFIG = "configs/gem-tiny.toml"
 DATA = ["data.num_files=1", "data.max_seq_len=32", "data.batch_size=8", "data.sub_batch_size=8",
@@ -60,20 +60,9 @@ def test_parameter_fan_ins_are_the_weights_input_widths():
             assert fan[f"{mod_name}.weight"] == mod.in_features
 
 
-def _trainer(synthetic, *sets):
-    from gemray.bench.train import _init_process_group
-    from gemray.train.trainer import Trainer
-
-    cfg = load_config(CONFIG, [f"data.prepared_dir={synthetic}", *DATA, "ray.use_gpu=false",
-                               "train.max_steps_per_epoch=3",
-                               "train.weight_decay=0.0", *sets])
-    device = torch.device("cpu")
-    made = _init_process_group(device)
-    tr = Trainer(cfg)
-    tr.setup(context=(0, 1, device))
-    tr.build()
-    tr.restore(from_ray=False)
-    return tr, made
+def _cfg(synthetic, *sets):
+    return load_config(CONFIG, [f"data.prepared_dir={synthetic}", *DATA, "ray.use_gpu=false",
+                                "train.max_steps_per_epoch=3", "train.weight_decay=0.0", *sets])
 
 
 @pytest.fixture(scope="module")
@@ -91,14 +80,11 @@ def test_scaled_groups_move_each_weight_by_its_own_rate_and_the_warmup_follows_t
     with a gradient by ~lr x its multiplier (|m / sqrt(v)| = 1 at step 1), so the wide weights move 1/8 as far as
     the base-width ones. The warm-up sets the dense rates from the global step before each step: after resuming
     at step 2 the rate is what an uninterrupted run has there."""
-    import torch.distributed as dist
-
     from gemray.bench.train import first_batch
     from gemray.parallel import dense_lr_scales
 
-    tr, made = _trainer(synthetic, "train.lr=1e-3", "train.lr_base_fan_in=16", "train.lr_warmup_steps=4",
-                        "model.model_dim=128")
-    try:
+    with cpu_trainer(_cfg(synthetic, "train.lr=1e-3", "train.lr_base_fan_in=16", "train.lr_warmup_steps=4",
+                          "model.model_dim=128")) as tr:
         fan = parameter_fan_ins(tr.dmp)
         scales = dense_lr_scales(tr.optimizer)
         assert sorted(set(scales), reverse=True) == scales and scales[0] == 1.0 and 16 / 128 in scales
@@ -134,26 +120,17 @@ def test_scaled_groups_move_each_weight_by_its_own_rate_and_the_warmup_follows_t
         tr.train_step(first_batch(tr))
         tr.train_step(first_batch(tr))
         assert seen[-1] == pytest.approx([1e-3 * sc for sc in scales])  # past the warm-up: the full rates
-    finally:
-        if made:
-            dist.destroy_process_group()
 
 
 def test_without_scaling_the_dense_optimizer_has_one_group_at_train_lr(synthetic):
-    import torch.distributed as dist
-
     from gemray.parallel import dense_lr_scales, set_dense_lr
 
-    tr, made = _trainer(synthetic, "train.lr=3e-4")
-    try:
+    with cpu_trainer(_cfg(synthetic, "train.lr=3e-4")) as tr:
         assert dense_lr_scales(tr.optimizer) == [1.0]
         dense = [g for name, opt in tr.optimizer.optimizers if name == "dense" for g in opt.param_groups]
         assert [g["lr"] for g in dense] == [3e-4]
         with pytest.raises(ValueError, match="2 scales"):
             set_dense_lr(tr.optimizer, 1e-3, [1.0, 0.5])
-    finally:
-        if made:
-            dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("key", ["lr_base_fan_in", "lr_warmup_steps"])
