@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # FP8 training and activation checkpointing on one lent H200 (issue 18), in one or two device calls: the GPU-marked
 # FP8 tests, then step time + peak memory of `gemray bench train` on the GEM-scale config for each variant:
-#   bf16, fp8 (e4m3 / e5m2 / bf16 gradients; rowwise, and fp8tw: the tensorwise recipe), AC none / full / auto at
-#   budget 0.5 / torch at budget 0.5,
+#   bf16, fp8 (e4m3 / e5m2 / bf16 gradients; rowwise, and fp8tw: the tensorwise recipe), AC none / full / selective
+#   (op-level: GEMM and attention outputs kept) / auto at budget 0.5 / torch at budget 0.5, fp16 embedding tables,
 #   and a 2x history (data.max_seq_len doubled) under auto with the bf16 default's peak (bytes) as its budget.
 # Then the numerics guard `gemray bench numerics` (bf16 vs fp8 on the same data and seed, exit 1 beyond RTOL).
 # Needs ray / torchrec / fbgemm-gpu in /tmp/site (../shared/tools/gpu-stack, see benchmarks/README.md), the prepared
@@ -20,8 +20,8 @@ GUARD_STEPS=${GUARD_STEPS:-0}; RTOL=${RTOL:-1e-3}
 mkdir -p "$OUT" || exit 1
 # shellcheck source=benchmarks/h200_env.sh
 . benchmarks/h200_env.sh
-echo "== $(date -u +%T) $(git rev-parse --short HEAD 2>/dev/null) pytest -m gpu tests/test_fp8.py tests/test_activation_checkpoint.py"
-timeout -k 10 240 "$PY" -m pytest -m gpu -q -p no:cacheprovider -rfE tests/test_fp8.py tests/test_activation_checkpoint.py > "$OUT/pytest.log" 2>&1
+echo "== $(date -u +%T) $(git rev-parse --short HEAD 2>/dev/null) pytest -m gpu tests/test_fp8.py tests/test_activation_checkpoint.py tests/test_table_dtype.py"
+timeout -k 10 240 "$PY" -m pytest -m gpu -q -p no:cacheprovider -rfE tests/test_fp8.py tests/test_activation_checkpoint.py tests/test_table_dtype.py > "$OUT/pytest.log" 2>&1
 echo "pytest rc=$?" >> "$OUT/pytest.log"; tail -3 "$OUT/pytest.log"
 # the default's max_seq_len, for the 2x history run
 MSL=$("$PY" -c "from gemray.config import load_config; print(load_config('$CONFIG').data.max_seq_len)") || exit 1
@@ -32,11 +32,13 @@ declare -A SETS=(
   [fp8_bf16grad]="train.precision=fp8 train.fp8_grad=bf16 train.activation_checkpointing=none"
   [fp8tw]="train.precision=fp8 train.fp8_recipe=tensorwise train.fp8_grad=e4m3 train.activation_checkpointing=none"
   [ac_full]="train.precision=bf16 train.activation_checkpointing=full"
+  [ac_sel]="train.precision=bf16 train.activation_checkpointing=selective"
+  [fp16tab]="train.precision=bf16 train.activation_checkpointing=none model.table_dtype=fp16"
   [ac_auto]="train.precision=bf16 train.activation_checkpointing=auto train.activation_memory_budget=0.5"
   [ac_torch]="train.precision=bf16 train.activation_checkpointing=torch train.activation_memory_budget=0.5"
   [hist2x_auto]="train.precision=bf16 data.max_seq_len=$((2 * MSL)) train.activation_checkpointing=auto"
 )
-ORDER=${VARIANTS:-"bf16 fp8 fp8tw fp8_e5m2grad fp8_bf16grad ac_full ac_auto ac_torch hist2x_auto"}
+ORDER=${VARIANTS:-"bf16 fp8 fp8tw fp8_e5m2grad fp8_bf16grad ac_full ac_sel ac_auto ac_torch hist2x_auto fp16tab"}
 peak_of() {  # peak allocated bytes out of bench train's JSON (peak_memory.allocated_bytes)
   "$PY" -c "import json,sys; print(int(json.load(open(sys.argv[1]))['peak_memory']['allocated_bytes']))" "$1" 2>/dev/null \
     || echo 0
