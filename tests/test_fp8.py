@@ -188,13 +188,16 @@ def test_converter_on_meta_hstu_and_block_path():
     assert convert_to_fp8(small, min_dim=16)["converted"] == []
 
 
-def test_hstu_block_fp8_uses_fused_norm_quant_and_stays_close():
+def _fp8_block_against_plain(settings: Fp8Settings):
+    """One HSTU block (D=32, 2 heads of 16, sequences of 5 and 7) run with ``settings`` and, with the same weights
+    and input, in plain fp32: (the FP8 run's counters, x, relative error of the residual branch's output, of the
+    input gradient). Asserts every GEMM's x / w / grad counters were recorded."""
     torch.manual_seed(0)
     cfg = tiny_cfg(embedding_dim=32, num_heads=2, attention_dim=16, linear_dim=16, num_blocks=1)
     ref = HSTUBlock(cfg, 16)
     blk = HSTUBlock(cfg, 16)
     blk.load_state_dict(ref.state_dict())
-    blk.fp8 = Fp8Settings("e5m2", "emulate", "b")
+    blk.fp8 = settings
     offsets = torch.tensor([0, 5, 12])
     ts = torch.arange(12) * 100
     x = torch.randn(12, 32)
@@ -205,9 +208,14 @@ def test_hstu_block_fp8_uses_fused_norm_quant_and_stays_close():
     ya = ref(xa, offsets, ts)
     ya.sum().backward()
     st = pop_fp8_stats()
-    assert {f"b.{g}.{o}" for g in ("uvqk", "o") for o in ("x", "w", "grad")} <= set(st)
+    assert {f"{settings.name}.{g}.{o}" for g in ("uvqk", "o") for o in ("x", "w", "grad")} <= set(st)
+    return st, x, _rel(yb - xb, ya - xa), _rel(xb.grad, xa.grad)
+
+
+def test_hstu_block_fp8_uses_fused_norm_quant_and_stays_close():
+    st, x, rel_y, rel_dx = _fp8_block_against_plain(Fp8Settings("e5m2", "emulate", "b"))
     # two chained e4m3 GEMMs (uvqk, then the output projection) on the residual branch: stated 10%
-    assert _rel(yb - xb, ya - xa) < 0.1 and _rel(xb.grad, xa.grad) < 0.1
+    assert rel_y < 0.1 and rel_dx < 0.1
     # the uvqk input is exactly the fused norm's FP8 output (block = the whole row)
     _, q, s = norm_quant_ref(x, None, None, kind="layer", eps=1e-6, block_size=32)
     assert s.shape == (12, 1)
@@ -696,25 +704,9 @@ def test_hstu_block_tensorwise_quantizes_the_norm_output_itself_and_stays_close(
         raise AssertionError("the rowwise norm_quant was called under tensorwise")
 
     monkeypatch.setattr(ref_mod, "norm_quant_ref", no_fused)
-    torch.manual_seed(0)
-    cfg = tiny_cfg(embedding_dim=32, num_heads=2, attention_dim=16, linear_dim=16, num_blocks=1)
-    ref = HSTUBlock(cfg, 16)
-    blk = HSTUBlock(cfg, 16)
-    blk.load_state_dict(ref.state_dict())
-    blk.fp8 = Fp8Settings("e4m3", "emulate", "b", _TW)
-    offsets = torch.tensor([0, 5, 12])
-    ts = torch.arange(12) * 100
-    x = torch.randn(12, 32)
-    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
-    with collect_fp8_stats():
-        yb = blk(xb, offsets, ts)
-        yb.sum().backward()
-    ya = ref(xa, offsets, ts)
-    ya.sum().backward()
-    st = pop_fp8_stats()
-    assert {f"b.{g}.{o}" for g in ("uvqk", "o") for o in ("x", "w", "grad")} <= set(st)
+    st, x, rel_y, rel_dx = _fp8_block_against_plain(Fp8Settings("e4m3", "emulate", "b", _TW))
     assert st["b.uvqk.x"]["amax"] == pytest.approx(float(F.layer_norm(x, (32,), eps=1e-6).abs().max()))
-    assert _rel(yb - xb, ya - xa) < 0.1 and _rel(xb.grad, xa.grad) < 0.1
+    assert rel_y < 0.1 and rel_dx < 0.1
 
 
 @pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
