@@ -15,6 +15,7 @@ from gemray.config import load_config
 from gemray.kernels.config import DEFAULT
 from gemray.train.throughput import mfu_or_none, peak_flops_for, scaling_fields
 from gemray.train.warmup import reachable_regimes, warmup_lengths
+from model_utils import cpu_trainer
 
 CONFIG = "configs/ml-latest-small.toml"
 
@@ -332,22 +333,12 @@ def test_train_epoch_logs_tflops_and_reports_local_mfu_fields(synthetic, caplog)
     counts the FLOPs of exactly its batches and leaves the warm-up steps out of the MFU window."""
     import logging
 
-    import torch.distributed as dist
-
-    from gemray.bench.train import _init_process_group
     from gemray.train.throughput import batch_flops
-    from gemray.train.trainer import Trainer
 
     cfg = load_config(CONFIG, [f"data.prepared_dir={synthetic}", "data.max_seq_len=48", "data.batch_size=16",
                                "ray.use_gpu=false", "data.reader=arrow", "train.max_steps_per_epoch=4",
                                "train.log_every=1", "train.mfu_warmup_steps=1", "checkpoint.every_epochs=1"])
-    device = torch.device("cpu")
-    made = _init_process_group(device)
-    try:
-        tr = Trainer(cfg)
-        tr.setup(context=(0, 1, device))
-        tr.build()
-        tr.restore(from_ray=False)
+    with cpu_trainer(cfg) as tr:
         expected = [batch_flops(cfg.model, b) for (b, _), _ in zip(tr.train_stream.iter_epoch(0, 0), range(4))]
         # in-process the trainer leaves gemray's logging to the caller: its records reach caplog's root handler
         caplog.set_level(logging.INFO, logger="gemray")
@@ -359,9 +350,6 @@ def test_train_epoch_logs_tflops_and_reports_local_mfu_fields(synthetic, caplog)
         assert res["mfu_flops"] == pytest.approx(sum(expected[1:]))  # the first step is the warm-up
         assert res["mfu_rank_s"] > 0 and res["local_mfu"] is None and res["peak_flops"] is None
         assert math.isfinite(res["train_loss"])
-    finally:
-        if made:
-            dist.destroy_process_group()
 
 
 def test_train_epoch_with_the_sparse_dist_pipeline_trains_the_same(synthetic):
@@ -485,23 +473,13 @@ def test_gpu_bench_train_compiled_with_sync_debug(synthetic, tmp_path, capsys):
 def test_evaluate_counts_no_fused_optimizer_step(synthetic):
     """Trainer.evaluate's embedding lookups leave FBGEMM's per-TBE step count (the one its Adam bias correction
     reads) where training left it; the same evaluation pass run bare does move it, so the check can fail."""
-    import torch.distributed as dist
-
-    from gemray.bench.train import _init_process_group
     from gemray.parallel import sparse_step_counts
     from gemray.train.evaluation import evaluation_sums
-    from gemray.train.trainer import Trainer
 
     cfg = load_config(CONFIG, [f"data.prepared_dir={synthetic}", "data.max_seq_len=48", "data.batch_size=16",
                                "ray.use_gpu=false", "data.reader=arrow", "train.max_steps_per_epoch=2",
                                "data.eval_batch_size=32"])
-    device = torch.device("cpu")
-    made = _init_process_group(device)
-    try:
-        tr = Trainer(cfg)
-        tr.setup(context=(0, 1, device))
-        tr.build()
-        tr.restore(from_ray=False)
+    with cpu_trainer(cfg) as tr:
         tr.train_epoch(0)
         trained = sparse_step_counts(tr.dmp.module)
         assert trained and set(trained) == {2}
@@ -510,11 +488,8 @@ def test_evaluate_counts_no_fused_optimizer_step(synthetic):
         assert sparse_step_counts(tr.dmp.module) == trained
         tr.dmp.eval()
         with torch.no_grad():
-            evaluation_sums(tr.dmp.module, tr.evaluators, tr.streams["valid"].iter_epoch(0), device)
+            evaluation_sums(tr.dmp.module, tr.evaluators, tr.streams["valid"].iter_epoch(0), tr.device)
         assert all(c > t for c, t in zip(sparse_step_counts(tr.dmp.module), trained))
-    finally:
-        if made:
-            dist.destroy_process_group()
 
 
 def test_checkpoint_state_carries_the_sparse_step_count_and_restore_sets_it(synthetic, monkeypatch):
