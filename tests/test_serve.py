@@ -297,6 +297,10 @@ NO_TOKENS = ["model.token_features=[]", "model.candidate_features=[]"]  # gem-ti
                      r"\(model.tasks = \['retrieval', 'ctr', 'cvr'\]\), which is not exported yet"),
     ("export", NO_TOKENS, r"export: .* this model has ranking tasks \(model.tasks = \['retrieval', 'ctr', 'cvr'\]\), "
                           r"which is not exported yet"),
+    ("recommend", NO_TOKENS, r"recommend: it serves the retrieval model alone .* model.tasks = \['retrieval', 'ctr', "
+                             r"'cvr'\]"),
+    ("recommend", [*NO_TOKENS, 'model.tasks=["ctr", "cvr"]', "model.task_weights=[1.0, 1.0]"],
+     r"recommend: .* model.tasks = \['ctr', 'cvr'\]"),
 ])
 def test_unservable_models_are_refused_from_the_config_before_the_checkpoint(command, sets, refusal, corrupt,
                                                                              tmp_path, monkeypatch, capsys):

@@ -154,13 +154,18 @@ def top_k(trained: TrainedModel, batch, history: tuple[torch.Tensor, torch.Tenso
 
 def check_recommendable(cfg: JobConfig) -> None:
     """Refuse, from the run's config alone (``gemray recommend`` checks it before loading the checkpoint), a model
-    :func:`recommend` cannot serve: one with per-token side features (``model.token_features``), whose
-    histories it cannot build from item ids. Raises ValueError naming the field and its value."""
+    :func:`recommend` cannot serve: one without the retrieval task (no user embedding to rank the items by), one
+    with ranking tasks (its batches would need each request's candidates), one with per-token side features
+    (``model.token_features``), whose histories it cannot build from item ids. Raises ValueError naming the
+    field and its value."""
     if cfg.model.token_features:
         raise ValueError(f"recommend: models with per-token side features (model.token_features = "
                          f"{list(cfg.model.token_features)}, e.g. the GEM configs) are not supported by recommend yet: "
                          "it builds each user's history from the item ids alone; `gemray evaluate` scores such "
                          "models")
+    if "retrieval" not in cfg.model.tasks or cfg.model.ranking_tasks:
+        raise ValueError(f"recommend: it serves the retrieval model alone (model.tasks = ['retrieval']); this model has "
+                         f"model.tasks = {list(cfg.model.tasks)}; `gemray evaluate` scores it")
 
 
 def recommend(trained: TrainedModel, users: list[Any], *, k: int = 10, prepared_dir: str | Path | None = None,
