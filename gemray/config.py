@@ -725,16 +725,31 @@ class JobConfig:
         return self
 
     def ineffective_settings_warning(self) -> str | None:
-        """Pure: the warning for settings that are valid but have no effect in this config
-        (:meth:`TrainConfig.ineffective_compile_settings`), or None. ``fit`` logs it once per run."""
-        idle = self.train.ineffective_compile_settings()
-        if not idle:
-            return None
-        why = ("activation_checkpointing = 'torch' compiles the HSTU blocks only, never the tower"
-               if self.train.activation_checkpointing == "torch" else
-               "nothing is torch.compile'd: neither train.compile nor activation_checkpointing = 'torch' is on")
-        return (f"{', '.join(idle)} {'has' if len(idle) == 1 else 'have'} no effect without train.compile = true "
-                f"({why}); kept for when train.compile is turned on")
+        """Pure: the warning for settings that are valid but have no effect in this config, or None. ``fit`` logs
+        it once per run. Covered: the ``compile_*`` settings without anything compiled
+        (:meth:`TrainConfig.ineffective_compile_settings`); ``fp8_recipe`` / ``fp8_grad`` / ``fp8_min_dim`` off
+        their defaults without ``precision = "fp8"``; an ``activation_memory_budget`` with a checkpointing mode
+        that does not read it (only "auto" and "torch" do)."""
+        t = self.train
+        parts = []
+        idle = t.ineffective_compile_settings()
+        if idle:
+            why = ("activation_checkpointing = 'torch' compiles the HSTU blocks only, never the tower"
+                   if t.activation_checkpointing == "torch" else
+                   "nothing is torch.compile'd: neither train.compile nor activation_checkpointing = 'torch' is on")
+            parts.append(f"{', '.join(idle)} {'has' if len(idle) == 1 else 'have'} no effect without train.compile = "
+                         f"true ({why}); kept for when train.compile is turned on")
+        defaults = TrainConfig()
+        fp8 = [f"train.{k} = {_toml_value(getattr(t, k))}" for k in ("fp8_recipe", "fp8_grad", "fp8_min_dim")
+               if getattr(t, k) != getattr(defaults, k)]
+        if fp8 and t.precision != "fp8":
+            parts.append(f"{', '.join(fp8)} {'has' if len(fp8) == 1 else 'have'} no effect without train.precision = "
+                         f"\"fp8\" (it is {_toml_value(t.precision)})")
+        if t.activation_memory_budget and t.activation_checkpointing not in ("auto", "torch"):
+            parts.append(f"train.activation_memory_budget = {_toml_value(t.activation_memory_budget)} has no effect "
+                         f"with train.activation_checkpointing = {_toml_value(t.activation_checkpointing)} (only "
+                         "\"auto\" and \"torch\" read it)")
+        return "; ".join(parts) or None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

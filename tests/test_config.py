@@ -166,6 +166,25 @@ def test_compile_settings_without_compile_warn_and_are_kept(caplog):
     assert msg.startswith("train.compile_tower = false has no effect") and "never the tower" in msg
 
 
+def test_fp8_and_budget_settings_without_effect_are_warned_about():
+    """fp8_* off their defaults without precision "fp8", and a memory budget under a mode that does not read it,
+    get the same one warning as the compile_* settings (joined with them); in effect, none."""
+    def warning(overrides):
+        return apply_overrides(JobConfig(), overrides).ineffective_settings_warning()
+
+    msg = warning(["train.fp8_recipe=tensorwise", "train.fp8_min_dim=16"])
+    assert msg == ('train.fp8_recipe = "tensorwise", train.fp8_min_dim = 16 have no effect without train.precision = '
+                   '"fp8" (it is "fp32")'), msg
+    assert warning(["train.precision=fp8", "train.fp8_recipe=tensorwise"]) is None
+    for mode in ("none", "full", "selective"):
+        msg = warning([f"train.activation_checkpointing={mode}", "train.activation_memory_budget=0.5"])
+        assert msg == (f'train.activation_memory_budget = 0.5 has no effect with train.activation_checkpointing = '
+                       f'"{mode}" (only "auto" and "torch" read it)'), msg
+    assert warning(["train.activation_checkpointing=auto", "train.activation_memory_budget=0.5"]) is None
+    both = warning(["train.compile_tower=false", "train.fp8_grad=e5m2"])
+    assert both.startswith("train.compile_tower = false has no effect") and '; train.fp8_grad = "e5m2" has' in both
+
+
 @pytest.mark.parametrize("override, match", [
     ("train.compile_dynamic=some", r"train.compile_dynamic: expected one of \('all', 'auto'\), got 'some'"),
     ("train.compile_backend=cudagraphs", r"train.compile_backend: expected one of"),

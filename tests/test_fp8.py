@@ -179,13 +179,17 @@ def test_converter_skip_rules_and_shared_parameters():
         convert_to_fp8(model, "fp16")
 
 
-def test_converter_on_meta_hstu_and_block_path():
+def test_converter_on_meta_hstu_and_block_path(caplog):
     cfg = tiny_cfg(embedding_dim=32, num_heads=2, attention_dim=16, linear_dim=16)
     enc = HSTUEncoder(cfg, 16, device="meta")
-    rep = convert_to_fp8(enc, min_dim=16)
-    assert rep["converted"] == ["blocks.0", "blocks.1"] and enc.blocks[0].fp8.name == "blocks.0"
-    small = HSTUEncoder(tiny_cfg(), 16, device="meta")  # D=16, H*V=8: not multiples of 16 -> kept
-    assert convert_to_fp8(small, min_dim=16)["converted"] == []
+    with caplog.at_level("WARNING", logger="gemray.model.fp8"):
+        rep = convert_to_fp8(enc, min_dim=16)
+        assert rep["converted"] == ["blocks.0", "blocks.1"] and enc.blocks[0].fp8.name == "blocks.0"
+        assert not caplog.records
+        small = HSTUEncoder(tiny_cfg(), 16, device="meta")  # D=16, H*V=8: not multiples of 16 -> kept
+        assert convert_to_fp8(small, min_dim=16)["converted"] == []
+    # a run that asked for FP8 and would silently train in bf16 is told so
+    assert [r.levelname for r in caplog.records] == ["WARNING"] and "no GEMM was converted" in caplog.text
 
 
 def _fp8_block_against_plain(settings: Fp8Settings):

@@ -596,4 +596,8 @@ def convert_to_fp8(model: nn.Module, grad: str = "e4m3", *, min_dim: int = MIN_D
                     converted.append(full)
     log.info("fp8: converted %d GEMM modules, %s scales, %s gradients (%s); kept high precision: %s",
              len(converted), recipe, grad, ", ".join(converted) or "none", "; ".join(skipped) or "none")
+    if not converted:  # precision "fp8" would silently train as bf16 (a small model under fp8_min_dim)
+        log.warning("fp8: no GEMM was converted (every one is below train.fp8_min_dim = %d or not a multiple of 16): "
+                    "this run trains in bf16; lower train.fp8_min_dim (>= 16) to run FP8 on a model this small",
+                    min_dim)
     return {"converted": converted, "skipped": skipped}
