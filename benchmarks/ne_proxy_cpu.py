@@ -50,12 +50,16 @@ def summary_line(name: str, metrics_path: Path, rc: int, secs: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=Path("/tmp/ne_proxy"))
-    ap.add_argument("--variant", action="append", default=[], help="name=--set values (repeatable)")
-    ap.add_argument("--steps", type=int, default=24)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("/tmp/ne_proxy"),
+                    help="output folder (the data, one run folder and log per variant, summary.txt)")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="name=--set values (repeatable; default: config= and unscaled=train.lr_base_fan_in=0)")
+    ap.add_argument("--steps", type=int, default=24, help="training steps per variant (batch 128)")
     ap.add_argument("--gemray", default=str(Path(sys.executable).with_name("gemray")), help="the gemray CLI")
     ns = ap.parse_args(argv)
+    ns.out = ns.out.resolve()  # the runs start in the repository root
     variants = ns.variant or ["config=", "unscaled=train.lr_base_fan_in=0"]
     ns.out.mkdir(parents=True, exist_ok=True)
     worst = 0
@@ -71,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             line = summary_line(name, ns.out / name / "metrics.json", rc, time.time() - t0)
             print(line, flush=True)
             summary.write(line + "\n")
-            worst = max(worst, rc)
+            worst = max(worst, rc, 1 if "no metrics" in line else 0)
     return worst
 
 

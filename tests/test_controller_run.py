@@ -813,3 +813,17 @@ def test_no_data_names_both_paths_and_how_to_point_at_movielens(tmp_path, monkey
     assert "--set data.raw_dir=/path/to/ml-latest-small" in err[0]
     assert "GEMRAY_SHARED" in err[0] and "DATA_SRC=/path/to/ml-1m" in err[0]
     assert not (tmp_path / "o").exists() and not (tmp_path / "prep").exists()
+
+
+def test_changed_settings_name_what_a_rerun_into_the_same_folder_changes():
+    """A second `gemray train` into an output folder with other settings is told which (the warning fit logs
+    before config.toml is rewritten); the paths the run fills in itself are not settings."""
+    from gemray.config import JobConfig, apply_overrides
+    from gemray.controller.run import changed_settings
+
+    before = apply_overrides(JobConfig(), ["train.events_path=/o/events.jsonl", "checkpoint.preempt_notice=/o/n"])
+    again = apply_overrides(JobConfig(), ["train.events_path=/p/events.jsonl"])
+    assert changed_settings(before, again) == [] and changed_settings(None, again) == []
+    other = apply_overrides(JobConfig(), ["train.max_steps_per_epoch=6", "model.table_dtype=fp16"])
+    assert changed_settings(before, other) == ["model.table_dtype: 'fp32' -> 'fp16'",
+                                               "train.max_steps_per_epoch: 0 -> 6"]

@@ -100,6 +100,12 @@ def _fit(cfg: JobConfig, out: Path, t0: float) -> Result:
         events_from, wall_before, invocations = results.run_record(cfg, out, previous)
         if clear_notice(cfg.checkpoint.preempt_notice):
             log.info("removed the preemption notice %s left by a previous run", cfg.checkpoint.preempt_notice)
+        changed = changed_settings(previous, cfg)
+        if changed:
+            log.warning("%s holds a run with other settings (%s): it continues from that run's checkpoint with "
+                        "these ones (a finished run trains nothing more and keeps its metrics.json), and "
+                        "config.toml now records them; use another --output for a separate run",
+                        out, "; ".join(changed))
         (out / "config.toml").write_text(to_toml(cfg))
         if cfg.data.train_includes_valid:
             log.warning("data.train_includes_valid: training uses each validation item, so validation HR/NDCG "
@@ -194,6 +200,18 @@ def no_data_message(prepared_dir: str, why: str, raw_dir: Path, raw_exists: bool
             f"at your MovieLens download: --set data.raw_dir=/path/to/{release} (Python: "
             f"overrides=[\"data.raw_dir=/path/to/{release}\"]), or set GEMRAY_SHARED to the folder holding "
             f"data/{release} for the configs' ../shared/... paths (make demo: DATA_SRC=/path/to/ml-1m)")
+
+
+def changed_settings(previous: JobConfig | None, cfg: JobConfig) -> list[str]:
+    """Pure: ``"section.key: old -> new"`` for every setting of ``cfg`` that differs from ``previous`` (the config
+    of the earlier run in the same output folder; [] when None), paths the run fills in itself left out
+    (``train.events_path``, ``checkpoint.preempt_notice``)."""
+    if previous is None:
+        return []
+    auto = {("train", "events_path"), ("checkpoint", "preempt_notice")}
+    old, new = previous.to_dict(), cfg.to_dict()
+    return [f"{sec}.{key}: {old[sec].get(key)!r} -> {val!r}" for sec, fields in new.items() if isinstance(fields, dict)
+            for key, val in fields.items() if (sec, key) not in auto and old.get(sec, {}).get(key) != val]
 
 
 def _previous_config(out: Path) -> JobConfig | None:
