@@ -414,7 +414,8 @@ def build_optimizer(dmp: nn.Module, cfg: JobConfig):
         groups.setdefault(scales.get(name, 1.0), []).append(name)
     if len(groups) > 1:
         log.info("dense learning rates (train.lr_base_fan_in=%d): %s", cfg.train.lr_base_fan_in, "; ".join(
-            f"lr x {sc:.4g}: {len(names)} tensors, {sum(dense_params[n].numel() for n in names):,} values"
+            f"lr x {sc:.4g}: {len(names)} tensor{'' if len(names) == 1 else 's'}, "
+            f"{sum(dense_params[n].numel() for n in names):,} values"
             for sc, names in sorted(groups.items(), reverse=True)))
 
     def make(_params):
@@ -431,7 +432,7 @@ def _dense_groups(optimizer) -> list[dict]:
     for name, opt in optimizer.optimizers:
         if name == "dense":
             return opt.param_groups
-    raise ValueError("set_dense_lr: the optimizer has no 'dense' part (expected build_optimizer's)")
+    raise ValueError("dense learning rates: the optimizer has no 'dense' part (expected build_optimizer's)")
 
 
 def dense_lr_scales(optimizer) -> list[float]:
