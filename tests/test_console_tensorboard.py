@@ -96,6 +96,23 @@ def test_epoch_summary_is_short_and_keeps_the_figures():
         "epoch 1/3 done (global step 4): train loss 2, MFU 40.12%")
 
 
+def test_test_line_writes_each_ranking_task_as_evaluate_prints_it():
+    """gemray train's test line (gemray.train.evaluation.split_summary): the retrieval figures as key=value, then
+    per ranking task NE, AUC +/- its bound, calibration, ... -- ranking_summary's lines, which gemray evaluate
+    prints under its table (one formatter for both)."""
+    from gemray.train.evaluation import ranking_summary, split_summary
+
+    test = {"hr@10": 0.3, "num_users": 32.0, "ctr_ne": 0.93, "ctr_auc": 0.61, "ctr_auc_error_bound": 0.004,
+            "ctr_logloss": 0.52, "ctr_base_rate": 0.2, "ctr_calibration": 1.07, "ctr_num_examples": 640.0,
+            "cvr_ne": 0.71, "cvr_auc": float("nan"), "cvr_auc_error_bound": float("nan")}
+    ctr = "ctr: NE 0.9300, AUC 0.6100 +/- 0.0040, calibration 1.0700, log loss 0.5200, base rate 0.2000, 640 examples"
+    assert ranking_summary(test) == [ctr, "cvr: NE 0.7100, AUC nan +/- nan"]
+    assert split_summary("test", test) == (f"test: hr@10=0.3000, num_users=32.0000; {ctr}; "
+                                           "cvr: NE 0.7100, AUC nan +/- nan")
+    assert split_summary("test", {"ctr_ne": 0.5, "ctr_auc": 0.6}) == "test: ctr: NE 0.5000, AUC 0.6000"  # ranking only
+    assert split_summary("test", {"hr@10": 0.25}) == "test: hr@10=0.2500" and ranking_summary({"hr@10": 0.25}) == []
+
+
 def test_scalars_and_mlflow(monkeypatch):
     metrics = {"history": [{"epoch": 1, "global_step": 5, "train_loss": 7.5, "valid_hr@10": 0.1, "final": True},
                            {"epoch": 2, "global_step": 10, "train_loss": 7.0, "samples_per_s": 99.0}],

@@ -59,7 +59,7 @@ from gemray.parallel import (build_optimizer, dense_lr_scales, dense_unsharded, 
 from gemray.parallel.activation_checkpoint import ActivationCheckpointer
 from gemray.preemption import read_notice
 from gemray.train.checkpoint_policy import CheckpointPolicy
-from gemray.train.evaluation import build_evaluators, evaluation_metrics, evaluation_sums
+from gemray.train.evaluation import build_evaluators, evaluation_metrics, evaluation_sums, split_summary
 from gemray.train.precision import autocast
 from gemray.train.preemption_vote import PreemptionVote
 from gemray.train.recorder import RecoveryRecorder
@@ -679,7 +679,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         if done == cfg.train.epochs:
             # The test split once, at the end; reported with the last checkpoint so Ray's Result carries it.
             test = trainer.evaluate("test")
-            log.info("test: %s", ", ".join(f"{k}={v:.4f}" for k, v in test.items()))
+            log.info("%s", split_summary("test", test))
             metrics.update(_prefixed("test", test))
             metrics.update({"final": True, "world_size": trainer.world, "history": list(trainer.history)})
         if trainer.maybe_checkpoint(trainer.global_step, epoch_end=True, metrics=metrics) is None:
