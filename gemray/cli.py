@@ -476,7 +476,8 @@ def _add_serve_parsers(sub) -> None:
         p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when the run trained on GPUs)")
         _add_set(p)
 
-    ev = sub.add_parser("evaluate", help="HR@K / NDCG@K of a checkpoint on a split (as training evaluates)",
+    ev = sub.add_parser("evaluate", help="HR@K / NDCG@K (and NE / AUC / calibration per ranking task) of a "
+                                         "checkpoint on a split (as training evaluates)",
                         description="Evaluate a trained checkpoint with the evaluators training used; prints a "
                                     "table and writes JSON. On the run's own config and test split it reproduces "
                                     "metrics.json's figures.")

@@ -805,12 +805,26 @@ def _split_list(text: str, where: str) -> list[str]:
     return items
 
 
+def _int_text(text: str) -> int | float:
+    """A --set string for an int field as a number: ``int(text)`` when it is an integer literal, else
+    ``float(text)`` (``16.0`` -> 16.0), which :func:`_coerce` accepts only when integral -- as it does the
+    TOML float ``16.0``. ValueError when it is no number."""
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
+
+
 def _coerce(value: Any, typ: Any, where: str, strict: bool = False) -> Any:
     """Convert a TOML value or a --set string to the field's declared type; ValueError names the field.
 
     ``strict`` (values from a TOML file, which has its own types): a string is accepted for str fields
     only (``batch_size = "64"`` is an error, not 64); ints still widen to float. Without it (--set, whose
-    values are all strings) strings are parsed."""
+    values are all strings) strings are parsed.
+
+    An int field takes the same numbers from either path: an integer, or a float with an integral value
+    (TOML ``16.0``, ``--set ...=16.0`` or ``1e3``) as that integer; a fractional or non-finite one (``16.5``,
+    ``inf``) is refused with the field named."""
     origin = typing.get_origin(typ)
     if origin is list:
         (inner,) = typing.get_args(typ)
@@ -832,9 +846,10 @@ def _coerce(value: Any, typ: Any, where: str, strict: bool = False) -> Any:
                 return False
             raise ValueError
         if typ is int:
-            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            number = _int_text(value) if isinstance(value, str) else value
+            if isinstance(number, bool) or (isinstance(number, float) and not number.is_integer()):
                 raise ValueError
-            return int(value)
+            return int(number)
         if typ is float:
             if isinstance(value, bool):
                 raise ValueError

@@ -25,6 +25,7 @@ def _err_line(capsys) -> str:
 
 @pytest.mark.parametrize("sets, needle", [
     (["train.epochs=abc"], "train.epochs: expected int, got 'abc'"),
+    (["train.lr_base_fan_in=16.5"], "train.lr_base_fan_in: expected int, got '16.5'"),  # 16.0 is taken as 16
     (["bogus.x=1"], "unknown section 'bogus'"),
     (["train.nope=1"], "unknown key train.nope"),
     (["train.epochs"], "expected section.key=value"),

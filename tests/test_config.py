@@ -1,5 +1,6 @@
 """Config tree: TOML loading, --set overrides, validation errors that name the field."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -106,6 +107,38 @@ def test_bad_files(tmp_path):
     cfg = load_config(bad)
     assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float) and cfg.train.eval_ks == [10, 50]
     assert apply_overrides(JobConfig(), ["data.batch_size=64"]).data.batch_size == 64  # --set strings parse
+
+
+@pytest.mark.parametrize("key, text, want", [
+    ("train.lr_base_fan_in", "16.0", 16), ("train.lr_base_fan_in", "16", 16), ("train.lr_base_fan_in", "1e3", 1000),
+    ("train.epochs", "2.0", 2), ("data.batch_size", "64.0", 64), ("train.eval_ks", "[10.0, 50]", [10, 50]),
+])
+def test_int_fields_take_integral_floats_from_toml_and_set_alike(tmp_path, key, text, want):
+    """An int field takes the same numbers from a config file and from --set: ``lr_base_fan_in = 16.0`` loaded
+    as 16 while ``--set train.lr_base_fan_in=16.0`` was refused (``expected int, got '16.0'``). One rule in
+    _coerce for every int field (and int list element): an integral float is that integer."""
+    section, name = key.split(".")
+    toml = tmp_path / "c.toml"
+    toml.write_text(f"[{section}]\n{name} = {text}\n")
+    from_file = getattr(getattr(load_config(toml), section), name)
+    from_set = getattr(getattr(load_config(None, [f"{key}={text}"]), section), name)
+    assert from_file == from_set == want
+    flat = [*from_file, *from_set] if isinstance(want, list) else [from_file, from_set]
+    assert all(type(v) is int for v in flat), flat  # 16, not 16.0
+
+
+@pytest.mark.parametrize("key, text", [
+    ("train.lr_base_fan_in", "16.5"), ("train.lr_warmup_steps", "0.5"), ("train.epochs", "1e-1"),
+    ("train.eval_ks", "[10.5]"), ("train.lr_base_fan_in", "inf"), ("train.lr_base_fan_in", "nan"),
+])
+def test_int_fields_refuse_fractional_numbers_from_toml_and_set_alike(tmp_path, key, text):
+    """A fractional (or non-finite) number for an int field is refused on both paths, the key named."""
+    section, name = key.split(".")
+    toml = tmp_path / "c.toml"
+    toml.write_text(f"[{section}]\n{name} = {text}\n")
+    for load in (lambda: load_config(toml), lambda: load_config(None, [f"{key}={text}"])):
+        with pytest.raises(ValueError, match=rf"^{re.escape(key)}: expected int, got "):
+            load()
 
 
 def test_unknown_section_lists_sections_and_suggests():

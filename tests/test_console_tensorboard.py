@@ -75,6 +75,10 @@ def test_progress_line():
     assert line == ("epoch 2 step 30/120 (global 150) loss 5.0000, 800 samples/s, 30000 tokens/s (rank 0), "
                     "ETA 0:03:00")  # 90 steps left at 2 s per step
     assert progress_line(1, 0, 5, 0, 1.0, 0, 0, done=0, elapsed_s=0).endswith("ETA ?")
+    # the base dense learning rate (train.lr x the warm-up factor) after the loss, when the trainer passes it
+    assert progress_line(2, 30, 120, 150, 5.0, 800.4, 30000.0, done=10, elapsed_s=20.0, lr=2.5e-4) == (
+        "epoch 2 step 30/120 (global 150) loss 5.0000, lr 2.50e-04, 800 samples/s, 30000 tokens/s (rank 0), "
+        "ETA 0:03:00")
 
 
 def test_epoch_summary_is_short_and_keeps_the_figures():
@@ -92,18 +96,37 @@ def test_epoch_summary_is_short_and_keeps_the_figures():
         "epoch 1/3 done (global step 4): train loss 2, MFU 40.12%")
 
 
+def test_test_line_writes_each_ranking_task_as_evaluate_prints_it():
+    """gemray train's test line (gemray.train.evaluation.split_summary): the retrieval figures as key=value, then
+    per ranking task NE, AUC +/- its bound, calibration, ... -- ranking_summary's lines, which gemray evaluate
+    prints under its table (one formatter for both)."""
+    from gemray.train.evaluation import ranking_summary, split_summary
+
+    test = {"hr@10": 0.3, "num_users": 32.0, "ctr_ne": 0.93, "ctr_auc": 0.61, "ctr_auc_error_bound": 0.004,
+            "ctr_logloss": 0.52, "ctr_base_rate": 0.2, "ctr_calibration": 1.07, "ctr_num_examples": 640.0,
+            "cvr_ne": 0.71, "cvr_auc": float("nan"), "cvr_auc_error_bound": float("nan")}
+    ctr = "ctr: NE 0.9300, AUC 0.6100 +/- 0.0040, calibration 1.0700, log loss 0.5200, base rate 0.2000, 640 examples"
+    assert ranking_summary(test) == [ctr, "cvr: NE 0.7100, AUC nan +/- nan"]
+    assert split_summary("test", test) == (f"test: hr@10=0.3000, num_users=32.0000; {ctr}; "
+                                           "cvr: NE 0.7100, AUC nan +/- nan")
+    assert split_summary("test", {"ctr_ne": 0.5, "ctr_auc": 0.6}) == "test: ctr: NE 0.5000, AUC 0.6000"  # ranking only
+    assert split_summary("test", {"hr@10": 0.25}) == "test: hr@10=0.2500" and ranking_summary({"hr@10": 0.25}) == []
+
+
 def test_scalars_and_mlflow(monkeypatch):
     metrics = {"history": [{"epoch": 1, "global_step": 5, "train_loss": 7.5, "valid_hr@10": 0.1, "final": True},
                            {"epoch": 2, "global_step": 10, "train_loss": 7.0, "samples_per_s": 99.0}],
                "hr@10": 0.2, "ndcg@10_unfiltered": 0.05, "epochs": 2, "wall_s": 12.0, "samples_per_s": 99.0,
                "bbs": True, "world_size": 2, "test_ctr_ne": 0.9, "test_ctr_auc": float("nan"),
                "test_cvr_calibration": 1.1, "num_test_users": 7}
-    events = [{"kind": "step", "detail": {"global_step": 1, "loss": 8.0}},
-              {"kind": "step", "detail": {"global_step": 2}},  # an older run's heartbeat: no loss
-              {"kind": "step", "detail": {"global_step": 1, "loss": 7.9}},  # a restarted attempt repeats step 1
-              {"kind": "resize", "detail": {"global_step": 1, "loss": 0.0}}]
+    events = [{"kind": "step", "detail": {"global_step": 1, "loss": 8.0, "lr": 5e-4}},
+              {"kind": "step", "detail": {"global_step": 2}},  # an older run's heartbeat: no loss, no lr
+              {"kind": "step", "detail": {"global_step": 1, "loss": 7.9, "lr": 4e-4}},  # a restart repeats step 1
+              {"kind": "step", "detail": {"global_step": 3, "loss": 7.8, "lr": 1e-3}},
+              {"kind": "resize", "detail": {"global_step": 1, "loss": 0.0, "lr": 1.0}}]
     pts = scalars(metrics, events)
-    assert pts == [("step/train_loss", 7.9, 1), ("epoch/train_loss", 7.5, 1), ("epoch/valid_hr@10", 0.1, 1),
+    assert pts == [("step/train_loss", 7.9, 1), ("step/train_loss", 7.8, 3), ("step/lr", 4e-4, 1),
+                   ("step/lr", 1e-3, 3), ("epoch/train_loss", 7.5, 1), ("epoch/valid_hr@10", 0.1, 1),
                    ("epoch/samples_per_s", 99.0, 2), ("epoch/train_loss", 7.0, 2), ("test/ctr_ne", 0.9, 2),
                    ("test/cvr_calibration", 1.1, 2), ("test/hr@10", 0.2, 2), ("test/ndcg@10_unfiltered", 0.05, 2),
                    ("run/samples_per_s", 99.0, 2), ("run/wall_s", 12.0, 2)]  # a NaN (no positives) left out
@@ -207,6 +230,8 @@ def test_progress_lines_become_a_bar_on_a_terminal(tmp_path):
     line = "(RayTrainWorker pid=1) 04:22:50 gemray.train INFO " + progress_line(1, 2, 4, 2, 7.5, 190, 8070, done=2,
                                                                                elapsed_s=1.0)
     assert parse_progress(line) == (1, 2, 4, "loss 7.5000, 190 samples/s, ETA 0:00:01")
+    with_lr = line.replace("loss 7.5000, ", "loss 7.5000, lr 2.50e-04, ")  # the trainer's lines carry the lr
+    assert parse_progress(with_lr) == (1, 2, 4, "loss 7.5000, lr 2.50e-04, 190 samples/s, ETA 0:00:01")
     assert parse_progress("(RayTrainWorker pid=1) 04:22:50 gemray.train INFO epoch 1 done: epoch=1") is None
     term = _Tty()
     s = FilteredStream(term, RunLog(tmp_path, term), level=logging.INFO, verbose=False, bar=ProgressBar(term))

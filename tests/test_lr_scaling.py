@@ -122,6 +122,38 @@ def test_scaled_groups_move_each_weight_by_its_own_rate_and_the_warmup_follows_t
         assert seen[-1] == pytest.approx([1e-3 * sc for sc in scales])  # past the warm-up: the full rates
 
 
+def test_the_warming_up_lr_is_logged_recorded_and_reaches_tensorboard(synthetic, tmp_path, caplog):
+    """The base dense rate (train.lr x the warm-up factor, before the lr_base_fan_in multipliers) is visible: in
+    rank 0's progress line of every logged step (``lr 2.50e-04``), in each ``step`` event of events.jsonl and so
+    in TensorBoard's ``step/lr`` -- rising linearly over lr_warmup_steps, then flat (was: in none of them)."""
+    import json
+    import logging
+    import re
+
+    from gemray.controller.tensorboard import scalars
+
+    events = tmp_path / "events.jsonl"
+    cfg = _cfg(synthetic, "train.lr=1e-3", "train.lr_base_fan_in=16", "train.lr_warmup_steps=4",
+               "train.max_steps_per_epoch=5", "train.log_every=1", "checkpoint.every_epochs=1",
+               f"train.events_path={events}")
+    want = [2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3]  # global steps 1..5: (step + 1) / 4 of lr, then lr
+    with cpu_trainer(cfg) as tr:
+        # in-process the trainer leaves gemray's logging to the caller: its records reach caplog's root handler
+        caplog.set_level(logging.INFO, logger="gemray")
+        tr.train_epoch(0)
+        assert tr.global_step == 5
+    lines = [r.getMessage() for r in caplog.records if re.match(r"epoch 1 step \d+/5 ", r.getMessage())]
+    logged = [float(re.search(r" loss \S+, lr (\S+), ", m).group(1)) for m in lines]
+    assert logged == want, lines
+    assert "lr 2.50e-04, " in lines[0] and "lr 1.00e-03, " in lines[-1]
+    recorded = [json.loads(x) for x in events.read_text().splitlines()]
+    steps = [e for e in recorded if e["kind"] == "step"]
+    assert [(e["detail"]["global_step"], e["detail"]["lr"]) for e in steps] == [
+        (s, pytest.approx(v)) for s, v in zip(range(1, 6), want)]
+    tb = [(s, v) for tag, v, s in scalars({}, recorded) if tag == "step/lr"]
+    assert tb == [(s, pytest.approx(v)) for s, v in zip(range(1, 6), want)]
+
+
 def test_without_scaling_the_dense_optimizer_has_one_group_at_train_lr(synthetic):
     from gemray.parallel import dense_lr_scales, set_dense_lr
 

@@ -9,6 +9,7 @@ in-process model's user embeddings.
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -86,6 +87,49 @@ def test_evaluate_cli_other_k_and_json(run, trained, tmp_path, capsys):
     assert got["split"] == "test" and set(got["metrics"]) >= {"hr@1", "hr@5", "ndcg@1", "ndcg@5"}
     assert "hr@10" not in got["metrics"] and got["metrics"]["hr@1"] <= got["metrics"]["hr@5"]
     assert "HR@K" in capsys.readouterr().out
+
+
+def test_evaluate_cli_prints_the_ranking_tasks_figures_of_its_json(tmp_path, capsys):
+    """A gem-tiny checkpoint (ranking tasks ctr and cvr; saved after one CPU step, outside Ray): the printed
+    summary has each task's NE, AUC +/- its error bound and calibration, the values its JSON holds (was: the
+    HR / NDCG table only; the ranking figures reached the JSON alone)."""
+    import re
+
+    from model_utils import cpu_trainer
+
+    from gemray.bench.train import first_batch
+    from gemray.checkpoint import save_checkpoint
+    from gemray.cli import main
+    from gemray.config import load_config, to_toml
+    from gemray.pipelines.synthetic import ensure_synthetic
+
+    cfg = load_config(REPO / "configs" / "gem-tiny.toml", [f"data.prepared_dir={tmp_path / 'data'}",
+                                                           "ray.use_gpu=false", "train.eval_ks=[10]"])
+    ensure_synthetic(cfg.data)
+    ckpt = tmp_path / "ckpt"
+    with cpu_trainer(cfg) as tr:
+        tr.begin_epoch(0)
+        tr.train_step(first_batch(tr))
+        save_checkpoint(ckpt, tr.dmp, tr.optimizer, {"epoch": 1, "consumed": 0, "epoch_step": 0, "history": [],
+                                                     "global_step": tr.global_step, "partial": None},
+                        data=tr.trained_on)
+    (tmp_path / "config.toml").write_text(to_toml(cfg))
+    dest = tmp_path / "ev.json"
+    capsys.readouterr()
+    assert main(["evaluate", "--checkpoint", str(ckpt), "--config", str(tmp_path / "config.toml"),
+                 "--json", str(dest)]) == 0
+    out = capsys.readouterr().out
+    m = json.loads(dest.read_text())["metrics"]
+    assert "HR@K" in out and f"{m['hr@10']:>10.4f}" in out  # the retrieval table stays
+    for task in ("ctr", "cvr"):
+        line = next((x for x in out.splitlines() if x.startswith(f"{task}: ")), None)
+        assert line is not None, out
+        got = re.match(r"\w+: NE (\S+), AUC (\S+) \+/- (\S+), calibration (\S+), ", line)
+        assert got is not None, line
+        printed = [float(v) for v in got.groups()]
+        want = [m[f"{task}_{k}"] for k in ("ne", "auc", "auc_error_bound", "calibration")]
+        assert m[f"{task}_num_examples"] > 0 and all(math.isfinite(v) for v in want), m
+        assert printed == [pytest.approx(v, abs=5e-5) for v in want], (line, want)  # printed to 4 decimals
 
 
 def test_evaluate_other_data_with_other_items_is_refused(trained, tmp_path):

@@ -122,17 +122,19 @@ class RunLog:
 
 
 # rank 0's progress line (gemray.train.stats.progress_line) as Ray forwards it
-_PROGRESS = re.compile(r"gemray\.train INFO epoch (\d+) step (\d+)/(\d+) \(global \d+\) loss (\S+), (\d+) samples/s, "
-                       r".* ETA (\S+)$")
+_PROGRESS = re.compile(r"gemray\.train INFO epoch (\d+) step (\d+)/(\d+) \(global \d+\) loss (\S+), "
+                       r"(?:lr (\S+), )?(\d+) samples/s, .* ETA (\S+)$")
 
 
 def parse_progress(line: str) -> tuple[int, int, int, str] | None:
-    """Pure: ``(epoch, step, steps, postfix)`` of a console line carrying rank 0's progress line, else None."""
+    """Pure: ``(epoch, step, steps, postfix)`` of a console line carrying rank 0's progress line, else None.
+    The postfix (the bar's text) keeps the loss, the learning rate when the line has one, samples/s and ETA."""
     m = _PROGRESS.search(_ANSI.sub("", line))
     if not m:
         return None
+    lr = "" if m.group(5) is None else f"lr {m.group(5)}, "
     return (int(m.group(1)), int(m.group(2)), int(m.group(3)),
-            f"loss {m.group(4)}, {m.group(5)} samples/s, ETA {m.group(6)}")
+            f"loss {m.group(4)}, {lr}{m.group(6)} samples/s, ETA {m.group(7)}")
 
 
 class ProgressBar:

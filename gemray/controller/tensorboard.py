@@ -6,6 +6,8 @@ run ends (trained to the end or preempted), rewritten in full from the run's rec
 one curve over all its invocations. Tags (:func:`scalars`):
 
 * ``step/train_loss``: rank 0's loss per global step (its ``step`` events in events.jsonl);
+* ``step/lr``: the base dense learning rate of each global step (``train.lr`` x the ``lr_warmup_steps``
+  factor, before the per-group ``lr_base_fan_in`` multipliers), from the same events;
 * ``epoch/<key>``: each numeric per-epoch field of metrics.json's ``history`` at x = the epoch (1-based):
   ``train_loss``, ``samples_per_s``, ``tokens_per_s``, ``token_imbalance``, ``valid_hr@K``, ``valid_ndcg@K``,
   ``epoch_s``, ``train_s``, and MFU fields when the history has them;
@@ -48,15 +50,20 @@ def _number(v: Any) -> bool:
 
 def scalars(metrics: Mapping[str, Any], events: list[Mapping[str, Any]] = ()) -> list[tuple[str, float, int]]:
     """Pure: ``(tag, value, step)`` for TensorBoard from a run's metrics.json dict and its events (dicts of
-    gemray.events.Event; the ``step`` events with a ``loss`` give ``step/train_loss`` at their global step, the
-    last event of a step wins: a restarted attempt repeats steps). See the module docstring for the tags."""
+    gemray.events.Event; the ``step`` events with a ``loss`` / ``lr`` give ``step/train_loss`` / ``step/lr`` at
+    their global step, the last event of a step wins: a restarted attempt repeats steps). See the module
+    docstring for the tags."""
     out: list[tuple[str, float, int]] = []
-    per_step: dict[int, float] = {}
+    per_step: dict[str, dict[int, float]] = {"loss": {}, "lr": {}}
     for e in events:
         d = e.get("detail", {})
-        if e.get("kind") == "step" and _number(d.get("loss")):
-            per_step[int(d["global_step"])] = float(d["loss"])
-    out += [("step/train_loss", v, s) for s, v in sorted(per_step.items())]
+        if e.get("kind") != "step":
+            continue
+        for key, values in per_step.items():
+            if _number(d.get(key)):
+                values[int(d["global_step"])] = float(d[key])
+    out += [("step/train_loss", v, s) for s, v in sorted(per_step["loss"].items())]
+    out += [("step/lr", v, s) for s, v in sorted(per_step["lr"].items())]
     history = metrics.get("history") or []
     for i, h in enumerate(history):
         x = int(h.get("epoch", i + 1))

@@ -37,7 +37,8 @@ def evaluate(trained: TrainedModel, split: str = "test", *, ks: list[int] | None
     figures do not depend on it beyond float rounding).
 
     Returns ``{"checkpoint", "split", "prepared_dir", "world_size", "epoch", "global_step", "seconds",
-    "metrics": {"hr@K", "ndcg@K", "num_users", ["hr@K_unfiltered", ..., "targets_in_history"]}}``.
+    "metrics": {"hr@K", "ndcg@K", "num_users", ["hr@K_unfiltered", ..., "targets_in_history"], and per ranking
+    task "<task>_ne", "<task>_auc", "<task>_auc_error_bound", "<task>_calibration", ...}}``.
     Raises ValueError for an unknown split, bad cut-offs or data that does not fit the model.
     """
     from gemray.pipelines.stream import HistoryStream
@@ -75,16 +76,22 @@ def evaluate(trained: TrainedModel, split: str = "test", *, ks: list[int] | None
 
 def format_metrics(result: dict[str, Any]) -> str:
     """Plain-text table of an :func:`evaluate` result: one row per cut-off (HR, NDCG, and the all-items figures
-    when history is excluded)."""
+    when history is excluded; no table for a model without the retrieval task), then one line per ranking task
+    (NE, AUC +/- its error bound, calibration, log loss, base rate, examples), written by
+    :func:`gemray.train.evaluation.ranking_summary` as ``gemray train`` logs its test line."""
+    from gemray.train.evaluation import ranking_summary
+
     m = result["metrics"]
     ks = sorted({int(k.split("@")[1].split("_")[0]) for k in m if k.startswith("hr@")})
     lines = [f"{result['split']} split of {result['prepared_dir']}: {int(m.get('num_users', 0))} users, "
              f"checkpoint {result['checkpoint']} (epoch {result['epoch']}, global step {result['global_step']})"]
     unf = any(k.endswith("_unfiltered") for k in m)
-    lines.append(f"{'K':>6}{'HR@K':>10}{'NDCG@K':>10}" + (f"{'HR@K all':>11}{'NDCG@K all':>12}" if unf else ""))
+    if ks:
+        lines.append(f"{'K':>6}{'HR@K':>10}{'NDCG@K':>10}" + (f"{'HR@K all':>11}{'NDCG@K all':>12}" if unf else ""))
     for k in ks:
         row = f"{k:>6}{m[f'hr@{k}']:>10.4f}{m[f'ndcg@{k}']:>10.4f}"
         if unf:
             row += f"{m[f'hr@{k}_unfiltered']:>11.4f}{m[f'ndcg@{k}_unfiltered']:>12.4f}"
         lines.append(row)
+    lines += ranking_summary(m)
     return "\n".join(lines)

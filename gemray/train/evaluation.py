@@ -92,6 +92,39 @@ def evaluation_metrics(evaluators: list[Evaluator], total: torch.Tensor) -> dict
     return out
 
 
+def ranking_summary(metrics: dict[str, Any]) -> list[str]:
+    """Pure: one line per ranking task of ``metrics`` (:class:`RankingEvaluator`'s unprefixed names, e.g.
+    ``ctr_ne``; tasks in ``ModelConfig.RANKING_TASKS`` order, those without ``<task>_ne`` left out), e.g.
+    ``ctr: NE 0.9300, AUC 0.6100 +/- 0.0040, calibration 1.0700, log loss 0.5200, base rate 0.2000, 640
+    examples``. The AUC's ``+/- bound`` (its binning error bound) and each other figure appear when present; a NaN
+    (e.g. the AUC of a task without positives) is printed as ``nan``. What ``gemray train`` logs as its test
+    line and ``gemray evaluate`` prints under its table."""
+    lines = []
+    for task in ModelConfig.RANKING_TASKS:
+        if f"{task}_ne" not in metrics:
+            continue
+        m = {k[len(task) + 1:]: v for k, v in metrics.items() if k.startswith(f"{task}_")}
+        parts = [f"NE {m['ne']:.4f}"]
+        if "auc" in m:
+            bound = m.get("auc_error_bound")
+            parts.append(f"AUC {m['auc']:.4f}" + ("" if bound is None else f" +/- {bound:.4f}"))
+        parts += [f"{label} {m[k]:.4f}" for k, label in (("calibration", "calibration"), ("logloss", "log loss"),
+                                                         ("base_rate", "base rate")) if k in m]
+        if "num_examples" in m:
+            parts.append(f"{m['num_examples']:.0f} examples")
+        lines.append(f"{task}: " + ", ".join(parts))
+    return lines
+
+
+def split_summary(split: str, metrics: dict[str, Any]) -> str:
+    """Pure: the trainer's log line of a split's metrics (:func:`evaluation_metrics`), e.g. ``test: hr@10=0.3000,
+    ndcg@10=0.2000, num_users=32.0000; ctr: NE 0.9300, AUC 0.6100 +/- 0.0040, ...; cvr: ...``: the retrieval
+    figures as ``key=value``, then each ranking task as :func:`ranking_summary` writes it."""
+    prefixes = tuple(f"{t}_" for t in ModelConfig.RANKING_TASKS)
+    rest = ", ".join(f"{k}={v:.4f}" for k, v in metrics.items() if not k.startswith(prefixes))
+    return f"{split}: " + "; ".join(([rest] if rest else []) + ranking_summary(metrics))
+
+
 class RetrievalEvaluator:
     """HR@K / NDCG@K of next-item retrieval, each user's held-out item ranked against ALL items.
 

@@ -139,11 +139,15 @@ class RecoveryRecorder:
                              dense_mesh=mesh, **({} if layout is None else {"layout": dict(layout)}))
 
     # -- while training ----------------------------------------------------------------------------------
-    def step(self, global_step: int, epoch: int, consumed: int, loss: float | None = None) -> None:
+    def step(self, global_step: int, epoch: int, consumed: int, loss: float | None = None,
+             lr: float | None = None) -> None:
         """A ``step`` heartbeat (file only) after global step ``global_step`` of 0-based ``epoch``, with rank 0's
-        ``loss`` of the step when given (TensorBoard's per-step curve); the ``first_step`` event after the
-        first step of a resumed attempt."""
+        ``loss`` of the step and the step's base dense learning rate ``lr`` (``train.lr`` x the warm-up factor)
+        when given (TensorBoard's per-step curves); the ``first_step`` event after the first step of a resumed
+        attempt."""
         extra = {} if loss is None else {"loss": float(loss)}
+        if lr is not None:
+            extra["lr"] = float(lr)
         self.events.emit("step", quiet=True, global_step=global_step, epoch=epoch + 1, consumed=consumed, **extra)
         if self._first_step_pending:
             self.events.emit("first_step", global_step=global_step, since_start_s=time.time() - self.t_start)

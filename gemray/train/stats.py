@@ -130,22 +130,25 @@ class ThroughputMeter:
 
 def progress_line(epoch: int, step: int, steps: int, global_step: int, loss: float, samples_per_s: float,
                   tokens_per_s: float, *, done: int, elapsed_s: float, tflops_per_s: float | None = None,
-                  mfu: float | None = None) -> str:
+                  mfu: float | None = None, lr: float | None = None) -> str:
     """Pure: the per-epoch progress line of rank 0, e.g.
-    ``epoch 1 step 40/120 (global 40) loss 5.1234, 812 samples/s, 30144 tokens/s (rank 0), ETA 0:01:05``.
+    ``epoch 1 step 40/120 (global 40) loss 5.1234, lr 1.00e-03, 812 samples/s, 30144 tokens/s (rank 0), ETA
+    0:01:05``.
 
     epoch: 1-based; step / steps: steps of this epoch done / in all (a resumed epoch counts from its saved
     position); samples_per_s / tokens_per_s: this rank's rates since the previous line; done / elapsed_s:
     steps this attempt ran in the epoch and their seconds, whose mean gives the ETA of the remaining
     ``steps - step`` steps (evaluation not included; "?" before the first step); tflops_per_s / mfu (a
     fraction of the device's peak, None: unknown): model FLOP rate of this rank, added when tflops_per_s is
-    given (ThroughputMeter.rates_full)."""
+    given (ThroughputMeter.rates_full); lr: the base dense learning rate of the last step (``train.lr`` x the
+    warm-up factor, before the per-group ``lr_base_fan_in`` multipliers), shown after the loss when given."""
     eta = "?"
     if done > 0 and elapsed_s > 0:
         s = int(round((steps - step) * elapsed_s / done))
         eta = f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
-    return (f"epoch {epoch} step {step}/{steps} (global {global_step}) loss {loss:.4f}, {samples_per_s:.0f} "
-            f"samples/s, {tokens_per_s:.0f} tokens/s (rank 0), "
+    return (f"epoch {epoch} step {step}/{steps} (global {global_step}) loss {loss:.4f}, "
+            + ("" if lr is None else f"lr {lr:.2e}, ")
+            + f"{samples_per_s:.0f} samples/s, {tokens_per_s:.0f} tokens/s (rank 0), "
             + ("" if tflops_per_s is None else
                f"{tflops_per_s:.3f} TFLOP/s, MFU {'n/a' if mfu is None else f'{100 * mfu:.2f}%'}, ")
             + f"ETA {eta}")

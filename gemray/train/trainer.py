@@ -59,7 +59,7 @@ from gemray.parallel import (build_optimizer, dense_lr_scales, dense_unsharded, 
 from gemray.parallel.activation_checkpoint import ActivationCheckpointer
 from gemray.preemption import read_notice
 from gemray.train.checkpoint_policy import CheckpointPolicy
-from gemray.train.evaluation import build_evaluators, evaluation_metrics, evaluation_sums
+from gemray.train.evaluation import build_evaluators, evaluation_metrics, evaluation_sums, split_summary
 from gemray.train.precision import autocast
 from gemray.train.preemption_vote import PreemptionVote
 from gemray.train.recorder import RecoveryRecorder
@@ -432,7 +432,7 @@ class Trainer:
                 log.info(progress_line(epoch + 1, self.epoch_step, epoch_steps, self.global_step, loss,
                                        r["samples_per_s"], r["tokens_per_s"], done=i + 1,
                                        elapsed_s=time.perf_counter() - t_loop, tflops_per_s=r["tflops_per_s"],
-                                       mfu=r["mfu"]))
+                                       mfu=r["mfu"], lr=self.last_lr))
             # Without a notice the epoch-end checkpoint covers the last step; with one, the emergency checkpoint
             # is taken here (a resumed run then has 0 steps left of this epoch and goes straight to its end).
             last = i == steps - 1
@@ -477,7 +477,9 @@ class Trainer:
         """One global step of this rank: dropout and negative sampling seeded from (seed, global step, rank),
         forward / backward / optimizer step, then the bookkeeping (statistics with the step's model FLOPs
         ``last_step_flops`` and its wall seconds ``last_step_s`` -- since the previous step's end, the batch
-        wait included -- counters, ledger, step event). Returns the loss (this rank's mean over its predicted
+        wait included -- counters, ledger, step event). ``last_lr``: the step's base dense learning rate,
+        ``train.lr`` x the warm-up factor of its global step (the groups get it x their ``lr_base_fan_in``
+        multiplier); shown in the progress line and kept in the step event. Returns the loss (this rank's mean over its predicted
         positions), or None when it is not read yet. ``next_batch``: the next step's host batch, prefetched
         during this step by the sparse-dist pipeline (``parallel.train_pipeline``; ignored without it).
 
@@ -494,8 +496,10 @@ class Trainer:
         fp8_stats = (tc.precision == "fp8" and tc.fp8_stats and not tc.compile
                      and self.epoch_step % tc.log_every == 0)
         step_stats: dict = {}
+        # the base dense rate of this step, before the per-group lr_base_fan_in multipliers (logged, step events)
+        self.last_lr = tc.lr * warmup_factor(self.global_step, tc.lr_warmup_steps)
         if tc.lr_warmup_steps:
-            set_dense_lr(self.optimizer, tc.lr * warmup_factor(self.global_step, tc.lr_warmup_steps), self.lr_scales)
+            set_dense_lr(self.optimizer, self.last_lr, self.lr_scales)
         defer = self.defer_loss
         fp8 = tc.precision == "fp8"  # the weights' FP8 copies once per step (recomputes reuse them)
         with self.checkpointer.step(self.dmp, self.device), (collect_fp8_stats() if fp8_stats else nullcontext()), \
@@ -517,7 +521,8 @@ class Trainer:
         self.attempt_steps += 1
         measured = self.attempt_steps > tc.mfu_warmup_steps
         self._pending.append((loss, n_t, batch.num_tokens, batch.batch_size, self.last_step_flops,
-                              self.last_step_s if measured else None, self.global_step, self.epoch, self.consumed))
+                              self.last_step_s if measured else None, self.global_step, self.epoch, self.consumed,
+                              self.last_lr))
         self.global_step += 1
         self.epoch_step += 1
         if self.ledger is not None:
@@ -541,9 +546,9 @@ class Trainer:
         else:
             values = [float(v) for v in raw]
         check_finite_loss(values, first_step=pending[0][6])
-        for v, (_, n_t, tokens, samples, flops, seconds, step, epoch, consumed) in zip(values, pending):
+        for v, (_, n_t, tokens, samples, flops, seconds, step, epoch, consumed, lr) in zip(values, pending):
             self.stats.add(v, n_t, tokens, samples, flops, seconds)
-            self.recorder.step(step + 1, epoch, consumed, loss=v)
+            self.recorder.step(step + 1, epoch, consumed, loss=v, lr=lr)
         return values[-1]
 
     def epoch_seconds(self) -> float:
@@ -674,7 +679,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         if done == cfg.train.epochs:
             # The test split once, at the end; reported with the last checkpoint so Ray's Result carries it.
             test = trainer.evaluate("test")
-            log.info("test: %s", ", ".join(f"{k}={v:.4f}" for k, v in test.items()))
+            log.info("%s", split_summary("test", test))
             metrics.update(_prefixed("test", test))
             metrics.update({"final": True, "world_size": trainer.world, "history": list(trainer.history)})
         if trainer.maybe_checkpoint(trainer.global_step, epoch_end=True, metrics=metrics) is None:
