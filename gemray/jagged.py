@@ -49,10 +49,10 @@ LABEL_NAMES = ("click", "convert")
 TOKEN_HEADROOM = 1.25
 
 
-def headroom_tokens(tokens: int) -> int:
+def headroom_tokens(tokens: int, headroom: float = TOKEN_HEADROOM) -> int:
     """Pure: the most tokens (int) a batch like one of ``tokens`` tokens is assumed to hold: ``tokens`` x
-    ``TOKEN_HEADROOM``, rounded down, at least 1."""
-    return max(1, int(tokens * TOKEN_HEADROOM))
+    ``headroom`` (default ``TOKEN_HEADROOM``), rounded down, at least 1."""
+    return max(1, int(tokens * headroom))
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,18 @@ selective: saved_i - selective_bytes_i; the inputs counted in, conservatively)::
 
     peak(L) = P0 - sum_{i recomputed} gain_i(L_i) + max_{i recomputed} live_i(L_i)
 
-(the last term: in the backward one recomputed module's activations are live at a time). The planner
+(the last term: in the backward one recomputed module's activations are live at a time).
+
+Design batch: batches differ in tokens and activations scale with tokens, so the plan is made for a batch of
+``TOKEN_HEADROOM`` (``gemray.jagged``: 1.25, the kernel warm-up's allowance too) x the probe batch's tokens
+(:func:`scale_to_tokens`): every candidate's saved_i, input_i and selective_bytes_i and the activation bytes saved
+outside the candidates (``_Probe.other``) scale by that factor, while the rest of P0 -- parameters, embedding
+tables, optimizer state, what the step allocates besides saved activations -- stays. P0 in the formula above is
+then that scaled no-checkpointing peak, and a fractional budget is a fraction of it: plan, prediction and budget
+all refer to the design batch. (A planned-for batch measured on the GEM config at batch 256 -- 61.9 GiB against
+a 61.5 GiB budget -- was followed by batches peaking at 70.2 GiB when the plan was made for the probe batch
+alone.) Transients that scale with tokens but are not saved activations (the backward's activation gradients)
+are not scaled: on CUDA they are part of the measured P0 at the probe batch's size. The planner
 (``plan_checkpointing``) starts from every module at "none" and repeatedly takes the upgrade with the lowest
 extra recompute cost per extra byte saved -- none -> selective, none -> full or selective -> full, whichever of a
 module's next steps is cheapest per byte, as the issue asks -- until ``peak(L) <= budget``; a step that saves no
@@ -59,7 +70,7 @@ False``) and recomputes all of them fully.
 
 Modes (``train.activation_checkpointing``, ``MODES``): "none"; "full" (every candidate); "selective" (every
 candidate at level selective); "auto" (this planner, when ``train.activation_memory_budget`` > 0: bytes, or a
-fraction of P0); "torch" (torch's own min-cut recomputation: each HSTU block compiled by
+fraction of the design batch's P0); "torch" (torch's own min-cut recomputation: each HSTU block compiled by
 ``gemray.parallel.compile`` with ``torch._functorch.config.activation_memory_budget`` set to the fraction).
 Recomputation is ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` (dropout's RNG state is replayed)
 around the module's own forward, patched on the instance so the state-dict keys do not change
@@ -77,7 +88,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -86,6 +97,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from gemray.config import TrainConfig
+from gemray.jagged import TOKEN_HEADROOM, headroom_tokens
 
 log = logging.getLogger(__name__)
 
@@ -261,6 +273,61 @@ def plan_checkpointing(costs: list[ModuleCost], budget_bytes: int, no_checkpoint
         peak = predicted_peak(costs, levels, no_checkpoint_peak)
     return CheckpointPlan(tuple(levels.items()), peak, int(no_checkpoint_peak), int(budget_bytes),
                           peak <= budget_bytes)
+
+
+def scale_to_tokens(costs: list[ModuleCost], other_bytes: int, no_checkpoint_peak: int, factor: float
+                    ) -> tuple[list[ModuleCost], int]:
+    """Pure: the probe's measurements carried to the design batch of ``factor`` x the probe batch's tokens
+    (module docstring): each candidate's saved / input / selective bytes and ``other_bytes`` (the activation
+    bytes saved outside the candidates) are multiplied by ``factor`` (rounded to whole bytes), the rest of
+    ``no_checkpoint_peak`` (bytes: parameters, tables, optimizer state) stays. Recompute costs stay as measured
+    (seconds of the probe batch): every module's cost per byte changes by the same factor, so the planner's order
+    does not. Returns (the scaled costs, the scaled no-checkpointing peak in bytes). Raises ValueError for
+    factor <= 0 or negative bytes."""
+    if factor <= 0:
+        raise ValueError(f"scale_to_tokens: factor must be > 0, got {factor}")
+    if other_bytes < 0 or no_checkpoint_peak < 0:
+        raise ValueError("scale_to_tokens: negative bytes")
+
+    def sc(n: int) -> int:
+        return int(round(n * factor))
+
+    scaled = [replace(c, saved_bytes=sc(c.saved_bytes), input_bytes=sc(c.input_bytes),
+                      selective_bytes=None if c.selective_bytes is None else sc(c.selective_bytes)) for c in costs]
+    activations = other_bytes + sum(c.saved_bytes for c in costs)
+    scaled_activations = sc(other_bytes) + sum(c.saved_bytes for c in scaled)
+    return scaled, int(no_checkpoint_peak) - activations + scaled_activations
+
+
+def plan_report(plan: CheckpointPlan, probe_tokens: int | None, factor: float) -> tuple[int, str]:
+    """Pure: (logging level, message) of the "auto" plan made for ``factor`` x the probe batch's
+    ``probe_tokens`` tokens (None: not given). INFO when the plan fits its budget; WARNING when the budget is
+    unreachable -- even every candidate at its level that saves the most predicts more -- naming the budget and
+    that lowest predicted peak (bytes in the message as GiB / MiB)."""
+    if probe_tokens is None:
+        design = f"{factor:g}x the probe batch's tokens"
+    else:
+        design = f"{headroom_tokens(probe_tokens, factor)} tokens ({factor:g}x the probe batch's {probe_tokens})"
+    msg = f"activation checkpointing: auto, {plan.describe()}; planned for {design}"
+    if plan.fits:
+        return logging.INFO, msg
+    return logging.WARNING, (f"{msg}. The budget {format_bytes(plan.budget)} is unreachable: the lowest predicted "
+                             f"peak, every candidate recomputed at its level that saves the most, is "
+                             f"{format_bytes(plan.predicted_peak)}")
+
+
+def peak_report(measured: int, plan: CheckpointPlan, tokens: int | None, design_tokens: int | None
+                ) -> tuple[int, str]:
+    """Pure: (logging level, message) of the step after the plan: its ``measured`` peak (bytes) at ``tokens``
+    tokens beside the plan's prediction for ``design_tokens`` (either None: not given). WARNING when the
+    measured peak exceeds the plan's budget, else INFO."""
+    at = "" if tokens is None else f" at {tokens} tokens"
+    pred = f"predicted {format_bytes(plan.predicted_peak)}" + ("" if design_tokens is None
+                                                                else f" for {design_tokens} tokens")
+    if measured > plan.budget:
+        return logging.WARNING, (f"activation checkpointing: measured peak {format_bytes(measured)}{at} exceeds "
+                                 f"the budget {format_bytes(plan.budget)} ({pred})")
+    return logging.INFO, f"activation checkpointing: measured peak {format_bytes(measured)}{at} ({pred})"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -467,20 +534,30 @@ def apply_torch_budget(model: nn.Module, fraction: float, backend: str = "induct
 class ActivationCheckpointer:
     """The trainer's one handle: ``setup(model)`` after build applies "full" / "selective" / "torch"; in "auto"
     the second ``step(model)`` context probes (no checkpointing; the first is a warm-up: kernel compilation) and
-    its ``after_step`` plans and applies a level per module, then logs the measured peak of the next step beside
-    the prediction.
+    its ``after_step`` plans -- for a batch of ``headroom`` x the probe batch's tokens (module docstring, "Design
+    batch") -- and applies a level per module, then logs the measured peak of the next step beside the prediction
+    (a WARNING when it exceeds the budget).
 
     mode: one of MODES; budget: ``train.activation_memory_budget``; compile_backend / compile_dynamic /
     compile_optimize_ddp: ``train.compile_backend`` / ``compile_dynamic`` / ``compile_optimize_ddp`` (how mode
-    "torch" compiles the blocks, as ``train.compile`` would)."""
+    "torch" compiles the blocks, as ``train.compile`` would); headroom: the design batch's tokens over the probe
+    batch's (default ``gemray.jagged.TOKEN_HEADROOM``). Raises ValueError for an unknown mode or headroom <= 0."""
 
     def __init__(self, mode: str = "none", budget: float = 0.0, compile_backend: str = "inductor",
-                 compile_dynamic: str = "auto", compile_optimize_ddp: bool = False):
+                 compile_dynamic: str = "auto", compile_optimize_ddp: bool = False, *,
+                 headroom: float = TOKEN_HEADROOM):
         if mode not in MODES:
             raise ValueError(f"activation_checkpointing: expected one of {MODES}, got {mode!r}")
+        if headroom <= 0:
+            raise ValueError(f"activation checkpointing headroom: expected > 0, got {headroom}")
         self.mode, self.budget, self.compile_backend = mode, float(budget), compile_backend
         self.compile_dynamic, self.compile_optimize_ddp = compile_dynamic, bool(compile_optimize_ddp)
+        self.headroom = float(headroom)
         self.plan: CheckpointPlan | None = None
+        #: tokens of the probe batch and of the design batch the plan is for (None: the trainer did not say)
+        self.probe_tokens: int | None = None
+        self.design_tokens: int | None = None
+        self._tokens: int | None = None
         self._probe: _Probe | None = None
         # the probe runs on the second step: the first one compiles the Triton kernels, its times mean nothing
         self._state = "warmup" if (mode == "auto" and budget > 0) else "done"
@@ -506,9 +583,11 @@ class ActivationCheckpointer:
                      "%.3g", len(names), self.budget)
 
     @contextlib.contextmanager
-    def step(self, model: nn.Module, device: torch.device):
-        """Wrap one training step (forward + backward)."""
+    def step(self, model: nn.Module, device: torch.device, tokens: int | None = None):
+        """Wrap one training step (forward + backward) of a batch of ``tokens`` tokens (this rank's; None: not
+        known -- the plan and the logs then say the headroom factor only)."""
         self._device = device
+        self._tokens = None if tokens is None else int(tokens)
         if self._state == "probe":
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
@@ -531,20 +610,26 @@ class ActivationCheckpointer:
             modelled = self._probe.other + sum(c.saved_bytes for c in costs)
             measured = self._probe.measured_peak(dev) if dev is not None else 0
             peak0 = measured or modelled
-            budget = resolve_budget(self.budget, peak0)
-            self.plan = plan_checkpointing(costs, budget, peak0)
+            design, design_peak = scale_to_tokens(costs, self._probe.other, peak0, self.headroom)
+            budget = resolve_budget(self.budget, design_peak)
+            self.plan = plan_checkpointing(design, budget, design_peak)
+            self.probe_tokens = self._tokens
+            self.design_tokens = None if self._tokens is None else headroom_tokens(self._tokens, self.headroom)
+            log.info("activation checkpointing probe: %s tokens, peak %s (%s), activations saved outside the "
+                     "candidates %s", "?" if self._tokens is None else self._tokens, format_bytes(peak0),
+                     "measured" if measured else "modelled: saved activations only", format_bytes(self._probe.other))
             for c in costs:
                 log.info("activation checkpointing probe: %s saves %s (inputs %s; selective keeps %s more), "
                          "recompute %.2f ms full, %.2f ms selective", c.name, format_bytes(c.saved_bytes),
                          format_bytes(c.input_bytes), format_bytes(c.selective_bytes or 0), 1e3 * c.recompute_cost,
                          1e3 * (c.selective_cost or 0.0))
-            log.info("activation checkpointing: auto, %s", self.plan.describe())
+            log.log(*plan_report(self.plan, self.probe_tokens, self.headroom))
             apply_checkpointing(self._modules, dict(self.plan.levels))
             self._probe, self._state = None, "measure"
             return self.plan
         if self._state == "measure":
             if dev is not None and dev.type == "cuda" and self.plan is not None:
-                log.info("activation checkpointing: measured peak %s (predicted %s)",
-                         format_bytes(torch.cuda.max_memory_allocated(dev)), format_bytes(self.plan.predicted_peak))
+                log.log(*peak_report(torch.cuda.max_memory_allocated(dev), self.plan, self._tokens,
+                                     self.design_tokens))
             self._state = "done"
         return None
