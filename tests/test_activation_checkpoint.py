@@ -692,3 +692,101 @@ def test_selective_peak_lies_between_none_and_full_on_cuda(compiled):
             torch.testing.assert_close(a, b, rtol=2e-2, atol=1e-3)
         else:
             assert torch.equal(a, b)
+
+
+def _counting_backend():
+    """A dynamo backend running the traced graph as is, counting compiles (graphs made) and calls of them."""
+    stats = {"compiles": 0, "calls": 0}
+
+    def backend(gm, example_inputs):
+        stats["compiles"] += 1
+
+        def run(*args):
+            stats["calls"] += 1
+            return gm.forward(*args)
+
+        return run
+
+    return backend, stats
+
+
+@pytest.mark.parametrize("attention, autocast", [("triton", False), ("reference", True)])
+def test_compiled_candidate_is_timed_compiled_without_recompiling_or_side_effects(monkeypatch, attention, autocast):
+    """Of two blocks, the one compiled in place (``Module.compile``, a counting backend) gets its recompute
+    seconds from its compiled forward -- run after the step through ``_compiled_call_impl`` (the compiled graph is
+    called twice, no new compile: the inputs, their requires_grad and the autocast state as in the step) -- full:
+    those seconds, selective: those less the census's seconds of the saved ops; the eager block keeps the census's.
+    The timing writes no ``.grad`` (parameters or the step's input), leaves the RNG state as it was, and refuses to
+    run while the probe is active. With bf16 autocast (the reference attention: its graph breaks are counted as
+    calls too) the step's autocast is restored for the timing, else dynamo would recompile."""
+    import torch._dynamo
+
+    from gemray.parallel import activation_checkpoint as ac_mod
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    cfg = tiny_cfg(embedding_dim=32, num_heads=2, attention_dim=8, linear_dim=8, num_blocks=2, dropout=0.2,
+                   attention_backend=attention)
+    enc = HSTUEncoder(cfg, 32)
+    backend, stats = _counting_backend()
+    enc.blocks[0].compile(backend=backend)
+    mods = candidate_modules(enc)
+    tok, off, ts = _jagged()
+    tok.requires_grad_()
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = enc(tok, off, ts)
+        out.float().sum().backward()
+
+    step()  # the warm-up step compiles
+    assert stats["compiles"] > 0
+    assert ac_mod.compiled_in_place(mods["blocks.0"]) and not ac_mod.compiled_in_place(mods["blocks.1"])
+    with _Probe(mods, list(enc.parameters())) as probe:
+        step()  # (the reference attention's layout cache, filled by the census, may compile one more graph)
+        with pytest.raises(RuntimeError, match="still active"):
+            probe.time_compiled()
+    grads = {n: p.grad.clone() for n, p in enc.named_parameters()}
+    tok_grad, rng, calls, compiled = tok.grad.clone(), torch.get_rng_state(), stats["calls"], stats["compiles"]
+    timed = []
+    real = ac_mod._time_compiled_forward
+
+    def spy(mod, *a, **k):
+        timed.append((mod, real(mod, *a, **k)))
+        return timed[-1][1]
+
+    monkeypatch.setattr(ac_mod, "_time_compiled_forward", spy)
+    seconds = probe.time_compiled()
+    assert [m for m, _ in timed] == [mods["blocks.0"]] and seconds == {"blocks.0": timed[0][1]}
+    assert seconds["blocks.0"] > 0
+    assert stats["compiles"] == compiled, "the timing recompiled"
+    per_call = 1 if attention == "triton" else None  # the Triton block is one graph; the reference has breaks
+    assert stats["calls"] - calls == 2 * per_call if per_call else stats["calls"] - calls >= 2
+    assert torch.equal(torch.get_rng_state(), rng) and torch.equal(tok.grad, tok_grad)
+    assert all(torch.equal(p.grad, grads[n]) for n, p in enc.named_parameters())
+    assert (probe.timing("blocks.0"), probe.timing("blocks.1")) == (_Probe.COMPILED, _Probe.CENSUS)
+    c0, c1 = probe.costs()
+    assert c0.recompute_cost == seconds["blocks.0"] != probe.full_s["blocks.0"]
+    assert c0.selective_cost == max(seconds["blocks.0"] - probe.saved_ops_s["blocks.0"], 0.0)
+    assert (c1.recompute_cost, c1.selective_cost) == (probe.full_s["blocks.1"], probe.selective_s["blocks.1"])
+    assert probe.time_compiled() == seconds and len(timed) == 1  # the held inputs were dropped: nothing to time
+
+
+def test_auto_checkpointer_logs_which_timing_each_candidate_used(caplog):
+    """The probe's per-module lines say where the recompute seconds came from: the compiled forward for blocks
+    compiled in place (here blocks.0, backend "eager"), the eager op census for the others."""
+    import logging
+
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    enc, tok, off, ts = _encoder_and_batch()
+    enc.blocks[0].compile(backend="eager")
+    with caplog.at_level(logging.INFO, logger="gemray.parallel.activation_checkpoint"):
+        plan = _probe_and_plan(ActivationCheckpointer("auto", 0.6), enc, tok, off, ts)[1]
+    assert plan is not None and plan.fits
+    lines = {r.getMessage().split(" saves ")[0].rsplit(" ", 1)[-1]: r.getMessage() for r in caplog.records
+             if r.getMessage().startswith("activation checkpointing probe: blocks.")}
+    assert sorted(lines) == ["blocks.0", "blocks.1", "blocks.2"]
+    assert lines["blocks.0"].endswith("(timed: compiled forward)")
+    assert lines["blocks.1"].endswith("(timed: eager op census)") and lines["blocks.2"].endswith("census)")

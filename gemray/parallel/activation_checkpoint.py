@@ -36,12 +36,32 @@ The probe measures, during one ordinary training step (the second: the first com
   time", both from the same eager, op-by-op measurement, so the two levels are in one unit. Time rather than
   counted FLOPs: the recomputed ops are memory-bound (no FLOPs to count) and the jagged attention kernels are
   custom Triton ops. The census is eager even for compiled modules (a dispatch mode makes dynamo run frames
-  eagerly anyway), which also keeps the compiled modules' (re)compiles out of the measurement. Known biases,
-  documented rather than corrected: under torch.compile the real recomputation is cheaper than the eager census
-  says, most of all selective's (inductor fuses its pointwise ops into the backward), so the census favours
-  "full" there; in eager mode torch's early stop ends a recompute once the last tensor the backward needs is back
-  -- before an HSTU block's output GEMM -- so "full" costs one GEMM less than the census counts, which favours
-  "selective". Costs only decide which level buys the bytes; whether the plan fits is decided on bytes alone.
+  eagerly anyway), which also keeps the compiled modules' (re)compiles out of the measurement;
+* for a candidate compiled in place (:func:`compiled_in_place`: ``nn.Module.compile`` set ``_compiled_call_impl``,
+  as ``train.compile`` does), the seconds of its compiled forward instead (:meth:`_Probe.time_compiled`): the
+  forward pre-hook keeps its inputs (detached; their requires_grad recorded; containers copied) and the autocast
+  state, and after the step -- the probe's saved-tensor and module hooks gone, the step's activations freed --
+  ``mod(*args, **kwargs)`` runs twice with grad enabled as in training (inputs as they were, so dynamo reuses the
+  step's graph and does not recompile; each tensor a new leaf, so nothing reaches the step's graph; the RNG
+  forked; no backward, so no ``.grad`` is written), CUDA-synchronised, outputs dropped at once; the second call's
+  seconds are "full"'s cost and selective's is ``max(compiled forward - the census's seconds of the ops selective
+  saves, 0)``. The bytes stay the census's and the step's (they are right under compile too). The held inputs
+  stay alive through the probe step's backward: most of them (a block's input, saved by its first LayerNorm)
+  are saved for it anyway, so the probe step's peak rises by at most their bytes, which keeps the plan on the
+  safe side. Under FSDP the timing calls all-gather like any forward; every rank runs them in the same order.
+
+Known biases, documented rather than corrected. Timed eagerly (the census), recomputation under torch.compile
+is overstated, most of all selective's, whose pointwise ops inductor fuses: on the H200 (batch 256) the census's
+costs put 4 blocks at "full" (338 ms a step) where "selective" on every candidate measured 311 ms at a lower peak
+-- hence the compiled timing above. What remains with it: selective's true cost can be below the compiled
+forward's pointwise time (the recompute inside the compiled backward may fuse those ops into the backward's own
+kernels, while ``forward - saved ops`` prices them at the forward's cost), so selective still looks somewhat
+dearer than it is; the saved ops' seconds subtracted are the census's eager ones (the same GEMM and attention
+kernels, plus eager host overhead per op, which leans the other way); and the forward, with grad, also writes
+the activations it saves, which a recompute inside the backward need not. In eager mode torch's early stop ends
+a recompute once the last tensor the backward needs is back -- before an HSTU block's output GEMM -- so "full"
+costs one GEMM less than the census counts, which favours "selective". Costs only decide which level buys the
+bytes; whether the plan fits is decided on bytes alone.
 
 Peak model (``predicted_peak``): with L_i the level of module i, P0 the peak of the probe step (measured on
 CUDA; ``base_bytes + sum(saved)`` elsewhere), kept_i = input_i (full), input_i + selective_bytes_i (selective),
@@ -93,7 +113,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from gemray.config import TrainConfig
@@ -352,6 +372,61 @@ def _device_of(args, kwargs) -> torch.device | None:
     return None
 
 
+def compiled_in_place(mod: nn.Module) -> bool:
+    """Whether ``mod`` was compiled in place (``nn.Module.compile`` sets ``_compiled_call_impl``, which its
+    ``__call__`` then runs): how ``train.compile`` / ``gemray.parallel.compile`` compile the candidates."""
+    return getattr(mod, "_compiled_call_impl", None) is not None
+
+
+@dataclass(frozen=True)
+class _Held:
+    """A probe-step input kept for the compiled timing: the tensor detached (no tie to the step's graph) and
+    whether the original required grad."""
+
+    tensor: torch.Tensor
+    requires_grad: bool
+
+
+def _hold(tree):
+    """``tree`` (args / kwargs) with every tensor a :class:`_Held` and its containers copied, so later in-place
+    changes to them (a dict the blocks fill) do not change what the timing calls get."""
+    return tree_map(lambda a: _Held(a.detach(), a.requires_grad) if isinstance(a, torch.Tensor) else a, tree)
+
+
+def _fresh(tree):
+    """A :func:`_hold` tree as call arguments: each tensor a new leaf (``detach``, requires_grad as it was), the
+    containers copied again, so one timing call leaves nothing for the next and nothing in the step's graph."""
+    return tree_map(lambda a: a.tensor.detach().requires_grad_(a.requires_grad) if isinstance(a, _Held) else a,
+                    tree)
+
+
+def _time_compiled_forward(mod: nn.Module, args, kwargs, device: torch.device | None,
+                           autocast: tuple[bool, torch.dtype] | None, calls: int = 2) -> float:
+    """Seconds of ``mod``'s compiled forward (module docstring): ``calls`` calls of ``mod(*args, **kwargs)`` --
+    ``args`` / ``kwargs`` as :func:`_hold` made them -- with grad enabled and ``autocast`` ((enabled, dtype) on
+    ``device``'s type, as in the step) as in training, the RNG forked (the caller's draws are unchanged),
+    CUDA-synchronised before and after each call on a CUDA ``device``; returns the last call's seconds (the first
+    absorbs one-off work). Each call's output and graph are dropped at once; no backward runs, so no ``.grad``
+    is written."""
+    cuda = device is not None and device.type == "cuda"
+    dev_type = device.type if device is not None else "cpu"
+    enabled, dtype = autocast if autocast is not None else (False, None)
+    seconds = 0.0
+    with torch.random.fork_rng(devices=[device] if cuda else []), torch.enable_grad(), \
+            torch.autocast(dev_type, dtype=dtype, enabled=enabled):
+        for _ in range(calls):
+            a, k = _fresh((args, kwargs))
+            if cuda:
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            out = mod(*a, **k)
+            if cuda:
+                torch.cuda.synchronize(device)
+            seconds = time.perf_counter() - t0
+            del out, a, k
+    return seconds
+
+
 class _OpCensus(TorchDispatchMode):
     """Times and classifies every op of a forward (module docstring): ``saved_s`` / ``other_s`` the seconds of
     the ops :func:`saves_output` keeps / of the rest, ``saved_bytes`` the bytes of the kept ops' outputs
@@ -390,7 +465,11 @@ class _OpCensus(TorchDispatchMode):
 
 class _Probe:
     """Context manager measuring ModuleCost of each candidate during one forward (module docstring). After the
-    step, :meth:`measured_peak` is the step's CUDA peak without the censuses' transient memory."""
+    step, :meth:`measured_peak` is the step's CUDA peak without the censuses' transient memory, and
+    :meth:`time_compiled` times the candidates compiled in place (their inputs are held until then)."""
+
+    #: ``timing[name]`` values: where a candidate's recompute seconds come from
+    COMPILED, CENSUS = "compiled forward", "eager op census"
 
     def __init__(self, modules: dict[str, nn.Module], params: list[torch.Tensor]):
         self.modules = modules
@@ -407,6 +486,10 @@ class _Probe:
         self.full_s: dict[str, float] = {n: 0.0 for n in modules}
         self.selective_s: dict[str, float] = {n: 0.0 for n in modules}
         self.selective_bytes: dict[str, int] = {n: 0 for n in modules}
+        self.saved_ops_s: dict[str, float] = {n: 0.0 for n in modules}  # the census's seconds of SAVED_OPS
+        self.compiled_s: dict[str, float] = {}  # time_compiled: the compiled forward's seconds, all calls
+        # the compiled candidates' probe-step calls: (held args, held kwargs, device, (autocast on, dtype))
+        self._calls: dict[str, list[tuple]] = {}
         self.seen: set[tuple[int, str]] = set()
         self.other = 0
         self._peaks: list[int] = []  # CUDA peaks of the step's segments before each census
@@ -427,7 +510,35 @@ class _Probe:
             torch.cuda.reset_peak_memory_stats(dev)
         self.full_s[name] += census.saved_s + census.other_s
         self.selective_s[name] += census.other_s
+        self.saved_ops_s[name] += census.saved_s
         self.selective_bytes[name] += census.saved_bytes
+
+    def _hold_call(self, name: str, mod: nn.Module, args, kwargs) -> None:
+        """Keep a compiled candidate's call -- its inputs (:func:`_hold`), device and autocast state -- for
+        :meth:`time_compiled`."""
+        if not compiled_in_place(mod):
+            return
+        dev = _device_of(args, kwargs)
+        dev_type = dev.type if dev is not None else "cpu"
+        autocast = (torch.is_autocast_enabled(dev_type), torch.get_autocast_dtype(dev_type))
+        self._calls.setdefault(name, []).append((*_hold((tuple(args), dict(kwargs))), dev, autocast))
+
+    def time_compiled(self) -> dict[str, float]:
+        """After the step (the probe exited: its saved-tensor and module hooks gone, the step's activations
+        freed): the seconds of each compiled candidate's compiled forward on its probe-step inputs, summed over its
+        calls in the step (:func:`_time_compiled_forward`); they replace the census's seconds in :meth:`costs`.
+        Drops the held inputs. Returns {name: seconds}. Raises RuntimeError while the probe is active."""
+        if self._hooks is not None or self._handles:
+            raise RuntimeError("_Probe.time_compiled: the probe is still active (call it after the step)")
+        calls, self._calls = self._calls, {}
+        for name, held in calls.items():
+            self.compiled_s[name] = sum(_time_compiled_forward(self.modules[name], a, k, dev, autocast)
+                                        for a, k, dev, autocast in held)
+        return dict(self.compiled_s)
+
+    def timing(self, name: str) -> str:
+        """Where candidate ``name``'s recompute seconds come from: ``COMPILED`` or ``CENSUS``."""
+        return self.COMPILED if name in self.compiled_s else self.CENSUS
 
     def measured_peak(self, device: torch.device) -> int:
         """The step's peak allocated bytes on CUDA ``device`` without the censuses' own (0 off CUDA)."""
@@ -440,6 +551,7 @@ class _Probe:
             @torch.compiler.disable
             def pre(mod, args, kwargs, name=name):
                 self._run_census(name, mod, args, kwargs)
+                self._hold_call(name, mod, args, kwargs)
                 self.stack.append(name)
                 self.inputs[name] += sum(_tensor_bytes(a) for a in list(args) + list(kwargs.values())
                                          if isinstance(a, torch.Tensor))
@@ -474,14 +586,24 @@ class _Probe:
 
     def __exit__(self, *exc):
         self._hooks.__exit__(*exc)
+        self._hooks = None
         for h in self._handles:
             h.remove()
         self._handles.clear()
         return False
 
     def costs(self) -> list[ModuleCost]:
-        return [ModuleCost(n, self.saved[n], self.inputs[n], self.full_s[n], self.selective_bytes[n],
-                           self.selective_s[n]) for n in self.modules]
+        """The candidates' ModuleCost (bytes from the step and the census; seconds from the compiled forward
+        where :meth:`time_compiled` timed one -- full: its seconds; selective: those less the census's seconds of
+        the ops selective saves, at least 0 -- else from the census)."""
+        out = []
+        for n in self.modules:
+            if n in self.compiled_s:
+                full, sel = self.compiled_s[n], max(self.compiled_s[n] - self.saved_ops_s[n], 0.0)
+            else:
+                full, sel = self.full_s[n], self.selective_s[n]
+            out.append(ModuleCost(n, self.saved[n], self.inputs[n], full, self.selective_bytes[n], sel))
+        return out
 
 
 def apply_checkpointing(modules: dict[str, nn.Module], levels: Mapping[str, str] | Iterable[str]) -> None:
@@ -606,9 +728,10 @@ class ActivationCheckpointer:
             self._state = "probe"
             return None
         if self._state == "probe" and self._probe is not None:
+            measured = self._probe.measured_peak(dev) if dev is not None else 0  # before the timing allocates
+            self._probe.time_compiled()
             costs = self._probe.costs()
             modelled = self._probe.other + sum(c.saved_bytes for c in costs)
-            measured = self._probe.measured_peak(dev) if dev is not None else 0
             peak0 = measured or modelled
             design, design_peak = scale_to_tokens(costs, self._probe.other, peak0, self.headroom)
             budget = resolve_budget(self.budget, design_peak)
@@ -620,9 +743,9 @@ class ActivationCheckpointer:
                      "measured" if measured else "modelled: saved activations only", format_bytes(self._probe.other))
             for c in costs:
                 log.info("activation checkpointing probe: %s saves %s (inputs %s; selective keeps %s more), "
-                         "recompute %.2f ms full, %.2f ms selective", c.name, format_bytes(c.saved_bytes),
-                         format_bytes(c.input_bytes), format_bytes(c.selective_bytes or 0), 1e3 * c.recompute_cost,
-                         1e3 * (c.selective_cost or 0.0))
+                         "recompute %.2f ms full, %.2f ms selective (timed: %s)", c.name,
+                         format_bytes(c.saved_bytes), format_bytes(c.input_bytes), format_bytes(c.selective_bytes or 0),
+                         1e3 * c.recompute_cost, 1e3 * (c.selective_cost or 0.0), self._probe.timing(c.name))
             log.log(*plan_report(self.plan, self.probe_tokens, self.headroom))
             apply_checkpointing(self._modules, dict(self.plan.levels))
             self._probe, self._state = None, "measure"
