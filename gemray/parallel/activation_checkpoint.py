@@ -530,10 +530,11 @@ class _Probe:
         Drops the held inputs. Returns {name: seconds}. Raises RuntimeError while the probe is active."""
         if self._hooks is not None or self._handles:
             raise RuntimeError("_Probe.time_compiled: the probe is still active (call it after the step)")
-        calls, self._calls = self._calls, {}
-        for name, held in calls.items():
+        for name in list(self._calls):
+            held = self._calls.pop(name)  # each module's inputs released once it is timed
             self.compiled_s[name] = sum(_time_compiled_forward(self.modules[name], a, k, dev, autocast)
                                         for a, k, dev, autocast in held)
+            del held
         return dict(self.compiled_s)
 
     def timing(self, name: str) -> str:
