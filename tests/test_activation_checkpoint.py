@@ -451,6 +451,7 @@ def test_auto_checkpointer_probes_plans_and_applies(caplog):
     plan1 = _probe_and_plan(same, _encoder_and_batch()[0], tok, off, ts)[1]
     assert plan.no_checkpoint_peak == pytest.approx(1.25 * plan1.no_checkpoint_peak, abs=8)
     assert plan.budget == pytest.approx(1.25 * plan1.budget, abs=8)
+    assert ac.probe_peak == plan1.no_checkpoint_peak == same.probe_peak
     probe_saved = plan.no_checkpoint_peak  # CPU: modelled = saved bytes of the blocks + the rest
     assert probe_saved > 0
     mods = candidate_modules(enc)
@@ -639,10 +640,11 @@ def test_auto_plan_lowers_the_measured_peak_on_cuda():
             step()
         plan = ac.after_step()
     assert plan is not None and plan.recompute
+    assert ac.probe_peak < plan.no_checkpoint_peak  # the plan's is the design batch's: 1.25x the tokens
     torch.cuda.reset_peak_memory_stats(dev)
     step()
     measured = torch.cuda.max_memory_allocated(dev)
-    assert measured < plan.no_checkpoint_peak
+    assert measured < ac.probe_peak
 
 
 @pytest.mark.gpu

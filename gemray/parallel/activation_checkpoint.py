@@ -677,8 +677,11 @@ class ActivationCheckpointer:
         self.compile_dynamic, self.compile_optimize_ddp = compile_dynamic, bool(compile_optimize_ddp)
         self.headroom = float(headroom)
         self.plan: CheckpointPlan | None = None
-        #: tokens of the probe batch and of the design batch the plan is for (None: the trainer did not say)
+        #: tokens of the probe batch and of the design batch the plan is for (None: the trainer did not say), and
+        #: the probe step's no-checkpointing peak (bytes: measured on CUDA, else modelled; the plan's
+        #: ``no_checkpoint_peak`` is the design batch's)
         self.probe_tokens: int | None = None
+        self.probe_peak: int | None = None
         self.design_tokens: int | None = None
         self._tokens: int | None = None
         self._probe: _Probe | None = None
@@ -737,7 +740,7 @@ class ActivationCheckpointer:
             design, design_peak = scale_to_tokens(costs, self._probe.other, peak0, self.headroom)
             budget = resolve_budget(self.budget, design_peak)
             self.plan = plan_checkpointing(design, budget, design_peak)
-            self.probe_tokens = self._tokens
+            self.probe_tokens, self.probe_peak = self._tokens, int(peak0)
             self.design_tokens = None if self._tokens is None else headroom_tokens(self._tokens, self.headroom)
             log.info("activation checkpointing probe: %s tokens, peak %s (%s), activations saved outside the "
                      "candidates %s", "?" if self._tokens is None else self._tokens, format_bytes(peak0),
