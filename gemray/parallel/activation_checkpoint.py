@@ -78,9 +78,9 @@ Design batch: batches differ in tokens and activations scale with tokens, so the
 outside the candidates (``_Probe.other``) scale by that factor, while the rest of P0 -- parameters, embedding
 tables, optimizer state, what the step allocates besides saved activations -- stays. P0 in the formula above is
 then that scaled no-checkpointing peak, and a fractional budget is a fraction of it: plan, prediction and budget
-all refer to the design batch. (A planned-for batch measured on the GEM config at batch 256 -- 61.9 GiB against
-a 61.5 GiB budget -- was followed by batches peaking at 70.2 GiB when the plan was made for the probe batch
-alone.) Transients that scale with tokens but are not saved activations (the backward's activation gradients)
+all refer to the design batch. (On the GEM config at batch 256 a plan for the probe batch alone predicted 60.7
+GiB against a 61.5 GiB budget and the next step measured 61.9 GiB, but later batches, holding more tokens, peaked
+at 70.2 GiB.) Transients that scale with tokens but are not saved activations (the backward's activation gradients)
 are not scaled: on CUDA they are part of the measured P0 at the probe batch's size. The planner
 (``plan_checkpointing``) starts from every module at "none" and repeatedly takes the upgrade with the lowest
 extra recompute cost per extra byte saved -- none -> selective, none -> full or selective -> full, whichever of a
