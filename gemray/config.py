@@ -430,8 +430,9 @@ class TrainConfig:
     selective or full -- per module, cheapest recompute per byte saved first, until the predicted peak fits
     ``activation_memory_budget``) or "torch" (torch.compile each HSTU block with
     ``torch._functorch.config.activation_memory_budget`` = the budget, a fraction).
-    activation_memory_budget: bytes (> 1) or a fraction 0 < f <= 1 of the measured no-checkpointing peak;
-    0 = off ("auto" then checkpoints nothing).
+    activation_memory_budget: bytes (> 1) or a fraction 0 < f <= 1 of the no-checkpointing peak; "auto" plans
+    for a batch of 1.25x (``gemray.jagged.TOKEN_HEADROOM``) the tokens of the batch it measured, and the peak a
+    fraction refers to is that batch's; 0 = off ("auto" then checkpoints nothing).
     compile: torch.compile the dense per-token modules -- every HSTU block and the candidate tower -- one by one,
     after parallelize, with dynamic shapes (the token count changes every step: one graph per module kind, not one
     per batch); their elementwise work (casts, LayerNorms, SiLU, the residual) fuses and the launches drop. The

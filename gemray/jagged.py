@@ -42,6 +42,18 @@ TIME_FEATURE = "time_gap"
 # Column order of JaggedBatch.labels (the names of gemray.pipelines.schema.LABEL_NAMES).
 LABEL_NAMES = ("click", "convert")
 
+#: Batch-to-batch variation of a batch's token count that memory-sized plans allow for: a later batch may hold
+#: this many times the tokens of the batch a plan was made from. One value for the kernel warm-up
+#: (``gemray.train.warmup.warmup_token_budget``) and the activation-checkpointing planner
+#: (``gemray.parallel.activation_checkpoint``: it plans for a batch this much larger than the one it probed).
+TOKEN_HEADROOM = 1.25
+
+
+def headroom_tokens(tokens: int, headroom: float = TOKEN_HEADROOM) -> int:
+    """Pure: the most tokens (int) a batch like one of ``tokens`` tokens is assumed to hold: ``tokens`` x
+    ``headroom`` (default ``TOKEN_HEADROOM``), rounded down, at least 1."""
+    return max(1, int(tokens * headroom))
+
 
 @dataclass(frozen=True)
 class HostShape:

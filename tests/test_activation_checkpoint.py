@@ -12,8 +12,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from gemray.model.hstu import HSTUEncoder
 from gemray.parallel.activation_checkpoint import (ActivationCheckpointer, ModuleCost, _Probe, apply_checkpointing,
-                                                   candidate_modules, plan_checkpointing, predicted_peak,
-                                                   resolve_budget, saves_output)
+                                                   candidate_modules, peak_report, plan_checkpointing, plan_report,
+                                                   format_bytes, predicted_peak, resolve_budget, saves_output,
+                                                   scale_to_tokens)
 from model_utils import cpu_trainer, tiny_cfg
 
 MiB = 2 ** 20
@@ -110,6 +111,67 @@ def test_planner_recomputes_everything_fully_when_the_budget_is_out_of_reach():
     assert plan_checkpointing(c, P0, P0).levels == ()  # fits already: nothing
     with pytest.raises(ValueError, match="negative"):
         plan_checkpointing([ModuleCost("x", 10, 1, 1.0, -1, 0.0)], 1, 10)
+
+
+def test_scaling_to_the_design_batch_hand_checked():
+    """scale_to_tokens: the candidates' saved / input / selective bytes and the other activations scale by the
+    factor, the rest of the peak (here 500 MiB: parameters, optimizer state) stays; the recompute costs do not
+    change; factor 1 changes nothing."""
+    c, P0, other = _blocks(), 1000 * MiB, 100 * MiB  # activations: 100 + 4 x 100 = 500 MiB of the 1000
+    s, peak = scale_to_tokens(c, other, P0, 1.25)
+    assert peak == (500 + 1.25 * 500) * MiB == 1125 * MiB
+    assert [(x.name, x.saved_bytes, x.input_bytes, x.selective_bytes) for x in s] == \
+        [(f"b{i}", 125 * MiB, 12.5 * MiB, 50 * MiB) for i in range(4)]
+    assert [(x.recompute_cost, x.selective_cost) for x in s] == [(10.0, 2.0)] * 4
+    # the peak model on the scaled parts: 1125 - (125 - 12.5 - 50) + (125 - 50)
+    assert predicted_peak(s, {"b0": "selective"}, peak) == (1125 - 62.5 + 75) * MiB
+    assert predicted_peak(s, {"b0": "full", "b1": "full"}, peak) == (1125 - 2 * 112.5 + 125) * MiB
+    assert scale_to_tokens(c, other, P0, 1.0) == (c, P0)
+    whole = [ModuleCost("x", 8, 2, 1.0)]  # selective not offered stays not offered
+    assert scale_to_tokens(whole, 0, 100, 2.0) == ([ModuleCost("x", 16, 4, 1.0)], 108)
+    with pytest.raises(ValueError, match="factor"):
+        scale_to_tokens(c, other, P0, 0)
+
+
+def test_planning_for_more_tokens_recomputes_more():
+    """At the probe batch's size all four blocks at selective fit 900 MiB (860); for 1.25x its tokens they would
+    peak at 1125 - 4 x 62.5 + 75 = 950 MiB, so two blocks go on to full: 1125 - 2 x 112.5 - 2 x 62.5 + 125 =
+    900. A fractional budget is a fraction of the scaled no-checkpointing peak."""
+    c, P0, other = _blocks(), 1000 * MiB, 100 * MiB
+    p1 = plan_checkpointing(c, 900 * MiB, P0)
+    assert dict(p1.levels) == {f"b{i}": "selective" for i in range(4)} and p1.predicted_peak == 860 * MiB
+    s, peak = scale_to_tokens(c, other, P0, 1.25)
+    p = plan_checkpointing(s, 900 * MiB, peak)
+    assert dict(p.levels) == {"b0": "full", "b1": "full", "b2": "selective", "b3": "selective"}
+    assert p.predicted_peak == 900 * MiB and p.fits and p.no_checkpoint_peak == 1125 * MiB
+    assert _total_cost(s, p) > _total_cost(c, p1)
+    assert resolve_budget(0.8, peak) == 900 * MiB
+
+
+def test_plan_and_peak_reports():
+    """The plan's log line says the tokens it is for (INFO); an unreachable budget is a WARNING naming the budget
+    and the lowest predicted peak. The next step's measured peak is INFO within the budget and a WARNING, naming
+    budget, measured peak and tokens, above it."""
+    import logging
+
+    c, P0 = _blocks(), 1000 * MiB
+    ok = plan_checkpointing(c, 900 * MiB, P0)
+    level, msg = plan_report(ok, 1000, 1.25)
+    assert level == logging.INFO and msg.startswith("activation checkpointing: auto, recompute 4 module(s)")
+    assert msg.endswith("planned for 1250 tokens (1.25x the probe batch's 1000)")
+    assert plan_report(ok, None, 1.25)[1].endswith("planned for 1.25x the probe batch's tokens")
+    bad = plan_checkpointing(c, 100 * MiB, P0)  # every block full: 1000 - 360 + 100 = 740 MiB
+    level, msg = plan_report(bad, 1000, 1.25)
+    assert level == logging.WARNING and "NOT met" in msg
+    assert "budget 100.00 MiB is unreachable: the lowest predicted peak" in msg and msg.endswith("740.00 MiB")
+    level, msg = peak_report(900 * MiB, ok, 1100, 1250)
+    assert level == logging.INFO
+    assert msg == "activation checkpointing: measured peak 900.00 MiB at 1100 tokens (predicted 860.00 MiB for " \
+                  "1250 tokens)"
+    level, msg = peak_report(900 * MiB + 1, ok, 1300, 1250)
+    assert level == logging.WARNING
+    assert "measured peak 900.00 MiB at 1300 tokens exceeds the budget 900.00 MiB" in msg
+    assert peak_report(900 * MiB + 1, ok, None, None)[1].endswith("(predicted 860.00 MiB)")
 
 
 def test_resolve_budget():
@@ -357,21 +419,39 @@ def test_levels_under_compile_keep_the_gemms_and_the_attention():
             assert (gemms, recomputed_attention) == ((4, 0) if level == "selective" else (5, 1)), (level, ops)
 
 
-def test_auto_checkpointer_probes_plans_and_applies():
-    enc, tok, off, ts = _encoder_and_batch()
-    ref_loss = _loss_and_grads(copy.deepcopy(enc), tok, off, ts)[0]
-    ac = ActivationCheckpointer("auto", 0.6)
+def _probe_and_plan(ac, enc, tok, off, ts, tokens=31):
+    """Warm-up and probe steps of ``ac`` on the CPU; (the probe step's loss, the plan)."""
     ac.setup(enc)
-    with ac.step(enc, torch.device("cpu")):  # warm-up step: nothing measured, nothing planned
+    with ac.step(enc, torch.device("cpu"), tokens=tokens):  # warm-up step: nothing measured, nothing planned
         _loss_and_grads(enc, tok, off, ts)
     assert ac.after_step() is None and ac.plan is None
     enc.zero_grad()
-    with ac.step(enc, torch.device("cpu")):
+    with ac.step(enc, torch.device("cpu"), tokens=tokens):
         probe_loss = _loss_and_grads(enc, tok, off, ts)[0]
+    return probe_loss, ac.after_step()
+
+
+def test_auto_checkpointer_probes_plans_and_applies(caplog):
+    import logging
+
+    enc, tok, off, ts = _encoder_and_batch()
+    ref_loss = _loss_and_grads(copy.deepcopy(enc), tok, off, ts)[0]
+    ac = ActivationCheckpointer("auto", 0.6)
+    with caplog.at_level(logging.INFO, logger="gemray.parallel.activation_checkpoint"):
+        probe_loss, plan = _probe_and_plan(ac, enc, tok, off, ts)
     assert probe_loss == ref_loss  # the census's extra forwards forked the RNG: the step's dropout is unchanged
-    plan = ac.after_step()
     assert plan is not None and plan.recompute and plan.fits
     assert plan.budget == int(0.6 * plan.no_checkpoint_peak)
+    # planned for 1.25x the probe batch's 31 tokens: on the CPU the modelled peak is all activations, so the
+    # design batch's is 1.25x the probe's (the plan of a checkpointer without headroom: the probe's own)
+    assert (ac.probe_tokens, ac.design_tokens) == (31, 38)
+    assert "planned for 38 tokens (1.25x the probe batch's 31)" in caplog.text
+    assert "probe: 31 tokens, peak " in caplog.text
+    same = ActivationCheckpointer("auto", 0.6, headroom=1.0)
+    plan1 = _probe_and_plan(same, _encoder_and_batch()[0], tok, off, ts)[1]
+    assert plan.no_checkpoint_peak == pytest.approx(1.25 * plan1.no_checkpoint_peak, abs=8)
+    assert plan.budget == pytest.approx(1.25 * plan1.budget, abs=8)
+    assert ac.probe_peak == plan1.no_checkpoint_peak == same.probe_peak
     probe_saved = plan.no_checkpoint_peak  # CPU: modelled = saved bytes of the blocks + the rest
     assert probe_saved > 0
     mods = candidate_modules(enc)
@@ -395,6 +475,25 @@ def test_auto_checkpointer_probes_plans_and_applies():
                                                 for m in candidate_modules(enc3).values())
     with pytest.raises(ValueError):
         ActivationCheckpointer("sometimes")
+    with pytest.raises(ValueError, match="headroom"):
+        ActivationCheckpointer("auto", 0.5, headroom=0)
+
+
+def test_auto_checkpointer_warns_of_an_unreachable_budget(caplog):
+    """A budget of 1 KiB cannot be met: every block is recomputed fully and the plan is logged as a WARNING that
+    says the budget is unreachable and names the lowest predicted peak."""
+    import logging
+
+    enc, tok, off, ts = _encoder_and_batch()
+    ac = ActivationCheckpointer("auto", 1024)
+    with caplog.at_level(logging.INFO, logger="gemray.parallel.activation_checkpoint"):
+        plan = _probe_and_plan(ac, enc, tok, off, ts, tokens=31)[1]
+    assert not plan.fits and {lvl for _, lvl in plan.levels} == {"full"}
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
+    msg = warnings[0].getMessage()
+    assert "budget 1.00 KiB is unreachable: the lowest predicted peak" in msg and "planned for 38 tokens" in msg
+    assert msg.endswith(format_bytes(plan.predicted_peak))
 
 
 def test_probe_measures_block_bytes():
@@ -470,7 +569,8 @@ def synthetic(tmp_path_factory):
 
 def _train(synthetic, steps: int, *sets: str):
     """(the losses of ``steps`` Trainer.train_step calls on the first batch, the trainer) of gem-tiny (2 HSTU
-    blocks, the candidate tower) on the CPU with ``sets`` applied."""
+    blocks, the candidate tower) on the CPU with ``sets`` applied; the batch's token count is left in the
+    trainer's ``_test_tokens``."""
     from gemray.bench.train import first_batch
     from gemray.config import load_config
 
@@ -479,6 +579,7 @@ def _train(synthetic, steps: int, *sets: str):
     with cpu_trainer(cfg) as tr:
         tr.begin_epoch(0)
         batch = first_batch(tr)
+        tr._test_tokens = batch.num_tokens
         return [float(tr.train_step(batch)) for _ in range(steps)], tr
 
 
@@ -509,6 +610,10 @@ def test_trainer_auto_mode_plans_selective_under_a_budget(synthetic, caplog):
     assert {n: getattr(m, "_gemray_checkpointed", "none") for n, m in candidate_modules(tr.dmp).items()} == \
         {n: plan.level(n) for n in candidate_modules(tr.dmp)}
     assert f"auto, recompute {len(levels)} module(s): selective {len(levels)} [" in caplog.text
+    # the trainer passes the batch's tokens: the plan is for 1.25x them
+    T = tr._test_tokens
+    assert tr.checkpointer.probe_tokens == T and f"planned for {int(1.25 * T)} tokens (1.25x the probe batch's {T})" \
+        in caplog.text
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
 
 
@@ -535,10 +640,11 @@ def test_auto_plan_lowers_the_measured_peak_on_cuda():
             step()
         plan = ac.after_step()
     assert plan is not None and plan.recompute
+    assert ac.probe_peak < plan.no_checkpoint_peak  # the plan's is the design batch's: 1.25x the tokens
     torch.cuda.reset_peak_memory_stats(dev)
     step()
     measured = torch.cuda.max_memory_allocated(dev)
-    assert measured < plan.no_checkpoint_peak
+    assert measured < ac.probe_peak
 
 
 @pytest.mark.gpu
@@ -588,3 +694,101 @@ def test_selective_peak_lies_between_none_and_full_on_cuda(compiled):
             torch.testing.assert_close(a, b, rtol=2e-2, atol=1e-3)
         else:
             assert torch.equal(a, b)
+
+
+def _counting_backend():
+    """A dynamo backend running the traced graph as is, counting compiles (graphs made) and calls of them."""
+    stats = {"compiles": 0, "calls": 0}
+
+    def backend(gm, example_inputs):
+        stats["compiles"] += 1
+
+        def run(*args):
+            stats["calls"] += 1
+            return gm.forward(*args)
+
+        return run
+
+    return backend, stats
+
+
+@pytest.mark.parametrize("attention, autocast", [("triton", False), ("reference", True)])
+def test_compiled_candidate_is_timed_compiled_without_recompiling_or_side_effects(monkeypatch, attention, autocast):
+    """Of two blocks, the one compiled in place (``Module.compile``, a counting backend) gets its recompute
+    seconds from its compiled forward -- run after the step through ``_compiled_call_impl`` (the compiled graph is
+    called twice, no new compile: the inputs, their requires_grad and the autocast state as in the step) -- full:
+    those seconds, selective: those less the census's seconds of the saved ops; the eager block keeps the census's.
+    The timing writes no ``.grad`` (parameters or the step's input), leaves the RNG state as it was, and refuses to
+    run while the probe is active. With bf16 autocast (the reference attention: its graph breaks are counted as
+    calls too) the step's autocast is restored for the timing, else dynamo would recompile."""
+    import torch._dynamo
+
+    from gemray.parallel import activation_checkpoint as ac_mod
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    cfg = tiny_cfg(embedding_dim=32, num_heads=2, attention_dim=8, linear_dim=8, num_blocks=2, dropout=0.2,
+                   attention_backend=attention)
+    enc = HSTUEncoder(cfg, 32)
+    backend, stats = _counting_backend()
+    enc.blocks[0].compile(backend=backend)
+    mods = candidate_modules(enc)
+    tok, off, ts = _jagged()
+    tok.requires_grad_()
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = enc(tok, off, ts)
+        out.float().sum().backward()
+
+    step()  # the warm-up step compiles
+    assert stats["compiles"] > 0
+    assert ac_mod.compiled_in_place(mods["blocks.0"]) and not ac_mod.compiled_in_place(mods["blocks.1"])
+    with _Probe(mods, list(enc.parameters())) as probe:
+        step()  # (the reference attention's layout cache, filled by the census, may compile one more graph)
+        with pytest.raises(RuntimeError, match="still active"):
+            probe.time_compiled()
+    grads = {n: p.grad.clone() for n, p in enc.named_parameters()}
+    tok_grad, rng, calls, compiled = tok.grad.clone(), torch.get_rng_state(), stats["calls"], stats["compiles"]
+    timed = []
+    real = ac_mod._time_compiled_forward
+
+    def spy(mod, *a, **k):
+        timed.append((mod, real(mod, *a, **k)))
+        return timed[-1][1]
+
+    monkeypatch.setattr(ac_mod, "_time_compiled_forward", spy)
+    seconds = probe.time_compiled()
+    assert [m for m, _ in timed] == [mods["blocks.0"]] and seconds == {"blocks.0": timed[0][1]}
+    assert seconds["blocks.0"] > 0
+    assert stats["compiles"] == compiled, "the timing recompiled"
+    per_call = 1 if attention == "triton" else None  # the Triton block is one graph; the reference has breaks
+    assert stats["calls"] - calls == 2 * per_call if per_call else stats["calls"] - calls >= 2
+    assert torch.equal(torch.get_rng_state(), rng) and torch.equal(tok.grad, tok_grad)
+    assert all(torch.equal(p.grad, grads[n]) for n, p in enc.named_parameters())
+    assert (probe.timing("blocks.0"), probe.timing("blocks.1")) == (_Probe.COMPILED, _Probe.CENSUS)
+    c0, c1 = probe.costs()
+    assert c0.recompute_cost == seconds["blocks.0"] != probe.full_s["blocks.0"]
+    assert c0.selective_cost == max(seconds["blocks.0"] - probe.saved_ops_s["blocks.0"], 0.0)
+    assert (c1.recompute_cost, c1.selective_cost) == (probe.full_s["blocks.1"], probe.selective_s["blocks.1"])
+    assert probe.time_compiled() == seconds and len(timed) == 1  # the held inputs were dropped: nothing to time
+
+
+def test_auto_checkpointer_logs_which_timing_each_candidate_used(caplog):
+    """The probe's per-module lines say where the recompute seconds came from: the compiled forward for blocks
+    compiled in place (here blocks.0, backend "eager"), the eager op census for the others."""
+    import logging
+
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    enc, tok, off, ts = _encoder_and_batch()
+    enc.blocks[0].compile(backend="eager")
+    with caplog.at_level(logging.INFO, logger="gemray.parallel.activation_checkpoint"):
+        plan = _probe_and_plan(ActivationCheckpointer("auto", 0.6), enc, tok, off, ts)[1]
+    assert plan is not None and plan.fits
+    lines = {r.getMessage().split(" saves ")[0].rsplit(" ", 1)[-1]: r.getMessage() for r in caplog.records
+             if r.getMessage().startswith("activation checkpointing probe: blocks.")}
+    assert sorted(lines) == ["blocks.0", "blocks.1", "blocks.2"]
+    assert lines["blocks.0"].endswith("(timed: compiled forward)")
+    assert lines["blocks.1"].endswith("(timed: eager op census)") and lines["blocks.2"].endswith("census)")

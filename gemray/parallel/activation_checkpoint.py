@@ -36,12 +36,32 @@ The probe measures, during one ordinary training step (the second: the first com
   time", both from the same eager, op-by-op measurement, so the two levels are in one unit. Time rather than
   counted FLOPs: the recomputed ops are memory-bound (no FLOPs to count) and the jagged attention kernels are
   custom Triton ops. The census is eager even for compiled modules (a dispatch mode makes dynamo run frames
-  eagerly anyway), which also keeps the compiled modules' (re)compiles out of the measurement. Known biases,
-  documented rather than corrected: under torch.compile the real recomputation is cheaper than the eager census
-  says, most of all selective's (inductor fuses its pointwise ops into the backward), so the census favours
-  "full" there; in eager mode torch's early stop ends a recompute once the last tensor the backward needs is back
-  -- before an HSTU block's output GEMM -- so "full" costs one GEMM less than the census counts, which favours
-  "selective". Costs only decide which level buys the bytes; whether the plan fits is decided on bytes alone.
+  eagerly anyway), which also keeps the compiled modules' (re)compiles out of the measurement;
+* for a candidate compiled in place (:func:`compiled_in_place`: ``nn.Module.compile`` set ``_compiled_call_impl``,
+  as ``train.compile`` does), the seconds of its compiled forward instead (:meth:`_Probe.time_compiled`): the
+  forward pre-hook keeps its inputs (detached; their requires_grad recorded; containers copied) and the autocast
+  state, and after the step -- the probe's saved-tensor and module hooks gone, the step's activations freed --
+  ``mod(*args, **kwargs)`` runs twice with grad enabled as in training (inputs as they were, so dynamo reuses the
+  step's graph and does not recompile; each tensor a new leaf, so nothing reaches the step's graph; the RNG
+  forked; no backward, so no ``.grad`` is written), CUDA-synchronised, outputs dropped at once; the second call's
+  seconds are "full"'s cost and selective's is ``max(compiled forward - the census's seconds of the ops selective
+  saves, 0)``. The bytes stay the census's and the step's (they are right under compile too). The held inputs
+  stay alive through the probe step's backward: most of them (a block's input, saved by its first LayerNorm)
+  are saved for it anyway, so the probe step's peak rises by at most their bytes, which keeps the plan on the
+  safe side. Under FSDP the timing calls all-gather like any forward; every rank runs them in the same order.
+
+Known biases, documented rather than corrected. Timed eagerly (the census), recomputation under torch.compile
+is overstated, most of all selective's, whose pointwise ops inductor fuses: on the H200 (batch 256) the census's
+costs put 4 blocks at "full" (338 ms a step) where "selective" on every candidate measured 311 ms at a lower peak
+-- hence the compiled timing above. What remains with it: selective's true cost can be below the compiled
+forward's pointwise time (the recompute inside the compiled backward may fuse those ops into the backward's own
+kernels, while ``forward - saved ops`` prices them at the forward's cost), so selective still looks somewhat
+dearer than it is; the saved ops' seconds subtracted are the census's eager ones (the same GEMM and attention
+kernels, plus eager host overhead per op, which leans the other way); and the forward, with grad, also writes
+the activations it saves, which a recompute inside the backward need not. In eager mode torch's early stop ends
+a recompute once the last tensor the backward needs is back -- before an HSTU block's output GEMM -- so "full"
+costs one GEMM less than the census counts, which favours "selective". Costs only decide which level buys the
+bytes; whether the plan fits is decided on bytes alone.
 
 Peak model (``predicted_peak``): with L_i the level of module i, P0 the peak of the probe step (measured on
 CUDA; ``base_bytes + sum(saved)`` elsewhere), kept_i = input_i (full), input_i + selective_bytes_i (selective),
@@ -50,7 +70,18 @@ selective: saved_i - selective_bytes_i; the inputs counted in, conservatively)::
 
     peak(L) = P0 - sum_{i recomputed} gain_i(L_i) + max_{i recomputed} live_i(L_i)
 
-(the last term: in the backward one recomputed module's activations are live at a time). The planner
+(the last term: in the backward one recomputed module's activations are live at a time).
+
+Design batch: batches differ in tokens and activations scale with tokens, so the plan is made for a batch of
+``TOKEN_HEADROOM`` (``gemray.jagged``: 1.25, the kernel warm-up's allowance too) x the probe batch's tokens
+(:func:`scale_to_tokens`): every candidate's saved_i, input_i and selective_bytes_i and the activation bytes saved
+outside the candidates (``_Probe.other``) scale by that factor, while the rest of P0 -- parameters, embedding
+tables, optimizer state, what the step allocates besides saved activations -- stays. P0 in the formula above is
+then that scaled no-checkpointing peak, and a fractional budget is a fraction of it: plan, prediction and budget
+all refer to the design batch. (On the GEM config at batch 256 a plan for the probe batch alone predicted 60.7
+GiB against a 61.5 GiB budget and the next step measured 61.9 GiB, but later batches, holding more tokens, peaked
+at 70.2 GiB.) Transients that scale with tokens but are not saved activations (the backward's activation gradients)
+are not scaled: on CUDA they are part of the measured P0 at the probe batch's size. The planner
 (``plan_checkpointing``) starts from every module at "none" and repeatedly takes the upgrade with the lowest
 extra recompute cost per extra byte saved -- none -> selective, none -> full or selective -> full, whichever of a
 module's next steps is cheapest per byte, as the issue asks -- until ``peak(L) <= budget``; a step that saves no
@@ -59,7 +90,7 @@ False``) and recomputes all of them fully.
 
 Modes (``train.activation_checkpointing``, ``MODES``): "none"; "full" (every candidate); "selective" (every
 candidate at level selective); "auto" (this planner, when ``train.activation_memory_budget`` > 0: bytes, or a
-fraction of P0); "torch" (torch's own min-cut recomputation: each HSTU block compiled by
+fraction of the design batch's P0); "torch" (torch's own min-cut recomputation: each HSTU block compiled by
 ``gemray.parallel.compile`` with ``torch._functorch.config.activation_memory_budget`` set to the fraction).
 Recomputation is ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` (dropout's RNG state is replayed)
 around the module's own forward, patched on the instance so the state-dict keys do not change
@@ -77,15 +108,16 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from gemray.config import TrainConfig
+from gemray.jagged import TOKEN_HEADROOM, headroom_tokens
 
 log = logging.getLogger(__name__)
 
@@ -263,6 +295,61 @@ def plan_checkpointing(costs: list[ModuleCost], budget_bytes: int, no_checkpoint
                           peak <= budget_bytes)
 
 
+def scale_to_tokens(costs: list[ModuleCost], other_bytes: int, no_checkpoint_peak: int, factor: float
+                    ) -> tuple[list[ModuleCost], int]:
+    """Pure: the probe's measurements carried to the design batch of ``factor`` x the probe batch's tokens
+    (module docstring): each candidate's saved / input / selective bytes and ``other_bytes`` (the activation
+    bytes saved outside the candidates) are multiplied by ``factor`` (rounded to whole bytes), the rest of
+    ``no_checkpoint_peak`` (bytes: parameters, tables, optimizer state) stays. Recompute costs stay as measured
+    (seconds of the probe batch): every module's cost per byte changes by the same factor, so the planner's order
+    does not. Returns (the scaled costs, the scaled no-checkpointing peak in bytes). Raises ValueError for
+    factor <= 0 or negative bytes."""
+    if factor <= 0:
+        raise ValueError(f"scale_to_tokens: factor must be > 0, got {factor}")
+    if other_bytes < 0 or no_checkpoint_peak < 0:
+        raise ValueError("scale_to_tokens: negative bytes")
+
+    def sc(n: int) -> int:
+        return int(round(n * factor))
+
+    scaled = [replace(c, saved_bytes=sc(c.saved_bytes), input_bytes=sc(c.input_bytes),
+                      selective_bytes=None if c.selective_bytes is None else sc(c.selective_bytes)) for c in costs]
+    activations = other_bytes + sum(c.saved_bytes for c in costs)
+    scaled_activations = sc(other_bytes) + sum(c.saved_bytes for c in scaled)
+    return scaled, int(no_checkpoint_peak) - activations + scaled_activations
+
+
+def plan_report(plan: CheckpointPlan, probe_tokens: int | None, factor: float) -> tuple[int, str]:
+    """Pure: (logging level, message) of the "auto" plan made for ``factor`` x the probe batch's
+    ``probe_tokens`` tokens (None: not given). INFO when the plan fits its budget; WARNING when the budget is
+    unreachable -- even every candidate at its level that saves the most predicts more -- naming the budget and
+    that lowest predicted peak (bytes in the message as GiB / MiB)."""
+    if probe_tokens is None:
+        design = f"{factor:g}x the probe batch's tokens"
+    else:
+        design = f"{headroom_tokens(probe_tokens, factor)} tokens ({factor:g}x the probe batch's {probe_tokens})"
+    msg = f"activation checkpointing: auto, {plan.describe()}; planned for {design}"
+    if plan.fits:
+        return logging.INFO, msg
+    return logging.WARNING, (f"{msg}. The budget {format_bytes(plan.budget)} is unreachable: the lowest predicted "
+                             f"peak, every candidate recomputed at its level that saves the most, is "
+                             f"{format_bytes(plan.predicted_peak)}")
+
+
+def peak_report(measured: int, plan: CheckpointPlan, tokens: int | None, design_tokens: int | None
+                ) -> tuple[int, str]:
+    """Pure: (logging level, message) of the step after the plan: its ``measured`` peak (bytes) at ``tokens``
+    tokens beside the plan's prediction for ``design_tokens`` (either None: not given). WARNING when the
+    measured peak exceeds the plan's budget, else INFO."""
+    at = "" if tokens is None else f" at {tokens} tokens"
+    pred = f"predicted {format_bytes(plan.predicted_peak)}" + ("" if design_tokens is None
+                                                                else f" for {design_tokens} tokens")
+    if measured > plan.budget:
+        return logging.WARNING, (f"activation checkpointing: measured peak {format_bytes(measured)}{at} exceeds "
+                                 f"the budget {format_bytes(plan.budget)} ({pred})")
+    return logging.INFO, f"activation checkpointing: measured peak {format_bytes(measured)}{at} ({pred})"
+
+
 # ----------------------------------------------------------------------------------------------------------
 # acting: candidates, probe, apply
 # ----------------------------------------------------------------------------------------------------------
@@ -283,6 +370,61 @@ def _device_of(args, kwargs) -> torch.device | None:
         if isinstance(a, torch.Tensor):
             return a.device
     return None
+
+
+def compiled_in_place(mod: nn.Module) -> bool:
+    """Whether ``mod`` was compiled in place (``nn.Module.compile`` sets ``_compiled_call_impl``, which its
+    ``__call__`` then runs): how ``train.compile`` / ``gemray.parallel.compile`` compile the candidates."""
+    return getattr(mod, "_compiled_call_impl", None) is not None
+
+
+@dataclass(frozen=True)
+class _Held:
+    """A probe-step input kept for the compiled timing: the tensor detached (no tie to the step's graph) and
+    whether the original required grad."""
+
+    tensor: torch.Tensor
+    requires_grad: bool
+
+
+def _hold(tree):
+    """``tree`` (args / kwargs) with every tensor a :class:`_Held` and its containers copied, so later in-place
+    changes to them (a dict the blocks fill) do not change what the timing calls get."""
+    return tree_map(lambda a: _Held(a.detach(), a.requires_grad) if isinstance(a, torch.Tensor) else a, tree)
+
+
+def _fresh(tree):
+    """A :func:`_hold` tree as call arguments: each tensor a new leaf (``detach``, requires_grad as it was), the
+    containers copied again, so one timing call leaves nothing for the next and nothing in the step's graph."""
+    return tree_map(lambda a: a.tensor.detach().requires_grad_(a.requires_grad) if isinstance(a, _Held) else a,
+                    tree)
+
+
+def _time_compiled_forward(mod: nn.Module, args, kwargs, device: torch.device | None,
+                           autocast: tuple[bool, torch.dtype] | None, calls: int = 2) -> float:
+    """Seconds of ``mod``'s compiled forward (module docstring): ``calls`` calls of ``mod(*args, **kwargs)`` --
+    ``args`` / ``kwargs`` as :func:`_hold` made them -- with grad enabled and ``autocast`` ((enabled, dtype) on
+    ``device``'s type, as in the step) as in training, the RNG forked (the caller's draws are unchanged),
+    CUDA-synchronised before and after each call on a CUDA ``device``; returns the last call's seconds (the first
+    absorbs one-off work). Each call's output and graph are dropped at once; no backward runs, so no ``.grad``
+    is written."""
+    cuda = device is not None and device.type == "cuda"
+    dev_type = device.type if device is not None else "cpu"
+    enabled, dtype = autocast if autocast is not None else (False, None)
+    seconds = 0.0
+    with torch.random.fork_rng(devices=[device] if cuda else []), torch.enable_grad(), \
+            torch.autocast(dev_type, dtype=dtype, enabled=enabled):
+        for _ in range(calls):
+            a, k = _fresh((args, kwargs))
+            if cuda:
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            out = mod(*a, **k)
+            if cuda:
+                torch.cuda.synchronize(device)
+            seconds = time.perf_counter() - t0
+            del out, a, k
+    return seconds
 
 
 class _OpCensus(TorchDispatchMode):
@@ -323,7 +465,11 @@ class _OpCensus(TorchDispatchMode):
 
 class _Probe:
     """Context manager measuring ModuleCost of each candidate during one forward (module docstring). After the
-    step, :meth:`measured_peak` is the step's CUDA peak without the censuses' transient memory."""
+    step, :meth:`measured_peak` is the step's CUDA peak without the censuses' transient memory, and
+    :meth:`time_compiled` times the candidates compiled in place (their inputs are held until then)."""
+
+    #: ``timing[name]`` values: where a candidate's recompute seconds come from
+    COMPILED, CENSUS = "compiled forward", "eager op census"
 
     def __init__(self, modules: dict[str, nn.Module], params: list[torch.Tensor]):
         self.modules = modules
@@ -340,6 +486,10 @@ class _Probe:
         self.full_s: dict[str, float] = {n: 0.0 for n in modules}
         self.selective_s: dict[str, float] = {n: 0.0 for n in modules}
         self.selective_bytes: dict[str, int] = {n: 0 for n in modules}
+        self.saved_ops_s: dict[str, float] = {n: 0.0 for n in modules}  # the census's seconds of SAVED_OPS
+        self.compiled_s: dict[str, float] = {}  # time_compiled: the compiled forward's seconds, all calls
+        # the compiled candidates' probe-step calls: (held args, held kwargs, device, (autocast on, dtype))
+        self._calls: dict[str, list[tuple]] = {}
         self.seen: set[tuple[int, str]] = set()
         self.other = 0
         self._peaks: list[int] = []  # CUDA peaks of the step's segments before each census
@@ -360,7 +510,36 @@ class _Probe:
             torch.cuda.reset_peak_memory_stats(dev)
         self.full_s[name] += census.saved_s + census.other_s
         self.selective_s[name] += census.other_s
+        self.saved_ops_s[name] += census.saved_s
         self.selective_bytes[name] += census.saved_bytes
+
+    def _hold_call(self, name: str, mod: nn.Module, args, kwargs) -> None:
+        """Keep a compiled candidate's call -- its inputs (:func:`_hold`), device and autocast state -- for
+        :meth:`time_compiled`."""
+        if not compiled_in_place(mod):
+            return
+        dev = _device_of(args, kwargs)
+        dev_type = dev.type if dev is not None else "cpu"
+        autocast = (torch.is_autocast_enabled(dev_type), torch.get_autocast_dtype(dev_type))
+        self._calls.setdefault(name, []).append((*_hold((tuple(args), dict(kwargs))), dev, autocast))
+
+    def time_compiled(self) -> dict[str, float]:
+        """After the step (the probe exited: its saved-tensor and module hooks gone, the step's activations
+        freed): the seconds of each compiled candidate's compiled forward on its probe-step inputs, summed over its
+        calls in the step (:func:`_time_compiled_forward`); they replace the census's seconds in :meth:`costs`.
+        Drops the held inputs. Returns {name: seconds}. Raises RuntimeError while the probe is active."""
+        if self._hooks is not None or self._handles:
+            raise RuntimeError("_Probe.time_compiled: the probe is still active (call it after the step)")
+        for name in list(self._calls):
+            held = self._calls.pop(name)  # each module's inputs released once it is timed
+            self.compiled_s[name] = sum(_time_compiled_forward(self.modules[name], a, k, dev, autocast)
+                                        for a, k, dev, autocast in held)
+            del held
+        return dict(self.compiled_s)
+
+    def timing(self, name: str) -> str:
+        """Where candidate ``name``'s recompute seconds come from: ``COMPILED`` or ``CENSUS``."""
+        return self.COMPILED if name in self.compiled_s else self.CENSUS
 
     def measured_peak(self, device: torch.device) -> int:
         """The step's peak allocated bytes on CUDA ``device`` without the censuses' own (0 off CUDA)."""
@@ -373,6 +552,7 @@ class _Probe:
             @torch.compiler.disable
             def pre(mod, args, kwargs, name=name):
                 self._run_census(name, mod, args, kwargs)
+                self._hold_call(name, mod, args, kwargs)
                 self.stack.append(name)
                 self.inputs[name] += sum(_tensor_bytes(a) for a in list(args) + list(kwargs.values())
                                          if isinstance(a, torch.Tensor))
@@ -407,14 +587,24 @@ class _Probe:
 
     def __exit__(self, *exc):
         self._hooks.__exit__(*exc)
+        self._hooks = None
         for h in self._handles:
             h.remove()
         self._handles.clear()
         return False
 
     def costs(self) -> list[ModuleCost]:
-        return [ModuleCost(n, self.saved[n], self.inputs[n], self.full_s[n], self.selective_bytes[n],
-                           self.selective_s[n]) for n in self.modules]
+        """The candidates' ModuleCost (bytes from the step and the census; seconds from the compiled forward
+        where :meth:`time_compiled` timed one -- full: its seconds; selective: those less the census's seconds of
+        the ops selective saves, at least 0 -- else from the census)."""
+        out = []
+        for n in self.modules:
+            if n in self.compiled_s:
+                full, sel = self.compiled_s[n], max(self.compiled_s[n] - self.saved_ops_s[n], 0.0)
+            else:
+                full, sel = self.full_s[n], self.selective_s[n]
+            out.append(ModuleCost(n, self.saved[n], self.inputs[n], full, self.selective_bytes[n], sel))
+        return out
 
 
 def apply_checkpointing(modules: dict[str, nn.Module], levels: Mapping[str, str] | Iterable[str]) -> None:
@@ -467,20 +657,33 @@ def apply_torch_budget(model: nn.Module, fraction: float, backend: str = "induct
 class ActivationCheckpointer:
     """The trainer's one handle: ``setup(model)`` after build applies "full" / "selective" / "torch"; in "auto"
     the second ``step(model)`` context probes (no checkpointing; the first is a warm-up: kernel compilation) and
-    its ``after_step`` plans and applies a level per module, then logs the measured peak of the next step beside
-    the prediction.
+    its ``after_step`` plans -- for a batch of ``headroom`` x the probe batch's tokens (module docstring, "Design
+    batch") -- and applies a level per module, then logs the measured peak of the next step beside the prediction
+    (a WARNING when it exceeds the budget).
 
     mode: one of MODES; budget: ``train.activation_memory_budget``; compile_backend / compile_dynamic /
     compile_optimize_ddp: ``train.compile_backend`` / ``compile_dynamic`` / ``compile_optimize_ddp`` (how mode
-    "torch" compiles the blocks, as ``train.compile`` would)."""
+    "torch" compiles the blocks, as ``train.compile`` would); headroom: the design batch's tokens over the probe
+    batch's (default ``gemray.jagged.TOKEN_HEADROOM``). Raises ValueError for an unknown mode or headroom <= 0."""
 
     def __init__(self, mode: str = "none", budget: float = 0.0, compile_backend: str = "inductor",
-                 compile_dynamic: str = "auto", compile_optimize_ddp: bool = False):
+                 compile_dynamic: str = "auto", compile_optimize_ddp: bool = False, *,
+                 headroom: float = TOKEN_HEADROOM):
         if mode not in MODES:
             raise ValueError(f"activation_checkpointing: expected one of {MODES}, got {mode!r}")
+        if headroom <= 0:
+            raise ValueError(f"activation checkpointing headroom: expected > 0, got {headroom}")
         self.mode, self.budget, self.compile_backend = mode, float(budget), compile_backend
         self.compile_dynamic, self.compile_optimize_ddp = compile_dynamic, bool(compile_optimize_ddp)
+        self.headroom = float(headroom)
         self.plan: CheckpointPlan | None = None
+        #: tokens of the probe batch and of the design batch the plan is for (None: the trainer did not say), and
+        #: the probe step's no-checkpointing peak (bytes: measured on CUDA, else modelled; the plan's
+        #: ``no_checkpoint_peak`` is the design batch's)
+        self.probe_tokens: int | None = None
+        self.probe_peak: int | None = None
+        self.design_tokens: int | None = None
+        self._tokens: int | None = None
         self._probe: _Probe | None = None
         # the probe runs on the second step: the first one compiles the Triton kernels, its times mean nothing
         self._state = "warmup" if (mode == "auto" and budget > 0) else "done"
@@ -506,9 +709,11 @@ class ActivationCheckpointer:
                      "%.3g", len(names), self.budget)
 
     @contextlib.contextmanager
-    def step(self, model: nn.Module, device: torch.device):
-        """Wrap one training step (forward + backward)."""
+    def step(self, model: nn.Module, device: torch.device, tokens: int | None = None):
+        """Wrap one training step (forward + backward) of a batch of ``tokens`` tokens (this rank's; None: not
+        known -- the plan and the logs then say the headroom factor only)."""
         self._device = device
+        self._tokens = None if tokens is None else int(tokens)
         if self._state == "probe":
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
@@ -527,24 +732,31 @@ class ActivationCheckpointer:
             self._state = "probe"
             return None
         if self._state == "probe" and self._probe is not None:
+            measured = self._probe.measured_peak(dev) if dev is not None else 0  # before the timing allocates
+            self._probe.time_compiled()
             costs = self._probe.costs()
             modelled = self._probe.other + sum(c.saved_bytes for c in costs)
-            measured = self._probe.measured_peak(dev) if dev is not None else 0
             peak0 = measured or modelled
-            budget = resolve_budget(self.budget, peak0)
-            self.plan = plan_checkpointing(costs, budget, peak0)
+            design, design_peak = scale_to_tokens(costs, self._probe.other, peak0, self.headroom)
+            budget = resolve_budget(self.budget, design_peak)
+            self.plan = plan_checkpointing(design, budget, design_peak)
+            self.probe_tokens, self.probe_peak = self._tokens, int(peak0)
+            self.design_tokens = None if self._tokens is None else headroom_tokens(self._tokens, self.headroom)
+            log.info("activation checkpointing probe: %s tokens, peak %s (%s), activations saved outside the "
+                     "candidates %s", "?" if self._tokens is None else self._tokens, format_bytes(peak0),
+                     "measured" if measured else "modelled: saved activations only", format_bytes(self._probe.other))
             for c in costs:
                 log.info("activation checkpointing probe: %s saves %s (inputs %s; selective keeps %s more), "
-                         "recompute %.2f ms full, %.2f ms selective", c.name, format_bytes(c.saved_bytes),
-                         format_bytes(c.input_bytes), format_bytes(c.selective_bytes or 0), 1e3 * c.recompute_cost,
-                         1e3 * (c.selective_cost or 0.0))
-            log.info("activation checkpointing: auto, %s", self.plan.describe())
+                         "recompute %.2f ms full, %.2f ms selective (timed: %s)", c.name,
+                         format_bytes(c.saved_bytes), format_bytes(c.input_bytes), format_bytes(c.selective_bytes or 0),
+                         1e3 * c.recompute_cost, 1e3 * (c.selective_cost or 0.0), self._probe.timing(c.name))
+            log.log(*plan_report(self.plan, self.probe_tokens, self.headroom))
             apply_checkpointing(self._modules, dict(self.plan.levels))
             self._probe, self._state = None, "measure"
             return self.plan
         if self._state == "measure":
             if dev is not None and dev.type == "cuda" and self.plan is not None:
-                log.info("activation checkpointing: measured peak %s (predicted %s)",
-                         format_bytes(torch.cuda.max_memory_allocated(dev)), format_bytes(self.plan.predicted_peak))
+                log.log(*peak_report(torch.cuda.max_memory_allocated(dev), self.plan, self._tokens,
+                                     self.design_tokens))
             self._state = "done"
         return None

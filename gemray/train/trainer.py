@@ -502,8 +502,9 @@ class Trainer:
             set_dense_lr(self.optimizer, self.last_lr, self.lr_scales)
         defer = self.defer_loss
         fp8 = tc.precision == "fp8"  # the weights' FP8 copies once per step (recomputes reuse them)
-        with self.checkpointer.step(self.dmp, self.device), (collect_fp8_stats() if fp8_stats else nullcontext()), \
-                (fp8_weight_cache() if fp8 else nullcontext()):
+        n_tokens = batch.num_tokens  # the activation-checkpointing planner's design batch and logs; the meter's
+        with self.checkpointer.step(self.dmp, self.device, tokens=n_tokens), \
+                (collect_fp8_stats() if fp8_stats else nullcontext()), (fp8_weight_cache() if fp8 else nullcontext()):
             loss, n_t = forward_backward_step(
                 self.dmp, self.optimizer, batch, self.device, precision=tc.precision, stats_out=step_stats,
                 read_loss=not defer, pipeline=self.pipeline,
@@ -520,7 +521,7 @@ class Trainer:
         self.last_step_s = self.clock.lap()
         self.attempt_steps += 1
         measured = self.attempt_steps > tc.mfu_warmup_steps
-        self._pending.append((loss, n_t, batch.num_tokens, batch.batch_size, self.last_step_flops,
+        self._pending.append((loss, n_t, n_tokens, batch.batch_size, self.last_step_flops,
                               self.last_step_s if measured else None, self.global_step, self.epoch, self.consumed,
                               self.last_lr))
         self.global_step += 1

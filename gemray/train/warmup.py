@@ -12,7 +12,7 @@ for the compile (issue 17: steps of 36 s, 72 s and 2 minutes). This module compi
   multiple of 16, and one sequence at ``max_seq_len`` with the rest chosen so the mean stays in the regime
   and the token count is not a multiple of 16 -- so both integer specialisations compile;
   :func:`warmup_lengths_within` halves the number of sequences of a regime whose batches would hold more than
-  :func:`warmup_token_budget` tokens (1.25x a real batch);
+  :func:`warmup_token_budget` tokens (``gemray.jagged.TOKEN_HEADROOM``, 1.25x a real batch);
 * :func:`warm_up_attention`: builds each batch from a real batch of the train stream (tokens, features,
   requests and candidates resampled from it, so every field the model reads is valid), runs the model's
   forward on it and the backward into the *dense* parameters only (``torch.autograd.grad``: no ``.grad`` is
@@ -35,7 +35,7 @@ from typing import Any, Callable
 import torch
 
 from gemray.config import JobConfig
-from gemray.jagged import JaggedBatch, lengths_to_offsets
+from gemray.jagged import JaggedBatch, headroom_tokens, lengths_to_offsets
 from gemray.kernels.config import DEFAULT, REGIMES, KernelConfig
 
 log = logging.getLogger("gemray.train.warmup")
@@ -92,10 +92,11 @@ def warmup_lengths(reg: str, batch_size: int, max_seq_len: int, kernel_config: K
 
 
 def warmup_token_budget(template_tokens: int) -> int:
-    """Pure: the most tokens a warm-up batch may hold: 1.25x the real template batch's (batch-to-batch
-    variation), so that compiling a regime the data rarely reaches never needs more memory than training does
-    (at batch 128 the GEM config's long-history regime asked 2x a real batch and ran out of memory under FSDP)."""
-    return max(1, template_tokens * 5 // 4)
+    """Pure: the most tokens a warm-up batch may hold: ``gemray.jagged.TOKEN_HEADROOM`` (1.25) x the real template
+    batch's (batch-to-batch variation; the activation-checkpointing planner allows for the same), so that
+    compiling a regime the data rarely reaches never needs more memory than training does (at batch 128 the GEM
+    config's long-history regime asked 2x a real batch and ran out of memory under FSDP)."""
+    return headroom_tokens(template_tokens)
 
 
 def warmup_lengths_within(reg: str, batch_size: int, max_seq_len: int, max_tokens: int,
