@@ -11,7 +11,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gemray.model.hstu import HSTUEncoder
-from gemray.parallel.activation_checkpoint import (ActivationCheckpointer, ModuleCost, _Probe, apply_checkpointing,
+from gemray.parallel.activation_checkpoint import (ActivationCheckpointer, ModuleCost, _OpCensus, _Probe,
+                                                   apply_checkpointing,
                                                    candidate_modules, peak_report, plan_checkpointing, plan_report,
                                                    format_bytes, predicted_peak, resolve_budget, saves_output,
                                                    scale_to_tokens)
@@ -494,6 +495,23 @@ def test_auto_checkpointer_warns_of_an_unreachable_budget(caplog):
     msg = warnings[0].getMessage()
     assert "budget 1.00 KiB is unreachable: the lowest predicted peak" in msg and "planned for 38 tokens" in msg
     assert msg.endswith(format_bytes(plan.predicted_peak))
+
+
+def test_census_counts_each_kept_output_even_when_an_address_is_reused():
+    # SAC keeps every saved op's output until the backward, so two GEMM outputs are two storages even when the
+    # first is freed before the second is made (a heap that reuses its address must not merge them); repeated
+    # a few times so that the allocator gets every chance to hand the freed block back
+    x, w = torch.randn(64, 48), torch.randn(48, 40)
+    nbytes = 64 * 40 * 4
+    for _ in range(5):
+        census = _OpCensus(None)
+        with torch.no_grad(), census:
+            a = torch.mm(x, w)
+            del a
+            b = torch.mm(x, w)
+            c = b.view(-1)  # a view of a counted output adds nothing
+            del c
+        assert census.saved_bytes == 2 * nbytes
 
 
 def test_probe_measures_block_bytes():

@@ -440,6 +440,9 @@ class _OpCensus(TorchDispatchMode):
         self.other_s = 0.0
         self.saved_bytes = 0
         self._ptrs: set[int] = set()
+        # the counted outputs stay referenced until the census ends, as SAC keeps them until the backward: a freed
+        # output's address reused by a later op's would otherwise read as the same storage and go uncounted
+        self._kept: list[torch.Tensor] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         sync = self.sync_device is not None and not getattr(func, "is_view", False)
@@ -459,6 +462,7 @@ class _OpCensus(TorchDispatchMode):
                 storage = t.untyped_storage()
                 if storage.data_ptr() not in self._ptrs:
                     self._ptrs.add(storage.data_ptr())
+                    self._kept.append(t)
                     self.saved_bytes += storage.nbytes()
         return out
 
