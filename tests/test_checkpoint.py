@@ -533,7 +533,7 @@ def test_save_stages_one_item_at_a_time(tmp_path):
         stats = json.loads(run.stdout.strip().splitlines()[-1])
         assert stats["bytes"] >= 6 * item
         grew[writer] = (stats["maxrss_after"] - stats["rss_before"]) / item
-    # one item staged at a time plus the interpreter's own growth during the save (measured 1.0-1.53 items here,
-    # the most with a second test run sharing the machine); holding a second item would read >= 2.5
-    assert grew["gemray"] < 2.5, grew
+    # one item staged at a time plus the interpreter's own growth during the save (measured up to 1.53 items here,
+    # with a second test run sharing the machine); a second item held would read >= 2
+    assert grew["gemray"] < 2.0, grew
     assert grew["dcp-default"] > 4.5, grew  # what the measurement shows when every item is held
