@@ -163,17 +163,18 @@ def test_deferred_losses_are_read_together_checked_and_counted_in_order():
     events = []
 
     class Recorder:
-        def step(self, global_step, epoch, consumed, loss=None):
-            events.append((global_step, loss))
+        def step(self, global_step, epoch, consumed, loss=None, lr=None):
+            events.append((global_step, loss, lr))
 
     t = Trainer.__new__(Trainer)
     t.device, t.stats, t.recorder = torch.device("cpu"), EpochStats(), Recorder()
-    t._pending = [(torch.tensor(2.0), 4.0, 10, 2, 1e6, 0.1, 7, 0, 2), (torch.tensor(1.0), 2.0, 6, 2, 1e6, 0.1, 8, 0, 4)]
+    t._pending = [(torch.tensor(2.0), 4.0, 10, 2, 1e6, 0.1, 7, 0, 2, 5e-4),
+                  (torch.tensor(1.0), 2.0, 6, 2, 1e6, 0.1, 8, 0, 4, 1e-3)]
     assert t.flush_losses() == 1.0 and t._pending == [] and t.flush_losses() is None
-    assert events == [(8, 2.0), (9, 1.0)]
+    assert events == [(8, 2.0, 5e-4), (9, 1.0, 1e-3)]
     assert t.stats.loss_sum == 2.0 * 4 + 1.0 * 2 and t.stats.tokens == [10, 6]
-    t._pending = [(torch.tensor(3.0), 1.0, 1, 1, 0.0, None, 9, 0, 5), (torch.tensor(float("nan")), 1.0, 1, 1, 0.0,
-                                                                     None, 10, 0, 6)]
+    t._pending = [(torch.tensor(3.0), 1.0, 1, 1, 0.0, None, 9, 0, 5, 1e-3),
+                  (torch.tensor(float("nan")), 1.0, 1, 1, 0.0, None, 10, 0, 6, 1e-3)]
     with pytest.raises(FloatingPointError, match="training loss is nan.*global step 11 is the first"):
         t.flush_losses()
 
