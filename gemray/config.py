@@ -960,7 +960,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | str | Non
     """Read a TOML config (or defaults if ``path`` is None), apply overrides (``section.key=value`` strings, or
     one such string), map ``../shared/...`` paths under ``$GEMRAY_SHARED`` (:func:`apply_overrides`), validate.
 
-    Raises FileNotFoundError for a missing file and ValueError naming the field for bad values.
+    Raises FileNotFoundError for a missing file and ValueError naming the field for bad values (and the file,
+    for an unknown key or a mistyped value in it).
     """
     raw: dict[str, Any] = {}
     if path is not None:
@@ -973,7 +974,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | str | Non
             raw = tomllib.loads(p.read_text())
         except tomllib.TOMLDecodeError as e:
             raise ValueError(f"{p}: invalid TOML: {e}") from None
-    cfg = from_dict(raw)
+        try:  # an unknown key or a value of the wrong type in the file: say which file
+            cfg = from_dict(raw)
+        except ValueError as e:
+            raise ValueError(f"{p}: {e}") from None
+    else:
+        cfg = from_dict(raw)
     if isinstance(overrides, str):  # one override, not its characters
         overrides = [overrides]
     return apply_overrides(cfg, overrides or [])

@@ -136,8 +136,9 @@ def test_int_fields_refuse_fractional_numbers_from_toml_and_set_alike(tmp_path, 
     section, name = key.split(".")
     toml = tmp_path / "c.toml"
     toml.write_text(f"[{section}]\n{name} = {text}\n")
-    for load in (lambda: load_config(toml), lambda: load_config(None, [f"{key}={text}"])):
-        with pytest.raises(ValueError, match=rf"^{re.escape(key)}: expected int, got "):
+    for load, where in ((lambda: load_config(toml), f"{re.escape(str(toml))}: "),
+                        (lambda: load_config(None, [f"{key}={text}"]), "")):
+        with pytest.raises(ValueError, match=rf"^{where}{re.escape(key)}: expected int, got "):
             load()
 
 
@@ -160,8 +161,9 @@ def test_unknown_key_suggests_the_close_one(item, suggestion):
 def test_unknown_key_in_toml_suggests(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text("[train]\nepoch = 1\n")
-    with pytest.raises(ValueError, match="did you mean 'epochs'"):
+    with pytest.raises(ValueError, match="did you mean 'epochs'") as err:
         load_config(path)
+    assert str(err.value).startswith(f"{path}: ")  # the file is named
 
 
 def _config_warnings(caplog) -> list[str]:
