@@ -479,8 +479,8 @@ class Trainer:
         ``last_step_flops`` and its wall seconds ``last_step_s`` -- since the previous step's end, the batch
         wait included -- counters, ledger, step event). ``last_lr``: the step's base dense learning rate,
         ``train.lr`` x the warm-up factor of its global step (the groups get it x their ``lr_base_fan_in``
-        multiplier); shown in the progress line and kept in the step event. Returns the loss (this rank's mean over its predicted
-        positions), or None when it is not read yet. ``next_batch``: the next step's host batch, prefetched
+        multiplier); shown in the progress line and kept in the step event. Returns the loss (this rank's mean
+        over its predicted positions), or None when it is not read yet. ``next_batch``: the next step's host batch, prefetched
         during this step by the sparse-dist pipeline (``parallel.train_pipeline``; ignored without it).
 
         On CUDA the loss stays on the device (reading it is a host sync that stalls the launch queue every
@@ -502,7 +502,7 @@ class Trainer:
             set_dense_lr(self.optimizer, self.last_lr, self.lr_scales)
         defer = self.defer_loss
         fp8 = tc.precision == "fp8"  # the weights' FP8 copies once per step (recomputes reuse them)
-        n_tokens = batch.num_tokens  # the activation-checkpointing planner's design batch and logs; the meter's
+        n_tokens = batch.num_tokens  # read once: the checkpointing planner's design batch and the step statistics
         with self.checkpointer.step(self.dmp, self.device, tokens=n_tokens), \
                 (collect_fp8_stats() if fp8_stats else nullcontext()), (fp8_weight_cache() if fp8 else nullcontext()):
             loss, n_t = forward_backward_step(
