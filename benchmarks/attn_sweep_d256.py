@@ -10,6 +10,15 @@ output differs from the default's by more than 1e-2 (relative) is recorded and s
 
     . benchmarks/h200_env.sh && python3 benchmarks/attn_sweep_d256.py --out $OUT [--deadline-s 240]
 
+A focused re-sweep from the shipped tiles, on the step's batch size, one kind, no bias, with TMA tile loads too:
+
+    python3 benchmarks/attn_sweep_d256.py --out $OUT --base-tiles configs/kernel-tiles-h200.json --batch 128 \
+        --kinds dkdv_ds --no-bias --tma both
+
+The dK/dV candidates 32x64/8w and 16x64/8w were added on 2026-12-05 from sm_90 compiles (gemray.bench.sass_check
+at D = 256): the shipped 64x64/8w/2 keeps 255 registers and reloads 25-38 spilled values (LDL) per query-tile
+iteration; 32x64/8w/2 reloads 13-24 (1-9 with TMA loads), 16x64/8w/2 none. Not timed yet.
+
 Prints one line per timed candidate and, at the end, the winners as ``KernelConfig`` tiles with the fwd+bwd ms of
 the default and of the winners; writes $OUT/attn_sweep_d256.json.
 """
@@ -33,21 +42,22 @@ B, N, H, D = 32, 4096, 4, 256
 FWD = [(64, 32, 4, 2), (64, 64, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2), (128, 64, 8, 2), (128, 64, 8, 1),
        (64, 64, 4, 1), (64, 128, 8, 1), (128, 128, 8, 1), (64, 32, 4, 3)]
 DKDV = [(32, 64, 4, 2), (64, 64, 4, 2), (64, 64, 8, 2), (32, 128, 4, 2), (32, 128, 8, 2), (64, 128, 8, 1),
-        (64, 32, 4, 2), (32, 64, 4, 1), (64, 64, 8, 1), (128, 64, 8, 1)]
+        (64, 32, 4, 2), (32, 64, 4, 1), (64, 64, 8, 1), (128, 64, 8, 1), (32, 64, 8, 2), (32, 64, 8, 3),
+        (16, 64, 8, 2), (16, 64, 8, 3)]
 DQ = [(64, 32, 4, 2), (64, 64, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2), (128, 64, 8, 2), (128, 64, 8, 1),
       (64, 128, 8, 1), (32, 64, 4, 2)]
 
 
-def gem_lengths(seed: int = 0) -> list[int]:
-    """B log-normal lengths of mean ~1024 (sigma 1), in [16, N]: the gem-h200 config's histories."""
+def gem_lengths(seed: int = 0, batch: int = B) -> list[int]:
+    """``batch`` log-normal lengths of mean ~1024 (sigma 1), in [16, N]: the gem-h200 config's histories."""
     g = torch.Generator().manual_seed(seed)
-    z = torch.randn(B, generator=g)
+    z = torch.randn(batch, generator=g)
     return torch.exp(math.log(1024) - 0.5 + z).round().clamp(16, N).long().tolist()
 
 
-def inputs(seed: int = 0):
+def inputs(seed: int = 0, batch: int = B):
     """(lengths, offsets, q, k, v, timestamps, query times, pos_w [128], ts_w [64]) of a gem-h200-like batch."""
-    return rel_bias_inputs("gem", B, N, H, D, 128, 64, seed, lengths=gem_lengths(seed))
+    return rel_bias_inputs("gem", batch, N, H, D, 128, 64, seed, lengths=gem_lengths(seed, batch))
 
 
 def main() -> int:
@@ -57,15 +67,33 @@ def main() -> int:
     ap.add_argument("--tiles-dir", type=Path, default=None,
                     help="also write the winners as model.kernel_tiles JSON files tiles_d256_{nobias,bias}.json here "
                          "(default: --out)")
+    ap.add_argument("--base-tiles", default="", help="start from this model.kernel_tiles JSON (e.g. "
+                    "configs/kernel-tiles-h200.json) instead of gemray.kernels.config.DEFAULT")
+    ap.add_argument("--batch", type=int, default=B, help=f"sequences in the timed batch (default {B}; the "
+                    "gem-h200 step's is 128)")
+    ap.add_argument("--kinds", default="fwd_silu,dkdv_ds,dq_ds,dkdv,dq", help="comma-separated tile kinds to sweep")
+    ap.add_argument("--no-bias", action="store_true", help="skip the pass with the in-kernel relative bias")
+    ap.add_argument("--tma", choices=("off", "on", "both"), default="off",
+                    help="tile loads through TMA descriptors in the swept stages (both: each candidate twice)")
     args = ap.parse_args()
+    kinds = [k for k in args.kinds.split(",") if k]
+    unknown = sorted(set(kinds) - {"fwd_silu", "dkdv_ds", "dq_ds", "dkdv", "dq"})
+    if unknown:
+        ap.error(f"--kinds: unknown {unknown}")
+    if args.base_tiles:
+        from gemray.model.hstu import kernel_config_of
+
+        start = kernel_config_of(args.base_tiles)
+    else:
+        start = DEFAULT
     from triton.testing import do_bench
 
     t_end = time.monotonic() + args.deadline_s
-    lengths, off, q, k, v, ts, tq, pos_w, ts_w = inputs()
-    reg = DEFAULT.regime_of(int(off[-1]), B)
+    lengths, off, q, k, v, ts, tq, pos_w, ts_w = inputs(batch=args.batch)
+    reg = start.regime_of(int(off[-1]), args.batch)
     pairs = sum(n * (n + 1) / 2 for n in lengths)
     flop_fb = 3.5 * 4.0 * H * D * pairs
-    print(f"batch: B={B} tokens={int(off[-1])} max={max(lengths)} mean={sum(lengths) / B:.0f} regime={reg} "
+    print(f"batch: B={args.batch} tokens={int(off[-1])} max={max(lengths)} mean={sum(lengths) / B:.0f} regime={reg} "
           f"H={H} D={D}; {flop_fb / 1e12:.3f} TFLOP fwd+bwd (NVIDIA convention)", flush=True)
     rows: list[dict] = []
 
@@ -90,9 +118,9 @@ def main() -> int:
         return [x.detach().float() for x in (o, qq.grad, kk.grad, vv.grad)]
 
     summary = {}
-    for bias in (False, True):
+    for bias in (False,) if args.no_bias else (False, True):
         tag = "bias" if bias else "nobias"
-        base = DEFAULT
+        base = start
         ref = output(base, bias)
         t_default = run(base, bias, True)
         print(f"[{tag}] default: fwd+bwd {t_default:.3f} ms ({flop_fb / t_default / 1e9:.0f} TF/s)", flush=True)
@@ -100,10 +128,14 @@ def main() -> int:
         stages = [("fwd_silu", FWD, False, {}), ("dkdv_ds", DKDV, True, {"ds_store": True}),
                   ("dq_ds", DQ, True, {"ds_store": True}), ("dkdv", DKDV, True, {"ds_store": False}),
                   ("dq", DQ, True, {"ds_store": False})]
+        tma_modes = {"off": (False,), "on": (True,), "both": (False, True)}[args.tma]
         for kind, cands, backward, mode in stages:
-            stage_base = best_cfg.with_regime(reg, **mode) if mode else best_cfg
+            if kind not in kinds:
+                continue
             timed = []
-            for tile in cands:
+            for tile, tma in ((t, m) for t in cands for m in tma_modes):
+                mode = dict(mode, tma_loads=tma) if args.tma != "off" else mode
+                stage_base = best_cfg.with_regime(reg, **mode) if mode else best_cfg
                 if time.monotonic() > t_end:
                     print(f"[{tag}] deadline: {kind} {tile} not timed", flush=True)
                     break
@@ -117,7 +149,7 @@ def main() -> int:
                         row["skipped"] = "output differs from the default's"
                     else:
                         row["ms"] = run(cfg, bias, backward)
-                        timed.append((row["ms"], tile))
+                        timed.append((row["ms"], tile, tma))
                 except Exception as e:  # OutOfResources (shared memory / registers) and compile failures
                     row["error"] = repr(e)[:200]
                     if "OutOfResources" not in repr(e):
@@ -128,8 +160,9 @@ def main() -> int:
                       flush=True)
                 torch.cuda.empty_cache()
             if timed:
-                ms, tile = min(timed)
-                cand_cfg = stage_base.with_tile(reg, kind, tile, d=256)
+                ms, tile, tma = min(timed)
+                mode = dict(mode, tma_loads=tma) if args.tma != "off" else mode
+                cand_cfg = (best_cfg.with_regime(reg, **mode) if mode else best_cfg).with_tile(reg, kind, tile, d=256)
                 t_fb = run(cand_cfg, bias, True)
                 if t_fb < best_t:
                     best_cfg, best_t = cand_cfg, t_fb
@@ -137,7 +170,7 @@ def main() -> int:
         rc = best_cfg.regime(reg)
         summary[tag] = {"regime": reg, "default_ms": t_default, "best_ms": best_t,
                         "default_tflops": flop_fb / t_default / 1e9, "best_tflops": flop_fb / best_t / 1e9,
-                        "ds_store": rc.ds_store,
+                        "ds_store": rc.ds_store, "tma_loads": rc.tma_loads,
                         "tiles_d256": {kk: list(rc.tiles.get(kk, 256)) for kk in
                                        ("fwd_silu", "dkdv_ds", "dq_ds", "dkdv", "dq")}}
         print(f"[{tag}] RESULT {json.dumps(summary[tag])}", flush=True)
@@ -145,7 +178,7 @@ def main() -> int:
         tiles = {}
         for r in sorted({reg, "medium", "long"}):
             tiles[r] = {kk: {"256": list(rc.tiles.get(kk, 256))} for kk in ("fwd_silu", "dkdv_ds", "dq_ds", "dkdv", "dq")}
-            tiles[r]["mode"] = {"ds_store": rc.ds_store}
+            tiles[r]["mode"] = {"ds_store": rc.ds_store, "tma_loads": rc.tma_loads}
         for d in {args.out, args.tiles_dir or args.out}:
             d.mkdir(parents=True, exist_ok=True)
             (d / f"tiles_d256_{tag}.json").write_text(json.dumps(tiles))
