@@ -13,11 +13,13 @@ output differs from the default's by more than 1e-2 (relative) is recorded and s
 A focused re-sweep from the shipped tiles, on the step's batch size, one kind, no bias, with TMA tile loads too:
 
     python3 benchmarks/attn_sweep_d256.py --out $OUT --base-tiles configs/kernel-tiles-h200.json --batch 128 \
-        --kinds dkdv_ds --no-bias --tma both
+        --kinds dkdv_ds,dkdv_ds+dk_ds,dk_ds --no-bias --tma both
 
 The dK/dV candidates 32x64/8w and 16x64/8w were added on 2026-12-05 from sm_90 compiles (gemray.bench.sass_check
 at D = 256): the shipped 64x64/8w/2 keeps 255 registers and reloads 25-38 spilled values (LDL) per query-tile
-iteration; 32x64/8w/2 reloads 13-24 (1-9 with TMA loads), 16x64/8w/2 none. Not timed yet.
+iteration; 32x64/8w/2 reloads 13-24 (1-9 with TMA loads), 16x64/8w/2 none. With dk_from_ds (the dK/dV launch keeps
+only dV; dK = dS^T Q in its own launch) 64x64/8w/2's query loop has no spills left in its unmasked part (14 LDL in
+the diagonal tiles'), 32x128/8w/2 none at all. Not timed yet.
 
 Prints one line per timed candidate and, at the end, the winners as ``KernelConfig`` tiles with the fwd+bwd ms of
 the default and of the winners; writes $OUT/attn_sweep_d256.json.
@@ -44,6 +46,9 @@ FWD = [(64, 32, 4, 2), (64, 64, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2), (128, 64
 DKDV = [(32, 64, 4, 2), (64, 64, 4, 2), (64, 64, 8, 2), (32, 128, 4, 2), (32, 128, 8, 2), (64, 128, 8, 1),
         (64, 32, 4, 2), (32, 64, 4, 1), (64, 64, 8, 1), (128, 64, 8, 1), (32, 64, 8, 2), (32, 64, 8, 3),
         (16, 64, 8, 2), (16, 64, 8, 3)]
+# dK = dS^T Q from the stored dS^T (the regime's dk_from_ds): (query step, key tile, warps, stages)
+DK = [(64, 64, 4, 2), (64, 64, 4, 3), (32, 64, 4, 2), (64, 128, 8, 2), (32, 128, 8, 2), (128, 64, 8, 2),
+      (64, 32, 4, 2)]
 DQ = [(64, 32, 4, 2), (64, 64, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2), (128, 64, 8, 2), (128, 64, 8, 1),
       (64, 128, 8, 1), (32, 64, 4, 2)]
 
@@ -71,13 +76,15 @@ def main() -> int:
                     "configs/kernel-tiles-h200.json) instead of gemray.kernels.config.DEFAULT")
     ap.add_argument("--batch", type=int, default=B, help=f"sequences in the timed batch (default {B}; the "
                     "gem-h200 step's is 128)")
-    ap.add_argument("--kinds", default="fwd_silu,dkdv_ds,dq_ds,dkdv,dq", help="comma-separated tile kinds to sweep")
+    ap.add_argument("--kinds", default="fwd_silu,dkdv_ds,dkdv_ds+dk_ds,dk_ds,dq_ds,dkdv,dq",
+                    help="comma-separated stages to sweep (a tile kind; dkdv_ds+dk_ds: the dK/dV tiles with "
+                         "dk_from_ds on)")
     ap.add_argument("--no-bias", action="store_true", help="skip the pass with the in-kernel relative bias")
     ap.add_argument("--tma", choices=("off", "on", "both"), default="off",
                     help="tile loads through TMA descriptors in the swept stages (both: each candidate twice)")
     args = ap.parse_args()
     kinds = [k for k in args.kinds.split(",") if k]
-    unknown = sorted(set(kinds) - {"fwd_silu", "dkdv_ds", "dq_ds", "dkdv", "dq"})
+    unknown = sorted(set(kinds) - {"fwd_silu", "dkdv_ds", "dkdv_ds+dk_ds", "dk_ds", "dq_ds", "dkdv", "dq"})
     if unknown:
         ap.error(f"--kinds: unknown {unknown}")
     if args.base_tiles:
@@ -125,22 +132,27 @@ def main() -> int:
         t_default = run(base, bias, True)
         print(f"[{tag}] default: fwd+bwd {t_default:.3f} ms ({flop_fb / t_default / 1e9:.0f} TF/s)", flush=True)
         best_cfg, best_t = base, t_default
-        stages = [("fwd_silu", FWD, False, {}), ("dkdv_ds", DKDV, True, {"ds_store": True}),
-                  ("dq_ds", DQ, True, {"ds_store": True}), ("dkdv", DKDV, True, {"ds_store": False}),
-                  ("dq", DQ, True, {"ds_store": False})]
+        # (stage, tile kind, candidates, time the backward, regime mode): "dkdv_ds+dk_ds" sweeps the dK/dV launch's
+        # tiles with dk_from_ds on (dV only there; dK = dS^T Q in its own launch, whose tiles "dk_ds" sweeps)
+        split = {"ds_store": True, "dk_from_ds": True}
+        stages = [("fwd_silu", "fwd_silu", FWD, False, {}),
+                  ("dkdv_ds", "dkdv_ds", DKDV, True, {"ds_store": True, "dk_from_ds": False}),
+                  ("dkdv_ds+dk_ds", "dkdv_ds", DKDV, True, split), ("dk_ds", "dk_ds", DK, True, split),
+                  ("dq_ds", "dq_ds", DQ, True, {"ds_store": True}), ("dkdv", "dkdv", DKDV, True, {"ds_store": False}),
+                  ("dq", "dq", DQ, True, {"ds_store": False})]
         tma_modes = {"off": (False,), "on": (True,), "both": (False, True)}[args.tma]
-        for kind, cands, backward, mode in stages:
-            if kind not in kinds:
+        for stage, kind, cands, backward, mode in stages:
+            if stage not in kinds:
                 continue
             timed = []
             for tile, tma in ((t, m) for t in cands for m in tma_modes):
                 mode = dict(mode, tma_loads=tma) if args.tma != "off" else mode
                 stage_base = best_cfg.with_regime(reg, **mode) if mode else best_cfg
                 if time.monotonic() > t_end:
-                    print(f"[{tag}] deadline: {kind} {tile} not timed", flush=True)
+                    print(f"[{tag}] deadline: {stage} {tile} not timed", flush=True)
                     break
                 cfg = stage_base.with_tile(reg, kind, tile, d=256)
-                row = {"bias": bias, "kind": kind, "tile": list(tile), **mode}
+                row = {"bias": bias, "stage": stage, "kind": kind, "tile": list(tile), **mode}
                 try:
                     got = output(cfg, bias)
                     err = max(float((a - b).norm() / b.norm().clamp_min(1e-30)) for a, b in zip(got, ref))
@@ -155,7 +167,7 @@ def main() -> int:
                     if "OutOfResources" not in repr(e):
                         traceback.print_exc()
                 rows.append(row)
-                print(f"[{tag}] {kind} {tile} {mode or ''}: "
+                print(f"[{tag}] {stage} {tile} {mode or ''}: "
                       + (f"{row['ms']:.3f} ms" if "ms" in row else row.get("error", row.get("skipped", ""))),
                       flush=True)
                 torch.cuda.empty_cache()
@@ -166,19 +178,20 @@ def main() -> int:
                 t_fb = run(cand_cfg, bias, True)
                 if t_fb < best_t:
                     best_cfg, best_t = cand_cfg, t_fb
-                print(f"[{tag}] best {kind}: {tile} -> fwd+bwd {t_fb:.3f} ms (best so far {best_t:.3f})", flush=True)
+                print(f"[{tag}] best {stage}: {tile} -> fwd+bwd {t_fb:.3f} ms (best so far {best_t:.3f})", flush=True)
         rc = best_cfg.regime(reg)
         summary[tag] = {"regime": reg, "default_ms": t_default, "best_ms": best_t,
                         "default_tflops": flop_fb / t_default / 1e9, "best_tflops": flop_fb / best_t / 1e9,
-                        "ds_store": rc.ds_store, "tma_loads": rc.tma_loads,
+                        "ds_store": rc.ds_store, "tma_loads": rc.tma_loads, "dk_from_ds": rc.dk_from_ds,
                         "tiles_d256": {kk: list(rc.tiles.get(kk, 256)) for kk in
-                                       ("fwd_silu", "dkdv_ds", "dq_ds", "dkdv", "dq")}}
+                                       ("fwd_silu", "dkdv_ds", "dk_ds", "dq_ds", "dkdv", "dq")}}
         print(f"[{tag}] RESULT {json.dumps(summary[tag])}", flush=True)
         # the gem-h200 batches' mean length straddles the medium / long bound (1024): both get the winners
         tiles = {}
         for r in sorted({reg, "medium", "long"}):
-            tiles[r] = {kk: {"256": list(rc.tiles.get(kk, 256))} for kk in ("fwd_silu", "dkdv_ds", "dq_ds", "dkdv", "dq")}
-            tiles[r]["mode"] = {"ds_store": rc.ds_store, "tma_loads": rc.tma_loads}
+            tiles[r] = {kk: {"256": list(rc.tiles.get(kk, 256))} for kk in
+                        ("fwd_silu", "dkdv_ds", "dk_ds", "dq_ds", "dkdv", "dq")}
+            tiles[r]["mode"] = {"ds_store": rc.ds_store, "tma_loads": rc.tma_loads, "dk_from_ds": rc.dk_from_ds}
         for d in {args.out, args.tiles_dir or args.out}:
             d.mkdir(parents=True, exist_ok=True)
             (d / f"tiles_d256_{tag}.json").write_text(json.dumps(tiles))

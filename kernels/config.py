@@ -40,8 +40,9 @@ WsTiles = tuple[int, int, int, bool, bool]  # Gluon forward: (consumer warpgroup
 REGIMES = ("short", "medium", "long", "xlong")
 # tile kinds: "fwd" the softmax / pointwise forward, "fwd_silu" the silu forward (swept separately), "dkdv" / "dq"
 # the recomputing backward's two launches (dK/dV tiles the keys by BLOCK_N and loops over the queries by BLOCK_M),
-# "dkdv_ds" / "dq_ds" the DS_STORE backward's dK/dV launch (also storing dS^T) and its dQ = dS K launch
-TILE_KINDS = ("fwd", "fwd_silu", "dkdv", "dq", "dkdv_ds", "dq_ds")
+# "dkdv_ds" / "dq_ds" the DS_STORE backward's dK/dV launch (also storing dS^T) and its dQ = dS K launch, "dk_ds" its
+# dK = dS^T Q launch (key tile, query loop over the stored dS^T; with the regime's dk_from_ds)
+TILE_KINDS = ("fwd", "fwd_silu", "dkdv", "dq", "dkdv_ds", "dq_ds", "dk_ds")
 HEAD_DIM_BUCKETS = (64, 128, 256)
 
 
@@ -66,6 +67,8 @@ class TileSet:
     dq: TileByDim
     dkdv_ds: TileByDim
     dq_ds: TileByDim
+    # the mirror of dq_ds's D = 256 tile (no sweep yet: dk_from_ds is off in every regime by default)
+    dk_ds: TileByDim = _by_dim((64, 64, 4, 2), (64, 64, 4, 2), (64, 64, 4, 2))
 
     @staticmethod
     def uniform(tile: Tile) -> "TileSet":
@@ -102,7 +105,11 @@ class RegimeConfig:
     heads' items), forward and backward. tma_loads: tile loads of the loops through tensor descriptors made on
     the device (Hopper's TMA), where the call allows it. ds_store: the backward stores dS^T from its dK/dV launch
     and computes dQ = dS K from it (five matmuls per tile pair instead of seven) where the scratch fits the
-    caps of :class:`KernelConfig`. ws_fwd: the softmax forward runs the warp-specialized Gluon kernel
+    caps of :class:`KernelConfig`. dk_from_ds (with ds_store): the dK/dV launch accumulates dV only and a fourth
+    launch computes dK = dS^T Q from the stored tiles (``dk_ds`` tiles) -- the same five matmuls per tile pair, one
+    accumulator fewer in the dK/dV program (at head dim 256 its two [BLOCK_N, 256] fp32 accumulators fill the 255
+    registers and spill, sm_90 compiles 2026-12-05) for one more read of the dS scratch; not timed yet, off by
+    default. ws_fwd: the softmax forward runs the warp-specialized Gluon kernel
     (kernels/ws_attention.py) where it applies, with ``ws_tiles`` (consumer warpgroups, BLOCK_N, STAGES,
     ping-pong, persistent grid)."""
 
@@ -110,6 +117,7 @@ class RegimeConfig:
     heads_inner: bool = False
     tma_loads: bool = False
     ds_store: bool = False
+    dk_from_ds: bool = False
     ws_fwd: bool = False
     ws_tiles: WsTiles = (2, 128, 2, False, False)
 
@@ -160,10 +168,11 @@ _XLONG = TileSet(
 # ------------------------------------------------------------------------------------------------------------
 SMEM_LIMIT_SM90 = 232_448  # bytes of shared memory one block may opt into on sm_90 (H100 / H200): 227 KiB
 SMEM_SLACK = 2048  # mbarriers and reduction scratch that smem_bytes does not count (measured: <= 512 B)
+DS_CONVERT_BYTES = 4096  # dkdv_ds: a layout-conversion buffer some compiles add (sm_90, triton 3.9, 2026-12-05)
 REL_SMEM_FRACTION = 0.9  # the in-kernel bias's gather buffers depend on Triton's pipeliner: a 10% margin
 REL_PAIR_BYTES = 20  # per (query, key) pair of a tile: the pipelined bias gathers (position bucket i32, upper time
 #                      threshold i64, pos_w / ts_w values f32), one buffer each (sm_90 compiles, triton 3.6 / 3.9)
-_LOOP_AXIS = {"fwd": 1, "fwd_silu": 1, "dq": 1, "dq_ds": 1, "dkdv": 0, "dkdv_ds": 0}  # the tile axis the loop
+_LOOP_AXIS = {"fwd": 1, "fwd_silu": 1, "dq": 1, "dq_ds": 1, "dkdv": 0, "dkdv_ds": 0, "dk_ds": 0}  # the tile axis the loop
 #            streams (BLOCK_N of the query-tile kernels, BLOCK_M of the key-tile ones); the other one is held
 
 
@@ -180,8 +189,10 @@ def smem_bytes(kind: str, tile: Tile, d_qk: int, d_v: int | None = None, *, rel:
     * fwd / fwd_silu (query tile, key loop): Q [BM, Dqk] held; K [BN, Dqk] + V [BN, Dv] per stage;
     * dq (query tile, key loop): Q [BM, Dqk] + dO [BM, Dv] held; K + V [BN, D] per stage;
     * dkdv (key tile, query loop): K [BN, Dqk] + V [BN, Dv] held; Q [BM, Dqk] + dO [BM, Dv] + lse / delta
-      [BM] fp32 per stage; dkdv_ds adds the dS^T tile [BN, BM] staged for its TMA store;
+      [BM] fp32 per stage; dkdv_ds adds the dS^T tile [BN, BM] staged for its TMA store and DS_CONVERT_BYTES
+      (with dk_from_ds, D = 256, 64 x 64 / 8 warps compiled to 3,072 bytes over the rest of this model);
     * dq_ds (query tile, key loop over the stored dS^T): dS^T [BN, BM] + K [BN, Dqk] per stage;
+    * dk_ds (key tile, query loop over the stored dS^T): dS^T [BN, BM] + Q [BM, Dqk] per stage;
     * rel: the loop's key (or query) times [BN] (or [BM]) int64 and REL_PAIR_BYTES per pair of the tile for the
       bias gathers, which the pipeliner also moves into shared memory (one buffer each).
 
@@ -201,7 +212,9 @@ def smem_bytes(kind: str, tile: Tile, d_qk: int, d_v: int | None = None, *, rel:
     elif kind in ("dkdv", "dkdv_ds"):
         held, per_stage = bn * (d_qk + d_v) * e, bm * (d_qk + d_v) * e + 2 * bm * 4
         if kind == "dkdv_ds":
-            held += bn * bm * e
+            held += bn * bm * e + DS_CONVERT_BYTES
+    elif kind == "dk_ds":
+        held, per_stage = 0, bn * bm * e + bm * d_qk * e
     else:  # dq_ds
         held, per_stage = 0, bn * bm * e + bn * d_qk * e
     total = held + s * per_stage
@@ -387,13 +400,13 @@ def registered() -> Mapping[str, KernelConfig]:
     return MappingProxyType(_REGISTRY)
 
 
-MODE_FIELDS = ("heads_inner", "tma_loads", "ds_store")
+MODE_FIELDS = ("heads_inner", "tma_loads", "ds_store", "dk_from_ds")
 
 
 def apply_tiles(spec: Mapping, config: KernelConfig | None = None) -> KernelConfig:
     """``config`` (None: DEFAULT) with the tiles and launch modes of ``spec``: {regime: {kind: {"<head-dim
     bucket>": [BLOCK_M, BLOCK_N, num_warps, num_stages], ...}, "mode": {"heads_inner": bool, "tma_loads": bool,
-    "ds_store": bool}}} -- the "chosen tiles" JSON the sweeps print (``gemray bench kernels --sweep``,
+    "ds_store": bool, "dk_from_ds": bool}}} -- the "chosen tiles" JSON the sweeps print (``gemray bench kernels --sweep``,
     benchmarks/attn_sweep_d256.py) and what ``model.kernel_tiles`` and ``gemray bench kernels --tiles`` read.
     A mode entry changes only the keys it names. Raises ValueError naming the entry for an unknown regime, tile
     kind, head-dim bucket or mode, or a tile that is not 4 positive ints."""

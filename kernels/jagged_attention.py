@@ -43,8 +43,10 @@ than Words", arXiv:2402.17152; written from the papers, not copied):
   over key tiles) are computed separately, so dQ needs no atomics: two launches, dQ first (for softmax it also
   writes delta = rowsum(o * dO) of its rows, which the dK/dV launch after it reads). Or, per regime
   (``ds_store``), the dK/dV launch also stores dS^T into a scratch and a third launch computes dQ = dS K from it
-  (five matmuls per tile pair instead of seven; softmax's delta then comes from its own small launch). PMA sums
-  its per-sequence dQ over the batch with one torch reduction.
+  (five matmuls per tile pair instead of seven; softmax's delta then comes from its own small launch); with the
+  regime's ``dk_from_ds`` the dK/dV launch keeps dV only and a fourth launch computes dK = dS^T Q from the same
+  scratch (still five matmuls; one [BLOCK_N, D] fp32 accumulator per dK/dV program instead of two, which at D =
+  256 is what fills its registers). PMA sums its per-sequence dQ over the batch with one torch reduction.
 * Tile loads (per regime, ``tma_loads``): by pointers (cp.async with row masks), or through tensor descriptors
   made on the device per program (Hopper's bulk tensor copy; rows past a sequence's end read as zeros), which
   pay off only where the loops are long (on for "xlong"; never for block / window attention).
@@ -694,9 +696,10 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, 
                 ACT: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                 HAS_TARGETS: tl.constexpr, ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,
                 DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr, CONTEXT: tl.constexpr, FAST: tl.constexpr,
-                STORE_DBIAS: tl.constexpr, TMA: tl.constexpr, STORE_DS: tl.constexpr, REL: tl.constexpr):
+                STORE_DBIAS: tl.constexpr, TMA: tl.constexpr, STORE_DS: tl.constexpr, REL: tl.constexpr,
+                NO_DK: tl.constexpr):
     """The query loop of a dK/dV program over query tiles [lo, hi), scores laid out key-rows-first (s^T = k q^T
-    [BLOCK_N, BLOCK_M]: lse / delta per column)."""
+    [BLOCK_N, BLOCK_M]: lse / delta per column). NO_DK (with STORE_DS): dK is left to _gdpa_dk_ds, dk untouched."""
     for m0 in range(lo, hi, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         row_ok = offs_m < lq
@@ -738,7 +741,8 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, 
         dst_lp = dst.to(qt.dtype)
         if STORE_DS:  # dS^T tile [BLOCK_N, BLOCK_M] for the dQ launch (_gdpa_dq_ds); TMA clips the jagged edges
             ds_desc.store([n0, m0], dst_lp)
-        dk = tl.dot(dst_lp, tl.trans(qt), dk, input_precision=DOT_PREC)
+        if not NO_DK:
+            dk = tl.dot(dst_lp, tl.trans(qt), dk, input_precision=DOT_PREC)
         if STORE_DBIAS:  # d logits = d bias; every (row, key) pair is in exactly one key tile's program
             tl.store(dbias_base + offs_m[None, :] * stride_dbi + offs_n[:, None] * stride_dbj, dst * ds_scale,
                      mask=row_ok[None, :] & (offs_n[:, None] < lk))
@@ -757,10 +761,10 @@ def _dkdv_tile(Q, K, V, DO, LSE, DELTA, DK, DV, Q_OFF, KV_OFF, NT, BIAS, DBIAS, 
                BLOCK_DV: tl.constexpr, DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr,
                CONTEXT: tl.constexpr, FAST: tl.constexpr, STORE_DBIAS: tl.constexpr, TMA: tl.constexpr, DS,
                stride_dsh, stride_dst, STORE_DS: tl.constexpr, TQ, TK, PB_TAB, TTHR, PW, TW, n_tb,
-               REL: tl.constexpr):
+               REL: tl.constexpr, NO_DK: tl.constexpr):
     """dK, dV of keys [n0, n0 + BLOCK_N) of sequence b, head h and, with STORE_DBIAS, dbias of their pairs.
     STORE_DS: also writes dS^T of every pair it visits (0 where masked) into DS, rows = key rows, columns = query
-    positions."""
+    positions. NO_DK (with STORE_DS): dV only; _gdpa_dk_ds computes dK from the stored dS^T."""
     q_start, lq, kv_start, lk, n_hist = _seq_bounds(Q_OFF, KV_OFF, NT, b, HAS_TARGETS)
     q_row = q_start
     if Q_BCAST:
@@ -808,20 +812,21 @@ def _dkdv_tile(Q, K, V, DO, LSE, DELTA, DK, DV, Q_OFF, KV_OFF, NT, BIAS, DBIAS, 
                          dbias_base, stride_dbi, stride_dbj, ds_scale, ds_desc, n0, tq_base, tk, PB_TAB, TTHR, PW,
                          TW, n_tb, ACT, True, CAUSAL, HAS_TARGETS,
                          ATT_BLOCK, WINDOW, BLOCK_M, DOT_PREC, HAS_BIAS, CONTEXT, FAST, STORE_DBIAS, TMA, STORE_DS,
-                         REL)
+                         REL, NO_DK)
     dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n, lq,
                          lk, n_hist, alpha_s, full_lo, hi, offs_dk, offs_dv, D_QK, D_V, bias_base, stride_bi, stride_bj,
                          dbias_base, stride_dbi, stride_dbj, ds_scale, ds_desc, n0, tq_base, tk, PB_TAB, TTHR, PW,
                          TW, n_tb, ACT, False, CAUSAL, HAS_TARGETS,
                          ATT_BLOCK, WINDOW, BLOCK_M, DOT_PREC, HAS_BIAS, CONTEXT, FAST, STORE_DBIAS, TMA, STORE_DS,
-                         REL)
+                         REL, NO_DK)
     if ACT == 0:
         dk = dk * alpha
     else:
         dk = dk * (alpha * inv_n)
         dv = dv * inv_n
-    tl.store(DK + (kv_start + offs_n[:, None]) * stride_dkt + h * stride_dkh + offs_dk[None, :],
-             dk.to(DK.dtype.element_ty), mask=col_ok[:, None] & (offs_dk[None, :] < D_QK))
+    if not NO_DK:
+        tl.store(DK + (kv_start + offs_n[:, None]) * stride_dkt + h * stride_dkh + offs_dk[None, :],
+                 dk.to(DK.dtype.element_ty), mask=col_ok[:, None] & (offs_dk[None, :] < D_QK))
     tl.store(DV + (kv_start + offs_n[:, None]) * stride_dvt + h * stride_dvh + offs_dv[None, :],
              dv.to(DV.dtype.element_ty), mask=col_ok[:, None] & (offs_dv[None, :] < D_V))
 
@@ -978,7 +983,7 @@ def _gdpa_bwd(Q, K, V, DO, LSE, DELTA, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, WORK, B
               BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, DOT_PREC: tl.constexpr,
               HAS_BIAS: tl.constexpr, STORE_DBIAS: tl.constexpr, CONTEXT: tl.constexpr, FAST: tl.constexpr,
               STORE_DELTA: tl.constexpr, HEADS_INNER: tl.constexpr, TMA: tl.constexpr, STORE_DS: tl.constexpr,
-              REL: tl.constexpr, P_PAD: tl.constexpr, NT_PAD: tl.constexpr):
+              REL: tl.constexpr, P_PAD: tl.constexpr, NT_PAD: tl.constexpr, NO_DK: tl.constexpr):
     """Backward work item WORK[pid]: with PART 1 a dK/dV key tile (b * n_tiles_k + tile), with PART 2 a dQ query
     tile (b * n_tiles_q + tile); each launch compiles one branch. LSE and DELTA are [H, T_out] fp32 (softmax):
     the forward's base-2 log-sum-exp and delta = rowsum(o * dO), written by the dQ launch (PART 2 with
@@ -986,7 +991,8 @@ def _gdpa_bwd(Q, K, V, DO, LSE, DELTA, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, WORK, B
     items', or the dK/dV items' with STORE_DS). Grid (items, H) or, with HEADS_INNER, (items * H,). REL: the
     in-kernel relative bias (see _gdpa_fwd); each dQ program writes its per-bucket sums of dS to its own row of
     DPW [programs, P_PAD] / DTW [programs, NT_PAD] fp32 (row = the program's linear id; zeroed by the host, which
-    sums the rows: d pos_w / d ts_w without atomics, bit-reproducible; never with STORE_DS)."""
+    sums the rows: d pos_w / d ts_w without atomics, bit-reproducible; never with STORE_DS). NO_DK (PART 1 with
+    STORE_DS, the regime's dk_from_ds): the dK/dV items accumulate dV only and leave dK to _gdpa_dk_ds."""
     w, h = _item_head(WORK, n_heads, HEADS_INNER)
     if w < 0:
         return
@@ -998,7 +1004,7 @@ def _gdpa_bwd(Q, K, V, DO, LSE, DELTA, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, WORK, B
                    alpha, inv_n, D_QK, D_V,
                    ACT, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, Q_BCAST, DK_BM, DK_BN, BLOCK_DQK, BLOCK_DV,
                    DOT_PREC, HAS_BIAS, CONTEXT, FAST, STORE_DBIAS, TMA, DS, stride_dsh, stride_dst, STORE_DS,
-                   TQ, TK, PB_TAB, TTHR, PW, TW, n_tb, REL)
+                   TQ, TK, PB_TAB, TTHR, PW, TW, n_tb, REL, NO_DK)
     else:
         _dq_tile(Q, K, V, DO, LSE, DELTA, O, DQ, Q_OFF, KV_OFF, NT, BIAS, DBIAS, w // n_tiles_q,
                  (w % n_tiles_q) * DQ_BM, h, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -1061,6 +1067,63 @@ def _gdpa_dq_ds(DS, K, DQ, Q_OFF, KV_OFF, NT, WORK,
                       True, CAUSAL, HAS_TARGETS, CONTEXT, BLOCK_N, DOT_PREC, TMA)
     tl.store(DQ + (q_start + offs_m[:, None]) * stride_dqt + h * stride_dqh + offs_dk[None, :],
              (dq * dq_scale).to(DQ.dtype.element_ty), mask=(offs_m[:, None] < lq) & (offs_dk[None, :] < D_QK))
+
+
+@triton.jit
+def _dk_ds_inner(dk, ds_desc, q_base, stride_qt, offs_n, n0, offs_dk, lq, lk, n_hist, lo, hi, D_QK,
+                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, CONTEXT: tl.constexpr,
+                 BLOCK_M: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr):
+    for m0 in range(lo, hi, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        dst = ds_desc.load([n0, m0])  # [BLOCK_N, BLOCK_M]
+        if TMA:
+            q = q_base.load([m0, 0])
+        else:
+            q = tl.load(q_base + offs_m[:, None] * stride_qt + offs_dk[None, :],
+                        mask=(offs_m[:, None] < lq) & (offs_dk[None, :] < D_QK), other=0.0)
+        if MASKED:  # pairs outside the mask may be unwritten memory: select, never multiply
+            ok = _valid(offs_m[None, :], offs_n[:, None], lq, lk, n_hist, CAUSAL, HAS_TARGETS, 0, 0, CONTEXT)
+            dst = tl.where(ok, dst, 0.0).to(q.dtype)
+        dk = tl.dot(dst, q, dk, input_precision=DOT_PREC)
+    return dk
+
+
+@triton.jit
+def _gdpa_dk_ds(DS, Q, DK, Q_OFF, KV_OFF, NT, WORK,
+                stride_dsh, stride_dst, stride_qt, stride_qh, stride_dkt, stride_dkh, dk_scale, n_tiles, D_QK,
+                n_heads, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, CONTEXT: tl.constexpr,
+                Q_BCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
+                DOT_PREC: tl.constexpr, HEADS_INNER: tl.constexpr, TMA: tl.constexpr):
+    """dK of key rows [n0, n0 + BLOCK_N) of one (sequence, head) from the dS^T the dK/dV launch stored with NO_DK
+    (the regime's dk_from_ds): dK = dk_scale * sum over query tiles of dS^T Q, one matmul per tile pair -- the
+    mirror of _gdpa_dq_ds, so the dK/dV launch holds one [BLOCK_N, Dv] accumulator instead of two. Query tiles
+    holding pairs outside the mask are masked again here: the dK/dV programs wrote every valid pair (0 where
+    masked) of the tiles they visited, but this kernel's tiles may reach pairs none of them visited (unwritten
+    memory). Q_BCAST: the queries are PMA's seeds, shared by every sequence (rows from 0). Grid as the dK/dV
+    launch's (WORK: a key-tile table)."""
+    w, h = _item_head(WORK, n_heads, HEADS_INNER)
+    if w < 0:
+        return
+    b = w // n_tiles
+    n0 = (w % n_tiles) * BLOCK_N
+    q_start, lq, kv_start, lk, n_hist = _seq_bounds(Q_OFF, KV_OFF, NT, b, HAS_TARGETS)
+    q_row = q_start
+    if Q_BCAST:
+        q_row = q_start * 0
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_dk = tl.arange(0, BLOCK_DQK)
+    ds_desc = _ds_desc(DS, h, kv_start, lk, lq, stride_dsh, stride_dst, BLOCK_N, BLOCK_M)
+    q_base = Q + q_row * stride_qt + h * stride_qh
+    if TMA:
+        q_base = _rows_desc(q_base, lq, stride_qt, BLOCK_M, BLOCK_DQK)
+    lo, hi, full_lo = _query_range(n0, lq, n_hist, CAUSAL, HAS_TARGETS, 0, 0, BLOCK_M, BLOCK_N, CONTEXT)
+    dk = tl.zeros([BLOCK_N, BLOCK_DQK], dtype=tl.float32)
+    dk = _dk_ds_inner(dk, ds_desc, q_base, stride_qt, offs_n, n0, offs_dk, lq, lk, n_hist, lo, full_lo, D_QK,
+                      True, CAUSAL, HAS_TARGETS, CONTEXT, BLOCK_M, DOT_PREC, TMA)
+    dk = _dk_ds_inner(dk, ds_desc, q_base, stride_qt, offs_n, n0, offs_dk, lq, lk, n_hist, full_lo, hi, D_QK,
+                      False, CAUSAL, HAS_TARGETS, CONTEXT, BLOCK_M, DOT_PREC, TMA)
+    tl.store(DK + (kv_start + offs_n[:, None]) * stride_dkt + h * stride_dkh + offs_dk[None, :],
+             (dk * dk_scale).to(DK.dtype.element_ty), mask=(offs_n[:, None] < lk) & (offs_dk[None, :] < D_QK))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1390,7 +1453,8 @@ class _BwdPlan:
 
     dbias_shape: the fp32 [B, H, n1, n2] dbias buffer (zeroed) or None; ds_shape: the DS_STORE scratch [H, Tk, W]
     or None; tma: set Triton's allocator first; delta: the _bwd_delta launch or None; steps: ((_Launch, work
-    table, dq_from_ds), ...) in launch order, dq_from_ds marking the _gdpa_dq_ds launch (its own tensor list);
+    table, kind), ...) in launch order, kind "bwd" (a _gdpa_bwd launch), "dq_ds" or "dk_ds" (the launches that
+    read the dS scratch, each with its own tensor list);
     rel_rows: with the in-kernel relative bias, the dQ launch's program count = the rows of its d pos_w / d ts_w
     partial sums (0 without)."""
     dbias_shape: tuple | None
@@ -1511,33 +1575,43 @@ def _make_bwd_plan(fwd: _FwdPlan, q, k, v, bias, do, q_off, kv_off, nt, spec: _S
         a = list(args)
         a[-7:-5] = items  # (n_tiles_k, n_tiles_q)
         return _Launch(_gdpa_bwd, grid(table.numel(), rc.heads_inner), a, dict(**part, **consts), warps, stages,
-                       cfg.direct_launch), table, False
+                       cfg.direct_launch), table, "bwd"
 
     fit = dict(d_v=d_v, rel=rel is not None, elem_bytes=q.element_size(), device=q.device)  # _tiles' smem fit
     steps, rel_rows = [], 0
-    if ds_store:  # dK/dV (also storing dS^T), then dQ = dS K from the stored tiles
+    if ds_store:  # dK/dV (also storing dS^T), then dQ = dS K (and, dk_from_ds, dK = dS^T Q) from the stored tiles
         kbm, kbn, kwarps, kstages = _tiles("dkdv_ds", d_qk, reg, spec.max_q_len, cfg, **fit)
         table, ntk = _k_table(spec, q_off, kv_off, kbn, k.shape[0], grouped=cfg.seq_order_dkdv)
         steps.append(bwd(table, (ntk, 1), kwarps, kstages, PART=1, DK_BM=kbm, DK_BN=kbn, DQ_BM=0, DQ_BN=0,
-                         STORE_DBIAS=want_dbias, STORE_DELTA=False, STORE_DS=True))
+                         STORE_DBIAS=want_dbias, STORE_DELTA=False, STORE_DS=True, NO_DK=rc.dk_from_ds))
         qbm, qbn, qwarps, qstages = _tiles("dq_ds", d_qk, reg, spec.max_q_len, cfg, **fit)
         table, ntq = _q_table(spec, q_off, kv_off, qbm, t_out, grouped=cfg.seq_order_dq)
         steps.append((_Launch(_gdpa_dq_ds, grid(table.numel(), rc.heads_inner), [
             *ds_strides, *k.stride()[:2], *dq_strides, spec.alpha * (1.0 if softmax else spec.inv_n), ntq, d_qk, h],
             dict(CAUSAL=spec.causal, HAS_TARGETS=nt is not None, CONTEXT=spec.context, BLOCK_M=qbm, BLOCK_N=qbn,
                  BLOCK_DQK=bdk, DOT_PREC=consts["DOT_PREC"], HEADS_INNER=rc.heads_inner, TMA=use_tma),
-            qwarps, qstages, cfg.direct_launch), table, True))
+            qwarps, qstages, cfg.direct_launch), table, "dq_ds"))
+        if rc.dk_from_ds:
+            dbm, dbn, dwarps, dstages = _tiles("dk_ds", d_qk, reg, spec.max_q_len, cfg, **fit)
+            table, ntk = _k_table(spec, q_off, kv_off, dbn, k.shape[0], grouped=cfg.seq_order_dkdv)
+            steps.append((_Launch(_gdpa_dk_ds, grid(table.numel(), rc.heads_inner), [
+                *ds_strides, *q.stride()[:2], *dk_strides, spec.alpha * (1.0 if softmax else spec.inv_n), ntk,
+                d_qk, h],
+                dict(CAUSAL=spec.causal, HAS_TARGETS=nt is not None, CONTEXT=spec.context, Q_BCAST=spec.q_bcast,
+                     BLOCK_M=dbm, BLOCK_N=dbn, BLOCK_DQK=bdk, DOT_PREC=consts["DOT_PREC"],
+                     HEADS_INNER=rc.heads_inner, TMA=use_tma),
+                dwarps, dstages, cfg.direct_launch), table, "dk_ds"))
     else:  # two launches: dQ first (it writes softmax's delta), then dK/dV (reads it)
         qbm, qbn, qwarps, qstages = _tiles("dq", d_qk, reg, spec.max_q_len, cfg, **fit)
         table, ntq = _q_table(spec, q_off, kv_off, qbm, t_out)
         # the other part's tile sizes are unused (pruned branch): 0 keeps one compiled variant per config
         steps.append(bwd(table, (1, ntq), qwarps, qstages, PART=2, DK_BM=0, DK_BN=0, DQ_BM=qbm, DQ_BN=qbn,
-                         STORE_DBIAS=want_dbias, STORE_DELTA=softmax, STORE_DS=False))
+                         STORE_DBIAS=want_dbias, STORE_DELTA=softmax, STORE_DS=False, NO_DK=False))
         rel_rows = table.numel() * h if rel is not None else 0  # one row per dQ program (grid items x H)
         kbm, kbn, kwarps, kstages = _tiles("dkdv", d_qk, reg, spec.max_q_len, cfg, **fit)
         table, ntk = _k_table(spec, q_off, kv_off, kbn, k.shape[0])
         steps.append(bwd(table, (ntk, 1), kwarps, kstages, PART=1, DK_BM=kbm, DK_BN=kbn, DQ_BM=0, DQ_BN=0,
-                         STORE_DBIAS=False, STORE_DELTA=False, STORE_DS=False))
+                         STORE_DBIAS=False, STORE_DELTA=False, STORE_DS=False, NO_DK=False))
     return _BwdPlan(dbias_shape, ds_shape, use_tma or ds_store, delta, tuple(steps), rel_rows)
 
 
@@ -1622,9 +1696,11 @@ def _backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     tensors = [q, k, v, do, lse, delta, o, dk, dv, dq, q_off, kv_off, ntarg, None, bias if bias is not None else q,
                dbias if dbias is not None else q, ds if ds is not None else q,
                *_rel_tensors(rel, spec.max_q_len, q_off), dpw, dtw]
-    for launch, table, dq_from_ds in bplan.steps:
-        if dq_from_ds:
+    for launch, table, kind in bplan.steps:
+        if kind == "dq_ds":
             launch.planned([ds, k, dq, q_off, kv_off, ntarg, table])
+        elif kind == "dk_ds":
+            launch.planned([ds, q, dk, q_off, kv_off, ntarg, table])
         else:
             tensors[13] = table
             launch.planned(tensors)

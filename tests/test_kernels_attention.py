@@ -310,12 +310,13 @@ def _check_mode_cases(activation: str, extra=None, config: KernelConfig | None =
 
 @cpu_only
 @pytest.mark.parametrize("activation,causal,ds", [("softmax", True, False), ("softmax", False, True),
-                                                  ("silu", True, True), ("gelu", False, False)])
+                                                  ("silu", True, True), ("gelu", False, False), ("silu", True, "dk"),
+                                                  ("softmax", False, "dk")])
 def test_random_jagged_batches(activation, causal, ds):
     """Forward and dq/dk/dv match the float32 reference (rel err < 1e-3) on random jagged batches that include
     empty and length-1 sequences and one of the maximal length, with unequal tiles, for the recomputing and the
-    dS-storing backward."""
-    cfg = _mode_config(False, False, ds)
+    dS-storing backward (ds "dk": also dK from the stored dS, dk_from_ds)."""
+    cfg = _mode_config(False, False, bool(ds)).with_all_regimes(dk_from_ds=ds == "dk")
     for seed in (0, 1, 2):
         g = torch.Generator().manual_seed(seed)
         lengths = torch.randint(0, 60, (6,), generator=g).tolist() + [0, 1]
@@ -345,8 +346,11 @@ def _new_bwd_plans(cfg: KernelConfig, seen: set) -> list:
 
 
 def _ds_config(tiles: dict | None = None) -> KernelConfig:
-    """ds_store on in every regime with its scratch filled with NaN; optional per-kind tiles under the interpreter."""
+    """ds_store on in every regime with its scratch filled with NaN; optional per-kind tiles under the interpreter;
+    a "dk_ds" tile among them also turns on dk_from_ds (dK = dS^T Q from the scratch, its own launch)."""
     cfg = _mode_config(False, False, True, tiles=(16, 16, 4, 1))
+    if "dk_ds" in (tiles or {}):
+        cfg = cfg.with_all_regimes(dk_from_ds=True)
     for kind, tile in (tiles or {}).items():
         cfg = cfg.replace(interpret_tiles=cfg.interpret_tiles.with_tile(kind, tile, 64))
     return cfg
@@ -357,17 +361,23 @@ def _ds_config(tiles: dict | None = None) -> KernelConfig:
 # written)
 DS_TILES = [{"dkdv_ds": (16, 16, 4, 1), "dq_ds": (16, 16, 4, 1)},
             {"dkdv_ds": (16, 16, 4, 1), "dq_ds": (32, 16, 4, 1)},
-            {"dkdv_ds": (32, 16, 4, 1), "dq_ds": (16, 32, 4, 1)}]
+            {"dkdv_ds": (32, 16, 4, 1), "dq_ds": (16, 32, 4, 1)},
+            # dk_from_ds: dK = dS^T Q from the scratch, with its (query step, key tile): equal to the dK/dV launch's;
+            # a key tile of 32 (its tile at key 0 reads queries 0-15 of keys 16-31, which the dK/dV launch's key tile
+            # 16 never visits); a query step of 32 (its key tile 16 starts at query 0, the dK/dV launch's at 16)
+            {"dkdv_ds": (16, 16, 4, 1), "dq_ds": (16, 16, 4, 1), "dk_ds": (16, 16, 4, 1)},
+            {"dkdv_ds": (16, 16, 4, 1), "dq_ds": (16, 16, 4, 1), "dk_ds": (16, 32, 4, 1)},
+            {"dkdv_ds": (16, 16, 4, 1), "dq_ds": (32, 16, 4, 1), "dk_ds": (32, 16, 4, 1)}]
 
 
 @cpu_only
 @pytest.mark.parametrize("tiles", range(len(DS_TILES)))
 @pytest.mark.parametrize("activation", ["softmax", "silu", "gelu"])
 def test_ds_store_matches_reference(tiles, activation):
-    """ds_store (dK/dV launch stores dS^T, dQ = dS K from it): forward and dq/dk/dv (and dbias) match the
-    float32 reference with targets + bias, the contextual prefix, cross-attention, PMA and non-causal rows,
-    on batches with empty, length-1 and one long sequence; the scratch starts as NaN (ds_scratch_nan), so an
-    entry read without being written fails the test."""
+    """ds_store (dK/dV launch stores dS^T, dQ = dS K from it; with a dk_ds tile also dK = dS^T Q from it,
+    dk_from_ds): forward and dq/dk/dv (and dbias) match the float32 reference with targets + bias, the contextual
+    prefix, cross-attention, PMA and non-causal rows, on batches with empty, length-1 and one long sequence; the
+    scratch starts as NaN (ds_scratch_nan), so an entry read without being written fails the test."""
     cfg = _ds_config(DS_TILES[tiles])
     seen: set = set()
     _new_bwd_plans(cfg, seen)
@@ -387,7 +397,10 @@ def test_ds_store_matches_reference(tiles, activation):
                (q, k, v), 1e-4)
 
     _check_mode_cases(activation, contextual_and_full, config=cfg)
-    assert all(bp.ds_shape is not None for bp in _new_bwd_plans(cfg, seen))
+    plans = _new_bwd_plans(cfg, seen)
+    assert plans and all(bp.ds_shape is not None for bp in plans)
+    want = ["bwd", "dq_ds", "dk_ds"] if "dk_ds" in DS_TILES[tiles] else ["bwd", "dq_ds"]
+    assert all([kind for _, _, kind in bp.steps] == want for bp in plans), [bp.steps for bp in plans]
 
 
 @cpu_only
@@ -527,7 +540,8 @@ def test_bench_bookkeeping():
     for reg, (kind, b, n) in bench.SWEEP_BATCH.items():
         assert DEFAULT.regime_of(sum(bench.make_lengths(kind, b, n)), b) == reg
         assert set(bench.SWEEP[reg]) == set(kconfig.TILE_KINDS)
-    assert set(bench.KERNELS) == set(kconfig.TILE_KINDS) | {"mode"}
+    # every kind is swept but dk_ds (dk_from_ds is not among this sweep's launch modes; attn_sweep_d256.py sweeps it)
+    assert set(bench.KERNELS) == set(kconfig.TILE_KINDS) - {"dk_ds"} | {"mode"}
     # launch modes: the new dict form, and the lists runs 4-41 printed (2-7 entries, deleted modes off)
     assert bench.get_mode(DEFAULT, "short") == (True, False, False)
     assert bench.get_mode(DEFAULT, "xlong") == (False, True, True)
@@ -606,15 +620,16 @@ def test_host_profile_launches_and_ops(activation, launches, direct):
     assert r["python_us_fwd_bwd"] > 0 and r["python_us_fwd_bwd_op"] > 0
 
 
-@pytest.mark.parametrize("activation,launches", [
-    ("softmax", ["_gdpa_fwd", "_bwd_delta", "_gdpa_bwd part 1", "_gdpa_dq_ds"]),
-    ("silu", ["_gdpa_fwd", "_gdpa_bwd part 1", "_gdpa_dq_ds"])])
-def test_host_profile_ds_store(activation, launches):
-    """The ds_store backward enqueues (softmax) delta, dK/dV with the dS store, then dQ from dS, as direct
-    launches, and allocates one dS buffer more than the two-launch backward."""
+@pytest.mark.parametrize("activation,launches,dk", [
+    ("softmax", ["_gdpa_fwd", "_bwd_delta", "_gdpa_bwd part 1", "_gdpa_dq_ds"], False),
+    ("silu", ["_gdpa_fwd", "_gdpa_bwd part 1", "_gdpa_dq_ds"], False),
+    ("silu", ["_gdpa_fwd", "_gdpa_bwd part 1", "_gdpa_dq_ds", "_gdpa_dk_ds"], True)])
+def test_host_profile_ds_store(activation, launches, dk):
+    """The ds_store backward enqueues (softmax) delta, dK/dV with the dS store, then dQ from dS (and with
+    dk_from_ds dK from dS), as direct launches, and allocates one dS buffer more than the two-launch backward."""
     from gemray.bench import kernels as bench
 
-    cfg = DEFAULT.with_all_regimes(ds_store=True)
+    cfg = DEFAULT.with_all_regimes(ds_store=True, dk_from_ds=dk)
     r = bench.host_profile(activation, "heavy", 8, 64, n_iter=1, reps=1, config=cfg, hopper=True)
     assert sorted(r["launch_kinds"]) == sorted(launches) and r["direct_launches"] == len(launches)
     ours = {k: n for k, n in r["aten_op_kinds"].items() if k != "detach.default"}
@@ -1123,11 +1138,13 @@ def test_gpu_backward_launch_modes(activation, inner, tma, ds):
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("dk", [False, True])
 @pytest.mark.parametrize("activation,pattern", [("softmax", "causal"), ("silu", "causal"), ("softmax", "targets"),
                                                 ("softmax", "full"), ("gelu", "causal")])
-def test_gpu_ds_store_bf16(activation, pattern):
+def test_gpu_ds_store_bf16(activation, pattern, dk):
     """ds_store at bench-like sizes in bf16 with each regime's tiles (the regime is forced through the config),
-    the scratch filled with NaN: matches the reference as the recomputing backward does."""
+    the scratch filled with NaN, with dK in the dK/dV launch or from the stored dS (dk_from_ds): matches the
+    reference as the recomputing backward does."""
     torch.manual_seed(21)
     lengths = _heavy_lengths(24, 2048) + [0, 1, 2048, 1000]
     off = _offsets(lengths, "cuda")
@@ -1136,12 +1153,44 @@ def test_gpu_ds_store_bf16(activation, pattern):
     q, k, v = (_leaf(t, h, d, dtype=torch.bfloat16, device="cuda") for _ in range(3))
     made = []
     for reg in ("short", "medium", "long", "xlong"):
-        cfg = DEFAULT.forcing(reg).with_all_regimes(ds_store=True).replace(ds_scratch_nan=True)
+        cfg = DEFAULT.forcing(reg).with_all_regimes(ds_store=True, dk_from_ds=dk).replace(ds_scratch_nan=True)
         seen: set = set()
         _new_bwd_plans(cfg, seen)
         _check_gpu_jfa(off, 2048, activation, (q, k, v), causal=pattern != "full", num_targets=nt, config=cfg)
         made += [bp.ds_shape for bp in _new_bwd_plans(cfg, seen) if bp.ds_shape is not None]
     assert len(made) == 4
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dk", [False, True])
+def test_gpu_gem_head_dim_256_ds_store(dk):
+    """The GEM config's attention (4 heads x 256, silu, causal, bf16) on gem-like lengths up to 4096 with its
+    shipped tiles (configs/kernel-tiles-h200.json), dK in the dK/dV launch or from the stored dS (dk_from_ds, with
+    the dK/dV tiles the sweep would try: 64x64/8w and 32x128/8w), the scratch NaN-filled: within the bf16
+    tolerance of the reference."""
+    from pathlib import Path
+
+    from gemray.model.hstu import kernel_config_of
+
+    torch.manual_seed(25)
+    lengths = _heavy_lengths(12, 4096) + [0, 1, 4096]
+    off = _offsets(lengths, "cuda")
+    t, h, d = int(off[-1]), 4, 256
+    q, k, v = (_leaf(t, h, d, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+    base = kernel_config_of(str(Path(__file__).resolve().parents[1] / "configs" / "kernel-tiles-h200.json"))
+    tiles = [(64, 64, 8, 2), (32, 128, 8, 2)] if dk else [None]
+    for tile in tiles:
+        for reg in ("medium", "long"):
+            cfg = base.forcing(reg).with_all_regimes(ds_store=True, dk_from_ds=dk).replace(ds_scratch_nan=True)
+            if tile is not None:
+                cfg = cfg.with_all_regimes(tiles=cfg.regime(reg).tiles.with_tile("dkdv_ds", tile, 256))
+            seen: set = set()
+            _new_bwd_plans(cfg, seen)
+            _check_gpu_jfa(off, 4096, "silu", (q, k, v), config=cfg)
+            plans = _new_bwd_plans(cfg, seen)
+            assert plans and all([kind for _, _, kind in bp.steps][-1] == ("dk_ds" if dk else "dq_ds")
+                                 for bp in plans)
 
 
 @gpu

@@ -83,6 +83,24 @@ def test_estimate_against_sm90_compiles(kind, tile, d, rel, measured):
         assert est == measured
 
 
+# the dS-store kinds (sm_90 compiles, triton 3.9, 2026-12-05; bf16, causal, silu): kind, tile, head dim, dk_from_ds
+# (the dK/dV launch without dK), measured shared bytes. The model bounds them within SMEM_SLACK; dkdv_ds counts
+# DS_CONVERT_BYTES for the 3,072 bytes the D = 256 64 x 64 / 8-warp launch without dK adds over the rest of the model.
+_MEASURED_DS = [
+    ("dkdv_ds", (64, 64, 4, 2), 128, False, 106_496), ("dkdv_ds", (64, 64, 4, 2), 128, True, 106_496),
+    ("dkdv_ds", (64, 64, 8, 2), 256, False, 204_800), ("dkdv_ds", (64, 64, 8, 2), 256, True, 208_896),
+    ("dkdv_ds", (32, 64, 4, 2), 256, True, 135_168), ("dkdv_ds", (64, 64, 4, 2), 64, True, 57_344),
+    ("dk_ds", (64, 64, 4, 2), 128, True, 49_168), ("dk_ds", (64, 64, 4, 2), 256, True, 81_936),
+    ("dk_ds", (64, 128, 8, 2), 256, True, 98_320), ("dk_ds", (128, 64, 4, 3), 64, True, 98_328),
+]
+
+
+@pytest.mark.parametrize("kind,tile,d,no_dk,measured", _MEASURED_DS)
+def test_ds_kinds_estimate_bounds_sm90_compiles(kind, tile, d, no_dk, measured):
+    est = kc.smem_bytes(kind, tile, d)
+    assert measured <= est + kc.SMEM_SLACK and est - measured <= kc.DS_CONVERT_BYTES + 1024, (est, measured)
+
+
 def test_fit_tile_shrinks_in_order_and_refuses_what_cannot_fit():
     # the loop's axis first (the query-tile kernels stream BLOCK_N, dK/dV streams BLOCK_M), then stages
     assert kc.fit_tile("fwd", (128, 64, 8, 3), 128, rel=True) == (128, 32, 8, 3)

@@ -125,7 +125,8 @@ def test_kernel_tiles_reach_the_blocks(tmp_path):
     with; "" is the kernels' DEFAULT; bad values are refused naming model.kernel_tiles."""
     from gemray.kernels.config import DEFAULT
 
-    spec = '{"medium": {"fwd_silu": {"256": [64, 64, 4, 2]}, "mode": {"ds_store": false}}}'
+    spec = ('{"medium": {"fwd_silu": {"256": [64, 64, 4, 2]}, "mode": {"ds_store": false}}, '
+            '"long": {"dk_ds": {"256": [32, 128, 8, 2]}, "mode": {"dk_from_ds": true}}}')
     f = tmp_path / "tiles.json"
     f.write_text(spec)
     for value in (spec, str(f)):
@@ -135,7 +136,9 @@ def test_kernel_tiles_reach_the_blocks(tmp_path):
         assert len(cfgs) == 1
         kc = enc.blocks[0].kernel_config
         assert kc.medium.tiles.get("fwd_silu", 256) == (64, 64, 4, 2) and not kc.medium.ds_store
-        assert kc.long == DEFAULT.long and kc.name != DEFAULT.name
+        assert kc.long.dk_from_ds and kc.long.ds_store and kc.long.tiles.get("dk_ds", 256) == (32, 128, 8, 2)
+        assert kc.long.tiles.get("dkdv_ds", 256) == DEFAULT.long.tiles.get("dkdv_ds", 256) and not kc.medium.dk_from_ds
+        assert kc.xlong == DEFAULT.xlong and kc.name != DEFAULT.name
     assert HSTUEncoder(ModelConfig(embedding_dim=16, num_blocks=1, num_heads=2, attention_dim=8, linear_dim=8),
                        max_seq_len=32).blocks[0].kernel_config is DEFAULT
     for bad, why in (('{"huge": {}}', "unknown regime"), ('{"long": {"fwd": {"96": [64, 64, 4, 2]}}}', "bucket"),

@@ -313,7 +313,7 @@ def host_profile(activation: str = "softmax", kind: str = "heavy", b: int = 128,
             return run
 
     cfg = kconfig.resolve(config)
-    names = ("_gdpa_fwd", "_gdpa_bwd", "_bwd_delta", "_gdpa_dq_ds")
+    names = ("_gdpa_fwd", "_gdpa_bwd", "_bwd_delta", "_gdpa_dq_ds", "_gdpa_dk_ds")
     saved = {k: getattr(ja, k) for k in names + ("_current_device", "_raw_stream", "_INTERPRET", "_tma_device")}
     try:
         for k in names:
@@ -781,6 +781,9 @@ _DQ_RUN6 = ((128, 64, 8, 3), (64, 64, 4, 2))
 # (medium / long) and 256x64/8w/2 (xlong: each K tile read serves more dS rows), 128x64/4w/3 within 1% of both.
 _DKDV_DS = ((64, 64, 4, 2), (64, 128, 8, 3), (64, 128, 8, 2))
 _DQ_DS = ((64, 64, 4, 3), (256, 64, 8, 2), (128, 64, 4, 3))
+# dK = dS^T Q (dk_from_ds, off in every regime): listed for the compile checks (sass_check --all), not timed by this
+# D = 128 sweep (KERNELS), whose launch modes do not include it; benchmarks/attn_sweep_d256.py sweeps it at D = 256
+_DK_DS = ((64, 64, 4, 2), (64, 128, 8, 2), (128, 64, 8, 2))
 
 SWEEP = {  # regime -> kernel -> candidate (BLOCK_M, BLOCK_N, num_warps, num_stages); the default goes first
     # From sm_90 compiles (the kernel run reports (benchmarks/reports/kernels_h200_*.md), run 4 plan; without divisibility hints, so spills are overstated):
@@ -791,6 +794,7 @@ SWEEP = {  # regime -> kernel -> candidate (BLOCK_M, BLOCK_N, num_warps, num_sta
         "dkdv": [(64, 64, 8, 2), (64, 128, 8, 2), (64, 64, 4, 3), (64, 64, 4, 2)],
         "dkdv_ds": list(_DKDV_DS),
         "dq_ds": list(_DQ_DS),
+        "dk_ds": list(_DK_DS),
         "dq": [(64, 64, 8, 2), (32, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 2)],
     },
     # Run 6 (sm_90 SASS from sass_check, now with the JIT's divisibility hints): dK/dV with 32-query steps under
@@ -810,6 +814,7 @@ SWEEP = {  # regime -> kernel -> candidate (BLOCK_M, BLOCK_N, num_warps, num_sta
         "dkdv": list(_DKDV_RUN6),
         "dkdv_ds": list(_DKDV_DS),
         "dq_ds": list(_DQ_DS),
+        "dk_ds": list(_DK_DS),
         "dq": list(_DQ_RUN6),
     },
     "long": {
@@ -818,6 +823,7 @@ SWEEP = {  # regime -> kernel -> candidate (BLOCK_M, BLOCK_N, num_warps, num_sta
         "dkdv": list(_DKDV_RUN6),
         "dkdv_ds": list(_DKDV_DS),
         "dq_ds": list(_DQ_DS),
+        "dk_ds": list(_DK_DS),
         "dq": list(_DQ_RUN6),
     },
     "xlong": {
@@ -826,6 +832,7 @@ SWEEP = {  # regime -> kernel -> candidate (BLOCK_M, BLOCK_N, num_warps, num_sta
         "dkdv": list(_DKDV_RUN6),
         "dkdv_ds": list(_DKDV_DS),
         "dq_ds": list(_DQ_DS),
+        "dk_ds": list(_DK_DS),
         "dq": list(_DQ_RUN6),
     },
 }
@@ -835,7 +842,7 @@ SWEEP = {  # regime -> kernel -> candidate (BLOCK_M, BLOCK_N, num_warps, num_sta
 # won medium / long / xlong (-3 to -8%), lost short (+8% device time). The modes that lost everywhere (one-launch
 # backward, inline delta, atomic dQ, query-rows-first dK/dV; runs 4-8) were deleted with their kernels.
 _F = False
-MODE_FIELDS = kconfig.MODE_FIELDS
+MODE_FIELDS = ("heads_inner", "tma_loads", "ds_store")  # the modes this sweep varies (kconfig's has dk_from_ds too)
 BWD_MODES = [(_F, _F, _F), (_F, True, _F), (True, _F, _F), (True, True, _F), (_F, _F, True), (_F, True, True)]
 # the launch-mode lists that runs 4-41 printed: [one launch, delta inline, atomic dQ, heads inner, TMA loads,
 # query-rows dK/dV, dS stored] (2 to 7 entries, the missing ones off); entries 0, 1, 2, 5 name deleted modes
@@ -854,9 +861,9 @@ def parse_mode(mode) -> tuple[bool, bool, bool]:
     list in the order runs 4-41 printed (see _LEGACY_MODE). Raises ValueError for a deleted mode switched on or an
     unknown key."""
     if isinstance(mode, dict):
-        unknown = set(mode) - set(MODE_FIELDS)
+        unknown = set(mode) - set(kconfig.MODE_FIELDS)
         if unknown:
-            raise ValueError(f"unknown launch mode {sorted(unknown)} (modes: {MODE_FIELDS})")
+            raise ValueError(f"unknown launch mode {sorted(unknown)} (modes: {kconfig.MODE_FIELDS})")
         return tuple(bool(mode.get(f, False)) for f in MODE_FIELDS)
     flags = [bool(m) for m in mode]
     if not 2 <= len(flags) <= len(_LEGACY_MODE):
@@ -888,7 +895,7 @@ def apply_tiles(tiles_json: str, config: KernelConfig = DEFAULT) -> KernelConfig
         for kind in [k for k in kinds if k in _DELETED_KINDS]:
             log.info("--tiles: %s %s skipped (its launch mode was deleted)", which, kind)
             del kinds[kind]
-        if "mode" in kinds:
+        if "mode" in kinds and not isinstance(kinds["mode"], dict):  # a dict is kconfig.apply_tiles' own format
             kinds["mode"] = dict(zip(MODE_FIELDS, parse_mode(kinds["mode"])))
     return kconfig.apply_tiles(spec, config)
 
@@ -899,7 +906,7 @@ def tiles_json(config: KernelConfig) -> str:
     for r in kconfig.REGIMES:
         rc = config.regime(r)
         out[r] = {k: {"128": list(rc.tiles.get(k, 128))} for k in kconfig.TILE_KINDS}
-        out[r]["mode"] = dict(zip(MODE_FIELDS, get_mode(config, r)))
+        out[r]["mode"] = dict(zip(MODE_FIELDS, get_mode(config, r)), dk_from_ds=rc.dk_from_ds)
     return json.dumps(out)
 
 

@@ -37,6 +37,8 @@ _BWD_TYPES = dict(Q="*bf16", K="*bf16", V="*bf16", DO="*bf16", LSE="*fp32", DELT
                   DTW="*fp32")
 _DQ_DS_TYPES = dict(DS="*bf16", K="*bf16", DQ="*bf16", Q_OFF="*i64", KV_OFF="*i64", NT="*i64", WORK="*i32",
                     dq_scale="fp32")
+_DK_DS_TYPES = dict(DS="*bf16", Q="*bf16", DK="*bf16", Q_OFF="*i64", KV_OFF="*i64", NT="*i64", WORK="*i32",
+                    dk_scale="fp32")
 _BASE = dict(CAUSAL=True, HAS_TARGETS=False, ATT_BLOCK=0, WINDOW=0, Q_BCAST=False, BLOCK_DQK=128, BLOCK_DV=128,
              DOT_PREC=None, HAS_BIAS=False, CONTEXT=0, FAST=True, HEADS_INNER=False, TMA=False, REL=False)
 
@@ -50,23 +52,34 @@ def fwd_variant(act: int, bm: int, bn: int, warps: int, stages: int, tma: bool =
 
 
 def bwd_variant(act: int, part: int, dk: tuple[int, int], dq: tuple[int, int], warps: int, stages: int,
-                tma: bool = False, store_ds: bool = False, rel: bool = False) -> tuple:
-    """A bf16 D=128 causal backward: part 1 (dK/dV; with ``store_ds`` also storing dS^T for _gdpa_dq_ds) or 2
-    (dQ; softmax: it also stores delta, as in the two-launch backward); dk / dq = (BM, BN)."""
+                tma: bool = False, store_ds: bool = False, rel: bool = False, no_dk: bool = False) -> tuple:
+    """A bf16 D=128 causal backward: part 1 (dK/dV; with ``store_ds`` also storing dS^T for _gdpa_dq_ds, and
+    with ``no_dk`` accumulating dV only, dK left to _gdpa_dk_ds) or 2 (dQ; softmax: it also stores delta, as in the
+    two-launch backward); dk / dq = (BM, BN)."""
     dk = dk if part != 2 else (0, 0)
     dq = dq if part != 1 else (0, 0)
     return (f"bwd act={act} part={part} dkdv={dk[0]}x{dk[1]} dq={dq[0]}x{dq[1]}/{warps}w/{stages}s"
-            f"{' tma' if tma else ''}{' store-ds' if store_ds else ''}{' rel' if rel else ''}",
+            f"{' tma' if tma else ''}{' store-ds' if store_ds else ''}{' no-dk' if no_dk else ''}"
+            f"{' rel' if rel else ''}",
             ja._gdpa_bwd, _BWD_TYPES,
             dict(_BASE, ACT=act, PART=part, DK_BM=dk[0], DK_BN=dk[1], DQ_BM=dq[0], DQ_BN=dq[1],
                  STORE_DBIAS=False, STORE_DELTA=part == 2 and act == 0, TMA=tma, STORE_DS=store_ds, REL=rel,
-                 P_PAD=128 if rel else 16, NT_PAD=128 if rel else 16), warps, stages)
+                 P_PAD=128 if rel else 16, NT_PAD=128 if rel else 16, NO_DK=no_dk), warps, stages)
 
 
 def dq_ds_variant(bm: int, bn: int, warps: int, stages: int, tma: bool = False) -> tuple:
     """The DS_STORE backward's dQ kernel (dQ = dS K from the stored dS^T), bf16 D=128, causal."""
     consts = {a: _BASE[a] for a in ("CAUSAL", "HAS_TARGETS", "CONTEXT", "BLOCK_DQK", "DOT_PREC", "HEADS_INNER")}
     return (f"dq_ds {bm}x{bn}/{warps}w/{stages}s{' tma' if tma else ''}", ja._gdpa_dq_ds, _DQ_DS_TYPES,
+            dict(consts, BLOCK_M=bm, BLOCK_N=bn, TMA=tma), warps, stages)
+
+
+def dk_ds_variant(bm: int, bn: int, warps: int, stages: int, tma: bool = False) -> tuple:
+    """The dk_from_ds backward's dK kernel (dK = dS^T Q from the stored dS^T), bf16 D=128, causal; (BM, BN) =
+    (query step, key tile)."""
+    consts = {a: _BASE[a] for a in ("CAUSAL", "HAS_TARGETS", "CONTEXT", "Q_BCAST", "BLOCK_DQK", "DOT_PREC",
+                                    "HEADS_INNER")}
+    return (f"dk_ds {bm}x{bn}/{warps}w/{stages}s{' tma' if tma else ''}", ja._gdpa_dk_ds, _DK_DS_TYPES,
             dict(consts, BLOCK_M=bm, BLOCK_N=bn, TMA=tma), warps, stages)
 
 
@@ -144,6 +157,8 @@ def default_variants(full: bool = False, config: KernelConfig = DEFAULT) -> list
                 out.append(bwd_variant(0, 2, (0, 0), (bm, bn), w, s))
             for bm, bn, w, s in kinds.get("dq_ds", ()):
                 out.append(dq_ds_variant(bm, bn, w, s))
+            for bm, bn, w, s in kinds.get("dk_ds", ()):
+                out.append(dk_ds_variant(bm, bn, w, s))
             for bm, bn, w, s in kinds["dkdv_ds"]:
                 out.append(bwd_variant(0, 1, (bm, bn), (0, 0), w, s, store_ds=True))
     for v in out:
@@ -162,19 +177,21 @@ def smem_variants(config: KernelConfig = DEFAULT, dims: tuple[int, ...] = (64, 1
         tma = config.regime(reg).tma_loads
         for d in dims:
             for act in (0, 1):
-                for kind in ("fwd_silu" if act else "fwd", "dq", "dkdv", "dq_ds", "dkdv_ds"):
+                for kind in ("fwd_silu" if act else "fwd", "dq", "dkdv", "dq_ds", "dkdv_ds", "dk_ds"):
                     for rel in ((False,) if kind.endswith("_ds") else (False, True)):
                         t = config.tile(reg, kind, d, rel=rel)
                         if kind.startswith("fwd"):
                             v = fwd_variant(act, *t, tma=tma, rel=rel)
                         elif kind == "dq_ds":
                             v = dq_ds_variant(*t, tma=tma)
+                        elif kind == "dk_ds":
+                            v = dk_ds_variant(*t, tma=tma)
                         else:
                             part = 2 if kind == "dq" else 1
                             v = bwd_variant(act, part, t[:2], t[:2], t[2], t[3], tma=tma,
                                             store_ds=kind == "dkdv_ds", rel=rel)
                         name, fn, types, consts, warps, stages = v
-                        consts = dict(consts, BLOCK_DQK=d, **({} if kind == "dq_ds" else {"BLOCK_DV": d}))
+                        consts = dict(consts, BLOCK_DQK=d, **({} if kind in ("dq_ds", "dk_ds") else {"BLOCK_DV": d}))
                         v = (f"{reg} D={d} {name}", fn, types, consts, warps, stages)
                         key = (name, d)
                         if key not in seen:
