@@ -377,5 +377,29 @@ def test_run_config_is_found_without_a_checkpoint(tmp_path):
         assert find_config(given) == out / "config.toml", given
     assert run_config(ckpt, overrides=["train.epochs=7"]).train.epochs == 7
     (tmp_path / "other").mkdir()
-    with pytest.raises(FileNotFoundError, match=r"no config.toml found beside the run .*--config"):
+    with pytest.raises(FileNotFoundError, match=r"not a gemray run folder: no config.toml in it \(or pass --config\)"):
         find_config(tmp_path / "other")
+
+
+def test_a_folder_without_config_names_where_it_looked(tmp_path, capsys):
+    """`gemray evaluate --checkpoint` on an empty (or any non-run) folder: one line saying that folder is not a run
+    folder, as it has no config.toml (was: 'no config.toml found beside the run (/config.toml)', a path two levels
+    up that the user never named). A Ray Train run folder or a checkpoint folder whose output folder lost its
+    config.toml names that output folder."""
+    from gemray.cli import main
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["evaluate", "--checkpoint", str(empty)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"gemray: error: --checkpoint {empty} is not a gemray run folder: no config.toml in it "
+                   "(or pass --config)"], err
+    ckpt = tmp_path / "out" / "ray" / "gem-tiny" / "checkpoint_2026-12-04_00-00-00.000000"
+    ckpt.mkdir(parents=True)
+    (ckpt / "manifest_rank0.json").write_text("{}")
+    for given, what in ((ckpt.parent, "a Ray Train run folder"), (ckpt, "a checkpoint folder")):
+        assert main(["evaluate", "--checkpoint", str(given)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"--checkpoint {given} is {what} " in err[0], err
+        assert f"its `gemray train --output` folder, {tmp_path / 'out'}, holds no config.toml" in err[0], err
+        assert err[0].endswith("(pass the training config with --config)"), err
