@@ -547,8 +547,9 @@ def _cmd_evaluate(ns: argparse.Namespace) -> int:
     import json
 
     from gemray.serve import load_trained
-    from gemray.serve.evaluate import evaluate, format_metrics
+    from gemray.serve.evaluate import check_arguments, evaluate, format_metrics
 
+    check_arguments(ns.split, ns.k, ns.world_size)  # before the model and the data are loaded
     if ns.json not in (None, "-"):
         _writable_file(ns.json, "--json")  # before the model is loaded and the split evaluated
     trained = load_trained(ns.checkpoint, config=ns.config, overrides=ns.overrides, device=ns.device)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -277,6 +278,35 @@ def test_output_path_is_checked_before_the_model_loads(command, tmp_path, monkey
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"gemray: error: {option} {tmp_path / 'r.out'} is not writable: Read-only file system"], err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adir"]  # nothing written
+
+
+@pytest.mark.parametrize("args, line", [
+    (["--k", "0"], "--k 0: every cut-off must be >= 1 (got 0)"),
+    (["--k", "10", "-5"], "--k 10 -5: every cut-off must be >= 1 (got -5)"),
+])
+def test_evaluate_arguments_are_checked_before_the_model_loads(args, line, tmp_path, monkeypatch, capsys):
+    """`gemray evaluate --k 0` (or a negative cut-off): exit 2 with one line naming the flag, before the checkpoint
+    is looked at (was: refused only after loading the model and the data)."""
+    import gemray.serve
+    from gemray.cli import main
+
+    monkeypatch.setattr(gemray.serve, "load_trained", lambda *a, **k: pytest.fail("the model must not load"))
+    assert main(["evaluate", "--checkpoint", str(tmp_path / "run"), *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"gemray: error: {line}"], err
+
+
+def test_check_arguments_names_the_flag():
+    """gemray.serve.evaluate.check_arguments, which evaluate() runs too: each refusal names its flag; None = the
+    defaults (world_size 0 was taken as the default by evaluate() and is refused now, as the CLI refuses it)."""
+    from gemray.serve.evaluate import check_arguments
+
+    check_arguments("valid", [1, 200], 2)
+    check_arguments()
+    for kwargs, flag in ((dict(split="train"), "--split 'train'"), (dict(ks=[]), "--k (none)"),
+                         (dict(ks=[5, 0]), "--k 5 0"), (dict(world_size=0), "--world-size 0")):
+        with pytest.raises(ValueError, match=f"^{re.escape(flag)}: "):
+            check_arguments(**kwargs)
 
 
 def test_id_maps_raw_string_ids(tmp_path):
