@@ -574,6 +574,8 @@ def _cmd_recommend(ns: argparse.Namespace) -> int:
     from gemray.serve.model import run_config
     from gemray.serve.recommend import check_recommendable, read_users_file, recommend
 
+    if ns.k < 1:  # before the model is loaded (recommend() refuses it too, for Python callers)
+        raise ValueError(f"--k {ns.k}: expected >= 1")
     if ns.out:
         _writable_file(ns.out, "--out")  # before the model is loaded and the users scored
     # a model recommend cannot serve is refused from its config, before any checkpoint is read

@@ -281,17 +281,20 @@ def test_output_path_is_checked_before_the_model_loads(command, tmp_path, monkey
 
 
 @pytest.mark.parametrize("args, line", [
-    (["--k", "0"], "--k 0: every cut-off must be >= 1 (got 0)"),
-    (["--k", "10", "-5"], "--k 10 -5: every cut-off must be >= 1 (got -5)"),
+    (["evaluate", "--k", "0"], "--k 0: every cut-off must be >= 1 (got 0)"),
+    (["evaluate", "--k", "10", "-5"], "--k 10 -5: every cut-off must be >= 1 (got -5)"),
+    (["recommend", "--user", "1", "--k", "0"], "--k 0: expected >= 1"),
 ])
-def test_evaluate_arguments_are_checked_before_the_model_loads(args, line, tmp_path, monkeypatch, capsys):
-    """`gemray evaluate --k 0` (or a negative cut-off): exit 2 with one line naming the flag, before the checkpoint
-    is looked at (was: refused only after loading the model and the data)."""
+def test_k_is_checked_before_the_model_loads(args, line, tmp_path, monkeypatch, capsys):
+    """`gemray evaluate --k 0` (or a negative cut-off), `gemray recommend --k 0`: exit 2 with one line naming the
+    flag, before the checkpoint is looked at (was: refused only after loading the model and the data)."""
     import gemray.serve
+    import gemray.serve.model as serve_model
     from gemray.cli import main
 
     monkeypatch.setattr(gemray.serve, "load_trained", lambda *a, **k: pytest.fail("the model must not load"))
-    assert main(["evaluate", "--checkpoint", str(tmp_path / "run"), *args]) == 2
+    monkeypatch.setattr(serve_model, "find_config", lambda *a, **k: pytest.fail("the run must not be read"))
+    assert main([*args, "--checkpoint", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"gemray: error: {line}"], err
 
