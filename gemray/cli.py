@@ -810,7 +810,8 @@ def main(argv: list[str] | None = None) -> int:
     train = getattr(ns, "func", None) is _cmd_train
     if not train and not ns.verbose:
         # a quiet console for the other commands too (train has its own, gemray.controller.console): other
-        # libraries' INFO (TorchRec planner tables, FBGEMM's "Successfully loaded" lines) only with -v
+        # libraries' INFO (FBGEMM's "Successfully loaded" lines) only with -v; TorchRec's sharding chatter comes
+        # then as gemray.parallel.sharding DEBUG (torchrec_logs_at_debug)
         logging.getLogger().setLevel(max(level, logging.WARNING))
         logging.getLogger("gemray").setLevel(level)
     if getattr(ns, "world_size", None) is not None and ns.world_size < 1:
