@@ -547,8 +547,9 @@ def _cmd_evaluate(ns: argparse.Namespace) -> int:
     import json
 
     from gemray.serve import load_trained
-    from gemray.serve.evaluate import evaluate, format_metrics
+    from gemray.serve.evaluate import check_arguments, evaluate, format_metrics
 
+    check_arguments(ns.split, ns.k, ns.world_size)  # before the model and the data are loaded
     if ns.json not in (None, "-"):
         _writable_file(ns.json, "--json")  # before the model is loaded and the split evaluated
     trained = load_trained(ns.checkpoint, config=ns.config, overrides=ns.overrides, device=ns.device)
@@ -573,6 +574,8 @@ def _cmd_recommend(ns: argparse.Namespace) -> int:
     from gemray.serve.model import run_config
     from gemray.serve.recommend import check_recommendable, read_users_file, recommend
 
+    if ns.k < 1:  # before the model is loaded (recommend() refuses it too, for Python callers)
+        raise ValueError(f"--k {ns.k}: expected >= 1")
     if ns.out:
         _writable_file(ns.out, "--out")  # before the model is loaded and the users scored
     # a model recommend cannot serve is refused from its config, before any checkpoint is read
@@ -807,7 +810,8 @@ def main(argv: list[str] | None = None) -> int:
     train = getattr(ns, "func", None) is _cmd_train
     if not train and not ns.verbose:
         # a quiet console for the other commands too (train has its own, gemray.controller.console): other
-        # libraries' INFO (TorchRec planner tables, FBGEMM's "Successfully loaded" lines) only with -v
+        # libraries' INFO (FBGEMM's "Successfully loaded" lines) only with -v; TorchRec's sharding chatter comes
+        # then as gemray.parallel.sharding DEBUG (torchrec_logs_at_debug)
         logging.getLogger().setLevel(max(level, logging.WARNING))
         logging.getLogger("gemray").setLevel(level)
     if getattr(ns, "world_size", None) is not None and ns.world_size < 1:

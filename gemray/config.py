@@ -430,7 +430,8 @@ class TrainConfig:
     selective or full -- per module, cheapest recompute per byte saved first, until the predicted peak fits
     ``activation_memory_budget``) or "torch" (torch.compile each HSTU block with
     ``torch._functorch.config.activation_memory_budget`` = the budget, a fraction).
-    activation_memory_budget: bytes (> 1) or a fraction 0 < f <= 1 of the no-checkpointing peak; "auto" plans
+    activation_memory_budget: bytes (at least 1 MiB; a number between 1 and that is refused: 2 is no budget of
+    2 bytes) or a fraction 0 < f <= 1 of the no-checkpointing peak; "auto" plans
     for a batch of 1.25x (``gemray.jagged.TOKEN_HEADROOM``) the tokens of the batch it measured, and the peak a
     fraction refers to is that batch's; 0 = off ("auto" then checkpoints nothing).
     compile: torch.compile the dense per-token modules -- every HSTU block and the candidate tower -- one by one,
@@ -469,6 +470,8 @@ class TrainConfig:
     PRECISIONS = ("fp32", "bf16", "fp8")
     #: activation_checkpointing's modes (``gemray.parallel.activation_checkpoint.MODES``)
     CHECKPOINTING = ("none", "full", "selective", "auto", "torch")
+    #: the smallest activation_memory_budget taken as bytes (1 MiB); a number in (1, this) is refused
+    MIN_BUDGET_BYTES = 2 ** 20
 
     epochs: int = 100
     lr: float = 1e-3
@@ -526,8 +529,12 @@ class TrainConfig:
         _choice(self, "compile_backend", ("inductor", "aot_eager", "eager"))
         _choice(self, "compile_dynamic", ("all", "auto"))
         b = self.activation_memory_budget
+        if 1 < b < self.MIN_BUDGET_BYTES:  # e.g. 2 meant as 2 GB or 200%: as bytes, no plan can reach it
+            raise ValueError(f"train.activation_memory_budget = {int(b) if b == int(b) else b} is read as bytes, "
+                             "and below 1 MiB that is no usable budget: give a fraction 0 < f <= 1 of the "
+                             "no-checkpointing peak (e.g. 0.5) or bytes (e.g. 40e9)")
         if b < 0 or (1 < b and b != int(b)):
-            raise ValueError(f"train.activation_memory_budget: expected bytes (an integer > 1), a fraction "
+            raise ValueError(f"train.activation_memory_budget: expected bytes (an integer >= 1 MiB), a fraction "
                              f"0 < f <= 1 of the no-checkpointing peak, or 0 (off), got {b}")
         if self.activation_checkpointing == "torch" and not 0 < b <= 1:
             raise ValueError("train.activation_memory_budget: activation_checkpointing = 'torch' takes a fraction "

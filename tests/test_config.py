@@ -220,6 +220,21 @@ def test_fp8_and_budget_settings_without_effect_are_warned_about():
     assert both.startswith("train.compile_tower = false has no effect") and '; train.fp8_grad = "e5m2" has' in both
 
 
+@pytest.mark.parametrize("value", ["2", "1.5", "1024", "1048575"])
+def test_budget_below_one_mib_of_bytes_is_refused(tmp_path, value):
+    """train.activation_memory_budget = 2 was taken as 2 bytes (every module recomputed, the budget still 'NOT
+    met'); a number between 1 and 1 MiB is refused on both paths, the key named, suggesting a fraction or bytes."""
+    toml = tmp_path / "c.toml"
+    toml.write_text(f"[train]\nactivation_memory_budget = {value}\n")
+    for load in (lambda: load_config(toml), lambda: load_config(None, [f"train.activation_memory_budget={value}"])):
+        with pytest.raises(ValueError, match=r"train.activation_memory_budget = [\d.]+ is read as bytes, and below 1 "
+                                             r"MiB that is no usable budget: give a fraction 0 < f <= 1 .*\(e.g. "
+                                             r"0.5\) or bytes \(e.g. 40e9\)"):
+            load()
+    for ok in ("1", "0.5", "0", "1048576", "40e9"):  # a fraction, off, or 1 MiB and more
+        load_config(None, [f"train.activation_memory_budget={ok}"])
+
+
 @pytest.mark.parametrize("override, match", [
     ("train.compile_dynamic=some", r"train.compile_dynamic: expected one of \('all', 'auto'\), got 'some'"),
     ("train.compile_backend=cudagraphs", r"train.compile_backend: expected one of"),

@@ -96,6 +96,26 @@ def test_epoch_summary_is_short_and_keeps_the_figures():
         "epoch 1/3 done (global step 4): train loss 2, MFU 40.12%")
 
 
+def test_epoch_summary_writes_each_ranking_task_as_the_test_line():
+    """The per-epoch validation figures of a ranking task: NE, AUC +/- its bound, calibration, ... as
+    ranking_summary writes them for the test line and gemray evaluate (was: raw pairs, `ctr_num_examples 254.0000,
+    ctr_logloss 0.5452, ..., ctr_auc_error_bound 0.0001`)."""
+    from gemray.train.evaluation import ranking_summary
+
+    valid = {"hr@10": 0.1187, "ndcg@10": 0.0711, "ctr_num_examples": 254.0, "ctr_logloss": 0.5452,
+             "ctr_base_rate": 0.2362, "ctr_calibration": 0.8906, "ctr_ne": 0.9974, "ctr_auc": 0.5364,
+             "ctr_auc_error_bound": 0.0001, "cvr_ne": 1.0141, "cvr_auc": 0.5106}
+    rec = {"epoch": 1, "global_step": 10, "train_loss": 6.164, **{f"valid_{k}": v for k, v in valid.items()}}
+    ctr, cvr = ranking_summary(valid)
+    assert ctr == ("ctr: NE 0.9974, AUC 0.5364 +/- 0.0001, calibration 0.8906, log loss 0.5452, base rate 0.2362, "
+                   "254 examples")
+    assert epoch_summary(1, rec) == (f"epoch 1/1 done (global step 10): train loss 6.164; valid hr@10 0.1187, "
+                                     f"ndcg@10 0.0711; {ctr}; {cvr}")
+    ranking_only = {"epoch": 1, "global_step": 10, "train_loss": 2.0, "valid_ctr_ne": 0.5, "valid_ctr_auc": 0.6}
+    assert epoch_summary(1, ranking_only) == ("epoch 1/1 done (global step 10): train loss 2; valid ctr: NE 0.5000, "
+                                              "AUC 0.6000")
+
+
 def test_test_line_writes_each_ranking_task_as_evaluate_prints_it():
     """gemray train's test line (gemray.train.evaluation.split_summary): the retrieval figures as key=value, then
     per ranking task NE, AUC +/- its bound, calibration, ... -- ranking_summary's lines, which gemray evaluate

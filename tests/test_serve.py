@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -279,6 +280,38 @@ def test_output_path_is_checked_before_the_model_loads(command, tmp_path, monkey
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adir"]  # nothing written
 
 
+@pytest.mark.parametrize("args, line", [
+    (["evaluate", "--k", "0"], "--k 0: every cut-off must be >= 1 (got 0)"),
+    (["evaluate", "--k", "10", "-5"], "--k 10 -5: every cut-off must be >= 1 (got -5)"),
+    (["recommend", "--user", "1", "--k", "0"], "--k 0: expected >= 1"),
+])
+def test_k_is_checked_before_the_model_loads(args, line, tmp_path, monkeypatch, capsys):
+    """`gemray evaluate --k 0` (or a negative cut-off), `gemray recommend --k 0`: exit 2 with one line naming the
+    flag, before the checkpoint is looked at (was: refused only after loading the model and the data)."""
+    import gemray.serve
+    import gemray.serve.model as serve_model
+    from gemray.cli import main
+
+    monkeypatch.setattr(gemray.serve, "load_trained", lambda *a, **k: pytest.fail("the model must not load"))
+    monkeypatch.setattr(serve_model, "find_config", lambda *a, **k: pytest.fail("the run must not be read"))
+    assert main([*args, "--checkpoint", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"gemray: error: {line}"], err
+
+
+def test_check_arguments_names_the_flag():
+    """gemray.serve.evaluate.check_arguments, which evaluate() runs too: each refusal names its flag; None = the
+    defaults (world_size 0 was taken as the default by evaluate() and is refused now, as the CLI refuses it)."""
+    from gemray.serve.evaluate import check_arguments
+
+    check_arguments("valid", [1, 200], 2)
+    check_arguments()
+    for kwargs, flag in ((dict(split="train"), "--split 'train'"), (dict(ks=[]), "--k (none)"),
+                         (dict(ks=[5, 0]), "--k 5 0"), (dict(world_size=0), "--world-size 0")):
+        with pytest.raises(ValueError, match=f"^{re.escape(flag)}: "):
+            check_arguments(**kwargs)
+
+
 def test_id_maps_raw_string_ids(tmp_path):
     """A `gemray prepare interactions` folder maps string user / item ids: users are taken and items given back raw."""
     import pyarrow as pa
@@ -377,5 +410,29 @@ def test_run_config_is_found_without_a_checkpoint(tmp_path):
         assert find_config(given) == out / "config.toml", given
     assert run_config(ckpt, overrides=["train.epochs=7"]).train.epochs == 7
     (tmp_path / "other").mkdir()
-    with pytest.raises(FileNotFoundError, match=r"no config.toml found beside the run .*--config"):
+    with pytest.raises(FileNotFoundError, match=r"not a gemray run folder: no config.toml in it \(or pass --config\)"):
         find_config(tmp_path / "other")
+
+
+def test_a_folder_without_config_names_where_it_looked(tmp_path, capsys):
+    """`gemray evaluate --checkpoint` on an empty (or any non-run) folder: one line saying that folder is not a run
+    folder, as it has no config.toml (was: 'no config.toml found beside the run (/config.toml)', a path two levels
+    up that the user never named). A Ray Train run folder or a checkpoint folder whose output folder lost its
+    config.toml names that output folder."""
+    from gemray.cli import main
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["evaluate", "--checkpoint", str(empty)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"gemray: error: --checkpoint {empty} is not a gemray run folder: no config.toml in it "
+                   "(or pass --config)"], err
+    ckpt = tmp_path / "out" / "ray" / "gem-tiny" / "checkpoint_2026-12-04_00-00-00.000000"
+    ckpt.mkdir(parents=True)
+    (ckpt / "manifest_rank0.json").write_text("{}")
+    for given, what in ((ckpt.parent, "a Ray Train run folder"), (ckpt, "a checkpoint folder")):
+        assert main(["evaluate", "--checkpoint", str(given)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"--checkpoint {given} is {what} " in err[0], err
+        assert f"its `gemray train --output` folder, {tmp_path / 'out'}, holds no config.toml" in err[0], err
+        assert err[0].endswith("(pass the training config with --config)"), err

@@ -1,4 +1,7 @@
-"""gemray.parallel.plan_layout: the pure decision (no process group needed)."""
+"""gemray.parallel.plan_layout: the pure decision (no process group needed); parallelize's checks and logging."""
+
+import logging
+from contextlib import contextmanager
 
 import pytest
 
@@ -72,3 +75,97 @@ def test_sparse_optimizer_kwargs_fit_both_consumers(name):
         assert (kwargs["beta1"], kwargs["beta2"]) == (0.8, 0.97)
     else:
         assert "beta1" not in kwargs
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+@contextmanager
+def _listening(*names: str, level: int = logging.INFO):
+    """Records reaching the loggers ``names`` (set to ``level``; restored after), as a handler on each sees them."""
+    h = _Records()
+    loggers = [logging.getLogger(n) for n in names]
+    saved = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.addHandler(h)
+        lg.setLevel(level)
+    try:
+        yield h.records
+    finally:
+        for lg, lvl in zip(loggers, saved):
+            lg.removeHandler(h)
+            lg.setLevel(lvl)
+
+
+def test_torchrec_info_is_demoted_to_debug_and_its_warnings_pass():
+    """torchrec_logs_at_debug: with the root at DEBUG (a Ray worker's is at INFO), TorchRec's records below WARNING
+    (the planner's) reach no handler; with gemray's DEBUG on they come back on gemray.parallel.sharding at DEBUG,
+    a message its logger repeats once with the count (the planner interleaves two per proposal), the statistics
+    table's rows as they came; warnings reach the root as before; TorchRec's logger's level and propagation are
+    restored."""
+    from gemray.parallel.sharding import torchrec_logs_at_debug
+
+    partitioners, stats = (logging.getLogger(f"torchrec.distributed.planner.{n}") for n in ("partitioners", "stats"))
+    planner = logging.getLogger("torchrec")
+    before = (planner.level, planner.propagate, list(planner.handlers))
+    for gemray_level in (logging.INFO, logging.DEBUG):
+        with _listening("", level=logging.DEBUG) as root, \
+                _listening("gemray.parallel.sharding", level=gemray_level) as ours:
+            with torchrec_logs_at_debug():
+                partitioners.info("Total 0 feature processor.")
+                for _ in range(3):
+                    partitioners.info("GreedyPerfPartitioner - sort_by: SortBy.STORAGE, balance_modules: False")
+                    partitioners.debug("param_count is {'embeddings': 8}")
+                stats.info("# Total Variation: 0.000")
+                stats.info("# DDR Imbalance Statistics")
+                stats.info("# Total Variation: 0.000")  # a table's row: kept where it is
+                partitioners.warning("a planner warning")
+        assert [(r.name, r.levelname, r.getMessage()) for r in root if r.name.startswith("torchrec")] == [
+            ("torchrec.distributed.planner.partitioners", "WARNING", "a planner warning")]
+        debug = [r.getMessage() for r in ours]
+        if gemray_level == logging.DEBUG:
+            assert debug == ["torchrec: Total 0 feature processor.",
+                             "torchrec: GreedyPerfPartitioner - sort_by: SortBy.STORAGE, balance_modules: False (x3)",
+                             "torchrec: param_count is {'embeddings': 8} (x3)",
+                             "torchrec: # Total Variation: 0.000", "torchrec: # DDR Imbalance Statistics",
+                             "torchrec: # Total Variation: 0.000"]
+            assert all(r.levelno == logging.DEBUG for r in ours)
+        else:
+            assert debug == []
+        assert (planner.level, planner.propagate, list(planner.handlers)) == before
+
+
+def test_parallelize_keeps_torchrec_planner_info_off_the_console():
+    """parallelize on the CPU with the root logger at INFO (a Ray worker's setting, under which gemray.fit printed
+    TorchRec's 'GreedyPerfPartitioner - sort_by: ...' once per proposal, 'EmbeddingPerfEstimatorFactory is creating
+    ...', 'Total 0 feature processor.', the planner's statistics table and DMP's 'EC index dedup enabled: ...'): no
+    TorchRec record below WARNING reaches the root; gemray's own sharding-plan line does."""
+    import torch
+
+    from gemray.bench.train import _init_process_group
+    from gemray.config import load_config
+    from gemray.model import GEM
+    from gemray.parallel import parallelize
+
+    cfg = load_config(None, ["model.embedding_dim=8", "model.num_blocks=1", "model.num_heads=2",
+                             "model.attention_dim=4", "model.linear_dim=4", "model.num_negatives=4",
+                             "data.max_seq_len=8"])
+    import torch.distributed as dist
+
+    made = _init_process_group(torch.device("cpu"))
+    try:
+        with _listening("", level=logging.INFO) as root, _listening("gemray.parallel.sharding") as ours:
+            parallelize(GEM(cfg.model, 50, "meta", max_seq_len=8), layout=plan_layout(1, "cpu"), cfg=cfg,
+                        device=torch.device("cpu"))
+    finally:
+        if made:
+            dist.destroy_process_group()
+    chatter = [r.getMessage() for r in root if r.name.startswith("torchrec") and r.levelno < logging.WARNING]
+    assert chatter == [], chatter[:5]
+    assert any(r.getMessage().startswith("layout world 1: ") and "sharding plan" in r.getMessage() for r in ours)

@@ -2,7 +2,7 @@
 
 By default the console shows gemray's own lines (the driver's prints and log records, the workers' ``gemray.*``
 log lines that Ray forwards to the driver) and warnings of the driver's Ray; everything else the driver and the
-workers write (TorchRec planner tables, FBGEMM's "Successfully loaded" lines, Ray Train and Ray Data chatter,
+workers write (FBGEMM's "Successfully loaded" lines, Ray Train and Ray Data chatter,
 the PlacementGroupCleaner's "multiple active Ray instances" / "Failed to query Ray Train Controller actor
 state" lines, library warnings) goes only to ``<output>/logs/gemray.log``, which gets every line and every log
 record of the driver at DEBUG. ``-v`` shows everything on the console as well.

@@ -161,6 +161,67 @@ def sparse_optimizer_kwargs(sparse_cls: type, cfg: JobConfig) -> dict:
     return kwargs
 
 
+#: TorchRec's top logger: its planner's and DistributedModelParallel's INFO records are :func:`torchrec_logs_at_debug`'s
+TORCHREC_LOGGER = "torchrec"
+
+
+class _LibraryRecords(logging.Handler):
+    """While :func:`torchrec_logs_at_debug` is open: keeps TorchRec's messages below WARNING in the order first seen
+    (``lines``: [message, count]; a message its logger sent before adds to that one's count -- the planner sends
+    two per proposal, interleaved -- except the rows of the planner's statistics table, kept as they come) and
+    hands WARNING and above to the loggers above TorchRec's, as if it propagated."""
+
+    TABLE_LOGGER = "torchrec.distributed.planner.stats"
+
+    def __init__(self, above: logging.Logger):
+        super().__init__(logging.NOTSET)
+        self.above = above
+        self.lines: list[list] = []
+        self._seen: dict[tuple[str, str], int] = {}  # (logger, message) -> its index in lines
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.levelno >= logging.WARNING:
+            self.above.handle(record)
+            return
+        msg = record.getMessage().rstrip()
+        key = (record.name, msg)
+        if record.name != self.TABLE_LOGGER and key in self._seen:
+            self.lines[self._seen[key]][1] += 1
+            return
+        self._seen[key] = len(self.lines)
+        self.lines.append([msg, 1])
+
+
+@contextmanager
+def torchrec_logs_at_debug() -> Iterator[None]:
+    """``with torchrec_logs_at_debug():`` around the sharding planner and DistributedModelParallel: TorchRec's INFO
+    chatter -- the planner's "GreedyPerfPartitioner - sort_by: ..." once per proposal it evaluates (6,561 for
+    gem-tiny's 8 tables), "EmbeddingPerfEstimatorFactory is creating ...", "Total 0 feature processor." and its
+    statistics table; the sharded collection's "EC index dedup enabled: ..." -- no longer reaches the console or
+    the run's log at INFO (Ray's workers log the root logger at INFO, so ``gemray.fit`` from Python printed all of
+    it and logs/gemray.log kept it). Where gemray's DEBUG is on (e.g. ``gemray evaluate -v``) those records are
+    logged again on exit, on this module's logger at DEBUG ("torchrec: <message>"; a message its logger sent N > 1
+    times once, with "(xN)", at its first place; the statistics table row by row); elsewhere (the training
+    workers log gemray at INFO) TorchRec's logger is raised to WARNING for the call, so they are not even made.
+    TorchRec's warnings pass as before; FBGEMM's "[TBE=...]" lines, logged on the root logger, are not touched.
+    TorchRec's logger's level and propagation are restored on exit."""
+    lib = logging.getLogger(TORCHREC_LOGGER)
+    keep = _LibraryRecords(lib.parent or logging.getLogger())
+    level, propagate = lib.level, lib.propagate
+    if not log.isEnabledFor(logging.DEBUG):
+        lib.setLevel(max(lib.getEffectiveLevel(), logging.WARNING))
+    lib.addHandler(keep)
+    lib.propagate = False
+    try:
+        yield
+    finally:
+        lib.removeHandler(keep)
+        lib.propagate = propagate
+        lib.setLevel(level)
+        for msg, n in keep.lines:
+            log.debug("torchrec: %s%s", msg, "" if n == 1 else f" (x{n})")
+
+
 def parallelize(model: nn.Module, *, layout: Layout, cfg: JobConfig, device: torch.device,
                 pg: "torch.distributed.ProcessGroup | None" = None):
     """Shard and materialise a model built on the meta device; returns its ``DistributedModelParallel``.
@@ -251,10 +312,11 @@ def parallelize(model: nn.Module, *, layout: Layout, cfg: JobConfig, device: tor
     group = dims.sparse_group_size  # 2D: the plan is for one sharding group, repeated across replicas
     # on CUDA the GPU's real HBM, not TorchRec's 32 GB default (GEM-scale tables)
     hbm = {"hbm_cap": torch.cuda.get_device_properties(device).total_memory} if layout.device_type == "cuda" else {}
-    topology = Topology(world_size=group, local_world_size=group if dims.sparse_2d else None,
-                        compute_device=layout.device_type, **hbm)
-    planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints)
-    plan = planner.collective_plan(model, pg=pg)
+    with torchrec_logs_at_debug():  # the planner's thousands of INFO lines: DEBUG, not the console
+        topology = Topology(world_size=group, local_world_size=group if dims.sparse_2d else None,
+                            compute_device=layout.device_type, **hbm)
+        planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints)
+        plan = planner.collective_plan(model, pg=pg)
     if dist.get_rank(pg) == 0:
         log.info("layout %s; sharding plan (%d ranks per group, %s): %s", dims.describe(), group,
                  layout.device_type, _describe_plan(plan))
@@ -284,13 +346,14 @@ def parallelize(model: nn.Module, *, layout: Layout, cfg: JobConfig, device: tor
             prefetch=bool(getattr(pcfg, "prefetch", True)),
             ignored_params=expert_parameters(model) if dims.ep_enabled else set(),
             collectives=str(getattr(pcfg, "collectives", "nccl")))
-    if dims.sparse_2d:
-        from torchrec.distributed.model_parallel import DMPCollection
+    with torchrec_logs_at_debug():
+        if dims.sparse_2d:
+            from torchrec.distributed.model_parallel import DMPCollection
 
-        dmp = DMPCollection(module=model, device=device, plan=plan, world_size=dims.world_size,
-                            sharding_group_size=dims.sparse_group, global_pg=pg, data_parallel_wrapper=wrapper)
-    else:
-        dmp = DistributedModelParallel(module=model, device=device, plan=plan, data_parallel_wrapper=wrapper)
+            dmp = DMPCollection(module=model, device=device, plan=plan, world_size=dims.world_size,
+                                sharding_group_size=dims.sparse_group, global_pg=pg, data_parallel_wrapper=wrapper)
+        else:
+            dmp = DistributedModelParallel(module=model, device=device, plan=plan, data_parallel_wrapper=wrapper)
     if dims.ep_enabled:  # expert gradients: summed over the ranks holding the same experts, not over ep
         from gemray.parallel.expert import register_expert_grad_reduction
 

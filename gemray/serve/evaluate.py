@@ -26,6 +26,22 @@ log = logging.getLogger(__name__)
 SPLITS = ("valid", "test")
 
 
+def check_arguments(split: str = "test", ks: list[int] | None = None, world_size: int | None = None) -> None:
+    """Pure: refuse arguments :func:`evaluate` cannot use, before any model or data is loaded (``gemray evaluate``
+    calls it first): an unknown ``split``, cut-offs ``ks`` that are empty or below 1, a ``world_size`` below 1
+    (None: the default). Raises ValueError naming the command-line flag (``--split``, ``--k``, ``--world-size``).
+    Cut-offs above the catalogue's size are refused by :func:`evaluate` (the size comes with the model)."""
+    if split not in SPLITS:
+        raise ValueError(f"--split {split!r}: expected one of {', '.join(SPLITS)}")
+    if ks is not None:
+        bad = [k for k in ks if int(k) < 1]
+        if not ks or bad:
+            raise ValueError(f"--k {' '.join(str(k) for k in ks) or '(none)'}: every cut-off must be >= 1"
+                             + (f" (got {', '.join(str(k) for k in bad)})" if bad else ""))
+    if world_size is not None and int(world_size) < 1:
+        raise ValueError(f"--world-size {world_size}: expected >= 1")
+
+
 def evaluate(trained: TrainedModel, split: str = "test", *, ks: list[int] | None = None,
              prepared_dir: str | Path | None = None, world_size: int | None = None) -> dict[str, Any]:
     """Metrics of ``trained`` on ``split`` ("valid" or "test").
@@ -39,15 +55,13 @@ def evaluate(trained: TrainedModel, split: str = "test", *, ks: list[int] | None
     Returns ``{"checkpoint", "split", "prepared_dir", "world_size", "epoch", "global_step", "seconds",
     "metrics": {"hr@K", "ndcg@K", "num_users", ["hr@K_unfiltered", ..., "targets_in_history"], and per ranking
     task "<task>_ne", "<task>_auc", "<task>_auc_error_bound", "<task>_calibration", ...}}``.
-    Raises ValueError for an unknown split, bad cut-offs or data that does not fit the model.
+    Raises ValueError for an unknown split, bad cut-offs or world size (:func:`check_arguments`; cut-offs above the
+    catalogue's size too) or data that does not fit the model.
     """
     from gemray.pipelines.stream import HistoryStream
     from gemray.train.evaluation import build_evaluators, evaluation_metrics, evaluation_sums
 
-    if split not in SPLITS:
-        raise ValueError(f"--split {split!r}: expected one of {', '.join(SPLITS)}")
-    if ks is not None and (not ks or any(int(k) < 1 for k in ks)):
-        raise ValueError(f"--k {ks}: expected positive cut-offs")
+    check_arguments(split, ks, world_size)
     if ks is not None and max(int(k) for k in ks) > trained.num_items:
         raise ValueError(f"--k {ks}: a cut-off above the {trained.num_items} items of the catalogue makes HR@K "
                          "trivially 1 (as gemray train refuses it)")
@@ -57,8 +71,6 @@ def evaluate(trained: TrainedModel, split: str = "test", *, ks: list[int] | None
     data_cfg.reader = "arrow"  # the same table as Ray Data reads, in this process
     check_data(trained, data_cfg.prepared_dir)
     world = int(world_size or trained.state.get("world_size") or 1)
-    if world < 1:
-        raise ValueError(f"--world-size {world}: expected >= 1")
     evaluators = build_evaluators(cfg, trained.num_items, [int(k) for k in ks] if ks else None)
     t0 = time.perf_counter()
     total = None

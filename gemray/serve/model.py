@@ -44,7 +44,9 @@ def find_config(path: str | Path, config: str | Path | None = None) -> Path:
     given; else ``config.toml`` in a ``gemray train`` output folder, two levels above a Ray Train run folder
     (``<out>/ray/<name>``) or three above a checkpoint folder (``<out>/ray/<name>/checkpoint_*``).
 
-    Raises FileNotFoundError when ``path`` does not exist or no config file is there (give ``--config``)."""
+    Raises FileNotFoundError when ``path`` does not exist or no config file is there (give ``--config``); the
+    message says which folder it looked in: ``path`` itself for a folder that is neither a checkpoint nor a Ray
+    Train run folder ("not a gemray run folder"), else the output folder above it."""
     p = Path(path).expanduser().resolve()
     if not p.exists():
         raise FileNotFoundError(f"--checkpoint {path}: no such folder")
@@ -52,11 +54,25 @@ def find_config(path: str | Path, config: str | Path | None = None) -> Path:
         return Path(config).expanduser().resolve()  # load_config names it if it is missing
     up = 3 if _is_checkpoint(p) else 0 if (p / CONFIG_FILE).is_file() else 2
     found = [p, *p.parents][up] / CONFIG_FILE if len(p.parents) >= up else None
-    if found is None or not found.is_file():
-        raise FileNotFoundError(f"--checkpoint {path}: no {CONFIG_FILE} found beside the run ({found}); give a "
-                                "`gemray train --output` folder, its ray/<name> run or a checkpoint_* folder, or "
-                                "the training config with --config")
-    return found
+    if found is not None and found.is_file():
+        return found
+    if up == 3:
+        what = "checkpoint folder (<output>/ray/<name>/checkpoint_*)"
+    elif _is_ray_run(p):
+        what = "Ray Train run folder (<output>/ray/<name>)"
+    else:
+        raise FileNotFoundError(f"--checkpoint {path} is not a gemray run folder: no {CONFIG_FILE} in it "
+                                "(or pass --config)")
+    whose = (f"its `gemray train --output` folder, {found.parent}, holds no {CONFIG_FILE}" if found is not None
+             else f"it has no `gemray train --output` folder {up} levels above it")
+    raise FileNotFoundError(f"--checkpoint {path} is a {what}, but {whose} (pass the training config with --config)")
+
+
+def _is_ray_run(path: Path) -> bool:
+    """Whether ``path`` looks like a Ray Train run folder (``<output>/ray/<name>``): Ray's record of the run's
+    checkpoints, or a checkpoint_* folder in it."""
+    return path.is_dir() and ((path / "checkpoint_manager_snapshot.json").is_file()
+                              or any(c.is_dir() for c in path.glob("checkpoint_*")))
 
 
 def run_config(checkpoint: str | Path, *, config: str | Path | None = None,

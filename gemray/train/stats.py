@@ -164,13 +164,18 @@ _EPOCH_FIELDS = (("train_loss", "train loss {:.4g}"), ("samples_per_s", "{:.4g} 
 def epoch_summary(epochs: int, metrics: dict) -> str:
     """Pure: rank 0's one-line summary of a finished epoch for the console, e.g.
     ``epoch 5/10 done in 157.6 s (global step 120): train loss 3.037, 59.95 samples/s, 6473 tokens/s, token
-    imbalance 1.030, 0.00708 TFLOP/s; valid hr@10 0.1889, ndcg@10 0.1015``.
+    imbalance 1.030, 0.00708 TFLOP/s; valid hr@10 0.1889, ndcg@10 0.1015; ctr: NE 0.9300, AUC 0.6100 +/- 0.0040,
+    calibration 1.0700, log loss 0.5200, base rate 0.2000, 640 examples``.
 
     epochs: ``train.epochs``; metrics: the epoch's record as ``train_fn`` reports it (``epoch``, ``global_step``,
     ``epoch_s``, the ``EpochStats.result()`` fields, the ``valid_*`` figures on evaluation epochs). Shown: the
     fields of ``_EPOCH_FIELDS`` present, the local MFU when known (not None), and the history-filtered
-    validation figures (not the ``*_unfiltered`` ones nor ``valid_targets_in_history``); every field stays in
-    metrics.json's ``history``."""
+    validation figures (not the ``*_unfiltered`` ones nor ``valid_targets_in_history``): the retrieval figures as
+    ``key value``, then each ranking task as ``gemray.train.evaluation.ranking_summary`` writes it (as the test line
+    and ``gemray evaluate`` do); every field stays in metrics.json's ``history``."""
+    from gemray.config import ModelConfig
+    from gemray.train.evaluation import ranking_summary
+
     m = metrics
     head = f"epoch {m['epoch']}/{epochs} done"
     if isinstance(m.get("epoch_s"), (int, float)):
@@ -179,8 +184,11 @@ def epoch_summary(epochs: int, metrics: dict) -> str:
     if isinstance(m.get("local_mfu"), (int, float)):
         parts.append(f"MFU {100 * m['local_mfu']:.2f}%")
     line = f"{head} (global step {m.get('global_step')}): " + ", ".join(parts)
-    valid = [(k[len("valid_"):], v) for k, v in m.items() if k.startswith("valid_") and isinstance(v, (int, float))
-             and not k.endswith("_unfiltered") and k != "valid_targets_in_history"]
-    if valid:
-        line += "; valid " + ", ".join(f"{k} {v:.4f}" for k, v in valid)
+    valid = {k[len("valid_"):]: v for k, v in m.items() if k.startswith("valid_") and isinstance(v, (int, float))
+             and not k.endswith("_unfiltered") and k != "valid_targets_in_history"}
+    tasks = tuple(f"{t}_" for t in ModelConfig.RANKING_TASKS)
+    retrieval = ", ".join(f"{k} {v:.4f}" for k, v in valid.items() if not k.startswith(tasks))
+    parts = ([retrieval] if retrieval else []) + ranking_summary(valid)
+    if parts:
+        line += "; valid " + "; ".join(parts)
     return line
