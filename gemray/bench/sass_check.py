@@ -167,6 +167,28 @@ def default_variants(full: bool = False, config: KernelConfig = DEFAULT) -> list
             yield v
 
 
+# the D = 256 dK/dV candidates of benchmarks/attn_sweep_d256.py that --gem compiles (BLOCK_M, BLOCK_N, warps, stages)
+GEM_DKDV = ((64, 64, 8, 2), (32, 64, 8, 2), (16, 64, 8, 2), (64, 64, 4, 2), (32, 64, 4, 2), (32, 128, 8, 2))
+GEM_DK_DS = ((64, 64, 4, 2), (64, 64, 4, 3), (32, 64, 4, 2), (64, 128, 8, 2))
+
+
+def gem_variants(d: int = 256) -> list[tuple]:
+    """The GEM config's attention backward at head dim ``d`` (silu, causal, bf16): the DS_STORE dK/dV launch's
+    candidates (GEM_DKDV) with dK in the launch and without (dk_from_ds), each by pointers and through TMA
+    descriptors, then the dK = dS^T Q launch's (GEM_DK_DS)."""
+    out = []
+    for bm, bn, w, s in GEM_DKDV:
+        for no_dk in (False, True):
+            for tma in (False, True):
+                out.append(bwd_variant(1, 1, (bm, bn), (0, 0), w, s, tma=tma, store_ds=True, no_dk=no_dk))
+    out += [dk_ds_variant(*t) for t in GEM_DK_DS]
+    wide = []
+    for name, fn, types, consts, warps, stages in out:
+        c = dict(consts, BLOCK_DQK=d, **({"BLOCK_DV": d} if "BLOCK_DV" in consts else {}))
+        wide.append((f"D={d} {name}", fn, types, c, warps, stages))
+    return wide
+
+
 def smem_variants(config: KernelConfig = DEFAULT, dims: tuple[int, ...] = (64, 128, 256)) -> list[tuple]:
     """(kind, rel, variant) of every launch ``config`` makes on an sm_90 GPU in bf16, per regime and head dim
     (q / k = v width): the tiles ``config.tile`` picks (shrunk to fit shared memory where needed), each kernel
@@ -230,12 +252,15 @@ def main(argv: list[str] | None = None) -> int:
                    "64 / 128 / 256, with and without the in-kernel relative bias, its shared memory against "
                    "gemray.kernels.config.smem_bytes and the sm_90 limit (exit code 1 if one is over)")
     p.add_argument("--dims", default="64,128,256", help="with --smem: the head dims (comma-separated)")
+    p.add_argument("--gem", action="store_true", help="instead: the GEM config's DS_STORE backward at head dim 256 "
+                   "(silu): the dK/dV candidates of benchmarks/attn_sweep_d256.py with dK in the launch and without "
+                   "(dk_from_ds), by pointers and TMA, and the dK = dS^T Q launch's candidates")
     args = p.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)
     if args.smem:
         return 1 if check_smem(dims=tuple(int(x) for x in args.dims.split(","))) else 0
     bad = 0
-    for v in default_variants(args.all):
+    for v in (gem_variants() if args.gem else default_variants(args.all)):
         try:
             r = check(v)
         except Exception as e:  # report and go on: one bad variant must not hide the others
