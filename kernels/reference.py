@@ -585,3 +585,32 @@ def jagged_contextual_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.T
     pv = _pad(v.reshape(T, H * Dv), offsets, n).view(B, n, H, Dv).transpose(1, 2)
     out = _attend_padded_ref(pq, pk, pv, valid, activation, alpha, float(max(max_len, 1)))
     return _unpad(out.transpose(1, 2).reshape(B, n, H * Dv), offsets).view(T, H, Dv)
+
+
+def sampled_softmax_lse_ref(h: torch.Tensor, pos: torch.Tensor, e_neg: torch.Tensor, neg_ids: torch.Tensor,
+                            target_ids: torch.Tensor, row_offsets: torch.Tensor, max_rows: int,
+                            temperature: float) -> torch.Tensor:
+    """Sampled-softmax log-sum-exp per row over the negatives its sequence shares (the retrieval head's
+    "uniform_shared"; kernel: ``gemray.kernels.sampled_softmax``).
+
+    h: [M, E] float (user states, one row per position with a next item); pos: [M] float, <h_i, e_pos_i>;
+    e_neg: [B, R, E] float (the negatives of each sequence); neg_ids: [B, R] int64; target_ids: [M] int64;
+    row_offsets: [B+1] int64 (rows of sequence b are row_offsets[b]:row_offsets[b+1]); max_rows: host int >=
+    every sequence's row count; temperature > 0.
+    Row i of sequence b: ``logsumexp([pos_i, <h_i, e_neg[b, r]> for r] / temperature)`` with -inf where
+    ``neg_ids[b, r] == target_ids[i]`` (a sampled negative equal to the positive). Returns lse [M] float32
+    (float64 for float64 inputs), differentiable in h, pos and e_neg. Loop-free and sync-free: h is padded to
+    [B, max_rows, E] (index_copy), multiplied by e_neg^T in one bmm and un-padded (index_select).
+    """
+    dt = torch.float64 if torch.float64 in (h.dtype, e_neg.dtype, pos.dtype) else torch.float32
+    M, E = h.shape
+    B, R = neg_ids.shape
+    n = max(int(max_rows), 1)
+    lens = row_offsets[1:] - row_offsets[:-1]
+    seg = torch.repeat_interleave(torch.arange(B, device=h.device), lens, output_size=M)   # [M] sequence of row
+    flat = seg * n + (torch.arange(M, device=h.device) - row_offsets[:-1][seg])             # [M] padded row
+    padded = h.new_zeros((B * n, E), dtype=dt).index_copy(0, flat, h.to(dt)).view(B, n, E)
+    neg = torch.bmm(padded, e_neg.to(dt).transpose(1, 2)).view(B * n, R).index_select(0, flat)  # [M, R]
+    same = neg_ids[seg] == target_ids.view(-1, 1)
+    logits = torch.cat([pos.to(dt).view(-1, 1), neg.masked_fill(same, float("-inf"))], dim=1) / temperature
+    return torch.logsumexp(logits, dim=1)
