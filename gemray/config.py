@@ -135,6 +135,8 @@ class ModelConfig:
     generative-recommenders' LocalNegativesSampler), "uniform_shared" (R ids per sequence, shared by its
     positions: cheaper) or "in_batch" (the batch's own targets).
     attention_backend: "auto" (Triton on CUDA, reference elsewhere), "triton" or "reference".
+    retrieval_kernel: the "uniform_shared" sampled softmax's implementation: "auto" (the fused Triton kernel on
+    CUDA, the padded reference elsewhere), "triton" or "reference" (``gemray.model.heads``).
     kernel_tiles: "" (the kernels' defaults) or the Triton attention kernels' tiles / launch modes for this
     machine, as inline JSON or the path of a JSON file (absolute, or relative to the working directory of every
     process that builds the model): the "chosen tiles" format the sweeps print (``gemray bench kernels --sweep``,
@@ -217,6 +219,7 @@ class ModelConfig:
     num_negatives: int = 128
     temperature: float = 0.05
     attention_backend: str = "auto"
+    retrieval_kernel: str = "auto"
     kernel_tiles: str = ""
     time_bias_query: str = "next"
     # GEM at scale (see the docstring); the defaults keep the ML-1M retrieval model exactly
@@ -295,6 +298,7 @@ class ModelConfig:
         _choice(self, "attn_activation", ("silu", "softmax", "gelu", "none"))
         _choice(self, "negatives", ("uniform", "uniform_shared", "in_batch"))
         _choice(self, "attention_backend", ("auto", "triton", "reference"))
+        _choice(self, "retrieval_kernel", ("auto", "triton", "reference"))
         _choice(self, "time_bias_query", ("next", "self"))
         if self.kernel_tiles:
             kernel_tiles_spec(self.kernel_tiles)  # ValueError naming model.kernel_tiles before any worker starts

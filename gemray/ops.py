@@ -13,6 +13,10 @@ Backends (:class:`AttentionBackend`, or its value as a string: the config's ``mo
 Like generative-recommenders' ``hstu_mha(..., kernel=HammerKernel.TRITON)``, the backend is an explicit enum
 argument; unlike it, an explicit backend never silently becomes another.
 
+Sampled softmax (:func:`sampled_softmax_lse`, the retrieval head's "uniform_shared" negatives): the same
+backends and rules, over ``gemray.kernels.sampled_softmax`` (fused Triton) or
+``gemray.kernels.reference.sampled_softmax_lse_ref``.
+
 Relative attention bias: ``rel_bias`` (a :class:`RelativeBiasInputs`, the HSTU position / time bias ingredients)
 or a dense ``attn_bias`` [B, n', n']. Both backends take the ingredients and never materialise a [B, n, n] bias:
 the reference groups sequences by length and gathers the bucket weights per group; the Triton kernels compute
@@ -269,6 +273,69 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.
                                                  bias_fn=rel_bias.group_bias_fn(offsets))
     return _ref.jagged_attention_ref(q, k, v, offsets, max_len, activation=activation, causal=causal,
                                      attn_bias=attn_bias, alpha=alpha, num_targets=num_targets)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Sampled softmax over per-sequence shared negatives (the retrieval head's "uniform_shared"): the fused Triton
+# kernels (gemray.kernels.sampled_softmax, custom ops gemray::sampled_softmax_lse / _bwd) or the reference
+# (gemray.kernels.reference.sampled_softmax_lse_ref), chosen by the rules of ``choose_backend``.
+# ----------------------------------------------------------------------------------------------------------
+
+SAMPLED_SOFTMAX_MODULE = "gemray.kernels.sampled_softmax"
+_SSM: list = []  # [(kernel module or None, why it does not import or None)] once imported
+_SSM_CHOSEN: dict[tuple[AttentionBackend, str], AttentionBackend] = {}
+
+
+def _ssm_module():
+    """(gemray.kernels.sampled_softmax, None) or (None, why it is not importable); imported once."""
+    if _SSM:
+        return _SSM[0]
+    mod = sys.modules.get(SAMPLED_SOFTMAX_MODULE)
+    if mod is not None:
+        return mod, None
+    try:
+        mod, err = importlib.import_module(SAMPLED_SOFTMAX_MODULE), None
+    except ImportError as e:  # triton is not installed
+        mod, err = None, f"{SAMPLED_SOFTMAX_MODULE} is not importable ({e})"
+    _SSM.append((mod, err))
+    return mod, err
+
+
+def resolve_sampled_softmax_backend(backend: AttentionBackend | str, device: torch.device) -> AttentionBackend:
+    """TRITON or REFERENCE for :func:`sampled_softmax_lse` on ``device``: ``choose_backend``'s rules ("auto":
+    Triton on CUDA when the kernel module imports; "triton" off its device raises RuntimeError), decided and
+    logged once per (requested, device type) by the first eager call."""
+    key = (AttentionBackend.parse(backend), torch.device(device).type)
+    chosen = _SSM_CHOSEN.get(key)
+    if chosen is None:
+        mod, err = _ssm_module() if key[0] is not AttentionBackend.REFERENCE else (None, None)
+        chosen, why = choose_backend(key[0], key[1], err, bool(mod is not None and mod.interpreting()))
+        if not torch.compiler.is_compiling():
+            log.info("gemray.ops.sampled_softmax_lse: %s backend on %s (%s: %s)", chosen.value, key[1],
+                     key[0].value, why)
+            _SSM_CHOSEN[key] = chosen
+    return chosen
+
+
+def sampled_softmax_lse(h: torch.Tensor, pos: torch.Tensor, e_neg: torch.Tensor, neg_ids: torch.Tensor,
+                        target_ids: torch.Tensor, row_offsets: torch.Tensor, max_rows: int, temperature: float, *,
+                        backend: AttentionBackend | str = AttentionBackend.AUTO, block_m: int = 0,
+                        block_r: int = 0) -> torch.Tensor:
+    """Per-row log-sum-exp of ``[pos_i, <h_i, e_neg[b(i), r]> for r] / temperature`` (negatives equal to the
+    row's target masked), rows of sequence b at row_offsets[b]:row_offsets[b+1].
+
+    h: [M, E], pos: [M], e_neg: [B, R, E] float; neg_ids: [B, R] int64; target_ids: [M] int64; row_offsets:
+    [B+1] int64; max_rows: host int >= every row count (no host sync); temperature > 0. Returns lse [M] float32,
+    differentiable in h, pos, e_neg. backend: "auto" | "triton" | "reference" (``choose_backend``); block_m /
+    block_r: the Triton tiles (0 = defaults; the reference ignores them). Semantics:
+    ``gemray.kernels.reference.sampled_softmax_lse_ref``; kernel: ``gemray.kernels.sampled_softmax``.
+    Raises ValueError (unknown backend, bad shapes) or RuntimeError ("triton" where it cannot run).
+    """
+    if resolve_sampled_softmax_backend(backend, h.device) is AttentionBackend.TRITON:
+        return _ssm_module()[0].sampled_softmax_lse_triton(h, pos, e_neg, neg_ids, target_ids, row_offsets,
+                                                           max_rows, temperature, block_m=block_m,
+                                                           block_r=block_r)
+    return _ref.sampled_softmax_lse_ref(h, pos, e_neg, neg_ids, target_ids, row_offsets, max_rows, temperature)
 
 
 def _triton_rel_bias(mod, rel_bias: RelativeBiasInputs):

@@ -136,7 +136,8 @@ class GEM(nn.Module):
         self.encoder = HSTUEncoder(cfg, max_seq_len, device=device)
         E, d = cfg.embedding_dim, cfg.width
         self.retrieval_proj = nn.Linear(d, E, device=device) if "retrieval" in self.tasks and d != E else None
-        self.head = (RetrievalHead(cfg.negatives, cfg.num_negatives, cfg.temperature)
+        self.head = (RetrievalHead(cfg.negatives, cfg.num_negatives, cfg.temperature,
+                                   kernel=cfg.retrieval_kernel)
                      if "retrieval" in self.tasks else None)
         self.tower = CandidateTower(cfg, max_seq_len, device=device) if ranking else None
         self.ranking_head = MultiTaskHead.from_config(cfg) if ranking else None

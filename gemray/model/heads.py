@@ -20,6 +20,13 @@ Negatives:
     "in_batch": R = num_negatives draws (with replacement, so popularity-weighted) from the batch's own
                 positive targets, shared by the whole batch; their embeddings are the targets' embeddings.
 ``next_item_index`` lives in ``gemray.jagged`` (imported here, where it was defined first).
+
+kernel ("auto" | "triton" | "reference", ``model.retrieval_kernel``): how "uniform_shared" computes its
+log-sum-exp. "reference": the padded fp32 bmm below (``_jagged_dense_bmm``, then gather / cat / mask /
+logsumexp: [M, R+1] fp32 tensors); "triton": the fused kernel ``gemray.ops.sampled_softmax_lse``
+(``gemray.kernels.sampled_softmax``: online log-sum-exp over the R negatives, nothing of size [M, R] in memory);
+"auto": Triton on CUDA, the reference elsewhere (``gemray.ops.choose_backend``'s rules). Same loss, float32
+products either way. The other negatives modes ignore it.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gemray import ops
 from gemray.jagged import jagged_to_padded, next_item_index, padded_to_jagged, segment_ids
 
 
@@ -90,20 +98,30 @@ def _jagged_dense_bmm(x: torch.Tensor, offsets: torch.Tensor, y: torch.Tensor, m
 class RetrievalHead(nn.Module):
     """Sampled-softmax next-item loss (no parameters; the item embeddings live in the EmbeddingCollection).
 
-    negatives: one of ``NEGATIVES``; num_negatives: R; temperature: logit divisor (> 0).
+    negatives: one of ``NEGATIVES``; num_negatives: R; temperature: logit divisor (> 0); kernel: one of
+    ``KERNELS``, the "uniform_shared" implementation (module docstring; an attribute, so tests can switch it).
     """
 
     NEGATIVES = ("uniform", "uniform_shared", "in_batch")
+    KERNELS = ("auto", "triton", "reference")
 
-    def __init__(self, negatives: str, num_negatives: int, temperature: float):
+    def __init__(self, negatives: str, num_negatives: int, temperature: float, kernel: str = "auto"):
         super().__init__()
         if negatives not in self.NEGATIVES:
             raise ValueError(f"model.negatives: expected one of {self.NEGATIVES}, got {negatives!r}")
+        if kernel not in self.KERNELS:
+            raise ValueError(f"model.retrieval_kernel: expected one of {self.KERNELS}, got {kernel!r}")
         if num_negatives < 1 or temperature <= 0:
             raise ValueError("RetrievalHead: num_negatives must be >= 1 and temperature > 0")
         self.negatives = negatives
         self.num_negatives = num_negatives
         self.temperature = temperature
+        self.kernel = kernel
+
+    def uses_triton(self, device: torch.device) -> bool:
+        """Whether "uniform_shared" runs the fused Triton kernel on ``device`` (``kernel`` resolved by
+        ``gemray.ops.resolve_sampled_softmax_backend``; RuntimeError when "triton" cannot run there)."""
+        return ops.resolve_sampled_softmax_backend(self.kernel, device) is ops.AttentionBackend.TRITON
 
     def forward(self, states: torch.Tensor, offsets: torch.Tensor, item_ids: torch.Tensor,
                 item_emb: torch.Tensor, neg_ids: torch.Tensor | None = None,
@@ -150,6 +168,8 @@ class RetrievalHead(nn.Module):
                 raise ValueError("RetrievalHead: 'uniform_shared' negatives need neg_ids and neg_emb")
             B, R = neg_ids.shape
             e_neg = F.normalize(neg_emb, dim=-1, eps=1e-6).view(B, R, -1)
+            if self.uses_triton(states.device):
+                return self._fused_shared(h, pos.squeeze(1), e_neg, neg_ids, target_ids, offsets, max_len, zero)
             neg = _jagged_dense_bmm(states, offsets, e_neg.transpose(1, 2), max_len)[idx]  # [M, R]
             same = neg_ids[segment_ids(offsets, states.shape[0])[idx]] == target_ids.view(-1, 1)
         else:
@@ -162,4 +182,25 @@ class RetrievalHead(nn.Module):
         logits = torch.cat([pos, neg.masked_fill(same, float("-inf"))], dim=1) / self.temperature
         loss = (torch.logsumexp(logits, dim=1) - logits[:, 0]).mean() + zero
         stats = {"num_targets": torch.tensor(float(M)), "pos_logit": pos.detach().mean()}
+        return loss, stats
+
+    def _fused_shared(self, h: torch.Tensor, pos: torch.Tensor, e_neg: torch.Tensor, neg_ids: torch.Tensor,
+                      target_ids: torch.Tensor, offsets: torch.Tensor, max_len: int | None, zero: torch.Tensor
+                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """"uniform_shared" through the fused kernel: h [M, D], pos [M] (cosines), e_neg [B, R, D] unit-norm,
+        neg_ids [B, R], target_ids [M], offsets [B+1] (token offsets: sequence b has max(L_b - 1, 0) rows)."""
+        rows = (offsets[1:] - offsets[:-1] - 1).clamp(min=0)
+        row_offsets = F.pad(torch.cumsum(rows, 0), (1, 0))
+        if max_len is None:  # a host sync on CUDA, as _jagged_dense_bmm without max_len
+            max_len = int((offsets[1:] - offsets[:-1]).max()) if offsets.numel() > 1 else 0
+        dt = torch.float64 if h.dtype == torch.float64 else torch.float32  # float32 products, as the reference
+        if dt == torch.float64:  # the kernels stop at float32 (float64 is for tests): the reference formula
+            lse = ops.sampled_softmax_lse(h, pos, e_neg, neg_ids, target_ids, row_offsets, max(max_len - 1, 0),
+                                          self.temperature, backend="reference")
+        else:
+            with torch.autocast(h.device.type, enabled=False):
+                lse = ops.sampled_softmax_lse(h.to(dt), pos.to(dt), e_neg.to(dt), neg_ids, target_ids, row_offsets,
+                                              max(max_len - 1, 0), self.temperature, backend="triton")
+        loss = (lse - pos.to(lse.dtype) / self.temperature).mean() + zero
+        stats = {"num_targets": torch.tensor(float(h.shape[0])), "pos_logit": pos.detach().mean()}
         return loss, stats
