@@ -227,3 +227,24 @@ def test_gem_shapes_cuda(dtype):
     b, _ = _head_loss_grads("reference", *batch, *args)
     for name, x, y in zip(("loss", "d states", "d item_emb", "d neg_emb"), a, b):
         assert _rel(x, y) < 1e-4, (name, _rel(x, y))
+
+
+@cpu_only
+def test_head_compiles_fullgraph():
+    """torch.compile traces the head's kernel path as one graph (the custom op's fake impl and autograd)."""
+    lengths = [0, 1, 5, 12, 3]
+    states, offsets, item_ids, item_emb, neg_ids, neg_emb = _head_batch(lengths, R=24, D=16)
+    head = RetrievalHead("uniform_shared", 24, TEMP, kernel="triton")
+    host = dict(max_len=max(lengths), num_next=sum(max(n - 1, 0) for n in lengths))
+
+    def loss_fn(s, ie, ne):
+        return head(s, offsets, item_ids, ie, neg_ids, ne, **host)[0]
+
+    compiled = torch.compile(loss_fn, backend="aot_eager", fullgraph=True)
+    results = []
+    for fn in (loss_fn, compiled):
+        xs = [x.clone().requires_grad_() for x in (states, item_emb, neg_emb)]
+        loss = fn(*xs)
+        results.append((loss.detach(), *torch.autograd.grad(loss, xs)))
+    for a, b in zip(*results):
+        assert _rel(a, b) < 1e-6
