@@ -25,7 +25,6 @@ from gemray.config import ModelConfig  # noqa: E402
 from gemray.kernels import reference as ref  # noqa: E402
 from gemray.kernels.sampled_softmax import sampled_softmax_lse_triton  # noqa: E402
 from gemray.jagged import next_item_index  # noqa: E402
-from gemray.model.heads import RetrievalHead  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 cpu_only = pytest.mark.skipif(not INTERPRET, reason="CPU tests need TRITON_INTERPRET=1")
@@ -33,6 +32,14 @@ TEMP = 0.05
 TOL = 1e-4
 # rows per sequence: two sequences without rows, one row, one much longer sequence (several 16-row tiles)
 ROWS = [0, 3, 0, 37, 1, 20, 0]
+
+
+def _head_cls():
+    """gemray.model.heads.RetrievalHead, imported on use: gemray.model needs TorchRec, which the kernel-only GPU
+    test does not (the lent GPU machine has no TorchRec / FBGEMM unless staged)."""
+    from gemray.model.heads import RetrievalHead
+
+    return RetrievalHead
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -152,11 +159,11 @@ def test_dispatch_rules():
     with pytest.raises(ValueError):
         ops.resolve_sampled_softmax_backend("fast", torch.device("cpu"))
     with pytest.raises(ValueError, match="retrieval_kernel"):
-        RetrievalHead("uniform_shared", 4, TEMP, kernel="fast")
+        _head_cls()("uniform_shared", 4, TEMP, kernel="fast")
     with pytest.raises(ValueError, match="retrieval_kernel"):
         ModelConfig(retrieval_kernel="fast").validate()
     ModelConfig(retrieval_kernel="triton").validate()
-    assert RetrievalHead("uniform_shared", 4, TEMP).kernel == "auto"
+    assert _head_cls()("uniform_shared", 4, TEMP).kernel == "auto"
     case = _case(ROWS)
     got = ops.sampled_softmax_lse(*case[:7], TEMP, backend="reference")
     torch.testing.assert_close(got, ref.sampled_softmax_lse_ref(*case[:7], TEMP), rtol=0, atol=0)
@@ -176,7 +183,7 @@ def _head_batch(lengths, R=40, D=24, num_ids=6, seed=1):
 
 def _head_loss_grads(kernel, states, offsets, item_ids, item_emb, neg_ids, neg_emb, max_len, num_next):
     xs = [x.clone().requires_grad_() for x in (states, item_emb, neg_emb)]
-    head = RetrievalHead("uniform_shared", neg_ids.shape[1], TEMP, kernel=kernel)
+    head = _head_cls()("uniform_shared", neg_ids.shape[1], TEMP, kernel=kernel)
     loss, stats = head(xs[0], offsets, item_ids, xs[1], neg_ids, xs[2], max_len=max_len, num_next=num_next)
     return (loss.detach(), *torch.autograd.grad(loss, xs)), stats
 
@@ -219,7 +226,18 @@ def test_gem_shapes_cuda(dtype):
     assert _rel(got[0], want[0]) < tol["lse"], _rel(got[0], want[0])
     for name, a, b in zip(("dh", "dpos", "de"), got[1:], want[1:]):
         assert _rel(a, b) < tol["grad"], (name, _rel(a, b))
-    # the head at GEM shapes: the kernel against the padded-bmm path
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gem_shapes_head_cuda():
+    """The head at GEM shapes: the kernel against the padded-bmm path (needs TorchRec and FBGEMM)."""
+    pytest.importorskip("torchrec")
+    pytest.importorskip("fbgemm_gpu")
+    g = torch.Generator().manual_seed(0)
+    B, R, E = 128, 512, 64
+    lengths = torch.exp(torch.randn(B, generator=g) * 1.2 + 6.0).clamp(2, 4096).long()
+    lengths[0], lengths[1], lengths[2] = 4096, 1, 0
     lens = lengths.tolist()
     batch = [x.cuda() for x in _head_batch(lens, R=R, D=E, num_ids=2000)]
     args = (max(lens), sum(max(n - 1, 0) for n in lens))
@@ -234,7 +252,7 @@ def test_head_compiles_fullgraph():
     """torch.compile traces the head's kernel path as one graph (the custom op's fake impl and autograd)."""
     lengths = [0, 1, 5, 12, 3]
     states, offsets, item_ids, item_emb, neg_ids, neg_emb = _head_batch(lengths, R=24, D=16)
-    head = RetrievalHead("uniform_shared", 24, TEMP, kernel="triton")
+    head = _head_cls()("uniform_shared", 24, TEMP, kernel="triton")
     host = dict(max_len=max(lengths), num_next=sum(max(n - 1, 0) for n in lengths))
 
     def loss_fn(s, ie, ne):
