@@ -136,7 +136,9 @@ class ModelConfig:
     positions: cheaper) or "in_batch" (the batch's own targets).
     attention_backend: "auto" (Triton on CUDA, reference elsewhere), "triton" or "reference".
     retrieval_kernel: the "uniform_shared" sampled softmax's implementation: "auto" (the fused Triton kernel on
-    CUDA, the padded reference elsewhere), "triton" or "reference" (``gemray.model.heads``).
+    CUDA, the padded reference elsewhere), "triton" or "reference" (``gemray.model.heads``). Default "reference"
+    until the fused kernel has run on a GPU (written and CPU-tested 2026-12-05; its GPU tests and
+    benchmarks/sampled_softmax_h200.py are in the next device session's plan).
     kernel_tiles: "" (the kernels' defaults) or the Triton attention kernels' tiles / launch modes for this
     machine, as inline JSON or the path of a JSON file (absolute, or relative to the working directory of every
     process that builds the model): the "chosen tiles" format the sweeps print (``gemray bench kernels --sweep``,
@@ -219,7 +221,7 @@ class ModelConfig:
     num_negatives: int = 128
     temperature: float = 0.05
     attention_backend: str = "auto"
-    retrieval_kernel: str = "auto"
+    retrieval_kernel: str = "reference"
     kernel_tiles: str = ""
     time_bias_query: str = "next"
     # GEM at scale (see the docstring); the defaults keep the ML-1M retrieval model exactly

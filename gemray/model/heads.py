@@ -105,7 +105,7 @@ class RetrievalHead(nn.Module):
     NEGATIVES = ("uniform", "uniform_shared", "in_batch")
     KERNELS = ("auto", "triton", "reference")
 
-    def __init__(self, negatives: str, num_negatives: int, temperature: float, kernel: str = "auto"):
+    def __init__(self, negatives: str, num_negatives: int, temperature: float, kernel: str = "reference"):
         super().__init__()
         if negatives not in self.NEGATIVES:
             raise ValueError(f"model.negatives: expected one of {self.NEGATIVES}, got {negatives!r}")
