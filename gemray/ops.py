@@ -174,23 +174,28 @@ def relative_bias_buckets(timestamps: torch.Tensor, offsets: torch.Tensor, n: in
     return pb, tb
 
 
-_TRITON: list = []  # [(kernel module or None, why it does not import or None)] once imported
+_MODULES: dict[str, tuple] = {}  # kernel module name -> (the module or None, why it does not import or None)
 
 
-def _triton_module():
-    """(the kernel module, None) or (None, why it is not importable); imported once. A module imported already
-    (sys.modules) is taken as is, so that a call traced by torch.compile never imports."""
-    if _TRITON:
-        return _TRITON[0]
-    mod = sys.modules.get(TRITON_MODULE)
+def _kernel_module(name: str):
+    """(the kernel module ``name``, None) or (None, why it is not importable); imported once. A module imported
+    already (sys.modules) is taken as is, so that a call traced by torch.compile never imports."""
+    if name in _MODULES:
+        return _MODULES[name]
+    mod = sys.modules.get(name)
     if mod is not None:
         return mod, None
     try:
-        mod, err = importlib.import_module(TRITON_MODULE), None
+        mod, err = importlib.import_module(name), None
     except ImportError as e:  # triton (or the kernel module) is not installed
-        mod, err = None, f"{TRITON_MODULE} is not importable ({e})"
-    _TRITON.append((mod, err))
+        mod, err = None, f"{name} is not importable ({e})"
+    _MODULES[name] = (mod, err)
     return mod, err
+
+
+def _triton_module():
+    """The attention kernels' module: ``_kernel_module(TRITON_MODULE)``."""
+    return _kernel_module(TRITON_MODULE)
 
 
 def choose_backend(requested: AttentionBackend, device_type: str, triton_error: str | None,
@@ -282,23 +287,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.
 # ----------------------------------------------------------------------------------------------------------
 
 SAMPLED_SOFTMAX_MODULE = "gemray.kernels.sampled_softmax"
-_SSM: list = []  # [(kernel module or None, why it does not import or None)] once imported
 _SSM_CHOSEN: dict[tuple[AttentionBackend, str], AttentionBackend] = {}
 
 
 def _ssm_module():
-    """(gemray.kernels.sampled_softmax, None) or (None, why it is not importable); imported once."""
-    if _SSM:
-        return _SSM[0]
-    mod = sys.modules.get(SAMPLED_SOFTMAX_MODULE)
-    if mod is not None:
-        return mod, None
-    try:
-        mod, err = importlib.import_module(SAMPLED_SOFTMAX_MODULE), None
-    except ImportError as e:  # triton is not installed
-        mod, err = None, f"{SAMPLED_SOFTMAX_MODULE} is not importable ({e})"
-    _SSM.append((mod, err))
-    return mod, err
+    """The fused sampled softmax's module: ``_kernel_module(SAMPLED_SOFTMAX_MODULE)``."""
+    return _kernel_module(SAMPLED_SOFTMAX_MODULE)
 
 
 def resolve_sampled_softmax_backend(backend: AttentionBackend | str, device: torch.device) -> AttentionBackend:
