@@ -224,7 +224,7 @@ def choose_backend(requested: AttentionBackend, device_type: str, triton_error: 
 
 
 # (requested, device type) -> chosen: a plain dict (under torch.compile a hit is a guarded constant, nothing traced)
-_CHOSEN: dict[tuple[AttentionBackend, str], AttentionBackend] = {}
+_CHOSEN: dict[tuple[str, AttentionBackend, str], AttentionBackend] = {}  # (op, requested, device type) ->
 
 
 def resolve_backend(backend: AttentionBackend | str, device: torch.device) -> AttentionBackend:
@@ -235,13 +235,19 @@ def resolve_backend(backend: AttentionBackend | str, device: torch.device) -> At
     Raises ValueError for an unknown backend name and RuntimeError (with the reason) when TRITON is requested
     but cannot run here.
     """
-    key = (AttentionBackend.parse(backend), torch.device(device).type)
+    return _resolve(backend, device, TRITON_MODULE, "attention")
+
+
+def _resolve(backend: AttentionBackend | str, device: torch.device, module: str, op: str) -> AttentionBackend:
+    """:func:`choose_backend` for the op ``op`` whose Triton kernels live in ``module``, decided and logged
+    ("gemray.ops.<op>: ...") once per (op, requested backend, device type) by the first eager call."""
+    key = (op, AttentionBackend.parse(backend), torch.device(device).type)
     chosen = _CHOSEN.get(key)
     if chosen is None:
-        mod, err = _triton_module() if key[0] is not AttentionBackend.REFERENCE else (None, None)
-        chosen, why = choose_backend(key[0], key[1], err, bool(mod is not None and mod.interpreting()))
+        mod, err = _kernel_module(module) if key[1] is not AttentionBackend.REFERENCE else (None, None)
+        chosen, why = choose_backend(key[1], key[2], err, bool(mod is not None and mod.interpreting()))
         if not torch.compiler.is_compiling():
-            log.info("gemray.ops.attention: %s backend on %s (%s: %s)", chosen.value, key[1], key[0].value, why)
+            log.info("gemray.ops.%s: %s backend on %s (%s: %s)", op, chosen.value, key[2], key[1].value, why)
             _CHOSEN[key] = chosen
     return chosen
 
@@ -287,7 +293,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.
 # ----------------------------------------------------------------------------------------------------------
 
 SAMPLED_SOFTMAX_MODULE = "gemray.kernels.sampled_softmax"
-_SSM_CHOSEN: dict[tuple[AttentionBackend, str], AttentionBackend] = {}
 
 
 def _ssm_module():
@@ -299,16 +304,7 @@ def resolve_sampled_softmax_backend(backend: AttentionBackend | str, device: tor
     """TRITON or REFERENCE for :func:`sampled_softmax_lse` on ``device``: ``choose_backend``'s rules ("auto":
     Triton on CUDA when the kernel module imports; "triton" off its device raises RuntimeError), decided and
     logged once per (requested, device type) by the first eager call."""
-    key = (AttentionBackend.parse(backend), torch.device(device).type)
-    chosen = _SSM_CHOSEN.get(key)
-    if chosen is None:
-        mod, err = _ssm_module() if key[0] is not AttentionBackend.REFERENCE else (None, None)
-        chosen, why = choose_backend(key[0], key[1], err, bool(mod is not None and mod.interpreting()))
-        if not torch.compiler.is_compiling():
-            log.info("gemray.ops.sampled_softmax_lse: %s backend on %s (%s: %s)", chosen.value, key[1],
-                     key[0].value, why)
-            _SSM_CHOSEN[key] = chosen
-    return chosen
+    return _resolve(backend, device, SAMPLED_SOFTMAX_MODULE, "sampled_softmax_lse")
 
 
 def sampled_softmax_lse(h: torch.Tensor, pos: torch.Tensor, e_neg: torch.Tensor, neg_ids: torch.Tensor,
