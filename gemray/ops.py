@@ -224,7 +224,7 @@ def choose_backend(requested: AttentionBackend, device_type: str, triton_error: 
 
 
 # (requested, device type) -> chosen: a plain dict (under torch.compile a hit is a guarded constant, nothing traced)
-_CHOSEN: dict[tuple[str, AttentionBackend, str], AttentionBackend] = {}  # (op, requested, device type) ->
+_CHOSEN: dict[tuple[str, AttentionBackend, str], AttentionBackend] = {}  # (op, requested, device type)
 
 
 def resolve_backend(backend: AttentionBackend | str, device: torch.device) -> AttentionBackend:
