@@ -223,8 +223,9 @@ def choose_backend(requested: AttentionBackend, device_type: str, triton_error: 
     return AttentionBackend.TRITON, "tensors on cuda"
 
 
-# (requested, device type) -> chosen: a plain dict (under torch.compile a hit is a guarded constant, nothing traced)
-_CHOSEN: dict[tuple[str, AttentionBackend, str], AttentionBackend] = {}  # (op, requested, device type)
+# (op, requested, device type) -> chosen: a plain dict (under torch.compile a hit is a guarded constant, nothing
+# traced)
+_CHOSEN: dict[tuple[str, AttentionBackend, str], AttentionBackend] = {}
 
 
 def resolve_backend(backend: AttentionBackend | str, device: torch.device) -> AttentionBackend:
