@@ -41,8 +41,11 @@ import triton.language as tl
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-DEFAULT_BLOCK_M = 64
-DEFAULT_BLOCK_R = 64
+# default (BLOCK_M, BLOCK_R) by input dtype, from sm_90 compiles (triton 3.9, 4 warps, E = 64; 2026-12-05): float32
+# products ("ieee", CUDA-core FMAs) at 64 x 64 spill in the forward and dH kernels (52 / 266 spill stores per
+# step), at 32 x 32 none of the three kernels spills; 16-bit products (wgmma) at 64 x 64 use 93-194 registers, no
+# spills. Not timed.
+DEFAULT_BLOCKS = {torch.float32: (32, 32), torch.bfloat16: (64, 64), torch.float16: (64, 64)}
 
 
 def interpreting() -> bool:
@@ -60,6 +63,29 @@ def _scores(h, e, ids, tgt, valid_r, scale, DOT_PREC: tl.constexpr):
 
 
 @triton.jit
+def _row_tile(H, TGT, start, m0, n, stride_hm, offs_e, emask, BLOCK_M: tl.constexpr):
+    """Rows [m0, m0 + BLOCK_M) of a sequence whose rows start at ``start`` (n of them): (rows [BLOCK_M] int64,
+    rmask, h [BLOCK_M, BLOCK_E] (0 past n), their target ids (-1 past n))."""
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    rmask = offs_m < n
+    rows = start + offs_m
+    h = tl.load(H + rows[:, None] * stride_hm + offs_e[None, :], mask=rmask[:, None] & emask[None, :], other=0.0)
+    tgt = tl.load(TGT + rows, mask=rmask, other=-1)
+    return rows, rmask, h, tgt
+
+
+@triton.jit
+def _neg_chunk(e_base, n_base, r0, R, stride_er, offs_e, emask, BLOCK_R: tl.constexpr):
+    """Negatives [r0, r0 + BLOCK_R) of one sequence: (valid_r, e [BLOCK_R, BLOCK_E] (0 past R), ids (-1 past R))."""
+    offs_r = r0 + tl.arange(0, BLOCK_R)
+    valid_r = offs_r < R
+    e = tl.load(e_base + offs_r[:, None] * stride_er + offs_e[None, :], mask=valid_r[:, None] & emask[None, :],
+                other=0.0)
+    ids = tl.load(n_base + offs_r, mask=valid_r, other=-1)
+    return valid_r, e, ids
+
+
+@triton.jit
 def _ssm_fwd(H, POS, EN, NEG, TGT, ROW_OFF, LSE, R, E_DIM, stride_hm, stride_eb, stride_er, stride_nb, scale,
              BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, DOT_PREC: tl.constexpr):
     pid_m = tl.program_id(0)
@@ -69,24 +95,16 @@ def _ssm_fwd(H, POS, EN, NEG, TGT, ROW_OFF, LSE, R, E_DIM, stride_hm, stride_eb,
     m0 = pid_m * BLOCK_M
     if m0 >= n:
         return
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    rmask = offs_m < n
-    rows = start + offs_m
     offs_e = tl.arange(0, BLOCK_E)
     emask = offs_e < E_DIM
-    h = tl.load(H + rows[:, None] * stride_hm + offs_e[None, :], mask=rmask[:, None] & emask[None, :], other=0.0)
-    tgt = tl.load(TGT + rows, mask=rmask, other=-1)
+    rows, rmask, h, tgt = _row_tile(H, TGT, start, m0, n, stride_hm, offs_e, emask, BLOCK_M)
     # the positive starts the running max (finite), so no row ever sees max = -inf
     m_i = tl.load(POS + rows, mask=rmask, other=0.0).to(tl.float32) * scale
     l_i = tl.full([BLOCK_M], 1.0, tl.float32)
     e_base = EN + b.to(tl.int64) * stride_eb
     n_base = NEG + b.to(tl.int64) * stride_nb
     for r0 in range(0, R, BLOCK_R):
-        offs_r = r0 + tl.arange(0, BLOCK_R)
-        valid_r = offs_r < R
-        e = tl.load(e_base + offs_r[:, None] * stride_er + offs_e[None, :],
-                    mask=valid_r[:, None] & emask[None, :], other=0.0)
-        ids = tl.load(n_base + offs_r, mask=valid_r, other=-1)
+        valid_r, e, ids = _neg_chunk(e_base, n_base, r0, R, stride_er, offs_e, emask, BLOCK_R)
         s = _scores(h, e, ids, tgt, valid_r, scale, DOT_PREC)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(s - m_new[:, None]), 1)
@@ -105,14 +123,10 @@ def _ssm_bwd_dh(H, POS, EN, NEG, TGT, ROW_OFF, LSE, G, DH, DPOS, R, E_DIM, strid
     m0 = pid_m * BLOCK_M
     if m0 >= n:
         return
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    rmask = offs_m < n
-    rows = start + offs_m
     offs_e = tl.arange(0, BLOCK_E)
     emask = offs_e < E_DIM
+    rows, rmask, h, tgt = _row_tile(H, TGT, start, m0, n, stride_hm, offs_e, emask, BLOCK_M)
     hmask = rmask[:, None] & emask[None, :]
-    h = tl.load(H + rows[:, None] * stride_hm + offs_e[None, :], mask=hmask, other=0.0)
-    tgt = tl.load(TGT + rows, mask=rmask, other=-1)
     lse = tl.load(LSE + rows, mask=rmask, other=0.0)
     g = tl.load(G + rows, mask=rmask, other=0.0)
     pos = tl.load(POS + rows, mask=rmask, other=0.0).to(tl.float32) * scale
@@ -120,11 +134,7 @@ def _ssm_bwd_dh(H, POS, EN, NEG, TGT, ROW_OFF, LSE, G, DH, DPOS, R, E_DIM, strid
     n_base = NEG + b.to(tl.int64) * stride_nb
     dh = tl.zeros([BLOCK_M, BLOCK_E], dtype=tl.float32)
     for r0 in range(0, R, BLOCK_R):
-        offs_r = r0 + tl.arange(0, BLOCK_R)
-        valid_r = offs_r < R
-        e = tl.load(e_base + offs_r[:, None] * stride_er + offs_e[None, :],
-                    mask=valid_r[:, None] & emask[None, :], other=0.0)
-        ids = tl.load(n_base + offs_r, mask=valid_r, other=-1)
+        valid_r, e, ids = _neg_chunk(e_base, n_base, r0, R, stride_er, offs_e, emask, BLOCK_R)
         s = _scores(h, e, ids, tgt, valid_r, scale, DOT_PREC)
         # rows past the sequence: s - lse could overflow exp (lse = 0 there); zero them (g is 0 there too)
         w = tl.where(rmask[:, None], g[:, None] * tl.exp(s - lse[:, None]), 0.0)
@@ -144,26 +154,22 @@ def _ssm_bwd_de(H, EN, NEG, TGT, ROW_OFF, LSE, G, DE, R, E_DIM, stride_hm, strid
     start = tl.load(ROW_OFF + b)
     n = tl.load(ROW_OFF + b + 1) - start
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    valid_r = offs_r < R
     offs_e = tl.arange(0, BLOCK_E)
     emask = offs_e < E_DIM
     b64 = b.to(tl.int64)
-    e = tl.load(EN + b64 * stride_eb + offs_r[:, None] * stride_er + offs_e[None, :],
-                mask=valid_r[:, None] & emask[None, :], other=0.0)
-    ids = tl.load(NEG + b64 * stride_nb + offs_r, mask=valid_r, other=-1)
+    valid_r, e, ids = _neg_chunk(EN + b64 * stride_eb, NEG + b64 * stride_nb, pid_r * BLOCK_R, R, stride_er, offs_e,
+                                 emask, BLOCK_R)
     de = tl.zeros([BLOCK_R, BLOCK_E], dtype=tl.float32)
     for m0 in range(0, n, BLOCK_M):
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        rmask = offs_m < n
-        rows = start + offs_m
-        h = tl.load(H + rows[:, None] * stride_hm + offs_e[None, :], mask=rmask[:, None] & emask[None, :],
-                    other=0.0)
-        tgt = tl.load(TGT + rows, mask=rmask, other=-1)
+        rows, rmask, h, tgt = _row_tile(H, TGT, start, m0, n, stride_hm, offs_e, emask, BLOCK_M)
         lse = tl.load(LSE + rows, mask=rmask, other=0.0)
         g = tl.load(G + rows, mask=rmask, other=0.0)
-        s = _scores(h, e, ids, tgt, valid_r, scale, DOT_PREC)
-        w = tl.where(rmask[:, None], g[:, None] * tl.exp(s - lse[:, None]), 0.0)
-        de = tl.dot(tl.trans(w.to(h.dtype)), h, de, input_precision=DOT_PREC)
+        # scores laid out negatives-first (s^T = e h^T [BLOCK_R, BLOCK_M]), so that de += w^T h needs no transposed
+        # register tile (with fp32 "ieee" products that transpose spilled thousands of values per step, sm_90)
+        st = tl.dot(e, tl.trans(h), input_precision=DOT_PREC) * scale
+        keep = valid_r[:, None] & (ids[:, None] != tgt[None, :]) & rmask[None, :]
+        wt = tl.where(keep, g[None, :] * tl.exp(st - lse[None, :]), 0.0)
+        de = tl.dot(wt.to(h.dtype), h, de, input_precision=DOT_PREC)
     de = de * scale
     tl.store(DE + b64 * stride_deb + offs_r[:, None] * stride_der + offs_e[None, :], de.to(DE.dtype.element_ty),
              mask=valid_r[:, None] & emask[None, :])
@@ -177,9 +183,11 @@ def _block_e(e: int) -> int:
     return max(16, 1 << (e - 1).bit_length())
 
 
-def _blocks(block_m: int, block_r: int) -> tuple[int, int]:
-    bm = block_m if block_m > 0 else DEFAULT_BLOCK_M
-    br = block_r if block_r > 0 else DEFAULT_BLOCK_R
+def _blocks(block_m: int, block_r: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_R): the given ones, 0 = DEFAULT_BLOCKS of the products' ``dtype``. Raises ValueError for a
+    block that is not a power of two >= 16."""
+    bm = block_m if block_m > 0 else DEFAULT_BLOCKS[dtype][0]
+    br = block_r if block_r > 0 else DEFAULT_BLOCKS[dtype][1]
     for name, v in (("block_m", bm), ("block_r", br)):
         if v < 16 or v & (v - 1):
             raise ValueError(f"sampled_softmax: {name} must be a power of two >= 16 (tl.dot), got {v}")
@@ -234,8 +242,8 @@ def _forward(h, pos, e_neg, neg_ids, target_ids, row_offsets, max_rows, temperat
     lse = torch.empty((M,), dtype=torch.float32, device=h.device)
     if M == 0 or B == 0 or max_rows == 0:
         return lse
-    bm, br = _blocks(block_m, block_r)
     hk, ek, nk, tk, ro = _prep(h, e_neg, neg_ids, target_ids, row_offsets)
+    bm, br = _blocks(block_m, block_r, hk.dtype)
     grid = (triton.cdiv(max_rows, bm), B)
     _ssm_fwd[grid](hk, pos.contiguous(), ek, nk, tk, ro, lse, R, E, hk.stride(0), ek.stride(0), ek.stride(1),
                    nk.stride(0), 1.0 / temperature, BLOCK_M=bm, BLOCK_R=br, BLOCK_E=_block_e(E),
@@ -248,8 +256,8 @@ def _backward(g, h, pos, e_neg, neg_ids, target_ids, row_offsets, lse, max_rows,
     B, R = neg_ids.shape
     if M == 0 or B == 0 or max_rows == 0 or R == 0:
         return torch.zeros_like(h), torch.zeros_like(pos), torch.zeros_like(e_neg)
-    bm, br = _blocks(block_m, block_r)
     hk, ek, nk, tk, ro = _prep(h, e_neg, neg_ids, target_ids, row_offsets)
+    bm, br = _blocks(block_m, block_r, hk.dtype)
     g = g.to(torch.float32).contiguous()
     lse = lse.contiguous()
     dh = torch.empty((M, E), dtype=hk.dtype, device=h.device)
