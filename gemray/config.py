@@ -742,8 +742,9 @@ class JobConfig:
         """Pure: the warning for settings that are valid but have no effect in this config, or None. ``fit`` logs
         it once per run. Covered: the ``compile_*`` settings without anything compiled
         (:meth:`TrainConfig.ineffective_compile_settings`); ``fp8_recipe`` / ``fp8_grad`` / ``fp8_min_dim`` off
-        their defaults without ``precision = "fp8"``; an ``activation_memory_budget`` with a checkpointing mode
-        that does not read it (only "auto" and "torch" do)."""
+        their defaults without ``precision = "fp8"``; a ``model.retrieval_kernel`` off its default without
+        "uniform_shared" retrieval negatives; an ``activation_memory_budget`` with a checkpointing mode that does not
+        read it (only "auto" and "torch" do)."""
         t = self.train
         parts = []
         idle = t.ineffective_compile_settings()
@@ -759,6 +760,12 @@ class JobConfig:
         if fp8 and t.precision != "fp8":
             parts.append(f"{', '.join(fp8)} {'has' if len(fp8) == 1 else 'have'} no effect without train.precision = "
                          f"\"fp8\" (it is {_toml_value(t.precision)})")
+        m = self.model
+        if m.retrieval_kernel != ModelConfig().retrieval_kernel and (
+                m.negatives != "uniform_shared" or "retrieval" not in m.tasks):
+            parts.append(f"model.retrieval_kernel = {_toml_value(m.retrieval_kernel)} has no effect with "
+                         + (f"model.negatives = {_toml_value(m.negatives)} (only \"uniform_shared\" reads it)"
+                            if "retrieval" in m.tasks else "no retrieval task"))
         if t.activation_memory_budget and t.activation_checkpointing not in ("auto", "torch"):
             parts.append(f"train.activation_memory_budget = {_toml_value(t.activation_memory_budget)} has no effect "
                          f"with train.activation_checkpointing = {_toml_value(t.activation_checkpointing)} (only "

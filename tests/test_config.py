@@ -201,6 +201,18 @@ def test_compile_settings_without_compile_warn_and_are_kept(caplog):
     assert msg.startswith("train.compile_tower = false has no effect") and "never the tower" in msg
 
 
+def test_retrieval_kernel_without_effect_is_warned_about():
+    """model.retrieval_kernel off its default only acts on "uniform_shared" retrieval negatives: elsewhere the same
+    one warning as the other idle settings."""
+    def warning(overrides):
+        return apply_overrides(JobConfig(), overrides).ineffective_settings_warning()
+
+    assert warning(["model.retrieval_kernel=triton"]) == ('model.retrieval_kernel = "triton" has no effect with '
+                                                          'model.negatives = "uniform" (only "uniform_shared" reads it)')
+    assert warning(["model.retrieval_kernel=auto", "model.negatives=uniform_shared"]) is None
+    assert warning(["model.retrieval_kernel=reference"]) is None  # the default
+
+
 def test_fp8_and_budget_settings_without_effect_are_warned_about():
     """fp8_* off their defaults without precision "fp8", and a memory budget under a mode that does not read it,
     get the same one warning as the compile_* settings (joined with them); in effect, none."""

@@ -93,17 +93,29 @@ def _preflight(cfg, manifest, *, embedded, previous=None, num_gpus=None):
     preflight.preflight_data(cfg, manifest, previous=previous)
 
 
-def test_preflight_refuses_jobs_that_would_fail_in_the_workers(tmp_path):
+def test_preflight_refuses_jobs_that_would_fail_in_the_workers(tmp_path, monkeypatch):
     ok = JobConfig()
     _preflight(ok, _manifest(), embedded=True)
+    interp = JobConfig()
+    interp.model.retrieval_kernel = "triton"  # runs on CPU in Triton's interpreter (the tests' path)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    _preflight(interp, _manifest(), embedded=True)
+    interp.model.kernel_tiles = '{"long": {"mode": {"dk_from_ds": true}}}'
+    _preflight(interp, _manifest(), embedded=True)
     cases = [
         ("train.sparse_optimizer='adam' needs ray.use_gpu", dict(train={"sparse_optimizer": "adam"})),
         ("model.attention_backend='triton' needs ray.use_gpu", dict(model={"attention_backend": "triton"})),
+        ("model.retrieval_kernel='triton' needs ray.use_gpu", dict(model={"retrieval_kernel": "triton"})),
+        # the kernel tiles' keys (not only their JSON syntax) are checked before Ray starts
+        ("model.kernel_tiles: long.mode: expected an object with keys from",
+         dict(model={"kernel_tiles": '{"long": {"mode": {"dk_from_dz": true}}}'})),
+        ("model.kernel_tiles: unknown regime", dict(model={"kernel_tiles": '{"huge": {}}'})),
         ("ray.cpus_per_worker=8.0 exceeds the 4 CPUs", dict(ray={"cpus_per_worker": 8.0})),
         # each worker fits, the group does not: 2 x 3 CPUs on 4 (it waited forever before)
         (r"2 worker\(s\) x ray.cpus_per_worker=3.0 exceed the 4 CPUs", dict(ray={"cpus_per_worker": 3.0})),
         ("train.eval_ks=.*above the 1000 items", dict(train={"eval_ks": [10, 2000]})),
     ]
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     for msg, changes in cases:
         cfg = JobConfig()
         for section, kv in changes.items():

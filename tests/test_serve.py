@@ -410,6 +410,10 @@ def test_run_config_is_found_without_a_checkpoint(tmp_path):
         assert find_config(given) == out / "config.toml", given
     assert run_config(ckpt, overrides=["train.epochs=7"]).train.epochs == 7
     (tmp_path / "other").mkdir()
+    a_file = tmp_path / "config.toml.txt"
+    a_file.write_text("")
+    with pytest.raises(FileNotFoundError, match="is a file, not a folder"):
+        find_config(a_file)
     with pytest.raises(FileNotFoundError, match=r"not a gemray run folder: no config.toml in it \(or pass --config\)"):
         find_config(tmp_path / "other")
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import time
 from pathlib import Path
@@ -63,8 +64,9 @@ def preflight_output(out: str | Path, *, what: str = "--output") -> None:
 def preflight_resources(cfg: JobConfig, *, embedded: bool, num_gpus: int | None = None) -> None:
     """Refuse a job the device or the embedded cluster cannot run: ``ray.use_gpu`` on an embedded cluster
     with fewer GPUs than workers (``num_gpus``: GPUs this machine has; default ``torch.cuda.device_count()``),
-    Adam kinds of sparse optimizer or forced Triton without a GPU, a worker asking more CPUs than the embedded
-    cluster advertises. embedded: whether fit will start its own Ray cluster (an external one may have the
+    Adam kinds of sparse optimizer or forced Triton without a GPU (attention; the retrieval kernel outside Triton's
+    interpreter), a ``model.kernel_tiles`` naming an unknown regime, tile kind or mode, a worker asking more CPUs
+    than the embedded cluster advertises. embedded: whether fit will start its own Ray cluster (an external one may have the
     GPUs and CPUs). Raises ValueError naming the field."""
     gpu = cfg.ray.use_gpu
     if embedded and gpu:
@@ -83,6 +85,14 @@ def preflight_resources(cfg: JobConfig, *, embedded: bool, num_gpus: int | None 
     if not gpu and cfg.model.attention_backend == "triton":
         raise ValueError("model.attention_backend='triton' needs ray.use_gpu=true (the kernels run on CUDA); "
                          "use 'auto' or 'reference' on CPU")
+    if not gpu and cfg.model.retrieval_kernel == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("model.retrieval_kernel='triton' needs ray.use_gpu=true (the fused sampled softmax runs on "
+                         "CUDA; on CPU only in Triton's interpreter, TRITON_INTERPRET=1, for tests); use 'auto' or "
+                         "'reference' on CPU")
+    if cfg.model.kernel_tiles:  # regimes, tile kinds and modes: checked here, not in every worker after Ray starts
+        from gemray.model.hstu import kernel_config_of
+
+        kernel_config_of(cfg.model.kernel_tiles)
     if embedded and cfg.ray.cpus_per_worker > embedded_num_cpus(cfg):
         raise ValueError(f"ray.cpus_per_worker={cfg.ray.cpus_per_worker} exceeds the {embedded_num_cpus(cfg)} CPUs "
                          "the embedded Ray cluster advertises (ray.num_cpus): the workers would never start")

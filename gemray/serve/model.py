@@ -50,6 +50,9 @@ def find_config(path: str | Path, config: str | Path | None = None) -> Path:
     p = Path(path).expanduser().resolve()
     if not p.exists():
         raise FileNotFoundError(f"--checkpoint {path}: no such folder")
+    if not p.is_dir():
+        raise FileNotFoundError(f"--checkpoint {path} is a file, not a folder: give a `gemray train --output` folder, "
+                                "its ray/<name> run or a checkpoint_* folder")
     if config is not None:
         return Path(config).expanduser().resolve()  # load_config names it if it is missing
     up = 3 if _is_checkpoint(p) else 0 if (p / CONFIG_FILE).is_file() else 2
