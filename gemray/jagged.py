@@ -283,6 +283,13 @@ def positions(offsets: torch.Tensor, total: int | None = None) -> torch.Tensor:
     return torch.arange(seg.numel(), device=offsets.device) - offsets[:-1][seg]
 
 
+def next_item_offsets(offsets: torch.Tensor) -> torch.Tensor:
+    """[B+1] token offsets -> [B+1] int64 offsets of the positions that have a next item (sequence b has
+    max(L_b - 1, 0) of them), the rows of ``next_item_index``; on the device, no host sync."""
+    rows = (offsets[1:] - offsets[:-1] - 1).clamp(min=0)
+    return torch.cat([rows.new_zeros(1), torch.cumsum(rows, 0)])
+
+
 def next_item_index(offsets: torch.Tensor, num_next: int | None = None) -> torch.Tensor:
     """[B+1] offsets -> [M] int64 token indices t that have a next item t+1 in the same sequence, by sequence then
     position. num_next: M when known on the host (``HostShape.num_next``): then no host sync (the count of such

@@ -296,11 +296,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.
 SAMPLED_SOFTMAX_MODULE = "gemray.kernels.sampled_softmax"
 
 
-def _ssm_module():
-    """The fused sampled softmax's module: ``_kernel_module(SAMPLED_SOFTMAX_MODULE)``."""
-    return _kernel_module(SAMPLED_SOFTMAX_MODULE)
-
-
 def resolve_sampled_softmax_backend(backend: AttentionBackend | str, device: torch.device) -> AttentionBackend:
     """TRITON or REFERENCE for :func:`sampled_softmax_lse` on ``device``: ``choose_backend``'s rules ("auto":
     Triton on CUDA when the kernel module imports; "triton" off its device raises RuntimeError), decided and
@@ -323,7 +318,7 @@ def sampled_softmax_lse(h: torch.Tensor, pos: torch.Tensor, e_neg: torch.Tensor,
     Raises ValueError (unknown backend, bad shapes) or RuntimeError ("triton" where it cannot run).
     """
     if resolve_sampled_softmax_backend(backend, h.device) is AttentionBackend.TRITON:
-        return _ssm_module()[0].sampled_softmax_lse_triton(h, pos, e_neg, neg_ids, target_ids, row_offsets,
+        return _kernel_module(SAMPLED_SOFTMAX_MODULE)[0].sampled_softmax_lse_triton(h, pos, e_neg, neg_ids, target_ids, row_offsets,
                                                            max_rows, temperature, block_m=block_m,
                                                            block_r=block_r)
     return _ref.sampled_softmax_lse_ref(h, pos, e_neg, neg_ids, target_ids, row_offsets, max_rows, temperature)

@@ -1211,10 +1211,9 @@ def _dot_prec(dtype: torch.dtype) -> str | None:
     return "ieee" if dtype == torch.float32 else None
 
 
-def _block_d(d: int) -> int:
-    """Power-of-two tile width >= d (>= 16), in plain Python (triton.next_power_of_2 costs ~10 us a call
-    through its JIT wrapper on the host)."""
-    return max(16, 1 << (d - 1).bit_length())
+# power-of-two tile width >= d (>= 16), in plain Python (triton.next_power_of_2 costs ~10 us a call through its
+# JIT wrapper on the host): the config's own rule
+_block_d = kconfig._pow2
 
 
 def _bias_strides(bias: torch.Tensor | None) -> tuple[int, int, int, int]:

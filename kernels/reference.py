@@ -27,10 +27,11 @@ ACTIVATIONS = ("silu", "softmax", "gelu", "none")
 _TIME_LOG_DIVISOR = 0.301
 
 
-def _flat_index(offsets: torch.Tensor, n: int) -> torch.Tensor:
-    """[B+1] offsets -> [T] int64 row of each token in a [B*n] padded layout."""
+def _flat_index(offsets: torch.Tensor, n: int, total: int | None = None) -> torch.Tensor:
+    """[B+1] offsets -> [T] int64 row of each token in a [B*n] padded layout. total: T when known on the host
+    (then no host sync on CUDA)."""
     lengths = offsets[1:] - offsets[:-1]
-    seg = torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths)
+    seg = torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths, output_size=total)
     pos = torch.arange(seg.numel(), device=offsets.device) - offsets[:-1][seg]
     return seg * n + pos
 
@@ -603,14 +604,10 @@ def sampled_softmax_lse_ref(h: torch.Tensor, pos: torch.Tensor, e_neg: torch.Ten
     [B, max_rows, E] (index_copy), multiplied by e_neg^T in one bmm and un-padded (index_select).
     """
     dt = torch.float64 if torch.float64 in (h.dtype, e_neg.dtype, pos.dtype) else torch.float32
-    M, E = h.shape
-    B, R = neg_ids.shape
     n = max(int(max_rows), 1)
-    lens = row_offsets[1:] - row_offsets[:-1]
-    seg = torch.repeat_interleave(torch.arange(B, device=h.device), lens, output_size=M)   # [M] sequence of row
-    flat = seg * n + (torch.arange(M, device=h.device) - row_offsets[:-1][seg])             # [M] padded row
-    padded = h.new_zeros((B * n, E), dtype=dt).index_copy(0, flat, h.to(dt)).view(B, n, E)
-    neg = torch.bmm(padded, e_neg.to(dt).transpose(1, 2)).view(B * n, R).index_select(0, flat)  # [M, R]
-    same = neg_ids[seg] == target_ids.view(-1, 1)
+    flat = _flat_index(row_offsets, n, total=h.shape[0])                                    # [M] padded row
+    neg = _unpad(torch.bmm(_pad(h.to(dt), row_offsets, n, flat), e_neg.to(dt).transpose(1, 2)), row_offsets,
+                 flat)                                                                      # [M, R]
+    same = neg_ids[flat // n] == target_ids.view(-1, 1)
     logits = torch.cat([pos.to(dt).view(-1, 1), neg.masked_fill(same, float("-inf"))], dim=1) / temperature
     return torch.logsumexp(logits, dim=1)

@@ -39,6 +39,9 @@ import torch
 import triton
 import triton.language as tl
 
+from gemray.kernels.config import _pow2 as _block_e  # the tile width of E: the next power of two >= E, >= 16
+from gemray.kernels.jagged_attention import _dot_prec  # fp32: exact "ieee" products; 16-bit: tensor cores
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # default (BLOCK_M, BLOCK_R) by input dtype, from sm_90 compiles (triton 3.9, 4 warps, E = 64; 2026-12-05): float32
@@ -173,14 +176,6 @@ def _ssm_bwd_de(H, EN, NEG, TGT, ROW_OFF, LSE, G, DE, R, E_DIM, stride_hm, strid
     de = de * scale
     tl.store(DE + b64 * stride_deb + offs_r[:, None] * stride_der + offs_e[None, :], de.to(DE.dtype.element_ty),
              mask=valid_r[:, None] & emask[None, :])
-
-
-def _dot_prec(dtype: torch.dtype) -> str | None:
-    return "ieee" if dtype == torch.float32 else None
-
-
-def _block_e(e: int) -> int:
-    return max(16, 1 << (e - 1).bit_length())
 
 
 def _blocks(block_m: int, block_r: int, dtype: torch.dtype) -> tuple[int, int]:

@@ -62,7 +62,7 @@ def test_host_shape_and_sync_free_helpers_match_the_device_reads():
     """HostShape's ints equal what reading the offsets gives; JaggedBatch.to carries them (not as a tensor) and the
     batch's properties use them; next_item_index / positions / query_timestamps with host sizes (the sync-free forms)
     equal the mask / nonzero definitions, empty sequences (leading, inner, trailing) and B = 0 included."""
-    from gemray.jagged import HostShape, next_item_index, positions, query_timestamps, segment_ids
+    from gemray.jagged import HostShape, next_item_index, next_item_offsets, positions, query_timestamps, segment_ids
 
     g = torch.Generator().manual_seed(0)
     for trial in range(200):
@@ -81,6 +81,10 @@ def test_host_shape_and_sync_free_helpers_match_the_device_reads():
         pos = positions(off)
         want_idx = torch.nonzero(pos < (lens[seg] - 1)).view(-1)
         assert torch.equal(next_item_index(off), want_idx) and torch.equal(next_item_index(off, hs.num_next), want_idx)
+        # the rows of next_item_index per sequence: sequence b's are next_item_offsets[b]:next_item_offsets[b + 1]
+        row_off = next_item_offsets(off)
+        assert row_off.numel() == B + 1 and int(row_off[-1]) == want_idx.numel()
+        assert torch.equal(seg[want_idx], torch.repeat_interleave(torch.arange(B), row_off[1:] - row_off[:-1]))
         assert torch.equal(positions(off, T), pos) and torch.equal(segment_ids(off, T), seg)
         for lst in (None, last):
             want = ts.clone()

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gemray import ops
-from gemray.jagged import jagged_to_padded, next_item_index, padded_to_jagged, segment_ids
+from gemray.jagged import jagged_to_padded, next_item_index, next_item_offsets, padded_to_jagged, segment_ids
 
 
 def sample_uniform(batch_size: int, num_negatives: int, num_items: int,
@@ -189,18 +189,14 @@ class RetrievalHead(nn.Module):
                       ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """"uniform_shared" through the fused kernel: h [M, D], pos [M] (cosines), e_neg [B, R, D] unit-norm,
         neg_ids [B, R], target_ids [M], offsets [B+1] (token offsets: sequence b has max(L_b - 1, 0) rows)."""
-        rows = (offsets[1:] - offsets[:-1] - 1).clamp(min=0)
-        row_offsets = F.pad(torch.cumsum(rows, 0), (1, 0))
         if max_len is None:  # a host sync on CUDA, as _jagged_dense_bmm without max_len
             max_len = int((offsets[1:] - offsets[:-1]).max()) if offsets.numel() > 1 else 0
-        dt = torch.float64 if h.dtype == torch.float64 else torch.float32  # float32 products, as the reference
-        if dt == torch.float64:  # the kernels stop at float32 (float64 is for tests): the reference formula
-            lse = ops.sampled_softmax_lse(h, pos, e_neg, neg_ids, target_ids, row_offsets, max(max_len - 1, 0),
-                                          self.temperature, backend="reference")
-        else:
-            with torch.autocast(h.device.type, enabled=False):
-                lse = ops.sampled_softmax_lse(h.to(dt), pos.to(dt), e_neg.to(dt), neg_ids, target_ids, row_offsets,
-                                              max(max_len - 1, 0), self.temperature, backend="triton")
+        # float32 products, as the reference; float64 (tests) takes the reference formula: the kernels stop at fp32
+        dt, backend = (torch.float64, "reference") if h.dtype == torch.float64 else (torch.float32, "triton")
+        with torch.autocast(h.device.type, enabled=False):
+            lse = ops.sampled_softmax_lse(h.to(dt), pos.to(dt), e_neg.to(dt), neg_ids, target_ids,
+                                          next_item_offsets(offsets), max(max_len - 1, 0), self.temperature,
+                                          backend=backend)
         loss = (lse - pos.to(lse.dtype) / self.temperature).mean() + zero
         stats = {"num_targets": torch.tensor(float(h.shape[0])), "pos_logit": pos.detach().mean()}
         return loss, stats
