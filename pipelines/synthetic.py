@@ -867,9 +867,10 @@ def prepare_synthetic(out: str | Path, spec: SyntheticSpec, *, num_files: int = 
 
 def _run_tasks(tasks: list[dict[str, Any]], items: _Items, workers: int, total_users: int,
                progress: bool | None) -> list[dict[str, Any]]:
-    """Write the files, in this process (workers == 1) or in a pool. The pool forks where the platform can (the
-    children share the parent's item tables, nothing is imported again, no ``__main__`` guard is needed) before any
-    thread of ours starts; elsewhere it spawns, and each worker rebuilds the tables from the seed."""
+    """Write the files, in this process (workers == 1) or in a pool. The pool forks where the platform can and the
+    process has no other thread yet (:func:`_can_fork`; the children share the parent's item tables, nothing is
+    imported again, no ``__main__`` guard is needed); elsewhere it spawns, and each worker rebuilds the tables from
+    the seed."""
     from tqdm import tqdm
 
     def bar():
@@ -879,7 +880,7 @@ def _run_tasks(tasks: list[dict[str, Any]], items: _Items, workers: int, total_u
     if workers == 1:
         with bar() as b:
             return [_write_file({**t, "items_obj": items, "progress": _BarQueue(b)}) for t in tasks]
-    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    method = "fork" if _can_fork() else "spawn"
     ctx = mp.get_context(method)
     if method == "fork":
         _ITEMS_CACHE.clear()
@@ -894,6 +895,21 @@ def _run_tasks(tasks: list[dict[str, Any]], items: _Items, workers: int, total_u
             results = pending.get()
             _drain(q, b)
     return results
+
+
+def _can_fork() -> bool:
+    """Whether the pool may fork: the platform has fork and this process runs one OS thread. fork copies only the
+    calling thread, so a lock another thread held at that moment (an embedded Ray's, a logging handler's) stays held
+    in the child forever: ``gemray.fit`` generating data in a process where Ray already ran (the test suite) hung in
+    the pool's children. With other threads the pool spawns (the workers rebuild the tables from the seed)."""
+    if "fork" not in mp.get_all_start_methods():
+        return False
+    try:
+        return len(os.listdir("/proc/self/task")) == 1
+    except OSError:  # no /proc: Python's own threads are all this can see
+        import threading
+
+        return threading.active_count() == 1
 
 
 _PROGRESS: Any = None

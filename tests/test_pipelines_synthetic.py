@@ -485,3 +485,20 @@ def test_ray_data_reader_reads_the_gem_columns(folders):
         stream._READ_CACHE.clear()
         if started:
             ray.shutdown()
+
+
+def test_pool_forks_only_while_the_process_has_one_thread():
+    """fork copies only the calling thread (a lock another thread holds stays held in the child: gemray.fit after
+    an embedded Ray hung there), so the generator's pool forks only in a single-threaded process, else spawns."""
+    import threading
+
+    from gemray.pipelines import synthetic
+
+    stop = threading.Event()
+    t = threading.Thread(target=stop.wait)
+    t.start()
+    try:
+        assert synthetic._can_fork() is False
+    finally:
+        stop.set()
+        t.join()
