@@ -189,6 +189,30 @@ def gem_variants(d: int = 256) -> list[tuple]:
     return wide
 
 
+# the fused sampled softmax's kernels (gemray.kernels.sampled_softmax) at the GEM head's width E = 64
+_SSM_TYPES = dict(H="*{dt}", POS="*fp32", EN="*{dt}", NEG="*i64", TGT="*i64", ROW_OFF="*i64", LSE="*fp32",
+                  G="*fp32", DH="*{dt}", DPOS="*fp32", DE="*{dt}", scale="fp32")
+
+
+def ssm_variants(e: int = 64) -> list[tuple]:
+    """The fused sampled softmax's forward / dH / dE kernels at head width ``e`` (4 warps, 2 stages as Triton's
+    default launch): float32 with exact ("ieee") products at its default tiles and 64 x 64, bf16 at its default
+    tiles (``sampled_softmax.DEFAULT_BLOCKS``)."""
+    import torch
+
+    from gemray.kernels import sampled_softmax as ssm
+
+    out = []
+    for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        tiles = [ssm.DEFAULT_BLOCKS[dtype]] + ([(64, 64)] if dtype == torch.float32 else [])
+        types = {k: v.format(dt=name) for k, v in _SSM_TYPES.items()}
+        for bm, br in tiles:
+            consts = dict(BLOCK_M=bm, BLOCK_R=br, BLOCK_E=ssm._block_e(e), DOT_PREC=ssm._dot_prec(dtype))
+            for fn in (ssm._ssm_fwd, ssm._ssm_bwd_dh, ssm._ssm_bwd_de):
+                out.append((f"{fn.__name__} {name} E={e} {bm}x{br}/4w/2s", fn, types, consts, 4, 2))
+    return out
+
+
 def smem_variants(config: KernelConfig = DEFAULT, dims: tuple[int, ...] = (64, 128, 256)) -> list[tuple]:
     """(kind, rel, variant) of every launch ``config`` makes on an sm_90 GPU in bf16, per regime and head dim
     (q / k = v width): the tiles ``config.tile`` picks (shrunk to fit shared memory where needed), each kernel
@@ -255,12 +279,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gem", action="store_true", help="instead: the GEM config's DS_STORE backward at head dim 256 "
                    "(silu): the dK/dV candidates of benchmarks/attn_sweep_d256.py with dK in the launch and without "
                    "(dk_from_ds), by pointers and TMA, and the dK = dS^T Q launch's candidates")
+    p.add_argument("--ssm", action="store_true", help="instead: the fused sampled softmax's forward / dH / dE "
+                   "kernels at the GEM head's width (E = 64), float32 and bf16")
     args = p.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)
     if args.smem:
         return 1 if check_smem(dims=tuple(int(x) for x in args.dims.split(","))) else 0
     bad = 0
-    for v in (gem_variants() if args.gem else default_variants(args.all)):
+    variants = gem_variants() if args.gem else ssm_variants() if args.ssm else default_variants(args.all)
+    for v in variants:
         try:
             r = check(v)
         except Exception as e:  # report and go on: one bad variant must not hide the others
