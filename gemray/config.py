@@ -178,6 +178,13 @@ class ModelConfig:
     (Both 0 = full causal attention. For the longest histories. Not wired into the HSTU blocks yet: validate
     refuses any non-zero value, so at most one of the two is checked only once they are wired.)
     relative_bias: the HSTU blocks' learned relative position / time bias (rab^{p,t}) on or off.
+    fp32_residual: the residual stream between the HSTU blocks (and its gradient) in float32 (default: the fp32
+    positional table promotes the input to float32, as generative-recommenders) or, when false, in the
+    autocast dtype (bf16 under ``train.precision`` "bf16" / "fp8"; Megatron-LM's ``fp32_residual_connection``
+    off): half the bytes of every residual read / write and of the block inputs saved for backward (~15 GB of
+    traffic and ~2 GB of saved activations a step at configs/gem-h200.toml's batch 128, by count). Each block's
+    LayerNorm still computes in float32 (autocast), the encoder's output is normalised from the bf16 stream. No
+    effect without autocast (``train.precision = "fp32"``, the ML-1M config).
     table_rows: row-count overrides "table=rows" (e.g. ["user=200000000", "item=100000000"]) so that tables can
     be sized by configuration (capacity beyond the data's ids); a table's default is what the data needs
     (item: num_items + 1; a side feature: its cardinality + 1; user: num_users). Tables: "item", "rating",
@@ -240,6 +247,7 @@ class ModelConfig:
     attention_window: int = 0
     attention_block: int = 0
     relative_bias: bool = True
+    fp32_residual: bool = True
     table_rows: list[str] = field(default_factory=list)
     table_dtype: str = "fp32"
     moe_experts: int = 0
@@ -743,7 +751,7 @@ class JobConfig:
         it once per run. Covered: the ``compile_*`` settings without anything compiled
         (:meth:`TrainConfig.ineffective_compile_settings`); ``fp8_recipe`` / ``fp8_grad`` / ``fp8_min_dim`` off
         their defaults without ``precision = "fp8"``; a ``model.retrieval_kernel`` off its default without
-        "uniform_shared" retrieval negatives; an ``activation_memory_budget`` with a checkpointing mode that does not
+        "uniform_shared" retrieval negatives; ``model.fp32_residual = false`` without autocast; an ``activation_memory_budget`` with a checkpointing mode that does not
         read it (only "auto" and "torch" do)."""
         t = self.train
         parts = []
@@ -766,6 +774,9 @@ class JobConfig:
             parts.append(f"model.retrieval_kernel = {_toml_value(m.retrieval_kernel)} has no effect with "
                          + (f"model.negatives = {_toml_value(m.negatives)} (only \"uniform_shared\" reads it)"
                             if "retrieval" in m.tasks else "no retrieval task"))
+        if not m.fp32_residual and t.precision == "fp32":
+            parts.append("model.fp32_residual = false has no effect with train.precision = \"fp32\" (no autocast: the "
+                         "residual stream is float32)")
         if t.activation_memory_budget and t.activation_checkpointing not in ("auto", "torch"):
             parts.append(f"train.activation_memory_budget = {_toml_value(t.activation_memory_budget)} has no effect "
                          f"with train.activation_checkpointing = {_toml_value(t.activation_checkpointing)} (only "

@@ -232,6 +232,18 @@ def test_fp8_and_budget_settings_without_effect_are_warned_about():
     assert both.startswith("train.compile_tower = false has no effect") and '; train.fp8_grad = "e5m2" has' in both
 
 
+def test_fp32_residual_off_without_autocast_is_warned_about():
+    """model.fp32_residual = false acts only under autocast (train.precision "bf16" / "fp8")."""
+    def warning(overrides):
+        return apply_overrides(JobConfig(), overrides).ineffective_settings_warning()
+
+    assert warning(["model.fp32_residual=false"]) == ('model.fp32_residual = false has no effect with train.precision = '
+                                                      '"fp32" (no autocast: the residual stream is float32)')
+    for p in ("bf16", "fp8"):
+        assert warning(["model.fp32_residual=false", f"train.precision={p}"]) is None
+    assert warning(["model.fp32_residual=true"]) is None
+
+
 @pytest.mark.parametrize("value", ["2", "1.5", "1024", "1048575"])
 def test_budget_below_one_mib_of_bytes_is_refused(tmp_path, value):
     """train.activation_memory_budget = 2 was taken as 2 bytes (every module recomputed, the budget still 'NOT

@@ -164,10 +164,13 @@ def test_missing_item_features_and_candidates_raise():
         model(random_batch([3, 2], NUM_ITEMS))  # MovieLens-like batch: no side features, no candidates
 
 
-@pytest.mark.parametrize("negatives", ["uniform", "uniform_shared", "in_batch"])
-def test_bf16_autocast_forward_backward_on_cpu(negatives):
+@pytest.mark.parametrize("negatives, fp32_residual", [("uniform", True), ("uniform_shared", True),
+                                                      ("in_batch", True), ("uniform_shared", False)])
+def test_bf16_autocast_forward_backward_on_cpu(negatives, fp32_residual):
+    """bf16 autocast through the whole model (tower, heads; with model.fp32_residual = false the encoder's states
+    bf16 too): float32 loss and gradients, within bf16 rounding of the float32 forward."""
     from gemray.train.precision import autocast
-    cfg = _cfg(negatives=negatives)
+    cfg = _cfg(negatives=negatives, fp32_residual=fp32_residual)
     torch.manual_seed(0)
     model = _model(cfg)
     batch = _gem_batch([5, 3], [2, 2])

@@ -147,3 +147,43 @@ def test_kernel_tiles_reach_the_blocks(tmp_path):
         with pytest.raises(ValueError, match=f"model.kernel_tiles.*{why}"):
             HSTUEncoder(ModelConfig(embedding_dim=16, num_blocks=1, num_heads=2, attention_dim=8, linear_dim=8,
                                     kernel_tiles=bad), max_seq_len=32)
+
+
+def _residual_run(fp32_residual: bool, autocast: bool):
+    """One encoder forward / backward on a random jagged batch (an empty and a length-1 sequence among them):
+    (the dtypes each block received, output, grad of the input tokens, grad of block 0's uvqk weight)."""
+    cfg = ModelConfig(embedding_dim=16, num_blocks=3, num_heads=2, attention_dim=8, linear_dim=8, dropout=0.0,
+                      attention_backend="reference", fp32_residual=fp32_residual)
+    torch.manual_seed(0)
+    enc = HSTUEncoder(cfg, max_seq_len=20)
+    seen = []
+    for blk in enc.blocks:
+        blk.register_forward_pre_hook(lambda mod, args: seen.append(args[0].dtype))
+    offsets = lengths_to_offsets(torch.tensor([5, 0, 1, 20, 9]))
+    T = int(offsets[-1])
+    g = torch.Generator().manual_seed(1)
+    tok = torch.randn(T, 16, generator=g, requires_grad=True)
+    ts = torch.cumsum(torch.randint(0, 10 ** 6, (T,), generator=g), 0)
+    w = torch.randn(T, 16, generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = enc(tok, offsets, ts)
+    gt, gw = torch.autograd.grad((out.float() * w).sum(), [tok, enc.blocks[0].uvqk_weight])
+    return seen, out, gt, gw
+
+
+def test_fp32_residual_off_keeps_the_stream_in_the_autocast_dtype():
+    """model.fp32_residual = false: under bf16 autocast every block receives (and so adds its output to) a bf16
+    stream, and forward / backward stay within bf16's error of the float32 stream; without autocast the flag changes
+    nothing (bit for bit: the ML-1M config trains in float32)."""
+    seen32, out32, gt32, gw32 = _residual_run(True, autocast=True)
+    seen16, out16, gt16, gw16 = _residual_run(False, autocast=True)
+    assert seen32 == [torch.float32] * 3 and seen16 == [torch.bfloat16] * 3
+    assert out16.dtype == torch.bfloat16 and gt16.dtype == torch.float32
+    for a, b, tol in ((out16, out32, 2e-2), (gt16, gt32, 2e-2), (gw16, gw32, 3e-2)):
+        err = ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+        assert 0 < err < tol, err  # not the same computation, but the same result to bf16 precision
+
+    plain = [_residual_run(flag, autocast=False) for flag in (True, False)]
+    assert plain[0][0] == plain[1][0] == [torch.float32] * 3
+    for a, b in zip(plain[0][1:], plain[1][1:]):
+        assert torch.equal(a, b)

@@ -199,7 +199,8 @@ class HSTUEncoder(nn.Module):
     """Token embeddings -> L2-normalised user states, jagged.
 
     Input preprocessing as generative-recommenders' ``LearnablePositionalEmbeddingInputFeaturesPreprocessor``:
-    ``x = tok_emb * sqrt(D) + pos_emb[position]`` then dropout; ``tok_emb`` is the item embedding plus the
+    ``x = tok_emb * sqrt(D) + pos_emb[position]`` (float32; in the autocast dtype under ``model.fp32_residual =
+    false``) then dropout; ``tok_emb`` is the item embedding plus the
     optional rating / time-gap embeddings. Then ``num_blocks`` HSTU blocks and an L2 normalisation
     (generative-recommenders' ``L2NormEmbeddingPostprocessor``).
 
@@ -251,6 +252,9 @@ class HSTUEncoder(nn.Module):
             raise ValueError(f"HSTUEncoder: a sequence of length {n} > max_seq_len {self.max_seq_len}")
         pos = positions(offsets, tok_emb.shape[0])
         x = tok_emb * math.sqrt(self.d) + self.pos_emb[pos]
+        dev = x.device.type
+        if not self.cfg.fp32_residual and torch.is_autocast_enabled(dev):
+            x = x.to(torch.get_autocast_dtype(dev))  # model.fp32_residual = false: the stream in bf16 (config.py)
         x = self.input_dropout(x)
         # the reference bucketises once per forward ([B, n, n] indices shared by the blocks); the Triton kernels
         # bucketise per tile from the timestamps themselves (no [B, n, n] tensor)
