@@ -169,3 +169,99 @@ def test_parallelize_keeps_torchrec_planner_info_off_the_console():
     chatter = [r.getMessage() for r in root if r.name.startswith("torchrec") and r.levelno < logging.WARNING]
     assert chatter == [], chatter[:5]
     assert any(r.getMessage().startswith("layout world 1: ") and "sharding plan" in r.getMessage() for r in ours)
+
+
+def _fresh_recat(monkeypatch):
+    """TorchRec's own _get_recat in dist_data (restored after the test), wrapped in a call counter."""
+    from torchrec.distributed import dist_data
+
+    original = getattr(dist_data._get_recat, "__wrapped__", dist_data._get_recat)
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(dist_data, "_get_recat", counted)
+    return dist_data, original, calls
+
+
+def test_recat_cache_returns_torchrec_values_once_per_shape(monkeypatch):
+    """cache_torchrec_recat: each distinct call of TorchRec's _get_recat (its host-int arguments) runs once and its
+    tensor is served again (the same object: no per-step host-to-device copy and stream wait); the values are
+    TorchRec's own for fixed and variable batch sizes per rank; None (an empty local split) is cached too; the
+    cache is bounded; installing twice is a no-op."""
+    import torch
+
+    from gemray.parallel import sharding
+
+    dist_data, original, calls = _fresh_recat(monkeypatch)
+    assert sharding.cache_torchrec_recat() is True
+    assert sharding.cache_torchrec_recat() is False
+    get = dist_data._get_recat
+    for args in ((2, 4, 1, torch.device("cpu"), None), (3, 2, 1, torch.device("cpu"), [5, 5]),
+                 (2, 4, 2, torch.device("cpu"), [3, 1, 4, 1]), (1, 1, 1, torch.device("cpu"), [128])):
+        first = get(*args)
+        n = len(calls)
+        again = get(*args[:2], stagger=args[2], device=args[3], batch_size_per_rank=args[4])
+        assert again is first and len(calls) == n  # served from the cache, TorchRec not called again
+        assert torch.equal(first, original(*args))
+    assert get(0, 4, 1, torch.device("cpu"), None) is None and get(0, 4, 1, torch.device("cpu"), None) is None
+    assert calls.count((0, 4, 1, torch.device("cpu"), None)) == 1
+    assert not torch.equal(get(2, 4, 2, torch.device("cpu"), None), get(2, 4, 1, torch.device("cpu"), None))
+    for b in range(sharding._RECAT_CACHE_SIZE + 5):
+        get(1, 2, 1, torch.device("cpu"), [b, b + 1])
+    assert len(get.cache) == sharding._RECAT_CACHE_SIZE
+
+
+def test_training_steps_build_the_recat_once(monkeypatch):
+    """Through parallelize and DMP: three training steps of a GEM (an input distribution per sharding type a step)
+    call TorchRec's _get_recat once per distinct shape, not once per step and input distribution; the losses
+    equal those of the same steps without the cache."""
+    import torch
+    import torch.distributed as dist
+
+    from gemray.bench.train import _init_process_group
+    from gemray.config import load_config
+    from gemray.model import GEM
+    from gemray.parallel import build_optimizer, parallelize
+    from model_utils import random_batch
+
+    cfg = load_config(None, ["model.embedding_dim=8", "model.num_blocks=1", "model.num_heads=2",
+                             "model.attention_dim=4", "model.linear_dim=4", "model.num_negatives=4",
+                             "data.max_seq_len=8"])
+
+    def losses(cached: bool) -> list[float]:
+        torch.manual_seed(0)
+        dmp = parallelize(GEM(cfg.model, 50, "meta", max_seq_len=8), layout=plan_layout(1, "cpu"), cfg=cfg,
+                          device=torch.device("cpu"))
+        if not cached:  # undo what parallelize installed
+            monkeypatch.setattr(dist_data, "_get_recat", counted)
+        opt = build_optimizer(dmp, cfg)
+        out = []
+        for s in range(3):
+            batch = random_batch([3, 5, 1, 8], num_items=49, seed=s)
+            dmp.module.seed_sampling(s)
+            opt.zero_grad()
+            loss, _ = dmp(batch)
+            loss.backward()
+            opt.step()
+            out.append(float(loss.detach()))
+        return out
+
+    dist_data, _, calls = _fresh_recat(monkeypatch)
+    counted = dist_data._get_recat
+    made = _init_process_group(torch.device("cpu"))
+    try:
+        with_cache = losses(True)
+        cached_calls = len(calls)
+        assert dist_data._get_recat is not counted and dist_data._get_recat.__wrapped__ is counted
+        served = len(dist_data._get_recat.cache)
+        calls.clear()
+        without = losses(False)
+    finally:
+        if made:
+            dist.destroy_process_group()
+    assert 1 <= cached_calls == served  # one call per distinct shape
+    assert len(calls) >= 3 * cached_calls and len(calls) % 3 == 0  # uncached: every step, every input dist
+    assert with_cache == without

@@ -222,6 +222,55 @@ def torchrec_logs_at_debug() -> Iterator[None]:
             log.debug("torchrec: %s%s", msg, "" if n == 1 else f" (x{n})")
 
 
+_RECAT_CACHE_SIZE = 64
+_NOT_CACHED = object()
+
+
+def cache_torchrec_recat() -> bool:
+    """Make TorchRec's input distribution build its recat index once per shape instead of once per step.
+
+    Why: every KJT all-to-all of a step (one per sharding type: 3-4 a step at configs/gem-h200.toml) constructs a
+    ``KJTAllToAllTensorsAwaitable`` whose ``__init__`` calls ``torchrec.distributed.dist_data._get_recat``, which
+    returns ``torch.tensor(recat_list, device=cuda)``: a pageable host-to-device copy, after which PyTorch waits for
+    the stream, i.e. for every kernel queued so far (torchrec 1.6.1 ``dist_data.py:145``, 1.8 the same). On the H200
+    that was the step's one host synchronisation (``gemray bench train --sync-debug``, 2026-12-02; cProfile 38-50 ms
+    of waiting a step in ``torch.tensor``, benchmarks/reports/gem_h200_2026-12-03.md): the launch queue drains every
+    step and the GPU idles while the host enqueues the next kernels (6 ms of idle gaps a step, 2026-12-04). At world
+    size 1 the index is not even used (the awaitable returns before any all-to-all). Its value depends only on the
+    host ints it is called with (local split, number of splits, stagger, device, batch size per rank), and its
+    consumers only read it (``permute_2D_sparse_data``), so one tensor per distinct call serves every step.
+
+    This wraps ``_get_recat`` in ``dist_data``'s namespace (where the awaitable looks it up) with a bounded cache
+    keyed by those arguments (``_RECAT_CACHE_SIZE`` entries, oldest evicted; a None result is cached too); under
+    torch.compile tracing it calls the original. Idempotent: returns True when this call installed it, False when it
+    was already installed."""
+    from torchrec.distributed import dist_data
+
+    if getattr(dist_data._get_recat, "_gemray_cached", False):
+        return False
+    original = dist_data._get_recat
+    cache: dict = {}
+
+    def _get_recat(local_split, num_splits, stagger=1, device=None, batch_size_per_rank=None):
+        if torch.compiler.is_compiling():
+            return original(local_split, num_splits, stagger, device, batch_size_per_rank)
+        key = (int(local_split), int(num_splits), int(stagger), None if device is None else str(torch.device(device)),
+               None if batch_size_per_rank is None else tuple(int(b) for b in batch_size_per_rank))
+        recat = cache.get(key, _NOT_CACHED)
+        if recat is _NOT_CACHED:
+            recat = original(local_split, num_splits, stagger, device, batch_size_per_rank)
+            if len(cache) >= _RECAT_CACHE_SIZE:
+                cache.pop(next(iter(cache)))
+            cache[key] = recat
+        return recat
+
+    _get_recat._gemray_cached = True
+    _get_recat.__wrapped__ = original
+    _get_recat.cache = cache
+    dist_data._get_recat = _get_recat
+    return True
+
+
 def parallelize(model: nn.Module, *, layout: Layout, cfg: JobConfig, device: torch.device,
                 pg: "torch.distributed.ProcessGroup | None" = None):
     """Shard and materialise a model built on the meta device; returns its ``DistributedModelParallel``.
@@ -346,6 +395,7 @@ def parallelize(model: nn.Module, *, layout: Layout, cfg: JobConfig, device: tor
             prefetch=bool(getattr(pcfg, "prefetch", True)),
             ignored_params=expert_parameters(model) if dims.ep_enabled else set(),
             collectives=str(getattr(pcfg, "collectives", "nccl")))
+    cache_torchrec_recat()  # no host sync per step in TorchRec's input distribution
     with torchrec_logs_at_debug():
         if dims.sparse_2d:
             from torchrec.distributed.model_parallel import DMPCollection
