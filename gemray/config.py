@@ -95,24 +95,36 @@ class DataConfig:
 
 
 def kernel_tiles_spec(kernel_tiles: str) -> dict:
-    """The JSON object of a ``model.kernel_tiles`` value: inline JSON (starting with "{") or the path of a JSON
-    file ({} for ""). Raises ValueError naming model.kernel_tiles for an unreadable file, malformed JSON or a
-    value that is not an object (its regimes / kinds are checked by ``gemray.model.hstu.kernel_config_of``)."""
+    """The JSON object of a ``model.kernel_tiles`` value: inline JSON (starting with "{" once stripped) or the
+    path of a JSON file (``~`` expanded; {} for ""). Raises ValueError naming model.kernel_tiles for a value that
+    is neither (naming the value and both accepted forms), an unreadable file, malformed JSON (with the error's
+    line and column) or JSON that is not an object (its regimes / kinds are checked by
+    ``gemray.model.hstu.kernel_config_of``)."""
     if not kernel_tiles:
         return {}
-    text = kernel_tiles
-    if not kernel_tiles.lstrip().startswith("{"):
+    if kernel_tiles.lstrip().startswith("{"):
+        text, where = kernel_tiles, "inline JSON"
+    else:
+        path = Path(kernel_tiles).expanduser()
+        if not path.is_file():
+            what = ("it is a folder" if path.is_dir() else "no such file" if path.is_absolute()
+                    else f"no such file in {Path.cwd()}")
+            raise ValueError(f"model.kernel_tiles = {kernel_tiles!r} is neither a JSON file ({what}) nor an inline "
+                             "JSON object (it does not start with '{'); expected the path of a JSON file or an "
+                             'inline JSON object such as \'{"medium": {"mode": {"ds_store": true}}}\'')
         try:
-            text = Path(kernel_tiles).read_text(encoding="utf-8")
-        except OSError as e:
-            raise ValueError(f"model.kernel_tiles: cannot read {kernel_tiles!r}: {e.strerror or e}") from None
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"model.kernel_tiles: cannot read {kernel_tiles!r}: "
+                             f"{getattr(e, 'strerror', None) or e}") from None
+        where = f"JSON file {kernel_tiles!r}"
     try:
         spec = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"model.kernel_tiles: not JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+        raise ValueError(f"model.kernel_tiles: malformed {where}: {e}") from None  # "...: line L column C (char N)"
     if not isinstance(spec, dict):
         raise ValueError(f"model.kernel_tiles: expected a JSON object {{regime: {{kind: ...}}}}, got "
-                         f"{type(spec).__name__}")
+                         f"{type(spec).__name__} ({where})")
     return spec
 
 
@@ -140,8 +152,9 @@ class ModelConfig:
     until the fused kernel has run on a GPU (written and CPU-tested 2026-12-05; its GPU tests and
     benchmarks/sampled_softmax_h200.py are in the next device session's plan).
     kernel_tiles: "" (the kernels' defaults) or the Triton attention kernels' tiles / launch modes for this
-    machine, as inline JSON or the path of a JSON file (absolute, or relative to the working directory of every
-    process that builds the model): the "chosen tiles" format the sweeps print (``gemray bench kernels --sweep``,
+    machine, as inline JSON (a value starting with "{", e.g. ``--set 'model.kernel_tiles={"long": {...}}'``) or
+    the path of a JSON file (any other value; absolute, or relative to the working directory of every process
+    that builds the model): the "chosen tiles" format the sweeps print (``gemray bench kernels --sweep``,
     benchmarks/attn_sweep_d256.py; ``gemray.kernels.config.apply_tiles``), e.g.
     ``{"medium": {"fwd_silu": {"256": [64, 64, 4, 2]}, "mode": {"ds_store": true}}}``. Used by the HSTU blocks'
     self-attention; the reference backend ignores it.
