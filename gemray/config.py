@@ -146,7 +146,10 @@ class ModelConfig:
     num_negatives / temperature: sampled softmax; negatives: "uniform" (R uniform ids per position, as
     generative-recommenders' LocalNegativesSampler), "uniform_shared" (R ids per sequence, shared by its
     positions: cheaper) or "in_batch" (the batch's own targets).
-    attention_backend: "auto" (Triton on CUDA, reference elsewhere), "triton" or "reference".
+    attention_backend: "auto" (Triton on CUDA, reference elsewhere), "triton" or "reference". "triton" without a
+    GPU (``ray.use_gpu = false``) only in Triton's CPU interpreter, ``TRITON_INTERPRET=1`` (tests; slow: ~20 s a
+    training step of configs/gem-tiny.toml on 2 cores), as ``retrieval_kernel``; refused before Ray starts
+    otherwise.
     retrieval_kernel: the "uniform_shared" sampled softmax's implementation: "auto" (the fused Triton kernel on
     CUDA, the padded reference elsewhere), "triton" or "reference" (``gemray.model.heads``). Default "reference"
     until the fused kernel has run on a GPU (written and CPU-tested 2026-12-05; its GPU tests and
