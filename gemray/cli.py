@@ -548,10 +548,13 @@ def _cmd_evaluate(ns: argparse.Namespace) -> int:
 
     from gemray.serve import load_trained
     from gemray.serve.evaluate import check_arguments, evaluate, format_metrics
+    from gemray.serve.model import prepared_manifest
 
     check_arguments(ns.split, ns.k, ns.world_size)  # before the model and the data are loaded
     if ns.json not in (None, "-"):
         _writable_file(ns.json, "--json")  # before the model is loaded and the split evaluated
+    if ns.data is not None:
+        prepared_manifest(ns.data)  # an unprepared (e.g. raw MovieLens) --data: refused before the model loads
     trained = load_trained(ns.checkpoint, config=ns.config, overrides=ns.overrides, device=ns.device)
     res = evaluate(trained, ns.split, ks=ns.k, prepared_dir=ns.data, world_size=ns.world_size)
     print(format_metrics(res))
@@ -571,7 +574,7 @@ def _cmd_evaluate(ns: argparse.Namespace) -> int:
 
 def _cmd_recommend(ns: argparse.Namespace) -> int:
     from gemray.serve import load_trained
-    from gemray.serve.model import run_config
+    from gemray.serve.model import prepared_manifest, run_config
     from gemray.serve.recommend import check_recommendable, read_users_file, recommend
 
     if ns.k < 1:  # before the model is loaded (recommend() refuses it too, for Python callers)
@@ -581,6 +584,8 @@ def _cmd_recommend(ns: argparse.Namespace) -> int:
     # a model recommend cannot serve is refused from its config, before any checkpoint is read
     check_recommendable(run_config(ns.checkpoint, config=ns.config, overrides=ns.overrides))
     users = ns.user if ns.user else read_users_file(ns.users_file)
+    if ns.data is not None:
+        prepared_manifest(ns.data)  # an unprepared (e.g. raw MovieLens) --data: refused before the model loads
     trained = load_trained(ns.checkpoint, config=ns.config, overrides=ns.overrides, device=ns.device)
     recs = recommend(trained, users, k=ns.k, prepared_dir=ns.data)
     if ns.out:

@@ -95,24 +95,36 @@ class DataConfig:
 
 
 def kernel_tiles_spec(kernel_tiles: str) -> dict:
-    """The JSON object of a ``model.kernel_tiles`` value: inline JSON (starting with "{") or the path of a JSON
-    file ({} for ""). Raises ValueError naming model.kernel_tiles for an unreadable file, malformed JSON or a
-    value that is not an object (its regimes / kinds are checked by ``gemray.model.hstu.kernel_config_of``)."""
+    """The JSON object of a ``model.kernel_tiles`` value: inline JSON (starting with "{" once stripped) or the
+    path of a JSON file (``~`` expanded; {} for ""). Raises ValueError naming model.kernel_tiles for a value that
+    is neither (naming the value and both accepted forms), an unreadable file, malformed JSON (with the error's
+    line and column) or JSON that is not an object (its regimes / kinds are checked by
+    ``gemray.model.hstu.kernel_config_of``)."""
     if not kernel_tiles:
         return {}
-    text = kernel_tiles
-    if not kernel_tiles.lstrip().startswith("{"):
+    if kernel_tiles.lstrip().startswith("{"):
+        text, where = kernel_tiles, "inline JSON"
+    else:
+        path = Path(kernel_tiles).expanduser()
+        if not path.is_file():
+            what = ("it is a folder" if path.is_dir() else "no such file" if path.is_absolute()
+                    else f"no such file in {Path.cwd()}")
+            raise ValueError(f"model.kernel_tiles = {kernel_tiles!r} is neither a JSON file ({what}) nor an inline "
+                             "JSON object (it does not start with '{'); expected the path of a JSON file or an "
+                             'inline JSON object such as \'{"medium": {"mode": {"ds_store": true}}}\'')
         try:
-            text = Path(kernel_tiles).read_text(encoding="utf-8")
-        except OSError as e:
-            raise ValueError(f"model.kernel_tiles: cannot read {kernel_tiles!r}: {e.strerror or e}") from None
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"model.kernel_tiles: cannot read {kernel_tiles!r}: "
+                             f"{getattr(e, 'strerror', None) or e}") from None
+        where = f"JSON file {kernel_tiles!r}"
     try:
         spec = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"model.kernel_tiles: not JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+        raise ValueError(f"model.kernel_tiles: malformed {where}: {e}") from None  # "...: line L column C (char N)"
     if not isinstance(spec, dict):
         raise ValueError(f"model.kernel_tiles: expected a JSON object {{regime: {{kind: ...}}}}, got "
-                         f"{type(spec).__name__}")
+                         f"{type(spec).__name__} ({where})")
     return spec
 
 
@@ -134,14 +146,18 @@ class ModelConfig:
     num_negatives / temperature: sampled softmax; negatives: "uniform" (R uniform ids per position, as
     generative-recommenders' LocalNegativesSampler), "uniform_shared" (R ids per sequence, shared by its
     positions: cheaper) or "in_batch" (the batch's own targets).
-    attention_backend: "auto" (Triton on CUDA, reference elsewhere), "triton" or "reference".
+    attention_backend: "auto" (Triton on CUDA, reference elsewhere), "triton" or "reference". "triton" without a
+    GPU (``ray.use_gpu = false``) only in Triton's CPU interpreter, ``TRITON_INTERPRET=1`` (tests; slow: ~20 s a
+    training step of configs/gem-tiny.toml on 2 cores), as ``retrieval_kernel``; refused before Ray starts
+    otherwise.
     retrieval_kernel: the "uniform_shared" sampled softmax's implementation: "auto" (the fused Triton kernel on
     CUDA, the padded reference elsewhere), "triton" or "reference" (``gemray.model.heads``). Default "reference"
     until the fused kernel has run on a GPU (written and CPU-tested 2026-12-05; its GPU tests and
     benchmarks/sampled_softmax_h200.py are in the next device session's plan).
     kernel_tiles: "" (the kernels' defaults) or the Triton attention kernels' tiles / launch modes for this
-    machine, as inline JSON or the path of a JSON file (absolute, or relative to the working directory of every
-    process that builds the model): the "chosen tiles" format the sweeps print (``gemray bench kernels --sweep``,
+    machine, as inline JSON (a value starting with "{", e.g. ``--set 'model.kernel_tiles={"long": {...}}'``) or
+    the path of a JSON file (any other value; absolute, or relative to the working directory of every process
+    that builds the model): the "chosen tiles" format the sweeps print (``gemray bench kernels --sweep``,
     benchmarks/attn_sweep_d256.py; ``gemray.kernels.config.apply_tiles``), e.g.
     ``{"medium": {"fwd_silu": {"256": [64, 64, 4, 2]}, "mode": {"ds_store": true}}}``. Used by the HSTU blocks'
     self-attention; the reference backend ignores it.

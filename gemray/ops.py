@@ -8,8 +8,9 @@ Backends (:class:`AttentionBackend`, or its value as a string: the config's ``mo
         ops), on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (Triton's interpreter: tests). A
         call it cannot run (triton or the kernel module not importable, tensors on another device) raises
         RuntimeError with the reason; nothing falls back.
-    AUTO ("auto"): TRITON when the tensors are on CUDA and the kernel module imports, else REFERENCE; the
-        choice (and, on CUDA, why Triton was not taken) is logged once per (choice, device type).
+    AUTO ("auto"): TRITON when the tensors are on CUDA and the kernel module imports, else REFERENCE.
+Every choice is logged (INFO) once per (op, backend, device type), naming the setting, its value and, for AUTO, why
+(:func:`choice_message`).
 Like generative-recommenders' ``hstu_mha(..., kernel=HammerKernel.TRITON)``, the backend is an explicit enum
 argument; unlike it, an explicit backend never silently becomes another.
 
@@ -200,11 +201,12 @@ def _triton_module():
 
 def choose_backend(requested: AttentionBackend, device_type: str, triton_error: str | None,
                    interpreting: bool) -> tuple[AttentionBackend, str]:
-    """The pure rule behind :func:`resolve_backend`: (TRITON or REFERENCE, why). ``triton_error``: why the kernel
-    module does not import (None: it does); ``interpreting``: the kernels run in Triton's CPU interpreter (then
-    they take CPU tensors, not CUDA ones). Raises RuntimeError when TRITON was asked for and cannot run."""
+    """The pure rule behind :func:`resolve_backend`: (TRITON or REFERENCE, why AUTO chose it; "" for an explicit
+    TRITON or REFERENCE, which is taken as given). ``triton_error``: why the kernel module does not import (None:
+    it does); ``interpreting``: the kernels run in Triton's CPU interpreter (then they take CPU tensors, not CUDA
+    ones). Raises RuntimeError when TRITON was asked for and cannot run."""
     if requested is AttentionBackend.REFERENCE:
-        return AttentionBackend.REFERENCE, "requested"
+        return AttentionBackend.REFERENCE, ""
     kernel_device = "cpu" if interpreting else "cuda"
     if requested is AttentionBackend.TRITON:
         if triton_error is not None:
@@ -215,12 +217,27 @@ def choose_backend(requested: AttentionBackend, device_type: str, triton_error: 
                 f"run on {kernel_device} tensors here" + ("" if interpreting else
                                                          " (CPU tensors only under TRITON_INTERPRET=1)")
                 + " -- use backend 'reference' or 'auto'")
-        return AttentionBackend.TRITON, "requested"
+        return AttentionBackend.TRITON, ""
     if device_type != "cuda":
-        return AttentionBackend.REFERENCE, f"tensors on {device_type}"
+        return AttentionBackend.REFERENCE, f"the tensors are on {device_type}, and \"auto\" takes Triton on cuda only"
     if triton_error is not None:
         return AttentionBackend.REFERENCE, triton_error
-    return AttentionBackend.TRITON, "tensors on cuda"
+    return AttentionBackend.TRITON, "the tensors are on cuda"
+
+
+#: the config key whose value an op's ``backend`` is (the model passes it through), named in the logged choice
+_SETTINGS = {"attention": "model.attention_backend", "sampled_softmax_lse": "model.retrieval_kernel"}
+
+
+def choice_message(op: str, requested: AttentionBackend, device_type: str, chosen: AttentionBackend,
+                   why: str) -> str:
+    """Pure: the log line of a backend choice: the backend taken, the setting and its value, and (for "auto") why,
+    e.g. ``gemray.ops.attention: reference backend on cpu (model.attention_backend = "auto": the tensors are on
+    cpu, and "auto" takes Triton on cuda only)``. It says what the value is, not whether a user set it (a default
+    reads the same)."""
+    setting = _SETTINGS.get(op, "backend")
+    return (f'gemray.ops.{op}: {chosen.value} backend on {device_type} ({setting} = "{requested.value}"'
+            + (f": {why})" if why else ")"))
 
 
 # (op, requested, device type) -> chosen: a plain dict (under torch.compile a hit is a guarded constant, nothing
@@ -248,7 +265,7 @@ def _resolve(backend: AttentionBackend | str, device: torch.device, module: str,
         mod, err = _kernel_module(module) if key[1] is not AttentionBackend.REFERENCE else (None, None)
         chosen, why = choose_backend(key[1], key[2], err, bool(mod is not None and mod.interpreting()))
         if not torch.compiler.is_compiling():
-            log.info("gemray.ops.%s: %s backend on %s (%s: %s)", op, chosen.value, key[2], key[1].value, why)
+            log.info("%s", choice_message(op, key[1], key[2], chosen, why))
             _CHOSEN[key] = chosen
     return chosen
 

@@ -311,3 +311,34 @@ def test_shared_paths_follow_gemray_shared(monkeypatch, tmp_path):
     (tmp_path / "config.toml").write_text(to_toml(cfg))  # what a run records loads back the same
     assert load_config(tmp_path / "config.toml").data.raw_dir == cfg.data.raw_dir
     assert run._load(JobConfig(), None).data.raw_dir == str(tmp_path / "data" / "ml-1m")  # fit(JobConfig())
+
+
+def test_kernel_tiles_is_inline_json_or_a_file_and_says_so(tmp_path, monkeypatch):
+    """model.kernel_tiles: a value starting with "{" (spaces stripped) is inline JSON, any other value a JSON file's
+    path. '[1,2]' (neither) was refused as "cannot read '[1,2]': No such file or directory"; now one line names the
+    key, the value and both forms. Malformed inline JSON names the key and the error's line and column."""
+    from gemray.config import kernel_tiles_spec
+
+    monkeypatch.chdir(tmp_path)
+    spec = {"long": {"mode": {"dk_from_ds": True}}}
+    (tmp_path / "tiles.json").write_text('{"long": {"mode": {"dk_from_ds": true}}}')
+    for value in ('  {"long": {"mode": {"dk_from_ds": true}}}', "tiles.json", str(tmp_path / "tiles.json")):
+        assert load_config(None, [f"model.kernel_tiles={value}"]).model.kernel_tiles == value
+        assert kernel_tiles_spec(value) == spec
+    both = ("expected the path of a JSON file or an inline JSON object such as "
+            """'{"medium": {"mode": {"ds_store": true}}}'""")
+    for value, why in (("[1,2]", f"no such file in {tmp_path}"), ("none.json", f"no such file in {tmp_path}"),
+                       (str(tmp_path), "it is a folder")):
+        with pytest.raises(ValueError) as e:
+            load_config(None, [f"model.kernel_tiles={value}"])
+        assert str(e.value) == (f"model.kernel_tiles = {value!r} is neither a JSON file ({why}) nor an inline JSON "
+                                f"object (it does not start with '{{'); {both}")
+    with pytest.raises(ValueError, match=r"^model\.kernel_tiles: malformed inline JSON: Unterminated string "
+                                         r"starting at: line 1 column 2 \(char 1\)$"):
+        load_config(None, ['model.kernel_tiles={"bad json'])
+    (tmp_path / "bad.json").write_text('{"long": ')
+    with pytest.raises(ValueError, match=r"^model\.kernel_tiles: malformed JSON file 'bad.json': .* line 1 column 10"):
+        load_config(None, ["model.kernel_tiles=bad.json"])
+    (tmp_path / "list.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"^model\.kernel_tiles: expected a JSON object .* got list \(JSON file "):
+        load_config(None, ["model.kernel_tiles=list.json"])

@@ -100,11 +100,14 @@ def test_preflight_refuses_jobs_that_would_fail_in_the_workers(tmp_path, monkeyp
     interp.model.retrieval_kernel = "triton"  # runs on CPU in Triton's interpreter (the tests' path)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     _preflight(interp, _manifest(), embedded=True)
+    interp.model.attention_backend = "triton"  # so do the attention kernels (was refused: "needs ray.use_gpu")
+    _preflight(interp, _manifest(), embedded=True)
     interp.model.kernel_tiles = '{"long": {"mode": {"dk_from_ds": true}}}'
     _preflight(interp, _manifest(), embedded=True)
     cases = [
         ("train.sparse_optimizer='adam' needs ray.use_gpu", dict(train={"sparse_optimizer": "adam"})),
-        ("model.attention_backend='triton' needs ray.use_gpu", dict(model={"attention_backend": "triton"})),
+        ("model.attention_backend='triton' needs ray.use_gpu.*on CPU only in Triton's interpreter, TRITON_INTERPRET=1",
+         dict(model={"attention_backend": "triton"})),
         ("model.retrieval_kernel='triton' needs ray.use_gpu", dict(model={"retrieval_kernel": "triton"})),
         # the kernel tiles' keys (not only their JSON syntax) are checked before Ray starts
         ("model.kernel_tiles: long.mode: expected an object with keys from",
@@ -136,6 +139,27 @@ def test_preflight_refuses_jobs_that_would_fail_in_the_workers(tmp_path, monkeyp
     big = JobConfig()
     big.ray.cpus_per_worker = 8.0
     _preflight(big, _manifest(), embedded=False)  # an external cluster may have the CPUs
+
+
+def test_preflight_refuses_a_kernel_tiles_value_as_the_config_does(tmp_path, monkeypatch):
+    """A model.kernel_tiles that is neither a file nor inline JSON, or malformed inline JSON, is refused before Ray
+    starts with the config's own line (naming the key, the value and both accepted forms; the JSON error's
+    position), not a "cannot read" of a file the user never meant."""
+    from gemray.model.hstu import kernel_config_of
+
+    monkeypatch.chdir(tmp_path)
+    for value, needle in (("[1,2]", "is neither a JSON file (no such file in"), ('{"bad json', "line 1 column 2")):
+        cfg = JobConfig()
+        cfg.model.kernel_tiles = value
+        with pytest.raises(ValueError) as config_err:
+            cfg.validate()
+        kernel_config_of.cache_clear()
+        with pytest.raises(ValueError) as preflight_err:
+            _preflight(cfg, _manifest(), embedded=True)
+        assert str(preflight_err.value) == str(config_err.value)
+        assert str(config_err.value).startswith("model.kernel_tiles") and needle in str(config_err.value)
+        if not value.startswith("{"):
+            assert repr(value) in str(config_err.value) and "inline JSON object" in str(config_err.value)
 
 
 def test_preflight_layout_refuses_parallel_degrees_a_fixed_world_cannot_hold(tmp_path):

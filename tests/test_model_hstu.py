@@ -142,8 +142,8 @@ def test_kernel_tiles_reach_the_blocks(tmp_path):
     assert HSTUEncoder(ModelConfig(embedding_dim=16, num_blocks=1, num_heads=2, attention_dim=8, linear_dim=8),
                        max_seq_len=32).blocks[0].kernel_config is DEFAULT
     for bad, why in (('{"huge": {}}', "unknown regime"), ('{"long": {"fwd": {"96": [64, 64, 4, 2]}}}', "bucket"),
-                     ('{"long": {"fwd": {"128": [64, 64, 4]}}}', "BLOCK_M"), ("{", "not JSON"),
-                     (str(tmp_path / "missing.json"), "cannot read")):
+                     ('{"long": {"fwd": {"128": [64, 64, 4]}}}', "BLOCK_M"), ("{", "malformed inline JSON"),
+                     (str(tmp_path / "missing.json"), "is neither a JSON file")):
         with pytest.raises(ValueError, match=f"model.kernel_tiles.*{why}"):
             HSTUEncoder(ModelConfig(embedding_dim=16, num_blocks=1, num_heads=2, attention_dim=8, linear_dim=8,
                                     kernel_tiles=bad), max_seq_len=32)

@@ -282,12 +282,13 @@ def test_backend_enum_and_choice_rules():
         with pytest.raises(ValueError, match="backend"):
             B.parse(bad)
     choose = ops.choose_backend
-    assert choose(B.AUTO, "cuda", None, False) == (B.TRITON, "tensors on cuda")
+    assert choose(B.AUTO, "cuda", None, False) == (B.TRITON, "the tensors are on cuda")
     assert choose(B.AUTO, "cuda", "triton is not importable (x)", False) == (B.REFERENCE, "triton is not importable (x)")
     assert choose(B.AUTO, "cpu", None, True)[0] is B.REFERENCE
-    assert choose(B.AUTO, "cpu", None, False) == (B.REFERENCE, "tensors on cpu")
-    assert choose(B.REFERENCE, "cuda", None, False)[0] is B.REFERENCE
-    assert choose(B.TRITON, "cuda", None, False)[0] is B.TRITON
+    assert choose(B.AUTO, "cpu", None, False) == (B.REFERENCE, 'the tensors are on cpu, and "auto" takes Triton on '
+                                                               "cuda only")
+    assert choose(B.REFERENCE, "cuda", None, False) == (B.REFERENCE, "")  # an explicit value needs no reason
+    assert choose(B.TRITON, "cuda", None, False) == (B.TRITON, "")
     assert choose(B.TRITON, "cpu", None, True)[0] is B.TRITON  # the interpreter takes CPU tensors
     with pytest.raises(RuntimeError, match="not importable"):
         choose(B.TRITON, "cuda", "gemray.kernels.jagged_attention is not importable (no triton)", False)
@@ -298,12 +299,25 @@ def test_backend_enum_and_choice_rules():
 
 
 def test_backend_choice_is_logged_once(caplog):
+    """Each (op, backend, device type) is logged once, naming the setting, its value and what "auto" saw; a value
+    taken as given (the retrieval kernel's default "reference" included) is not said to be "requested" (the line
+    was "(reference: requested)" for a setting the user never wrote)."""
     ops._CHOSEN.clear()
     with caplog.at_level(logging.INFO, logger="gemray.ops"):
         for _ in range(3):
             assert ops.resolve_backend("auto", torch.device("cpu")) is ops.AttentionBackend.REFERENCE
+            chosen = ops.resolve_sampled_softmax_backend("reference", torch.device("cpu"))
+            assert chosen is ops.AttentionBackend.REFERENCE
     lines = [r.getMessage() for r in caplog.records if r.name == "gemray.ops"]
-    assert lines == ["gemray.ops.attention: reference backend on cpu (auto: tensors on cpu)"]
+    assert lines == ['gemray.ops.attention: reference backend on cpu (model.attention_backend = "auto": the tensors '
+                     'are on cpu, and "auto" takes Triton on cuda only)',
+                     'gemray.ops.sampled_softmax_lse: reference backend on cpu (model.retrieval_kernel = "reference")']
+    B = ops.AttentionBackend
+    assert (ops.choice_message("attention", B.AUTO, "cuda", B.TRITON, "the tensors are on cuda") ==
+            'gemray.ops.attention: triton backend on cuda (model.attention_backend = "auto": the tensors are on cuda)')
+    assert (ops.choice_message("attention", B.TRITON, "cuda", B.TRITON, "")
+            == 'gemray.ops.attention: triton backend on cuda (model.attention_backend = "triton")')
+    assert "requested" not in " ".join(lines)
 
 
 def test_dense_relative_bias_and_the_triton_ingredients():

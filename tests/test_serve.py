@@ -280,6 +280,39 @@ def test_output_path_is_checked_before_the_model_loads(command, tmp_path, monkey
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adir"]  # nothing written
 
 
+@pytest.mark.parametrize("command", ["evaluate", "recommend"])
+def test_raw_movielens_data_is_refused_before_the_checkpoint_with_a_prepare_command(command, tmp_path, monkeypatch,
+                                                                                    capsys):
+    """`gemray evaluate --data <raw MovieLens folder>` (ratings.dat, no manifest.json): exit 2 with one line that gives
+    the `gemray prepare movielens` command into a folder of its own, before the checkpoint is looked at (was: after
+    loading the model, "run `gemray prepare movielens --src <MovieLens folder> --out <the raw folder>` first")."""
+    import gemray.serve
+    import gemray.serve.model as serve_model
+    from gemray.cli import build_parser, main
+
+    monkeypatch.setattr(gemray.serve, "load_trained", lambda *a, **k: pytest.fail("the model must not load"))
+    for name in ("committed_checkpoints", "checkpoint_data", "load_model_state"):
+        monkeypatch.setattr(serve_model, name, lambda *a, **k: pytest.fail("the checkpoint must not be read"))
+    raw = tmp_path / "ml-1m"
+    raw.mkdir()
+    (raw / "ratings.dat").write_text("1::1193::5::978300760\n")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text('name = "x"\n')  # the default (ML-1M retrieval) model: recommend serves it
+    args = {"evaluate": ["evaluate"], "recommend": ["recommend", "--user", "1"]}[command]
+    assert main([*args, "--checkpoint", str(run), "--data", str(raw)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    out = tmp_path / "ml-1m-prepared"
+    assert err == [f"gemray: error: --data {raw} holds raw MovieLens ratings (ratings.dat), not prepared data "
+                   f"(manifest.json and Parquet histories); prepare it into a folder of its own with `gemray prepare "
+                   f"movielens --src {raw} --out {out}` and pass --data {out}"], err
+    assert f"--out {raw}`" not in err[0] and f"--out {raw} " not in err[0]
+    assert sorted(p.name for p in raw.iterdir()) == ["ratings.dat"] and not out.exists()  # nothing written
+    # the command it gives is the CLI's own
+    ns = build_parser().parse_args(["prepare", "movielens", "--src", str(raw), "--out", str(out)])
+    assert (ns.func.__name__, ns.src, ns.out) == ("_cmd_prepare", str(raw), str(out))
+
+
 @pytest.mark.parametrize("args, line", [
     (["evaluate", "--k", "0"], "--k 0: every cut-off must be >= 1 (got 0)"),
     (["evaluate", "--k", "10", "-5"], "--k 10 -5: every cut-off must be >= 1 (got -5)"),

@@ -64,10 +64,11 @@ def preflight_output(out: str | Path, *, what: str = "--output") -> None:
 def preflight_resources(cfg: JobConfig, *, embedded: bool, num_gpus: int | None = None) -> None:
     """Refuse a job the device or the embedded cluster cannot run: ``ray.use_gpu`` on an embedded cluster
     with fewer GPUs than workers (``num_gpus``: GPUs this machine has; default ``torch.cuda.device_count()``),
-    Adam kinds of sparse optimizer or forced Triton without a GPU (attention; the retrieval kernel outside Triton's
-    interpreter), a ``model.kernel_tiles`` naming an unknown regime, tile kind or mode, a worker asking more CPUs
-    than the embedded cluster advertises. embedded: whether fit will start its own Ray cluster (an external one may have the
-    GPUs and CPUs). Raises ValueError naming the field."""
+    Adam kinds of sparse optimizer or forced Triton without a GPU outside Triton's interpreter (attention, the
+    retrieval kernel: ``TRITON_INTERPRET=1`` runs both on CPU tensors, for tests), a ``model.kernel_tiles`` naming
+    an unknown regime, tile kind or mode, a worker asking more CPUs than the embedded cluster advertises.
+    embedded: whether fit will start its own Ray cluster (an external one may have the GPUs and CPUs). Raises
+    ValueError naming the field."""
     gpu = cfg.ray.use_gpu
     if embedded and gpu:
         if num_gpus is None:
@@ -82,9 +83,10 @@ def preflight_resources(cfg: JobConfig, *, embedded: bool, num_gpus: int | None 
     if not gpu and cfg.train.sparse_optimizer in ("adam", "rowwise_adam"):
         raise ValueError(f"train.sparse_optimizer={cfg.train.sparse_optimizer!r} needs ray.use_gpu=true (FBGEMM's "
                          "CPU kernels have no Adam); use 'rowwise_adagrad' or 'auto' on CPU")
-    if not gpu and cfg.model.attention_backend == "triton":
-        raise ValueError("model.attention_backend='triton' needs ray.use_gpu=true (the kernels run on CUDA); "
-                         "use 'auto' or 'reference' on CPU")
+    if not gpu and cfg.model.attention_backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("model.attention_backend='triton' needs ray.use_gpu=true (the attention kernels run on "
+                         "CUDA; on CPU only in Triton's interpreter, TRITON_INTERPRET=1, for tests); use 'auto' or "
+                         "'reference' on CPU")
     if not gpu and cfg.model.retrieval_kernel == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("model.retrieval_kernel='triton' needs ray.use_gpu=true (the fused sampled softmax runs on "
                          "CUDA; on CPU only in Triton's interpreter, TRITON_INTERPRET=1, for tests); use 'auto' or "

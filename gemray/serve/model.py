@@ -215,15 +215,35 @@ def load_trained(checkpoint: str | Path, *, config: str | Path | None = None, ov
                         state=state, data=record, config_file=cfg_file)
 
 
+def prepared_manifest(prepared_dir: str | Path, option: str = "--data") -> dict[str, Any]:
+    """The manifest of the prepared folder ``prepared_dir`` (the value of ``option``), read without any model:
+    ``gemray evaluate`` / ``recommend`` check their ``--data`` with it before the checkpoint is loaded. A folder
+    of raw MovieLens ratings (ratings.dat, u.data or ratings.csv and no manifest.json) raises FileNotFoundError
+    giving the ``gemray prepare movielens`` command that prepares it into a folder of its own,
+    ``<folder>-prepared`` (never the raw folder itself); any other unprepared folder raises as ``load_manifest``
+    does (FileNotFoundError / ValueError naming it)."""
+    from gemray.pipelines.movielens import FORMATS, load_manifest
+    from gemray.pipelines.schema import MANIFEST_FILE
+
+    d = Path(prepared_dir).expanduser()
+    raw = [f.filename for f in FORMATS.values() if (d / f.filename).is_file()]
+    if raw and not (d / MANIFEST_FILE).is_file():
+        out = d.resolve().with_name(f"{d.resolve().name}-prepared")
+        raise FileNotFoundError(f"{option} {prepared_dir} holds raw MovieLens ratings ({', '.join(raw)}), not "
+                                f"prepared data ({MANIFEST_FILE} and Parquet histories); prepare it into a folder of "
+                                f"its own with `gemray prepare movielens --src {d} --out {out}` and pass "
+                                f"{option} {out}")
+    return load_manifest(d)
+
+
 def check_data(trained: TrainedModel, prepared_dir: str | Path) -> dict[str, Any]:
     """The manifest of ``prepared_dir`` after checking that it fits the model: the same item count as the
     checkpoint's item table (else ValueError naming both). Another fingerprint with the same count (a
     re-prepared or newer version of the data) is allowed with a warning: item ids are taken to mean the same
-    items. Raises FileNotFoundError when the folder is not prepared."""
-    from gemray.pipelines.movielens import load_manifest
+    items. Raises FileNotFoundError when the folder is not prepared (:func:`prepared_manifest`)."""
     from gemray.checkpoint import data_record
 
-    manifest = load_manifest(prepared_dir)
+    manifest = prepared_manifest(prepared_dir)
     rec = data_record(manifest)
     if rec["num_items"] != trained.num_items:
         raise ValueError(f"--data {prepared_dir}: {rec['num_items']} items, but the checkpoint {trained.checkpoint} "
