@@ -767,7 +767,8 @@ class JobConfig:
         it once per run. Covered: the ``compile_*`` settings without anything compiled
         (:meth:`TrainConfig.ineffective_compile_settings`); ``fp8_recipe`` / ``fp8_grad`` / ``fp8_min_dim`` off
         their defaults without ``precision = "fp8"``; a ``model.retrieval_kernel`` off its default without
-        "uniform_shared" retrieval negatives; ``model.fp32_residual = false`` without autocast; an ``activation_memory_budget`` with a checkpointing mode that does not
+        "uniform_shared" retrieval negatives; ``model.kernel_tiles`` where the attention is not the Triton kernels'
+        (backend "reference", or "auto" without a GPU); ``model.fp32_residual = false`` without autocast; an ``activation_memory_budget`` with a checkpointing mode that does not
         read it (only "auto" and "torch" do)."""
         t = self.train
         parts = []
@@ -790,6 +791,12 @@ class JobConfig:
             parts.append(f"model.retrieval_kernel = {_toml_value(m.retrieval_kernel)} has no effect with "
                          + (f"model.negatives = {_toml_value(m.negatives)} (only \"uniform_shared\" reads it)"
                             if "retrieval" in m.tasks else "no retrieval task"))
+        if m.kernel_tiles and (m.attention_backend == "reference"
+                               or (m.attention_backend == "auto" and not self.ray.use_gpu)):
+            parts.append(f"model.kernel_tiles has no effect with model.attention_backend = "
+                         f"{_toml_value(m.attention_backend)}" + ("" if m.attention_backend == "reference" else
+                                                                  " and ray.use_gpu = false (the reference attention "
+                                                                  "runs; the tiles are the Triton kernels')"))
         if not m.fp32_residual and t.precision == "fp32":
             parts.append("model.fp32_residual = false has no effect with train.precision = \"fp32\" (no autocast: the "
                          "residual stream is float32)")

@@ -409,7 +409,8 @@ def apply_tiles(spec: Mapping, config: KernelConfig | None = None) -> KernelConf
     "ds_store": bool, "dk_from_ds": bool}}} -- the "chosen tiles" JSON the sweeps print (``gemray bench kernels --sweep``,
     benchmarks/attn_sweep_d256.py) and what ``model.kernel_tiles`` and ``gemray bench kernels --tiles`` read.
     A mode entry changes only the keys it names. Raises ValueError naming the entry for an unknown regime, tile
-    kind, head-dim bucket or mode, or a tile that is not 4 positive ints."""
+    kind, head-dim bucket or mode, a mode value that is not a JSON boolean, or a tile that is not 4 positive ints
+    (booleans are not ints here)."""
     config = resolve(config)
     if not isinstance(spec, Mapping):
         raise ValueError(f"kernel tiles: expected a JSON object {{regime: {{kind: ...}}}}, got {type(spec).__name__}")
@@ -423,17 +424,24 @@ def apply_tiles(spec: Mapping, config: KernelConfig | None = None) -> KernelConf
                 if not isinstance(table, Mapping) or set(table) - set(MODE_FIELDS):
                     raise ValueError(f"kernel tiles: {reg}.mode: expected an object with keys from {MODE_FIELDS}, "
                                      f"got {table!r}")
-                config = config.with_regime(reg, **{k: bool(v) for k, v in table.items()})
+                # JSON true / false only: bool("false") is True, so a quoted value would silently do the opposite
+                for k, v in table.items():
+                    if not isinstance(v, bool):
+                        raise ValueError(f"kernel tiles: {reg}.mode.{k}: expected true or false, got {v!r}")
+                config = config.with_regime(reg, **dict(table))
                 continue
             if kind not in TILE_KINDS:
                 raise ValueError(f"kernel tiles: {reg}: unknown tile kind {kind!r} (one of {list(TILE_KINDS)} or "
                                  "'mode')")
-            for d, tile in dict(table).items():
+            if not isinstance(table, Mapping):
+                raise ValueError(f"kernel tiles: {reg}.{kind}: expected an object {{head-dim bucket: tile}}, got "
+                                 f"{table!r}")
+            for d, tile in table.items():
                 if (not isinstance(tile, (list, tuple)) or len(tile) != 4
-                        or not all(isinstance(x, int) and x > 0 for x in tile)):
+                        or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in tile)):
                     raise ValueError(f"kernel tiles: {reg}.{kind}.{d}: expected [BLOCK_M, BLOCK_N, num_warps, "
                                      f"num_stages] (positive ints), got {tile!r}")
-                if int(d) not in HEAD_DIM_BUCKETS:
+                if not str(d).isdigit() or int(d) not in HEAD_DIM_BUCKETS:
                     raise ValueError(f"kernel tiles: {reg}.{kind}: head-dim bucket {d!r} not in {HEAD_DIM_BUCKETS}")
                 config = config.with_tile(reg, kind, tuple(tile), int(d))
     return config

@@ -232,6 +232,21 @@ def test_fp8_and_budget_settings_without_effect_are_warned_about():
     assert both.startswith("train.compile_tower = false has no effect") and '; train.fp8_grad = "e5m2" has' in both
 
 
+def test_kernel_tiles_without_the_triton_attention_is_warned_about():
+    """model.kernel_tiles tunes the Triton attention kernels: idle under the reference backend, or "auto" without a
+    GPU (a new user set it on CPU and saw nothing)."""
+    def warning(overrides):
+        return apply_overrides(JobConfig(), overrides).ineffective_settings_warning()
+
+    tiles = 'model.kernel_tiles={"long": {"mode": {"dk_from_ds": true}}}'
+    assert warning([tiles]) == ('model.kernel_tiles has no effect with model.attention_backend = "auto" and '
+                                "ray.use_gpu = false (the reference attention runs; the tiles are the Triton kernels')")
+    assert warning([tiles, "model.attention_backend=reference", "ray.use_gpu=true"]) == (
+        'model.kernel_tiles has no effect with model.attention_backend = "reference"')
+    assert warning([tiles, "ray.use_gpu=true"]) is None
+    assert warning([tiles, "model.attention_backend=triton"]) is None  # CPU: the interpreter runs the kernels
+
+
 def test_fp32_residual_off_without_autocast_is_warned_about():
     """model.fp32_residual = false acts only under autocast (train.precision "bf16" / "fp8")."""
     def warning(overrides):
@@ -342,3 +357,25 @@ def test_kernel_tiles_is_inline_json_or_a_file_and_says_so(tmp_path, monkeypatch
     (tmp_path / "list.json").write_text("[1, 2]")
     with pytest.raises(ValueError, match=r"^model\.kernel_tiles: expected a JSON object .* got list \(JSON file "):
         load_config(None, ["model.kernel_tiles=list.json"])
+
+
+def test_kernel_tile_modes_and_tiles_take_json_types_only():
+    """A kernel-tiles mode value must be a JSON boolean (bool("false") is True: a quoted "false" turned dk_from_ds
+    on) and a tile's entries ints that are not booleans (true was taken as 1 warp); each refusal names the entry."""
+    from gemray.kernels.config import DEFAULT, apply_tiles
+
+    on = apply_tiles({"long": {"mode": {"dk_from_ds": True, "ds_store": False}}})
+    assert on.regime("long").dk_from_ds and not on.regime("long").ds_store
+    assert apply_tiles({"long": {"mode": {"dk_from_ds": False}}}).regime("long").dk_from_ds is False
+    for value in ("false", "yes", 1, 0, None):
+        with pytest.raises(ValueError, match=r"^kernel tiles: long\.mode\.dk_from_ds: expected true or false, got "):
+            apply_tiles({"long": {"mode": {"dk_from_ds": value}}})
+    assert apply_tiles({"long": {"fwd": {"128": [64, 64, 4, 2]}}}).regime("long").tiles.get("fwd", 128) == (64, 64, 4, 2)
+    for tile in ([128, 64, True, 3], [64, 64, 4, 2.0], [64, 64, 4]):
+        with pytest.raises(ValueError, match=r"^kernel tiles: long\.fwd\.128: expected \[BLOCK_M, BLOCK_N"):
+            apply_tiles({"long": {"fwd": {"128": tile}}})
+    with pytest.raises(ValueError, match=r"^kernel tiles: long\.fwd: expected an object \{head-dim bucket: tile\}"):
+        apply_tiles({"long": {"fwd": [64, 64, 4, 2]}})
+    with pytest.raises(ValueError, match=r"^kernel tiles: long\.fwd: head-dim bucket 'x' not in "):
+        apply_tiles({"long": {"fwd": {"x": [64, 64, 4, 2]}}})
+    assert apply_tiles({}) == DEFAULT
