@@ -108,7 +108,8 @@ def test_preflight_refuses_jobs_that_would_fail_in_the_workers(tmp_path, monkeyp
         ("train.sparse_optimizer='adam' needs ray.use_gpu", dict(train={"sparse_optimizer": "adam"})),
         ("model.attention_backend='triton' needs ray.use_gpu.*on CPU only in Triton's interpreter, TRITON_INTERPRET=1",
          dict(model={"attention_backend": "triton"})),
-        ("model.retrieval_kernel='triton' needs ray.use_gpu", dict(model={"retrieval_kernel": "triton"})),
+        ("model.retrieval_kernel='triton' needs ray.use_gpu",
+         dict(model={"retrieval_kernel": "triton", "negatives": "uniform_shared"})),
         # the kernel tiles' keys (not only their JSON syntax) are checked before Ray starts
         ("model.kernel_tiles: long.mode: expected an object with keys from",
          dict(model={"kernel_tiles": '{"long": {"mode": {"dk_from_dz": true}}}'})),
@@ -119,6 +120,10 @@ def test_preflight_refuses_jobs_that_would_fail_in_the_workers(tmp_path, monkeyp
         ("train.eval_ks=.*above the 1000 items", dict(train={"eval_ks": [10, 2000]})),
     ]
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    idle = JobConfig()  # "uniform" negatives never read retrieval_kernel: warned about as idle, not refused
+    idle.model.retrieval_kernel = "triton"
+    _preflight(idle, _manifest(), embedded=True)
+    assert "has no effect" in idle.ineffective_settings_warning()
     for msg, changes in cases:
         cfg = JobConfig()
         for section, kv in changes.items():
