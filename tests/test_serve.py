@@ -300,14 +300,18 @@ def test_raw_movielens_data_is_refused_before_the_checkpoint_with_a_prepare_comm
     run.mkdir()
     (run / "config.toml").write_text('name = "x"\n')  # the default (ML-1M retrieval) model: recommend serves it
     args = {"evaluate": ["evaluate"], "recommend": ["recommend", "--user", "1"]}[command]
+    work = tmp_path / "work"  # the working directory: the suggestion is its data/ml-1m, not beside the raw folder
+    work.mkdir()
+    monkeypatch.chdir(work)
     assert main([*args, "--checkpoint", str(run), "--data", str(raw)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    out = tmp_path / "ml-1m-prepared"
+    out = Path("data") / "ml-1m"
     assert err == [f"gemray: error: --data {raw} holds raw MovieLens ratings (ratings.dat), not prepared data "
                    f"(manifest.json and Parquet histories); prepare it into a folder of its own with `gemray prepare "
                    f"movielens --src {raw} --out {out}` and pass --data {out}"], err
     assert f"--out {raw}`" not in err[0] and f"--out {raw} " not in err[0]
     assert sorted(p.name for p in raw.iterdir()) == ["ratings.dat"] and not out.exists()  # nothing written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ml-1m", "run", "work"]  # nothing beside the raw folder
     # the command it gives is the CLI's own
     ns = build_parser().parse_args(["prepare", "movielens", "--src", str(raw), "--out", str(out)])
     assert (ns.func.__name__, ns.src, ns.out) == ("_cmd_prepare", str(raw), str(out))
@@ -473,3 +477,16 @@ def test_a_folder_without_config_names_where_it_looked(tmp_path, capsys):
         assert len(err) == 1 and f"--checkpoint {given} is {what} " in err[0], err
         assert f"its `gemray train --output` folder, {tmp_path / 'out'}, holds no config.toml" in err[0], err
         assert err[0].endswith("(pass the training config with --config)"), err
+
+
+def test_raw_data_already_under_data_gets_a_prepared_folder_of_its_own(tmp_path, monkeypatch):
+    """Raw MovieLens in the working directory's data/ml-1m itself: the suggested --out is data/ml-1m-prepared,
+    never the raw folder."""
+    from gemray.serve.model import prepared_manifest
+
+    monkeypatch.chdir(tmp_path)
+    raw = tmp_path / "data" / "ml-1m"
+    raw.mkdir(parents=True)
+    (raw / "ratings.dat").write_text("1::1193::5::978300760\n")
+    with pytest.raises(FileNotFoundError, match=r"--out data/ml-1m-prepared` and pass --data data/ml-1m-prepared$"):
+        prepared_manifest("data/ml-1m")

@@ -220,7 +220,8 @@ def prepared_manifest(prepared_dir: str | Path, option: str = "--data") -> dict[
     ``gemray evaluate`` / ``recommend`` check their ``--data`` with it before the checkpoint is loaded. A folder
     of raw MovieLens ratings (ratings.dat, u.data or ratings.csv and no manifest.json) raises FileNotFoundError
     giving the ``gemray prepare movielens`` command that prepares it into a folder of its own,
-    ``<folder>-prepared`` (never the raw folder itself); any other unprepared folder raises as ``load_manifest``
+    ``data/<folder name>`` under the working directory (``data/<name>-prepared`` when that is the raw folder itself;
+    never beside it: the raw data may sit in a read-only shared tree); any other unprepared folder raises as ``load_manifest``
     does (FileNotFoundError / ValueError naming it)."""
     from gemray.pipelines.movielens import FORMATS, load_manifest
     from gemray.pipelines.schema import MANIFEST_FILE
@@ -228,7 +229,11 @@ def prepared_manifest(prepared_dir: str | Path, option: str = "--data") -> dict[
     d = Path(prepared_dir).expanduser()
     raw = [f.filename for f in FORMATS.values() if (d / f.filename).is_file()]
     if raw and not (d / MANIFEST_FILE).is_file():
-        out = d.resolve().with_name(f"{d.resolve().name}-prepared")
+        # under the working directory's data/ (as `make demo` prepares), not beside the raw folder: that may be a
+        # shared, read-only tree (../shared/data/ml-1m)
+        out = Path("data") / d.resolve().name
+        if out.resolve() == d.resolve():
+            out = out.with_name(f"{out.name}-prepared")
         raise FileNotFoundError(f"{option} {prepared_dir} holds raw MovieLens ratings ({', '.join(raw)}), not "
                                 f"prepared data ({MANIFEST_FILE} and Parquet histories); prepare it into a folder of "
                                 f"its own with `gemray prepare movielens --src {d} --out {out}` and pass "
