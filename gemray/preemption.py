@@ -318,9 +318,19 @@ def preemption_action(stop_votes: int, drain_votes: int, world_size: int) -> str
     return None
 
 
+# A second SIGTERM sooner than this after the first is the same notice: GNU ``timeout`` signals the command and then
+# its whole process group, so a driver it runs gets two within milliseconds.
+SIGTERM_REPEAT_S = 1.0
+
+
 def install_driver_sigterm(notice_path: str | Path) -> Callable[[], None]:
     """In the driver: SIGTERM -> write the preemption notice (the workers checkpoint and stop at their
     next poll step); a second SIGTERM falls back to the previous handler (default: exit at once).
+
+    A second SIGTERM less than ``SIGTERM_REPEAT_S`` after the first counts as the same one (``timeout 300 gemray
+    train ...`` sent two: the second interrupted the first's notice write, leaving a ``.PREEMPT.*.tmp`` file and no
+    notice, and the run exited without its emergency checkpoint); one that arrives while the notice is still being
+    written waits for the write to finish before exiting.
 
     Returns a function that restores the previous handler. A no-op off the main thread (where Python
     cannot install signal handlers).
@@ -328,16 +338,9 @@ def install_driver_sigterm(notice_path: str | Path) -> Callable[[], None]:
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
     previous = signal.getsignal(signal.SIGTERM)
-    seen = {"n": 0}
+    state = {"first_at": None, "writing": False, "exit_after_write": None}
 
-    def handler(signum, frame):  # noqa: ARG001
-        seen["n"] += 1
-        if seen["n"] == 1:
-            write_notice(notice_path, "SIGTERM to the driver")
-            log.warning("SIGTERM: preemption notice written to %s; the workers take an emergency checkpoint "
-                        "at their next poll step (checkpoint.preempt_poll_steps) and stop. Send SIGTERM "
-                        "again to exit at once.", notice_path)
-            return
+    def exit_now(signum, frame):
         log.warning("second SIGTERM: exiting at once, without waiting for the emergency checkpoint; a re-run "
                     "resumes from the last committed checkpoint")
         signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
@@ -345,6 +348,27 @@ def install_driver_sigterm(notice_path: str | Path) -> Callable[[], None]:
             previous(signum, frame)
         else:
             os.kill(os.getpid(), signal.SIGTERM)
+
+    def handler(signum, frame):
+        now = time.monotonic()
+        if state["first_at"] is None:
+            state["first_at"], state["writing"] = now, True
+            try:
+                write_notice(notice_path, "SIGTERM to the driver")
+            finally:
+                state["writing"] = False
+            log.warning("SIGTERM: preemption notice written to %s; the workers take an emergency checkpoint "
+                        "at their next poll step (checkpoint.preempt_poll_steps) and stop. Send SIGTERM "
+                        "again (a second or more later) to exit at once.", notice_path)
+            if state["exit_after_write"] is not None:
+                exit_now(*state["exit_after_write"])
+            return
+        if now - state["first_at"] < SIGTERM_REPEAT_S:
+            return  # the same notice, delivered twice
+        if state["writing"]:
+            state["exit_after_write"] = (signum, frame)
+            return
+        exit_now(signum, frame)
 
     signal.signal(signal.SIGTERM, handler)
 

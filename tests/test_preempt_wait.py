@@ -18,8 +18,8 @@ from types import SimpleNamespace
 import pytest
 
 from gemray.cli import main
-from gemray.preemption import (NOTICE_NAME, active_path, clear_active, is_handled, mark_active, mark_handled,
-                               read_notice, wait_outcome, wait_until_handled, write_notice)
+from gemray.preemption import (NOTICE_NAME, SIGTERM_REPEAT_S, active_path, clear_active, is_handled, mark_active,
+                               mark_handled, read_notice, wait_outcome, wait_until_handled, write_notice)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -353,11 +353,50 @@ def test_driver_sigterm_first_writes_the_notice_second_says_it_exits(tmp_path, c
         with caplog.at_level(logging.WARNING, logger=log.name):
             os.kill(os.getpid(), signal.SIGTERM)
             assert read_notice(tmp_path / NOTICE_NAME)["reason"] == "SIGTERM to the driver" and calls == []
+            time.sleep(SIGTERM_REPEAT_S)
             os.kill(os.getpid(), signal.SIGTERM)
         assert calls == [signal.SIGTERM]
         assert "second SIGTERM: exiting at once, without waiting for the emergency checkpoint" in caplog.text
         restore()
         assert signal.getsignal(signal.SIGTERM) is before
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_driver_sigterm_twice_at_once_is_one_notice(tmp_path, monkeypatch):
+    """GNU ``timeout`` sends SIGTERM to the command and then to its process group: the driver gets two within
+    milliseconds. They are one notice (written whole, no temp file left, the run goes on to its emergency
+    checkpoint); a second SIGTERM that arrives while the notice is being written exits only once it is written."""
+    import signal
+
+    import gemray.preemption as pre
+
+    calls = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: calls.append(signum))
+    try:
+        restore = pre.install_driver_sigterm(tmp_path / NOTICE_NAME)
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)  # as timeout's second signal: within SIGTERM_REPEAT_S
+        assert calls == [] and pre.read_notice(tmp_path / NOTICE_NAME)["reason"] == "SIGTERM to the driver"
+        assert sorted(p.name for p in tmp_path.iterdir()) == [NOTICE_NAME]
+        restore()
+        (tmp_path / NOTICE_NAME).unlink()
+
+        # a second signal during the write (after the repeat window): deferred until the notice is complete
+        write = pre.write_notice
+
+        def slow_write(path, reason):
+            monkeypatch.setattr(pre, "SIGTERM_REPEAT_S", 0.0)
+            os.kill(os.getpid(), signal.SIGTERM)  # delivered while this handler is still writing
+            assert calls == []
+            return write(path, reason)
+
+        monkeypatch.setattr(pre, "write_notice", slow_write)
+        restore = pre.install_driver_sigterm(tmp_path / NOTICE_NAME)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert calls == [signal.SIGTERM] and pre.read_notice(tmp_path / NOTICE_NAME)["reason"] == "SIGTERM to the driver"
+        assert sorted(p.name for p in tmp_path.iterdir()) == [NOTICE_NAME]
+        restore()
     finally:
         signal.signal(signal.SIGTERM, previous)
 
