@@ -233,8 +233,9 @@ def cache_torchrec_recat() -> bool:
     ``KJTAllToAllTensorsAwaitable`` whose ``__init__`` calls ``torchrec.distributed.dist_data._get_recat``, which
     returns ``torch.tensor(recat_list, device=cuda)``: a pageable host-to-device copy, after which PyTorch waits for
     the stream, i.e. for every kernel queued so far (torchrec 1.6.1 ``dist_data.py:145``, 1.8 the same). On the H200
-    that was the step's one host synchronisation (``gemray bench train --sync-debug``, 2026-12-02; cProfile 38-50 ms
-    of waiting a step in ``torch.tensor``, benchmarks/reports/gem_h200_2026-12-03.md): the launch queue drains every
+    that was the step's one host synchronisation (``gemray bench train --sync-debug`` listed it on 2026-12-02 beside
+    the bench's own per-step synchronize, removed since; cProfile 38-50 ms of waiting a step in ``torch.tensor``,
+    benchmarks/reports/gem_h200_2026-12-03.md): the launch queue drains every
     step and the GPU idles while the host enqueues the next kernels (6 ms of idle gaps a step, 2026-12-04). At world
     size 1 the index is not even used (the awaitable returns before any all-to-all). Its value depends only on the
     host ints it is called with (local split, number of splits, stagger, device, batch size per rank), and its
