@@ -73,15 +73,16 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
 
 def _fit(cfg: JobConfig, out: Path, t0: float) -> Result:
     """:func:`fit`'s work once the config is loaded and the output folder named (inside its run log)."""
-    idle = cfg.ineffective_settings_warning()
-    if idle:  # valid but doing nothing here: said once per run (the run's log file is open by now)
-        logging.getLogger("gemray.config").warning("%s", idle)
     if out.exists() and not out.is_dir():
         raise NotADirectoryError(f"output folder {out} exists and is not a folder (--output / output_dir)")
     preflight.preflight_output(out)  # a read-only --output: one line, exit 2, before anything starts
     # resources before preparing the data: no GPU means no wait for the data
     preflight.preflight_resources(cfg, embedded=not session.ray_address(cfg))
     preflight.preflight_layout(cfg)  # [parallel] degrees that cannot fit ray.num_workers: one line, not N restarts
+    idle = cfg.ineffective_settings_warning()
+    if idle:  # valid but doing nothing here: said once per run (the run's log file is open by now), after the
+        # refusals above (a "has no effect" line right before the refusal of the same setting read as a contradiction)
+        logging.getLogger("gemray.config").warning("%s", idle)
     results.load_scaling_reference(cfg.train.scaling_reference)  # a bad reference path fails now, not at the end
     manifest = _ensure_prepared(cfg)  # bad data paths fail before anything is written to the output folder
     previous = _previous_config(out)
