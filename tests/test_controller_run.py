@@ -868,3 +868,18 @@ def test_changed_settings_name_what_a_rerun_into_the_same_folder_changes():
     other = apply_overrides(JobConfig(), ["train.max_steps_per_epoch=6", "model.table_dtype=fp16"])
     assert changed_settings(before, other) == ["model.table_dtype: 'fp32' -> 'fp16'",
                                                "train.max_steps_per_epoch: 0 -> 6"]
+
+
+def test_recovery_line_without_a_resumed_step_says_so():
+    """A preempted run resumed with nothing left to train has no first resumed step: the recovery line says that
+    instead of "nan s" (a new user saw "0 step(s) lost, nan s from the last step ...")."""
+    from gemray.controller.results import recovery_line
+
+    r = {"kind": "preemption", "failed_attempt": 0, "attempt": 1, "world_size_before": 1, "world_size_after": 1,
+         "steps_lost": 0, "seconds_to_first_step": None}
+    assert recovery_line(r) == ("recovery (preemption): attempt 0 -> 1, world 1 -> 1, 0 step(s) lost, no step trained "
+                                "by the resumed attempt")
+    assert recovery_line(dict(r, kind="failure", steps_lost=3, seconds_to_first_step=12.34)) == (
+        "recovery (failure): attempt 0 -> 1, world 1 -> 1, 3 step(s) lost, 12.3 s from the last step before the "
+        "failure to the first resumed step")
+    assert "nan" not in recovery_line(r)

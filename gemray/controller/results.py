@@ -180,6 +180,18 @@ def _checkpoint_path(result: Any) -> str | None:
     return result.checkpoint.path if result.checkpoint is not None else None
 
 
+def recovery_line(r: dict[str, Any]) -> str:
+    """Pure: the log line of one ``metrics["recovery"]`` record. A resumed attempt that trained no step (the
+    checkpoint was at the end of the training, or it stopped again first) has no time to its first step: said so,
+    not "nan s"."""
+    until = "stop (the time the job was stopped included)" if r["kind"] == "preemption" else "failure"
+    secs = r["seconds_to_first_step"]
+    timing = (f"{secs:.1f} s from the last step before the {until} to the first resumed step" if secs is not None
+              else "no step trained by the resumed attempt")
+    return (f"recovery ({r['kind']}): attempt {r['failed_attempt']} -> {r['attempt']}, world "
+            f"{r['world_size_before']} -> {r['world_size_after']}, {r['steps_lost']} step(s) lost, {timing}")
+
+
 def finish(cfg: JobConfig, out: Path, result: Any, *, events_from: int, wall_s: float,
            invocations: int, data_format: str | None = None) -> Result:
     """A run that trained to the end (``result``: the ``ray.train.Result`` of ``TorchTrainer.fit``): write
@@ -192,11 +204,7 @@ def finish(cfg: JobConfig, out: Path, result: Any, *, events_from: int, wall_s: 
     metrics = final_metrics(cfg, result.metrics or {}, events, wall_s=wall_s, invocations=invocations,
                             reference=load_scaling_reference(cfg.train.scaling_reference))
     for r in metrics["recovery"]:
-        log.info("recovery (%s): attempt %s -> %s, world %s -> %s, %s step(s) lost, %.1f s from the last step "
-                 "before the %s to the first resumed step", r["kind"], r["failed_attempt"], r["attempt"],
-                 r["world_size_before"], r["world_size_after"], r["steps_lost"],
-                 r["seconds_to_first_step"] if r["seconds_to_first_step"] is not None else float("nan"),
-                 "stop (the time the job was stopped included)" if r["kind"] == "preemption" else "failure")
+        log.info("%s", recovery_line(r))
     ckpt = _checkpoint_path(result)
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
     if metrics["history"]:
