@@ -288,6 +288,12 @@ class ModelConfig:
         """The entries of ``tasks`` the candidate tower predicts ("ctr", "cvr"), in ``tasks`` order."""
         return [t for t in self.tasks if t in self.RANKING_TASKS]
 
+    @property
+    def retrieval_kernel_in_use(self) -> bool:
+        """Whether ``retrieval_kernel`` is read: only the retrieval head's "uniform_shared" sampled softmax has the
+        fused kernel (the preflight's refusal and the idle warning both ask this)."""
+        return self.negatives == "uniform_shared" and "retrieval" in self.tasks
+
     def task_weight(self, task: str) -> float:
         """The loss weight of ``task`` (1.0 when ``task_weights`` is empty). Raises ValueError if not in tasks."""
         if task not in self.tasks:
@@ -768,8 +774,8 @@ class JobConfig:
         (:meth:`TrainConfig.ineffective_compile_settings`); ``fp8_recipe`` / ``fp8_grad`` / ``fp8_min_dim`` off
         their defaults without ``precision = "fp8"``; a ``model.retrieval_kernel`` off its default without
         "uniform_shared" retrieval negatives; ``model.kernel_tiles`` where the attention is not the Triton kernels'
-        (backend "reference", or "auto" without a GPU); ``model.fp32_residual = false`` without autocast; an ``activation_memory_budget`` with a checkpointing mode that does not
-        read it (only "auto" and "torch" do)."""
+        (backend "reference", or "auto" without a GPU); ``model.fp32_residual = false`` without autocast; an
+        ``activation_memory_budget`` with a checkpointing mode that does not read it (only "auto" and "torch" do)."""
         t = self.train
         parts = []
         idle = t.ineffective_compile_settings()
@@ -786,8 +792,7 @@ class JobConfig:
             parts.append(f"{', '.join(fp8)} {'has' if len(fp8) == 1 else 'have'} no effect without train.precision = "
                          f"\"fp8\" (it is {_toml_value(t.precision)})")
         m = self.model
-        if m.retrieval_kernel != ModelConfig().retrieval_kernel and (
-                m.negatives != "uniform_shared" or "retrieval" not in m.tasks):
+        if m.retrieval_kernel != ModelConfig().retrieval_kernel and not m.retrieval_kernel_in_use:
             parts.append(f"model.retrieval_kernel = {_toml_value(m.retrieval_kernel)} has no effect with "
                          + (f"model.negatives = {_toml_value(m.negatives)} (only \"uniform_shared\" reads it)"
                             if "retrieval" in m.tasks else "no retrieval task"))

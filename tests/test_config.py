@@ -252,8 +252,9 @@ def test_fp32_residual_off_without_autocast_is_warned_about():
     def warning(overrides):
         return apply_overrides(JobConfig(), overrides).ineffective_settings_warning()
 
-    assert warning(["model.fp32_residual=false"]) == ('model.fp32_residual = false has no effect with train.precision = '
-                                                      '"fp32" (no autocast: the residual stream is float32)')
+    assert warning(["model.fp32_residual=false"]) == (
+        'model.fp32_residual = false has no effect with train.precision = "fp32" (no autocast: the residual stream '
+        'is float32)')
     for p in ("bf16", "fp8"):
         assert warning(["model.fp32_residual=false", f"train.precision={p}"]) is None
     assert warning(["model.fp32_residual=true"]) is None
@@ -370,7 +371,8 @@ def test_kernel_tile_modes_and_tiles_take_json_types_only():
     for value in ("false", "yes", 1, 0, None):
         with pytest.raises(ValueError, match=r"^kernel tiles: long\.mode\.dk_from_ds: expected true or false, got "):
             apply_tiles({"long": {"mode": {"dk_from_ds": value}}})
-    assert apply_tiles({"long": {"fwd": {"128": [64, 64, 4, 2]}}}).regime("long").tiles.get("fwd", 128) == (64, 64, 4, 2)
+    fwd = apply_tiles({"long": {"fwd": {"128": [64, 64, 4, 2]}}}).regime("long").tiles.get("fwd", 128)
+    assert fwd == (64, 64, 4, 2)
     for tile in ([128, 64, True, 3], [64, 64, 4, 2.0], [64, 64, 4]):
         with pytest.raises(ValueError, match=r"^kernel tiles: long\.fwd\.128: expected \[BLOCK_M, BLOCK_N"):
             apply_tiles({"long": {"fwd": {"128": tile}}})

@@ -394,7 +394,8 @@ def test_driver_sigterm_twice_at_once_is_one_notice(tmp_path, monkeypatch):
         monkeypatch.setattr(pre, "write_notice", slow_write)
         restore = pre.install_driver_sigterm(tmp_path / NOTICE_NAME)
         os.kill(os.getpid(), signal.SIGTERM)
-        assert calls == [signal.SIGTERM] and pre.read_notice(tmp_path / NOTICE_NAME)["reason"] == "SIGTERM to the driver"
+        assert calls == [signal.SIGTERM]
+        assert pre.read_notice(tmp_path / NOTICE_NAME)["reason"] == "SIGTERM to the driver"
         assert sorted(p.name for p in tmp_path.iterdir()) == [NOTICE_NAME]
         restore()
     finally:

@@ -282,7 +282,8 @@ def test_default_tiles_compile_for_hopper_without_spills():
 
     if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
         pytest.skip("triton wheel without ptxas")
-    code = "import json; from gemray.bench import sass_check as s; print(json.dumps([s.check(v) for v in s.ssm_variants()]))"
+    code = ("import json; from gemray.bench import sass_check as s; "
+            "print(json.dumps([s.check(v) for v in s.ssm_variants()]))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # JITFunction, not the interpreter
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -64,11 +64,10 @@ def preflight_output(out: str | Path, *, what: str = "--output") -> None:
 def preflight_resources(cfg: JobConfig, *, embedded: bool, num_gpus: int | None = None) -> None:
     """Refuse a job the device or the embedded cluster cannot run: ``ray.use_gpu`` on an embedded cluster
     with fewer GPUs than workers (``num_gpus``: GPUs this machine has; default ``torch.cuda.device_count()``),
-    Adam kinds of sparse optimizer or forced Triton without a GPU outside Triton's interpreter (attention, the
-    retrieval kernel where it takes effect -- "uniform_shared" retrieval negatives; elsewhere it is only warned about
-    as idle: ``JobConfig.ineffective_settings_warning`` --; ``TRITON_INTERPRET=1`` runs both on CPU tensors, for
-    tests), a ``model.kernel_tiles`` naming
-    an unknown regime, tile kind or mode, a worker asking more CPUs than the embedded cluster advertises.
+    Adam kinds of sparse optimizer, forced Triton without a GPU outside Triton's interpreter (``TRITON_INTERPRET=1``
+    runs the kernels on CPU tensors, for tests): the attention, and the retrieval kernel where it is read
+    (``ModelConfig.retrieval_kernel_in_use``; elsewhere it is only warned about as idle), a ``model.kernel_tiles``
+    naming an unknown regime, tile kind or mode, a worker asking more CPUs than the embedded cluster advertises.
     embedded: whether fit will start its own Ray cluster (an external one may have the GPUs and CPUs). Raises
     ValueError naming the field."""
     gpu = cfg.ray.use_gpu
@@ -90,8 +89,8 @@ def preflight_resources(cfg: JobConfig, *, embedded: bool, num_gpus: int | None 
                          "CUDA; on CPU only in Triton's interpreter, TRITON_INTERPRET=1, for tests); use 'auto' or "
                          "'reference' on CPU")
     m = cfg.model
-    takes_effect = m.negatives == "uniform_shared" and "retrieval" in m.tasks  # else only warned about as idle
-    if not gpu and m.retrieval_kernel == "triton" and takes_effect and os.environ.get("TRITON_INTERPRET") != "1":
+    if (not gpu and m.retrieval_kernel == "triton" and m.retrieval_kernel_in_use
+            and os.environ.get("TRITON_INTERPRET") != "1"):
         raise ValueError("model.retrieval_kernel='triton' needs ray.use_gpu=true (the fused sampled softmax runs on "
                          "CUDA; on CPU only in Triton's interpreter, TRITON_INTERPRET=1, for tests); use 'auto' or "
                          "'reference' on CPU")

@@ -220,9 +220,9 @@ def prepared_manifest(prepared_dir: str | Path, option: str = "--data") -> dict[
     ``gemray evaluate`` / ``recommend`` check their ``--data`` with it before the checkpoint is loaded. A folder
     of raw MovieLens ratings (ratings.dat, u.data or ratings.csv and no manifest.json) raises FileNotFoundError
     giving the ``gemray prepare movielens`` command that prepares it into a folder of its own,
-    ``data/<folder name>`` under the working directory (``data/<name>-prepared`` when that is the raw folder itself;
-    never beside it: the raw data may sit in a read-only shared tree); any other unprepared folder raises as ``load_manifest``
-    does (FileNotFoundError / ValueError naming it)."""
+    ``data/<folder name>`` under the working directory (``data/<name>-prepared`` when that is the raw folder
+    itself; never beside it: the raw data may sit in a read-only shared tree); any other unprepared folder raises
+    as ``load_manifest`` does (FileNotFoundError / ValueError naming it)."""
     from gemray.pipelines.movielens import FORMATS, load_manifest
     from gemray.pipelines.schema import MANIFEST_FILE
 
