@@ -553,10 +553,12 @@ def _cmd_evaluate(ns: argparse.Namespace) -> int:
     check_arguments(ns.split, ns.k, ns.world_size)  # before the model and the data are loaded
     if ns.json not in (None, "-"):
         _writable_file(ns.json, "--json")  # before the model is loaded and the split evaluated
-    if ns.data is not None:
-        prepared_manifest(ns.data)  # an unprepared (e.g. raw MovieLens) --data: refused before the model loads
-    trained = load_trained(ns.checkpoint, config=ns.config, overrides=ns.overrides, device=ns.device)
-    res = evaluate(trained, ns.split, ks=ns.k, prepared_dir=ns.data, world_size=ns.world_size)
+    # an unprepared (e.g. raw MovieLens) --data is refused before the checkpoint is looked at, one of another item
+    # count before the model loads (load_trained); the manifest is read once
+    manifest = prepared_manifest(ns.data) if ns.data is not None else None
+    trained = load_trained(ns.checkpoint, config=ns.config, overrides=ns.overrides, device=ns.device,
+                           data_manifest=manifest)
+    res = evaluate(trained, ns.split, ks=ns.k, prepared_dir=ns.data, world_size=ns.world_size, manifest=manifest)
     print(format_metrics(res))
     text = json.dumps(res, indent=1, sort_keys=True)
     if ns.json == "-":
@@ -584,10 +586,12 @@ def _cmd_recommend(ns: argparse.Namespace) -> int:
     # a model recommend cannot serve is refused from its config, before any checkpoint is read
     check_recommendable(run_config(ns.checkpoint, config=ns.config, overrides=ns.overrides))
     users = ns.user if ns.user else read_users_file(ns.users_file)
-    if ns.data is not None:
-        prepared_manifest(ns.data)  # an unprepared (e.g. raw MovieLens) --data: refused before the model loads
-    trained = load_trained(ns.checkpoint, config=ns.config, overrides=ns.overrides, device=ns.device)
-    recs = recommend(trained, users, k=ns.k, prepared_dir=ns.data)
+    # as evaluate: an unprepared --data refused before the checkpoint is looked at, another item count before the
+    # model loads; the manifest read once
+    manifest = prepared_manifest(ns.data) if ns.data is not None else None
+    trained = load_trained(ns.checkpoint, config=ns.config, overrides=ns.overrides, device=ns.device,
+                           data_manifest=manifest)
+    recs = recommend(trained, users, k=ns.k, prepared_dir=ns.data, manifest=manifest)
     if ns.out:
         import pyarrow.parquet as pq
 

@@ -490,3 +490,72 @@ def test_raw_data_already_under_data_gets_a_prepared_folder_of_its_own(tmp_path,
     (raw / "ratings.dat").write_text("1::1193::5::978300760\n")
     with pytest.raises(FileNotFoundError, match=r"--out data/ml-1m-prepared` and pass --data data/ml-1m-prepared$"):
         prepared_manifest("data/ml-1m")
+
+
+@pytest.fixture(scope="module")
+def small_checkpoint(tmp_path_factory):
+    """A retrieval model (configs/ml-latest-small.toml's) on a tiny synthetic dataset of 200 items, one CPU step,
+    saved outside Ray as <tmp>/run/ray/<name>/checkpoint_0 (its config.toml three levels up, as a run's); returns
+    (checkpoint folder, its prepared data, prepared data of 150 items)."""
+    from model_utils import cpu_trainer
+
+    from gemray.bench.train import first_batch
+    from gemray.checkpoint import save_checkpoint
+    from gemray.config import load_config, to_toml
+    from gemray.pipelines.synthetic import SyntheticSpec, prepare_synthetic
+
+    tmp = tmp_path_factory.mktemp("small")
+    spec = dict(users=60, seed=3, max_len=24, min_len=4, mean_len=10.0, candidates=4)
+    prepare_synthetic(tmp / "data", SyntheticSpec(items=200, **spec), num_files=1, progress=False, workers=1)
+    prepare_synthetic(tmp / "other", SyntheticSpec(items=150, **spec), num_files=1, progress=False, workers=1)
+    cfg = load_config(REPO / "configs" / "ml-latest-small.toml",
+                      [f"data.prepared_dir={tmp / 'data'}", "data.max_seq_len=24", "data.batch_size=16",
+                       "data.reader=arrow", "ray.use_gpu=false", "train.eval_ks=[10]"])
+    ckpt = tmp / "run" / "ray" / cfg.name / "checkpoint_0"
+    with cpu_trainer(cfg) as tr:
+        tr.begin_epoch(0)
+        tr.train_step(first_batch(tr))
+        save_checkpoint(ckpt, tr.dmp, tr.optimizer, {"epoch": 1, "consumed": 0, "epoch_step": 0, "history": [],
+                                                     "global_step": tr.global_step, "partial": None},
+                        data=tr.trained_on)
+    (tmp / "run" / "config.toml").write_text(to_toml(cfg))
+    return ckpt, tmp / "data", tmp / "other"
+
+
+COMMANDS = {"evaluate": ["evaluate", "--json", "-"], "recommend": ["recommend", "--user", "1", "--k", "3"]}
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_data_of_another_item_count_is_refused_before_the_model_is_built(command, small_checkpoint, monkeypatch,
+                                                                          capsys):
+    """`gemray evaluate / recommend --data` of another item count than the checkpoint's: exit 2 with one line naming
+    both counts and both folders, from the manifests, before the model is built or a weight read (was: after the
+    whole load, ~5 s on ML-1M)."""
+    import gemray.model.gem
+    import gemray.serve.model as serve_model
+    from gemray.cli import main
+
+    ckpt, data, other = small_checkpoint
+    monkeypatch.setattr(gemray.model.gem, "GEM", lambda *a, **k: pytest.fail("the model must not be built"))
+    monkeypatch.setattr(serve_model, "load_model_state", lambda *a, **k: pytest.fail("no weight must be read"))
+    assert main([*COMMANDS[command], "--checkpoint", str(ckpt), "--data", str(other)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"gemray: error: --data {other.resolve()}: 150 items, but the checkpoint {ckpt.resolve()} has an "
+                   f"item table for 200 (trained on {data.resolve()}): item ids would not match; use data prepared "
+                   "with the same item vocabulary"], err
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_data_manifest_is_read_once(command, small_checkpoint, monkeypatch, capsys):
+    """`gemray evaluate / recommend --data DIR` reads DIR's manifest once, for the check before the model loads and
+    the one after (was: twice, the second time in check_data)."""
+    import gemray.serve.model as serve_model
+    from gemray.cli import main
+
+    ckpt, data, _ = small_checkpoint
+    reads = []
+    real = serve_model.prepared_manifest
+    monkeypatch.setattr(serve_model, "prepared_manifest", lambda *a, **k: reads.append(a) or real(*a, **k))
+    assert main([*COMMANDS[command], "--checkpoint", str(ckpt), "--data", str(data)]) == 0
+    assert reads == [(str(data),)], reads
+    assert capsys.readouterr().out

@@ -43,14 +43,16 @@ def check_arguments(split: str = "test", ks: list[int] | None = None, world_size
 
 
 def evaluate(trained: TrainedModel, split: str = "test", *, ks: list[int] | None = None,
-             prepared_dir: str | Path | None = None, world_size: int | None = None) -> dict[str, Any]:
+             prepared_dir: str | Path | None = None, world_size: int | None = None,
+             manifest: dict[str, Any] | None = None) -> dict[str, Any]:
     """Metrics of ``trained`` on ``split`` ("valid" or "test").
 
     ks: HR@K / NDCG@K cut-offs (default the run's ``train.eval_ks``); prepared_dir: another prepared folder
     with the same item vocabulary (default the run's ``data.prepared_dir``; see
     :func:`gemray.serve.model.check_data`); world_size: how many ranks' streams to partition the split into
     (default the world size the checkpoint was saved by: the partition its training evaluated with; the
-    figures do not depend on it beyond float rounding).
+    figures do not depend on it beyond float rounding); manifest: the manifest of ``prepared_dir`` when the
+    caller has read it already (``gemray evaluate --data``: before loading the model), not read again.
 
     Returns ``{"checkpoint", "split", "prepared_dir", "world_size", "epoch", "global_step", "seconds",
     "metrics": {"hr@K", "ndcg@K", "num_users", ["hr@K_unfiltered", ..., "targets_in_history"], and per ranking
@@ -69,7 +71,7 @@ def evaluate(trained: TrainedModel, split: str = "test", *, ks: list[int] | None
     data_cfg = copy.deepcopy(cfg.data)
     data_cfg.prepared_dir = str(Path(prepared_dir or data_cfg.prepared_dir).expanduser().resolve())
     data_cfg.reader = "arrow"  # the same table as Ray Data reads, in this process
-    check_data(trained, data_cfg.prepared_dir)
+    check_data(trained, data_cfg.prepared_dir, manifest if prepared_dir is not None else None)
     world = int(world_size or trained.state.get("world_size") or 1)
     evaluators = build_evaluators(cfg, trained.num_items, [int(k) for k in ks] if ks else None)
     t0 = time.perf_counter()

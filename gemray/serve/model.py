@@ -180,13 +180,16 @@ def _model_data(cfg: JobConfig) -> dict[str, Any]:
 
 
 def load_trained(checkpoint: str | Path, *, config: str | Path | None = None, overrides: list[str] | None = None,
-                 device: str | None = None) -> TrainedModel:
+                 device: str | None = None, data_manifest: dict[str, Any] | None = None) -> TrainedModel:
     """Load a ``gemray train`` checkpoint into one process (see the module docstring).
 
     checkpoint / config: as :func:`locate_checkpoint`; overrides: ``section.key=value`` applied to the run's
     config (e.g. ``model.attention_backend=reference``); shape-changing ones make the load fail.
-    Raises FileNotFoundError / ValueError as :func:`locate_checkpoint`, ValueError for a corrupt checkpoint or
-    one whose tables do not fit the config's model.
+    data_manifest: the manifest (:func:`prepared_manifest`) of the prepared folder the model is to be used on
+    (``gemray evaluate`` / ``recommend --data``); its item count is checked against the checkpoint's record
+    before the model is built or any weight is read (:func:`check_item_count`).
+    Raises FileNotFoundError / ValueError as :func:`locate_checkpoint`, ValueError for a corrupt checkpoint, one
+    whose tables do not fit the config's model or one whose item count is not ``data_manifest``'s.
     """
     from gemray.model.gem import GEM
     from gemray.parallel import parallelize, plan_layout
@@ -203,6 +206,8 @@ def load_trained(checkpoint: str | Path, *, config: str | Path | None = None, ov
         num_items = int(info["item_table_rows"]) - 1
     else:
         raise ValueError(f"checkpoint {ckpt}: neither a data record nor an item table in its DCP metadata")
+    if data_manifest is not None:  # before the model is built and the weights read: the manifests tell it
+        check_item_count(data_manifest["prepared_dir"], data_manifest, ckpt, num_items, record)
     dev = pick_device(cfg, device)
     init_single_process_group(dev)
     model = GEM(cfg.model, num_items, "meta", max_seq_len=cfg.data.max_seq_len, **_model_data(cfg))
@@ -241,20 +246,35 @@ def prepared_manifest(prepared_dir: str | Path, option: str = "--data") -> dict[
     return load_manifest(d)
 
 
-def check_data(trained: TrainedModel, prepared_dir: str | Path) -> dict[str, Any]:
-    """The manifest of ``prepared_dir`` after checking that it fits the model: the same item count as the
-    checkpoint's item table (else ValueError naming both). Another fingerprint with the same count (a
-    re-prepared or newer version of the data) is allowed with a warning: item ids are taken to mean the same
-    items. Raises FileNotFoundError when the folder is not prepared (:func:`prepared_manifest`)."""
+def check_item_count(prepared_dir: str | Path, manifest: dict[str, Any], checkpoint: str | Path, num_items: int,
+                     trained_on: dict[str, Any] | None = None) -> None:
+    """Pure: refuse the prepared folder ``prepared_dir`` (its ``manifest``) for a checkpoint whose item table is
+    for ``num_items`` items when the data has another item count: its item ids would not mean the checkpoint's
+    items. ``trained_on``: the checkpoint's record of its data (``gemray.checkpoint.data_record``; None for old
+    checkpoints), whose folder the message names. Raises ValueError naming both counts and both folders."""
     from gemray.checkpoint import data_record
 
-    manifest = prepared_manifest(prepared_dir)
+    n = data_record(manifest)["num_items"]
+    if n != num_items:
+        raise ValueError(f"--data {prepared_dir}: {n} items, but the checkpoint {checkpoint} has an item table for "
+                         f"{num_items} (trained on {(trained_on or {}).get('prepared_dir', 'unknown data')}): item "
+                         "ids would not match; use data prepared with the same item vocabulary")
+
+
+def check_data(trained: TrainedModel, prepared_dir: str | Path, manifest: dict[str, Any] | None = None
+               ) -> dict[str, Any]:
+    """The manifest of ``prepared_dir`` after checking that it fits the model: the same item count as the
+    checkpoint's item table (else ValueError naming both: :func:`check_item_count`). Another fingerprint with the
+    same count (a re-prepared or newer version of the data) is allowed with a warning: item ids are taken to mean
+    the same items. ``manifest``: that folder's manifest when the caller has read it already (``gemray evaluate``
+    reads it before loading the model); else it is read here. Raises FileNotFoundError when the folder is not
+    prepared (:func:`prepared_manifest`)."""
+    from gemray.checkpoint import data_record
+
+    if manifest is None:
+        manifest = prepared_manifest(prepared_dir)
+    check_item_count(prepared_dir, manifest, trained.checkpoint, trained.num_items, trained.data)
     rec = data_record(manifest)
-    if rec["num_items"] != trained.num_items:
-        raise ValueError(f"--data {prepared_dir}: {rec['num_items']} items, but the checkpoint {trained.checkpoint} "
-                         f"has an item table for {trained.num_items} (trained on "
-                         f"{(trained.data or {}).get('prepared_dir', 'unknown data')}): item ids would not "
-                         "match; evaluate on data prepared with the same item vocabulary")
     if trained.data is not None and rec["fingerprint"] != trained.data.get("fingerprint"):
         log.warning("--data %s is another dataset version than the checkpoint was trained on (%s): same item "
                     "count (%d), item ids taken to mean the same items", prepared_dir,
