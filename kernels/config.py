@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping
@@ -403,6 +404,15 @@ def registered() -> Mapping[str, KernelConfig]:
 MODE_FIELDS = ("heads_inner", "tma_loads", "ds_store", "dk_from_ds")
 
 
+def _as_json(value) -> str:
+    """``value`` as it reads in the JSON a user wrote (``true``, ``"x"``, ``[64, 64, 4]``) for the messages of
+    :func:`apply_tiles`; ``repr`` for a value JSON cannot hold."""
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
 def apply_tiles(spec: Mapping, config: KernelConfig | None = None) -> KernelConfig:
     """``config`` (None: DEFAULT) with the tiles and launch modes of ``spec``: {regime: {kind: {"<head-dim
     bucket>": [BLOCK_M, BLOCK_N, num_warps, num_stages], ...}, "mode": {"heads_inner": bool, "tma_loads": bool,
@@ -410,39 +420,40 @@ def apply_tiles(spec: Mapping, config: KernelConfig | None = None) -> KernelConf
     benchmarks/attn_sweep_d256.py) and what ``model.kernel_tiles`` and ``gemray bench kernels --tiles`` read.
     A mode entry changes only the keys it names. Raises ValueError naming the entry for an unknown regime, tile
     kind, head-dim bucket or mode, a mode value that is not a JSON boolean, or a tile that is not 4 positive ints
-    (booleans are not ints here)."""
+    (booleans are not ints here); the offending value is shown as JSON (``true``, not Python's ``True``)."""
     config = resolve(config)
     if not isinstance(spec, Mapping):
         raise ValueError(f"kernel tiles: expected a JSON object {{regime: {{kind: ...}}}}, got {type(spec).__name__}")
     for reg, kinds in spec.items():
         if reg not in REGIMES:
-            raise ValueError(f"kernel tiles: unknown regime {reg!r} (one of {list(REGIMES)})")
+            raise ValueError(f"kernel tiles: unknown regime {_as_json(reg)} (one of {_as_json(REGIMES)})")
         if not isinstance(kinds, Mapping):
-            raise ValueError(f"kernel tiles: {reg}: expected an object of tile kinds, got {kinds!r}")
+            raise ValueError(f"kernel tiles: {reg}: expected an object of tile kinds, got {_as_json(kinds)}")
         for kind, table in kinds.items():
             if kind == "mode":
                 if not isinstance(table, Mapping) or set(table) - set(MODE_FIELDS):
-                    raise ValueError(f"kernel tiles: {reg}.mode: expected an object with keys from {MODE_FIELDS}, "
-                                     f"got {table!r}")
+                    raise ValueError(f"kernel tiles: {reg}.mode: expected an object with keys from "
+                                     f"{_as_json(MODE_FIELDS)}, got {_as_json(table)}")
                 # JSON true / false only: bool("false") is True, so a quoted value would silently do the opposite
                 for k, v in table.items():
                     if not isinstance(v, bool):
-                        raise ValueError(f"kernel tiles: {reg}.mode.{k}: expected true or false, got {v!r}")
+                        raise ValueError(f"kernel tiles: {reg}.mode.{k}: expected true or false, got {_as_json(v)}")
                 config = config.with_regime(reg, **dict(table))
                 continue
             if kind not in TILE_KINDS:
-                raise ValueError(f"kernel tiles: {reg}: unknown tile kind {kind!r} (one of {list(TILE_KINDS)} or "
-                                 "'mode')")
+                raise ValueError(f"kernel tiles: {reg}: unknown tile kind {_as_json(kind)} (one of "
+                                 f"{_as_json(TILE_KINDS)} or \"mode\")")
             if not isinstance(table, Mapping):
                 raise ValueError(f"kernel tiles: {reg}.{kind}: expected an object {{head-dim bucket: tile}}, got "
-                                 f"{table!r}")
+                                 f"{_as_json(table)}")
             for d, tile in table.items():
                 if (not isinstance(tile, (list, tuple)) or len(tile) != 4
                         or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in tile)):
                     raise ValueError(f"kernel tiles: {reg}.{kind}.{d}: expected [BLOCK_M, BLOCK_N, num_warps, "
-                                     f"num_stages] (positive ints), got {tile!r}")
+                                     f"num_stages] (positive ints), got {_as_json(tile)}")
                 if not str(d).isdigit() or int(d) not in HEAD_DIM_BUCKETS:
-                    raise ValueError(f"kernel tiles: {reg}.{kind}: head-dim bucket {d!r} not in {HEAD_DIM_BUCKETS}")
+                    raise ValueError(f"kernel tiles: {reg}.{kind}: head-dim bucket {_as_json(d)} not in "
+                                     f"{_as_json(HEAD_DIM_BUCKETS)}")
                 config = config.with_tile(reg, kind, tuple(tile), int(d))
     return config
 

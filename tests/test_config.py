@@ -362,22 +362,38 @@ def test_kernel_tiles_is_inline_json_or_a_file_and_says_so(tmp_path, monkeypatch
 
 def test_kernel_tile_modes_and_tiles_take_json_types_only():
     """A kernel-tiles mode value must be a JSON boolean (bool("false") is True: a quoted "false" turned dk_from_ds
-    on) and a tile's entries ints that are not booleans (true was taken as 1 warp); each refusal names the entry."""
+    on) and a tile's entries ints that are not booleans (true was taken as 1 warp); each refusal names the entry
+    and shows the value as the JSON the user wrote (was Python's repr: True, 'x', None)."""
     from gemray.kernels.config import DEFAULT, apply_tiles
 
     on = apply_tiles({"long": {"mode": {"dk_from_ds": True, "ds_store": False}}})
     assert on.regime("long").dk_from_ds and not on.regime("long").ds_store
     assert apply_tiles({"long": {"mode": {"dk_from_ds": False}}}).regime("long").dk_from_ds is False
-    for value in ("false", "yes", 1, 0, None):
-        with pytest.raises(ValueError, match=r"^kernel tiles: long\.mode\.dk_from_ds: expected true or false, got "):
+    for value, shown in (("false", '"false"'), ("yes", '"yes"'), (1, "1"), (0, "0"), (None, "null")):
+        with pytest.raises(ValueError, match=r"^kernel tiles: long\.mode\.dk_from_ds: expected true or false, got "
+                                             f"{re.escape(shown)}$"):
             apply_tiles({"long": {"mode": {"dk_from_ds": value}}})
     fwd = apply_tiles({"long": {"fwd": {"128": [64, 64, 4, 2]}}}).regime("long").tiles.get("fwd", 128)
     assert fwd == (64, 64, 4, 2)
-    for tile in ([128, 64, True, 3], [64, 64, 4, 2.0], [64, 64, 4]):
-        with pytest.raises(ValueError, match=r"^kernel tiles: long\.fwd\.128: expected \[BLOCK_M, BLOCK_N"):
+    for tile, shown in (([128, 64, True, 3], "[128, 64, true, 3]"), ([64, 64, 4, 2.0], "[64, 64, 4, 2.0]"),
+                        ([64, 64, 4], "[64, 64, 4]"), (True, "true"), ("64,64,4,2", '"64,64,4,2"'),
+                        ((64, 64, 4, {1, 2}), "(64, 64, 4, {1, 2})")):  # no JSON for a set: repr
+        with pytest.raises(ValueError, match=r"^kernel tiles: long\.fwd\.128: expected \[BLOCK_M, BLOCK_N, num_warps, "
+                                             rf"num_stages\] \(positive ints\), got {re.escape(shown)}$"):
             apply_tiles({"long": {"fwd": {"128": tile}}})
-    with pytest.raises(ValueError, match=r"^kernel tiles: long\.fwd: expected an object \{head-dim bucket: tile\}"):
+    with pytest.raises(ValueError, match=r"^kernel tiles: long\.fwd: expected an object \{head-dim bucket: tile\}, "
+                                         r"got \[64, 64, 4, 2\]$"):
         apply_tiles({"long": {"fwd": [64, 64, 4, 2]}})
-    with pytest.raises(ValueError, match=r"^kernel tiles: long\.fwd: head-dim bucket 'x' not in "):
+    with pytest.raises(ValueError, match=r'^kernel tiles: long\.fwd: head-dim bucket "x" not in \[64, 128, 256\]$'):
         apply_tiles({"long": {"fwd": {"x": [64, 64, 4, 2]}}})
+    with pytest.raises(ValueError, match=r"^kernel tiles: long: expected an object of tile kinds, got true$"):
+        apply_tiles({"long": True})
+    with pytest.raises(ValueError, match=r'^kernel tiles: long: unknown tile kind "bwd" \(one of \["fwd", '):
+        apply_tiles({"long": {"bwd": {}}})
+    with pytest.raises(ValueError, match=r'^kernel tiles: unknown regime "huge" \(one of \["short", "medium", '
+                                         r'"long", "xlong"\]\)$'):
+        apply_tiles({"huge": {}})
+    with pytest.raises(ValueError, match=r'^kernel tiles: long\.mode: expected an object with keys from '
+                                         r'\["heads_inner", .*\], got \{"dk_from_dz": true\}$'):
+        apply_tiles({"long": {"mode": {"dk_from_dz": True}}})
     assert apply_tiles({}) == DEFAULT
