@@ -466,12 +466,32 @@ def _cmd_k8s(ns: argparse.Namespace) -> int:
     return k8s_main([ns.k8s_command, *ns.args])
 
 
+class _StrayRun(argparse.Action):
+    """A hidden catch-all positional of evaluate / recommend / export, which take no positional argument: a run
+    folder given bare (``gemray evaluate runs/x``) is refused at once with the flag that names it, through
+    ``parser.error`` (usage, one error line, exit 2), instead of argparse's "the following arguments are
+    required: --checkpoint" or "unrecognized arguments"."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if not values:
+            return
+        import shlex
+
+        what = f"unexpected argument {values[0]!r}" if len(values) == 1 else \
+            f"unexpected arguments {', '.join(repr(v) for v in values)}"
+        given = getattr(namespace, "checkpoint", None)
+        if given is not None:
+            parser.error(f"{what} (the run is given by --checkpoint {shlex.quote(given)})")
+        parser.error(f"{what}: give the run as --checkpoint {shlex.quote(values[0])}")
+
+
 def _add_serve_parsers(sub) -> None:
     """evaluate / recommend / export: use a trained checkpoint in this process (gemray.serve; no Ray cluster)."""
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("--checkpoint", required=True, metavar="RUN_OR_CKPT_DIR",
                        help="a `gemray train --output` folder (its newest committed checkpoint that verifies), "
                             "its ray/<name> run folder, or one checkpoint_* folder")
+        p.add_argument("stray", nargs="*", action=_StrayRun, help=argparse.SUPPRESS)  # `gemray evaluate runs/x`
         p.add_argument("--config", default=None, help="training config (default: the run's config.toml)")
         p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when the run trained on GPUs)")
         _add_set(p)

@@ -138,3 +138,23 @@ def test_k8s_help_lists_its_commands(capsys, flag):
     assert main(["k8s", flag]) == 0
     out = capsys.readouterr().out
     assert "render --config FILE" in out and "validate FILES" in out and "regenerate FILES" in out
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["evaluate", "runs/x"], "unexpected argument 'runs/x': give the run as --checkpoint runs/x"),
+    (["recommend", "runs/x", "--user", "1"], "unexpected argument 'runs/x': give the run as --checkpoint runs/x"),
+    (["export", "my runs/x", "--out", "serving"],
+     "unexpected argument 'my runs/x': give the run as --checkpoint 'my runs/x'"),
+    (["evaluate", "runs/x", "runs/y"], "unexpected arguments 'runs/x', 'runs/y': give the run as --checkpoint runs/x"),
+    (["evaluate", "--checkpoint", "runs/x", "runs/y"],
+     "unexpected argument 'runs/y' (the run is given by --checkpoint runs/x)"),
+])
+def test_serve_commands_name_the_flag_for_a_bare_run_folder(argv, line, capsys):
+    """`gemray evaluate runs/x` (the run given bare, as a positional): exit 2 with the flag that names it (was
+    argparse's 'the following arguments are required: --checkpoint', or 'unrecognized arguments: runs/x' beside
+    --checkpoint); recommend and export share the parser's --checkpoint and say the same."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0].startswith(f"usage: gemray {argv[0]} ") and err[-1] == f"gemray {argv[0]}: error: {line}", err
