@@ -969,15 +969,45 @@ def shared_path(value: str, environ: typing.Mapping[str, str] = os.environ) -> s
     checkout) replaced by ``$GEMRAY_SHARED`` when that is set and not empty; any other value as it is.
     ``../shared/data/ml-1m`` with ``GEMRAY_SHARED=/mnt/shared`` -> ``/mnt/shared/data/ml-1m``."""
     shared = environ.get(SHARED_ENV, "")
-    if not shared or not (value == SHARED_PREFIX or value.startswith(SHARED_PREFIX + "/")):
+    if not shared or not is_shared_path(value):
         return value
     return str(Path(shared).expanduser() / value[len(SHARED_PREFIX) + 1:])
 
 
+def is_shared_path(value: str) -> bool:
+    """Pure: whether ``value`` names the shared inputs folder as the configs do (``../shared`` or
+    ``../shared/...``), the values :func:`shared_path` reads under ``$GEMRAY_SHARED``."""
+    return value == SHARED_PREFIX or value.startswith(SHARED_PREFIX + "/")
+
+
+#: The attribute of a JobConfig in which :func:`apply_overrides` records {"section.key": "../shared/..." value as
+#: configured} of its shared paths (:func:`shared_origin`); not a config field (never written to TOML).
+_SHARED_ORIGINS = "_shared_origins"
+
+
+def shared_origin(cfg: JobConfig, key: str) -> str | None:
+    """The ``../shared/...`` value the setting ``key`` ("section.key") of ``cfg`` was configured as, when its
+    current value is still what that reads as (:func:`shared_path`; a relative one made absolute against the
+    current directory, as ``fit`` does); None for a setting configured as any other path, or set since. Tells
+    whether advice about ``$GEMRAY_SHARED`` applies to a path that does not exist."""
+    origin = getattr(cfg, _SHARED_ORIGINS, {}).get(key)
+    if origin is None:
+        return None
+    section, name = key.split(".")
+    current = getattr(getattr(cfg, section), name)
+
+    def absolute(value: str) -> Path:
+        p = Path(value).expanduser()
+        return p if p.is_absolute() else (Path.cwd() / p).resolve()
+
+    return origin if absolute(current) == absolute(shared_path(origin)) else None
+
+
 def apply_overrides(cfg: JobConfig, overrides: list[str]) -> JobConfig:
     """Apply ``section.key=value`` strings (the CLI's ``--set``), read every ``../shared/...`` value under
-    ``$GEMRAY_SHARED`` (:func:`shared_path`) and re-validate. Every config is finished here (``load_config``,
-    ``fit`` of a JobConfig, tune, submit, serve), so this is the one place that maps shared paths."""
+    ``$GEMRAY_SHARED`` (:func:`shared_path`; the value as configured is kept for :func:`shared_origin`) and
+    re-validate. Every config is finished here (``load_config``, ``fit`` of a JobConfig, tune, submit, serve), so
+    this is the one place that maps shared paths."""
     for item in overrides or []:
         if "=" not in item:
             raise ValueError(f"--set {item!r}: expected section.key=value")
@@ -1005,13 +1035,16 @@ def apply_overrides(cfg: JobConfig, overrides: list[str]) -> JobConfig:
             raise ValueError(f"--set {item!r}: unknown key {section}.{key}{_did_you_mean(key, types)} "
                              f"(known: {sorted(types)})")
         setattr(sub, key, _coerce(value, types[key], f"{section}.{key}"))
+    origins = dict(getattr(cfg, _SHARED_ORIGINS, {}))
     for f in dataclasses.fields(cfg):
         sub = getattr(cfg, f.name)
         if dataclasses.is_dataclass(sub):
             for sf in dataclasses.fields(sub):
                 value = getattr(sub, sf.name)
-                if isinstance(value, str):
+                if isinstance(value, str) and is_shared_path(value):
+                    origins[f"{f.name}.{sf.name}"] = value  # for the advice on a missing path (shared_origin)
                     setattr(sub, sf.name, shared_path(value))
+    setattr(cfg, _SHARED_ORIGINS, origins)
     return cfg.validate()
 
 

@@ -834,9 +834,9 @@ def test_fit_from_python_keeps_last_resort_warnings_on_stderr(tmp_path, monkeypa
 @pytest.mark.parametrize("raw", ["missing", "empty"])
 def test_no_data_names_both_paths_and_how_to_point_at_movielens(tmp_path, monkeypatch, capsys, raw):
     """No prepared data and no MovieLens ratings file in data.raw_dir (absent, or a folder without one): one line
-    naming both paths and how to point gemray at the download (--set data.raw_dir=..., GEMRAY_SHARED, make
-    demo's DATA_SRC), exit 2 before Ray starts; the empty folder used to give prepare's bare 'no MovieLens
-    ratings file found', the absent one a line with no way out."""
+    naming both paths and how to point gemray at the download (--set data.raw_dir=..., make demo's DATA_SRC; not
+    GEMRAY_SHARED, which changes only ../shared/... paths), exit 2 before Ray starts; the empty folder used to give
+    prepare's bare 'no MovieLens ratings file found', the absent one a line with no way out."""
     from gemray.cli import main
 
     src = tmp_path / "ml-latest-small"
@@ -852,8 +852,54 @@ def test_no_data_names_both_paths_and_how_to_point_at_movielens(tmp_path, monkey
     why = "holds no MovieLens ratings file (ratings.dat, u.data or ratings.csv)" if raw == "empty" else "does not exist"
     assert f"data.raw_dir {src} {why}" in err[0]
     assert "--set data.raw_dir=/path/to/ml-latest-small" in err[0]
-    assert "GEMRAY_SHARED" in err[0] and "DATA_SRC=/path/to/ml-1m" in err[0]
+    assert "GEMRAY_SHARED" not in err[0] and "DATA_SRC=/path/to/ml-1m" in err[0]
     assert not (tmp_path / "o").exists() and not (tmp_path / "prep").exists()
+
+
+@pytest.mark.parametrize("given", ["absolute", "shared"])
+def test_a_misspelled_raw_dir_gets_the_close_folder_and_gemray_shared_only_for_shared_paths(given, tmp_path,
+                                                                                             monkeypatch, capsys):
+    """data.raw_dir misspelled (ml-1mm beside an ml-1m folder): the line says it does not exist and suggests the
+    folder beside it with the close name; the GEMRAY_SHARED advice comes only for a ../shared/... value, the paths it
+    changes (an absolute /work/shared/data/ml-1mm was told to set GEMRAY_SHARED, which would not change it)."""
+    from gemray.cli import main
+
+    shared = tmp_path / "shared"
+    (shared / "data" / "ml-1m").mkdir(parents=True)
+    (shared / "data" / "ml-100k").mkdir()
+    monkeypatch.setenv("GEMRAY_SHARED", str(shared))
+    monkeypatch.setattr(session, "connect", lambda cfg: pytest.fail("Ray must not start"))
+    value = str(shared / "data" / "ml-1mm") if given == "absolute" else "../shared/data/ml-1mm"
+    rc = main(["train", "--config", str(REPO / "configs" / "ml-1m.toml"), "--output", str(tmp_path / "o"),
+               "--set", f"data.raw_dir={value}", f"data.prepared_dir={tmp_path / 'prep'}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert (f"data.raw_dir {shared / 'data' / 'ml-1mm'} does not exist (did you mean {shared / 'data' / 'ml-1m'}?); "
+            "point data.raw_dir at your MovieLens download: --set data.raw_dir=/path/to/ml-1m ") in err[0], err
+    if given == "absolute":
+        assert "GEMRAY_SHARED" not in err[0] and err[0].endswith("; make demo: DATA_SRC=/path/to/ml-1m)"), err
+    else:
+        assert err[0].endswith("or set GEMRAY_SHARED to the folder holding data/ml-1m for the configs' ../shared/... "
+                               "paths (this config's data.raw_dir is '../shared/data/ml-1mm'; make demo: "
+                               "DATA_SRC=/path/to/ml-1m)"), err
+
+
+def test_shared_origin_follows_the_setting_not_its_first_value(tmp_path, monkeypatch):
+    """shared_origin: the ../shared/... value a setting was configured as, with or without $GEMRAY_SHARED and after
+    fit makes it absolute; None once the setting is given another path (an override, or set in Python)."""
+    from gemray.config import load_config, shared_origin
+
+    monkeypatch.chdir(tmp_path)
+    for env in ("", str(tmp_path / "s")):
+        monkeypatch.setenv("GEMRAY_SHARED", env)
+        cfg = load_config(REPO / "configs" / "ml-1m.toml")
+        assert shared_origin(cfg, "data.raw_dir") == "../shared/data/ml-1m"
+        assert shared_origin(run._resolve(cfg), "data.raw_dir") == "../shared/data/ml-1m"
+        assert shared_origin(cfg, "data.prepared_dir") is None
+        assert shared_origin(load_config(REPO / "configs" / "ml-1m.toml", ["data.raw_dir=/d/ml-1m"]),
+                             "data.raw_dir") is None
+        cfg.data.raw_dir = "/d/ml-1m"
+        assert shared_origin(cfg, "data.raw_dir") is None
 
 
 def test_changed_settings_name_what_a_rerun_into_the_same_folder_changes():

@@ -15,13 +15,14 @@ before Ray starts (:func:`~gemray.controller.preflight.preflight_resume`).
 from __future__ import annotations
 
 import copy
+import difflib
 import logging
 import time
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from gemray.config import JobConfig, apply_overrides, load_config, to_toml
+from gemray.config import JobConfig, apply_overrides, load_config, shared_origin, to_toml
 from gemray.controller import console, output_lock, preflight, results, session
 from gemray.controller.results import Result
 from gemray.parallel.sharding import check_shardable
@@ -180,7 +181,8 @@ def _ensure_prepared(cfg: JobConfig) -> dict[str, Any]:
         except FileNotFoundError:
             raw = Path(cfg.data.raw_dir)
             raise FileNotFoundError(no_data_message(cfg.data.prepared_dir, str(unprepared).split(";")[0], raw,
-                                                    raw.is_dir())) from None
+                                                    raw.is_dir(), shared=shared_origin(cfg, "data.raw_dir"),
+                                                    close=None if raw.exists() else close_folder(raw))) from None
         log.info("prepared data missing at %s: preparing it from %s", cfg.data.prepared_dir, cfg.data.raw_dir)
         manifest = prepare_movielens(cfg.data.raw_dir, cfg.data.prepared_dir, on_bad_rows=cfg.data.on_bad_rows,
                                      num_files=cfg.data.num_files)
@@ -188,19 +190,39 @@ def _ensure_prepared(cfg: JobConfig) -> dict[str, Any]:
         return manifest
 
 
-def no_data_message(prepared_dir: str, why: str, raw_dir: Path, raw_exists: bool) -> str:
+def close_folder(path: Path) -> Path | None:
+    """The folder beside ``path`` (which does not exist) whose name is closest to its name by difflib
+    (``/data/ml-1mm`` -> ``/data/ml-1m``), or None when none is close or the parent cannot be listed."""
+    try:
+        names = sorted(e.name for e in path.parent.iterdir() if e.is_dir())
+    except OSError:
+        return None
+    close = difflib.get_close_matches(path.name, names, n=1, cutoff=0.6)
+    return path.parent / close[0] if close else None
+
+
+def no_data_message(prepared_dir: str, why: str, raw_dir: Path, raw_exists: bool, *, shared: str | None = None,
+                    close: Path | None = None) -> str:
     """Pure: the error when ``data.prepared_dir`` is not prepared (``why``: load_manifest's reason) and
     ``data.raw_dir`` holds no MovieLens ratings file (``raw_exists``: the folder is there): both paths named, and
-    how to point gemray at the user's MovieLens download (--set / overrides, $GEMRAY_SHARED, make demo's
-    DATA_SRC)."""
-    release = raw_dir.name if raw_dir.name.startswith("ml-") else "ml-1m"
-    raw_why = ("holds no MovieLens ratings file (ratings.dat, u.data or ratings.csv)" if raw_exists
-               else "does not exist")
+    how to point gemray at the user's MovieLens download (--set / overrides, make demo's DATA_SRC; and
+    $GEMRAY_SHARED only when ``shared``, the ``../shared/...`` value raw_dir was configured as: it changes no
+    other path). ``close``: an existing folder beside a missing raw_dir with a close name (:func:`close_folder`),
+    suggested."""
+    release = next((n for n in ((close.name if close else ""), raw_dir.name) if n.startswith("ml-")), "ml-1m")
+    if raw_exists:
+        raw_why = "holds no MovieLens ratings file (ratings.dat, u.data or ratings.csv)"
+    else:
+        raw_why = "does not exist" + (f" (did you mean {close}?)" if close else "")
+    how = f"--set data.raw_dir=/path/to/{release} (Python: overrides=[\"data.raw_dir=/path/to/{release}\"]"
+    if shared is None:
+        how += "; make demo: DATA_SRC=/path/to/ml-1m)"
+    else:
+        how += (f"), or set GEMRAY_SHARED to the folder holding data/{release} for the configs' ../shared/... paths "
+                f"(this config's data.raw_dir is {shared!r}; make demo: DATA_SRC=/path/to/ml-1m)")
     return (f"no data to train on: data.prepared_dir {prepared_dir} is not prepared "
             f"({why.removeprefix(f'{prepared_dir}: ')}) and data.raw_dir {raw_dir} {raw_why}; point data.raw_dir "
-            f"at your MovieLens download: --set data.raw_dir=/path/to/{release} (Python: "
-            f"overrides=[\"data.raw_dir=/path/to/{release}\"]), or set GEMRAY_SHARED to the folder holding "
-            f"data/{release} for the configs' ../shared/... paths (make demo: DATA_SRC=/path/to/ml-1m)")
+            f"at your MovieLens download: {how}")
 
 
 def changed_settings(previous: JobConfig | None, cfg: JobConfig) -> list[str]:
