@@ -502,3 +502,23 @@ def test_pool_forks_only_while_the_process_has_one_thread():
     finally:
         stop.set()
         t.join()
+
+
+def test_the_write_rate_keeps_its_digits_for_small_data(tmp_path, caplog):
+    """The 'synthetic: wrote ...' line gives the rate with 3 significant digits, in events/s below a million per
+    second (a tiny dataset logged '(0.00 M events/s)')."""
+    import logging
+    import re
+
+    from gemray.pipelines.synthetic import events_rate
+
+    assert events_rate(12_345_678, 1.0) == "12.3 M events/s" and events_rate(2_500_000_000, 2.0) == "1,250 M events/s"
+    assert events_rate(4_560, 1.0) == "4,560 events/s" and events_rate(875, 10.0) == "87.5 events/s"
+    assert events_rate(3, 1000.0) == "0.003 events/s" and events_rate(0, 0.0) == "0 events/s"
+    with caplog.at_level(logging.INFO, logger="gemray.pipelines.synthetic"):
+        m = prepare_synthetic(tmp_path / "tiny", _spec(users=20, items=50, max_len=12, mean_len=8.0), num_files=1,
+                              progress=False, workers=1)
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("synthetic: wrote"))
+    got = re.search(r"\((\S+) (M )?events/s\)$", line)
+    assert got is not None and float(got.group(1).replace(",", "")) > 0, line
+    assert f"{m['counts']['interactions']} events" in line
