@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -132,3 +133,57 @@ def test_no_agents_linger_after_the_driver_is_sigkilled(tmp_path):
         _sigkill_driver_and_expect_no_ray_left(proc)
     finally:
         _kill_group(proc.pid)
+
+
+# A driver under coreutils `timeout` (not its group leader) that starts the embedded cluster as `gemray train` does,
+# then takes SIGTERM as the run's preemption handling would (handled, the run goes on) and uses the cluster again.
+UNDER_TIMEOUT = """
+import os, signal, time
+import ray
+from gemray.config import load_config
+from gemray.controller import session
+group = os.getpgrp()
+assert group != os.getpid(), "expected to run under timeout, in its process group"
+assert session.connect(load_config(None, ["ray.num_workers=1"]))
+assert os.getpgrp() == group, "the driver is back in its group"
+assert ray.get(ray.remote(lambda: 1).remote()) == 1
+got = []
+signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+print("ready", os.getpid(), flush=True)
+t0 = time.monotonic()
+while not got and time.monotonic() - t0 < 120:
+    time.sleep(0.1)
+time.sleep(3)  # a GCS killed by the signal is noticed within this
+print("sigterms", len(got), flush=True)
+print("after", ray.get(ray.remote(lambda: 2).remote(), timeout=60), flush=True)
+ray.shutdown()
+"""
+
+
+@pytest.mark.skipif(shutil.which("timeout") is None or not hasattr(os, "setpgid"),
+                    reason="needs coreutils timeout and POSIX process groups")
+def test_the_embedded_cluster_outlives_a_sigterm_to_the_drivers_process_group(tmp_path):
+    """``timeout`` relays its SIGTERM to the command and then to its whole process group: the embedded cluster's
+    GCS and raylet, started in the driver's group, died of it (the driver then waited ~60 s for the GCS and
+    exited 1 instead of finishing its emergency checkpoint). Started in a group of their own
+    (session._cluster_process_group), they stay up: the driver handles the signal and runs a task after it."""
+    log, driver = tmp_path / "driver.log", None
+    with open(log, "w") as f:
+        proc = subprocess.Popen(["timeout", "600", sys.executable, "-c", UNDER_TIMEOUT], stdout=f,
+                                stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True)
+    try:
+        t0 = time.monotonic()
+        while "ready" not in log.read_text().split():
+            assert proc.poll() is None and time.monotonic() - t0 < 300, log.read_text()[-3000:]
+            time.sleep(0.3)
+        words = log.read_text().split()
+        driver = int(words[words.index("ready") + 1])
+        os.kill(proc.pid, signal.SIGTERM)  # to timeout, which sends it to the driver and then to its group
+        proc.wait(timeout=180)
+        out = log.read_text()
+        assert "sigterms" in out and "sigterms 0" not in out, out[-3000:]
+        assert "after 2" in out, out[-3000:]
+    finally:
+        _kill_group(proc.pid)
+        if driver is not None:
+            _kill_group(driver)  # the cluster's own group (pgid: the driver's pid), whatever is left of it

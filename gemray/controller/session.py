@@ -2,8 +2,8 @@
 otherwise, the environment knobs Ray Train reads when ``TorchTrainer.fit`` starts, and (elastic runs) a fresh
 view of the cluster's resources.
 
-Decisions (:func:`ray_address`, :func:`embedded_num_cpus`, :func:`ray_train_env`) are pure; :func:`connect`,
-:func:`ray_session`, :func:`train_env` and :class:`ResourceViewRefresher` act on them.
+Decisions (:func:`ray_address`, :func:`embedded_num_cpus`, :func:`ray_train_env`, :func:`isolates_cluster`) are
+pure; :func:`connect`, :func:`ray_session`, :func:`train_env` and :class:`ResourceViewRefresher` act on them.
 """
 
 from __future__ import annotations
@@ -47,6 +47,43 @@ def check_gcs_reachable(address: str, timeout_s: float = 10.0) -> None:
                          f"one with `ray start --head` or leave ray.address empty for an embedded cluster") from None
 
 
+def isolates_cluster(pid: int, pgid: int) -> bool:
+    """Pure: whether a driver of process id ``pid`` in process group ``pgid`` starts its embedded cluster's
+    processes in a process group of their own (:func:`_cluster_process_group`): only when it is not the leader of
+    its group (a leader cannot start a new group and come back). That is the case under ``timeout`` (coreutils),
+    which sends SIGTERM to the command and then to its whole group: in the driver's group the GCS and raylet died
+    of it, and the driver, taking its emergency checkpoint, waited ~60 s for the GCS and exited 1."""
+    return pid != pgid
+
+
+@contextmanager
+def _cluster_process_group() -> Iterator[None]:
+    """While an embedded cluster starts: the driver in a new process group, so that the processes it spawns (GCS,
+    raylet, and through the raylet the workers) stay in that group when the driver returns to its own on the way
+    out; a signal to the driver's group (``timeout``, ``kill -- -PGID``) then reaches the driver, whose SIGTERM
+    handling checkpoints and shuts the cluster down, and not the cluster under it. They still die with the driver
+    (Ray's parent-death signal, and :mod:`gemray.controller.watchdog`). Ray blocks SIGINT in them either way, so
+    Ctrl-C is unchanged. Does nothing where :func:`isolates_cluster` says no or process groups are not POSIX's."""
+    if not hasattr(os, "setpgid") or not isolates_cluster(os.getpid(), os.getpgrp()):
+        yield
+        return
+    own = os.getpgrp()
+    try:
+        os.setpgid(0, 0)
+    except OSError as e:  # e.g. a seccomp sandbox: the cluster shares the driver's group, as before
+        log.debug("embedded cluster in the driver's process group: setpgid failed (%s)", e)
+        yield
+        return
+    try:
+        yield
+    finally:
+        try:
+            os.setpgid(0, own)
+        except OSError as e:  # the old group is gone (its other members exited): stay with the cluster
+            log.warning("could not return the driver to its process group %d (%s): a signal to that group no "
+                        "longer reaches it", own, e)
+
+
 def connect(cfg: JobConfig) -> bool:
     """Connect to the configured cluster or start an embedded one; True if this call started it (the caller
     shuts it down). A driver already connected (``ray.is_initialized()``) is left as it is."""
@@ -70,7 +107,8 @@ def connect(cfg: JobConfig) -> bool:
     # load average 22 on 2 cores) that can run out, so try a second time before giving up.
     for attempt in (1, 2):
         try:
-            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True, **kw)
+            with _cluster_process_group():
+                ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True, **kw)
             break
         except Exception as e:  # Ray raises a bare Exception for this
             if attempt == 2 or "timed out during startup" not in str(e):
