@@ -90,16 +90,27 @@ def test_evaluate_cli_other_k_and_json(run, trained, tmp_path, capsys):
     assert "HR@K" in capsys.readouterr().out
 
 
+def _one_step_checkpoint(cfg, ckpt: Path) -> None:
+    """A checkpoint at ``ckpt`` of ``cfg``'s model after one training step on the CPU (its data prepared)."""
+    from model_utils import cpu_trainer
+
+    from gemray.bench.train import first_batch
+    from gemray.checkpoint import save_checkpoint
+
+    with cpu_trainer(cfg) as tr:
+        tr.begin_epoch(0)
+        tr.train_step(first_batch(tr))
+        save_checkpoint(ckpt, tr.dmp, tr.optimizer, {"epoch": 1, "consumed": 0, "epoch_step": 0, "history": [],
+                                                     "global_step": tr.global_step, "partial": None},
+                        data=tr.trained_on)
+
+
 def test_evaluate_cli_prints_the_ranking_tasks_figures_of_its_json(tmp_path, capsys):
     """A gem-tiny checkpoint (ranking tasks ctr and cvr; saved after one CPU step, outside Ray): the printed
     summary has each task's NE, AUC +/- its error bound and calibration, the values its JSON holds (was: the
     HR / NDCG table only; the ranking figures reached the JSON alone)."""
     import re
 
-    from model_utils import cpu_trainer
-
-    from gemray.bench.train import first_batch
-    from gemray.checkpoint import save_checkpoint
     from gemray.cli import main
     from gemray.config import load_config, to_toml
     from gemray.pipelines.synthetic import ensure_synthetic
@@ -108,12 +119,7 @@ def test_evaluate_cli_prints_the_ranking_tasks_figures_of_its_json(tmp_path, cap
                                                            "ray.use_gpu=false", "train.eval_ks=[10]"])
     ensure_synthetic(cfg.data)
     ckpt = tmp_path / "ckpt"
-    with cpu_trainer(cfg) as tr:
-        tr.begin_epoch(0)
-        tr.train_step(first_batch(tr))
-        save_checkpoint(ckpt, tr.dmp, tr.optimizer, {"epoch": 1, "consumed": 0, "epoch_step": 0, "history": [],
-                                                     "global_step": tr.global_step, "partial": None},
-                        data=tr.trained_on)
+    _one_step_checkpoint(cfg, ckpt)
     (tmp_path / "config.toml").write_text(to_toml(cfg))
     dest = tmp_path / "ev.json"
     capsys.readouterr()
@@ -497,10 +503,6 @@ def small_checkpoint(tmp_path_factory):
     """A retrieval model (configs/ml-latest-small.toml's) on a tiny synthetic dataset of 200 items, one CPU step,
     saved outside Ray as <tmp>/run/ray/<name>/checkpoint_0 (its config.toml three levels up, as a run's); returns
     (checkpoint folder, its prepared data, prepared data of 150 items)."""
-    from model_utils import cpu_trainer
-
-    from gemray.bench.train import first_batch
-    from gemray.checkpoint import save_checkpoint
     from gemray.config import load_config, to_toml
     from gemray.pipelines.synthetic import SyntheticSpec, prepare_synthetic
 
@@ -512,12 +514,7 @@ def small_checkpoint(tmp_path_factory):
                       [f"data.prepared_dir={tmp / 'data'}", "data.max_seq_len=24", "data.batch_size=16",
                        "data.reader=arrow", "ray.use_gpu=false", "train.eval_ks=[10]"])
     ckpt = tmp / "run" / "ray" / cfg.name / "checkpoint_0"
-    with cpu_trainer(cfg) as tr:
-        tr.begin_epoch(0)
-        tr.train_step(first_batch(tr))
-        save_checkpoint(ckpt, tr.dmp, tr.optimizer, {"epoch": 1, "consumed": 0, "epoch_step": 0, "history": [],
-                                                     "global_step": tr.global_step, "partial": None},
-                        data=tr.trained_on)
+    _one_step_checkpoint(cfg, ckpt)
     (tmp / "run" / "config.toml").write_text(to_toml(cfg))
     return ckpt, tmp / "data", tmp / "other"
 
