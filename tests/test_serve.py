@@ -556,3 +556,30 @@ def test_data_manifest_is_read_once(command, small_checkpoint, monkeypatch, caps
     assert main([*COMMANDS[command], "--checkpoint", str(ckpt), "--data", str(data)]) == 0
     assert reads == [(str(data),)], reads
     assert capsys.readouterr().out
+
+
+def test_data_of_larger_feature_cardinalities_is_refused_before_the_model_is_built(tmp_path, monkeypatch, capsys):
+    """`gemray evaluate --data` with the checkpoint's item count but larger side-feature cardinalities (a new user's
+    `gemray prepare synthetic` defaults against a gem-tiny run): refused naming each feature and both sizes before
+    the model is built (was: FBGEMM's bounds check mapped the ids to row 0, figures printed, exit 0)."""
+    import gemray.model.gem
+    import gemray.serve.model as serve_model
+    from gemray.cli import main
+    from gemray.config import load_config, to_toml
+    from gemray.pipelines.synthetic import SyntheticSpec, ensure_synthetic, prepare_synthetic
+
+    cfg = load_config(REPO / "configs" / "gem-tiny.toml", [f"data.prepared_dir={tmp_path / 'data'}",
+                                                           "ray.use_gpu=false", "train.eval_ks=[10]"])
+    ensure_synthetic(cfg.data)
+    ckpt = tmp_path / "run" / "ray" / cfg.name / "checkpoint_0"
+    _one_step_checkpoint(cfg, ckpt)
+    (tmp_path / "run" / "config.toml").write_text(to_toml(cfg))
+    other = tmp_path / "other"  # 400 items as gem-tiny's, features 16 / 32 (gem-tiny: 8 / 32)
+    prepare_synthetic(other, SyntheticSpec(users=40, items=400, seed=5, max_len=24, min_len=4, mean_len=10.0,
+                                           features=(("category", 16), ("author", 32)), devices=3, candidates=4),
+                      num_files=1, progress=False, workers=1)
+    monkeypatch.setattr(gemray.model.gem, "GEM", lambda *a, **k: pytest.fail("the model must not be built"))
+    assert main(["evaluate", "--json", "-", "--checkpoint", str(ckpt), "--data", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert "its ids do not fit the tables" in err and "feature 'category': cardinality 16 > 8" in err, err
+    assert "author" not in err.split("do not fit")[1], err

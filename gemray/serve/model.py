@@ -206,11 +206,13 @@ def load_trained(checkpoint: str | Path, *, config: str | Path | None = None, ov
         num_items = int(info["item_table_rows"]) - 1
     else:
         raise ValueError(f"checkpoint {ckpt}: neither a data record nor an item table in its DCP metadata")
+    run_data = _model_data(cfg)
     if data_manifest is not None:  # before the model is built and the weights read: the manifests tell it
         check_item_count(data_manifest["prepared_dir"], data_manifest, ckpt, num_items, record)
+        check_feature_sizes(data_manifest["prepared_dir"], data_manifest, cfg, run_data, ckpt)
     dev = pick_device(cfg, device)
     init_single_process_group(dev)
-    model = GEM(cfg.model, num_items, "meta", max_seq_len=cfg.data.max_seq_len, **_model_data(cfg))
+    model = GEM(cfg.model, num_items, "meta", max_seq_len=cfg.data.max_seq_len, **run_data)
     dmp = parallelize(model, layout=plan_layout(1, dev.type), cfg=cfg, device=dev)
     state = load_model_state(ckpt, dmp)
     dmp.eval()
@@ -261,6 +263,38 @@ def check_item_count(prepared_dir: str | Path, manifest: dict[str, Any], checkpo
                          "ids would not match; use data prepared with the same item vocabulary")
 
 
+def check_feature_sizes(prepared_dir: str | Path, manifest: dict[str, Any], cfg: JobConfig,
+                        run_data: dict[str, Any], checkpoint: str | Path) -> None:
+    """Refuse the prepared folder ``prepared_dir`` (its ``manifest``) for a model of ``cfg`` built from
+    ``run_data`` (its data-given sizes, :func:`_model_data` of the run's own prepared folder) when the folder's
+    side features or user ids do not fit the model's tables: a feature the model reads with a larger cardinality
+    there, or more users with ``user_id`` as a context feature. FBGEMM would map such ids to row 0 with a warning
+    and the metrics would be of another input (a new user evaluated the same item count with other feature
+    cardinalities: exit 0, wrong figures). Models without side features ({} run_data) pass. Raises ValueError
+    naming each entry, its two sizes and both folders."""
+    if not run_data:
+        return
+    import copy
+
+    from gemray.train import model_data_args
+
+    other = copy.deepcopy(cfg)
+    other.data.prepared_dir = str(prepared_dir)  # its errors (a feature the data lacks) name --data's folder
+    data = model_data_args(other, manifest)
+    m = cfg.model
+    used = set(m.token_features) | set(m.candidate_features) | {c for c in m.context_features
+                                                                   if c != m.USER_ID_FEATURE}
+    have, want = run_data.get("cardinalities", {}), data.get("cardinalities", {})
+    bad = [f"feature {f!r}: cardinality {want[f]} > {have[f]}" for f in sorted(used)
+           if f in want and f in have and want[f] > have[f]]
+    if "num_users" in run_data and data.get("num_users", 0) > run_data["num_users"]:
+        bad.append(f"user ids up to {data['num_users']} > {run_data['num_users']}")
+    if bad:
+        raise ValueError(f"--data {prepared_dir}: its ids do not fit the tables of the checkpoint {checkpoint} "
+                         f"(trained on {cfg.data.prepared_dir}): {'; '.join(bad)}; use data prepared with the "
+                         "run's feature vocabularies")
+
+
 def check_data(trained: TrainedModel, prepared_dir: str | Path, manifest: dict[str, Any] | None = None
                ) -> dict[str, Any]:
     """The manifest of ``prepared_dir`` after checking that it fits the model: the same item count as the
@@ -274,6 +308,7 @@ def check_data(trained: TrainedModel, prepared_dir: str | Path, manifest: dict[s
     if manifest is None:
         manifest = prepared_manifest(prepared_dir)
     check_item_count(prepared_dir, manifest, trained.checkpoint, trained.num_items, trained.data)
+    check_feature_sizes(prepared_dir, manifest, trained.cfg, _model_data(trained.cfg), trained.checkpoint)
     rec = data_record(manifest)
     if trained.data is not None and rec["fingerprint"] != trained.data.get("fingerprint"):
         log.warning("--data %s is another dataset version than the checkpoint was trained on (%s): same item "
