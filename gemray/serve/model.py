@@ -274,21 +274,17 @@ def check_feature_sizes(prepared_dir: str | Path, manifest: dict[str, Any], cfg:
     naming each entry, its two sizes and both folders."""
     if not run_data:
         return
-    import copy
-
-    from gemray.train import model_data_args
-
-    other = copy.deepcopy(cfg)
-    other.data.prepared_dir = str(prepared_dir)  # its errors (a feature the data lacks) name --data's folder
-    data = model_data_args(other, manifest)
     m = cfg.model
     used = set(m.token_features) | set(m.candidate_features) | {c for c in m.context_features
                                                                    if c != m.USER_ID_FEATURE}
-    have, want = run_data.get("cardinalities", {}), data.get("cardinalities", {})
-    bad = [f"feature {f!r}: cardinality {want[f]} > {have[f]}" for f in sorted(used)
-           if f in want and f in have and want[f] > have[f]]
-    if "num_users" in run_data and data.get("num_users", 0) > run_data["num_users"]:
-        bad.append(f"user ids up to {data['num_users']} > {run_data['num_users']}")
+    have = run_data.get("cardinalities", {})
+    want = {k: int(v["cardinality"]) for k, v in (manifest.get("features") or {}).items()}
+    bad = [f"feature {f!r}: " + (f"cardinality {want[f]} > {have[f]}" if f in want else "not in the data")
+           for f in sorted(used) if f in have and (f not in want or want[f] > have[f])]
+    if "num_users" in run_data:
+        users = int(manifest.get("vocab", {}).get("max_user_id", manifest["counts"]["users"]))
+        if users > run_data["num_users"]:
+            bad.append(f"user ids up to {users} > {run_data['num_users']}")
     if bad:
         raise ValueError(f"--data {prepared_dir}: its ids do not fit the tables of the checkpoint {checkpoint} "
                          f"(trained on {cfg.data.prepared_dir}): {'; '.join(bad)}; use data prepared with the "
