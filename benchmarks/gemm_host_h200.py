@@ -39,45 +39,56 @@ def _gemms(t: int, w1: torch.Tensor, b1: torch.Tensor, dev: torch.device) -> dic
             "wgrad mm [1024,T]x[T,4096]": lambda: torch.mm(x.t(), dy)}
 
 
+def _time(gname: str, t_of, calls: int, w1: torch.Tensor, b1: torch.Tensor, dev: torch.device) -> dict:
+    """Host and device microseconds of ``calls`` calls of GEMM ``gname`` at T = t_of(i) (3 untimed first)."""
+    host, dev_us = [], []
+    for i in range(calls + 3):
+        fn = _gemms(t_of(i), w1, b1, dev)[gname]
+        torch.cuda.synchronize()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        t0 = time.perf_counter()
+        fn()
+        h = time.perf_counter() - t0
+        e1.record()
+        torch.cuda.synchronize()
+        if i >= 3:  # the first calls of a process pay cuBLAS's set-up
+            host.append(h * 1e6)
+            dev_us.append(e0.elapsed_time(e1) * 1e3)
+    host.sort()
+    return {"host_us_median": statistics.median(host), "host_us_p90": host[int(0.9 * (len(host) - 1))],
+            "device_us_median": statistics.median(dev_us), "calls": len(host)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path("/tmp/out"))
     ap.add_argument("--calls", type=int, default=40, help="calls per GEMM and variant")
     ap.add_argument("--round", type=int, default=256, help="variant (c): T rounded up to a multiple of this")
+    ap.add_argument("--blas", default="default,cublas,cublaslt",
+                    help="comma-separated torch.backends.cuda.preferred_blas_library values to run each variant "
+                         "under ('default': as the process starts); default %(default)s")
     args = ap.parse_args()
     dev = torch.device("cuda")
     w1 = torch.randn(WIDTH, UVQK, device=dev, dtype=torch.bfloat16)
     b1 = torch.randn(UVQK, device=dev, dtype=torch.bfloat16)
-    variants = {"same T": lambda i: T0,
-                "new T each call": lambda i: T0 + 7 * (i + 1) + 1000 * args.calls,
-                f"new T rounded to {args.round}": lambda i: -(-(T0 + 7 * (i + 1)) // args.round) * args.round}
     rows = []
-    for vname, t_of in variants.items():
-        for gname in _gemms(16, w1, b1, dev):
-            host, dev_us = [], []
-            for i in range(args.calls + 3):
-                fn = _gemms(t_of(i), w1, b1, dev)[gname]
-                torch.cuda.synchronize()
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                t0 = time.perf_counter()
-                fn()
-                h = time.perf_counter() - t0
-                e1.record()
-                torch.cuda.synchronize()
-                if i >= 3:  # the first calls of a process pay cuBLAS's set-up
-                    host.append(h * 1e6)
-                    dev_us.append(e0.elapsed_time(e1) * 1e3)
-            host.sort()
-            rows.append({"variant": vname, "gemm": gname, "host_us_median": statistics.median(host),
-                         "host_us_p90": host[int(0.9 * (len(host) - 1))], "device_us_median": statistics.median(dev_us),
-                         "calls": len(host)})
-            r = rows[-1]
-            print(f"{vname:24s} {gname:34s} host {r['host_us_median']:8.1f} us (p90 {r['host_us_p90']:8.1f})  "
-                  f"device {r['device_us_median']:8.1f} us", flush=True)
+    start_blas = torch.backends.cuda.preferred_blas_library()
+    for k, blas in enumerate(args.blas.split(",")):
+        torch.backends.cuda.preferred_blas_library(start_blas if blas == "default" else blas)
+        new = T0 + 1000 * args.calls * (k + 1)  # T values no earlier library run has seen
+        variants = {"same T": lambda i: T0,
+                    "new T each call": lambda i, new=new: new + 7 * (i + 1),
+                    f"new T rounded to {args.round}": lambda i: -(-(T0 + 7 * (i + 1)) // args.round) * args.round}
+        for vname, t_of in variants.items():
+            for gname in _gemms(16, w1, b1, dev):
+                r = {"blas": blas, "variant": vname, "gemm": gname, **_time(gname, t_of, args.calls, w1, b1, dev)}
+                rows.append(r)
+                print(f"{blas:9s} {vname:24s} {gname:34s} host {r['host_us_median']:8.1f} us "
+                      f"(p90 {r['host_us_p90']:8.1f})  device {r['device_us_median']:8.1f} us", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     info = {"torch": torch.__version__, "device": torch.cuda.get_device_name(dev),
-            "blas": str(torch.backends.cuda.preferred_blas_library()), "rows": rows}
+            "blas_at_start": str(start_blas), "rows": rows}
     (args.out / "gemm_host.json").write_text(json.dumps(info, indent=1))
     return 0
 
