@@ -117,7 +117,8 @@ def forward_backward_step(model: torch.nn.Module, optimizer: Any, batch: Any, de
 
     model(batch) must return (loss scalar, stats dict with "num_targets", a CPU value); ``stats_out``, when
     given, is updated with that dict (e.g. the per-task "loss_<task>" / "count_<task>"). The batch goes to
-    ``device`` through pinned memory, asynchronously, on CUDA (a pageable copy blocks the host per tensor).
+    ``device`` through pinned memory, asynchronously, on CUDA (a pageable copy blocks the host per tensor); a batch
+    the loader pinned already (``data.loader_workers``) is not pinned again.
 
     read_loss True (default): the loss is read on the host (a float; on CUDA a host sync) and checked: raises
     FloatingPointError, before any weight moves, when it is NaN or infinite (a diverged run must fail, not go
@@ -131,8 +132,8 @@ def forward_backward_step(model: torch.nn.Module, optimizer: Any, batch: Any, de
     """
     if pipeline is None:
         with record_function("gemray.to_device"):
-            if device.type == "cuda" and batch.offsets.device.type == "cpu":
-                batch = batch.pin_memory().to(device, non_blocking=True)
+            if device.type == "cuda" and batch.offsets.device.type == "cpu":  # pinned already by the loader's thread?
+                batch = (batch if batch.is_pinned() else batch.pin_memory()).to(device, non_blocking=True)
             else:
                 batch = batch.to(device)
         with autocast(precision, device), record_function("gemray.forward"):
