@@ -144,7 +144,8 @@ class TrainLoader:
         self.stream.base._load()  # read in this process: the workers fork with it (copy-on-write)
         loader = DataLoader(EpochSteps(self.stream, epoch, consumed), batch_size=None, collate_fn=_identity,
                             num_workers=workers, prefetch_factor=self.prefetch, pin_memory=self.pin_memory,
-                            worker_init_fn=_worker_init, multiprocessing_context="fork")
+                            worker_init_fn=_worker_init, multiprocessing_context="fork",
+                            generator=torch.Generator())  # its worker seed draw leaves the global RNG alone
         it = iter(loader)
         try:
             for item in it:

@@ -74,11 +74,13 @@ def test_workers_yield_the_in_process_sequence(prepared):
     assert len(ref) > 4 and any(b.batch_size == 0 for b, _ in ref)  # the epoch's end: empty on this rank
     assert any(b.features for b, _ in ref) and any(b.num_candidates for b, _ in ref)
     mid = ref[2][1]
+    rng = torch.get_rng_state()
     for consumed in (0, mid, mid + 5):
         want = list(stream.iter_epoch(2, consumed))
         for workers in (0, 1, 2, 3):
             got = list(TrainLoader(stream, workers=workers, prefetch=1 + workers % 2).iter_epoch(2, consumed))
             _same_sequence(got, want)
+    assert torch.equal(torch.get_rng_state(), rng)  # the loader draws nothing from the training's global RNG
     assert _no_children()
     assert list(TrainLoader(stream, workers=2).iter_epoch(2, ref[-1][1])) == []  # nothing left: no worker starts
 
