@@ -905,7 +905,8 @@ def _coerce(value: Any, typ: Any, where: str, strict: bool = False) -> Any:
 
     An int field takes the same numbers from either path: an integer, or a float with an integral value
     (TOML ``16.0``, ``--set ...=16.0`` or ``1e3``) as that integer; a fractional or non-finite one (``16.5``,
-    ``inf``) is refused with the field named."""
+    ``inf``) is refused with the field named. A union field (``int | str``: a count or "auto") takes the value as
+    the first of its types that fits (``--set ...=2`` is 2, ``auto`` the string)."""
     origin = typing.get_origin(typ)
     if origin in (typing.Union, types.UnionType):  # e.g. ``int | str`` (a count or "auto"): the first type that fits
         for option in typing.get_args(typ):
