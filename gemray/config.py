@@ -18,6 +18,7 @@ import math
 import os
 import re
 import tomllib
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +49,13 @@ class DataConfig:
     ``--``, e.g. ["users=20000", "items=1000000", "max_len=4096", "features=category=64,author=2048"]); [] =
     not synthetic. When set, ``gemray train`` generates the data into ``prepared_dir`` if that folder holds none
     (logged), and refuses a prepared folder whose manifest parameters differ (``raw_dir`` is then unused).
+    loader_workers: background processes that make the training batches (BBS plan, collation and, on CUDA,
+    pinning in the loader's thread) while the training thread runs the step (``gemray.pipelines.loader``: a
+    ``torch.utils.data.DataLoader``; worker w collates steps i with i % N == w, so the batches and the data
+    position are exactly the in-process ones). 0 = in the training process, as before; "auto" (default) = 1 on
+    a CUDA device, 0 on the CPU (whose cores the CPU step uses for compute).
+    prefetch_batches: batches each loader worker keeps ready ahead of the step (DataLoader's prefetch_factor;
+    unused with 0 workers).
     """
 
     raw_dir: str = "../shared/data/ml-1m"
@@ -64,6 +72,8 @@ class DataConfig:
     reader: str = "ray_data"
     train_includes_valid: bool = False
     synthetic: list[str] = field(default_factory=list)
+    loader_workers: int | str = "auto"
+    prefetch_batches: int = 2
 
     def synthetic_params(self) -> dict[str, str]:
         """``synthetic`` parsed: {parameter: value text}. Raises ValueError naming the bad entry."""
@@ -92,6 +102,17 @@ class DataConfig:
             raise ValueError(
                 f"data.batch_size ({self.batch_size}) must be a multiple of data.sub_batch_size "
                 f"({self.sub_batch_size})")
+        w = self.loader_workers
+        if w != "auto" and (isinstance(w, bool) or not isinstance(w, int) or w < 0):
+            raise ValueError(f"data.loader_workers: expected an integer >= 0 or 'auto', got {w!r}")
+        _positive(self, "prefetch_batches")
+
+    def resolved_loader_workers(self, device_type: str) -> int:
+        """``loader_workers`` as a number for a trainer on ``device_type`` ("cuda", "cpu", ...): "auto" is 1 on
+        CUDA, 0 elsewhere."""
+        if self.loader_workers == "auto":
+            return 1 if device_type == "cuda" else 0
+        return int(self.loader_workers)
 
 
 def kernel_tiles_spec(kernel_tiles: str) -> dict:
@@ -884,8 +905,17 @@ def _coerce(value: Any, typ: Any, where: str, strict: bool = False) -> Any:
 
     An int field takes the same numbers from either path: an integer, or a float with an integral value
     (TOML ``16.0``, ``--set ...=16.0`` or ``1e3``) as that integer; a fractional or non-finite one (``16.5``,
-    ``inf``) is refused with the field named."""
+    ``inf``) is refused with the field named. A union field (``int | str``: a count or "auto") takes the value as
+    the first of its types that fits (``--set ...=2`` is 2, ``auto`` the string)."""
     origin = typing.get_origin(typ)
+    if origin in (typing.Union, types.UnionType):  # e.g. ``int | str`` (a count or "auto"): the first type that fits
+        for option in typing.get_args(typ):
+            try:
+                return _coerce(value, option, where, strict)
+            except ValueError:
+                continue
+        names = " or ".join(getattr(t, "__name__", str(t)) for t in typing.get_args(typ))
+        raise ValueError(f"{where}: expected {names}, got {value!r}")
     if origin is list:
         (inner,) = typing.get_args(typ)
         if isinstance(value, str) and not strict:

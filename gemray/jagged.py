@@ -204,6 +204,17 @@ class JaggedBatch:
 
         return JaggedBatch(**{f.name: pin(getattr(self, f.name)) for f in fields(self)})  # host: kept as is
 
+    def is_pinned(self) -> bool:
+        """Whether every CPU tensor holding data is in page-locked memory (``pin_memory()``'s result, e.g. from the
+        loader's pin thread), so that ``to(cuda, non_blocking=True)`` may go without pinning again. Empty tensors
+        are skipped (nothing to copy; CUDA reports them unpinned): a batch without data counts as pinned."""
+        for f in fields(self):
+            v = getattr(self, f.name)
+            for t in (v.values() if isinstance(v, dict) else [v]):
+                if isinstance(t, torch.Tensor) and t.numel() and not (t.device.type == "cpu" and t.is_pinned()):
+                    return False
+        return True
+
     def validate(self) -> "JaggedBatch":
         """Check the invariants above; raises ValueError naming the broken field."""
         o = self.offsets

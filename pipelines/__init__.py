@@ -3,6 +3,7 @@
     prepare_movielens(src, out, *, on_bad_rows="error", num_files=8) -> manifest dict
     load_manifest(prepared_dir) -> manifest dict
     HistoryStream(prepared_dir, split, *, rank, world_size, batch_size, max_seq_len, ...)  (Ray Data)
+    loader.TrainLoader(stream, *, workers, prefetch, pin_memory)  (train batches from DataLoader worker processes)
     assign_shards(manifest, world_size, rank) -> list of shard dicts
     form_batches / imbalance / simulate_imbalance                                          (BBS, numpy)
 

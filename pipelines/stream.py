@@ -437,18 +437,33 @@ class ElasticTrainStream:
         """Steps left in an epoch from position ``consumed`` at this world size (same on every rank)."""
         return global_steps_left(self.num_samples(), consumed, self.world_size, self.base.batch_size)
 
-    def iter_epoch(self, epoch: int, consumed: int = 0) -> Iterator[tuple[JaggedBatch, int]]:
-        """Yield this rank's batch and the new global position for each remaining step of ``epoch``."""
+    def check_position(self, epoch: int, consumed: int) -> None:
+        """Raises ValueError for epoch < 0 or ``consumed`` outside 0..N (reads the data, as iter_epoch does)."""
         if epoch < 0:
             raise ValueError(f"iter_epoch: epoch must be >= 0, got {epoch}")
+        n = self.base._load()["user_ids"].size
+        if not 0 <= consumed <= n:
+            raise ValueError(f"iter_epoch: consumed={consumed} outside 0..{n}")
+
+    def iter_epoch(self, epoch: int, consumed: int = 0, *,
+                   part: tuple[int, int] = (0, 1)) -> Iterator[tuple[JaggedBatch, int]]:
+        """Yield this rank's batch and the new global position for each remaining step of ``epoch``.
+
+        part (w, n): plan every step but collate and yield only the steps i (0-based from ``consumed``) with
+        i % n == w (loader worker w of n, :mod:`gemray.pipelines.loader`); default all of them."""
+        self.check_position(epoch, consumed)
+        w, n = part
+        if not 0 <= w < n:
+            raise ValueError(f"iter_epoch: part (w, n) needs 0 <= w < n, got {part}")
         d = self.base._load()
         lengths = d["stop"] - d["start"]
         order = global_epoch_order(lengths.size, seed=self.base.seed, epoch=epoch, shuffle=self.base.shuffle)
-        if not 0 <= consumed <= order.size:
-            raise ValueError(f"iter_epoch: consumed={consumed} outside 0..{order.size}")
+        i = 0
         while consumed < order.size:
             parts, consumed = plan_global_step(order, lengths, consumed=consumed, world_size=self.world_size,
                                                batch_size=self.base.batch_size, bbs=self.base.bbs,
                                                sub_batch_size=self.base.sub_batch_size, seed=self.base.seed,
                                                epoch=epoch)
-            yield self.base._collate(parts[self.rank]), consumed
+            if i % n == w:
+                yield self.base._collate(parts[self.rank]), consumed
+            i += 1

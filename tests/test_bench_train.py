@@ -531,3 +531,32 @@ def test_checkpoint_state_carries_the_sparse_step_count_and_restore_sets_it(synt
     finally:
         if made:
             dist.destroy_process_group()
+
+
+def test_a_loader_worker_trains_the_same_and_bench_reports_it(synthetic, tmp_path, capsys):
+    """data.loader_workers = 1 (a DataLoader worker process makes the batches): one short CPU epoch gives the
+    in-process run's losses and data position, and leaves no process behind; `gemray bench train` reports the
+    worker count in its JSON and table."""
+    import multiprocessing
+
+    out = {}
+    for workers in (0, 1):
+        cfg = load_config(CONFIG, [f"data.prepared_dir={synthetic}", "data.max_seq_len=48", "data.batch_size=16",
+                                   "ray.use_gpu=false", "data.reader=arrow", "train.max_steps_per_epoch=3",
+                                   "checkpoint.every_epochs=1", f"data.loader_workers={workers}"])
+        with cpu_trainer(cfg) as tr:
+            assert tr.train_stream.workers == workers
+            losses = []
+            tr.recorder.step = lambda *a, loss=None, **k: losses.append(loss)
+            res = tr.train_epoch(0)
+            out[workers] = (losses, res["train_loss"], tr.consumed)
+        assert not multiprocessing.active_children()
+    assert len(out[0][0]) == 3 and out[1] == out[0]
+    js = tmp_path / "r.json"
+    rc = main(["bench", "train", "--config", CONFIG, *_overrides(synthetic, "data.loader_workers=1"), "--steps", "2",
+               "--warmup", "0", "--json", str(js)])
+    assert rc == 0
+    assert "(loader 1 worker process, " in capsys.readouterr().out
+    r = json.loads(js.read_text())
+    assert r["loader"]["workers"] == 1 and r["loader"]["in_process"] is False and r["loader"]["pin_memory"] is False
+    assert not multiprocessing.active_children()

@@ -397,3 +397,29 @@ def test_kernel_tile_modes_and_tiles_take_json_types_only():
                                          r'\["heads_inner", .*\], got \{"dk_from_dz": true\}$'):
         apply_tiles({"long": {"mode": {"dk_from_dz": True}}})
     assert apply_tiles({}) == DEFAULT
+
+
+def test_loader_workers_is_a_count_or_auto_from_toml_and_set_alike(tmp_path):
+    """data.loader_workers: "auto" (default; 1 on CUDA, 0 on the CPU) or an integer >= 0, from a TOML file (an int
+    or the string "auto") and --set alike; anything else is refused naming the key. data.prefetch_batches >= 1."""
+    cfg = JobConfig()
+    assert cfg.data.loader_workers == "auto" and cfg.data.prefetch_batches == 2
+    assert (cfg.data.resolved_loader_workers("cuda"), cfg.data.resolved_loader_workers("cpu")) == (1, 0)
+    toml = tmp_path / "c.toml"
+    for text, want in (("3", 3), ("0", 0), ('"auto"', "auto")):
+        toml.write_text(f"[data]\nloader_workers = {text}\n")
+        assert load_config(toml).data.loader_workers == want
+        assert load_config(None, [f"data.loader_workers={text.strip(chr(34))}"]).data.loader_workers == want
+    cfg = load_config(None, ["data.loader_workers=2", "data.prefetch_batches=4"])
+    assert (cfg.data.resolved_loader_workers("cpu"), cfg.data.prefetch_batches) == (2, 4)
+    toml.write_text(to_toml(cfg))
+    assert load_config(toml).data.loader_workers == 2  # round trip keeps the int
+    for bad in ("-1", "two", "1.5", "true"):
+        with pytest.raises(ValueError, match=r"data\.loader_workers: expected an integer >= 0 or 'auto', got"):
+            load_config(None, [f"data.loader_workers={bad}"])
+    for bad in ('"2"', "true", "-1"):
+        toml.write_text(f"[data]\nloader_workers = {bad}\n")
+        with pytest.raises(ValueError, match=r"data\.loader_workers: expected"):
+            load_config(toml)
+    with pytest.raises(ValueError, match=r"data\.prefetch_batches: expected > 0, got 0"):
+        load_config(None, ["data.prefetch_batches=0"])

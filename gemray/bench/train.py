@@ -11,8 +11,11 @@ The steps run as ``Trainer.train_epoch`` runs them: on CUDA the host never waits
 (the launch queue runs ahead; losses are read every ``train.log_every`` steps), the device is synchronised
 only at the start and end of each phase (warm-up, measured, profiled). Per step it measures:
 
-* ``data_s``: the host's wait for the next batch (``next()`` on the stream: reading, BBS planning and
-  collation all run in this process, no loader workers; on CUDA the device may still be busy meanwhile);
+* ``data_s``: the host's wait for the next batch (``next()`` on the Trainer's train stream,
+  :class:`gemray.pipelines.loader.TrainLoader`: with ``data.loader_workers`` = 0 BBS planning and collation run
+  here, in the step's thread; with N >= 1, the default on CUDA ("auto"), N worker processes make the batches
+  ahead and the loader's thread pins them, so data_s is the wait for a ready batch; on CUDA the device may still
+  be busy meanwhile);
 * ``step_s``: on CUDA the device time from the end of the previous step to the end of this one (CUDA events
   recorded after each ``train_step``: forward, backward, optimizer, and any wait for the host's launches); on
   the CPU ``train_step``'s wall time;
@@ -29,7 +32,8 @@ what the device waits); ``tokens_per_s`` / ``samples_per_s`` / ``model_tflops_pe
 measured steps / wall_s); ``local_mfu`` (model FLOP/s / the device's dense bf16 peak;
 null on CPU), ``local_mfu_compute`` (the same over step_s only: what a loader that never stalls would give);
 ``peak_memory`` ({allocated_bytes, reserved_bytes} from torch.cuda.max_memory_* on CUDA, {rss_bytes} on CPU);
-``compile_stall`` {max_over_median, flagged (> 2)}; ``loader`` {workers: 0 (in-process), cpu_cores};
+``compile_stall`` {max_over_median, flagged (> 2)}; ``loader`` {workers (0 = in-process), in_process,
+prefetch_batches, pin_memory, cpu_cores};
 ``warmup_compile`` (the kernel warm-up's regimes and seconds); ``torch_compile`` (``train.compile``:
 :func:`compile_report` -- the modules compiled, graphs, graph breaks, dynamo / AOT / inductor seconds, split into
 before the measured steps and during them: compile time is never inside the measured figures unless a batch
@@ -70,6 +74,7 @@ import statistics
 import time
 import traceback
 import warnings
+from contextlib import closing
 from typing import Any, Iterator
 
 import torch
@@ -295,7 +300,8 @@ def bench_device(cfg: JobConfig) -> torch.device:
 
 
 class _Batches:
-    """The train stream's batches across epoch boundaries, timed: ``next()`` returns (batch, seconds waited)."""
+    """The train stream's batches across epoch boundaries, timed: ``next()`` returns (batch, seconds waited).
+    ``close()`` ends the current epoch's iterator (and its loader workers)."""
 
     def __init__(self, trainer: Any):
         self.trainer, self.epoch = trainer, 0
@@ -329,12 +335,19 @@ class _Batches:
                 self._it = None
         raise ValueError("bench train: the train split yields no batches")
 
+    def close(self) -> None:
+        if self._it is not None:
+            self._it.close()
+            self._it = None
+        self._ahead = None
+
 
 def first_batch(trainer: Any) -> Any:
     """The first non-empty batch of the train stream's epoch 0 (CPU; a template for the kernel warm-up)."""
-    for batch, _ in trainer.train_stream.iter_epoch(0, 0):
-        if batch.batch_size:
-            return batch
+    with closing(trainer.train_stream.iter_epoch(0, 0)) as batches:  # its loader workers stop on return
+        for batch, _ in batches:
+            if batch.batch_size:
+                return batch
     raise ValueError("bench train: the train split yields no batches")
 
 
@@ -608,6 +621,7 @@ def run_bench(cfg: JobConfig, *, steps: int, warmup: int, profile: bool = False,
 
     apply_collectives_env(cfg.parallel.collectives)  # before NCCL's communicator (eager: device_id)
     made_pg = _init_process_group(device)
+    batches = None
     try:
         snap0 = compile_snapshot()
         t0 = time.perf_counter()
@@ -644,8 +658,11 @@ def run_bench(cfg: JobConfig, *, steps: int, warmup: int, profile: bool = False,
                                             list(getattr(trainer, "compiled", [])), snap0, snap1, snap2),
             **summarize(measured, trainer.peak_flops, wall if device.type == "cuda" else None),
             "peak_memory": _peak_memory(device),
-            "loader": {"workers": 0, "in_process": True, "cpu_cores": len(os.sched_getaffinity(0))
-                       if hasattr(os, "sched_getaffinity") else os.cpu_count()},
+            "loader": {"workers": trainer.train_stream.workers, "in_process": not trainer.train_stream.workers,
+                       "prefetch_batches": trainer.train_stream.prefetch,
+                       "pin_memory": trainer.train_stream.pin_memory,
+                       "cpu_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                       else os.cpu_count()},
             "steps": records,
         }
         out["scaling_ratio"], out["e2e_mfu"] = 1.0, out["local_mfu"]  # world size 1 is its own reference
@@ -657,8 +674,16 @@ def run_bench(cfg: JobConfig, *, steps: int, warmup: int, profile: bool = False,
             out["host_profile"] = host_profile(trainer, batches, host_profile_steps, device)
         return out
     finally:
+        if batches is not None:
+            batches.close()  # the loader's worker processes end with the bench
         if made_pg:
             dist.destroy_process_group()
+
+
+def _loader_words(loader: dict[str, Any]) -> str:
+    """``in-process`` or ``N worker process(es)`` for the bench's ``loader`` record."""
+    n = int(loader.get("workers", 0))
+    return "in-process" if n == 0 else f"{n} worker process{'es' if n > 1 else ''}"
 
 
 def format_table(res: dict[str, Any]) -> str:
@@ -679,7 +704,7 @@ def format_table(res: dict[str, Any]) -> str:
         f"  throughput      {res['tokens_per_s']:.0f} tokens/s  {res['samples_per_s']:.1f} samples/s  "
         f"{res['model_tflops_per_s']:.3f} model TFLOP/s",
         f"  local MFU       {pct(res['local_mfu'])} (compute only {pct(res['local_mfu_compute'])})",
-        f"  data stall      {res['data_stall_pct']:.2f}% of step time (loader in-process, "
+        f"  data stall      {res['data_stall_pct']:.2f}% of step time (loader {_loader_words(res['loader'])}, "
         f"{res['loader']['cpu_cores']} cores)",
         f"  peak memory     {mem}",
         f"  compile stalls  max/median step {cs['max_over_median'] or 0:.2f}"

@@ -41,7 +41,7 @@ import logging
 import math
 import os
 import time
-from contextlib import nullcontext
+from contextlib import closing, nullcontext
 from typing import Any
 
 import torch
@@ -117,7 +117,8 @@ def forward_backward_step(model: torch.nn.Module, optimizer: Any, batch: Any, de
 
     model(batch) must return (loss scalar, stats dict with "num_targets", a CPU value); ``stats_out``, when
     given, is updated with that dict (e.g. the per-task "loss_<task>" / "count_<task>"). The batch goes to
-    ``device`` through pinned memory, asynchronously, on CUDA (a pageable copy blocks the host per tensor).
+    ``device`` through pinned memory, asynchronously, on CUDA (a pageable copy blocks the host per tensor); a batch
+    the loader pinned already (``data.loader_workers``) is not pinned again.
 
     read_loss True (default): the loss is read on the host (a float; on CUDA a host sync) and checked: raises
     FloatingPointError, before any weight moves, when it is NaN or infinite (a diverged run must fail, not go
@@ -131,8 +132,8 @@ def forward_backward_step(model: torch.nn.Module, optimizer: Any, batch: Any, de
     """
     if pipeline is None:
         with record_function("gemray.to_device"):
-            if device.type == "cuda" and batch.offsets.device.type == "cpu":
-                batch = batch.pin_memory().to(device, non_blocking=True)
+            if device.type == "cuda" and batch.offsets.device.type == "cpu":  # pinned already by the loader's thread?
+                batch = (batch if batch.is_pinned() else batch.pin_memory()).to(device, non_blocking=True)
             else:
                 batch = batch.to(device)
         with autocast(precision, device), record_function("gemray.forward"):
@@ -291,7 +292,8 @@ class Trainer:
         import ray.data
 
         from gemray.pipelines.movielens import load_manifest
-        from gemray.pipelines.stream import ElasticTrainStream, HistoryStream
+        from gemray.pipelines.loader import TrainLoader
+        from gemray.pipelines.stream import HistoryStream
 
         cfg = self.cfg
         ray.data.DataContext.get_current().enable_progress_bars = False
@@ -299,8 +301,11 @@ class Trainer:
         self.num_items = int(manifest["counts"]["items"])
         self.model_data = model_data_args(cfg, manifest)
         self.trained_on = data_record(manifest, item_table_rows=cfg.model.table_rows_map().get("item"))  # in every checkpoint: a resume on other data is refused up front
-        self.train_stream = ElasticTrainStream.from_config(cfg.data, rank=self.rank, world_size=self.world,
-                                                           seed=cfg.train.seed)
+        self.train_stream = TrainLoader.from_config(cfg.data, rank=self.rank, world_size=self.world,
+                                                    seed=cfg.train.seed, device_type=self.device.type)
+        if self.rank == 0:
+            log.info("train batches: %s (data.loader_workers = %s)", self.train_stream.describe(),
+                     cfg.data.loader_workers)
         self.streams = {split: HistoryStream.from_config(cfg.data, split, rank=self.rank, world_size=self.world,
                                                          seed=cfg.train.seed) for split in ("valid", "test")}
 
@@ -362,7 +367,8 @@ class Trainer:
         self.warmup_compile = None
         if self.device.type != "cuda" or not triton_in_use(self.cfg, self.device):
             return
-        template = next((b for b, _ in self.train_stream.iter_epoch(0, 0) if b.batch_size), None)
+        with closing(self.train_stream.iter_epoch(0, 0)) as batches:  # closed: its loader workers stop here
+            template = next((b for b, _ in batches if b.batch_size), None)
         self.warmup_compile = warm_up_attention(self.cfg, self.device, self.dmp.module, template)
 
     # -- restore: the newest good committed checkpoint, or a fresh start ---------------------------------
@@ -411,42 +417,43 @@ class Trainer:
         if cfg.train.max_steps_per_epoch:
             steps = min(steps, max(0, cfg.train.max_steps_per_epoch - self.epoch_step))
         meter = ThroughputMeter(self.peak_flops)
-        batches = self.train_stream.iter_epoch(epoch, self.consumed)
-        epoch_steps, t_loop = self.epoch_step + steps, time.perf_counter()
-        ahead = None  # with the sparse-dist pipeline: the next step's (batch, consumed), prefetched by this step
-        for i in range(steps):
-            batch, self.consumed = ahead if ahead is not None else next(batches)
-            ahead = next(batches) if self.pipeline is not None and i + 1 < steps else None
-            loss = self.train_step(batch, next_batch=None if ahead is None else ahead[0])
-            meter.add(batch.batch_size, batch.num_tokens, self.last_step_flops)
-            log_now = self.epoch_step % cfg.train.log_every == 0
-            if log_now:  # per-rank load (collective: every rank takes part); to the run's log file (debug)
-                tokens, step_s = rank_load(batch.num_tokens, self.last_step_s, self.device)
-                if self.rank == 0:
-                    log.debug("epoch %d step %d: per-rank tokens %s step_s %s", epoch + 1, self.epoch_step, tokens,
-                              [round(s, 4) for s in step_s])
-            if loss is None and i == steps - 1:
-                loss = self.flush_losses()
-            if self.rank == 0 and (log_now or i == steps - 1):
-                r = meter.rates_full()
-                log.info(progress_line(epoch + 1, self.epoch_step, epoch_steps, self.global_step, loss,
-                                       r["samples_per_s"], r["tokens_per_s"], done=i + 1,
-                                       elapsed_s=time.perf_counter() - t_loop, tflops_per_s=r["tflops_per_s"],
-                                       mfu=r["mfu"], lr=self.last_lr))
-            # Without a notice the epoch-end checkpoint covers the last step; with one, the emergency checkpoint
-            # is taken here (a resumed run then has 0 steps left of this epoch and goes straight to its end).
-            last = i == steps - 1
-            action = self.vote.poll(self.global_step, last)
-            if last and action is None:
-                break
-            reason = self.maybe_checkpoint(self.global_step, epoch_end=False, preempt=action)
-            if action == "stop":
-                if self.pipeline is not None:
-                    self.pipeline.reset()
-                self._stop()
-                return None
-            if reason == "emergency":
-                self.vote.emergency_checkpoint_taken()
+        # closed when the loop ends, breaks or returns: with data.loader_workers its worker processes stop there
+        with closing(self.train_stream.iter_epoch(epoch, self.consumed)) as batches:
+            epoch_steps, t_loop = self.epoch_step + steps, time.perf_counter()
+            ahead = None  # with the sparse-dist pipeline: the next step's (batch, consumed), prefetched by this step
+            for i in range(steps):
+                batch, self.consumed = ahead if ahead is not None else next(batches)
+                ahead = next(batches) if self.pipeline is not None and i + 1 < steps else None
+                loss = self.train_step(batch, next_batch=None if ahead is None else ahead[0])
+                meter.add(batch.batch_size, batch.num_tokens, self.last_step_flops)
+                log_now = self.epoch_step % cfg.train.log_every == 0
+                if log_now:  # per-rank load (collective: every rank takes part); to the run's log file (debug)
+                    tokens, step_s = rank_load(batch.num_tokens, self.last_step_s, self.device)
+                    if self.rank == 0:
+                        log.debug("epoch %d step %d: per-rank tokens %s step_s %s", epoch + 1, self.epoch_step, tokens,
+                                  [round(s, 4) for s in step_s])
+                if loss is None and i == steps - 1:
+                    loss = self.flush_losses()
+                if self.rank == 0 and (log_now or i == steps - 1):
+                    r = meter.rates_full()
+                    log.info(progress_line(epoch + 1, self.epoch_step, epoch_steps, self.global_step, loss,
+                                           r["samples_per_s"], r["tokens_per_s"], done=i + 1,
+                                           elapsed_s=time.perf_counter() - t_loop, tflops_per_s=r["tflops_per_s"],
+                                           mfu=r["mfu"], lr=self.last_lr))
+                # Without a notice the epoch-end checkpoint covers the last step; with one, the emergency checkpoint
+                # is taken here (a resumed run then has 0 steps left of this epoch and goes straight to its end).
+                last = i == steps - 1
+                action = self.vote.poll(self.global_step, last)
+                if last and action is None:
+                    break
+                reason = self.maybe_checkpoint(self.global_step, epoch_end=False, preempt=action)
+                if action == "stop":
+                    if self.pipeline is not None:
+                        self.pipeline.reset()
+                    self._stop()
+                    return None
+                if reason == "emergency":
+                    self.vote.emergency_checkpoint_taken()
         self.flush_losses()
         if self.pipeline is not None:
             self.pipeline.reset()  # a batch prefetched past a break (last step with a notice) is not trained
