@@ -142,6 +142,7 @@ def test_is_pinned_on_pageable_batches(prepared):
     assert batch.batch_size and not batch.is_pinned()  # pageable CPU memory: forward_backward_step pins it
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs CUDA")
 def test_cuda_loader_pins_in_its_thread(prepared):
     """pin_memory (the CUDA default): the DataLoader's pin thread pins every batch, empty ones included (their empty
