@@ -31,6 +31,8 @@ User errors (bad config values, unknown keys, missing files, bad data rows) prin
 ``gemray: error: ...`` and exit with status 2; a training failure exits with status 1; a run stopped by a
 preemption notice (SIGTERM or Ctrl-C to ``gemray train``, or ``gemray preempt``) after its emergency checkpoint
 exits with status 75 (EX_TEMPFAIL: re-run the same command to resume); a second Ctrl-C stops at once, 130.
+``gemray prepare`` stopped by Ctrl-C exits 130, by SIGTERM 143 (128 + 15), both after removing its temporary
+output folder.
 """
 
 from __future__ import annotations
@@ -39,17 +41,73 @@ import argparse
 import logging
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from gemray.preemption import EXIT_PREEMPTED  # 75, sysexits EX_TEMPFAIL
 
 USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError)
 
+EXIT_TERMINATED = 143  # 128 + SIGTERM, as 130 is 128 + SIGINT for a KeyboardInterrupt
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM during a command run under :func:`_sigterm_raises`: a KeyboardInterrupt, so that the clean-up a
+    Ctrl-C gets (the preparers' ``except BaseException``: remove the ``.OUT.tmp-<pid>-*`` folder, stop the pool)
+    runs for it too; :func:`main` exits with :data:`EXIT_TERMINATED`."""
+
 
 def _fail(msg: str, code: int = 2) -> int:
     print(f"gemray: error: {msg}", file=sys.stderr)
     return code
+
+
+@contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """While the block runs (``gemray prepare``), SIGTERM raises :class:`Terminated` in the main thread instead of
+    killing the process at once, which left the temporary output folder behind. A repeat within
+    ``preemption.SIGTERM_REPEAT_S`` of the first is the same signal (GNU ``timeout`` sends one to the command and
+    one to its process group) and is ignored while the clean-up runs; a later one takes the previous handler's
+    action. A pool worker forked inside the block inherits the handler: there SIGTERM does what it did before
+    (the default: the worker ends; the parent cleans up). The previous handler is restored afterwards. A no-op
+    off the main thread (where Python cannot install signal handlers)."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from gemray.preemption import SIGTERM_REPEAT_S
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    owner = os.getpid()
+    first = []
+
+    def fall_back(signum, frame):
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        if callable(previous):
+            previous(signum, frame)
+        else:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def handler(signum, frame):
+        if os.getpid() != owner:  # a forked worker
+            return fall_back(signum, frame)
+        now = time.monotonic()
+        if not first:
+            first.append(now)
+            raise Terminated
+        if now - first[0] >= SIGTERM_REPEAT_S:
+            fall_back(signum, frame)
+
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        if signal.getsignal(signal.SIGTERM) is handler:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
 def _add_set(p: argparse.ArgumentParser) -> None:
@@ -845,11 +903,15 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("gemray").setLevel(level)
     if getattr(ns, "world_size", None) is not None and ns.world_size < 1:
         return _fail(f"--world-size must be >= 1, got {ns.world_size}")
+    # prepare: SIGTERM cleans up as Ctrl-C does (train has its own handler: a preemption notice)
+    signals = _sigterm_raises() if ns.command == "prepare" else nullcontext()
     try:
-        with _quiet_libraries(ns.verbose or train):
+        with signals, _quiet_libraries(ns.verbose or train):
             return ns.func(ns)
     except USER_ERRORS as e:
         return _fail(str(e))
+    except Terminated:
+        return _fail("terminated (SIGTERM)", EXIT_TERMINATED)
     except KeyboardInterrupt:
         return _fail("interrupted", 130)
 
