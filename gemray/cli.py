@@ -569,7 +569,8 @@ def _add_serve_parsers(sub) -> None:
     ev.add_argument("--world-size", type=int, default=None,
                     help="ranks to partition the split into (default: the checkpoint's, as its training did)")
     ev.add_argument("--json", default=None, metavar="FILE",
-                    help="where to write the result (default: evaluate_<split>.json in the run's folder, beside its config.toml; "
+                    help="where to write the result (default: evaluate_<split>.json in the run's folder, beside its "
+                         "config.toml; evaluate_<split>.<folder name>.json for another --data than the run's; "
                          "'-' for stdout only)")
     ev.set_defaults(func=_cmd_evaluate)
 
@@ -625,7 +626,7 @@ def _cmd_evaluate(ns: argparse.Namespace) -> int:
     import json
 
     from gemray.serve import load_trained
-    from gemray.serve.evaluate import check_arguments, evaluate, format_metrics
+    from gemray.serve.evaluate import check_arguments, evaluate, format_metrics, result_path
     from gemray.serve.model import prepared_manifest
 
     check_arguments(ns.split, ns.k, ns.world_size)  # before the model and the data are loaded
@@ -643,12 +644,13 @@ def _cmd_evaluate(ns: argparse.Namespace) -> int:
         print(text)
         return 0
     # default: the run's output folder when --checkpoint is one (it holds config.toml), else beside the checkpoint
-    # (never beside a --config file, which may sit in the source tree)
+    # (never beside a --config file, which may sit in the source tree); another --data than the run's gets a file
+    # of its own, named after the data folder (the run's evaluate_<split>.json stays its own data's)
     given = Path(ns.checkpoint).expanduser()
     base = given if (given / "config.toml").is_file() else trained.checkpoint.parent
-    path = Path(ns.json) if ns.json else base / f"evaluate_{ns.split}.json"
+    path = Path(ns.json) if ns.json else result_path(base, ns.split, ns.data, trained.cfg.data.prepared_dir)
     path.write_text(text + "\n")
-    print(f"written: {path}")
+    print(f"written: {path}" + (f" (the evaluation of --data {ns.data})" if ns.data is not None else ""))
     return 0
 
 

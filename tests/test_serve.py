@@ -558,6 +558,33 @@ def test_data_manifest_is_read_once(command, small_checkpoint, monkeypatch, caps
     assert capsys.readouterr().out
 
 
+def test_evaluate_of_other_data_keeps_the_runs_own_json(small_checkpoint, tmp_path, capsys):
+    """`gemray evaluate --data OTHER` wrote its figures to the run's evaluate_test.json, over the run's evaluation
+    of its own data: it now writes evaluate_test.<folder name>.json and says so; without --data, or with the run's
+    own folder as --data, evaluate_test.json as before."""
+    from gemray.cli import main
+    from gemray.pipelines.synthetic import SyntheticSpec, prepare_synthetic
+
+    ckpt, data, _ = small_checkpoint
+    other = tmp_path / "fresh"  # the checkpoint's 200 items, another seed
+    prepare_synthetic(other, SyntheticSpec(users=30, items=200, seed=9, max_len=24, min_len=4, mean_len=10.0,
+                                           candidates=4), num_files=1, progress=False, workers=1)
+    own = ckpt.parent / "evaluate_test.json"
+    own.unlink(missing_ok=True)
+    assert main(["evaluate", "--checkpoint", str(ckpt)]) == 0
+    before = own.read_text()
+    assert main(["evaluate", "--checkpoint", str(ckpt), "--data", str(other)]) == 0
+    assert own.read_text() == before
+    foreign = ckpt.parent / "evaluate_test.fresh.json"
+    assert json.loads(foreign.read_text())["prepared_dir"] == str(other.resolve())
+    assert f"written: {foreign} (the evaluation of --data {other})" in capsys.readouterr().out
+    # pure: the run's own folder named as --data, relative or not, is the run's own file
+    from gemray.serve.evaluate import result_path
+
+    assert result_path("r", "valid", data, data) == result_path("r", "valid") == Path("r/evaluate_valid.json")
+    assert result_path("r", "test", "x/../fresh", data) == Path("r/evaluate_test.fresh.json")
+
+
 def test_data_of_larger_feature_cardinalities_is_refused_before_the_model_is_built(tmp_path, monkeypatch, capsys):
     """`gemray evaluate --data` with the checkpoint's item count but larger side-feature cardinalities (a new user's
     `gemray prepare synthetic` defaults against a gem-tiny run): refused naming each feature and both sizes before

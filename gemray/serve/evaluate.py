@@ -42,6 +42,22 @@ def check_arguments(split: str = "test", ks: list[int] | None = None, world_size
         raise ValueError(f"--world-size {world_size}: expected >= 1")
 
 
+def result_path(base: str | Path, split: str, prepared_dir: str | Path | None = None,
+                run_prepared_dir: str | Path | None = None) -> Path:
+    """Pure: where ``gemray evaluate`` writes its JSON by default, in the folder ``base`` (the run's output folder,
+    or beside the checkpoint). ``evaluate_<split>.json`` for the run's own data (no ``--data``, or ``--data``
+    naming ``run_prepared_dir``, the run's ``data.prepared_dir``); for other data
+    ``evaluate_<split>.<data folder name>.json``, so that an evaluation of foreign data never replaces the run's
+    evaluation of its own (it did: ``evaluate_test.json`` held whichever ran last). Paths are compared resolved
+    (relative ones against the working directory, as :func:`evaluate` reads them)."""
+    name = f"evaluate_{split}"
+    if prepared_dir is not None:
+        d = Path(prepared_dir).expanduser().resolve()
+        if run_prepared_dir is None or d != Path(run_prepared_dir).expanduser().resolve():
+            name += f".{d.name}"
+    return Path(base) / f"{name}.json"
+
+
 def evaluate(trained: TrainedModel, split: str = "test", *, ks: list[int] | None = None,
              prepared_dir: str | Path | None = None, world_size: int | None = None,
              manifest: dict[str, Any] | None = None) -> dict[str, Any]:
