@@ -626,8 +626,9 @@ def _cmd_evaluate(ns: argparse.Namespace) -> int:
     import json
 
     from gemray.serve import load_trained
-    from gemray.serve.evaluate import check_arguments, evaluate, format_metrics, result_path
-    from gemray.serve.model import prepared_manifest
+    from gemray.checkpoint import data_record
+    from gemray.serve.evaluate import check_arguments, check_cutoffs, evaluate, format_metrics, result_path
+    from gemray.serve.model import prepared_manifest, run_config
 
     check_arguments(ns.split, ns.k, ns.world_size)  # before the model and the data are loaded
     if ns.json not in (None, "-"):
@@ -635,6 +636,10 @@ def _cmd_evaluate(ns: argparse.Namespace) -> int:
     # an unprepared (e.g. raw MovieLens) --data is refused before the checkpoint is looked at, one of another item
     # count before the model loads (load_trained); the manifest is read once
     manifest = prepared_manifest(ns.data) if ns.data is not None else None
+    if ns.k is not None:  # a --k above the item count, from the manifest of the data evaluated, before the model loads
+        items = manifest if manifest is not None else prepared_manifest(
+            run_config(ns.checkpoint, config=ns.config, overrides=ns.overrides).data.prepared_dir)
+        check_cutoffs(ns.k, data_record(items)["num_items"])
     trained = load_trained(ns.checkpoint, config=ns.config, overrides=ns.overrides, device=ns.device,
                            data_manifest=manifest)
     res = evaluate(trained, ns.split, ks=ns.k, prepared_dir=ns.data, world_size=ns.world_size, manifest=manifest)

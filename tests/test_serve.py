@@ -542,6 +542,21 @@ def test_data_of_another_item_count_is_refused_before_the_model_is_built(command
                    "with the same item vocabulary"], err
 
 
+@pytest.mark.parametrize("with_data", [False, True], ids=["run_data", "data"])
+def test_k_above_the_item_count_is_refused_before_the_model_loads(with_data, small_checkpoint, monkeypatch, capsys):
+    """`gemray evaluate --k 5000` on a 200-item catalogue: exit 2 naming --k and the count, from the manifest of the
+    data evaluated (the run's, or --data's), before the model is loaded (was: refused only after the load)."""
+    import gemray.serve
+    from gemray.cli import main
+
+    ckpt, data, _ = small_checkpoint
+    monkeypatch.setattr(gemray.serve, "load_trained", lambda *a, **k: pytest.fail("the model must not load"))
+    assert main(["evaluate", "--checkpoint", str(ckpt), "--k", "10", "5000", *(["--data", str(data)] * with_data)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["gemray: error: --k 10 5000: a cut-off above the 200 items of the catalogue (5000) makes HR@K "
+                   "trivially 1 (as gemray train refuses it)"], err
+
+
 @pytest.mark.parametrize("command", sorted(COMMANDS))
 def test_data_manifest_is_read_once(command, small_checkpoint, monkeypatch, capsys):
     """`gemray evaluate / recommend --data DIR` reads DIR's manifest once, for the check before the model loads and
