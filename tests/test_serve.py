@@ -189,7 +189,7 @@ def test_recommend_k_items_none_from_history(trained, tmp_path):
     assert main(["recommend", "--checkpoint", str(trained.checkpoint), "--users-file", str(uf), "--k", "10",
                  "--out", str(out)]) == 0
     assert pq.read_table(out).to_pylist() == rows
-    with pytest.raises(ValueError, match="user 999999"):
+    with pytest.raises(ValueError, match=r"user id 999999: not a user of .* \(610 users, ids 1\.\.610\)$"):
         recommend(trained, [999999], k=3)
 
 
@@ -555,6 +555,21 @@ def test_k_above_the_item_count_is_refused_before_the_model_loads(with_data, sma
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["gemray: error: --k 10 5000: a cut-off above the 200 items of the catalogue (5000) makes HR@K "
                    "trivially 1 (as gemray train refuses it)"], err
+
+
+def test_recommend_unknown_user_names_the_users_of_the_data(small_checkpoint, capsys):
+    """`gemray recommend --user 999999` said "user 999999: no history in DIR (dense user id; 1 missing)": it now
+    names the id, the data and its users' count and id range; an id without history (in a gap of the range) too."""
+    from gemray.cli import main
+    from gemray.serve.recommend import read_histories
+
+    ckpt, data, _ = small_checkpoint
+    assert main(["recommend", "--checkpoint", str(ckpt), "--user", "1", "--user", "999999"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"gemray: error: user id 999999: not a user of {data.resolve()} (60 users, ids 1..60)"], err
+    manifest = json.loads((data / "manifest.json").read_text()) | {"prepared_dir": str(data)}
+    with pytest.raises(ValueError, match=r"^user id 0: no history in .* \(60 users, ids 1\.\.60\)$"):
+        read_histories(manifest, [3, 0])  # dense ids, as for an id in a gap of the range
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
