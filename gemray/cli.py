@@ -463,6 +463,7 @@ def _cmd_bench_train(ns: argparse.Namespace) -> int:
     from gemray.bench.train import format_table, run_bench
     from gemray.config import load_config
 
+    from gemray.controller.preflight import preflight_kernel_tiles
     from gemray.controller.run import ensure_prepared
 
     cfg = load_config(ns.config, ns.overrides)
@@ -474,6 +475,7 @@ def _cmd_bench_train(ns: argparse.Namespace) -> int:
                   f"this run would be on the CPU (ray.use_gpu = {str(cfg.ray.use_gpu).lower()}, CUDA "
                   f"{'available' if torch.cuda.is_available() else 'not available'})", file=sys.stderr)
             return 2
+    preflight_kernel_tiles(cfg)  # as `gemray train`: a bad model.kernel_tiles refused before the data is generated
     ensure_prepared(cfg)  # as `gemray train`: prepare the data first where the config says how
     res = run_bench(cfg, steps=ns.steps, warmup=ns.warmup, profile=ns.profile, profile_steps=ns.profile_steps,
                     warm_up_kernels=not ns.no_kernel_warmup, sync_debug=ns.sync_debug,
