@@ -528,21 +528,49 @@ def _cmd_k8s(ns: argparse.Namespace) -> int:
 
 class _StrayRun(argparse.Action):
     """A hidden catch-all positional of evaluate / recommend / export, which take no positional argument: a run
-    folder given bare (``gemray evaluate runs/x``) is refused at once with the flag that names it, through
-    ``parser.error`` (usage, one error line, exit 2), instead of argparse's "the following arguments are
-    required: --checkpoint" or "unrecognized arguments"."""
+    folder given bare (``gemray evaluate runs/x``) is collected here and refused by :class:`_Parser` once the whole
+    command line is read (``--checkpoint`` may come after it), through ``parser.error`` (usage, one error line,
+    exit 2), instead of argparse's "the following arguments are required: --checkpoint" or "unrecognized
+    arguments"."""
 
     def __call__(self, parser, namespace, values, option_string=None):
-        if not values:
-            return
-        import shlex
+        if values:
+            parser.stray = [*getattr(parser, "stray", []), *values]
 
-        what = f"unexpected argument {values[0]!r}" if len(values) == 1 else \
-            f"unexpected arguments {', '.join(repr(v) for v in values)}"
-        given = getattr(namespace, "checkpoint", None)
-        if given is not None:
-            parser.error(f"{what} (the run is given by --checkpoint {shlex.quote(given)})")
-        parser.error(f"{what}: give the run as --checkpoint {shlex.quote(values[0])}")
+
+def stray_message(stray: list[str], checkpoint: str | None) -> str:
+    """Pure: the refusal of run folders ``stray`` given bare to evaluate / recommend / export. Without
+    ``--checkpoint`` (``checkpoint`` None): the flag to give the first one with. With it: the run was given twice,
+    both named, and the bare one(s) to drop (it said "unexpected argument" only, or, with the bare folder first,
+    "give the run as --checkpoint" although --checkpoint was there)."""
+    import shlex
+
+    quoted = ", ".join(repr(v) for v in stray)
+    if checkpoint is None:
+        what = f"unexpected argument {quoted}" if len(stray) == 1 else f"unexpected arguments {quoted}"
+        return f"{what}: give the run as --checkpoint {shlex.quote(stray[0])}"
+    bare = f"the bare argument {quoted}" if len(stray) == 1 else f"the bare arguments {quoted}"
+    return (f"both --checkpoint {shlex.quote(checkpoint)} and {bare} were given: drop {quoted} (the run is given "
+            "by --checkpoint alone)")
+
+
+class _Parser(argparse.ArgumentParser):
+    """gemray's subcommand parsers: those with a :class:`_StrayRun` positional (evaluate / recommend / export)
+    refuse a bare run folder after the whole command line is read, so that the message knows whether
+    ``--checkpoint`` was given too, before it or after it (:func:`stray_message`); the others parse as argparse
+    does."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        self.stray = []
+        ns, extras = super().parse_known_args(args, namespace)
+        if self.stray:
+            self.error(stray_message(self.stray, getattr(ns, "checkpoint", None)))
+        return ns, extras
+
+    def error(self, message):
+        if getattr(self, "stray", None) and "required: --checkpoint" in message:  # the run given bare alone
+            message = stray_message(self.stray, None)
+        super().error(message)
 
 
 def _add_serve_parsers(sub) -> None:
@@ -708,7 +736,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="gemray", description="Ray-orchestrated GEM/HSTU training")
     ap.add_argument("--version", action="version", version=f"gemray {_version()}")
     _add_verbosity(ap, top=True)
-    sub = ap.add_subparsers(dest="command", required=True)
+    sub = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     prep = sub.add_parser("prepare", help="convert raw data to Parquet histories")
     prep_sub = prep.add_subparsers(dest="dataset", required=True)
