@@ -480,7 +480,8 @@ def test_sigterm_to_prepare_cleans_up_as_ctrl_c_does(tmp_path, monkeypatch, caps
     before = signal.signal(signal.SIGTERM, not_reached)
     try:
         rc = main(["prepare", "synthetic", "--out", str(tmp_path / "out"), "--users", "20", "--items", "20",
-                   "--seed", "1", "--max-len", "16", "--mean-len", "10", "--min-len", "4", "--num-files", "1", "--workers", "1"])
+                   "--seed", "1", "--max-len", "16", "--mean-len", "10", "--min-len", "4", "--num-files", "1",
+                   "--workers", "1"])
         assert signal.getsignal(signal.SIGTERM) is not_reached
     finally:
         signal.signal(signal.SIGTERM, before)
