@@ -31,6 +31,8 @@ User errors (bad config values, unknown keys, missing files, bad data rows) prin
 ``gemray: error: ...`` and exit with status 2; a training failure exits with status 1; a run stopped by a
 preemption notice (SIGTERM or Ctrl-C to ``gemray train``, or ``gemray preempt``) after its emergency checkpoint
 exits with status 75 (EX_TEMPFAIL: re-run the same command to resume); a second Ctrl-C stops at once, 130.
+``gemray prepare`` stopped by Ctrl-C exits 130, by SIGTERM 143 (128 + 15), both after removing its temporary
+output folder.
 """
 
 from __future__ import annotations
@@ -39,17 +41,73 @@ import argparse
 import logging
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from gemray.preemption import EXIT_PREEMPTED  # 75, sysexits EX_TEMPFAIL
 
 USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError)
 
+EXIT_TERMINATED = 143  # 128 + SIGTERM, as 130 is 128 + SIGINT for a KeyboardInterrupt
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM during a command run under :func:`_sigterm_raises`: a KeyboardInterrupt, so that the clean-up a
+    Ctrl-C gets (the preparers' ``except BaseException``: remove the ``.OUT.tmp-<pid>-*`` folder, stop the pool)
+    runs for it too; :func:`main` exits with :data:`EXIT_TERMINATED`."""
+
 
 def _fail(msg: str, code: int = 2) -> int:
     print(f"gemray: error: {msg}", file=sys.stderr)
     return code
+
+
+@contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """While the block runs (``gemray prepare``), SIGTERM raises :class:`Terminated` in the main thread instead of
+    killing the process at once, which left the temporary output folder behind. A repeat within
+    ``preemption.SIGTERM_REPEAT_S`` of the first is the same signal (GNU ``timeout`` sends one to the command and
+    one to its process group) and is ignored while the clean-up runs; a later one takes the previous handler's
+    action. A pool worker forked inside the block inherits the handler: there SIGTERM does what it did before
+    (the default: the worker ends; the parent cleans up). The previous handler is restored afterwards. A no-op
+    off the main thread (where Python cannot install signal handlers)."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from gemray.preemption import SIGTERM_REPEAT_S
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    owner = os.getpid()
+    first = []
+
+    def fall_back(signum, frame):
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        if callable(previous):
+            previous(signum, frame)
+        else:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def handler(signum, frame):
+        if os.getpid() != owner:  # a forked worker
+            return fall_back(signum, frame)
+        now = time.monotonic()
+        if not first:
+            first.append(now)
+            raise Terminated
+        if now - first[0] >= SIGTERM_REPEAT_S:
+            fall_back(signum, frame)
+
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        if signal.getsignal(signal.SIGTERM) is handler:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
 def _add_set(p: argparse.ArgumentParser) -> None:
@@ -405,6 +463,7 @@ def _cmd_bench_train(ns: argparse.Namespace) -> int:
     from gemray.bench.train import format_table, run_bench
     from gemray.config import load_config
 
+    from gemray.controller.preflight import preflight_kernel_tiles
     from gemray.controller.run import ensure_prepared
 
     cfg = load_config(ns.config, ns.overrides)
@@ -416,6 +475,7 @@ def _cmd_bench_train(ns: argparse.Namespace) -> int:
                   f"this run would be on the CPU (ray.use_gpu = {str(cfg.ray.use_gpu).lower()}, CUDA "
                   f"{'available' if torch.cuda.is_available() else 'not available'})", file=sys.stderr)
             return 2
+    preflight_kernel_tiles(cfg)  # as `gemray train`: a bad model.kernel_tiles refused before the data is generated
     ensure_prepared(cfg)  # as `gemray train`: prepare the data first where the config says how
     res = run_bench(cfg, steps=ns.steps, warmup=ns.warmup, profile=ns.profile, profile_steps=ns.profile_steps,
                     warm_up_kernels=not ns.no_kernel_warmup, sync_debug=ns.sync_debug,
@@ -468,21 +528,49 @@ def _cmd_k8s(ns: argparse.Namespace) -> int:
 
 class _StrayRun(argparse.Action):
     """A hidden catch-all positional of evaluate / recommend / export, which take no positional argument: a run
-    folder given bare (``gemray evaluate runs/x``) is refused at once with the flag that names it, through
-    ``parser.error`` (usage, one error line, exit 2), instead of argparse's "the following arguments are
-    required: --checkpoint" or "unrecognized arguments"."""
+    folder given bare (``gemray evaluate runs/x``) is collected here and refused by :class:`_Parser` once the whole
+    command line is read (``--checkpoint`` may come after it), through ``parser.error`` (usage, one error line,
+    exit 2), instead of argparse's "the following arguments are required: --checkpoint" or "unrecognized
+    arguments"."""
 
     def __call__(self, parser, namespace, values, option_string=None):
-        if not values:
-            return
-        import shlex
+        if values:
+            parser.stray = [*getattr(parser, "stray", []), *values]
 
-        what = f"unexpected argument {values[0]!r}" if len(values) == 1 else \
-            f"unexpected arguments {', '.join(repr(v) for v in values)}"
-        given = getattr(namespace, "checkpoint", None)
-        if given is not None:
-            parser.error(f"{what} (the run is given by --checkpoint {shlex.quote(given)})")
-        parser.error(f"{what}: give the run as --checkpoint {shlex.quote(values[0])}")
+
+def stray_message(stray: list[str], checkpoint: str | None) -> str:
+    """Pure: the refusal of run folders ``stray`` given bare to evaluate / recommend / export. Without
+    ``--checkpoint`` (``checkpoint`` None): the flag to give the first one with. With it: the run was given twice,
+    both named, and the bare one(s) to drop (it said "unexpected argument" only, or, with the bare folder first,
+    "give the run as --checkpoint" although --checkpoint was there)."""
+    import shlex
+
+    quoted = ", ".join(repr(v) for v in stray)
+    if checkpoint is None:
+        what = f"unexpected argument {quoted}" if len(stray) == 1 else f"unexpected arguments {quoted}"
+        return f"{what}: give the run as --checkpoint {shlex.quote(stray[0])}"
+    bare = f"the bare argument {quoted}" if len(stray) == 1 else f"the bare arguments {quoted}"
+    return (f"both --checkpoint {shlex.quote(checkpoint)} and {bare} were given: drop {quoted} (the run is given "
+            "by --checkpoint alone)")
+
+
+class _Parser(argparse.ArgumentParser):
+    """gemray's subcommand parsers: those with a :class:`_StrayRun` positional (evaluate / recommend / export)
+    refuse a bare run folder after the whole command line is read, so that the message knows whether
+    ``--checkpoint`` was given too, before it or after it (:func:`stray_message`); the others parse as argparse
+    does."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        self.stray = []
+        ns, extras = super().parse_known_args(args, namespace)
+        if self.stray:
+            self.error(stray_message(self.stray, getattr(ns, "checkpoint", None)))
+        return ns, extras
+
+    def error(self, message):
+        if getattr(self, "stray", None) and "required: --checkpoint" in message:  # the run given bare alone
+            message = stray_message(self.stray, None)
+        super().error(message)
 
 
 def _add_serve_parsers(sub) -> None:
@@ -511,7 +599,8 @@ def _add_serve_parsers(sub) -> None:
     ev.add_argument("--world-size", type=int, default=None,
                     help="ranks to partition the split into (default: the checkpoint's, as its training did)")
     ev.add_argument("--json", default=None, metavar="FILE",
-                    help="where to write the result (default: evaluate_<split>.json in the run's folder, beside its config.toml; "
+                    help="where to write the result (default: evaluate_<split>.json in the run's folder, beside its "
+                         "config.toml; evaluate_<split>.<folder name>.json for another --data than the run's; "
                          "'-' for stdout only)")
     ev.set_defaults(func=_cmd_evaluate)
 
@@ -567,8 +656,9 @@ def _cmd_evaluate(ns: argparse.Namespace) -> int:
     import json
 
     from gemray.serve import load_trained
-    from gemray.serve.evaluate import check_arguments, evaluate, format_metrics
-    from gemray.serve.model import prepared_manifest
+    from gemray.checkpoint import data_record
+    from gemray.serve.evaluate import check_arguments, check_cutoffs, evaluate, format_metrics, result_path
+    from gemray.serve.model import prepared_manifest, run_config
 
     check_arguments(ns.split, ns.k, ns.world_size)  # before the model and the data are loaded
     if ns.json not in (None, "-"):
@@ -576,6 +666,10 @@ def _cmd_evaluate(ns: argparse.Namespace) -> int:
     # an unprepared (e.g. raw MovieLens) --data is refused before the checkpoint is looked at, one of another item
     # count before the model loads (load_trained); the manifest is read once
     manifest = prepared_manifest(ns.data) if ns.data is not None else None
+    if ns.k is not None:  # a --k above the item count, from the manifest of the data evaluated, before the model loads
+        items = manifest if manifest is not None else prepared_manifest(
+            run_config(ns.checkpoint, config=ns.config, overrides=ns.overrides).data.prepared_dir)
+        check_cutoffs(ns.k, data_record(items)["num_items"])
     trained = load_trained(ns.checkpoint, config=ns.config, overrides=ns.overrides, device=ns.device,
                            data_manifest=manifest)
     res = evaluate(trained, ns.split, ks=ns.k, prepared_dir=ns.data, world_size=ns.world_size, manifest=manifest)
@@ -585,12 +679,13 @@ def _cmd_evaluate(ns: argparse.Namespace) -> int:
         print(text)
         return 0
     # default: the run's output folder when --checkpoint is one (it holds config.toml), else beside the checkpoint
-    # (never beside a --config file, which may sit in the source tree)
+    # (never beside a --config file, which may sit in the source tree); another --data than the run's gets a file
+    # of its own, named after the data folder (the run's evaluate_<split>.json stays its own data's)
     given = Path(ns.checkpoint).expanduser()
     base = given if (given / "config.toml").is_file() else trained.checkpoint.parent
-    path = Path(ns.json) if ns.json else base / f"evaluate_{ns.split}.json"
+    path = Path(ns.json) if ns.json else result_path(base, ns.split, ns.data, trained.cfg.data.prepared_dir)
     path.write_text(text + "\n")
-    print(f"written: {path}")
+    print(f"written: {path}" + (f" (the evaluation of --data {ns.data})" if ns.data is not None else ""))
     return 0
 
 
@@ -641,7 +736,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="gemray", description="Ray-orchestrated GEM/HSTU training")
     ap.add_argument("--version", action="version", version=f"gemray {_version()}")
     _add_verbosity(ap, top=True)
-    sub = ap.add_subparsers(dest="command", required=True)
+    sub = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     prep = sub.add_parser("prepare", help="convert raw data to Parquet histories")
     prep_sub = prep.add_subparsers(dest="dataset", required=True)
@@ -845,11 +940,15 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("gemray").setLevel(level)
     if getattr(ns, "world_size", None) is not None and ns.world_size < 1:
         return _fail(f"--world-size must be >= 1, got {ns.world_size}")
+    # prepare: SIGTERM cleans up as Ctrl-C does (train has its own handler: a preemption notice)
+    signals = _sigterm_raises() if ns.command == "prepare" else nullcontext()
     try:
-        with _quiet_libraries(ns.verbose or train):
+        with signals, _quiet_libraries(ns.verbose or train):
             return ns.func(ns)
     except USER_ERRORS as e:
         return _fail(str(e))
+    except Terminated:
+        return _fail("terminated (SIGTERM)", EXIT_TERMINATED)
     except KeyboardInterrupt:
         return _fail("interrupted", 130)
 

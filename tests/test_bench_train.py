@@ -450,6 +450,24 @@ def test_sync_debug_is_refused_off_cuda(tmp_path, capsys):
         run_bench(cfg, steps=1, warmup=0, sync_debug=True)
 
 
+def test_bad_kernel_tiles_are_refused_before_the_data_is_generated(tmp_path, monkeypatch, capsys):
+    """`gemray bench train` with a model.kernel_tiles file naming an unknown regime (valid JSON: the config loads)
+    generated gem-tiny's synthetic data first and was refused only when the model was built; it is refused at
+    once, as `gemray train` does (preflight_kernel_tiles), and no data is written."""
+    import gemray.controller.run as run
+
+    tiles = tmp_path / "tiles.json"
+    tiles.write_text('{"nosuchregime": {}}')
+    data = tmp_path / "gem-tiny"
+    monkeypatch.setattr(run, "ensure_prepared", lambda cfg: pytest.fail("the data must not be prepared"))
+    rc = main(["bench", "train", "--config", "configs/gem-tiny.toml", "--steps", "1", "--warmup", "0", "--set",
+               f"data.prepared_dir={data}", "ray.use_gpu=false", f"model.kernel_tiles={tiles}"])
+    assert rc == 2 and not data.exists()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ['gemray: error: model.kernel_tiles: unknown regime "nosuchregime" (one of ["short", "medium", '
+                   '"long", "xlong"])'], err
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_bench_train_compiled_with_sync_debug(synthetic, tmp_path, capsys):

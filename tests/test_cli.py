@@ -147,12 +147,21 @@ def test_k8s_help_lists_its_commands(capsys, flag):
      "unexpected argument 'my runs/x': give the run as --checkpoint 'my runs/x'"),
     (["evaluate", "runs/x", "runs/y"], "unexpected arguments 'runs/x', 'runs/y': give the run as --checkpoint runs/x"),
     (["evaluate", "--checkpoint", "runs/x", "runs/y"],
-     "unexpected argument 'runs/y' (the run is given by --checkpoint runs/x)"),
+     "both --checkpoint runs/x and the bare argument 'runs/y' were given: drop 'runs/y' (the run is given by "
+     "--checkpoint alone)"),
+    # the bare folder before --checkpoint said "give the run as --checkpoint runs/y", --checkpoint being there
+    (["recommend", "runs/y", "--user", "1", "--checkpoint", "runs/x"],
+     "both --checkpoint runs/x and the bare argument 'runs/y' were given: drop 'runs/y' (the run is given by "
+     "--checkpoint alone)"),
+    (["export", "runs/y", "runs/z", "--checkpoint", "my runs/x", "--out", "serving"],
+     "both --checkpoint 'my runs/x' and the bare arguments 'runs/y', 'runs/z' were given: drop 'runs/y', 'runs/z' "
+     "(the run is given by --checkpoint alone)"),
 ])
 def test_serve_commands_name_the_flag_for_a_bare_run_folder(argv, line, capsys):
     """`gemray evaluate runs/x` (the run given bare, as a positional): exit 2 with the flag that names it (was
     argparse's 'the following arguments are required: --checkpoint', or 'unrecognized arguments: runs/x' beside
-    --checkpoint); recommend and export share the parser's --checkpoint and say the same."""
+    --checkpoint); recommend and export share the parser's --checkpoint and say the same. With --checkpoint given
+    too, before or after the bare folder, it says both were given and which to drop."""
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2

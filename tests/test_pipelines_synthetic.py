@@ -461,6 +461,34 @@ def test_cli_prepare_synthetic(tmp_path, capsys):
     assert "--stickiness" in capsys.readouterr().err
 
 
+def test_sigterm_to_prepare_cleans_up_as_ctrl_c_does(tmp_path, monkeypatch, capsys):
+    """SIGTERM to `gemray prepare` (here mid-generation) left the .OUT.tmp-<pid>-* folder beside --out (Ctrl-C
+    removed it): it now takes the same path, exits 143 with one line, and the previous handler is back after."""
+    import os
+    import signal
+
+    from gemray.pipelines import synthetic
+
+    def not_reached(signum, frame):
+        raise AssertionError("SIGTERM reached the previous handler: prepare did not catch it")
+
+    def terminated(tasks, *a, **kw):
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise AssertionError("still running after SIGTERM")
+
+    monkeypatch.setattr(synthetic, "_run_tasks", terminated)
+    before = signal.signal(signal.SIGTERM, not_reached)
+    try:
+        rc = main(["prepare", "synthetic", "--out", str(tmp_path / "out"), "--users", "20", "--items", "20",
+                   "--seed", "1", "--max-len", "16", "--mean-len", "10", "--min-len", "4", "--num-files", "1",
+                   "--workers", "1"])
+        assert signal.getsignal(signal.SIGTERM) is not_reached
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert rc == 143 and capsys.readouterr().err.strip() == "gemray: error: terminated (SIGTERM)"
+    assert [p.name for p in tmp_path.iterdir()] == []
+
+
 def test_ray_data_reader_reads_the_gem_columns(folders):
     """The Ray Data reader (the default inside Ray Train) brings the extra columns too: same batches as pyarrow."""
     ray = pytest.importorskip("ray")

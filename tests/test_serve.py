@@ -189,7 +189,7 @@ def test_recommend_k_items_none_from_history(trained, tmp_path):
     assert main(["recommend", "--checkpoint", str(trained.checkpoint), "--users-file", str(uf), "--k", "10",
                  "--out", str(out)]) == 0
     assert pq.read_table(out).to_pylist() == rows
-    with pytest.raises(ValueError, match="user 999999"):
+    with pytest.raises(ValueError, match=r"user id 999999: not a user of .* \(610 users, ids 1\.\.610\)$"):
         recommend(trained, [999999], k=3)
 
 
@@ -542,6 +542,36 @@ def test_data_of_another_item_count_is_refused_before_the_model_is_built(command
                    "with the same item vocabulary"], err
 
 
+@pytest.mark.parametrize("with_data", [False, True], ids=["run_data", "data"])
+def test_k_above_the_item_count_is_refused_before_the_model_loads(with_data, small_checkpoint, monkeypatch, capsys):
+    """`gemray evaluate --k 5000` on a 200-item catalogue: exit 2 naming --k and the count, from the manifest of the
+    data evaluated (the run's, or --data's), before the model is loaded (was: refused only after the load)."""
+    import gemray.serve
+    from gemray.cli import main
+
+    ckpt, data, _ = small_checkpoint
+    monkeypatch.setattr(gemray.serve, "load_trained", lambda *a, **k: pytest.fail("the model must not load"))
+    assert main(["evaluate", "--checkpoint", str(ckpt), "--k", "10", "5000", *(["--data", str(data)] * with_data)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["gemray: error: --k 10 5000: a cut-off above the 200 items of the catalogue (5000) makes HR@K "
+                   "trivially 1 (as gemray train refuses it)"], err
+
+
+def test_recommend_unknown_user_names_the_users_of_the_data(small_checkpoint, capsys):
+    """`gemray recommend --user 999999` said "user 999999: no history in DIR (dense user id; 1 missing)": it now
+    names the id, the data and its users' count and id range; an id without history (in a gap of the range) too."""
+    from gemray.cli import main
+    from gemray.serve.recommend import read_histories
+
+    ckpt, data, _ = small_checkpoint
+    assert main(["recommend", "--checkpoint", str(ckpt), "--user", "1", "--user", "999999"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"gemray: error: user id 999999: not a user of {data.resolve()} (60 users, ids 1..60)"], err
+    manifest = json.loads((data / "manifest.json").read_text()) | {"prepared_dir": str(data)}
+    with pytest.raises(ValueError, match=r"^user id 0: no history in .* \(60 users, ids 1\.\.60\)$"):
+        read_histories(manifest, [3, 0])  # dense ids, as for an id in a gap of the range
+
+
 @pytest.mark.parametrize("command", sorted(COMMANDS))
 def test_data_manifest_is_read_once(command, small_checkpoint, monkeypatch, capsys):
     """`gemray evaluate / recommend --data DIR` reads DIR's manifest once, for the check before the model loads and
@@ -556,6 +586,33 @@ def test_data_manifest_is_read_once(command, small_checkpoint, monkeypatch, caps
     assert main([*COMMANDS[command], "--checkpoint", str(ckpt), "--data", str(data)]) == 0
     assert reads == [(str(data),)], reads
     assert capsys.readouterr().out
+
+
+def test_evaluate_of_other_data_keeps_the_runs_own_json(small_checkpoint, tmp_path, capsys):
+    """`gemray evaluate --data OTHER` wrote its figures to the run's evaluate_test.json, over the run's evaluation
+    of its own data: it now writes evaluate_test.<folder name>.json and says so; without --data, or with the run's
+    own folder as --data, evaluate_test.json as before."""
+    from gemray.cli import main
+    from gemray.pipelines.synthetic import SyntheticSpec, prepare_synthetic
+
+    ckpt, data, _ = small_checkpoint
+    other = tmp_path / "fresh"  # the checkpoint's 200 items, another seed
+    prepare_synthetic(other, SyntheticSpec(users=30, items=200, seed=9, max_len=24, min_len=4, mean_len=10.0,
+                                           candidates=4), num_files=1, progress=False, workers=1)
+    own = ckpt.parent / "evaluate_test.json"
+    own.unlink(missing_ok=True)
+    assert main(["evaluate", "--checkpoint", str(ckpt)]) == 0
+    before = own.read_text()
+    assert main(["evaluate", "--checkpoint", str(ckpt), "--data", str(other)]) == 0
+    assert own.read_text() == before
+    foreign = ckpt.parent / "evaluate_test.fresh.json"
+    assert json.loads(foreign.read_text())["prepared_dir"] == str(other.resolve())
+    assert f"written: {foreign} (the evaluation of --data {other})" in capsys.readouterr().out
+    # pure: the run's own folder named as --data, relative or not, is the run's own file
+    from gemray.serve.evaluate import result_path
+
+    assert result_path("r", "valid", data, data) == result_path("r", "valid") == Path("r/evaluate_valid.json")
+    assert result_path("r", "test", "x/../fresh", data) == Path("r/evaluate_test.fresh.json")
 
 
 def test_data_of_larger_feature_cardinalities_is_refused_before_the_model_is_built(tmp_path, monkeypatch, capsys):

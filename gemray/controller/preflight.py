@@ -61,6 +61,17 @@ def preflight_output(out: str | Path, *, what: str = "--output") -> None:
                          "write to") from e
 
 
+def preflight_kernel_tiles(cfg: JobConfig) -> None:
+    """Refuse a ``model.kernel_tiles`` naming an unknown regime, tile kind, head-dim bucket or mode, or a malformed
+    tile (loading the config checks only that it is a JSON object): ``gemray train`` (through
+    :func:`preflight_resources`) and ``gemray bench train`` call it before the data is prepared or anything
+    starts. Raises ValueError naming model.kernel_tiles (``gemray.model.hstu.kernel_config_of``)."""
+    if cfg.model.kernel_tiles:
+        from gemray.model.hstu import kernel_config_of
+
+        kernel_config_of(cfg.model.kernel_tiles)
+
+
 def preflight_resources(cfg: JobConfig, *, embedded: bool, num_gpus: int | None = None) -> None:
     """Refuse a job the device or the embedded cluster cannot run: ``ray.use_gpu`` on an embedded cluster
     with fewer GPUs than workers (``num_gpus``: GPUs this machine has; default ``torch.cuda.device_count()``),
@@ -94,10 +105,7 @@ def preflight_resources(cfg: JobConfig, *, embedded: bool, num_gpus: int | None 
         raise ValueError("model.retrieval_kernel='triton' needs ray.use_gpu=true (the fused sampled softmax runs on "
                          "CUDA; on CPU only in Triton's interpreter, TRITON_INTERPRET=1, for tests); use 'auto' or "
                          "'reference' on CPU")
-    if cfg.model.kernel_tiles:  # regimes, tile kinds and modes: checked here, not in every worker after Ray starts
-        from gemray.model.hstu import kernel_config_of
-
-        kernel_config_of(cfg.model.kernel_tiles)
+    preflight_kernel_tiles(cfg)  # here, not in every worker after Ray starts
     if embedded and cfg.ray.cpus_per_worker > embedded_num_cpus(cfg):
         raise ValueError(f"ray.cpus_per_worker={cfg.ray.cpus_per_worker} exceeds the {embedded_num_cpus(cfg)} CPUs "
                          "the embedded Ray cluster advertises (ray.num_cpus): the workers would never start")

@@ -30,7 +30,7 @@ def check_arguments(split: str = "test", ks: list[int] | None = None, world_size
     """Pure: refuse arguments :func:`evaluate` cannot use, before any model or data is loaded (``gemray evaluate``
     calls it first): an unknown ``split``, cut-offs ``ks`` that are empty or below 1, a ``world_size`` below 1
     (None: the default). Raises ValueError naming the command-line flag (``--split``, ``--k``, ``--world-size``).
-    Cut-offs above the catalogue's size are refused by :func:`evaluate` (the size comes with the model)."""
+    Cut-offs above the catalogue's size are refused by :func:`check_cutoffs`, once the item count is known."""
     if split not in SPLITS:
         raise ValueError(f"--split {split!r}: expected one of {', '.join(SPLITS)}")
     if ks is not None:
@@ -40,6 +40,35 @@ def check_arguments(split: str = "test", ks: list[int] | None = None, world_size
                              + (f" (got {', '.join(str(k) for k in bad)})" if bad else ""))
     if world_size is not None and int(world_size) < 1:
         raise ValueError(f"--world-size {world_size}: expected >= 1")
+
+
+def check_cutoffs(ks: list[int] | None, num_items: int) -> None:
+    """Pure: refuse cut-offs ``ks`` (None: the run's ``train.eval_ks``, which ``gemray train`` checked) above the
+    ``num_items`` items of the catalogue, which make HR@K trivially 1. ``gemray evaluate`` calls it with the item
+    count of the data's manifest before the model is loaded (it was refused only after the load);
+    :func:`evaluate` with the model's. Raises ValueError naming ``--k`` and the count."""
+    if ks is None:
+        return
+    above = [int(k) for k in ks if int(k) > num_items]
+    if above:
+        raise ValueError(f"--k {' '.join(str(k) for k in ks)}: a cut-off above the {num_items} items of the catalogue "
+                         f"({', '.join(str(k) for k in above)}) makes HR@K trivially 1 (as gemray train refuses it)")
+
+
+def result_path(base: str | Path, split: str, prepared_dir: str | Path | None = None,
+                run_prepared_dir: str | Path | None = None) -> Path:
+    """Pure: where ``gemray evaluate`` writes its JSON by default, in the folder ``base`` (the run's output folder,
+    or beside the checkpoint). ``evaluate_<split>.json`` for the run's own data (no ``--data``, or ``--data``
+    naming ``run_prepared_dir``, the run's ``data.prepared_dir``); for other data
+    ``evaluate_<split>.<data folder name>.json``, so that an evaluation of foreign data never replaces the run's
+    evaluation of its own (it did: ``evaluate_test.json`` held whichever ran last). Paths are compared resolved
+    (relative ones against the working directory, as :func:`evaluate` reads them)."""
+    name = f"evaluate_{split}"
+    if prepared_dir is not None:
+        d = Path(prepared_dir).expanduser().resolve()
+        if run_prepared_dir is None or d != Path(run_prepared_dir).expanduser().resolve():
+            name += f".{d.name}"
+    return Path(base) / f"{name}.json"
 
 
 def evaluate(trained: TrainedModel, split: str = "test", *, ks: list[int] | None = None,
@@ -58,15 +87,13 @@ def evaluate(trained: TrainedModel, split: str = "test", *, ks: list[int] | None
     "metrics": {"hr@K", "ndcg@K", "num_users", ["hr@K_unfiltered", ..., "targets_in_history"], and per ranking
     task "<task>_ne", "<task>_auc", "<task>_auc_error_bound", "<task>_calibration", ...}}``.
     Raises ValueError for an unknown split, bad cut-offs or world size (:func:`check_arguments`; cut-offs above the
-    catalogue's size too) or data that does not fit the model.
+    catalogue's size too: :func:`check_cutoffs`) or data that does not fit the model.
     """
     from gemray.pipelines.stream import HistoryStream
     from gemray.train.evaluation import build_evaluators, evaluation_metrics, evaluation_sums
 
     check_arguments(split, ks, world_size)
-    if ks is not None and max(int(k) for k in ks) > trained.num_items:
-        raise ValueError(f"--k {ks}: a cut-off above the {trained.num_items} items of the catalogue makes HR@K "
-                         "trivially 1 (as gemray train refuses it)")
+    check_cutoffs(ks, trained.num_items)
     cfg = trained.cfg
     data_cfg = copy.deepcopy(cfg.data)
     data_cfg.prepared_dir = str(Path(prepared_dir or data_cfg.prepared_dir).expanduser().resolve())

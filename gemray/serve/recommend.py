@@ -34,15 +34,34 @@ log = logging.getLogger(__name__)
 RECS_COLUMNS = ("user_id", "rank", "item_id", "score")
 
 
+def user_id_range(manifest: dict[str, Any]) -> tuple[int | None, int | None, int | None]:
+    """Pure: ``(users, lowest id, highest id)`` of a prepared folder's ``manifest``, from ``counts.users`` and the
+    shards' first / last user ids (dense ids); None for what the manifest does not hold."""
+    shards = manifest.get("shards") or []
+    n = (manifest.get("counts") or {}).get("users")
+    lo = min((int(s["first_user_id"]) for s in shards if "first_user_id" in s), default=None)
+    hi = max((int(s["last_user_id"]) for s in shards if "last_user_id" in s), default=None)
+    return (None if n is None else int(n)), lo, hi
+
+
+def _users_in_words(users: int | None, lo: int | None, hi: int | None) -> str:
+    """For a refusal: ' (943 users, ids 1..943)' from :func:`user_id_range`'s values; '' when it knows nothing."""
+    parts = ([f"{users} users"] if users is not None else []) + ([f"ids {lo}..{hi}"] if lo is not None else [])
+    return f" ({', '.join(parts)})" if parts else ""
+
+
 class IdMaps:
     """Raw <-> dense ids of a prepared folder (see the module docstring).
 
     ``users``: None (raw user ids are the dense ones) or (dense [U] int64, raw [U] array);
-    ``items``: (dense [N] int64, raw [N] array) or None when the folder has no ``items.parquet``.
+    ``items``: (dense [N] int64, raw [N] array) or None when the folder has no ``items.parquet``;
+    ``root``: the folder; ``user_range``: its (users, lowest, highest dense id) (:func:`user_id_range`).
     """
 
     def __init__(self, manifest: dict[str, Any]):
         root = Path(manifest["prepared_dir"])
+        self.root = root
+        self.user_range = user_id_range(manifest)
         maps = manifest.get("id_maps") or {}
         self.users = self._read(root / maps["users"], "user_id", "raw_user_id") if "users" in maps else None
         items_file = root / (maps.get("items") or manifest.get("items_file") or "items.parquet")
@@ -63,18 +82,25 @@ class IdMaps:
 
     def dense_users(self, raw_ids: list[Any]) -> list[int]:
         """Dense user ids of ``raw_ids`` (strings or ints as given on the command line). Raises ValueError
-        naming the first id that is not a user of the data."""
+        naming the first id that is not a user of the data, the folder and its users (count, id range); an id
+        outside the range is refused here, one in a gap of it by :func:`read_histories`."""
         out = []
+        n, lo, hi = self.user_range
         for r in raw_ids:
             if self._user_index is None:
                 try:
-                    out.append(int(r))
+                    d = int(r)
                 except (TypeError, ValueError):
-                    raise ValueError(f"user id {r!r}: this data's user ids are integers") from None
+                    raise ValueError(f"user id {r!r}: the user ids of {self.root} are integers"
+                                     f"{_users_in_words(n, lo, hi)}") from None
+                if lo is not None and not lo <= d <= hi:
+                    raise ValueError(f"user id {r}: not a user of {self.root}{_users_in_words(n, lo, hi)}")
+                out.append(d)
                 continue
             d = self._user_index.get(self._key(r))
             if d is None:
-                raise ValueError(f"user id {r!r}: not a user of this data (raw ids of users.parquet)")
+                raise ValueError(f"user id {r!r}: not a user of {self.root} (not among the raw ids of its "
+                                 f"{len(self._user_index)} users in users.parquet)")
             out.append(d)
         return out
 
@@ -94,7 +120,8 @@ class IdMaps:
 
 def read_histories(manifest: dict[str, Any], user_ids: list[int]) -> pa.Table:
     """The full history rows (user_id, item_ids, ratings, timestamps) of dense ``user_ids``, in the order
-    given. Raises ValueError naming the first id the prepared folder has no history for."""
+    given. Raises ValueError naming the first id the prepared folder has no history for, with its users' count
+    and id range (was: "dense user id; 1 missing")."""
     root = Path(manifest["prepared_dir"])
     files = sorted({str(root / s["file"]) for s in manifest["shards"]})
     wanted = pa.array(sorted(set(user_ids)), pa.int64())
@@ -104,7 +131,8 @@ def read_histories(manifest: dict[str, Any], user_ids: list[int]) -> pa.Table:
     where = {int(u): i for i, u in enumerate(got)}
     missing = [u for u in user_ids if u not in where]
     if missing:
-        raise ValueError(f"user {missing[0]}: no history in {root} (dense user id; {len(missing)} missing)")
+        raise ValueError(f"user id {missing[0]}: no history in {root}{_users_in_words(*user_id_range(manifest))}"
+                         + (f"; {len(set(missing))} of the ids asked for have none" if len(set(missing)) > 1 else ""))
     return table.take(pa.array([where[u] for u in user_ids], pa.int64()))
 
 
