@@ -510,6 +510,10 @@ class TrainConfig:
     block by block; true (torch's default) splits each compiled block at DDP's 25 MB bucket boundaries (a GEM
     block holds 20 MB of parameters: its graphs came out cut in two, and 2 blocks under DDP ran 4% slower on
     the H200). Both also apply to the blocks that activation_checkpointing "torch" compiles.
+    compile_mode: torch.compile's ``mode`` for those modules: "default" or "max-autotune-no-cudagraphs" (inductor
+    also times Triton GEMM templates against cuBLAS at compile time and may fuse a GEMM's elementwise epilogue, e.g.
+    the block's SiLU after its uvqk projection, into it; longer compiles). CUDA graphs ("reduce-overhead") are not
+    offered: the token count changes every step.
     With ``compile = false`` a non-default compile_backend / compile_dynamic / compile_optimize_ddp (unless
     activation_checkpointing is "torch", which compiles the blocks with them) and compile_tower do nothing:
     they are still validated, and kept (a config may hold them for toggling ``compile``); ``fit`` logs one
@@ -567,6 +571,7 @@ class TrainConfig:
     compile_tower: bool = True
     compile_dynamic: str = "auto"
     compile_optimize_ddp: bool = False
+    compile_mode: str = "default"
     deterministic: bool = True
 
     def validate(self) -> None:
@@ -585,6 +590,7 @@ class TrainConfig:
         _choice(self, "activation_checkpointing", self.CHECKPOINTING)
         _choice(self, "compile_backend", ("inductor", "aot_eager", "eager"))
         _choice(self, "compile_dynamic", ("all", "auto"))
+        _choice(self, "compile_mode", ("default", "max-autotune-no-cudagraphs"))
         b = self.activation_memory_budget
         if 1 < b < self.MIN_BUDGET_BYTES:  # e.g. 2 meant as 2 GB or 200%: as bytes, no plan can reach it
             raise ValueError(f"train.activation_memory_budget = {int(b) if b == int(b) else b} is read as bytes, "
@@ -608,12 +614,12 @@ class TrainConfig:
 
     def ineffective_compile_settings(self) -> list[str]:
         """Pure: the ``compile_*`` settings at a non-default value that do nothing because ``compile`` is off,
-        as ``"train.<name> = <value>"``: all four, or only ``compile_tower`` under activation_checkpointing
+        as ``"train.<name> = <value>"``: all five, or only ``compile_tower`` under activation_checkpointing
         "torch" (it compiles the HSTU blocks with compile_backend / compile_dynamic / compile_optimize_ddp, never
         the tower). Empty with ``compile = true``."""
         if self.compile:
             return []
-        names = ["compile_backend", "compile_tower", "compile_dynamic", "compile_optimize_ddp"]
+        names = ["compile_backend", "compile_tower", "compile_dynamic", "compile_optimize_ddp", "compile_mode"]
         if self.activation_checkpointing == "torch":
             names = ["compile_tower"]
         defaults = {f.name: f.default for f in dataclasses.fields(self)}

@@ -80,8 +80,9 @@ def test_compiled_gem_matches_eager_with_bounded_graphs_and_no_breaks():
     torch._dynamo.reset()
     counters.clear()
     names = compile_dense_modules(comp, backend=_counting_aot_eager(graphs))
-    assert names == ["encoder.blocks.0", "encoder.blocks.1", "tower"]
-    assert all(is_compiled(m) for m in (*comp.encoder.blocks, comp.tower)) and not is_compiled(comp.encoder)
+    assert names == ["encoder.input_scale", "encoder.output_norm", "encoder.blocks.0", "encoder.blocks.1", "tower"]
+    assert all(is_compiled(m) for m in (*comp.encoder.blocks, comp.encoder.input_scale, comp.encoder.output_norm,
+                                        comp.tower)) and not is_compiled(comp.encoder)
     assert compile_dense_modules(comp, backend="aot_eager") == []  # idempotent: nothing compiled twice
     params_e = [p for p in eager.parameters() if p.requires_grad]
     params_c = [p for p in comp.parameters() if p.requires_grad]
@@ -102,10 +103,11 @@ def test_compiled_gem_matches_eager_with_bounded_graphs_and_no_breaks():
                 continue
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
-    # per module kind (the blocks share theirs: same code, parameters inlined) a static graph for the first batch
-    # and a dynamic one from the second (train.compile_dynamic = "auto"), at most one more each for a size dynamo
-    # specialises (0 / 1): not one per batch -- 4 steps of new T, B and C would be 8
-    assert 2 <= len(graphs) <= 6, [g.code[:200] for g in graphs]
+    # per module kind (the blocks share theirs: same code, parameters inlined; input scale, output norm and tower
+    # one each) a static graph for the first batch and a dynamic one from the second (train.compile_dynamic =
+    # "auto"), at most one more each for a size dynamo specialises (0 / 1): not one per batch -- 4 steps of new T,
+    # B and C would be 16
+    assert 8 <= len(graphs) <= 12, [g.code[:200] for g in graphs]
     assert counters["frames"]["total"] == counters["frames"]["ok"] <= len(graphs), dict(counters["frames"])
 
 
@@ -128,6 +130,8 @@ def test_torch_checkpointing_mode_and_train_compile_share_one_compile():
             compile_dense_modules(_gem(_cfg()), backend="tensorrt")
         with pytest.raises(ValueError, match="compile_dynamic"):
             compile_dense_modules(_gem(_cfg()), backend="aot_eager", dynamic="sometimes")
+        with pytest.raises(ValueError, match="compile_mode"):
+            compile_dense_modules(_gem(_cfg()), backend="aot_eager", mode="reduce-overhead")
     finally:
         fconfig.activation_memory_budget = old
 
@@ -138,8 +142,8 @@ def test_trainer_compiles_per_config_and_logs_the_choice(caplog):
     from gemray.config import JobConfig
     from gemray.train.trainer import Trainer
 
-    for on, tower, want in ((False, True, []), (True, False, ["encoder.blocks.0", "encoder.blocks.1"]),
-                            (True, True, ["encoder.blocks.0", "encoder.blocks.1", "tower"])):
+    enc = ["encoder.input_scale", "encoder.output_norm", "encoder.blocks.0", "encoder.blocks.1"]
+    for on, tower, want in ((False, True, []), (True, False, enc), (True, True, enc + ["tower"])):
         cfg = JobConfig()
         cfg.train.compile, cfg.train.compile_tower, cfg.train.compile_backend = on, tower, "aot_eager"
         cfg.validate()

@@ -195,6 +195,33 @@ class HSTUBlock(nn.Module):
         return dataclasses.replace(self.fp8, name=f"{self.fp8.name}.{gemm}" if self.fp8.name else "")
 
 
+class InputScale(nn.Module):
+    """The encoder's input: ``tok_emb * scale + pos_emb[pos]`` -> [T, D], cast to ``dtype`` when given (the
+    bf16 residual stream, ``model.fp32_residual = false``). Parameterless (``pos_emb`` stays the encoder's
+    parameter, so state-dict keys do not change): a module of its own so that ``train.compile`` compiles it
+    (``gemray.parallel.compile.compile_targets``) into one kernel forward and one backward.
+
+    tok_emb [T, D] float, pos_emb [max_seq_len, D], pos [T] int64 (positions inside each sequence)."""
+
+    def forward(self, tok_emb: torch.Tensor, pos_emb: torch.Tensor, pos: torch.Tensor, scale: float,
+                dtype: torch.dtype | None = None) -> torch.Tensor:
+        x = tok_emb * scale + pos_emb[pos]
+        return x if dtype is None else x.to(dtype)
+
+
+class L2Norm(nn.Module):
+    """``F.normalize(x, dim=-1, eps)``: x [T, D] -> unit-norm rows (the encoder's output, generative-recommenders'
+    ``L2NormEmbeddingPostprocessor``). A module so that ``train.compile`` compiles it: eager, its forward and
+    backward were several float32 broadcast divisions over [T, D]."""
+
+    def __init__(self, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.normalize(x, dim=-1, eps=self.eps)
+
+
 class HSTUEncoder(nn.Module):
     """Token embeddings -> L2-normalised user states, jagged.
 
@@ -216,6 +243,8 @@ class HSTUEncoder(nn.Module):
         self.max_seq_len = max_seq_len
         self.pos_emb = nn.Parameter(torch.empty(max_seq_len, self.d, device=device))
         self.input_dropout = nn.Dropout(cfg.dropout)
+        self.input_scale = InputScale()
+        self.output_norm = L2Norm(eps=1e-6)
         self.blocks = nn.ModuleList(HSTUBlock(cfg, max_seq_len, device=device) for _ in range(cfg.num_blocks))
         self.reset_parameters()
 
@@ -251,11 +280,11 @@ class HSTUEncoder(nn.Module):
         if n is not None and n > self.max_seq_len:
             raise ValueError(f"HSTUEncoder: a sequence of length {n} > max_seq_len {self.max_seq_len}")
         pos = positions(offsets, tok_emb.shape[0])
-        x = tok_emb * math.sqrt(self.d) + self.pos_emb[pos]
-        dev = x.device.type
-        if not self.cfg.fp32_residual and torch.is_autocast_enabled(dev):
-            x = x.to(torch.get_autocast_dtype(dev))  # model.fp32_residual = false: the stream in bf16 (config.py)
-        x = self.input_dropout(x)
+        dev = tok_emb.device.type
+        # model.fp32_residual = false: the stream in the autocast dtype (bf16; config.py)
+        dtype = (torch.get_autocast_dtype(dev) if not self.cfg.fp32_residual and torch.is_autocast_enabled(dev)
+                 else None)
+        x = self.input_dropout(self.input_scale(tok_emb, self.pos_emb, pos, math.sqrt(self.d), dtype))
         # the reference bucketises once per forward ([B, n, n] indices shared by the blocks); the Triton kernels
         # bucketise per tile from the timestamps themselves (no [B, n, n] tensor)
         buckets = None
@@ -266,7 +295,7 @@ class HSTUEncoder(nn.Module):
         cache: dict = {}
         for block in self.blocks:  # (train.compile: each block a compiled module, gemray.parallel.compile)
             x = block(x, offsets, timestamps, buckets, cache, query_timestamps)
-        return F.normalize(x, dim=-1, eps=1e-6)
+        return self.output_norm(x)
 
     def _needs_n(self) -> bool:
         """Whether the forward needs the longest length itself: the reference backend's bucketing does."""

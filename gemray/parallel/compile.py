@@ -1,4 +1,5 @@
-"""torch.compile of the dense per-token modules: each HSTU block and the candidate tower, one by one.
+"""torch.compile of the dense per-token modules: each HSTU block, the encoder's input scaling and output norm
+(``HSTUEncoder.input_scale`` / ``output_norm``) and the candidate tower, one by one.
 
 Why per module (torchtitan's per-block compile, ``torchtitan/models/llama3/infra/parallelize.py``): the modules
 between them (TorchRec's sharded embeddings, the KJT plumbing, the loss heads) are host-heavy and full of
@@ -34,6 +35,8 @@ log = logging.getLogger(__name__)
 
 #: the backends ``train.compile_backend`` accepts (torch._dynamo's registered names)
 BACKENDS = ("inductor", "aot_eager", "eager")
+#: ``train.compile_mode`` values (torch.compile's ``mode``; no CUDA graphs: the token count changes every step)
+MODES = ("default", "max-autotune-no-cudagraphs")
 #: ``train.compile_dynamic`` -> ``torch.compile``'s ``dynamic`` argument
 DYNAMIC = {"auto": None, "all": True}
 #: dynamo's per-code-object graph limit while modules are compiled here: every ``Module.compile()``d module runs
@@ -52,24 +55,27 @@ def _raise_recompile_limit() -> None:
 
 
 def compile_targets(model: nn.Module, *, tower: bool = True) -> dict[str, nn.Module]:
-    """{qualified name: module} of the modules :func:`compile_dense_modules` compiles: every ``HSTUBlock`` and,
-    with ``tower``, every ``CandidateTower`` (FSDP2's class-swapped units included: they subclass them)."""
-    from gemray.model.hstu import HSTUBlock
+    """{qualified name: module} of the modules :func:`compile_dense_modules` compiles: every ``HSTUBlock``, the
+    encoder's ``InputScale`` / ``L2Norm`` (parameterless: [T, D] elementwise passes whose eager forward and backward
+    were separate float32 kernels) and, with ``tower``, every ``CandidateTower`` (FSDP2's class-swapped units
+    included: they subclass them)."""
+    from gemray.model.hstu import HSTUBlock, InputScale, L2Norm
     from gemray.model.ranking import CandidateTower
 
-    kinds = (HSTUBlock, CandidateTower) if tower else (HSTUBlock,)
+    kinds = (HSTUBlock, InputScale, L2Norm) + ((CandidateTower,) if tower else ())
     return {n: m for n, m in model.named_modules() if isinstance(m, kinds)}
 
 
 def compile_dense_modules(model: nn.Module, *, backend: str | Callable = "inductor", tower: bool = True,
-                          dynamic: str = "auto", optimize_ddp: bool | None = None,
+                          dynamic: str = "auto", optimize_ddp: bool | None = None, mode: str = "default",
                           reason: str = "train.compile") -> list[str]:
-    """``module.compile(backend=backend, dynamic=DYNAMIC[dynamic])`` on every :func:`compile_targets` module not
+    """``module.compile(backend=backend, dynamic=DYNAMIC[dynamic], mode=mode)`` on every :func:`compile_targets` module not
     compiled yet; returns the names compiled now (already-compiled ones are skipped, so the activation-checkpointing
     "torch" mode and ``train.compile`` share one compile). Logs the choice once per call that compiles anything.
     dynamic: ``train.compile_dynamic``, "auto" (``dynamic=None``: dynamo's automatic dynamic shapes) or "all"
     (``dynamic=True``: every input size symbolic from the first call). optimize_ddp: sets
     ``torch._dynamo.config.optimize_ddp`` (process-wide: ``train.compile_optimize_ddp``); None leaves it as it is.
+    mode: ``train.compile_mode`` (``MODES``; inductor only: other backends take no mode).
 
     backend: a torch._dynamo backend name (``BACKENDS``) or a backend callable (tests: a counting wrapper).
     Raises dynamo's recompile limit to at least ``RECOMPILE_LIMIT``. Raises ValueError for an unknown backend
@@ -78,6 +84,8 @@ def compile_dense_modules(model: nn.Module, *, backend: str | Callable = "induct
         raise ValueError(f"train.compile_backend: expected one of {BACKENDS}, got {backend!r}")
     if dynamic not in DYNAMIC:
         raise ValueError(f"train.compile_dynamic: expected one of {tuple(DYNAMIC)}, got {dynamic!r}")
+    if mode not in MODES:
+        raise ValueError(f"train.compile_mode: expected one of {MODES}, got {mode!r}")
     _raise_recompile_limit()
     if optimize_ddp is not None:
         import torch._dynamo.config as dconfig
@@ -87,14 +95,15 @@ def compile_dense_modules(model: nn.Module, *, backend: str | Callable = "induct
     for name, m in compile_targets(model, tower=tower).items():
         if getattr(m, "_gemray_compiled", False):
             continue
-        m.compile(backend=backend, dynamic=DYNAMIC[dynamic])
+        m.compile(backend=backend, dynamic=DYNAMIC[dynamic],
+                  **({"mode": mode} if mode != "default" and backend == "inductor" else {}))
         m._gemray_compiled = True
         done.append(name)
     if done:
         kinds = sorted({type(m).__name__.replace("FSDP", "") for n, m in model.named_modules() if n in set(done)})
-        log.info("torch.compile (%s): %d module(s) [%s], backend %s, dynamic=%s; the first steps compile them",
-                 reason, len(done), ", ".join(kinds), backend if isinstance(backend, str) else
-                 getattr(backend, "__name__", type(backend).__name__), dynamic)
+        log.info("torch.compile (%s): %d module(s) [%s], backend %s, dynamic=%s, mode %s; the first steps compile "
+                 "them", reason, len(done), ", ".join(kinds), backend if isinstance(backend, str) else
+                 getattr(backend, "__name__", type(backend).__name__), dynamic, mode)
     return done
 
 

@@ -356,7 +356,7 @@ class Trainer:
 
         return compile_dense_modules(self.dmp, backend=tc.compile_backend, tower=tc.compile_tower,
                                      dynamic=tc.compile_dynamic,
-                                     optimize_ddp=tc.compile_optimize_ddp)
+                                     optimize_ddp=tc.compile_optimize_ddp, mode=tc.compile_mode)
 
     def warm_up_kernels(self) -> None:
         """On CUDA with the Triton attention backend: compile the attention kernels for every length regime
