@@ -76,7 +76,7 @@ def _sigterm_raises() -> Iterator[None]:
     import threading
     import time
 
-    from gemray.preemption import SIGTERM_REPEAT_S
+    from gemray.preemption import SIGTERM_REPEAT_S, pass_sigterm_on
 
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -85,22 +85,15 @@ def _sigterm_raises() -> Iterator[None]:
     owner = os.getpid()
     first = []
 
-    def fall_back(signum, frame):
-        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
-        if callable(previous):
-            previous(signum, frame)
-        else:
-            os.kill(os.getpid(), signal.SIGTERM)
-
     def handler(signum, frame):
         if os.getpid() != owner:  # a forked worker
-            return fall_back(signum, frame)
+            return pass_sigterm_on(previous, signum, frame)
         now = time.monotonic()
         if not first:
             first.append(now)
             raise Terminated
         if now - first[0] >= SIGTERM_REPEAT_S:
-            fall_back(signum, frame)
+            pass_sigterm_on(previous, signum, frame)
 
     signal.signal(signal.SIGTERM, handler)
     try:

@@ -323,6 +323,17 @@ def preemption_action(stop_votes: int, drain_votes: int, world_size: int) -> str
 SIGTERM_REPEAT_S = 1.0
 
 
+def pass_sigterm_on(previous, signum, frame) -> None:
+    """Give SIGTERM back to the handler ``previous`` (``signal.getsignal``'s value before ours): reinstall it and
+    call it, or, when it is SIG_DFL / SIG_IGN / None, reinstall that and re-send the signal to this process (the
+    default then ends it, SIG_IGN ignores it)."""
+    signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+    if callable(previous):
+        previous(signum, frame)
+    else:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def install_driver_sigterm(notice_path: str | Path) -> Callable[[], None]:
     """In the driver: SIGTERM -> write the preemption notice (the workers checkpoint and stop at their
     next poll step); a second SIGTERM falls back to the previous handler (default: exit at once).
@@ -343,11 +354,7 @@ def install_driver_sigterm(notice_path: str | Path) -> Callable[[], None]:
     def exit_now(signum, frame):
         log.warning("second SIGTERM: exiting at once, without waiting for the emergency checkpoint; a re-run "
                     "resumes from the last committed checkpoint")
-        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
-        if callable(previous):
-            previous(signum, frame)
-        else:
-            os.kill(os.getpid(), signal.SIGTERM)
+        pass_sigterm_on(previous, signum, frame)
 
     def handler(signum, frame):
         now = time.monotonic()
