@@ -491,7 +491,8 @@ class TrainConfig:
     2 bytes) or a fraction 0 < f <= 1 of the no-checkpointing peak; "auto" plans
     for a batch of 1.25x (``gemray.jagged.TOKEN_HEADROOM``) the tokens of the batch it measured, and the peak a
     fraction refers to is that batch's; 0 = off ("auto" then checkpoints nothing).
-    compile: torch.compile the dense per-token modules -- every HSTU block and the candidate tower -- one by one,
+    compile: torch.compile the dense per-token modules -- every HSTU block, the encoder's input scaling and output
+    L2 norm, and the candidate tower -- one by one,
     after parallelize, with dynamic shapes (the token count changes every step: one graph per module kind, not one
     per batch); their elementwise work (casts, LayerNorms, SiLU, the residual) fuses and the launches drop. The
     attention stays the Triton custom ops. Default false; the first steps compile (``gemray bench train``'s
