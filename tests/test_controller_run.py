@@ -118,6 +118,7 @@ def test_preflight_refuses_jobs_that_would_fail_in_the_workers(tmp_path, monkeyp
         # each worker fits, the group does not: 2 x 3 CPUs on 4 (it waited forever before)
         (r"2 worker\(s\) x ray.cpus_per_worker=3.0 exceed the 4 CPUs", dict(ray={"cpus_per_worker": 3.0})),
         ("train.eval_ks=.*above the 1000 items", dict(train={"eval_ks": [10, 2000]})),
+        ("train.eval_ks=.*at or above the 1000 items", dict(train={"eval_ks": [10, 1000]})),  # K = N: HR@N is 1
     ]
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     idle = JobConfig()  # "uniform" negatives never read retrieval_kernel: warned about as idle, not refused

@@ -191,6 +191,15 @@ def test_recommend_k_items_none_from_history(trained, tmp_path):
     assert pq.read_table(out).to_pylist() == rows
     with pytest.raises(ValueError, match=r"user id 999999: not a user of .* \(610 users, ids 1\.\.610\)$"):
         recommend(trained, [999999], k=3)
+    # k above what a user has left outside their history: only those items (a new user's --k 5000 got every item,
+    # the history ones and the padding id at -inf last)
+    big = recommend(trained, users[:2], k=trained.num_items).to_pylist()
+    for u, h in zip(users[:2], hist.column("item_ids").to_pylist()[:2]):
+        mine = [r for r in big if r["user_id"] == u]
+        assert len(mine) == trained.num_items - len(set(h)), u
+        assert [r["rank"] for r in mine] == list(range(1, len(mine) + 1))
+        assert all(np.isfinite(r["score"]) and r["item_id"] is not None for r in mine)
+        assert not set(maps.raw_items(np.asarray(h))) & {r["item_id"] for r in mine}
 
 
 GUARD = r"""
@@ -553,8 +562,12 @@ def test_k_above_the_item_count_is_refused_before_the_model_loads(with_data, sma
     monkeypatch.setattr(gemray.serve, "load_trained", lambda *a, **k: pytest.fail("the model must not load"))
     assert main(["evaluate", "--checkpoint", str(ckpt), "--k", "10", "5000", *(["--data", str(data)] * with_data)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["gemray: error: --k 10 5000: a cut-off above the 200 items of the catalogue (5000) makes HR@K "
-                   "trivially 1 (as gemray train refuses it)"], err
+    assert err == ["gemray: error: --k 10 5000: a cut-off at or above the 200 items of the catalogue (5000) makes "
+                   "HR@K trivially 1 (every target ranks below N, a history-excluded one at N-1; as gemray train "
+                   "refuses it)"], err
+    # K = N too: a target excluded with the history ranks N-1, so HR@N was 1.0000 (a new user's --k 400 on 400 items)
+    assert main(["evaluate", "--checkpoint", str(ckpt), "--k", "200", *(["--data", str(data)] * with_data)]) == 2
+    assert "--k 200: a cut-off at or above the 200 items" in capsys.readouterr().err
 
 
 def test_recommend_unknown_user_names_the_users_of_the_data(small_checkpoint, capsys):

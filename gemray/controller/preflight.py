@@ -138,14 +138,14 @@ def preflight_layout(cfg: JobConfig) -> None:
 
 
 def preflight_data(cfg: JobConfig, manifest: dict[str, Any], *, previous: JobConfig | None = None) -> None:
-    """Refuse a job its data or output folder cannot serve: a cut-off K above the catalogue of ``manifest``
+    """Refuse a job its data or output folder cannot serve: a cut-off K at or above the size of the catalogue of ``manifest``
     (the prepared data's), prepared data made from other raw files than ``data.raw_dir`` holds, an output
     folder holding a model of another shape (``previous``: the config.toml of an earlier run there that left
     checkpoints). Raises ValueError naming the field."""
     n_items = int(manifest["vocab"]["num_items"])
-    if max(int(k) for k in cfg.train.eval_ks) > n_items:
-        raise ValueError(f"train.eval_ks={cfg.train.eval_ks}: a cut-off above the {n_items} items of the "
-                         "catalogue makes HR@K trivially 1")
+    if max(int(k) for k in cfg.train.eval_ks) >= n_items:
+        raise ValueError(f"train.eval_ks={cfg.train.eval_ks}: a cut-off at or above the {n_items} items of the "
+                         "catalogue makes HR@K trivially 1 (every target ranks below N, a history-excluded one at N-1)")
     _check_source(cfg, manifest)
     if previous is not None:
         changed = [f"model.{f}: {getattr(previous.model, f)} -> {getattr(cfg.model, f)}" for f in SHAPE_FIELDS

@@ -43,16 +43,17 @@ def check_arguments(split: str = "test", ks: list[int] | None = None, world_size
 
 
 def check_cutoffs(ks: list[int] | None, num_items: int) -> None:
-    """Pure: refuse cut-offs ``ks`` (None: the run's ``train.eval_ks``, which ``gemray train`` checked) above the
-    ``num_items`` items of the catalogue, which make HR@K trivially 1. ``gemray evaluate`` calls it with the item
+    """Pure: refuse cut-offs ``ks`` (None: the run's ``train.eval_ks``, which ``gemray train`` checked) at or above
+    the ``num_items`` items of the catalogue, which make HR@K trivially 1. ``gemray evaluate`` calls it with the item
     count of the data's manifest before the model is loaded (it was refused only after the load);
     :func:`evaluate` with the model's. Raises ValueError naming ``--k`` and the count."""
     if ks is None:
         return
-    above = [int(k) for k in ks if int(k) > num_items]
+    above = [int(k) for k in ks if int(k) >= num_items]
     if above:
-        raise ValueError(f"--k {' '.join(str(k) for k in ks)}: a cut-off above the {num_items} items of the catalogue "
-                         f"({', '.join(str(k) for k in above)}) makes HR@K trivially 1 (as gemray train refuses it)")
+        raise ValueError(f"--k {' '.join(str(k) for k in ks)}: a cut-off at or above the {num_items} items of the "
+                         f"catalogue ({', '.join(str(k) for k in above)}) makes HR@K trivially 1 (every target ranks "
+                         "below N, a history-excluded one at N-1; as gemray train refuses it)")
 
 
 def result_path(base: str | Path, split: str, prepared_dir: str | Path | None = None,

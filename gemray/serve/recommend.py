@@ -205,7 +205,8 @@ def recommend(trained: TrainedModel, users: list[Any], *, k: int = 10, prepared_
     ``data.eval_batch_size``); manifest: the manifest of ``prepared_dir`` when the caller has read it already
     (``gemray recommend --data``: before loading the model), not read again. Returns a pyarrow Table of
     :data:`RECS_COLUMNS`: user_id (raw), rank (1..k), item_id (raw), score (cosine of user and item embedding,
-    float32), users in the order given. Raises ValueError for k < 1, an unknown user, or data that does not fit
+    float32), users in the order given; a user with fewer than k items outside their history gets only those
+    (never a history item, never the padding id 0). Raises ValueError for k < 1, an unknown user, or data that does not fit
     the model.
     """
     if int(k) < 1:
@@ -222,11 +223,12 @@ def recommend(trained: TrainedModel, users: list[Any], *, k: int = 10, prepared_
         part = dense[a:a + bs]
         batch, hist = history_batch(read_histories(manifest, part), cfg.data.max_seq_len)
         ids, vals = top_k(trained, batch, hist, k)
-        kk = ids.shape[1]
-        cols["user_id"] += [u for u in maps.raw_users(np.asarray(part)) for _ in range(kk)]
-        cols["rank"] += list(range(1, kk + 1)) * len(part)
-        cols["item_id"] += maps.raw_items(ids.numpy())
-        cols["score"] += vals.reshape(-1).tolist()
+        keep = torch.isfinite(vals)  # -inf: fewer than k items outside the user's history (history / padding ids)
+        per_user = keep.sum(dim=1).tolist()
+        cols["user_id"] += [u for u, m in zip(maps.raw_users(np.asarray(part)), per_user) for _ in range(m)]
+        cols["rank"] += [r for m in per_user for r in range(1, m + 1)]
+        cols["item_id"] += maps.raw_items(ids[keep].numpy())
+        cols["score"] += vals[keep].tolist()
     return pa.table({"user_id": pa.array(cols["user_id"]), "rank": pa.array(cols["rank"], pa.int32()),
                      "item_id": pa.array(cols["item_id"]), "score": pa.array(cols["score"], pa.float32())})
 
