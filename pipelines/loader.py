@@ -76,6 +76,12 @@ def _identity(item: Any) -> Any:
     return item
 
 
+def describe_workers(workers: int) -> str:
+    """Pure: ``in-process`` for 0 loader workers, else ``N worker process(es)``."""
+    n = int(workers)
+    return "in-process" if n == 0 else f"{n} worker process{'es' if n > 1 else ''}"
+
+
 class TrainLoader:
     """:class:`ElasticTrainStream` with its batches made by ``workers`` background processes (module docstring).
 
@@ -123,10 +129,8 @@ class TrainLoader:
         return self.stream.num_steps(consumed)
 
     def describe(self) -> str:
-        """``in-process`` or ``N worker process(es)``: for logs and the bench table."""
-        if not self.workers:
-            return "in-process"
-        return f"{self.workers} worker process{'es' if self.workers > 1 else ''}"
+        """``in-process`` or ``N worker process(es)``: for logs and the bench table (:func:`describe_workers`)."""
+        return describe_workers(self.workers)
 
     def iter_epoch(self, epoch: int, consumed: int = 0) -> Iterator[tuple[JaggedBatch, int]]:
         """Yield this rank's batch and the new global position for each remaining step of ``epoch``: the

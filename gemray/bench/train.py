@@ -680,14 +680,10 @@ def run_bench(cfg: JobConfig, *, steps: int, warmup: int, profile: bool = False,
             dist.destroy_process_group()
 
 
-def _loader_words(loader: dict[str, Any]) -> str:
-    """``in-process`` or ``N worker process(es)`` for the bench's ``loader`` record."""
-    n = int(loader.get("workers", 0))
-    return "in-process" if n == 0 else f"{n} worker process{'es' if n > 1 else ''}"
-
-
 def format_table(res: dict[str, Any]) -> str:
     """The bench result as the printed table (text)."""
+    from gemray.pipelines.loader import describe_workers
+
     def pct(x):
         return "n/a" if x is None else f"{100 * x:.2f}%"
 
@@ -704,7 +700,7 @@ def format_table(res: dict[str, Any]) -> str:
         f"  throughput      {res['tokens_per_s']:.0f} tokens/s  {res['samples_per_s']:.1f} samples/s  "
         f"{res['model_tflops_per_s']:.3f} model TFLOP/s",
         f"  local MFU       {pct(res['local_mfu'])} (compute only {pct(res['local_mfu_compute'])})",
-        f"  data stall      {res['data_stall_pct']:.2f}% of step time (loader {_loader_words(res['loader'])}, "
+        f"  data stall      {res['data_stall_pct']:.2f}% of step time (loader {describe_workers(res['loader'].get('workers', 0))}, "
         f"{res['loader']['cpu_cores']} cores)",
         f"  peak memory     {mem}",
         f"  compile stalls  max/median step {cs['max_over_median'] or 0:.2f}"
