@@ -187,3 +187,80 @@ def test_fp32_residual_off_keeps_the_stream_in_the_autocast_dtype():
     assert plain[0][0] == plain[1][0] == [torch.float32] * 3
     for a, b in zip(plain[0][1:], plain[1][1:]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend, multiple, max_len", [("reference", 16, 20), ("reference", 64, 20),
+                                                        ("triton", 32, 20), ("reference", 128, 128)])
+def test_token_padding_leaves_states_and_gradients_unchanged(backend, multiple, max_len):
+    """model.token_pad_multiple: the blocks run on T rounded up to the multiple (the padding in dummy sequences,
+    several when it exceeds max_seq_len); the T states and every gradient match the unpadded encoder's."""
+    lengths = [5, 0, 1, max_len, 9, 3]
+    offsets = lengths_to_offsets(torch.tensor(lengths))
+    T = int(offsets[-1])
+    runs = []
+    for pad in (0, multiple):
+        cfg = ModelConfig(embedding_dim=16, num_blocks=2, num_heads=2, attention_dim=8, linear_dim=8, dropout=0.0,
+                          attention_backend=backend, token_pad_multiple=pad)
+        torch.manual_seed(0)
+        enc = HSTUEncoder(cfg, max_seq_len=max_len)
+        rows = []
+        for blk in enc.blocks:
+            blk.register_forward_pre_hook(lambda mod, args: rows.append(args[0].shape[0]))
+        g = torch.Generator().manual_seed(1)
+        tok = torch.randn(T, 16, generator=g, requires_grad=True)
+        ts = torch.cumsum(torch.randint(0, 10 ** 6, (T,), generator=g), 0)
+        w = torch.randn(T, 16, generator=g)
+        out = enc(tok, offsets, ts)
+        grads = torch.autograd.grad((out * w).sum(), [tok] + list(enc.parameters()))
+        runs.append((rows, out, grads))
+    (rows0, out0, g0), (rows1, out1, g1) = runs
+    assert rows0 == [T, T] and rows1 == [-(-T // multiple) * multiple] * 2 and rows1[0] > T
+    assert out1.shape == out0.shape == (T, 16)
+    torch.testing.assert_close(out1, out0, rtol=1e-5, atol=1e-6)
+    for a, b in zip(g1, g0):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_pad_rows_to_multiple_appends_dummy_sequences_of_at_most_max_len():
+    from gemray.jagged import pad_rows_to_multiple
+
+    offsets = lengths_to_offsets(torch.tensor([3, 0, 7]))
+    assert pad_rows_to_multiple(offsets, 10, 5, 4)[1:] == (0, 0)
+    out, pad, k = pad_rows_to_multiple(offsets, 10, 256, 100)
+    assert (pad, k) == (246, 3)
+    assert out.tolist() == [0, 3, 3, 10, 110, 210, 256] and out.dtype == torch.int64
+    out, pad, k = pad_rows_to_multiple(offsets, 10, 16, 4096)
+    assert (pad, k) == (6, 1) and out.tolist() == [0, 3, 3, 10, 16]
+    with pytest.raises(ValueError, match="multiple >= 1"):
+        pad_rows_to_multiple(offsets, 10, 0, 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the Triton kernels compiled, bf16)")
+def test_token_padding_on_cuda_bf16():
+    """model.token_pad_multiple = 256 on the Triton path under bf16 autocast (D = 256 heads, the GEM shape's
+    kernels): the states and gradients of the real tokens match the unpadded run to bf16 precision and are
+    finite (the dummy sequences' rows never reach them)."""
+    dev = torch.device("cuda")
+    offsets = torch.tensor([0, 300, 301, 301, 1200, 1234], device=dev)
+    T = 1234
+    outs = []
+    for pad in (0, 256):
+        cfg = ModelConfig(embedding_dim=64, model_dim=256, num_blocks=2, num_heads=2, attention_dim=256,
+                          linear_dim=256, dropout=0.0, attention_backend="triton", relative_bias=False,
+                          token_pad_multiple=pad)
+        torch.manual_seed(0)
+        enc = HSTUEncoder(cfg, 1024, device=dev)
+        g = torch.Generator(device=dev).manual_seed(1)
+        tok = torch.randn(T, 256, device=dev, generator=g, requires_grad=True)
+        ts = torch.arange(T, device=dev) * 60
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = enc(tok, offsets, ts, max_len=899)
+        gt, gw = torch.autograd.grad(out.float().square().sum() + out.float().sum(),
+                                     [tok, enc.blocks[0].uvqk_weight])
+        outs.append((out.float(), gt, gw))
+    for a, b in zip(*outs):
+        assert torch.isfinite(a).all()
+        err = ((a - b).abs().max() / b.abs().max()).item()
+        assert err < 2e-2, err
