@@ -4,6 +4,7 @@ regimes and its no-side-effect run (interpreted Triton), and the throughput fiel
 from __future__ import annotations
 
 import json
+import logging
 import math
 
 import pytest
@@ -331,7 +332,6 @@ def test_warm_up_runs_interpreted_and_changes_no_weight(synthetic):
 def test_train_epoch_logs_tflops_and_reports_local_mfu_fields(synthetic, caplog):
     """Trainer.train_epoch outside Ray (world 1): every logged step carries TFLOP/s and MFU, the epoch's result
     counts the FLOPs of exactly its batches and leaves the warm-up steps out of the MFU window."""
-    import logging
 
     from gemray.train.throughput import batch_flops
 
@@ -578,3 +578,17 @@ def test_a_loader_worker_trains_the_same_and_bench_reports_it(synthetic, tmp_pat
     r = json.loads(js.read_text())
     assert r["loader"]["workers"] == 1 and r["loader"]["in_process"] is False and r["loader"]["pin_memory"] is False
     assert not multiprocessing.active_children()
+
+
+def test_bench_train_says_which_settings_have_no_effect(tmp_path, caplog):
+    """bench train logs the config's ineffective settings as `gemray train` does (before anything is built:
+    here the sync-debug refusal off CUDA follows it)."""
+    from gemray.bench.train import run_bench
+
+    cfg = load_config(CONFIG, _overrides(tmp_path / "nowhere")[1:] + ["train.compile=false",
+                                                                      "train.compile_mode=max-autotune-no-cudagraphs"])
+    caplog.set_level(logging.WARNING, logger="gemray.config")
+    with pytest.raises(RuntimeError, match="--sync-debug needs a CUDA device"):
+        run_bench(cfg, steps=1, warmup=0, sync_debug=True)
+    said = [r.getMessage() for r in caplog.records if r.name == "gemray.config"]
+    assert len(said) == 1 and "train.compile_mode" in said[0] and "no effect" in said[0]

@@ -613,6 +613,9 @@ def run_bench(cfg: JobConfig, *, steps: int, warmup: int, profile: bool = False,
     cfg.train.ledger_dir = ""
     cfg.train.mfu_warmup_steps = warmup
     cfg.validate()
+    idle = cfg.ineffective_settings_warning()
+    if idle:  # as `gemray train` says it (gemray.controller.run): valid settings that change nothing here
+        logging.getLogger("gemray.config").warning("%s", idle)
     device = bench_device(cfg)
     if sync_debug and device.type != "cuda":
         raise RuntimeError(f"bench train --sync-debug needs a CUDA device (torch.cuda.set_sync_debug_mode); this "
