@@ -262,6 +262,11 @@ def test_checkpoint_not_found_is_a_clear_error(tmp_path, capsys):
         locate_checkpoint(tmp_path / "out")
     assert main(["evaluate", "--checkpoint", str(tmp_path / "out")]) == 2
     assert "no committed checkpoint" in capsys.readouterr().err
+    # an output folder copied without its config.toml, given --config: the run is looked for under ray/<name>
+    (tmp_path / "out" / "config.toml").rename(tmp_path / "x.toml")
+    (tmp_path / "out" / "ray" / "x").mkdir(parents=True)
+    with pytest.raises(FileNotFoundError, match=f"no committed checkpoint in {tmp_path / 'out' / 'ray' / 'x'} "):
+        locate_checkpoint(tmp_path / "out", tmp_path / "x.toml")
 
 
 @pytest.mark.parametrize("command", ["recommend", "evaluate"])

@@ -88,8 +88,8 @@ def run_config(checkpoint: str | Path, *, config: str | Path | None = None,
 def locate_checkpoint(path: str | Path, config: str | Path | None = None) -> tuple[Path, Path]:
     """``(checkpoint folder, config file)`` for a run folder, a Ray Train run folder or a checkpoint folder.
 
-    Output folder of ``gemray train`` (holds ``config.toml``): its Ray Train run is ``ray.storage_path`` (or
-    ``<folder>/ray``) ``/<name>``. Ray Train run folder: its ``config.toml`` two levels up. Checkpoint folder
+    Output folder of ``gemray train`` (holds ``config.toml``, or a ``ray`` folder when ``config`` is given): its
+    Ray Train run is ``ray.storage_path`` (or ``<folder>/ray``) ``/<name>``. Ray Train run folder: its ``config.toml`` two levels up. Checkpoint folder
     (``manifest_rank*.json``): taken as is; its ``config.toml`` three levels up (``<out>/ray/<name>/ckpt``).
     ``config``: use this file instead of the one found (:func:`find_config`). Among a run's committed
     checkpoints the newest one that verifies is chosen (a corrupt one is skipped with a warning, as a restarted
@@ -102,7 +102,8 @@ def locate_checkpoint(path: str | Path, config: str | Path | None = None) -> tup
     cfg_file = find_config(path, config)
     if _is_checkpoint(p):
         return p, cfg_file
-    if (p / CONFIG_FILE).is_file():
+    # an output folder: its config.toml, or (copied without it) the --config given and the Ray run inside it
+    if (p / CONFIG_FILE).is_file() or (config is not None and (p / "ray").is_dir()):
         cfg = load_config(cfg_file)
         storage = Path(cfg.ray.storage_path).expanduser().resolve() if cfg.ray.storage_path else p / "ray"
         run_dir = storage / cfg.name
