@@ -76,6 +76,7 @@ import multiprocessing as mp
 import os
 import queue as queue_mod
 import shutil
+import signal
 import time
 import uuid
 from pathlib import Path
@@ -927,8 +928,12 @@ _PROGRESS: Any = None
 
 
 def _init_worker(q: Any) -> None:
+    """A pool worker's start: the progress queue, and Ctrl-C left to the parent (SIGINT reaches the whole
+    foreground process group; the parent's ``with Pool`` ends the workers, which printed a KeyboardInterrupt
+    traceback each when they handled it too)."""
     global _PROGRESS
     _PROGRESS = q
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 class _BarQueue:

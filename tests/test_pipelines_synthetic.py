@@ -550,3 +550,22 @@ def test_the_write_rate_keeps_its_digits_for_small_data(tmp_path, caplog):
     got = re.search(r"\((\S+) (M )?events/s\)$", line)
     assert got is not None and float(got.group(1).replace(",", "")) > 0, line
     assert f"{m['counts']['interactions']} events" in line
+
+
+def _worker_sigint() -> bool:
+    import signal
+
+    return signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+
+
+def test_pool_workers_leave_ctrl_c_to_the_parent():
+    """SIGINT reaches the whole foreground process group: the generator's pool workers ignore it (the parent ends
+    them) instead of each printing a KeyboardInterrupt traceback."""
+    import multiprocessing as mp
+    import signal
+
+    from gemray.pipelines import synthetic
+
+    assert signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
+    with mp.get_context("spawn").Pool(1, initializer=synthetic._init_worker, initargs=(None,)) as pool:
+        assert pool.apply(_worker_sigint) is True
