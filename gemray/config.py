@@ -222,13 +222,6 @@ class ModelConfig:
     traffic and ~2 GB of saved activations a step at configs/gem-h200.toml's batch 128, by count). Each block's
     LayerNorm still computes in float32 (autocast), the encoder's output is normalised from the bf16 stream. No
     effect without autocast (``train.precision = "fp32"``, the ML-1M config).
-    token_pad_multiple: > 0: the encoder pads its [T, d] token rows to a multiple of this many (zero rows in
-    extra dummy sequences of at most max_seq_len tokens each, so the attention kernels compute finite values for
-    them and give them zero gradients; the states of the T real tokens are unchanged) and drops the padding
-    before the output norm. cuBLAS chooses each GEMM's kernel per shape on the host: a token count it has not
-    seen costs 100-280 us of host time per GEMM against 22-32 us for one rounded to 256
-    (benchmarks/gemm_host_h200.py, H100, 2026-12-05), ~48 GEMMs a step in the blocks of configs/gem-h200.toml.
-    0 (default) = no padding.
     table_rows: row-count overrides "table=rows" (e.g. ["user=200000000", "item=100000000"]) so that tables can
     be sized by configuration (capacity beyond the data's ids); a table's default is what the data needs
     (item: num_items + 1; a side feature: its cardinality + 1; user: num_users). Tables: "item", "rating",
@@ -292,7 +285,6 @@ class ModelConfig:
     attention_block: int = 0
     relative_bias: bool = True
     fp32_residual: bool = True
-    token_pad_multiple: int = 0
     table_rows: list[str] = field(default_factory=list)
     table_dtype: str = "fp32"
     moe_experts: int = 0
@@ -384,7 +376,7 @@ class ModelConfig:
                              f"got {self.mlp_dims}")
 
     def _validate_gem(self) -> None:
-        for name in ("model_dim", "attention_window", "attention_block", "token_pad_multiple"):
+        for name in ("model_dim", "attention_window", "attention_block"):
             if getattr(self, name) < 0:
                 raise ValueError(f"model.{name}: expected >= 0, got {getattr(self, name)}")
         if self.attention_window or self.attention_block:

@@ -360,25 +360,3 @@ def padded_to_jagged(padded: torch.Tensor, offsets: torch.Tensor) -> torch.Tenso
     """padded [B, N, *F] -> values [T, *F] keeping the first L_b rows of each sequence."""
     seg = segment_ids(offsets)
     return padded[seg, positions(offsets)]
-
-
-def pad_rows_to_multiple(offsets: torch.Tensor, num_rows: int, multiple: int, max_len: int
-                         ) -> tuple[torch.Tensor, int, int]:
-    """Offsets that cover ``num_rows`` jagged rows padded up to a multiple of ``multiple``: the padding rows
-    form extra dummy sequences of at most ``max_len`` rows each, appended after the real ones, so that kernels
-    which visit every sequence of ``offsets`` (``gemray.ops.attention``) see the padding as ordinary short
-    sequences (finite outputs, gradients only from what flows into them) and no sequence exceeds ``max_len``.
-
-    offsets: [B+1] int64 with offsets[-1] == num_rows (not read: computed on offsets' device, no host sync).
-    Returns (offsets [B+1+k] int64 on the same device, pad rows, k dummy sequences); (offsets itself, 0, 0)
-    when num_rows is already a multiple. Raises ValueError for multiple < 1 or max_len < 1.
-    """
-    if multiple < 1 or max_len < 1:
-        raise ValueError(f"pad_rows_to_multiple: expected multiple >= 1 and max_len >= 1, got {multiple}, {max_len}")
-    pad = (-num_rows) % multiple
-    if pad == 0:
-        return offsets, 0, 0
-    k = -(-pad // max_len)
-    ends = (torch.arange(1, k + 1, device=offsets.device, dtype=offsets.dtype) * max_len + num_rows).clamp_(
-        max=num_rows + pad)
-    return torch.cat([offsets, ends]), pad, k

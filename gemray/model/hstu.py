@@ -38,7 +38,7 @@ from gemray import ops
 from gemray.config import ModelConfig, kernel_tiles_spec
 from gemray.kernels import config as kconfig
 from gemray.kernels.config import KernelConfig
-from gemray.jagged import pad_rows_to_multiple, positions
+from gemray.jagged import positions
 
 LN_EPS = 1e-6
 
@@ -285,16 +285,6 @@ class HSTUEncoder(nn.Module):
         dtype = (torch.get_autocast_dtype(dev) if not self.cfg.fp32_residual and torch.is_autocast_enabled(dev)
                  else None)
         x = self.input_dropout(self.input_scale(tok_emb, self.pos_emb, pos, math.sqrt(self.d), dtype))
-        T = x.shape[0]
-        if self.cfg.token_pad_multiple:  # round the blocks' GEMM shapes (model.token_pad_multiple; config.py)
-            offsets, pad, _ = pad_rows_to_multiple(offsets, T, self.cfg.token_pad_multiple, self.max_seq_len)
-            if pad:
-                x = F.pad(x, (0, 0, 0, pad))
-                timestamps = F.pad(timestamps, (0, pad))
-                if query_timestamps is not None:
-                    query_timestamps = F.pad(query_timestamps, (0, pad))
-                if n is not None:
-                    n = max(n, min(pad, self.max_seq_len))
         # the reference bucketises once per forward ([B, n, n] indices shared by the blocks); the Triton kernels
         # bucketise per tile from the timestamps themselves (no [B, n, n] tensor)
         buckets = None
@@ -305,7 +295,7 @@ class HSTUEncoder(nn.Module):
         cache: dict = {}
         for block in self.blocks:  # (train.compile: each block a compiled module, gemray.parallel.compile)
             x = block(x, offsets, timestamps, buckets, cache, query_timestamps)
-        return self.output_norm(x[:T] if x.shape[0] != T else x)
+        return self.output_norm(x)
 
     def _needs_n(self) -> bool:
         """Whether the forward needs the longest length itself: the reference backend's bucketing does."""
