@@ -515,6 +515,12 @@ class TrainConfig:
     also times Triton GEMM templates against cuBLAS at compile time and may fuse a GEMM's elementwise epilogue, e.g.
     the block's SiLU after its uvqk projection, into it; longer compiles). CUDA graphs ("reduce-overhead") are not
     offered: the token count changes every step.
+    compile_options: inductor config options for those modules, "name=value" strings (e.g. ["cpp_wrapper=true",
+    "triton.enable_pdl=true", "coordinate_descent_tuning=true"]; names as in ``torch._inductor.config``, dotted for
+    its sub-configs; values read as true / false, integers, floats, else strings), passed as torch.compile's
+    ``options`` (merged over ``compile_mode``'s own, ``torch._inductor.list_mode_options``); for trying inductor's
+    knobs on a config without code changes. An unknown name is refused when the config is validated. Inductor only
+    (another ``compile_backend`` ignores them, with the warning below).
     With ``compile = false`` a non-default compile_backend / compile_dynamic / compile_optimize_ddp (unless
     activation_checkpointing is "torch", which compiles the blocks with them) and compile_tower do nothing:
     they are still validated, and kept (a config may hold them for toggling ``compile``); ``fit`` logs one
@@ -573,6 +579,7 @@ class TrainConfig:
     compile_dynamic: str = "auto"
     compile_optimize_ddp: bool = False
     compile_mode: str = "default"
+    compile_options: list[str] = field(default_factory=list)
     deterministic: bool = True
 
     def validate(self) -> None:
@@ -592,6 +599,7 @@ class TrainConfig:
         _choice(self, "compile_backend", ("inductor", "aot_eager", "eager"))
         _choice(self, "compile_dynamic", ("all", "auto"))
         _choice(self, "compile_mode", ("default", "max-autotune-no-cudagraphs"))
+        compile_options(self.compile_options)  # ValueError naming train.compile_options
         b = self.activation_memory_budget
         if 1 < b < self.MIN_BUDGET_BYTES:  # e.g. 2 meant as 2 GB or 200%: as bytes, no plan can reach it
             raise ValueError(f"train.activation_memory_budget = {int(b) if b == int(b) else b} is read as bytes, "
@@ -614,17 +622,62 @@ class TrainConfig:
         _choice(self, "sparse_optimizer", ("auto", "rowwise_adam", "adam", "rowwise_adagrad", "adagrad"))
 
     def ineffective_compile_settings(self) -> list[str]:
-        """Pure: the ``compile_*`` settings at a non-default value that do nothing because ``compile`` is off,
-        as ``"train.<name> = <value>"``: all five, or only ``compile_tower`` under activation_checkpointing
-        "torch" (it compiles the HSTU blocks with compile_backend / compile_dynamic / compile_optimize_ddp, never
-        the tower). Empty with ``compile = true``."""
-        if self.compile:
-            return []
-        names = ["compile_backend", "compile_tower", "compile_dynamic", "compile_optimize_ddp", "compile_mode"]
-        if self.activation_checkpointing == "torch":
-            names = ["compile_tower"]
+        """Pure: the ``compile_*`` settings at a non-default value that do nothing, as ``"train.<name> = <value>"``:
+        with ``compile`` off all six, or under activation_checkpointing "torch" only ``compile_tower``,
+        ``compile_mode`` and ``compile_options`` (it compiles the HSTU blocks with compile_backend / compile_dynamic
+        / compile_optimize_ddp, never the tower, in the default mode); with ``compile`` on, ``compile_mode`` /
+        ``compile_options`` under a ``compile_backend`` other than inductor. Empty otherwise."""
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        if self.compile:
+            if self.compile_backend == "inductor":
+                return []
+            return [f"train.{n} = {_toml_value(getattr(self, n))}" for n in ("compile_mode", "compile_options")
+                    if getattr(self, n) != (defaults[n] if n != "compile_options" else [])]
+        names = ["compile_backend", "compile_tower", "compile_dynamic", "compile_optimize_ddp", "compile_mode",
+                 "compile_options"]
+        if self.activation_checkpointing == "torch":
+            names = ["compile_tower", "compile_mode", "compile_options"]
+        defaults["compile_options"] = []
         return [f"train.{n} = {_toml_value(getattr(self, n))}" for n in names if getattr(self, n) != defaults[n]]
+
+
+def compile_options(entries: list[str]) -> dict[str, Any]:
+    """``train.compile_options`` ("name=value" strings) as torch.compile's ``options`` dict: values "true" / "false"
+    -> bool, integers -> int, other numbers -> float, else the string. Raises ValueError naming
+    train.compile_options for an entry without "=", a repeated name or a name ``torch._inductor.config`` does not
+    have (dotted names reach its sub-configs, e.g. "triton.enable_pdl")."""
+    if not entries:
+        return {}
+    import torch._inductor.config as iconfig
+
+    out: dict[str, Any] = {}
+    for e in entries:
+        name, eq, raw = str(e).partition("=")
+        name, raw = name.strip(), raw.strip()
+        if not eq or not name:
+            raise ValueError(f"train.compile_options: expected \"name=value\" entries, got {e!r}")
+        if name in out:
+            raise ValueError(f"train.compile_options: {name} is given twice")
+        obj: Any = iconfig
+        for part in name.split("."):
+            if not hasattr(obj, part):
+                close = difflib.get_close_matches(name, list(iconfig.get_config_copy()), n=1)
+                raise ValueError(f"train.compile_options: torch._inductor.config has no option {name!r}"
+                                 + (f" (did you mean {close[0]!r}?)" if close else ""))
+            obj = getattr(obj, part)
+        low = raw.lower()
+        if low in ("true", "false"):
+            val: Any = low == "true"
+        else:
+            try:
+                val = int(raw)
+            except ValueError:
+                try:
+                    val = float(raw)
+                except ValueError:
+                    val = raw
+        out[name] = val
+    return out
 
 
 @dataclass

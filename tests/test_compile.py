@@ -157,6 +157,50 @@ def test_trainer_compiles_per_config_and_logs_the_choice(caplog):
         cfg.validate()
 
 
+def test_compile_options_are_parsed_checked_and_passed_to_inductor(monkeypatch):
+    """train.compile_options: "name=value" strings typed, unknown inductor names refused at validation; the
+    compile passes them as torch.compile's options merged over compile_mode's (torch takes one or the other), and
+    another backend gets neither (with the ineffective-settings warning)."""
+    import torch._inductor
+
+    from gemray.config import JobConfig, compile_options
+    from gemray.parallel.compile import compile_dense_modules
+
+    assert compile_options([]) == {}
+    assert compile_options(["cpp_wrapper=true", "triton.enable_pdl = False", "max_autotune_gemm_backends=ATEN",
+                            "coordinate_descent_search_radius=2"]) == {
+        "cpp_wrapper": True, "triton.enable_pdl": False, "max_autotune_gemm_backends": "ATEN",
+        "coordinate_descent_search_radius": 2}
+    for bad, why in ((["cpp_wrapper"], "name=value"), (["no_such_knob=1"], "has no option 'no_such_knob'"),
+                     (["triton.nope=1"], "has no option 'triton.nope'"), (["cpp_wrapper=1", "cpp_wrapper=0"], "twice")):
+        cfg = JobConfig()
+        cfg.train.compile_options = bad
+        with pytest.raises(ValueError, match=f"train.compile_options.*{why}"):
+            cfg.validate()
+
+    seen = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: seen.append(kw))
+    model = _gem(_cfg())
+    compile_dense_modules(model, mode="max-autotune-no-cudagraphs", options={"cpp_wrapper": True})
+    want = {**torch._inductor.list_mode_options("max-autotune-no-cudagraphs"), "cpp_wrapper": True}
+    assert seen and all(kw == {"backend": "inductor", "dynamic": None, "options": want} for kw in seen)
+    assert "mode" not in seen[0] and want["max_autotune"] is True
+    seen.clear()
+    compile_dense_modules(_gem(_cfg()), backend="aot_eager", mode="max-autotune-no-cudagraphs",
+                          options={"cpp_wrapper": True})
+    assert seen and all(kw == {"backend": "aot_eager", "dynamic": None} for kw in seen)
+
+    cfg = JobConfig()
+    cfg.train.compile, cfg.train.compile_backend = True, "aot_eager"
+    cfg.train.compile_options = ["cpp_wrapper=true"]
+    cfg.validate()
+    assert "train.compile_options" in cfg.ineffective_settings_warning()
+    cfg.train.compile_backend = "inductor"
+    assert cfg.ineffective_settings_warning() is None
+    cfg.train.compile = False
+    assert "train.compile_options" in cfg.ineffective_settings_warning()
+
+
 def test_deferred_losses_are_read_together_checked_and_counted_in_order():
     """The CUDA path of Trainer.train_step keeps each loss on the device; flush_losses reads the pending ones at
     once, adds them to the epoch statistics in step order with their step events, and stops at the first NaN

@@ -68,14 +68,16 @@ def compile_targets(model: nn.Module, *, tower: bool = True) -> dict[str, nn.Mod
 
 def compile_dense_modules(model: nn.Module, *, backend: str | Callable = "inductor", tower: bool = True,
                           dynamic: str = "auto", optimize_ddp: bool | None = None, mode: str = "default",
-                          reason: str = "train.compile") -> list[str]:
+                          options: dict | None = None, reason: str = "train.compile") -> list[str]:
     """``module.compile(backend=backend, dynamic=DYNAMIC[dynamic], mode=mode)`` on every :func:`compile_targets` module not
     compiled yet; returns the names compiled now (already-compiled ones are skipped, so the activation-checkpointing
     "torch" mode and ``train.compile`` share one compile). Logs the choice once per call that compiles anything.
     dynamic: ``train.compile_dynamic``, "auto" (``dynamic=None``: dynamo's automatic dynamic shapes) or "all"
     (``dynamic=True``: every input size symbolic from the first call). optimize_ddp: sets
     ``torch._dynamo.config.optimize_ddp`` (process-wide: ``train.compile_optimize_ddp``); None leaves it as it is.
-    mode: ``train.compile_mode`` (``MODES``; inductor only: other backends take no mode).
+    mode: ``train.compile_mode`` (``MODES``; inductor only: other backends take no mode). options: inductor config
+    options (``gemray.config.compile_options`` of ``train.compile_options``), passed as torch.compile's ``options``
+    merged over ``mode``'s (torch.compile takes a mode or options, not both); inductor only.
 
     backend: a torch._dynamo backend name (``BACKENDS``) or a backend callable (tests: a counting wrapper).
     Raises dynamo's recompile limit to at least ``RECOMPILE_LIMIT``. Raises ValueError for an unknown backend
@@ -91,19 +93,26 @@ def compile_dense_modules(model: nn.Module, *, backend: str | Callable = "induct
         import torch._dynamo.config as dconfig
 
         dconfig.optimize_ddp = bool(optimize_ddp)
+    extra: dict = {}
+    if backend == "inductor" and options:
+        import torch._inductor
+
+        extra = {"options": {**(torch._inductor.list_mode_options(mode) if mode != "default" else {}), **options}}
+    elif backend == "inductor" and mode != "default":
+        extra = {"mode": mode}
     done = []
     for name, m in compile_targets(model, tower=tower).items():
         if getattr(m, "_gemray_compiled", False):
             continue
-        m.compile(backend=backend, dynamic=DYNAMIC[dynamic],
-                  **({"mode": mode} if mode != "default" and backend == "inductor" else {}))
+        m.compile(backend=backend, dynamic=DYNAMIC[dynamic], **extra)
         m._gemray_compiled = True
         done.append(name)
     if done:
         kinds = sorted({type(m).__name__.replace("FSDP", "") for n, m in model.named_modules() if n in set(done)})
-        log.info("torch.compile (%s): %d module(s) [%s], backend %s, dynamic=%s, mode %s; the first steps compile "
+        log.info("torch.compile (%s): %d module(s) [%s], backend %s, dynamic=%s, mode %s%s; the first steps compile "
                  "them", reason, len(done), ", ".join(kinds), backend if isinstance(backend, str) else
-                 getattr(backend, "__name__", type(backend).__name__), dynamic, mode)
+                 getattr(backend, "__name__", type(backend).__name__), dynamic, mode,
+                 f", options {options}" if extra.get("options") else "")
     return done
 
 

@@ -49,7 +49,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from gemray.checkpoint import data_record, report_with_checkpoint, restore_from_ray
-from gemray.config import JobConfig, from_dict
+from gemray.config import JobConfig, compile_options, from_dict
 from gemray.events import epoch_fields
 from gemray.model.fp8 import collect_fp8_stats, fp8_weight_cache, log_fp8_stats, pop_fp8_stats
 from gemray.model.lr_scaling import warmup_factor
@@ -356,7 +356,8 @@ class Trainer:
 
         return compile_dense_modules(self.dmp, backend=tc.compile_backend, tower=tc.compile_tower,
                                      dynamic=tc.compile_dynamic,
-                                     optimize_ddp=tc.compile_optimize_ddp, mode=tc.compile_mode)
+                                     optimize_ddp=tc.compile_optimize_ddp, mode=tc.compile_mode,
+                                     options=compile_options(tc.compile_options))
 
     def warm_up_kernels(self) -> None:
         """On CUDA with the Triton attention backend: compile the attention kernels for every length regime
