@@ -521,7 +521,8 @@ class TrainConfig:
     ``options`` (merged over ``compile_mode``'s own, ``torch._inductor.list_mode_options``); for trying inductor's
     knobs on a config without code changes. An unknown name is refused when the config is validated. Inductor only
     (another ``compile_backend`` ignores them, with the warning below).
-    With ``compile = false`` a non-default compile_backend / compile_dynamic / compile_optimize_ddp (unless
+    With ``compile = false`` a non-default compile_backend / compile_dynamic / compile_optimize_ddp / compile_mode /
+    compile_options (unless
     activation_checkpointing is "torch", which compiles the blocks with them) and compile_tower do nothing:
     they are still validated, and kept (a config may hold them for toggling ``compile``); ``fit`` logs one
     warning (:meth:`JobConfig.ineffective_settings_warning`).
@@ -623,9 +624,8 @@ class TrainConfig:
 
     def ineffective_compile_settings(self) -> list[str]:
         """Pure: the ``compile_*`` settings at a non-default value that do nothing, as ``"train.<name> = <value>"``:
-        with ``compile`` off all six, or under activation_checkpointing "torch" only ``compile_tower``,
-        ``compile_mode`` and ``compile_options`` (it compiles the HSTU blocks with compile_backend / compile_dynamic
-        / compile_optimize_ddp, never the tower, in the default mode); with ``compile`` on, ``compile_mode`` /
+        with ``compile`` off all six, or under activation_checkpointing "torch" only ``compile_tower`` (it compiles
+        the HSTU blocks with the other five, never the tower); with ``compile`` on, ``compile_mode`` /
         ``compile_options`` under a ``compile_backend`` other than inductor. Empty otherwise."""
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         if self.compile:
@@ -636,7 +636,7 @@ class TrainConfig:
         names = ["compile_backend", "compile_tower", "compile_dynamic", "compile_optimize_ddp", "compile_mode",
                  "compile_options"]
         if self.activation_checkpointing == "torch":
-            names = ["compile_tower", "compile_mode", "compile_options"]
+            names = ["compile_tower"]
         defaults["compile_options"] = []
         return [f"train.{n} = {_toml_value(getattr(self, n))}" for n in names if getattr(self, n) != defaults[n]]
 

@@ -189,6 +189,21 @@ def test_compile_options_are_parsed_checked_and_passed_to_inductor(monkeypatch):
     compile_dense_modules(_gem(_cfg()), backend="aot_eager", mode="max-autotune-no-cudagraphs",
                           options={"cpp_wrapper": True})
     assert seen and all(kw == {"backend": "aot_eager", "dynamic": None} for kw in seen)
+    # activation_checkpointing = "torch" compiles the blocks first (the trainer's order): with the same options
+    import torch._functorch.config as fconfig
+
+    from gemray.config import TrainConfig
+    from gemray.parallel.activation_checkpoint import ActivationCheckpointer
+
+    seen.clear()
+    tc = TrainConfig(activation_checkpointing="torch", activation_memory_budget=0.5,
+                     compile_mode="max-autotune-no-cudagraphs", compile_options=["cpp_wrapper=true"])
+    old = fconfig.activation_memory_budget
+    try:
+        ActivationCheckpointer.from_config(tc).setup(_gem(_cfg()))
+    finally:
+        fconfig.activation_memory_budget = old
+    assert len(seen) == 4 and all(kw["options"] == want for kw in seen)  # 2 HSTU blocks, input scale, norm
 
     cfg = JobConfig()
     cfg.train.compile, cfg.train.compile_backend = True, "aot_eager"
@@ -199,6 +214,8 @@ def test_compile_options_are_parsed_checked_and_passed_to_inductor(monkeypatch):
     assert cfg.ineffective_settings_warning() is None
     cfg.train.compile = False
     assert "train.compile_options" in cfg.ineffective_settings_warning()
+    cfg.train.activation_checkpointing, cfg.train.activation_memory_budget = "torch", 0.5
+    assert cfg.ineffective_settings_warning() is None  # the blocks are compiled with them
 
 
 def test_deferred_losses_are_read_together_checked_and_counted_in_order():

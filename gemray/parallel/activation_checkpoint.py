@@ -641,12 +641,13 @@ def apply_checkpointing(modules: dict[str, nn.Module], levels: Mapping[str, str]
 
 
 def apply_torch_budget(model: nn.Module, fraction: float, backend: str = "inductor", *,
-                       dynamic: str = "auto", optimize_ddp: bool | None = None) -> list[str]:
+                       dynamic: str = "auto", optimize_ddp: bool | None = None, mode: str = "default",
+                       options: dict | None = None) -> list[str]:
     """Mode "torch": set ``torch._functorch.config.activation_memory_budget`` and compile every HSTU block
     (torch.compile's min-cut partitioner then recomputes to that fraction) through
     ``gemray.parallel.compile.compile_dense_modules``, the one compile path (``train.compile`` shares it: a block
-    compiled already is not compiled twice; ``dynamic`` / ``optimize_ddp`` as there). Returns the HSTU block
-    names."""
+    compiled already is not compiled twice; ``dynamic`` / ``optimize_ddp`` / ``mode`` / ``options`` as there).
+    Returns the HSTU block names."""
     import torch._functorch.config as fconfig
 
     from gemray.model.hstu import HSTUBlock
@@ -654,7 +655,7 @@ def apply_torch_budget(model: nn.Module, fraction: float, backend: str = "induct
 
     fconfig.activation_memory_budget = float(fraction)
     compile_dense_modules(model, backend=backend, tower=False, dynamic=dynamic, optimize_ddp=optimize_ddp,
-                          reason="activation_checkpointing = 'torch'")
+                          mode=mode, options=options, reason="activation_checkpointing = 'torch'")
     return [n for n, m in model.named_modules() if isinstance(m, HSTUBlock)]
 
 
@@ -672,13 +673,14 @@ class ActivationCheckpointer:
 
     def __init__(self, mode: str = "none", budget: float = 0.0, compile_backend: str = "inductor",
                  compile_dynamic: str = "auto", compile_optimize_ddp: bool = False, *,
-                 headroom: float = TOKEN_HEADROOM):
+                 headroom: float = TOKEN_HEADROOM, compile_mode: str = "default", compile_options: dict | None = None):
         if mode not in MODES:
             raise ValueError(f"activation_checkpointing: expected one of {MODES}, got {mode!r}")
         if headroom <= 0:
             raise ValueError(f"activation checkpointing headroom: expected > 0, got {headroom}")
         self.mode, self.budget, self.compile_backend = mode, float(budget), compile_backend
         self.compile_dynamic, self.compile_optimize_ddp = compile_dynamic, bool(compile_optimize_ddp)
+        self.compile_mode, self.compile_options = compile_mode, dict(compile_options or {})
         self.headroom = float(headroom)
         self.plan: CheckpointPlan | None = None
         #: tokens of the probe batch and of the design batch the plan is for (None: the trainer did not say), and
@@ -696,9 +698,13 @@ class ActivationCheckpointer:
 
     @classmethod
     def from_config(cls, train_cfg) -> "ActivationCheckpointer":
+        from gemray.config import compile_options
+
         return cls(train_cfg.activation_checkpointing, train_cfg.activation_memory_budget,
                    getattr(train_cfg, "compile_backend", "inductor"), getattr(train_cfg, "compile_dynamic", "auto"),
-                   getattr(train_cfg, "compile_optimize_ddp", False))
+                   getattr(train_cfg, "compile_optimize_ddp", False),
+                   compile_mode=getattr(train_cfg, "compile_mode", "default"),
+                   compile_options=compile_options(getattr(train_cfg, "compile_options", [])))
 
     def setup(self, model: nn.Module) -> None:
         self._modules = candidate_modules(model)
@@ -708,7 +714,8 @@ class ActivationCheckpointer:
         elif self.mode == "torch":
             names = apply_torch_budget(model, self.budget, self.compile_backend,
                                        dynamic=self.compile_dynamic,
-                                       optimize_ddp=self.compile_optimize_ddp)
+                                       optimize_ddp=self.compile_optimize_ddp, mode=self.compile_mode,
+                                       options=self.compile_options)
             log.info("activation checkpointing: torch.compile'd %d HSTU block(s) with activation_memory_budget "
                      "%.3g", len(names), self.budget)
 
