@@ -566,6 +566,14 @@ def test_pool_workers_leave_ctrl_c_to_the_parent():
 
     from gemray.pipelines import synthetic
 
-    assert signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
-    with mp.get_context("spawn").Pool(1, initializer=synthetic._init_worker, initargs=(None,)) as pool:
-        assert pool.apply(_worker_sigint) is True
+    # a Python handler here, so that spawned children start with Ctrl-C handled whatever this process inherited (a
+    # background job of a non-interactive shell starts with SIGINT ignored, and ignored signals stay so in children)
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        ctx = mp.get_context("spawn")
+        with ctx.Pool(1) as pool:
+            assert pool.apply(_worker_sigint) is False  # a plain worker handles it
+        with ctx.Pool(1, initializer=synthetic._init_worker, initargs=(None,)) as pool:
+            assert pool.apply(_worker_sigint) is True
+    finally:
+        signal.signal(signal.SIGINT, old)
