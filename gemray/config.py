@@ -642,14 +642,18 @@ class TrainConfig:
 
 
 def compile_options(entries: list[str]) -> dict[str, Any]:
-    """``train.compile_options`` ("name=value" strings) as torch.compile's ``options`` dict: values "true" / "false"
-    -> bool, integers -> int, other numbers -> float, else the string. Raises ValueError naming
-    train.compile_options for an entry without "=", a repeated name or a name ``torch._inductor.config`` does not
-    have (dotted names reach its sub-configs, e.g. "triton.enable_pdl")."""
+    """``train.compile_options`` ("name=value" strings) as torch.compile's ``options`` dict, each value read as the
+    option's own type: a bool option takes true / false / 1 / 0, an int one an integer, a float one a number, a
+    string one the text; an option whose default is None takes true / false, a number or the text. Raises
+    ValueError naming train.compile_options for an entry without "=", a repeated name, a name that is not one of
+    ``torch._inductor.config``'s options (dotted names reach its sub-configs, e.g. "triton.enable_pdl"; the closest
+    one is named), a value of another type, or an option of a type that cannot be written here (lists, dicts,
+    callables)."""
     if not entries:
         return {}
     import torch._inductor.config as iconfig
 
+    known = iconfig.get_config_copy()
     out: dict[str, Any] = {}
     for e in entries:
         name, eq, raw = str(e).partition("=")
@@ -658,26 +662,48 @@ def compile_options(entries: list[str]) -> dict[str, Any]:
             raise ValueError(f"train.compile_options: expected \"name=value\" entries, got {e!r}")
         if name in out:
             raise ValueError(f"train.compile_options: {name} is given twice")
-        obj: Any = iconfig
-        for part in name.split("."):
-            if not hasattr(obj, part):
-                close = difflib.get_close_matches(name, list(iconfig.get_config_copy()), n=1)
-                raise ValueError(f"train.compile_options: torch._inductor.config has no option {name!r}"
-                                 + (f" (did you mean {close[0]!r}?)" if close else ""))
-            obj = getattr(obj, part)
-        low = raw.lower()
-        if low in ("true", "false"):
-            val: Any = low == "true"
-        else:
-            try:
-                val = int(raw)
-            except ValueError:
-                try:
-                    val = float(raw)
-                except ValueError:
-                    val = raw
-        out[name] = val
+        if name not in known:
+            close = difflib.get_close_matches(name, list(known), n=1)
+            raise ValueError(f"train.compile_options: torch._inductor.config has no option {name!r}"
+                             + (f" (did you mean {close[0]!r}?)" if close else ""))
+        out[name] = _option_value(name, raw, known[name])
     return out
+
+
+def _option_value(name: str, raw: str, default: Any) -> Any:
+    """``raw`` read as the type of the inductor option ``name`` (its ``default``); ValueError otherwise."""
+    low = raw.lower()
+    as_bool = {"true": True, "1": True, "false": False, "0": False}.get(low)
+
+    def bad(kind: str) -> ValueError:
+        return ValueError(f"train.compile_options: {name} takes {kind} (its default is {default!r}), got {raw!r}")
+
+    if isinstance(default, bool):
+        if as_bool is None:
+            raise bad("true or false")
+        return as_bool
+    if isinstance(default, int):
+        try:
+            return int(raw)
+        except ValueError:
+            raise bad("an integer") from None
+    if isinstance(default, float):
+        try:
+            return float(raw)
+        except ValueError:
+            raise bad("a number") from None
+    if isinstance(default, str):
+        return raw
+    if default is None:
+        if low in ("true", "false"):
+            return low == "true"
+        for kind in (int, float):
+            try:
+                return kind(raw)
+            except ValueError:
+                pass
+        return raw
+    raise bad(f"a {type(default).__name__}, which cannot be given here")
 
 
 @dataclass

@@ -171,8 +171,12 @@ def test_compile_options_are_parsed_checked_and_passed_to_inductor(monkeypatch):
                             "coordinate_descent_search_radius=2"]) == {
         "cpp_wrapper": True, "triton.enable_pdl": False, "max_autotune_gemm_backends": "ATEN",
         "coordinate_descent_search_radius": 2}
+    assert compile_options(["cpp_wrapper=1", "triton.enable_pdl=0"]) == {"cpp_wrapper": True, "triton.enable_pdl": False}
     for bad, why in ((["cpp_wrapper"], "name=value"), (["no_such_knob=1"], "has no option 'no_such_knob'"),
-                     (["triton.nope=1"], "has no option 'triton.nope'"), (["cpp_wrapper=1", "cpp_wrapper=0"], "twice")):
+                     (["triton.nope=1"], "has no option 'triton.nope'"), (["cpp_wrapper=1", "cpp_wrapper=0"], "twice"),
+                     (["cpp_wrapper=maybe"], "cpp_wrapper takes true or false"),
+                     (["compile_threads=two"], "compile_threads takes an integer"),
+                     (["triton=1"], "has no option 'triton'")):
         cfg = JobConfig()
         cfg.train.compile_options = bad
         with pytest.raises(ValueError, match=f"train.compile_options.*{why}"):
