@@ -90,8 +90,8 @@ def locate_checkpoint(path: str | Path, config: str | Path | None = None) -> tup
 
     Output folder of ``gemray train`` (holds ``config.toml``, or a ``ray`` folder when ``config`` is given): its
     Ray Train run is ``ray.storage_path`` (or ``<folder>/ray``) ``/<name>``. Ray Train run folder: its
-    ``config.toml`` two levels up. Checkpoint folder (``manifest_rank*.json``): taken as is; its ``config.toml`` three levels up (``<out>/ray/<name>/ckpt``).
-    ``config``: use this file instead of the one found (:func:`find_config`). Among a run's committed
+    ``config.toml`` two levels up. Checkpoint folder (``manifest_rank*.json``): taken as is; its ``config.toml``
+    three levels up (``<out>/ray/<name>/ckpt``). ``config``: use this file instead of the one found (:func:`find_config`). Among a run's committed
     checkpoints the newest one that verifies is chosen (a corrupt one is skipped with a warning, as a restarted
     training does).
 
