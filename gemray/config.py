@@ -517,9 +517,10 @@ class TrainConfig:
     offered: the token count changes every step.
     compile_options: inductor config options for those modules, "name=value" strings (e.g. ["cpp_wrapper=true",
     "triton.enable_pdl=true", "coordinate_descent_tuning=true"]; names as in ``torch._inductor.config``, dotted for
-    its sub-configs; values read as true / false, integers, floats, else strings), passed as torch.compile's
+    its sub-configs; each value read as its option's type: :func:`compile_options`), passed as torch.compile's
     ``options`` (merged over ``compile_mode``'s own, ``torch._inductor.list_mode_options``); for trying inductor's
-    knobs on a config without code changes. An unknown name is refused when the config is validated. Inductor only
+    knobs on a config without code changes. An unknown name or a value of the wrong type is refused when the config
+    is validated. Inductor only
     (another ``compile_backend`` ignores them, with the warning below).
     With ``compile = false`` a non-default compile_backend / compile_dynamic / compile_optimize_ddp / compile_mode /
     compile_options (unless
@@ -627,18 +628,16 @@ class TrainConfig:
         with ``compile`` off all six, or under activation_checkpointing "torch" only ``compile_tower`` (it compiles
         the HSTU blocks with the other five, never the tower); with ``compile`` on, ``compile_mode`` /
         ``compile_options`` under a ``compile_backend`` other than inductor. Empty otherwise."""
-        defaults = {f.name: f.default for f in dataclasses.fields(self)}
         if self.compile:
-            if self.compile_backend == "inductor":
-                return []
-            return [f"train.{n} = {_toml_value(getattr(self, n))}" for n in ("compile_mode", "compile_options")
-                    if getattr(self, n) != (defaults[n] if n != "compile_options" else [])]
-        names = ["compile_backend", "compile_tower", "compile_dynamic", "compile_optimize_ddp", "compile_mode",
-                 "compile_options"]
-        if self.activation_checkpointing == "torch":
+            names = [] if self.compile_backend == "inductor" else ["compile_mode", "compile_options"]
+        elif self.activation_checkpointing == "torch":
             names = ["compile_tower"]
-        defaults["compile_options"] = []
-        return [f"train.{n} = {_toml_value(getattr(self, n))}" for n in names if getattr(self, n) != defaults[n]]
+        else:
+            names = ["compile_backend", "compile_tower", "compile_dynamic", "compile_optimize_ddp", "compile_mode",
+                     "compile_options"]
+        defaults = type(self)()
+        return [f"train.{n} = {_toml_value(getattr(self, n))}" for n in names
+                if getattr(self, n) != getattr(defaults, n)]
 
 
 def compile_options(entries: list[str]) -> dict[str, Any]:

@@ -703,8 +703,8 @@ def format_table(res: dict[str, Any]) -> str:
         f"  throughput      {res['tokens_per_s']:.0f} tokens/s  {res['samples_per_s']:.1f} samples/s  "
         f"{res['model_tflops_per_s']:.3f} model TFLOP/s",
         f"  local MFU       {pct(res['local_mfu'])} (compute only {pct(res['local_mfu_compute'])})",
-        f"  data stall      {res['data_stall_pct']:.2f}% of step time (loader {describe_workers(res['loader'].get('workers', 0))}, "
-        f"{res['loader']['cpu_cores']} cores)",
+        f"  data stall      {res['data_stall_pct']:.2f}% of step time "
+        f"(loader {describe_workers(res['loader'].get('workers', 0))}, {res['loader']['cpu_cores']} cores)",
         f"  peak memory     {mem}",
         f"  compile stalls  max/median step {cs['max_over_median'] or 0:.2f}"
         + (f"  FLAGGED (> {cs['factor']:g}x)" if cs["flagged"] else "  ok"),
