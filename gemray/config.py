@@ -552,6 +552,10 @@ class TrainConfig:
     # Adam(W) (beta1, beta2) for the dense part and the Adam kinds of sparse optimizer; (0.9, 0.98) as
     # generative-recommenders' ML-1M recipe.
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.98])
+    # How the dense AdamW steps (torch.optim.AdamW's implementations, as torchtitan's optimizer.implementation):
+    # "auto" = "fused" on CUDA (one multi-tensor kernel: the least host time a step), "foreach" elsewhere;
+    # "fused" (CPU too) or "foreach". Same update up to float rounding.
+    dense_optimizer_impl: str = "auto"
     eval_every: int = 5
     eval_ks: list[int] = field(default_factory=lambda: [10, 50, 200])
     eval_exclude_history: bool = True
@@ -621,6 +625,7 @@ class TrainConfig:
             raise ValueError(f"train.adam_betas: expected [beta1, beta2] each in [0, 1), got {self.adam_betas}")
         if self.max_steps_per_epoch < 0:
             raise ValueError("train.max_steps_per_epoch: expected >= 0")
+        _choice(self, "dense_optimizer_impl", ("auto", "fused", "foreach"))
         _choice(self, "sparse_optimizer", ("auto", "rowwise_adam", "adam", "rowwise_adagrad", "adagrad"))
 
     def ineffective_compile_settings(self) -> list[str]:
@@ -810,6 +815,9 @@ class ParallelConfig:
     copy-engine collectives on symmetric memory, ``NCCL_CTA_POLICY``=2 "zero-CTA"; SM-free where NCCL can),
     "symmetric_memory" (FSDP2's all-gather / reduce-scatter buffers in NCCL symmetric memory, no multicast);
     CUDA / NCCL only, refused on gloo.
+    ddp_at_world_size_1: dense "ddp" at world size 1 wraps the dense part in DDP too (false, default: not
+    wrapped, ``gemray.parallel.sharding.SingleRankWrapper``: DDP over one rank changes nothing but costs host
+    time every step; the checkpoints are the same either way). For comparisons.
     """
 
     dense: str = "ddp"
@@ -822,6 +830,7 @@ class ParallelConfig:
     gpus_per_node: int = 0
     train_pipeline: str = "none"
     collectives: str = "nccl"
+    ddp_at_world_size_1: bool = False
 
     def validate(self) -> None:
         _choice(self, "dense", ("ddp", "fsdp", "hsdp"))

@@ -265,3 +265,80 @@ def test_training_steps_build_the_recat_once(monkeypatch):
     assert 1 <= cached_calls == served  # one call per distinct shape
     assert len(calls) >= 3 * cached_calls and len(calls) % 3 == 0  # uncached: every step, every input dist
     assert with_cache == without
+
+
+def test_world_size_1_leaves_the_dense_part_unwrapped_with_the_same_state_dict():
+    """Dense "ddp" at world size 1: no DDP around the dense part (SingleRankWrapper: DDP over one rank costs host time
+    and changes nothing), the same state dict keys and values as with DDP (parallel.ddp_at_world_size_1), so
+    checkpoints move between the two."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from gemray.bench.train import _init_process_group
+    from gemray.config import load_config
+    from gemray.model import GEM
+    from gemray.parallel import parallelize
+
+    base = ["model.embedding_dim=8", "model.num_blocks=1", "model.num_heads=2", "model.attention_dim=4",
+            "model.linear_dim=4", "model.num_negatives=4", "data.max_seq_len=8"]
+    made = _init_process_group(torch.device("cpu"))
+    try:
+        built = {}
+        for ddp in (False, True):
+            cfg = load_config(None, base + [f"parallel.ddp_at_world_size_1={str(ddp).lower()}"])
+            built[ddp] = parallelize(GEM(cfg.model, 50, "meta", max_seq_len=8), layout=plan_layout(1, "cpu"),
+                                     cfg=cfg, device=torch.device("cpu"))
+    finally:
+        if made:
+            dist.destroy_process_group()
+    assert not isinstance(built[False]._dmp_wrapped_module, DistributedDataParallel)
+    assert isinstance(built[True]._dmp_wrapped_module, DistributedDataParallel)
+    plain, ddp = built[False].state_dict(), built[True].state_dict()
+    assert sorted(plain) == sorted(ddp)
+    dense = [k for k in plain if "embeddings" not in k]
+    assert dense and all(torch.equal(plain[k], ddp[k]) for k in dense)  # same seeded init either way
+
+
+@pytest.mark.parametrize("impl", ["auto", "fused", "foreach"])
+def test_dense_optimizer_impl_sets_adamw_and_updates_alike(impl):
+    """train.dense_optimizer_impl: "auto" is foreach on the CPU (fused needs the parameters on CUDA to be chosen),
+    "fused" / "foreach" as asked; one AdamW step from the same gradients moves the dense weights alike (fused and
+    foreach differ by float rounding only)."""
+    import torch
+    import torch.distributed as dist
+
+    from gemray.bench.train import _init_process_group
+    from gemray.config import load_config
+    from gemray.model import GEM
+    from gemray.parallel import build_optimizer, parallelize
+
+    base = ["model.embedding_dim=8", "model.num_blocks=1", "model.num_heads=2", "model.attention_dim=4",
+            "model.linear_dim=4", "model.num_negatives=4", "data.max_seq_len=8", "train.lr=1e-2"]
+    made = _init_process_group(torch.device("cpu"))
+    after = {}
+    try:
+        for which in (impl, "foreach"):
+            cfg = load_config(None, base + [f"train.dense_optimizer_impl={which}"])
+            dmp = parallelize(GEM(cfg.model, 50, "meta", max_seq_len=8), layout=plan_layout(1, "cpu"), cfg=cfg,
+                              device=torch.device("cpu"))
+            opt = build_optimizer(dmp, cfg)
+            groups = [g for name, o in opt.optimizers if name == "dense" for g in o.param_groups]
+            want_fused = which == "fused"
+            assert groups and all(bool(g["fused"]) == want_fused and bool(g["foreach"]) != want_fused
+                                  for g in groups)
+            dense = {n: p for n, p in dmp.named_parameters() if "embeddings" not in n}
+            gen = torch.Generator().manual_seed(1)
+            for p in dense.values():
+                p.grad = torch.randn(p.shape, generator=gen)
+            before = {n: p.detach().clone() for n, p in dense.items()}
+            opt.step()
+            after[which] = {n: p.detach().clone() for n, p in dense.items()}
+            assert all(not torch.equal(before[n], after[which][n]) for n in dense)  # every dense weight stepped
+    finally:
+        if made:
+            dist.destroy_process_group()
+    a, b = after[impl], after["foreach"]
+    assert sorted(a) == sorted(b)
+    for n in a:
+        torch.testing.assert_close(a[n], b[n], rtol=1e-5, atol=1e-6, msg=n)

@@ -294,7 +294,8 @@ def parallelize(model: nn.Module, *, layout: Layout, cfg: JobConfig, device: tor
        real-device build with that seed (its init_weights skips the draws of the tables left on meta);
     4. ``DistributedModelParallel``: shards the EmbeddingCollection per the plan and materialises each
        rank's shards (FBGEMM initialises them from the tables' ``weight_init_min/max``, continuing the RNG
-       stream of step 3), then wraps the dense remainder in DDP (``parallel.dense="ddp"``) or FSDP2 /
+       stream of step 3), then wraps the dense remainder in DDP (``parallel.dense="ddp"``; at world size 1
+       nothing, :class:`SingleRankWrapper`, unless ``parallel.ddp_at_world_size_1``) or FSDP2 /
        HSDP over the layout's device mesh (``gemray.parallel.fsdp.FullyShardWrapper``); with
        ``parallel.sparse_2d_group`` > 0 a ``DMPCollection`` (tables sharded inside groups of that size,
        replicated across; :func:`sync_sparse_replicas` after each step).
@@ -385,11 +386,13 @@ def parallelize(model: nn.Module, *, layout: Layout, cfg: JobConfig, device: tor
     # 4. DMP: EC sharded per plan (shards materialised by TorchRec), the dense remainder wrapped in DDP, or
     # by FSDP2 over the mesh's dp dims; DMPCollection for TorchRec 2D (shard in a group, replicate across).
     wrapper = None
+    pcfg = getattr(cfg, "parallel", None)
+    if not dims.fsdp_enabled and dims.world_size == 1 and not bool(getattr(pcfg, "ddp_at_world_size_1", False)):
+        wrapper = SingleRankWrapper()
     if dims.fsdp_enabled:
         from gemray.parallel.dims import dense_mesh
         from gemray.parallel.fsdp import data_parallel_wrapper
 
-        pcfg = getattr(cfg, "parallel", None)
         wrapper = data_parallel_wrapper(
             dense_mesh(mesh, dims), precision=str(getattr(cfg.train, "precision", "fp32")),
             reshard_after_forward=bool(getattr(pcfg, "reshard_after_forward", True)),
@@ -410,6 +413,19 @@ def parallelize(model: nn.Module, *, layout: Layout, cfg: JobConfig, device: tor
 
         register_expert_grad_reduction(dmp.module, mesh, dims.world_size)
     return dmp
+
+
+class SingleRankWrapper:
+    """TorchRec ``DataParallelWrapper`` for a world of one rank with dense "ddp": leaves the dense part unwrapped.
+
+    DDP over one rank changes no gradient but costs every step its forward pre-hook, one autograd hook per
+    parameter, the bucket bookkeeping and one-rank all-reduce launches: host time, which the GEM-scale step
+    is bound by (benchmarks/reports/gem_h200_2026-12-06.md). The state dict is the same either way
+    (``DistributedModelParallel.state_dict`` strips DDP's "module." prefix), so checkpoints move between world
+    sizes as before. ``parallel.ddp_at_world_size_1 = true`` restores DDP (for comparisons)."""
+
+    def wrap(self, dmp: nn.Module, env, device: torch.device) -> None:
+        log.info("world size 1: the dense part is not wrapped in DDP (parallel.ddp_at_world_size_1 = false)")
 
 
 def sync_sparse_replicas(dmp: nn.Module) -> None:
@@ -511,6 +527,7 @@ def build_optimizer(dmp: nn.Module, cfg: JobConfig):
     ``train.weight_decay``). With ``train.lr_base_fan_in`` > 0 the dense parameters form one AdamW param group
     per learning-rate multiplier (``gemray.model.lr_scaling``: ``min(1, base / fan-in)`` for the weight
     matrices); each group carries its multiplier as ``"lr_scale"`` and its ``lr`` = ``train.lr`` x that.
+    ``train.dense_optimizer_impl`` picks AdamW's implementation ("auto": fused with the parameters on CUDA).
 
     Returns a TorchRec ``CombinedOptimizer``: call ``step()`` after backward; its state_dict names parameters
     ``"sparse.<fqn>"`` (fused embedding optimizer) and ``"dense.<fqn>"`` (AdamW). :func:`dense_lr_scales` /
@@ -532,11 +549,17 @@ def build_optimizer(dmp: nn.Module, cfg: JobConfig):
             f"{sum(dense_params[n].numel() for n in names):,} values"
             for sc, names in sorted(groups.items(), reverse=True)))
 
+    impl = str(getattr(cfg.train, "dense_optimizer_impl", "auto"))
+    if impl == "auto":
+        cuda = any(p.device.type == "cuda" for p in dense_params.values())
+        impl = "fused" if cuda else "foreach"
+
     def make(_params):
         return torch.optim.AdamW(
             [{"params": [dense_params[n] for n in names], "lr": cfg.train.lr * sc, "lr_scale": sc}
              for sc, names in sorted(groups.items(), reverse=True)],
-            lr=cfg.train.lr, betas=tuple(cfg.train.adam_betas), weight_decay=cfg.train.weight_decay)
+            lr=cfg.train.lr, betas=tuple(cfg.train.adam_betas), weight_decay=cfg.train.weight_decay,
+            fused=impl == "fused", foreach=impl == "foreach")
 
     dense_opt = KeyedOptimizerWrapper(dense_params, make)
     return CombinedOptimizer([("sparse", dmp.fused_optimizer), ("dense", dense_opt)])
