@@ -72,7 +72,7 @@ if [ -n "$VARIANTS" ]; then
 import json, os, sys
 out, name, variants = sys.argv[1], sys.argv[2], sys.argv[3:]
 cols = ["variant", "step ms", "tokens/s", "MFU", "peak GiB", "max/med", "attn ms", "gemm ms", "other ms", "idle ms",
-        "compile s", "syncs"]
+        "steady idle", "compile s", "syncs"]
 rows = []
 for v in variants:
     p = os.path.join(out, f"{name}.{v}.json")
@@ -82,6 +82,7 @@ for v in variants:
     r = json.load(open(p))
     prof = (r.get("profile") or {}).get("per_step_s", {})
     idle = (r.get("profile") or {}).get("gpu_idle_s")
+    steady = ((r.get("profile") or {}).get("idle") or {}).get("steady_idle_s_per_step")
     ms = lambda x: "n/a" if x is None else f"{1e3 * x:.1f}"
     tc = r.get("torch_compile") or {}
     sd = r.get("sync_debug")
@@ -89,14 +90,15 @@ for v in variants:
                  "n/a" if r["local_mfu"] is None else f"{100 * r['local_mfu']:.2f}%",
                  f"{r['peak_memory'].get('allocated_bytes', 0) / 2**30:.1f}",
                  f"{r['compile_stall']['max_over_median'] or 0:.2f}" + ("!" if r["compile_stall"]["flagged"] else ""),
-                 ms(prof.get("attention")), ms(prof.get("gemm")), ms(prof.get("other")), ms(idle),
+                 ms(prof.get("attention")), ms(prof.get("gemm")), ms(prof.get("other")), ms(idle), ms(steady),
                  f"{tc.get('until_measured', {}).get('seconds', 0.0):.0f}" if tc.get("enabled") else "off",
                  "-" if sd is None else str(sd["total"])])
 w = [max(len(str(x)) for x in c) for c in zip(cols, *rows)]
 for row in [cols] + rows:
     print("  ".join(str(x).rjust(n) for x, n in zip(row, w)))
 print("(step ms: median; MFU: local, dense bf16 peak; max/med: '!' = compile-stall flag; attn / gemm / other / idle: "
-      "ms per profiled step; compile s: torch.compile before the measured steps; syncs: host syncs in one step, "
+      "ms per profiled step; steady idle: idle ms after the first profiled step, which starts on an empty launch queue; "
+      "compile s: torch.compile before the measured steps; syncs: host syncs in one step, "
       "--sync-debug)")
 for v in variants:
     p = os.path.join(out, f"{name}.{v}.json")

@@ -158,6 +158,10 @@ def test_idle_gaps_charge_each_gap_to_the_innermost_running_host_op_and_its_phas
     assert by["CompiledFunctionBackward"] == (pytest.approx(2.0), 1)  # midpoint 5.0: after aten::mm ended
     assert r["by_phase"] == {"gemray.backward": pytest.approx(2.0), "gemray.forward": pytest.approx(0.55)}
     assert [g[1] for g in r["largest"]] == pytest.approx([2.0, 0.5, 0.05])
+    assert r["first_step_s"] == 0.0  # no boundary given
+    # the first profiled step (it starts on an empty launch queue) ends at 3.0: its gaps (midpoints 1.25, 2.025)
+    # apart from the later one (midpoint 5.0)
+    assert idle_gaps(ks, host, phases, min_gap_s=0.01, first_step_end=3.0)["first_step_s"] == pytest.approx(0.55)
     # a gap shorter than min_gap_s is not counted; no host op at all
     r = idle_gaps([("a", 0.0, 1.0), ("b", 1.001, 2.0), ("c", 3.0, 4.0)], [], min_gap_s=0.01)
     assert r["gaps"] == 1 and r["by_host_op"] == [["(no host op)", pytest.approx(1.0), 1]]

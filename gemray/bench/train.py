@@ -154,8 +154,8 @@ def kernel_breakdown(kernels: list[tuple[str, float, float]]) -> dict[str, float
 
 
 def idle_gaps(kernels: list[tuple[str, float, float]], host_ops: list[tuple[str, float, float, int]],
-              phases: list[tuple[str, float, float]] = (), *, min_gap_s: float = 10e-6, top: int = 15
-              ) -> dict[str, Any]:
+              phases: list[tuple[str, float, float]] = (), *, min_gap_s: float = 10e-6, top: int = 15,
+              first_step_end: float | None = None) -> dict[str, Any]:
     """Pure: where the GPU's idle time goes, by what the host was doing while no kernel ran.
 
     kernels: device kernels ``(name, start_s, end_s)``; host_ops: host operators ``(name, start_s, end_s,
@@ -167,7 +167,8 @@ def idle_gaps(kernels: list[tuple[str, float, float]], host_ops: list[tuple[str,
 
     Returns {"gaps": n, "idle_s": total, "by_host_op": [[name, seconds, gaps], ...] (``top``, largest first;
     "(no host op)" where none contains the midpoint), "by_phase": {phase or "(between phases)": seconds},
-    "largest": [[start_s, seconds, host op, phase], ...] (``top``)}."""
+    "largest": [[start_s, seconds, host op, phase], ...] (``top``), "first_step_s": the idle seconds of the gaps
+    whose midpoint lies before ``first_step_end`` (seconds, on the kernels' clock; None: 0.0)}."""
     import bisect
 
     merged = _union([(a, b) for _, a, b in kernels])
@@ -190,8 +191,11 @@ def idle_gaps(kernels: list[tuple[str, float, float]], host_ops: list[tuple[str,
     by_op: dict[str, list[float]] = {}
     by_phase: dict[str, float] = {}
     largest = []
+    first = 0.0
     for a, b in gaps:
         mid, dur = (a + b) / 2, b - a
+        if first_step_end is not None and mid < first_step_end:
+            first += dur
         best = None  # (start, name) of the innermost op containing mid, latest start over threads
         for th, evs in by_thread.items():
             i = bisect.bisect_right(starts[th], mid) - 1
@@ -209,7 +213,8 @@ def idle_gaps(kernels: list[tuple[str, float, float]], host_ops: list[tuple[str,
     largest.sort(key=lambda r: -r[1])
     return {"gaps": len(gaps), "idle_s": sum(b - a for a, b in gaps),
             "by_host_op": [[n, v[0], v[1]] for n, v in sorted(by_op.items(), key=lambda kv: -kv[1][0])[:top]],
-            "by_phase": dict(sorted(by_phase.items(), key=lambda kv: -kv[1])), "largest": largest[:top]}
+            "by_phase": dict(sorted(by_phase.items(), key=lambda kv: -kv[1])), "largest": largest[:top],
+            "first_step_s": first}
 
 
 def _percentile(xs: list[float], q: float) -> float:
@@ -398,7 +403,9 @@ def host_profile(trainer: Any, batches: _Batches, steps: int, device: torch.devi
     synchronised once at the end): {"steps", "wall_s", "host_s" (mean seconds per step in ``train_step``),
     "by_own": [[function, own seconds per step, calls per step], ...], "by_cumulative": [[function, cumulative
     seconds per step, calls per step], ...]} (``top`` each; function = "path:line(name)", paths shortened to the
-    package). cProfile slows Python down: compare shares, not absolute times, with the unprofiled steps."""
+    package). cProfile slows Python down: compare shares, not absolute times, with the unprofiled steps. From
+    Python 3.12 on cProfile records every thread of the process (sys.monitoring), so the rows include the data
+    loader's pin thread (its ``pin_memory`` calls, for one); ``host_s`` is the training thread's alone."""
     import cProfile
     import pstats
 
@@ -469,7 +476,10 @@ def profile_breakdown(trainer: Any, batches: _Batches, steps: int, device: torch
                 acc = host_ops.setdefault(e.name, [0.0, 0])
                 acc[0] += e.self_cpu_time_total / 1e6
                 acc[1] += 1
-        gaps = idle_gaps(kernels, spans, phases)
+        # the phase starts from a synchronised device (an empty launch queue, which training never has between
+        # steps): the first step's gaps are reported apart, the steady state is the steps after it
+        starts = sorted(s0 for n, s0, _ in phases if n == PHASE_PREFIX + "to_device")
+        gaps = idle_gaps(kernels, spans, phases, first_step_end=starts[1] if len(starts) > 1 else None)
     else:  # no kernels: the operators' self CPU time
         cats = dict.fromkeys(CATEGORIES, 0.0)
         cats["overlapped_communication"] = 0.0
@@ -498,7 +508,9 @@ def profile_breakdown(trainer: Any, batches: _Batches, steps: int, device: torch
         out["idle"] = {"gaps_per_step": gaps["gaps"] / steps, "idle_s_per_step": gaps["idle_s"] / steps,
                        "by_host_op": [[n, sec / steps, k / steps] for n, sec, k in gaps["by_host_op"]],
                        "by_phase": {k: v / steps for k, v in gaps["by_phase"].items()},
-                       "largest": gaps["largest"]}
+                       "largest": gaps["largest"],
+                       "steady_idle_s_per_step": ((gaps["idle_s"] - gaps["first_step_s"]) / (steps - 1)
+                                                  if steps > 1 and len(starts) > 1 else None)}
     return out
 
 
@@ -738,6 +750,10 @@ def format_table(res: dict[str, Any]) -> str:
             lines.append(f"    GPU idle between kernels: {idle['idle_s_per_step'] * 1e3:.2f} ms in "
                          f"{idle['gaps_per_step']:.0f} gaps per step; by step phase: " + ", ".join(
                              f"{k.removeprefix(PHASE_PREFIX)} {v * 1e3:.2f}" for k, v in idle["by_phase"].items()))
+            steady = idle.get("steady_idle_s_per_step")
+            if steady is not None:
+                lines.append(f"    ... after the first profiled step (whose launch queue starts empty: the phase "
+                             f"begins synchronised): {steady * 1e3:.2f} ms per step")
             lines.append("    ... by the host operator running meanwhile (ms per step, gaps per step):")
             for n, sec, k in idle["by_host_op"][:10]:
                 lines.append(f"      {sec * 1e3:8.2f} {k:7.1f}  {n[:90]}")
