@@ -56,9 +56,6 @@ class DataConfig:
     a CUDA device, 0 on the CPU (whose cores the CPU step uses for compute).
     prefetch_batches: batches each loader worker keeps ready ahead of the step (DataLoader's prefetch_factor;
     unused with 0 workers).
-    pin_thread: with loader workers on CUDA, pin each batch in the DataLoader's pin thread (true, default) or in
-    the training thread when the step copies it to the device (false): the pin thread shares the training
-    process's GIL with the thread that launches the step's kernels.
     """
 
     raw_dir: str = "../shared/data/ml-1m"
@@ -77,7 +74,6 @@ class DataConfig:
     synthetic: list[str] = field(default_factory=list)
     loader_workers: int | str = "auto"
     prefetch_batches: int = 2
-    pin_thread: bool = True
 
     def synthetic_params(self) -> dict[str, str]:
         """``synthetic`` parsed: {parameter: value text}. Raises ValueError naming the bad entry."""

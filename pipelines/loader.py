@@ -101,11 +101,10 @@ class TrainLoader:
     def from_config(cls, data_cfg: DataConfig, *, rank: int, world_size: int, seed: int,
                     device_type: str) -> "TrainLoader":
         """The train stream of ``data_cfg`` with ``data.loader_workers`` resolved for ``device_type`` ("auto": 1
-        on "cuda", 0 elsewhere), ``data.prefetch_batches``, pinning in the pin thread on CUDA unless
-        ``data.pin_thread`` is false."""
+        on "cuda", 0 elsewhere), ``data.prefetch_batches``, pinning on CUDA."""
         stream = ElasticTrainStream.from_config(data_cfg, rank=rank, world_size=world_size, seed=seed)
         return cls(stream, workers=data_cfg.resolved_loader_workers(device_type), prefetch=data_cfg.prefetch_batches,
-                   pin_memory=device_type == "cuda" and bool(getattr(data_cfg, "pin_thread", True)))
+                   pin_memory=device_type == "cuda")
 
     # the stream's interface, delegated
     @property

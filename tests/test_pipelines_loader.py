@@ -154,18 +154,3 @@ def test_cuda_loader_pins_in_its_thread(prepared):
     assert all(b.is_pinned() for b, _ in got) and any(b.batch_size == 0 for b, _ in got)
     assert not any(b.is_pinned() for b, _ in want if b.batch_size)
     assert _no_children()
-
-
-@pytest.mark.parametrize("pin_thread", [True, False])
-def test_from_config_pins_in_the_thread_on_cuda_unless_turned_off(prepared, pin_thread):
-    """TrainLoader.from_config: on CUDA with workers the DataLoader's pin thread pins unless data.pin_thread is
-    false (the training thread pins then, forward_backward_step); never on the CPU, never without workers."""
-    from gemray.config import load_config
-
-    cfg = load_config(None, [f"data.prepared_dir={prepared}", "data.loader_workers=1",
-                             f"data.pin_thread={str(pin_thread).lower()}"]).data
-    cuda = TrainLoader.from_config(cfg, rank=0, world_size=1, seed=0, device_type="cuda")
-    assert cuda.pin_memory is pin_thread
-    assert TrainLoader.from_config(cfg, rank=0, world_size=1, seed=0, device_type="cpu").pin_memory is False
-    cfg.loader_workers = 0
-    assert TrainLoader.from_config(cfg, rank=0, world_size=1, seed=0, device_type="cuda").pin_memory is False
