@@ -586,11 +586,6 @@ class TrainConfig:
     compile_optimize_ddp: bool = False
     compile_mode: str = "default"
     compile_options: list[str] = field(default_factory=list)
-    # cuBLAS front end for the dense GEMMs on CUDA (torch.backends.cuda.preferred_blas_library, process-wide):
-    # "default" (torch's choice), "cublas" or "cublaslt". A token count cuBLAS has not seen costs its heuristic
-    # 100-300 us of host time per GEMM, less under "cublas" (benchmarks/reports/gem_h200_2026-12-05.md); no effect
-    # on the CPU.
-    blas_library: str = "default"
     deterministic: bool = True
 
     def validate(self) -> None:
@@ -631,7 +626,6 @@ class TrainConfig:
         if self.max_steps_per_epoch < 0:
             raise ValueError("train.max_steps_per_epoch: expected >= 0")
         _choice(self, "dense_optimizer_impl", ("auto", "fused", "foreach"))
-        _choice(self, "blas_library", ("default", "cublas", "cublaslt"))
         _choice(self, "sparse_optimizer", ("auto", "rowwise_adam", "adam", "rowwise_adagrad", "adagrad"))
 
     def ineffective_compile_settings(self) -> list[str]:

@@ -265,8 +265,6 @@ class Trainer:
             _setup_logging(self.rank)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-            if cfg.train.blas_library != "default":
-                torch.backends.cuda.preferred_blas_library(cfg.train.blas_library)
         apply_determinism(cfg.train.deterministic, self.device)  # before anything is built or warmed up
         self.device_name, self.peak_flops = device_peak_flops(self.device)
         # CUDA: losses stay on the device and are read every train.log_every steps (train_step)
