@@ -857,6 +857,48 @@ def test_no_data_names_both_paths_and_how_to_point_at_movielens(tmp_path, monkey
     assert not (tmp_path / "o").exists() and not (tmp_path / "prep").exists()
 
 
+@pytest.mark.parametrize("raw_dir", ["same", "other", "missing"])
+def test_a_raw_movielens_folder_as_prepared_dir_gets_the_command_that_prepares_it(raw_dir, tmp_path, monkeypatch,
+                                                                                  capsys):
+    """data.prepared_dir naming a raw MovieLens folder (ratings.dat, no manifest): one line saying so, with the
+    `gemray prepare movielens` command (into data/<name> under the working directory, never over the raw folder)
+    and how to pass the result, exit 2 before anything is prepared or Ray starts; whatever data.raw_dir is. It used
+    to start preparing data.raw_dir into that folder ("holds the source ...: choose another --out", naming an
+    option the user never gave) or say "no data to train on" when data.raw_dir was missing."""
+    import gemray.pipelines.movielens as movielens
+    from gemray.cli import build_parser, main
+
+    raw = tmp_path / "ml-1m"
+    raw.mkdir()
+    (raw / "ratings.dat").write_text("1::1193::5::978300760\n")
+    other = tmp_path / "ml-100k"
+    other.mkdir()
+    (other / "u.data").write_text("1\t1\t5\t874965758\n")
+    given = {"same": raw, "other": other, "missing": tmp_path / "nowhere"}[raw_dir]
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.setattr(session, "connect", lambda cfg: pytest.fail("Ray must not start"))
+    monkeypatch.setattr(movielens, "prepare_movielens", lambda *a, **k: pytest.fail("nothing must be prepared"))
+    rc = main(["train", "--config", str(REPO / "configs" / "ml-1m.toml"), "--output", str(tmp_path / "o"),
+               "--set", f"data.raw_dir={given}", f"data.prepared_dir={raw}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    out = Path("data") / "ml-1m"
+    assert rc == 2 and err == [
+        f"gemray: error: data.prepared_dir {raw} holds raw MovieLens ratings (ratings.dat), not prepared data "
+        f"(manifest.json and Parquet histories); prepare it into a folder of its own with `gemray prepare movielens "
+        f"--src {raw} --out {out}` and pass --set data.prepared_dir={out} (or have it prepared on the way: --set "
+        f"data.raw_dir={raw} data.prepared_dir={out})"], err
+    assert sorted(p.name for p in raw.iterdir()) == ["ratings.dat"] and not (work / "data").exists()
+    assert not (tmp_path / "o").exists()
+    # the commands it gives are the CLI's own
+    ns = build_parser().parse_args(["prepare", "movielens", "--src", str(raw), "--out", str(out)])
+    assert (ns.func.__name__, ns.src, ns.out) == ("_cmd_prepare", str(raw), str(out))
+    ns = build_parser().parse_args(["train", "--config", "c.toml", "--set", f"data.raw_dir={raw}",
+                                    f"data.prepared_dir={out}"])
+    assert ns.overrides == [f"data.raw_dir={raw}", f"data.prepared_dir={out}"]
+
+
 @pytest.mark.parametrize("given", ["absolute", "shared"])
 def test_a_misspelled_raw_dir_gets_the_close_folder_and_gemray_shared_only_for_shared_paths(given, tmp_path,
                                                                                              monkeypatch, capsys):

@@ -57,7 +57,8 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
     gemray.events.summarize_recovery). A run stopped by a preemption notice writes ``preempted``,
     ``global_step``, ``epoch`` and ``epochs_completed`` instead of test metrics.
     Raises FileNotFoundError / ValueError for a bad config or data path (no prepared data and no MovieLens
-    ratings file in ``data.raw_dir``: :func:`no_data_message`), or for an output folder whose
+    ratings file in ``data.raw_dir``: :func:`no_data_message`; raw MovieLens ratings in ``data.prepared_dir``),
+    or for an output folder whose
     checkpoint was trained on other data (:func:`~gemray.controller.preflight.preflight_resume`),
     ValueError for an output folder this process cannot write
     (:func:`~gemray.controller.preflight.preflight_output`), FileExistsError for an output folder in which
@@ -161,8 +162,10 @@ def ensure_prepared(cfg: JobConfig) -> dict[str, Any]:
 def _ensure_prepared(cfg: JobConfig) -> dict[str, Any]:
     """The prepared data's manifest (every file checked against it), preparing the data from
     ``data.raw_dir`` first when ``data.prepared_dir`` holds none. Raises FileNotFoundError when neither is
-    there (:func:`no_data_message`), ValueError for a damaged prepared folder."""
-    from gemray.pipelines.movielens import detect_format, format_summary, load_manifest, prepare_movielens
+    there (:func:`no_data_message`) or ``data.prepared_dir`` holds raw MovieLens ratings (the command that prepares
+    them: :func:`~gemray.pipelines.movielens.raw_folder_error`), ValueError for a damaged prepared folder."""
+    from gemray.pipelines.movielens import (detect_format, format_summary, load_manifest, prepare_movielens,
+                                            raw_folder_error)
 
     if cfg.data.synthetic:
         from gemray.pipelines.synthetic import ensure_synthetic
@@ -176,6 +179,12 @@ def _ensure_prepared(cfg: JobConfig) -> dict[str, Any]:
                         cfg.data.prepared_dir)
         return manifest
     except FileNotFoundError as unprepared:
+        # raw MovieLens files where the prepared data belongs: say so and how to prepare them, rather than prepare
+        # data.raw_dir into that folder (refused only once preparation starts, or "not prepared" when raw_dir is off)
+        raw_here = raw_folder_error(cfg.data.prepared_dir, "data.prepared_dir", "--set data.prepared_dir={out} (or "
+                                    "have it prepared on the way: --set data.raw_dir={src} data.prepared_dir={out})")
+        if raw_here:
+            raise FileNotFoundError(raw_here) from None
         try:
             detect_format(cfg.data.raw_dir)
         except FileNotFoundError:
