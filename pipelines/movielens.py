@@ -597,11 +597,11 @@ def raw_folder_error(folder: str | Path, option: str, pass_as: str | None = None
     """The error for a folder of raw MovieLens ratings (ratings.dat, u.data or ratings.csv and no
     manifest.json) given where prepared data is expected, or None for any other folder. ``option`` names where
     it was given (``--data``, ``data.prepared_dir``), ``pass_as`` how to give the prepared folder instead
-    (``{option}``, ``{out}`` and ``{src}``, the raw folder, are filled in; default ``"{option} {out}"``). The message gives the ``gemray prepare movielens``
-    command that prepares it into a folder of its own, ``data/<folder name>`` under the working directory
-    (``data/<name>-prepared`` when that is the raw folder itself; never beside it: the raw data may sit in a
-    read-only shared tree such as ../shared/data/ml-1m). Used by ``gemray evaluate`` / ``recommend`` (--data)
-    and ``gemray train`` / ``fit`` (data.prepared_dir)."""
+    (``{option}``, ``{out}`` and ``{src}``, the raw folder, are filled in; default ``"{option} {out}"``). The
+    message gives the ``gemray prepare movielens`` command that prepares it into a folder of its own,
+    ``data/<folder name>`` under the working directory (``data/<name>-prepared`` when that is the raw folder
+    itself; never beside it: the raw data may sit in a read-only shared tree such as ../shared/data/ml-1m). Used
+    by ``gemray evaluate`` / ``recommend`` (--data) and ``gemray train`` / ``fit`` (data.prepared_dir)."""
     d = Path(folder).expanduser()
     raw = [f.filename for f in FORMATS.values() if (d / f.filename).is_file()]
     if not raw or (d / MANIFEST_FILE).is_file():
