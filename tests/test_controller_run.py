@@ -337,9 +337,58 @@ def test_train_into_a_folder_of_another_dataset_exits_2_before_ray(tmp_path, mon
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1, err
     assert err[0].startswith(f"gemray: error: output folder {out} holds checkpoint {ckpt} of other data")
-    assert "3707 rows (3706 items)" in err[0] and "1682 items" in err[0] and "new --output" in err[0]
+    assert "new --output" in err[0]
     assert ("trained on /data/ml-1m" if recorded else "records no data path") in err[0]
+    if recorded:  # refused from the raw ratings file, before ml-100k is prepared (it used to be prepared first)
+        assert (f"data.raw_dir {DATA / 'ml-100k'} is other data (format ml-1m -> ml-100k; ratings.dat sha256 "
+                "abababababab.. -> None..; u.data sha256 None.. -> ") in err[0], err
+        assert not (tmp_path / "ml-100k").exists()
+    else:  # no record to compare the raw file with: prepared, then refused on the item table's rows
+        assert "3707 rows (3706 items)" in err[0] and "1682 items" in err[0]
     assert sorted(p.name for p in out.iterdir()) == ["ray"]  # no config.toml, events or notice written
+
+
+def test_preflight_resume_source_compares_the_raw_ratings_file_before_preparing(tmp_path, monkeypatch):
+    """preflight_resume_source: another ratings file (or format) in data.raw_dir than the checkpoint's record names
+    is refused before preparing; the same file, a folder with prepared data, a raw folder given as
+    data.prepared_dir, no checkpoint, a checkpoint without a record or a raw_dir without ratings pass (the
+    preparation and preflight_resume see to those)."""
+    from gemray.checkpoint import file_sha256
+
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "ratings.dat").write_text("1::1193::5::978300760\n")
+    sha = file_sha256(raw / "ratings.dat")
+    out = tmp_path / "out"
+    run_dir = out / "ray" / "job"
+    cfg = JobConfig()
+    cfg.data.raw_dir, cfg.data.prepared_dir = str(raw), str(tmp_path / "prep")
+
+    def check():
+        preflight.preflight_resume_source(cfg, run_dir, output_dir=out)
+
+    check()  # no checkpoint: a fresh run
+    _committed_run(run_dir, 3706, _data_manifest(3706, sha="ab"))
+    with pytest.raises(ValueError, match=rf"of other data: data.raw_dir {raw} is other data \(ratings.dat sha256 "
+                                         rf"abababababab\.\. -> {sha[:12]}\.\.\), found before preparing it"):
+        check()
+    (raw / "ratings.dat").unlink()
+    check()  # no ratings file in data.raw_dir: the preparation step says so
+    (raw / "ratings.dat").write_text("1::1193::5::978300760\n")
+    (tmp_path / "prep").mkdir()
+    (tmp_path / "prep" / "manifest.json").write_text("{}")
+    check()  # prepared data there: nothing is prepared, preflight_resume compares the manifest
+    (tmp_path / "prep" / "manifest.json").unlink()
+    cfg.data.prepared_dir = str(raw)
+    check()  # a raw folder as data.prepared_dir: refused as such when it is loaded
+    cfg.data.prepared_dir = str(tmp_path / "prep")
+    run_dir = tmp_path / "same" / "ray" / "job"
+    _committed_run(run_dir, 3706, _data_manifest(3706, sha=sha[:2]) | {
+        "source": {"dir": str(raw), "files": [{"name": "ratings.dat", "sha256": sha}]}})
+    check()  # the same ratings file: prepared, then checked in full
+    run_dir = tmp_path / "old" / "ray" / "job"
+    _committed_run(run_dir, 3706)
+    check()  # no record (an older checkpoint): nothing to compare before preparing
 
 
 def test_preflight_active_refuses_a_folder_in_use_only(tmp_path):

@@ -9,7 +9,8 @@ folder and print a comparison table (:mod:`~gemray.controller.results`).
 
 Re-running with the same output folder and job name resumes from its latest committed checkpoint (Ray
 Train V2 restores a run by ``RunConfig(name, storage_path)``); a checkpoint trained on other data is refused
-before Ray starts (:func:`~gemray.controller.preflight.preflight_resume`).
+before Ray starts (:func:`~gemray.controller.preflight.preflight_resume`), one on another raw ratings file
+before that file is prepared (:func:`~gemray.controller.preflight.preflight_resume_source`).
 """
 
 from __future__ import annotations
@@ -86,10 +87,12 @@ def _fit(cfg: JobConfig, out: Path, t0: float) -> Result:
         # refusals above (a "has no effect" line right before the refusal of the same setting read as a contradiction)
         logging.getLogger("gemray.config").warning("%s", idle)
     results.load_scaling_reference(cfg.train.scaling_reference)  # a bad reference path fails now, not at the end
-    manifest = _ensure_prepared(cfg)  # bad data paths fail before anything is written to the output folder
     previous = _previous_config(out)
-    preflight.preflight_data(cfg, manifest, previous=previous)
     storage = Path(cfg.ray.storage_path).resolve() if cfg.ray.storage_path else out / "ray"
+    # a resume onto another raw ratings file: refused before preparing it (the full check follows preparation)
+    preflight.preflight_resume_source(cfg, storage / cfg.name, output_dir=out, previous=previous)
+    manifest = _ensure_prepared(cfg)  # bad data paths fail before anything is written to the output folder
+    preflight.preflight_data(cfg, manifest, previous=previous)
     preflight.preflight_resume(cfg, manifest, storage / cfg.name, output_dir=out, previous=previous)
     out.mkdir(parents=True, exist_ok=True)
     if not cfg.checkpoint.preempt_notice:
