@@ -634,6 +634,19 @@ def test_comparison_table_prints_the_published_rows_for_ml1m_data_only():
     assert "HSTU-large" not in t and "SASRec" not in t and "'synthetic'" in t and "0.2000" in t
 
 
+def test_comparison_table_says_when_targets_are_in_the_history():
+    """Targets in their user's history (synthetic data repeats items; 0 on MovieLens): the table says how many
+    and what that caps the history-excluded HR@10 at, which it used to print with no word of targets_in_history."""
+    m = {"hr@10": 0.05, "ndcg@10": 0.02, "hr@10_unfiltered": 0.6, "ndcg@10_unfiltered": 0.4,
+         "targets_in_history": 181.0, "num_test_users": 200, "eval_exclude_history": True}
+    last = results.comparison_table(m, "synthetic").splitlines()[-1]
+    assert last == ('(targets_in_history: 181 of 200 test targets are in their user\'s input history; the "this run" '
+                    'row excludes history items from the ranking and never finds them, so its HR@10 is at most '
+                    '0.0950; the all-items row ranks them)'), last
+    assert "targets_in_history" not in results.comparison_table({**m, "targets_in_history": 0.0}, "ml-1m")
+    assert "targets_in_history" not in results.comparison_table({"hr@10": 0.2, "ndcg@10": 0.1}, "ml-1m")
+
+
 def test_a_notice_after_the_last_vote_is_reported_and_marked_handled(tmp_path, caplog):
     """A preemption notice that arrives while the run finishes (after the final step's vote): a warning, and
     the notice marked handled with the final checkpoint (a `gemray preempt --wait` returns); none: nothing."""
