@@ -638,7 +638,7 @@ def test_comparison_table_says_when_targets_are_in_the_history():
     """Targets in their user's history (synthetic data repeats items; 0 on MovieLens): the table says how many
     and what that caps the history-excluded HR@10 at, which it used to print with no word of targets_in_history."""
     m = {"hr@10": 0.05, "ndcg@10": 0.02, "hr@10_unfiltered": 0.6, "ndcg@10_unfiltered": 0.4,
-         "targets_in_history": 181.0, "num_test_users": 200, "eval_exclude_history": True}
+         "targets_in_history": 181.0, "num_test_users": 200.0, "eval_exclude_history": True}
     last = results.comparison_table(m, "synthetic").splitlines()[-1]
     assert last == ('(targets_in_history: 181 of 200 test targets are in their user\'s input history; the "this run" '
                     'row excludes history items from the ranking and never finds them, so its HR@10 is at most '

@@ -183,7 +183,7 @@ def _targets_in_history_note(metrics: dict[str, Any]) -> list[str]:
     n_in, users = metrics.get("targets_in_history"), metrics.get("num_test_users")
     if not n_in or not metrics.get("eval_exclude_history", True):
         return []
-    of = f" of {users} test targets" if users else " test targets"
+    of = f" of {users:g} test targets" if users else " test targets"
     cap = f", so its HR@10 is at most {1 - n_in / users:.4f}" if users else ""
     return [f"(targets_in_history: {n_in:g}{of} are in their user's input history; the \"this run\" row excludes "
             f"history items from the ranking and never finds them{cap}; the all-items row ranks them)"]
