@@ -593,6 +593,28 @@ def format_summary(manifest: dict[str, Any], out: str | Path | None = None) -> s
     return text
 
 
+def raw_folder_error(folder: str | Path, option: str, pass_as: str | None = None) -> str | None:
+    """The error for a folder of raw MovieLens ratings (ratings.dat, u.data or ratings.csv and no
+    manifest.json) given where prepared data is expected, or None for any other folder. ``option`` names where
+    it was given (``--data``, ``data.prepared_dir``), ``pass_as`` how to give the prepared folder instead
+    (``{option}``, ``{out}`` and ``{src}``, the raw folder, are filled in; default ``"{option} {out}"``). The
+    message gives the ``gemray prepare movielens`` command that prepares it into a folder of its own,
+    ``data/<folder name>`` under the working directory (``data/<name>-prepared`` when that is the raw folder
+    itself; never beside it: the raw data may sit in a read-only shared tree such as ../shared/data/ml-1m). Used
+    by ``gemray evaluate`` / ``recommend`` (--data) and ``gemray train`` / ``fit`` (data.prepared_dir)."""
+    d = Path(folder).expanduser()
+    raw = [f.filename for f in FORMATS.values() if (d / f.filename).is_file()]
+    if not raw or (d / MANIFEST_FILE).is_file():
+        return None
+    out = Path("data") / d.resolve().name
+    if out.resolve() == d.resolve():
+        out = out.with_name(f"{out.name}-prepared")
+    then = (pass_as or "{option} {out}").format(option=option, out=out, src=d)
+    return (f"{option} {folder} holds raw MovieLens ratings ({', '.join(raw)}), not prepared data ({MANIFEST_FILE} "
+            f"and Parquet histories); prepare it into a folder of its own with `gemray prepare movielens --src {d} "
+            f"--out {out}` and pass {then}")
+
+
 def load_manifest(prepared_dir: str | Path, *, verify: bool = False) -> dict[str, Any]:
     """Read ``<prepared_dir>/manifest.json`` and check that every file it lists exists. With ``verify``
     (``gemray train`` / ``fit`` before Ray starts: once per run, it reads every byte) also that each Parquet

@@ -337,9 +337,58 @@ def test_train_into_a_folder_of_another_dataset_exits_2_before_ray(tmp_path, mon
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1, err
     assert err[0].startswith(f"gemray: error: output folder {out} holds checkpoint {ckpt} of other data")
-    assert "3707 rows (3706 items)" in err[0] and "1682 items" in err[0] and "new --output" in err[0]
+    assert "new --output" in err[0]
     assert ("trained on /data/ml-1m" if recorded else "records no data path") in err[0]
+    if recorded:  # refused from the raw ratings file, before ml-100k is prepared (it used to be prepared first)
+        assert (f"data.raw_dir {DATA / 'ml-100k'} is other data (format ml-1m -> ml-100k; ratings.dat sha256 "
+                "abababababab.. -> None..; u.data sha256 None.. -> ") in err[0], err
+        assert not (tmp_path / "ml-100k").exists()
+    else:  # no record to compare the raw file with: prepared, then refused on the item table's rows
+        assert "3707 rows (3706 items)" in err[0] and "1682 items" in err[0]
     assert sorted(p.name for p in out.iterdir()) == ["ray"]  # no config.toml, events or notice written
+
+
+def test_preflight_resume_source_compares_the_raw_ratings_file_before_preparing(tmp_path, monkeypatch):
+    """preflight_resume_source: another ratings file (or format) in data.raw_dir than the checkpoint's record names
+    is refused before preparing; the same file, a folder with prepared data, a raw folder given as
+    data.prepared_dir, no checkpoint, a checkpoint without a record or a raw_dir without ratings pass (the
+    preparation and preflight_resume see to those)."""
+    from gemray.checkpoint import file_sha256
+
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "ratings.dat").write_text("1::1193::5::978300760\n")
+    sha = file_sha256(raw / "ratings.dat")
+    out = tmp_path / "out"
+    run_dir = out / "ray" / "job"
+    cfg = JobConfig()
+    cfg.data.raw_dir, cfg.data.prepared_dir = str(raw), str(tmp_path / "prep")
+
+    def check():
+        preflight.preflight_resume_source(cfg, run_dir, output_dir=out)
+
+    check()  # no checkpoint: a fresh run
+    _committed_run(run_dir, 3706, _data_manifest(3706, sha="ab"))
+    with pytest.raises(ValueError, match=rf"of other data: data.raw_dir {raw} is other data \(ratings.dat sha256 "
+                                         rf"abababababab\.\. -> {sha[:12]}\.\.\), found before preparing it"):
+        check()
+    (raw / "ratings.dat").unlink()
+    check()  # no ratings file in data.raw_dir: the preparation step says so
+    (raw / "ratings.dat").write_text("1::1193::5::978300760\n")
+    (tmp_path / "prep").mkdir()
+    (tmp_path / "prep" / "manifest.json").write_text("{}")
+    check()  # prepared data there: nothing is prepared, preflight_resume compares the manifest
+    (tmp_path / "prep" / "manifest.json").unlink()
+    cfg.data.prepared_dir = str(raw)
+    check()  # a raw folder as data.prepared_dir: refused as such when it is loaded
+    cfg.data.prepared_dir = str(tmp_path / "prep")
+    run_dir = tmp_path / "same" / "ray" / "job"
+    _committed_run(run_dir, 3706, _data_manifest(3706, sha=sha[:2]) | {
+        "source": {"dir": str(raw), "files": [{"name": "ratings.dat", "sha256": sha}]}})
+    check()  # the same ratings file: prepared, then checked in full
+    run_dir = tmp_path / "old" / "ray" / "job"
+    _committed_run(run_dir, 3706)
+    check()  # no record (an older checkpoint): nothing to compare before preparing
 
 
 def test_preflight_active_refuses_a_folder_in_use_only(tmp_path):
@@ -583,6 +632,19 @@ def test_comparison_table_prints_the_published_rows_for_ml1m_data_only():
     assert "HSTU-large" in results.comparison_table(m, "ml-1m") and "HSTU-large" in results.comparison_table(m)
     t = results.comparison_table(m, "synthetic")
     assert "HSTU-large" not in t and "SASRec" not in t and "'synthetic'" in t and "0.2000" in t
+
+
+def test_comparison_table_says_when_targets_are_in_the_history():
+    """Targets in their user's history (synthetic data repeats items; 0 on MovieLens): the table says how many
+    and what that caps the history-excluded HR@10 at, which it used to print with no word of targets_in_history."""
+    m = {"hr@10": 0.05, "ndcg@10": 0.02, "hr@10_unfiltered": 0.6, "ndcg@10_unfiltered": 0.4,
+         "targets_in_history": 181.0, "num_test_users": 200.0, "eval_exclude_history": True}
+    last = results.comparison_table(m, "synthetic").splitlines()[-1]
+    assert last == ('(targets_in_history: 181 of 200 test targets are in their user\'s input history; the "this run" '
+                    'row excludes history items from the ranking and never finds them, so its HR@10 is at most '
+                    '0.0950; the all-items row ranks them)'), last
+    assert "targets_in_history" not in results.comparison_table({**m, "targets_in_history": 0.0}, "ml-1m")
+    assert "targets_in_history" not in results.comparison_table({"hr@10": 0.2, "ndcg@10": 0.1}, "ml-1m")
 
 
 def test_a_notice_after_the_last_vote_is_reported_and_marked_handled(tmp_path, caplog):
@@ -855,6 +917,48 @@ def test_no_data_names_both_paths_and_how_to_point_at_movielens(tmp_path, monkey
     assert "--set data.raw_dir=/path/to/ml-latest-small" in err[0]
     assert "GEMRAY_SHARED" not in err[0] and "DATA_SRC=/path/to/ml-1m" in err[0]
     assert not (tmp_path / "o").exists() and not (tmp_path / "prep").exists()
+
+
+@pytest.mark.parametrize("raw_dir", ["same", "other", "missing"])
+def test_a_raw_movielens_folder_as_prepared_dir_gets_the_command_that_prepares_it(raw_dir, tmp_path, monkeypatch,
+                                                                                  capsys):
+    """data.prepared_dir naming a raw MovieLens folder (ratings.dat, no manifest): one line saying so, with the
+    `gemray prepare movielens` command (into data/<name> under the working directory, never over the raw folder)
+    and how to pass the result, exit 2 before anything is prepared or Ray starts; whatever data.raw_dir is. It used
+    to start preparing data.raw_dir into that folder ("holds the source ...: choose another --out", naming an
+    option the user never gave) or say "no data to train on" when data.raw_dir was missing."""
+    import gemray.pipelines.movielens as movielens
+    from gemray.cli import build_parser, main
+
+    raw = tmp_path / "ml-1m"
+    raw.mkdir()
+    (raw / "ratings.dat").write_text("1::1193::5::978300760\n")
+    other = tmp_path / "ml-100k"
+    other.mkdir()
+    (other / "u.data").write_text("1\t1\t5\t874965758\n")
+    given = {"same": raw, "other": other, "missing": tmp_path / "nowhere"}[raw_dir]
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.setattr(session, "connect", lambda cfg: pytest.fail("Ray must not start"))
+    monkeypatch.setattr(movielens, "prepare_movielens", lambda *a, **k: pytest.fail("nothing must be prepared"))
+    rc = main(["train", "--config", str(REPO / "configs" / "ml-1m.toml"), "--output", str(tmp_path / "o"),
+               "--set", f"data.raw_dir={given}", f"data.prepared_dir={raw}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    out = Path("data") / "ml-1m"
+    assert rc == 2 and err == [
+        f"gemray: error: data.prepared_dir {raw} holds raw MovieLens ratings (ratings.dat), not prepared data "
+        f"(manifest.json and Parquet histories); prepare it into a folder of its own with `gemray prepare movielens "
+        f"--src {raw} --out {out}` and pass --set data.prepared_dir={out} (or have it prepared on the way: --set "
+        f"data.raw_dir={raw} data.prepared_dir={out})"], err
+    assert sorted(p.name for p in raw.iterdir()) == ["ratings.dat"] and not (work / "data").exists()
+    assert not (tmp_path / "o").exists()
+    # the commands it gives are the CLI's own
+    ns = build_parser().parse_args(["prepare", "movielens", "--src", str(raw), "--out", str(out)])
+    assert (ns.func.__name__, ns.src, ns.out) == ("_cmd_prepare", str(raw), str(out))
+    ns = build_parser().parse_args(["train", "--config", "c.toml", "--set", f"data.raw_dir={raw}",
+                                    f"data.prepared_dir={out}"])
+    assert ns.overrides == [f"data.raw_dir={raw}", f"data.prepared_dir={out}"]
 
 
 @pytest.mark.parametrize("given", ["absolute", "shared"])

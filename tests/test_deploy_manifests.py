@@ -140,6 +140,20 @@ def test_render_takes_several_values_per_set_as_train_does(tmp_path):
     assert "train.epochs=1" in text and "ray.max_workers=4" in text and "train.seed=7" in text
 
 
+def test_render_to_file_says_what_it_wrote(tmp_path, capsys):
+    """`gemray k8s render -o FILE` prints one line naming the file and what is in it (it was silent); without -o
+    the YAML alone goes to stdout."""
+    out = tmp_path / "sub" / "job.yaml"
+    assert cli.main(["render", "--config", str(REPO / "configs" / "ml-latest-small.toml"), "--name", "small",
+                     "-o", str(out)]) == 0
+    assert capsys.readouterr().out.splitlines() == [f"written: {out} (RayJob small)"]
+    assert "kind: RayJob" in out.read_text()
+    assert cli.main(["render", "--kind", "pvc", f"--output={tmp_path / 'pvc.yaml'}"]) == 0
+    assert capsys.readouterr().out == f"written: {tmp_path / 'pvc.yaml'} (PersistentVolumeClaim gemray-data)\n"
+    assert cli.main(["render", "--kind", "pvc"]) == 0
+    assert capsys.readouterr().out == (tmp_path / "pvc.yaml").read_text()
+
+
 def test_regenerate_refuses_hand_written_file(tmp_path):
     p = tmp_path / "x.yaml"
     p.write_text("apiVersion: ray.io/v1\nkind: RayJob\n")

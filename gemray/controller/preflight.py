@@ -7,7 +7,8 @@ refused at once, in one line naming the field or folder, before anything is writ
 * :func:`preflight_data`: cut-offs against the catalogue, the prepared data's source files, the model
   shape against the previous run in the output folder;
 * :func:`preflight_resume`: the checkpoint a resume would restore was trained on this data
-  (:func:`resume_mismatch` is the pure comparison);
+  (:func:`resume_mismatch` is the pure comparison); :func:`preflight_resume_source` checks the raw ratings file
+  before the data is prepared;
 * :func:`preflight_output`: the output folder is (or can be made) a folder this process can write;
 * :func:`preflight_active`: no other run is active in the output folder
   (:mod:`gemray.controller.output_lock` claims it).
@@ -238,7 +239,47 @@ def preflight_resume(cfg: JobConfig, manifest: dict[str, Any], run_dir: str | Pa
                         "table matches the %d items of %s, but whether it was trained on this data cannot be "
                         "checked; resuming it", latest, now["num_items"], cfg.data.prepared_dir)
         return latest
-    differs, why = mismatch
+    raise _other_data(latest, *mismatch, rec, run_dir, output_dir=output_dir, previous=previous)
+
+
+def preflight_resume_source(cfg: JobConfig, run_dir: str | Path, *, output_dir: str | Path,
+                            previous: JobConfig | None = None) -> None:
+    """Refuse, before ``data.raw_dir`` is prepared into ``data.prepared_dir``, to resume a checkpoint trained on
+    another raw ratings file: :func:`preflight_resume` can only compare once the data is prepared (it needs the
+    prepared counts), and preparing a large release just to be refused wastes minutes. Checks only what tells
+    without preparing: the MovieLens format and the sha256 of the ratings file in ``data.raw_dir`` against the
+    newest committed checkpoint's data record. Either differing makes that record's fingerprint differ from the
+    prepared data's, so :func:`preflight_resume` would refuse it anyway; the same file goes on to be prepared and
+    checked in full. Does nothing when no preparation is due (``data.prepared_dir`` has a manifest), for
+    synthetic data, without a committed checkpoint or its record, or when ``data.raw_dir`` holds no single
+    ratings file (the preparation step reports that). Raises ValueError worded as :func:`preflight_resume`."""
+    from gemray.pipelines.movielens import detect_format, raw_folder_error
+    from gemray.pipelines.schema import MANIFEST_FILE
+
+    prepared = Path(cfg.data.prepared_dir)
+    if cfg.data.synthetic or (prepared / MANIFEST_FILE).exists() or raw_folder_error(prepared, ""):
+        return  # nothing to prepare, or a raw folder as data.prepared_dir (refused as such when it is loaded)
+    latest = next(iter(committed_checkpoints(run_dir)), None)
+    rec = checkpoint_data(latest)["record"] if latest is not None else None
+    if not rec or not rec.get("source_files"):
+        return
+    try:
+        fmt, ratings = detect_format(cfg.data.raw_dir)
+    except (FileNotFoundError, ValueError):
+        return
+    now = {**rec, "format": fmt.name, "source_files": [[ratings.name, file_sha256(ratings)]]}
+    if now["format"] == rec.get("format") and now["source_files"] == sorted(map(list, rec["source_files"])):
+        return
+    differs = (f"data.raw_dir {cfg.data.raw_dir} is other data (" + "; ".join(_data_diff(rec, now)) + "), found "
+               "before preparing it into data.prepared_dir")
+    raise _other_data(latest, differs, "resuming would go on training its item rows on ids that mean other items",
+                      rec, run_dir, output_dir=output_dir, previous=previous)
+
+
+def _other_data(latest: Path, differs: str, why: str, rec: dict[str, Any] | None, run_dir: str | Path, *,
+                output_dir: str | Path, previous: JobConfig | None) -> ValueError:
+    """The error of :func:`preflight_resume` / :func:`preflight_resume_source`: the output folder, the checkpoint,
+    what differs, where its data came from and how to go on."""
     out, run_dir = Path(output_dir), Path(run_dir)
     if rec is not None:
         origin = f"it was trained on {rec.get('prepared_dir')} (prepared from {rec.get('source_dir')})"
@@ -248,9 +289,9 @@ def preflight_resume(cfg: JobConfig, manifest: dict[str, Any], run_dir: str | Pa
     else:
         origin = "it records no data path (written by an older gemray)"
     remove = out if run_dir.resolve().is_relative_to(out.resolve()) else run_dir
-    raise ValueError(f"output folder {out} holds checkpoint {latest} of other data: {differs}; {origin}. Not "
-                     f"resuming ({why}): use a new --output (output_dir) for this data, or remove {remove} to start "
-                     "over there (its checkpoints are lost); re-running with the data it was trained on resumes it")
+    return ValueError(f"output folder {out} holds checkpoint {latest} of other data: {differs}; {origin}. Not "
+                      f"resuming ({why}): use a new --output (output_dir) for this data, or remove {remove} to start "
+                      "over there (its checkpoints are lost); re-running with the data it was trained on resumes it")
 
 
 def preflight_active(notice_path: str | Path, *, clock=time.time, sleep=time.sleep) -> None:

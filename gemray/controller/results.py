@@ -172,7 +172,21 @@ def comparison_table(metrics: dict[str, Any], data_format: str | None = None) ->
     lines += [f"{n:<22}{hr:>8.4f}{nd:>9.4f}" for n, hr, nd in rows]
     lines.append("(published rows: ML-1M, Zhai et al. 2024; compare only against an ML-1M run)" if published else
                  f"(no published rows: they are ML-1M's, this run's data is {data_format!r})")
+    lines += _targets_in_history_note(metrics)
     return "\n".join(lines)
+
+
+def _targets_in_history_note(metrics: dict[str, Any]) -> list[str]:
+    """Pure: a line for :func:`comparison_table` when test targets are in their user's input history
+    (``targets_in_history``, a count, > 0: repeat consumption, e.g. synthetic data; 0 on MovieLens): the
+    history-excluded "this run" row never ranks those, so its HR@K is capped at the share of the others."""
+    n_in, users = metrics.get("targets_in_history"), metrics.get("num_test_users")
+    if not n_in or not metrics.get("eval_exclude_history", True):
+        return []
+    of = f" of {users:g} test targets" if users else " test targets"
+    cap = f", so its HR@10 is at most {1 - n_in / users:.4f}" if users else ""
+    return [f"(targets_in_history: {n_in:g}{of} are in their user's input history; the \"this run\" row excludes "
+            f"history items from the ranking and never finds them{cap}; the all-items row ranks them)"]
 
 
 def _checkpoint_path(result: Any) -> str | None:

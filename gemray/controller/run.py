@@ -9,7 +9,8 @@ folder and print a comparison table (:mod:`~gemray.controller.results`).
 
 Re-running with the same output folder and job name resumes from its latest committed checkpoint (Ray
 Train V2 restores a run by ``RunConfig(name, storage_path)``); a checkpoint trained on other data is refused
-before Ray starts (:func:`~gemray.controller.preflight.preflight_resume`).
+before Ray starts (:func:`~gemray.controller.preflight.preflight_resume`), one on another raw ratings file
+before that file is prepared (:func:`~gemray.controller.preflight.preflight_resume_source`).
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
     gemray.events.summarize_recovery). A run stopped by a preemption notice writes ``preempted``,
     ``global_step``, ``epoch`` and ``epochs_completed`` instead of test metrics.
     Raises FileNotFoundError / ValueError for a bad config or data path (no prepared data and no MovieLens
-    ratings file in ``data.raw_dir``: :func:`no_data_message`), or for an output folder whose
+    ratings file in ``data.raw_dir``: :func:`no_data_message`; raw MovieLens ratings in ``data.prepared_dir``),
+    or for an output folder whose
     checkpoint was trained on other data (:func:`~gemray.controller.preflight.preflight_resume`),
     ValueError for an output folder this process cannot write
     (:func:`~gemray.controller.preflight.preflight_output`), FileExistsError for an output folder in which
@@ -85,10 +87,12 @@ def _fit(cfg: JobConfig, out: Path, t0: float) -> Result:
         # refusals above (a "has no effect" line right before the refusal of the same setting read as a contradiction)
         logging.getLogger("gemray.config").warning("%s", idle)
     results.load_scaling_reference(cfg.train.scaling_reference)  # a bad reference path fails now, not at the end
-    manifest = _ensure_prepared(cfg)  # bad data paths fail before anything is written to the output folder
     previous = _previous_config(out)
-    preflight.preflight_data(cfg, manifest, previous=previous)
     storage = Path(cfg.ray.storage_path).resolve() if cfg.ray.storage_path else out / "ray"
+    # a resume onto another raw ratings file: refused before preparing it (the full check follows preparation)
+    preflight.preflight_resume_source(cfg, storage / cfg.name, output_dir=out, previous=previous)
+    manifest = _ensure_prepared(cfg)  # bad data paths fail before anything is written to the output folder
+    preflight.preflight_data(cfg, manifest, previous=previous)
     preflight.preflight_resume(cfg, manifest, storage / cfg.name, output_dir=out, previous=previous)
     out.mkdir(parents=True, exist_ok=True)
     if not cfg.checkpoint.preempt_notice:
@@ -161,8 +165,10 @@ def ensure_prepared(cfg: JobConfig) -> dict[str, Any]:
 def _ensure_prepared(cfg: JobConfig) -> dict[str, Any]:
     """The prepared data's manifest (every file checked against it), preparing the data from
     ``data.raw_dir`` first when ``data.prepared_dir`` holds none. Raises FileNotFoundError when neither is
-    there (:func:`no_data_message`), ValueError for a damaged prepared folder."""
-    from gemray.pipelines.movielens import detect_format, format_summary, load_manifest, prepare_movielens
+    there (:func:`no_data_message`) or ``data.prepared_dir`` holds raw MovieLens ratings (the command that prepares
+    them: :func:`~gemray.pipelines.movielens.raw_folder_error`), ValueError for a damaged prepared folder."""
+    from gemray.pipelines.movielens import (detect_format, format_summary, load_manifest, prepare_movielens,
+                                            raw_folder_error)
 
     if cfg.data.synthetic:
         from gemray.pipelines.synthetic import ensure_synthetic
@@ -176,6 +182,12 @@ def _ensure_prepared(cfg: JobConfig) -> dict[str, Any]:
                         cfg.data.prepared_dir)
         return manifest
     except FileNotFoundError as unprepared:
+        # raw MovieLens files where the prepared data belongs: say so and how to prepare them, rather than prepare
+        # data.raw_dir into that folder (refused only once preparation starts, or "not prepared" when raw_dir is off)
+        raw_here = raw_folder_error(cfg.data.prepared_dir, "data.prepared_dir", "--set data.prepared_dir={out} (or "
+                                    "have it prepared on the way: --set data.raw_dir={src} data.prepared_dir={out})")
+        if raw_here:
+            raise FileNotFoundError(raw_here) from None
         try:
             detect_format(cfg.data.raw_dir)
         except FileNotFoundError:

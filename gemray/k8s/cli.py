@@ -89,6 +89,16 @@ def _write(text: str, output: str) -> str:
     return text
 
 
+def written_line(text: str, output: str) -> str:
+    """Pure: the line ``gemray k8s render -o FILE`` prints once FILE is written, naming each resource in ``text``
+    (its rendered YAML): ``written: runs/job.yaml (RayJob gemray-small)``."""
+    import yaml
+
+    docs = [d for d in yaml.safe_load_all(text) if isinstance(d, dict)]
+    what = ", ".join(f"{d.get('kind')} {(d.get('metadata') or {}).get('name')}" for d in docs)
+    return f"written: {output}" + (f" ({what})" if what else "")
+
+
 def _strip_output(argv: list[str]) -> list[str]:
     out, skip = [], False
     for a in argv:
@@ -182,7 +192,12 @@ def main(argv: list[str] | None = None) -> int:
               "       python -m gemray.k8s validate FILES [--crds DIR]\n"
               "       python -m gemray.k8s regenerate deploy/*.yaml", file=sys.stderr)
         return 2
-    text = render_cli(argv[1:])
-    if "--output" not in argv and "-o" not in argv and not any(a.startswith("--output=") for a in argv):
+    p = argparse.ArgumentParser(prog="gemray k8s render")
+    add_render_arguments(p)
+    ns = p.parse_args(argv[1:])
+    text = render_from_args(ns, argv[1:])
+    if ns.output:  # one line saying what went where, as `gemray evaluate` / `recommend` do
+        print(written_line(text, ns.output))
+    else:
         sys.stdout.write(text)
     return 0

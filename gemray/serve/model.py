@@ -227,26 +227,15 @@ def prepared_manifest(prepared_dir: str | Path, option: str = "--data") -> dict[
     """The manifest of the prepared folder ``prepared_dir`` (the value of ``option``), read without any model:
     ``gemray evaluate`` / ``recommend`` check their ``--data`` with it before the checkpoint is loaded. A folder
     of raw MovieLens ratings (ratings.dat, u.data or ratings.csv and no manifest.json) raises FileNotFoundError
-    giving the ``gemray prepare movielens`` command that prepares it into a folder of its own,
-    ``data/<folder name>`` under the working directory (``data/<name>-prepared`` when that is the raw folder
-    itself; never beside it: the raw data may sit in a read-only shared tree); any other unprepared folder raises
-    as ``load_manifest`` does (FileNotFoundError / ValueError naming it)."""
-    from gemray.pipelines.movielens import FORMATS, load_manifest
-    from gemray.pipelines.schema import MANIFEST_FILE
+    giving the ``gemray prepare movielens`` command that prepares it into a folder of its own
+    (:func:`gemray.pipelines.movielens.raw_folder_error`, which ``gemray train`` uses for data.prepared_dir); any
+    other unprepared folder raises as ``load_manifest`` does (FileNotFoundError / ValueError naming it)."""
+    from gemray.pipelines.movielens import load_manifest, raw_folder_error
 
-    d = Path(prepared_dir).expanduser()
-    raw = [f.filename for f in FORMATS.values() if (d / f.filename).is_file()]
-    if raw and not (d / MANIFEST_FILE).is_file():
-        # under the working directory's data/ (as `make demo` prepares), not beside the raw folder: that may be a
-        # shared, read-only tree (../shared/data/ml-1m)
-        out = Path("data") / d.resolve().name
-        if out.resolve() == d.resolve():
-            out = out.with_name(f"{out.name}-prepared")
-        raise FileNotFoundError(f"{option} {prepared_dir} holds raw MovieLens ratings ({', '.join(raw)}), not "
-                                f"prepared data ({MANIFEST_FILE} and Parquet histories); prepare it into a folder of "
-                                f"its own with `gemray prepare movielens --src {d} --out {out}` and pass "
-                                f"{option} {out}")
-    return load_manifest(d)
+    why = raw_folder_error(prepared_dir, option)
+    if why:
+        raise FileNotFoundError(why)
+    return load_manifest(Path(prepared_dir).expanduser())
 
 
 def check_item_count(prepared_dir: str | Path, manifest: dict[str, Any], checkpoint: str | Path, num_items: int,
