@@ -520,7 +520,8 @@ class TrainConfig:
     its sub-configs; each value read as its option's type: :func:`compile_options`), passed as torch.compile's
     ``options`` (merged over ``compile_mode``'s own, ``torch._inductor.list_mode_options``); for trying inductor's
     knobs on a config without code changes. An unknown name or a value of the wrong type is refused when the config
-    is validated. Inductor only
+    is validated (``cpp_wrapper=true`` validates but failed with a device-side assert in the GEM-scale config's
+    kernel warm-up on an H100, 2026-12-06). Inductor only
     (another ``compile_backend`` ignores them, with the warning below).
     With ``compile = false`` a non-default compile_backend / compile_dynamic / compile_optimize_ddp / compile_mode /
     compile_options (unless
