@@ -445,6 +445,10 @@ def test_python_m_gemray_k8s_regenerates_in_place(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert stale.read_text() == src.read_text()
+    assert r.stdout.splitlines() == [f"written: {stale} (RayJob gemray-small)"], r.stdout  # says what it rewrote
+    r = subprocess.run([sys.executable, "-m", "gemray.k8s", "regenerate", str(stale)], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith(f"unchanged: {stale} ("), r.stdout  # current: not rewritten
     r = subprocess.run([sys.executable, "-m", "gemray.k8s"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "python -m gemray.k8s regenerate deploy/*.yaml" in r.stderr
 

@@ -184,8 +184,11 @@ def main(argv: list[str] | None = None) -> int:
         if missing:
             print(f"gemray: error: no such file: {', '.join(missing)}", file=sys.stderr)
             return 2
-        for path in ns.files:
-            Path(path).write_text(regenerate(path))
+        for path in ns.files:  # one line per file, as render -o: which changed, which were already current
+            old, new = Path(path).read_text(), regenerate(path)
+            if new != old:
+                Path(path).write_text(new)
+            print(f"{'written' if new != old else 'unchanged'}: {written_line(new, path).removeprefix('written: ')}")
         return 0
     if not argv or argv[0] != "render":
         print("usage: python -m gemray.k8s render --config FILE [options]\n"
