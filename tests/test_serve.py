@@ -658,3 +658,42 @@ def test_data_of_larger_feature_cardinalities_is_refused_before_the_model_is_bui
     err = capsys.readouterr().err
     assert "its ids do not fit the tables" in err and "feature 'category': cardinality 16 > 8" in err, err
     assert "author" not in err.split("do not fit")[1], err
+
+
+def test_evaluation_threads_follow_the_training_ranks():
+    """Pure: a training rank of ray.cpus_per_worker C computes with floor(C) threads (Ray's OMP_NUM_THREADS, at
+    least 1)."""
+    from gemray.config import JobConfig
+    from gemray.serve.evaluate import rank_threads
+
+    cfg = JobConfig()
+    for cpus, want in ((1.0, 1), (0.5, 1), (2.0, 2), (3.7, 3)):
+        cfg.ray.cpus_per_worker = cpus
+        assert rank_threads(cfg) == want
+
+
+def test_evaluate_computes_with_a_training_ranks_threads(small_checkpoint, monkeypatch):
+    """gemray evaluate computed its batches with torch's thread pool over every core, where each training rank (a
+    Ray worker of ray.cpus_per_worker = 1) computes with one thread: on ML-1M 68-135 s against ~20 s in training
+    whenever another job shared the cores (every small op waits for a descheduled thread). Its batches now run
+    with the rank's threads (here 1, not this process's 3), the process's setting restored after, the figures
+    those of the default pool."""
+    from gemray.serve import load_trained
+    from gemray.serve.evaluate import evaluate
+    from gemray.train.evaluation import RetrievalEvaluator
+
+    ckpt, _, _ = small_checkpoint
+    trained = load_trained(ckpt)
+    seen = []
+    real = RetrievalEvaluator.batch_sums
+    monkeypatch.setattr(RetrievalEvaluator, "batch_sums",
+                        lambda self, *a: seen.append(torch.get_num_threads()) or real(self, *a))
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        out = evaluate(trained, "test", world_size=2)
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
+    assert seen and set(seen) == {1}, seen
+    assert out["threads"] == 1 and out["metrics"]["num_users"] > 0
