@@ -71,7 +71,7 @@ if [ -n "$VARIANTS" ]; then
   "$PY" - "$OUT" "$NAME" "${names[@]}" <<'EOF' || status=1
 import json, os, sys
 out, name, variants = sys.argv[1], sys.argv[2], sys.argv[3:]
-cols = ["variant", "step ms", "tokens/s", "MFU", "peak GiB", "max/med", "attn ms", "gemm ms", "other ms", "idle ms",
+cols = ["variant", "step ms", "tokens/s", "MFU", "MFU 2nd half", "peak GiB", "retries", "max/med", "attn ms", "gemm ms", "other ms", "idle ms",
         "steady idle", "compile s", "syncs"]
 rows = []
 for v in variants:
@@ -88,7 +88,9 @@ for v in variants:
     sd = r.get("sync_debug")
     rows.append([v, ms(r["step_s"]["median"]), f"{r['tokens_per_s']:.0f}",
                  "n/a" if r["local_mfu"] is None else f"{100 * r['local_mfu']:.2f}%",
+                 "n/a" if r.get("local_mfu_second_half") is None else f"{100 * r['local_mfu_second_half']:.2f}%",
                  f"{r['peak_memory'].get('allocated_bytes', 0) / 2**30:.1f}",
+                 "n/a" if not r.get("allocator") else str(r["allocator"]["alloc_retries"]),
                  f"{r['compile_stall']['max_over_median'] or 0:.2f}" + ("!" if r["compile_stall"]["flagged"] else ""),
                  ms(prof.get("attention")), ms(prof.get("gemm")), ms(prof.get("other")), ms(idle), ms(steady),
                  f"{tc.get('until_measured', {}).get('seconds', 0.0):.0f}" if tc.get("enabled") else "off",
@@ -96,7 +98,8 @@ for v in variants:
 w = [max(len(str(x)) for x in c) for c in zip(cols, *rows)]
 for row in [cols] + rows:
     print("  ".join(str(x).rjust(n) for x, n in zip(row, w)))
-print("(step ms: median; MFU: local, dense bf16 peak; max/med: '!' = compile-stall flag; attn / gemm / other / idle: "
+print("(step ms: median; MFU: local, dense bf16 peak; MFU 2nd half: the later half of the measured steps; retries: "
+      "allocations that found the GPU full and freed the allocator's cache (a device sync each); max/med: '!' = compile-stall flag; attn / gemm / other / idle: "
       "ms per profiled step; steady idle: idle ms after the first profiled step, which starts on an empty launch queue; "
       "compile s: torch.compile before the measured steps; syncs: host syncs in one step, "
       "--sync-debug)")

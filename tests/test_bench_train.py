@@ -47,8 +47,10 @@ def test_bench_train_smoke_json_fields_and_arithmetic(synthetic, tmp_path, capsy
     r = json.loads(out.read_text())
     for key in ("step_s", "data_s", "tokens_per_s", "samples_per_s", "model_tflops_per_s", "local_mfu",
                 "local_mfu_compute", "peak_memory", "data_stall_pct", "compile_stall", "loader", "warmup_compile",
-                "scaling_ratio", "e2e_mfu", "profile", "steps", "torch_compile"):
+                "scaling_ratio", "e2e_mfu", "profile", "steps", "torch_compile", "local_mfu_second_half",
+                "allocator"):
         assert key in r, key
+    assert r["allocator"] is None  # CPU: no caching allocator to count
     tc = r["torch_compile"]
     assert tc["enabled"] is False and tc["modules"] == [] and tc["during_measured"]["frames"] == 0
     assert r["measured_steps"] == 3 and len(r["steps"]) == 1 + 3
@@ -86,6 +88,7 @@ def test_summarize_mfu_is_flops_over_time_over_peak():
     assert s["model_tflops_per_s"] == pytest.approx(15e12 / wall / 1e12)
     assert s["local_mfu"] == pytest.approx(15e12 / wall / 989e12)
     assert s["local_mfu_compute"] == pytest.approx(15e12 / 0.47 / 989e12)
+    assert s["local_mfu_second_half"] == pytest.approx(10e12 / 0.38 / 989e12)  # the later 2 of 3 steps
     assert s["tokens_per_s"] == pytest.approx(3000 / wall) and s["samples_per_s"] == pytest.approx(24 / wall)
     assert s["data_stall_pct"] == pytest.approx(100 * 0.03 / wall)
     assert s["step_s"]["median"] == pytest.approx(0.1) and s["step_s"]["max"] == pytest.approx(0.28)

@@ -31,7 +31,11 @@ The result (:func:`run_bench`, the ``--json`` file; steps after the first ``warm
 what the device waits); ``tokens_per_s`` / ``samples_per_s`` / ``model_tflops_per_s`` (sums over the
 measured steps / wall_s); ``local_mfu`` (model FLOP/s / the device's dense bf16 peak;
 null on CPU), ``local_mfu_compute`` (the same over step_s only: what a loader that never stalls would give);
-``peak_memory`` ({allocated_bytes, reserved_bytes} from torch.cuda.max_memory_* on CUDA, {rss_bytes} on CPU);
+``local_mfu_second_half`` (the same over the later half of the measured steps: the first ones may still be
+settling); ``peak_memory`` ({allocated_bytes, reserved_bytes} from torch.cuda.max_memory_* on CUDA, {rss_bytes} on
+CPU); ``allocator`` (CUDA: the caching allocator's events during the measured steps, from torch.cuda.memory_stats:
+{alloc_retries: allocations that found the device full and freed the cache first, a device synchronisation each;
+device_allocs / device_frees: cudaMalloc / cudaFree calls});
 ``compile_stall`` {max_over_median, flagged (> 2)}; ``loader`` {workers (0 = in-process), in_process,
 prefetch_batches, pin_memory, cpu_cores};
 ``warmup_compile`` (the kernel warm-up's regimes and seconds); ``torch_compile`` (``train.compile``:
@@ -263,6 +267,10 @@ def summarize(records: list[dict[str, Any]], peak: float | None, wall_s: float |
         "model_tflops_per_s": flops / wall / 1e12 if wall > 0 else 0.0,
         "local_mfu": mfu_or_none(flops, wall, peak),
         "local_mfu_compute": mfu_or_none(flops, sum(step), peak),
+        # the later half alone: whether the first measured steps were still settling (allocator growth, shapes
+        # new to cuBLAS); on an H100 five warm-up steps left the next five 3-7 points low (2026-12-06)
+        "local_mfu_second_half": mfu_or_none(sum(r["flops"] for r in records[len(records) // 2:]),
+                                             sum(step[len(step) // 2:]), peak) if len(records) > 1 else None,
         "peak_flops": peak,
         "compile_stall": stall_check(step),
     }
@@ -275,6 +283,18 @@ def _peak_memory(device: torch.device) -> dict[str, int]:
     import resource
 
     return {"rss_bytes": int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024}  # Linux: KiB
+
+
+_ALLOCATOR_STATS = {"alloc_retries": "num_alloc_retries", "device_allocs": "num_device_alloc",
+                    "device_frees": "num_device_free"}
+
+
+def _allocator_counts(device: torch.device) -> dict[str, int] | None:
+    """CUDA: the caching allocator's cumulative event counts (``torch.cuda.memory_stats``); None elsewhere."""
+    if device.type != "cuda":
+        return None
+    stats = torch.cuda.memory_stats(device)
+    return {k: int(stats.get(v, 0)) for k, v in _ALLOCATOR_STATS.items()}
 
 
 def _sync(device: torch.device) -> None:
@@ -657,7 +677,9 @@ def run_bench(cfg: JobConfig, *, steps: int, warmup: int, profile: bool = False,
         records: list[dict[str, Any]] = []
         _run_steps(trainer, batches, warmup, device, records, "warmup")
         snap1 = compile_snapshot()
+        alloc0 = _allocator_counts(device)
         wall = _run_steps(trainer, batches, steps, device, records, "measured")
+        alloc1 = _allocator_counts(device)
         snap2 = compile_snapshot()
         measured = [r for r in records if r["phase"] == "measured"]
         out: dict[str, Any] = {
@@ -673,6 +695,7 @@ def run_bench(cfg: JobConfig, *, steps: int, warmup: int, profile: bool = False,
                                             list(getattr(trainer, "compiled", [])), snap0, snap1, snap2),
             **summarize(measured, trainer.peak_flops, wall if device.type == "cuda" else None),
             "peak_memory": _peak_memory(device),
+            "allocator": {k: alloc1[k] - alloc0[k] for k in alloc1} if alloc1 else None,
             "loader": {"workers": trainer.train_stream.workers, "in_process": not trainer.train_stream.workers,
                        "prefetch_batches": trainer.train_stream.prefetch,
                        "pin_memory": trainer.train_stream.pin_memory,
@@ -714,10 +737,14 @@ def format_table(res: dict[str, Any]) -> str:
            f"  (host {res['host_s']['median'] * 1e3:.1f} ms in train_step)"),
         f"  throughput      {res['tokens_per_s']:.0f} tokens/s  {res['samples_per_s']:.1f} samples/s  "
         f"{res['model_tflops_per_s']:.3f} model TFLOP/s",
-        f"  local MFU       {pct(res['local_mfu'])} (compute only {pct(res['local_mfu_compute'])})",
+        f"  local MFU       {pct(res['local_mfu'])} (compute only {pct(res['local_mfu_compute'])}; the later half "
+        f"of the steps {pct(res.get('local_mfu_second_half'))})",
         f"  data stall      {res['data_stall_pct']:.2f}% of step time "
         f"(loader {describe_workers(res['loader'].get('workers', 0))}, {res['loader']['cpu_cores']} cores)",
-        f"  peak memory     {mem}",
+        f"  peak memory     {mem}" + ("" if not res.get("allocator") else
+                                          "; allocator during the steps: {alloc_retries} retries (cache freed "
+                                          "when full), {device_allocs} cudaMalloc, {device_frees} cudaFree"
+                                          .format(**res["allocator"])),
         f"  compile stalls  max/median step {cs['max_over_median'] or 0:.2f}"
         + (f"  FLAGGED (> {cs['factor']:g}x)" if cs["flagged"] else "  ok"),
         f"  kernel warm-up  {res['warmup_compile'].get('seconds', 0.0):.1f} s over "
