@@ -8,8 +8,9 @@
 #   * VARIANTS ("name=SETTINGS;name=SETTINGS;..."): runs of one config side by side, one after the other on the one
 #     GPU, then one comparison table (median step ms, tokens/s, MFU, peak GiB, max/median step, the profile's
 #     attention / GEMM / other / GPU-idle ms, torch.compile seconds, host syncs). SETTINGS: --set values (key=value,
-#     after ray.use_gpu=true model.attention_backend=triton and before the command line's) and `gemray bench
-#     train` flags (words starting with --, e.g. --sync-debug); empty: the config as it is.
+#     after ray.use_gpu=true model.attention_backend=triton and before the command line's), `gemray bench
+#     train` flags (words starting with --, e.g. --sync-debug) and environment variables for that run alone
+#     (upper-case NAME=value words, e.g. PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True); empty: the config as it is.
 # Needs the GPU stack of ../shared/tools/gpu-stack installed in /tmp/site (its README: four staging calls) and, for a
 # config whose data is not generated, the Parquet made on the CPU machine and carried (e.g. data/ml-1m).
 # From the repository root:
@@ -42,12 +43,16 @@ status=0
 # one `gemray bench train` run: bench <tag> <words...> (the words: --set values and bench flags, in any order)
 bench() {
   local tag=$1; shift
-  local sets=() flags=() w
+  local sets=() flags=() envs=() w
   for w in "$@"; do
-    case "$w" in --*) flags+=("$w") ;; *) sets+=("$w") ;; esac
+    case "$w" in
+      --*) flags+=("$w") ;;
+      [A-Z_]*=*) [[ "$w" =~ ^[A-Z_][A-Z0-9_]*= ]] && envs+=("$w") || sets+=("$w") ;;
+      *) sets+=("$w") ;;
+    esac
   done
-  echo "== $(date -u +%T) $NAME $tag: $CONFIG, $WARMUP + $STEPS steps; --set ${sets[*]:-} ${EXTRA[*]:-}; flags ${flags[*]:-}"
-  gemray bench train --config "$CONFIG" --set ray.use_gpu=true "${sets[@]}" "${EXTRA[@]}" \
+  echo "== $(date -u +%T) $NAME $tag: $CONFIG, $WARMUP + $STEPS steps; --set ${sets[*]:-} ${EXTRA[*]:-}; flags ${flags[*]:-}; env ${envs[*]:-}"
+  env "${envs[@]}" gemray bench train --config "$CONFIG" --set ray.use_gpu=true "${sets[@]}" "${EXTRA[@]}" \
     --steps "$STEPS" --warmup "$WARMUP" --profile --profile-steps "$PROFILE_STEPS" "${flags[@]}" \
     --json "$OUT/$NAME.$tag.json" > "$OUT/$NAME.$tag.log" 2>&1
   local rc=$?
