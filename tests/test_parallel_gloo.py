@@ -39,7 +39,8 @@ COMBOS = {
         ("ddp", "row_wise", MOE)],
     2: [("ddp", "table_wise", []), ("ddp", "row_wise", []), ("fsdp", "column_wise", []),
         ("hsdp", "row_wise", ["parallel.dp_shard=1"]), ("ddp", "table_wise", MOE), ("fsdp", "column_wise", MOE),
-        ("fsdp", "row_wise", MOE + ["parallel.expert_parallel=2"]),
+        # torch's fused AdamW (the CUDA default) over DTensors of two meshes (dp_shard and ep)
+        ("fsdp", "row_wise", MOE + ["parallel.expert_parallel=2", "train.dense_optimizer_impl=fused"]),
         # HSDP x EP (world 4's third combo, make test-slow) at world 2, so that make test runs it too
         ("hsdp", "table_wise", MOE + ["parallel.dp_shard=2", "parallel.expert_parallel=2"])],
     4: [("hsdp", "row_wise", ["parallel.dp_shard=2"]), ("ddp", "column_wise", []),
