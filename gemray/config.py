@@ -1128,6 +1128,23 @@ def shared_origin(cfg: JobConfig, key: str) -> str | None:
     return origin if absolute(current) == absolute(shared_path(origin)) else None
 
 
+#: Model fields that fix parameter shapes: a checkpoint made with other values cannot be restored.
+SHAPE_FIELDS = ("embedding_dim", "num_blocks", "num_heads", "attention_dim", "linear_dim", "use_rating_feature",
+                "use_time_feature", "num_time_buckets", "num_position_buckets", "model_dim", "token_features",
+                "candidate_features", "context_features", "combiner", "tasks", "pma_seeds", "mlp_dims", "table_rows")
+
+
+def shape_changes(before: JobConfig, after: JobConfig) -> list[str]:
+    """Pure: the settings that differ between two configs and fix the model's parameter shapes (``SHAPE_FIELDS``
+    and ``data.max_seq_len``), one "model.num_blocks: 2 -> 3" line each; [] when a checkpoint of ``before``
+    restores into a model of ``after``."""
+    changed = [f"model.{f}: {getattr(before.model, f)} -> {getattr(after.model, f)}" for f in SHAPE_FIELDS
+               if getattr(before.model, f) != getattr(after.model, f)]
+    if before.data.max_seq_len != after.data.max_seq_len:
+        changed.append(f"data.max_seq_len: {before.data.max_seq_len} -> {after.data.max_seq_len}")
+    return changed
+
+
 def apply_overrides(cfg: JobConfig, overrides: list[str]) -> JobConfig:
     """Apply ``section.key=value`` strings (the CLI's ``--set``), read every ``../shared/...`` value under
     ``$GEMRAY_SHARED`` (:func:`shared_path`; the value as configured is kept for :func:`shared_origin`) and

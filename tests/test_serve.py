@@ -697,3 +697,25 @@ def test_evaluate_computes_with_a_training_ranks_threads(small_checkpoint, monke
         torch.set_num_threads(before)
     assert seen and set(seen) == {1}, seen
     assert out["threads"] == 1 and out["metrics"]["num_users"] > 0
+
+
+@pytest.mark.parametrize("command", ["evaluate", "recommend", "export"])
+def test_set_of_a_shape_setting_is_refused_before_the_model_is_built(command, small_checkpoint, monkeypatch, capsys,
+                                                                    tmp_path):
+    """`--set model.num_blocks=1` on a 2-block checkpoint: exit 2 with one line naming the change (was: evaluate
+    loaded the blocks the smaller model has and reported other metrics, exit 0, over the run's evaluate JSON; a
+    larger one ended in a torch traceback, exit 1). A setting that keeps the shape still loads."""
+    import gemray.model.gem
+    from gemray.cli import main
+    from gemray.serve import load_trained
+
+    ckpt, _, _ = small_checkpoint
+    args = {"evaluate": ["evaluate", "--json", "-"], "recommend": ["recommend", "--user", "1", "--k", "3"],
+            "export": ["export", "--out", str(tmp_path / "exp")]}[command]
+    real = gemray.model.gem.GEM
+    monkeypatch.setattr(gemray.model.gem, "GEM", lambda *a, **k: pytest.fail("the model must not be built"))
+    assert main([*args, "--checkpoint", str(ckpt), "--set", "model.num_blocks=1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "changes the shape of the model the checkpoint holds (model.num_blocks: 2 -> 1)" in err[0]
+    monkeypatch.setattr(gemray.model.gem, "GEM", real)
+    assert load_trained(ckpt, overrides=["model.attention_backend=reference"]).cfg.model.num_blocks == 2

@@ -27,17 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from gemray.checkpoint import checkpoint_data, committed_checkpoints, data_record, file_sha256
-from gemray.config import JobConfig
+from gemray.config import JobConfig, shape_changes
 from gemray.controller.session import embedded_num_cpus
 from gemray.preemption import ACTIVE_HEARTBEAT_S, ACTIVE_STALE_S, active_path, marker_is_stale, pid_alive
 
 log = logging.getLogger(__name__)
-
-#: Model fields that fix parameter shapes: a checkpoint made with other values cannot be restored.
-SHAPE_FIELDS = ("embedding_dim", "num_blocks", "num_heads", "attention_dim", "linear_dim", "use_rating_feature",
-                "use_time_feature", "num_time_buckets", "num_position_buckets", "model_dim", "token_features",
-                "candidate_features", "context_features", "combiner", "tasks", "pma_seeds", "mlp_dims", "table_rows")
-
 
 def preflight_output(out: str | Path, *, what: str = "--output") -> None:
     """Refuse an output folder this process cannot write, before Ray starts: ``out`` if it exists, else its
@@ -149,10 +143,7 @@ def preflight_data(cfg: JobConfig, manifest: dict[str, Any], *, previous: JobCon
                          "catalogue makes HR@K trivially 1 (every target ranks below N, a history-excluded one at N-1)")
     _check_source(cfg, manifest)
     if previous is not None:
-        changed = [f"model.{f}: {getattr(previous.model, f)} -> {getattr(cfg.model, f)}" for f in SHAPE_FIELDS
-                   if getattr(previous.model, f) != getattr(cfg.model, f)]
-        if previous.data.max_seq_len != cfg.data.max_seq_len:
-            changed.append(f"data.max_seq_len: {previous.data.max_seq_len} -> {cfg.data.max_seq_len}")
+        changed = shape_changes(previous, cfg)
         if changed:
             raise ValueError("the output folder holds checkpoints of a model of another shape ("
                              + ", ".join(changed) + "); use a new --output (re-running the same command "

@@ -19,6 +19,7 @@ No Ray cluster is started: the process group is a single-rank one over an in-mem
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +29,7 @@ import torch
 
 from gemray.checkpoint import (MANIFEST_GLOB, checkpoint_data, choose_checkpoint, committed_checkpoints,
                                load_model_state)
-from gemray.config import JobConfig, apply_overrides, load_config
+from gemray.config import JobConfig, apply_overrides, load_config, shape_changes
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +186,8 @@ def load_trained(checkpoint: str | Path, *, config: str | Path | None = None, ov
     """Load a ``gemray train`` checkpoint into one process (see the module docstring).
 
     checkpoint / config: as :func:`locate_checkpoint`; overrides: ``section.key=value`` applied to the run's
-    config (e.g. ``model.attention_backend=reference``); shape-changing ones make the load fail.
+    config (e.g. ``model.attention_backend=reference``); one that changes the model's shape (``shape_changes``)
+    raises ValueError before anything is loaded.
     data_manifest: the manifest (:func:`prepared_manifest`) of the prepared folder the model is to be used on
     (``gemray evaluate`` / ``recommend --data``); its item count is checked against the checkpoint's record
     before the model is built or any weight is read (:func:`check_item_count`).
@@ -196,7 +198,12 @@ def load_trained(checkpoint: str | Path, *, config: str | Path | None = None, ov
     from gemray.parallel import parallelize, plan_layout
 
     ckpt, cfg_file = locate_checkpoint(checkpoint, config)
-    cfg = apply_overrides(load_config(cfg_file), list(overrides or []))
+    run_cfg = load_config(cfg_file)
+    cfg = apply_overrides(copy.deepcopy(run_cfg), list(overrides or []))
+    changed = shape_changes(run_cfg, cfg)
+    if changed:  # the checkpoint restores only into the run's shape (a missing block's weights would stay random)
+        raise ValueError(f"--set changes the shape of the model the checkpoint holds ({', '.join(changed)}); the "
+                         f"checkpoint {ckpt} is used as it was trained: leave the model's shape settings out of --set")
     # the optimizer is never used here; "auto" keeps a CUDA-trained run (FBGEMM Adam) loadable on CPU
     cfg.train.sparse_optimizer = "auto"
     info = checkpoint_data(ckpt)
