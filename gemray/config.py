@@ -175,6 +175,11 @@ class ModelConfig:
     CUDA, the padded reference elsewhere), "triton" or "reference" (``gemray.model.heads``). Default "reference"
     until the fused kernel has run on a GPU (written and CPU-tested 2026-12-05; its GPU tests and
     benchmarks/sampled_softmax_h200.py are in the next device session's plan).
+    uvqk_kernel: the HSTU blocks' uvqk activation ``split(silu(x_norm @ W + b))`` after the projection's GEMM: "auto"
+    (the fused Triton kernels on CUDA: the bias, the SiLU and the split in one pass forward, the SiLU derivative, the
+    concatenation of the four gradients and the bias gradient in one pass backward; ``gemray.kernels.bias_silu``),
+    "triton" or "reference" (PyTorch, fused by ``train.compile``); default "reference" until measured on a GPU.
+    The FP8 projections (``train.precision = "fp8"``) keep their own bias and ignore it.
     kernel_tiles: "" (the kernels' defaults) or the Triton attention kernels' tiles / launch modes for this
     machine, as inline JSON (a value starting with "{", e.g. ``--set 'model.kernel_tiles={"long": {...}}'``) or
     the path of a JSON file (any other value; absolute, or relative to the working directory of every process
@@ -266,6 +271,7 @@ class ModelConfig:
     temperature: float = 0.05
     attention_backend: str = "auto"
     retrieval_kernel: str = "reference"
+    uvqk_kernel: str = "reference"
     kernel_tiles: str = ""
     time_bias_query: str = "next"
     # GEM at scale (see the docstring); the defaults keep the ML-1M retrieval model exactly
@@ -352,6 +358,7 @@ class ModelConfig:
         _choice(self, "negatives", ("uniform", "uniform_shared", "in_batch"))
         _choice(self, "attention_backend", ("auto", "triton", "reference"))
         _choice(self, "retrieval_kernel", ("auto", "triton", "reference"))
+        _choice(self, "uvqk_kernel", ("auto", "triton", "reference"))
         _choice(self, "time_bias_query", ("next", "self"))
         if self.kernel_tiles:
             kernel_tiles_spec(self.kernel_tiles)  # ValueError naming model.kernel_tiles before any worker starts
@@ -557,6 +564,10 @@ class TrainConfig:
     # "auto" = "fused" on CUDA (one multi-tensor kernel: the least host time a step), "foreach" elsewhere;
     # "fused" (CPU too) or "foreach". Same update up to float rounding.
     dense_optimizer_impl: str = "auto"
+    # Python's garbage collector (torchtitan's GarbageCollection): 0 = automatic (Python's thresholds; a full,
+    # generation-2 collection can fall inside any step); N > 0 = automatic collection off while training, and a
+    # generation-1 collection before every N-th global step (gemray.train.gc)
+    gc_every_steps: int = 0
     eval_every: int = 5
     eval_ks: list[int] = field(default_factory=lambda: [10, 50, 200])
     eval_exclude_history: bool = True
@@ -591,6 +602,9 @@ class TrainConfig:
 
     def validate(self) -> None:
         _positive(self, "epochs", "lr", "sparse_lr", "eval_every", "log_every")
+        if self.gc_every_steps < 0:
+            raise ValueError(f"train.gc_every_steps: expected >= 0 (0 = Python's automatic collection), got "
+                             f"{self.gc_every_steps}")
         _choice(self, "precision", self.PRECISIONS)
         for name in ("mfu_warmup_steps", "lr_base_fan_in", "lr_warmup_steps"):
             if getattr(self, name) < 0:

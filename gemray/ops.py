@@ -16,7 +16,9 @@ argument; unlike it, an explicit backend never silently becomes another.
 
 Sampled softmax (:func:`sampled_softmax_lse`, the retrieval head's "uniform_shared" negatives): the same
 backends and rules, over ``gemray.kernels.sampled_softmax`` (fused Triton) or
-``gemray.kernels.reference.sampled_softmax_lse_ref``.
+``gemray.kernels.reference.sampled_softmax_lse_ref``. The HSTU block's projection + activation
+(:func:`uvqk_activation`, ``split(silu(x @ W + b))``): the same again, over ``gemray.kernels.bias_silu`` (after the
+GEMM) or PyTorch.
 
 Relative attention bias: ``rel_bias`` (a :class:`RelativeBiasInputs`, the HSTU position / time bias ingredients)
 or a dense ``attn_bias`` [B, n', n']. Both backends take the ingredients and never materialise a [B, n, n] bias:
@@ -226,7 +228,8 @@ def choose_backend(requested: AttentionBackend, device_type: str, triton_error: 
 
 
 #: the config key whose value an op's ``backend`` is (the model passes it through), named in the logged choice
-_SETTINGS = {"attention": "model.attention_backend", "sampled_softmax_lse": "model.retrieval_kernel"}
+_SETTINGS = {"attention": "model.attention_backend", "sampled_softmax_lse": "model.retrieval_kernel",
+             "uvqk_activation": "model.uvqk_kernel"}
 
 
 def choice_message(op: str, requested: AttentionBackend, device_type: str, chosen: AttentionBackend,
@@ -339,6 +342,32 @@ def sampled_softmax_lse(h: torch.Tensor, pos: torch.Tensor, e_neg: torch.Tensor,
                                                            max_rows, temperature, block_m=block_m,
                                                            block_r=block_r)
     return _ref.sampled_softmax_lse_ref(h, pos, e_neg, neg_ids, target_ids, row_offsets, max_rows, temperature)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The HSTU block's projection + activation, split(silu(x @ W + b)): torch.mm then one fused Triton pass forward and
+# one backward (gemray.kernels.bias_silu, custom ops gemray::bias_silu_split / _bwd), or addmm + F.silu, chosen by
+# the rules of ``choose_backend``.
+# ----------------------------------------------------------------------------------------------------------
+
+BIAS_SILU_MODULE = "gemray.kernels.bias_silu"
+
+
+def uvqk_activation(x_norm: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, sizes: list[int], *,
+                    backend: AttentionBackend | str = AttentionBackend.AUTO) -> list[torch.Tensor]:
+    """The HSTU block's projection and activation ``torch.split(silu(x_norm @ weight + bias), sizes, 1)``.
+
+    x_norm: [T, D] float, weight: [D, W], bias: [W], sizes: the split widths (u, v, q, k), summing to W. Returns one
+    [T, sizes[i]] tensor per split in the GEMM's dtype (bf16 under autocast). backend ("auto" | "triton" |
+    "reference", ``model.uvqk_kernel``; ``choose_backend``'s rules): the reference is ``addmm`` (the bias in
+    cuBLAS's epilogue) then ``F.silu`` and views, which ``train.compile`` fuses as inductor sees fit; the Triton path
+    is ``torch.mm`` then ``gemray.kernels.bias_silu`` (bias, SiLU and split in one pass; backward: the SiLU derivative,
+    the four gradients and the bias gradient's column sums in one pass; spec
+    ``gemray.kernels.reference.bias_silu_split_ref``). Raises ValueError (bad shapes, unknown backend) or
+    RuntimeError ("triton" where it cannot run)."""
+    if _resolve(backend, x_norm.device, BIAS_SILU_MODULE, "uvqk_activation") is AttentionBackend.TRITON:
+        return _kernel_module(BIAS_SILU_MODULE)[0].bias_silu_split_triton(torch.mm(x_norm, weight), bias, sizes)
+    return list(torch.split(torch.nn.functional.silu(torch.addmm(bias, x_norm, weight)), list(sizes), 1))
 
 
 def _triton_rel_bias(mod, rel_bias: RelativeBiasInputs):

@@ -611,3 +611,20 @@ def sampled_softmax_lse_ref(h: torch.Tensor, pos: torch.Tensor, e_neg: torch.Ten
     same = neg_ids[flat // n] == target_ids.view(-1, 1)
     logits = torch.cat([pos.to(dt).view(-1, 1), neg.masked_fill(same, float("-inf"))], dim=1) / temperature
     return torch.logsumexp(logits, dim=1)
+
+
+def bias_silu_split_ref(x: torch.Tensor, bias: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    """The HSTU block's uvqk activation (kernel: ``gemray.kernels.bias_silu``): ``torch.split(silu(x + bias),
+    sizes, 1)`` with the sum and the SiLU in float32 (float64 for float64 inputs) and the result rounded to x's
+    dtype, so a bf16 x and a float32 bias give bf16 splits.
+
+    x: [T, W] float (the uvqk projection without its bias), bias: [W] float, sizes: split widths summing to W.
+    Returns one [T, sizes[i]] tensor (a view) per split; differentiable in x (x's dtype) and bias (bias's
+    dtype; the column sums of the unrounded dx). Raises ValueError when sizes do not sum to W.
+    """
+    if x.dim() != 2 or bias.shape != (x.shape[1],) or sum(int(s) for s in sizes) != x.shape[1]:
+        raise ValueError(f"bias_silu_split: sizes {list(sizes)} must sum to W, the width of x {tuple(x.shape)} and "
+                         f"of bias {tuple(bias.shape)}")
+    wide = torch.promote_types(x.dtype, torch.float32)
+    y = F.silu(x.to(wide) + bias.to(wide)).to(x.dtype)
+    return list(torch.split(y, [int(s) for s in sizes], 1))

@@ -7,6 +7,7 @@ One block (generative-recommenders' ``SequentialTransductionUnitJagged``, "uvqk"
 
     x_norm     = LayerNorm(x)                                  [T, D]   (no affine, eps 1e-6)
     u, v, q, k = split(silu(x_norm @ W_uvqk + b_uvqk))         [T, H*V], [T, H*V], [T, H*A], [T, H*A]
+                                                               (gemray.ops.uvqk_activation, model.uvqk_kernel)
     a          = silu(q k^T * alpha + rab^{p,t}) / N, causal   per head, via gemray.ops.attention
     y          = LayerNorm(a @ v) * u                          [T, H*V]
     x          = x + Dropout(y) @ W_o + b_o                    [T, D]   (dropout before W_o, as GR)
@@ -107,6 +108,7 @@ class HSTUBlock(nn.Module):
         self.max_seq_len = max_seq_len
         self.activation = cfg.attn_activation
         self.backend = cfg.attention_backend
+        self.uvqk_backend = cfg.uvqk_kernel
         self.kernel_config = kernel_config_of(cfg.kernel_tiles)
         width = 2 * self.h * self.v + 2 * self.h * self.a
         self.uvqk_weight = nn.Parameter(torch.empty(self.d, width, device=device))
@@ -144,12 +146,13 @@ class HSTUBlock(nn.Module):
         ``buckets`` are given, which must then have been made from them; the Triton kernels use them).
         """
         T = x.shape[0]
+        sizes = [self.h * self.v, self.h * self.v, self.h * self.a, self.h * self.a]
         if self.fp8 is None:
             x_norm = F.layer_norm(x, (self.d,), eps=LN_EPS)
-            uvqk = F.silu(torch.addmm(self.uvqk_bias, x_norm, self.uvqk_weight))
+            u, v, q, k = ops.uvqk_activation(x_norm, self.uvqk_weight, self.uvqk_bias, sizes,
+                                             backend=self.uvqk_backend)
         else:
-            uvqk = F.silu(self._fp8_uvqk(x))
-        u, v, q, k = torch.split(uvqk, [self.h * self.v, self.h * self.v, self.h * self.a, self.h * self.a], 1)
+            u, v, q, k = torch.split(F.silu(self._fp8_uvqk(x)), sizes, 1)
         attn = ops.attention(
             q.reshape(T, self.h, self.a), k.reshape(T, self.h, self.a), v.reshape(T, self.h, self.v),
             offsets, self.max_seq_len, activation=self.activation, causal=True,
