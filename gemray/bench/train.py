@@ -656,7 +656,7 @@ def run_bench(cfg: JobConfig, *, steps: int, warmup: int, profile: bool = False,
 
     apply_collectives_env(cfg.parallel.collectives)  # before NCCL's communicator (eager: device_id)
     made_pg = _init_process_group(device)
-    batches = None
+    batches = trainer = None
     try:
         snap0 = compile_snapshot()
         t0 = time.perf_counter()
@@ -714,6 +714,8 @@ def run_bench(cfg: JobConfig, *, steps: int, warmup: int, profile: bool = False,
     finally:
         if batches is not None:
             batches.close()  # the loader's worker processes end with the bench
+        if trainer is not None and trainer.gc is not None:
+            trainer.gc.close()  # Python's automatic garbage collection back (train.gc_every_steps)
         if made_pg:
             dist.destroy_process_group()
 

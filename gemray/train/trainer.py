@@ -59,6 +59,7 @@ from gemray.parallel import (build_optimizer, dense_lr_scales, dense_unsharded, 
 from gemray.parallel.activation_checkpoint import ActivationCheckpointer
 from gemray.preemption import read_notice
 from gemray.train.checkpoint_policy import CheckpointPolicy
+from gemray.train.gc import GarbageCollection
 from gemray.train.evaluation import build_evaluators, evaluation_metrics, evaluation_sums, split_summary
 from gemray.train.precision import autocast
 from gemray.train.preemption_vote import PreemptionVote
@@ -233,6 +234,7 @@ class Trainer:
         self.task_losses: TaskLosses | None = None  # per-task loss sums of the epoch (several tasks only)
         self.moe_stats: MoEStats | None = None  # routing figures of the epoch (model.moe_experts > 0 only)
         self.pipeline = None  # gemray.train.pipeline.SparseDistPipeline with parallel.train_pipeline="sparse_dist"
+        self.gc: GarbageCollection | None = None  # train.gc_every_steps, acted on from the first step on
 
     # -- setup: who am I, where do I run, what data ------------------------------------------------------
     def setup(self, context: tuple[int, int, torch.device] | None = None) -> None:
@@ -497,6 +499,9 @@ class Trainer:
         reduced; only then are they checked for NaN / inf (FloatingPointError naming the first bad step), added
         to the epoch statistics and written as step events. On the CPU every step reads its loss as before."""
         seed = self.cfg.train.seed
+        if self.gc is None:
+            self.gc = GarbageCollection(self.cfg.train.gc_every_steps)
+        self.gc.step(self.global_step)
         self.last_step_flops = batch_flops(self.cfg.model, batch)  # host arithmetic on the offsets
         torch.manual_seed(step_seed(seed, self.global_step, self.rank))  # dropout
         self.dmp.module.seed_sampling(step_seed(seed + 1, self.global_step, self.rank))  # negatives
@@ -642,9 +647,12 @@ class Trainer:
 
     # -- the end -----------------------------------------------------------------------------------------
     def finish(self) -> None:
-        """Close the ledger; unless stopped on a preemption notice, record ``finished``."""
+        """Close the ledger, give Python's garbage collection back; unless stopped on a preemption notice, record
+        ``finished``."""
         if self.ledger is not None:
             self.ledger.close()
+        if self.gc is not None:
+            self.gc.close()
         if self.stopped:
             return  # the run ends here; Ray Train commits the emergency checkpoint as the run's latest
         if self.start_epoch >= self.cfg.train.epochs:

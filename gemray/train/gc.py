@@ -1,0 +1,50 @@
+"""Python's garbage collector during training (torchtitan's ``GarbageCollection``, tools/utils.py).
+
+Automatic collection runs whenever allocation counts pass Python's thresholds: a full (generation-2) collection
+walks every tracked object of the process (TorchRec's, dynamo's and inductor's caches, Ray's), so it can stop the
+training thread for hundreds of milliseconds inside an arbitrary step, while the GPU drains its launch queue.
+With ``train.gc_every_steps = N`` automatic collection is switched off once training starts and a generation-1
+collection (young objects only: milliseconds) runs before every N-th global step, at a place of our choosing.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+
+log = logging.getLogger(__name__)
+
+
+def collect_now(step: int, every: int) -> bool:
+    """Pure: whether the collection runs before global step ``step`` (0-based) with ``train.gc_every_steps =
+    every``: never for every = 0 (Python's automatic collection), else on steps N, 2N, ... (not step 0, which
+    follows the collection made when training starts)."""
+    return every > 0 and step > 0 and step % every == 0
+
+
+class GarbageCollection:
+    """``train.gc_every_steps`` acted on: ``every`` > 0 disables automatic collection here (and collects once);
+    :meth:`step` collects generation 1 when :func:`collect_now` says so; :meth:`close` re-enables automatic
+    collection as it was. every = 0: nothing is changed."""
+
+    def __init__(self, every: int):
+        self.every = int(every)
+        self.was_enabled = gc.isenabled()
+        if self.every > 0:
+            gc.disable()
+            self._collect(1, "when training starts")
+
+    def step(self, global_step: int) -> None:
+        if collect_now(global_step, self.every):
+            self._collect(1, f"before global step {global_step}")
+
+    def close(self) -> None:
+        if self.every > 0 and self.was_enabled:
+            gc.enable()
+
+    @staticmethod
+    def _collect(generation: int, when: str) -> None:
+        t0 = time.perf_counter()
+        gc.collect(generation)
+        log.debug("gc: generation-%d collection %s took %.1f ms", generation, when, 1e3 * (time.perf_counter() - t0))
