@@ -651,9 +651,10 @@ def _cmd_evaluate(ns: argparse.Namespace) -> int:
     from gemray.serve import load_trained
     from gemray.checkpoint import data_record
     from gemray.serve.evaluate import check_arguments, check_cutoffs, evaluate, format_metrics, result_path
-    from gemray.serve.model import prepared_manifest, run_config
+    from gemray.serve.model import check_device, prepared_manifest, run_config
 
     check_arguments(ns.split, ns.k, ns.world_size)  # before the model and the data are loaded
+    check_device(ns.device)
     if ns.json not in (None, "-"):
         _writable_file(ns.json, "--json")  # before the model is loaded and the split evaluated
     # an unprepared (e.g. raw MovieLens) --data is refused before the checkpoint is looked at, one of another item
@@ -684,11 +685,12 @@ def _cmd_evaluate(ns: argparse.Namespace) -> int:
 
 def _cmd_recommend(ns: argparse.Namespace) -> int:
     from gemray.serve import load_trained
-    from gemray.serve.model import prepared_manifest, run_config
+    from gemray.serve.model import check_device, prepared_manifest, run_config
     from gemray.serve.recommend import check_recommendable, read_users_file, recommend
 
     if ns.k < 1:  # before the model is loaded (recommend() refuses it too, for Python callers)
         raise ValueError(f"--k {ns.k}: expected >= 1")
+    check_device(ns.device)
     if ns.out:
         _writable_file(ns.out, "--out")  # before the model is loaded and the users scored
     # a model recommend cannot serve is refused from its config, before any checkpoint is read
@@ -714,8 +716,9 @@ def _cmd_recommend(ns: argparse.Namespace) -> int:
 def _cmd_export(ns: argparse.Namespace) -> int:
     from gemray.serve import load_trained
     from gemray.serve.export import check_exportable, export
-    from gemray.serve.model import run_config
+    from gemray.serve.model import check_device, run_config
 
+    check_device(ns.device)  # a --device cuda without CUDA: one line, before anything is read
     # a model export cannot write is refused from its config, before any checkpoint is read
     check_exportable(run_config(ns.checkpoint, config=ns.config, overrides=ns.overrides))
     trained = load_trained(ns.checkpoint, config=ns.config, overrides=ns.overrides, device=ns.device)

@@ -356,6 +356,37 @@ def test_k_is_checked_before_the_model_loads(args, line, tmp_path, monkeypatch, 
     assert err == [f"gemray: error: {line}"], err
 
 
+@pytest.mark.parametrize("command", ["evaluate", "recommend", "export"])
+def test_device_without_cuda_is_refused_before_the_model_loads(command, tmp_path, monkeypatch, capsys):
+    """`--device cuda` where CUDA is not available: exit 2 with one line naming --device, before the run is looked
+    at (was: a traceback from the NCCL process group after the checkpoint was read, exit 1); a device string torch
+    does not know (`--device gpu`) and a `cuda:N` beyond the visible devices likewise."""
+    import gemray.serve
+    import gemray.serve.model as serve_model
+    from gemray.cli import main
+
+    monkeypatch.setattr(gemray.serve, "load_trained", lambda *a, **k: pytest.fail("the model must not load"))
+    monkeypatch.setattr(serve_model, "find_config", lambda *a, **k: pytest.fail("the run must not be read"))
+    args = {"evaluate": ["evaluate"], "recommend": ["recommend", "--user", "1"],
+            "export": ["export", "--out", str(tmp_path / "exp")]}[command]
+    base = [*args, "--checkpoint", str(tmp_path / "run")]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cases = [("cuda", "--device cuda: CUDA is not available on this machine; use --device cpu (or leave --device "
+                      "out)"),
+             ("cuda:0", "--device cuda:0: CUDA is not available"),
+             ("gpu", "--device gpu: expected cpu, cuda or cuda:N")]
+    for device, line in cases:
+        assert main([*base, "--device", device]) == 2, device
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"gemray: error: {line}"), err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert main([*base, "--device", "cuda:2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["gemray: error: --device cuda:2: this machine has 2 CUDA device(s), cuda:0..cuda:1"], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing written
+
+
 def test_check_arguments_names_the_flag():
     """gemray.serve.evaluate.check_arguments, which evaluate() runs too: each refusal names its flag; None = the
     defaults (world_size 0 was taken as the default by evaluate() and is refused now, as the CLI refuses it)."""

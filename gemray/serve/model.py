@@ -160,10 +160,33 @@ class TrainedModel:
     config_file: Path | None = None
 
 
+def check_device(device: str | None) -> None:
+    """Refuse a ``--device`` this process cannot use, before anything is loaded: not a CPU / CUDA device string,
+    CUDA where ``torch.cuda.is_available()`` is False (the load ended in a traceback from the NCCL process group),
+    or a ``cuda:N`` beyond the visible devices. None (the default) passes. Raises ValueError naming --device."""
+    if not device:
+        return
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {device}: expected cpu, cuda or cuda:N")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {device}: CUDA is not available on this machine; use --device cpu (or leave "
+                             "--device out)")
+        n = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= n:
+            raise ValueError(f"--device {device}: this machine has {n} CUDA device(s), cuda:0..cuda:{n - 1}")
+
+
 def pick_device(cfg: JobConfig, device: str | None = None) -> torch.device:
-    """``device`` when given ("cpu", "cuda", "cuda:1"), else CUDA when the run trained on GPUs
-    (``ray.use_gpu``) and one is visible, else CPU: the same device as training reproduces its figures."""
+    """``device`` when given ("cpu", "cuda", "cuda:1"; :func:`check_device` refuses one not usable here), else
+    CUDA when the run trained on GPUs (``ray.use_gpu``) and one is visible, else CPU: the same device as training
+    reproduces its figures."""
     if device:
+        check_device(device)
         return torch.device(device)
     return torch.device("cuda") if cfg.ray.use_gpu and torch.cuda.is_available() else torch.device("cpu")
 
