@@ -459,6 +459,8 @@ def _cmd_bench_train(ns: argparse.Namespace) -> int:
     from gemray.controller.preflight import preflight_kernel_tiles
     from gemray.controller.run import ensure_prepared
 
+    if ns.json:  # an unwritable --json refused now, not after every step ran (its missing folders are made then)
+        _writable_file(ns.json, "--json", make_parents=True)
     cfg = load_config(ns.config, ns.overrides)
     if ns.sync_debug:  # refused before the data is prepared or anything is built
         import torch
@@ -618,18 +620,21 @@ def _add_serve_parsers(sub) -> None:
     ex.set_defaults(func=_cmd_export)
 
 
-def _writable_file(path: str | Path, option: str) -> Path:
+def _writable_file(path: str | Path, option: str, *, make_parents: bool = False) -> Path:
     """Check, before any model is loaded, that ``path`` (the value of ``option``, e.g. ``--out``) names a file this
     process can create or replace: not a folder, in a folder that exists and in which a file can be created (probed
     with a temporary file removed at once; ``os.access`` alone says yes to root on a read-only mount). Writes nothing
-    at ``path``. Returns it as a Path; raises ValueError (NotADirectoryError when a parent on the path is a file)
-    naming the option and the path."""
+    at ``path``. ``make_parents``: the command creates the missing folders above the file (``bench train --json``),
+    so the nearest folder on the path that exists is the one probed. Returns it as a Path; raises ValueError
+    (NotADirectoryError when a parent on the path is a file) naming the option and the path."""
     import tempfile
 
     p = Path(path).expanduser()
     if p.is_dir():
         raise ValueError(f"{option} {p} is a folder; give a file name in it")
     parent = p.parent
+    while make_parents and not parent.exists() and parent != parent.parent:
+        parent = parent.parent
     if not parent.exists():
         raise ValueError(f"{option} {p}: the folder {parent} does not exist (create it first)")
     if not parent.is_dir():

@@ -457,6 +457,41 @@ def test_sync_debug_is_refused_off_cuda(tmp_path, capsys):
         run_bench(cfg, steps=1, warmup=0, sync_debug=True)
 
 
+def test_unwritable_json_is_refused_before_anything_is_built(tmp_path, monkeypatch, capsys):
+    """`gemray bench train --json PATH` that cannot be written (a file where a folder should be, a folder given, a
+    read-only folder): exit 2 with one line naming --json and the path, before the data is prepared or a step is
+    run (was: a bare errno after every step). Missing folders on the path are still made, as before."""
+    import errno
+    import tempfile
+
+    import gemray.bench.train as bench
+    import gemray.controller.run as run
+    from gemray.cli import _writable_file
+
+    monkeypatch.setattr(run, "ensure_prepared", lambda cfg: pytest.fail("the data must not be prepared"))
+    monkeypatch.setattr(bench, "run_bench", lambda *a, **k: pytest.fail("no step must run"))
+    (tmp_path / "afile").write_text("")
+    base = ["bench", "train", "--config", CONFIG, *_overrides(tmp_path / "nowhere"), "--steps", "1", "--json"]
+    cases = [(tmp_path / "afile" / "sub" / "r.json", f"--json {tmp_path / 'afile' / 'sub' / 'r.json'}: "
+              f"{tmp_path / 'afile'} is not a folder"),
+             (tmp_path, f"--json {tmp_path} is a folder; give a file name in it")]
+    for target, line in cases:
+        assert main([*base, str(target)]) == 2, target
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"gemray: error: {line}"], err
+    assert _writable_file(tmp_path / "new" / "sub" / "r.json", "--json", make_parents=True)
+    assert not (tmp_path / "new").exists()  # the check makes no folder; the command does, once it writes
+
+    def refuse(*a, **k):  # a read-only folder, for root too
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", refuse)
+    assert main([*base, str(tmp_path / "new" / "r.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"gemray: error: --json {tmp_path / 'new' / 'r.json'} is not writable: Read-only file system"], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # nothing written
+
+
 def test_bad_kernel_tiles_are_refused_before_the_data_is_generated(tmp_path, monkeypatch, capsys):
     """`gemray bench train` with a model.kernel_tiles file naming an unknown regime (valid JSON: the config loads)
     generated gem-tiny's synthetic data first and was refused only when the model was built; it is refused at
