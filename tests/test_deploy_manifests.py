@@ -154,6 +154,44 @@ def test_render_to_file_says_what_it_wrote(tmp_path, capsys):
     assert capsys.readouterr().out == (tmp_path / "pvc.yaml").read_text()
 
 
+def test_render_to_an_unwritable_file_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    """`gemray k8s render -o PATH` (and `python -m gemray.k8s render -o PATH`) where PATH cannot be written (a file
+    where a folder should be, a folder, a read-only folder): exit 2 with one line naming --output and the path,
+    before the config is read (was: a traceback, IsADirectoryError / PermissionError, or under `gemray k8s` a bare
+    '[Errno 17] File exists'). Missing folders are still made."""
+    import errno
+    import tempfile
+
+    from gemray.cli import main as gemray_main
+
+    (tmp_path / "afile").write_text("")
+    cases = [(tmp_path / "afile" / "job.yaml", f"--output {tmp_path / 'afile' / 'job.yaml'}: {tmp_path / 'afile'} "
+              "is not a folder"),
+             (tmp_path, f"--output {tmp_path} is a folder; give a file name in it")]
+    real = cli.load_config
+    monkeypatch.setattr(cli, "load_config", lambda *a, **k: pytest.fail("the config must not be read"))
+    for target, line in cases:
+        for run in (cli.main, lambda argv: gemray_main(["k8s", *argv])):
+            assert run(["render", "--config", str(REPO / "configs" / "ml-latest-small.toml"), "-o", str(target)]) == 2
+            err = capsys.readouterr().err.strip().splitlines()
+            assert err == [f"gemray: error: {line}"], err
+
+    def refuse(*a, **k):  # a read-only folder, for root too
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    with monkeypatch.context() as m:
+        m.setattr(tempfile, "TemporaryFile", refuse)
+        assert cli.main(["render", "--kind", "pvc", "-o", str(tmp_path / "new" / "pvc.yaml")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"gemray: error: --output {tmp_path / 'new' / 'pvc.yaml'} is not writable: Read-only file "
+                   "system"], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # nothing written
+    monkeypatch.setattr(cli, "load_config", real)
+    out = tmp_path / "new" / "sub" / "job.yaml"  # missing folders: made, as before
+    assert cli.main(["render", "--config", str(REPO / "configs" / "ml-latest-small.toml"), "-o", str(out)]) == 0
+    assert "kind: RayJob" in out.read_text()
+
+
 def test_regenerate_refuses_hand_written_file(tmp_path):
     p = tmp_path / "x.yaml"
     p.write_text("apiVersion: ray.io/v1\nkind: RayJob\n")
