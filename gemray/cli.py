@@ -720,7 +720,7 @@ def _cmd_recommend(ns: argparse.Namespace) -> int:
 
 def _cmd_export(ns: argparse.Namespace) -> int:
     from gemray.serve import load_trained
-    from gemray.serve.export import check_exportable, export
+    from gemray.serve.export import ITEM_IDS_FILE, ITEMS_FILE, PROGRAM_FILE, SPEC_FILE, check_exportable, export
     from gemray.serve.model import check_device, run_config
 
     check_device(ns.device)  # a --device cuda without CUDA: one line, before anything is read
@@ -728,7 +728,9 @@ def _cmd_export(ns: argparse.Namespace) -> int:
     check_exportable(run_config(ns.checkpoint, config=ns.config, overrides=ns.overrides))
     trained = load_trained(ns.checkpoint, config=ns.config, overrides=ns.overrides, device=ns.device)
     out = export(trained, ns.out)
-    print(f"exported: {out} (user_tower.pt2, item_embeddings.npy, serving.json; loading snippet in the README)")
+    # every file written (item_ids.npy only where the data maps its ids), named from the files themselves
+    written = [f for f in (PROGRAM_FILE, ITEMS_FILE, ITEM_IDS_FILE, SPEC_FILE) if (out / f).is_file()]
+    print(f"exported: {out} ({', '.join(written)}; loading snippet in the README)")
     return 0
 
 

@@ -730,6 +730,21 @@ def test_evaluate_computes_with_a_training_ranks_threads(small_checkpoint, monke
     assert out["threads"] == 1 and out["metrics"]["num_users"] > 0
 
 
+def test_export_cli_names_every_file_it_wrote(small_checkpoint, tmp_path, capsys):
+    """`gemray export` prints the files it wrote, item_ids.npy included where the data maps its ids (was: a fixed
+    list without it)."""
+    from gemray.cli import main
+
+    ckpt, _, _ = small_checkpoint
+    out = tmp_path / "exp"
+    assert main(["export", "--checkpoint", str(ckpt), "--out", str(out)]) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("exported: ")]
+    got = re.fullmatch(rf"exported: {re.escape(str(out.resolve()))} \((.*); loading snippet in the README\)", line)
+    assert got is not None, line
+    assert "item_ids.npy" in got.group(1).split(", ")
+    assert sorted(got.group(1).split(", ")) == sorted(p.name for p in out.iterdir()), line
+
+
 @pytest.mark.parametrize("command", ["evaluate", "recommend", "export"])
 def test_set_of_a_shape_setting_is_refused_before_the_model_is_built(command, small_checkpoint, monkeypatch, capsys,
                                                                     tmp_path):
