@@ -553,13 +553,16 @@ class _Parser(argparse.ArgumentParser):
     """gemray's subcommand parsers: those with a :class:`_StrayRun` positional (evaluate / recommend / export)
     refuse a bare run folder after the whole command line is read, so that the message knows whether
     ``--checkpoint`` was given too, before it or after it (:func:`stray_message`); the others parse as argparse
-    does."""
+    does, except that an unrecognized argument is refused by the subcommand's own parser, with its usage (argparse
+    hands a subparser's leftovers up to the top-level parser, whose usage lists the subcommands, not the options)."""
 
     def parse_known_args(self, args=None, namespace=None):
         self.stray = []
         ns, extras = super().parse_known_args(args, namespace)
         if self.stray:
             self.error(stray_message(self.stray, getattr(ns, "checkpoint", None)))
+        if extras:  # `gemray train --config c.toml --sett x=y`: train's usage, not gemray's
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
         return ns, extras
 
     def error(self, message):

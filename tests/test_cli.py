@@ -140,6 +140,24 @@ def test_k8s_help_lists_its_commands(capsys, flag):
     assert "render --config FILE" in out and "validate FILES" in out and "regenerate FILES" in out
 
 
+@pytest.mark.parametrize("argv, prog, extra", [
+    (["train", "--config", CONFIG, "--sett", "train.epochs=1"], "train", "--sett train.epochs=1"),
+    (["prepare", "movielens", "--src", "a", "--out", "b", "--bogus"], "prepare movielens", "--bogus"),
+    (["bench", "train", "--config", CONFIG, "--stepz=3", "--json", "r.json"], "bench train", "--stepz=3"),
+    (["evaluate", "--checkpoint", "runs/x", "--top=5"], "evaluate", "--top=5"),
+])
+def test_an_unknown_option_shows_the_subcommands_usage(argv, prog, extra, capsys):
+    """`gemray train --config c.toml --sett x=y` (a mistyped option): exit 2 with train's usage, which lists its
+    options, and the error under train's name (was: gemray's top-level usage, listing the subcommands only, and
+    'gemray: error: unrecognized arguments'); nested subcommands (prepare movielens, bench train) likewise."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0].startswith(f"usage: gemray {prog} ") and err[-1].startswith(f"gemray {prog}: error: "), err
+    assert "unrecognized arguments: " in err[-1] and extra in err[-1], err
+
+
 @pytest.mark.parametrize("argv, line", [
     (["evaluate", "runs/x"], "unexpected argument 'runs/x': give the run as --checkpoint runs/x"),
     (["recommend", "runs/x", "--user", "1"], "unexpected argument 'runs/x': give the run as --checkpoint runs/x"),
