@@ -464,12 +464,30 @@ def device_kernels(events: list[Any]) -> list[tuple[str, float, float]]:
     return out
 
 
-def profile_breakdown(trainer: Any, batches: _Batches, steps: int, device: torch.device) -> dict[str, Any]:
+def unprofiled_gap(measured: list[dict[str, Any]], profiled: list[dict[str, Any]], busy_s: float) -> float | None:
+    """Pure: seconds per measured step not covered by device work, estimated. The profiler's own host cost per
+    operator slows the host in the profiled steps (their wall and GPU idle are longer than an ordinary step's), so
+    the measured (unprofiled) steps' mean time minus the profiled steps' device-busy seconds, scaled by their model
+    FLOPs (the two phases run different batches), is the gap an ordinary step has: idle between kernels plus
+    anything the scaling misses (attention grows faster than the FLOPs of longer batches). measured / profiled:
+    step records ({"step_s", "flops"}); busy_s: the profiled steps' device-busy seconds in all. None when either
+    phase is empty or has no FLOPs."""
+    pf = sum(r["flops"] for r in profiled)
+    if not measured or not profiled or pf <= 0:
+        return None
+    mean_step = sum(r["step_s"] for r in measured) / len(measured)
+    mean_flops = sum(r["flops"] for r in measured) / len(measured)
+    return mean_step - busy_s * mean_flops / pf
+
+
+def profile_breakdown(trainer: Any, batches: _Batches, steps: int, device: torch.device,
+                      measured: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """Profile ``steps`` more training steps with torch.profiler and split their time by category (module
     docstring): {"steps", "wall_s", "per_step_s": {category: seconds per step}, "fraction": {category: share
     of the profiled wall time}, "gpu_idle_s" (seconds per step in which no kernel ran), "top_kernels": [[name,
     category, seconds per step], ...] (30), on CUDA also "top_host_ops": [[operator, host self seconds per step,
-    calls per step], ...] (30: where the host's time inside the operators goes)}."""
+    calls per step], ...] (30: where the host's time inside the operators goes), "device_busy_s_per_step" and, given
+    the ``measured`` (unprofiled) steps' records, "unprofiled_gap_s_per_step" (:func:`unprofiled_gap`)}."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -523,6 +541,8 @@ def profile_breakdown(trainer: Any, batches: _Batches, steps: int, device: torch
            "gpu_idle_s": None if busy is None else max(0.0, wall - busy) / steps,
            "top_kernels": [[n, classify_kernel(n), s / steps] for n, s in top]}
     if busy is not None:
+        out["device_busy_s_per_step"] = busy / steps
+        out["unprofiled_gap_s_per_step"] = unprofiled_gap(measured or [], records, busy)
         out["top_host_ops"] = [[n, v[0] / steps, v[1] / steps]
                                for n, v in sorted(host_ops.items(), key=lambda kv: -kv[1][0])[:30]]
         out["idle"] = {"gaps_per_step": gaps["gaps"] / steps, "idle_s_per_step": gaps["idle_s"] / steps,
@@ -707,7 +727,7 @@ def run_bench(cfg: JobConfig, *, steps: int, warmup: int, profile: bool = False,
         if sync_debug:
             out["sync_debug"] = sync_debug_step(trainer, batches, device)
         if profile:
-            out["profile"] = profile_breakdown(trainer, batches, profile_steps, device)
+            out["profile"] = profile_breakdown(trainer, batches, profile_steps, device, measured)
         if host_profile_steps > 0:
             out["host_profile"] = host_profile(trainer, batches, host_profile_steps, device)
         return out
@@ -783,6 +803,10 @@ def format_table(res: dict[str, Any]) -> str:
             if steady is not None:
                 lines.append(f"    ... after the first profiled step (whose launch queue starts empty: the phase "
                              f"begins synchronised): {steady * 1e3:.2f} ms per step")
+            gap = p.get("unprofiled_gap_s_per_step")
+            if gap is not None:
+                lines.append(f"    ... without the profiler (the measured steps' mean minus the profiled device work "
+                             f"{p['device_busy_s_per_step'] * 1e3:.1f} ms, scaled by FLOPs): {gap * 1e3:.2f} ms per step")
             lines.append("    ... by the host operator running meanwhile (ms per step, gaps per step):")
             for n, sec, k in idle["by_host_op"][:10]:
                 lines.append(f"      {sec * 1e3:8.2f} {k:7.1f}  {n[:90]}")
