@@ -44,6 +44,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
+from gemray.config import writable_file as _writable_file  # an output path checked before any work
 from gemray.preemption import EXIT_PREEMPTED  # 75, sysexits EX_TEMPFAIL
 
 USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError)
@@ -621,36 +622,6 @@ def _add_serve_parsers(sub) -> None:
     common(ex)
     ex.add_argument("--out", required=True, metavar="DIR", help="output folder (created; must be empty)")
     ex.set_defaults(func=_cmd_export)
-
-
-def _writable_file(path: str | Path, option: str, *, make_parents: bool = False) -> Path:
-    """Check, before any model is loaded, that ``path`` (the value of ``option``, e.g. ``--out``) names a file this
-    process can create or replace: not a folder, in a folder that exists and in which a file can be created (probed
-    with a temporary file removed at once; ``os.access`` alone says yes to root on a read-only mount). Writes nothing
-    at ``path``. ``make_parents``: the command creates the missing folders above the file (``bench train --json``),
-    so the nearest folder on the path that exists is the one probed. Returns it as a Path; raises ValueError
-    (NotADirectoryError when a parent on the path is a file) naming the option and the path."""
-    import tempfile
-
-    p = Path(path).expanduser()
-    if p.is_dir():
-        raise ValueError(f"{option} {p} is a folder; give a file name in it")
-    parent = p.parent
-    while make_parents and not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.exists():
-        raise ValueError(f"{option} {p}: the folder {parent} does not exist (create it first)")
-    if not parent.is_dir():
-        raise NotADirectoryError(f"{option} {p}: {parent} is not a folder")
-    try:
-        with tempfile.TemporaryFile(dir=parent, prefix=".gemray-write-probe-"):
-            pass
-        if p.exists():
-            with open(p, "ab"):  # replaceable in place (appends nothing)
-                pass
-    except OSError as e:
-        raise ValueError(f"{option} {p} is not writable: {e.strerror or e}") from e
-    return p
 
 
 def _cmd_evaluate(ns: argparse.Namespace) -> int:

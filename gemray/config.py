@@ -1255,3 +1255,33 @@ def to_toml(cfg: JobConfig) -> str:
             for sf in dataclasses.fields(sub):
                 lines.append(f"{sf.name} = {fmt(getattr(sub, sf.name))}")
     return "\n".join(lines) + "\n"
+
+
+def writable_file(path: str | Path, option: str, *, make_parents: bool = False) -> Path:
+    """Check, before any model is loaded, that ``path`` (the value of ``option``, e.g. ``--out``) names a file this
+    process can create or replace: not a folder, in a folder that exists and in which a file can be created (probed
+    with a temporary file removed at once; ``os.access`` alone says yes to root on a read-only mount). Writes nothing
+    at ``path``. ``make_parents``: the command creates the missing folders above the file (``bench train --json``),
+    so the nearest folder on the path that exists is the one probed. Returns it as a Path; raises ValueError
+    (NotADirectoryError when a parent on the path is a file) naming the option and the path."""
+    import tempfile
+
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise ValueError(f"{option} {p} is a folder; give a file name in it")
+    parent = p.parent
+    while make_parents and not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.exists():
+        raise ValueError(f"{option} {p}: the folder {parent} does not exist (create it first)")
+    if not parent.is_dir():
+        raise NotADirectoryError(f"{option} {p}: {parent} is not a folder")
+    try:
+        with tempfile.TemporaryFile(dir=parent, prefix=".gemray-write-probe-"):
+            pass
+        if p.exists():
+            with open(p, "ab"):  # replaceable in place (appends nothing)
+                pass
+    except OSError as e:
+        raise ValueError(f"{option} {p} is not writable: {e.strerror or e}") from e
+    return p

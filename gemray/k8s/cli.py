@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gemray.config import load_config
+from gemray.config import load_config, writable_file
 from gemray.k8s.render import (DEFAULT_GPU_IMAGE, DEFAULT_IMAGE, GENERATED_HEADER, KINDS, PREEMPT_MARGIN_S,
                                DeployOptions, render, render_pvc, to_yaml)
 from gemray.k8s.validate import validate_files
@@ -84,29 +84,10 @@ def render_from_args(ns: Any, argv: list[str] | None = None) -> str:
 
 
 def check_output(output: str) -> None:
-    """Refuse a ``--output`` / ``-o`` the manifest cannot be written to, writing nothing: a folder, a path through a
-    file, or a folder in which no file can be created (probed with a temporary file removed at once: root passes
-    ``os.access`` on a read-only mount). Missing folders are fine (:func:`_write` makes them): the nearest one that
-    exists is probed. Raises ValueError (NotADirectoryError for a file on the path) naming --output and the path.
-    As ``gemray.cli._writable_file``, which this layer cannot import."""
-    import tempfile
-
-    p = Path(output).expanduser()
-    if p.is_dir():
-        raise ValueError(f"--output {p} is a folder; give a file name in it")
-    parent = p.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir():
-        raise NotADirectoryError(f"--output {p}: {parent} is not a folder")
-    try:
-        with tempfile.TemporaryFile(dir=parent, prefix=".gemray-write-probe-"):
-            pass
-        if p.exists():
-            with open(p, "ab"):  # replaceable in place (appends nothing)
-                pass
-    except OSError as e:
-        raise ValueError(f"--output {p} is not writable: {e.strerror or e}") from e
+    """Refuse a ``--output`` / ``-o`` the manifest cannot be written to, writing nothing (``gemray.config.writable_file``
+    with missing folders allowed: :func:`_write` makes them). Raises ValueError (NotADirectoryError for a file on the
+    path) naming --output and the path."""
+    writable_file(output, "--output", make_parents=True)
 
 
 def _write(text: str, output: str) -> str:
