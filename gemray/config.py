@@ -903,7 +903,8 @@ class JobConfig:
         it once per run. Covered: the ``compile_*`` settings without anything compiled
         (:meth:`TrainConfig.ineffective_compile_settings`); ``fp8_recipe`` / ``fp8_grad`` / ``fp8_min_dim`` off
         their defaults without ``precision = "fp8"``; a ``model.retrieval_kernel`` off its default without
-        "uniform_shared" retrieval negatives; ``model.kernel_tiles`` where the attention is not the Triton kernels'
+        "uniform_shared" retrieval negatives; a ``model.uvqk_kernel`` off its default under ``precision = "fp8"``;
+        ``model.kernel_tiles`` where the attention is not the Triton kernels'
         (backend "reference", or "auto" without a GPU); ``model.fp32_residual = false`` without autocast; an
         ``activation_memory_budget`` with a checkpointing mode that does not read it (only "auto" and "torch" do)."""
         t = self.train
@@ -926,6 +927,9 @@ class JobConfig:
             parts.append(f"model.retrieval_kernel = {_toml_value(m.retrieval_kernel)} has no effect with "
                          + (f"model.negatives = {_toml_value(m.negatives)} (only \"uniform_shared\" reads it)"
                             if "retrieval" in m.tasks else "no retrieval task"))
+        if m.uvqk_kernel != ModelConfig().uvqk_kernel and t.precision == "fp8":
+            parts.append(f"model.uvqk_kernel = {_toml_value(m.uvqk_kernel)} has no effect with train.precision = "
+                         "\"fp8\" (the FP8 projections add their own bias)")
         if m.kernel_tiles and (m.attention_backend == "reference"
                                or (m.attention_backend == "auto" and not self.ray.use_gpu)):
             parts.append(f"model.kernel_tiles has no effect with model.attention_backend = "

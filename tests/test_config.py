@@ -213,6 +213,18 @@ def test_retrieval_kernel_without_effect_is_warned_about():
     assert warning(["model.retrieval_kernel=reference"]) is None  # the default
 
 
+def test_uvqk_kernel_under_fp8_is_warned_about():
+    """The FP8 projections add their own bias: model.uvqk_kernel is not read under train.precision = "fp8"."""
+    def warning(overrides):
+        return apply_overrides(JobConfig(), overrides).ineffective_settings_warning()
+
+    assert warning(["model.uvqk_kernel=triton", "train.precision=fp8"]) == (
+        'model.uvqk_kernel = "triton" has no effect with train.precision = "fp8" (the FP8 projections add their own '
+        'bias)')
+    assert warning(["model.uvqk_kernel=triton", "train.precision=bf16"]) is None
+    assert warning(["train.precision=fp8"]) is None
+
+
 def test_fp8_and_budget_settings_without_effect_are_warned_about():
     """fp8_* off their defaults without precision "fp8", and a memory budget under a mode that does not read it,
     get the same one warning as the compile_* settings (joined with them); in effect, none."""
