@@ -530,3 +530,28 @@ def test_validate_with_a_crd_missing_is_a_usage_error(tmp_path, capsys):
 
     assert main(["k8s", "validate", str(cluster), "--crds", str(tmp_path / "nowhere")]) == 2  # the gemray CLI too
     assert "gemray: error: KubeRay CRD not found" in capsys.readouterr().err
+
+
+def test_validate_names_a_document_without_metadata_name_by_position(tmp_path, capsys):
+    """A document without metadata.name is named by its position and kind, never "RayCluster None" (was: the
+    kind followed by None, in the ok line of a generateName document and in the error of a nameless one)."""
+    if not (CRD_DIR / validate.CRD_FILES["RayCluster"]).is_file():
+        pytest.skip(f"KubeRay RayCluster CRD not found at {CRD_DIR}")
+    good = yaml.safe_load((DEPLOY / "raycluster-cpu.yaml").read_text())
+    generated = {**good, "metadata": {"generateName": "gem-"}}
+    p = tmp_path / "three.yaml"
+    p.write_text(yaml.safe_dump_all([good, generated]))
+    assert cli.main(["validate", str(p), "--crds", str(CRD_DIR)]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out == [f"{p} (document 1, RayCluster {good['metadata']['name']}): ok",
+                   f"{p} (document 2, RayCluster, generateName gem-): ok"], out
+    p.write_text(yaml.safe_dump_all([good, generated, {**good, "metadata": {"labels": {"app": "gemray"}}}]))
+    assert cli.main(["validate", str(p), "--crds", str(CRD_DIR)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {p} (document 3, RayCluster, no metadata.name): invalid at 'metadata/name': a name (or "
+                   "generateName) is required"], err
+    nameless = {k: v for k, v in good.items() if k not in ("kind", "metadata")}
+    p.write_text(yaml.safe_dump(nameless))
+    assert cli.main(["validate", str(p), "--crds", str(CRD_DIR)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "(document 1, no kind, no metadata.name): invalid at 'metadata/name'" in err[0], err

@@ -89,8 +89,21 @@ def unknown_fields(doc: Any, schema: dict[str, Any], path: tuple = ()) -> Any:
             yield from unknown_fields(val, schema["items"], path + (i,))
 
 
+def _document_label(doc: dict[str, Any]) -> str:
+    """Pure: how a report names a document beside its position: ``"<kind> <name>"``, ``"<kind>, generateName
+    <prefix>"`` or ``"<kind>, no metadata.name"`` (``"no kind"`` for a document without one)."""
+    kind = doc.get("kind") or "no kind"
+    meta = doc.get("metadata") if isinstance(doc.get("metadata"), dict) else {}
+    if meta.get("name"):
+        return f"{kind} {meta['name']}"
+    if meta.get("generateName"):
+        return f"{kind}, generateName {meta['generateName']}"
+    return f"{kind}, no metadata.name"
+
+
 def validate_files(paths: list[str], crd_dir: str) -> list[str]:
-    """Validate YAML files (one or more documents each); returns ``"<file>: <kind> <name>: ok"`` lines.
+    """Validate YAML files (one or more documents each); returns ``"<file> (document <n>, <kind> <name>): ok"``
+    lines (a document without metadata.name is named by its position and kind, :func:`_document_label`).
 
     Ray kinds go against the CRDs; built-in kinds (PVC, Secret, ...) through kubernetes-validate when it
     is installed (strict, Kubernetes 1.32). Raises ValueError naming the file and document when a manifest is
@@ -124,8 +137,8 @@ def validate_files(paths: list[str], crd_dir: str) -> list[str]:
                 continue
             if not isinstance(doc, dict):
                 raise ValueError(f"{p} (document {i + 1}): not a Kubernetes object (a {type(doc).__name__})")
+            where = f"{p} (document {i + 1}, {_document_label(doc)})"
             meta = doc.get("metadata") if isinstance(doc.get("metadata"), dict) else {}
-            where = f"{p} (document {i + 1}, {doc.get('kind')} {meta.get('name')})"
             if not (meta.get("name") or meta.get("generateName")):
                 raise ValueError(f"{where}: invalid at 'metadata/name': a name (or generateName) is required")
             try:
