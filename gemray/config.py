@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
 import math
 import os
@@ -667,9 +668,17 @@ def compile_options(entries: list[str]) -> dict[str, Any]:
     ValueError naming train.compile_options for an entry without "=", a repeated name, a name that is not one of
     ``torch._inductor.config``'s options (dotted names reach its sub-configs, e.g. "triton.enable_pdl"; the closest
     one is named), a value of another type, or an option of a type that cannot be written here (lists, dicts,
-    callables)."""
+    callables). Parsed once per list of entries in a process (validation, the activation checkpointer and the
+    trainer's compile all ask; the result depends on the entries and the installed torch's inductor options only,
+    which gemray never changes); each call returns its own copy."""
     if not entries:
         return {}
+    return dict(_parsed_compile_options(tuple(str(e) for e in entries)))
+
+
+@functools.lru_cache(maxsize=16)
+def _parsed_compile_options(entries: tuple[str, ...]) -> dict[str, Any]:
+    """:func:`compile_options`' parse, cached per entries (errors are raised again, never cached)."""
     import torch._inductor.config as iconfig
 
     known = iconfig.get_config_copy()

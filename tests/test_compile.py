@@ -222,6 +222,31 @@ def test_compile_options_are_parsed_checked_and_passed_to_inductor(monkeypatch):
     assert cfg.ineffective_settings_warning() is None  # the blocks are compiled with them
 
 
+def test_compile_options_are_parsed_once_per_process(monkeypatch):
+    """train.compile_options is parsed once for the validation, the config rebuilt in a worker, the activation
+    checkpointer and the trainer's compile (was: once for each), and every caller gets its own dict."""
+    import gemray.config as config
+    from gemray.parallel.activation_checkpoint import ActivationCheckpointer
+
+    parsed = []
+    real = config._option_value
+    monkeypatch.setattr(config, "_option_value", lambda name, *a: parsed.append(name) or real(name, *a))
+    config._parsed_compile_options.cache_clear()
+    cfg = config.JobConfig()
+    cfg.train.compile_options = ["cpp_wrapper=true", "triton.enable_pdl=false"]
+    cfg.validate()
+    worker = config.from_dict(cfg.to_dict())  # what train_loop_per_worker does
+    ActivationCheckpointer.from_config(worker.train)
+    first = config.compile_options(worker.train.compile_options)
+    assert parsed == ["cpp_wrapper", "triton.enable_pdl"]
+    first["cpp_wrapper"] = False  # a caller's change stays its own
+    assert config.compile_options(worker.train.compile_options) == {"cpp_wrapper": True, "triton.enable_pdl": False}
+    cfg.train.compile_options = ["cpp_wrapper=maybe"]
+    for _ in range(2):  # an error is raised every time, never cached as a result
+        with pytest.raises(ValueError, match="train.compile_options: cpp_wrapper takes true or false"):
+            cfg.validate()
+
+
 def test_deferred_losses_are_read_together_checked_and_counted_in_order():
     """The CUDA path of Trainer.train_step keeps each loss on the device; flush_losses reads the pending ones at
     once, adds them to the epoch statistics in step order with their step events, and stops at the first NaN
