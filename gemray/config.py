@@ -1161,6 +1161,16 @@ SHAPE_FIELDS = ("embedding_dim", "num_blocks", "num_heads", "attention_dim", "li
                 "candidate_features", "context_features", "combiner", "tasks", "pma_seeds", "mlp_dims", "table_rows")
 
 
+def usable_cpus() -> int:
+    """The CPU cores this process may run on (its affinity mask: a container's or taskset's share, not the
+    machine's count); ``os.cpu_count()`` where the mask cannot be read (not Linux), at least 1. Here, the lowest
+    layer, for the data pipelines, the benchmarks and evaluation alike."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def shape_changes(before: JobConfig, after: JobConfig) -> list[str]:
     """Pure: the settings that differ between two configs and fix the model's parameter shapes (``SHAPE_FIELDS``
     and ``data.max_seq_len``), one "model.num_blocks: 2 -> 3" line each; [] when a checkpoint of ``before``

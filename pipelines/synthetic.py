@@ -87,7 +87,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from gemray.config import DataConfig
+from gemray.config import DataConfig, usable_cpus
 
 from .movielens import _file_sha256, _fsync_path, check_replaceable, swap_into_place, write_run_file
 from .schema import (CANDIDATE_CLICK, CANDIDATE_CONVERT, CANDIDATE_ITEMS, HISTORIES_DIR, ITEMS_FILE,
@@ -783,11 +783,7 @@ def _layout(spec: SyntheticSpec, mean_len: float, num_files: int,
 
 
 def _default_workers(n_files: int) -> int:
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cpus = os.cpu_count() or 1
-    return max(1, min(cpus, n_files))
+    return max(1, min(usable_cpus(), n_files))
 
 
 def prepare_synthetic(out: str | Path, spec: SyntheticSpec, *, num_files: int = 8,

@@ -435,3 +435,29 @@ def test_loader_workers_is_a_count_or_auto_from_toml_and_set_alike(tmp_path):
             load_config(toml)
     with pytest.raises(ValueError, match=r"data\.prefetch_batches: expected > 0, got 0"):
         load_config(None, ["data.prefetch_batches=0"])
+
+
+def test_usable_cpus_is_the_one_affinity_count(monkeypatch):
+    """gemray.config.usable_cpus, the bottom layer's count of the cores this process may use, is the one that the
+    synthetic data's generation workers, `gemray bench train`'s loader record and evaluation's threads take (was:
+    three copies; the synthetic data's let an OSError from the affinity mask escape, bench train's too)."""
+    import os
+
+    from gemray.config import usable_cpus
+    from gemray.pipelines.synthetic import _default_workers
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 2, 5}, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 6)
+    assert usable_cpus() == 3 and _default_workers(8) == 3 and _default_workers(2) == 2
+
+    def unreadable(pid):
+        raise OSError("no affinity mask here")
+
+    monkeypatch.setattr(os, "sched_getaffinity", unreadable)
+    assert usable_cpus() == 6 and _default_workers(8) == 6
+    monkeypatch.delattr(os, "sched_getaffinity")  # not Linux
+    monkeypatch.setattr(os, "cpu_count", lambda: None)
+    assert usable_cpus() == 1 and _default_workers(8) == 1
+    copies = [str(p.relative_to(ROOT)) for folder in ("gemray", "pipelines")
+              for p in sorted((ROOT / folder).rglob("*.py")) if "sched_getaffinity" in p.read_text()]
+    assert copies == ["gemray/config.py"], copies

@@ -73,7 +73,6 @@ no kernel ran (host-bound launches show up there).
 from __future__ import annotations
 
 import logging
-import os
 import statistics
 import time
 import traceback
@@ -84,7 +83,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from gemray.config import JobConfig
+from gemray.config import JobConfig, usable_cpus
 from gemray.train.throughput import batch_flops, mfu_or_none
 
 log = logging.getLogger("gemray.bench.train")
@@ -719,8 +718,7 @@ def run_bench(cfg: JobConfig, *, steps: int, warmup: int, profile: bool = False,
             "loader": {"workers": trainer.train_stream.workers, "in_process": not trainer.train_stream.workers,
                        "prefetch_batches": trainer.train_stream.prefetch,
                        "pin_memory": trainer.train_stream.pin_memory,
-                       "cpu_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                       else os.cpu_count()},
+                       "cpu_cores": usable_cpus()},
             "steps": records,
         }
         out["scaling_ratio"], out["e2e_mfu"] = 1.0, out["local_mfu"]  # world size 1 is its own reference

@@ -15,13 +15,13 @@ import contextlib
 import copy
 import logging
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from gemray.config import usable_cpus
 from gemray.serve.model import TrainedModel, check_data
 
 log = logging.getLogger(__name__)
@@ -81,13 +81,6 @@ def rank_threads(cfg: Any) -> int:
     return max(1, math.floor(float(cfg.ray.cpus_per_worker)))
 
 
-def _cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 @contextlib.contextmanager
 def _intra_op_threads(n: int):
     """torch's intra-op threads set to ``n`` inside the block, restored after it."""
@@ -137,7 +130,7 @@ def evaluate(trained: TrainedModel, split: str = "test", *, ks: list[int] | None
     t0 = time.perf_counter()
     total = None
     cpu = trained.device.type == "cpu"
-    threads = min(rank_threads(cfg), _cpu_count()) if cpu else torch.get_num_threads()
+    threads = min(rank_threads(cfg), usable_cpus()) if cpu else torch.get_num_threads()
     with torch.no_grad(), (_intra_op_threads(threads) if cpu else contextlib.nullcontext()):
         for rank in range(world):
             stream = HistoryStream.from_config(data_cfg, split, rank=rank, world_size=world, seed=cfg.train.seed)
