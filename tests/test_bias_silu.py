@@ -135,6 +135,8 @@ def test_dispatch_rules_and_config():
     want = torch.split(torch.nn.functional.silu(torch.addmm(bias, x_norm, weight)), [6, 10], 1)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for a, b in zip(ops.uvqk_activation(x_norm, weight, bias, [6, 10], backend="auto"), want):  # CPU: the reference
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
     with pytest.raises(ValueError):
         ops.uvqk_activation(x_norm, weight, bias, [6, 10], backend="fast")
     with pytest.raises(ValueError, match="uvqk_kernel"):
