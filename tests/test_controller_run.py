@@ -817,6 +817,34 @@ def test_fit_probes_the_output_before_anything_starts(tmp_path, monkeypatch):
     assert not (tmp_path / "prep").exists() and not (tmp_path / "out").exists()
 
 
+def test_output_inside_the_prepared_data_is_refused_before_anything_is_written(tmp_path):
+    data = tmp_path / "data" / "ml"
+    data.mkdir(parents=True)
+    (data / "manifest.json").write_text("{}")
+    for out in (data, data / "run"):
+        with pytest.raises(ValueError, match=r"the prepared data folder .* \(data.prepared_dir\)"):
+            preflight.preflight_output_outside_data(out, data)
+    preflight.preflight_output_outside_data(tmp_path / "data" / "runs", data)  # beside it: fine
+    preflight.preflight_output_outside_data(tmp_path, data)  # above it: fine (the data stays apart)
+    cfg = apply_overrides(JobConfig(), [f"data.prepared_dir={data}"])
+    with pytest.raises(ValueError, match=r"--output \(output_dir\) .* is the prepared data folder"):
+        run.fit(cfg, output_dir=data)
+    assert sorted(p.name for p in data.iterdir()) == ["manifest.json"]  # no run log, nothing else
+
+
+def test_cpu_workers_beyond_the_machine_are_refused_on_an_embedded_cluster():
+    many = apply_overrides(JobConfig(), ["ray.num_workers=1000"])
+    with pytest.raises(ValueError, match=r"ray.num_workers=1000 CPU workers .* 2 usable core\(s\): at most 8"):
+        preflight.preflight_resources(many, embedded=True, cores=2)
+    preflight.preflight_resources(many, embedded=False, cores=2)  # an external cluster has its own machines
+    elastic = apply_overrides(JobConfig(), ["ray.min_workers=1", "ray.max_workers=9"])
+    with pytest.raises(ValueError, match=r"ray.max_workers=9 CPU workers"):
+        preflight.preflight_resources(elastic, embedded=True, cores=2)
+    # the slow elastic tests' 4 workers on the 2-core CI machine stay allowed
+    preflight.preflight_resources(apply_overrides(JobConfig(), ["ray.min_workers=3", "ray.max_workers=4"]),
+                                  embedded=True, cores=2)
+
+
 def test_preflight_output_refuses_a_file_on_the_path(tmp_path):
     (tmp_path / "f").write_text("x")
     with pytest.raises(NotADirectoryError, match="is not a folder"):

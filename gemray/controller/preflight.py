@@ -56,6 +56,23 @@ def preflight_output(out: str | Path, *, what: str = "--output") -> None:
                          "write to") from e
 
 
+def preflight_output_outside_data(out: str | Path, prepared_dir: str | Path, *, what: str = "--output") -> None:
+    """Refuse an output folder that is the prepared data folder (``data.prepared_dir``) or inside it, before anything
+    is written there (the run's log included): the run's files would mix with the data's, and a later ``gemray
+    prepare`` into that folder refuses it for the files its manifest does not list. Both paths as given (relative to
+    the working directory). Raises ValueError naming the option and both folders."""
+    o, d = Path(out).expanduser().resolve(), Path(prepared_dir).expanduser().resolve()
+    if o == d or d in o.parents:
+        where = "is" if o == d else "is inside"
+        raise ValueError(f"{what} {out} {where} the prepared data folder {prepared_dir} (data.prepared_dir): the run's "
+                         f"files would mix with the data's; give another folder, e.g. runs/<name>")
+
+
+#: the most CPU training workers per usable core an embedded cluster is asked to start (every worker is a
+#: process with its own model replica and loader: ~2 GB each in the ML-1M demo)
+MAX_CPU_WORKERS_PER_CORE = 4
+
+
 def preflight_kernel_tiles(cfg: JobConfig) -> None:
     """Refuse a ``model.kernel_tiles`` naming an unknown regime, tile kind, head-dim bucket or mode, or a malformed
     tile (loading the config checks only that it is a JSON object): ``gemray train`` (through
@@ -67,16 +84,31 @@ def preflight_kernel_tiles(cfg: JobConfig) -> None:
         kernel_config_of(cfg.model.kernel_tiles)
 
 
-def preflight_resources(cfg: JobConfig, *, embedded: bool, num_gpus: int | None = None) -> None:
+def preflight_resources(cfg: JobConfig, *, embedded: bool, num_gpus: int | None = None,
+                        cores: int | None = None) -> None:
     """Refuse a job the device or the embedded cluster cannot run: ``ray.use_gpu`` on an embedded cluster
     with fewer GPUs than workers (``num_gpus``: GPUs this machine has; default ``torch.cuda.device_count()``),
     Adam kinds of sparse optimizer, forced Triton without a GPU outside Triton's interpreter (``TRITON_INTERPRET=1``
     runs the kernels on CPU tensors, for tests): the attention, and the retrieval kernel where it is read
     (``ModelConfig.retrieval_kernel_in_use``; elsewhere it is only warned about as idle), a ``model.kernel_tiles``
-    naming an unknown regime, tile kind or mode, a worker asking more CPUs than the embedded cluster advertises.
+    naming an unknown regime, tile kind or mode, a worker asking more CPUs than the embedded cluster advertises,
+    more CPU workers than ``MAX_CPU_WORKERS_PER_CORE`` per usable core of this machine on an embedded cluster (``cores``:
+    default ``gemray.config.usable_cpus()``; the cluster advertises 2 CPUs per worker whatever the machine has, so a
+    mistyped ``ray.num_workers=1000`` started hundreds of processes and ran the machine out of memory).
     embedded: whether fit will start its own Ray cluster (an external one may have the GPUs and CPUs). Raises
     ValueError naming the field."""
     gpu = cfg.ray.use_gpu
+    if embedded and not gpu:
+        from gemray.config import usable_cpus
+
+        cores = usable_cpus() if cores is None else cores
+        most = max(cfg.ray.num_workers, cfg.ray.max_workers)
+        if most > MAX_CPU_WORKERS_PER_CORE * cores:
+            field = "ray.max_workers" if cfg.ray.max_workers > cfg.ray.num_workers else "ray.num_workers"
+            raise ValueError(f"{field}={most} CPU workers on the embedded Ray cluster of a machine with {cores} usable "
+                             f"core(s): at most {MAX_CPU_WORKERS_PER_CORE * cores} ({MAX_CPU_WORKERS_PER_CORE} per "
+                             "core; each worker is a training process with its own model replica, ~2 GB in the ML-1M "
+                             "demo); use fewer workers, or ray.address for a cluster")
     if embedded and gpu:
         if num_gpus is None:
             import torch

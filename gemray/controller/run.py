@@ -70,6 +70,8 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
     t0 = time.perf_counter()
     cfg = _load(config, overrides)
     out = Path(output_dir or Path("runs") / cfg.name).expanduser().resolve()
+    # before the run's log is opened there
+    preflight.preflight_output_outside_data(out, cfg.data.prepared_dir, what="--output (output_dir)")
     with console.run_log(out):  # <out>/logs/gemray.log, as under `gemray train` (whose session it then uses)
         return _fit(cfg, out, t0)
 
