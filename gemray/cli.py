@@ -346,7 +346,8 @@ def _cmd_preempt(ns: argparse.Namespace) -> int:
     if ns.output is not None:
         out = Path(ns.output)
         if not out.is_dir():
-            raise NotADirectoryError(f"--output {out}: no such folder (the --output of the running `gemray train`)")
+            raise NotADirectoryError(f"--output {out}: " + ("a file, not a folder" if out.exists() else "no such folder")
+                                     + " (the --output of the running `gemray train`)")
         path = out / NOTICE_NAME
     else:
         path = Path(ns.notice)
@@ -694,12 +695,14 @@ def _cmd_recommend(ns: argparse.Namespace) -> int:
 
 def _cmd_export(ns: argparse.Namespace) -> int:
     from gemray.serve import load_trained
-    from gemray.serve.export import ITEM_IDS_FILE, ITEMS_FILE, PROGRAM_FILE, SPEC_FILE, check_exportable, export
+    from gemray.serve.export import (ITEM_IDS_FILE, ITEMS_FILE, PROGRAM_FILE, SPEC_FILE, check_exportable,
+                                     check_out_dir, export)
     from gemray.serve.model import check_device, run_config
 
     check_device(ns.device)  # a --device cuda without CUDA: one line, before anything is read
     # a model export cannot write is refused from its config, before any checkpoint is read
     check_exportable(run_config(ns.checkpoint, config=ns.config, overrides=ns.overrides))
+    check_out_dir(ns.out)  # a used --out too, before the checkpoint is loaded
     trained = load_trained(ns.checkpoint, config=ns.config, overrides=ns.overrides, device=ns.device)
     out = export(trained, ns.out)
     # every file written (item_ids.npy only where the data maps its ids), named from the files themselves

@@ -125,6 +125,8 @@ def test_validate_cli_accepts_deploy_and_names_the_broken_field(tmp_path, capsys
     assert cli.main(["validate", str(tmp_path / "none.yaml"), "--crds", str(CRD_DIR)]) == 2  # a usage error
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"gemray: error: no such file: {tmp_path / 'none.yaml'}"], err
+    assert cli.main(["validate", str(tmp_path), "--crds", str(CRD_DIR)]) == 2  # a folder is not "no such file"
+    assert capsys.readouterr().err.strip() == f"gemray: error: a folder, not a file: {tmp_path}"
     p.write_text(yaml.safe_dump(typo))
     assert cli.main(["validate", str(p), "--crds", str(tmp_path / "no-crds")]) == 2  # a usage error
     err = capsys.readouterr().err

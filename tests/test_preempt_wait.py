@@ -161,6 +161,10 @@ def test_output_and_notice_are_exclusive_and_one_is_required(tmp_path, capsys):
         main(["preempt"])
     assert e.value.code == 2
     assert main(["preempt", "--output", str(tmp_path / "missing")]) == 2  # as before: no such run folder
+    assert "no such folder" in capsys.readouterr().err
+    (tmp_path / "afile").write_text("x")
+    assert main(["preempt", "--output", str(tmp_path / "afile")]) == 2
+    assert "a file, not a folder" in capsys.readouterr().err
     assert main(["preempt", "--output", str(tmp_path), "--wait", "-1"]) == 2
     assert main(["preempt", "--output", str(tmp_path)]) == 0 and (tmp_path / NOTICE_NAME).is_file()
 

@@ -765,3 +765,22 @@ def test_set_of_a_shape_setting_is_refused_before_the_model_is_built(command, sm
     assert len(err) == 1 and "changes the shape of the model the checkpoint holds (model.num_blocks: 2 -> 1)" in err[0]
     monkeypatch.setattr(gemray.model.gem, "GEM", real)
     assert load_trained(ckpt, overrides=["model.attention_backend=reference"]).cfg.model.num_blocks == 2
+
+
+def test_wrong_kind_of_path_is_named_as_such(tmp_path):
+    """A folder given as --users-file, a file or a used folder as export's --out: each said as what it is (a new
+    user read "no such file" for a folder that exists)."""
+    from gemray.serve.export import check_out_dir
+    from gemray.serve.recommend import read_users_file
+
+    with pytest.raises(FileNotFoundError, match="a folder, not a file"):
+        read_users_file(tmp_path)
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        read_users_file(tmp_path / "none.txt")
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(FileExistsError, match="is a file"):
+        check_out_dir(tmp_path / "f")
+    with pytest.raises(FileExistsError, match="not empty"):
+        check_out_dir(tmp_path)
+    assert check_out_dir(tmp_path / "new") == (tmp_path / "new").resolve() and not (tmp_path / "new").exists()
+

@@ -149,13 +149,21 @@ def add_validate_arguments(p: Any) -> None:
                    help="folder with ray.io_rayjobs.yaml and ray.io_rayclusters.yaml (KubeRay CRDs)")
 
 
+def _missing_files(paths: list[str]) -> str:
+    """"no such file: a.yaml" / "a folder, not a file: deploy" for the paths that are not files."""
+    folders = [p for p in paths if os.path.isdir(p)]
+    absent = [p for p in paths if p not in folders]
+    return "; ".join(([f"no such file: {', '.join(absent)}"] if absent else [])
+                     + ([f"a folder, not a file: {', '.join(folders)}"] if folders else []))
+
+
 def cli_validate(ns: Any) -> int:
     """Run ``gemray k8s validate``: print one ok line per document, or the first error; exit status 0, 1 for an
     invalid manifest, 2 for a usage error: a manifest file that does not exist, or a KubeRay CRD file missing
     from ``--crds``."""
     missing = [f for f in ns.files if not os.path.isfile(f)]
     if missing:  # a usage error (exit 2, as for other missing files), not an invalid manifest (exit 1)
-        print(f"gemray: error: no such file: {', '.join(missing)}", file=sys.stderr)
+        print(f"gemray: error: {_missing_files(missing)}", file=sys.stderr)
         return 2
     try:
         for line in validate_files(ns.files, ns.crds):
@@ -203,7 +211,7 @@ def _main(argv: list[str]) -> int:
             return 2
         missing = [f for f in ns.files if not os.path.isfile(f)]
         if missing:
-            print(f"gemray: error: no such file: {', '.join(missing)}", file=sys.stderr)
+            print(f"gemray: error: {_missing_files(missing)}", file=sys.stderr)
             return 2
         for path in ns.files:  # one line per file, as render -o: which changed, which were already current
             old, new = Path(path).read_text(), regenerate(path)

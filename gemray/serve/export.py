@@ -210,6 +210,16 @@ def check_exportable(cfg: JobConfig) -> None:
                          f"this model has {' and '.join(what)}, which is not exported yet")
 
 
+def check_out_dir(out_dir: str | Path) -> Path:
+    """The export's folder, resolved: it must be new or an empty folder (``gemray export`` asks before the checkpoint
+    is read). Raises FileExistsError naming --out and what is there."""
+    out = Path(out_dir).expanduser().resolve()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"--out {out}: " + ("is a file; give a new or empty folder" if not out.is_dir() else
+                                                  "is a folder that is not empty; give a new or empty folder"))
+    return out
+
+
 def export(trained: TrainedModel, out_dir: str | Path) -> Path:
     """Write the serving artifact of ``trained`` into ``out_dir`` (see the module docstring); returns the folder.
 
@@ -220,9 +230,7 @@ def export(trained: TrainedModel, out_dir: str | Path) -> Path:
 
     cfg = trained.cfg
     check_exportable(cfg)
-    out = Path(out_dir).expanduser().resolve()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"--out {out}: exists and is not an empty folder")
+    out = check_out_dir(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tower = UserTower.from_model(trained).eval()
     B, T = torch.export.Dim("B", min=1), torch.export.Dim("T", min=1)

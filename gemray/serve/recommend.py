@@ -238,7 +238,7 @@ def read_users_file(path: str | Path) -> list[Any]:
     ``user_id`` column of a Parquet / CSV file. Raises FileNotFoundError / ValueError naming the file."""
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"--users-file {p}: no such file")
+        raise FileNotFoundError(f"--users-file {p}: " + ("a folder, not a file" if p.is_dir() else "no such file"))
     if p.suffix == ".parquet":
         t = pq.read_table(p)
     elif p.suffix == ".csv":
