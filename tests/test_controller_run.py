@@ -1063,3 +1063,88 @@ def test_recovery_line_without_a_resumed_step_says_so():
         "recovery (failure): attempt 0 -> 1, world 1 -> 1, 3 step(s) lost, 12.3 s from the last step before the "
         "failure to the first resumed step")
     assert "nan" not in recovery_line(r)
+
+
+# -- finished or preempted: the last attempt's own end decides, not the latest checkpoint's report ---------------
+def _ev(kind: str, attempt: int, **detail) -> dict:
+    return {"kind": kind, "t": float(attempt), "attempt": attempt, "detail": detail}
+
+
+#: the emergency checkpoint's report (Trainer.maybe_checkpoint inside an epoch, 27 epochs done): what Ray's Result
+#: carries while it is the latest checkpoint, also after an attempt that restored it had nothing to train
+EMERGENCY = {"epoch": 28, "epochs_completed": 27, "global_step": 275, "checkpoint": "emergency", "preempted": True}
+FINAL = {"epoch": 30, "global_step": 300, "final": True, "test_hr@10": 0.3, "history": [{"epoch": 30}]}
+
+
+@pytest.mark.parametrize("reported, events, want", [
+    # finished normally: the final report, the attempt's finished event
+    (FINAL, [_ev("attempt_start", 1), _ev("step", 1), _ev("finished", 1)], "finished"),
+    # preempted mid-run: the emergency report, the attempt's preempted event
+    (EMERGENCY, [_ev("attempt_start", 1), _ev("step", 1), _ev("preempted", 1, global_step=275)], "preempted"),
+    # resumed from the emergency checkpoint with train.epochs <= 27: nothing to train, the attempt finished, but
+    # the Result still carries the emergency report (the bug: "preempted", exit 75, on every re-run)
+    (EMERGENCY, [_ev("attempt_start", 1), _ev("preempted", 1, global_step=275), _ev("attempt_start", 2),
+                 _ev("checkpoint_restored", 2), _ev("finished", 2, global_step=275)], "finished"),
+    # resumed and trained to the end
+    (FINAL, [_ev("attempt_start", 1), _ev("preempted", 1, global_step=275), _ev("attempt_start", 2),
+             _ev("step", 2), _ev("finished", 2, global_step=300)], "finished"),
+    # resumed and preempted again
+    (dict(EMERGENCY, global_step=290), [_ev("attempt_start", 1), _ev("preempted", 1), _ev("attempt_start", 2),
+                                        _ev("preempted", 2, global_step=290)], "preempted"),
+    # an attempt that died (Ray restarted the group), then the new attempt preempted: the last attempt decides
+    (EMERGENCY, [_ev("attempt_start", 1), _ev("step", 1), _ev("attempt_start", 2), _ev("preempted", 2)], "preempted"),
+    # no event log (or the last attempt recorded no end): the report's flag, as before
+    (EMERGENCY, [], "preempted"),
+    (FINAL, [], "finished"),
+])
+def test_attempt_outcome_reads_the_last_attempts_end(reported, events, want):
+    assert results.attempt_outcome(reported, events) == want
+
+
+def test_final_metrics_of_an_emergency_report_count_the_epochs_done():
+    """A run that ended on an emergency checkpoint with nothing to train: epochs is the count done (27), not the
+    epoch the checkpoint stopped in (28); no test metrics, no preempted key (so the CLI exits 0)."""
+    m = results.final_metrics(JobConfig(), EMERGENCY, [], wall_s=1.0, invocations=2)
+    assert m["epochs"] == 27 and "preempted" not in m and "hr@10" not in m and m["history"] == []
+    assert results.no_test_line(apply_overrides(JobConfig(), ["train.epochs=20"]), EMERGENCY) == (
+        "nothing trained: the checkpoint restored (global step 275, 27 epoch(s) done) already has train.epochs=20 "
+        "or more, and no final evaluation followed it, so there are no test metrics; raise train.epochs above 27 "
+        "to train on from it")
+
+
+class _FakeResult:
+    def __init__(self, metrics, path="/ckpt/emergency"):
+        self.metrics = metrics
+        self.checkpoint = type("C", (), {"path": path})()
+
+
+@pytest.mark.parametrize("last_end, rc", [("finished", 0), ("preempted", 75)])
+def test_train_resumed_from_a_preemption_with_nothing_to_train_exits_0(tmp_path, monkeypatch, capsys, last_end, rc):
+    """`gemray train` re-run into a preempted run's folder with train.epochs at most the epochs done: the attempt
+    restores the emergency checkpoint, trains nothing and records finished, while Ray's Result still carries the
+    emergency report. The driver exits 0 with the results it has (it printed "preempted" and exited 75 on every
+    re-run, which a RayJob resubmits forever); an attempt that did stop again still exits 75. Ray is stubbed: the
+    stand-in for run._train writes the attempt's events and returns the Result."""
+    from gemray.cli import main
+
+    out = tmp_path / "out"
+
+    def train(cfg, storage):
+        with open(cfg.train.events_path, "a") as f:
+            for e in (_ev("attempt_start", 1), _ev("preempted", 1, global_step=275, notice={"reason": "Ctrl-C"}),
+                      _ev("attempt_start", 2), _ev(last_end, 2, global_step=275, notice={"reason": "again"})):
+                f.write(json.dumps(e) + "\n")
+        return _FakeResult(EMERGENCY)
+
+    monkeypatch.setattr(run, "_train", train)
+    assert main(["train", "--config", str(REPO / "configs" / "ml-latest-small.toml"), "--output", str(out), "--set",
+                 f"data.raw_dir={DATA / 'ml-latest-small'}", f"data.prepared_dir={tmp_path / 'prep'}",
+                 "train.epochs=20"]) == rc
+    printed = capsys.readouterr().out
+    metrics = json.loads((out / "metrics.json").read_text())
+    if rc == 0:
+        assert "nothing trained: the checkpoint restored (global step 275, 27 epoch(s) done)" in printed
+        assert "re-run the same command" not in printed and "preempted" not in metrics
+        assert metrics["epochs"] == 27 and metrics["invocations"] == 1
+    else:
+        assert "re-run the same command to resume from step 275" in printed and metrics["preempted"]

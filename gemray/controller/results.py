@@ -2,10 +2,11 @@
 run against the published ML-1M numbers, the TensorBoard event files (gemray.controller.tensorboard), and
 :class:`Result`.
 
-Pure: :func:`run_record` (what a resumed run carries over), :func:`final_metrics`, :func:`preempted_metrics`,
-:func:`comparison_table`. Acting: :func:`finish` (a run that trained to the end) and :func:`finish_preempted`
-(a run stopped on a preemption notice after its emergency checkpoint) write the files, mark the notice and
-return the :class:`Result`.
+Pure: :func:`run_record` (what a resumed run carries over), :func:`attempt_outcome` (finished or preempted),
+:func:`final_metrics`, :func:`preempted_metrics`, :func:`comparison_table`, :func:`no_test_line`. Acting:
+:func:`finish` (a run that trained to the end, or had nothing left to train) and :func:`finish_preempted` (a run
+stopped on a preemption notice after its emergency checkpoint) write the files, mark the notice and return the
+:class:`Result`.
 """
 
 from __future__ import annotations
@@ -101,6 +102,27 @@ def load_scaling_reference(path: str) -> dict[str, Any] | None:
     return {"tokens_per_s": ref["tokens_per_s"], "local_mfu": ref.get("local_mfu")}
 
 
+def attempt_outcome(reported: dict[str, Any], events: list[dict[str, Any]]) -> str:
+    """Pure: how the run's last attempt ended, ``"preempted"`` (stopped on a preemption notice after its emergency
+    checkpoint: exit 75, re-run to resume) or ``"finished"`` (trained to train.epochs, or had nothing to train).
+
+    ``reported``: the ``ray.train.Result`` metrics, which are the latest *checkpoint's* report: an attempt that
+    restores an emergency checkpoint and has nothing to train (the checkpoint has train.epochs or more epochs
+    done) reports nothing, so its Result still carries that checkpoint's ``preempted``; read alone, it made the
+    driver say "preempted" (exit 75) on every re-run, a loop under a RayJob. ``events``: this run's event log; the
+    last attempt's own end (``finished`` or ``preempted``, rank 0's, see gemray.events) decides, the report's flag
+    only when that attempt recorded neither (no event log)."""
+    starts = [e for e in events if e.get("kind") == "attempt_start"]
+    if starts:
+        last = starts[-1].get("attempt")
+        ends = {e["kind"] for e in events if e.get("attempt") == last and e.get("kind") in ("finished", "preempted")}
+        if "finished" in ends:
+            return "finished"
+        if "preempted" in ends:
+            return "preempted"
+    return "preempted" if reported.get("preempted") else "finished"
+
+
 def final_metrics(cfg: JobConfig, reported: dict[str, Any], events: list[dict[str, Any]], *, wall_s: float,
                   invocations: int, reference: dict[str, Any] | None = None) -> dict[str, Any]:
     """Pure: metrics.json of a run that trained to the end, from the last report of rank 0 (``reported``:
@@ -124,7 +146,9 @@ def final_metrics(cfg: JobConfig, reported: dict[str, Any], events: list[dict[st
         "samples_per_s": sum(tput) / len(tput) if tput else 0.0,
         "wall_s": wall_s,
         "invocations": invocations,
-        "epochs": int(reported.get("epoch", len(history))),
+        # a mid-epoch report (an emergency checkpoint a run with nothing to train ended on) numbers "epoch" as the
+        # one in progress: its epochs_completed is the count; an epoch-end report has "epoch" only
+        "epochs": int(reported.get("epochs_completed", reported.get("epoch", len(history)))),
         "world_size": int(reported.get("world_size", cfg.ray.num_workers)),
         "bbs": cfg.data.bbs,
         "bbs_imbalance": sum(imb) / len(imb) if imb else 1.0,
@@ -208,10 +232,11 @@ def recovery_line(r: dict[str, Any]) -> str:
 
 def finish(cfg: JobConfig, out: Path, result: Any, *, events_from: int, wall_s: float,
            invocations: int, data_format: str | None = None) -> Result:
-    """A run that trained to the end (``result``: the ``ray.train.Result`` of ``TorchTrainer.fit``): write
-    ``metrics.json`` (:func:`final_metrics`) and ``curves.png``, log the recovery figures, print
-    :func:`comparison_table` (``data_format``: the prepared data's manifest ``format``), handle a preemption
-    notice that came too late (:func:`late_notice`)."""
+    """A run that trained to the end, or whose last attempt had nothing left to train (``result``: the
+    ``ray.train.Result`` of ``TorchTrainer.fit``): write ``metrics.json`` (:func:`final_metrics`) and
+    ``curves.png``, log the recovery figures, print :func:`comparison_table` (``data_format``: the prepared data's
+    manifest ``format``), or :func:`no_test_line` when the checkpoint it ended on had no final evaluation, handle a
+    preemption notice that came too late (:func:`late_notice`)."""
     from gemray.plots import plot_curves
 
     events = read_events(cfg.train.events_path)[events_from:]
@@ -224,10 +249,24 @@ def finish(cfg: JobConfig, out: Path, result: Any, *, events_from: int, wall_s: 
     if metrics["history"]:
         plot_curves(metrics["history"], out / "curves.png")
     tensorboard.export(cfg.name, out, metrics, events)  # the same values, as TensorBoard scalars
-    print(comparison_table(metrics, data_format))
+    reported = result.metrics or {}
+    if reported.get("final") or any(k.startswith("test_") for k in reported):
+        print(comparison_table(metrics, data_format))
+    else:  # restored a checkpoint with train.epochs or more epochs done that no final evaluation followed
+        print(no_test_line(cfg, reported))
     log.info("results in %s (checkpoint %s)", out, ckpt)
     late_notice(cfg.checkpoint.preempt_notice, metrics, ckpt)
     return Result(metrics=metrics, checkpoint_path=ckpt, output_dir=str(out))
+
+
+def no_test_line(cfg: JobConfig, reported: dict[str, Any]) -> str:
+    """Pure: what a run that ended on a checkpoint without a final evaluation prints instead of the comparison
+    table: the checkpoint (an emergency or periodic one) already has train.epochs or more epochs done, so the
+    attempt trained nothing and evaluated nothing."""
+    done = int(reported.get("epochs_completed", reported.get("epoch", 0)))
+    return (f"nothing trained: the checkpoint restored (global step {int(reported.get('global_step', 0))}, {done} "
+            f"epoch(s) done) already has train.epochs={cfg.train.epochs} or more, and no final evaluation followed "
+            f"it, so there are no test metrics; raise train.epochs above {done} to train on from it")
 
 
 def finish_preempted(cfg: JobConfig, out: Path, result: Any, *, events_from: int = 0, wall_s: float = 0.0,

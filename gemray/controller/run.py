@@ -26,6 +26,7 @@ from typing import Any
 from gemray.config import JobConfig, apply_overrides, load_config, shared_origin, to_toml
 from gemray.controller import console, output_lock, preflight, results, session
 from gemray.controller.results import Result
+from gemray.events import read_events
 from gemray.parallel.sharding import check_shardable
 from gemray.preemption import NOTICE_NAME, clear_notice, install_driver_sigint, install_driver_sigterm
 
@@ -120,7 +121,10 @@ def _fit(cfg: JobConfig, out: Path, t0: float) -> Result:
                         "score trained targets; only the test split is held out")
         result = _train(cfg, storage)
         wall_s = wall_before + time.perf_counter() - t0
-        if (result.metrics or {}).get("preempted"):
+        # the last attempt's own end decides, not the Result's report: that is the latest checkpoint's, still
+        # "preempted" when an attempt restored an emergency checkpoint and had nothing to train (it finished)
+        outcome = results.attempt_outcome(result.metrics or {}, read_events(cfg.train.events_path)[events_from:])
+        if outcome == "preempted":
             return results.finish_preempted(cfg, out, result, events_from=events_from, wall_s=wall_s,
                                             invocations=invocations)
         return results.finish(cfg, out, result, events_from=events_from, wall_s=wall_s, invocations=invocations,
