@@ -432,3 +432,48 @@ def test_resize_two_one_two(tmp_path):
                   "seconds_event_to_first_step": round(first["t"] - marks[mark], 1),
                   "steps_lost": r["steps_lost"], "restored_step": r["restored_step"],
                   "restore_s": round(r["restore_s"], 1), "phases": r["phases"]})
+
+
+@pytest.mark.slow  # make test-slow; make test: the driver's decision (tests/test_controller_run.py:
+# test_attempt_outcome_reads_the_last_attempts_end, test_train_resumed_from_a_preemption_with_nothing_to_train_*)
+def test_resume_after_preemption_with_nothing_left_to_train_exits_0(tmp_path):
+    """A run preempted (SIGTERM to the driver, exit 75) after N >= 2 epochs, then re-run into the same folder with
+    train.epochs = N (equal) and N - 1 (fewer): the resumed attempt restores the emergency checkpoint, trains
+    nothing and records finished; the driver exits 0 both times (it said "preempted" and exited 75 on every re-run,
+    which a Kubernetes RayJob resubmits forever), with no test metrics and a line saying why."""
+    if not SRC.is_dir():
+        pytest.skip(f"{SRC} not available")
+    out, name = tmp_path / "out", "nothing-left"
+    ledger = tmp_path / f"ledger-{name}"
+    extra = ["ray.num_workers=1", "train.max_steps_per_epoch=4", "checkpoint.preempt_poll_steps=1"]
+
+    def cmd(epochs: int) -> list[str]:
+        return [str(Path(sys.executable).with_name("gemray")), "train", "--config", str(CONFIG), "--output", str(out),
+                "--set", *_overrides(tmp_path, name, epochs=epochs, extra=extra)]
+
+    log1 = tmp_path / "run1.log"
+    with open(log1, "w") as f:
+        proc = subprocess.Popen(cmd(200), stdout=f, stderr=subprocess.STDOUT, cwd=REPO)
+    try:
+        def in_epoch_3():
+            att = _steps(ledger)
+            return bool(att) and max([s["g"] for s in att[0]["steps"]], default=0) >= 9
+        _wait_for("step 9", in_epoch_3, proc)
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc == 75, log1.read_text()[-3000:]
+    (stop,) = [e for e in read_events(out / "events.jsonl") if e["kind"] == "preempted"]
+    done, at = stop["detail"]["epochs_completed"], stop["detail"]["global_step"]
+    assert done >= 2, stop
+    for epochs in (done, done - 1):
+        run = subprocess.run(cmd(epochs), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                             timeout=300)
+        assert run.returncode == 0, (epochs, run.stdout[-3000:])
+        assert f"nothing trained: the checkpoint restored (global step {at}, {done} epoch(s) done)" in run.stdout
+        m = json.loads((out / "metrics.json").read_text())
+        assert "preempted" not in m and "hr@10" not in m and m["epochs"] == done, m
+    ends = [e["kind"] for e in read_events(out / "events.jsonl") if e["kind"] in ("preempted", "finished")]
+    assert ends == ["preempted", "finished", "finished"], ends
