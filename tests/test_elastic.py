@@ -167,6 +167,23 @@ def _trainer_state(ckpt: str | Path) -> dict:
     return json.loads(state["trainer"]["json"])
 
 
+def _sigterm_at_step(cmd: list[str], log: Path, ledger: Path, step: int) -> int:
+    """Start ``gemray train`` (``cmd``, output to ``log``), SIGTERM it once its ledger shows global step ``step``
+    (a preemption notice by signal), and return its exit status (killed if it does not end within 240 s)."""
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO)
+    try:
+        def reached():
+            att = _steps(ledger)
+            return bool(att) and max([s["g"] for s in att[0]["steps"]], default=0) >= step
+        _wait_for(f"step {step}", reached, proc)
+        proc.send_signal(signal.SIGTERM)
+        return proc.wait(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def _wait_for(what: str, cond, proc: subprocess.Popen, timeout: float = 240.0):
     t0 = time.time()
     while time.time() - t0 < timeout:
@@ -292,18 +309,7 @@ def test_preemption_vote_at_epoch_end_when_poll_divides_the_epoch(baseline):
     cmd = [str(Path(sys.executable).with_name("gemray")), "train", "--config", str(CONFIG), "--output", str(out),
            "--set", *_overrides(tmp, "preempt-epoch-end", extra=["checkpoint.preempt_poll_steps=20"])]
     log1 = tmp / "preempt-epoch-end-run1.log"
-    with open(log1, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO)
-    try:
-        def at_step_3():
-            att = _steps(ledger)
-            return bool(att) and max([s["g"] for s in att[0]["steps"]], default=0) >= 3
-        _wait_for("step 3", at_step_3, proc)
-        proc.send_signal(signal.SIGTERM)
-        rc = proc.wait(timeout=240)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    rc = _sigterm_at_step(cmd, log1, ledger, 3)
     assert rc == 75, log1.read_text()[-3000:]
     (stop,) = [e for e in read_events(out / "events.jsonl") if e["kind"] == "preempted"]
     at = stop["detail"]["global_step"]
@@ -452,18 +458,7 @@ def test_resume_after_preemption_with_nothing_left_to_train_exits_0(tmp_path):
                 "--set", *_overrides(tmp_path, name, epochs=epochs, extra=extra)]
 
     log1 = tmp_path / "run1.log"
-    with open(log1, "w") as f:
-        proc = subprocess.Popen(cmd(200), stdout=f, stderr=subprocess.STDOUT, cwd=REPO)
-    try:
-        def in_epoch_3():
-            att = _steps(ledger)
-            return bool(att) and max([s["g"] for s in att[0]["steps"]], default=0) >= 9
-        _wait_for("step 9", in_epoch_3, proc)
-        proc.send_signal(signal.SIGTERM)
-        rc = proc.wait(timeout=240)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    rc = _sigterm_at_step(cmd(200), log1, ledger, 9)  # in epoch 3 (4 steps an epoch)
     assert rc == 75, log1.read_text()[-3000:]
     (stop,) = [e for e in read_events(out / "events.jsonl") if e["kind"] == "preempted"]
     done, at = stop["detail"]["epochs_completed"], stop["detail"]["global_step"]
