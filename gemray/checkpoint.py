@@ -101,13 +101,24 @@ def _rss_bytes() -> int | None:
 
 
 def _maxrss_bytes() -> int:
-    """This process's peak resident set size so far (``getrusage``: KiB on Linux)."""
+    """This process's peak resident set size so far: ``VmHWM`` of ``/proc/self/status`` (Linux: the high-water mark
+    of this process's own address space), else ``getrusage``'s ``ru_maxrss`` (KiB on Linux). Not ``ru_maxrss`` first:
+    Linux carries the parent's high-water mark into a child started by vfork + exec (Python's subprocess), so a
+    process spawned by a large one reported the parent's peak as its own (a 1.5 GB parent's child: ru_maxrss 1.5 GB,
+    VmHWM 13 MB)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 class _RssSampler:
     """Samples :func:`_rss_bytes` every ``interval_s`` in a daemon thread: ``peak`` is the highest RSS seen
-    while it ran (a save's own host peak, which ``ru_maxrss`` cannot show once training peaked higher)."""
+    while it ran (a save's own host peak, which the high-water mark cannot show once training peaked higher)."""
 
     def __init__(self, interval_s: float = 0.05):
         self.interval_s = interval_s
@@ -217,7 +228,7 @@ def save_checkpoint(directory: str | Path, model: torch.nn.Module, optimizer: An
     what the save took (INFO, ``gemray.checkpoint``). Returns those figures: ``{"directory", "rank", "files",
     "bytes" (this rank's files, ``.metadata`` included), "seconds" (DCP save + fsync + sha256 + manifest),
     "rss_before", "rss_after" (current RSS), "rss_peak" (highest RSS sampled every 50 ms during the save),
-    "maxrss_before", "maxrss_after" (the process's high-water mark, ``ru_maxrss``)}``, bytes; an RSS figure is
+    "maxrss_before", "maxrss_after" (the process's high-water mark, :func:`_maxrss_bytes`)}``, bytes; an RSS figure is
     None where ``/proc/self/statm`` cannot be read.
     """
     import torch.distributed.checkpoint as dcp
@@ -266,13 +277,13 @@ def _gb(n: int | None) -> str:
 
 def save_summary(stats: dict[str, Any]) -> str:
     """One line of :func:`save_checkpoint`'s figures, e.g. ``26.10 GB in 41.3 s (632 MB/s, 212 files); host RSS
-    30.12 -> 30.15 GB, peak 43.01 GB during the save; process peak (ru_maxrss) 44.20 -> 44.20 GB``."""
+    30.12 -> 30.15 GB, peak 43.01 GB during the save; process peak (VmHWM) 44.20 -> 44.20 GB``."""
     secs = max(float(stats["seconds"]), 1e-9)
     n = stats["bytes"]
     size = f"{_gb(n)} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"  # a small state (ML-1M's: 4 MB) reads 0.00 GB
     return (f"{size} in {stats['seconds']:.1f} s ({n / secs / 1e6:.1f} MB/s, "
             f"{stats['files']} files); host RSS {_gb(stats['rss_before'])} -> {_gb(stats['rss_after'])} GB, "
-            f"peak {_gb(stats['rss_peak'])} GB during the save; process peak (ru_maxrss) "
+            f"peak {_gb(stats['rss_peak'])} GB during the save; process peak (VmHWM) "
             f"{_gb(stats['maxrss_before'])} -> {_gb(stats['maxrss_after'])} GB")
 
 

@@ -459,7 +459,7 @@ def test_save_writes_one_file_per_item_and_reports_host_memory(tmp_path, caplog)
         assert isinstance(stats[k], int) and stats[k] > 0, (k, stats)
     assert stats["maxrss_after"] >= stats["maxrss_before"] and stats["rss_peak"] >= stats["rss_before"]
     line = next(r.getMessage() for r in caplog.records if "checkpoint save:" in r.getMessage())
-    assert line.startswith("rank 0/1 checkpoint save: ") and " files); host RSS " in line and "ru_maxrss" in line
+    assert line.startswith("rank 0/1 checkpoint save: ") and " files); host RSS " in line and "process peak (VmHWM)" in line
     assert f"checkpoint save: {stats['bytes'] / 1e6:.1f} MB in " in line  # a small state in MB, not "0.00 GB"
     from gemray.checkpoint import save_summary
 
