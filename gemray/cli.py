@@ -44,10 +44,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
+from gemray.config import USER_ERRORS
 from gemray.config import writable_file as _writable_file  # an output path checked before any work
 from gemray.preemption import EXIT_PREEMPTED  # 75, sysexits EX_TEMPFAIL
-
-USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError)
 
 EXIT_TERMINATED = 143  # 128 + SIGTERM, as 130 is 128 + SIGINT for a KeyboardInterrupt
 

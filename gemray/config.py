@@ -1280,6 +1280,10 @@ def to_toml(cfg: JobConfig) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: The exceptions the command lines (``gemray``, ``python -m gemray.k8s``) report as one ``gemray: error:`` line, exit 2.
+USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError)
+
+
 def writable_file(path: str | Path, option: str, *, make_parents: bool = False) -> Path:
     """Check, before any model is loaded, that ``path`` (the value of ``option``, e.g. ``--out``) names a file this
     process can create or replace: not a folder, in a folder that exists and in which a file can be created (probed

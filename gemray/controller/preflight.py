@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from gemray.checkpoint import checkpoint_data, committed_checkpoints, data_record, file_sha256
-from gemray.config import JobConfig, shape_changes
+from gemray.config import JobConfig, shape_changes, usable_cpus
 from gemray.controller.session import embedded_num_cpus
 from gemray.preemption import ACTIVE_HEARTBEAT_S, ACTIVE_STALE_S, active_path, marker_is_stale, pid_alive
 
@@ -99,8 +99,6 @@ def preflight_resources(cfg: JobConfig, *, embedded: bool, num_gpus: int | None 
     ValueError naming the field."""
     gpu = cfg.ray.use_gpu
     if embedded and not gpu:
-        from gemray.config import usable_cpus
-
         cores = usable_cpus() if cores is None else cores
         most = max(cfg.ray.num_workers, cfg.ray.max_workers)
         if most > MAX_CPU_WORKERS_PER_CORE * cores:

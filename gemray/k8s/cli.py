@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gemray.config import load_config, writable_file
+from gemray.config import USER_ERRORS, load_config, writable_file
 from gemray.k8s.render import (DEFAULT_GPU_IMAGE, DEFAULT_IMAGE, GENERATED_HEADER, KINDS, PREEMPT_MARGIN_S,
                                DeployOptions, render, render_pvc, to_yaml)
 from gemray.k8s.validate import validate_files
@@ -175,10 +175,6 @@ def cli_validate(ns: Any) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0
-
-
-#: What ``gemray.cli`` calls user errors (one ``gemray: error:`` line, exit 2), for ``python -m gemray.k8s`` too.
-USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError)
 
 
 def main(argv: list[str] | None = None) -> int:
