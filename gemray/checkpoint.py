@@ -100,7 +100,7 @@ def _rss_bytes() -> int | None:
         return None
 
 
-def _maxrss_bytes() -> int:
+def peak_rss_bytes() -> int:
     """This process's peak resident set size so far: ``VmHWM`` of ``/proc/self/status`` (Linux: the high-water mark
     of this process's own address space), else ``getrusage``'s ``ru_maxrss`` (KiB on Linux). Not ``ru_maxrss`` first:
     Linux carries the parent's high-water mark into a child started by vfork + exec (Python's subprocess), so a
@@ -228,7 +228,7 @@ def save_checkpoint(directory: str | Path, model: torch.nn.Module, optimizer: An
     what the save took (INFO, ``gemray.checkpoint``). Returns those figures: ``{"directory", "rank", "files",
     "bytes" (this rank's files, ``.metadata`` included), "seconds" (DCP save + fsync + sha256 + manifest),
     "rss_before", "rss_after" (current RSS), "rss_peak" (highest RSS sampled every 50 ms during the save),
-    "maxrss_before", "maxrss_after" (the process's high-water mark, :func:`_maxrss_bytes`)}``, bytes; an RSS figure is
+    "maxrss_before", "maxrss_after" (the process's high-water mark, :func:`peak_rss_bytes`)}``, bytes; an RSS figure is
     None where ``/proc/self/statm`` cannot be read.
     """
     import torch.distributed.checkpoint as dcp
@@ -246,7 +246,7 @@ def save_checkpoint(directory: str | Path, model: torch.nn.Module, optimizer: An
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
              "trainer": {"json": text, f"rng_rank{rank}": torch.get_rng_state()}}
     before = {p.name for p in directory.iterdir()}
-    t0, rss0, maxrss0 = time.perf_counter(), _rss_bytes(), _maxrss_bytes()
+    t0, rss0, maxrss0 = time.perf_counter(), _rss_bytes(), peak_rss_bytes()
     with _RssSampler() as sampler:
         dcp.save(state, checkpoint_id=str(directory), storage_writer=checkpoint_writer(directory))
         written = sorted(p.name for p in directory.iterdir() if p.is_file() and p.name not in before)
@@ -266,7 +266,7 @@ def save_checkpoint(directory: str | Path, model: torch.nn.Module, optimizer: An
     stats = {"directory": str(directory), "rank": rank, "files": len(written),
              "bytes": sum((directory / n).stat().st_size for n in written),
              "seconds": time.perf_counter() - t0, "rss_before": rss0, "rss_after": _rss_bytes(),
-             "rss_peak": sampler.peak, "maxrss_before": maxrss0, "maxrss_after": _maxrss_bytes()}
+             "rss_peak": sampler.peak, "maxrss_before": maxrss0, "maxrss_after": peak_rss_bytes()}
     log.info("rank %d/%d checkpoint save: %s", rank, world, save_summary(stats))
     return stats
 

@@ -279,9 +279,9 @@ def _peak_memory(device: torch.device) -> dict[str, int]:
     if device.type == "cuda":
         return {"allocated_bytes": int(torch.cuda.max_memory_allocated(device)),
                 "reserved_bytes": int(torch.cuda.max_memory_reserved(device))}
-    import resource
+    from gemray.checkpoint import peak_rss_bytes  # VmHWM: ru_maxrss can be a spawning parent's peak
 
-    return {"rss_bytes": int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024}  # Linux: KiB
+    return {"rss_bytes": peak_rss_bytes()}
 
 
 _ALLOCATOR_STATS = {"alloc_retries": "num_alloc_retries", "device_allocs": "num_device_alloc",
