@@ -646,3 +646,32 @@ def test_unprofiled_gap_scales_the_profiled_device_work_by_flops():
     assert unprofiled_gap([], profiled, 0.27) is None
     assert unprofiled_gap(measured, [], 0.27) is None
     assert unprofiled_gap(measured, [{"step_s": 0.1, "flops": 0.0}], 0.27) is None
+
+
+def test_kernel_launchers_sums_each_kernels_launches_by_operator():
+    from gemray.bench.train import kernel_launchers
+
+    launches = [("copy_kernel", "aten::copy_ [[8, 4]] <- aten::contiguous", 1e-3),
+                ("copy_kernel", "aten::copy_ [[2, 2]] <- aten::to", 3e-3),
+                ("copy_kernel", "aten::copy_ [[8, 4]] <- aten::contiguous", 2.5e-3),
+                ("copy_kernel", "aten::copy_ [[1]] <- aten::clone", 0.5e-3),
+                ("gemm", "aten::mm [[8, 4], [4, 4]]", 2e-3)]
+    out = kernel_launchers(launches, top=2)
+    # per kernel, the launchers by total seconds, largest first, cut at `top`
+    assert out["copy_kernel"] == [["aten::copy_ [[8, 4]] <- aten::contiguous", 3.5e-3],
+                                  ["aten::copy_ [[2, 2]] <- aten::to", 3e-3]]
+    assert out["gemm"] == [["aten::mm [[8, 4], [4, 4]]", 2e-3]]
+    assert kernel_launchers([]) == {}
+
+
+def test_launcher_names_the_operator_its_shapes_and_callers():
+    from types import SimpleNamespace as NS
+
+    from gemray.bench.train import _launcher
+
+    root = NS(name="ProfilerStep#3", cpu_parent=None, input_shapes=[])
+    outer = NS(name="gemray.forward", cpu_parent=root, input_shapes=[])
+    mid = NS(name="aten::contiguous", cpu_parent=outer, input_shapes=[[128, 1024]])
+    op = NS(name="aten::copy_", cpu_parent=mid, input_shapes=[[128, 1024], [], [128, 1024]])
+    assert _launcher(op) == "aten::copy_ [[128, 1024], [128, 1024]] <- aten::contiguous <- gemray.forward"
+    assert _launcher(NS(name="aten::mm", cpu_parent=root, input_shapes=None)) == "aten::mm"

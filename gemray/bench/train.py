@@ -105,6 +105,11 @@ _RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 
+#: how many kernels the profile lists by time (enough to reach the small ones of "other": ~9 ms a GEM step were
+#: past the first 30 in session 27)
+TOP_KERNELS = 80
+
+
 def classify_kernel(name: str) -> str:
     """The profile category of a device kernel (or, on CPU, an operator) by its name: "communication",
     "embeddings_fwd", "embeddings_bwd", "attention", "optimizer", "gemm" or "other" (module docstring: the
@@ -463,6 +468,30 @@ def device_kernels(events: list[Any]) -> list[tuple[str, float, float]]:
     return out
 
 
+def kernel_launchers(launches: list[tuple[str, str, float]], top: int = 3) -> dict[str, list[list[Any]]]:
+    """Pure: which host operator launched each device kernel. launches: ``(kernel name, launcher, seconds)``, one
+    per launch, the launcher a short text naming the operator (and its callers, shapes) that ran the launch.
+    Returns {kernel name: [[launcher, seconds], ...]} with each kernel's ``top`` launchers by their total seconds
+    (largest first): so that a kernel known only by its generic name (``elementwise_kernel<...direct_copy...>``,
+    an inductor ``triton_poi_fused_add_5``) can be traced to the model code that asks for it."""
+    acc: dict[str, dict[str, float]] = {}
+    for kernel, launcher, sec in launches:
+        per = acc.setdefault(kernel, {})
+        per[launcher] = per.get(launcher, 0.0) + sec
+    return {k: [[n, s] for n, s in sorted(per.items(), key=lambda kv: -kv[1])[:top]] for k, per in acc.items()}
+
+
+def _launcher(e: Any) -> str:
+    """A profiler CPU event as ``op [shapes] <- parent <- grandparent`` (record_shapes: the op's input shapes)."""
+    shapes = [list(s) for s in (getattr(e, "input_shapes", None) or []) if s]
+    chain, p = [e.name + (f" {shapes[:3]}" if shapes else "")], getattr(e, "cpu_parent", None)
+    while p is not None and len(chain) < 3:
+        if not p.name.startswith("ProfilerStep"):
+            chain.append(p.name)
+        p = getattr(p, "cpu_parent", None)
+    return " <- ".join(chain)
+
+
 def unprofiled_gap(measured: list[dict[str, Any]], profiled: list[dict[str, Any]], busy_s: float) -> float | None:
     """Pure: seconds per measured step not covered by device work, estimated. The profiler's own host cost per
     operator slows the host in the profiled steps (their wall and GPU idle are longer than an ordinary step's), so
@@ -484,14 +513,19 @@ def profile_breakdown(trainer: Any, batches: _Batches, steps: int, device: torch
     """Profile ``steps`` more training steps with torch.profiler and split their time by category (module
     docstring): {"steps", "wall_s", "per_step_s": {category: seconds per step}, "fraction": {category: share
     of the profiled wall time}, "gpu_idle_s" (seconds per step in which no kernel ran), "top_kernels": [[name,
-    category, seconds per step], ...] (30), on CUDA also "top_host_ops": [[operator, host self seconds per step,
+    category, seconds per step], ...] (``TOP_KERNELS``), on CUDA also "kernel_launchers": {kernel name: [[the host
+    operator that launched it with its input shapes and callers, seconds per step], ...]} of those kernels
+    (:func:`kernel_launchers`), also "top_host_ops": [[operator, host self seconds per step,
     calls per step], ...] (30: where the host's time inside the operators goes), "device_busy_s_per_step" and, given
     the ``measured`` (unprofiled) steps' records, "unprofiled_gap_s_per_step" (:func:`unprofiled_gap`)}."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     records: list[dict[str, Any]] = []
-    with profile(activities=acts) as prof:
+    # record_shapes (CUDA): the launching operators' input shapes (kernel_launchers), a little more host time per
+    # operator. Not on the CPU, which launches no kernels: there a DataLoader worker forked later in the same
+    # process (the next run's) died of a segmentation fault after a shape-recording profile.
+    with profile(activities=acts, record_shapes=device.type == "cuda") as prof:
         wall = _run_steps(trainer, batches, steps, device, records, "profile")
     events = prof.events()
     if device.type == "cuda":
@@ -500,10 +534,12 @@ def profile_breakdown(trainer: Any, batches: _Batches, steps: int, device: torch
         busy = cats.pop("gpu_busy")
         names = [(k[0], k[2] - k[1]) for k in kernels]
         host_ops: dict[str, list[float]] = {}
-        spans, phases = [], []
+        spans, phases, launches = [], [], []
         for e in events:
             if e.device_type != torch.autograd.DeviceType.CPU:
                 continue
+            for k in getattr(e, "kernels", None) or ():  # the kernels this operator launched (correlation ids)
+                launches.append((k.name, _launcher(e), k.duration / 1e6))
             span = (e.name, e.time_range.start / 1e6, e.time_range.end / 1e6)
             if e.name.startswith(PHASE_PREFIX):
                 phases.append(span)
@@ -532,7 +568,7 @@ def profile_breakdown(trainer: Any, batches: _Batches, steps: int, device: torch
     total: dict[str, float] = {}
     for name, s in names:
         total[name] = total.get(name, 0.0) + s
-    top = sorted(total.items(), key=lambda kv: -kv[1])[:30]
+    top = sorted(total.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]
     out = {"steps": steps, "wall_s": wall,
            "step_wall_s": wall if busy is not None else sum(r["step_s"] + r["data_s"] for r in records),
            "per_step_s": {k: v / steps for k, v in cats.items()},
@@ -541,6 +577,9 @@ def profile_breakdown(trainer: Any, batches: _Batches, steps: int, device: torch
            "top_kernels": [[n, classify_kernel(n), s / steps] for n, s in top]}
     if busy is not None:
         out["device_busy_s_per_step"] = busy / steps
+        named = {n for n, _ in top}
+        out["kernel_launchers"] = {k: [[n, s / steps] for n, s in rows] for k, rows in
+                                   kernel_launchers([x for x in launches if x[0] in named]).items()}
         out["unprofiled_gap_s_per_step"] = unprofiled_gap(measured or [], records, busy)
         out["top_host_ops"] = [[n, v[0] / steps, v[1] / steps]
                                for n, v in sorted(host_ops.items(), key=lambda kv: -kv[1][0])[:30]]
@@ -808,9 +847,12 @@ def format_table(res: dict[str, Any]) -> str:
             lines.append("    ... by the host operator running meanwhile (ms per step, gaps per step):")
             for n, sec, k in idle["by_host_op"][:10]:
                 lines.append(f"      {sec * 1e3:8.2f} {k:7.1f}  {n[:90]}")
-        lines.append("    top device kernels (ms per step):")
-        for n, c, sec in p["top_kernels"][:12]:
+        lines.append("    top device kernels (ms per step; <- the host operator that launched it, where known):")
+        launchers = p.get("kernel_launchers") or {}
+        for n, c, sec in p["top_kernels"][:20]:
             lines.append(f"      {sec * 1e3:8.2f}  {c:<15} {n[:90]}")
+            for who, s_ in launchers.get(n, [])[:1]:
+                lines.append(f"                <- {who[:150]} ({s_ * 1e3:.2f} ms)")
     hp = res.get("host_profile")
     if hp:
         lines.append(f"  host profile ({hp['steps']} steps under cProfile, {hp['host_s'] * 1e3:.1f} ms per step in "
@@ -821,5 +863,5 @@ def format_table(res: dict[str, Any]) -> str:
 
 
 __all__ = ["CATEGORIES", "bench_device", "classify_kernel", "compile_report", "compile_snapshot", "device_kernels",
-           "first_batch", "format_table", "idle_gaps", "kernel_breakdown", "profile_breakdown", "run_bench", "stall_check",
-           "summarize", "sync_debug_step"]
+           "first_batch", "format_table", "idle_gaps", "kernel_breakdown", "kernel_launchers", "profile_breakdown",
+           "run_bench", "stall_check", "summarize", "sync_debug_step"]
