@@ -393,21 +393,20 @@ def _longest(offsets: torch.Tensor) -> int:
 # one opaque op each:
 #     gemray::cross_attention / gemray::cross_attention_backward
 #     gemray::pma             / gemray::pma_backward
-# Backward: on the reference backend, explicit padded gradients (``_attend_padded_bwd``, checked against
-# autograd through kernels.reference by tests/test_model_ranking.py); on the Triton backend the backward op
-# re-runs the Triton forward under autograd and takes its gradients (one extra forward of this op: a few per
-# cent of a GEM step, whose attention is dominated by the HSTU layers; to drop once the kernels expose their
-# backward as an op). No double backward.
+# The forward ops return (out, lse): lse [H, T_out] fp32, the Triton softmax forward's base-2 log-sum-exp that its
+# backward reads (an empty [0] tensor on the reference backend and for the pointwise activations); the public
+# functions return out. Backward: on the reference backend, explicit padded gradients (``_attend_padded_bwd``,
+# checked against autograd through kernels.reference by tests/test_model_ranking.py); on the Triton backend the
+# kernels' backward launches on the forward's out / lse (``gdpa_triton_backward``; until session 28 the backward op
+# re-ran the Triton forward under autograd, copying the strided k / v with ``contiguous()``: ~1.8 ms of a GEM step
+# on an H100). No double backward.
 # ----------------------------------------------------------------------------------------------------------
 
 _INV_SQRT2 = 0.7071067811865476       # 1 / sqrt(2)
 _INV_SQRT_2PI = 0.3989422804014327    # 1 / sqrt(2 pi)
-_GDPA_TRITON = {"cross": "jagged_cross_attention_triton", "pma": "pma_triton", "gdpa": "gdpa_triton"}
-
-
-def _load_gdpa(name: str) -> Callable:
-    """The Triton entry point of op ``name`` ("cross" / "pma"); only called once the backend is TRITON."""
-    return getattr(_triton_module()[0], _GDPA_TRITON[name])
+def _gdpa_triton() -> Callable:
+    """``gemray.kernels.jagged_attention.gdpa_triton``; only called once the backend is TRITON."""
+    return _triton_module()[0].gdpa_triton
 
 
 def _gdpa_backend(backend: str, device: torch.device, name: str) -> str:
@@ -449,16 +448,6 @@ def _attend_padded_bwd(pq, pk, pv, valid, do, activation: str, alpha: float, nor
     return dq, dk, dv
 
 
-def _grads_through(fn: Callable, do: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Gradients of ``fn(*xs)`` against ``do`` by running ``fn`` under autograd (inside a custom op's
-    kernel the autograd keys are off, but an autograd.Function, as the Triton kernels are, still records)."""
-    with torch.enable_grad():
-        leaves = [x.detach().contiguous().requires_grad_() for x in xs]
-        out = fn(*leaves)
-        grads = torch.autograd.grad(out, leaves, do.reshape(out.shape), allow_unused=True)
-    return tuple(torch.zeros_like(x) if g is None else g for x, g in zip(xs, grads))
-
-
 def _cross_check(q, q_offsets, k, v, kv_offsets) -> None:
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or q.shape[1:] != k.shape[1:] or v.shape[:2] != k.shape[:2]:
         raise ValueError(f"cross_attention: expected q [Tq,H,D], k [Tk,H,D], v [Tk,H,Dv], got q {tuple(q.shape)}, "
@@ -468,39 +457,48 @@ def _cross_check(q, q_offsets, k, v, kv_offsets) -> None:
                          f"B={kv_offsets.numel() - 1}")
 
 
+def _lse_shape(backend: str, device: torch.device, name: str, activation: str, heads: int,
+               t_out: int) -> tuple[int, ...]:
+    """The lse a cross-attention / PMA forward op returns: [H, T_out] for the Triton softmax, else [0]."""
+    return (heads, t_out) if activation == "softmax" and _gdpa_backend(backend, device, name) == "triton" else (0,)
+
+
+def _no_lse(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((0,), dtype=torch.float32)
+
+
 @torch.library.custom_op("gemray::cross_attention", mutates_args=())
 def _cross_attention_op(q: torch.Tensor, q_offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         kv_offsets: torch.Tensor, max_q_len: int, max_kv_len: int, activation: str,
-                        alpha: float | None, backend: str) -> torch.Tensor:
+                        alpha: float | None, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     with torch.no_grad():
         if _gdpa_backend(backend, q.device, "cross") == "triton":
-            fn = _load_gdpa("cross")
-            return fn(q, q_offsets, k, v, kv_offsets, max_q_len, max_kv_len, activation=activation, alpha=alpha)
+            out, lse = _gdpa_triton()(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len,
+                                          activation=activation, causal=False, alpha=alpha, with_lse=True)
+            return out, (lse if activation == "softmax" else _no_lse(q))
         return _ref.jagged_cross_attention_ref(q, q_offsets, k, v, kv_offsets, max_q_len, max_kv_len,
-                                               activation=activation, alpha=alpha)
+                                               activation=activation, alpha=alpha), _no_lse(q)
 
 
 @_cross_attention_op.register_fake
 def _(q, q_offsets, k, v, kv_offsets, max_q_len, max_kv_len, activation, alpha, backend):
-    return q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
+    return (q.new_empty((q.shape[0], q.shape[1], v.shape[2])),
+            q.new_empty(_lse_shape(backend, q.device, "cross", activation, q.shape[1], q.shape[0]),
+                        dtype=torch.float32))
 
 
 @torch.library.custom_op("gemray::cross_attention_backward", mutates_args=())
 def _cross_attention_bwd_op(do: torch.Tensor, q: torch.Tensor, q_offsets: torch.Tensor, k: torch.Tensor,
                             v: torch.Tensor, kv_offsets: torch.Tensor, max_q_len: int, max_kv_len: int,
-                            activation: str, alpha: float | None, backend: str
-                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                            activation: str, alpha: float | None, backend: str, out: torch.Tensor,
+                            lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """out / lse: the forward op's (the Triton softmax backward reads them; unused otherwise)."""
     B = q_offsets.numel() - 1
     if B == 0 or q.shape[0] == 0 or k.shape[0] == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     if _gdpa_backend(backend, q.device, "cross") == "triton":
-        fn = _load_gdpa("cross")
-        try:
-            return _grads_through(lambda a, b, c: fn(a, q_offsets, b, c, kv_offsets, max_q_len, max_kv_len,
-                                                     activation=activation, alpha=alpha), do, q, k, v)
-        except NotImplementedError:
-            if backend == "triton":
-                raise
+        return _triton_module()[0].gdpa_triton_backward(do, q, k, v, out, lse, q_offsets, kv_offsets, max_q_len,
+                                                        max_kv_len, activation=activation, alpha=alpha)
     a = _ref._default_alpha(activation, alpha, q.shape[2])
     (Tq, H, Dqk), Dv = q.shape, v.shape[2]
     mq = _longest(q_offsets)
@@ -521,20 +519,22 @@ def _cross_attention_bwd_op(do: torch.Tensor, q: torch.Tensor, q_offsets: torch.
 
 
 @_cross_attention_bwd_op.register_fake
-def _(do, q, q_offsets, k, v, kv_offsets, max_q_len, max_kv_len, activation, alpha, backend):
+def _(do, q, q_offsets, k, v, kv_offsets, max_q_len, max_kv_len, activation, alpha, backend, out, lse):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _cross_setup(ctx, inputs, output):
     q, q_offsets, k, v, kv_offsets, max_q_len, max_kv_len, activation, alpha, backend = inputs
-    ctx.save_for_backward(q, q_offsets, k, v, kv_offsets)
+    out, lse = output
+    ctx.save_for_backward(q, q_offsets, k, v, kv_offsets, out, lse)
+    ctx.mark_non_differentiable(lse)
     ctx.args = (max_q_len, max_kv_len, activation, alpha, backend)
 
 
-def _cross_backward(ctx, do):
-    q, q_offsets, k, v, kv_offsets = ctx.saved_tensors
+def _cross_backward(ctx, do, _dlse):
+    q, q_offsets, k, v, kv_offsets, out, lse = ctx.saved_tensors
     dq, dk, dv = torch.ops.gemray.cross_attention_backward(do.contiguous(), q, q_offsets, k, v, kv_offsets,
-                                                           *ctx.args)
+                                                           *ctx.args, out, lse)
     return dq, None, dk, dv, None, None, None, None, None, None
 
 
@@ -566,7 +566,7 @@ def cross_attention(q: torch.Tensor, q_offsets: torch.Tensor, k: torch.Tensor, v
     """
     _cross_check(q, q_offsets, k, v, kv_offsets)
     return torch.ops.gemray.cross_attention(q, q_offsets, k, v, kv_offsets, int(max_q_len), int(max_kv_len),
-                                            activation, None if alpha is None else float(alpha), backend)
+                                            activation, None if alpha is None else float(alpha), backend)[0]
 
 
 _PMA_Q_OFFSETS: dict = {}
@@ -588,39 +588,40 @@ def _pma_q_offsets(kv_offsets: torch.Tensor, s: int) -> torch.Tensor:
 
 @torch.library.custom_op("gemray::pma", mutates_args=())
 def _pma_op(seeds: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_offsets: torch.Tensor, max_kv_len: int,
-            activation: str, alpha: float | None, backend: str) -> torch.Tensor:
+            activation: str, alpha: float | None, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    B, (S, H, _), Dv = kv_offsets.numel() - 1, seeds.shape, v.shape[2]
     with torch.no_grad():
         if _gdpa_backend(backend, k.device, "pma") == "triton":
-            fn = _load_gdpa("pma")
-            return fn(seeds, k, v, kv_offsets, max_kv_len, activation=activation, alpha=alpha)
+            out, lse = _gdpa_triton()(seeds, k, v, _pma_q_offsets(kv_offsets, S), kv_offsets, S, max_kv_len,
+                                          activation=activation, causal=False, alpha=alpha, q_broadcast=True,
+                                          with_lse=True)
+            return out.view(B, S, H, Dv), (lse if activation == "softmax" else _no_lse(seeds))
         # contiguous: the reference returns a transposed view; the op's (fake) output layout is contiguous
-        return _ref.pma_ref(seeds, k, v, kv_offsets, max_kv_len, activation=activation, alpha=alpha).contiguous()
+        return (_ref.pma_ref(seeds, k, v, kv_offsets, max_kv_len, activation=activation, alpha=alpha).contiguous(),
+                _no_lse(seeds))
 
 
 @_pma_op.register_fake
 def _(seeds, k, v, kv_offsets, max_kv_len, activation, alpha, backend):
-    return seeds.new_empty((kv_offsets.shape[0] - 1, seeds.shape[0], seeds.shape[1], v.shape[2]))
+    B, S, H = kv_offsets.shape[0] - 1, seeds.shape[0], seeds.shape[1]
+    return (seeds.new_empty((B, S, H, v.shape[2])),
+            seeds.new_empty(_lse_shape(backend, k.device, "pma", activation, H, B * S), dtype=torch.float32))
 
 
 @torch.library.custom_op("gemray::pma_backward", mutates_args=())
 def _pma_bwd_op(do: torch.Tensor, seeds: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_offsets: torch.Tensor,
-                max_kv_len: int, activation: str, alpha: float | None, backend: str
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                max_kv_len: int, activation: str, alpha: float | None, backend: str, out: torch.Tensor,
+                lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """out [B, S, H, Dv] / lse: the forward op's (the Triton softmax backward reads them; unused otherwise)."""
     B = kv_offsets.numel() - 1
     if B == 0 or k.shape[0] == 0 or seeds.shape[0] == 0:
         return torch.zeros_like(seeds), torch.zeros_like(k), torch.zeros_like(v)
     S, H, Dqk = seeds.shape
     Dv = v.shape[2]
     if _gdpa_backend(backend, k.device, "pma") == "triton":
-        fn = _load_gdpa("gdpa")  # the generic kernel: pma_triton's output is a view, not an autograd output here
-        q_off = _pma_q_offsets(kv_offsets, S)
-        try:
-            return _grads_through(lambda a, b, c: fn(a, b, c, q_off, kv_offsets, S, max_kv_len, activation=activation,
-                                                     causal=False, alpha=alpha, q_broadcast=True),
-                                  do.reshape(B * S, H, Dv), seeds, k, v)
-        except NotImplementedError:
-            if backend == "triton":
-                raise
+        return _triton_module()[0].gdpa_triton_backward(
+            do.reshape(B * S, H, Dv), seeds, k, v, out.reshape(B * S, H, Dv), lse, _pma_q_offsets(kv_offsets, S),
+            kv_offsets, S, max_kv_len, activation=activation, alpha=alpha, q_broadcast=True)
     a = _ref._default_alpha(activation, alpha, Dqk)
     mk = _longest(kv_offsets)
     if mk == 0:
@@ -639,19 +640,21 @@ def _pma_bwd_op(do: torch.Tensor, seeds: torch.Tensor, k: torch.Tensor, v: torch
 
 
 @_pma_bwd_op.register_fake
-def _(do, seeds, k, v, kv_offsets, max_kv_len, activation, alpha, backend):
+def _(do, seeds, k, v, kv_offsets, max_kv_len, activation, alpha, backend, out, lse):
     return torch.empty_like(seeds), torch.empty_like(k), torch.empty_like(v)
 
 
 def _pma_setup(ctx, inputs, output):
     seeds, k, v, kv_offsets, max_kv_len, activation, alpha, backend = inputs
-    ctx.save_for_backward(seeds, k, v, kv_offsets)
+    out, lse = output
+    ctx.save_for_backward(seeds, k, v, kv_offsets, out, lse)
+    ctx.mark_non_differentiable(lse)
     ctx.args = (max_kv_len, activation, alpha, backend)
 
 
-def _pma_backward(ctx, do):
-    seeds, k, v, kv_offsets = ctx.saved_tensors
-    ds, dk, dv = torch.ops.gemray.pma_backward(do.contiguous(), seeds, k, v, kv_offsets, *ctx.args)
+def _pma_backward(ctx, do, _dlse):
+    seeds, k, v, kv_offsets, out, lse = ctx.saved_tensors
+    ds, dk, dv = torch.ops.gemray.pma_backward(do.contiguous(), seeds, k, v, kv_offsets, *ctx.args, out, lse)
     return ds, dk, dv, None, None, None, None, None
 
 
@@ -681,7 +684,7 @@ def pma(seeds: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_offsets: torch
         raise ValueError(f"pma: expected seeds [S,H,D], k [T,H,D], v [T,H,Dv], got seeds {tuple(seeds.shape)}, "
                          f"k {tuple(k.shape)}, v {tuple(v.shape)}")
     return torch.ops.gemray.pma(seeds, k, v, kv_offsets, int(max_kv_len), activation,
-                                None if alpha is None else float(alpha), backend)
+                                None if alpha is None else float(alpha), backend)[0]
 
 
 # FLOP formulas (torch.utils.flop_counter, raw arguments: the offsets' values give the valid pairs). Model

@@ -1944,7 +1944,7 @@ def gdpa_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: to
                 num_targets: torch.Tensor | None = None, block_size: int = 0, window: int = 0,
                 q_broadcast: bool = False, attn_bias: torch.Tensor | None = None,
                 contextual_len: int = 0, config: KernelConfig | None = None,
-                rel_bias: RelBias | None = None) -> torch.Tensor:
+                rel_bias: RelBias | None = None, with_lse: bool = False) -> torch.Tensor:
     """Generalized jagged attention: ``out_i = sum_j f(alpha * q_i.k_j + bias_ij) v_j`` over valid pairs.
 
     Args:
@@ -1973,6 +1973,9 @@ def gdpa_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: to
         rel_bias: optional :class:`RelBias` (self-attention only, not with attn_bias): the HSTU relative
             position / time bias computed inside the kernels from per-token times and the bucket weights (no
             dense [B, n, n] tensor), forward and backward (differentiable in pos_w / ts_w).
+        with_lse: return ``(out, lse)`` and record nothing for autograd (lse [H, T_out] fp32, the base-2
+            log-sum-exp for softmax, else an empty [0] tensor): for callers that own their backward and run it
+            with :func:`gdpa_triton_backward` (gemray.ops' cross-attention and PMA custom ops).
     Returns:
         out: [Tq, H, Dv] (q_broadcast: [B*S, H, Dv]) in q's dtype; rows with no valid key are 0.
     Raises:
@@ -2026,8 +2029,8 @@ def gdpa_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: to
         up = gdpa_triton(q.float(), k.float(), v.float(), q_offsets, kv_offsets, max_q_len, max_kv_len,
                          activation=activation, causal=causal, alpha=alpha, norm=norm, num_targets=num_targets,
                          block_size=block_size, window=window, q_broadcast=q_broadcast, attn_bias=attn_bias,
-                         contextual_len=contextual_len, config=cfg, rel_bias=rel_bias)
-        return up.to(torch.bfloat16)
+                         contextual_len=contextual_len, config=cfg, rel_bias=rel_bias, with_lse=with_lse)
+        return (up[0].to(torch.bfloat16), up[1]) if with_lse else up.to(torch.bfloat16)
     if alpha is None:  # the reference's convention (gemray.kernels.reference.jagged_attention_ref)
         alpha = 1.0 / math.sqrt(dq) if activation == "softmax" else 1.0
     if not alpha > 0:
@@ -2039,8 +2042,13 @@ def gdpa_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: to
     pos_w = ts_w = None
     if rb is not None:
         pos_w, ts_w = rb.pos_w.contiguous(), rb.ts_w.contiguous()
-    if not plain_eager(q, k, v, attn_bias, q_offsets, pos_w):
+    if with_lse or not plain_eager(q, k, v, attn_bias, q_offsets, pos_w):
         rel_args = () if rb is None else (rb.query_times, rb.key_times, pos_w, ts_w, int(rb.max_len))
+        if with_lse:  # (out, lse), nothing recorded for autograd
+            with torch.no_grad():
+                return gdpa_fwd_op(q, k, v, q_offsets, kv_offsets, num_targets, attn_bias, int(max_q_len),
+                                   int(max_kv_len), activation, bool(causal), float(alpha), inv_n, int(block_size),
+                                   int(window), bool(q_broadcast), int(contextual_len), cfg.name, *rel_args)
         out, _ = gdpa_fwd_op(q, k, v, q_offsets, kv_offsets, num_targets, attn_bias, int(max_q_len),
                              int(max_kv_len), activation, bool(causal), float(alpha), inv_n, int(block_size),
                              int(window), bool(q_broadcast), int(contextual_len), cfg.name, *rel_args)
@@ -2128,6 +2136,51 @@ def pma_triton(seeds: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_offsets
     out = gdpa_triton(seeds, k, v, q_off, kv_offsets, s, max_kv_len, activation=activation, causal=False,
                       alpha=alpha, q_broadcast=True, config=config)
     return out.view(bsz, s, seeds.shape[1], v.shape[2])
+
+
+def gdpa_triton_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         out: torch.Tensor, lse: torch.Tensor, q_offsets: torch.Tensor, kv_offsets: torch.Tensor,
+                         max_q_len: int, max_kv_len: int, *, activation: str = "softmax", alpha: float | None = None,
+                         q_broadcast: bool = False, config: KernelConfig | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward of a non-causal :func:`gdpa_triton` call made with ``with_lse=True`` (cross-attention, PMA):
+    the Triton backward launches on the forward's ``out`` / ``lse``, no forward recomputed and no autograd.
+
+    Args:
+        grad_out: [T_out, H, Dv], d loss / d out. q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len,
+            activation, alpha, q_broadcast, config: exactly the forward call's (k / v may be strided views, e.g.
+            splits of one projection: rows are indexed by their stride, no copy).
+        out: [T_out, H, Dv] and lse [H, T_out] fp32: the forward's (read for softmax only: delta = rowsum(out *
+            grad_out) and the probabilities; the pointwise activations ignore them).
+    Returns:
+        (dq like q, dk [Tk, H, Dqk], dv [Tk, H, Dv]) in q's dtype; with q_broadcast dq is summed over the sequences
+        ([S, H, Dqk]).
+    Raises:
+        ValueError: an unknown activation or alpha <= 0 (the forward's checks are not repeated).
+
+    Why: run under autograd again, the forward's recomputation and the ``contiguous()`` copies of strided k / v
+    cost ~1.8 ms of a GEM step on an H100 (session 28's profile, benchmarks/reports/gem_h200_2026-12-06.md).
+    """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"gdpa: activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+    cfg = kconfig.resolve(config)
+    if _interpreting() and q.dtype == torch.bfloat16:  # as gdpa_triton: the interpreter runs bf16 in float32
+        grads = gdpa_triton_backward(grad_out.float(), q.float(), k.float(), v.float(), out.float(), lse, q_offsets,
+                                     kv_offsets, max_q_len, max_kv_len, activation=activation, alpha=alpha,
+                                     q_broadcast=q_broadcast, config=cfg)
+        return tuple(g.to(torch.bfloat16) for g in grads)
+    if alpha is None:
+        alpha = 1.0 / math.sqrt(q.shape[2]) if activation == "softmax" else 1.0
+    if not alpha > 0:
+        raise ValueError(f"gdpa: alpha must be > 0 for the Triton kernels, got {alpha}")
+    inv_n = 1.0 / float(max(max_kv_len, 1))
+    softmax = activation == "softmax"
+    q, k, v = _prep(q, "q"), _prep(k, "k"), _prep(v, "v")
+    with torch.no_grad():
+        dq, dk, dv, *_ = gdpa_bwd_op(grad_out, q, k, v, out if softmax else None, lse if softmax else None,
+                                     q_offsets, kv_offsets, None, None, int(max_q_len), int(max_kv_len), activation,
+                                     False, float(alpha), inv_n, 0, 0, bool(q_broadcast), 0, False, cfg.name)
+    return dq, dk, dv
 
 
 def jagged_block_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,

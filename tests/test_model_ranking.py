@@ -103,23 +103,67 @@ def test_ops_backend_rules():
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                     reason="needs CUDA or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("activation", ["softmax", "silu"])
-def test_ops_triton_branch_matches_reference(monkeypatch, activation):
-    """The Triton branch of the custom ops (forward, and the backward op that re-runs the kernel under
-    autograd) against the reference branch; on CPU the kernels run in the Triton interpreter, float32."""
+@pytest.mark.parametrize("strided_kv", [False, True])
+def test_ops_triton_branch_matches_reference(monkeypatch, activation, strided_kv):
+    """The Triton branch of the custom ops (forward with its lse, and the backward op that runs the kernels'
+    backward on them) against the reference branch, on CPU in the Triton interpreter, float32: sequences of 0,
+    1 and the longest length; with strided_kv, k and v are column splits of one [T, H*(Dqk + Dv)] projection (the
+    candidate tower's), read in place by the kernels and differentiated through the split."""
     pytest.importorskip("triton")
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     monkeypatch.setattr(ops, "_gdpa_backend", lambda b, device, name: "reference" if b == "reference" else "triton")
-    ko, qo = _offsets([4, 0, 1, 7, 0]).to(dev), _offsets([0, 3, 1, 2, 1]).to(dev)
+    ko, qo = _offsets([4, 0, 1, 10, 0]).to(dev), _offsets([0, 3, 1, 2, 1]).to(dev)
     q = _rand(int(qo[-1]), 2, 16, seed=1, dtype=torch.float32).detach().to(dev).requires_grad_()
-    k = _rand(int(ko[-1]), 2, 16, seed=2, dtype=torch.float32).detach().to(dev).requires_grad_()
-    v = _rand(int(ko[-1]), 2, 8, seed=3, dtype=torch.float32).detach().to(dev).requires_grad_()
+    if strided_kv:
+        kv = _rand(int(ko[-1]), 2 * 16 + 2 * 8, 1, seed=2, dtype=torch.float32).detach().to(dev).view(-1, 48)
+        kv.requires_grad_()
+        k, v = (t.reshape(-1, 2, d) for t, d in zip(torch.split(kv, [32, 16], dim=1), (16, 8)))
+        assert k.stride(0) == 48 and not k.is_contiguous()
+        leaves = (q, kv)
+    else:
+        k = _rand(int(ko[-1]), 2, 16, seed=2, dtype=torch.float32).detach().to(dev).requires_grad_()
+        v = _rand(int(ko[-1]), 2, 8, seed=3, dtype=torch.float32).detach().to(dev).requires_grad_()
+        leaves = (q, k, v)
     for call in (lambda b: ops.cross_attention(q, qo, k, v, ko, 3, 10, activation=activation, backend=b),
                  lambda b: ops.pma(q[:3], k, v, ko, 10, activation=activation, backend=b)):
         got, exp = call("triton"), call("reference")
         torch.testing.assert_close(got, exp, atol=1e-5, rtol=1e-4)
         g = torch.randn_like(got)
-        for a, b in zip(torch.autograd.grad(got, (q, k, v), g), torch.autograd.grad(exp, (q, k, v), g)):
+        grads = torch.autograd.grad(got, leaves, g)
+        assert all(x.abs().sum() > 0 for x in grads)
+        for a, b in zip(grads, torch.autograd.grad(exp, leaves, g)):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                    reason="needs CUDA or TRITON_INTERPRET=1")
+def test_custom_ops_pass_opcheck_on_the_triton_branch(monkeypatch):
+    """Schema, fakes (the lse's [H, T_out] shape on the Triton softmax branch) and autograd registration of the
+    four ops with the Triton kernels behind them (interpreter on CPU, float32)."""
+    pytest.importorskip("triton")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    monkeypatch.setattr(ops, "_gdpa_backend", lambda b, device, name: "reference" if b == "reference" else "triton")
+    ko, qo = _offsets([4, 0, 1]).to(dev), _offsets([2, 1, 0]).to(dev)
+    q, k, v = (_rand(n, 2, d, seed=i, dtype=torch.float32).detach().to(dev).requires_grad_()
+               for i, (n, d) in enumerate([(3, 16), (5, 16), (5, 8)]))
+    s = _rand(2, 2, 16, seed=4, dtype=torch.float32).detach().to(dev).requires_grad_()
+    out, lse = torch.ops.gemray.cross_attention(q, qo, k, v, ko, 2, 8, "softmax", None, "triton")
+    pout, plse = torch.ops.gemray.pma(s, k, v, ko, 8, "softmax", None, "triton")
+    assert lse.shape == (2, 3) and plse.shape == (2, 3 * 2) and pout.shape == (3, 2, 2, 8)  # [H, B * S]
+    cases = [
+        (torch.ops.gemray.cross_attention.default, (q, qo, k, v, ko, 2, 8, "softmax", None, "triton")),
+        (torch.ops.gemray.pma.default, (s, k, v, ko, 8, "softmax", None, "triton")),
+        (torch.ops.gemray.cross_attention_backward.default,
+         (torch.randn_like(out), q.detach(), qo, k.detach(), v.detach(), ko, 2, 8, "softmax", None, "triton",
+          out.detach(), lse)),
+        (torch.ops.gemray.pma_backward.default,
+         (torch.randn_like(pout), s.detach(), k.detach(), v.detach(), ko, 8, "softmax", None, "triton",
+          pout.detach(), plse)),
+    ]
+    for op, args in cases:
+        result = torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor",
+                                                             "test_autograd_registration"))
+        assert all(r == "SUCCESS" for r in result.values()), (op, result)
 
 
 # ---------------------------------------------------------------------------------------------- tower
@@ -462,11 +506,42 @@ def test_custom_ops_pass_opcheck():
         (torch.ops.gemray.pma.default, (s, k, v, ko, 8, "silu", 0.5, "reference")),
         (torch.ops.gemray.cross_attention_backward.default,
          (torch.randn(3, 2, 3, dtype=torch.float64), q.detach(), qo, k.detach(), v.detach(), ko, 2, 8, "gelu", None,
-          "reference")),
+          "reference", torch.randn(3, 2, 3, dtype=torch.float64), torch.empty(0))),
         (torch.ops.gemray.pma_backward.default,
          (torch.randn(3, 2, 2, 3, dtype=torch.float64), s.detach(), k.detach(), v.detach(), ko, 8, "softmax", None,
-          "reference")),
+          "reference", torch.randn(3, 2, 2, 3, dtype=torch.float64), torch.empty(0))),
     ]
     for op, args in cases:
         result = torch.library.opcheck(op, args)
         assert all(r == "SUCCESS" for r in result.values()), (op, result)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+def test_gpu_tower_attention_ops_bf16_strided_kv(activation):
+    """The custom ops' Triton branch on CUDA in bf16 at GEM-like sizes (4 heads of 256, histories to 2048 with
+    empty and length-1 ones, 64 candidates a request), k / v column splits of one projection as in the candidate
+    tower: forward and gradients against the reference branch in float32."""
+    torch.manual_seed(5)
+    lens = [2048, 0, 1, 700, 1500, 33, 2048, 9]
+    ko, qo = _offsets(lens).cuda(), _offsets([64, 64, 0, 64, 1, 64, 64, 64]).cuda()
+    kv = (torch.randn(sum(lens), 2048, device="cuda") * 0.5).bfloat16().requires_grad_()
+    q = (torch.randn(int(qo[-1]), 4, 256, device="cuda") * 0.5).bfloat16().requires_grad_()
+    s = (torch.randn(4, 4, 256, device="cuda") * 0.5).bfloat16().requires_grad_()
+
+    def run(backend, dtype):
+        kv_, q_, s_ = (x.detach().to(dtype).requires_grad_() for x in (kv, q, s))
+        k, v = (t.reshape(-1, 4, 256) for t in torch.split(kv_, [1024, 1024], dim=1))
+        x = ops.cross_attention(q_, qo, k, v, ko, 64, 2048, activation=activation, backend=backend)
+        u = ops.pma(s_, k, v, ko, 2048, activation=activation, backend=backend)
+        torch.manual_seed(6)
+        gx, gu = torch.randn(x.shape, device="cuda"), torch.randn(u.shape, device="cuda")
+        grads = torch.autograd.grad((x.float() * gx).sum() + (u.float() * gu).sum(), (kv_, q_, s_))
+        return [x.float(), u.float(), *(g.float() for g in grads)]
+
+    for name, a, b in zip(("cross out", "pma out", "d kv", "d q", "d seeds"), run("triton", torch.bfloat16),
+                          run("reference", torch.float32)):
+        assert b.abs().sum() > 0, name
+        err = ((a - b).norm() / b.norm()).item()  # bf16 inputs and kernels against a float32 reference
+        assert err < 2e-2, (name, err)
