@@ -675,3 +675,20 @@ def test_launcher_names_the_operator_its_shapes_and_callers():
     op = NS(name="aten::copy_", cpu_parent=mid, input_shapes=[[128, 1024], [], [128, 1024]])
     assert _launcher(op) == "aten::copy_ [[128, 1024], [128, 1024]] <- aten::contiguous <- gemray.forward"
     assert _launcher(NS(name="aten::mm", cpu_parent=root, input_shapes=None)) == "aten::mm"
+
+
+def test_steady_device_idle_counts_the_gaps_after_the_marker_only():
+    from gemray.bench.train import MARKER_KERNEL, steady_device_idle
+
+    kernels = [("k0", 0.0, 1.0), ("k1", 5.0, 6.0),          # the first step: a 4 s gap before the marker, ignored
+               (MARKER_KERNEL, 6.0, 6.5),
+               ("a", 6.5, 8.0), ("b", 7.0, 9.0),            # overlapping kernels count once: busy 6.5 -> 9.0
+               ("c", 10.0, 12.5), ("d", 12.0, 12.5)]        # a 1 s gap, then busy 10.0 -> 12.5
+    out = steady_device_idle(kernels, steps=2)
+    assert out == {"steps": 2, "busy_s_per_step": 2.5, "idle_s_per_step": 0.5, "window_s": 6.0}
+    # a kernel that started before the marker ended counts only from the marker's end
+    out = steady_device_idle([(MARKER_KERNEL, 0.0, 1.0), ("x", 0.5, 2.0), ("y", 3.0, 4.0)], steps=1)
+    assert out == {"steps": 1, "busy_s_per_step": 2.0, "idle_s_per_step": 1.0, "window_s": 3.0}
+    assert steady_device_idle([("a", 0.0, 1.0)], steps=2) is None              # no marker
+    assert steady_device_idle([(MARKER_KERNEL, 0.0, 1.0)], steps=2) is None    # nothing after it
+    assert steady_device_idle(kernels, steps=0) is None

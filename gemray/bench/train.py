@@ -78,7 +78,7 @@ import time
 import traceback
 import warnings
 from contextlib import closing
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -381,9 +381,10 @@ def first_batch(trainer: Any) -> Any:
 
 
 def _run_steps(trainer: Any, batches: _Batches, n: int, device: torch.device, records: list[dict[str, Any]],
-               phase: str) -> float:
+               phase: str, after_first: Callable[[], None] | None = None) -> float:
     """Run ``n`` training steps as training runs them and append one record per step; returns the phase's wall
-    seconds (from a synchronised device to a synchronised device).
+    seconds (from a synchronised device to a synchronised device). ``after_first``: called once after the first
+    step is enqueued (no synchronisation), e.g. to mark the device timeline.
 
     On CUDA the host does not wait for the device between steps (as ``Trainer.train_epoch``: the launch queue
     runs ahead and the next batch is read while the device works): ``step_s`` is the time between the device
@@ -411,6 +412,9 @@ def _run_steps(trainer: Any, batches: _Batches, n: int, device: torch.device, re
         records.append({"phase": phase, "data_s": data_s, "host_s": host_s, "step_s": host_s,
                         "flops": trainer.last_step_flops, "tokens": batch.num_tokens, "samples": batch.batch_size,
                         "loss": loss})
+        if after_first is not None:
+            after_first()
+            after_first = None
     _sync(device)
     wall = time.perf_counter() - t_phase
     mine = records[len(records) - n:] if n else []
@@ -490,6 +494,54 @@ def _launcher(e: Any) -> str:
             chain.append(p.name)
         p = getattr(p, "cpu_parent", None)
     return " <- ".join(chain)
+
+
+#: the kernel ``torch.cuda._sleep`` launches (ATen's Sleep.cu): the device-only profile's step marker
+MARKER_KERNEL = "spin_kernel"
+
+
+def steady_device_idle(kernels: list[tuple[str, float, float]], steps: int,
+                       marker: str = MARKER_KERNEL) -> dict[str, float] | None:
+    """Pure: the device's busy and idle seconds per step after the ``marker`` kernel, from a profile that recorded
+    device activity only. kernels: ``(name, start_s, end_s)``; the window runs from the marker's end (the first
+    step, which starts on an empty launch queue, is before it) to the last kernel's end and holds ``steps`` steps.
+    Returns {"steps", "busy_s_per_step", "idle_s_per_step", "window_s"}, or None without a marker or kernels
+    after it (or ``steps`` < 1)."""
+    ends = [b for n, _, b in kernels if marker in n]
+    if not ends or steps < 1:
+        return None
+    t0 = max(ends)
+    after = [(max(a, t0), b) for n, a, b in kernels if b > t0 and marker not in n]
+    if not after:
+        return None
+    window = max(b for _, b in after) - t0
+    busy = sum(b - a for a, b in _union(after))
+    return {"steps": steps, "busy_s_per_step": busy / steps, "idle_s_per_step": (window - busy) / steps,
+            "window_s": window}
+
+
+def device_only_idle(trainer: Any, batches: _Batches, steps: int, device: torch.device) -> dict[str, Any] | None:
+    """``steps`` + 1 more training steps under torch.profiler recording device activity only (CUPTI: no host
+    operators recorded, so the host runs at about its unprofiled speed, unlike :func:`profile_breakdown`'s
+    steps, whose idle the profiler's host cost inflates); a marker kernel after the first step, whose launch
+    queue starts empty. Returns :func:`steady_device_idle` of the steps after it, plus "step_s_mean" (their CUDA
+    event times); None off CUDA; {"error": text} when the profile could not be read (the bench goes on)."""
+    if device.type != "cuda" or steps < 1:
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    records: list[dict[str, Any]] = []
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            _run_steps(trainer, batches, steps + 1, device, records, "device_only",
+                       after_first=lambda: torch.cuda._sleep(1000))
+        out = steady_device_idle(device_kernels(prof.events()), steps)
+    except Exception as e:  # noqa: BLE001 - a diagnostic: report it, keep the bench's other results
+        return {"error": f"{type(e).__name__}: {e}"}
+    if out is None:
+        return {"error": f"no {MARKER_KERNEL} marker or no kernels after it in the device-only profile"}
+    out["step_s_mean"] = sum(r["step_s"] for r in records[1:]) / steps
+    return out
 
 
 def unprofiled_gap(measured: list[dict[str, Any]], profiled: list[dict[str, Any]], busy_s: float) -> float | None:
@@ -765,6 +817,9 @@ def run_bench(cfg: JobConfig, *, steps: int, warmup: int, profile: bool = False,
             out["sync_debug"] = sync_debug_step(trainer, batches, device)
         if profile:
             out["profile"] = profile_breakdown(trainer, batches, profile_steps, device, measured)
+            idle = device_only_idle(trainer, batches, profile_steps, device)
+            if idle is not None:
+                out["profile"]["device_only"] = idle
         if host_profile_steps > 0:
             out["host_profile"] = host_profile(trainer, batches, host_profile_steps, device)
         return out
@@ -844,6 +899,13 @@ def format_table(res: dict[str, Any]) -> str:
             if gap is not None:
                 lines.append(f"    ... without the profiler (the measured steps' mean minus the profiled device work "
                              f"{p['device_busy_s_per_step'] * 1e3:.1f} ms, scaled by FLOPs): {gap * 1e3:.2f} ms per step")
+            dev = p.get("device_only")
+            if dev and "error" not in dev:
+                lines.append(f"    ... with the device's activity alone recorded ({dev['steps']} steps after a marker): "
+                             f"busy {dev['busy_s_per_step'] * 1e3:.2f} ms, idle {dev['idle_s_per_step'] * 1e3:.2f} ms "
+                             f"per step (their mean step {dev['step_s_mean'] * 1e3:.1f} ms)")
+            elif dev:
+                lines.append(f"    ... device-only profile: {dev['error'][:120]}")
             lines.append("    ... by the host operator running meanwhile (ms per step, gaps per step):")
             for n, sec, k in idle["by_host_op"][:10]:
                 lines.append(f"      {sec * 1e3:8.2f} {k:7.1f}  {n[:90]}")
@@ -863,5 +925,5 @@ def format_table(res: dict[str, Any]) -> str:
 
 
 __all__ = ["CATEGORIES", "bench_device", "classify_kernel", "compile_report", "compile_snapshot", "device_kernels",
-           "first_batch", "format_table", "idle_gaps", "kernel_breakdown", "kernel_launchers", "profile_breakdown",
-           "run_bench", "stall_check", "summarize", "sync_debug_step"]
+           "device_only_idle", "first_batch", "format_table", "idle_gaps", "kernel_breakdown", "kernel_launchers",
+           "profile_breakdown", "run_bench", "stall_check", "steady_device_idle", "summarize", "sync_debug_step"]
