@@ -18,7 +18,9 @@ Sampled softmax (:func:`sampled_softmax_lse`, the retrieval head's "uniform_shar
 backends and rules, over ``gemray.kernels.sampled_softmax`` (fused Triton) or
 ``gemray.kernels.reference.sampled_softmax_lse_ref``. The HSTU block's projection + activation
 (:func:`uvqk_activation`, ``split(silu(x @ W + b))``): the same again, over ``gemray.kernels.bias_silu`` (after the
-GEMM) or PyTorch.
+GEMM) or PyTorch; with ``model.uvqk_kernel = "fused"`` the activation and the attention are one op
+(:func:`uvqk_attention`, ``gemray.kernels.uvqk_attention``) whose backward writes the projection's gradient from
+the attention kernels.
 
 Relative attention bias: ``rel_bias`` (a :class:`RelativeBiasInputs`, the HSTU position / time bias ingredients)
 or a dense ``attn_bias`` [B, n', n']. Both backends take the ingredients and never materialise a [B, n, n] bias:

@@ -1568,8 +1568,10 @@ def _bwd_plan(fwd: _FwdPlan, q, k, v, bias, do, q_off, kv_off, nt, spec: _Spec, 
               ds_ok: bool, cfg: KernelConfig, rel: tuple | None = None, act: tuple | None = None) -> _BwdPlan:
     """The cached backward plan of a call, kept on its forward plan (made for the same config) by dO's strides,
     dtype and alignment, whether dbias is wanted, whether the DS_STORE scratch may be used (``ds_ok``: False
-    after its allocation failed) and the ACT_GRAD layout ``act`` = (W, col_q, col_k, col_v) or None: the width of
-    d_x / x / the partial sums (their row stride) and the first columns of the q / k / v ranges."""
+    after its allocation failed) and the ACT_GRAD layout ``act`` = (W, col_q, col_k, col_v, x aligned, x's bias
+    aligned) or None: the width of d_x / x / the partial sums (their row stride), the first columns of the q / k /
+    v ranges and whether x / its bias are 16-byte aligned (a direct launch reuses the kernel compiled for the
+    plan's first call, specialized on its pointers' alignment; d_x and the partial sums are fresh allocations)."""
     key = (do.stride(), do.dtype, do.data_ptr() % 16 == 0, want_dbias, ds_ok, act)
     plan = fwd.bwd.get(key)
     if plan is None:
@@ -1610,7 +1612,7 @@ def _make_bwd_plan(fwd: _FwdPlan, q, k, v, bias, do, q_off, kv_off, nt, spec: _S
         if spec.q_bcast:
             raise ValueError("gdpa backward: the fused activation gradient (ACT_GRAD) does not support q_broadcast")
         dq_strides, dk_strides, dv_strides = (act[0], d_qk), (act[0], d_qk), (act[0], d_v)
-    act_args = [act[0], act[0], *act[1:]] if act is not None else [0, 0, 0, 0, 0]  # stride_xt, stride_pt, cols
+    act_args = [act[0], act[0], *act[1:4]] if act is not None else [0, 0, 0, 0, 0]  # stride_xt, stride_pt, cols
     dbias_shape = (bias.shape[0], h, bias.shape[-2], bias.shape[-1]) if want_dbias else None
     dbias_strides = (h * dbias_shape[2] * dbias_shape[3], dbias_shape[2] * dbias_shape[3], dbias_shape[3], 1) \
         if want_dbias else (0, 0, 0, 0)
@@ -1739,7 +1741,7 @@ def _backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                 None if rel is None else (torch.zeros_like(rel[2]), torch.zeros_like(rel[3])))
     if do.stride(-1) != 1:
         do = do.contiguous()
-    act_key = None if act is None else (width, *cols)
+    act_key = None if act is None else (width, *cols, x.data_ptr() % 16 == 0, xbias.data_ptr() % 16 == 0)
     bplan = _bwd_plan(plan, q, k, v, bias, do, q_off, kv_off, nt, spec, want_dbias, True, cfg, rel, act_key)
     ds = None
     if bplan.ds_shape is not None:
