@@ -490,31 +490,33 @@ def _item_slot(n_heads, HEADS_INNER: tl.constexpr):
 
 
 @triton.jit
-def _store_grad(DST, X, XB, PART, row0, offs_r, n_rows, h, offs_d, D, g, stride_t, stride_h, stride_xt, col, slot,
+def _store_grad(DST, X, XB, PART, row0, offs_r, n_rows, h, offs_d, D, g, stride_t, stride_h, col, slot,
                 stride_pt, ACT_GRAD: tl.constexpr):
     """Store a gradient tile g [BLOCK_R, BLOCK_D] (fp32) of rows row0 + offs_r (rows >= n_rows and columns >= D
     masked), head h, at DST + row * stride_t + h * stride_h + d. The one store of every dq / dk / dv tile.
 
     ACT_GRAD 0: g in DST's dtype, as is. ACT_GRAD 1 (the fused uvqk activation's backward, HSTU's
     ``q, k, v = split(silu(x + b))``): DST is the q / k / v column range of d_x [T, W] (a [T, H, D] view, row stride
-    W, head stride D), X the pre-activation x [T, W] (row stride stride_xt, same columns), XB its bias [W]; ``col``
+    W, head stride D), X the pre-activation x [T, W] (the same layout: row stride W, contiguous), XB its bias [W]; ``col``
     the range's first column in x / XB / PART (DST already points at it). Stores dz = g silu'(z), z = x + b, in
     fp32: g s (1 + z (1 - s)), s = sigmoid(z) -- what bias_silu's backward computes from the rounded g, here from
     the unrounded one -- and the tile's fp32 column sums of dz (masked rows 0) at PART[slot, col + h D + d] (this
     program's own row: the host zeroes PART and sums its rows, no atomics)."""
     mask = (offs_r[:, None] < n_rows) & (offs_d[None, :] < D)
-    rows = row0 + offs_r[:, None]
+    # one offset tensor for DST and X (the same layout): [BLOCK_R, BLOCK_D] 64-bit addresses cost registers, and the
+    # epilogue already holds g, x and dz at once
+    off = (row0 + offs_r[:, None]) * stride_t + h * stride_h + offs_d[None, :]
     if ACT_GRAD:
-        x = tl.load(X + rows * stride_xt + col + h * stride_h + offs_d[None, :], mask=mask, other=0.0)
+        x = tl.load(X + col + off, mask=mask, other=0.0)
         b = tl.load(XB + col + h * stride_h + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
         z = x.to(tl.float32) + b[None, :]
         s = tl.sigmoid(z)
         dz = tl.where(mask, g * s * (1.0 + z * (1.0 - s)), 0.0)
-        tl.store(DST + rows * stride_t + h * stride_h + offs_d[None, :], dz.to(DST.dtype.element_ty), mask=mask)
+        tl.store(DST + off, dz.to(DST.dtype.element_ty), mask=mask)
         tl.store(PART + slot.to(tl.int64) * stride_pt + col + h * stride_h + offs_d, tl.sum(dz, axis=0),
                  mask=offs_d < D)
     else:
-        tl.store(DST + rows * stride_t + h * stride_h + offs_d[None, :], g.to(DST.dtype.element_ty), mask=mask)
+        tl.store(DST + off, g.to(DST.dtype.element_ty), mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -799,7 +801,7 @@ def _dkdv_tile(Q, K, V, DO, LSE, DELTA, DK, DV, Q_OFF, KV_OFF, NT, BIAS, DBIAS, 
                BLOCK_DV: tl.constexpr, DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr,
                CONTEXT: tl.constexpr, FAST: tl.constexpr, STORE_DBIAS: tl.constexpr, TMA: tl.constexpr, DS,
                stride_dsh, stride_dst, STORE_DS: tl.constexpr, TQ, TK, PB_TAB, TTHR, PW, TW, n_tb,
-               REL: tl.constexpr, NO_DK: tl.constexpr, XA, BA, PA, stride_xt, stride_pt, col_k, col_v, slot,
+               REL: tl.constexpr, NO_DK: tl.constexpr, XA, BA, PA, stride_pt, col_k, col_v, slot,
                ACT_GRAD: tl.constexpr):
     """dK, dV of keys [n0, n0 + BLOCK_N) of sequence b, head h and, with STORE_DBIAS, dbias of their pairs.
     STORE_DS: also writes dS^T of every pair it visits (0 where masked) into DS, rows = key rows, columns = query
@@ -865,9 +867,9 @@ def _dkdv_tile(Q, K, V, DO, LSE, DELTA, DK, DV, Q_OFF, KV_OFF, NT, BIAS, DBIAS, 
         dk = dk * (alpha * inv_n)
         dv = dv * inv_n
     if not NO_DK:
-        _store_grad(DK, XA, BA, PA, kv_start, offs_n, lk, h, offs_dk, D_QK, dk, stride_dkt, stride_dkh, stride_xt,
-                    col_k, slot, stride_pt, ACT_GRAD)
-    _store_grad(DV, XA, BA, PA, kv_start, offs_n, lk, h, offs_dv, D_V, dv, stride_dvt, stride_dvh, stride_xt, col_v,
+        _store_grad(DK, XA, BA, PA, kv_start, offs_n, lk, h, offs_dk, D_QK, dk, stride_dkt, stride_dkh, col_k,
+                    slot, stride_pt, ACT_GRAD)
+    _store_grad(DV, XA, BA, PA, kv_start, offs_n, lk, h, offs_dv, D_V, dv, stride_dvt, stride_dvh, col_v,
                 slot, stride_pt, ACT_GRAD)
 
 
@@ -938,7 +940,7 @@ def _dq_tile(Q, K, V, DO, LSE, DELTA, O, DQ, Q_OFF, KV_OFF, NT, BIAS, DBIAS, b, 
              BLOCK_DV: tl.constexpr, DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr,
              STORE_DBIAS: tl.constexpr, CONTEXT: tl.constexpr, FAST: tl.constexpr, STORE_DELTA: tl.constexpr,
              TMA: tl.constexpr, TQ, TK, PB_TAB, TTHR, PW, TW, DPW, DTW, n_pb, n_tb, REL: tl.constexpr,
-             P_PAD: tl.constexpr, NT_PAD: tl.constexpr, prog, XA, BA, PA, stride_xt, stride_pt, col_q, slot,
+             P_PAD: tl.constexpr, NT_PAD: tl.constexpr, prog, XA, BA, PA, stride_pt, col_q, slot,
              ACT_GRAD: tl.constexpr):
     """dQ (and dbias) of query rows [m0, m0 + BLOCK_M) of sequence b, head h. softmax: with STORE_DELTA, delta =
     rowsum(o * dO) of these rows is computed here from o and written to DELTA for the dK/dV launch that runs after
@@ -1006,7 +1008,7 @@ def _dq_tile(Q, K, V, DO, LSE, DELTA, O, DQ, Q_OFF, KV_OFF, NT, BIAS, DBIAS, b, 
         tl.store(DPW + row * P_PAD + tl.arange(0, P_PAD), hist_p * ds_scale)
         tl.store(DTW + row * NT_PAD + tl.arange(0, NT_PAD), hist_t * ds_scale)
     dq = dq * (alpha * ds_scale)
-    _store_grad(DQ, XA, BA, PA, q_start, offs_m, lq, h, offs_dk, D_QK, dq, stride_dqt, stride_dqh, stride_xt, col_q,
+    _store_grad(DQ, XA, BA, PA, q_start, offs_m, lq, h, offs_dk, D_QK, dq, stride_dqt, stride_dqh, col_q,
                 slot, stride_pt, ACT_GRAD)
 
 
@@ -1018,7 +1020,8 @@ def _gdpa_bwd(Q, K, V, DO, LSE, DELTA, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, WORK, B
               stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh, stride_lh,
               stride_bb, stride_bh, stride_bi, stride_bj, stride_dbb, stride_dbh, stride_dbi, stride_dbj,
               stride_dsh, stride_dst, alpha, inv_n, n_tiles_k, n_tiles_q, D_QK, D_V, n_heads, n_pb, n_tb,
-              stride_xt, stride_pt, col_q, col_k, col_v, ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
+              stride_pt, col_q, col_k, col_v, ACT: tl.constexpr, CAUSAL: tl.constexpr,
+              HAS_TARGETS: tl.constexpr,
               ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, Q_BCAST: tl.constexpr, PART: tl.constexpr,
               DK_BM: tl.constexpr, DK_BN: tl.constexpr, DQ_BM: tl.constexpr, DQ_BN: tl.constexpr,
               BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -1036,7 +1039,7 @@ def _gdpa_bwd(Q, K, V, DO, LSE, DELTA, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, WORK, B
     sums the rows: d pos_w / d ts_w without atomics, bit-reproducible; never with STORE_DS). NO_DK (PART 1 with
     STORE_DS, the regime's dk_from_ds): the dK/dV items accumulate dV only and leave dK to _gdpa_dk_ds. ACT_GRAD
     (the fused uvqk activation's backward): DQ / DK / DV are the q / k / v column ranges of d_x [T, W] and each tile
-    is stored through the SiLU's derivative at the pre-activation XA [T, W] + BA [W] (row stride stride_xt; the
+    is stored through the SiLU's derivative at the pre-activation XA [T, W] + BA [W] (d_x's layout; the
     ranges start at columns col_q / col_k / col_v), its column sums to row _item_slot of PA [slots, W] fp32
     (row stride stride_pt; see _store_grad)."""
     w, h = _item_head(WORK, n_heads, HEADS_INNER)
@@ -1051,7 +1054,7 @@ def _gdpa_bwd(Q, K, V, DO, LSE, DELTA, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, WORK, B
                    alpha, inv_n, D_QK, D_V,
                    ACT, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, Q_BCAST, DK_BM, DK_BN, BLOCK_DQK, BLOCK_DV,
                    DOT_PREC, HAS_BIAS, CONTEXT, FAST, STORE_DBIAS, TMA, DS, stride_dsh, stride_dst, STORE_DS,
-                   TQ, TK, PB_TAB, TTHR, PW, TW, n_tb, REL, NO_DK, XA, BA, PA, stride_xt, stride_pt, col_k, col_v,
+                   TQ, TK, PB_TAB, TTHR, PW, TW, n_tb, REL, NO_DK, XA, BA, PA, stride_pt, col_k, col_v,
                    slot, ACT_GRAD)
     else:
         _dq_tile(Q, K, V, DO, LSE, DELTA, O, DQ, Q_OFF, KV_OFF, NT, BIAS, DBIAS, w // n_tiles_q,
@@ -1063,7 +1066,7 @@ def _gdpa_bwd(Q, K, V, DO, LSE, DELTA, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, WORK, B
                  DOT_PREC, HAS_BIAS, STORE_DBIAS, CONTEXT, FAST, STORE_DELTA, TMA, TQ, TK, PB_TAB, TTHR, PW, TW,
                  DPW, DTW, n_pb, n_tb, REL, P_PAD, NT_PAD,
                  tl.program_id(0) if HEADS_INNER else tl.program_id(0) * n_heads + tl.program_id(1),
-                 XA, BA, PA, stride_xt, stride_pt, col_q, slot, ACT_GRAD)
+                 XA, BA, PA, stride_pt, col_q, slot, ACT_GRAD)
 
 
 @triton.jit
@@ -1088,7 +1091,7 @@ def _dq_ds_inner(dq, ds_desc, k_base, stride_kt, offs_m, m0, offs_dk, lq, lk, n_
 @triton.jit
 def _gdpa_dq_ds(DS, K, DQ, Q_OFF, KV_OFF, NT, WORK, XA, BA, PA,
                 stride_dsh, stride_dst, stride_kt, stride_kh, stride_dqt, stride_dqh, dq_scale, n_tiles, D_QK,
-                n_heads, stride_xt, stride_pt, col_q, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
+                n_heads, stride_pt, col_q, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
                 CONTEXT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
                 DOT_PREC: tl.constexpr, HEADS_INNER: tl.constexpr, TMA: tl.constexpr, ACT_GRAD: tl.constexpr):
     """dQ of query rows [m0, m0 + BLOCK_M) of one (sequence, head) from the dS^T the dK/dV launch stored
@@ -1116,7 +1119,7 @@ def _gdpa_dq_ds(DS, K, DQ, Q_OFF, KV_OFF, NT, WORK, XA, BA, PA,
     dq = _dq_ds_inner(dq, ds_desc, k_base, stride_kt, offs_m, m0, offs_dk, lq, lk, n_hist, full_hi, hi, D_QK,
                       True, CAUSAL, HAS_TARGETS, CONTEXT, BLOCK_N, DOT_PREC, TMA)
     _store_grad(DQ, XA, BA, PA, q_start, offs_m, lq, h, offs_dk, D_QK, dq * dq_scale, stride_dqt, stride_dqh,
-                stride_xt, col_q, _item_slot(n_heads, HEADS_INNER), stride_pt, ACT_GRAD)
+                col_q, _item_slot(n_heads, HEADS_INNER), stride_pt, ACT_GRAD)
 
 
 @triton.jit
@@ -1141,7 +1144,7 @@ def _dk_ds_inner(dk, ds_desc, q_base, stride_qt, offs_n, n0, offs_dk, lq, lk, n_
 @triton.jit
 def _gdpa_dk_ds(DS, Q, DK, Q_OFF, KV_OFF, NT, WORK, XA, BA, PA,
                 stride_dsh, stride_dst, stride_qt, stride_qh, stride_dkt, stride_dkh, dk_scale, n_tiles, D_QK,
-                n_heads, stride_xt, stride_pt, col_k, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
+                n_heads, stride_pt, col_k, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
                 CONTEXT: tl.constexpr, Q_BCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_DQK: tl.constexpr, DOT_PREC: tl.constexpr, HEADS_INNER: tl.constexpr, TMA: tl.constexpr,
                 ACT_GRAD: tl.constexpr):
@@ -1175,7 +1178,7 @@ def _gdpa_dk_ds(DS, Q, DK, Q_OFF, KV_OFF, NT, WORK, XA, BA, PA,
     dk = _dk_ds_inner(dk, ds_desc, q_base, stride_qt, offs_n, n0, offs_dk, lq, lk, n_hist, full_lo, hi, D_QK,
                       False, CAUSAL, HAS_TARGETS, CONTEXT, BLOCK_M, DOT_PREC, TMA)
     _store_grad(DK, XA, BA, PA, kv_start, offs_n, lk, h, offs_dk, D_QK, dk * dk_scale, stride_dkt, stride_dkh,
-                stride_xt, col_k, _item_slot(n_heads, HEADS_INNER), stride_pt, ACT_GRAD)
+                col_k, _item_slot(n_heads, HEADS_INNER), stride_pt, ACT_GRAD)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1612,7 +1615,7 @@ def _make_bwd_plan(fwd: _FwdPlan, q, k, v, bias, do, q_off, kv_off, nt, spec: _S
         if spec.q_bcast:
             raise ValueError("gdpa backward: the fused activation gradient (ACT_GRAD) does not support q_broadcast")
         dq_strides, dk_strides, dv_strides = (act[0], d_qk), (act[0], d_qk), (act[0], d_v)
-    act_args = [act[0], act[0], *act[1:4]] if act is not None else [0, 0, 0, 0, 0]  # stride_xt, stride_pt, cols
+    act_args = [act[0], *act[1:4]] if act is not None else [0, 0, 0, 0]  # stride_pt, col_q, col_k, col_v
     dbias_shape = (bias.shape[0], h, bias.shape[-2], bias.shape[-1]) if want_dbias else None
     dbias_strides = (h * dbias_shape[2] * dbias_shape[3], dbias_shape[2] * dbias_shape[3], dbias_shape[3], 1) \
         if want_dbias else (0, 0, 0, 0)
@@ -1621,7 +1624,7 @@ def _make_bwd_plan(fwd: _FwdPlan, q, k, v, bias, do, q_off, kv_off, nt, spec: _S
             *dv_strides, *dq_strides, stride_lh, *_bias_strides(bias), *dbias_strides, *ds_strides,
             spec.alpha, spec.inv_n, 1, 1, d_qk, d_v, h,
             0 if rel is None else rel[2].numel(), 0 if rel is None else rel[3].numel(), *act_args]
-    items_at = len(args) - 12  # (n_tiles_k, n_tiles_q), set per launch
+    items_at = len(args) - 11  # (n_tiles_k, n_tiles_q), set per launch
     even_d = bdk == d_qk and bdv == d_v
     use_tma = _use_tma(rc, even_d, spec, q, k, v, do)
     consts = dict(ACT=spec.act, CAUSAL=spec.causal, HAS_TARGETS=nt is not None, HAS_BIAS=bias is not None,
@@ -1638,39 +1641,49 @@ def _make_bwd_plan(fwd: _FwdPlan, q, k, v, bias, do, q_off, kv_off, nt, spec: _S
                        cfg.direct_launch), table, "bwd"
 
     fit = dict(d_v=d_v, rel=rel is not None, elem_bytes=q.element_size(), device=q.device)  # _tiles' smem fit
+
+    def tiles(kind: str) -> tuple:
+        bm, bn, warps, stages = _tiles(kind, d_qk, reg, spec.max_q_len, cfg, **fit)
+        if act is not None and max(bdk, bdv) >= 256:
+            # ACT_GRAD's epilogue holds the [BLOCK, 256] fp32 gradient, the x tile and dz at once: compiled for sm_90
+            # (gemray.bench.sass_check, D = 256, 64x64 tiles) 4 warps spill inside the loops (dq_ds: 1.5 KB of stack,
+            # ~400 spill stores / iteration; without ACT_GRAD none), 8 warps barely (24 B). Not timed on a GPU yet.
+            warps = max(warps, 8)
+        return bm, bn, warps, stages
+
     steps, rel_rows = [], 0
     if ds_store:  # dK/dV (also storing dS^T), then dQ = dS K (and, dk_from_ds, dK = dS^T Q) from the stored tiles
-        kbm, kbn, kwarps, kstages = _tiles("dkdv_ds", d_qk, reg, spec.max_q_len, cfg, **fit)
+        kbm, kbn, kwarps, kstages = tiles("dkdv_ds")
         table, ntk = _k_table(spec, q_off, kv_off, kbn, k.shape[0], grouped=cfg.seq_order_dkdv)
         steps.append(bwd(table, (ntk, 1), kwarps, kstages, PART=1, DK_BM=kbm, DK_BN=kbn, DQ_BM=0, DQ_BN=0,
                          STORE_DBIAS=want_dbias, STORE_DELTA=False, STORE_DS=True, NO_DK=rc.dk_from_ds))
-        qbm, qbn, qwarps, qstages = _tiles("dq_ds", d_qk, reg, spec.max_q_len, cfg, **fit)
+        qbm, qbn, qwarps, qstages = tiles("dq_ds")
         table, ntq = _q_table(spec, q_off, kv_off, qbm, t_out, grouped=cfg.seq_order_dq)
         steps.append((_Launch(_gdpa_dq_ds, grid(table.numel(), rc.heads_inner), [
             *ds_strides, *k.stride()[:2], *dq_strides, spec.alpha * (1.0 if softmax else spec.inv_n), ntq, d_qk, h,
-            *act_args[:2], act_args[2]],
+            act_args[0], act_args[1]],
             dict(CAUSAL=spec.causal, HAS_TARGETS=nt is not None, CONTEXT=spec.context, BLOCK_M=qbm, BLOCK_N=qbn,
                  BLOCK_DQK=bdk, DOT_PREC=consts["DOT_PREC"], HEADS_INNER=rc.heads_inner, TMA=use_tma,
                  ACT_GRAD=act is not None),
             qwarps, qstages, cfg.direct_launch), table, "dq_ds"))
         if rc.dk_from_ds:
-            dbm, dbn, dwarps, dstages = _tiles("dk_ds", d_qk, reg, spec.max_q_len, cfg, **fit)
+            dbm, dbn, dwarps, dstages = tiles("dk_ds")
             table, ntk = _k_table(spec, q_off, kv_off, dbn, k.shape[0], grouped=cfg.seq_order_dkdv)
             steps.append((_Launch(_gdpa_dk_ds, grid(table.numel(), rc.heads_inner), [
                 *ds_strides, *q.stride()[:2], *dk_strides, spec.alpha * (1.0 if softmax else spec.inv_n), ntk,
-                d_qk, h, *act_args[:2], act_args[3]],
+                d_qk, h, act_args[0], act_args[2]],
                 dict(CAUSAL=spec.causal, HAS_TARGETS=nt is not None, CONTEXT=spec.context, Q_BCAST=spec.q_bcast,
                      BLOCK_M=dbm, BLOCK_N=dbn, BLOCK_DQK=bdk, DOT_PREC=consts["DOT_PREC"],
                      HEADS_INNER=rc.heads_inner, TMA=use_tma, ACT_GRAD=act is not None),
                 dwarps, dstages, cfg.direct_launch), table, "dk_ds"))
     else:  # two launches: dQ first (it writes softmax's delta), then dK/dV (reads it)
-        qbm, qbn, qwarps, qstages = _tiles("dq", d_qk, reg, spec.max_q_len, cfg, **fit)
+        qbm, qbn, qwarps, qstages = tiles("dq")
         table, ntq = _q_table(spec, q_off, kv_off, qbm, t_out)
         # the other part's tile sizes are unused (pruned branch): 0 keeps one compiled variant per config
         steps.append(bwd(table, (1, ntq), qwarps, qstages, PART=2, DK_BM=0, DK_BN=0, DQ_BM=qbm, DQ_BN=qbn,
                          STORE_DBIAS=want_dbias, STORE_DELTA=softmax, STORE_DS=False, NO_DK=False))
         rel_rows = table.numel() * h if rel is not None else 0  # one row per dQ program (grid items x H)
-        kbm, kbn, kwarps, kstages = _tiles("dkdv", d_qk, reg, spec.max_q_len, cfg, **fit)
+        kbm, kbn, kwarps, kstages = tiles("dkdv")
         table, ntk = _k_table(spec, q_off, kv_off, kbn, k.shape[0])
         steps.append(bwd(table, (ntk, 1), kwarps, kstages, PART=1, DK_BM=kbm, DK_BN=kbn, DQ_BM=0, DQ_BN=0,
                          STORE_DBIAS=False, STORE_DELTA=False, STORE_DS=False, NO_DK=False))
