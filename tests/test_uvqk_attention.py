@@ -217,6 +217,14 @@ def test_config_and_dispatch_rules():
         ops.uvqk_attention(x_norm, w, b, off, 4, 2, 4, 4, attention_backend="reference")
 
 
+def test_selective_checkpointing_keeps_the_fused_op():
+    """Selective activation checkpointing saves the fused op's outputs (it would otherwise rerun the attention)."""
+    from gemray.parallel.activation_checkpoint import saves_output
+
+    assert saves_output(torch.ops.gemray.uvqk_attention.default)
+    assert not saves_output(torch.ops.gemray.uvqk_attention_bwd.default)
+
+
 def _block_results(kernel: str, cfg: ModelConfig, x, offsets, ts, max_len: int):
     from gemray.model.hstu import HSTUBlock
 
