@@ -497,8 +497,8 @@ def _store_grad(DST, X, XB, PART, row0, offs_r, n_rows, h, offs_d, D, g, stride_
 
     ACT_GRAD 0: g in DST's dtype, as is. ACT_GRAD 1 (the fused uvqk activation's backward, HSTU's
     ``q, k, v = split(silu(x + b))``): DST is the q / k / v column range of d_x [T, W] (a [T, H, D] view, row stride
-    W, head stride D), X the pre-activation x [T, W] (the same layout: row stride W, contiguous), XB its bias [W]; ``col``
-    the range's first column in x / XB / PART (DST already points at it). Stores dz = g silu'(z), z = x + b, in
+    W, head stride D), X the pre-activation x [T, W] (d_x's layout: contiguous), XB its bias [W]; ``col`` the
+    range's first column in x / XB / PART (DST already points at it). Stores dz = g silu'(z), z = x + b, in
     fp32: g s (1 + z (1 - s)), s = sigmoid(z) -- what bias_silu's backward computes from the rounded g, here from
     the unrounded one -- and the tile's fp32 column sums of dz (masked rows 0) at PART[slot, col + h D + d] (this
     program's own row: the host zeroes PART and sums its rows, no atomics)."""
