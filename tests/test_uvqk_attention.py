@@ -130,17 +130,20 @@ def test_fused_matches_unfused_and_reference(activation, ds, monkeypatch):
 
 @cpu_only
 def test_fused_heads_inner_equal_widths_and_one_gradient(monkeypatch):
-    """The heads-inner grid (_item_slot = pid // H), equal head widths (A = V, the GEM block's layout) and 3 heads;
-    then a loss through ``out`` only (d_u is None: the u range's dx and dbias are 0) and through ``u`` only (the
-    attention gradients are 0)."""
-    heads, a, v = 3, 8, 8
+    """The heads-inner grid (_item_slot = pid // H) with tile loads through tensor descriptors (tma_loads, as the
+    GEM config's), equal head widths (A = V, the GEM block's layout) and 3 heads; then a loss through ``out`` only
+    (d_u is None: the u range's dx and dbias are 0) and through ``u`` only (the attention gradients are 0)."""
+    heads, a, v = 3, 16, 16
     off, n, x, bias, d_u, d_out = _batch(5, heads, a, v, n_max=30)
-    cfg = _config(True).with_all_regimes(heads_inner=True)
+    cfg = _config("dk").with_all_regimes(heads_inner=True, tma_loads=True)
     fused = lambda xi, bi: uvqk_attention_triton(xi, bi, off, n, heads, a, v, config=cfg)  # noqa: E731
     got = _grads(fused, x, bias, d_u, d_out, torch.float32)
     want = _grads(_unfused_ref(off, n, heads, a, v, "silu"), x, bias, d_u, d_out, torch.float64)
     for i in range(4):
         assert _rel(got[i], want[i]) < 1e-5, (i, _rel(got[i], want[i]))
+    plans = _act_plans(cfg)
+    assert plans and all(launch.consts["TMA"] and launch.consts["HEADS_INNER"]
+                         for bp in plans for launch, _, _ in bp.steps)
     for only in ("out", "u"):
         xi, bi = x.float().clone().requires_grad_(), bias.float().clone().requires_grad_()
         u, out = fused(xi, bi)
