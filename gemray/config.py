@@ -180,13 +180,6 @@ class ModelConfig:
     (the fused Triton kernels on CUDA: the bias, the SiLU and the split in one pass forward, the SiLU derivative, the
     concatenation of the four gradients and the bias gradient in one pass backward; ``gemray.kernels.bias_silu``),
     "triton" or "reference" (PyTorch, fused by ``train.compile``); default "reference" until measured on a GPU.
-    "fused": "triton"'s forward, and the activation and the attention as one op (``gemray.ops.uvqk_attention``,
-    ``gemray.kernels.uvqk_attention``) whose backward stores the SiLU derivative of the q / k / v ranges from the
-    attention's gradient kernels straight into the projection's gradient (no dq / dk / dv tensors, ~1.6 GB less
-    traffic per GEM block, an estimate not yet measured on a GPU); it needs the Triton attention
-    (``attention_backend`` "triton", or "auto" on CUDA: anything else raises at the first forward) and
-    ``relative_bias = false`` (checked here). "triton" and "fused" without a GPU only in Triton's interpreter,
-    ``TRITON_INTERPRET=1``, refused before Ray starts otherwise.
     The FP8 projections (``train.precision = "fp8"``) keep their own bias and ignore it.
     kernel_tiles: "" (the kernels' defaults) or the Triton attention kernels' tiles / launch modes for this
     machine, as inline JSON (a value starting with "{", e.g. ``--set 'model.kernel_tiles={"long": {...}}'``) or
@@ -366,13 +359,7 @@ class ModelConfig:
         _choice(self, "negatives", ("uniform", "uniform_shared", "in_batch"))
         _choice(self, "attention_backend", ("auto", "triton", "reference"))
         _choice(self, "retrieval_kernel", ("auto", "triton", "reference"))
-        _choice(self, "uvqk_kernel", ("auto", "triton", "reference", "fused"))
-        if self.uvqk_kernel == "fused" and (self.relative_bias or self.attention_backend == "reference"):
-            # the fused op's attention is the Triton kernels' without an attention bias (kernels/uvqk_attention.py)
-            raise ValueError(f"model.uvqk_kernel = \"fused\" needs the Triton attention without the relative bias: "
-                             f"model.relative_bias = false and model.attention_backend \"triton\" or \"auto\" (got "
-                             f"relative_bias = {str(self.relative_bias).lower()}, attention_backend = "
-                             f"\"{self.attention_backend}\"); use uvqk_kernel = \"triton\" otherwise")
+        _choice(self, "uvqk_kernel", ("auto", "triton", "reference"))
         _choice(self, "time_bias_query", ("next", "self"))
         if self.kernel_tiles:
             kernel_tiles_spec(self.kernel_tiles)  # ValueError naming model.kernel_tiles before any worker starts

@@ -18,9 +18,7 @@ Sampled softmax (:func:`sampled_softmax_lse`, the retrieval head's "uniform_shar
 backends and rules, over ``gemray.kernels.sampled_softmax`` (fused Triton) or
 ``gemray.kernels.reference.sampled_softmax_lse_ref``. The HSTU block's projection + activation
 (:func:`uvqk_activation`, ``split(silu(x @ W + b))``): the same again, over ``gemray.kernels.bias_silu`` (after the
-GEMM) or PyTorch; with ``model.uvqk_kernel = "fused"`` the activation and the attention are one op
-(:func:`uvqk_attention`, ``gemray.kernels.uvqk_attention``) whose backward writes the projection's gradient from
-the attention kernels.
+GEMM) or PyTorch.
 
 Relative attention bias: ``rel_bias`` (a :class:`RelativeBiasInputs`, the HSTU position / time bias ingredients)
 or a dense ``attn_bias`` [B, n', n']. Both backends take the ingredients and never materialise a [B, n, n] bias:
@@ -231,7 +229,7 @@ def choose_backend(requested: AttentionBackend, device_type: str, triton_error: 
 
 #: the config key whose value an op's ``backend`` is (the model passes it through), named in the logged choice
 _SETTINGS = {"attention": "model.attention_backend", "sampled_softmax_lse": "model.retrieval_kernel",
-             "uvqk_activation": "model.uvqk_kernel", "uvqk_attention": "model.uvqk_kernel"}
+             "uvqk_activation": "model.uvqk_kernel"}
 
 
 def choice_message(op: str, requested: AttentionBackend, device_type: str, chosen: AttentionBackend,
@@ -370,36 +368,6 @@ def uvqk_activation(x_norm: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     if _resolve(backend, x_norm.device, BIAS_SILU_MODULE, "uvqk_activation") is AttentionBackend.TRITON:
         return _kernel_module(BIAS_SILU_MODULE)[0].bias_silu_split_triton(torch.mm(x_norm, weight), bias, sizes)
     return list(torch.split(torch.nn.functional.silu(torch.addmm(bias, x_norm, weight)), list(sizes), 1))
-
-
-UVQK_ATTENTION_MODULE = "gemray.kernels.uvqk_attention"
-
-
-def uvqk_attention(x_norm: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, offsets: torch.Tensor,
-                   max_len: int, heads: int, attention_dim: int, linear_dim: int, *, activation: str = "silu",
-                   alpha: float | None = None, attention_backend: AttentionBackend | str = AttentionBackend.AUTO,
-                   config: KernelConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The HSTU block's projection, activation and causal self-attention in one differentiable op
-    (``model.uvqk_kernel = "fused"``): ``u, v, q, k = split(silu(x_norm @ weight + bias))`` (widths H V, H V, H A,
-    H A) and ``out = attention(q, k, v)`` over the jagged ``offsets``, as :func:`uvqk_activation` +
-    :func:`attention` compute them, with a backward whose attention kernels write the activation's input gradient
-    directly (``gemray.kernels.uvqk_attention``: no dq / dk / dv tensors in between).
-
-    x_norm: [T, D] float, weight: [D, W], bias: [W] (W = 2 H V + 2 H A), offsets: [B+1] int64, max_len: host int
-    >= every length (the N of the pointwise activations). Returns (u [T, H V], out [T, H, V]) in the GEMM's dtype.
-    Always the Triton kernels: ``attention_backend`` (``model.attention_backend``) must resolve to Triton here
-    ("triton", or "auto" on CUDA); anything else raises RuntimeError naming the settings, as does a device the
-    kernels do not run on. No attention bias (the config refuses ``relative_bias`` with it). Raises ValueError
-    for bad shapes / options."""
-    if resolve_backend(attention_backend, x_norm.device) is not AttentionBackend.TRITON:
-        raise RuntimeError(f'model.uvqk_kernel = "fused" runs the Triton attention kernels, but '
-                           f'model.attention_backend = "{AttentionBackend.parse(attention_backend).value}" takes the '
-                           f"reference on {x_norm.device.type} here: use uvqk_kernel \"triton\" or \"reference\" "
-                           f"there")
-    _resolve(AttentionBackend.TRITON, x_norm.device, UVQK_ATTENTION_MODULE, "uvqk_attention")
-    mod = _kernel_module(UVQK_ATTENTION_MODULE)[0]
-    return mod.uvqk_attention_triton(torch.mm(x_norm, weight), bias, offsets, max_len, heads, attention_dim,
-                                     linear_dim, activation=activation, causal=True, alpha=alpha, config=config)
 
 
 def _triton_rel_bias(mod, rel_bias: RelativeBiasInputs):

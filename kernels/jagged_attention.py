@@ -479,46 +479,6 @@ def _item_head(WORK, n_heads, HEADS_INNER: tl.constexpr):
     return w, h
 
 
-@triton.jit
-def _item_slot(n_heads, HEADS_INNER: tl.constexpr):
-    """This program's slot in its launch's work table (the index _item_head read WORK at): one per work item, the
-    same for every head of the item. ACT_GRAD's partial column sums are written to row ``slot`` (columns of the
-    program's head), so a [table size, W] buffer holds every program's sums without atomics."""
-    if HEADS_INNER:
-        return tl.program_id(0) // n_heads
-    return tl.program_id(0)
-
-
-@triton.jit
-def _store_grad(DST, X, XB, PART, row0, offs_r, n_rows, h, offs_d, D, g, stride_t, stride_h, col, slot,
-                stride_pt, ACT_GRAD: tl.constexpr):
-    """Store a gradient tile g [BLOCK_R, BLOCK_D] (fp32) of rows row0 + offs_r (rows >= n_rows and columns >= D
-    masked), head h, at DST + row * stride_t + h * stride_h + d. The one store of every dq / dk / dv tile.
-
-    ACT_GRAD 0: g in DST's dtype, as is. ACT_GRAD 1 (the fused uvqk activation's backward, HSTU's
-    ``q, k, v = split(silu(x + b))``): DST is the q / k / v column range of d_x [T, W] (a [T, H, D] view, row stride
-    W, head stride D), X the pre-activation x [T, W] (d_x's layout: contiguous), XB its bias [W]; ``col`` the
-    range's first column in x / XB / PART (DST already points at it). Stores dz = g silu'(z), z = x + b, in
-    fp32: g s (1 + z (1 - s)), s = sigmoid(z) -- what bias_silu's backward computes from the rounded g, here from
-    the unrounded one -- and the tile's fp32 column sums of dz (masked rows 0) at PART[slot, col + h D + d] (this
-    program's own row: the host zeroes PART and sums its rows, no atomics)."""
-    mask = (offs_r[:, None] < n_rows) & (offs_d[None, :] < D)
-    # one offset tensor for DST and X (the same layout): [BLOCK_R, BLOCK_D] 64-bit addresses cost registers, and the
-    # epilogue already holds g, x and dz at once
-    off = (row0 + offs_r[:, None]) * stride_t + h * stride_h + offs_d[None, :]
-    if ACT_GRAD:
-        x = tl.load(X + col + off, mask=mask, other=0.0)
-        b = tl.load(XB + col + h * stride_h + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
-        z = x.to(tl.float32) + b[None, :]
-        s = tl.sigmoid(z)
-        dz = tl.where(mask, g * s * (1.0 + z * (1.0 - s)), 0.0)
-        tl.store(DST + off, dz.to(DST.dtype.element_ty), mask=mask)
-        tl.store(PART + slot.to(tl.int64) * stride_pt + col + h * stride_h + offs_d, tl.sum(dz, axis=0),
-                 mask=offs_d < D)
-    else:
-        tl.store(DST + off, g.to(DST.dtype.element_ty), mask=mask)
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Forward
 # ----------------------------------------------------------------------------------------------------------
@@ -801,12 +761,10 @@ def _dkdv_tile(Q, K, V, DO, LSE, DELTA, DK, DV, Q_OFF, KV_OFF, NT, BIAS, DBIAS, 
                BLOCK_DV: tl.constexpr, DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr,
                CONTEXT: tl.constexpr, FAST: tl.constexpr, STORE_DBIAS: tl.constexpr, TMA: tl.constexpr, DS,
                stride_dsh, stride_dst, STORE_DS: tl.constexpr, TQ, TK, PB_TAB, TTHR, PW, TW, n_tb,
-               REL: tl.constexpr, NO_DK: tl.constexpr, XA, BA, PA, stride_pt, col_k, col_v, slot,
-               ACT_GRAD: tl.constexpr):
+               REL: tl.constexpr, NO_DK: tl.constexpr):
     """dK, dV of keys [n0, n0 + BLOCK_N) of sequence b, head h and, with STORE_DBIAS, dbias of their pairs.
     STORE_DS: also writes dS^T of every pair it visits (0 where masked) into DS, rows = key rows, columns = query
-    positions. NO_DK (with STORE_DS): dV only; _gdpa_dk_ds computes dK from the stored dS^T. ACT_GRAD: dK / dV
-    through the SiLU of the uvqk activation into d_x (see _store_grad; XA / BA / PA, columns col_k / col_v)."""
+    positions. NO_DK (with STORE_DS): dV only; _gdpa_dk_ds computes dK from the stored dS^T."""
     q_start, lq, kv_start, lk, n_hist = _seq_bounds(Q_OFF, KV_OFF, NT, b, HAS_TARGETS)
     q_row = q_start
     if Q_BCAST:
@@ -867,10 +825,10 @@ def _dkdv_tile(Q, K, V, DO, LSE, DELTA, DK, DV, Q_OFF, KV_OFF, NT, BIAS, DBIAS, 
         dk = dk * (alpha * inv_n)
         dv = dv * inv_n
     if not NO_DK:
-        _store_grad(DK, XA, BA, PA, kv_start, offs_n, lk, h, offs_dk, D_QK, dk, stride_dkt, stride_dkh, col_k,
-                    slot, stride_pt, ACT_GRAD)
-    _store_grad(DV, XA, BA, PA, kv_start, offs_n, lk, h, offs_dv, D_V, dv, stride_dvt, stride_dvh, col_v,
-                slot, stride_pt, ACT_GRAD)
+        tl.store(DK + (kv_start + offs_n[:, None]) * stride_dkt + h * stride_dkh + offs_dk[None, :],
+                 dk.to(DK.dtype.element_ty), mask=col_ok[:, None] & (offs_dk[None, :] < D_QK))
+    tl.store(DV + (kv_start + offs_n[:, None]) * stride_dvt + h * stride_dvh + offs_dv[None, :],
+             dv.to(DV.dtype.element_ty), mask=col_ok[:, None] & (offs_dv[None, :] < D_V))
 
 
 @triton.jit
@@ -940,11 +898,10 @@ def _dq_tile(Q, K, V, DO, LSE, DELTA, O, DQ, Q_OFF, KV_OFF, NT, BIAS, DBIAS, b, 
              BLOCK_DV: tl.constexpr, DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr,
              STORE_DBIAS: tl.constexpr, CONTEXT: tl.constexpr, FAST: tl.constexpr, STORE_DELTA: tl.constexpr,
              TMA: tl.constexpr, TQ, TK, PB_TAB, TTHR, PW, TW, DPW, DTW, n_pb, n_tb, REL: tl.constexpr,
-             P_PAD: tl.constexpr, NT_PAD: tl.constexpr, prog, XA, BA, PA, stride_pt, col_q, slot,
-             ACT_GRAD: tl.constexpr):
+             P_PAD: tl.constexpr, NT_PAD: tl.constexpr, prog):
     """dQ (and dbias) of query rows [m0, m0 + BLOCK_M) of sequence b, head h. softmax: with STORE_DELTA, delta =
     rowsum(o * dO) of these rows is computed here from o and written to DELTA for the dK/dV launch that runs after
-    this one; else it is loaded from DELTA. ACT_GRAD: dQ through the uvqk activation's SiLU (see _store_grad)."""
+    this one; else it is loaded from DELTA."""
     q_start, lq, kv_start, lk, n_hist = _seq_bounds(Q_OFF, KV_OFF, NT, b, HAS_TARGETS)
     q_row = q_start
     if Q_BCAST:
@@ -1008,27 +965,25 @@ def _dq_tile(Q, K, V, DO, LSE, DELTA, O, DQ, Q_OFF, KV_OFF, NT, BIAS, DBIAS, b, 
         tl.store(DPW + row * P_PAD + tl.arange(0, P_PAD), hist_p * ds_scale)
         tl.store(DTW + row * NT_PAD + tl.arange(0, NT_PAD), hist_t * ds_scale)
     dq = dq * (alpha * ds_scale)
-    _store_grad(DQ, XA, BA, PA, q_start, offs_m, lq, h, offs_dk, D_QK, dq, stride_dqt, stride_dqh, col_q,
-                slot, stride_pt, ACT_GRAD)
+    tl.store(DQ + (q_start + offs_m[:, None]) * stride_dqt + h * stride_dqh + offs_dk[None, :],
+             dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (offs_dk[None, :] < D_QK))
 
 
 @triton.jit
 def _gdpa_bwd(Q, K, V, DO, LSE, DELTA, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, WORK, BIAS, DBIAS, DS,
-              TQ, TK, PB_TAB, TTHR, PW, TW, DPW, DTW, XA, BA, PA,
+              TQ, TK, PB_TAB, TTHR, PW, TW, DPW, DTW,
               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
               stride_ot, stride_oh,
               stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh, stride_lh,
               stride_bb, stride_bh, stride_bi, stride_bj, stride_dbb, stride_dbh, stride_dbi, stride_dbj,
               stride_dsh, stride_dst, alpha, inv_n, n_tiles_k, n_tiles_q, D_QK, D_V, n_heads, n_pb, n_tb,
-              stride_pt, col_q, col_k, col_v, ACT: tl.constexpr, CAUSAL: tl.constexpr,
-              HAS_TARGETS: tl.constexpr,
+              ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
               ATT_BLOCK: tl.constexpr, WINDOW: tl.constexpr, Q_BCAST: tl.constexpr, PART: tl.constexpr,
               DK_BM: tl.constexpr, DK_BN: tl.constexpr, DQ_BM: tl.constexpr, DQ_BN: tl.constexpr,
               BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, DOT_PREC: tl.constexpr,
               HAS_BIAS: tl.constexpr, STORE_DBIAS: tl.constexpr, CONTEXT: tl.constexpr, FAST: tl.constexpr,
               STORE_DELTA: tl.constexpr, HEADS_INNER: tl.constexpr, TMA: tl.constexpr, STORE_DS: tl.constexpr,
-              REL: tl.constexpr, P_PAD: tl.constexpr, NT_PAD: tl.constexpr, NO_DK: tl.constexpr,
-              ACT_GRAD: tl.constexpr):
+              REL: tl.constexpr, P_PAD: tl.constexpr, NT_PAD: tl.constexpr, NO_DK: tl.constexpr):
     """Backward work item WORK[pid]: with PART 1 a dK/dV key tile (b * n_tiles_k + tile), with PART 2 a dQ query
     tile (b * n_tiles_q + tile); each launch compiles one branch. LSE and DELTA are [H, T_out] fp32 (softmax):
     the forward's base-2 log-sum-exp and delta = rowsum(o * dO), written by the dQ launch (PART 2 with
@@ -1037,15 +992,10 @@ def _gdpa_bwd(Q, K, V, DO, LSE, DELTA, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, WORK, B
     in-kernel relative bias (see _gdpa_fwd); each dQ program writes its per-bucket sums of dS to its own row of
     DPW [programs, P_PAD] / DTW [programs, NT_PAD] fp32 (row = the program's linear id; zeroed by the host, which
     sums the rows: d pos_w / d ts_w without atomics, bit-reproducible; never with STORE_DS). NO_DK (PART 1 with
-    STORE_DS, the regime's dk_from_ds): the dK/dV items accumulate dV only and leave dK to _gdpa_dk_ds. ACT_GRAD
-    (the fused uvqk activation's backward): DQ / DK / DV are the q / k / v column ranges of d_x [T, W] and each tile
-    is stored through the SiLU's derivative at the pre-activation XA [T, W] + BA [W] (d_x's layout; the
-    ranges start at columns col_q / col_k / col_v), its column sums to row _item_slot of PA [slots, W] fp32
-    (row stride stride_pt; see _store_grad)."""
+    STORE_DS, the regime's dk_from_ds): the dK/dV items accumulate dV only and leave dK to _gdpa_dk_ds."""
     w, h = _item_head(WORK, n_heads, HEADS_INNER)
     if w < 0:
         return
-    slot = _item_slot(n_heads, HEADS_INNER)
     if PART == 1:
         _dkdv_tile(Q, K, V, DO, LSE, DELTA, DK, DV, Q_OFF, KV_OFF, NT, BIAS, DBIAS, w // n_tiles_k,
                    (w % n_tiles_k) * DK_BN, h, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -1054,8 +1004,7 @@ def _gdpa_bwd(Q, K, V, DO, LSE, DELTA, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, WORK, B
                    alpha, inv_n, D_QK, D_V,
                    ACT, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, Q_BCAST, DK_BM, DK_BN, BLOCK_DQK, BLOCK_DV,
                    DOT_PREC, HAS_BIAS, CONTEXT, FAST, STORE_DBIAS, TMA, DS, stride_dsh, stride_dst, STORE_DS,
-                   TQ, TK, PB_TAB, TTHR, PW, TW, n_tb, REL, NO_DK, XA, BA, PA, stride_pt, col_k, col_v,
-                   slot, ACT_GRAD)
+                   TQ, TK, PB_TAB, TTHR, PW, TW, n_tb, REL, NO_DK)
     else:
         _dq_tile(Q, K, V, DO, LSE, DELTA, O, DQ, Q_OFF, KV_OFF, NT, BIAS, DBIAS, w // n_tiles_q,
                  (w % n_tiles_q) * DQ_BM, h, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -1065,8 +1014,7 @@ def _gdpa_bwd(Q, K, V, DO, LSE, DELTA, O, DK, DV, DQ, Q_OFF, KV_OFF, NT, WORK, B
                  ACT, CAUSAL, HAS_TARGETS, ATT_BLOCK, WINDOW, Q_BCAST, DQ_BM, DQ_BN, BLOCK_DQK, BLOCK_DV,
                  DOT_PREC, HAS_BIAS, STORE_DBIAS, CONTEXT, FAST, STORE_DELTA, TMA, TQ, TK, PB_TAB, TTHR, PW, TW,
                  DPW, DTW, n_pb, n_tb, REL, P_PAD, NT_PAD,
-                 tl.program_id(0) if HEADS_INNER else tl.program_id(0) * n_heads + tl.program_id(1),
-                 XA, BA, PA, stride_pt, col_q, slot, ACT_GRAD)
+                 tl.program_id(0) if HEADS_INNER else tl.program_id(0) * n_heads + tl.program_id(1))
 
 
 @triton.jit
@@ -1089,17 +1037,16 @@ def _dq_ds_inner(dq, ds_desc, k_base, stride_kt, offs_m, m0, offs_dk, lq, lk, n_
 
 
 @triton.jit
-def _gdpa_dq_ds(DS, K, DQ, Q_OFF, KV_OFF, NT, WORK, XA, BA, PA,
+def _gdpa_dq_ds(DS, K, DQ, Q_OFF, KV_OFF, NT, WORK,
                 stride_dsh, stride_dst, stride_kt, stride_kh, stride_dqt, stride_dqh, dq_scale, n_tiles, D_QK,
-                n_heads, stride_pt, col_q, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
-                CONTEXT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
-                DOT_PREC: tl.constexpr, HEADS_INNER: tl.constexpr, TMA: tl.constexpr, ACT_GRAD: tl.constexpr):
+                n_heads, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, CONTEXT: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, DOT_PREC: tl.constexpr,
+                HEADS_INNER: tl.constexpr, TMA: tl.constexpr):
     """dQ of query rows [m0, m0 + BLOCK_M) of one (sequence, head) from the dS^T the dK/dV launch stored
     (DS_STORE): dQ = dq_scale * sum over key tiles of dS K, one matmul per tile pair instead of the three of
     the recomputing dQ kernel (QK^T, dO V^T, dS K). Key tiles that hold pairs outside the mask are masked
     again here: the dK/dV programs wrote every valid pair (0 where masked) of the query tiles they visit, but
-    this kernel's tiles may reach pairs none of them visited (unwritten memory). Grid as _gdpa_fwd. ACT_GRAD: dQ
-    through the uvqk activation's SiLU into d_x (see _gdpa_bwd, _store_grad)."""
+    this kernel's tiles may reach pairs none of them visited (unwritten memory). Grid as _gdpa_fwd."""
     w, h = _item_head(WORK, n_heads, HEADS_INNER)
     if w < 0:
         return
@@ -1118,8 +1065,8 @@ def _gdpa_dq_ds(DS, K, DQ, Q_OFF, KV_OFF, NT, WORK, XA, BA, PA,
                       False, CAUSAL, HAS_TARGETS, CONTEXT, BLOCK_N, DOT_PREC, TMA)
     dq = _dq_ds_inner(dq, ds_desc, k_base, stride_kt, offs_m, m0, offs_dk, lq, lk, n_hist, full_hi, hi, D_QK,
                       True, CAUSAL, HAS_TARGETS, CONTEXT, BLOCK_N, DOT_PREC, TMA)
-    _store_grad(DQ, XA, BA, PA, q_start, offs_m, lq, h, offs_dk, D_QK, dq * dq_scale, stride_dqt, stride_dqh,
-                col_q, _item_slot(n_heads, HEADS_INNER), stride_pt, ACT_GRAD)
+    tl.store(DQ + (q_start + offs_m[:, None]) * stride_dqt + h * stride_dqh + offs_dk[None, :],
+             (dq * dq_scale).to(DQ.dtype.element_ty), mask=(offs_m[:, None] < lq) & (offs_dk[None, :] < D_QK))
 
 
 @triton.jit
@@ -1142,20 +1089,18 @@ def _dk_ds_inner(dk, ds_desc, q_base, stride_qt, offs_n, n0, offs_dk, lq, lk, n_
 
 
 @triton.jit
-def _gdpa_dk_ds(DS, Q, DK, Q_OFF, KV_OFF, NT, WORK, XA, BA, PA,
+def _gdpa_dk_ds(DS, Q, DK, Q_OFF, KV_OFF, NT, WORK,
                 stride_dsh, stride_dst, stride_qt, stride_qh, stride_dkt, stride_dkh, dk_scale, n_tiles, D_QK,
-                n_heads, stride_pt, col_k, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
-                CONTEXT: tl.constexpr, Q_BCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_DQK: tl.constexpr, DOT_PREC: tl.constexpr, HEADS_INNER: tl.constexpr, TMA: tl.constexpr,
-                ACT_GRAD: tl.constexpr):
+                n_heads, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, CONTEXT: tl.constexpr,
+                Q_BCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
+                DOT_PREC: tl.constexpr, HEADS_INNER: tl.constexpr, TMA: tl.constexpr):
     """dK of key rows [n0, n0 + BLOCK_N) of one (sequence, head) from the dS^T the dK/dV launch stored with NO_DK
     (the regime's dk_from_ds): dK = dk_scale * sum over query tiles of dS^T Q, one matmul per tile pair -- the
     mirror of _gdpa_dq_ds, so the dK/dV launch holds one [BLOCK_N, Dv] accumulator instead of two. Query tiles
     holding pairs outside the mask are masked again here: the dK/dV programs wrote every valid pair (0 where
     masked) of the tiles they visited, but this kernel's tiles may reach pairs none of them visited (unwritten
     memory). Q_BCAST: the queries are PMA's seeds, shared by every sequence (rows from 0). Grid as the dK/dV
-    launch's (WORK: a key-tile table). ACT_GRAD: dK through the uvqk activation's SiLU into d_x (see _gdpa_bwd,
-    _store_grad)."""
+    launch's (WORK: a key-tile table)."""
     w, h = _item_head(WORK, n_heads, HEADS_INNER)
     if w < 0:
         return
@@ -1177,8 +1122,8 @@ def _gdpa_dk_ds(DS, Q, DK, Q_OFF, KV_OFF, NT, WORK, XA, BA, PA,
                       True, CAUSAL, HAS_TARGETS, CONTEXT, BLOCK_M, DOT_PREC, TMA)
     dk = _dk_ds_inner(dk, ds_desc, q_base, stride_qt, offs_n, n0, offs_dk, lq, lk, n_hist, full_lo, hi, D_QK,
                       False, CAUSAL, HAS_TARGETS, CONTEXT, BLOCK_M, DOT_PREC, TMA)
-    _store_grad(DK, XA, BA, PA, kv_start, offs_n, lk, h, offs_dk, D_QK, dk * dk_scale, stride_dkt, stride_dkh,
-                col_k, _item_slot(n_heads, HEADS_INNER), stride_pt, ACT_GRAD)
+    tl.store(DK + (kv_start + offs_n[:, None]) * stride_dkt + h * stride_dkh + offs_dk[None, :],
+             (dk * dk_scale).to(DK.dtype.element_ty), mask=(offs_n[:, None] < lk) & (offs_dk[None, :] < D_QK))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1568,23 +1513,20 @@ def _make_fwd_plan(q, k, v, bias, q_off, kv_off, nt, spec: _Spec, t_out: int, cf
 
 
 def _bwd_plan(fwd: _FwdPlan, q, k, v, bias, do, q_off, kv_off, nt, spec: _Spec, want_dbias: bool,
-              ds_ok: bool, cfg: KernelConfig, rel: tuple | None = None, act: tuple | None = None) -> _BwdPlan:
+              ds_ok: bool, cfg: KernelConfig, rel: tuple | None = None) -> _BwdPlan:
     """The cached backward plan of a call, kept on its forward plan (made for the same config) by dO's strides,
-    dtype and alignment, whether dbias is wanted, whether the DS_STORE scratch may be used (``ds_ok``: False
-    after its allocation failed) and the ACT_GRAD layout ``act`` = (W, col_q, col_k, col_v, x aligned, x's bias
-    aligned) or None: the width of d_x / x / the partial sums (their row stride), the first columns of the q / k /
-    v ranges and whether x / its bias are 16-byte aligned (a direct launch reuses the kernel compiled for the
-    plan's first call, specialized on its pointers' alignment; d_x and the partial sums are fresh allocations)."""
-    key = (do.stride(), do.dtype, do.data_ptr() % 16 == 0, want_dbias, ds_ok, act)
+    dtype and alignment, whether dbias is wanted and whether the DS_STORE scratch may be used (``ds_ok``: False
+    after its allocation failed)."""
+    key = (do.stride(), do.dtype, do.data_ptr() % 16 == 0, want_dbias, ds_ok)
     plan = fwd.bwd.get(key)
     if plan is None:
         plan = fwd.bwd[key] = _make_bwd_plan(fwd, q, k, v, bias, do, q_off, kv_off, nt, spec, want_dbias, ds_ok,
-                                             cfg, rel, act)
+                                             cfg, rel)
     return plan
 
 
 def _make_bwd_plan(fwd: _FwdPlan, q, k, v, bias, do, q_off, kv_off, nt, spec: _Spec, want_dbias: bool,
-                   ds_ok: bool, cfg: KernelConfig, rel: tuple | None = None, act: tuple | None = None) -> _BwdPlan:
+                   ds_ok: bool, cfg: KernelConfig, rel: tuple | None = None) -> _BwdPlan:
     reg = fwd.reg
     rc = cfg.regime(reg)
     h = k.shape[1]
@@ -1611,11 +1553,6 @@ def _make_bwd_plan(fwd: _FwdPlan, q, k, v, bias, do, q_off, kv_off, nt, spec: _S
     dk_strides = torch.empty_like(k, device="meta").stride()[:2]
     dv_strides = torch.empty_like(v, device="meta").stride()[:2]
     dq_strides = (h * d_qk, d_qk) if spec.q_bcast else torch.empty_like(q, device="meta").stride()[:2]
-    if act is not None:  # ACT_GRAD: dq / dk / dv are [T, H, D] views of d_x [T, W] (row stride W, head stride D)
-        if spec.q_bcast:
-            raise ValueError("gdpa backward: the fused activation gradient (ACT_GRAD) does not support q_broadcast")
-        dq_strides, dk_strides, dv_strides = (act[0], d_qk), (act[0], d_qk), (act[0], d_v)
-    act_args = [act[0], *act[1:4]] if act is not None else [0, 0, 0, 0]  # stride_pt, col_q, col_k, col_v
     dbias_shape = (bias.shape[0], h, bias.shape[-2], bias.shape[-1]) if want_dbias else None
     dbias_strides = (h * dbias_shape[2] * dbias_shape[3], dbias_shape[2] * dbias_shape[3], dbias_shape[3], 1) \
         if want_dbias else (0, 0, 0, 0)
@@ -1623,8 +1560,7 @@ def _make_bwd_plan(fwd: _FwdPlan, q, k, v, bias, do, q_off, kv_off, nt, spec: _S
     args = [*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *do.stride()[:2], *o_strides, *dk_strides,
             *dv_strides, *dq_strides, stride_lh, *_bias_strides(bias), *dbias_strides, *ds_strides,
             spec.alpha, spec.inv_n, 1, 1, d_qk, d_v, h,
-            0 if rel is None else rel[2].numel(), 0 if rel is None else rel[3].numel(), *act_args]
-    items_at = len(args) - 11  # (n_tiles_k, n_tiles_q), set per launch
+            0 if rel is None else rel[2].numel(), 0 if rel is None else rel[3].numel()]
     even_d = bdk == d_qk and bdv == d_v
     use_tma = _use_tma(rc, even_d, spec, q, k, v, do)
     consts = dict(ACT=spec.act, CAUSAL=spec.causal, HAS_TARGETS=nt is not None, HAS_BIAS=bias is not None,
@@ -1632,58 +1568,46 @@ def _make_bwd_plan(fwd: _FwdPlan, q, k, v, bias, do, q_off, kv_off, nt, spec: _S
                   BLOCK_DQK=bdk, BLOCK_DV=bdv, DOT_PREC=_dot_prec(q.dtype), FAST=_fast_act(q.dtype, cfg),
                   HEADS_INNER=rc.heads_inner, TMA=use_tma, REL=rel is not None,
                   P_PAD=_pad_buckets(0 if rel is None else rel[2].numel()),
-                  NT_PAD=_pad_buckets(0 if rel is None else rel[3].numel()), ACT_GRAD=act is not None)
+                  NT_PAD=_pad_buckets(0 if rel is None else rel[3].numel()))
 
     def bwd(table, items: tuple, warps: int, stages: int, **part) -> tuple:  # a _gdpa_bwd launch
         a = list(args)
-        a[items_at:items_at + 2] = items  # (n_tiles_k, n_tiles_q)
+        a[-7:-5] = items  # (n_tiles_k, n_tiles_q)
         return _Launch(_gdpa_bwd, grid(table.numel(), rc.heads_inner), a, dict(**part, **consts), warps, stages,
                        cfg.direct_launch), table, "bwd"
 
     fit = dict(d_v=d_v, rel=rel is not None, elem_bytes=q.element_size(), device=q.device)  # _tiles' smem fit
-
-    def tiles(kind: str) -> tuple:
-        bm, bn, warps, stages = _tiles(kind, d_qk, reg, spec.max_q_len, cfg, **fit)
-        if act is not None and max(bdk, bdv) >= 256:
-            # ACT_GRAD's epilogue holds the [BLOCK, 256] fp32 gradient, the x tile and dz at once: compiled for sm_90
-            # (gemray.bench.sass_check, D = 256, 64x64 tiles) 4 warps spill inside the loops (dq_ds: 1.5 KB of stack,
-            # ~400 spill stores / iteration; without ACT_GRAD none), 8 warps barely (24 B). Not timed on a GPU yet.
-            warps = max(warps, 8)
-        return bm, bn, warps, stages
-
     steps, rel_rows = [], 0
     if ds_store:  # dK/dV (also storing dS^T), then dQ = dS K (and, dk_from_ds, dK = dS^T Q) from the stored tiles
-        kbm, kbn, kwarps, kstages = tiles("dkdv_ds")
+        kbm, kbn, kwarps, kstages = _tiles("dkdv_ds", d_qk, reg, spec.max_q_len, cfg, **fit)
         table, ntk = _k_table(spec, q_off, kv_off, kbn, k.shape[0], grouped=cfg.seq_order_dkdv)
         steps.append(bwd(table, (ntk, 1), kwarps, kstages, PART=1, DK_BM=kbm, DK_BN=kbn, DQ_BM=0, DQ_BN=0,
                          STORE_DBIAS=want_dbias, STORE_DELTA=False, STORE_DS=True, NO_DK=rc.dk_from_ds))
-        qbm, qbn, qwarps, qstages = tiles("dq_ds")
+        qbm, qbn, qwarps, qstages = _tiles("dq_ds", d_qk, reg, spec.max_q_len, cfg, **fit)
         table, ntq = _q_table(spec, q_off, kv_off, qbm, t_out, grouped=cfg.seq_order_dq)
         steps.append((_Launch(_gdpa_dq_ds, grid(table.numel(), rc.heads_inner), [
-            *ds_strides, *k.stride()[:2], *dq_strides, spec.alpha * (1.0 if softmax else spec.inv_n), ntq, d_qk, h,
-            act_args[0], act_args[1]],
+            *ds_strides, *k.stride()[:2], *dq_strides, spec.alpha * (1.0 if softmax else spec.inv_n), ntq, d_qk, h],
             dict(CAUSAL=spec.causal, HAS_TARGETS=nt is not None, CONTEXT=spec.context, BLOCK_M=qbm, BLOCK_N=qbn,
-                 BLOCK_DQK=bdk, DOT_PREC=consts["DOT_PREC"], HEADS_INNER=rc.heads_inner, TMA=use_tma,
-                 ACT_GRAD=act is not None),
+                 BLOCK_DQK=bdk, DOT_PREC=consts["DOT_PREC"], HEADS_INNER=rc.heads_inner, TMA=use_tma),
             qwarps, qstages, cfg.direct_launch), table, "dq_ds"))
         if rc.dk_from_ds:
-            dbm, dbn, dwarps, dstages = tiles("dk_ds")
+            dbm, dbn, dwarps, dstages = _tiles("dk_ds", d_qk, reg, spec.max_q_len, cfg, **fit)
             table, ntk = _k_table(spec, q_off, kv_off, dbn, k.shape[0], grouped=cfg.seq_order_dkdv)
             steps.append((_Launch(_gdpa_dk_ds, grid(table.numel(), rc.heads_inner), [
                 *ds_strides, *q.stride()[:2], *dk_strides, spec.alpha * (1.0 if softmax else spec.inv_n), ntk,
-                d_qk, h, act_args[0], act_args[2]],
+                d_qk, h],
                 dict(CAUSAL=spec.causal, HAS_TARGETS=nt is not None, CONTEXT=spec.context, Q_BCAST=spec.q_bcast,
                      BLOCK_M=dbm, BLOCK_N=dbn, BLOCK_DQK=bdk, DOT_PREC=consts["DOT_PREC"],
-                     HEADS_INNER=rc.heads_inner, TMA=use_tma, ACT_GRAD=act is not None),
+                     HEADS_INNER=rc.heads_inner, TMA=use_tma),
                 dwarps, dstages, cfg.direct_launch), table, "dk_ds"))
     else:  # two launches: dQ first (it writes softmax's delta), then dK/dV (reads it)
-        qbm, qbn, qwarps, qstages = tiles("dq")
+        qbm, qbn, qwarps, qstages = _tiles("dq", d_qk, reg, spec.max_q_len, cfg, **fit)
         table, ntq = _q_table(spec, q_off, kv_off, qbm, t_out)
         # the other part's tile sizes are unused (pruned branch): 0 keeps one compiled variant per config
         steps.append(bwd(table, (1, ntq), qwarps, qstages, PART=2, DK_BM=0, DK_BN=0, DQ_BM=qbm, DQ_BN=qbn,
                          STORE_DBIAS=want_dbias, STORE_DELTA=softmax, STORE_DS=False, NO_DK=False))
         rel_rows = table.numel() * h if rel is not None else 0  # one row per dQ program (grid items x H)
-        kbm, kbn, kwarps, kstages = tiles("dkdv")
+        kbm, kbn, kwarps, kstages = _tiles("dkdv", d_qk, reg, spec.max_q_len, cfg, **fit)
         table, ntk = _k_table(spec, q_off, kv_off, kbn, k.shape[0])
         steps.append(bwd(table, (ntk, 1), kwarps, kstages, PART=1, DK_BM=kbm, DK_BN=kbn, DQ_BM=0, DQ_BN=0,
                          STORE_DBIAS=False, STORE_DELTA=False, STORE_DS=False, NO_DK=False))
@@ -1724,38 +1648,18 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tens
 def _backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor | None,
               lse: torch.Tensor | None, bias: torch.Tensor | None, q_off: torch.Tensor, kv_off: torch.Tensor,
               nt: torch.Tensor | None, spec: _Spec, want_dbias: bool, cfg: KernelConfig,
-              plan: _FwdPlan | None, rel: tuple | None = None, act: tuple | None = None
+              plan: _FwdPlan | None, rel: tuple | None = None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, tuple | None]:
     """Run a backward: (dq like q, dk like k, dv like v, dbias like bias or None, (d pos_w, d ts_w) like the
     weights with ``rel``, else None). o / lse: the forward's (softmax; None for the pointwise activations);
-    ``plan``: the forward's plan (None: empty batch, zeros); ``rel``: as :func:`_forward`'s.
-
-    ``act`` = (x, xbias, dx, (col_q, col_k, col_v), min_rows): the fused uvqk activation's backward (ACT_GRAD,
-    see _store_grad): q / k / v are silu(x + xbias) of the column ranges starting at col_* of the pre-activation x
-    [T, W] (contiguous) and xbias [W]; the kernels write d loss / d x of those ranges straight into dx [T, W]
-    (contiguous, x's dtype) instead of dq / dk / dv. Then the result's dq / dk / dv are those [T, H, D] views of
-    dx, and its dbias slot holds the partial column sums [R, W] fp32 (R >= min_rows, zero where no program wrote;
-    the caller may add its own rows < min_rows, e.g. the u range's, and sums over rows for the bias gradient)."""
-    if act is not None:
-        if bias is not None or rel is not None or spec.q_bcast:
-            raise ValueError("gdpa backward: ACT_GRAD supports neither attn_bias, rel_bias nor q_broadcast")
-        x, xbias, dx, cols, min_rows = act
-        t_x, width = dx.shape
-        dq, dk, dv = (dx[:, c:c + t.shape[1] * t.shape[2]].view(t_x, t.shape[1], t.shape[2])
-                      for c, t in zip(cols, (q, k, v)))
-        if plan is None:
-            for g in (dq, dk, dv):
-                g.zero_()
-            part = torch.zeros((max(min_rows, 1), width), device=dx.device, dtype=torch.float32)
-            return dq, dk, dv, part, None
+    ``plan``: the forward's plan (None: empty batch, zeros); ``rel``: as :func:`_forward`'s."""
     if plan is None:
         return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v),
                 torch.zeros_like(bias) if want_dbias else None,
                 None if rel is None else (torch.zeros_like(rel[2]), torch.zeros_like(rel[3])))
     if do.stride(-1) != 1:
         do = do.contiguous()
-    act_key = None if act is None else (width, *cols, x.data_ptr() % 16 == 0, xbias.data_ptr() % 16 == 0)
-    bplan = _bwd_plan(plan, q, k, v, bias, do, q_off, kv_off, nt, spec, want_dbias, True, cfg, rel, act_key)
+    bplan = _bwd_plan(plan, q, k, v, bias, do, q_off, kv_off, nt, spec, want_dbias, True, cfg, rel)
     ds = None
     if bplan.ds_shape is not None:
         try:
@@ -1763,8 +1667,7 @@ def _backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         except torch.OutOfMemoryError:  # under the caps but not free now: recompute dS instead
             log.warning("gdpa backward: no memory for the %.2f GiB dS buffer, recomputing dS (ds_store)",
                         math.prod(bplan.ds_shape) * q.element_size() / 2**30)
-            bplan = _bwd_plan(plan, q, k, v, bias, do, q_off, kv_off, nt, spec, want_dbias, False, cfg, rel,
-                              act_key)
+            bplan = _bwd_plan(plan, q, k, v, bias, do, q_off, kv_off, nt, spec, want_dbias, False, cfg, rel)
     if bplan.tma:
         triton.set_allocator(_scratch)  # its tensor descriptors are made on the device (autograd's thread)
     h, d_qk = k.shape[1], q.shape[2]
@@ -1775,14 +1678,9 @@ def _backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         o = lse = delta = do
     if bplan.delta is not None:
         bplan.delta.planned([o, do, delta])
-    if act is None:
-        dk = torch.empty_like(k)
-        dv = torch.empty_like(v)
-        dq = q.new_empty((t_out, h, d_qk)) if spec.q_bcast else torch.empty_like(q)
-        x = xbias = part = q  # ACT_GRAD's pointers: unused
-    else:  # one row of partial sums per work-table slot of every launch that stores a gradient (_item_slot)
-        rows = max([min_rows, 1] + [table.numel() for _, table, _ in bplan.steps])
-        part = torch.zeros((rows, width), device=dx.device, dtype=torch.float32)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    dq = q.new_empty((t_out, h, d_qk)) if spec.q_bcast else torch.empty_like(q)
     # dbias per head, fp32, zero where no program writes (pairs outside the mask / key range)
     dbias = (torch.zeros(bplan.dbias_shape, device=q.device, dtype=torch.float32)
              if bplan.dbias_shape is not None else None)
@@ -1796,12 +1694,12 @@ def _backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         dpw = dtw = q_off
     tensors = [q, k, v, do, lse, delta, o, dk, dv, dq, q_off, kv_off, ntarg, None, bias if bias is not None else q,
                dbias if dbias is not None else q, ds if ds is not None else q,
-               *_rel_tensors(rel, spec.max_q_len, q_off), dpw, dtw, x, xbias, part]
+               *_rel_tensors(rel, spec.max_q_len, q_off), dpw, dtw]
     for launch, table, kind in bplan.steps:
         if kind == "dq_ds":
-            launch.planned([ds, k, dq, q_off, kv_off, ntarg, table, x, xbias, part])
+            launch.planned([ds, k, dq, q_off, kv_off, ntarg, table])
         elif kind == "dk_ds":
-            launch.planned([ds, q, dk, q_off, kv_off, ntarg, table, x, xbias, part])
+            launch.planned([ds, q, dk, q_off, kv_off, ntarg, table])
         else:
             tensors[13] = table
             launch.planned(tensors)
@@ -1811,8 +1709,6 @@ def _backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         dbias = (dbias if bias.dim() == 4 else dbias.sum(1)).to(bias.dtype)
     drel = None if rel is None else (dpw.sum(0)[:rel[2].numel()].to(rel[2].dtype),
                                      dtw.sum(0)[:rel[3].numel()].to(rel[3].dtype))
-    if act is not None:
-        return dq, dk, dv, part, None
     return dq, dk, dv, dbias, drel
 
 

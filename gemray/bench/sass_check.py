@@ -34,12 +34,11 @@ _BWD_TYPES = dict(Q="*bf16", K="*bf16", V="*bf16", DO="*bf16", LSE="*fp32", DELT
                   DK="*bf16", DV="*bf16", DQ="*bf16", Q_OFF="*i64", KV_OFF="*i64", NT="*i64", WORK="*i32",
                   BIAS="*fp32", DBIAS="*fp32", DS="*bf16", alpha="fp32", inv_n="fp32",
                   TQ="*i64", TK="*i64", PB_TAB="*i32", TTHR="*i32", PW="*fp32", TW="*fp32", DPW="*fp32",
-                  DTW="*fp32", XA="*bf16", BA="*fp32", PA="*fp32")
-# XA / BA / PA: ACT_GRAD's pre-activation x (bf16), its bias and the partial column sums (fp32)
+                  DTW="*fp32")
 _DQ_DS_TYPES = dict(DS="*bf16", K="*bf16", DQ="*bf16", Q_OFF="*i64", KV_OFF="*i64", NT="*i64", WORK="*i32",
-                    dq_scale="fp32", XA="*bf16", BA="*fp32", PA="*fp32")
+                    dq_scale="fp32")
 _DK_DS_TYPES = dict(DS="*bf16", Q="*bf16", DK="*bf16", Q_OFF="*i64", KV_OFF="*i64", NT="*i64", WORK="*i32",
-                    dk_scale="fp32", XA="*bf16", BA="*fp32", PA="*fp32")
+                    dk_scale="fp32")
 _BASE = dict(CAUSAL=True, HAS_TARGETS=False, ATT_BLOCK=0, WINDOW=0, Q_BCAST=False, BLOCK_DQK=128, BLOCK_DV=128,
              DOT_PREC=None, HAS_BIAS=False, CONTEXT=0, FAST=True, HEADS_INNER=False, TMA=False, REL=False)
 
@@ -53,41 +52,35 @@ def fwd_variant(act: int, bm: int, bn: int, warps: int, stages: int, tma: bool =
 
 
 def bwd_variant(act: int, part: int, dk: tuple[int, int], dq: tuple[int, int], warps: int, stages: int,
-                tma: bool = False, store_ds: bool = False, rel: bool = False, no_dk: bool = False,
-                act_grad: bool = False) -> tuple:
+                tma: bool = False, store_ds: bool = False, rel: bool = False, no_dk: bool = False) -> tuple:
     """A bf16 D=128 causal backward: part 1 (dK/dV; with ``store_ds`` also storing dS^T for _gdpa_dq_ds, and
     with ``no_dk`` accumulating dV only, dK left to _gdpa_dk_ds) or 2 (dQ; softmax: it also stores delta, as in the
-    two-launch backward); dk / dq = (BM, BN); ``act_grad``: the stores through the uvqk activation's SiLU
-    (ACT_GRAD, ``model.uvqk_kernel = "fused"``)."""
+    two-launch backward); dk / dq = (BM, BN)."""
     dk = dk if part != 2 else (0, 0)
     dq = dq if part != 1 else (0, 0)
     return (f"bwd act={act} part={part} dkdv={dk[0]}x{dk[1]} dq={dq[0]}x{dq[1]}/{warps}w/{stages}s"
             f"{' tma' if tma else ''}{' store-ds' if store_ds else ''}{' no-dk' if no_dk else ''}"
-            f"{' rel' if rel else ''}{' act-grad' if act_grad else ''}",
+            f"{' rel' if rel else ''}",
             ja._gdpa_bwd, _BWD_TYPES,
             dict(_BASE, ACT=act, PART=part, DK_BM=dk[0], DK_BN=dk[1], DQ_BM=dq[0], DQ_BN=dq[1],
                  STORE_DBIAS=False, STORE_DELTA=part == 2 and act == 0, TMA=tma, STORE_DS=store_ds, REL=rel,
-                 P_PAD=128 if rel else 16, NT_PAD=128 if rel else 16, NO_DK=no_dk, ACT_GRAD=act_grad), warps,
-            stages)
+                 P_PAD=128 if rel else 16, NT_PAD=128 if rel else 16, NO_DK=no_dk), warps, stages)
 
 
-def dq_ds_variant(bm: int, bn: int, warps: int, stages: int, tma: bool = False, act_grad: bool = False) -> tuple:
-    """The DS_STORE backward's dQ kernel (dQ = dS K from the stored dS^T), bf16 D=128, causal (``act_grad``: as
-    bwd_variant's)."""
+def dq_ds_variant(bm: int, bn: int, warps: int, stages: int, tma: bool = False) -> tuple:
+    """The DS_STORE backward's dQ kernel (dQ = dS K from the stored dS^T), bf16 D=128, causal."""
     consts = {a: _BASE[a] for a in ("CAUSAL", "HAS_TARGETS", "CONTEXT", "BLOCK_DQK", "DOT_PREC", "HEADS_INNER")}
-    return (f"dq_ds {bm}x{bn}/{warps}w/{stages}s{' tma' if tma else ''}{' act-grad' if act_grad else ''}",
-            ja._gdpa_dq_ds, _DQ_DS_TYPES, dict(consts, BLOCK_M=bm, BLOCK_N=bn, TMA=tma, ACT_GRAD=act_grad), warps,
-            stages)
+    return (f"dq_ds {bm}x{bn}/{warps}w/{stages}s{' tma' if tma else ''}", ja._gdpa_dq_ds, _DQ_DS_TYPES,
+            dict(consts, BLOCK_M=bm, BLOCK_N=bn, TMA=tma), warps, stages)
 
 
-def dk_ds_variant(bm: int, bn: int, warps: int, stages: int, tma: bool = False, act_grad: bool = False) -> tuple:
+def dk_ds_variant(bm: int, bn: int, warps: int, stages: int, tma: bool = False) -> tuple:
     """The dk_from_ds backward's dK kernel (dK = dS^T Q from the stored dS^T), bf16 D=128, causal; (BM, BN) =
-    (query step, key tile); ``act_grad``: as bwd_variant's."""
+    (query step, key tile)."""
     consts = {a: _BASE[a] for a in ("CAUSAL", "HAS_TARGETS", "CONTEXT", "Q_BCAST", "BLOCK_DQK", "DOT_PREC",
                                     "HEADS_INNER")}
-    return (f"dk_ds {bm}x{bn}/{warps}w/{stages}s{' tma' if tma else ''}{' act-grad' if act_grad else ''}",
-            ja._gdpa_dk_ds, _DK_DS_TYPES, dict(consts, BLOCK_M=bm, BLOCK_N=bn, TMA=tma, ACT_GRAD=act_grad), warps,
-            stages)
+    return (f"dk_ds {bm}x{bn}/{warps}w/{stages}s{' tma' if tma else ''}", ja._gdpa_dk_ds, _DK_DS_TYPES,
+            dict(consts, BLOCK_M=bm, BLOCK_N=bn, TMA=tma), warps, stages)
 
 
 def _loops(sass: str) -> list[tuple[int, int, int, int]]:

@@ -9,8 +9,6 @@ One block (generative-recommenders' ``SequentialTransductionUnitJagged``, "uvqk"
     u, v, q, k = split(silu(x_norm @ W_uvqk + b_uvqk))         [T, H*V], [T, H*V], [T, H*A], [T, H*A]
                                                                (gemray.ops.uvqk_activation, model.uvqk_kernel)
     a          = silu(q k^T * alpha + rab^{p,t}) / N, causal   per head, via gemray.ops.attention
-                                                               (model.uvqk_kernel = "fused": these two lines are
-                                                               one op, gemray.ops.uvqk_attention; no rab^{p,t})
     y          = LayerNorm(a @ v) * u                          [T, H*V]
     x          = x + Dropout(y) @ W_o + b_o                    [T, D]   (dropout before W_o, as GR)
 
@@ -149,16 +147,6 @@ class HSTUBlock(nn.Module):
         """
         T = x.shape[0]
         sizes = [self.h * self.v, self.h * self.v, self.h * self.a, self.h * self.a]
-        if self.fp8 is None and self.uvqk_backend == "fused":
-            # the activation and the attention as one op whose backward writes the projection's gradient from the
-            # attention kernels (no dq / dk / dv); the config guarantees relative_bias = false
-            if self.rel_bias is not None:
-                raise ValueError('model.uvqk_kernel = "fused" does not support model.relative_bias = true')
-            x_norm = F.layer_norm(x, (self.d,), eps=LN_EPS)
-            u, attn = ops.uvqk_attention(x_norm, self.uvqk_weight, self.uvqk_bias, offsets, self.max_seq_len, self.h,
-                                         self.a, self.v, activation=self.activation, attention_backend=self.backend,
-                                         config=self.kernel_config)
-            return self._output(x, attn, u)
         if self.fp8 is None:
             x_norm = F.layer_norm(x, (self.d,), eps=LN_EPS)
             u, v, q, k = ops.uvqk_activation(x_norm, self.uvqk_weight, self.uvqk_bias, sizes,
@@ -171,11 +159,6 @@ class HSTUBlock(nn.Module):
             rel_bias=(None if self.rel_bias is None else self.rel_bias.inputs(timestamps, buckets, cache,
                                                                                query_timestamps)),
             backend=self.backend, config=self.kernel_config)
-        return self._output(x, attn, u)
-
-    def _output(self, x: torch.Tensor, attn: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        """x [T, D], attn [T, H, V], u [T, H V] -> x + Dropout(LayerNorm(attn) * u) @ W_o + b_o [T, D]."""
-        T = x.shape[0]
         y = F.layer_norm(attn.reshape(T, self.h * self.v), (self.h * self.v,), eps=LN_EPS) * u
         if self.fp8 is not None:
             from gemray.model.fp8 import fp8_linear

@@ -8,8 +8,7 @@ backward). Each can run at one of three levels (``LEVELS``):
   under ``torch.utils.checkpoint.checkpoint(use_reentrant=False, context_fn=selective_contexts)``, whose policy
   (:func:`sac_policy`) SAVES the outputs of the expensive ops (``SAVED_OPS``: the GEMMs ``aten::mm`` /
   ``addmm`` / ``_scaled_mm`` and the jagged attention custom ops ``gemray::gdpa_fwd`` (the HSTU blocks' Triton
-  kernels; ``gemray::uvqk_attention`` with ``model.uvqk_kernel = "fused"``), ``gemray::cross_attention`` and
-  ``gemray::pma`` (the tower's)) and RECOMPUTES everything else in the
+  kernels), ``gemray::cross_attention`` and ``gemray::pma`` (the tower's)) and RECOMPUTES everything else in the
   backward: the LayerNorms, SiLU, ``u * norm(attn)``, dropout (its RNG state replayed), casts, the residual. An
   HSTU block then keeps its input x [T, D], the uvqk GEMM's output [T, 2HV + 2HA] (SiLU's backward needs its
   input), the attention's output [T, HV] (and, eagerly, the output GEMM's [T, D], which the backward never
@@ -126,11 +125,9 @@ MODES = TrainConfig.CHECKPOINTING  # ("none", "full", "selective", "auto", "torc
 #: a candidate's checkpointing level, cheapest (and keeping the most) first
 LEVELS = ("none", "selective", "full")
 #: the ops whose outputs selective checkpointing keeps (qualified names, every overload): the GEMMs and the jagged
-#: attention custom ops (gemray.kernels.jagged_attention: gdpa_fwd; gemray.ops: cross_attention, pma;
-#: gemray.kernels.uvqk_attention: the uvqk activation + attention of model.uvqk_kernel = "fused", whose outputs
-#: are u, the attention's output and the post-activation q / k / v its backward reads)
+#: attention custom ops (gemray.kernels.jagged_attention: gdpa_fwd; gemray.ops: cross_attention, pma)
 SAVED_OPS = frozenset({"aten::mm", "aten::addmm", "aten::_scaled_mm", "gemray::gdpa_fwd",
-                       "gemray::cross_attention", "gemray::pma", "gemray::uvqk_attention"})
+                       "gemray::cross_attention", "gemray::pma"})
 
 
 def saves_output(op) -> bool:
