@@ -486,20 +486,14 @@ def kernel_launchers(launches: list[tuple[str, str, float]], top: int = 3) -> di
 
 
 def _launcher(e: Any) -> str:
-    """A profiler CPU event as ``op [shapes] <- parent <- grandparent @ file:line(fn)`` (record_shapes: the op's
-    input shapes; with_stack: the innermost frame of gemray's own code that called it, from the op or its
-    nearest ancestor that has a stack)."""
+    """A profiler CPU event as ``op [shapes] <- parent <- grandparent`` (record_shapes: the op's input shapes)."""
     shapes = [list(s) for s in (getattr(e, "input_shapes", None) or []) if s]
     chain, p = [e.name + (f" {shapes[:3]}" if shapes else "")], getattr(e, "cpu_parent", None)
     while p is not None and len(chain) < 3:
         if not p.name.startswith("ProfilerStep"):
             chain.append(p.name)
         p = getattr(p, "cpu_parent", None)
-    where, p = None, e
-    while p is not None and where is None:
-        where = next((f for f in (getattr(p, "stack", None) or []) if "gemray" in f or "kernels/" in f), None)
-        p = getattr(p, "cpu_parent", None)
-    return " <- ".join(chain) + (f" @ {_short_path(where)}" if where else "")
+    return " <- ".join(chain)
 
 
 #: the kernel ``torch.cuda._sleep`` launches (ATen's Sleep.cu): the device-only profile's step marker
@@ -580,10 +574,10 @@ def profile_breakdown(trainer: Any, batches: _Batches, steps: int, device: torch
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     records: list[dict[str, Any]] = []
-    # record_shapes / with_stack (CUDA): the launching operators' input shapes and gemray's frame that called them
-    # (kernel_launchers), more host time per operator (the device's work per kernel is what is read here). Not on the CPU, which launches no kernels: there a DataLoader worker forked later in the same
+    # record_shapes (CUDA): the launching operators' input shapes (kernel_launchers), a little more host time per
+    # operator. Not on the CPU, which launches no kernels: there a DataLoader worker forked later in the same
     # process (the next run's) died of a segmentation fault after a shape-recording profile.
-    with profile(activities=acts, record_shapes=device.type == "cuda", with_stack=device.type == "cuda") as prof:
+    with profile(activities=acts, record_shapes=device.type == "cuda") as prof:
         wall = _run_steps(trainer, batches, steps, device, records, "profile")
     events = prof.events()
     if device.type == "cuda":
