@@ -463,9 +463,13 @@ def _cmd_bench_train(ns: argparse.Namespace) -> int:
     if ns.json:  # an unwritable --json refused now, not after every step ran (its missing folders are made then)
         _writable_file(ns.json, "--json", make_parents=True)
     cfg = load_config(ns.config, ns.overrides)
-    if ns.sync_debug:  # refused before the data is prepared or anything is built
-        import torch
+    import torch
 
+    if cfg.ray.use_gpu and not torch.cuda.is_available():  # one line before the data is prepared or anything is built
+        print("gemray: error: bench train: ray.use_gpu is true but no CUDA device is visible (--set "
+              "ray.use_gpu=false to bench on the CPU)", file=sys.stderr)
+        return 2
+    if ns.sync_debug:  # refused before the data is prepared or anything is built
         if not (cfg.ray.use_gpu and torch.cuda.is_available()):
             print("gemray: error: bench train --sync-debug needs a CUDA device (torch.cuda.set_sync_debug_mode); "
                   f"this run would be on the CPU (ray.use_gpu = {str(cfg.ray.use_gpu).lower()}, CUDA "
@@ -832,7 +836,19 @@ def build_parser() -> argparse.ArgumentParser:
     k8.add_argument("args", nargs=argparse.REMAINDER, help="see `gemray k8s render --help`")
     k8.set_defaults(func=_cmd_k8s)
     _add_verbosity_everywhere(ap)
+    _name_subcommands(ap)
     return ap
+
+
+def _name_subcommands(parser: argparse.ArgumentParser) -> None:
+    """Show every sub-command group by its choices: a missing one then reads "the following arguments are required:
+    {bbs,train,numerics,kernels}", not the group's internal name ("bench", "dataset", "command")."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            if action.metavar is None:
+                action.metavar = "{" + ",".join(action.choices) + "}"
+            for child in action.choices.values():
+                _name_subcommands(child)
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")

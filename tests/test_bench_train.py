@@ -457,6 +457,20 @@ def test_sync_debug_is_refused_off_cuda(tmp_path, capsys):
         run_bench(cfg, steps=1, warmup=0, sync_debug=True)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without CUDA")
+def test_use_gpu_without_cuda_is_refused_in_one_line(tmp_path, capsys):
+    """ray.use_gpu = true on a machine without CUDA: one error line and exit 2 before the data is prepared (was: a
+    RuntimeError traceback from bench_device after the preparation)."""
+    data = tmp_path / "never-made"
+    rc = main(["bench", "train", "--config", CONFIG, "--set", f"data.prepared_dir={data}", "ray.use_gpu=true",
+               "--steps", "1", "--warmup", "0"])
+    assert rc == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == ("gemray: error: bench train: ray.use_gpu is true but no CUDA device is visible (--set "
+                       "ray.use_gpu=false to bench on the CPU)"), err
+    assert not data.exists()
+
+
 def test_unwritable_json_is_refused_before_anything_is_built(tmp_path, monkeypatch, capsys):
     """`gemray bench train --json PATH` that cannot be written (a file where a folder should be, a folder given, a
     read-only folder): exit 2 with one line naming --json and the path, before the data is prepared or a step is

@@ -158,6 +158,21 @@ def test_an_unknown_option_shows_the_subcommands_usage(argv, prog, extra, capsys
     assert "unrecognized arguments: " in err[-1] and extra in err[-1], err
 
 
+@pytest.mark.parametrize("argv, prog, choices", [
+    ([], "gemray", "{prepare,train,preempt,bench,submit,evaluate,recommend,export,k8s}"),
+    (["bench"], "gemray bench", "{bbs,train,numerics,kernels}"),
+    (["prepare"], "gemray prepare", "{movielens,synthetic,interactions}"),
+])
+def test_a_missing_subcommand_is_named_by_its_choices(argv, prog, choices, capsys):
+    """`gemray bench` alone: exit 2 naming the sub-commands it takes (was: "required: bench", argparse's internal
+    name of the group)."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"{prog}: error: the following arguments are required: {choices}", err
+
+
 @pytest.mark.parametrize("argv, line", [
     (["evaluate", "runs/x"], "unexpected argument 'runs/x': give the run as --checkpoint runs/x"),
     (["recommend", "runs/x", "--user", "1"], "unexpected argument 'runs/x': give the run as --checkpoint runs/x"),
