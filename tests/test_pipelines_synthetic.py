@@ -577,3 +577,23 @@ def test_pool_workers_leave_ctrl_c_to_the_parent():
             assert pool.apply(_worker_sigint) is True
     finally:
         signal.signal(signal.SIGINT, old)
+
+
+def test_a_file_as_prepared_dir_is_refused_before_generation_is_announced(tmp_path, caplog):
+    """data.prepared_dir naming a file (a mistyped path): ValueError naming the option and the file, logged nothing
+    about generating into it first (was: "prepared data missing at README.md: generating ..." then the refusal), and
+    the file is left as it was."""
+    import logging
+
+    from gemray.config import load_config
+    from gemray.pipelines.synthetic import ensure_synthetic
+
+    f = tmp_path / "README.md"
+    f.write_text("not data")
+    cfg = load_config(str(Path(__file__).resolve().parents[1] / "configs" / "gem-tiny.toml"),
+                      [f"data.prepared_dir={f}"])
+    caplog.set_level(logging.INFO, logger="gemray.pipelines.synthetic")
+    with pytest.raises(ValueError, match=f"data.prepared_dir {f}: exists and is not a folder"):
+        ensure_synthetic(cfg.data)
+    assert not [r for r in caplog.records if "generating" in r.getMessage()]
+    assert f.read_text() == "not data"
