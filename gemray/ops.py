@@ -404,6 +404,8 @@ def _longest(offsets: torch.Tensor) -> int:
 
 _INV_SQRT2 = 0.7071067811865476       # 1 / sqrt(2)
 _INV_SQRT_2PI = 0.3989422804014327    # 1 / sqrt(2 pi)
+
+
 def _gdpa_triton() -> Callable:
     """``gemray.kernels.jagged_attention.gdpa_triton``; only called once the backend is TRITON."""
     return _triton_module()[0].gdpa_triton
@@ -474,7 +476,7 @@ def _cross_attention_op(q: torch.Tensor, q_offsets: torch.Tensor, k: torch.Tenso
     with torch.no_grad():
         if _gdpa_backend(backend, q.device, "cross") == "triton":
             out, lse = _gdpa_triton()(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len,
-                                          activation=activation, causal=False, alpha=alpha, with_lse=True)
+                                      activation=activation, causal=False, alpha=alpha, with_lse=True)
             return out, (lse if activation == "softmax" else _no_lse(q))
         return _ref.jagged_cross_attention_ref(q, q_offsets, k, v, kv_offsets, max_q_len, max_kv_len,
                                                activation=activation, alpha=alpha), _no_lse(q)
@@ -593,8 +595,8 @@ def _pma_op(seeds: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_offsets: t
     with torch.no_grad():
         if _gdpa_backend(backend, k.device, "pma") == "triton":
             out, lse = _gdpa_triton()(seeds, k, v, _pma_q_offsets(kv_offsets, S), kv_offsets, S, max_kv_len,
-                                          activation=activation, causal=False, alpha=alpha, q_broadcast=True,
-                                          with_lse=True)
+                                      activation=activation, causal=False, alpha=alpha, q_broadcast=True,
+                                      with_lse=True)
             return out.view(B, S, H, Dv), (lse if activation == "softmax" else _no_lse(seeds))
         # contiguous: the reference returns a transposed view; the op's (fake) output layout is contiguous
         return (_ref.pma_ref(seeds, k, v, kv_offsets, max_kv_len, activation=activation, alpha=alpha).contiguous(),
