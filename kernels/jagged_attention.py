@@ -1944,7 +1944,8 @@ def gdpa_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: to
                 num_targets: torch.Tensor | None = None, block_size: int = 0, window: int = 0,
                 q_broadcast: bool = False, attn_bias: torch.Tensor | None = None,
                 contextual_len: int = 0, config: KernelConfig | None = None,
-                rel_bias: RelBias | None = None, with_lse: bool = False) -> torch.Tensor:
+                rel_bias: RelBias | None = None,
+                with_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Generalized jagged attention: ``out_i = sum_j f(alpha * q_i.k_j + bias_ij) v_j`` over valid pairs.
 
     Args:
@@ -2158,8 +2159,9 @@ def gdpa_triton_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     Raises:
         ValueError: an unknown activation or alpha <= 0 (the forward's checks are not repeated).
 
-    Why: run under autograd again, the forward's recomputation and the ``contiguous()`` copies of strided k / v
-    cost ~1.8 ms of a GEM step on an H100 (session 28's profile, benchmarks/reports/gem_h200_2026-12-06.md).
+    Why: run under autograd again, the candidate tower's backward recomputed its forwards (~0.5 ms of a GEM step on
+    an H100) on ``contiguous()`` copies of its strided k / v (1.39 ms); without both the step measured 0.85-2.15 ms
+    shorter (session 28, benchmarks/reports/gem_h200_2026-12-06.md).
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"gdpa: activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
