@@ -76,8 +76,8 @@ if [ -n "$VARIANTS" ]; then
   "$PY" - "$OUT" "$NAME" "${names[@]}" <<'EOF' || status=1
 import json, os, sys
 out, name, variants = sys.argv[1], sys.argv[2], sys.argv[3:]
-cols = ["variant", "step ms", "tokens/s", "MFU", "MFU 2nd half", "peak GiB", "retries", "max/med", "attn ms", "gemm ms", "other ms", "idle ms",
-        "steady idle", "gap unprof.", "compile s", "syncs"]
+cols = ["variant", "step ms", "tokens/s", "MFU", "MFU 2nd half", "peak GiB", "retries", "max/med", "max gc ms", "attn ms", "gemm ms",
+        "other ms", "idle ms", "steady idle", "device idle", "compile s", "syncs"]
 rows = []
 for v in variants:
     p = os.path.join(out, f"{name}.{v}.json")
@@ -88,7 +88,7 @@ for v in variants:
     prof = (r.get("profile") or {}).get("per_step_s", {})
     idle = (r.get("profile") or {}).get("gpu_idle_s")
     steady = ((r.get("profile") or {}).get("idle") or {}).get("steady_idle_s_per_step")
-    gap = (r.get("profile") or {}).get("unprofiled_gap_s_per_step")
+    dev = (r.get("profile") or {}).get("device_only") or {}
     ms = lambda x: "n/a" if x is None else f"{1e3 * x:.1f}"
     tc = r.get("torch_compile") or {}
     sd = r.get("sync_debug")
@@ -98,17 +98,20 @@ for v in variants:
                  f"{r['peak_memory'].get('allocated_bytes', 0) / 2**30:.1f}",
                  "n/a" if not r.get("allocator") else str(r["allocator"]["alloc_retries"]),
                  f"{r['compile_stall']['max_over_median'] or 0:.2f}" + ("!" if r["compile_stall"]["flagged"] else ""),
-                 ms(prof.get("attention")), ms(prof.get("gemm")), ms(prof.get("other")), ms(idle), ms(steady), ms(gap),
+                 ms((r.get("gc") or {}).get("max_step_s")),
+                 ms(prof.get("attention")), ms(prof.get("gemm")), ms(prof.get("other")), ms(idle), ms(steady),
+                 ms(dev.get("idle_s_per_step")),
                  f"{tc.get('until_measured', {}).get('seconds', 0.0):.0f}" if tc.get("enabled") else "off",
                  "-" if sd is None else str(sd["total"])])
 w = [max(len(str(x)) for x in c) for c in zip(cols, *rows)]
 for row in [cols] + rows:
     print("  ".join(str(x).rjust(n) for x, n in zip(row, w)))
 print("(step ms: median; MFU: local, dense bf16 peak; MFU 2nd half: the later half of the measured steps; retries: "
-      "allocations that found the GPU full and freed the allocator's cache (a device sync each); max/med: '!' = compile-stall flag; attn / gemm / other / idle: "
+      "allocations that found the GPU full and freed the allocator's cache (a device sync each); max/med: '!' = compile-stall flag; "
+      "max gc ms: the longest Python garbage-collection time inside one measured step; attn / gemm / other / idle: "
       "ms per profiled step; steady idle: idle ms after the first profiled step, which starts on an empty launch queue; "
-      "gap unprof.: the measured steps' mean minus the profiled device work scaled by FLOPs (the profiler slows the host, "
-      "so its idle overstates an ordinary step's); "
+      "device idle: the GPU's idle ms per step with only the device's activity recorded (no profiler host cost: an "
+      "ordinary step's); "
       "compile s: torch.compile before the measured steps; syncs: host syncs in one step, "
       "--sync-debug)")
 for v in variants:

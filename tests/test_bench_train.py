@@ -650,18 +650,6 @@ def test_bench_train_says_which_settings_have_no_effect(tmp_path, caplog):
     assert len(said) == 1 and "train.compile_mode" in said[0] and "no effect" in said[0]
 
 
-def test_unprofiled_gap_scales_the_profiled_device_work_by_flops():
-    from gemray.bench.train import unprofiled_gap
-
-    measured = [{"step_s": 0.150, "flops": 50e12}, {"step_s": 0.140, "flops": 50e12}]
-    profiled = [{"step_s": 0.170, "flops": 40e12}, {"step_s": 0.160, "flops": 60e12}]
-    # 0.27 s of device work over 100 TFLOP of profiled steps: 0.135 s for a 50 TFLOP step; mean step 0.145 s
-    assert abs(unprofiled_gap(measured, profiled, 0.27) - 0.010) < 1e-12
-    assert unprofiled_gap([], profiled, 0.27) is None
-    assert unprofiled_gap(measured, [], 0.27) is None
-    assert unprofiled_gap(measured, [{"step_s": 0.1, "flops": 0.0}], 0.27) is None
-
-
 def test_kernel_launchers_sums_each_kernels_launches_by_operator():
     from gemray.bench.train import kernel_launchers
 

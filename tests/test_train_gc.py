@@ -40,3 +40,29 @@ def test_negative_is_refused():
     with pytest.raises(ValueError, match="gc_every_steps"):
         TrainConfig(gc_every_steps=-1).validate()
     TrainConfig(gc_every_steps=50).validate()
+
+
+def test_gc_pauses_count_collections_while_entered():
+    import gc
+
+    from gemray.train.gc import GcPauses
+
+    junk = [[i] for i in range(20000)]  # tracked objects: the full collection has something to walk
+    with GcPauses() as p:
+        gc.collect()
+        gc.collect(0)
+    assert p.full == 1 and p.seconds > 0 and 0 < p.longest <= p.seconds
+    seconds = p.seconds
+    gc.collect()  # after exit: not counted, the callback is gone
+    assert p.seconds == seconds and p._callback not in gc.callbacks
+    del junk
+
+
+def test_bench_summary_adds_up_the_steps_gc_pauses():
+    from gemray.bench.train import summarize
+
+    recs = [{"data_s": 0.0, "step_s": 0.1, "flops": 1.0, "tokens": 1, "samples": 1, "gc_s": 0.002, "gc_full": 0},
+            {"data_s": 0.0, "step_s": 0.6, "flops": 1.0, "tokens": 1, "samples": 1, "gc_s": 0.45, "gc_full": 1},
+            {"data_s": 0.0, "step_s": 0.1, "flops": 1.0, "tokens": 1, "samples": 1}]        # an older record
+    g = summarize(recs, None)["gc"]
+    assert g == {"seconds": 0.452, "full_collections": 1, "max_step_s": 0.45}

@@ -38,7 +38,9 @@ CPU); ``allocator`` (CUDA: the caching allocator's events during the measured st
 device_allocs / device_frees: cudaMalloc / cudaFree calls});
 ``compile_stall`` {max_over_median, flagged (> 2)}; ``loader`` {workers (0 = in-process), in_process,
 prefetch_batches, pin_memory, cpu_cores};
-``warmup_compile`` (the kernel warm-up's regimes and seconds); ``torch_compile`` (``train.compile``:
+``gc`` (Python's garbage-collection pauses during the measured steps: seconds, generation-2 collections, the
+largest one step had; each step record has its own ``gc_s`` / ``gc_full``); ``warmup_compile`` (the kernel
+warm-up's regimes and seconds); ``torch_compile`` (``train.compile``:
 :func:`compile_report` -- the modules compiled, graphs, graph breaks, dynamo / AOT / inductor seconds, split into
 before the measured steps and during them: compile time is never inside the measured figures unless a batch
 recompiles there, which ``during_measured`` shows and the max/median stall flag catches); ``steps`` (per-step
@@ -84,6 +86,7 @@ import torch
 import torch.distributed as dist
 
 from gemray.config import JobConfig, usable_cpus
+from gemray.train.gc import GcPauses
 from gemray.train.throughput import batch_flops, mfu_or_none
 
 log = logging.getLogger("gemray.bench.train")
@@ -277,6 +280,10 @@ def summarize(records: list[dict[str, Any]], peak: float | None, wall_s: float |
                                              sum(step[len(step) // 2:]), peak) if len(records) > 1 else None,
         "peak_flops": peak,
         "compile_stall": stall_check(step),
+        # Python's collection pauses in the measured steps (records' gc_s / gc_full; absent in older records)
+        "gc": {"seconds": sum(r.get("gc_s", 0.0) for r in records),
+               "full_collections": sum(r.get("gc_full", 0) for r in records),
+               "max_step_s": max((r.get("gc_s", 0.0) for r in records), default=0.0)},
     }
 
 
@@ -399,22 +406,24 @@ def _run_steps(trainer: Any, batches: _Batches, n: int, device: torch.device, re
         prev = torch.cuda.Event(enable_timing=True)
         prev.record()
     marks = []
-    for _ in range(n):
-        batch, data_s = batches.next()
-        t0 = time.perf_counter()
-        nxt = batches.peek() if getattr(trainer, "pipeline", None) is not None else None  # sparse-dist: prefetched
-        loss = trainer.train_step(batch, next_batch=nxt)
-        host_s = time.perf_counter() - t0
-        if cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            marks.append(ev)
-        records.append({"phase": phase, "data_s": data_s, "host_s": host_s, "step_s": host_s,
-                        "flops": trainer.last_step_flops, "tokens": batch.num_tokens, "samples": batch.batch_size,
-                        "loss": loss})
-        if after_first is not None:
-            after_first()
-            after_first = None
+    with GcPauses() as pauses:  # per step: Python's collection pauses inside it (a host stall's first suspect)
+        for _ in range(n):
+            gc0, full0 = pauses.seconds, pauses.full
+            batch, data_s = batches.next()
+            t0 = time.perf_counter()
+            nxt = batches.peek() if getattr(trainer, "pipeline", None) is not None else None  # sparse-dist: prefetched
+            loss = trainer.train_step(batch, next_batch=nxt)
+            host_s = time.perf_counter() - t0
+            if cuda:
+                ev = torch.cuda.Event(enable_timing=True)
+                ev.record()
+                marks.append(ev)
+            records.append({"phase": phase, "data_s": data_s, "host_s": host_s, "step_s": host_s,
+                            "flops": trainer.last_step_flops, "tokens": batch.num_tokens, "samples": batch.batch_size,
+                            "loss": loss, "gc_s": pauses.seconds - gc0, "gc_full": pauses.full - full0})
+            if after_first is not None:
+                after_first()
+                after_first = None
     _sync(device)
     wall = time.perf_counter() - t_phase
     mine = records[len(records) - n:] if n else []
@@ -544,32 +553,15 @@ def device_only_idle(trainer: Any, batches: _Batches, steps: int, device: torch.
     return out
 
 
-def unprofiled_gap(measured: list[dict[str, Any]], profiled: list[dict[str, Any]], busy_s: float) -> float | None:
-    """Pure: seconds per measured step not covered by device work, estimated. The profiler's own host cost per
-    operator slows the host in the profiled steps (their wall and GPU idle are longer than an ordinary step's), so
-    the measured (unprofiled) steps' mean time minus the profiled steps' device-busy seconds, scaled by their model
-    FLOPs (the two phases run different batches), is the gap an ordinary step has: idle between kernels plus
-    anything the scaling misses (attention grows faster than the FLOPs of longer batches). measured / profiled:
-    step records ({"step_s", "flops"}); busy_s: the profiled steps' device-busy seconds in all. None when either
-    phase is empty or has no FLOPs."""
-    pf = sum(r["flops"] for r in profiled)
-    if not measured or not profiled or pf <= 0:
-        return None
-    mean_step = sum(r["step_s"] for r in measured) / len(measured)
-    mean_flops = sum(r["flops"] for r in measured) / len(measured)
-    return mean_step - busy_s * mean_flops / pf
-
-
-def profile_breakdown(trainer: Any, batches: _Batches, steps: int, device: torch.device,
-                      measured: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+def profile_breakdown(trainer: Any, batches: _Batches, steps: int, device: torch.device) -> dict[str, Any]:
     """Profile ``steps`` more training steps with torch.profiler and split their time by category (module
     docstring): {"steps", "wall_s", "per_step_s": {category: seconds per step}, "fraction": {category: share
     of the profiled wall time}, "gpu_idle_s" (seconds per step in which no kernel ran), "top_kernels": [[name,
     category, seconds per step], ...] (``TOP_KERNELS``), on CUDA also "kernel_launchers": {kernel name: [[the host
     operator that launched it with its input shapes and callers, seconds per step], ...]} of those kernels
-    (:func:`kernel_launchers`), also "top_host_ops": [[operator, host self seconds per step,
-    calls per step], ...] (30: where the host's time inside the operators goes), "device_busy_s_per_step" and, given
-    the ``measured`` (unprofiled) steps' records, "unprofiled_gap_s_per_step" (:func:`unprofiled_gap`)}."""
+    (:func:`kernel_launchers`), "top_host_ops": [[operator, host self seconds per step, calls per step], ...] (30:
+    where the host's time inside the operators goes) and "device_busy_s_per_step"}. The profiler's host cost per
+    operator inflates these steps' GPU idle: :func:`device_only_idle` measures an ordinary step's."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -632,7 +624,6 @@ def profile_breakdown(trainer: Any, batches: _Batches, steps: int, device: torch
         named = {n for n, _ in top}
         out["kernel_launchers"] = {k: [[n, s / steps] for n, s in rows] for k, rows in
                                    kernel_launchers([x for x in launches if x[0] in named]).items()}
-        out["unprofiled_gap_s_per_step"] = unprofiled_gap(measured or [], records, busy)
         out["top_host_ops"] = [[n, v[0] / steps, v[1] / steps]
                                for n, v in sorted(host_ops.items(), key=lambda kv: -kv[1][0])[:30]]
         out["idle"] = {"gaps_per_step": gaps["gaps"] / steps, "idle_s_per_step": gaps["idle_s"] / steps,
@@ -816,7 +807,7 @@ def run_bench(cfg: JobConfig, *, steps: int, warmup: int, profile: bool = False,
         if sync_debug:
             out["sync_debug"] = sync_debug_step(trainer, batches, device)
         if profile:
-            out["profile"] = profile_breakdown(trainer, batches, profile_steps, device, measured)
+            out["profile"] = profile_breakdown(trainer, batches, profile_steps, device)
             idle = device_only_idle(trainer, batches, profile_steps, device)
             if idle is not None:
                 out["profile"]["device_only"] = idle
@@ -861,6 +852,10 @@ def format_table(res: dict[str, Any]) -> str:
                                           .format(**res["allocator"])),
         f"  compile stalls  max/median step {cs['max_over_median'] or 0:.2f}"
         + (f"  FLAGGED (> {cs['factor']:g}x)" if cs["flagged"] else "  ok"),
+        *([] if "gc" not in res else [
+            f"  GC pauses       {res['gc']['seconds'] * 1e3:.1f} ms in the measured steps "
+            f"({res['gc']['full_collections']} full collections; at most {res['gc']['max_step_s'] * 1e3:.1f} ms "
+            "in one step)"]),
         f"  kernel warm-up  {res['warmup_compile'].get('seconds', 0.0):.1f} s over "
         f"{len(res['warmup_compile'].get('regimes', []))} regime(s)"
         + ("" if res["warmup_compile"].get("ran") else f" (skipped: {res['warmup_compile'].get('why')})"),
@@ -895,10 +890,6 @@ def format_table(res: dict[str, Any]) -> str:
             if steady is not None:
                 lines.append(f"    ... after the first profiled step (whose launch queue starts empty: the phase "
                              f"begins synchronised): {steady * 1e3:.2f} ms per step")
-            gap = p.get("unprofiled_gap_s_per_step")
-            if gap is not None:
-                lines.append(f"    ... without the profiler (the measured steps' mean minus the profiled device work "
-                             f"{p['device_busy_s_per_step'] * 1e3:.1f} ms, scaled by FLOPs): {gap * 1e3:.2f} ms per step")
             dev = p.get("device_only")
             if dev and "error" not in dev:
                 lines.append(f"    ... with the device's activity alone recorded ({dev['steps']} steps after a marker): "

@@ -48,3 +48,30 @@ class GarbageCollection:
         t0 = time.perf_counter()
         gc.collect(generation)
         log.debug("gc: generation-%d collection %s took %.1f ms", generation, when, 1e3 * (time.perf_counter() - t0))
+
+
+class GcPauses:
+    """Python's garbage-collection pauses while entered (``gc.callbacks``): ``seconds`` spent in collections,
+    ``full`` generation-2 collections and the ``longest`` single pause so far (seconds). Read as counters: the
+    difference across a step is that step's share (``gemray bench train``'s per-step ``gc_s`` / ``gc_full``), so
+    a stalled step can be told apart from one that waited on a collection."""
+
+    def __init__(self) -> None:
+        self.seconds, self.full, self.longest = 0.0, 0, 0.0
+        self._t0: float | None = None
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            dt, self._t0 = time.perf_counter() - self._t0, None
+            self.seconds += dt
+            self.longest = max(self.longest, dt)
+            self.full += info.get("generation") == 2
+
+    def __enter__(self) -> "GcPauses":
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._callback)
