@@ -84,7 +84,10 @@ def dk_ds_variant(bm: int, bn: int, warps: int, stages: int, tma: bool = False) 
 
 
 def _loops(sass: str) -> list[tuple[int, int, int, int]]:
-    """(instructions, HGMMA, STL, LDL) of every loop body (backward branch to a lower address)."""
+    """(instructions, HGMMA, STL, LDL) of every loop body (backward branch to a lower address). A backward
+    branch whose range holds an EXIT is no loop: ptxas puts the slow path of an mbarrier wait (TMA loads,
+    wgmma pipelining) after the kernel's EXIT and branches from there back into the loop, a range that spans
+    the loop's tail, the epilogue and the exit (Triton kernels cannot return from inside a loop)."""
     ins = [(int(m.group(1), 16), m.group(2))
            for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
     out = []
@@ -92,6 +95,8 @@ def _loops(sass: str) -> list[tuple[int, int, int, int]]:
         m = re.search(r"BRA 0x([0-9a-f]+)", text)
         if m and int(m.group(1), 16) < addr:
             body = [t for a, t in ins if int(m.group(1), 16) <= a <= addr]
+            if any(re.search(r"\bEXIT\b", t) for t in body):
+                continue
             out.append((len(body), sum("HGMMA" in t for t in body), sum("STL" in t for t in body),
                         sum("LDL" in t for t in body)))
     return out
@@ -122,7 +127,8 @@ def check(variant: tuple) -> dict:
         sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
     m = re.search(r"REG:(\d+) STACK:(\d+)", usage)
     return dict(name=name, shared=k.metadata.shared, regs=int(m.group(1)) if m else -1,
-                stack=int(m.group(2)) if m else -1, hgmma=sass.count("HGMMA"), loops=_loops(sass))
+                stack=int(m.group(2)) if m else -1, hgmma=sass.count("HGMMA"), loops=_loops(sass),
+                stl=len(re.findall(r"\bSTL\b", sass)), ldl=len(re.findall(r"\bLDL\b", sass)))
 
 
 def default_variants(full: bool = False, config: KernelConfig = DEFAULT) -> list[tuple]:
@@ -296,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         loops = " ".join(f"[{n} instr, {h} HGMMA, {st} STL, {ld} LDL]" for n, h, st, ld in r["loops"])
         print(f"{r['name']}: smem {r['shared']} B, {r['regs']} regs, stack {r['stack']} B, "
-              f"{r['hgmma']} HGMMA; loops {loops}", flush=True)
+              f"{r['hgmma']} HGMMA, {r['stl']} STL / {r['ldl']} LDL in all; loops {loops}", flush=True)
     return 1 if bad else 0
 
 
