@@ -465,6 +465,11 @@ def _cmd_bench_train(ns: argparse.Namespace) -> int:
     cfg = load_config(ns.config, ns.overrides)
     import torch
 
+    if ns.steps < 1 or ns.warmup < 0 or ns.profile_steps < 1 or ns.host_profile < 0:  # before any data is made
+        print(f"gemray: error: bench train: expected --steps >= 1, --warmup >= 0, --profile-steps >= 1 and "
+              f"--host-profile >= 0, got {ns.steps}, {ns.warmup}, {ns.profile_steps}, {ns.host_profile}",
+              file=sys.stderr)
+        return 2
     if cfg.ray.use_gpu and not torch.cuda.is_available():  # one line before the data is prepared or anything is built
         print("gemray: error: bench train: ray.use_gpu is true but no CUDA device is visible (--set "
               "ray.use_gpu=false to bench on the CPU)", file=sys.stderr)

@@ -457,6 +457,20 @@ def test_sync_debug_is_refused_off_cuda(tmp_path, capsys):
         run_bench(cfg, steps=1, warmup=0, sync_debug=True)
 
 
+@pytest.mark.parametrize("flags", [["--steps", "0"], ["--warmup", "-1"], ["--profile-steps", "0"],
+                                   ["--host-profile", "-2"]])
+def test_bad_step_counts_are_refused_before_any_data_is_made(tmp_path, capsys, flags):
+    """`gemray bench train --steps 0`: one line and exit 2 before the synthetic data is generated (was: the data
+    generated first, then the refusal)."""
+    data = tmp_path / "never-made"
+    rc = main(["bench", "train", "--config", CONFIG, "--set", f"data.prepared_dir={data}", "ray.use_gpu=false",
+               *flags])
+    assert rc == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("gemray: error: bench train: expected --steps >= 1, --warmup >= 0"), err
+    assert not data.exists()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without CUDA")
 def test_use_gpu_without_cuda_is_refused_in_one_line(tmp_path, capsys):
     """ray.use_gpu = true on a machine without CUDA: one error line and exit 2 before the data is prepared (was: a

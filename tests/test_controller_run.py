@@ -1148,3 +1148,29 @@ def test_train_resumed_from_a_preemption_with_nothing_to_train_exits_0(tmp_path,
         assert metrics["epochs"] == 27 and metrics["invocations"] == 1
     else:
         assert "re-run the same command to resume from step 275" in printed and metrics["preempted"]
+
+
+def test_a_file_as_prepared_dir_is_refused_before_preparing_is_announced(tmp_path, monkeypatch, capsys, caplog):
+    """data.prepared_dir naming a file with data.raw_dir set (a mistyped path): one line naming the option, exit 2,
+    nothing logged about preparing into it first (was: "prepared data missing at README.md: preparing it from ..."
+    then the refusal), the file untouched, Ray not started."""
+    import logging
+
+    import gemray.pipelines.movielens as movielens
+    from gemray.cli import main
+
+    raw = tmp_path / "ml-1m"
+    raw.mkdir()
+    (raw / "ratings.dat").write_text("1::1193::5::978300760\n")
+    f = tmp_path / "README.md"
+    f.write_text("not data")
+    monkeypatch.setattr(session, "connect", lambda cfg: pytest.fail("Ray must not start"))
+    monkeypatch.setattr(movielens, "prepare_movielens", lambda *a, **k: pytest.fail("nothing must be prepared"))
+    caplog.set_level(logging.INFO)
+    rc = main(["train", "--config", str(REPO / "configs" / "ml-1m.toml"), "--output", str(tmp_path / "o"),
+               "--set", f"data.raw_dir={raw}", f"data.prepared_dir={f}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err == [f"gemray: error: data.prepared_dir {f}: exists and is not a folder; refusing to "
+                               "replace it"], err
+    assert not [r for r in caplog.records if "preparing it from" in r.getMessage()]
+    assert f.read_text() == "not data" and not (tmp_path / "o").exists()
