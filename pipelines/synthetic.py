@@ -1086,9 +1086,6 @@ def ensure_synthetic(data_cfg: DataConfig) -> dict[str, Any]:
     try:
         manifest = load_manifest(data_cfg.prepared_dir, verify=True)
     except FileNotFoundError:
-        out = Path(data_cfg.prepared_dir)
-        if out.exists() and not out.is_dir():  # refused before anything is said about generating into it
-            raise ValueError(f"data.prepared_dir {out}: exists and is not a folder; refusing to replace it") from None
         log.info("prepared data missing at %s: generating synthetic data (data.synthetic: %s)",
                  data_cfg.prepared_dir, ", ".join(data_cfg.synthetic))
         t0 = time.perf_counter()

@@ -586,7 +586,7 @@ def test_a_file_as_prepared_dir_is_refused_before_generation_is_announced(tmp_pa
     import logging
 
     from gemray.config import load_config
-    from gemray.pipelines.synthetic import ensure_synthetic
+    from gemray.controller.run import ensure_prepared
 
     f = tmp_path / "README.md"
     f.write_text("not data")
@@ -594,6 +594,6 @@ def test_a_file_as_prepared_dir_is_refused_before_generation_is_announced(tmp_pa
                       [f"data.prepared_dir={f}"])
     caplog.set_level(logging.INFO, logger="gemray.pipelines.synthetic")
     with pytest.raises(ValueError, match=f"data.prepared_dir {f}: exists and is not a folder"):
-        ensure_synthetic(cfg.data)
+        ensure_prepared(cfg)
     assert not [r for r in caplog.records if "generating" in r.getMessage()]
     assert f.read_text() == "not data"

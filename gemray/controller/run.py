@@ -176,6 +176,9 @@ def _ensure_prepared(cfg: JobConfig) -> dict[str, Any]:
     from gemray.pipelines.movielens import (detect_format, format_summary, load_manifest, prepare_movielens,
                                             raw_folder_error)
 
+    out = Path(cfg.data.prepared_dir)
+    if out.exists() and not out.is_dir():  # a mistyped path: refused before anything is said about preparing into it
+        raise ValueError(f"data.prepared_dir {out}: exists and is not a folder; refusing to replace it")
     if cfg.data.synthetic:
         from gemray.pipelines.synthetic import ensure_synthetic
 
@@ -201,9 +204,6 @@ def _ensure_prepared(cfg: JobConfig) -> dict[str, Any]:
             raise FileNotFoundError(no_data_message(cfg.data.prepared_dir, str(unprepared).split(";")[0], raw,
                                                     raw.is_dir(), shared=shared_origin(cfg, "data.raw_dir"),
                                                     close=None if raw.exists() else close_folder(raw))) from None
-        out = Path(cfg.data.prepared_dir)
-        if out.exists() and not out.is_dir():  # refused before anything is said about preparing into it
-            raise ValueError(f"data.prepared_dir {out}: exists and is not a folder; refusing to replace it")
         log.info("prepared data missing at %s: preparing it from %s", cfg.data.prepared_dir, cfg.data.raw_dir)
         manifest = prepare_movielens(cfg.data.raw_dir, cfg.data.prepared_dir, on_bad_rows=cfg.data.on_bad_rows,
                                      num_files=cfg.data.num_files)
