@@ -454,7 +454,7 @@ def _cmd_bench_kernels(ns: argparse.Namespace) -> int:
 def _cmd_bench_train(ns: argparse.Namespace) -> int:
     import json
 
-    from gemray.bench.train import format_table, run_bench
+    from gemray.bench.train import bench_device, check_step_counts, format_table, run_bench
     from gemray.config import load_config
 
     from gemray.controller.preflight import preflight_kernel_tiles
@@ -463,18 +463,12 @@ def _cmd_bench_train(ns: argparse.Namespace) -> int:
     if ns.json:  # an unwritable --json refused now, not after every step ran (its missing folders are made then)
         _writable_file(ns.json, "--json", make_parents=True)
     cfg = load_config(ns.config, ns.overrides)
-    import torch
-
-    if ns.steps < 1 or ns.warmup < 0 or ns.profile_steps < 1 or ns.host_profile < 0:  # before any data is made
-        print(f"gemray: error: bench train: expected --steps >= 1, --warmup >= 0, --profile-steps >= 1 and "
-              f"--host-profile >= 0, got {ns.steps}, {ns.warmup}, {ns.profile_steps}, {ns.host_profile}",
-              file=sys.stderr)
-        return 2
-    if cfg.ray.use_gpu and not torch.cuda.is_available():  # one line before the data is prepared or anything is built
-        print("gemray: error: bench train: ray.use_gpu is true but no CUDA device is visible (--set "
-              "ray.use_gpu=false to bench on the CPU)", file=sys.stderr)
-        return 2
+    # bad step counts and a GPU that is not here: one line (ValueError) before the data is prepared or anything built
+    check_step_counts(ns.steps, ns.warmup, ns.profile_steps, ns.host_profile)
+    bench_device(cfg)
     if ns.sync_debug:  # refused before the data is prepared or anything is built
+        import torch
+
         if not (cfg.ray.use_gpu and torch.cuda.is_available()):
             print("gemray: error: bench train --sync-debug needs a CUDA device (torch.cuda.set_sync_debug_mode); "
                   f"this run would be on the CPU (ray.use_gpu = {str(cfg.ray.use_gpu).lower()}, CUDA "

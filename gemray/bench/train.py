@@ -324,12 +324,20 @@ def _init_process_group(device: torch.device) -> bool:
     return True
 
 
+def check_step_counts(steps: int, warmup: int, profile_steps: int, host_profile_steps: int) -> None:
+    """Raise ValueError unless steps >= 1, warmup >= 0, profile_steps >= 1 and host_profile_steps >= 0 (the CLI
+    calls it before any data is prepared, :func:`run_bench` again)."""
+    if steps < 1 or warmup < 0 or profile_steps < 1 or host_profile_steps < 0:
+        raise ValueError(f"bench train: expected --steps >= 1, --warmup >= 0, profile steps >= 1 and host-profile "
+                         f"steps >= 0, got {steps}, {warmup}, {profile_steps}, {host_profile_steps}")
+
+
 def bench_device(cfg: JobConfig) -> torch.device:
     """cuda:0 when the config asks for GPUs (``ray.use_gpu``) and one is here, else the CPU. Raises
-    RuntimeError when ``ray.use_gpu`` is set and there is no CUDA device."""
+    ValueError when ``ray.use_gpu`` is set and there is no CUDA device."""
     if cfg.ray.use_gpu:
         if not torch.cuda.is_available():
-            raise RuntimeError("bench train: ray.use_gpu is true but no CUDA device is visible "
+            raise ValueError("bench train: ray.use_gpu is true but no CUDA device is visible "
                                "(--set ray.use_gpu=false to bench on the CPU)")
         return torch.device("cuda", 0)
     return torch.device("cpu")
@@ -734,14 +742,13 @@ def run_bench(cfg: JobConfig, *, steps: int, warmup: int, profile: bool = False,
     ``warmup`` + ``steps`` training steps on the real pipeline, then optionally ``profile_steps`` profiled
     ones, with ``sync_debug`` one step under CUDA's sync debug mode (:func:`sync_debug_step`), with
     ``host_profile_steps`` > 0 that many under cProfile (:func:`host_profile`). Returns the
-    module docstring's dict. Raises ValueError for steps < 1 or warmup < 0, RuntimeError when the config wants a
-    GPU that is not here or ``sync_debug`` is asked for off CUDA (before anything is built)."""
+    module docstring's dict. Raises ValueError for bad step counts (:func:`check_step_counts`) or a config that wants
+    a GPU that is not here (:func:`bench_device`), RuntimeError when ``sync_debug`` is asked for off CUDA (before
+    anything is built)."""
     from gemray.train.warmup import warm_up_attention
     from gemray.train.trainer import Trainer
 
-    if steps < 1 or warmup < 0 or profile_steps < 1 or host_profile_steps < 0:
-        raise ValueError(f"bench train: expected --steps >= 1, --warmup >= 0, profile steps >= 1 and host-profile "
-                         f"steps >= 0, got {steps}, {warmup}, {profile_steps}, {host_profile_steps}")
+    check_step_counts(steps, warmup, profile_steps, host_profile_steps)
     cfg.data.reader = "arrow"  # the same table, read in this process: no Ray
     cfg.train.ledger_dir = ""
     cfg.train.mfu_warmup_steps = warmup
@@ -892,7 +899,8 @@ def format_table(res: dict[str, Any]) -> str:
                              f"begins synchronised): {steady * 1e3:.2f} ms per step")
             dev = p.get("device_only")
             if dev and "error" not in dev:
-                lines.append(f"    ... with the device's activity alone recorded ({dev['steps']} steps after a marker): "
+                lines.append(f"    ... with the device's activity alone recorded ({dev['steps']} steps after a marker):"
+                             " "
                              f"busy {dev['busy_s_per_step'] * 1e3:.2f} ms, idle {dev['idle_s_per_step'] * 1e3:.2f} ms "
                              f"per step (their mean step {dev['step_s_mean'] * 1e3:.1f} ms)")
             elif dev:
@@ -915,6 +923,7 @@ def format_table(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["CATEGORIES", "bench_device", "classify_kernel", "compile_report", "compile_snapshot", "device_kernels",
-           "device_only_idle", "first_batch", "format_table", "idle_gaps", "kernel_breakdown", "kernel_launchers",
-           "profile_breakdown", "run_bench", "stall_check", "steady_device_idle", "summarize", "sync_debug_step"]
+__all__ = ["CATEGORIES", "bench_device", "check_step_counts", "classify_kernel", "compile_report", "compile_snapshot",
+           "device_kernels", "device_only_idle", "first_batch", "format_table", "idle_gaps", "kernel_breakdown",
+           "kernel_launchers", "profile_breakdown", "run_bench", "stall_check", "steady_device_idle", "summarize",
+           "sync_debug_step"]
