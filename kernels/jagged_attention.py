@@ -1938,6 +1938,18 @@ def _prep(x: torch.Tensor, name: str) -> torch.Tensor:
 
 
 
+def _scales(activation: str, alpha: float | None, norm: float | None, d_qk: int, max_kv_len: int
+            ) -> tuple[float, float]:
+    """(alpha, 1 / N) of a call: alpha defaults to 1/sqrt(Dqk) for softmax, 1.0 otherwise (the reference's
+    convention, gemray.kernels.reference.jagged_attention_ref); N defaults to max_kv_len (at least 1). Raises
+    ValueError for alpha <= 0."""
+    if alpha is None:
+        alpha = 1.0 / math.sqrt(d_qk) if activation == "softmax" else 1.0
+    if not alpha > 0:
+        raise ValueError(f"gdpa: alpha must be > 0 for the Triton kernels, got {alpha}")
+    return alpha, 1.0 / float(max(max_kv_len, 1) if norm is None else norm)
+
+
 def gdpa_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor,
                 kv_offsets: torch.Tensor, max_q_len: int, max_kv_len: int, *, activation: str = "silu",
                 causal: bool = False, alpha: float | None = None, norm: float | None = None,
@@ -2032,13 +2044,7 @@ def gdpa_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: to
                          block_size=block_size, window=window, q_broadcast=q_broadcast, attn_bias=attn_bias,
                          contextual_len=contextual_len, config=cfg, rel_bias=rel_bias, with_lse=with_lse)
         return (up[0].to(torch.bfloat16), up[1]) if with_lse else up.to(torch.bfloat16)
-    if alpha is None:  # the reference's convention (gemray.kernels.reference.jagged_attention_ref)
-        alpha = 1.0 / math.sqrt(dq) if activation == "softmax" else 1.0
-    if not alpha > 0:
-        raise ValueError(f"gdpa: alpha must be > 0 for the Triton kernels, got {alpha}")
-    if norm is None:
-        norm = float(max(max_kv_len, 1))
-    inv_n = 1.0 / float(norm)
+    alpha, inv_n = _scales(activation, alpha, norm, dq, max_kv_len)
     rb = rel_bias
     pos_w = ts_w = None
     if rb is not None:
@@ -2171,11 +2177,7 @@ def gdpa_triton_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tenso
                                      kv_offsets, max_q_len, max_kv_len, activation=activation, alpha=alpha,
                                      q_broadcast=q_broadcast, config=cfg)
         return tuple(g.to(torch.bfloat16) for g in grads)
-    if alpha is None:
-        alpha = 1.0 / math.sqrt(q.shape[2]) if activation == "softmax" else 1.0
-    if not alpha > 0:
-        raise ValueError(f"gdpa: alpha must be > 0 for the Triton kernels, got {alpha}")
-    inv_n = 1.0 / float(max(max_kv_len, 1))
+    alpha, inv_n = _scales(activation, alpha, None, q.shape[2], max_kv_len)
     softmax = activation == "softmax"
     q, k, v = _prep(q, "q"), _prep(k, "k"), _prep(v, "v")
     with torch.no_grad():
