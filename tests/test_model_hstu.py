@@ -171,6 +171,28 @@ def _residual_run(fp32_residual: bool, autocast: bool):
     return seen, out, gt, gw
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_l2norm_returns_the_stream_dtype_with_a_float32_norm(device):
+    """The encoder's output norm keeps its input's dtype under autocast (CUDA's autocast runs ``norm`` in float32 and
+    the division promoted a bf16 stream to float32) and takes the norm in float32: bf16 rows equal the float32
+    normalisation rounded once; float32 rows are F.normalize's bit for bit; gradients keep the input's dtype."""
+    from gemray.model.hstu import L2Norm
+    g = torch.Generator().manual_seed(3)
+    x32 = (torch.randn(37, 64, generator=g) * torch.rand(37, 1, generator=g) * 50).to(device)
+    x32[5] = 0.0  # a zero row: eps keeps it finite
+    norm = L2Norm(eps=1e-6)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        xb = x32.to(torch.bfloat16).requires_grad_()
+        yb = norm(xb)
+        y32 = norm(x32)
+    assert yb.dtype == torch.bfloat16 and y32.dtype == torch.float32
+    assert torch.equal(yb, F.normalize(xb.detach().float(), dim=-1, eps=1e-6).to(torch.bfloat16))
+    assert torch.equal(y32, F.normalize(x32, dim=-1, eps=1e-6))
+    assert torch.isfinite(yb.float()).all() and float(yb[5].float().abs().max()) == 0.0
+    (gx,) = torch.autograd.grad((yb.float() * torch.randn(37, 64, device=device)).sum(), [xb])
+    assert gx.dtype == torch.bfloat16 and torch.isfinite(gx.float()).all()
+
+
 def test_fp32_residual_off_keeps_the_stream_in_the_autocast_dtype():
     """model.fp32_residual = false: under bf16 autocast every block receives (and so adds its output to) a bf16
     stream, and forward / backward stay within bf16's error of the float32 stream; without autocast the flag changes

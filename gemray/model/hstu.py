@@ -213,16 +213,21 @@ class InputScale(nn.Module):
 
 
 class L2Norm(nn.Module):
-    """``F.normalize(x, dim=-1, eps)``: x [T, D] -> unit-norm rows (the encoder's output, generative-recommenders'
-    ``L2NormEmbeddingPostprocessor``). A module so that ``train.compile`` compiles it: eager, its forward and
-    backward were several float32 broadcast divisions over [T, D]."""
+    """``F.normalize(x, dim=-1, eps)``: x [T, D] -> unit-norm rows in x's dtype (the encoder's output,
+    generative-recommenders' ``L2NormEmbeddingPostprocessor``), the norm taken in float32 (or wider). A module so that
+    ``train.compile`` compiles it: eager, its forward and backward were several float32 broadcast divisions over [T, D].
+
+    The explicit dtype matters on CUDA: autocast runs ``norm`` in float32 and the division promotes, so a bf16 stream
+    (``model.fp32_residual = false``) came out float32, and its consumers cast [T, D] back to bf16 eagerly, their
+    backward converting and accumulating a float32 gradient."""
 
     def __init__(self, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.normalize(x, dim=-1, eps=self.eps)
+        wide = torch.promote_types(x.dtype, torch.float32)  # float64 stays float64
+        return F.normalize(x.to(wide), dim=-1, eps=self.eps).to(x.dtype)
 
 
 class HSTUEncoder(nn.Module):
