@@ -4,7 +4,10 @@ Automatic collection runs whenever allocation counts pass Python's thresholds: a
 walks every tracked object of the process (TorchRec's, dynamo's and inductor's caches, Ray's), so it can stop the
 training thread for hundreds of milliseconds inside an arbitrary step, while the GPU drains its launch queue.
 With ``train.gc_every_steps = N`` automatic collection is switched off once training starts and a generation-1
-collection (young objects only: milliseconds) runs before every N-th global step, at a place of our choosing.
+collection (young objects only: milliseconds) runs before every N-th global step, at a place of our choosing, and
+a full one before each evaluation (a pause the run takes anyway), so garbage cycles that outlived a generation-1
+collection are still freed. Measured on an H100 at the GEM-scale config (2026-12-06): with automatic collection a
+full collection took 1.11 s and 1.20 s inside one step of 30 (a 1.2-1.4 s step against a 146 ms median).
 """
 
 from __future__ import annotations
@@ -38,6 +41,12 @@ class GarbageCollection:
     def step(self, global_step: int) -> None:
         if collect_now(global_step, self.every):
             self._collect(1, f"before global step {global_step}")
+
+    def full(self, when: str) -> None:
+        """A full (generation-2) collection now when automatic collection is off (``every`` > 0), else nothing:
+        Python's thresholds already schedule full collections."""
+        if self.every > 0:
+            self._collect(2, when)
 
     def close(self) -> None:
         if self.every > 0 and self.was_enabled:

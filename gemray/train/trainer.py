@@ -633,6 +633,8 @@ class Trainer:
         (identical on every rank). Raises ValueError for an unknown split."""
         if split not in self.streams:
             raise ValueError(f"Trainer.evaluate: split must be one of {sorted(self.streams)}, got {split!r}")
+        if self.gc is not None:
+            self.gc.full(f"before evaluating {split}")
         model = self.dmp.module
         self.dmp.eval()
         # dense_unsharded: FSDP2, evaluation reaches the dense part outside forward; sparse_steps_kept: its embedding
