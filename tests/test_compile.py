@@ -277,8 +277,8 @@ def test_deferred_losses_are_read_together_checked_and_counted_in_order():
 @pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs CUDA (compiled Triton)")
 @pytest.mark.parametrize("compiled", [False, True])
 def test_gpu_training_step_of_gemray_code_makes_no_host_sync(compiled):
-    """A three-task GEM step on CUDA (Triton attention, bf16 autocast, a batch moved by JaggedBatch.to: host
-    shape attached), eager and with train.compile (inductor): under torch.cuda.set_sync_debug_mode("warn") no
+    """A three-task GEM step on CUDA (Triton attention, bf16 autocast, a pinned batch moved by JaggedBatch.to with
+    non_blocking: host shape attached), eager and with train.compile (inductor): under torch.cuda.set_sync_debug_mode("warn") no
     synchronisation is raised from gemray's own code (model, ops, kernels, jagged). Syncs inside other libraries
     (plain TorchRec EmbeddingCollection here, not the sharded one training uses) are printed, not failed."""
     import traceback
@@ -293,8 +293,8 @@ def test_gpu_training_step_of_gemray_code_makes_no_host_sync(compiled):
         compile_dense_modules(model, backend="inductor")
     dev = torch.device("cuda")
 
-    def step(i):
-        batch = _batch(*STEPS[i % len(STEPS)], i).to(dev)
+    def step(i):  # the batch pinned and copied without blocking, as the training loop moves its batches
+        batch = _batch(*STEPS[i % len(STEPS)], i).pin_memory().to(dev, non_blocking=True)
         model.seed_sampling(i)
         with autocast("bf16", dev):
             loss, _ = model(batch)
