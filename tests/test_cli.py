@@ -200,3 +200,22 @@ def test_serve_commands_name_the_flag_for_a_bare_run_folder(argv, line, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[0].startswith(f"usage: gemray {argv[0]} ") and err[-1] == f"gemray {argv[0]}: error: {line}", err
+
+
+@pytest.mark.parametrize("out_of", [lambda tmp: Path("/proc/p1"),  # /proc takes no new folder, even from root
+                                    lambda tmp: tmp / "a-file" / "sub" / "prepared"])
+def test_prepare_refuses_an_out_it_cannot_create(capsys, tmp_path, out_of):
+    """An --out whose folder takes no new folder was refused only after the source was parsed, with a raw errno
+    line naming the internal temporary folder (`/proc/.p1.tmp-<pid>-...`): now one line naming --out and why."""
+    if not Path("/proc/self").is_dir():
+        pytest.skip("no /proc")
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "u.data").write_text("1\t2\t3\t4\n1\t3\t3\t5\n")
+    (tmp_path / "a-file").write_text("not a folder")
+    out = out_of(tmp_path)
+    assert main(["prepare", "movielens", "--src", str(src), "--out", str(out)]) == 2
+    err = _err_line(capsys)
+    assert err.startswith(f"gemray: error: {out}: cannot create it: ") and err.endswith("choose another --out"), err
+    assert ".tmp-" not in err and "[Errno" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "src"]  # no probe left behind
