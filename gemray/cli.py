@@ -668,7 +668,7 @@ def _cmd_evaluate(ns: argparse.Namespace) -> int:
 def _cmd_recommend(ns: argparse.Namespace) -> int:
     from gemray.serve import load_trained
     from gemray.serve.model import check_device, prepared_manifest, run_config
-    from gemray.serve.recommend import check_recommendable, read_users_file, recommend
+    from gemray.serve.recommend import IdMaps, check_recommendable, read_users_file, recommend
 
     if ns.k < 1:  # before the model is loaded (recommend() refuses it too, for Python callers)
         raise ValueError(f"--k {ns.k}: expected >= 1")
@@ -676,14 +676,17 @@ def _cmd_recommend(ns: argparse.Namespace) -> int:
     if ns.out:
         _writable_file(ns.out, "--out")  # before the model is loaded and the users scored
     # a model recommend cannot serve is refused from its config, before any checkpoint is read
-    check_recommendable(run_config(ns.checkpoint, config=ns.config, overrides=ns.overrides))
+    cfg = run_config(ns.checkpoint, config=ns.config, overrides=ns.overrides)
+    check_recommendable(cfg)
     users = ns.user if ns.user else read_users_file(ns.users_file)
     # as evaluate: an unprepared --data refused before the checkpoint is looked at, another item count before the
-    # model loads; the manifest read once
-    manifest = prepared_manifest(ns.data) if ns.data is not None else None
+    # model loads; the manifest of the data served (--data's, else the run's) read once
+    served = ns.data if ns.data is not None else cfg.data.prepared_dir
+    manifest = prepared_manifest(served)
+    IdMaps(manifest).dense_users(users)  # a user the data does not have, from its manifest / id map: no model load
     trained = load_trained(ns.checkpoint, config=ns.config, overrides=ns.overrides, device=ns.device,
-                           data_manifest=manifest)
-    recs = recommend(trained, users, k=ns.k, prepared_dir=ns.data, manifest=manifest)
+                           data_manifest=manifest if ns.data is not None else None)
+    recs = recommend(trained, users, k=ns.k, prepared_dir=served, manifest=manifest)
     if ns.out:
         import pyarrow.parquet as pq
 
