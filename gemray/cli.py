@@ -333,8 +333,9 @@ def _run_active(notice: Path) -> bool:
 
 def _cmd_preempt(ns: argparse.Namespace) -> int:
     """Write the notice (unless one is already pending there), then optionally wait for the run to commit
-    its emergency checkpoint. Exit 0 when written/handled/no run is active, 1 on a --wait timeout; raises
-    NotADirectoryError for a missing --output folder and ValueError for a negative --wait."""
+    its emergency checkpoint. Exit 0 when written/handled/no run is active, and without writing when the notice's
+    folder (--output DIR, or --notice's folder) does not exist: no run has started there; 1 on a --wait timeout;
+    raises NotADirectoryError for an --output that is a file and ValueError for a negative --wait."""
     import socket
 
     from gemray import preemption
@@ -344,18 +345,20 @@ def _cmd_preempt(ns: argparse.Namespace) -> int:
         raise ValueError(f"--wait {ns.wait}: expected >= 0 seconds")
     if ns.output is not None:
         out = Path(ns.output)
-        if not out.is_dir():
-            raise NotADirectoryError(f"--output {out}: " + ("a file, not a folder" if out.exists() else "no such folder")
-                                     + " (the --output of the running `gemray train`)")
+        if out.exists() and not out.is_dir():
+            raise NotADirectoryError(f"--output {out}: a file, not a folder (the --output of the running "
+                                     "`gemray train`)")
         path = out / NOTICE_NAME
     else:
         path = Path(ns.notice)
         if path.is_dir():
             return _fail(f"--notice {path} is a folder: give the notice file's path (e.g. {path / NOTICE_NAME}), "
                          "or the run's folder with --output")
-        if not path.parent.is_dir():  # e.g. a pod deleted before its run started: nothing to stop
-            print(f"no run folder {path.parent}: no run has started there, nothing to preempt")
-            return 0
+    # --output DIR is the notice DIR/PREEMPT: either way a missing folder (a pod deleted before its run started, a
+    # run not started yet or removed) holds no run to stop
+    if not path.parent.is_dir():
+        print(f"no run folder {path.parent}: no run has started there, nothing to preempt")
+        return 0
     existing = read_notice(path)
     if existing is None:
         write_notice(path, ns.reason.replace("{host}", socket.gethostname()))
@@ -668,7 +671,7 @@ def _cmd_evaluate(ns: argparse.Namespace) -> int:
 def _cmd_recommend(ns: argparse.Namespace) -> int:
     from gemray.serve import load_trained
     from gemray.serve.model import check_device, prepared_manifest, run_config
-    from gemray.serve.recommend import check_recommendable, read_users_file, recommend
+    from gemray.serve.recommend import IdMaps, check_recommendable, read_users_file, recommend
 
     if ns.k < 1:  # before the model is loaded (recommend() refuses it too, for Python callers)
         raise ValueError(f"--k {ns.k}: expected >= 1")
@@ -676,14 +679,17 @@ def _cmd_recommend(ns: argparse.Namespace) -> int:
     if ns.out:
         _writable_file(ns.out, "--out")  # before the model is loaded and the users scored
     # a model recommend cannot serve is refused from its config, before any checkpoint is read
-    check_recommendable(run_config(ns.checkpoint, config=ns.config, overrides=ns.overrides))
+    cfg = run_config(ns.checkpoint, config=ns.config, overrides=ns.overrides)
+    check_recommendable(cfg)
     users = ns.user if ns.user else read_users_file(ns.users_file)
     # as evaluate: an unprepared --data refused before the checkpoint is looked at, another item count before the
-    # model loads; the manifest read once
-    manifest = prepared_manifest(ns.data) if ns.data is not None else None
+    # model loads; the manifest of the data served (--data's, else the run's) read once
+    served = ns.data if ns.data is not None else cfg.data.prepared_dir
+    manifest = prepared_manifest(served)
+    IdMaps(manifest).dense_users(users)  # a user the data does not have, from its manifest / id map: no model load
     trained = load_trained(ns.checkpoint, config=ns.config, overrides=ns.overrides, device=ns.device,
-                           data_manifest=manifest)
-    recs = recommend(trained, users, k=ns.k, prepared_dir=ns.data, manifest=manifest)
+                           data_manifest=manifest if ns.data is not None else None)
+    recs = recommend(trained, users, k=ns.k, prepared_dir=served, manifest=manifest)
     if ns.out:
         import pyarrow.parquet as pq
 
@@ -754,7 +760,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "train command resumes from it. Works across hosts on a shared folder.")
     where = pre.add_mutually_exclusive_group(required=True)
     where.add_argument("--output", default=None,
-                       help="the run's output folder (its --output, default runs/<name>); notice: DIR/PREEMPT")
+                       help="the run's output folder (its --output, default runs/<name>); notice: DIR/PREEMPT; a "
+                       "missing folder means no run has started there: exit 0 without writing")
     where.add_argument("--notice", default=None, metavar="PATH",
                        help="the notice file itself (checkpoint.preempt_notice); a missing folder means no run "
                        "has started there: exit 0 without writing")

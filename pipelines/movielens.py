@@ -497,6 +497,7 @@ def check_replaceable(out: Path, sources: list[tuple[Path, str]]) -> dict[str, A
     files that manifest lists (:func:`listed_files`: histories, items, quarantine, id maps, the run file). A
     folder with other files (notes, a source copy, another program's manifest.json) is refused, as is an ``out``
     that contains one of the local ``sources`` ((path, name to show) pairs). Used by every ``prepare`` command.
+    An ``out`` that cannot be created there is refused too (:func:`check_creatable`), before any work.
     Returns the manifest of the preparation that will be replaced, or None (nothing to replace)."""
     out_abs = out.resolve()
     for src, shown in sources:
@@ -504,6 +505,7 @@ def check_replaceable(out: Path, sources: list[tuple[Path, str]]) -> dict[str, A
         if out_abs == src_abs or out_abs in src_abs.parents:
             raise ValueError(f"{out}: holds the source {shown}; replacing it would delete the source: choose "
                              "another --out")
+    check_creatable(out)
     if not out.exists():
         return None
     if not out.is_dir():
@@ -525,6 +527,27 @@ def check_replaceable(out: Path, sources: list[tuple[Path, str]]) -> dict[str, A
         raise ValueError(f"{out}: holds files its {MANIFEST_FILE} does not list ({', '.join(extra[:5])}{more}); "
                          "replacing the folder would delete them: move them out or choose another --out")
     return prev
+
+
+def check_creatable(out: Path) -> None:
+    """Refuse (ValueError naming ``out``, the folder in the way and why) an ``out`` that this process
+    cannot create or replace: the preparation is written to a temporary sibling folder of ``out`` and renamed into place,
+    so the nearest existing folder on ``out``'s path (its parent, or an ancestor that the preparation creates
+    the missing folders below) must accept a new folder. Probed with a temporary folder removed at once
+    (``os.access`` says yes to root on a read-only mount); without it the failure came after the source was
+    parsed, as an errno line naming the internal temporary folder."""
+    import tempfile
+
+    parent = out.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"{out}: cannot create it: {parent} is not a folder; choose another --out")
+    try:
+        os.rmdir(tempfile.mkdtemp(dir=parent, prefix=".gemray-write-probe-"))
+    except OSError as e:
+        raise ValueError(f"{out}: cannot create it: {parent} does not accept a new folder "
+                         f"({e.strerror or e}); choose another --out") from e
 
 
 def listed_files(manifest: dict[str, Any]) -> list[str]:

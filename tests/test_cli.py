@@ -200,3 +200,42 @@ def test_serve_commands_name_the_flag_for_a_bare_run_folder(argv, line, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[0].startswith(f"usage: gemray {argv[0]} ") and err[-1] == f"gemray {argv[0]}: error: {line}", err
+
+
+@pytest.mark.parametrize("out_of", [lambda tmp: Path("/proc/p1"),  # /proc takes no new folder, even from root
+                                    lambda tmp: tmp / "a-file" / "sub" / "prepared"])
+def test_prepare_refuses_an_out_it_cannot_create(capsys, tmp_path, out_of):
+    """An --out whose folder takes no new folder was refused only after the source was parsed, with a raw errno
+    line naming the internal temporary folder (`/proc/.p1.tmp-<pid>-...`): now one line naming --out and why."""
+    if not Path("/proc/self").is_dir():
+        pytest.skip("no /proc")
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "u.data").write_text("1\t2\t3\t4\n1\t3\t3\t5\n")
+    (tmp_path / "a-file").write_text("not a folder")
+    out = out_of(tmp_path)
+    assert main(["prepare", "movielens", "--src", str(src), "--out", str(out)]) == 2
+    err = _err_line(capsys)
+    assert err.startswith(f"gemray: error: {out}: cannot create it: ") and err.endswith("choose another --out"), err
+    assert ".tmp-" not in err and "[Errno" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "src"]  # no probe left behind
+
+
+def test_k8s_validate_refuses_a_file_that_is_no_manifest(capsys, tmp_path):
+    """`gemray k8s validate README.md` printed `error:` (not `gemray: error:`), exit 1, with PyYAML's multi-line
+    message squashed into one (its source excerpt and caret inline, the stream named "<unicode string>"). A file
+    that is no manifest at all is a usage error as a missing one is: one `gemray: error:` line naming the file and
+    where the parser stopped, exit 2."""
+    pytest.importorskip("yaml")
+    md = tmp_path / "README.md"
+    md.write_text("# gemray\n\nRay-orchestrated training. Data streams them\nas jagged: no padding.\n")
+    assert main(["k8s", "validate", str(md), "--crds", str(tmp_path)]) == 2
+    assert _err_line(capsys) == (f"gemray: error: {md}: not valid YAML: line 4, column 10: mapping values are not "
+                                 "allowed here")
+    md.write_text("# gemray\n\nRay-orchestrated: training\nData streams them as jagged\n")
+    assert main(["k8s", "validate", str(md), "--crds", str(tmp_path)]) == 2
+    assert _err_line(capsys) == (f"gemray: error: {md}: not valid YAML: line 5, column 1: could not find expected "
+                                 "':' (while scanning a simple key at line 4, column 1)")
+    md.write_text("just a sentence\n")
+    assert main(["k8s", "validate", str(md), "--crds", str(tmp_path)]) == 2
+    assert _err_line(capsys) == f"gemray: error: {md} (document 1): not a Kubernetes object (a str)"

@@ -262,3 +262,23 @@ def test_progress_lines_become_a_bar_on_a_terminal(tmp_path):
     assert "epoch 1:" in shown and "4/4" in shown and "loss 7.5000, 190 samples/s, ETA 0:00:01" in shown  # tqdm's bar
     assert "step 2/4" not in shown and "epoch 1 done: epoch=1\n" in shown
     assert s.bar.bar is None  # closed at the epoch's last step
+
+
+def test_readme_lists_the_console_lines_of_a_checkpoint_save():
+    """README "Logs and TensorBoard" lists the console lines of a run; those of a checkpoint save were missing:
+    rank 0's `checkpoint save:` line (gemray.checkpoint) and the `checkpoint_saved` event (gemray.events). Its
+    example lines are lines the console shows (keep_line), and the save line is what save_summary prints for the
+    figures of the event beside it, as the event's own save_summary."""
+    from gemray.checkpoint import save_summary
+
+    section = (REPO / "README.md").read_text().split("## Logs and TensorBoard\n", 1)[1].split("\n## ", 1)[0]
+    prose, block = section.split("```\n", 2)[:2]
+    assert "`checkpoint_saved` event" in " ".join(prose.split())
+    lines = block.strip().splitlines()
+    assert lines and all(keep_line(ln) for ln in lines), lines
+    save = [ln for ln in lines if " gemray.checkpoint INFO rank 0/" in ln and " checkpoint save: " in ln]
+    event = [ln for ln in lines if " gemray.events INFO event checkpoint_saved: " in ln]
+    assert len(save) == 1 and len(event) == 1, lines
+    detail = json.loads(event[0].split("event checkpoint_saved: ", 1)[1])
+    assert detail["reason"] in ("final", "epoch", "periodic", "emergency")
+    assert save[0].split(" checkpoint save: ", 1)[1] == save_summary(detail["save"]) == detail["save_summary"]

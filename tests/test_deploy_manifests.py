@@ -105,23 +105,25 @@ def test_validate_cli_accepts_deploy_and_names_the_broken_field(tmp_path, capsys
     assert cli.main(["validate", str(p), "--crds", str(CRD_DIR)]) == 1
     err = capsys.readouterr().err
     assert "invalid at 'spec/shutdownAfterJobFinishes_': unknown field 'shutdownAfterJobFinishes_'" in err, err
-    for text, want in [("", "no YAML documents"), ("- a\n- b\n", "not a Kubernetes object"),
-                       (yaml.safe_dump({**typo, "metadata": {}}), "metadata/name': a name"),
-                       ((DEPLOY / "rayjob-cpu.yaml").read_text().replace("  name:", "  name: dup\n  name:", 1),
-                        "duplicate key 'name'")]:
+    # a file that is no manifest at all is a usage error (2), an invalid Kubernetes object the verdict (1)
+    for text, want, status in [("", "no YAML documents", 2), ("- a\n- b\n", "not a Kubernetes object", 2),
+                               (yaml.safe_dump({**typo, "metadata": {}}), "metadata/name': a name", 1),
+                               ((DEPLOY / "rayjob-cpu.yaml").read_text().replace("  name:", "  name: dup\n  name:", 1),
+                                "duplicate key 'name'", 2)]:
         p.write_text(text)
-        assert cli.main(["validate", str(p), "--crds", str(CRD_DIR)]) == 1, want
+        assert cli.main(["validate", str(p), "--crds", str(CRD_DIR)]) == status, want
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and want in err[0], (want, err)
+        assert len(err) == 1 and err[0].startswith("gemray: error: ") and want in err[0], (want, err)
     minmax = yaml.safe_load((DEPLOY / "raycluster-cpu.yaml").read_text())
     minmax["spec"]["workerGroupSpecs"][0].update(minReplicas=5, maxReplicas=2)
     p.write_text(yaml.safe_dump(minmax))
     assert cli.main(["validate", str(p), "--crds", str(CRD_DIR)]) == 1
     assert "workerGroupSpecs/0/minReplicas': minReplicas 5 > maxReplicas 2" in capsys.readouterr().err
     p.write_text("kind: RayJob\nspec: [unclosed\n")
-    assert cli.main(["validate", str(p), "--crds", str(CRD_DIR)]) == 1
+    assert cli.main(["validate", str(p), "--crds", str(CRD_DIR)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "bad.yaml: not valid YAML" in err[0], err
+    assert err == [f"gemray: error: {p}: not valid YAML: line 3, column 1: expected ',' or ']', but got "
+                   "'<stream end>' (while parsing a flow sequence at line 2, column 7)"], err
     assert cli.main(["validate", str(tmp_path / "none.yaml"), "--crds", str(CRD_DIR)]) == 2  # a usage error
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"gemray: error: no such file: {tmp_path / 'none.yaml'}"], err
@@ -550,7 +552,7 @@ def test_validate_names_a_document_without_metadata_name_by_position(tmp_path, c
     p.write_text(yaml.safe_dump_all([good, generated, {**good, "metadata": {"labels": {"app": "gemray"}}}]))
     assert cli.main(["validate", str(p), "--crds", str(CRD_DIR)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"error: {p} (document 3, RayCluster, no metadata.name): invalid at 'metadata/name': a name (or "
+    assert err == [f"gemray: error: {p} (document 3, RayCluster, no metadata.name): invalid at 'metadata/name': a name (or "
                    "generateName) is required"], err
     nameless = {k: v for k, v in good.items() if k not in ("kind", "metadata")}
     p.write_text(yaml.safe_dump(nameless))

@@ -621,6 +621,39 @@ def test_recommend_unknown_user_names_the_users_of_the_data(small_checkpoint, ca
         read_histories(manifest, [3, 0])  # dense ids, as for an id in a gap of the range
 
 
+@pytest.mark.parametrize("with_data", [False, True], ids=["run_data", "data"])
+def test_recommend_unknown_user_is_refused_before_the_model_loads(with_data, small_checkpoint, monkeypatch, capsys):
+    """`gemray recommend --user 999999`: the id is checked against the served data's manifest (the run's
+    data.prepared_dir, or --data) before the model loads, same message (was: after the whole load, 13-17 s on an
+    ML-1M run)."""
+    import gemray.serve
+    from gemray.cli import main
+
+    ckpt, data, _ = small_checkpoint
+    monkeypatch.setattr(gemray.serve, "load_trained", lambda *a, **k: pytest.fail("the model must not load"))
+    assert main(["recommend", "--checkpoint", str(ckpt), "--user", "1", "--user", "999999",
+                 *(["--data", str(data)] * with_data)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"gemray: error: user id 999999: not a user of {data.resolve()} (60 users, ids 1..60)"], err
+
+
+def test_data_refusals_come_before_the_model_code_is_imported(small_checkpoint):
+    """An unknown user and --data of another item count are refused from manifests and the checkpoint's record,
+    before TorchRec (the model's code, seconds to import) is imported, in a fresh process as a user runs them."""
+    ckpt, data, other = small_checkpoint
+    runs = [["recommend", "--checkpoint", str(ckpt), "--user", "999999"],
+            ["evaluate", "--checkpoint", str(ckpt), "--data", str(other), "--json", "-"],
+            ["recommend", "--checkpoint", str(ckpt), "--data", str(other), "--user", "1"]]
+    code = ("import json, sys\nfrom gemray.cli import main\n"
+            f"for argv in {runs!r}:\n"
+            "    print(json.dumps([main(argv), 'torchrec' in sys.modules]), flush=True)\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert [json.loads(ln) for ln in p.stdout.splitlines()] == [[2, False]] * 3, p.stdout + p.stderr
+    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("gemray: error: ")]
+    assert len(errors) == 3 and "user id 999999: not a user of" in errors[0], p.stderr
+    assert all("150 items, but the checkpoint" in e for e in errors[1:]), p.stderr
+
+
 @pytest.mark.parametrize("command", sorted(COMMANDS))
 def test_data_manifest_is_read_once(command, small_checkpoint, monkeypatch, capsys):
     """`gemray evaluate / recommend --data DIR` reads DIR's manifest once, for the check before the model loads and

@@ -20,7 +20,7 @@ from typing import Any
 from gemray.config import USER_ERRORS, load_config, writable_file
 from gemray.k8s.render import (DEFAULT_GPU_IMAGE, DEFAULT_IMAGE, GENERATED_HEADER, KINDS, PREEMPT_MARGIN_S,
                                DeployOptions, render, render_pvc, to_yaml)
-from gemray.k8s.validate import validate_files
+from gemray.k8s.validate import NotAManifest, validate_files
 
 
 def add_render_arguments(p: Any) -> None:
@@ -158,9 +158,10 @@ def _missing_files(paths: list[str]) -> str:
 
 
 def cli_validate(ns: Any) -> int:
-    """Run ``gemray k8s validate``: print one ok line per document, or the first error; exit status 0, 1 for an
-    invalid manifest, 2 for a usage error: a manifest file that does not exist, or a KubeRay CRD file missing
-    from ``--crds``."""
+    """Run ``gemray k8s validate``: print one ok line per document, or the first error as one ``gemray: error:``
+    line; exit status 0, 1 for an invalid manifest, 2 for a usage error: a manifest file that does not exist or is
+    not a manifest at all (not YAML, empty, not a Kubernetes object: :class:`NotAManifest`), or a KubeRay CRD file
+    missing from ``--crds``."""
     missing = [f for f in ns.files if not os.path.isfile(f)]
     if missing:  # a usage error (exit 2, as for other missing files), not an invalid manifest (exit 1)
         print(f"gemray: error: {_missing_files(missing)}", file=sys.stderr)
@@ -168,11 +169,11 @@ def cli_validate(ns: Any) -> int:
     try:
         for line in validate_files(ns.files, ns.crds):
             print(line)
-    except FileNotFoundError as e:  # a missing CRD: how it was called, not the manifest (exit 2)
+    except (FileNotFoundError, NotAManifest) as e:  # a missing CRD, a file that is no manifest: usage (exit 2)
         print(f"gemray: error: {e}", file=sys.stderr)
         return 2
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except ValueError as e:  # the manifest's verdict: invalid (exit 1)
+        print(f"gemray: error: {e}", file=sys.stderr)
         return 1
     return 0
 

@@ -15,6 +15,26 @@ CRD_FILES = {"RayJob": "ray.io_rayjobs.yaml", "RayCluster": "ray.io_rayclusters.
 _VALIDATORS: dict[tuple[str, str], Any] = {}
 
 
+class NotAManifest(ValueError):
+    """A file given to :func:`validate_files` that cannot be read as Kubernetes objects at all (not text, not
+    YAML, no document, a document that is not a mapping): the wrong file given, not a manifest to judge."""
+
+
+def yaml_error_text(e: Exception) -> str:
+    """Pure: a PyYAML error ``e`` on one line that keeps where and what: ``line 5, column 1: could not find
+    expected ':' (while scanning a simple key at line 4, column 1)`` (1-based, as editors count). ``str(e)`` is
+    several lines with a source excerpt and a caret, and names the stream ``"<unicode string>"``; an error without
+    marks falls back to it, whitespace collapsed."""
+    problem, mark = getattr(e, "problem", None), getattr(e, "problem_mark", None)
+    if problem is None or mark is None:
+        return " ".join(str(e).split())
+    text = f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
+    context, cmark = getattr(e, "context", None), getattr(e, "context_mark", None)
+    if context:
+        text += f" ({context}" + (f" at line {cmark.line + 1}, column {cmark.column + 1})" if cmark else ")")
+    return text
+
+
 def crd_validator(kind: str, crd_dir: str) -> Any:
     """A cached ``jsonschema.Draft7Validator`` for ``kind`` from ``crd_dir/<CRD file>``'s
     ``spec.versions[name=v1].schema.openAPIV3Schema``. Raises FileNotFoundError / ValueError."""
@@ -106,8 +126,10 @@ def validate_files(paths: list[str], crd_dir: str) -> list[str]:
     lines (a document without metadata.name is named by its position and kind, :func:`_document_label`).
 
     Ray kinds go against the CRDs; built-in kinds (PVC, Secret, ...) through kubernetes-validate when it
-    is installed (strict, Kubernetes 1.32). Raises ValueError naming the file and document when a manifest is
-    invalid, and FileNotFoundError (naming the path and ``--crds``) when a KubeRay CRD file a document needs is not
+    is installed (strict, Kubernetes 1.32). Raises :class:`NotAManifest` (a ValueError) naming the file when it
+    cannot be read as Kubernetes objects (not text, not YAML -- where and what the parser found, on one line:
+    :func:`yaml_error_text` --, empty, a document that is not a mapping), ValueError naming the file and document
+    when a manifest is invalid, and FileNotFoundError (naming the path and ``--crds``) when a KubeRay CRD file a document needs is not
     in ``crd_dir``.
     """
     import yaml
@@ -128,15 +150,17 @@ def validate_files(paths: list[str], crd_dir: str) -> list[str]:
     for p in paths:
         try:
             docs = list(yaml.load_all(Path(p).read_text(), Loader=NoDuplicateKeys))
+        except UnicodeDecodeError as e:
+            raise NotAManifest(f"{p}: not a text file ({e.reason} at byte {e.start})") from None
         except yaml.YAMLError as e:
-            raise ValueError(f"{p}: not valid YAML: {' '.join(str(e).split())}") from None
+            raise NotAManifest(f"{p}: not valid YAML: {yaml_error_text(e)}") from None
         if not any(doc is not None for doc in docs):
-            raise ValueError(f"{p}: no YAML documents (an empty file)")
+            raise NotAManifest(f"{p}: no YAML documents (an empty file)")
         for i, doc in enumerate(docs):
             if doc is None:
                 continue
             if not isinstance(doc, dict):
-                raise ValueError(f"{p} (document {i + 1}): not a Kubernetes object (a {type(doc).__name__})")
+                raise NotAManifest(f"{p} (document {i + 1}): not a Kubernetes object (a {type(doc).__name__})")
             where = f"{p} (document {i + 1}, {_document_label(doc)})"
             meta = doc.get("metadata") if isinstance(doc.get("metadata"), dict) else {}
             if not (meta.get("name") or meta.get("generateName")):

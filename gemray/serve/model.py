@@ -213,13 +213,12 @@ def load_trained(checkpoint: str | Path, *, config: str | Path | None = None, ov
     raises ValueError before anything is loaded.
     data_manifest: the manifest (:func:`prepared_manifest`) of the prepared folder the model is to be used on
     (``gemray evaluate`` / ``recommend --data``); its item count is checked against the checkpoint's record
-    before the model is built or any weight is read (:func:`check_item_count`).
+    before the model's code is imported (TorchRec: seconds), the model built or any weight read
+    (:func:`check_item_count`), its side features and user ids once the run's own data-given sizes are known
+    (:func:`check_feature_sizes`).
     Raises FileNotFoundError / ValueError as :func:`locate_checkpoint`, ValueError for a corrupt checkpoint, one
     whose tables do not fit the config's model or one whose item count is not ``data_manifest``'s.
     """
-    from gemray.model.gem import GEM
-    from gemray.parallel import parallelize, plan_layout
-
     ckpt, cfg_file = locate_checkpoint(checkpoint, config)
     run_cfg = load_config(cfg_file)
     cfg = apply_overrides(copy.deepcopy(run_cfg), list(overrides or []))
@@ -237,10 +236,14 @@ def load_trained(checkpoint: str | Path, *, config: str | Path | None = None, ov
         num_items = int(info["item_table_rows"]) - 1
     else:
         raise ValueError(f"checkpoint {ckpt}: neither a data record nor an item table in its DCP metadata")
-    run_data = _model_data(cfg)
-    if data_manifest is not None:  # before the model is built and the weights read: the manifests tell it
+    if data_manifest is not None:  # from the manifests, before the model code (TorchRec) is even imported
         check_item_count(data_manifest["prepared_dir"], data_manifest, ckpt, num_items, record)
+    run_data = _model_data(cfg)
+    if data_manifest is not None:  # before the model is built and the weights read
         check_feature_sizes(data_manifest["prepared_dir"], data_manifest, cfg, run_data, ckpt)
+    from gemray.model.gem import GEM
+    from gemray.parallel import parallelize, plan_layout
+
     dev = pick_device(cfg, device)
     init_single_process_group(dev)
     model = GEM(cfg.model, num_items, "meta", max_seq_len=cfg.data.max_seq_len, **run_data)
