@@ -129,8 +129,8 @@ def validate_files(paths: list[str], crd_dir: str) -> list[str]:
     is installed (strict, Kubernetes 1.32). Raises :class:`NotAManifest` (a ValueError) naming the file when it
     cannot be read as Kubernetes objects (not text, not YAML -- where and what the parser found, on one line:
     :func:`yaml_error_text` --, empty, a document that is not a mapping), ValueError naming the file and document
-    when a manifest is invalid, and FileNotFoundError (naming the path and ``--crds``) when a KubeRay CRD file a document needs is not
-    in ``crd_dir``.
+    when a manifest is invalid, and FileNotFoundError (naming the path and ``--crds``) when a KubeRay CRD file a
+    document needs is not in ``crd_dir``.
     """
     import yaml
 

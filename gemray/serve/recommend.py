@@ -203,8 +203,8 @@ def recommend(trained: TrainedModel, users: list[Any], *, k: int = 10, prepared_
     prepared_dir: the folder whose histories feed the users (default the run's ``data.prepared_dir``; another
     one must have the checkpoint's item count); batch_size: users per forward (default
     ``data.eval_batch_size``); manifest: the manifest of ``prepared_dir`` when the caller has read it already
-    (``gemray recommend``: before loading the model, to refuse unknown users first), not read again. Returns a pyarrow Table of
-    :data:`RECS_COLUMNS`: user_id (raw), rank (1..k), item_id (raw), score (cosine of user and item embedding,
+    (``gemray recommend``: before loading the model, to refuse unknown users first), not read again. Returns a
+    pyarrow Table of :data:`RECS_COLUMNS`: user_id (raw), rank (1..k), item_id (raw), score (cosine of user and item embedding,
     float32), users in the order given; a user with fewer than k items outside their history gets only those
     (never a history item, never the padding id 0). Raises ValueError for k < 1, an unknown user, or data that does not fit
     the model.
