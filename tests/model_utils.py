@@ -41,6 +41,7 @@ def cpu_trainer(cfg):
 
     device = torch.device("cpu")
     made = _init_process_group(device)
+    tr = None
     try:
         tr = Trainer(cfg)
         tr.setup(context=(0, 1, device))
@@ -48,5 +49,7 @@ def cpu_trainer(cfg):
         tr.restore(from_ray=False)
         yield tr
     finally:
+        if tr is not None and tr.gc is not None:
+            tr.gc.close()  # Python's automatic garbage collection back (train.gc_every_steps), as Trainer.finish
         if made:
             dist.destroy_process_group()

@@ -680,6 +680,15 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     Every attempt logs a ``startup`` event with its phase timings.
     """
     trainer = Trainer(from_dict(config), t_start=time.time())
+    try:
+        _train(trainer)
+    finally:
+        if trainer.gc is not None:  # automatic garbage collection back even when training raised
+            trainer.gc.close()
+
+
+def _train(trainer: "Trainer") -> None:
+    """train_loop_per_worker's body: set up, restore, the epochs, :meth:`Trainer.finish`."""
     trainer.setup()
     trainer.build()
     trainer.restore()
