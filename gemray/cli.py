@@ -333,9 +333,8 @@ def _run_active(notice: Path) -> bool:
 
 def _cmd_preempt(ns: argparse.Namespace) -> int:
     """Write the notice (unless one is already pending there), then optionally wait for the run to commit
-    its emergency checkpoint. Exit 0 when written/handled/no run is active, and without writing when the notice's
-    folder (--output DIR, or --notice's folder) does not exist: no run has started there; 1 on a --wait timeout;
-    raises NotADirectoryError for an --output that is a file and ValueError for a negative --wait."""
+    its emergency checkpoint. Exit 0 when written/handled/no run is active, 1 on a --wait timeout; raises
+    NotADirectoryError for a missing --output folder and ValueError for a negative --wait."""
     import socket
 
     from gemray import preemption
@@ -345,20 +344,18 @@ def _cmd_preempt(ns: argparse.Namespace) -> int:
         raise ValueError(f"--wait {ns.wait}: expected >= 0 seconds")
     if ns.output is not None:
         out = Path(ns.output)
-        if out.exists() and not out.is_dir():
-            raise NotADirectoryError(f"--output {out}: a file, not a folder (the --output of the running "
-                                     "`gemray train`)")
+        if not out.is_dir():
+            raise NotADirectoryError(f"--output {out}: " + ("a file, not a folder" if out.exists() else "no such folder")
+                                     + " (the --output of the running `gemray train`)")
         path = out / NOTICE_NAME
     else:
         path = Path(ns.notice)
         if path.is_dir():
             return _fail(f"--notice {path} is a folder: give the notice file's path (e.g. {path / NOTICE_NAME}), "
                          "or the run's folder with --output")
-    # --output DIR is the notice DIR/PREEMPT: either way a missing folder (a pod deleted before its run started, a
-    # run not started yet or removed) holds no run to stop
-    if not path.parent.is_dir():
-        print(f"no run folder {path.parent}: no run has started there, nothing to preempt")
-        return 0
+        if not path.parent.is_dir():  # e.g. a pod deleted before its run started: nothing to stop
+            print(f"no run folder {path.parent}: no run has started there, nothing to preempt")
+            return 0
     existing = read_notice(path)
     if existing is None:
         write_notice(path, ns.reason.replace("{host}", socket.gethostname()))
@@ -760,8 +757,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "train command resumes from it. Works across hosts on a shared folder.")
     where = pre.add_mutually_exclusive_group(required=True)
     where.add_argument("--output", default=None,
-                       help="the run's output folder (its --output, default runs/<name>); notice: DIR/PREEMPT; a "
-                       "missing folder means no run has started there: exit 0 without writing")
+                       help="the run's output folder (its --output, default runs/<name>); notice: DIR/PREEMPT; a missing "
+                       "folder is refused (exit 2), unlike --notice's")
     where.add_argument("--notice", default=None, metavar="PATH",
                        help="the notice file itself (checkpoint.preempt_notice); a missing folder means no run "
                        "has started there: exit 0 without writing")

@@ -146,19 +146,6 @@ def test_notice_folder_missing_means_nothing_to_preempt(tmp_path, capsys):
     assert not p.parent.exists()
 
 
-@pytest.mark.parametrize("wait", [[], ["--wait", "60"]], ids=["no_wait", "wait"])
-def test_output_and_notice_treat_a_missing_folder_alike(tmp_path, capsys, wait):
-    """`--output DIR` is the notice DIR/PREEMPT: a missing DIR now means no run has started there, exit 0 without
-    writing, as `--notice DIR/PREEMPT` does (was: --output refused it, exit 2, for the same situation)."""
-    run = tmp_path / "runs" / "not-started"
-    outcomes = []
-    for argv in (["--output", str(run)], ["--notice", str(run / NOTICE_NAME)]):
-        outcomes.append((main(["preempt", *argv, *wait]), capsys.readouterr()))
-    assert [(rc, c.out, c.err) for rc, c in outcomes] == [
-        (0, f"no run folder {run}: no run has started there, nothing to preempt\n", "")] * 2
-    assert not (tmp_path / "runs").exists()
-
-
 def test_pending_notice_is_not_replaced(tmp_path, capsys):
     p = tmp_path / NOTICE_NAME
     write_notice(p, "first pod")
@@ -173,6 +160,8 @@ def test_output_and_notice_are_exclusive_and_one_is_required(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["preempt"])
     assert e.value.code == 2
+    assert main(["preempt", "--output", str(tmp_path / "missing")]) == 2  # as before: no such run folder
+    assert "no such folder" in capsys.readouterr().err
     (tmp_path / "afile").write_text("x")
     assert main(["preempt", "--output", str(tmp_path / "afile")]) == 2
     assert "a file, not a folder" in capsys.readouterr().err
