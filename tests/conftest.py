@@ -38,6 +38,19 @@ def pytest_collection_finish(session: pytest.Session) -> None:
                     f"or set GEMRAY_SHARED=/path/to/shared): missing {', '.join(missing)}", returncode=4)
 
 
+@pytest.fixture(autouse=True)
+def _automatic_gc_restored():
+    """Python's automatic garbage collection as each test found it: a Trainer stepped in-process switches it off
+    (``train.gc_every_steps``, default 50) and gives it back in ``finish()`` / the training loop's and the bench's
+    ``finally``; tests that step a bare Trainer never reach those, and later tests would run without it."""
+    import gc
+
+    was = gc.isenabled()
+    yield
+    if was and not gc.isenabled():
+        gc.enable()
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     session.config._gemray_exitstatus = int(exitstatus)
 
