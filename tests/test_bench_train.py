@@ -708,3 +708,23 @@ def test_steady_device_idle_counts_the_gaps_after_the_marker_only():
     assert steady_device_idle([("a", 0.0, 1.0)], steps=2) is None              # no marker
     assert steady_device_idle([(MARKER_KERNEL, 0.0, 1.0)], steps=2) is None    # nothing after it
     assert steady_device_idle(kernels, steps=0) is None
+
+
+def test_bench_leaves_sigterm_to_the_process(synthetic, tmp_path):
+    """The bench never polls the preemption vote, so its trainer installs no SIGTERM handler: `timeout ... gemray
+    bench train` ends at the first SIGTERM (with the vote's handler it logged "emergency checkpoint at the next poll
+    step" and ran on until a second one). A training Trainer still installs it."""
+    import signal
+
+    from gemray.bench.train import run_bench
+
+    cfg = load_config(CONFIG, _overrides(synthetic)[1:] + ["train.compile=false"])
+    sentinel = lambda signum, frame: None  # noqa: E731
+    previous = signal.signal(signal.SIGTERM, sentinel)
+    try:
+        run_bench(cfg, steps=1, warmup=0)
+        assert signal.getsignal(signal.SIGTERM) is sentinel
+        with cpu_trainer(cfg) as tr:
+            assert tr.vote is not None and signal.getsignal(signal.SIGTERM) is not sentinel
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -769,7 +769,7 @@ def run_bench(cfg: JobConfig, *, steps: int, warmup: int, profile: bool = False,
         snap0 = compile_snapshot()
         t0 = time.perf_counter()
         trainer = Trainer(cfg)
-        trainer.setup(context=(0, 1, device))
+        trainer.setup(context=(0, 1, device), sigterm=False)  # the bench polls no vote: SIGTERM ends it
         trainer.build()
         trainer.restore(from_ray=False)
         build_s = time.perf_counter() - t0

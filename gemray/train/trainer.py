@@ -237,13 +237,15 @@ class Trainer:
         self.gc: GarbageCollection | None = None  # train.gc_every_steps, acted on from the first step on
 
     # -- setup: who am I, where do I run, what data ------------------------------------------------------
-    def setup(self, context: tuple[int, int, torch.device] | None = None) -> None:
+    def setup(self, context: tuple[int, int, torch.device] | None = None, *, sigterm: bool = True) -> None:
         """Device and process-group facts, logging, the layout for this world size, the attempt id
         (collective), the event recorder and preemption vote, then the data streams.
 
         context: None = Ray Train's (world rank, world size, its device); or (rank, world_size, device) for a
         process outside Ray Train whose caller made the default process group (``gemray bench train``: world
-        size 1, gloo). The device's dense bf16 peak (``peak_flops``, None on CPU) is looked up here."""
+        size 1, gloo). The device's dense bf16 peak (``peak_flops``, None on CPU) is looked up here.
+        sigterm: install the vote's SIGTERM handler (an emergency checkpoint at the next poll step); False for a
+        caller that never polls the vote (``gemray bench train``: SIGTERM must end it, as ``timeout`` expects)."""
         cfg = self.cfg
         # parallel.collectives: NCCL's environment before this process's first NCCL communicator (the
         # controller already put it in the workers' runtime_env; this covers processes started without it)
@@ -286,7 +288,8 @@ class Trainer:
                  self.layout.backend, cfg.name, self.dims.describe())
         self.vote = PreemptionVote(cfg.checkpoint.preempt_notice, self.device, self.world,
                                    cfg.checkpoint.preempt_poll_steps)
-        self.vote.install_sigterm_handler()
+        if sigterm:
+            self.vote.install_sigterm_handler()
         self._open_data()
         self.recorder.phase_done("setup_and_data_s")
 
