@@ -779,6 +779,10 @@ class RayConfig:
                 raise ValueError(f"ray.{name}: expected >= 0, got {getattr(self, name)}")
         if self.health_check_interval_s <= 0:
             raise ValueError(f"ray.health_check_interval_s: expected > 0, got {self.health_check_interval_s}")
+        if bool(self.min_workers) != bool(self.max_workers):  # training, preflight and k8s read the pair alike
+            raise ValueError(f"ray.min_workers / ray.max_workers: set both (an elastic run) or neither (fixed at "
+                             f"ray.num_workers), got min_workers = {self.min_workers}, max_workers = "
+                             f"{self.max_workers}")
         if self.min_workers and self.max_workers and self.min_workers > self.max_workers:
             raise ValueError(
                 f"ray.min_workers ({self.min_workers}) > ray.max_workers ({self.max_workers})")

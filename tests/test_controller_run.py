@@ -672,8 +672,9 @@ def test_scaling_is_fixed_or_elastic():
     cfg = apply_overrides(cfg, ["ray.min_workers=1", "ray.max_workers=4", "ray.resize_interval_s=7"])
     kw = run.scaling(cfg)
     assert kw["num_workers"] == (1, 4) and kw["elastic_resize_monitor_interval_s"] == 7
-    only_min = apply_overrides(JobConfig(), ["ray.min_workers=1"])
-    assert run.scaling(only_min)["num_workers"] == only_min.ray.num_workers  # both bounds or none
+    for one in ("ray.min_workers=1", "ray.max_workers=4"):  # both bounds or none: one alone is refused (training
+        with pytest.raises(ValueError, match="set both"):    # ignored it while k8s render used it)
+            apply_overrides(JobConfig(), [one])
 
 
 def test_ray_train_env_defers_to_the_environment_and_is_restored(monkeypatch):
