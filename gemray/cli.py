@@ -332,13 +332,14 @@ def _run_active(notice: Path) -> bool:
 
 
 def _cmd_preempt(ns: argparse.Namespace) -> int:
-    """Write the notice (unless one is already pending there), then optionally wait for the run to commit
-    its emergency checkpoint. Exit 0 when written/handled/no run is active, 1 on a --wait timeout; raises
+    """Write the notice (unless one is already pending there; a handled one whose run has gone is replaced), then
+    optionally wait for the run to commit its emergency checkpoint. Exit 0 when written/handled/no run is active, 1 on a --wait timeout; raises
     NotADirectoryError for a missing --output folder and ValueError for a negative --wait."""
     import socket
 
     from gemray import preemption
-    from gemray.preemption import NOTICE_NAME, active_path, read_notice, wait_until_handled, write_notice
+    from gemray.preemption import (NOTICE_NAME, active_path, is_handled, read_notice, wait_until_handled,
+                                   write_notice)
 
     if ns.wait is not None and ns.wait < 0:
         raise ValueError(f"--wait {ns.wait}: expected >= 0 seconds")
@@ -357,6 +358,12 @@ def _cmd_preempt(ns: argparse.Namespace) -> int:
             print(f"no run folder {path.parent}: no run has started there, nothing to preempt")
             return 0
     existing = read_notice(path)
+    if existing is not None and is_handled(existing) and not active_path(path).exists():
+        # an earlier preemption's notice, handled, its run gone (no active marker): history, not a pending notice
+        # (answering from it reported that old checkpoint as this request's); the next run removes a new one at start
+        print(f"replacing the handled notice of an earlier preemption at {path} "
+              f"(global step {existing['handled'].get('global_step')})")
+        existing = None
     if existing is None:
         write_notice(path, ns.reason.replace("{host}", socket.gethostname()))
         if _run_active(path):

@@ -153,6 +153,28 @@ def test_pending_notice_is_not_replaced(tmp_path, capsys):
     assert read_notice(p)["reason"] == "first pod" and "already" in capsys.readouterr().out
 
 
+def test_a_handled_notice_of_a_gone_run_is_replaced_not_reported(tmp_path, capsys):
+    """A finished / preempted run's handled notice (its active marker removed) is history: a new `preempt --wait`
+    writes its own notice and says no run is active, instead of answering with the old emergency checkpoint (a new
+    user's finding). While the marker is there (the stopping driver has not exited yet), the handled notice answers."""
+    p = tmp_path / NOTICE_NAME
+    write_notice(p, "user test")
+    mark_handled(p, 15, "/ckpt/old")
+    assert main(["preempt", "--output", str(tmp_path), "--reason", "again", "--wait", "10"]) == 0
+    out = capsys.readouterr().out
+    assert "replacing the handled notice of an earlier preemption" in out and "global step 15" in out
+    assert "no run is active" in out and "/ckpt/old" not in out
+    assert read_notice(p)["reason"] == "again" and not is_handled(read_notice(p))
+    mark_handled(p, 20, "/ckpt/stopping")
+    mark_active(p)  # the stopping driver still there: its handled notice is the answer
+    try:
+        assert main(["preempt", "--output", str(tmp_path), "--wait", "10"]) == 0
+        out = capsys.readouterr().out
+        assert "already" in out and "emergency checkpoint of global step 20 committed at /ckpt/stopping" in out
+    finally:
+        clear_active(p)
+
+
 def test_output_and_notice_are_exclusive_and_one_is_required(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["preempt", "--output", str(tmp_path), "--notice", str(tmp_path / NOTICE_NAME)])
