@@ -333,8 +333,9 @@ def _run_active(notice: Path) -> bool:
 
 def _cmd_preempt(ns: argparse.Namespace) -> int:
     """Write the notice (unless one is already pending there; a handled one whose run has gone is replaced), then
-    optionally wait for the run to commit its emergency checkpoint. Exit 0 when written/handled/no run is active, 1 on a --wait timeout; raises
-    NotADirectoryError for a missing --output folder and ValueError for a negative --wait."""
+    optionally wait for the run to commit its emergency checkpoint. Exit 0 when written/handled/no run is active,
+    1 on a --wait timeout; raises NotADirectoryError for a missing --output folder and ValueError for a negative
+    --wait."""
     import socket
 
     from gemray import preemption
@@ -690,10 +691,11 @@ def _cmd_recommend(ns: argparse.Namespace) -> int:
     # model loads; the manifest of the data served (--data's, else the run's) read once
     served = ns.data if ns.data is not None else cfg.data.prepared_dir
     manifest = prepared_manifest(served)
-    IdMaps(manifest).dense_users(users)  # a user the data does not have, from its manifest / id map: no model load
+    maps = IdMaps(manifest)
+    maps.dense_users(users)  # a user the data does not have, from its manifest / id maps: refused before the model loads
     trained = load_trained(ns.checkpoint, config=ns.config, overrides=ns.overrides, device=ns.device,
                            data_manifest=manifest if ns.data is not None else None)
-    recs = recommend(trained, users, k=ns.k, prepared_dir=served, manifest=manifest)
+    recs = recommend(trained, users, k=ns.k, prepared_dir=served, manifest=manifest, maps=maps)
     if ns.out:
         import pyarrow.parquet as pq
 
@@ -764,8 +766,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "train command resumes from it. Works across hosts on a shared folder.")
     where = pre.add_mutually_exclusive_group(required=True)
     where.add_argument("--output", default=None,
-                       help="the run's output folder (its --output, default runs/<name>); notice: DIR/PREEMPT; a missing "
-                       "folder is refused (exit 2), unlike --notice's")
+                       help="the run's output folder (its --output, default runs/<name>); notice: DIR/PREEMPT; "
+                       "a missing folder is refused (exit 2), unlike --notice's")
     where.add_argument("--notice", default=None, metavar="PATH",
                        help="the notice file itself (checkpoint.preempt_notice); a missing folder means no run "
                        "has started there: exit 0 without writing")

@@ -197,17 +197,19 @@ def check_recommendable(cfg: JobConfig) -> None:
 
 
 def recommend(trained: TrainedModel, users: list[Any], *, k: int = 10, prepared_dir: str | Path | None = None,
-              batch_size: int | None = None, manifest: dict[str, Any] | None = None) -> pa.Table:
+              batch_size: int | None = None, manifest: dict[str, Any] | None = None,
+              maps: IdMaps | None = None) -> pa.Table:
     """Top-``k`` items for each of ``users`` (raw user ids as the data knows them; see :class:`IdMaps`).
 
     prepared_dir: the folder whose histories feed the users (default the run's ``data.prepared_dir``; another
     one must have the checkpoint's item count); batch_size: users per forward (default
     ``data.eval_batch_size``); manifest: the manifest of ``prepared_dir`` when the caller has read it already
-    (``gemray recommend``: before loading the model, to refuse unknown users first), not read again. Returns a
-    pyarrow Table of :data:`RECS_COLUMNS`: user_id (raw), rank (1..k), item_id (raw), score (cosine of user and item embedding,
-    float32), users in the order given; a user with fewer than k items outside their history gets only those
-    (never a history item, never the padding id 0). Raises ValueError for k < 1, an unknown user, or data that does not fit
-    the model.
+    (``gemray recommend``: before loading the model, to refuse unknown users first), not read again; maps: its
+    :class:`IdMaps` when the caller has built them already (the same reason), not read again. Returns a pyarrow
+    Table of :data:`RECS_COLUMNS`: user_id (raw), rank (1..k), item_id (raw), score (cosine of user and item
+    embedding, float32), users in the order given; a user with fewer than k items outside their history gets only
+    those (never a history item, never the padding id 0). Raises ValueError for k < 1, an unknown user, or data
+    that does not fit the model.
     """
     if int(k) < 1:
         raise ValueError(f"--k {k}: expected >= 1")
@@ -215,7 +217,8 @@ def recommend(trained: TrainedModel, users: list[Any], *, k: int = 10, prepared_
     check_recommendable(cfg)
     manifest = check_data(trained, prepared_dir or cfg.data.prepared_dir,
                           manifest if prepared_dir is not None else None)
-    maps = IdMaps(manifest)
+    if maps is None:
+        maps = IdMaps(manifest)
     dense = maps.dense_users(list(users))
     bs = int(batch_size or cfg.data.eval_batch_size)
     cols: dict[str, list] = {c: [] for c in RECS_COLUMNS}
