@@ -41,8 +41,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 @pytest.fixture(autouse=True)
 def _automatic_gc_restored():
     """Python's automatic garbage collection as each test found it: a Trainer stepped in-process switches it off
-    (``train.gc_every_steps``, default 50) and gives it back in ``finish()`` / the training loop's and the bench's
-    ``finally``; tests that step a bare Trainer never reach those, and later tests would run without it."""
+    (``train.gc_every_steps``, default 50) and gives it back in the training loop's and the bench's ``finally``;
+    tests that step a bare Trainer never reach those, and later tests would run without it."""
     import gc
 
     was = gc.isenabled()

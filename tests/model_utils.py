@@ -50,6 +50,6 @@ def cpu_trainer(cfg):
         yield tr
     finally:
         if tr is not None and tr.gc is not None:
-            tr.gc.close()  # Python's automatic garbage collection back (train.gc_every_steps), as Trainer.finish
+            tr.gc.close()  # automatic garbage collection back (train.gc_every_steps): module fixtures use it too
         if made:
             dist.destroy_process_group()

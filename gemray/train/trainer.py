@@ -652,12 +652,10 @@ class Trainer:
 
     # -- the end -----------------------------------------------------------------------------------------
     def finish(self) -> None:
-        """Close the ledger, give Python's garbage collection back; unless stopped on a preemption notice, record
-        ``finished``."""
+        """Close the ledger; unless stopped on a preemption notice, record ``finished``. (Python's garbage collection
+        is given back by train_loop_per_worker's ``finally``, also when training raises.)"""
         if self.ledger is not None:
             self.ledger.close()
-        if self.gc is not None:
-            self.gc.close()
         if self.stopped:
             return  # the run ends here; Ray Train commits the emergency checkpoint as the run's latest
         if self.start_epoch >= self.cfg.train.epochs:
