@@ -12,8 +12,12 @@ batch like the step's (CUDA events via ``triton.testing.do_bench``, median ms):
   vs ``kernel="reference"`` (the former path: FBGEMM jagged_to_padded_dense -> bmm -> dense_to_jagged).
 
     . benchmarks/h200_env.sh && python3 benchmarks/sampled_softmax_h200.py --out $OUT
+    . benchmarks/h200_env.sh && python3 benchmarks/sampled_softmax_h200.py --sweep --out $OUT
 
-Prints one table and the errors of the kernel against the reference; writes $OUT/sampled_softmax.json.
+Prints one table and the errors of the kernel against the reference; writes $OUT/sampled_softmax.json. With
+``--sweep``: each of the three kernels alone (forward, dH, dE) on float32 inputs, for every tl.dot precision
+("ieee", "tf32x3", "tf32") and tile / warps of ``SWEEP_TILES``, timed and compared with a float64 reference (the
+same lse / gradient inputs for all, so each error is that kernel's); writes $OUT/sampled_softmax_sweep.json.
 """
 
 from __future__ import annotations
@@ -27,9 +31,13 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 from gemray.kernels import reference as ref
+from gemray.kernels import sampled_softmax as ssm
 from gemray.kernels.sampled_softmax import sampled_softmax_lse_triton
 
 TEMP = 0.05
+#: (BLOCK_M, BLOCK_R, num_warps) candidates of the sweep, for each kernel
+SWEEP_TILES = [(32, 32, 4), (32, 64, 4), (64, 32, 4), (64, 64, 4), (64, 64, 8), (128, 64, 8), (64, 128, 4),
+               (64, 128, 8), (128, 128, 8)]
 
 
 def _batch(B: int, R: int, E: int, seed: int = 0):
@@ -75,9 +83,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--negatives", type=int, default=512)
     ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--sweep", action="store_true", help="each kernel alone over precisions and tiles (float32)")
     a = ap.parse_args()
     lengths, args, M = _batch(a.batch, a.negatives, a.dim)
     print(f"B={a.batch} R={a.negatives} E={a.dim} T={int(lengths.sum())} M={M} max_len={int(lengths.max())}")
+    if a.sweep:
+        return _sweep(args, Path(a.out))
     res = {}
     for name, fn, dt in (("triton_fp32", sampled_softmax_lse_triton, None),
                          ("triton_bf16", sampled_softmax_lse_triton, torch.bfloat16),
@@ -116,6 +127,50 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "sampled_softmax.json").write_text(json.dumps(res, indent=1))
+
+
+def _sweep(args, out: Path) -> None:
+    """Each kernel alone on float32 inputs: median ms and the max relative error against float64 (module docstring)."""
+    h, pos, e_neg, neg_ids, target_ids, row_offsets, max_rows = args
+    B, R, E = e_neg.shape
+    g = torch.randn(h.shape[0], device=h.device) / h.shape[0]
+    hd, pd, ed = (x.double().detach().requires_grad_() for x in (h, pos, e_neg))
+    lse64 = ref.sampled_softmax_lse_ref(hd, pd, ed, neg_ids, target_ids, row_offsets, max_rows, TEMP)
+    dh64, dpos64, de64 = torch.autograd.grad(lse64, (hd, pd, ed), g.double())
+    hk, ek, nk, tk, ro = ssm._prep(h, e_neg, neg_ids, target_ids, row_offsets)
+    pos, lse_in, scale = pos.contiguous(), lse64.float().contiguous(), 1.0 / TEMP
+    rows, best = [], {}
+    for kernel in ("fwd", "dh", "de"):
+        for prec in ("ieee", "tf32x3", "tf32"):
+            for tile in SWEEP_TILES:
+                lse = torch.empty_like(lse_in)
+                dh, dpos, de = torch.empty_like(hk), torch.empty_like(pos), torch.empty_like(ek)
+                if kernel == "fwd":
+                    fn = lambda: ssm.launch_fwd(hk, pos, ek, nk, tk, ro, lse, max_rows, scale, tile, prec)  # noqa: E731
+                elif kernel == "dh":
+                    fn = lambda: ssm.launch_dh(hk, pos, ek, nk, tk, ro, lse_in, g, dh, dpos, max_rows, scale,  # noqa: E731
+                                               tile, prec)
+                else:
+                    fn = lambda: ssm.launch_de(hk, ek, nk, tk, ro, lse_in, g, de, scale, tile, prec)  # noqa: E731
+                try:
+                    fn()
+                    torch.cuda.synchronize()
+                    ms = do_bench(fn)
+                except Exception as exc:  # a tile that does not compile: reported, the sweep goes on
+                    rows.append(dict(kernel=kernel, prec=prec, tile=list(tile), error=repr(exc)[:200]))
+                    print(f"{kernel:4s} {prec:7s} {tile}: FAILED {exc!r}"[:300])
+                    continue
+                err = (_rel(lse, lse64) if kernel == "fwd" else max(_rel(dh, dh64), _rel(dpos, dpos64))
+                       if kernel == "dh" else _rel(de, de64))
+                rows.append(dict(kernel=kernel, prec=prec, tile=list(tile), ms=ms, rel_err=err))
+                print(f"{kernel:4s} {prec:7s} {str(tile):14s} {ms:8.3f} ms  rel err {err:.2e}", flush=True)
+                if (kernel, prec) not in best or ms < best[kernel, prec][0]:
+                    best[kernel, prec] = (ms, tile, err)
+    print("fastest tile per kernel and precision:")
+    for (kernel, prec), (ms, tile, err) in best.items():
+        print(f"  {kernel:4s} {prec:7s} {ms:8.3f} ms at {tile} (rel err {err:.2e})")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sampled_softmax_sweep.json").write_text(json.dumps(rows, indent=1))
 
 
 def _head(lengths, a) -> dict:

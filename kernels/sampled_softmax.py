@@ -20,10 +20,15 @@ running max / sum over the R negatives), so nothing of size [M, R] ever reaches 
   d pos = g exp(pos / temperature - lse) / temperature. ``_ssm_bwd_de``: one program per (R chunk, sequence)
   loops over that sequence's row tiles and accumulates de_r = sum_i g_i p_ir h_i / temperature.
 
-Products: ``tl.dot``; float32 inputs with ``input_precision="ieee"`` (exact fp32 products, as
-``jagged_attention._dot_prec``), bf16 / fp16 inputs on the tensor cores (the probabilities are cast to the
-input dtype for the backward products). Accumulation, max / sum and lse are float32. Under TRITON_INTERPRET=1
-16-bit inputs run in float32 (the interpreter's bf16 ``tl.dot`` is wrong: triton-lang/triton#11584).
+Products: ``tl.dot``; float32 inputs with ``input_precision = FP32_PRODUCTS`` ("tf32x3": each operand split into
+a TF32 high and low part, three tensor-core products -- float32-class accuracy, ~1e-6 relative), bf16 / fp16
+inputs on the tensor cores (the probabilities are cast to the input dtype for the backward products).
+Accumulation, max / sum and lse are float32. Under TRITON_INTERPRET=1 16-bit inputs run in float32 (the
+interpreter's bf16 ``tl.dot`` is wrong: triton-lang/triton#11584) and every precision computes exact float32
+products. Why not "ieee" (exact products on the CUDA cores, the attention kernels' choice for float32): at GEM
+scale (M ~ 146k rows, R = 512, E = 64) the three kernels did ~48 GFLOP a step on FMAs in 4.3 ms, the largest
+kernels of the step after the blocks' own (H100, 2026-12-06); the tensor cores do the three products' work in a
+fraction of that.
 
 torch.library custom ops: ``gemray::sampled_softmax_lse`` (-> lse) and ``gemray::sampled_softmax_lse_bwd``
 (-> dh, dpos, de_neg), with fake implementations and the backward registered as the forward's autograd formula,
@@ -40,15 +45,24 @@ import triton
 import triton.language as tl
 
 from gemray.kernels.config import _pow2 as _block_e  # the tile width of E: the next power of two >= E, >= 16
-from gemray.kernels.jagged_attention import _dot_prec  # fp32: exact "ieee" products; 16-bit: tensor cores
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# default (BLOCK_M, BLOCK_R) by input dtype, from sm_90 compiles (triton 3.9, 4 warps, E = 64; 2026-12-05): float32
-# products ("ieee", CUDA-core FMAs) at 64 x 64 spill in the forward and dH kernels (52 / 266 spill stores per
-# step), at 32 x 32 none of the three kernels spills; 16-bit products (wgmma) at 64 x 64 use 93-194 registers, no
-# spills. Not timed.
-DEFAULT_BLOCKS = {torch.float32: (32, 32), torch.bfloat16: (64, 64), torch.float16: (64, 64)}
+#: the float32 inputs' tl.dot input_precision (module docstring): "tf32x3"; "ieee" and "tf32" are Triton's others
+#: (benchmarks/sampled_softmax_h200.py times all three)
+FP32_PRODUCTS = "tf32x3"
+# default (BLOCK_M, BLOCK_R, num_warps) of each kernel ("fwd", "dh", "de") by the products' dtype. Float32 (tf32x3):
+# the fastest of benchmarks/sampled_softmax_h200.py --sweep (H100, 2026-12-06, B = 128, R = 512, E = 64, M = 104k;
+# ms against "ieee"'s fastest tile): forward 0.151 (0.784), dH 0.362 (1.184), dE 0.586 (1.821), relative error
+# against float64 2.6e-6 / 3.0e-6 as "ieee"'s ("tf32" alone: 8e-3). sm_90 compiles (`python -m
+# gemray.bench.sass_check --ssm`, triton 3.6): no spill in any loop; a tf32x3 product holds both halves of each
+# operand, so dE spills at 64 x 64 (32 spill loads a loop). 16-bit products (wgmma) at 64 x 64 use 93-206 registers,
+# no spills (not timed).
+DEFAULT_TILES = {
+    torch.float32: {"fwd": (64, 64, 4), "dh": (128, 64, 8), "de": (64, 32, 4)},
+    torch.bfloat16: {"fwd": (64, 64, 4), "dh": (64, 64, 4), "de": (64, 64, 4)},
+    torch.float16: {"fwd": (64, 64, 4), "dh": (64, 64, 4), "de": (64, 64, 4)},
+}
 
 
 def interpreting() -> bool:
@@ -178,15 +192,23 @@ def _ssm_bwd_de(H, EN, NEG, TGT, ROW_OFF, LSE, G, DE, R, E_DIM, stride_hm, strid
              mask=valid_r[:, None] & emask[None, :])
 
 
-def _blocks(block_m: int, block_r: int, dtype: torch.dtype) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_R): the given ones, 0 = DEFAULT_BLOCKS of the products' ``dtype``. Raises ValueError for a
-    block that is not a power of two >= 16."""
-    bm = block_m if block_m > 0 else DEFAULT_BLOCKS[dtype][0]
-    br = block_r if block_r > 0 else DEFAULT_BLOCKS[dtype][1]
+def _dot_prec(dtype: torch.dtype) -> str | None:
+    """tl.dot's input_precision for products in ``dtype``: FP32_PRODUCTS for float32, Triton's default (the tensor
+    cores' own format) for 16-bit inputs."""
+    return FP32_PRODUCTS if dtype == torch.float32 else None
+
+
+def _tile(kernel: str, block_m: int, block_r: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_R, num_warps) of ``kernel`` ("fwd" | "dh" | "de"): DEFAULT_TILES of the products' ``dtype``,
+    with block_m / block_r replacing its blocks where > 0 (4 warps then). Raises ValueError for a block that is not
+    a power of two >= 16."""
+    bm, br, warps = DEFAULT_TILES[dtype][kernel]
+    if block_m > 0 or block_r > 0:
+        bm, br, warps = block_m if block_m > 0 else bm, block_r if block_r > 0 else br, 4
     for name, v in (("block_m", bm), ("block_r", br)):
         if v < 16 or v & (v - 1):
             raise ValueError(f"sampled_softmax: {name} must be a power of two >= 16 (tl.dot), got {v}")
-    return bm, br
+    return bm, br, warps
 
 
 def _kernel_dtype(*xs: torch.Tensor) -> torch.dtype:
@@ -238,12 +260,39 @@ def _forward(h, pos, e_neg, neg_ids, target_ids, row_offsets, max_rows, temperat
     if M == 0 or B == 0 or max_rows == 0:
         return lse
     hk, ek, nk, tk, ro = _prep(h, e_neg, neg_ids, target_ids, row_offsets)
-    bm, br = _blocks(block_m, block_r, hk.dtype)
-    grid = (triton.cdiv(max_rows, bm), B)
-    _ssm_fwd[grid](hk, pos.contiguous(), ek, nk, tk, ro, lse, R, E, hk.stride(0), ek.stride(0), ek.stride(1),
-                   nk.stride(0), 1.0 / temperature, BLOCK_M=bm, BLOCK_R=br, BLOCK_E=_block_e(E),
-                   DOT_PREC=_dot_prec(hk.dtype))
+    launch_fwd(hk, pos.contiguous(), ek, nk, tk, ro, lse, max_rows, 1.0 / temperature,
+               _tile("fwd", block_m, block_r, hk.dtype), _dot_prec(hk.dtype))
     return lse
+
+
+def launch_fwd(hk, pos, ek, nk, tk, ro, lse, max_rows, scale, tile, prec) -> None:
+    """One ``_ssm_fwd`` launch on prepared inputs (``_prep``'s), writing lse; tile = (BLOCK_M, BLOCK_R, num_warps),
+    prec = tl.dot's input_precision (the benchmark's sweep calls this directly)."""
+    bm, br, warps = tile
+    B, R = nk.shape
+    _ssm_fwd[(triton.cdiv(max_rows, bm), B)](
+        hk, pos, ek, nk, tk, ro, lse, R, hk.shape[1], hk.stride(0), ek.stride(0), ek.stride(1), nk.stride(0), scale,
+        BLOCK_M=bm, BLOCK_R=br, BLOCK_E=_block_e(hk.shape[1]), DOT_PREC=prec, num_warps=warps)
+
+
+def launch_dh(hk, pos, ek, nk, tk, ro, lse, g, dh, dpos, max_rows, scale, tile, prec) -> None:
+    """One ``_ssm_bwd_dh`` launch (writes dh, dpos); arguments as :func:`launch_fwd`, g the float32 d loss / d lse."""
+    bm, br, warps = tile
+    B, R = nk.shape
+    _ssm_bwd_dh[(triton.cdiv(max_rows, bm), B)](
+        hk, pos, ek, nk, tk, ro, lse, g, dh, dpos, R, hk.shape[1], hk.stride(0), ek.stride(0), ek.stride(1),
+        nk.stride(0), dh.stride(0), scale, BLOCK_M=bm, BLOCK_R=br, BLOCK_E=_block_e(hk.shape[1]), DOT_PREC=prec,
+        num_warps=warps)
+
+
+def launch_de(hk, ek, nk, tk, ro, lse, g, de, scale, tile, prec) -> None:
+    """One ``_ssm_bwd_de`` launch (writes de [B, R, E]); arguments as :func:`launch_dh`."""
+    bm, br, warps = tile
+    B, R = nk.shape
+    _ssm_bwd_de[(triton.cdiv(R, br), B)](
+        hk, ek, nk, tk, ro, lse, g, de, R, hk.shape[1], hk.stride(0), ek.stride(0), ek.stride(1), nk.stride(0),
+        de.stride(0), de.stride(1), scale, BLOCK_M=bm, BLOCK_R=br, BLOCK_E=_block_e(hk.shape[1]), DOT_PREC=prec,
+        num_warps=warps)
 
 
 def _backward(g, h, pos, e_neg, neg_ids, target_ids, row_offsets, lse, max_rows, temperature, block_m, block_r):
@@ -252,19 +301,15 @@ def _backward(g, h, pos, e_neg, neg_ids, target_ids, row_offsets, lse, max_rows,
     if M == 0 or B == 0 or max_rows == 0 or R == 0:
         return torch.zeros_like(h), torch.zeros_like(pos), torch.zeros_like(e_neg)
     hk, ek, nk, tk, ro = _prep(h, e_neg, neg_ids, target_ids, row_offsets)
-    bm, br = _blocks(block_m, block_r, hk.dtype)
     g = g.to(torch.float32).contiguous()
     lse = lse.contiguous()
     dh = torch.empty((M, E), dtype=hk.dtype, device=h.device)
     dpos = torch.empty((M,), dtype=pos.dtype, device=h.device)
     de = torch.empty((B, R, E), dtype=ek.dtype, device=h.device)
-    be, prec, scale = _block_e(E), _dot_prec(hk.dtype), 1.0 / temperature
-    _ssm_bwd_dh[(triton.cdiv(max_rows, bm), B)](
-        hk, pos.contiguous(), ek, nk, tk, ro, lse, g, dh, dpos, R, E, hk.stride(0), ek.stride(0), ek.stride(1),
-        nk.stride(0), dh.stride(0), scale, BLOCK_M=bm, BLOCK_R=br, BLOCK_E=be, DOT_PREC=prec)
-    _ssm_bwd_de[(triton.cdiv(R, br), B)](
-        hk, ek, nk, tk, ro, lse, g, de, R, E, hk.stride(0), ek.stride(0), ek.stride(1), nk.stride(0),
-        de.stride(0), de.stride(1), scale, BLOCK_M=bm, BLOCK_R=br, BLOCK_E=be, DOT_PREC=prec)
+    prec, scale = _dot_prec(hk.dtype), 1.0 / temperature
+    launch_dh(hk, pos.contiguous(), ek, nk, tk, ro, lse, g, dh, dpos, max_rows, scale,
+              _tile("dh", block_m, block_r, hk.dtype), prec)
+    launch_de(hk, ek, nk, tk, ro, lse, g, de, scale, _tile("de", block_m, block_r, hk.dtype), prec)
     return dh.to(h.dtype), dpos, de.to(e_neg.dtype)
 
 

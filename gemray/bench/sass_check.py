@@ -201,21 +201,23 @@ _SSM_TYPES = dict(H="*{dt}", POS="*fp32", EN="*{dt}", NEG="*i64", TGT="*i64", RO
 
 
 def ssm_variants(e: int = 64) -> list[tuple]:
-    """The fused sampled softmax's forward / dH / dE kernels at head width ``e`` (4 warps, 2 stages as Triton's
-    default launch): float32 with exact ("ieee") products at its default tiles and 64 x 64, bf16 at its default
-    tiles (``sampled_softmax.DEFAULT_BLOCKS``)."""
+    """The fused sampled softmax's forward / dH / dE kernels at head width ``e``, each at its default tile and warps
+    (``sampled_softmax.DEFAULT_TILES``, 2 stages as Triton's default launch) in float32 (``FP32_PRODUCTS``) and
+    bf16, plus the float32 dE kernel at 64 x 64 / 4 warps, a tile the defaults avoid (it spills)."""
     import torch
 
     from gemray.kernels import sampled_softmax as ssm
 
+    kernels = {"fwd": ssm._ssm_fwd, "dh": ssm._ssm_bwd_dh, "de": ssm._ssm_bwd_de}
+    runs = [(dtype, name, k, ssm.DEFAULT_TILES[dtype][k]) for dtype, name in ((torch.float32, "fp32"),
+                                                                             (torch.bfloat16, "bf16"))
+            for k in kernels] + [(torch.float32, "fp32", "de", (64, 64, 4))]
     out = []
-    for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
-        tiles = [ssm.DEFAULT_BLOCKS[dtype]] + ([(64, 64)] if dtype == torch.float32 else [])
-        types = {k: v.format(dt=name) for k, v in _SSM_TYPES.items()}
-        for bm, br in tiles:
-            consts = dict(BLOCK_M=bm, BLOCK_R=br, BLOCK_E=ssm._block_e(e), DOT_PREC=ssm._dot_prec(dtype))
-            for fn in (ssm._ssm_fwd, ssm._ssm_bwd_dh, ssm._ssm_bwd_de):
-                out.append((f"{fn.__name__} {name} E={e} {bm}x{br}/4w/2s", fn, types, consts, 4, 2))
+    for dtype, name, k, (bm, br, warps) in runs:
+        types = {a: v.format(dt=name) for a, v in _SSM_TYPES.items()}
+        consts = dict(BLOCK_M=bm, BLOCK_R=br, BLOCK_E=ssm._block_e(e), DOT_PREC=ssm._dot_prec(dtype))
+        fn = kernels[k]
+        out.append((f"{fn.__name__} {name} E={e} {bm}x{br}/{warps}w/2s", fn, types, consts, warps, 2))
     return out
 
 
