@@ -375,6 +375,44 @@ def test_render_notice_override_wins_and_default_grace():
     assert "/mnt/gemray/notices/x" in head["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
 
 
+def _entrypoint_sets(m: dict) -> list[str]:
+    cmd = m["spec"]["entrypoint"] if m["kind"] == "RayJob" else m["metadata"]["annotations"]["gemray.io/entrypoint"]
+    argv = shlex.split(cmd)
+    return [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
+
+
+@pytest.mark.parametrize("item, pod", [
+    ("data.raw_dir=/home/me/ml-1m", "data.raw_dir=/mnt/gemray/raw/ml-1m"),
+    ("data.prepared_dir=data/ml-latest-small", "data.prepared_dir=/mnt/gemray/prepared/ml-latest-small"),
+    ("ray.storage_path=/home/me/runs", "ray.storage_path=/mnt/gemray/runs"),
+    ("checkpoint.preempt_notice=/tmp/PREEMPT", "checkpoint.preempt_notice=/mnt/gemray/runs/"),
+])
+def test_render_refuses_a_local_path_over_a_pod_path(item, pod, capsys):
+    """`gemray k8s render --set data.raw_dir=/home/me/ml-1m` (a path on the user's machine): exit 2, one line naming
+    the --set, the pod path it would override and the way out (was: appended after the pod's own
+    data.raw_dir=/mnt/gemray/raw/ml-1m in the job's command, so the local path won inside the pod and the job
+    failed there)."""
+    assert cli.main(["render", "--config", str(REPO / "configs/ml-latest-small.toml"), "--set", item]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1
+    assert err.startswith(f"gemray: error: k8s render: --set {item} is not a path the pods share")
+    assert f"override the pods' {pod}" in err and "/mnt/gemray/" in err
+
+
+def test_render_keeps_a_pod_path_given_with_set():
+    """A --set of a pod path key that is a pod path (under /mnt/gemray/, or an object-store URI for the storage)
+    replaces the job's own value: one --set for the key in the job's command, the user's."""
+    cfg = load_config(REPO / "configs/ml-latest-small.toml", ["data.raw_dir=/mnt/gemray/raw/my-ml"])
+    opts = render.DeployOptions(overrides=("data.raw_dir=/mnt/gemray/raw/my-ml", "ray.storage_path=s3://b/runs"))
+    for m in (render.render_rayjob(cfg, opts), render.render_raycluster(cfg, opts)):
+        sets = _entrypoint_sets(m)
+        assert [s for s in sets if s.startswith("data.raw_dir=")] == ["data.raw_dir=/mnt/gemray/raw/my-ml"]
+        assert [s for s in sets if s.startswith("ray.storage_path=")] == ["ray.storage_path=s3://b/runs"]
+        assert "data.prepared_dir=/mnt/gemray/prepared/my-ml" in sets  # named after the raw folder, as before
+    assert render.is_pod_path("ray.storage_path", "gs://b/p") and not render.is_pod_path("data.raw_dir", "s3://b/p")
+    assert not render.is_pod_path("data.raw_dir", "/mnt/gemray/../home/me")
+
+
 def test_render_object_store_has_no_prestop_hook():
     """s3/gs storage: no file every pod shares, so no notice path, preStop hook or longer grace period."""
     cfg = load_config(REPO / "configs/ml-latest-small.toml")

@@ -28,7 +28,11 @@ def add_render_arguments(p: Any) -> None:
     p.add_argument("--config", default="", help="gemray TOML config (path as seen inside the image); "
                    "required except for --kind pvc")
     p.add_argument("--set", dest="overrides", nargs="+", action="extend", default=[], metavar="SECTION.KEY=VALUE",
-                   help="config overrides, also passed on to `gemray train` (several per --set, as there; repeatable)")
+                   help="config overrides, also passed on to `gemray train` (several per --set, as there; repeatable). "
+                   "The job sets the pods' own data.raw_dir, data.prepared_dir (/mnt/gemray/raw|prepared/<last folder "
+                   "of data.raw_dir>), ray.storage_path (from --storage) and checkpoint.preempt_notice: a --set of "
+                   "one is taken only as a path under /mnt/gemray/ (ray.storage_path also s3:// / gs://); a local "
+                   "path is refused")
     p.add_argument("--kind", choices=(*KINDS, "pvc"), default="rayjob",
                    help="rayjob | raycluster | pvc (the shared volume named by --storage pvc:NAME)")
     p.add_argument("--size", default="100Gi", help="--kind pvc: requested storage")

@@ -31,6 +31,10 @@ How the config maps onto the cluster (checked by ``tests/test_deploy_manifests.p
   leaves the hook time to see it committed. The job then exits 75 and the RayJob's backoff resubmits it,
   which resumes at that step. With ``s3://``/``gs://`` storage nothing of this is added (the workers
   cannot share a notice file there): a deleted pod falls back to the last periodic checkpoint.
+* the job's ``gemray train`` gets the pods' own paths (:func:`pod_paths`): data under ``/mnt/gemray/raw|prepared``,
+  ``ray.storage_path``, the notice. A user's ``--set`` of one of these keys replaces the pod's value only when it
+  is a path the pods share (under ``/mnt/gemray/``; ``ray.storage_path`` also an ``s3://``/``gs://`` URI); a
+  path on the user's machine is refused (:func:`check_pod_overrides`), as it would win inside every pod.
 
 Example::
 
@@ -225,16 +229,9 @@ def entrypoint(cfg: JobConfig, opts: DeployOptions) -> list[str]:
     ``--output`` is :func:`results_dir` on the shared volume (``/mnt/gemray/runs/<cfg.name>``, with ``pvc:``
     storage the Ray Train run folder holding the checkpoints), so metrics.json, curves.png, config.toml and
     events.jsonl outlive the cluster (``shutdownAfterJobFinishes``) instead of the image's working folder."""
-    scheme, target = parse_storage(opts.storage)
-    sets = []
-    sets.append(f"ray.storage_path={MOUNT_PATH}/runs" if scheme == "pvc" else f"ray.storage_path={target}")
-    notice = preempt_notice_path(cfg, opts)
-    if notice and not any(o.startswith(NOTICE_OVERRIDE) for o in opts.overrides):
-        sets.append(f"{NOTICE_OVERRIDE}{notice}")
-    # Raw MovieLens files and the prepared Parquet live on the shared volume (copied there once).
-    ds = _dataset_dir(cfg.data.raw_dir)
-    sets.append(f"data.raw_dir={MOUNT_PATH}/raw/{ds}")
-    sets.append(f"data.prepared_dir={MOUNT_PATH}/prepared/{ds}")
+    own = pod_paths(cfg, opts)
+    given = check_pod_overrides(cfg, opts)
+    sets = [f"{key}={value}" for key, value in own.items() if key not in given]  # a pod path given wins, once
     if opts.gpu or cfg.ray.use_gpu:
         sets.append("ray.use_gpu=true")
     sets.extend(opts.overrides)
@@ -242,6 +239,71 @@ def entrypoint(cfg: JobConfig, opts: DeployOptions) -> list[str]:
     for s in sets:
         argv += ["--set", s]
     return argv
+
+
+#: Config keys the job points at the pods' own paths (:func:`pod_paths`). A ``--set`` of one must be a path the
+#: pods share (under :data:`MOUNT_PATH`; ``ray.storage_path`` also an ``s3://`` / ``gs://`` URI), or it would be
+#: appended after the pod's value and win inside the pod: a path on the user's machine that no pod has.
+POD_PATH_KEYS = ("ray.storage_path", "checkpoint.preempt_notice", "data.raw_dir", "data.prepared_dir")
+
+
+def pod_paths(cfg: JobConfig, opts: DeployOptions) -> dict[str, str]:
+    """The pod paths the job's ``gemray train`` is given (``--set`` key -> value), before the user's overrides:
+    ``ray.storage_path`` from the storage (``/mnt/gemray/runs``, or the ``s3://`` / ``gs://`` URI), with ``pvc:``
+    storage ``checkpoint.preempt_notice`` (:func:`preempt_notice_path`), and the raw MovieLens files and the
+    prepared Parquet on the shared volume (copied there once): ``/mnt/gemray/raw/<name>`` and
+    ``/mnt/gemray/prepared/<name>``, ``<name>`` the last folder of ``data.raw_dir``. Raises ValueError for a
+    bad storage spec."""
+    from gemray.preemption import NOTICE_NAME
+
+    scheme, target = parse_storage(opts.storage)
+    own = {"ray.storage_path": f"{MOUNT_PATH}/runs" if scheme == "pvc" else target}
+    if scheme == "pvc":
+        own["checkpoint.preempt_notice"] = f"{MOUNT_PATH}/runs/{cfg.name}/{NOTICE_NAME}"
+    ds = _dataset_dir(cfg.data.raw_dir)
+    own["data.raw_dir"] = f"{MOUNT_PATH}/raw/{ds}"
+    own["data.prepared_dir"] = f"{MOUNT_PATH}/prepared/{ds}"
+    return own
+
+
+def is_pod_path(key: str, value: str) -> bool:
+    """Pure: whether ``value`` for ``key`` (one of :data:`POD_PATH_KEYS`) is a path every pod sees: a path under
+    :data:`MOUNT_PATH` (the shared volume), or for ``ray.storage_path`` also an object-store URI."""
+    value = value.strip()
+    if key == "ray.storage_path" and value.startswith(("s3://", "gs://")):
+        return True
+    return value.startswith(f"{MOUNT_PATH}/") and ".." not in value.split("/")
+
+
+_POD_PATH_HINTS = {
+    "ray.storage_path": "choose the checkpoint storage with --storage pvc:NAME or --storage s3://bucket/path",
+    "checkpoint.preempt_notice": "drop this --set (every pod must see the notice file)",
+    "data.raw_dir": "copy the raw files onto the volume ({rel}) and drop this --set",
+    "data.prepared_dir": "copy the prepared folder onto the volume ({rel}) and drop this --set",
+}
+
+
+def check_pod_overrides(cfg: JobConfig, opts: DeployOptions) -> set[str]:
+    """The :data:`POD_PATH_KEYS` that ``opts.overrides`` set to pod paths (the job then takes the user's value
+    instead of its own). Raises ValueError for one set to anything else (``data.raw_dir=/home/me/ml-1m``: the
+    user's machine, or a pod's own disk that the other pods do not see), naming the ``--set``, the pod path it
+    would override and how to point the pods at other data."""
+    own = pod_paths(cfg, opts)
+    given = set()
+    for item in opts.overrides:
+        key, _, value = item.partition("=")
+        key = key.strip()
+        if key not in POD_PATH_KEYS:
+            continue
+        if not is_pod_path(key, value):
+            effect = (f"yet it would override the pods' {key}={own[key]} in the job's command" if key in own
+                      else "yet the job's command would pass it to every pod")
+            hint = _POD_PATH_HINTS[key].format(rel=own.get(key, "").removeprefix(f"{MOUNT_PATH}/"))
+            uri = " or an s3:// / gs:// URI" if key == "ray.storage_path" else ""
+            raise ValueError(f"k8s render: --set {item} is not a path the pods share, {effect}; {hint}, or give a "
+                             f"path under {MOUNT_PATH}/ (the shared volume){uri}")
+        given.add(key)
+    return given
 
 
 def results_dir(cfg: JobConfig) -> str:
