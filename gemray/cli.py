@@ -12,7 +12,7 @@
                                           (ask a running `gemray train` to checkpoint and stop)
     gemray evaluate --checkpoint RUN_OR_CKPT [--split valid|test] [--k K ...] [--data DIR] [--json FILE]
                                           (gemray.serve.evaluate: reproduces metrics.json's test figures)
-    gemray recommend --checkpoint RUN_OR_CKPT (--user ID ... | --users-file FILE) [--k K] [--out RECS.parquet]
+    gemray recommend --checkpoint RUN_OR_CKPT (--user ID ... | --users-file FILE) [--k K] [--out RECS.parquet|.csv]
                                           (gemray.serve.recommend: top-K per user, history excluded)
     gemray export --checkpoint RUN_OR_CKPT --out DIR
                                           (gemray.serve.export: torch.export user tower + item embeddings)
@@ -623,8 +623,9 @@ def _add_serve_parsers(sub) -> None:
     who.add_argument("--users-file", metavar="FILE", help="user ids: one per line, or a user_id column (.parquet/.csv)")
     rc.add_argument("--k", type=int, default=10, help="items per user (default 10)")
     rc.add_argument("--data", default=None, metavar="PREPARED_DIR", help="histories from this prepared folder")
-    rc.add_argument("--out", default=None, metavar="RECS.parquet",
-                    help="write Parquet (user_id, rank, item_id, score) instead of printing")
+    rc.add_argument("--out", default=None, metavar="RECS.parquet|RECS.csv",
+                    help="write the rows (user_id, rank, item_id, score) instead of printing them, in the format of "
+                         "the suffix: .parquet (Parquet) or .csv (CSV with a header); another suffix is refused")
     rc.set_defaults(func=_cmd_recommend)
 
     ex = sub.add_parser("export", help="serving artifact loadable with plain PyTorch (no gemray / TorchRec / Ray)",
@@ -676,13 +677,15 @@ def _cmd_evaluate(ns: argparse.Namespace) -> int:
 def _cmd_recommend(ns: argparse.Namespace) -> int:
     from gemray.serve import load_trained
     from gemray.serve.model import check_device, prepared_manifest, run_config
-    from gemray.serve.recommend import IdMaps, check_recommendable, read_users_file, recommend
+    from gemray.serve.recommend import (IdMaps, check_recommendable, read_users_file, recommend, recs_format,
+                                        write_recs)
 
     if ns.k < 1:  # before the model is loaded (recommend() refuses it too, for Python callers)
         raise ValueError(f"--k {ns.k}: expected >= 1")
     check_device(ns.device)
     if ns.out:
         _writable_file(ns.out, "--out")  # before the model is loaded and the users scored
+        recs_format(ns.out)  # .parquet or .csv, before the model is loaded too
     # a model recommend cannot serve is refused from its config, before any checkpoint is read
     cfg = run_config(ns.checkpoint, config=ns.config, overrides=ns.overrides)
     check_recommendable(cfg)
@@ -697,10 +700,8 @@ def _cmd_recommend(ns: argparse.Namespace) -> int:
                            data_manifest=manifest if ns.data is not None else None)
     recs = recommend(trained, users, k=ns.k, prepared_dir=served, manifest=manifest, maps=maps)
     if ns.out:
-        import pyarrow.parquet as pq
-
-        pq.write_table(recs, ns.out)
-        print(f"written: {ns.out} ({recs.num_rows} rows, {len(users)} users, k={ns.k})")
+        fmt = write_recs(recs, ns.out)
+        print(f"written: {ns.out} ({fmt}, {recs.num_rows} rows, {len(users)} users, k={ns.k})")
         return 0
     for row in recs.to_pylist():
         print(f"user {row['user_id']}\t{row['rank']}\titem {row['item_id']}\t{row['score']:.4f}")

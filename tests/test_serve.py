@@ -300,6 +300,24 @@ def test_output_path_is_checked_before_the_model_loads(command, tmp_path, monkey
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adir"]  # nothing written
 
 
+@pytest.mark.parametrize("name", ["recs.txt", "recs", "recs.csv.gz"])
+def test_recommend_out_of_another_suffix_is_refused_before_the_model_loads(name, tmp_path, monkeypatch, capsys):
+    """`gemray recommend --out recs.txt`: exit 2 with one line naming --out and the suffixes it takes, before the
+    checkpoint is looked at (was: Parquet bytes written under whatever name, after the whole load)."""
+    import gemray.serve
+    import gemray.serve.model as serve_model
+    from gemray.cli import main
+
+    monkeypatch.setattr(gemray.serve, "load_trained", lambda *a, **k: pytest.fail("the model must not load"))
+    monkeypatch.setattr(serve_model, "find_config", lambda *a, **k: pytest.fail("the run must not be read"))
+    out = tmp_path / name
+    assert main(["recommend", "--user", "1", "--checkpoint", str(tmp_path / "run"), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"gemray: error: --out {out}: "), err
+    assert "name a .parquet (Parquet) or .csv (CSV) file" in err[0], err
+    assert sorted(tmp_path.iterdir()) == []  # nothing written
+
+
 @pytest.mark.parametrize("command", ["evaluate", "recommend"])
 def test_raw_movielens_data_is_refused_before_the_checkpoint_with_a_prepare_command(command, tmp_path, monkeypatch,
                                                                                     capsys):
@@ -604,6 +622,31 @@ def test_k_above_the_item_count_is_refused_before_the_model_loads(with_data, sma
     # K = N too: a target excluded with the history ranks N-1, so HR@N was 1.0000 (a new user's --k 400 on 400 items)
     assert main(["evaluate", "--checkpoint", str(ckpt), "--k", "200", *(["--data", str(data)] * with_data)]) == 2
     assert "--k 200: a cut-off at or above the 200 items" in capsys.readouterr().err
+
+
+def test_recommend_out_format_follows_the_suffix(small_checkpoint, tmp_path, capsys):
+    """`gemray recommend --out recs.csv` writes CSV (a header line, then the Parquet file's rows), `--out recs.parquet`
+    (any case) Parquet (was: Parquet bytes in recs.csv); the written line names the format."""
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+
+    from gemray.cli import main
+
+    ckpt, _, _ = small_checkpoint
+    args = ["recommend", "--checkpoint", str(ckpt), "--user", "1", "--user", "7", "--k", "4", "--out"]
+    written = {}
+    for name, fmt in (("recs.csv", "CSV"), ("recs.parquet", "Parquet"), ("RECS.PARQUET", "Parquet")):
+        assert main([*args, str(tmp_path / name)]) == 0
+        assert capsys.readouterr().out.splitlines()[-1] == f"written: {tmp_path / name} ({fmt}, 8 rows, 2 users, k=4)"
+        written[name] = (tmp_path / name).read_bytes()
+    assert written["recs.csv"].splitlines()[0] == b'"user_id","rank","item_id","score"'
+    assert written["recs.parquet"][:4] == b"PAR1" and written["RECS.PARQUET"] == written["recs.parquet"]
+    parquet = pq.read_table(tmp_path / "recs.parquet")
+    csv = pacsv.read_csv(tmp_path / "recs.csv").cast(parquet.schema)
+    assert csv.column_names == ["user_id", "rank", "item_id", "score"] and csv.num_rows == 8
+    assert csv.drop(["score"]).equals(parquet.drop(["score"]))
+    assert csv.column("score").to_pylist() == parquet.column("score").to_pylist()  # float32 round trips via text
+    assert pa.types.is_float32(parquet.schema.field("score").type)
 
 
 def test_recommend_unknown_user_names_the_users_of_the_data(small_checkpoint, capsys):

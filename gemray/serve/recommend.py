@@ -30,8 +30,36 @@ from gemray.serve.model import TrainedModel, check_data
 
 log = logging.getLogger(__name__)
 
-#: Columns of ``gemray recommend --out`` (Parquet), one row per (user, rank).
+#: Columns of ``gemray recommend --out`` (Parquet or CSV), one row per (user, rank).
 RECS_COLUMNS = ("user_id", "rank", "item_id", "score")
+
+#: ``gemray recommend --out``'s file formats by suffix (case-insensitive).
+RECS_FORMATS = {".parquet": "Parquet", ".csv": "CSV"}
+
+
+def recs_format(path: str | Path) -> str:
+    """Pure: the format ``gemray recommend --out PATH`` writes, from PATH's suffix: "Parquet" (``.parquet``) or
+    "CSV" (``.csv``). Raises ValueError naming --out and the suffixes for any other (was: Parquet bytes whatever
+    the name, ``recs.csv`` included)."""
+    fmt = RECS_FORMATS.get(Path(path).suffix.lower())
+    if fmt is None:
+        what = f"suffix {Path(path).suffix!r} is neither .parquet nor .csv" if Path(path).suffix else "no suffix"
+        raise ValueError(f"--out {path}: {what}; name a .parquet (Parquet) or .csv (CSV) file, the suffix picks the "
+                         "format")
+    return fmt
+
+
+def write_recs(recs: pa.Table, path: str | Path) -> str:
+    """Write :func:`recommend`'s table to ``path`` in the format of its suffix (:func:`recs_format`): Parquet, or CSV
+    with a header line (pyarrow.csv). Returns the format's name."""
+    fmt = recs_format(path)
+    if fmt == "CSV":
+        import pyarrow.csv as pacsv
+
+        pacsv.write_csv(recs, path)
+    else:
+        pq.write_table(recs, path)
+    return fmt
 
 
 def user_id_range(manifest: dict[str, Any]) -> tuple[int | None, int | None, int | None]:
