@@ -621,7 +621,8 @@ def _add_serve_parsers(sub) -> None:
     who = rc.add_mutually_exclusive_group(required=True)
     who.add_argument("--user", action="append", metavar="ID", help="a user id (repeat for more)")
     who.add_argument("--users-file", metavar="FILE", help="user ids: one per line, or a user_id column (.parquet/.csv)")
-    rc.add_argument("--k", type=int, default=10, help="items per user (default 10)")
+    rc.add_argument("--k", type=int, default=10,
+                    help="items per user (default 10; at most the catalogue's item count, a larger one is refused)")
     rc.add_argument("--data", default=None, metavar="PREPARED_DIR", help="histories from this prepared folder")
     rc.add_argument("--out", default=None, metavar="RECS.parquet|RECS.csv",
                     help="write the rows (user_id, rank, item_id, score) instead of printing them, in the format of "
@@ -677,11 +678,11 @@ def _cmd_evaluate(ns: argparse.Namespace) -> int:
 def _cmd_recommend(ns: argparse.Namespace) -> int:
     from gemray.serve import load_trained
     from gemray.serve.model import check_device, prepared_manifest, run_config
-    from gemray.serve.recommend import (IdMaps, check_recommendable, read_users_file, recommend, recs_format,
-                                        write_recs)
+    from gemray.checkpoint import data_record
+    from gemray.serve.recommend import (IdMaps, check_k, check_recommendable, read_users_file, recommend,
+                                        recs_format, write_recs)
 
-    if ns.k < 1:  # before the model is loaded (recommend() refuses it too, for Python callers)
-        raise ValueError(f"--k {ns.k}: expected >= 1")
+    check_k(ns.k)  # >= 1, before the model is loaded (recommend() refuses it too, for Python callers)
     check_device(ns.device)
     if ns.out:
         _writable_file(ns.out, "--out")  # before the model is loaded and the users scored
@@ -694,6 +695,7 @@ def _cmd_recommend(ns: argparse.Namespace) -> int:
     # model loads; the manifest of the data served (--data's, else the run's) read once
     served = ns.data if ns.data is not None else cfg.data.prepared_dir
     manifest = prepared_manifest(served)
+    check_k(ns.k, data_record(manifest)["num_items"])  # a --k above the catalogue, from its manifest too
     maps = IdMaps(manifest)
     maps.dense_users(users)  # a user the data does not have, from its manifest / id maps: refused before the model loads
     trained = load_trained(ns.checkpoint, config=ns.config, overrides=ns.overrides, device=ns.device,

@@ -649,6 +649,36 @@ def test_recommend_out_format_follows_the_suffix(small_checkpoint, tmp_path, cap
     assert pa.types.is_float32(parquet.schema.field("score").type)
 
 
+@pytest.mark.parametrize("with_data", [False, True], ids=["run_data", "data"])
+def test_recommend_k_above_the_item_count_is_refused_before_the_model_loads(with_data, small_checkpoint, monkeypatch,
+                                                                             capsys):
+    """`gemray recommend --k 100000` on a 200-item catalogue: exit 2 naming --k and the count, from the manifest of
+    the data served (the run's, or --data's), before the model is loaded (was: silently capped at the item count,
+    198 rows for a user with 2 history items); recommend() refuses it too. --k 200 (= N) is served."""
+    from types import SimpleNamespace
+
+    import gemray.serve
+    from gemray.cli import main
+    from gemray.config import JobConfig
+    from gemray.serve.recommend import recommend
+
+    ckpt, data, _ = small_checkpoint
+    real = gemray.serve.load_trained
+    monkeypatch.setattr(gemray.serve, "load_trained", lambda *a, **k: pytest.fail("the model must not load"))
+    data_args = ["--data", str(data)] * with_data
+    for k in ("100000", "201"):
+        assert main(["recommend", "--checkpoint", str(ckpt), "--user", "1", "--k", k, *data_args]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"gemray: error: --k {k}: more than the 200 items of the catalogue; give --k 200 or less "
+                       "(each user gets at most the items outside their history)"], err
+    with pytest.raises(ValueError, match=r"^--k 201: more than the 200 items"):
+        recommend(SimpleNamespace(num_items=200, cfg=JobConfig()), [1], k=201)
+    monkeypatch.setattr(gemray.serve, "load_trained", real)
+    assert main(["recommend", "--checkpoint", str(ckpt), "--user", "1", "--k", "200", *data_args]) == 0
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("user 1\t")]
+    assert 0 < len(rows) < 200  # every item outside the user's history
+
+
 def test_recommend_unknown_user_names_the_users_of_the_data(small_checkpoint, capsys):
     """`gemray recommend --user 999999` said "user 999999: no history in DIR (dense user id; 1 missing)": it now
     names the id, the data and its users' count and id range; an id without history (in a gap of the range) too."""

@@ -208,6 +208,18 @@ def top_k(trained: TrainedModel, batch, history: tuple[torch.Tensor, torch.Tenso
     return ids.cpu(), vals.cpu()
 
 
+def check_k(k: int, num_items: int | None = None) -> None:
+    """Pure: refuse a ``--k`` below 1 or above the ``num_items`` items of the catalogue (None: not checked), which
+    no user can get (was: silently capped at the item count). ``gemray recommend`` checks it with the item count of
+    the served data's manifest before the model loads; :func:`recommend` with the model's. K = N is accepted (every
+    item outside the user's history). Raises ValueError naming ``--k`` and the count."""
+    if int(k) < 1:
+        raise ValueError(f"--k {k}: expected >= 1")
+    if num_items is not None and int(k) > int(num_items):
+        raise ValueError(f"--k {k}: more than the {num_items} items of the catalogue; give --k {num_items} or less "
+                         "(each user gets at most the items outside their history)")
+
+
 def check_recommendable(cfg: JobConfig) -> None:
     """Refuse, from the run's config alone (``gemray recommend`` checks it before loading the checkpoint), a model
     :func:`recommend` cannot serve: one without the retrieval task (no user embedding to rank the items by), one
@@ -236,13 +248,13 @@ def recommend(trained: TrainedModel, users: list[Any], *, k: int = 10, prepared_
     :class:`IdMaps` when the caller has built them already (the same reason), not read again. Returns a pyarrow
     Table of :data:`RECS_COLUMNS`: user_id (raw), rank (1..k), item_id (raw), score (cosine of user and item
     embedding, float32), users in the order given; a user with fewer than k items outside their history gets only
-    those (never a history item, never the padding id 0). Raises ValueError for k < 1, an unknown user, or data
-    that does not fit the model.
+    those (never a history item, never the padding id 0). Raises ValueError for k < 1 or above the item count
+    (:func:`check_k`), an unknown user, or data that does not fit the model.
     """
-    if int(k) < 1:
-        raise ValueError(f"--k {k}: expected >= 1")
+    check_k(k)
     cfg = trained.cfg
     check_recommendable(cfg)
+    check_k(k, trained.num_items)
     manifest = check_data(trained, prepared_dir or cfg.data.prepared_dir,
                           manifest if prepared_dir is not None else None)
     if maps is None:
