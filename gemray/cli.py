@@ -125,7 +125,8 @@ def _cmd_prepare_synthetic(ns: argparse.Namespace) -> int:
         if not rg.isdigit() or int(rg) < 1:
             raise ValueError(f"--row-groups-per-file: expected an integer >= 1 or 'auto', got {rg!r}")
         rg = int(rg)
-    spec = SyntheticSpec(users=ns.users, items=ns.items, seed=ns.seed, max_len=ns.max_len, min_len=ns.min_len,
+    min_len, max_len = _synthetic_length_range(ns.min_len, ns.max_len)
+    spec = SyntheticSpec(users=ns.users, items=ns.items, seed=ns.seed, max_len=max_len, min_len=min_len,
                          length_dist=ns.length_dist, mean_len=ns.mean_len, len_sigma=ns.len_sigma,
                          item_zipf=ns.item_zipf, features=parse_features(ns.features), missing_rate=ns.missing_rate,
                          devices=ns.devices, candidates=ns.candidates, min_candidates=ns.min_candidates,
@@ -144,6 +145,24 @@ SYNTHETIC_DEFAULTS = {"max_len": 4096, "min_len": 8, "length_dist": "lognormal",
                       "follow": 0.2, "interests": 4, "latent_dim": 16, "split_fractions": (0.8, 0.1, 0.1)}
 
 
+def _synthetic_length_range(min_len: int | None, max_len: int | None) -> tuple[int, int]:
+    """``gemray prepare synthetic``'s (--min-len, --max-len), None for a flag not given (its default then). Raises
+    ValueError for min > max saying which value is the default and which flag to pass (was "--min-len (8) must be <=
+    --max-len (3)" after `--max-len 3` alone: a value the user never gave). Each flag's own bound (>= 3) is left to
+    SyntheticSpec, which checks it first."""
+    from gemray.pipelines.schema import MIN_HISTORY_FOR_SPLITS as lowest
+
+    lo = SYNTHETIC_DEFAULTS["min_len"] if min_len is None else min_len
+    hi = SYNTHETIC_DEFAULTS["max_len"] if max_len is None else max_len
+    if lowest <= hi < lo:
+        if min_len is None:
+            what = str(lowest) if hi == lowest else f"between {lowest} and {hi}"
+            raise ValueError(f"--min-len (default {lo}) must be <= --max-len ({hi}): pass --min-len {what}")
+        if max_len is None:
+            raise ValueError(f"--min-len ({lo}) must be <= --max-len (default {hi}): pass --max-len {lo} or more")
+    return lo, hi
+
+
 def _add_synthetic_parser(prep_sub) -> None:
     dflt = SYNTHETIC_DEFAULTS
     sy = prep_sub.add_parser(
@@ -159,8 +178,9 @@ def _add_synthetic_parser(prep_sub) -> None:
     sy.add_argument("--items", type=int, required=True, help="items (dense ids 1..N)")
     sy.add_argument("--seed", type=int, required=True, help="the seed (0..2**63-1)")
     g = sy.add_argument_group("histories")
-    g.add_argument("--max-len", type=int, default=dflt["max_len"], help="longest history (events; default %(default)s)")
-    g.add_argument("--min-len", type=int, default=dflt["min_len"], help="shortest history (>= 3; default %(default)s)")
+    # None: not given (the default is filled in by _synthetic_length_range, whose refusal says which was given)
+    g.add_argument("--max-len", type=int, default=None, help=f"longest history (events; default {dflt['max_len']})")
+    g.add_argument("--min-len", type=int, default=None, help=f"shortest history (>= 3; default {dflt['min_len']})")
     g.add_argument("--length-dist", choices=("lognormal", "zipf"), default=dflt["length_dist"],
                    help="history length distribution on min..max length (default %(default)s)")
     g.add_argument("--mean-len", type=float, default=dflt["mean_len"],

@@ -461,6 +461,23 @@ def test_cli_prepare_synthetic(tmp_path, capsys):
     assert "--stickiness" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("args, line", [
+    (["--mean-len", "2", "--max-len", "3"], "--min-len (default 8) must be <= --max-len (3): pass --min-len 3"),
+    (["--max-len", "6"], "--min-len (default 8) must be <= --max-len (6): pass --min-len between 3 and 6"),
+    (["--min-len", "5000"], "--min-len (5000) must be <= --max-len (default 4096): pass --max-len 5000 or more"),
+    (["--min-len", "9", "--max-len", "5"], "--min-len (9) must be <= --max-len (5)"),
+    (["--max-len", "2"], "--max-len: expected an integer >= 3, got 2"),  # the flag's own bound still comes first
+])
+def test_cli_length_range_refusal_says_which_value_is_the_default(args, line, tmp_path, capsys):
+    """`gemray prepare synthetic --mean-len 2 --max-len 3` was refused with "--min-len (8) must be <= --max-len (3)",
+    a value the user never gave: a defaulted side now says "(default 8)" and which flag to pass; exit 2, nothing
+    written."""
+    assert main(["prepare", "synthetic", "--out", str(tmp_path / "x"), "--users", "5", "--items", "5", "--seed", "1",
+                 *args]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"gemray: error: {line}"]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_sigterm_to_prepare_cleans_up_as_ctrl_c_does(tmp_path, monkeypatch, capsys):
     """SIGTERM to `gemray prepare` (here mid-generation) left the .OUT.tmp-<pid>-* folder beside --out (Ctrl-C
     removed it): it now takes the same path, exits 143 with one line, and the previous handler is back after."""
