@@ -764,8 +764,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="error (default): stop at the first bad row, naming file, line and field; quarantine: "
                          "write bad rows to quarantine.jsonl, count them in the manifest and go on")
     ml.add_argument("--num-files", type=int, default=8,
-                    help="Parquet files to write (default 8; capped at the user count): the unit Ray Data "
-                         "reads in parallel")
+                    help="Parquet files to write (default 8; capped at the user count, said in an INFO line): the "
+                         "unit Ray Data reads in parallel")
     ml.set_defaults(func=_cmd_prepare)
     _add_synthetic_parser(prep_sub)
     _add_prepare_interactions(prep_sub)

@@ -338,7 +338,8 @@ def prepare_movielens(src: str | Path, out: str | Path, *, on_bad_rows: str = "e
     on_bad_rows: "error" raises :class:`BadRowError` (a ValueError: ``<file>:<line>: field <name>:
         <problem>``) at the first bad row; "quarantine" writes each bad row to ``quarantine.jsonl``
         ({file, line, field, reason, problem, raw}) and counts them by reason in the manifest.
-    num_files: history files (users split into contiguous user-id ranges; capped at the user count).
+    num_files: history files (users split into contiguous user-id ranges; capped at the user count, logged at
+        INFO when it is).
     row_groups_per_file: Parquet row groups per file; each row group is one logical shard for
         :func:`gemray.pipelines.shards.assign_shards`.
 
@@ -397,6 +398,9 @@ def prepare_movielens(src: str | Path, out: str | Path, *, on_bad_rows: str = "e
         (tmp / HISTORIES_DIR).mkdir(parents=True)
         files, shards = [], []
         n_files = min(num_files, n_users)
+        if n_files < num_files:  # said, not silent: the user asked for more files than they get
+            log.info("%s: writing %d history files, not --num-files %d: a file holds whole users' histories and "
+                     "the data has %d users", out, n_files, num_files, n_users)
         for k, rows in enumerate(np.array_split(np.arange(n_users), n_files)):
             a, b = int(rows[0]), int(rows[-1]) + 1
             lo, hi = int(offsets[a]), int(offsets[b])

@@ -164,6 +164,29 @@ def test_ties_keep_file_order_and_short_users_counted(tmp_path):
     assert m["counts"]["users"] == 4 and m["history_length"]["min"] == 1
 
 
+def test_num_files_capped_at_the_user_count_is_logged(tmp_path, caplog, capsys):
+    """`gemray prepare movielens --num-files 1000` on ml-100k wrote 943 files (one user at least per file) without
+    a word: the cap is logged at INFO (the CLI's default console level) with the count written, the count asked for
+    and why; nothing is logged when the files asked for are written."""
+    from gemray.cli import main
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "u.data").write_text("".join(f"{u}\t{i}\t3\t{u * 100 + i}\n" for u in (1, 2, 3) for i in (1, 2, 3)))
+    out = tmp_path / "o"
+    with caplog.at_level("INFO", logger="gemray.pipelines.movielens"):
+        assert main(["prepare", "movielens", "--src", str(src), "--out", str(out), "--num-files", "1000"]) == 0
+    capped = [r for r in caplog.records if "history files" in r.getMessage()]
+    assert [(r.levelname, r.getMessage()) for r in capped] == [
+        ("INFO", f"{out}: writing 3 history files, not --num-files 1000: a file holds whole users' histories and the "
+                 "data has 3 users")]
+    assert len(load_manifest(out)["files"]) == 3 and "in 3 files" in capsys.readouterr().out
+    caplog.clear()
+    with caplog.at_level("INFO", logger="gemray.pipelines.movielens"):
+        prepare_movielens(src, out, num_files=3)
+    assert not [r for r in caplog.records if "history files" in r.getMessage()]
+
+
 # ---------------------------------------------------------------------------------------------- bad rows
 
 GOOD = {
