@@ -266,8 +266,12 @@ def _forward(h, pos, e_neg, neg_ids, target_ids, row_offsets, max_rows, temperat
 
 
 def launch_fwd(hk, pos, ek, nk, tk, ro, lse, max_rows, scale, tile, prec) -> None:
-    """One ``_ssm_fwd`` launch on prepared inputs (``_prep``'s), writing lse; tile = (BLOCK_M, BLOCK_R, num_warps),
-    prec = tl.dot's input_precision (the benchmark's sweep calls this directly)."""
+    """One ``_ssm_fwd`` launch on prepared inputs (``_prep``'s, all on the kernels' device): hk [M, E] and ek
+    [B, R, E] (float32 or one 16-bit dtype, contiguous), pos [M] float (the positives' dots), nk [B, R] / tk [M] /
+    ro [B+1] int64 (negative ids, target ids, row offsets); writes lse [M] float32. max_rows: host int >= every
+    sequence's rows; scale: 1 / temperature; tile: (BLOCK_M, BLOCK_R, num_warps) (powers of two >= 16); prec:
+    tl.dot's input_precision ("ieee" | "tf32x3" | "tf32" for float32, None for 16-bit). No checks: the entry point
+    (:func:`sampled_softmax_lse_triton`) makes them; benchmarks/sampled_softmax_h200.py --sweep calls this directly."""
     bm, br, warps = tile
     B, R = nk.shape
     _ssm_fwd[(triton.cdiv(max_rows, bm), B)](
@@ -276,7 +280,8 @@ def launch_fwd(hk, pos, ek, nk, tk, ro, lse, max_rows, scale, tile, prec) -> Non
 
 
 def launch_dh(hk, pos, ek, nk, tk, ro, lse, g, dh, dpos, max_rows, scale, tile, prec) -> None:
-    """One ``_ssm_bwd_dh`` launch (writes dh, dpos); arguments as :func:`launch_fwd`, g the float32 d loss / d lse."""
+    """One ``_ssm_bwd_dh`` launch: writes dh [M, E] (hk's dtype) and dpos [M]; lse [M] float32 the forward's, g [M]
+    float32 the loss's gradient by lse; the rest as :func:`launch_fwd`."""
     bm, br, warps = tile
     B, R = nk.shape
     _ssm_bwd_dh[(triton.cdiv(max_rows, bm), B)](
@@ -286,7 +291,7 @@ def launch_dh(hk, pos, ek, nk, tk, ro, lse, g, dh, dpos, max_rows, scale, tile, 
 
 
 def launch_de(hk, ek, nk, tk, ro, lse, g, de, scale, tile, prec) -> None:
-    """One ``_ssm_bwd_de`` launch (writes de [B, R, E]); arguments as :func:`launch_dh`."""
+    """One ``_ssm_bwd_de`` launch: writes de [B, R, E] (ek's dtype); arguments as :func:`launch_dh`."""
     bm, br, warps = tile
     B, R = nk.shape
     _ssm_bwd_de[(triton.cdiv(R, br), B)](
