@@ -218,7 +218,8 @@ def _add_synthetic_parser(prep_sub) -> None:
     g.add_argument("--split-fractions", default=",".join(f"{x:g}" for x in dflt["split_fractions"]),
                    help="train,valid,test shares of the ranking requests (default %(default)s)")
     g = sy.add_argument_group("output")
-    g.add_argument("--num-files", type=int, default=8, help="history files (default %(default)s)")
+    g.add_argument("--num-files", type=int, default=8,
+                   help="history files (default %(default)s; capped at the user count, said in an INFO line)")
     g.add_argument("--row-groups-per-file", default="auto",
                    help="row groups (shards) per file, or auto: >= 4, more to keep ~4M tokens per row group "
                         "(default %(default)s)")

@@ -795,9 +795,10 @@ def prepare_synthetic(out: str | Path, spec: SyntheticSpec, *, num_files: int = 
         prepared folder (a gemray manifest.json and only the files it lists) is replaced; any other non-empty
         folder is refused (ValueError), as ``prepare_movielens`` does.
     spec: the dataset (:class:`SyntheticSpec`).
-    num_files: history files (capped at the user count); row_groups_per_file: row groups (logical shards of
-        :func:`gemray.pipelines.stream.assign_shards`) per file, or "auto": at least 4, more so that a row group
-        stays near :data:`TOKENS_PER_ROW_GROUP` tokens (the memory one worker holds at once).
+    num_files: history files (capped at the user count, logged at INFO when it is); row_groups_per_file: row
+        groups (logical shards of :func:`gemray.pipelines.stream.assign_shards`) per file, or "auto": at least 4,
+        more so that a row group stays near :data:`TOKENS_PER_ROW_GROUP` tokens (the memory one worker holds at
+        once).
     workers: processes writing files in parallel (default: the usable CPUs, at most num_files; forked where the
         platform allows, else spawned); the output does not depend on it. progress: a tqdm bar on stderr (None: when
         stderr is a terminal).
@@ -824,6 +825,9 @@ def prepare_synthetic(out: str | Path, spec: SyntheticSpec, *, num_files: int = 
     if not isinstance(workers, int) or workers < 1:
         raise ValueError(f"--workers: expected an integer >= 1, got {workers!r}")
     workers = min(workers, len(layout))
+    if len(layout) < num_files:  # said, not silent: the user asked for more files than they get
+        log.info("%s: writing %d history files, not --num-files %d: a file holds whole users' histories and the data "
+                 "has %d users", out, len(layout), num_files, spec.users)
 
     items = _Items(spec)
     calib = calibrate(spec, items)

@@ -478,6 +478,27 @@ def test_cli_length_range_refusal_says_which_value_is_the_default(args, line, tm
     assert list(tmp_path.iterdir()) == []
 
 
+def test_num_files_capped_at_the_user_count_is_logged(tmp_path, caplog, capsys):
+    """`gemray prepare synthetic --users 3 --num-files 1000` wrote 3 files (whole users per file) without a word: the
+    cap is logged at INFO (the CLI's default console level) with the count written, the count asked for and why, as
+    prepare movielens does; nothing is logged when the files asked for are written."""
+    out = tmp_path / "o"
+    with caplog.at_level("INFO", logger="gemray.pipelines.synthetic"):
+        assert main(["prepare", "synthetic", "--out", str(out), "--users", "3", "--items", "20", "--seed", "0",
+                     "--min-len", "3", "--max-len", "5", "--mean-len", "4", "--num-files", "1000",
+                     "--workers", "1"]) == 0
+    capped = [r for r in caplog.records if "history files" in r.getMessage()]
+    assert [(r.levelname, r.getMessage()) for r in capped] == [
+        ("INFO", f"{out}: writing 3 history files, not --num-files 1000: a file holds whole users' histories and the "
+                 "data has 3 users")]
+    assert len(load_manifest(out)["files"]) == 3 and "in 3 files" in capsys.readouterr().out
+    caplog.clear()
+    with caplog.at_level("INFO", logger="gemray.pipelines.synthetic"):
+        prepare_synthetic(out, _spec(users=3, items=20, min_len=3, max_len=5, mean_len=4.0), num_files=3,
+                          progress=False, workers=1)
+    assert not [r for r in caplog.records if "history files" in r.getMessage()]
+
+
 def test_sigterm_to_prepare_cleans_up_as_ctrl_c_does(tmp_path, monkeypatch, capsys):
     """SIGTERM to `gemray prepare` (here mid-generation) left the .OUT.tmp-<pid>-* folder beside --out (Ctrl-C
     removed it): it now takes the same path, exits 143 with one line, and the previous handler is back after."""
