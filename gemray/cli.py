@@ -281,7 +281,7 @@ def _add_prepare_interactions(prep_sub) -> None:
                          "write bad rows to quarantine.jsonl, count them in the manifest and go on")
     it.add_argument("--num-files", type=int, default=0,
                     help="history files (default 0 = max(8, interactions / 1Mi): row groups of ~256k interactions, the shards "
-                         "training reads; capped at the user count)")
+                         "training reads; capped at the user count, said in an INFO line)")
     it.add_argument("--memory-budget", default=DEFAULT_MEMORY_BUDGET,
                     help=f"working memory bound, e.g. 512MiB, 2GiB (default {DEFAULT_MEMORY_BUDGET}); the output "
                          "does not depend on it")

@@ -1563,8 +1563,8 @@ def prepare_interactions(src: str | list[str], out: str | Path, *, fmt: str = "a
     ``feat_<name>``. id_type: "auto" (Parquet: the column type; CSV: text), "string" or "int". time_unit: unit of
     numeric times. delimiter: CSV field separator (default ",", "\\t" for .tsv). k_core: 0 (off) or K >= 2.
     on_bad_rows: "error" | "quarantine". num_files: history files (0: max(8, ceil(interactions / 2**20)); capped
-    at the user count). memory_budget: bytes or a size string (>= 256 MiB). workers: processes for passes 1-2.
-    progress: tqdm bars on stderr. _tuning: tests only: overrides of the sizes derived from the budget
+    at the user count, logged at INFO when it is). memory_budget: bytes or a size string (>= 256 MiB). workers:
+    processes for passes 1-2. progress: tqdm bars on stderr. _tuning: tests only: overrides of the sizes derived from the budget
     (``part_bytes``, ``block_bytes``, ``flush_bytes``, ``split_bytes``) to force many partitions on small input.
 
     Raises BadRowError (a ValueError) at the first bad row in error mode, InputError (a ValueError) for bad
@@ -1776,9 +1776,14 @@ def prepare_interactions(src: str | list[str], out: str | Path, *, fmt: str = "a
         feat_dense = {c: np.cumsum(u).astype(np.int64) for c, u in feat_used.items()}
         feat_card = {c: int(u.sum()) for c, u in feat_used.items()}
         tokens_total = good_rows if not k_core else kcore_facts["interactions_before"] - kcore_facts["removed_interactions"]
+        asked = f"--num-files {num_files}"
         if num_files == 0:
             num_files = max(DEFAULT_NUM_FILES, math.ceil(tokens_total / TOKENS_PER_FILE_AUTO))
+            asked = f"{num_files} (--num-files 0 = auto)"
         plan = _row_group_plan(n_users, num_files, row_groups_per_file)
+        if len(plan) < num_files:  # said, not silent: more files were asked for (or chosen) than there are users
+            log.info("%s: writing %d history files, not %s: a file holds whole users' histories and the data has %d "
+                     "users", out, len(plan), asked, n_users)
         raw_user_t = pa.int64() if spec.kinds[spec.user] == "int" else pa.string()
         hist_schema = pa.schema(list(HISTORY_SCHEMA) + [pa.field(FEATURE_PREFIX + c, pa.list_(pa.int64()))
                                                         for c in spec.features])

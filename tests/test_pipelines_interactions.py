@@ -252,6 +252,28 @@ def test_csv_string_ids_hand_checked(tmp_path, capsys):
     assert dense == HAND_DENSE
 
 
+@pytest.mark.parametrize("num_files, asked", [(["--num-files", "1000"], "--num-files 1000"),
+                                               ([], "8 (--num-files 0 = auto)"),  # the default: auto, 8 here
+                                               (["--num-files", "3"], None)])
+def test_num_files_capped_at_the_user_count_is_logged(num_files, asked, tmp_path, capsys, caplog):
+    """`gemray prepare interactions --num-files 1000` on 3 users wrote 3 files (whole users per file) without a
+    word: the cap is logged at INFO (the CLI's default console level) with the count written, the count asked for
+    (or chosen by the default, auto) and why, as prepare movielens does; nothing is logged when the files asked for
+    are written."""
+    src = tmp_path / "log.csv"
+    src.write_text("user_id,item_id,timestamp\n" + "".join(f"u{u},i{i},{i}\n" for u in range(3) for i in range(4)))
+    out = tmp_path / "o"
+    with caplog.at_level("INFO", logger="gemray.pipelines.interactions"):
+        rc, stdout, err = run_cli(["prepare", "interactions", "--src", str(src), "--out", str(out), *num_files],
+                                  capsys)
+    assert rc == 0, err
+    capped = [(r.levelname, r.getMessage()) for r in caplog.records if "history files" in r.getMessage()]
+    assert capped == ([] if asked is None else [
+        ("INFO", f"{out}: writing 3 history files, not {asked}: a file holds whole users' histories and the data "
+                 "has 3 users")])
+    assert len(load_manifest(out)["files"]) == 3 and "in 3 files" in stdout
+
+
 def test_stream_reads_the_four_columns(tmp_path):
     """pipelines/stream.py (named columns) reads a folder with feat_* columns unchanged."""
     from gemray.pipelines.stream import HistoryStream
