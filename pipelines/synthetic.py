@@ -273,7 +273,8 @@ def spec_from_params(params: dict[str, str], where: str = "data.synthetic") -> S
     """A :class:`SyntheticSpec` from {parameter: value text} (``DataConfig.synthetic_params()``: the CLI flags'
     names with ``_``, values as on the command line: ``features="category=64,author=2048"``,
     ``split_fractions="0.8,0.1,0.1"``, ``min_candidates="none"`` for the default). Raises ValueError naming
-    ``where`` and the parameter for an unknown name or a bad value."""
+    ``where`` and the parameter for an unknown name or a bad value; min_len > max_len in the entries' names, saying
+    which side is the default and which entry to add (:func:`_entries_length_range`)."""
     fields = {f.name: f for f in dataclasses.fields(SyntheticSpec)}
     kw: dict[str, Any] = {}
     for name, text in params.items():
@@ -294,10 +295,29 @@ def spec_from_params(params: dict[str, str], where: str = "data.synthetic") -> S
                 kw[name] = int(text)
         except ValueError as e:
             raise ValueError(f"{where}: {name}={text!r}: {e}") from None
+    _entries_length_range(kw, fields, where)
     try:
         return SyntheticSpec(**kw)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{where}: {e}") from None
+
+
+def _entries_length_range(kw: dict[str, Any], fields: dict[str, dataclasses.Field], where: str) -> None:
+    """Raise ValueError for min_len > max_len among ``where``'s entries, in the entries' names and saying which value
+    is the default and which entry to add (SyntheticSpec's own "--min-len (8) must be <= --max-len (3)" named a
+    default the user never gave, and flags of the CLI although the user wrote config entries). Each value's own
+    bound (>= 3) is left to SyntheticSpec, which checks it first."""
+    lowest = MIN_HISTORY_FOR_SPLITS
+    lo = kw.get("min_len", fields["min_len"].default)
+    hi = kw.get("max_len", fields["max_len"].default)
+    if not lowest <= hi < lo:
+        return
+    if "min_len" not in kw:
+        add = f'"min_len={hi}"' if hi == lowest else f'"min_len=N" with {lowest} <= N <= {hi}'
+        raise ValueError(f"{where}: min_len (default {lo}) must be <= max_len ({hi}): add {add}")
+    if "max_len" not in kw:
+        raise ValueError(f'{where}: min_len ({lo}) must be <= max_len (default {hi}): add "max_len=N" with N >= {lo}')
+    raise ValueError(f"{where}: min_len ({lo}) must be <= max_len ({hi})")
 
 
 def params_sha256(spec: SyntheticSpec) -> str:

@@ -478,6 +478,30 @@ def test_cli_length_range_refusal_says_which_value_is_the_default(args, line, tm
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("entries, line", [
+    ("max_len=3", 'min_len (default 8) must be <= max_len (3): add "min_len=3"'),
+    ("max_len=6", 'min_len (default 8) must be <= max_len (6): add "min_len=N" with 3 <= N <= 6'),
+    ("min_len=5000", 'min_len (5000) must be <= max_len (default 4096): add "max_len=N" with N >= 5000'),
+    ("min_len=9,max_len=5", "min_len (9) must be <= max_len (5)"),
+    ("max_len=2", "--max-len: expected an integer >= 3, got 2"),  # the value's own bound still comes first
+])
+def test_config_length_range_refusal_names_the_entries_and_the_default(entries, line, tmp_path):
+    """data.synthetic = [..., "max_len=3"] (the spec `gemray train` generates from) was refused with "data.synthetic:
+    --min-len (8) must be <= --max-len (3)": a default the user never gave, in CLI flags the config has none of. A
+    defaulted side now says "(default 8)" and which entry to add, in the entries' names; nothing is generated. The
+    CLI's messages are unchanged (test_cli_length_range_refusal_says_which_value_is_the_default)."""
+    from gemray.config import load_config
+    from gemray.pipelines.synthetic import ensure_synthetic
+
+    cfg = load_config(str(Path(__file__).resolve().parents[1] / "configs" / "gem-tiny.toml"),
+                      [f"data.prepared_dir={tmp_path / 'data'}",
+                       f"data.synthetic=[users=64,items=100,seed=0,{entries}]"])
+    with pytest.raises(ValueError) as e:
+        ensure_synthetic(cfg.data)
+    assert str(e.value) == f"data.synthetic: {line}"
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_num_files_capped_at_the_user_count_is_logged(tmp_path, caplog, capsys):
     """`gemray prepare synthetic --users 3 --num-files 1000` wrote 3 files (whole users per file) without a word: the
     cap is logged at INFO (the CLI's default console level) with the count written, the count asked for and why, as
