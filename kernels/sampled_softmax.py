@@ -38,6 +38,7 @@ sync. Entry point: :func:`sampled_softmax_lse_triton` (``gemray.ops.sampled_soft
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -63,6 +64,9 @@ DEFAULT_TILES = {
     torch.bfloat16: {"fwd": (64, 64, 4), "dh": (64, 64, 4), "de": (64, 64, 4)},
     torch.float16: {"fwd": (64, 64, 4), "dh": (64, 64, 4), "de": (64, 64, 4)},
 }
+#: every kernel's tile when float32 products run as "ieee" (GPUs before Ampere, ``_dot_prec``): 32 x 32, 4 warps, the
+#: largest that does not spill on the CUDA cores (dH at 128 x 64: 15 ms instead of 1.2, the sweep above)
+IEEE_TILE = (32, 32, 4)
 
 
 def interpreting() -> bool:
@@ -192,17 +196,29 @@ def _ssm_bwd_de(H, EN, NEG, TGT, ROW_OFF, LSE, G, DE, R, E_DIM, stride_hm, strid
              mask=valid_r[:, None] & emask[None, :])
 
 
-def _dot_prec(dtype: torch.dtype) -> str | None:
-    """tl.dot's input_precision for products in ``dtype``: FP32_PRODUCTS for float32, Triton's default (the tensor
-    cores' own format) for 16-bit inputs."""
-    return FP32_PRODUCTS if dtype == torch.float32 else None
+def _dot_prec(dtype: torch.dtype, device: torch.device | None = None) -> str | None:
+    """tl.dot's input_precision for products in ``dtype`` on ``device``: for float32 FP32_PRODUCTS, or "ieee" on a
+    CUDA GPU older than Ampere (compute capability < 8: no TF32 tensor cores); Triton's default (the tensor cores'
+    own format) for 16-bit inputs. device None (or CPU: the interpreter): FP32_PRODUCTS."""
+    if dtype != torch.float32:
+        return None
+    if device is not None and device.type == "cuda" and _capability(device.index)[0] < 8:
+        return "ieee"
+    return FP32_PRODUCTS
 
 
-def _tile(kernel: str, block_m: int, block_r: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_R, num_warps) of ``kernel`` ("fwd" | "dh" | "de"): DEFAULT_TILES of the products' ``dtype``,
-    with block_m / block_r replacing its blocks where > 0 (4 warps then). Raises ValueError for a block that is not
-    a power of two >= 16."""
-    bm, br, warps = DEFAULT_TILES[dtype][kernel]
+@functools.lru_cache(maxsize=None)
+def _capability(index: int | None) -> tuple[int, int]:
+    """(major, minor) compute capability of CUDA device ``index`` (None: the current one), cached per index."""
+    return torch.cuda.get_device_capability(index)
+
+
+def _tile(kernel: str, block_m: int, block_r: int, dtype: torch.dtype, prec: str | None = None
+          ) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_R, num_warps) of ``kernel`` ("fwd" | "dh" | "de"): DEFAULT_TILES of the products' ``dtype``
+    (IEEE_TILE when ``prec`` is "ieee"), with block_m / block_r replacing its blocks where > 0 (4 warps then).
+    Raises ValueError for a block that is not a power of two >= 16."""
+    bm, br, warps = IEEE_TILE if prec == "ieee" else DEFAULT_TILES[dtype][kernel]
     if block_m > 0 or block_r > 0:
         bm, br, warps = block_m if block_m > 0 else bm, block_r if block_r > 0 else br, 4
     for name, v in (("block_m", bm), ("block_r", br)):
@@ -260,8 +276,9 @@ def _forward(h, pos, e_neg, neg_ids, target_ids, row_offsets, max_rows, temperat
     if M == 0 or B == 0 or max_rows == 0:
         return lse
     hk, ek, nk, tk, ro = _prep(h, e_neg, neg_ids, target_ids, row_offsets)
+    prec = _dot_prec(hk.dtype, hk.device)
     launch_fwd(hk, pos.contiguous(), ek, nk, tk, ro, lse, max_rows, 1.0 / temperature,
-               _tile("fwd", block_m, block_r, hk.dtype), _dot_prec(hk.dtype))
+               _tile("fwd", block_m, block_r, hk.dtype, prec), prec)
     return lse
 
 
@@ -311,10 +328,10 @@ def _backward(g, h, pos, e_neg, neg_ids, target_ids, row_offsets, lse, max_rows,
     dh = torch.empty((M, E), dtype=hk.dtype, device=h.device)
     dpos = torch.empty((M,), dtype=pos.dtype, device=h.device)
     de = torch.empty((B, R, E), dtype=ek.dtype, device=h.device)
-    prec, scale = _dot_prec(hk.dtype), 1.0 / temperature
+    prec, scale = _dot_prec(hk.dtype, hk.device), 1.0 / temperature
     launch_dh(hk, pos.contiguous(), ek, nk, tk, ro, lse, g, dh, dpos, max_rows, scale,
-              _tile("dh", block_m, block_r, hk.dtype), prec)
-    launch_de(hk, ek, nk, tk, ro, lse, g, de, scale, _tile("de", block_m, block_r, hk.dtype), prec)
+              _tile("dh", block_m, block_r, hk.dtype, prec), prec)
+    launch_de(hk, ek, nk, tk, ro, lse, g, de, scale, _tile("de", block_m, block_r, hk.dtype, prec), prec)
     return dh.to(h.dtype), dpos, de.to(e_neg.dtype)
 
 

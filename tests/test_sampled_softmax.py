@@ -269,6 +269,24 @@ def test_head_compiles_fullgraph():
         assert _rel(a, b) < 1e-6
 
 
+def test_float32_products_by_device(monkeypatch):
+    """float32 products: tf32x3 on the tensor cores from Ampere on (and in the interpreter), "ieee" with the small
+    tile before it (no TF32 tensor cores; larger fp32 tiles spill on the CUDA cores); 16-bit: Triton's default."""
+    from gemray.kernels import sampled_softmax as ssm
+
+    cuda0 = torch.device("cuda", 0)
+    for cap, want in (((7, 5), "ieee"), ((8, 0), "tf32x3"), ((9, 0), "tf32x3")):
+        monkeypatch.setattr(ssm, "_capability", lambda index, cap=cap: cap)
+        assert ssm._dot_prec(torch.float32, cuda0) == want, cap
+        assert ssm._dot_prec(torch.bfloat16, cuda0) is None
+    assert ssm._dot_prec(torch.float32, torch.device("cpu")) == ssm._dot_prec(torch.float32) == "tf32x3"
+    assert ssm._tile("dh", 0, 0, torch.float32, "ieee") == ssm.IEEE_TILE == (32, 32, 4)
+    assert ssm._tile("dh", 0, 0, torch.float32, "tf32x3") == ssm.DEFAULT_TILES[torch.float32]["dh"]
+    assert ssm._tile("de", 64, 0, torch.float32, "tf32x3") == (64, ssm.DEFAULT_TILES[torch.float32]["de"][1], 4)
+    with pytest.raises(ValueError, match="block_r"):
+        ssm._tile("fwd", 0, 48, torch.float32)
+
+
 def test_default_tiles_compile_for_hopper_without_spills():
     """The kernels' default tiles compile for sm_90 on the CPU machine (``python -m gemray.bench.sass_check --ssm``,
     ptxas from the triton wheel) with no spill inside their loops and at most a few bytes of stack outside them
