@@ -381,22 +381,25 @@ def _entrypoint_sets(m: dict) -> list[str]:
     return [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
 
 
-@pytest.mark.parametrize("item, pod", [
-    ("data.raw_dir=/home/me/ml-1m", "data.raw_dir=/mnt/gemray/raw/ml-1m"),
-    ("data.prepared_dir=data/ml-latest-small", "data.prepared_dir=/mnt/gemray/prepared/ml-latest-small"),
-    ("ray.storage_path=/home/me/runs", "ray.storage_path=/mnt/gemray/runs"),
-    ("checkpoint.preempt_notice=/tmp/PREEMPT", "checkpoint.preempt_notice=/mnt/gemray/runs/"),
+@pytest.mark.parametrize("item, pod, way_out", [
+    ("data.raw_dir=/home/me/ml-1m", "data.raw_dir=/mnt/gemray/raw/ml-latest-small",
+     "give --set data.raw_dir=/mnt/gemray/raw/ml-1m, or drop this --set"),
+    ("data.prepared_dir=data/ml-1m", "data.prepared_dir=/mnt/gemray/prepared/ml-latest-small",
+     "give --set data.prepared_dir=/mnt/gemray/prepared/ml-1m, or drop this --set"),
+    ("ray.storage_path=/home/me/runs", "ray.storage_path=/mnt/gemray/runs", "--storage pvc:NAME"),
+    ("checkpoint.preempt_notice=/tmp/PREEMPT", "checkpoint.preempt_notice=/mnt/gemray/runs/", "drop this --set"),
 ])
-def test_render_refuses_a_local_path_over_a_pod_path(item, pod, capsys):
+def test_render_refuses_a_local_path_over_a_pod_path(item, pod, way_out, capsys):
     """`gemray k8s render --set data.raw_dir=/home/me/ml-1m` (a path on the user's machine): exit 2, one line naming
-    the --set, the pod path it would override and the way out (was: appended after the pod's own
-    data.raw_dir=/mnt/gemray/raw/ml-1m in the job's command, so the local path won inside the pod and the job
-    failed there)."""
+    the --set, the config's own pod path it would override -- ml-latest-small's, not one derived from the refused
+    value (a new user's finding: the first version named raw/ml-1m, and following its hint gave a job reading
+    another folder) -- and the way out (was: appended after the pod's own data.raw_dir in the job's command, so the
+    local path won inside the pod and the job failed there)."""
     assert cli.main(["render", "--config", str(REPO / "configs/ml-latest-small.toml"), "--set", item]) == 2
     out, err = capsys.readouterr()
     assert out == "" and len(err.strip().splitlines()) == 1
     assert err.startswith(f"gemray: error: k8s render: --set {item} is not a path the pods share")
-    assert f"override the pods' {pod}" in err and "/mnt/gemray/" in err
+    assert f"override the pods' {pod}" in err and way_out in err
 
 
 def test_render_keeps_a_pod_path_given_with_set():

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from gemray.config import USER_ERRORS, load_config, writable_file
-from gemray.k8s.render import (DEFAULT_GPU_IMAGE, DEFAULT_IMAGE, GENERATED_HEADER, KINDS, PREEMPT_MARGIN_S,
-                               DeployOptions, render, render_pvc, to_yaml)
+from gemray.k8s.render import (DEFAULT_GPU_IMAGE, DEFAULT_IMAGE, GENERATED_HEADER, KINDS, POD_PATH_KEYS,
+                               PREEMPT_MARGIN_S, DeployOptions, check_pod_overrides, render, render_pvc, to_yaml)
 from gemray.k8s.validate import NotAManifest, validate_files
 
 
@@ -78,6 +78,10 @@ def render_from_args(ns: Any, argv: list[str] | None = None) -> str:
         return _write(text, ns.output)
     if not ns.config:
         raise ValueError("gemray k8s render: --config is required for --kind rayjob/raycluster")
+    # a --set of a pod path to a local path is refused first, naming the config's own pod path (read without those
+    # overrides: the config with them applied derives its pod paths from the refused value)
+    base = load_config(ns.config, [o for o in ns.overrides if o.partition("=")[0].strip() not in POD_PATH_KEYS])
+    check_pod_overrides(base, DeployOptions(storage=ns.storage, overrides=tuple(ns.overrides)), base)
     cfg = load_config(ns.config, ns.overrides)
     opts = DeployOptions(
         kind=ns.kind, gpu=ns.gpu, image=ns.image, storage=ns.storage, name=ns.name,

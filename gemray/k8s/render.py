@@ -276,19 +276,26 @@ def is_pod_path(key: str, value: str) -> bool:
 
 
 _POD_PATH_HINTS = {
-    "ray.storage_path": "choose the checkpoint storage with --storage pvc:NAME or --storage s3://bucket/path",
-    "checkpoint.preempt_notice": "drop this --set (every pod must see the notice file)",
-    "data.raw_dir": "copy the raw files onto the volume ({rel}) and drop this --set",
-    "data.prepared_dir": "copy the prepared folder onto the volume ({rel}) and drop this --set",
+    "ray.storage_path": "choose the checkpoint storage with --storage pvc:NAME or --storage s3://bucket/path, or give "
+                        f"a path under {MOUNT_PATH}/ (the shared volume) or an s3:// / gs:// URI",
+    "checkpoint.preempt_notice": f"drop this --set (every pod must see the notice file), or give a path under "
+                                 f"{MOUNT_PATH}/ (the shared volume)",
+    "data.raw_dir": "copy the raw files onto the volume and give --set data.raw_dir={pod}, or drop this --set",
+    "data.prepared_dir": "copy the prepared folder onto the volume and give --set data.prepared_dir={pod}, or drop "
+                         "this --set",
 }
+#: the folder on the shared volume a data key's files go to (its last folder name appended)
+_POD_DATA_DIRS = {"data.raw_dir": "raw", "data.prepared_dir": "prepared"}
 
 
-def check_pod_overrides(cfg: JobConfig, opts: DeployOptions) -> set[str]:
+def check_pod_overrides(cfg: JobConfig, opts: DeployOptions, base: JobConfig | None = None) -> set[str]:
     """The :data:`POD_PATH_KEYS` that ``opts.overrides`` set to pod paths (the job then takes the user's value
     instead of its own). Raises ValueError for one set to anything else (``data.raw_dir=/home/me/ml-1m``: the
     user's machine, or a pod's own disk that the other pods do not see), naming the ``--set``, the pod path it
-    would override and how to point the pods at other data."""
-    own = pod_paths(cfg, opts)
+    would override and how to point the pods at other data. ``base``: the config without the overrides of these
+    keys (``gemray k8s render`` passes it), whose pod paths the refusal names -- ``cfg``'s own are derived from the
+    refused value itself (its last folder); None: ``cfg``."""
+    own = pod_paths(base if base is not None else cfg, opts)
     given = set()
     for item in opts.overrides:
         key, _, value = item.partition("=")
@@ -298,10 +305,9 @@ def check_pod_overrides(cfg: JobConfig, opts: DeployOptions) -> set[str]:
         if not is_pod_path(key, value):
             effect = (f"yet it would override the pods' {key}={own[key]} in the job's command" if key in own
                       else "yet the job's command would pass it to every pod")
-            hint = _POD_PATH_HINTS[key].format(rel=own.get(key, "").removeprefix(f"{MOUNT_PATH}/"))
-            uri = " or an s3:// / gs:// URI" if key == "ray.storage_path" else ""
-            raise ValueError(f"k8s render: --set {item} is not a path the pods share, {effect}; {hint}, or give a "
-                             f"path under {MOUNT_PATH}/ (the shared volume){uri}")
+            pod = f"{MOUNT_PATH}/{_POD_DATA_DIRS[key]}/{_dataset_dir(value)}" if key in _POD_DATA_DIRS else ""
+            raise ValueError(f"k8s render: --set {item} is not a path the pods share, {effect}; "
+                             + _POD_PATH_HINTS[key].format(pod=pod))
         given.add(key)
     return given
 
