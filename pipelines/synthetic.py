@@ -75,6 +75,7 @@ import math
 import multiprocessing as mp
 import os
 import queue as queue_mod
+import re
 import shutil
 import signal
 import time
@@ -299,7 +300,15 @@ def spec_from_params(params: dict[str, str], where: str = "data.synthetic") -> S
     try:
         return SyntheticSpec(**kw)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{where}: {e}") from None
+        raise ValueError(f"{where}: {_entry_names(str(e), fields)}") from None
+
+
+def _entry_names(message: str, fields: dict[str, dataclasses.Field]) -> str:
+    """``message`` (SyntheticSpec's, worded for the CLI) with the flags of its fields in the config entries' names:
+    ``--mean-len 200`` -> ``mean_len 200``, ``--mean-len=4.5`` -> ``mean_len=4.5`` (the entry to add)."""
+    for name in sorted(fields, key=len, reverse=True):
+        message = re.sub(rf"--{name.replace('_', '-')}\b", name, message)
+    return message
 
 
 def _entries_length_range(kw: dict[str, Any], fields: dict[str, dataclasses.Field], where: str) -> None:
@@ -367,6 +376,13 @@ def length_pmf(spec: SyntheticSpec) -> tuple[np.ndarray, np.ndarray, dict[str, A
 
 
 @functools.lru_cache(maxsize=16)
+def _suggest_mean(lo: float, hi: float) -> str:
+    """A mean length strictly inside (lo, hi) for a refusal to suggest: the midpoint, rounded to 1 decimal (to an
+    integer when the range is wide)."""
+    mid = (lo + hi) / 2
+    return f"{round(mid):d}" if hi - lo > 10 else f"{round(mid, 1):g}"
+
+
 def _length_pmf(min_len: int, max_len: int, length_dist: str, mean_len: float,
                 len_sigma: float) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
     spec = SimpleNamespace(min_len=min_len, max_len=max_len, length_dist=length_dist, mean_len=mean_len,
@@ -380,7 +396,8 @@ def _length_pmf(min_len: int, max_len: int, length_dist: str, mean_len: float,
         reach = (mean(lo), mean(hi))
         if k.size > 1 and not reach[0] + 1e-6 < target < reach[1] - 1e-6:
             raise ValueError(f"--mean-len {target:g}: a capped log-normal on {spec.min_len}..{spec.max_len} has a "
-                             f"mean strictly between {spec.min_len} and {spec.max_len}")
+                             f"mean strictly between {spec.min_len} and {spec.max_len} (e.g. "
+                             f"--mean-len={_suggest_mean(reach[0], reach[1])})")
         mu = _bisect(mean, lo, hi, target, increasing=True) if k.size > 1 else 0.0
         pmf = _lognormal_pmf(k, mu, spec.len_sigma) if k.size > 1 else np.ones(1)
         params = {"dist": "lognormal", "mu": mu, "sigma": spec.len_sigma}
@@ -388,7 +405,8 @@ def _length_pmf(min_len: int, max_len: int, length_dist: str, mean_len: float,
         mid = (spec.min_len + spec.max_len) / 2
         if k.size > 1 and not spec.min_len + 1e-6 < target <= mid + 1e-9:
             raise ValueError(f"--mean-len {target:g}: a Zipf length distribution (exponent >= 0) on "
-                             f"{spec.min_len}..{spec.max_len} has a mean in ({spec.min_len}, {mid:g}]")
+                             f"{spec.min_len}..{spec.max_len} has a mean in ({spec.min_len}, {mid:g}] (e.g. "
+                             f"--mean-len={mid:g})")
         if k.size == 1:
             a = 0.0
         elif target >= mid - 1e-9:

@@ -483,7 +483,7 @@ def test_cli_length_range_refusal_says_which_value_is_the_default(args, line, tm
     ("max_len=6", 'min_len (default 8) must be <= max_len (6): add "min_len=N" with 3 <= N <= 6'),
     ("min_len=5000", 'min_len (5000) must be <= max_len (default 4096): add "max_len=N" with N >= 5000'),
     ("min_len=9,max_len=5", "min_len (9) must be <= max_len (5)"),
-    ("max_len=2", "--max-len: expected an integer >= 3, got 2"),  # the value's own bound still comes first
+    ("max_len=2", "max_len: expected an integer >= 3, got 2"),  # the value's own bound still comes first (in entry names)
 ])
 def test_config_length_range_refusal_names_the_entries_and_the_default(entries, line, tmp_path):
     """data.synthetic = [..., "max_len=3"] (the spec `gemray train` generates from) was refused with "data.synthetic:
@@ -659,3 +659,31 @@ def test_a_file_as_prepared_dir_is_refused_before_generation_is_announced(tmp_pa
         ensure_prepared(cfg)
     assert not [r for r in caplog.records if "generating" in r.getMessage()]
     assert f.read_text() == "not data"
+
+
+@pytest.mark.parametrize("lengths, dist, shown, works", [
+    (dict(min_len=4, max_len=5), "lognormal", "--mean-len=4.5", 4.5),
+    (dict(min_len=5000, max_len=6000), "lognormal", "--mean-len=5500", 5500.0),
+    (dict(min_len=5, max_len=9), "zipf", "--mean-len=7", 7.0),
+])
+def test_mean_len_refusal_suggests_a_value_that_works(lengths, dist, shown, works):
+    """A length range the default mean (200) cannot reach was refused naming only the range ("has a mean strictly
+    between 4 and 5"), so following the min / max refusal's advice led to a second refusal with no value to pass (a
+    new user's finding). It now suggests one inside the reachable range, and that value is accepted."""
+    with pytest.raises(ValueError) as e:
+        SyntheticSpec(users=10, items=20, seed=0, length_dist=dist, **lengths)
+    assert f"(e.g. {shown})" in str(e.value)
+    spec = SyntheticSpec(users=10, items=20, seed=0, length_dist=dist, mean_len=works, **lengths)
+    assert abs(length_pmf(spec)[2]["mean"] - works) < 1e-3 * works
+
+
+def test_config_spec_refusals_use_the_entries_names():
+    """data.synthetic's refusals from SyntheticSpec name the entries (``mean_len``, ``max_len``), not the CLI's flags
+    (``--mean-len``), and the suggestion reads as the entry to add."""
+    from gemray.pipelines.synthetic import spec_from_params
+
+    with pytest.raises(ValueError) as e:
+        spec_from_params({"users": "64", "items": "100", "seed": "0", "min_len": "8", "max_len": "10"})
+    msg = str(e.value)
+    assert msg.startswith("data.synthetic: mean_len 200: ") and "(e.g. mean_len=9)" in msg and "--" not in msg
+    spec_from_params({"users": "64", "items": "100", "seed": "0", "min_len": "8", "max_len": "10", "mean_len": "9"})
