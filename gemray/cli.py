@@ -701,7 +701,7 @@ def _cmd_recommend(ns: argparse.Namespace) -> int:
     from gemray.serve.model import check_device, prepared_manifest, run_config
     from gemray.checkpoint import data_record
     from gemray.serve.recommend import (IdMaps, check_k, check_recommendable, read_users_file, recommend,
-                                        recs_format, write_recs)
+                                        recs_format, users_file_locations, write_recs)
 
     check_k(ns.k)  # >= 1, before the model is loaded (recommend() refuses it too, for Python callers)
     check_device(ns.device)
@@ -718,7 +718,8 @@ def _cmd_recommend(ns: argparse.Namespace) -> int:
     manifest = prepared_manifest(served)
     check_k(ns.k, data_record(manifest)["num_items"])  # a --k above the catalogue, from its manifest too
     maps = IdMaps(manifest)
-    maps.dense_users(users)  # a user the data does not have, from its manifest / id maps: refused before the model loads
+    # a user the data does not have, from its manifest / id maps: refused before the model loads (naming its line)
+    maps.dense_users(users, where=None if ns.user else users_file_locations(ns.users_file))
     trained = load_trained(ns.checkpoint, config=ns.config, overrides=ns.overrides, device=ns.device,
                            data_manifest=manifest if ns.data is not None else None)
     recs = recommend(trained, users, k=ns.k, prepared_dir=served, manifest=manifest, maps=maps)

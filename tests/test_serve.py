@@ -418,6 +418,38 @@ def test_check_arguments_names_the_flag():
             check_arguments(**kwargs)
 
 
+def test_a_bad_id_of_a_users_file_is_refused_naming_its_line(tmp_path):
+    """`recommend --users-file` with an id the data does not have said "user id 'abc': ..." without the file or the
+    line (a new user's finding); the refusal now starts with FILE:LINE (text, CSV with its header as line 1) or
+    FILE: row N (Parquet)."""
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+
+    from gemray.serve.recommend import IdMaps, read_users_file, users_file_locations
+
+    pq.write_table(pa.table({"user_id": pa.array([1, 2, 3], pa.int64()), "raw_user_id": ["ann", "bob", "cy"]}),
+                   tmp_path / "users.parquet")
+    maps = IdMaps({"prepared_dir": str(tmp_path), "id_maps": {"users": "users.parquet"}})
+    plain = IdMaps({"prepared_dir": str(tmp_path / "none"), "counts": {"users": 3}})
+    text = tmp_path / "ids.txt"
+    text.write_text("# users\nann\n\ncy\nzed\n")
+    table = pa.table({"user_id": ["bob", "cy", "zed"]})
+    pacsv.write_csv(table, tmp_path / "ids.csv")
+    pq.write_table(table, tmp_path / "ids.parquet")
+    for f, place in ((text, f"{text}:5"), (tmp_path / "ids.csv", f"{tmp_path / 'ids.csv'}:4"),
+                     (tmp_path / "ids.parquet", f"{tmp_path / 'ids.parquet'}: row 3")):
+        ids = read_users_file(f)
+        where = users_file_locations(f)
+        assert len(where) == len(ids)
+        with pytest.raises(ValueError) as e:
+            maps.dense_users(ids, where=where)
+        assert str(e.value).startswith(f"{place}: user id 'zed': not a user of"), str(e.value)
+    assert maps.dense_users(["ann", "cy"], where=[f"{text}:2", f"{text}:4"]) == [1, 3]
+    text.write_text("1\nabc\n")
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(text))}:2: user id 'abc': .* integers"):
+        plain.dense_users(read_users_file(text), where=users_file_locations(text))
+
+
 def test_id_maps_raw_string_ids(tmp_path):
     """A `gemray prepare interactions` folder maps string user / item ids: users are taken and items given back raw."""
     import pyarrow as pa

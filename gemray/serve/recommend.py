@@ -108,10 +108,19 @@ class IdMaps:
     def _key(raw: Any) -> str:
         return str(raw)
 
-    def dense_users(self, raw_ids: list[Any]) -> list[int]:
+    def dense_users(self, raw_ids: list[Any], where: list[str] | None = None) -> list[int]:
         """Dense user ids of ``raw_ids`` (strings or ints as given on the command line). Raises ValueError
-        naming the first id that is not a user of the data, the folder and its users (count, id range); an id
-        outside the range is refused here, one in a gap of it by :func:`read_histories`."""
+        naming the first id that is not a user of the data (after ``where[i]``, its place in the users file, when
+        given), the folder and its users (count, id range); an id outside the range is refused here, one in a gap
+        of it by :func:`read_histories`."""
+        if where is not None:
+            try:
+                return self.dense_users(raw_ids)
+            except ValueError as e:
+                bad = next((i for i, r in enumerate(raw_ids) if _refuses(self, r)), None)
+                if bad is None or bad >= len(where):
+                    raise
+                raise ValueError(f"{where[bad]}: {e}") from None
         out = []
         n, lo, hi = self.user_range
         for r in raw_ids:
@@ -276,9 +285,33 @@ def recommend(trained: TrainedModel, users: list[Any], *, k: int = 10, prepared_
                      "item_id": pa.array(cols["item_id"]), "score": pa.array(cols["score"], pa.float32())})
 
 
+def _refuses(maps: IdMaps, raw_id: Any) -> bool:
+    """Whether ``maps.dense_users`` refuses ``raw_id`` alone."""
+    try:
+        maps.dense_users([raw_id])
+    except ValueError:
+        return True
+    return False
+
+
+def users_file_locations(path: str | Path) -> list[str]:
+    """Where each id :func:`read_users_file` returns sits in ``path``, in the same order, for errors: ``"FILE:LINE"``
+    (text: the line; CSV: the line, the header being line 1) or ``"FILE: row N"`` (Parquet, N from 1)."""
+    p = Path(path)
+    if p.suffix == ".parquet":
+        return [f"{p}: row {i + 1}" for i in range(pq.read_metadata(p).num_rows)]
+    if p.suffix == ".csv":
+        import pyarrow.csv as pacsv
+
+        return [f"{p}:{i + 2}" for i in range(pacsv.read_csv(p).num_rows)]
+    return [f"{p}:{n}" for n, line in enumerate(p.read_text().splitlines(), 1)
+            if line.strip() and not line.strip().startswith("#")]
+
+
 def read_users_file(path: str | Path) -> list[Any]:
     """User ids from a file: one per line (text; blank lines and lines starting with # skipped), or the
-    ``user_id`` column of a Parquet / CSV file. Raises FileNotFoundError / ValueError naming the file."""
+    ``user_id`` column of a Parquet / CSV file. Raises FileNotFoundError / ValueError naming the file (an id the
+    data does not have is refused later, by :meth:`IdMaps.dense_users`; :func:`users_file_locations` says where)."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"--users-file {p}: " + ("a folder, not a file" if p.is_dir() else "no such file"))
