@@ -103,7 +103,7 @@ import pyarrow.parquet as pq
 
 from . import amazon
 from .movielens import _file_sha256, _fsync_path, check_replaceable, swap_into_place
-from .schema import (HISTORIES_DIR, HISTORY_SCHEMA, ITEMS_FILE, MANIFEST_FILE, MANIFEST_VERSION,
+from .schema import (log_capped_files, HISTORIES_DIR, HISTORY_SCHEMA, ITEMS_FILE, MANIFEST_FILE, MANIFEST_VERSION,
                      MIN_HISTORY_FOR_SPLITS, QUARANTINE_FILE, SPLIT_PROTOCOL, BadRowError)
 
 log = logging.getLogger(__name__)
@@ -1776,14 +1776,12 @@ def prepare_interactions(src: str | list[str], out: str | Path, *, fmt: str = "a
         feat_dense = {c: np.cumsum(u).astype(np.int64) for c, u in feat_used.items()}
         feat_card = {c: int(u.sum()) for c, u in feat_used.items()}
         tokens_total = good_rows if not k_core else kcore_facts["interactions_before"] - kcore_facts["removed_interactions"]
-        asked = f"--num-files {num_files}"
-        if num_files == 0:
+        auto = num_files == 0
+        if auto:
             num_files = max(DEFAULT_NUM_FILES, math.ceil(tokens_total / TOKENS_PER_FILE_AUTO))
-            asked = f"{num_files} (--num-files 0 = auto)"
         plan = _row_group_plan(n_users, num_files, row_groups_per_file)
-        if len(plan) < num_files:  # said, not silent: more files were asked for (or chosen) than there are users
-            log.info("%s: writing %d history files, not %s: a file holds whole users' histories and the data has %d "
-                     "users", out, len(plan), asked, n_users)
+        if len(plan) < num_files:
+            log_capped_files(log, out, len(plan), f"{num_files} (--num-files 0 = auto)" if auto else num_files, n_users)
         raw_user_t = pa.int64() if spec.kinds[spec.user] == "int" else pa.string()
         hist_schema = pa.schema(list(HISTORY_SCHEMA) + [pa.field(FEATURE_PREFIX + c, pa.list_(pa.int64()))
                                                         for c in spec.features])

@@ -40,7 +40,7 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
-from .schema import (HISTORIES_DIR, HISTORY_SCHEMA, ITEMS_FILE, ITEMS_SCHEMA, MANIFEST_FILE,
+from .schema import (log_capped_files, HISTORIES_DIR, HISTORY_SCHEMA, ITEMS_FILE, ITEMS_SCHEMA, MANIFEST_FILE,
                      MANIFEST_VERSION, MAX_ID, MIN_HISTORY_FOR_SPLITS, QUARANTINE_FILE, RUN_FILE, SPLIT_PROTOCOL,
                      BadRowError)
 
@@ -398,9 +398,7 @@ def prepare_movielens(src: str | Path, out: str | Path, *, on_bad_rows: str = "e
         (tmp / HISTORIES_DIR).mkdir(parents=True)
         files, shards = [], []
         n_files = min(num_files, n_users)
-        if n_files < num_files:  # said, not silent: the user asked for more files than they get
-            log.info("%s: writing %d history files, not --num-files %d: a file holds whole users' histories and "
-                     "the data has %d users", out, n_files, num_files, n_users)
+        log_capped_files(log, out, n_files, num_files, n_users)
         for k, rows in enumerate(np.array_split(np.arange(n_users), n_files)):
             a, b = int(rows[0]), int(rows[-1]) + 1
             lo, hi = int(offsets[a]), int(offsets[b])

@@ -57,6 +57,7 @@ file may carry, after the four HISTORY_SCHEMA columns and in this order, any of:
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any
 
@@ -228,3 +229,14 @@ def split_input_lengths(history_lengths: np.ndarray, split: str, max_seq_len: in
     start, stop = split_input_bounds(history_lengths, split, max_seq_len,
                                      train_includes_valid=train_includes_valid)
     return stop - start
+
+
+def log_capped_files(log: logging.Logger, out: Any, written: int, asked: int | str, users: int) -> None:
+    """The INFO line of a preparation that writes fewer history files than asked for (``asked``: the count, or
+    how it was chosen): a file holds whole users' histories, so there are at most as many files as users. Logs
+    nothing when ``written`` is not below the count asked for. Said, not silent (was: the cap went unmentioned)."""
+    wanted = asked if isinstance(asked, str) else f"--num-files {asked}"
+    if isinstance(asked, int) and written >= asked:
+        return
+    log.info("%s: writing %d history files, not %s: a file holds whole users' histories and the data has %d users",
+             out, written, wanted, users)

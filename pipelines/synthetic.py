@@ -91,7 +91,7 @@ import pyarrow.parquet as pq
 from gemray.config import DataConfig, usable_cpus
 
 from .movielens import _file_sha256, _fsync_path, check_replaceable, swap_into_place, write_run_file
-from .schema import (CANDIDATE_CLICK, CANDIDATE_CONVERT, CANDIDATE_ITEMS, HISTORIES_DIR, ITEMS_FILE,
+from .schema import (log_capped_files, CANDIDATE_CLICK, CANDIDATE_CONVERT, CANDIDATE_ITEMS, HISTORIES_DIR, ITEMS_FILE,
                      ITEMS_SCHEMA, LABEL_NAMES, MANIFEST_FILE, MANIFEST_VERSION, MIN_HISTORY_FOR_SPLITS,
                      RANKING_PROTOCOL, REQUEST_SPLIT, RUN_FILE, SPLIT_PROTOCOL, SPLITS, feature_column,
                      history_schema)
@@ -863,9 +863,7 @@ def prepare_synthetic(out: str | Path, spec: SyntheticSpec, *, num_files: int = 
     if not isinstance(workers, int) or workers < 1:
         raise ValueError(f"--workers: expected an integer >= 1, got {workers!r}")
     workers = min(workers, len(layout))
-    if len(layout) < num_files:  # said, not silent: the user asked for more files than they get
-        log.info("%s: writing %d history files, not --num-files %d: a file holds whole users' histories and the data "
-                 "has %d users", out, len(layout), num_files, spec.users)
+    log_capped_files(log, out, len(layout), num_files, spec.users)
 
     items = _Items(spec)
     calib = calibrate(spec, items)
