@@ -113,30 +113,23 @@ class IdMaps:
         naming the first id that is not a user of the data (after ``where[i]``, its place in the users file, when
         given), the folder and its users (count, id range); an id outside the range is refused here, one in a gap
         of it by :func:`read_histories`."""
-        if where is not None:
-            try:
-                return self.dense_users(raw_ids)
-            except ValueError as e:
-                bad = next((i for i, r in enumerate(raw_ids) if _refuses(self, r)), None)
-                if bad is None or bad >= len(where):
-                    raise
-                raise ValueError(f"{where[bad]}: {e}") from None
         out = []
         n, lo, hi = self.user_range
-        for r in raw_ids:
+        for i, r in enumerate(raw_ids):
+            at = f"{where[i]}: " if where is not None and i < len(where) else ""
             if self._user_index is None:
                 try:
                     d = int(r)
                 except (TypeError, ValueError):
-                    raise ValueError(f"user id {r!r}: the user ids of {self.root} are integers"
+                    raise ValueError(f"{at}user id {r!r}: the user ids of {self.root} are integers"
                                      f"{_users_in_words(n, lo, hi)}") from None
                 if lo is not None and not lo <= d <= hi:
-                    raise ValueError(f"user id {r}: not a user of {self.root}{_users_in_words(n, lo, hi)}")
+                    raise ValueError(f"{at}user id {r}: not a user of {self.root}{_users_in_words(n, lo, hi)}")
                 out.append(d)
                 continue
             d = self._user_index.get(self._key(r))
             if d is None:
-                raise ValueError(f"user id {r!r}: not a user of {self.root} (not among the raw ids of its "
+                raise ValueError(f"{at}user id {r!r}: not a user of {self.root} (not among the raw ids of its "
                                  f"{len(self._user_index)} users in users.parquet)")
             out.append(d)
         return out
@@ -283,15 +276,6 @@ def recommend(trained: TrainedModel, users: list[Any], *, k: int = 10, prepared_
         cols["score"] += vals[keep].tolist()
     return pa.table({"user_id": pa.array(cols["user_id"]), "rank": pa.array(cols["rank"], pa.int32()),
                      "item_id": pa.array(cols["item_id"]), "score": pa.array(cols["score"], pa.float32())})
-
-
-def _refuses(maps: IdMaps, raw_id: Any) -> bool:
-    """Whether ``maps.dense_users`` refuses ``raw_id`` alone."""
-    try:
-        maps.dense_users([raw_id])
-    except ValueError:
-        return True
-    return False
 
 
 def users_file_locations(path: str | Path) -> list[str]:
