@@ -17,8 +17,8 @@ argument; unlike it, an explicit backend never silently becomes another.
 Sampled softmax (:func:`sampled_softmax_lse`, the retrieval head's "uniform_shared" negatives): the same
 backends and rules, over ``gemray.kernels.sampled_softmax`` (fused Triton) or
 ``gemray.kernels.reference.sampled_softmax_lse_ref``. The HSTU block's projection + activation
-(:func:`uvqk_activation`, ``split(silu(x @ W + b))``): the same again, over ``gemray.kernels.bias_silu`` (after the
-GEMM) or PyTorch.
+(:func:`uvqk_projection`: u's pre-activation, ``split(silu(x @ W_vqk + b_vqk))``): the same again, over
+``gemray.kernels.bias_silu`` (after the GEMM) or PyTorch.
 
 Relative attention bias: ``rel_bias`` (a :class:`RelativeBiasInputs`, the HSTU position / time bias ingredients)
 or a dense ``attn_bias`` [B, n', n']. Both backends take the ingredients and never materialise a [B, n, n] bias:
@@ -229,7 +229,7 @@ def choose_backend(requested: AttentionBackend, device_type: str, triton_error: 
 
 #: the config key whose value an op's ``backend`` is (the model passes it through), named in the logged choice
 _SETTINGS = {"attention": "model.attention_backend", "sampled_softmax_lse": "model.retrieval_kernel",
-             "uvqk_activation": "model.uvqk_kernel"}
+             "uvqk_projection": "model.uvqk_kernel"}
 
 
 def choice_message(op: str, requested: AttentionBackend, device_type: str, chosen: AttentionBackend,
@@ -345,29 +345,49 @@ def sampled_softmax_lse(h: torch.Tensor, pos: torch.Tensor, e_neg: torch.Tensor,
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The HSTU block's projection + activation, split(silu(x @ W + b)): torch.mm then one fused Triton pass forward and
-# one backward (gemray.kernels.bias_silu, custom ops gemray::bias_silu_split / _bwd), or addmm + F.silu, chosen by
-# the rules of ``choose_backend``.
+# The HSTU block's projection + activation: u's pre-activation from its own addmm (its SiLU is the gate's), and
+# split(silu(x @ W_vqk + b_vqk)) as torch.mm then one fused Triton pass forward and one backward
+# (gemray.kernels.bias_silu, custom ops gemray::bias_silu_split / _bwd), or addmm + F.silu, chosen by the rules of
+# ``choose_backend``.
 # ----------------------------------------------------------------------------------------------------------
 
 BIAS_SILU_MODULE = "gemray.kernels.bias_silu"
 
 
-def uvqk_activation(x_norm: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, sizes: list[int], *,
+def uvqk_projection(x_norm: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, sizes: list[int], *,
                     backend: AttentionBackend | str = AttentionBackend.AUTO) -> list[torch.Tensor]:
-    """The HSTU block's projection and activation ``torch.split(silu(x_norm @ weight + bias), sizes, 1)``.
+    """The HSTU block's projection: ``z = x_norm @ weight + bias`` split as (u, v, q, k) = ``sizes``, returned as
+    ``[z_u, silu(z_v), silu(z_q), silu(z_k)]``: u WITHOUT its SiLU, which its one consumer applies
+    (``HSTUBlock``'s gate ``LayerNorm(a @ v) * silu(z_u)``, where ``train.compile`` fuses it into the gate's own
+    pass forward and backward).
 
-    x_norm: [T, D] float, weight: [D, W], bias: [W], sizes: the split widths (u, v, q, k), summing to W. Returns one
-    [T, sizes[i]] tensor per split in the GEMM's dtype (bf16 under autocast). backend ("auto" | "triton" |
-    "reference", ``model.uvqk_kernel``; ``choose_backend``'s rules): the reference is ``addmm`` (the bias in
-    cuBLAS's epilogue) then ``F.silu`` and views, which ``train.compile`` fuses as inductor sees fit; the Triton path
-    is ``torch.mm`` then ``gemray.kernels.bias_silu`` (bias, SiLU and split in one pass; backward: the SiLU derivative,
-    the four gradients and the bias gradient's column sums in one pass; spec
-    ``gemray.kernels.reference.bias_silu_split_ref``). Raises ValueError (bad shapes, unknown backend) or
+    Why u's SiLU is the gate's: applied here it was a [T, H V] pass of its own (read z_u, write u) and, backward,
+    another (read du and z_u, write dz_u) that the gate's fused kernels do for free as they read u anyway: at GEM
+    scale (T ~ 131k, H V = 1024, 8 blocks) ~10 GB of traffic a step, ~1/4 of the fused kernels' 15 ms on an H100.
+    So u gets its own GEMM (``addmm``: the bias in cuBLAS's epilogue) beside v / q / k's, and its gradient feeds
+    its own weight-gradient and input-gradient GEMMs straight from the gate's backward, with no concatenation.
+
+    x_norm: [T, D] float, weight: [D, W], bias: [W], sizes: the split widths (u, v, q, k) summing to W (u: H V,
+    v: H V, q and k: H A). Returns one [T, sizes[i]] tensor per split in the GEMM's dtype (bf16 under autocast).
+    backend ("auto" | "triton" | "reference", ``model.uvqk_kernel``; ``choose_backend``'s rules) chooses v / q /
+    k's bias + SiLU: the reference is ``addmm`` then ``F.silu`` and views, which ``train.compile`` fuses as inductor
+    sees fit; the Triton path is ``torch.mm`` then ``gemray.kernels.bias_silu`` (bias, SiLU and split in one pass;
+    backward: the SiLU derivative, the three gradients and the bias gradient's column sums in one pass; spec
+    ``gemray.kernels.reference.bias_silu_split_ref``). Raises ValueError (bad shapes or sizes, unknown backend) or
     RuntimeError ("triton" where it cannot run)."""
-    if _resolve(backend, x_norm.device, BIAS_SILU_MODULE, "uvqk_activation") is AttentionBackend.TRITON:
-        return _kernel_module(BIAS_SILU_MODULE)[0].bias_silu_split_triton(torch.mm(x_norm, weight), bias, sizes)
-    return list(torch.split(torch.nn.functional.silu(torch.addmm(bias, x_norm, weight)), list(sizes), 1))
+    sizes = [int(s) for s in sizes]
+    if len(sizes) != 4 or min(sizes) < 1 or weight.dim() != 2 or sum(sizes) != weight.shape[1] \
+            or bias.shape != (weight.shape[1],):
+        raise ValueError(f"uvqk_projection: sizes {sizes} (u, v, q, k; each >= 1) must sum to W, the width of "
+                         f"weight {tuple(weight.shape)} and of bias {tuple(bias.shape)}")
+    hv = sizes[0]
+    z_u = torch.addmm(bias[:hv], x_norm, weight[:, :hv])
+    w_vqk, b_vqk = weight[:, hv:], bias[hv:]
+    if _resolve(backend, x_norm.device, BIAS_SILU_MODULE, "uvqk_projection") is AttentionBackend.TRITON:
+        vqk = _kernel_module(BIAS_SILU_MODULE)[0].bias_silu_split_triton(torch.mm(x_norm, w_vqk), b_vqk, sizes[1:])
+    else:
+        vqk = torch.split(torch.nn.functional.silu(torch.addmm(b_vqk, x_norm, w_vqk)), sizes[1:], 1)
+    return [z_u, *vqk]
 
 
 def _triton_rel_bias(mod, rel_bias: RelativeBiasInputs):

@@ -22,7 +22,7 @@ where the forward reads x anyway.
 
 torch.library custom ops ``gemray::bias_silu_split`` (-> the splits) and ``gemray::bias_silu_split_bwd`` (-> dx,
 dbias) with fake implementations; the backward is the forward's autograd formula. Entry point:
-:func:`bias_silu_split_triton` (``gemray.ops.uvqk_activation`` dispatches to it, after the GEMM); the spec is
+:func:`bias_silu_split_triton` (``gemray.ops.uvqk_projection`` dispatches v / q / k to it, after their GEMM); the spec is
 ``gemray.kernels.reference.bias_silu_split_ref``.
 """
 

@@ -322,7 +322,7 @@ def test_selective_keeps_less_than_none_more_than_full_and_recomputes_no_gemm(ba
     (= only the input, which the caller holds anyway); selective's are exactly the outputs of the ops the census
     classified as kept (the probe's selective_bytes), none's the probe's saved bytes less the input's (and less
     the reference attention's per-batch layout cache's, warmed by the probe's forward: they predate the measured
-    ones). In the backward, full recomputes the uvqk GEMM (and, on the Triton kernels, the attention's forward
+    ones). In the backward, full recomputes the uvqk GEMMs (and, on the Triton kernels, the attention's forward
     op), selective neither -- it recomputes the pointwise ops (LayerNorm, SiLU) instead."""
     torch.manual_seed(0)
     cfg = tiny_cfg(embedding_dim=32, num_heads=2, attention_dim=8, linear_dim=8, num_blocks=1,
@@ -352,9 +352,9 @@ def test_selective_keeps_less_than_none_more_than_full_and_recomputes_no_gemm(ba
     # the probe's saved bytes also count the saved storages that predate the forward (x, the layout cache's)
     assert 0.95 * (cost.saved_bytes - x.numel() * 4) <= kept["none"] <= cost.saved_bytes - x.numel() * 4
     gemms = {lvl: c.get("aten::mm", 0) + c.get("aten::addmm", 0) for lvl, c in bwd.items()}
-    # full re-runs the uvqk GEMM; not the output GEMM: torch's early stop ends the recompute once the last tensor
-    # the backward needs (the output GEMM's input) is back
-    assert gemms["selective"] == gemms["none"] and gemms["full"] == gemms["none"] + 1, gemms
+    # full re-runs the projection's two GEMMs (u's, v / q / k's: gemray.ops.uvqk_projection); not the output GEMM:
+    # torch's early stop ends the recompute once the last tensor the backward needs (the output GEMM's input) is back
+    assert gemms["selective"] == gemms["none"] and gemms["full"] == gemms["none"] + 2, gemms
     assert bwd["none"].get("aten::native_layer_norm", 0) == bwd["none"].get("aten::silu", 0) == 0
     assert bwd["selective"]["aten::native_layer_norm"] == bwd["full"]["aten::native_layer_norm"] == 2
     assert bwd["selective"]["aten::silu"] >= 1  # the uvqk SiLU (and the reference attention's)
@@ -421,7 +421,8 @@ def test_levels_under_compile_keep_the_gemms_and_the_attention():
         for ops in block_graphs:
             gemms = sum(o.startswith(("aten.mm", "aten.addmm")) for o in ops)
             recomputed_attention = sum("gdpa_fwd" in o for o in ops)
-            assert (gemms, recomputed_attention) == ((4, 0) if level == "selective" else (5, 1)), (level, ops)
+            # backward: two GEMMs per projection (u, v / q / k, output); full also re-runs u's and v / q / k's
+            assert (gemms, recomputed_attention) == ((6, 0) if level == "selective" else (8, 1)), (level, ops)
 
 
 def _probe_and_plan(ac, enc, tok, off, ts, tokens=31):

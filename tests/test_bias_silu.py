@@ -1,5 +1,6 @@
 """The fused uvqk activation (gemray.kernels.bias_silu: split(silu(x + bias)), its backward with the bias gradient)
-against the reference, the dispatch, and the HSTU block with it.
+against the reference, the dispatch (gemray.ops.uvqk_projection: u's pre-activation, v / q / k through the kernel),
+and the HSTU block with it.
 
 CPU: Triton's interpreter (TRITON_INTERPRET=1, set below when no CUDA device is present), float32, relative error
 (max |a - b| / max |b|) of every split and of dx / dbias < 1e-5 against a float64 reference, on random inputs
@@ -129,25 +130,35 @@ def test_unused_split_gets_no_gradient_and_bad_inputs_are_refused():
 
 
 def test_dispatch_rules_and_config():
+    """uvqk_projection: [z_u, silu(z_v), silu(z_q), silu(z_k)] with z = x_norm @ W + b -- u WITHOUT its SiLU (the
+    block's gate applies it) -- on either backend, and its refusals."""
     g = torch.Generator().manual_seed(2)
+    sizes = [3, 3, 4, 6]
     x_norm, weight, bias = torch.randn(11, 12, generator=g), torch.randn(12, 16, generator=g), torch.randn(16, generator=g)
-    got = ops.uvqk_activation(x_norm, weight, bias, [6, 10], backend="reference")
-    want = torch.split(torch.nn.functional.silu(torch.addmm(bias, x_norm, weight)), [6, 10], 1)
+    z = torch.split(torch.addmm(bias, x_norm, weight), sizes, 1)
+    want = [z[0]] + [torch.nn.functional.silu(t) for t in z[1:]]
+    got = ops.uvqk_projection(x_norm, weight, bias, sizes, backend="reference")
+    assert len(got) == 4
     for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-    for a, b in zip(ops.uvqk_activation(x_norm, weight, bias, [6, 10], backend="auto"), want):  # CPU: the reference
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    for a, b in zip(ops.uvqk_projection(x_norm, weight, bias, sizes, backend="auto"), want):  # CPU: the reference
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError):
-        ops.uvqk_activation(x_norm, weight, bias, [6, 10], backend="fast")
+        ops.uvqk_projection(x_norm, weight, bias, sizes, backend="fast")
+    for bad in ([6, 10], [0, 6, 4, 6], [3, 3, 4, 5]):  # not four splits / an empty split / not summing to W
+        with pytest.raises(ValueError, match="uvqk_projection: sizes"):
+            ops.uvqk_projection(x_norm, weight, bias, bad, backend="reference")
     with pytest.raises(ValueError, match="uvqk_kernel"):
         ModelConfig(uvqk_kernel="fast").validate()
     ModelConfig(uvqk_kernel="triton").validate()
     assert ModelConfig().uvqk_kernel == "reference"  # until measured on a GPU
     if INTERPRET:
-        got = ops.uvqk_activation(x_norm, weight, bias, [6, 10], backend="triton")
-        want64 = ref.bias_silu_split_ref(x_norm.double() @ weight.double(), bias.double(), [6, 10])
+        got = ops.uvqk_projection(x_norm, weight, bias, sizes, backend="triton")
+        z64 = torch.addmm(bias.double(), x_norm.double(), weight.double())
+        want64 = [z64[:, :3]] + ref.bias_silu_split_ref(z64[:, 3:], torch.zeros(13, dtype=torch.float64), sizes[1:])
         for a, b in zip(got, want64):
-            assert a.is_contiguous() and _rel(a, b) < TOL
+            assert _rel(a, b) < TOL
+        assert all(t.is_contiguous() for t in got[1:])
 
 
 @cpu_only

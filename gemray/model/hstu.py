@@ -7,7 +7,9 @@ One block (generative-recommenders' ``SequentialTransductionUnitJagged``, "uvqk"
 
     x_norm     = LayerNorm(x)                                  [T, D]   (no affine, eps 1e-6)
     u, v, q, k = split(silu(x_norm @ W_uvqk + b_uvqk))         [T, H*V], [T, H*V], [T, H*A], [T, H*A]
-                                                               (gemray.ops.uvqk_activation, model.uvqk_kernel)
+                                                               (gemray.ops.uvqk_projection, model.uvqk_kernel;
+                                                               u's SiLU applied in the gate below, where
+                                                               train.compile fuses it into the gate's pass)
     a          = silu(q k^T * alpha + rab^{p,t}) / N, causal   per head, via gemray.ops.attention
     y          = LayerNorm(a @ v) * u                          [T, H*V]
     x          = x + Dropout(y) @ W_o + b_o                    [T, D]   (dropout before W_o, as GR)
@@ -147,19 +149,22 @@ class HSTUBlock(nn.Module):
         """
         T = x.shape[0]
         sizes = [self.h * self.v, self.h * self.v, self.h * self.a, self.h * self.a]
+        # z_u: u before its SiLU (ops.uvqk_projection says why the gate applies it)
         if self.fp8 is None:
             x_norm = F.layer_norm(x, (self.d,), eps=LN_EPS)
-            u, v, q, k = ops.uvqk_activation(x_norm, self.uvqk_weight, self.uvqk_bias, sizes,
-                                             backend=self.uvqk_backend)
+            z_u, v, q, k = ops.uvqk_projection(x_norm, self.uvqk_weight, self.uvqk_bias, sizes,
+                                               backend=self.uvqk_backend)
         else:
-            u, v, q, k = torch.split(F.silu(self._fp8_uvqk(x)), sizes, 1)
+            z = self._fp8_uvqk(x)
+            z_u = z[:, :sizes[0]]
+            v, q, k = torch.split(F.silu(z[:, sizes[0]:]), sizes[1:], 1)
         attn = ops.attention(
             q.reshape(T, self.h, self.a), k.reshape(T, self.h, self.a), v.reshape(T, self.h, self.v),
             offsets, self.max_seq_len, activation=self.activation, causal=True,
             rel_bias=(None if self.rel_bias is None else self.rel_bias.inputs(timestamps, buckets, cache,
                                                                                query_timestamps)),
             backend=self.backend, config=self.kernel_config)
-        y = F.layer_norm(attn.reshape(T, self.h * self.v), (self.h * self.v,), eps=LN_EPS) * u
+        y = F.layer_norm(attn.reshape(T, self.h * self.v), (self.h * self.v,), eps=LN_EPS) * F.silu(z_u)
         if self.fp8 is not None:
             from gemray.model.fp8 import fp8_linear
 

@@ -10,8 +10,8 @@ backward). Each can run at one of three levels (``LEVELS``):
   ``addmm`` / ``_scaled_mm`` and the jagged attention custom ops ``gemray::gdpa_fwd`` (the HSTU blocks' Triton
   kernels), ``gemray::cross_attention`` and ``gemray::pma`` (the tower's)) and RECOMPUTES everything else in the
   backward: the LayerNorms, SiLU, ``u * norm(attn)``, dropout (its RNG state replayed), casts, the residual. An
-  HSTU block then keeps its input x [T, D], the uvqk GEMM's output [T, 2HV + 2HA] (SiLU's backward needs its
-  input), the attention's output [T, HV] (and, eagerly, the output GEMM's [T, D], which the backward never
+  HSTU block then keeps its input x [T, D], the uvqk GEMMs' outputs (u's [T, HV], v / q / k's [T, HV + 2HA]:
+  SiLU's backward needs its input), the attention's output [T, HV] (and, eagerly, the output GEMM's [T, D], which the backward never
   reads -- SAC caches every saved op's output as it runs -- while under torch.compile the partitioner drops it).
   The reference attention (``attention_backend = "reference"``, the CPU spec) is plain aten ops whose GEMMs are
   ``bmm`` over [B*H, n, n] scores: not saved, so selective recomputes that attention whole. (Eager calls of
