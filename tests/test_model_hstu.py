@@ -210,3 +210,60 @@ def test_fp32_residual_off_keeps_the_stream_in_the_autocast_dtype():
     assert plain[0][0] == plain[1][0] == [torch.float32] * 3
     for a, b in zip(plain[0][1:], plain[1][1:]):
         assert torch.equal(a, b)
+
+
+class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
+    """The aten ops a region runs, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("linear_dim", [8, 7])  # H V + 1 = 17 / 15: K padded to 24 / 16
+def test_output_projection_is_one_gemm_with_the_residual_and_bias(linear_dim):
+    """HSTUBlock._output: x + y @ W_o^T + b_o as ONE addmm (x in the epilogue, b_o a column of K) when the stream is
+    the GEMM's dtype, equal in value and in every gradient to the two-step form; a float32 stream under bf16
+    autocast keeps x + linear(...) (addmm would round x to bf16) and stays float32."""
+    from gemray.model.hstu import HSTUBlock
+
+    cfg = ModelConfig(embedding_dim=32, num_heads=2, attention_dim=8, linear_dim=linear_dim, dropout=0.0,
+                      attention_backend="reference")
+    torch.manual_seed(0)
+    blk = HSTUBlock(cfg, max_seq_len=16)
+    with torch.no_grad():
+        blk.o_bias.normal_(0, 0.5)  # a bias that matters (its init is zero)
+    g = torch.Generator().manual_seed(3)
+    x0, y0 = torch.randn(13, 32, generator=g), torch.randn(13, 2 * linear_dim, generator=g)
+    dout = torch.randn(13, 32, generator=g)
+
+    def run(fn, dtype=torch.float32, autocast=False):
+        x, y = x0.to(dtype).requires_grad_(), y0.to(dtype).requires_grad_()
+        blk.zero_grad()
+        ops = _Ops()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), ops:
+            out = fn(x, y)
+        out.backward(dout.to(out.dtype))
+        return out.detach(), [x.grad, y.grad, blk.o_weight.grad.clone(), blk.o_bias.grad.clone()], ops.names
+
+    def two_step(x, y):
+        return x + F.linear(y, blk.o_weight, blk.o_bias)
+
+    out, grads, names = run(blk._output)
+    want, want_grads, _ = run(two_step)
+    assert names.count("addmm") == 1 and "add" not in names and "mm" not in names, names
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # the bf16 stream under autocast: one bf16 addmm; within bf16's error of the float32 form
+    out16, grads16, names16 = run(blk._output, torch.bfloat16, autocast=True)
+    assert out16.dtype == torch.bfloat16 and names16.count("addmm") == 1 and "add" not in names16, names16
+    assert ((out16.float() - want).abs().max() / want.abs().max()).item() < 2e-2
+    # a float32 stream under autocast: the two-step form, float32 out
+    out32, _, names32 = run(blk._output, autocast=True)
+    assert out32.dtype == torch.float32 and "add" in names32, names32
+    assert ((out32 - want).abs().max() / want.abs().max()).item() < 2e-2
