@@ -53,7 +53,7 @@ from gemray.config import ModelConfig
 from gemray.jagged import ITEM_FEATURE, JaggedBatch, query_timestamps
 from gemray.model.embeddings import build_embedding_collection, init_embedding_tables
 from gemray.model.features import NEG_ITEM_FEATURE, feature_names, sparse_features
-from gemray.model.heads import RetrievalHead, sample_uniform, sample_uniform_per_position
+from gemray.model.heads import RetrievalHead, retrieval_states, sample_uniform, sample_uniform_per_position
 from gemray.model.hstu import HSTUEncoder
 from gemray.model.inputs import (InputLayer, embedding_configs, extra_feature_names,
                                  extra_sparse_features)
@@ -239,10 +239,9 @@ class GEM(nn.Module):
         return states, emb
 
     def _retrieval_states(self, states: torch.Tensor) -> torch.Tensor:
-        """[T, d] encoder states -> [T, E] unit-norm states the item table is scored against."""
-        if self.retrieval_proj is None:
-            return states
-        return F.normalize(self.retrieval_proj(states), dim=-1, eps=1e-6)
+        """[T, d] encoder states -> [T, E] unit-norm states the item table is scored against
+        (``heads.retrieval_states``; the training forward has the head apply it, see :meth:`forward`)."""
+        return retrieval_states(states, self.retrieval_proj)
 
     def _logits(self, batch: JaggedBatch, states: torch.Tensor, emb: Mapping
                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -284,11 +283,16 @@ class GEM(nn.Module):
         stats: dict[str, torch.Tensor] = {}
         loss = None
         if self.head is not None:
-            loss, st = self.head(self._retrieval_states(states), batch.offsets, batch.item_ids,
+            if self.head.negatives == "uniform_shared":
+                # decided (and logged) here, eagerly: a compiled head (train.compile) then reads the choice as a
+                # constant instead of importing the kernel module inside its trace (a graph break)
+                self.head.uses_triton(states.device)
+            # the head projects the states itself (retrieval_proj, then unit norm): compiled, that fuses with it
+            loss, st = self.head(states, batch.offsets, batch.item_ids,
                                  emb[ITEM_FEATURE].values(), neg_ids=neg_ids,
                                  neg_emb=emb[NEG_ITEM_FEATURE].values() if neg_ids is not None else None,
                                  generator=g, max_len=None if hs is None else hs.max_len,
-                                 num_next=None if hs is None else hs.num_next)
+                                 num_next=None if hs is None else hs.num_next, proj=self.retrieval_proj)
             stats.update(st)
             if self.tower is None:
                 return loss, stats  # the retrieval model: exactly the head's loss and stats

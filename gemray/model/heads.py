@@ -27,6 +27,16 @@ logsumexp: [M, R+1] fp32 tensors); "triton": the fused kernel ``gemray.ops.sampl
 (``gemray.kernels.sampled_softmax``: online log-sum-exp over the R negatives, nothing of size [M, R] in memory);
 "auto": Triton on CUDA, the reference elsewhere (``gemray.ops.choose_backend``'s rules). Same loss, float32
 products either way. The other negatives modes ignore it.
+
+Under ``train.compile`` the head is one of the compiled modules (``gemray.parallel.compile.compile_targets``), with
+the states' projection (``proj``: ``GEM.retrieval_proj``, passed in and traced into the head's graph) in it: on the
+GEM-scale H200 step its eager work -- the projection's normalisation, the float32 [T, E] / [B*R, E] normalisations
+of the item and negative embeddings, the gathers, the positive dot product and their backward -- was ~1-1.5 ms of
+small separate kernels, which fuse compiled. The kernel's custom op (``gemray::sampled_softmax_lse``) and FBGEMM's
+jagged ops (the reference) trace as single nodes. The host ints ``max_len`` / ``num_next`` change every batch:
+dynamo's automatic dynamic shapes make them symbolic from the second distinct value (one more graph, not one per
+batch; and one for a batch with M == 0, the zero-loss branch). The "in_batch" draw from a ``torch.Generator`` cannot be traced
+and runs eagerly (``_draw_in_batch``: a graph break there).
 """
 
 from __future__ import annotations
@@ -95,6 +105,24 @@ def _jagged_dense_bmm(x: torch.Tensor, offsets: torch.Tensor, y: torch.Tensor, m
         return torch.ops.fbgemm.dense_to_jagged(out, [offsets], x.shape[0])[0]               # [T, R]
 
 
+def retrieval_states(states: torch.Tensor, proj: nn.Module | None) -> torch.Tensor:
+    """[N, d] encoder states -> [N, E] unit-norm states the item table is scored against: ``proj`` (a Linear(d, E),
+    ``GEM.retrieval_proj``) then L2 normalisation; ``states`` itself without a projection (d == E: the encoder's
+    output is unit-norm already)."""
+    if proj is None:
+        return states
+    return F.normalize(proj(states), dim=-1, eps=1e-6)
+
+
+@torch.compiler.disable
+def _draw_in_batch(M: int, R: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """[R] int64 positions in 0..M-1 ("in_batch" negatives), drawn on the generator's device, returned on
+    ``device``. Never compiled: dynamo cannot pass a ``torch.Generator`` to a traced op, so a compiled head breaks
+    its graph here either way; disabled, the break is a deliberate one and the draws are those of the eager head."""
+    return torch.randint(0, M, (R,), generator=generator,
+                         device=generator.device if generator is not None else "cpu").to(device)
+
+
 class RetrievalHead(nn.Module):
     """Sampled-softmax next-item loss (no parameters; the item embeddings live in the EmbeddingCollection).
 
@@ -127,10 +155,13 @@ class RetrievalHead(nn.Module):
                 item_emb: torch.Tensor, neg_ids: torch.Tensor | None = None,
                 neg_emb: torch.Tensor | None = None,
                 generator: torch.Generator | None = None, *, max_len: int | None = None,
-                num_next: int | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                num_next: int | None = None, proj: nn.Module | None = None
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Loss and stats for a training batch.
 
-        states: [T, D] unit-norm user states; offsets [B+1] int64; item_ids [T] int64;
+        states: [T, D] unit-norm user states, or with ``proj`` the [T, d] encoder states it projects to them
+        (:func:`retrieval_states`: inside the head, so that a compiled head fuses the normalisation with the
+        rest); offsets [B+1] int64; item_ids [T] int64;
         item_emb: [T, D] raw item embeddings of ``item_ids`` (targets are item t+1: no second lookup);
         neg_ids + neg_emb: [M, R] int64 + [M*R, D] for "uniform" (rows in ``next_item_index`` order),
         [B, R] int64 + [B*R, D] for "uniform_shared"; generator seeds "in_batch" draws.
@@ -140,6 +171,7 @@ class RetrievalHead(nn.Module):
         max_len / num_next: the longest sequence and M as host ints (``gemray.jagged.HostShape``), so that no
         shape is read from a device tensor (each such read is a host sync); None: read from the offsets.
         """
+        states = retrieval_states(states, proj)
         idx = next_item_index(offsets, num_next)
         M = idx.numel()
         target_ids = item_ids[idx + 1]
@@ -174,8 +206,7 @@ class RetrievalHead(nn.Module):
             same = neg_ids[segment_ids(offsets, states.shape[0])[idx]] == target_ids.view(-1, 1)
         else:
             R = self.num_negatives
-            draw = torch.randint(0, M, (R,), generator=generator,
-                                 device=generator.device if generator is not None else "cpu").to(idx.device)
+            draw = _draw_in_batch(M, R, generator, idx.device)
             e_neg = e_all[idx[draw] + 1]                            # [R, D]
             neg = h @ e_neg.T                                       # [M, R]
             same = target_ids[draw].view(1, R) == target_ids.view(-1, 1)
