@@ -500,7 +500,8 @@ class TrainConfig:
     for a batch of 1.25x (``gemray.jagged.TOKEN_HEADROOM``) the tokens of the batch it measured, and the peak a
     fraction refers to is that batch's; 0 = off ("auto" then checkpoints nothing).
     compile: torch.compile the dense per-token modules -- every HSTU block, the encoder's input scaling and output
-    L2 norm, and the candidate tower -- one by one,
+    L2 norm, the retrieval head (with the states' projection to E; its float32 [T, E] normalisations, gathers and
+    their backward, ~1-1.5 ms of eager kernels on the GEM-scale step), and the candidate tower -- one by one,
     after parallelize, with dynamic shapes (the token count changes every step: one graph per module kind, not one
     per batch); their elementwise work (casts, LayerNorms, SiLU, the residual) fuses and the launches drop. The
     attention stays the Triton custom ops. Default false; the first steps compile (``gemray bench train``'s

@@ -665,8 +665,9 @@ def apply_torch_budget(model: nn.Module, fraction: float, backend: str = "induct
     from gemray.parallel.compile import compile_dense_modules
 
     fconfig.activation_memory_budget = float(fraction)
-    compile_dense_modules(model, backend=backend, tower=False, dynamic=dynamic, optimize_ddp=optimize_ddp,
-                          mode=mode, options=options, reason="activation_checkpointing = 'torch'")
+    compile_dense_modules(model, backend=backend, tower=False, head=False, dynamic=dynamic,
+                          optimize_ddp=optimize_ddp, mode=mode, options=options,
+                          reason="activation_checkpointing = 'torch'")
     return [n for n, m in model.named_modules() if isinstance(m, HSTUBlock)]
 
 

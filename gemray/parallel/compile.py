@@ -1,11 +1,16 @@
 """torch.compile of the dense per-token modules: each HSTU block, the encoder's input scaling and output norm
-(``HSTUEncoder.input_scale`` / ``output_norm``) and the candidate tower, one by one.
+(``HSTUEncoder.input_scale`` / ``output_norm``), the retrieval head (``GEM.head``, with the states' projection
+``retrieval_proj`` traced into it) and the candidate tower, one by one.
 
 Why per module (torchtitan's per-block compile, ``torchtitan/models/llama3/infra/parallelize.py``): the modules
 between them (TorchRec's sharded embeddings, the KJT plumbing, the loss heads) are host-heavy and full of
 data-dependent shapes; a block is pure dense math around one attention custom op (``gemray::gdpa_fwd`` /
 ``gdpa_bwd``, with fake implementations: no graph break), so its casts, LayerNorms, SiLUs, splits and the
-residual fuse into a few Triton kernels and the launches per block drop.
+residual fuse into a few Triton kernels and the launches per block drop. The retrieval head
+(``gemray.model.heads.RetrievalHead``, no parameters) is float32 [T, E] / [B*R, E] normalisations, gathers and a dot
+product around one custom op (``gemray::sampled_softmax_lse``; FBGEMM's jagged ops on the reference path): eager, it
+and its backward were ~1-1.5 ms of small kernels per GEM-scale H200 step. It takes the host ints ``max_len`` /
+``num_next``, which change every batch like T: automatic dynamic shapes make them symbolic on the second call too.
 
 Shapes: the token count T (and B, C) changes every step. By default (``train.compile_dynamic = "auto"``) the
 modules compile with dynamo's automatic dynamic shapes (``dynamic=None``): the first call specialises, the
@@ -54,24 +59,30 @@ def _raise_recompile_limit() -> None:
             return
 
 
-def compile_targets(model: nn.Module, *, tower: bool = True) -> dict[str, nn.Module]:
+def compile_targets(model: nn.Module, *, tower: bool = True, head: bool = True) -> dict[str, nn.Module]:
     """{qualified name: module} of the modules :func:`compile_dense_modules` compiles: every ``HSTUBlock``, the
     encoder's ``InputScale`` / ``L2Norm`` (parameterless: [T, D] elementwise passes whose eager forward and backward
-    were separate float32 kernels) and, with ``tower``, every ``CandidateTower`` (FSDP2's class-swapped units
-    included: they subclass them)."""
+    were separate float32 kernels), with ``head`` every ``RetrievalHead`` (parameterless too; ``GEM`` passes it
+    ``retrieval_proj``, so the states' projection and normalisation compile inside it: the head's eager float32
+    [T, E] kernels were ~1-1.5 ms of the GEM-scale step) and, with ``tower``, every ``CandidateTower`` (FSDP2's
+    class-swapped units included: they subclass them)."""
+    from gemray.model.heads import RetrievalHead
     from gemray.model.hstu import HSTUBlock, InputScale, L2Norm
     from gemray.model.ranking import CandidateTower
 
-    kinds = (HSTUBlock, InputScale, L2Norm) + ((CandidateTower,) if tower else ())
+    kinds = ((HSTUBlock, InputScale, L2Norm) + ((RetrievalHead,) if head else ())
+             + ((CandidateTower,) if tower else ()))
     return {n: m for n, m in model.named_modules() if isinstance(m, kinds)}
 
 
 def compile_dense_modules(model: nn.Module, *, backend: str | Callable = "inductor", tower: bool = True,
-                          dynamic: str = "auto", optimize_ddp: bool | None = None, mode: str = "default",
-                          options: dict | None = None, reason: str = "train.compile") -> list[str]:
+                          head: bool = True, dynamic: str = "auto", optimize_ddp: bool | None = None,
+                          mode: str = "default", options: dict | None = None, reason: str = "train.compile"
+                          ) -> list[str]:
     """``module.compile(backend=backend, dynamic=DYNAMIC[dynamic], mode=mode)`` on every :func:`compile_targets` module not
     compiled yet; returns the names compiled now (already-compiled ones are skipped, so the activation-checkpointing
     "torch" mode and ``train.compile`` share one compile). Logs the choice once per call that compiles anything.
+    tower / head: as :func:`compile_targets` (mode "torch" compiles the encoder's modules only).
     dynamic: ``train.compile_dynamic``, "auto" (``dynamic=None``: dynamo's automatic dynamic shapes) or "all"
     (``dynamic=True``: every input size symbolic from the first call). optimize_ddp: sets
     ``torch._dynamo.config.optimize_ddp`` (process-wide: ``train.compile_optimize_ddp``); None leaves it as it is.
@@ -101,7 +112,7 @@ def compile_dense_modules(model: nn.Module, *, backend: str | Callable = "induct
     elif backend == "inductor" and mode != "default":
         extra = {"mode": mode}
     done = []
-    for name, m in compile_targets(model, tower=tower).items():
+    for name, m in compile_targets(model, tower=tower, head=head).items():
         if getattr(m, "_gemray_compiled", False):
             continue
         m.compile(backend=backend, dynamic=DYNAMIC[dynamic], **extra)

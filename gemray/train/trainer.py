@@ -347,10 +347,10 @@ class Trainer:
         self.recorder.phase_done("build_and_shard_s")
 
     def compile_dense(self) -> list[str]:
-        """``train.compile``: torch.compile every HSTU block (and the candidate tower, ``train.compile_tower``) in
-        place, after parallelize and the activation-checkpointing setup (``gemray.parallel.compile``: one path
-        with mode "torch"; blocks that mode compiled already are skipped). Returns the names compiled here;
-        logs the choice once (also when off)."""
+        """``train.compile``: torch.compile every HSTU block, the retrieval head (and the candidate tower,
+        ``train.compile_tower``) in place, after parallelize and the activation-checkpointing setup
+        (``gemray.parallel.compile``: one path with mode "torch"; blocks that mode compiled already are skipped).
+        Returns the names compiled here; logs the choice once (also when off)."""
         tc = self.cfg.train
         if not tc.compile:
             log.info("torch.compile: off (train.compile = false)%s",
