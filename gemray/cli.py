@@ -117,8 +117,8 @@ def _cmd_prepare(ns: argparse.Namespace) -> int:
 
 
 def _cmd_prepare_synthetic(ns: argparse.Namespace) -> int:
-    from gemray.pipelines.synthetic import (SyntheticSpec, format_synthetic_summary, parse_features,
-                                            parse_fractions, prepare_synthetic)
+    from gemray.pipelines.synthetic import (SyntheticSpec, check_fixed_length_mean, format_synthetic_summary,
+                                            name_default_mean, parse_features, parse_fractions, prepare_synthetic)
 
     rg = ns.row_groups_per_file
     if rg != "auto":
@@ -126,13 +126,19 @@ def _cmd_prepare_synthetic(ns: argparse.Namespace) -> int:
             raise ValueError(f"--row-groups-per-file: expected an integer >= 1 or 'auto', got {rg!r}")
         rg = int(rg)
     min_len, max_len = _synthetic_length_range(ns.min_len, ns.max_len)
-    spec = SyntheticSpec(users=ns.users, items=ns.items, seed=ns.seed, max_len=max_len, min_len=min_len,
-                         length_dist=ns.length_dist, mean_len=ns.mean_len, len_sigma=ns.len_sigma,
-                         item_zipf=ns.item_zipf, features=parse_features(ns.features), missing_rate=ns.missing_rate,
-                         devices=ns.devices, candidates=ns.candidates, min_candidates=ns.min_candidates,
-                         ctr=ns.ctr, cvr=ns.cvr, signal=ns.signal, stickiness=ns.stickiness, follow=ns.follow,
-                         interests=ns.interests, latent_dim=ns.latent_dim,
-                         split_fractions=parse_fractions(ns.split_fractions))
+    check_fixed_length_mean(min_len, max_len, ns.mean_len, min_default=ns.min_len is None,
+                            max_default=ns.max_len is None)
+    mean_len = SYNTHETIC_DEFAULTS["mean_len"] if ns.mean_len is None else ns.mean_len
+    try:
+        spec = SyntheticSpec(users=ns.users, items=ns.items, seed=ns.seed, max_len=max_len, min_len=min_len,
+                             length_dist=ns.length_dist, mean_len=mean_len, len_sigma=ns.len_sigma,
+                             item_zipf=ns.item_zipf, features=parse_features(ns.features),
+                             missing_rate=ns.missing_rate, devices=ns.devices, candidates=ns.candidates,
+                             min_candidates=ns.min_candidates, ctr=ns.ctr, cvr=ns.cvr, signal=ns.signal,
+                             stickiness=ns.stickiness, follow=ns.follow, interests=ns.interests,
+                             latent_dim=ns.latent_dim, split_fractions=parse_fractions(ns.split_fractions))
+    except ValueError as e:  # a mean out of the range's reach, not given: "--mean-len (default 200)"
+        raise ValueError(name_default_mean(str(e), ns.mean_len is not None)) from None
     manifest = prepare_synthetic(ns.out, spec, num_files=ns.num_files, row_groups_per_file=rg, workers=ns.workers)
     print(format_synthetic_summary(manifest, ns.out))
     return 0
@@ -178,14 +184,15 @@ def _add_synthetic_parser(prep_sub) -> None:
     sy.add_argument("--items", type=int, required=True, help="items (dense ids 1..N)")
     sy.add_argument("--seed", type=int, required=True, help="the seed (0..2**63-1)")
     g = sy.add_argument_group("histories")
-    # None: not given (the default is filled in by _synthetic_length_range, whose refusal says which was given)
+    # None: not given (the default is filled in by _synthetic_length_range / _cmd_prepare_synthetic, whose refusals
+    # say which was given)
     g.add_argument("--max-len", type=int, default=None, help=f"longest history (events; default {dflt['max_len']})")
     g.add_argument("--min-len", type=int, default=None, help=f"shortest history (>= 3; default {dflt['min_len']})")
     g.add_argument("--length-dist", choices=("lognormal", "zipf"), default=dflt["length_dist"],
                    help="history length distribution on min..max length (default %(default)s)")
-    g.add_argument("--mean-len", type=float, default=dflt["mean_len"],
+    g.add_argument("--mean-len", type=float, default=None,
                    help="mean history length after the cap; the distribution's location / exponent is solved for it "
-                        "(default %(default)s)")
+                        f"(default {dflt['mean_len']:g}; with --min-len = --max-len, that length or none)")
     g.add_argument("--len-sigma", type=float, default=dflt["len_sigma"], help="log-normal shape (default %(default)s)")
     g.add_argument("--item-zipf", type=float, default=dflt["item_zipf"],
                    help="item popularity exponent, p ~ rank**-s (default %(default)s)")

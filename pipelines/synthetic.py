@@ -300,7 +300,7 @@ def spec_from_params(params: dict[str, str], where: str = "data.synthetic") -> S
     try:
         return SyntheticSpec(**kw)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{where}: {_entry_names(str(e), fields)}") from None
+        raise ValueError(f"{where}: {_entry_names(name_default_mean(str(e), 'mean_len' in kw), fields)}") from None
 
 
 def _entry_names(message: str, fields: dict[str, dataclasses.Field]) -> str:
@@ -319,6 +319,11 @@ def _entries_length_range(kw: dict[str, Any], fields: dict[str, dataclasses.Fiel
     lowest = MIN_HISTORY_FOR_SPLITS
     lo = kw.get("min_len", fields["min_len"].default)
     hi = kw.get("max_len", fields["max_len"].default)
+    try:
+        check_fixed_length_mean(lo, hi, kw.get("mean_len"), min_default="min_len" not in kw,
+                                max_default="max_len" not in kw)
+    except ValueError as e:
+        raise ValueError(f"{where}: {_entry_names(str(e), fields)}") from None
     if not lowest <= hi < lo:
         return
     if "min_len" not in kw:
@@ -327,6 +332,30 @@ def _entries_length_range(kw: dict[str, Any], fields: dict[str, dataclasses.Fiel
     if "max_len" not in kw:
         raise ValueError(f'{where}: min_len ({lo}) must be <= max_len (default {hi}): add "max_len=N" with N >= {lo}')
     raise ValueError(f"{where}: min_len ({lo}) must be <= max_len ({hi})")
+
+
+def check_fixed_length_mean(min_len: int, max_len: int, mean_len: float | None, *, min_default: bool = False,
+                            max_default: bool = False) -> None:
+    """Raise ValueError (in the CLI's flags; :func:`_entry_names` for a config's entries) for a mean length that was
+    given (``mean_len`` not None) with min_len == max_len and differs from that length: every history is then that
+    long, and the mean asked for was silently ignored (a new user's finding). ``*_default``: that side was not
+    given, said "(default N)" as the min / max refusals do. Lengths below their own bound are left to SyntheticSpec."""
+    if mean_len is None or min_len != max_len or min_len < MIN_HISTORY_FOR_SPLITS or mean_len == min_len:
+        return
+    lo = f"--min-len ({'default ' * min_default}{min_len})"
+    hi = f"--max-len ({'default ' * max_default}{max_len})"
+    raise ValueError(f"--mean-len {mean_len:g}: {lo} = {hi} makes every history {min_len} events long; leave "
+                     f"--mean-len out, give --mean-len={min_len}, or widen the range")
+
+
+def name_default_mean(message: str, given: bool) -> str:
+    """SyntheticSpec's refusal of a mean length out of the range's reach ("--mean-len 200: ...") as "--mean-len
+    (default 200): ..." when the mean was not ``given`` (it named the flag as if the user had passed 200), as the
+    min / max refusals name their defaults; any other message as it is."""
+    said = f"--mean-len {SyntheticSpec.mean_len:g}: "
+    if given or not message.startswith(said):
+        return message
+    return f"--mean-len (default {SyntheticSpec.mean_len:g}): {message[len(said):]}"
 
 
 def params_sha256(spec: SyntheticSpec) -> str:

@@ -502,6 +502,73 @@ def test_config_length_range_refusal_names_the_entries_and_the_default(entries, 
     assert list(tmp_path.iterdir()) == []
 
 
+FIXED = "every history 50 events long; leave {m} out, give {m}=50, or widen the range"
+
+
+@pytest.mark.parametrize("args, line", [
+    (["--min-len", "50", "--max-len", "50", "--mean-len", "200"],
+     "--mean-len 200: --min-len (50) = --max-len (50) makes " + FIXED.format(m="--mean-len")),
+    (["--min-len", "50", "--max-len", "50", "--mean-len", "49.5"],
+     "--mean-len 49.5: --min-len (50) = --max-len (50) makes " + FIXED.format(m="--mean-len")),
+    (["--max-len", "8", "--mean-len", "20"], "--mean-len 20: --min-len (default 8) = --max-len (8) makes every history "
+     "8 events long; leave --mean-len out, give --mean-len=8, or widen the range"),
+    # the reach refusal names the default as the min / max refusals do, and the value as given when it was given
+    (["--max-len", "100"], "--mean-len (default 200): a capped log-normal on 8..100 has a mean strictly between 8 and "
+     "100 (e.g. --mean-len=54)"),
+    (["--max-len", "100", "--length-dist", "zipf"], "--mean-len (default 200): a Zipf length distribution (exponent "
+     ">= 0) on 8..100 has a mean in (8, 54] (e.g. --mean-len=54)"),
+    (["--max-len", "100", "--mean-len", "200"], "--mean-len 200: a capped log-normal on 8..100 has a mean strictly "
+     "between 8 and 100 (e.g. --mean-len=54)"),
+])
+def test_cli_mean_len_refusals(args, line, tmp_path, capsys):
+    """`gemray prepare synthetic --min-len 50 --max-len 50 --mean-len 200` wrote histories of 50 events, the mean
+    asked for silently ignored: a --mean-len other than that one length is refused naming the three flags (a
+    default side as such). A range the default mean cannot reach said "--mean-len 200", a value the user never
+    gave: it says "(default 200)". Exit 2, nothing written."""
+    assert main(["prepare", "synthetic", "--out", str(tmp_path / "x"), "--users", "5", "--items", "5", "--seed", "1",
+                 *args]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"gemray: error: {line}"]
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("args", [["--min-len", "5", "--max-len", "5", "--mean-len", "5"],
+                                  ["--min-len", "5", "--max-len", "5"]])
+def test_cli_fixed_length_accepts_its_own_mean_or_none(args, tmp_path, capsys):
+    """--min-len = --max-len with --mean-len equal to that length, or without --mean-len (its default unused), is
+    accepted: every history has that length."""
+    out = tmp_path / "x"
+    assert main(["prepare", "synthetic", "--out", str(out), "--users", "4", "--items", "20", "--seed", "1",
+                 "--num-files", "1", "--workers", "1", *args]) == 0
+    assert "history length mean 5, median 5, max 5" in capsys.readouterr().out
+    assert set(pc.list_value_length(_table(out).column("item_ids")).to_pylist()) == {5}
+
+
+@pytest.mark.parametrize("entries, line", [
+    ("min_len=50,max_len=50,mean_len=200",
+     "mean_len 200: min_len (50) = max_len (50) makes " + FIXED.format(m="mean_len")),
+    ("max_len=8,mean_len=20", "mean_len 20: min_len (default 8) = max_len (8) makes every history 8 events long; "
+     "leave mean_len out, give mean_len=8, or widen the range"),
+    ("max_len=100", "mean_len (default 200): a capped log-normal on 8..100 has a mean strictly between 8 and 100 "
+     "(e.g. mean_len=54)"),
+])
+def test_config_mean_len_refusals_name_the_entries(entries, line, tmp_path):
+    """data.synthetic's mean_len: refused with one length fixed by min_len = max_len unless equal to it, and the
+    reach refusal says "(default 200)" when mean_len is not among the entries, in the entries' names as the other
+    refusals there; nothing is generated."""
+    from gemray.config import load_config
+    from gemray.pipelines.synthetic import ensure_synthetic, spec_from_params
+
+    cfg = load_config(str(Path(__file__).resolve().parents[1] / "configs" / "gem-tiny.toml"),
+                      [f"data.prepared_dir={tmp_path / 'data'}",
+                       f"data.synthetic=[users=64,items=100,seed=0,{entries}]"])
+    with pytest.raises(ValueError) as e:
+        ensure_synthetic(cfg.data)
+    assert str(e.value) == f"data.synthetic: {line}"
+    assert list(tmp_path.iterdir()) == []
+    spec = spec_from_params({"users": "4", "items": "20", "min_len": "50", "max_len": "50", "mean_len": "50"})
+    assert (spec.min_len, spec.max_len, spec.mean_len) == (50, 50, 50.0)
+
+
 def test_num_files_capped_at_the_user_count_is_logged(tmp_path, caplog, capsys):
     """`gemray prepare synthetic --users 3 --num-files 1000` wrote 3 files (whole users per file) without a word: the
     cap is logged at INFO (the CLI's default console level) with the count written, the count asked for and why, as
@@ -685,5 +752,6 @@ def test_config_spec_refusals_use_the_entries_names():
     with pytest.raises(ValueError) as e:
         spec_from_params({"users": "64", "items": "100", "seed": "0", "min_len": "8", "max_len": "10"})
     msg = str(e.value)
-    assert msg.startswith("data.synthetic: mean_len 200: ") and "(e.g. mean_len=9)" in msg and "--" not in msg
+    assert msg.startswith("data.synthetic: mean_len (default 200): ") and "(e.g. mean_len=9)" in msg
+    assert "--" not in msg
     spec_from_params({"users": "64", "items": "100", "seed": "0", "min_len": "8", "max_len": "10", "mean_len": "9"})
