@@ -450,6 +450,40 @@ def test_a_bad_id_of_a_users_file_is_refused_naming_its_line(tmp_path):
         plain.dense_users(read_users_file(text), where=users_file_locations(text))
 
 
+def test_a_user_given_twice_is_refused_naming_both_places(tmp_path):
+    """`recommend --user 1 --user 1` wrote user 1's rows twice: a user given twice (the same user, however spelled) is
+    refused at its second place, naming the first (FILE:LINE / FILE: row N for a users file, as an unknown id)."""
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+
+    from gemray.serve.recommend import IdMaps, read_users_file, users_file_locations
+
+    pq.write_table(pa.table({"user_id": pa.array([1, 2, 3], pa.int64()), "raw_user_id": ["ann", "bob", "cy"]}),
+                   tmp_path / "users.parquet")
+    maps = IdMaps({"prepared_dir": str(tmp_path), "id_maps": {"users": "users.parquet"}})
+    plain = IdMaps({"prepared_dir": str(tmp_path / "none"), "counts": {"users": 3}})
+    for m, ids, line in ((plain, ["1", "2", "1"], "user id 1: given twice; give each user once"),
+                         (plain, ["1", "2", "01"], "user id 01: given twice (first as 1); give each user once"),
+                         (maps, ["bob", "cy", "bob"], "user id 'bob': given twice; give each user once")):
+        with pytest.raises(ValueError) as e:
+            m.dense_users(ids)
+        assert str(e.value) == line
+    text = tmp_path / "ids.txt"
+    text.write_text("# users\nann\n\ncy\nann\n")
+    table = pa.table({"user_id": ["bob", "cy", "bob"]})
+    pacsv.write_csv(table, tmp_path / "ids.csv")
+    pq.write_table(table, tmp_path / "ids.parquet")
+    for f, first, second, user in ((text, f"{text}:2", f"{text}:5", "ann"),
+                                   (tmp_path / "ids.csv", f"{tmp_path / 'ids.csv'}:2", f"{tmp_path / 'ids.csv'}:4",
+                                    "bob"),
+                                   (tmp_path / "ids.parquet", f"{tmp_path / 'ids.parquet'}: row 1",
+                                    f"{tmp_path / 'ids.parquet'}: row 3", "bob")):
+        with pytest.raises(ValueError) as e:
+            maps.dense_users(read_users_file(f), where=users_file_locations(f))
+        assert str(e.value) == f"{second}: user id {user!r}: given twice (first at {first}); give each user once"
+    assert plain.dense_users(["1", "2", "3"]) == [1, 2, 3] and maps.dense_users(["cy", "ann"]) == [3, 1]
+
+
 def test_id_maps_raw_string_ids(tmp_path):
     """A `gemray prepare interactions` folder maps string user / item ids: users are taken and items given back raw."""
     import pyarrow as pa
@@ -740,6 +774,28 @@ def test_recommend_unknown_user_is_refused_before_the_model_loads(with_data, sma
                  *(["--data", str(data)] * with_data)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"gemray: error: user id 999999: not a user of {data.resolve()} (60 users, ids 1..60)"], err
+
+
+@pytest.mark.parametrize("users_file", [False, True], ids=["user", "users_file"])
+def test_recommend_a_user_given_twice_is_refused_before_the_model_loads(users_file, small_checkpoint, tmp_path,
+                                                                         monkeypatch, capsys):
+    """`gemray recommend --user 1 --user 1 --out recs.csv` wrote user 1's rows twice: exit 2 with one line naming the
+    id (and, for --users-file, the line of each place), before the model loads, nothing written."""
+    import gemray.serve
+    from gemray.cli import main
+
+    ckpt, _, _ = small_checkpoint
+    monkeypatch.setattr(gemray.serve, "load_trained", lambda *a, **k: pytest.fail("the model must not load"))
+    ids = tmp_path / "ids.txt"
+    ids.write_text("1\n7\n1\n")
+    who = ["--users-file", str(ids)] if users_file else ["--user", "1", "--user", "7", "--user", "1"]
+    out = tmp_path / "recs.csv"
+    assert main(["recommend", "--checkpoint", str(ckpt), *who, "--k", "3", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    place = f"{ids}:3: " if users_file else ""
+    first = f" (first at {ids}:1)" if users_file else ""
+    assert err == [f"gemray: error: {place}user id 1: given twice{first}; give each user once"], err
+    assert not out.exists()
 
 
 def test_data_refusals_come_before_the_model_code_is_imported(small_checkpoint):

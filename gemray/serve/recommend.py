@@ -112,8 +112,10 @@ class IdMaps:
         """Dense user ids of ``raw_ids`` (strings or ints as given on the command line). Raises ValueError
         naming the first id that is not a user of the data (after ``where[i]``, its place in the users file, when
         given), the folder and its users (count, id range); an id outside the range is refused here, one in a gap
-        of it by :func:`read_histories`."""
+        of it by :func:`read_histories`. A user given twice (the same dense id, e.g. ``--user 1 --user 1``) is
+        refused at its second place, naming the first (was: its rows written twice)."""
         out = []
+        first: dict[int, int] = {}  # dense id -> index of its first place in raw_ids
         n, lo, hi = self.user_range
         for i, r in enumerate(raw_ids):
             at = f"{where[i]}: " if where is not None and i < len(where) else ""
@@ -125,12 +127,20 @@ class IdMaps:
                                      f"{_users_in_words(n, lo, hi)}") from None
                 if lo is not None and not lo <= d <= hi:
                     raise ValueError(f"{at}user id {r}: not a user of {self.root}{_users_in_words(n, lo, hi)}")
-                out.append(d)
-                continue
-            d = self._user_index.get(self._key(r))
-            if d is None:
-                raise ValueError(f"{at}user id {r!r}: not a user of {self.root} (not among the raw ids of its "
-                                 f"{len(self._user_index)} users in users.parquet)")
+                shown = f"{r}"
+            else:
+                d = self._user_index.get(self._key(r))
+                if d is None:
+                    raise ValueError(f"{at}user id {r!r}: not a user of {self.root} (not among the raw ids of its "
+                                     f"{len(self._user_index)} users in users.parquet)")
+                shown = f"{r!r}"
+            j = first.setdefault(d, i)
+            if j != i:
+                before = [f"at {where[j]}"] if at else []
+                if f"{raw_ids[j]}" != f"{r}":  # another spelling of the same user, e.g. 01 and 1
+                    before.append(f"as {raw_ids[j]!r}" if self._user_index is not None else f"as {raw_ids[j]}")
+                said = f" (first {' '.join(before)})" if before else ""
+                raise ValueError(f"{at}user id {shown}: given twice{said}; give each user once")
             out.append(d)
         return out
 
