@@ -94,7 +94,8 @@ class DataConfig:
     def validate(self) -> None:
         self.synthetic_params()
         _positive(self, "max_seq_len", "batch_size", "eval_batch_size", "sub_batch_size",
-                  "bbs_window_batches", "num_files")
+                  "bbs_window_batches")
+        check_num_files(self.num_files, "data.num_files")
         if self.reader not in ("ray_data", "arrow"):
             raise ValueError(f"data.reader: expected 'ray_data' or 'arrow', got {self.reader!r}")
         if self.on_bad_rows not in ("error", "quarantine"):
@@ -965,6 +966,16 @@ class JobConfig:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+def check_num_files(value: Any, name: str = "--num-files", *, auto: bool = False) -> None:
+    """Raise ValueError for a count of history files below 1 (below 0 with ``auto``: 0 = chosen from the data), in
+    one wording wherever it is given: ``name`` is the flag or config key it came from (``--num-files``,
+    ``data.num_files``). (Was: three wordings across prepare movielens / synthetic / interactions and a fourth for
+    data.num_files.)"""
+    lo = 0 if auto else 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ValueError(f"{name}: expected an integer >= {lo}{' (0 = auto)' * auto}, got {value!r}")
 
 
 def _positive(obj: Any, *names: str) -> None:

@@ -101,6 +101,8 @@ import pyarrow.fs as pafs
 import pyarrow.ipc as paipc
 import pyarrow.parquet as pq
 
+from gemray.config import check_num_files
+
 from . import amazon
 from .movielens import _file_sha256, _fsync_path, check_replaceable, swap_into_place
 from .schema import (log_capped_files, HISTORIES_DIR, HISTORY_SCHEMA, ITEMS_FILE, MANIFEST_FILE, MANIFEST_VERSION,
@@ -1582,8 +1584,9 @@ def prepare_interactions(src: str | list[str], out: str | Path, *, fmt: str = "a
         raise ValueError(f"--time-unit {time_unit!r}: expected one of {', '.join(TIME_UNITS)}")
     if k_core < 0 or k_core == 1:
         raise ValueError(f"--k-core {k_core}: expected 0 (off) or >= 2")
-    if num_files < 0 or row_groups_per_file < 1:
-        raise ValueError(f"--num-files {num_files}: expected >= 0 (0 = auto); row_groups_per_file >= 1")
+    check_num_files(num_files, auto=True)
+    if row_groups_per_file < 1:
+        raise ValueError(f"row_groups_per_file: expected >= 1, got {row_groups_per_file}")
     if workers < 1:
         raise ValueError(f"--workers {workers}: expected >= 1")
     budget = parse_memory_budget(memory_budget)

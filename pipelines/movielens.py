@@ -40,6 +40,8 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
+from gemray.config import check_num_files
+
 from .schema import (log_capped_files, HISTORIES_DIR, HISTORY_SCHEMA, ITEMS_FILE, ITEMS_SCHEMA, MANIFEST_FILE,
                      MANIFEST_VERSION, MAX_ID, MIN_HISTORY_FOR_SPLITS, QUARANTINE_FILE, RUN_FILE, SPLIT_PROTOCOL,
                      BadRowError)
@@ -325,7 +327,8 @@ def _list_array(offsets: np.ndarray, values: np.ndarray, typ: pa.DataType) -> pa
 
 
 def prepare_movielens(src: str | Path, out: str | Path, *, on_bad_rows: str = "error", num_files: int = 8,
-                      row_groups_per_file: int = ROW_GROUPS_PER_FILE) -> dict[str, Any]:
+                      row_groups_per_file: int = ROW_GROUPS_PER_FILE,
+                      num_files_name: str = "--num-files") -> dict[str, Any]:
     """Convert a MovieLens ratings file to per-user history Parquet; returns the manifest (also written).
 
     src: folder holding exactly one of ratings.dat (ML-1M), u.data (ML-100K), ratings.csv
@@ -339,7 +342,8 @@ def prepare_movielens(src: str | Path, out: str | Path, *, on_bad_rows: str = "e
         <problem>``) at the first bad row; "quarantine" writes each bad row to ``quarantine.jsonl``
         ({file, line, field, reason, problem, raw}) and counts them by reason in the manifest.
     num_files: history files (users split into contiguous user-id ranges; capped at the user count, logged at
-        INFO when it is).
+        INFO when it is); num_files_name: where it came from, for that line and its refusal (``data.num_files``
+        when a config's).
     row_groups_per_file: Parquet row groups per file; each row group is one logical shard for
         :func:`gemray.pipelines.shards.assign_shards`.
 
@@ -350,8 +354,7 @@ def prepare_movielens(src: str | Path, out: str | Path, *, on_bad_rows: str = "e
     t0 = time.perf_counter()
     if on_bad_rows not in ("error", "quarantine"):
         raise ValueError(f"on_bad_rows: expected 'error' or 'quarantine', got {on_bad_rows!r}")
-    if num_files < 1:
-        raise ValueError(f"num_files (--num-files): expected >= 1, got {num_files}")
+    check_num_files(num_files, num_files_name)
     if row_groups_per_file < 1:
         raise ValueError(f"row_groups_per_file: expected >= 1, got {row_groups_per_file}")
     fmt, path = detect_format(src)
@@ -398,7 +401,7 @@ def prepare_movielens(src: str | Path, out: str | Path, *, on_bad_rows: str = "e
         (tmp / HISTORIES_DIR).mkdir(parents=True)
         files, shards = [], []
         n_files = min(num_files, n_users)
-        log_capped_files(log, out, n_files, num_files, n_users)
+        log_capped_files(log, out, n_files, num_files, n_users, num_files_name)
         for k, rows in enumerate(np.array_split(np.arange(n_users), n_files)):
             a, b = int(rows[0]), int(rows[-1]) + 1
             lo, hi = int(offsets[a]), int(offsets[b])

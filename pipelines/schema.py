@@ -231,11 +231,13 @@ def split_input_lengths(history_lengths: np.ndarray, split: str, max_seq_len: in
     return stop - start
 
 
-def log_capped_files(log: logging.Logger, out: Any, written: int, asked: int | str, users: int) -> None:
+def log_capped_files(log: logging.Logger, out: Any, written: int, asked: int | str, users: int,
+                     name: str = "--num-files") -> None:
     """The INFO line of a preparation that writes fewer history files than asked for (``asked``: the count, or
-    how it was chosen): a file holds whole users' histories, so there are at most as many files as users. Logs
-    nothing when ``written`` is not below the count asked for. Said, not silent (was: the cap went unmentioned)."""
-    wanted = asked if isinstance(asked, str) else f"--num-files {asked}"
+    how it was chosen; ``name``: the flag or config key it came from, "--num-files 8" or "data.num_files = 8"):
+    a file holds whole users' histories, so there are at most as many files as users. Logs nothing when
+    ``written`` is not below the count asked for. Said, not silent (was: the cap went unmentioned)."""
+    wanted = asked if isinstance(asked, str) else f"{name} {asked}" if name.startswith("--") else f"{name} = {asked}"
     if isinstance(asked, int) and written >= asked:
         return
     log.info("%s: writing %d history files, not %s: a file holds whole users' histories and the data has %d users",

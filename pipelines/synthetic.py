@@ -88,7 +88,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from gemray.config import DataConfig, usable_cpus
+from gemray.config import DataConfig, check_num_files, usable_cpus
 
 from .movielens import _file_sha256, _fsync_path, check_replaceable, swap_into_place, write_run_file
 from .schema import (log_capped_files, CANDIDATE_CLICK, CANDIDATE_CONVERT, CANDIDATE_ITEMS, HISTORIES_DIR, ITEMS_FILE,
@@ -855,14 +855,15 @@ def _default_workers(n_files: int) -> int:
 
 def prepare_synthetic(out: str | Path, spec: SyntheticSpec, *, num_files: int = 8,
                       row_groups_per_file: int | str = "auto", workers: int | None = None,
-                      progress: bool | None = None) -> dict[str, Any]:
+                      progress: bool | None = None, num_files_name: str = "--num-files") -> dict[str, Any]:
     """Generate a synthetic GEM-style dataset into ``out``; returns the manifest (also written to manifest.json).
 
     out: the prepared folder, built in a temp folder beside it, fsynced and renamed into place. An existing
         prepared folder (a gemray manifest.json and only the files it lists) is replaced; any other non-empty
         folder is refused (ValueError), as ``prepare_movielens`` does.
     spec: the dataset (:class:`SyntheticSpec`).
-    num_files: history files (capped at the user count, logged at INFO when it is); row_groups_per_file: row
+    num_files: history files (capped at the user count, logged at INFO when it is; num_files_name: where it came
+        from, for that line and its refusal: ``data.num_files`` when a config's); row_groups_per_file: row
         groups (logical shards of :func:`gemray.pipelines.stream.assign_shards`) per file, or "auto": at least 4,
         more so that a row group stays near :data:`TOKENS_PER_ROW_GROUP` tokens (the memory one worker holds at
         once).
@@ -877,8 +878,7 @@ def prepare_synthetic(out: str | Path, spec: SyntheticSpec, *, num_files: int = 
     t0 = time.perf_counter()
     if not isinstance(spec, SyntheticSpec):
         raise ValueError(f"spec: expected a SyntheticSpec, got {type(spec).__name__}")
-    if not isinstance(num_files, int) or num_files < 1:
-        raise ValueError(f"--num-files: expected an integer >= 1, got {num_files!r}")
+    check_num_files(num_files, num_files_name)
     if row_groups_per_file != "auto" and (not isinstance(row_groups_per_file, int) or row_groups_per_file < 1):
         raise ValueError(f"--row-groups-per-file: expected an integer >= 1 or 'auto', got {row_groups_per_file!r}")
     out = Path(out)
@@ -892,7 +892,7 @@ def prepare_synthetic(out: str | Path, spec: SyntheticSpec, *, num_files: int = 
     if not isinstance(workers, int) or workers < 1:
         raise ValueError(f"--workers: expected an integer >= 1, got {workers!r}")
     workers = min(workers, len(layout))
-    log_capped_files(log, out, len(layout), num_files, spec.users)
+    log_capped_files(log, out, len(layout), num_files, spec.users, num_files_name)
 
     items = _Items(spec)
     calib = calibrate(spec, items)
@@ -1158,7 +1158,7 @@ def ensure_synthetic(data_cfg: DataConfig) -> dict[str, Any]:
         log.info("prepared data missing at %s: generating synthetic data (data.synthetic: %s)",
                  data_cfg.prepared_dir, ", ".join(data_cfg.synthetic))
         t0 = time.perf_counter()
-        prepare_synthetic(data_cfg.prepared_dir, spec, num_files=data_cfg.num_files)
+        prepare_synthetic(data_cfg.prepared_dir, spec, num_files=data_cfg.num_files, num_files_name="data.num_files")
         manifest = load_manifest(data_cfg.prepared_dir, verify=True)
         log.info("generated %s in %.1f s", data_cfg.prepared_dir, time.perf_counter() - t0)
         print(format_synthetic_summary(manifest, data_cfg.prepared_dir))

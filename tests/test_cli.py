@@ -36,6 +36,35 @@ def test_bad_set_is_one_line_exit_2(capsys, sets, needle):
     assert needle in _err_line(capsys)
 
 
+@pytest.mark.parametrize("argv, line", [
+    (["prepare", "movielens", "--src", "{src}", "--out", "{out}", "--num-files", "0"],
+     "--num-files: expected an integer >= 1, got 0"),
+    (["prepare", "synthetic", "--out", "{out}", "--users", "5", "--items", "5", "--seed", "1", "--max-len", "20",
+      "--mean-len", "10", "--num-files", "0"], "--num-files: expected an integer >= 1, got 0"),
+    (["prepare", "interactions", "--src", "{src}/log.csv", "--out", "{out}", "--num-files", "-1"],
+     "--num-files: expected an integer >= 0 (0 = auto), got -1"),  # 0 = auto there
+    (["train", "--config", CONFIG, "--set", "data.num_files=0", "--output", "{out}"],
+     "data.num_files: expected an integer >= 1, got 0"),
+])
+def test_num_files_below_its_bound_is_one_refusal_naming_its_source(argv, line, capsys, tmp_path):
+    """--num-files 0 was refused in three wordings by prepare movielens / synthetic / interactions ("num_files
+    (--num-files): expected >= 1, got 0", "--num-files: expected an integer >= 1, got 0", "--num-files -1: expected
+    >= 0 (0 = auto); row_groups_per_file >= 1") and a fourth for data.num_files ("expected > 0"): one message from one
+    place (gemray.config.check_num_files) naming the flag or the config key given; exit 2, nothing written."""
+    from gemray.pipelines.movielens import prepare_movielens
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "u.data").write_text("1\t1\t3\t100\n1\t2\t3\t101\n1\t3\t3\t102\n")
+    (src / "log.csv").write_text("user_id,item_id,timestamp\nu1,i1,1\nu1,i2,2\nu1,i3,3\n")
+    out = tmp_path / "out"
+    assert main([a.format(src=src, out=out) for a in argv]) == 2
+    assert _err_line(capsys) == f"gemray: error: {line}"
+    assert not out.exists()
+    with pytest.raises(ValueError, match=r"^data\.num_files: expected an integer >= 1, got 0$"):
+        prepare_movielens(src, out, num_files=0, num_files_name="data.num_files")  # as gemray train prepares
+
+
 def test_missing_config_and_source(capsys, tmp_path):
     assert main(["train", "--config", str(tmp_path / "none.toml")]) == 2
     assert "config file not found" in _err_line(capsys)

@@ -185,6 +185,18 @@ def test_num_files_capped_at_the_user_count_is_logged(tmp_path, caplog, capsys):
     with caplog.at_level("INFO", logger="gemray.pipelines.movielens"):
         prepare_movielens(src, out, num_files=3)
     assert not [r for r in caplog.records if "history files" in r.getMessage()]
+    # prepared by `gemray train` from a config: the line names data.num_files (it said "--num-files 1000" too)
+    from gemray.config import load_config
+    from gemray.controller.run import ensure_prepared
+
+    cfg = load_config(str(Path(__file__).resolve().parents[1] / "configs" / "ml-latest-small.toml"),
+                      [f"data.raw_dir={src}", f"data.prepared_dir={tmp_path / 'from_config'}", "data.num_files=1000"])
+    caplog.clear()
+    with caplog.at_level("INFO", logger="gemray.pipelines.movielens"):
+        ensure_prepared(cfg)
+    assert [r.getMessage() for r in caplog.records if "history files" in r.getMessage()] == [
+        f"{tmp_path / 'from_config'}: writing 3 history files, not data.num_files = 1000: a file holds whole users' "
+        "histories and the data has 3 users"]
 
 
 # ---------------------------------------------------------------------------------------------- bad rows

@@ -590,6 +590,23 @@ def test_num_files_capped_at_the_user_count_is_logged(tmp_path, caplog, capsys):
     assert not [r for r in caplog.records if "history files" in r.getMessage()]
 
 
+def test_num_files_capped_from_a_config_names_data_num_files(tmp_path, caplog, capsys):
+    """`gemray train` generating data.synthetic of 3 users with data.num_files = 8 logged "not --num-files 8", a
+    flag the user never passed: the line names the config key."""
+    from gemray.config import load_config
+    from gemray.pipelines.synthetic import ensure_synthetic
+
+    out = tmp_path / "data"
+    cfg = load_config(str(Path(__file__).resolve().parents[1] / "configs" / "gem-tiny.toml"),
+                      [f"data.prepared_dir={out}", "data.num_files=8",
+                       "data.synthetic=[users=3,items=20,seed=0,min_len=3,max_len=5,mean_len=4]"])
+    with caplog.at_level("INFO", logger="gemray.pipelines.synthetic"):
+        ensure_synthetic(cfg.data)
+    capped = [r.getMessage() for r in caplog.records if "history files" in r.getMessage()]
+    assert capped == [f"{out}: writing 3 history files, not data.num_files = 8: a file holds whole users' histories "
+                      "and the data has 3 users"]
+
+
 def test_sigterm_to_prepare_cleans_up_as_ctrl_c_does(tmp_path, monkeypatch, capsys):
     """SIGTERM to `gemray prepare` (here mid-generation) left the .OUT.tmp-<pid>-* folder beside --out (Ctrl-C
     removed it): it now takes the same path, exits 143 with one line, and the previous handler is back after."""

@@ -206,7 +206,7 @@ def _ensure_prepared(cfg: JobConfig) -> dict[str, Any]:
                                                     close=None if raw.exists() else close_folder(raw))) from None
         log.info("prepared data missing at %s: preparing it from %s", cfg.data.prepared_dir, cfg.data.raw_dir)
         manifest = prepare_movielens(cfg.data.raw_dir, cfg.data.prepared_dir, on_bad_rows=cfg.data.on_bad_rows,
-                                     num_files=cfg.data.num_files)
+                                     num_files=cfg.data.num_files, num_files_name="data.num_files")
         print(format_summary(manifest, cfg.data.prepared_dir))
         return manifest
 

@@ -256,7 +256,8 @@ def run_task(cfg: JobConfig, task: str) -> dict[str, Any]:
             manifest = ensure_synthetic(cfg.data)
         else:
             manifest = prepare_movielens(cfg.data.raw_dir, cfg.data.prepared_dir,
-                                         on_bad_rows=cfg.data.on_bad_rows, num_files=cfg.data.num_files)
+                                         on_bad_rows=cfg.data.on_bad_rows, num_files=cfg.data.num_files,
+                                         num_files_name="data.num_files")
         return {"task": "prepare", "prepared_dir": str(Path(cfg.data.prepared_dir).resolve()),
                 "manifest": manifest}
     if task == "train":
