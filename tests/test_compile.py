@@ -69,6 +69,23 @@ def _counting_aot_eager(graphs: list):
     return backend
 
 
+def _assert_step_matches(eager, comp, batch, stat_keys) -> None:
+    """One step of the compiled model ``comp`` gives the eager model's loss, the stats ``stat_keys`` and every
+    parameter's gradient (None where eager's is None), within float tolerance."""
+    le, st_e = eager(batch)
+    lc, st_c = comp(batch)
+    torch.testing.assert_close(lc, le, rtol=1e-5, atol=1e-6)
+    for k in stat_keys:
+        torch.testing.assert_close(st_c[k], st_e[k], rtol=1e-5, atol=1e-6)
+    ge = torch.autograd.grad(le, [p for p in eager.parameters() if p.requires_grad], allow_unused=True)
+    gc = torch.autograd.grad(lc, [p for p in comp.parameters() if p.requires_grad], allow_unused=True)
+    for (n, _), a, b in zip([(n, p) for n, p in comp.named_parameters() if p.requires_grad], gc, ge):
+        if a is None or b is None:
+            assert a is None and b is None, n
+            continue
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
+
+
 @pytest.mark.skipif(not INTERPRET, reason="CPU test: the Triton interpreter (TRITON_INTERPRET=1)")
 def test_compiled_gem_matches_eager_with_bounded_graphs_and_no_breaks():
     import torch._dynamo
@@ -87,24 +104,11 @@ def test_compiled_gem_matches_eager_with_bounded_graphs_and_no_breaks():
     assert all(is_compiled(m) for m in (*comp.encoder.blocks, comp.encoder.input_scale, comp.encoder.output_norm,
                                         comp.head, comp.tower)) and not is_compiled(comp.encoder)
     assert compile_dense_modules(comp, backend="aot_eager") == []  # idempotent: nothing compiled twice
-    params_e = [p for p in eager.parameters() if p.requires_grad]
-    params_c = [p for p in comp.parameters() if p.requires_grad]
     for i, (lengths, cands) in enumerate(STEPS):
         batch = _batch(lengths, cands, i)
         eager.seed_sampling(i)
         comp.seed_sampling(i)
-        le, st_e = eager(batch)
-        lc, st_c = comp(batch)
-        torch.testing.assert_close(lc, le, rtol=1e-5, atol=1e-6)
-        for k in ("loss_ctr", "loss_cvr", "count_ctr", "count_cvr", "num_targets"):
-            torch.testing.assert_close(st_c[k], st_e[k], rtol=1e-5, atol=1e-6)
-        ge = torch.autograd.grad(le, params_e, allow_unused=True)
-        gc = torch.autograd.grad(lc, params_c, allow_unused=True)
-        for (n, _), a, b in zip(comp.named_parameters(), gc, ge):
-            if a is None or b is None:
-                assert a is None and b is None, n
-                continue
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
+        _assert_step_matches(eager, comp, batch, ("loss_ctr", "loss_cvr", "count_ctr", "count_cvr", "num_targets"))
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     # per module kind (the blocks share theirs: same code, parameters inlined; input scale, output norm, retrieval
     # head and tower one each) a static graph for the first batch and a dynamic one from the second
@@ -397,24 +401,11 @@ def test_compiled_retrieval_head_matches_eager_with_bounded_recompiles(negatives
     torch._dynamo.reset()
     counters.clear()
     assert "head" in compile_dense_modules(comp, backend=_counting_aot_eager(graphs))
-    params_e = [p for p in eager.parameters() if p.requires_grad]
-    params_c = [p for p in comp.parameters() if p.requires_grad]
     for i, lengths in enumerate(HEAD_STEPS):
         batch = _retrieval_batch(lengths, i)
         eager.seed_sampling(i)
         comp.seed_sampling(i)
-        le, st_e = eager(batch)
-        lc, st_c = comp(batch)
-        torch.testing.assert_close(lc, le, rtol=1e-5, atol=1e-6)
-        for k in ("num_targets", "pos_logit"):
-            torch.testing.assert_close(st_c[k], st_e[k], rtol=1e-5, atol=1e-6)
-        ge = torch.autograd.grad(le, params_e, allow_unused=True)
-        gc = torch.autograd.grad(lc, params_c, allow_unused=True)
-        for (n, _), a, b in zip(comp.named_parameters(), gc, ge):
-            if a is None or b is None:
-                assert a is None and b is None, n
-                continue
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
+        _assert_step_matches(eager, comp, batch, ("num_targets", "pos_logit"))
     head = [g for g in graphs if _head_graph(g)]
     breaks = sum(counters["graph_break"].values())
     print(f"{negatives}/{kernel}: {len(head)} head graphs of {len(graphs)}, {breaks} graph breaks")
