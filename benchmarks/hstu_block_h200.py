@@ -31,6 +31,10 @@ Variants (``--variants``, comma separated; lab code: the model keeps the one tha
   fsdp_wrap    fsdp with each block compiled by a torch.compile wrapper made before fully_shard (torchtitan's
                order: FSDP2's hooks then run outside the compiled module)
 
+``--stream bf16`` feeds the stack a bf16 residual stream (``model.fp32_residual = false``, as configs/gem-h200.toml
+trains; the default fp32 is the model's default). The script times whichever gemray is installed: run from another
+checkout's root after its ``. benchmarks/h200_env.sh`` to time that tree's blocks.
+
 Runs on the H200 image as it is (no ray / torchrec / fbgemm: the model package's __init__, which imports
 torchrec, is bypassed). From the repository root:
     . benchmarks/h200_env.sh && python3 benchmarks/hstu_block_h200.py --out $OUT
@@ -286,6 +290,9 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--deadline-s", type=float, default=400.0)
+    p.add_argument("--stream", choices=("fp32", "bf16"), default="fp32",
+                   help="the residual stream's dtype into the stack: fp32 (model.fp32_residual = true) or bf16 "
+                        "(false, as configs/gem-h200.toml trains)")
     args = p.parse_args()
     t_start = time.monotonic()
     os.makedirs(args.out, exist_ok=True)
@@ -300,14 +307,15 @@ def main() -> int:
     T = int(offsets[-1])
     offsets = offsets.to(dev)
     g = torch.Generator().manual_seed(1)
-    x0 = torch.randn(T, cfg.width, generator=g).to(dev)
+    x0 = torch.randn(T, cfg.width, generator=g).to(dev, torch.bfloat16 if args.stream == "bf16" else torch.float32)
     ts = torch.arange(T, dtype=torch.int64, device=dev)
     n_cand = 64
     TOWER_INPUTS.update(candidates=torch.randn(args.batch * n_cand, cfg.width, generator=g).to(dev),
                         candidate_offsets=torch.arange(0, args.batch * n_cand + 1, n_cand, device=dev),
                         context=torch.randn(args.batch, cfg.width, generator=g).to(dev), max_candidates=n_cand)
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__}: {args.blocks} HSTU block(s) width {cfg.width}, "
-          f"{cfg.num_heads} heads x {cfg.attention_dim}, B={args.batch}, T={T}, max {int(L.max())}", flush=True)
+          f"{cfg.num_heads} heads x {cfg.attention_dim}, B={args.batch}, T={T}, max {int(L.max())}, {args.stream} stream",
+          flush=True)
     results, base_out, base_grads = [], None, None
     for variant in args.variants.split(","):
         if time.monotonic() - t_start > args.deadline_s:
@@ -374,7 +382,8 @@ def main() -> int:
         else:
             print(f"{r['variant']:12s} {r['error']}")
     with open(os.path.join(args.out, "hstu_block.json"), "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "T": T, "blocks": args.blocks, "results": results}, f,
+        json.dump({"device": torch.cuda.get_device_name(), "T": T, "blocks": args.blocks, "stream": args.stream,
+                   "results": results}, f,
                   indent=1)
     return 0
 
