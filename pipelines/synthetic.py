@@ -1121,7 +1121,7 @@ def format_synthetic_summary(manifest: dict[str, Any], out: str | Path | None = 
             f"{c['clicks'] / max(c['candidates'], 1):.4f}, conversions {c['conversions']}; ranking requests "
             + ", ".join(f"{s} {r['requests'][s]}" for s in SPLITS)
             + "; click NE of the true probabilities (the floor) "
-            + ", ".join(f"{s} {ne[s]}" for s in SPLITS))
+            + ", ".join(f"{s} {'n/a (no requests)' if ne[s] is None else ne[s]}" for s in SPLITS))
 
 
 # ------------------------------------------------------------------------------------------- from a config

@@ -444,6 +444,19 @@ def test_gem_fields_validate_and_move():
     assert plain.validate().num_candidates == 0 and plain.to("meta").features is None
 
 
+def test_cli_summary_says_n_a_for_a_split_without_requests(tmp_path, capsys):
+    """5 users leave the valid / test splits without ranking requests: their floor NE reads "n/a (no requests)", not
+    Python's None (a new user's finding)."""
+    out = tmp_path / "few"
+    assert main(["prepare", "synthetic", "--out", str(out), "--users", "5", "--items", "100", "--seed", "1",
+                 "--max-len", "100", "--mean-len", "20", "--workers", "1"]) == 0
+    printed = capsys.readouterr().out
+    ne = load_manifest(out, verify=True)["ranking"]["oracle_ne"]["click"]
+    empty = [s for s, v in ne.items() if v is None]
+    assert empty, ne  # the case this test is about
+    assert "None" not in printed and all(f"{s} n/a (no requests)" in printed for s in empty), printed
+
+
 def test_cli_prepare_synthetic(tmp_path, capsys):
     out = tmp_path / "cli"
     rc = main(["prepare", "synthetic", "--out", str(out), "--users", "40", "--items", "50", "--seed", "3",
