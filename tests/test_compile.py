@@ -160,6 +160,17 @@ def test_trainer_compiles_per_config_and_logs_the_choice(caplog):
         with caplog.at_level(logging.INFO, logger="gemray"):
             assert trainer.compile_dense() == want
         assert "torch.compile" in caplog.text
+    # the reference attention (the CPU's "auto"): compiled it graph-breaks and recompiles -- said in a WARNING
+    for attn, warned in (("reference", True), ("triton", False)):
+        cfg = JobConfig()
+        cfg.train.compile, cfg.train.compile_backend, cfg.model.attention_backend = True, "aot_eager", attn
+        trainer = Trainer.__new__(Trainer)
+        trainer.cfg, trainer.dmp = cfg, _gem(_cfg())
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="gemray"):
+            trainer.compile_dense()
+        hits = [r for r in caplog.records if r.levelno == logging.WARNING and "reference attention" in r.getMessage()]
+        assert bool(hits) is warned, caplog.text
     cfg.train.compile_backend = "tvm"
     with pytest.raises(ValueError, match="train.compile_backend"):
         cfg.validate()
