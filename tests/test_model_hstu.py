@@ -218,10 +218,14 @@ class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.names: list[str] = []
+        self.cat_dtypes: list[torch.dtype] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.names.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if self.names[-1] == "cat" and isinstance(out, torch.Tensor) and out.dim() == 2 and out.shape[0] == 13:
+            self.cat_dtypes.append(out.dtype)  # the [T, K] operand (T = 13 here), not the weight's
+        return out
 
 
 @pytest.mark.parametrize("linear_dim", [8, 7])  # H V + 1 = 17 / 15: K padded to 24 / 16
@@ -263,6 +267,13 @@ def test_output_projection_is_one_gemm_with_the_residual_and_bias(linear_dim):
     out16, grads16, names16 = run(blk._output, torch.bfloat16, autocast=True)
     assert out16.dtype == torch.bfloat16 and names16.count("addmm") == 1 and "add" not in names16, names16
     assert ((out16.float() - want).abs().max() / want.abs().max()).item() < 2e-2
+    # a bf16 stream with a float32 y (the gate's LayerNorm under autocast): y is cast before the concatenation, so the
+    # [T, K] operand is built in bf16 (no float32 copy to cast)
+    x16, y32 = x0.bfloat16(), y0.float()
+    ops = _Ops()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), ops:
+        blk._output(x16, y32)
+    assert ops.cat_dtypes == [torch.bfloat16] * 2, ops.cat_dtypes
     # a float32 stream under autocast: the two-step form, float32 out
     out32, _, names32 = run(blk._output, autocast=True)
     assert out32.dtype == torch.float32 and "add" in names32, names32

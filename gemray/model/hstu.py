@@ -187,11 +187,14 @@ class HSTUBlock(nn.Module):
         gemm_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else y.dtype
         if x.dtype != gemm_dtype:
             return x + F.linear(y, self.o_weight, self.o_bias)
+        # y in the GEMM's dtype before the concatenation (under autocast the gate's LayerNorm makes it float32): the
+        # gate's compiled kernel then writes the bf16 operand straight into it, with no float32 [T, K] copy to cast
         T, k = y.shape
         pad = -(k + 1) % 8
+        y = y.to(gemm_dtype)
         ones = torch.cat([y.new_ones((T, 1)), y.new_zeros((T, pad))], 1)
         w = torch.cat([self.o_weight, self.o_bias[:, None], self.o_weight.new_zeros((self.d, pad))], 1)
-        return torch.addmm(x, torch.cat([y, ones.to(y.dtype)], 1), w.t())
+        return torch.addmm(x, torch.cat([y, ones], 1), w.t())
 
     def _fp8_uvqk(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, D] -> x_norm @ W_uvqk + b_uvqk [T, width] in FP8: the LayerNorm emits its output as e4m3 with
