@@ -491,6 +491,21 @@ def test_cli_length_range_refusal_says_which_value_is_the_default(args, line, tm
     assert list(tmp_path.iterdir()) == []
 
 
+def _assert_config_refusal(entries: str, line: str, tmp_path) -> None:
+    """gem-tiny's config with data.synthetic = [users=64, items=100, seed=0, <entries>]: ensure_synthetic refuses
+    with exactly "data.synthetic: <line>" and generates nothing."""
+    from gemray.config import load_config
+    from gemray.pipelines.synthetic import ensure_synthetic
+
+    cfg = load_config(str(Path(__file__).resolve().parents[1] / "configs" / "gem-tiny.toml"),
+                      [f"data.prepared_dir={tmp_path / 'data'}",
+                       f"data.synthetic=[users=64,items=100,seed=0,{entries}]"])
+    with pytest.raises(ValueError) as e:
+        ensure_synthetic(cfg.data)
+    assert str(e.value) == f"data.synthetic: {line}"
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("entries, line", [
     ("max_len=3", 'min_len (default 8) must be <= max_len (3): add "min_len=3"'),
     ("max_len=6", 'min_len (default 8) must be <= max_len (6): add "min_len=N" with 3 <= N <= 6'),
@@ -503,16 +518,7 @@ def test_config_length_range_refusal_names_the_entries_and_the_default(entries, 
     --min-len (8) must be <= --max-len (3)": a default the user never gave, in CLI flags the config has none of. A
     defaulted side now says "(default 8)" and which entry to add, in the entries' names; nothing is generated. The
     CLI's messages are unchanged (test_cli_length_range_refusal_says_which_value_is_the_default)."""
-    from gemray.config import load_config
-    from gemray.pipelines.synthetic import ensure_synthetic
-
-    cfg = load_config(str(Path(__file__).resolve().parents[1] / "configs" / "gem-tiny.toml"),
-                      [f"data.prepared_dir={tmp_path / 'data'}",
-                       f"data.synthetic=[users=64,items=100,seed=0,{entries}]"])
-    with pytest.raises(ValueError) as e:
-        ensure_synthetic(cfg.data)
-    assert str(e.value) == f"data.synthetic: {line}"
-    assert list(tmp_path.iterdir()) == []
+    _assert_config_refusal(entries, line, tmp_path)
 
 
 FIXED = "every history 50 events long; leave {m} out, give {m}=50, or widen the range"
@@ -568,16 +574,9 @@ def test_config_mean_len_refusals_name_the_entries(entries, line, tmp_path):
     """data.synthetic's mean_len: refused with one length fixed by min_len = max_len unless equal to it, and the
     reach refusal says "(default 200)" when mean_len is not among the entries, in the entries' names as the other
     refusals there; nothing is generated."""
-    from gemray.config import load_config
-    from gemray.pipelines.synthetic import ensure_synthetic, spec_from_params
+    from gemray.pipelines.synthetic import spec_from_params
 
-    cfg = load_config(str(Path(__file__).resolve().parents[1] / "configs" / "gem-tiny.toml"),
-                      [f"data.prepared_dir={tmp_path / 'data'}",
-                       f"data.synthetic=[users=64,items=100,seed=0,{entries}]"])
-    with pytest.raises(ValueError) as e:
-        ensure_synthetic(cfg.data)
-    assert str(e.value) == f"data.synthetic: {line}"
-    assert list(tmp_path.iterdir()) == []
+    _assert_config_refusal(entries, line, tmp_path)
     spec = spec_from_params({"users": "4", "items": "20", "min_len": "50", "max_len": "50", "mean_len": "50"})
     assert (spec.min_len, spec.max_len, spec.mean_len) == (50, 50, 50.0)
 
