@@ -529,11 +529,10 @@ def test_probe_measures_block_bytes():
     T, D = 31, 32
     assert all(c.saved_bytes >= 3 * T * D * 4 and c.input_bytes >= T * D * 4 for c in costs)
     assert len({c.saved_bytes for c in costs}) == 1  # identical blocks save identical bytes
-    # the census: on the reference attention selective keeps the uvqk GEMMs' outputs, u's [T, HV] and v / q / k's
-    # [T, HV + 2HA]; not the output projection's [T, D]: it is the block's output (HSTUBlock._output), its
-    # consumer's input whatever the level. Recomputing the rest costs less than the whole forward
+    # the census: on the reference attention selective keeps the two GEMMs' outputs, uvqk [T, 2HV + 2HA] and the
+    # output projection's [T, D]; recomputing the rest costs less than the whole forward
     W = 2 * 2 * 8 + 2 * 2 * 8
-    assert all(c.selective_bytes == T * W * 4 for c in costs)
+    assert all(c.selective_bytes == T * (W + D) * 4 for c in costs)
     assert all(0 < c.selective_cost < c.recompute_cost for c in costs)
 
 

@@ -16,8 +16,6 @@ NVIDIA counts (``elementwise``).
 Components of ``step_flops`` (forward FLOPs, times the multiplier; all disjoint, ``total`` is their sum):
 
     hstu_gemm        n_l * [2 T d (2HV + 2HA)  (uvqk)  +  2 T (HV) d  (output)]                          x3
-                     (the model's: the output GEMM runs K = HV + 1 + padding to a multiple of 8, its bias as
-                     a column of K, ``HSTUBlock._output``; those < 1% extra FLOPs are not counted)
     hstu_attention   n_l * 2 H (A + V) * pairs, pairs = sum_b of the valid pairs of sequence b:          x3.5
                      causal L(L+1)/2; window w (i - w < j <= i): L(L+1)/2 if L <= w else
                      w(w+1)/2 + (L - w) w; block s: q s(s+1)/2 + r(r+1)/2 (L = q s + r)

@@ -12,8 +12,7 @@ One block (generative-recommenders' ``SequentialTransductionUnitJagged``, "uvqk"
                                                                train.compile fuses it into the gate's pass)
     a          = silu(q k^T * alpha + rab^{p,t}) / N, causal   per head, via gemray.ops.attention
     y          = LayerNorm(a @ v) * u                          [T, H*V]
-    x          = x + Dropout(y) @ W_o + b_o                    [T, D]   (dropout before W_o, as GR; one addmm
-                                                               with the bias as a column of K: _output)
+    x          = x + Dropout(y) @ W_o + b_o                    [T, D]   (dropout before W_o, as GR)
 
 rab^{p,t}: learned bias per bucketed relative position |i-j| plus per bucketed time difference
 tq_i - ts_j (``gemray.ops.relative_bias_buckets``), one per block, shared across heads. tq_i is the query
@@ -170,31 +169,7 @@ class HSTUBlock(nn.Module):
             from gemray.model.fp8 import fp8_linear
 
             return x + fp8_linear(self.dropout(y), self.o_weight, self.o_bias, self._fp8_for("o"))
-        return self._output(x, self.dropout(y))
-
-    def _output(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """The residual update ``x + y @ W_o^T + b_o``: x [T, D], y [T, H V] (after dropout) -> [T, D].
-
-        As ONE GEMM when the stream is in the GEMM's dtype (bf16 under autocast with ``model.fp32_residual =
-        false``; float32 without autocast): ``addmm(x, [y | 1 | 0], [W_o | b_o | 0]^T)``, cuBLAS adding x in its
-        epilogue (beta = 1) and the bias riding as one more column of K (a ones column in y, b_o in the weight;
-        zero columns pad K to a multiple of 8). ``x + linear(y, W_o, b_o)`` was a GEMM and then a pass of its own
-        (read the product and x, write the sum: ~0.8 GB a block at GEM scale, 2.1 ms a step on an H100), and its
-        backward a column sum over [T, D] for b_o's gradient, which now comes out of the weight-gradient GEMM. The
-        padded K costs < 1% more of this GEMM's FLOPs (not counted: ``gemray.model.flops`` counts the model's).
-        A float32 stream under autocast keeps ``x + linear(...)``: addmm would round x to bf16."""
-        dev = x.device.type
-        gemm_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else y.dtype
-        if x.dtype != gemm_dtype:
-            return x + F.linear(y, self.o_weight, self.o_bias)
-        # y in the GEMM's dtype before the concatenation (under autocast the gate's LayerNorm makes it float32): the
-        # gate's compiled kernel then writes the bf16 operand straight into it, with no float32 [T, K] copy to cast
-        T, k = y.shape
-        pad = -(k + 1) % 8
-        y = y.to(gemm_dtype)
-        ones = torch.cat([y.new_ones((T, 1)), y.new_zeros((T, pad))], 1)
-        w = torch.cat([self.o_weight, self.o_bias[:, None], self.o_weight.new_zeros((self.d, pad))], 1)
-        return torch.addmm(x, torch.cat([y, ones], 1), w.t())
+        return x + F.linear(self.dropout(y), self.o_weight, self.o_bias)
 
     def _fp8_uvqk(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, D] -> x_norm @ W_uvqk + b_uvqk [T, width] in FP8: the LayerNorm emits its output as e4m3 with

@@ -466,17 +466,6 @@ class _OpCensus(TorchDispatchMode):
                     self.saved_bytes += storage.nbytes()
         return out
 
-    def drop_outputs(self, out) -> None:
-        """Uncount the kept outputs that are (views of) the module's own output ``out``: it is its consumer's input,
-        alive at every level, not something selective keeps beyond the inputs (an HSTU block's output IS its last
-        GEMM's, ``HSTUBlock._output``)."""
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                if storage.data_ptr() in self._ptrs:
-                    self._ptrs.discard(storage.data_ptr())
-                    self.saved_bytes -= storage.nbytes()
-
 
 class _Probe:
     """Context manager measuring ModuleCost of each candidate during one forward (module docstring). After the
@@ -520,7 +509,7 @@ class _Probe:
             self._peaks.append(torch.cuda.max_memory_allocated(dev))
         census = _OpCensus(dev if cuda else None)
         with torch.no_grad(), torch.random.fork_rng(devices=[dev] if cuda else []), census:
-            census.drop_outputs(type(mod).forward(mod, *args, **kwargs))
+            type(mod).forward(mod, *args, **kwargs)
         if cuda:
             torch.cuda.reset_peak_memory_stats(dev)
         self.full_s[name] += census.saved_s + census.other_s
