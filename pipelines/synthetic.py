@@ -99,7 +99,7 @@ from .schema import (log_capped_files, CANDIDATE_CLICK, CANDIDATE_CONVERT, CANDI
 log = logging.getLogger(__name__)
 
 __all__ = ["SyntheticSpec", "prepare_synthetic", "spec_from_params", "params_sha256", "ensure_synthetic",
-           "synthetic_mismatch", "length_pmf", "parse_features", "format_synthetic_summary",
+           "synthetic_mismatch", "length_pmf", "parse_features", "format_synthetic_summary", "item_table_bytes",
            "normalized_entropy", "parse_fractions", "calibrate", "BLOCK_USERS"]
 
 GENERATOR_VERSION = 1
@@ -227,6 +227,12 @@ class SyntheticSpec:
                           name)
             if card < 1:
                 raise bad("features", f"cardinality >= 1 for {name}", card)
+        need, have = item_table_bytes(self), _physical_memory_bytes()
+        if have and need > have:  # a clear refusal instead of numpy's MemoryError deep in the tables
+            name, card = max(self.features, key=lambda fc: fc[1])
+            raise ValueError(f"--items {self.items} / --features (largest {name}={card}): the item tables alone need "
+                             f"~{need / 2**30:.1f} GiB, more than this machine's {have / 2**30:.1f} GiB of memory; "
+                             "lower --items or the feature cardinalities")
         f = self.split_fractions
         if len(f) != 3 or any(x < 0 or not math.isfinite(x) for x in f) or abs(sum(f) - 1) > 1e-6 or f[0] <= 0:
             raise bad("split_fractions", "three shares train,valid,test >= 0 summing to 1 (train > 0)",
@@ -246,6 +252,20 @@ class SyntheticSpec:
         d["features"] = tuple(tuple(x) for x in d["features"])
         d["split_fractions"] = tuple(d["split_fractions"])
         return cls(**d)
+
+
+def item_table_bytes(spec: SyntheticSpec) -> int:
+    """A lower bound on the bytes of the item tables :class:`_Items` holds (popularity, its CDF, the true and stored
+    feature values, float32 latents per item; per feature value a float32 latent row and a float64 CDF entry)."""
+    d, nf = spec.latent_dim, len(spec.features)
+    return (spec.items + 1) * (16 + 16 * nf + 4 * d) + sum((card + 1) * (8 + 4 * d) for _, card in spec.features)
+
+
+def _physical_memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def parse_features(text: str) -> tuple[tuple[str, int], ...]:
@@ -1121,7 +1141,14 @@ def format_synthetic_summary(manifest: dict[str, Any], out: str | Path | None = 
             f"{c['clicks'] / max(c['candidates'], 1):.4f}, conversions {c['conversions']}; ranking requests "
             + ", ".join(f"{s} {r['requests'][s]}" for s in SPLITS)
             + "; click NE of the true probabilities (the floor) "
-            + ", ".join(f"{s} {'n/a (no requests)' if ne[s] is None else ne[s]}" for s in SPLITS))
+            + ", ".join(f"{s} {ne[s] if ne[s] is not None else _why_no_ne(r, s)}" for s in SPLITS))
+
+
+def _why_no_ne(ranking: dict[str, Any], split: str) -> str:
+    """Why a split's NE is undefined: no requests, or its labels all one class (no entropy to normalize by)."""
+    if not ranking["requests"][split]:
+        return "n/a (no requests)"
+    return "n/a (no clicks)" if not ranking["clicks"][split] else "n/a (every candidate clicked)"
 
 
 # ------------------------------------------------------------------------------------------- from a config

@@ -24,8 +24,8 @@ from gemray.jagged import JaggedBatch
 from gemray.pipelines.movielens import load_manifest
 from gemray.pipelines.schema import SPLITS, history_schema
 from gemray.pipelines.stream import HistoryStream, item_feature_tables
-from gemray.pipelines.synthetic import (_Guide, SyntheticSpec, length_pmf, normalized_entropy, parse_features,
-                                        prepare_synthetic)
+from gemray.pipelines.synthetic import (_Guide, SyntheticSpec, format_synthetic_summary, item_table_bytes,
+                                        length_pmf, normalized_entropy, parse_features, prepare_synthetic)
 
 BASE = dict(users=3000, items=3000, seed=7, mean_len=40.0, max_len=400, min_len=4)
 
@@ -455,6 +455,37 @@ def test_cli_summary_says_n_a_for_a_split_without_requests(tmp_path, capsys):
     empty = [s for s, v in ne.items() if v is None]
     assert empty, ne  # the case this test is about
     assert "None" not in printed and all(f"{s} n/a (no requests)" in printed for s in empty), printed
+
+
+def test_cli_summary_names_why_a_split_has_no_floor_ne(tmp_path, capsys):
+    """A split with requests but no clicks said "n/a (no requests)" (a new user's finding): the reason is now its
+    labels (no clicks / every candidate clicked); a split without requests keeps "n/a (no requests)"."""
+    out = tmp_path / "few"
+    assert main(["prepare", "synthetic", "--out", str(out), "--users", "5", "--items", "100", "--seed", "1",
+                 "--max-len", "100", "--mean-len", "20", "--workers", "1"]) == 0
+    capsys.readouterr()
+    m = load_manifest(out, verify=True)
+    r = m["ranking"]
+    assert r["requests"]["train"] > 0 and r["clicks"]["train"] > 0, r
+    r["clicks"]["train"], r["oracle_ne"]["click"]["train"] = 0, None
+    assert "train n/a (no clicks)" in format_synthetic_summary(m)
+    r["clicks"]["train"] = r["candidates"]["train"]
+    assert "train n/a (every candidate clicked)" in format_synthetic_summary(m)
+    r["requests"]["train"] = 0
+    assert "train n/a (no requests)" in format_synthetic_summary(m)
+
+
+def test_cli_refuses_item_tables_larger_than_memory(tmp_path, capsys):
+    """A feature cardinality (or --items) whose item tables cannot fit this machine's memory is refused up front,
+    naming the largest feature (was numpy's raw MemoryError from deep inside the generator: a new user's finding)."""
+    out = tmp_path / "huge"
+    rc = main(["prepare", "synthetic", "--out", str(out), "--users", "3", "--items", "4", "--seed", "1",
+               "--min-len", "3", "--max-len", "3", "--features", "category=1000000000000"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "largest category=1000000000000" in err and "GiB of memory" in err, err
+    assert not out.exists()
+    small = SyntheticSpec(users=3, items=4, features=(("category", 1000),))
+    assert 4 * (16 + 16 + 4 * small.latent_dim) < item_table_bytes(small) < 2**20
 
 
 def test_cli_prepare_synthetic(tmp_path, capsys):
