@@ -254,6 +254,21 @@ class SyntheticSpec:
         return cls(**d)
 
 
+def _warn_if_replacing(out: Path, prev: dict[str, Any] | None, spec: SyntheticSpec) -> None:
+    """Warn when ``out`` held a preparation of other data than ``spec``'s (another format, or synthetic data of
+    other parameters or seed), as ``prepare movielens`` / ``interactions`` do: re-preparing the same data is silent,
+    swapping one dataset for another under a training run's configured path is not."""
+    if prev is None:
+        return
+    src = prev.get("source") if isinstance(prev.get("source"), dict) else {}
+    if prev.get("format") == "synthetic" and src.get("params_sha256") == params_sha256(spec):
+        return
+    was = (f"synthetic data of other parameters (seed {src.get('seed', '?')})" if prev.get("format") == "synthetic"
+           else f"a prepared folder of {prev.get('format', 'unknown')} data")
+    log.warning("%s: replacing %s with synthetic data (seed %d); checkpoints of the old data will not resume on it",
+                out, was, spec.seed)
+
+
 def item_table_bytes(spec: SyntheticSpec) -> int:
     """A lower bound on the bytes of the item tables :class:`_Items` holds (popularity, its CDF, the true and stored
     feature values, float32 latents per item; per feature value a float32 latent row and a float64 CDF entry)."""
@@ -904,7 +919,7 @@ def prepare_synthetic(out: str | Path, spec: SyntheticSpec, *, num_files: int = 
     out = Path(out)
     if out.is_symlink():
         out = out.resolve()
-    check_replaceable(out, [(Path(__file__), str(Path(__file__)))])
+    _warn_if_replacing(out, check_replaceable(out, [(Path(__file__), str(Path(__file__)))]), spec)
     k, pmf, len_params = length_pmf(spec)
     layout = _layout(spec, len_params["mean"], num_files, row_groups_per_file)
     if workers is None:

@@ -612,6 +612,29 @@ def test_config_mean_len_refusals_name_the_entries(entries, line, tmp_path):
     assert (spec.min_len, spec.max_len, spec.mean_len) == (50, 50, 50.0)
 
 
+def test_replacing_other_data_warns(tmp_path, caplog, capsys):
+    """prepare synthetic over a folder of other data (another seed, or a MovieLens preparation) replaced it without a
+    word, where prepare movielens warns (a new user's finding); re-preparing the same data stays silent."""
+    out = tmp_path / "o"
+    args = ["prepare", "synthetic", "--out", str(out), "--users", "3", "--items", "20", "--min-len", "3",
+            "--max-len", "5", "--mean-len", "4", "--workers", "1"]
+
+    def replacing(seed: int) -> list[str]:
+        caplog.clear()
+        with caplog.at_level("INFO", logger="gemray.pipelines.synthetic"):
+            assert main(args + ["--seed", str(seed)]) == 0
+        return [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "replacing" in r.getMessage()]
+
+    assert replacing(0) == [] and replacing(0) == []
+    assert replacing(1) == [f"{out}: replacing synthetic data of other parameters (seed 0) with synthetic data (seed "
+                            "1); checkpoints of the old data will not resume on it"]
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["format"] = "movielens-1m"
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    assert replacing(1) == [f"{out}: replacing a prepared folder of movielens-1m data with synthetic data (seed 1); "
+                            "checkpoints of the old data will not resume on it"]
+
+
 def test_num_files_capped_at_the_user_count_is_logged(tmp_path, caplog, capsys):
     """`gemray prepare synthetic --users 3 --num-files 1000` wrote 3 files (whole users per file) without a word: the
     cap is logged at INFO (the CLI's default console level) with the count written, the count asked for and why, as
