@@ -909,8 +909,9 @@ def _add_verbosity(p: argparse.ArgumentParser, *, top: bool) -> None:
     ``gemray -v train ...`` and ``gemray train ... -v`` both work and a subcommand never resets the top's."""
     dflt = {} if top else {"default": argparse.SUPPRESS}
     p.add_argument("-v", "--verbose", action="store_true", **({"default": False} if top else dflt),
-                   help="debug logging, and every line of Ray and the workers on the console (default: gemray's "
-                        "own lines and warnings; the full log is in <output>/logs/gemray.log)")
+                   help="debug logging; in a training run (gemray train) also every line of Ray and the workers on "
+                        "the console (default: gemray's own lines and warnings; the run's full log is in "
+                        "<output>/logs/gemray.log)")
     p.add_argument("--log-level", choices=LOG_LEVELS, **({"default": "info"} if top else dflt),
                    help="gemray's console log level (default info; -v = debug)")
 
