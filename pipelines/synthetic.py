@@ -227,12 +227,6 @@ class SyntheticSpec:
                           name)
             if card < 1:
                 raise bad("features", f"cardinality >= 1 for {name}", card)
-        need, have = item_table_bytes(self), _physical_memory_bytes()
-        if have and need > have:  # a clear refusal instead of numpy's MemoryError deep in the tables
-            name, card = max(self.features, key=lambda fc: fc[1])
-            raise ValueError(f"--items {self.items} / --features (largest {name}={card}): the item tables alone need "
-                             f"~{need / 2**30:.1f} GiB, more than this machine's {have / 2**30:.1f} GiB of memory; "
-                             "lower --items or the feature cardinalities")
         f = self.split_fractions
         if len(f) != 3 or any(x < 0 or not math.isfinite(x) for x in f) or abs(sum(f) - 1) > 1e-6 or f[0] <= 0:
             raise bad("split_fractions", "three shares train,valid,test >= 0 summing to 1 (train > 0)",
@@ -274,6 +268,17 @@ def item_table_bytes(spec: SyntheticSpec) -> int:
     feature values, float32 latents per item; per feature value a float32 latent row and a float64 CDF entry)."""
     d, nf = spec.latent_dim, len(spec.features)
     return (spec.items + 1) * (16 + 16 * nf + 4 * d) + sum((card + 1) * (8 + 4 * d) for _, card in spec.features)
+
+
+def _check_item_tables_fit(spec: SyntheticSpec) -> None:
+    """Raise ValueError when the item tables cannot fit this machine's memory: checked where they are built (not
+    in the spec, which also loads on machines that never generate), instead of numpy's MemoryError deep inside."""
+    need, have = item_table_bytes(spec), _physical_memory_bytes()
+    if have and need > have:
+        name, card = max(spec.features, key=lambda fc: fc[1])
+        raise ValueError(f"--items {spec.items} / --features (largest {name}={card}): the item tables alone need "
+                         f"~{need / 2**30:.1f} GiB, more than this machine's {have / 2**30:.1f} GiB of memory; "
+                         "lower --items or the feature cardinalities")
 
 
 def _physical_memory_bytes() -> int | None:
@@ -537,6 +542,7 @@ class _Items:
     """The item tables (a function of seed and the item parameters only)."""
 
     def __init__(self, spec: SyntheticSpec):
+        _check_item_tables_fit(spec)
         rng = np.random.default_rng(np.random.SeedSequence([spec.seed, _TAG_ITEMS]))
         n, d = spec.items, spec.latent_dim
         self.n = n
