@@ -104,7 +104,7 @@ import pyarrow.parquet as pq
 from gemray.config import check_num_files
 
 from . import amazon
-from .movielens import _file_sha256, _fsync_path, check_replaceable, swap_into_place
+from .movielens import _file_sha256, _fsync_path, check_replaceable, swap_into_place, warn_if_replacing
 from .schema import (log_capped_files, HISTORIES_DIR, HISTORY_SCHEMA, ITEMS_FILE, MANIFEST_FILE, MANIFEST_VERSION,
                      MIN_HISTORY_FOR_SPLITS, QUARANTINE_FILE, SPLIT_PROTOCOL, BadRowError)
 
@@ -1941,8 +1941,7 @@ def prepare_interactions(src: str | list[str], out: str | Path, *, fmt: str = "a
             os.fsync(f.fileno())
         for d in ([tmp / HISTORIES_DIR] + ([tmp / FEATURES_DIR] if spec.features else []) + [tmp]):
             _fsync_path(d)
-        if out.exists():
-            _warn_if_replacing(out, prev_manifest, manifest)
+        warn_if_replacing(out, prev_manifest, manifest)
         swap_into_place(tmp, out)
     except BaseException:
         if pool is not None:
@@ -1985,19 +1984,6 @@ def _common_dir(files: list[SourceFile]) -> str:
 def _rel_name(f: SourceFile, files: list[SourceFile]) -> str:
     base = _common_dir(files)
     return f.display[len(base):].lstrip("/") if f.display.startswith(base) else f.display
-
-
-def _warn_if_replacing(out: Path, prev: dict[str, Any] | None, new: dict[str, Any]) -> None:
-    """Log a warning when the folder being replaced held data of other source files than ``new``'s."""
-    def key(m):
-        try:
-            return (m["format"], sorted((f["name"], f["sha256"]) for f in m["source"]["files"]))
-        except (KeyError, TypeError):
-            return None
-    if prev is not None and key(prev) == key(new):
-        return
-    log.warning("%s: replacing a prepared folder of other data (%s) with %s; checkpoints of the old data will "
-                "not resume on it", out, (prev or {}).get("format", "unknown"), new["format"])
 
 
 def format_summary(manifest: dict[str, Any], out: str | Path | None = None) -> str:

@@ -486,8 +486,7 @@ def prepare_movielens(src: str | Path, out: str | Path, *, on_bad_rows: str = "e
         for d in (tmp / HISTORIES_DIR, tmp):
             _fsync_path(d)
 
-        if out.exists():
-            _warn_if_other_source(out, prev_manifest, manifest)
+        warn_if_replacing(out, prev_manifest, manifest)
         swap_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -585,24 +584,47 @@ def swap_into_place(tmp: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _warn_if_other_source(out: Path, prev: dict[str, Any] | None, new: dict[str, Any]) -> None:
-    """Log a warning when the prepared folder ``out`` about to be replaced (its manifest ``prev``, as
-    :func:`check_replaceable` read it) holds data of another source file (other format, name or sha256) than
-    ``new``'s: re-preparing into a folder is allowed, silently swapping one dataset for another under a training
-    run's configured path is not."""
+def data_identity(manifest: dict[str, Any]) -> tuple[Any, ...] | None:
+    """What a prepared folder holds, for telling one dataset from another: (format, synthetic parameters' sha256)
+    for ``prepare synthetic``, else (format, its source files' (name, sha256) pairs, sorted); None for a manifest
+    that names no source."""
     try:
-        prev_src = prev["source"]["files"][0]
-        prev_key = (prev["format"], prev_src["name"], prev_src["sha256"])
-    except (KeyError, IndexError, TypeError):  # no previous manifest, or one that names no source
-        prev_key = None
-    new_src = new["source"]["files"][0]
-    if prev_key == (new["format"], new_src["name"], new_src["sha256"]):
+        src = manifest["source"]
+        if src.get("params_sha256"):
+            return manifest["format"], src["params_sha256"]
+        return manifest["format"], tuple(sorted((f["name"], f["sha256"]) for f in src["files"]))
+    except (KeyError, TypeError, AttributeError):
+        return None
+
+
+def describe_data(manifest: dict[str, Any]) -> str:
+    """``manifest``'s data in a few words for a log line: format, first source file (and how many more),
+    interaction count and sha256 prefix; seed and parameters' sha256 prefix for synthetic data."""
+    fmt = manifest.get("format", "unknown") if isinstance(manifest, dict) else "unknown"
+    if data_identity(manifest) is None:
+        return f"a prepared folder of {fmt} data whose manifest names no source"
+    src = manifest["source"]
+    count = manifest.get("counts", {}).get("interactions")
+    count = f"{count} interactions, " if count is not None else ""
+    if src.get("params_sha256"):
+        return f"{fmt} data ({count}seed {src.get('seed', '?')}, parameters sha256 {src['params_sha256'][:12]}...)"
+    if not src["files"]:
+        return f"{fmt} data from no source file"
+    first = src["files"][0]
+    more = f" and {len(src['files']) - 1} more files" if len(src["files"]) > 1 else ""
+    return f"{fmt} data from {first['name']}{more} ({count}sha256 {first['sha256'][:12]}...)"
+
+
+def warn_if_replacing(out: Path, prev: dict[str, Any] | None, new: dict[str, Any]) -> None:
+    """Log a warning when the prepared folder ``out`` about to be replaced (its manifest ``prev``, as
+    :func:`check_replaceable` returned it; None: nothing to replace) holds other data than ``new`` (a manifest, or
+    the part of one that :func:`data_identity` reads): re-preparing the same data into a folder is quiet,
+    silently swapping one dataset for another under a training run's configured path is not. Used by every
+    ``prepare`` command."""
+    if prev is None or (data_identity(prev) is not None and data_identity(prev) == data_identity(new)):
         return
-    was = ("a prepared folder whose manifest names no source" if prev_key is None else
-           f"{prev['format']} data from {prev_src['name']} ({prev.get('counts', {}).get('interactions', '?')} "
-           f"interactions, sha256 {prev_src['sha256'][:12]}...)")
-    log.warning("%s: replacing %s with %s data from %s (sha256 %s...); checkpoints of the old data will not "
-                "resume on it", out, was, new["format"], new_src["name"], new_src["sha256"][:12])
+    log.warning("%s: replacing %s with %s; checkpoints of the old data will not resume on it", out,
+                describe_data(prev), describe_data(new))
 
 
 def format_summary(manifest: dict[str, Any], out: str | Path | None = None) -> str:

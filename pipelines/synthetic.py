@@ -90,7 +90,8 @@ import pyarrow.parquet as pq
 
 from gemray.config import DataConfig, check_num_files, usable_cpus
 
-from .movielens import _file_sha256, _fsync_path, check_replaceable, swap_into_place, write_run_file
+from .movielens import (_file_sha256, _fsync_path, check_replaceable, swap_into_place, warn_if_replacing,
+                        write_run_file)
 from .schema import (log_capped_files, CANDIDATE_CLICK, CANDIDATE_CONVERT, CANDIDATE_ITEMS, HISTORIES_DIR, ITEMS_FILE,
                      ITEMS_SCHEMA, LABEL_NAMES, MANIFEST_FILE, MANIFEST_VERSION, MIN_HISTORY_FOR_SPLITS,
                      RANKING_PROTOCOL, REQUEST_SPLIT, RUN_FILE, SPLIT_PROTOCOL, SPLITS, feature_column,
@@ -246,21 +247,6 @@ class SyntheticSpec:
         d["features"] = tuple(tuple(x) for x in d["features"])
         d["split_fractions"] = tuple(d["split_fractions"])
         return cls(**d)
-
-
-def _warn_if_replacing(out: Path, prev: dict[str, Any] | None, spec: SyntheticSpec) -> None:
-    """Warn when ``out`` held a preparation of other data than ``spec``'s (another format, or synthetic data of
-    other parameters or seed), as ``prepare movielens`` / ``interactions`` do: re-preparing the same data is silent,
-    swapping one dataset for another under a training run's configured path is not."""
-    if prev is None:
-        return
-    src = prev.get("source") if isinstance(prev.get("source"), dict) else {}
-    if prev.get("format") == "synthetic" and src.get("params_sha256") == params_sha256(spec):
-        return
-    was = (f"synthetic data of other parameters (seed {src.get('seed', '?')})" if prev.get("format") == "synthetic"
-           else f"a prepared folder of {prev.get('format', 'unknown')} data")
-    log.warning("%s: replacing %s with synthetic data (seed %d); checkpoints of the old data will not resume on it",
-                out, was, spec.seed)
 
 
 def item_table_bytes(spec: SyntheticSpec) -> int:
@@ -925,7 +911,8 @@ def prepare_synthetic(out: str | Path, spec: SyntheticSpec, *, num_files: int = 
     out = Path(out)
     if out.is_symlink():
         out = out.resolve()
-    _warn_if_replacing(out, check_replaceable(out, [(Path(__file__), str(Path(__file__)))]), spec)
+    warn_if_replacing(out, check_replaceable(out, [(Path(__file__), str(Path(__file__)))]),
+                      {"format": "synthetic", "source": {"seed": spec.seed, "params_sha256": params_sha256(spec)}})
     k, pmf, len_params = length_pmf(spec)
     layout = _layout(spec, len_params["mean"], num_files, row_groups_per_file)
     if workers is None:

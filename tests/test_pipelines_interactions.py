@@ -193,6 +193,25 @@ def test_glob_folder_and_order(tmp_path):
         resolve_sources(str(tmp_path / "notes.txt"))
 
 
+def test_replacing_other_data_warns(tmp_path, caplog):
+    """Into an empty folder or over the same log: quiet (an existing empty --out warned "replacing a prepared folder
+    of other data (unknown)"); over another log: one warning naming both logs (and the old one is replaced)."""
+    a, b = tmp_path / "a.csv", tmp_path / "b.csv"
+    a.write_text(HAND_CSV)
+    b.write_text(HAND_CSV + "carol,C3,2024-01-05T00:00:00Z,5,jazz,web\n")
+    out = tmp_path / "prep"
+    out.mkdir()
+    kw = dict(user_col="uid", item_col="sku", time_col="ts", progress=False)
+    with caplog.at_level("WARNING"):
+        prepare_interactions(str(a), out, **kw)
+        prepare_interactions(str(a), out, **kw)
+        assert not [r for r in caplog.records if "replacing" in r.getMessage()]
+        m = prepare_interactions(str(b), out, **kw)
+    msgs = [r.getMessage() for r in caplog.records if "replacing" in r.getMessage()]
+    assert len(msgs) == 1 and "from a.csv (8 interactions, sha256" in msgs[0] and "from b.csv (" in msgs[0], msgs
+    assert load_manifest(out)["counts"]["interactions"] == m["counts"]["interactions"] == 9
+
+
 # ------------------------------------------------------------------------------------------------ hand-checked
 
 HAND_CSV = """\

@@ -626,13 +626,19 @@ def test_replacing_other_data_warns(tmp_path, caplog, capsys):
         return [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "replacing" in r.getMessage()]
 
     assert replacing(0) == [] and replacing(0) == []
-    assert replacing(1) == [f"{out}: replacing synthetic data of other parameters (seed 0) with synthetic data (seed "
-                            "1); checkpoints of the old data will not resume on it"]
+    seed0 = json.loads((out / "manifest.json").read_text())
+    n0, sha0 = seed0["counts"]["interactions"], seed0["source"]["params_sha256"]
+    msgs = replacing(1)
     manifest = json.loads((out / "manifest.json").read_text())
+    sha1 = manifest["source"]["params_sha256"]
+    assert sha1 != sha0
+    assert msgs == [f"{out}: replacing synthetic data ({n0} interactions, seed 0, parameters sha256 {sha0[:12]}...) "
+                    f"with synthetic data (seed 1, parameters sha256 {sha1[:12]}...); checkpoints of the old data will "
+                    "not resume on it"]
     manifest["format"] = "movielens-1m"
     (out / "manifest.json").write_text(json.dumps(manifest))
-    assert replacing(1) == [f"{out}: replacing a prepared folder of movielens-1m data with synthetic data (seed 1); "
-                            "checkpoints of the old data will not resume on it"]
+    msgs = replacing(1)
+    assert len(msgs) == 1 and msgs[0].startswith(f"{out}: replacing movielens-1m data ("), msgs
 
 
 def test_num_files_capped_at_the_user_count_is_logged(tmp_path, caplog, capsys):
