@@ -148,6 +148,28 @@ def test_preflight_refuses_jobs_that_would_fail_in_the_workers(tmp_path, monkeyp
     _preflight(big, _manifest(), embedded=False)  # an external cluster may have the CPUs
 
 
+def test_cutoffs_beyond_a_synthetic_catalogue_are_refused_before_generating(tmp_path, capsys):
+    """`gemray train --set train.eval_ks=[10,100000]` on a synthetic config was refused only after the data was
+    generated (minutes at GEM scale): the catalogue's size is in data.synthetic, so the refusal comes first, with
+    nothing written; a cut-off below it passes that check (and the manifest check after generation)."""
+    from gemray import cli
+
+    config = str(Path(__file__).resolve().parents[1] / "configs" / "gem-tiny.toml")
+    data, out = tmp_path / "data", tmp_path / "run"
+    rc = cli.main(["train", "--config", config, "--output", str(out), "--set", f"data.prepared_dir={data}",
+                   "train.eval_ks=[10,100000]"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "train.eval_ks=[10, 100000]: a cut-off at or above the 400 items of the catalogue " \
+        "(data.synthetic: items)" in err, err
+    assert not data.exists() and not out.exists()
+    cfg = apply_overrides(JobConfig(), ["data.synthetic=[users=64,items=50]", "train.eval_ks=[10,49]"])
+    preflight.preflight_catalogue(cfg)
+    cfg.train.eval_ks = [50]
+    with pytest.raises(ValueError, match="at or above the 50 items"):
+        preflight.preflight_catalogue(cfg)
+    preflight.preflight_catalogue(JobConfig())  # MovieLens: its catalogue is known once prepared (preflight_data)
+
+
 def test_preflight_refuses_a_kernel_tiles_value_as_the_config_does(tmp_path, monkeypatch):
     """A model.kernel_tiles that is neither a file nor inline JSON, or malformed inline JSON, is refused before Ray
     starts with the config's own line (naming the key, the value and both accepted forms; the JSON error's

@@ -4,6 +4,7 @@ refused at once, in one line naming the field or folder, before anything is writ
 * :func:`preflight_resources`: GPUs, optimizer and attention backend against the device, CPUs per worker
   (needs no data: run before the data is prepared);
 * :func:`preflight_layout`: the ``[parallel]`` degrees of a fixed-size job against its world size;
+* :func:`preflight_catalogue`: cut-offs against a synthetic config's catalogue, before the data is generated;
 * :func:`preflight_data`: cut-offs against the catalogue, the prepared data's source files, the model
   shape against the previous run in the output folder;
 * :func:`preflight_resume`: the checkpoint a resume would restore was trained on this data
@@ -166,15 +167,33 @@ def preflight_layout(cfg: JobConfig) -> None:
     from_config(p, int(cfg.ray.num_workers), device, int(p.gpus_per_node or 1), int(cfg.model.moe_experts))
 
 
+def check_cutoffs(eval_ks: list[int], n_items: int, where: str = "") -> None:
+    """Pure: refuse HR@K / NDCG@K cut-offs ``eval_ks`` (``train.eval_ks``) at or above the catalogue's ``n_items``
+    items (``where``: how the size is known, for the message). Raises ValueError naming train.eval_ks."""
+    if max(int(k) for k in eval_ks) >= n_items:
+        raise ValueError(f"train.eval_ks={eval_ks}: a cut-off at or above the {n_items} items of the catalogue{where} "
+                         "makes HR@K trivially 1 (every target ranks below N, a history-excluded one at N-1)")
+
+
+def preflight_catalogue(cfg: JobConfig) -> None:
+    """Before the data is prepared: the cut-offs against a synthetic config's catalogue, whose size
+    (``data.synthetic``'s ``items``) is known without generating the data, which at scale takes minutes
+    (:func:`preflight_data` checks every config against the prepared manifest after). Raises ValueError for a
+    cut-off at or above it, or for ``data.synthetic`` parameters the generator refuses."""
+    if not cfg.data.synthetic:
+        return
+    from gemray.pipelines.synthetic import spec_from_params
+
+    check_cutoffs(cfg.train.eval_ks, spec_from_params(cfg.data.synthetic_params()).items,
+                  " (data.synthetic: items)")
+
+
 def preflight_data(cfg: JobConfig, manifest: dict[str, Any], *, previous: JobConfig | None = None) -> None:
     """Refuse a job its data or output folder cannot serve: a cut-off K at or above the size of the catalogue of ``manifest``
     (the prepared data's), prepared data made from other raw files than ``data.raw_dir`` holds, an output
     folder holding a model of another shape (``previous``: the config.toml of an earlier run there that left
     checkpoints). Raises ValueError naming the field."""
-    n_items = int(manifest["vocab"]["num_items"])
-    if max(int(k) for k in cfg.train.eval_ks) >= n_items:
-        raise ValueError(f"train.eval_ks={cfg.train.eval_ks}: a cut-off at or above the {n_items} items of the "
-                         "catalogue makes HR@K trivially 1 (every target ranks below N, a history-excluded one at N-1)")
+    check_cutoffs(cfg.train.eval_ks, int(manifest["vocab"]["num_items"]))
     _check_source(cfg, manifest)
     if previous is not None:
         changed = shape_changes(previous, cfg)

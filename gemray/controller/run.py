@@ -94,6 +94,7 @@ def _fit(cfg: JobConfig, out: Path, t0: float) -> Result:
     storage = Path(cfg.ray.storage_path).resolve() if cfg.ray.storage_path else out / "ray"
     # a resume onto another raw ratings file: refused before preparing it (the full check follows preparation)
     preflight.preflight_resume_source(cfg, storage / cfg.name, output_dir=out, previous=previous)
+    preflight.preflight_catalogue(cfg)  # cut-offs against a synthetic catalogue: before minutes of generation
     manifest = _ensure_prepared(cfg)  # bad data paths fail before anything is written to the output folder
     preflight.preflight_data(cfg, manifest, previous=previous)
     preflight.preflight_resume(cfg, manifest, storage / cfg.name, output_dir=out, previous=previous)
