@@ -148,6 +148,47 @@ def test_preflight_refuses_jobs_that_would_fail_in_the_workers(tmp_path, monkeyp
     _preflight(big, _manifest(), embedded=False)  # an external cluster may have the CPUs
 
 
+def test_output_of_ones_own_files_is_refused_before_anything_is_written(tmp_path, capsys):
+    """`gemray train --output DIR` into a folder of one's own files wrote over its config.toml (there the --config
+    file itself) and metrics.json without a word, and `--output /` wrote into the filesystem's root: a folder
+    holding anything a run does not write, or a config.toml a run did not write, is refused with exit 2, nothing
+    written (not even logs/); an earlier run's folder (what a re-run resumes) and an empty folder pass."""
+    from gemray import cli
+    from gemray.config import load_config, to_toml
+
+    tiny = Path(__file__).resolve().parents[1] / "configs" / "gem-tiny.toml"
+    own = tmp_path / "own"
+    own.mkdir()
+    (own / "config.toml").write_text(tiny.read_text())  # a person's config (with comments), used as --config
+    (own / "metrics.json").write_text('{"mine": 1}')
+    before = {p.name: p.read_bytes() for p in own.iterdir()}
+    argv = ["train", "--config", str(own / "config.toml"), "--output", str(own), "--set",
+            f"data.prepared_dir={tmp_path / 'data'}"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"--output (output_dir) {own}: its config.toml was not written by a gemray run" in err, err
+    assert {p.name: p.read_bytes() for p in own.iterdir()} == before and not (tmp_path / "data").exists()
+    (own / "notes.txt").write_text("x")
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "holds files a gemray run does not write (notes.txt)" in err, err
+    assert sorted(p.name for p in own.iterdir()) == ["config.toml", "metrics.json", "notes.txt"]
+    with pytest.raises(ValueError, match=r"holds files a gemray run does not write \(.*and \d+ more\)"):
+        preflight.preflight_output_contents("/")
+    # a run's own config.toml (the dump) and the other entries a run writes pass; so does an empty folder
+    run_dir = tmp_path / "run"
+    (run_dir / "logs").mkdir(parents=True)
+    (run_dir / "config.toml").write_text(to_toml(load_config(tiny)))
+    for name in ("metrics.json", "events.jsonl", "PREEMPT", "PREEMPT.active"):
+        (run_dir / name).write_text("{}")
+    preflight.preflight_output_contents(run_dir)
+    preflight.preflight_output_contents(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    preflight.preflight_output_contents(tmp_path / "empty")
+    assert preflight.written_by_gemray(to_toml(JobConfig())) and not preflight.written_by_gemray("")
+    assert not preflight.written_by_gemray('name = "x"\n# mine\n[train]\nepochs = 1\n')
+
+
 def test_cutoffs_beyond_a_synthetic_catalogue_are_refused_before_generating(tmp_path, capsys):
     """`gemray train --set train.eval_ks=[10,100000]` on a synthetic config was refused only after the data was
     generated (minutes at GEM scale): the catalogue's size is in data.synthetic, so the refusal comes first, with

@@ -11,6 +11,7 @@ refused at once, in one line naming the field or folder, before anything is writ
   (:func:`resume_mismatch` is the pure comparison); :func:`preflight_resume_source` checks the raw ratings file
   before the data is prepared;
 * :func:`preflight_output`: the output folder is (or can be made) a folder this process can write;
+  :func:`preflight_output_contents`: an existing one holds only what a run writes (an earlier run's files);
 * :func:`preflight_active`: no other run is active in the output folder
   (:mod:`gemray.controller.output_lock` claims it).
 
@@ -30,7 +31,8 @@ from typing import Any
 from gemray.checkpoint import checkpoint_data, committed_checkpoints, data_record, file_sha256
 from gemray.config import JobConfig, shape_changes, usable_cpus
 from gemray.controller.session import embedded_num_cpus
-from gemray.preemption import ACTIVE_HEARTBEAT_S, ACTIVE_STALE_S, active_path, marker_is_stale, pid_alive
+from gemray.preemption import (ACTIVE_HEARTBEAT_S, ACTIVE_STALE_S, NOTICE_NAME, active_path, marker_is_stale,
+                               pid_alive)
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +69,49 @@ def preflight_output_outside_data(out: str | Path, prepared_dir: str | Path, *, 
         where = "is" if o == d else "is inside"
         raise ValueError(f"{what} {out} {where} the prepared data folder {prepared_dir} (data.prepared_dir): the run's "
                          f"files would mix with the data's; give another folder, e.g. runs/<name>")
+
+
+#: What ``gemray train`` writes into its output folder, and nothing else (:func:`preflight_output_contents`).
+RUN_FOLDER_ENTRIES = frozenset({"config.toml", "metrics.json", "curves.png", "events.jsonl", "logs", "ray",
+                                "tensorboard", NOTICE_NAME, active_path(NOTICE_NAME).name})
+
+
+def written_by_gemray(config_toml: str) -> bool:
+    """Pure: whether the text of a run folder's config.toml is one :func:`gemray.config.to_toml` wrote: it begins
+    with ``name = `` and holds no comment line (every config a person writes, and every one in configs/, has
+    them; the dump never does)."""
+    lines = config_toml.splitlines()
+    return bool(lines) and lines[0].startswith("name = ") and not any(ln.lstrip().startswith("#") for ln in lines)
+
+
+def preflight_output_contents(out: str | Path, *, what: str = "--output") -> None:
+    """Refuse an existing, non-empty output folder that is not a gemray run folder, before anything is written
+    there: a run writes config.toml (its resolved config), metrics.json, curves.png, events.jsonl, logs/, ray/,
+    tensorboard/ and its preemption notice into the folder, over files of those names. So the folder may hold
+    only those entries (:data:`RUN_FOLDER_ENTRIES`: an earlier run's, which the run resumes), and a config.toml
+    there must be one a run wrote (:func:`written_by_gemray`), not the user's own (e.g. the ``--config`` file
+    itself). Was: ``--output`` a folder of one's own files wrote over its config.toml and metrics.json without a
+    word, and ``--output /`` wrote into the filesystem's root. Raises ValueError naming ``what``, the folder and
+    the entries in the way."""
+    out = Path(out)
+    if not out.is_dir():
+        return
+    extra = sorted(p.name for p in out.iterdir() if p.name not in RUN_FOLDER_ENTRIES)
+    if extra:
+        more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
+        raise ValueError(f"{what} {out}: holds files a gemray run does not write ({', '.join(extra[:5])}{more}); a "
+                         "run writes config.toml, metrics.json, logs/ and ray/ there: give a new or empty folder "
+                         "(e.g. runs/<name>), or an earlier run's folder to resume it")
+    cfg_file = out / "config.toml"
+    if cfg_file.is_file():
+        try:
+            ours = written_by_gemray(cfg_file.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError):
+            ours = False
+        if not ours:
+            raise ValueError(f"{what} {out}: its config.toml was not written by a gemray run (a run writes its "
+                             "resolved config there, over what is there): keep your config outside the output "
+                             "folder (e.g. configs/), or give another folder")
 
 
 #: the most CPU training workers per usable core an embedded cluster is asked to start (every worker is a

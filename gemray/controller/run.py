@@ -63,7 +63,8 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
     or for an output folder whose
     checkpoint was trained on other data (:func:`~gemray.controller.preflight.preflight_resume`),
     ValueError for an output folder this process cannot write
-    (:func:`~gemray.controller.preflight.preflight_output`), FileExistsError for an output folder in which
+    (:func:`~gemray.controller.preflight.preflight_output`) or that holds files no run wrote
+    (:func:`~gemray.controller.preflight.preflight_output_contents`), FileExistsError for an output folder in which
     another run is active
     (:func:`~gemray.controller.output_lock.claim_output`), all before any worker starts, and Ray's
     TrainingFailedError when training fails beyond ``ray.max_failures``.
@@ -73,6 +74,7 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
     out = Path(output_dir or Path("runs") / cfg.name).expanduser().resolve()
     # before the run's log is opened there
     preflight.preflight_output_outside_data(out, cfg.data.prepared_dir, what="--output (output_dir)")
+    preflight.preflight_output_contents(out, what="--output (output_dir)")  # nobody's files written over
     with console.run_log(out):  # <out>/logs/gemray.log, as under `gemray train` (whose session it then uses)
         return _fit(cfg, out, t0)
 
