@@ -273,11 +273,17 @@ def test_submit_ships_validated_config_and_env(tmp_path):
     (dict(overrides=["train.lr=abc"]), ValueError, "train.lr"),
     (dict(task="evaluate"), ValueError, "task"),
     (dict(working_dir="/nonexistent/dir"), ValueError, "working_dir"),
+    # a synthetic config's generator parameters and cut-offs: checked here as gemray train does (were sent)
+    (dict(config="configs/gem-tiny.toml", overrides=['data.synthetic=["users=10","items=0","seed=0"]']), ValueError,
+     "data.synthetic: items: expected an integer >= 1"),
+    (dict(config="configs/gem-tiny.toml", overrides=["train.eval_ks=[10,100000]"]), ValueError,
+     r"train.eval_ks=\[10, 100000\]: a cut-off at or above the 400 items"),
 ])
 def test_submit_rejects_bad_input_before_sending(kw, exc, match):
     fc = FakeClient(["SUCCEEDED"])
+    config = REPO / kw.pop("config", "configs/ml-latest-small.toml")
     with pytest.raises(exc, match=match):
-        sub.submit(REPO / "configs/ml-latest-small.toml", client=fc, **kw)
+        sub.submit(config, client=fc, **kw)
     assert fc.submitted is None
 
 

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from gemray.config import JobConfig, apply_overrides, from_dict, load_config, to_toml
+from gemray.controller.preflight import preflight_catalogue
 from gemray.preemption import EXIT_PREEMPTED
 
 logger = logging.getLogger(__name__)
@@ -178,12 +179,15 @@ def submit(config: JobConfig | str | os.PathLike, address: str | None = None, *,
     runtime_env: extra Ray runtime_env entries (env_vars are merged). python: interpreter on the
         cluster. token: Ray auth token sent as a header (default: Ray's own lookup). client: an existing
         JobSubmissionClient (tests). Paths in the config (storage, data) are read on the cluster.
-    Raises ValueError for a bad config/task, and Ray's errors (ConnectionError, RuntimeError with HTTP
+    Raises ValueError for a bad config/task (for "train", also bad ``data.synthetic`` parameters and cut-offs at or
+    above that catalogue: :func:`~gemray.controller.preflight.preflight_catalogue`), and Ray's errors (ConnectionError, RuntimeError with HTTP
     401 for a missing/wrong token) from the job server.
     """
     if task not in TASKS:
         raise ValueError(f"task: expected one of {TASKS}, got {task!r}")
     cfg = _resolve_config(config, overrides)
+    if task == "train":  # data.synthetic's parameters and the cut-offs against its catalogue, as gemray train does
+        preflight_catalogue(cfg)
     env = dict(runtime_env or {})
     env_vars = {str(k): str(v) for k, v in (env.pop("env_vars", None) or {}).items()}
     env_vars[CONFIG_ENV] = to_toml(cfg)
