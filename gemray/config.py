@@ -640,6 +640,8 @@ class TrainConfig:
             raise ValueError(f"train.weight_decay: expected >= 0, got {self.weight_decay}")
         if not self.eval_ks or any(int(k) <= 0 for k in self.eval_ks):
             raise ValueError(f"train.eval_ks: expected positive cut-offs, got {self.eval_ks}")
+        if len(set(int(k) for k in self.eval_ks)) != len(self.eval_ks):  # metrics.json has one hr@K per K
+            raise ValueError(f"train.eval_ks: a cut-off given twice in {self.eval_ks}; give each once")
         if len(self.adam_betas) != 2 or not all(0.0 <= float(b) < 1.0 for b in self.adam_betas):
             raise ValueError(f"train.adam_betas: expected [beta1, beta2] each in [0, 1), got {self.adam_betas}")
         if self.max_steps_per_epoch < 0:

@@ -54,6 +54,7 @@ def test_load_config_takes_one_override_string():
     ("name=../up", "name: '../up' must be"),
     ("train.eval_ks=[10,", "train.eval_ks: malformed list"),  # was read as [10]
     ("train.eval_ks=10]]]", "train.eval_ks: malformed list"),
+    ("train.eval_ks=[10,50,10]", "train.eval_ks: a cut-off given twice in [10, 50, 10]"),  # was accepted
     ("train.adam_betas=[0.9,,0.98]", "train.adam_betas: malformed list"),
     ('model.tasks=["retrieval", ', "model.tasks: malformed TOML array"),
     ('model.tasks=[["retrieval"]]', "model.tasks: malformed list"),
