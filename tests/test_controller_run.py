@@ -585,6 +585,7 @@ def test_train_into_a_folder_in_use_exits_2_before_ray(tmp_path, monkeypatch, ca
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "another gemray run is active in this output folder" in err[0], err
     assert sorted(p.name for p in out.iterdir()) == [marker.name]
+    assert not (tmp_path / "prep").exists()  # refused before the data is prepared (was: prepared, then refused)
 
 
 def test_train_on_a_damaged_prepared_folder_exits_2_before_ray(tmp_path, monkeypatch, capsys):

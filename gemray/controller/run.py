@@ -96,6 +96,8 @@ def _fit(cfg: JobConfig, out: Path, t0: float) -> Result:
     storage = Path(cfg.ray.storage_path).resolve() if cfg.ray.storage_path else out / "ray"
     # a resume onto another raw ratings file: refused before preparing it (the full check follows preparation)
     preflight.preflight_resume_source(cfg, storage / cfg.name, output_dir=out, previous=previous)
+    # another run active in this folder: refused before the data is prepared (the claim below checks it again)
+    preflight.preflight_active(cfg.checkpoint.preempt_notice or out / NOTICE_NAME)
     preflight.preflight_catalogue(cfg)  # cut-offs against a synthetic catalogue: before minutes of generation
     manifest = _ensure_prepared(cfg)  # bad data paths fail before anything is written to the output folder
     preflight.preflight_data(cfg, manifest, previous=previous)
