@@ -1104,6 +1104,15 @@ def _did_you_mean(name: str, known: list[str] | set[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+def _did_you_mean_top(name: str, cfg: "JobConfig") -> str:
+    """:func:`_did_you_mean` for a top-level name: a key of a section first (``epochs`` -> ``train.epochs``; every
+    such section named when several have it), else the closest top-level name."""
+    owners = [f"{s}.{name}" for s in _sections(cfg) if name in _field_types(type(getattr(cfg, s)))]
+    if owners:
+        return f" (did you mean {' or '.join(repr(o) for o in owners)}?)"
+    return _did_you_mean(name, _field_types(JobConfig))
+
+
 def _sections(cfg: "JobConfig") -> list[str]:
     return sorted(f.name for f in dataclasses.fields(cfg) if dataclasses.is_dataclass(getattr(cfg, f.name)))
 
@@ -1115,7 +1124,7 @@ def from_dict(raw: dict[str, Any]) -> JobConfig:
     top_types = _field_types(JobConfig)
     for key, val in raw.items():
         if key not in top_types:
-            raise ValueError(f"unknown config section or key {key!r}{_did_you_mean(key, top_types)} "
+            raise ValueError(f"unknown config section or key {key!r}{_did_you_mean_top(key, cfg)} "
                              f"(known: {sorted(top_types)})")
         sub = getattr(cfg, key)
         if dataclasses.is_dataclass(sub):
@@ -1217,7 +1226,7 @@ def apply_overrides(cfg: JobConfig, overrides: list[str]) -> JobConfig:
                 raise ValueError(f"--set {item!r}: {parts[0]!r} is a section; set one of its keys as "
                                  f"{parts[0]}.KEY=VALUE")
             if parts[0] not in types:
-                raise ValueError(f"--set {item!r}: unknown key {parts[0]!r}{_did_you_mean(parts[0], types)} "
+                raise ValueError(f"--set {item!r}: unknown key {parts[0]!r}{_did_you_mean_top(parts[0], cfg)} "
                                  f"(sections: {_sections(cfg)})")
             setattr(cfg, parts[0], _coerce(value, types[parts[0]], parts[0]))
             continue

@@ -153,7 +153,9 @@ def test_unknown_section_lists_sections_and_suggests():
         assert repr(section) in msg, msg
 
 
-@pytest.mark.parametrize("item, suggestion", [("train.epoch=1", "epochs"), ("data.batch_sise=8", "batch_size")])
+@pytest.mark.parametrize("item, suggestion", [("train.epoch=1", "epochs"), ("data.batch_sise=8", "batch_size"),
+                                              # a section's key without its section (was: no suggestion)
+                                              ("epochs=3", "train.epochs"), ("nme=x", "name")])
 def test_unknown_key_suggests_the_close_one(item, suggestion):
     with pytest.raises(ValueError, match=f"did you mean '{suggestion}'"):
         apply_overrides(JobConfig(), [item])
@@ -165,6 +167,9 @@ def test_unknown_key_in_toml_suggests(tmp_path):
     with pytest.raises(ValueError, match="did you mean 'epochs'") as err:
         load_config(path)
     assert str(err.value).startswith(f"{path}: ")  # the file is named
+    path.write_text("epochs = 1\n")  # a section's key at the top level
+    with pytest.raises(ValueError, match="did you mean 'train.epochs'"):
+        load_config(path)
 
 
 def _config_warnings(caplog) -> list[str]:
