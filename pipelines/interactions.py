@@ -1941,7 +1941,7 @@ def prepare_interactions(src: str | list[str], out: str | Path, *, fmt: str = "a
             os.fsync(f.fileno())
         for d in ([tmp / HISTORIES_DIR] + ([tmp / FEATURES_DIR] if spec.features else []) + [tmp]):
             _fsync_path(d)
-        warn_if_replacing(out, prev_manifest, manifest)
+        warn_if_replacing(out, prev_manifest, manifest, log)
         swap_into_place(tmp, out)
     except BaseException:
         if pool is not None:

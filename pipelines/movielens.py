@@ -615,16 +615,17 @@ def describe_data(manifest: dict[str, Any]) -> str:
     return f"{fmt} data from {first['name']}{more} ({count}sha256 {first['sha256'][:12]}...)"
 
 
-def warn_if_replacing(out: Path, prev: dict[str, Any] | None, new: dict[str, Any]) -> None:
+def warn_if_replacing(out: Path, prev: dict[str, Any] | None, new: dict[str, Any],
+                      logger: logging.Logger = log) -> None:
     """Log a warning when the prepared folder ``out`` about to be replaced (its manifest ``prev``, as
     :func:`check_replaceable` returned it; None: nothing to replace) holds other data than ``new`` (a manifest, or
     the part of one that :func:`data_identity` reads): re-preparing the same data into a folder is quiet,
     silently swapping one dataset for another under a training run's configured path is not. Used by every
-    ``prepare`` command."""
+    ``prepare`` command, each with its own ``logger``."""
     if prev is None or (data_identity(prev) is not None and data_identity(prev) == data_identity(new)):
         return
-    log.warning("%s: replacing %s with %s; checkpoints of the old data will not resume on it", out,
-                describe_data(prev), describe_data(new))
+    logger.warning("%s: replacing %s with %s; checkpoints of the old data will not resume on it", out,
+                   describe_data(prev), describe_data(new))
 
 
 def format_summary(manifest: dict[str, Any], out: str | Path | None = None) -> str:

@@ -912,7 +912,7 @@ def prepare_synthetic(out: str | Path, spec: SyntheticSpec, *, num_files: int = 
     if out.is_symlink():
         out = out.resolve()
     warn_if_replacing(out, check_replaceable(out, [(Path(__file__), str(Path(__file__)))]),
-                      {"format": "synthetic", "source": {"seed": spec.seed, "params_sha256": params_sha256(spec)}})
+                      {"format": "synthetic", "source": {"seed": spec.seed, "params_sha256": params_sha256(spec)}}, log)
     k, pmf, len_params = length_pmf(spec)
     layout = _layout(spec, len_params["mean"], num_files, row_groups_per_file)
     if workers is None:

@@ -207,7 +207,9 @@ def test_replacing_other_data_warns(tmp_path, caplog):
         prepare_interactions(str(a), out, **kw)
         assert not [r for r in caplog.records if "replacing" in r.getMessage()]
         m = prepare_interactions(str(b), out, **kw)
-    msgs = [r.getMessage() for r in caplog.records if "replacing" in r.getMessage()]
+    said = [r for r in caplog.records if "replacing" in r.getMessage()]
+    assert [r.name for r in said] == ["gemray.pipelines.interactions"]
+    msgs = [r.getMessage() for r in said]
     assert len(msgs) == 1 and "from a.csv (8 interactions, sha256" in msgs[0] and "from b.csv (" in msgs[0], msgs
     assert load_manifest(out)["counts"]["interactions"] == m["counts"]["interactions"] == 9
 

@@ -623,7 +623,9 @@ def test_replacing_other_data_warns(tmp_path, caplog, capsys):
         caplog.clear()
         with caplog.at_level("INFO", logger="gemray.pipelines.synthetic"):
             assert main(args + ["--seed", str(seed)]) == 0
-        return [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "replacing" in r.getMessage()]
+        said = [r for r in caplog.records if r.levelname == "WARNING" and "replacing" in r.getMessage()]
+        assert all(r.name == "gemray.pipelines.synthetic" for r in said)  # the command's logger, not movielens'
+        return [r.getMessage() for r in said]
 
     assert replacing(0) == [] and replacing(0) == []
     seed0 = json.loads((out / "manifest.json").read_text())
