@@ -188,7 +188,9 @@ def test_output_and_notice_are_exclusive_and_one_is_required(tmp_path, capsys):
     assert main(["preempt", "--output", str(tmp_path / "afile")]) == 2
     assert "a file, not a folder" in capsys.readouterr().err
     assert main(["preempt", "--output", str(tmp_path), "--wait", "-1"]) == 2
-    assert main(["preempt", "--output", str(tmp_path)]) == 0 and (tmp_path / NOTICE_NAME).is_file()
+    run = tmp_path / "run"  # (tmp_path holds afile now: no run's folder)
+    run.mkdir()
+    assert main(["preempt", "--output", str(run)]) == 0 and (run / NOTICE_NAME).is_file()
 
 
 def test_driver_marks_the_notice_handled_after_the_emergency_checkpoint(tmp_path):
@@ -315,6 +317,17 @@ def test_preempt_output_without_an_active_run_says_so(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "no run is active there now (no PREEMPT.active)" in out and "removes it at start" in out
     assert read_notice(tmp_path / NOTICE_NAME) is not None
+    # a folder no run can use (a prepared data folder: a notice there made a later `gemray prepare` refuse it for
+    # a file its manifest does not list) is refused, nothing written; with a run active there it is written
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "manifest.json").write_text("{}")
+    assert main(["preempt", "--output", str(data)]) == 2
+    err = capsys.readouterr().err
+    assert f"--output {data}: not a gemray run's output folder (it holds manifest.json, which no run writes)" in err
+    assert sorted(p.name for p in data.iterdir()) == ["manifest.json"]
+    mark_active(data / NOTICE_NAME, heartbeat_s=None)
+    assert main(["preempt", "--output", str(data)]) == 0 and read_notice(data / NOTICE_NAME) is not None
 
 
 def test_marker_is_stale_boundaries():
