@@ -775,7 +775,7 @@ def build_parser() -> argparse.ArgumentParser:
     prep = sub.add_parser("prepare", help="convert raw data to Parquet histories")
     prep_sub = prep.add_subparsers(dest="dataset", required=True)
     ml = prep_sub.add_parser("movielens", help="MovieLens ml-1m / ml-100k / ml-latest(-small)")
-    ml.add_argument("--src", required=True, help="folder with ratings.dat, u.data or ratings.csv")
+    ml.add_argument("--src", required=True, help="folder with ratings.dat, u.data or ratings.csv (or that file)")
     ml.add_argument("--out", required=True, help="output folder (prepared Parquet + manifest.json)")
     ml.add_argument("--on-bad-rows", choices=("error", "quarantine"), default="error",
                     help="error (default): stop at the first bad row, naming file, line and field; quarantine: "

@@ -15,6 +15,7 @@ import dataclasses
 import difflib
 import functools
 import json
+import logging
 import math
 import os
 import re
@@ -1277,6 +1278,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | str | Non
             cfg = from_dict(raw)
         except ValueError as e:
             raise ValueError(f"{p}: {e}") from None
+        if not raw:  # an empty (or all-comment) file: almost surely not the config meant
+            logging.getLogger("gemray.config").warning(
+                "%s sets nothing: the defaults are used (ML-1M's data paths and the HSTU-large model); start from "
+                "one of configs/*.toml", p)
     else:
         cfg = from_dict(raw)
     if isinstance(overrides, str):  # one override, not its characters

@@ -161,6 +161,20 @@ def test_unknown_key_suggests_the_close_one(item, suggestion):
         apply_overrides(JobConfig(), [item])
 
 
+def test_an_empty_config_file_warns(tmp_path, caplog):
+    """An empty (or all-comment) config file trained ML-1M's defaults without a word (a new user's finding): one
+    warning naming the file; a file that sets something says nothing."""
+    empty, some = tmp_path / "empty.toml", tmp_path / "some.toml"
+    empty.write_text("# nothing yet\n")
+    some.write_text("[train]\nepochs = 2\n")
+    with caplog.at_level("WARNING", logger="gemray.config"):
+        assert load_config(some).train.epochs == 2
+        assert _config_warnings(caplog) == []
+        assert load_config(empty) == JobConfig()
+    assert _config_warnings(caplog) == [f"{empty} sets nothing: the defaults are used (ML-1M's data paths and the "
+                                        "HSTU-large model); start from one of configs/*.toml"]
+
+
 def test_unknown_key_in_toml_suggests(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text("[train]\nepoch = 1\n")
