@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import Any
 
 from gemray.config import JobConfig, apply_overrides, from_dict, load_config, to_toml
-from gemray.controller.preflight import preflight_catalogue
 from gemray.preemption import EXIT_PREEMPTED
 
 logger = logging.getLogger(__name__)
@@ -187,6 +186,8 @@ def submit(config: JobConfig | str | os.PathLike, address: str | None = None, *,
         raise ValueError(f"task: expected one of {TASKS}, got {task!r}")
     cfg = _resolve_config(config, overrides)
     if task == "train":  # data.synthetic's parameters and the cut-offs against its catalogue, as gemray train does
+        from gemray.controller.preflight import preflight_catalogue  # (imports torch: not at `gemray --help`)
+
         preflight_catalogue(cfg)
     env = dict(runtime_env or {})
     env_vars = {str(k): str(v) for k, v in (env.pop("env_vars", None) or {}).items()}
