@@ -189,6 +189,31 @@ def test_output_of_ones_own_files_is_refused_before_anything_is_written(tmp_path
     assert not preflight.written_by_gemray('name = "x"\n# mine\n[train]\nepochs = 1\n')
 
 
+def test_a_job_of_another_name_in_a_run_folder_is_refused(tmp_path, capsys):
+    """A run folder re-used with another `name`: the job trained afresh into ray/<new name> and wrote over the
+    earlier run's metrics.json and config.toml, under a warning saying it continued that run (a new user's finding).
+    Refused, exit 2, nothing changed; the same name goes ahead (the pure check)."""
+    from gemray import cli
+    from gemray.config import load_config, to_toml
+
+    tiny = Path(__file__).resolve().parents[1] / "configs" / "gem-tiny.toml"
+    run_dir = tmp_path / "run"
+    (run_dir / "ray").mkdir(parents=True)
+    (run_dir / "config.toml").write_text(to_toml(load_config(tiny)))
+    (run_dir / "metrics.json").write_text('{"hr@10": 0.5}')
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+    assert cli.main(["train", "--config", str(tiny), "--output", str(run_dir), "--set", "name=gem-other",
+                     f"data.prepared_dir={tmp_path / 'data'}"]) == 2
+    err = capsys.readouterr().err
+    assert (f"{run_dir}: holds the run named 'gem-tiny' (its config.toml and checkpoints); this job is named "
+            "'gem-other'") in err and "--set name=gem-tiny to continue that run" in err, err
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before
+    assert not (tmp_path / "data").exists()
+    same = load_config(tiny)
+    preflight.preflight_run_name(same, load_config(tiny), run_dir)
+    preflight.preflight_run_name(same, None, run_dir)
+
+
 def test_cutoffs_beyond_a_synthetic_catalogue_are_refused_before_generating(tmp_path, capsys):
     """`gemray train --set train.eval_ks=[10,100000]` on a synthetic config was refused only after the data was
     generated (minutes at GEM scale): the catalogue's size is in data.synthetic, so the refusal comes first, with

@@ -114,6 +114,19 @@ def preflight_output_contents(out: str | Path, *, what: str = "--output") -> Non
                              "folder (e.g. configs/), or give another folder")
 
 
+def preflight_run_name(cfg: JobConfig, previous: JobConfig | None, out: str | Path, *,
+                       what: str = "--output") -> None:
+    """Refuse a job whose ``name`` differs from that of the earlier run in its output folder ``out``
+    (``previous``: that run's config.toml, beside its Ray Train storage): a run resumes only its own name's
+    checkpoints, so the job would start afresh and write its metrics.json, config.toml and curves.png over the
+    earlier run's (was: done, under a warning that said it continued that run). Raises ValueError naming both
+    names and how to continue the earlier run."""
+    if previous is not None and previous.name != cfg.name:
+        raise ValueError(f"{what} {out}: holds the run named {previous.name!r} (its config.toml and checkpoints); this "
+                         f"job is named {cfg.name!r} and would start afresh over that run's metrics.json and "
+                         f"config.toml: give another folder, or --set name={previous.name} to continue that run")
+
+
 #: the most CPU training workers per usable core an embedded cluster is asked to start (every worker is a
 #: process with its own model replica and loader: ~2 GB each in the ML-1M demo)
 MAX_CPU_WORKERS_PER_CORE = 4

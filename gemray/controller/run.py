@@ -93,6 +93,7 @@ def _fit(cfg: JobConfig, out: Path, t0: float) -> Result:
         logging.getLogger("gemray.config").warning("%s", idle)
     results.load_scaling_reference(cfg.train.scaling_reference)  # a bad reference path fails now, not at the end
     previous = _previous_config(out)
+    preflight.preflight_run_name(cfg, previous, out, what="--output (output_dir)")  # one run per output folder
     storage = Path(cfg.ray.storage_path).resolve() if cfg.ray.storage_path else out / "ray"
     # a resume onto another raw ratings file: refused before preparing it (the full check follows preparation)
     preflight.preflight_resume_source(cfg, storage / cfg.name, output_dir=out, previous=previous)
