@@ -379,9 +379,9 @@ def _cmd_preempt(ns: argparse.Namespace) -> int:
                                      + " (the --output of the running `gemray train`)")
         path = out / NOTICE_NAME
         if not active_path(path).exists():  # no run there now: a notice in a folder no run can use is lost
-            from gemray.controller.preflight import RUN_FOLDER_ENTRIES
+            from gemray.controller.preflight import foreign_entries
 
-            extra = sorted(p.name for p in out.iterdir() if p.name not in RUN_FOLDER_ENTRIES)
+            extra = foreign_entries(out)
             if extra:
                 raise ValueError(f"--output {out}: not a gemray run's output folder (it holds "
                                  f"{', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}, which no run writes) "

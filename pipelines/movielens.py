@@ -622,7 +622,8 @@ def warn_if_replacing(out: Path, prev: dict[str, Any] | None, new: dict[str, Any
     the part of one that :func:`data_identity` reads): re-preparing the same data into a folder is quiet,
     silently swapping one dataset for another under a training run's configured path is not. Used by every
     ``prepare`` command, each with its own ``logger``."""
-    if prev is None or (data_identity(prev) is not None and data_identity(prev) == data_identity(new)):
+    was = None if prev is None else data_identity(prev)
+    if prev is None or (was is not None and was == data_identity(new)):
         return
     logger.warning("%s: replacing %s with %s; checkpoints of the old data will not resume on it", out,
                    describe_data(prev), describe_data(new))

@@ -76,6 +76,12 @@ RUN_FOLDER_ENTRIES = frozenset({"config.toml", "metrics.json", "curves.png", "ev
                                 "tensorboard", NOTICE_NAME, active_path(NOTICE_NAME).name})
 
 
+def foreign_entries(out: Path) -> list[str]:
+    """Pure over the folder's listing: the names in folder ``out`` that no run writes (not in
+    :data:`RUN_FOLDER_ENTRIES`), sorted."""
+    return sorted(p.name for p in out.iterdir() if p.name not in RUN_FOLDER_ENTRIES)
+
+
 def written_by_gemray(config_toml: str) -> bool:
     """Pure: whether the text of a run folder's config.toml is one :func:`gemray.config.to_toml` wrote: it begins
     with ``name = `` and holds no comment line (every config a person writes, and every one in configs/, has
@@ -96,7 +102,7 @@ def preflight_output_contents(out: str | Path, *, what: str = "--output") -> Non
     out = Path(out)
     if not out.is_dir():
         return
-    extra = sorted(p.name for p in out.iterdir() if p.name not in RUN_FOLDER_ENTRIES)
+    extra = foreign_entries(out)
     if extra:
         more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
         raise ValueError(f"{what} {out}: holds files a gemray run does not write ({', '.join(extra[:5])}{more}); a "
