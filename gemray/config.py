@@ -1271,7 +1271,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | str | Non
         if not p.is_file():
             raise FileNotFoundError(f"config file not found: {p}")
         try:
-            raw = tomllib.loads(p.read_text())
+            raw = tomllib.loads(p.read_text(encoding="utf-8-sig"))  # a BOM (Windows Notepad writes one) is not content
         except tomllib.TOMLDecodeError as e:
             raise ValueError(f"{p}: invalid TOML: {e}") from None
         try:  # an unknown key or a value of the wrong type in the file: say which file

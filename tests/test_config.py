@@ -175,6 +175,15 @@ def test_an_empty_config_file_warns(tmp_path, caplog):
                                         "HSTU-large model); start from one of configs/*.toml"]
 
 
+def test_a_config_file_with_a_utf8_bom_loads(tmp_path):
+    """A config saved with a UTF-8 byte-order mark (Windows Notepad does) was refused as invalid TOML: the BOM is
+    not content."""
+    path = tmp_path / "bom.toml"
+    path.write_bytes('name = "x"\n[train]\nepochs = 3\n'.encode("utf-8-sig"))
+    cfg = load_config(path)
+    assert (cfg.name, cfg.train.epochs) == ("x", 3)
+
+
 def test_unknown_key_in_toml_suggests(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text("[train]\nepoch = 1\n")
