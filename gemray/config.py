@@ -1256,6 +1256,12 @@ def apply_overrides(cfg: JobConfig, overrides: list[str]) -> JobConfig:
     return cfg.validate()
 
 
+def _sets_nothing(raw: dict[str, Any]) -> bool:
+    """Pure: whether a parsed TOML file sets no key: empty, or only tables that set none (a file of bare section
+    headers such as ``[train]``)."""
+    return all(isinstance(v, dict) and _sets_nothing(v) for v in raw.values())
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | str | None = None) -> JobConfig:
     """Read a TOML config (or defaults if ``path`` is None), apply overrides (``section.key=value`` strings, or
     one such string), map ``../shared/...`` paths under ``$GEMRAY_SHARED`` (:func:`apply_overrides`), validate.
@@ -1278,7 +1284,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | str | Non
             cfg = from_dict(raw)
         except ValueError as e:
             raise ValueError(f"{p}: {e}") from None
-        if not raw:  # an empty (or all-comment) file: almost surely not the config meant
+        if _sets_nothing(raw):  # an empty (or all-comment, or only "[train]") file: almost surely not the one meant
             logging.getLogger("gemray.config").warning(
                 "%s sets nothing: the defaults are used (ML-1M's data paths and the HSTU-large model); start from "
                 "one of configs/*.toml", p)

@@ -175,6 +175,17 @@ def test_an_empty_config_file_warns(tmp_path, caplog):
                                         "HSTU-large model); start from one of configs/*.toml"]
 
 
+@pytest.mark.parametrize("text", ["[train]\n", "[data]\n\n[model]\n# nothing yet\n"])
+def test_a_config_file_of_empty_sections_warns(tmp_path, caplog, text):
+    """A file of section headers with no keys sets nothing either: the same warning as an empty file."""
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    with caplog.at_level("WARNING", logger="gemray.config"):
+        assert load_config(path) == JobConfig()
+    assert _config_warnings(caplog) == [f"{path} sets nothing: the defaults are used (ML-1M's data paths and the "
+                                        "HSTU-large model); start from one of configs/*.toml"]
+
+
 def test_a_config_file_with_a_utf8_bom_loads(tmp_path):
     """A config saved with a UTF-8 byte-order mark (Windows Notepad does) was refused as invalid TOML: the BOM is
     not content."""
