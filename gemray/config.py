@@ -1108,19 +1108,39 @@ def _did_you_mean(name: str, known: list[str] | set[str]) -> str:
 def _did_you_mean_top(name: str, cfg: "JobConfig") -> str:
     """:func:`_did_you_mean` for a top-level name: a key of a section first (``epochs`` -> ``train.epochs``; every
     such section named when several have it), else the closest top-level name."""
-    owners = [f"{s}.{name}" for s in _sections(cfg) if name in _field_types(type(getattr(cfg, s)))]
+    owners = _owners(name, cfg)
     if owners:
         return f" (did you mean {' or '.join(repr(o) for o in owners)}?)"
     return _did_you_mean(name, _field_types(JobConfig))
+
+
+def _did_you_mean_in(section: str, name: str, cfg: "JobConfig") -> str:
+    """:func:`_did_you_mean` for a name unknown in ``section``: the same name elsewhere first, a top-level key
+    (``train.name`` -> ``name``) or a key of another section (``data.lr`` -> ``train.lr``), else the closest key
+    of ``section``."""
+    owners = _owners(name, cfg, but=section)
+    if owners:
+        return f" (did you mean {' or '.join(repr(o) for o in owners)}?)"
+    return _did_you_mean(name, _field_types(type(getattr(cfg, section))))
+
+
+def _owners(name: str, cfg: "JobConfig", but: str | None = None) -> list[str]:
+    """Where the key ``name`` is known outside section ``but`` (None: the top level): ``"name"`` for a top-level
+    key that is not a section, then ``"train.epochs"`` for each other section that has it."""
+    top = [name] if but is not None and name in _field_types(JobConfig) and name not in _sections(cfg) else []
+    return top + [f"{s}.{name}" for s in _sections(cfg)
+                  if s != but and name in _field_types(type(getattr(cfg, s)))]
 
 
 def _sections(cfg: "JobConfig") -> list[str]:
     return sorted(f.name for f in dataclasses.fields(cfg) if dataclasses.is_dataclass(getattr(cfg, f.name)))
 
 
-def from_dict(raw: dict[str, Any]) -> JobConfig:
+def from_dict(raw: dict[str, Any], headers: typing.Collection[str] = ()) -> JobConfig:
     """Build a validated JobConfig from a nested dict (TOML layout, TOML types: a string where a number or
-    a bool belongs is an error). Unknown keys raise ValueError."""
+    a bool belongs is an error). Unknown keys raise ValueError. ``headers``: the sections a TOML file opens with a
+    ``[section]`` header (:func:`load_config`), for which an unknown key known elsewhere is said to belong to the
+    section it was written after."""
     cfg = JobConfig()
     top_types = _field_types(JobConfig)
     for key, val in raw.items():
@@ -1134,7 +1154,10 @@ def from_dict(raw: dict[str, Any]) -> JobConfig:
             types = _field_types(type(sub))
             for k, v in val.items():
                 if k not in types:
-                    raise ValueError(f"unknown key {key}.{k}{_did_you_mean(k, types)} (known: {sorted(types)})")
+                    hint = _did_you_mean_in(key, k, cfg)
+                    if key in headers and _owners(k, cfg, but=key):  # e.g. name = "x" at the end of the file
+                        hint += f"; a key written after [{key}] belongs to that section"
+                    raise ValueError(f"unknown key {key}.{k}{hint} (known: {sorted(types)})")
                 setattr(sub, k, _coerce(v, types[k], f"{key}.{k}", strict=True))
         else:
             setattr(cfg, key, _coerce(val, top_types[key], key, strict=True))
@@ -1240,7 +1263,7 @@ def apply_overrides(cfg: JobConfig, overrides: list[str]) -> JobConfig:
                              f"{_did_you_mean(section, _sections(cfg))} (sections: {_sections(cfg)})")
         types = _field_types(type(sub))
         if key not in types:
-            raise ValueError(f"--set {item!r}: unknown key {section}.{key}{_did_you_mean(key, types)} "
+            raise ValueError(f"--set {item!r}: unknown key {section}.{key}{_did_you_mean_in(section, key, cfg)} "
                              f"(known: {sorted(types)})")
         setattr(sub, key, _coerce(value, types[key], f"{section}.{key}"))
     origins = dict(getattr(cfg, _SHARED_ORIGINS, {}))
@@ -1277,11 +1300,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | str | Non
         if not p.is_file():
             raise FileNotFoundError(f"config file not found: {p}")
         try:
-            raw = tomllib.loads(p.read_text(encoding="utf-8-sig"))  # a BOM (Windows Notepad writes one) is not content
+            text = p.read_text(encoding="utf-8-sig")  # a BOM (Windows Notepad writes one) is not content
+            raw = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
             raise ValueError(f"{p}: invalid TOML: {e}") from None
+        headers = re.findall(r"^[ \t]*\[[ \t]*([\w-]+)[ \t]*\]", text, re.MULTILINE)  # the [section] lines
         try:  # an unknown key or a value of the wrong type in the file: say which file
-            cfg = from_dict(raw)
+            cfg = from_dict(raw, headers=headers)
         except ValueError as e:
             raise ValueError(f"{p}: {e}") from None
         if _sets_nothing(raw):  # an empty (or all-comment, or only "[train]") file: almost surely not the one meant

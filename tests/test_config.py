@@ -155,7 +155,9 @@ def test_unknown_section_lists_sections_and_suggests():
 
 @pytest.mark.parametrize("item, suggestion", [("train.epoch=1", "epochs"), ("data.batch_sise=8", "batch_size"),
                                               # a section's key without its section (was: no suggestion)
-                                              ("epochs=3", "train.epochs"), ("nme=x", "name")])
+                                              ("epochs=3", "train.epochs"), ("nme=x", "name"),
+                                              # a key of another section, or a top-level one, in a section
+                                              ("data.lr=0.1", "train.lr"), ("train.name=x", "name")])
 def test_unknown_key_suggests_the_close_one(item, suggestion):
     with pytest.raises(ValueError, match=f"did you mean '{suggestion}'"):
         apply_overrides(JobConfig(), [item])
@@ -204,6 +206,26 @@ def test_unknown_key_in_toml_suggests(tmp_path):
     path.write_text("epochs = 1\n")  # a section's key at the top level
     with pytest.raises(ValueError, match="did you mean 'train.epochs'"):
         load_config(path)
+
+
+@pytest.mark.parametrize("text, suggestion, header", [
+    ("data.lr = 0.1\n", "train.lr", None),  # a dotted key: no header to blame
+    ("[data]\nepochs = 3\n", "train.epochs", "data"),
+    ('[train]\nepochs = 1\nname = "x"\n', "name", "train"),  # a top-level key appended after the last section
+    ("[train]\nepoch = 1\n", "epochs", None),  # a typo, not a misplaced key
+])
+def test_a_key_of_another_section_in_toml_names_it(tmp_path, text, suggestion, header):
+    """A key known in another section (or at the top level) but written in this one is suggested where it belongs
+    (was: the closest key of this section, or none); after a [section] header, the message says TOML puts the key
+    in that section."""
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=re.escape(f"(did you mean {suggestion!r}?)")) as err:
+        load_config(path)
+    if header is None:
+        assert "belongs to that section" not in str(err.value)
+    else:
+        assert f"; a key written after [{header}] belongs to that section (known: " in str(err.value)
 
 
 def _config_warnings(caplog) -> list[str]:
