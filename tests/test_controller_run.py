@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -655,6 +656,19 @@ def test_preflight_checks_prepared_data_came_from_raw_dir(tmp_path):
     _preflight(cfg, _manifest(src=str(a), files=files), embedded=True)
     cfg.data.raw_dir = str(tmp_path / "missing")  # raw data not here (e.g. a GPU box with only Parquet): fine
     _preflight(cfg, _manifest(src=str(a), files=files), embedded=True)
+    # data.raw_dir without the file it was prepared from (ML-100K's u.data; an ML-1M folder holds ratings.dat): the
+    # message said "whose u.data is not the one in data.raw_dir", as if that folder had one; now what it holds
+    ml100k = [{**files[0], "name": "u.data"}]
+    cfg.data.raw_dir = str(b)
+    with pytest.raises(ValueError, match=re.escape(f"was prepared from {a}'s u.data, which data.raw_dir {b} does not "
+                                                   "hold (it holds ratings.dat): ")):
+        _preflight(cfg, _manifest(src=str(a), files=ml100k), embedded=True)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cfg.data.raw_dir = str(empty)
+    with pytest.raises(ValueError, match=re.escape(f"which data.raw_dir {empty} does not hold (it holds no MovieLens "
+                                                   "ratings file: ratings.dat, u.data or ratings.csv): ")):
+        _preflight(cfg, _manifest(src=str(a), files=files), embedded=True)
 
 
 def test_nan_loss_fails_the_step_before_any_update():

@@ -275,7 +275,18 @@ def _check_source(cfg: JobConfig, manifest: dict[str, Any]) -> None:
         return
     for f in src.get("files", []):
         p = raw / f["name"]
-        if not p.is_file() or p.stat().st_size != f["bytes"] or file_sha256(p) != f["sha256"]:
+        if not p.is_file():  # say what the folder holds instead (an ML-1M folder for data prepared from ML-100K)
+            from gemray.pipelines.movielens import FORMATS
+
+            names = [fmt.filename for fmt in FORMATS.values()]
+            held = [n for n in names if (raw / n).is_file()]
+            holds = (" and ".join(held) if held
+                     else f"no MovieLens ratings file: {', '.join(names[:-1])} or {names[-1]}")
+            raise ValueError(f"data.prepared_dir {cfg.data.prepared_dir} was prepared from {src.get('dir')}'s "
+                             f"{f['name']}, which data.raw_dir {raw} does not hold (it holds {holds}): point "
+                             "data.prepared_dir at a new folder (it is prepared there) or set data.raw_dir to the "
+                             "source it was made from")
+        if p.stat().st_size != f["bytes"] or file_sha256(p) != f["sha256"]:
             raise ValueError(f"data.prepared_dir {cfg.data.prepared_dir} was prepared from {src.get('dir')}, whose "
                              f"{f['name']} is not the one in data.raw_dir {raw}: point data.prepared_dir at a new "
                              "folder (it is prepared there) or set data.raw_dir to the source it was made from")
