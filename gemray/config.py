@@ -1304,6 +1304,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | str | Non
             raw = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
             raise ValueError(f"{p}: invalid TOML: {e}") from None
+        except UnicodeDecodeError as e:  # e.g. saved as UTF-16 or Latin-1: name the file and the byte
+            raise ValueError(f"{p}: not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8") from None
         headers = re.findall(r"^[ \t]*\[[ \t]*([\w-]+)[ \t]*\]", text, re.MULTILINE)  # the [section] lines
         try:  # an unknown key or a value of the wrong type in the file: say which file
             cfg = from_dict(raw, headers=headers)

@@ -197,6 +197,14 @@ def test_a_config_file_with_a_utf8_bom_loads(tmp_path):
     assert (cfg.name, cfg.train.epochs) == ("x", 3)
 
 
+def test_a_config_file_not_in_utf8_names_the_file(tmp_path):
+    """A config saved as UTF-16 raised a bare UnicodeDecodeError that named neither the file nor the fix."""
+    path = tmp_path / "wide.toml"
+    path.write_bytes('name = "x"\n'.encode("utf-16"))
+    with pytest.raises(ValueError, match=r"wide\.toml: not UTF-8 text \(byte 0"):
+        load_config(path)
+
+
 def test_unknown_key_in_toml_suggests(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text("[train]\nepoch = 1\n")
