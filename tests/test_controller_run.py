@@ -183,6 +183,16 @@ def test_output_of_ones_own_files_is_refused_before_anything_is_written(tmp_path
     for name in ("metrics.json", "events.jsonl", "PREEMPT", "PREEMPT.active"):
         (run_dir / name).write_text("{}")
     preflight.preflight_output_contents(run_dir)
+    # gemray evaluate's default results in the run folder are the run's own (they locked the folder)
+    from gemray.serve.evaluate import result_path
+
+    for written in (result_path(run_dir, "test"), result_path(run_dir, "valid", tmp_path / "other-data")):
+        written.write_text("{}")
+    assert preflight.foreign_entries(run_dir) == []
+    preflight.preflight_output_contents(run_dir)
+    (run_dir / "evaluate_test.json.bak").write_text("{}")
+    assert preflight.foreign_entries(run_dir) == ["evaluate_test.json.bak"]
+    (run_dir / "evaluate_test.json.bak").unlink()
     preflight.preflight_output_contents(tmp_path / "missing")
     (tmp_path / "empty").mkdir()
     preflight.preflight_output_contents(tmp_path / "empty")

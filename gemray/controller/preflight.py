@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import socket
 import time
 from pathlib import Path
@@ -76,10 +77,18 @@ RUN_FOLDER_ENTRIES = frozenset({"config.toml", "metrics.json", "curves.png", "ev
                                 "tensorboard", NOTICE_NAME, active_path(NOTICE_NAME).name})
 
 
+#: What ``gemray evaluate`` writes into a run's folder by default (``gemray.serve.evaluate.result_path``:
+#: ``evaluate_<split>.json``, ``evaluate_<split>.<data folder>.json``): a run folder's own files too.
+EVALUATE_RESULT = re.compile(r"evaluate_[A-Za-z0-9_-]+(\.[^/]+)?\.json")
+
+
 def foreign_entries(out: Path) -> list[str]:
-    """Pure over the folder's listing: the names in folder ``out`` that no run writes (not in
-    :data:`RUN_FOLDER_ENTRIES`), sorted."""
-    return sorted(p.name for p in out.iterdir() if p.name not in RUN_FOLDER_ENTRIES)
+    """Pure over the folder's listing: the names in folder ``out`` that no gemray command writes there (not in
+    :data:`RUN_FOLDER_ENTRIES`, not an :data:`EVALUATE_RESULT`), sorted. Was: after ``gemray evaluate --checkpoint
+    RUN`` (its default --json lands in RUN), re-running the job to train further and ``gemray preempt --output RUN``
+    refused the folder for evaluate_test.json (a new user's finding)."""
+    return sorted(p.name for p in out.iterdir()
+                  if p.name not in RUN_FOLDER_ENTRIES and not EVALUATE_RESULT.fullmatch(p.name))
 
 
 def written_by_gemray(config_toml: str) -> bool:
