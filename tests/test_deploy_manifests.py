@@ -468,6 +468,11 @@ def test_expose_dashboard_only_on_request():
     (dict(name="My_Job"), "not a DNS-1123 name.*'my-job'"),  # an explicit name is refused, not rewritten
     (dict(name="a" * 41), "at most 40"),
     (dict(grace_period_s=10), "grace_period_s"),
+    # rendered without a word before (a new user's finding): `gemray k8s validate` caught the memory, nothing the
+    # namespace
+    (dict(namespace="Bad NS"), "namespace 'Bad NS': expected a DNS-1123 label"),
+    (dict(worker_memory="lots"), "worker_memory 'lots': expected a Kubernetes quantity"),
+    (dict(head_memory="8 GB"), "head_memory"),
 ])
 def test_render_rejects_bad_options(opts, match):
     cfg = load_config(REPO / "configs/ml-latest-small.toml")

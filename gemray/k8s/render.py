@@ -46,6 +46,8 @@ Example::
 
 from __future__ import annotations
 
+import re
+
 import math
 import shlex
 from dataclasses import dataclass
@@ -123,7 +125,19 @@ class DeployOptions:
         for item in self.overrides:
             if "=" not in item:
                 raise ValueError(f"k8s override {item!r}: expected section.key=value")
+        if self.namespace and not _is_dns1123(self.namespace):
+            raise ValueError(f"k8s namespace {self.namespace!r}: expected a DNS-1123 label (lower-case letters, "
+                             "digits and '-', at most 63 characters)")
+        for field, value in (("worker_memory", self.worker_memory), ("head_memory", self.head_memory)):
+            if value and not _QUANTITY.fullmatch(value):
+                raise ValueError(f"k8s {field} {value!r}: expected a Kubernetes quantity such as 48Gi or 8G")
         return self
+
+
+#: a Kubernetes resource quantity (the pattern the RayCluster CRD checks; e.g. "48Gi", "500M", "1.5e9"): checked
+#: when rendering, so that a bad --worker-memory is refused before `gemray k8s validate` or kubectl sees it
+_QUANTITY = re.compile(r"[+-]?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?(([0-9]+(\.[0-9]*)?)|"
+                       r"(\.[0-9]+))))?")
 
 
 def parse_storage(storage: str) -> tuple[str, str]:
@@ -149,8 +163,6 @@ def parse_storage(storage: str) -> tuple[str, str]:
 
 
 def _is_dns1123(name: str) -> bool:
-    import re
-
     return bool(re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", name))
 
 
@@ -160,8 +172,6 @@ def resource_name(cfg: JobConfig, opts: DeployOptions) -> str:
     Raises ValueError for an explicit name that is not a DNS-1123 label of at most 40 characters (naming
     the cleaned form it could have been: the user chose that name, so it is not rewritten silently), or a
     config name from which nothing valid is left."""
-    import re
-
     raw = opts.name or cfg.name
     name = re.sub(r"[^a-z0-9-]+", "-", raw.lower()).strip("-")[:40].strip("-")
     if opts.name and opts.name != name:
