@@ -103,9 +103,9 @@ def _sigterm_raises() -> Iterator[None]:
             signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
-def _add_set(p: argparse.ArgumentParser) -> None:
+def _add_set(p: argparse.ArgumentParser, example: str = "train.epochs=2") -> None:
     p.add_argument("--set", dest="overrides", nargs="+", action="extend", default=[],
-                   metavar="SECTION.KEY=VALUE", help="override config values, e.g. train.epochs=2")
+                   metavar="SECTION.KEY=VALUE", help=f"override config values, e.g. {example}")
 
 
 def _cmd_prepare(ns: argparse.Namespace) -> int:
@@ -628,7 +628,8 @@ def _add_serve_parsers(sub) -> None:
         p.add_argument("stray", nargs="*", action=_StrayRun, help=argparse.SUPPRESS)  # `gemray evaluate runs/x`
         p.add_argument("--config", default=None, help="training config (default: the run's config.toml)")
         p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when the run trained on GPUs)")
-        _add_set(p)
+        # (a training setting such as train.epochs does nothing here: the example is one that does)
+        _add_set(p, "data.eval_batch_size=64")
 
     ev = sub.add_parser("evaluate", help="HR@K / NDCG@K (and NE / AUC / calibration per ranking task) of a "
                                          "checkpoint on a split (as training evaluates)",

@@ -112,3 +112,15 @@ def test_module_docstring_lists_every_command():
     assert not missing, missing
     assert {"gemray evaluate", "gemray recommend", "gemray export", "gemray bench numerics",
             "gemray prepare interactions"} <= set(commands)
+
+
+@pytest.mark.parametrize("name", ["evaluate", "recommend", "export"])
+def test_serve_set_example_is_a_setting_that_matters_there(name):
+    """The serve commands' --set help gave `train.epochs=2` as its example, a setting they ignore (a new user's
+    finding); the example is a key that exists and that they use."""
+    from gemray.config import load_config
+
+    text = _help_of(_subparser(build_parser(), name), "--set")
+    example = text.rsplit("e.g. ", 1)[1]
+    assert not example.startswith("train."), text
+    load_config(None, [example])  # a real key with a valid value
