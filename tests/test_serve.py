@@ -939,6 +939,35 @@ def test_export_cli_names_every_file_it_wrote(small_checkpoint, tmp_path, capsys
     assert sorted(got.group(1).split(", ")) == sorted(p.name for p in out.iterdir()), line
 
 
+def test_exported_program_takes_a_batch_of_one_user(small_checkpoint, tmp_path):
+    """The exported program, saved and loaded, called with B = 1 (offsets of 2 entries, the common online request)
+    gives the model's user embedding (was: "Guard failed: -1 + offsets.size()[0] >= 2": traced on 2 users, B was
+    0/1-specialised to >= 2 despite Dim("B", min=1)); a history longer than max_seq_len is refused naming it (was: a
+    bare "index 24 is out of bounds" of the positional table)."""
+    from gemray.pipelines.movielens import load_manifest
+    from gemray.serve import load_trained
+    from gemray.serve.export import export
+    from gemray.serve.recommend import history_batch, read_histories
+
+    ckpt, data, _ = small_checkpoint
+    trained = load_trained(ckpt)
+    out = export(trained, tmp_path / "exp")
+    prog = torch.export.load(str(out / "user_tower.pt2")).module()
+    n = trained.cfg.data.max_seq_len
+    for users in ([3], [7], [3, 7]):
+        batch, _ = history_batch(read_histories(load_manifest(data), users), n)
+        assert batch.offsets.shape == (len(users) + 1,)
+        with torch.no_grad():
+            want = trained.model.user_embeddings(batch)
+            got = prog(batch.item_ids, batch.offsets, batch.timestamps, batch.ratings, batch.target_timestamps)
+        assert got.shape == (len(users), want.shape[1])
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    T = n + 1
+    with pytest.raises(RuntimeError, match=f"longer than max_seq_len = {n} tokens"):
+        prog(torch.ones(T, dtype=torch.int64), torch.tensor([0, T]), torch.arange(T) * 60 + 10**9,
+             torch.zeros(T, dtype=torch.int64), torch.tensor([10**9 + 60 * T]))
+
+
 @pytest.mark.parametrize("command", ["evaluate", "recommend", "export"])
 def test_set_of_a_shape_setting_is_refused_before_the_model_is_built(command, small_checkpoint, monkeypatch, capsys,
                                                                     tmp_path):

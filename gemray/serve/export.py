@@ -8,10 +8,11 @@ Written to ``DIR``:
     serving.json           shapes, dims, feature switches, the checkpoint and data it came from, the snippet
 
 Program inputs (B users, T = their history tokens, dynamic): ``item_ids [T] int64`` (dense ids 1..N, each
-user's most recent ``max_seq_len`` items, oldest first), ``offsets [B+1] int64`` (user b's tokens are
-``offsets[b]:offsets[b+1]``, each 1..max_seq_len long), ``timestamps [T] int64`` (unix seconds),
-``ratings [T] int64`` (half stars 0..10; zeros when the model ignores ratings), ``query_time [B] int64`` (the
-request time: the time bias of the last position; ``gemray recommend`` uses the last interaction's).
+user's most recent ``max_seq_len`` items, oldest first), ``offsets [B+1] int64`` (B >= 1; user b's tokens are
+``offsets[b]:offsets[b+1]``, each 1..max_seq_len long: a longer one is refused with a RuntimeError naming
+max_seq_len), ``timestamps [T] int64`` (unix seconds), ``ratings [T] int64`` (half stars 0..10; zeros when the
+model ignores ratings), ``query_time [B] int64`` (the request time: the time bias of the last position;
+``gemray recommend`` uses the last interaction's).
 Output: ``[B, D] float32`` unit-norm user embeddings; scores = ``user_emb @ item_embeddings.T``.
 
 :class:`UserTower` is the trained encoder (``gemray.model.hstu``) computed on sequences padded to
@@ -138,6 +139,9 @@ class UserTower(nn.Module):
         T = item_ids.shape[0]
         B = offsets.shape[0] - 1
         lengths = offsets[1:] - offsets[:-1]
+        # kept in the program (a bare "index N is out of bounds" of the positional table otherwise)
+        torch._assert_async((lengths <= N).all(), f"user_tower: a user's history is longer than max_seq_len = {N} "
+                            f"tokens (offsets); pass each user's most recent {N} interactions at most")
         t = torch.arange(T, device=item_ids.device)
         seg = torch.searchsorted(offsets[1:].contiguous(), t, right=True).clamp(max=B - 1)  # [T]
         pos = t - offsets[seg]
@@ -236,7 +240,11 @@ def export(trained: TrainedModel, out_dir: str | Path) -> Path:
     B, T = torch.export.Dim("B", min=1), torch.export.Dim("T", min=1)
     dims = ({0: T}, {0: B + 1}, {0: T}, {0: T}, {0: B})
     args = example_inputs(trained.num_items, cfg.data.max_seq_len)
-    with torch.no_grad():
+    # size-oblivious tracing: traced on 2 users, a backed B would be assumed != 1 (0/1 specialisation: a guard
+    # B >= 2 in the program, which then refused a batch of one user, the common online request)
+    from torch.fx.experimental import _config as fx_config
+
+    with torch.no_grad(), fx_config.patch(backed_size_oblivious=True):
         prog = torch.export.export(tower, args, dynamic_shapes=dims)
     torch.export.save(prog, str(out / PROGRAM_FILE))
     with torch.no_grad():
@@ -246,7 +254,7 @@ def export(trained: TrainedModel, out_dir: str | Path) -> Path:
         "format": "gemray-serving-1", "program": PROGRAM_FILE, "item_embeddings": ITEMS_FILE,
         "num_items": trained.num_items, "embedding_dim": int(items.shape[1]), "max_seq_len": cfg.data.max_seq_len,
         "inputs": {"item_ids": "[T] int64 dense ids 1..N, oldest first per user",
-                   "offsets": "[B+1] int64, lengths 1..max_seq_len",
+                   "offsets": "[B+1] int64 (B >= 1), lengths 1..max_seq_len",
                    "timestamps": "[T] int64 unix seconds", "ratings": "[T] int64 half stars 0..10",
                    "query_time": "[B] int64 unix seconds (the request time)"},
         "output": "[B, D] float32 unit-norm user embeddings; score = user @ item_embeddings.T (row 0 = padding)",
