@@ -633,6 +633,9 @@ def _inspect(files: list[SourceFile], spec: _Spec) -> dict[str, int]:
             if not ok:
                 raise InputError(f"{f.display}: column {col!r} ({what}) has type {t}, which cannot be "
                                  + ("a time" if col == spec.time else "a rating"))
+    if not first_kind:  # every file was skipped above as an empty part file: no header to take the columns from
+        where = files[0].display if len(files) == 1 else f"all {len(files)} files ({files[0].display}, ...)"
+        raise InputError(f"{where}: empty (0 bytes), no CSV header and no rows")
     spec.kinds = {c: k for c, (k, _) in first_kind.items()}
     return est
 

@@ -481,6 +481,16 @@ def _bad_case(tmp_path: Path, kind: str) -> tuple[list[str], str]:
         (tmp_path / "a.csv").write_text("user_id,item_id,timestamp\n1,2,3\n1,0x2,4\n")
         return ["--src", str(tmp_path / "a.csv"), "--id-type", "int"], \
             f"{tmp_path / 'a.csv'}:3: field 'item_id': '0x2' is not an integer (--id-type int) [non_numeric]"
+    if kind == "empty_file":  # 0 bytes (was: KeyError 'user_id'; an empty .csv.gz said "line 1 is empty")
+        (tmp_path / "a.csv").write_bytes(b"")
+        return ["--src", str(tmp_path / "a.csv")], f"{tmp_path / 'a.csv'}: empty (0 bytes), no CSV header and no rows"
+    if kind == "empty_files":  # a folder of empty part files only, read by 2 workers
+        d = tmp_path / "parts"
+        d.mkdir()
+        for name in ("part-0.csv", "part-1.csv"):
+            (d / name).write_bytes(b"")
+        return ["--src", str(d), "--workers", "2"], \
+            f"all 2 files ({d / 'part-0.csv'}, ...): empty (0 bytes), no CSV header and no rows"
     if kind == "unknown_scheme":
         return ["--src", "nosuch://bucket/x.csv"], "--src nosuch://bucket/x.csv: no filesystem for scheme 'nosuch'"
     if kind == "unreachable_http":
@@ -494,8 +504,9 @@ def _bad_case(tmp_path: Path, kind: str) -> tuple[list[str], str]:
     raise AssertionError(kind)
 
 
-@pytest.mark.parametrize("kind", ["missing_column", "mixed_id_types", "bad_time", "int_ids", "unknown_scheme",
-                                  "unreachable_http", "unreachable_s3", "missing_file"])
+@pytest.mark.parametrize("kind", ["missing_column", "mixed_id_types", "bad_time", "int_ids", "empty_file",
+                                  "empty_files", "unknown_scheme", "unreachable_http", "unreachable_s3",
+                                  "missing_file"])
 def test_bad_input_is_one_error_line_and_nothing_written(tmp_path, capsys, kind):
     args, want = _bad_case(tmp_path, kind)
     out = tmp_path / "prep"
