@@ -106,7 +106,7 @@ from gemray.config import check_num_files
 from . import amazon
 from .movielens import _file_sha256, _fsync_path, check_replaceable, swap_into_place, warn_if_replacing
 from .schema import (log_capped_files, HISTORIES_DIR, HISTORY_SCHEMA, ITEMS_FILE, MANIFEST_FILE, MANIFEST_VERSION,
-                     MIN_HISTORY_FOR_SPLITS, QUARANTINE_FILE, SPLIT_PROTOCOL, BadRowError)
+                     MIN_HISTORY_FOR_SPLITS, QUARANTINE_FILE, SPLIT_PROTOCOL, BadRowError, warn_if_no_split_users)
 
 log = logging.getLogger(__name__)
 
@@ -1951,6 +1951,7 @@ def prepare_interactions(src: str | list[str], out: str | Path, *, fmt: str = "a
             pool.close()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    warn_if_no_split_users(log, out, manifest)
     manifest["run"] = run  # for the caller (format_summary); not in the content manifest on disk
     return manifest
 

@@ -44,7 +44,7 @@ from gemray.config import check_num_files
 
 from .schema import (log_capped_files, HISTORIES_DIR, HISTORY_SCHEMA, ITEMS_FILE, ITEMS_SCHEMA, MANIFEST_FILE,
                      MANIFEST_VERSION, MAX_ID, MIN_HISTORY_FOR_SPLITS, QUARANTINE_FILE, RUN_FILE, SPLIT_PROTOCOL,
-                     BadRowError)
+                     BadRowError, warn_if_no_split_users)
 
 log = logging.getLogger(__name__)
 
@@ -491,6 +491,7 @@ def prepare_movielens(src: str | Path, out: str | Path, *, on_bad_rows: str = "e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    warn_if_no_split_users(log, out, manifest)
     log.debug("%s", format_summary(manifest, out))  # the CLI prints it; callers get the manifest
     return manifest
 

@@ -231,6 +231,27 @@ def split_input_lengths(history_lengths: np.ndarray, split: str, max_seq_len: in
     return stop - start
 
 
+def no_split_users_message(splits: dict[str, Any]) -> str | None:
+    """Pure: why prepared data whose manifest ``splits`` (``users``, ``too_short_users``, ``min_history``) counts no
+    user in the leave-one-out splits gives nothing to train or evaluate on, or None when some user is in them."""
+    if int(splits.get("users", 1)) > 0:
+        return None
+    short, need = int(splits.get("too_short_users", 0)), int(splits.get("min_history", MIN_HISTORY_FOR_SPLITS))
+    return (f"all {short} users have fewer than {need} interactions, the fewest the leave-one-out split needs (the "
+            f"last item is the test target, the one before it the validation target, the rest the training sequence)")
+
+
+def warn_if_no_split_users(log: logging.Logger, out: Any, manifest: dict[str, Any]) -> None:
+    """The WARNING of a preparation whose users are all too short for the splits (:func:`no_split_users_message`):
+    it wrote the data, and ``gemray train`` refuses it (was: "0 users in the splits" in the summary and nothing
+    else; a run on it trained 0 steps and exited 0)."""
+    why = no_split_users_message(manifest.get("splits") or {})
+    if why:
+        log.warning("%s: no user is in the train/valid/test splits: %s; a run on this data has nothing to train or "
+                    "test on (gemray train refuses it): give each user at least %d interactions", out, why,
+                    int(manifest["splits"].get("min_history", MIN_HISTORY_FOR_SPLITS)))
+
+
 def log_capped_files(log: logging.Logger, out: Any, written: int, asked: int | str, users: int,
                      name: str = "--num-files") -> None:
     """The INFO line of a preparation that writes fewer history files than asked for (``asked``: the count, or

@@ -247,6 +247,34 @@ def test_cutoffs_beyond_a_synthetic_catalogue_are_refused_before_generating(tmp_
     preflight.preflight_catalogue(JobConfig())  # MovieLens: its catalogue is known once prepared (preflight_data)
 
 
+def test_data_with_no_user_in_the_splits_is_refused_before_ray_starts(tmp_path, capsys, monkeypatch):
+    """50 users of 2 events each: `gemray train` ran 0 steps, saved a checkpoint and exited 0 with hr@5 0.0 over
+    num_test_users 0 (a new user's finding). Refused, exit 2, before Ray starts and with nothing written to the
+    output folder, naming the folder, why and what to do; data with a user in the splits passes the check."""
+    from gemray import cli
+    from gemray.pipelines.interactions import prepare_interactions
+
+    src = tmp_path / "raw" / "short.csv"
+    src.parent.mkdir()
+    src.write_text("user_id,item_id,timestamp\n" + "".join(f"{u},{(u * 7 + j) % 30 + 1},{1000 + j}\n"
+                                                            for u in range(1, 51) for j in range(2)))
+    data, out = tmp_path / "short", tmp_path / "run"
+    manifest = prepare_interactions(str(src), data, progress=False)
+    monkeypatch.setattr(run, "_train", lambda *a, **k: pytest.fail("Ray Train started"))
+    rc = cli.main(["train", "--config", str(REPO / "configs" / "ml-latest-small.toml"), "--output", str(out),
+                   "--set", f"data.prepared_dir={data}", f"data.raw_dir={src.parent}", "train.epochs=1",
+                   "train.eval_ks=[5]"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith(f"gemray: error: data.prepared_dir {data} has no training or test users: all "
+                                      "50 users have fewer than 3 interactions"), err
+    assert "give each user at least 3 interactions in the source and prepare it again" in err, err
+    assert not out.exists()
+    with pytest.raises(ValueError, match="has no training or test users"):
+        preflight.check_split_users(manifest, data)
+    preflight.check_split_users({**manifest, "splits": {**manifest["splits"], "users": 1}}, data)
+    preflight.check_split_users(_manifest(), data)  # no splits recorded: nothing to check
+
+
 def test_preflight_refuses_a_kernel_tiles_value_as_the_config_does(tmp_path, monkeypatch):
     """A model.kernel_tiles that is neither a file nor inline JSON, or malformed inline JSON, is refused before Ray
     starts with the config's own line (naming the key, the value and both accepted forms; the JSON error's

@@ -295,6 +295,33 @@ def test_num_files_capped_at_the_user_count_is_logged(num_files, asked, tmp_path
     assert len(load_manifest(out)["files"]) == 3 and "in 3 files" in stdout
 
 
+def test_data_of_only_too_short_users_warns(tmp_path, capsys, caplog):
+    """50 users of 2 events each: `gemray prepare interactions` said "0 users in the splits" in its summary, exit 0,
+    and nothing else, and a run on the data trained 0 steps and exited 0 (a new user's finding). The data is still
+    written (exit 0), under one WARNING naming how many users are too short and the length the splits need; data
+    with users in the splits (one of three too short) prepares without it."""
+    src = tmp_path / "short.csv"
+    src.write_text("user_id,item_id,timestamp\n" + "".join(f"{u},{(u * 7 + j) % 30 + 1},{1000 + j}\n"
+                                                            for u in range(1, 51) for j in range(2)))
+    out = tmp_path / "short"
+    with caplog.at_level("WARNING", logger="gemray.pipelines.interactions"):
+        rc, stdout, err = run_cli(["prepare", "interactions", "--src", str(src), "--out", str(out)], capsys)
+    assert rc == 0 and "0 users in the splits, 50 too short (< 3)" in stdout, err
+    said = [(r.levelname, r.getMessage()) for r in caplog.records if r.levelname == "WARNING"]
+    assert said == [("WARNING", f"{out}: no user is in the train/valid/test splits: all 50 users have fewer than 3 "
+                     "interactions, the fewest the leave-one-out split needs (the last item is the test target, the "
+                     "one before it the validation target, the rest the training sequence); a run on this data has "
+                     "nothing to train or test on (gemray train refuses it): give each user at least 3 "
+                     "interactions")], said
+    assert load_manifest(out)["splits"]["users"] == 0
+    caplog.clear()
+    (tmp_path / "log.csv").write_text(HAND_CSV)
+    with caplog.at_level("WARNING", logger="gemray.pipelines.interactions"):
+        m = prepare_interactions(str(tmp_path / "log.csv"), tmp_path / "hand", user_col="uid", item_col="sku",
+                                 time_col="ts", progress=False)
+    assert m["splits"]["too_short_users"] == 1 and not [r for r in caplog.records if "splits" in r.getMessage()]
+
+
 def test_stream_reads_the_four_columns(tmp_path):
     """pipelines/stream.py (named columns) reads a folder with feat_* columns unchanged."""
     from gemray.pipelines.stream import HistoryStream

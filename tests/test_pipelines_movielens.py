@@ -164,6 +164,26 @@ def test_ties_keep_file_order_and_short_users_counted(tmp_path):
     assert m["counts"]["users"] == 4 and m["history_length"]["min"] == 1
 
 
+def test_data_of_only_too_short_users_warns(tmp_path, caplog):
+    """Every user under 3 ratings: prepared (as before) under one WARNING naming the count and the length needed
+    (was: only "0 users in the splits" in the summary); with one user in the splits, no warning."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "u.data").write_text("1\t10\t3\t5\n1\t20\t4\t6\n2\t10\t5\t7\n")
+    with caplog.at_level("WARNING", logger="gemray.pipelines.movielens"):
+        m = prepare_movielens(src, tmp_path / "o")
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert m["splits"] == {**m["splits"], "users": 0, "too_short_users": 2}
+    assert len(said) == 1 and said[0].startswith(f"{tmp_path / 'o'}: no user is in the train/valid/test splits: "
+                                                 "all 2 users have fewer than 3 interactions"), said
+    assert said[0].endswith("give each user at least 3 interactions"), said
+    caplog.clear()
+    (src / "u.data").write_text("1\t10\t3\t5\n1\t20\t4\t6\n1\t30\t4\t7\n2\t10\t5\t7\n")
+    with caplog.at_level("WARNING", logger="gemray.pipelines.movielens"):
+        m = prepare_movielens(src, tmp_path / "o2")
+    assert m["splits"]["users"] == 1 and not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
 def test_num_files_capped_at_the_user_count_is_logged(tmp_path, caplog, capsys):
     """`gemray prepare movielens --num-files 1000` on ml-100k wrote 943 files (one user at least per file) without
     a word: the cap is logged at INFO (the CLI's default console level) with the count written, the count asked for
@@ -384,9 +404,9 @@ def test_replacing_other_data_warns(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="gemray.pipelines.movielens"):
         prepare_movielens(a, out)
         prepare_movielens(a, out)
-        assert not [r for r in caplog.records if "replacing" in r.getMessage()]
+        assert not [r for r in caplog.records if ": replacing " in r.getMessage()]  # (the tmp path says "replacing")
         m = prepare_movielens(b, out)
-    msgs = [r.getMessage() for r in caplog.records if "replacing" in r.getMessage()]
+    msgs = [r.getMessage() for r in caplog.records if ": replacing " in r.getMessage()]
     assert len(msgs) == 1 and "u.data (2 interactions" in msgs[0] and "ratings.dat" in msgs[0], msgs
     assert m["counts"]["interactions"] == 3 and load_manifest(out)["format"] == m["format"]
 

@@ -5,8 +5,8 @@ refused at once, in one line naming the field or folder, before anything is writ
   (needs no data: run before the data is prepared);
 * :func:`preflight_layout`: the ``[parallel]`` degrees of a fixed-size job against its world size;
 * :func:`preflight_catalogue`: cut-offs against a synthetic config's catalogue, before the data is generated;
-* :func:`preflight_data`: cut-offs against the catalogue, the prepared data's source files, the model
-  shape against the previous run in the output folder;
+* :func:`preflight_data`: cut-offs against the catalogue, the prepared data's source files, users in its
+  splits, the model shape against the previous run in the output folder;
 * :func:`preflight_resume`: the checkpoint a resume would restore was trained on this data
   (:func:`resume_mismatch` is the pure comparison); :func:`preflight_resume_source` checks the raw ratings file
   before the data is prepared;
@@ -261,13 +261,32 @@ def preflight_catalogue(cfg: JobConfig) -> None:
                   " (data.synthetic: items)")
 
 
+def check_split_users(manifest: dict[str, Any], prepared_dir: str | Path) -> None:
+    """Pure: refuse prepared data (``manifest``, of ``prepared_dir``) with no user in the leave-one-out splits, i.e.
+    every user shorter than ``splits.min_history`` (3) interactions: no training sequence and no test user, so a
+    run trained 0 steps, saved a checkpoint and exited 0 with hr@K 0.0 over ``num_test_users`` 0 (a new user's
+    finding). A manifest without ``splits`` passes. Raises ValueError naming data.prepared_dir, why and what to do
+    (``gemray.pipelines.schema.no_split_users_message``)."""
+    from gemray.pipelines.schema import MIN_HISTORY_FOR_SPLITS, no_split_users_message
+
+    splits = manifest.get("splits")
+    why = no_split_users_message(splits) if splits else None
+    if why:
+        need = int(splits.get("min_history", MIN_HISTORY_FOR_SPLITS))
+        raise ValueError(f"data.prepared_dir {prepared_dir} has no training or test users: {why}; training would "
+                         f"run 0 steps and test on 0 users: give each user at least {need} interactions in the "
+                         "source and prepare it again (gemray prepare, or a new data.prepared_dir)")
+
+
 def preflight_data(cfg: JobConfig, manifest: dict[str, Any], *, previous: JobConfig | None = None) -> None:
     """Refuse a job its data or output folder cannot serve: a cut-off K at or above the size of the catalogue of ``manifest``
-    (the prepared data's), prepared data made from other raw files than ``data.raw_dir`` holds, an output
-    folder holding a model of another shape (``previous``: the config.toml of an earlier run there that left
-    checkpoints). Raises ValueError naming the field."""
+    (the prepared data's), prepared data made from other raw files than ``data.raw_dir`` holds, prepared data with
+    no user in the splits (:func:`check_split_users`), an output folder holding a model of another shape
+    (``previous``: the config.toml of an earlier run there that left checkpoints). Raises ValueError naming the
+    field."""
     check_cutoffs(cfg.train.eval_ks, int(manifest["vocab"]["num_items"]))
     _check_source(cfg, manifest)
+    check_split_users(manifest, cfg.data.prepared_dir)  # after the source check: stale data is refused as such
     if previous is not None:
         changed = shape_changes(previous, cfg)
         if changed:
