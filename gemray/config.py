@@ -167,9 +167,10 @@ class ModelConfig:
     attn_activation: "silu" (HSTU: silu(qk + bias)/N), "softmax", "gelu" or "none".
     use_rating_feature / use_time_feature: add the rating / time-gap embeddings to each history token.
     num_time_buckets / num_position_buckets: buckets of the time-gap table and of the relative attention bias.
-    num_negatives / temperature: sampled softmax; negatives: "uniform" (R uniform ids per position, as
-    generative-recommenders' LocalNegativesSampler), "uniform_shared" (R ids per sequence, shared by its
-    positions: cheaper) or "in_batch" (the batch's own targets).
+    num_negatives / temperature: sampled softmax (num_negatives at most the catalogue's items: drawn with
+    replacement, more would only repeat items; ``gemray train`` refuses more before Ray starts); negatives: "uniform"
+    (R uniform ids per position, as generative-recommenders' LocalNegativesSampler), "uniform_shared" (R ids per
+    sequence, shared by its positions: cheaper) or "in_batch" (the batch's own targets).
     attention_backend: "auto" (Triton on CUDA, reference elsewhere), "triton" or "reference". "triton" without a
     GPU (``ray.use_gpu = false``) only in Triton's CPU interpreter, ``TRITON_INTERPRET=1`` (tests; slow: ~20 s a
     training step of configs/gem-tiny.toml on 2 cores), as ``retrieval_kernel``; refused before Ray starts

@@ -239,7 +239,8 @@ def test_cutoffs_beyond_a_synthetic_catalogue_are_refused_before_generating(tmp_
     assert rc == 2 and "train.eval_ks=[10, 100000]: a cut-off at or above the 400 items of the catalogue " \
         "(data.synthetic: items)" in err, err
     assert not data.exists() and not out.exists()
-    cfg = apply_overrides(JobConfig(), ["data.synthetic=[users=64,items=50]", "train.eval_ks=[10,49]"])
+    cfg = apply_overrides(JobConfig(), ["data.synthetic=[users=64,items=50]", "train.eval_ks=[10,49]",
+                                        "model.num_negatives=50"])
     preflight.preflight_catalogue(cfg)
     cfg.train.eval_ks = [50]
     with pytest.raises(ValueError, match="at or above the 50 items"):
@@ -273,6 +274,35 @@ def test_data_with_no_user_in_the_splits_is_refused_before_ray_starts(tmp_path, 
         preflight.check_split_users(manifest, data)
     preflight.check_split_users({**manifest, "splits": {**manifest["splits"], "users": 1}}, data)
     preflight.check_split_users(_manifest(), data)  # no splits recorded: nothing to check
+
+
+def test_more_negatives_than_items_are_refused_before_ray_starts(tmp_path, capsys):
+    """`--set model.num_negatives=100000` on ml-latest-small's 5,605 items was accepted and the run died inside the
+    Ray worker allocating 34 GB (a new user's finding). The negatives are drawn with replacement, so no count is
+    invalid as such; more than the catalogue's items is refused before Ray starts (a synthetic catalogue's before
+    its data is generated), naming the field, the value and the catalogue's size. As many as the items passes,
+    and so does any count without a retrieval task (nothing samples them)."""
+    from gemray import cli
+
+    cfg = apply_overrides(JobConfig(), ["model.num_negatives=100000"])
+    with pytest.raises(ValueError, match=r"^model.num_negatives=100000: more negatives than the 5605 items of the "
+                                         r"catalogue; .*use at most 5605$"):
+        _preflight(cfg, _manifest(num_items=5605), embedded=True)
+    cfg.model.num_negatives = 5605
+    _preflight(cfg, _manifest(num_items=5605), embedded=True)
+    cfg.model.num_negatives = 5606
+    with pytest.raises(ValueError, match="model.num_negatives=5606: more negatives than the 5605 items"):
+        preflight.preflight_data(cfg, _manifest(num_items=5605))
+    ranking = apply_overrides(JobConfig(), ["model.tasks=[\"ctr\"]", "model.num_negatives=100000"])
+    preflight.check_negatives(ranking, 5605)
+    config = str(REPO / "configs" / "gem-tiny.toml")
+    data, out = tmp_path / "data", tmp_path / "run"
+    rc = cli.main(["train", "--config", config, "--output", str(out), "--set", f"data.prepared_dir={data}",
+                   "model.num_negatives=100000"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("gemray: error: model.num_negatives=100000: more negatives than the 400 items "
+                                      "of the catalogue (data.synthetic: items)"), err
+    assert not data.exists() and not out.exists()
 
 
 def test_preflight_refuses_a_kernel_tiles_value_as_the_config_does(tmp_path, monkeypatch):

@@ -4,8 +4,9 @@ refused at once, in one line naming the field or folder, before anything is writ
 * :func:`preflight_resources`: GPUs, optimizer and attention backend against the device, CPUs per worker
   (needs no data: run before the data is prepared);
 * :func:`preflight_layout`: the ``[parallel]`` degrees of a fixed-size job against its world size;
-* :func:`preflight_catalogue`: cut-offs against a synthetic config's catalogue, before the data is generated;
-* :func:`preflight_data`: cut-offs against the catalogue, the prepared data's source files, users in its
+* :func:`preflight_catalogue`: cut-offs and negatives against a synthetic config's catalogue, before the data is
+  generated;
+* :func:`preflight_data`: cut-offs and negatives against the catalogue, the prepared data's source files, users in its
   splits, the model shape against the previous run in the output folder;
 * :func:`preflight_resume`: the checkpoint a resume would restore was trained on this data
   (:func:`resume_mismatch` is the pure comparison); :func:`preflight_resume_source` checks the raw ratings file
@@ -248,17 +249,36 @@ def check_cutoffs(eval_ks: list[int], n_items: int, where: str = "") -> None:
                          "makes HR@K trivially 1 (every target ranks below N, a history-excluded one at N-1)")
 
 
+def check_negatives(cfg: JobConfig, n_items: int, where: str = "") -> None:
+    """Pure: refuse a ``model.num_negatives`` above the catalogue's ``n_items`` items when the retrieval task samples
+    negatives (``where``: how the size is known, for the message). No exact bound exists: every mode draws with
+    replacement (``gemray.model.heads``: "uniform" and "uniform_shared" ``torch.randint`` over 1..num_items,
+    "in_batch" over the batch's targets), so any count is valid, and num_negatives = num_items is allowed. But
+    draws beyond the catalogue's size only repeat items while the per-batch cost grows with them ("uniform":
+    [positions, num_negatives] ids, embeddings and logits: 100000 on a catalogue of 5,605 items asked for 34 GB
+    inside the Ray worker), so more negatives than items is refused as a mistake. Raises ValueError naming
+    model.num_negatives, the value and the catalogue's size."""
+    R = int(cfg.model.num_negatives)
+    if "retrieval" in cfg.model.tasks and R > n_items:
+        raise ValueError(f"model.num_negatives={R}: more negatives than the {n_items} items of the catalogue{where}; "
+                         "they are drawn with replacement, so draws beyond the catalogue only repeat items while "
+                         "the memory of every batch grows with them (a [positions x num_negatives] block): use at "
+                         f"most {n_items}")
+
+
 def preflight_catalogue(cfg: JobConfig) -> None:
-    """Before the data is prepared: the cut-offs against a synthetic config's catalogue, whose size
-    (``data.synthetic``'s ``items``) is known without generating the data, which at scale takes minutes
-    (:func:`preflight_data` checks every config against the prepared manifest after). Raises ValueError for a
-    cut-off at or above it, or for ``data.synthetic`` parameters the generator refuses."""
+    """Before the data is prepared: the cut-offs and ``model.num_negatives`` (:func:`check_negatives`) against a
+    synthetic config's catalogue, whose size (``data.synthetic``'s ``items``) is known without generating the
+    data, which at scale takes minutes (:func:`preflight_data` checks every config against the prepared manifest
+    after). Raises ValueError for a cut-off at or above it, more negatives than it, or for ``data.synthetic``
+    parameters the generator refuses."""
     if not cfg.data.synthetic:
         return
     from gemray.pipelines.synthetic import spec_from_params
 
-    check_cutoffs(cfg.train.eval_ks, spec_from_params(cfg.data.synthetic_params()).items,
-                  " (data.synthetic: items)")
+    items = spec_from_params(cfg.data.synthetic_params()).items
+    check_cutoffs(cfg.train.eval_ks, items, " (data.synthetic: items)")
+    check_negatives(cfg, items, " (data.synthetic: items)")
 
 
 def check_split_users(manifest: dict[str, Any], prepared_dir: str | Path) -> None:
@@ -280,13 +300,14 @@ def check_split_users(manifest: dict[str, Any], prepared_dir: str | Path) -> Non
 
 def preflight_data(cfg: JobConfig, manifest: dict[str, Any], *, previous: JobConfig | None = None) -> None:
     """Refuse a job its data or output folder cannot serve: a cut-off K at or above the size of the catalogue of ``manifest``
-    (the prepared data's), prepared data made from other raw files than ``data.raw_dir`` holds, prepared data with
+    (the prepared data's), more ``model.num_negatives`` than its items (:func:`check_negatives`), prepared data made from other raw files than ``data.raw_dir`` holds, prepared data with
     no user in the splits (:func:`check_split_users`), an output folder holding a model of another shape
     (``previous``: the config.toml of an earlier run there that left checkpoints). Raises ValueError naming the
     field."""
     check_cutoffs(cfg.train.eval_ks, int(manifest["vocab"]["num_items"]))
     _check_source(cfg, manifest)
     check_split_users(manifest, cfg.data.prepared_dir)  # after the source check: stale data is refused as such
+    check_negatives(cfg, int(manifest["vocab"]["num_items"]))  # after it: data with no users is the first thing to fix
     if previous is not None:
         changed = shape_changes(previous, cfg)
         if changed:
