@@ -533,10 +533,12 @@ def _cmd_bench_train(ns: argparse.Namespace) -> int:
 
 
 def _cmd_submit(ns: argparse.Namespace) -> int:
-    from gemray.controller.submit import cli_submit
+    from gemray.controller.submit import JobServerRefused, cli_submit
 
     try:
         return cli_submit(ns)
+    except JobServerRefused as e:  # a server answered but refused the token: its address and what to pass, one line
+        return _fail(str(e), 1)
     except ConnectionError as e:  # no job server at --address / $RAY_ADDRESS: one line, not a traceback
         print(f"gemray: error: cannot reach the Ray job server ({e}); is the cluster up and --address right?",
               file=sys.stderr)

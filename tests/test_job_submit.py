@@ -371,3 +371,39 @@ def test_submit_cli_unreachable_server_is_one_line_and_set_takes_several_values(
                "train.epochs=1"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 1 and len(err) == 1 and err[0].startswith("gemray: error: cannot reach the Ray job server"), err
+
+
+def test_submit_cli_refused_by_a_cluster_found_on_this_machine_is_one_line(capsys, monkeypatch):
+    """`gemray submit` with no --address and RAY_ADDRESS unset joined another local Ray cluster (Ray's lookup) whose
+    job server refused it, and died with a raw ray.exceptions.AuthenticationError traceback from make_client (a new
+    user's finding). Now one `gemray: error:` line, exit 1 as for an unreachable server, saying which address was
+    tried and how to pass --address / RAY_ADDRESS (the client constructor faked: no cluster)."""
+    import ray.job_submission
+    from ray.exceptions import AuthenticationError
+
+    from gemray.cli import main
+
+    tried = []
+
+    def refusing(address=None, **kw):
+        tried.append(address)
+        raise AuthenticationError("Authentication required: Unauthorized: Missing authentication token\n\nmore")
+
+    monkeypatch.setattr(ray.job_submission, "JobSubmissionClient", refusing)
+    for var in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"):
+        monkeypatch.delenv(var, raising=False)
+    rc = main(["submit", "--config", str(REPO / "configs" / "ml-latest-small.toml"), "--no-wait"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and len(err) == 1 and tried == [None], err
+    assert err[0].startswith("gemray: error: the Ray job server of the Ray cluster running on this machine, which "
+                             "Ray joins when given no address (no --address, ray.address not an http:// URL, "
+                             "RAY_ADDRESS unset) refused this client: Authentication required: Unauthorized: Missing "
+                             "authentication token; "), err
+    assert "--address http://HOST:8265 (or RAY_ADDRESS=http://HOST:8265)" in err[0], err
+    # the API raises it as a ConnectionError, naming the address it was given, or the variable Ray took over it
+    with pytest.raises(ConnectionError, match=r"at http://10.0.0.5:8265 refused .*the token given was refused"):
+        sub.make_client("http://10.0.0.5:8265", token="t")
+    monkeypatch.setenv("RAY_ADDRESS", "http://10.0.0.7:8265")
+    with pytest.raises(sub.JobServerRefused, match=r"at http://10.0.0.7:8265 \(from \$RAY_ADDRESS, which Ray takes "
+                                                   r"over --address\) refused"):
+        sub.make_client("http://10.0.0.5:8265")

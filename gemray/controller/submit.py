@@ -147,17 +147,57 @@ def parse_result(logs: str, where: str = "job") -> dict[str, Any]:
     raise RuntimeError(f"{where}: finished but printed no {RESULT_MARKER.strip()} line")
 
 
-def make_client(address: str | None = None, token: str | None = None, headers: dict | None = None) -> Any:
-    """A JobSubmissionClient for ``address`` (``http://host:8265``; None = ``RAY_ADDRESS``).
+class JobServerRefused(ConnectionError):
+    """The Ray job server answered but refused this client's token (Ray's ``AuthenticationError``, HTTP 401 or 403):
+    a ConnectionError, so that callers handling an unreachable server handle it too; ``gemray submit`` prints its
+    message as it is (exit 1)."""
 
-    ``token`` adds ``Authorization: Bearer <token>``; without it Ray's own token lookup applies.
+
+def address_tried(address: str | None, environ: Any = os.environ) -> str:
+    """Pure: which job server a JobSubmissionClient for ``address`` talks to, in words ("at URL", "of the Ray
+    cluster running on this machine ..."): Ray's lookup
+    (``ray.dashboard.utils.get_address_for_submission_client``) takes ``RAY_API_SERVER_ADDRESS``, else
+    ``RAY_ADDRESS``, over ``address``; with none of them it joins the Ray cluster it finds running on this machine."""
+    for var in ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS"):
+        if environ.get(var):
+            return f"at {environ[var]} (from ${var}, which Ray takes over --address)"
+    if address:
+        return f"at {address}"
+    return ("of the Ray cluster running on this machine, which Ray joins when given no address (no --address, "
+            "ray.address not an http:// URL, RAY_ADDRESS unset)")
+
+
+def refused_message(address: str | None, token: str | None, reason: str, environ: Any = os.environ) -> str:
+    """Pure: the one-line error of a job server that refused this client (``reason``: Ray's message, of which its
+    first line is kept): the address tried (:func:`address_tried`) and how to give the right address or token."""
+    first = reason.strip().splitlines()[0] if reason.strip() else "authentication failed"
+    token_how = ("the token given was refused: pass that cluster's token" if token else
+                 "if it is, give it its token (RAY_AUTH_MODE=token with RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or "
+                 "~/.ray/auth_token)")
+    return (f"the Ray job server {address_tried(address, environ)} refused this client: {first}; if that is not "
+            "your cluster, pass your job server's address: --address http://HOST:8265 (or "
+            f"RAY_ADDRESS=http://HOST:8265); {token_how}")
+
+
+def make_client(address: str | None = None, token: str | None = None, headers: dict | None = None) -> Any:
+    """A JobSubmissionClient for ``address`` (``http://host:8265``; None = ``RAY_ADDRESS``, else the Ray cluster
+    running on this machine: Ray's own lookup).
+
+    ``token`` adds ``Authorization: Bearer <token>``; without it Ray's own token lookup applies. Raises
+    :class:`JobServerRefused` naming the address tried when the job server refuses the token (or the lack of one:
+    was Ray's bare ``AuthenticationError`` traceback, e.g. from a cluster of someone else's found on this machine),
+    ConnectionError when none answers.
     """
+    from ray.exceptions import AuthenticationError
     from ray.job_submission import JobSubmissionClient
 
     hdrs = dict(headers or {})
     if token:
         hdrs[AUTH_HEADER] = f"Bearer {token}"
-    return JobSubmissionClient(address, headers=hdrs or None)
+    try:
+        return JobSubmissionClient(address, headers=hdrs or None)
+    except AuthenticationError as e:
+        raise JobServerRefused(refused_message(address, token, getattr(e, "message", "") or str(e))) from None
 
 
 def submit(config: JobConfig | str | os.PathLike, address: str | None = None, *,
@@ -179,8 +219,8 @@ def submit(config: JobConfig | str | os.PathLike, address: str | None = None, *,
         cluster. token: Ray auth token sent as a header (default: Ray's own lookup). client: an existing
         JobSubmissionClient (tests). Paths in the config (storage, data) are read on the cluster.
     Raises ValueError for a bad config/task (for "train", also bad ``data.synthetic`` parameters and cut-offs at or
-    above that catalogue: :func:`~gemray.controller.preflight.preflight_catalogue`), and Ray's errors (ConnectionError, RuntimeError with HTTP
-    401 for a missing/wrong token) from the job server.
+    above that catalogue: :func:`~gemray.controller.preflight.preflight_catalogue`), :class:`JobServerRefused` (a
+    ConnectionError) for a missing/wrong token, and Ray's errors (ConnectionError) from the job server.
     """
     if task not in TASKS:
         raise ValueError(f"task: expected one of {TASKS}, got {task!r}")
