@@ -273,6 +273,8 @@ def test_submit_ships_validated_config_and_env(tmp_path):
     (dict(overrides=["train.lr=abc"]), ValueError, "train.lr"),
     (dict(task="evaluate"), ValueError, "task"),
     (dict(working_dir="/nonexistent/dir"), ValueError, "working_dir"),
+    # a relative --output was sent and landed in the job's (temporary) working directory (a new user's finding)
+    (dict(output_dir="runs/x"), ValueError, r"output_dir \(--output\) runs/x: give an absolute path"),
     # a synthetic config's generator parameters and cut-offs: checked here as gemray train does (were sent)
     (dict(config="configs/gem-tiny.toml", overrides=['data.synthetic=["users=10","items=0","seed=0"]']), ValueError,
      "data.synthetic: items: expected an integer >= 1"),

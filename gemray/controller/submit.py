@@ -33,7 +33,7 @@ import time
 import tomllib
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from gemray.config import JobConfig, apply_overrides, from_dict, load_config, to_toml
@@ -214,7 +214,8 @@ def submit(config: JobConfig | str | os.PathLike, address: str | None = None, *,
         ``RAY_ADDRESS``. task: "train" or "prepare". working_dir: a local folder Ray uploads and runs the
         job in (e.g. the repo, for code not installed on the cluster; it is put first on PYTHONPATH).
     output_dir: for "train", where gemray.fit writes metrics.json/curves/config on the cluster (default:
-        fit's own, ``runs/<name>`` under the job's working dir; give an absolute shared path to keep it).
+        fit's own, ``runs/<name>`` under the job's working dir); an absolute path on the cluster (a relative one
+        is refused: it would land in the job's working directory, with ``working_dir`` Ray's temporary copy).
     runtime_env: extra Ray runtime_env entries (env_vars are merged). python: interpreter on the
         cluster. token: Ray auth token sent as a header (default: Ray's own lookup). client: an existing
         JobSubmissionClient (tests). Paths in the config (storage, data) are read on the cluster.
@@ -224,6 +225,10 @@ def submit(config: JobConfig | str | os.PathLike, address: str | None = None, *,
     """
     if task not in TASKS:
         raise ValueError(f"task: expected one of {TASKS}, got {task!r}")
+    if output_dir and not PurePosixPath(str(output_dir)).is_absolute():  # a path on the cluster's (Linux) nodes
+        raise ValueError(f"output_dir (--output) {output_dir}: give an absolute path on the cluster's shared storage; "
+                         "a relative one lands in the job's working directory (with --working-dir, Ray's temporary "
+                         "copy of it), which does not outlive the job")
     cfg = _resolve_config(config, overrides)
     if task == "train":  # data.synthetic's parameters and the cut-offs against its catalogue, as gemray train does
         from gemray.controller.preflight import preflight_catalogue  # (imports torch: not at `gemray --help`)
