@@ -737,6 +737,12 @@ def test_preflight_checks_prepared_data_came_from_raw_dir(tmp_path):
     with pytest.raises(ValueError, match=re.escape(f"which data.raw_dir {empty} does not hold (it holds no MovieLens "
                                                    "ratings file: ratings.dat, u.data or ratings.csv): ")):
         _preflight(cfg, _manifest(src=str(a), files=files), embedded=True)
+    # data of `gemray prepare interactions` / synthetic is never re-made from data.raw_dir: shipped without its raw
+    # source beside an empty raw folder (the k8s layout) it was refused, with advice to let training prepare it
+    for fmt in ("interactions", "amazon-ratings", "synthetic"):
+        _preflight(cfg, {**_manifest(src=str(a), files=files), "format": fmt}, embedded=True)
+    with pytest.raises(ValueError, match="does not hold"):  # a MovieLens release's still is
+        _preflight(cfg, {**_manifest(src=str(a), files=files), "format": "ml-1m"}, embedded=True)
 
 
 def test_nan_loss_fails_the_step_before_any_update():

@@ -317,7 +317,16 @@ def preflight_data(cfg: JobConfig, manifest: dict[str, Any], *, previous: JobCon
 
 
 def _check_source(cfg: JobConfig, manifest: dict[str, Any]) -> None:
-    """The prepared data must come from the raw files in ``data.raw_dir`` when that folder exists."""
+    """The prepared data must come from the raw files in ``data.raw_dir`` when that folder exists -- for MovieLens
+    data only, the one kind ``gemray train`` prepares from ``data.raw_dir`` itself: data of ``gemray prepare
+    interactions`` / ``synthetic`` (manifest ``format`` another than a MovieLens release) is never re-made from it,
+    so its raw source may be anywhere, or nowhere (the k8s layout ships prepared data alone; such a folder with an
+    empty raw/ beside it was refused with advice to let training prepare it, which it cannot)."""
+    from gemray.pipelines.movielens import FORMATS
+
+    fmt = manifest.get("format")
+    if fmt is not None and fmt not in FORMATS:
+        return
     raw = Path(cfg.data.raw_dir)
     src = manifest.get("source", {})
     if not raw.is_dir() or Path(src.get("dir", "")).resolve() == raw.resolve():
@@ -325,8 +334,6 @@ def _check_source(cfg: JobConfig, manifest: dict[str, Any]) -> None:
     for f in src.get("files", []):
         p = raw / f["name"]
         if not p.is_file():  # say what the folder holds instead (an ML-1M folder for data prepared from ML-100K)
-            from gemray.pipelines.movielens import FORMATS
-
             names = [fmt.filename for fmt in FORMATS.values()]
             held = [n for n in names if (raw / n).is_file()]
             holds = (" and ".join(held) if held
