@@ -667,6 +667,9 @@ def test_prepare_then_train_end_to_end(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.run([*GEMRAY, "train", "--config", str(REPO / "configs" / "ml-1m.toml"), "--set",
                            f"data.prepared_dir={prep}", f"data.raw_dir={src.parent}", *RECIPE, "train.epochs=1",
+                           # this stand-in log's catalogue has 400 items: the recipe's 512 negatives are refused above
+                           # the catalogue's size (preflight.check_negatives)
+                           "model.num_negatives=256",
                            "train.max_steps_per_epoch=3", "train.eval_every=1", "ray.num_workers=1",
                            "checkpoint.keep=1", "--output", str(out)], cwd=tmp_path, capture_output=True, text=True,
                           timeout=600)
