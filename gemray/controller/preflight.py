@@ -304,10 +304,11 @@ def preflight_data(cfg: JobConfig, manifest: dict[str, Any], *, previous: JobCon
     no user in the splits (:func:`check_split_users`), an output folder holding a model of another shape
     (``previous``: the config.toml of an earlier run there that left checkpoints). Raises ValueError naming the
     field."""
-    check_cutoffs(cfg.train.eval_ks, int(manifest["vocab"]["num_items"]))
+    n_items = int(manifest["vocab"]["num_items"])
+    check_cutoffs(cfg.train.eval_ks, n_items)
     _check_source(cfg, manifest)
     check_split_users(manifest, cfg.data.prepared_dir)  # after the source check: stale data is refused as such
-    check_negatives(cfg, int(manifest["vocab"]["num_items"]))  # after it: data with no users is the first thing to fix
+    check_negatives(cfg, n_items)  # after it: data with no users is the first thing to fix
     if previous is not None:
         changed = shape_changes(previous, cfg)
         if changed:
@@ -324,8 +325,8 @@ def _check_source(cfg: JobConfig, manifest: dict[str, Any]) -> None:
     empty raw/ beside it was refused with advice to let training prepare it, which it cannot)."""
     from gemray.pipelines.movielens import FORMATS
 
-    fmt = manifest.get("format")
-    if fmt is not None and fmt not in FORMATS:
+    made_as = manifest.get("format")  # (not the name of the loop variables below)
+    if made_as is not None and made_as not in FORMATS:
         return
     raw = Path(cfg.data.raw_dir)
     src = manifest.get("source", {})
@@ -334,7 +335,7 @@ def _check_source(cfg: JobConfig, manifest: dict[str, Any]) -> None:
     for f in src.get("files", []):
         p = raw / f["name"]
         if not p.is_file():  # say what the folder holds instead (an ML-1M folder for data prepared from ML-100K)
-            names = [fmt.filename for fmt in FORMATS.values()]
+            names = [release.filename for release in FORMATS.values()]
             held = [n for n in names if (raw / n).is_file()]
             holds = (" and ".join(held) if held
                      else f"no MovieLens ratings file: {', '.join(names[:-1])} or {names[-1]}")
