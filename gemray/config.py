@@ -1235,12 +1235,42 @@ def shape_changes(before: JobConfig, after: JobConfig) -> list[str]:
     return changed
 
 
+#: The example every refusal of an override that is not a string shows.
+_OVERRIDES_EXAMPLE = "e.g. overrides=['train.epochs=3', 'ray.num_workers=2']"
+
+
+def check_overrides(overrides: Any) -> list[str]:
+    """Pure: ``overrides`` as the list of ``section.key=value`` strings the config functions take (None: [];
+    one string: [it]; any other iterable of strings: a list of them). Raises TypeError naming the bad element
+    (its index, value and type) and showing an example, for an element that is not a string (``fit(cfg,
+    overrides=[1])`` failed deep inside with "argument of type 'int' is not iterable"), a dict (``{"train.epochs":
+    3}``: the form ``gemray tune`` takes for its search space, not for overrides) or a value that is no list at
+    all. Whether each string is a known ``section.key=value`` is :func:`apply_overrides`' to say."""
+    if overrides is None:
+        return []
+    if isinstance(overrides, str):  # one "section.key=value" given without a list, not its characters
+        return [overrides]
+    expected = f"each override is a 'section.key=value' string, {_OVERRIDES_EXAMPLE}"
+    if isinstance(overrides, dict):
+        pairs = ", ".join(repr(f"{k}={v if isinstance(v, str) else _toml_value(v)}") for k, v in overrides.items())
+        raise TypeError(f"overrides: a dict is not a list of strings; write it as [{pairs}] ({expected})")
+    if isinstance(overrides, (bytes, bytearray)) or not hasattr(overrides, "__iter__"):
+        raise TypeError(f"overrides: {overrides!r} ({type(overrides).__name__}) is not a list of strings; "
+                        f"{expected}")
+    items = list(overrides)
+    for i, item in enumerate(items):
+        if not isinstance(item, str):
+            raise TypeError(f"overrides[{i}]: {item!r} ({type(item).__name__}) is not a string; {expected}")
+    return items
+
+
 def apply_overrides(cfg: JobConfig, overrides: list[str]) -> JobConfig:
     """Apply ``section.key=value`` strings (the CLI's ``--set``), read every ``../shared/...`` value under
     ``$GEMRAY_SHARED`` (:func:`shared_path`; the value as configured is kept for :func:`shared_origin`) and
     re-validate. Every config is finished here (``load_config``, ``fit`` of a JobConfig, tune, submit, serve), so
-    this is the one place that maps shared paths."""
-    for item in overrides or []:
+    this is the one place that maps shared paths. Raises TypeError for ``overrides`` that are not strings
+    (:func:`check_overrides`), ValueError naming the field for a bad one."""
+    for item in check_overrides(overrides):
         if "=" not in item:
             raise ValueError(f"--set {item!r}: expected section.key=value")
         path, value = item.split("=", 1)
@@ -1290,9 +1320,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | str | Non
     """Read a TOML config (or defaults if ``path`` is None), apply overrides (``section.key=value`` strings, or
     one such string), map ``../shared/...`` paths under ``$GEMRAY_SHARED`` (:func:`apply_overrides`), validate.
 
-    Raises FileNotFoundError for a missing file and ValueError naming the field for bad values (and the file,
-    for an unknown key or a mistyped value in it).
+    Raises TypeError for overrides that are not strings (:func:`check_overrides`, before the file is read),
+    FileNotFoundError for a missing file and ValueError naming the field for bad values (and the file, for an
+    unknown key or a mistyped value in it).
     """
+    overrides = check_overrides(overrides)  # not strings: refused before the file is read
     raw: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
@@ -1318,9 +1350,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | str | Non
                 "one of configs/*.toml", p)
     else:
         cfg = from_dict(raw)
-    if isinstance(overrides, str):  # one override, not its characters
-        overrides = [overrides]
-    return apply_overrides(cfg, overrides or [])
+    return apply_overrides(cfg, overrides)
 
 
 def _toml_value(v: Any) -> str:

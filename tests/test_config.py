@@ -64,6 +64,30 @@ def test_bad_overrides_name_the_field(item, needle):
         apply_overrides(JobConfig(), [item])
 
 
+@pytest.mark.parametrize("overrides, error, needle", [
+    ([1], TypeError, "overrides[0]: 1 (int) is not a string"),
+    (["train.epochs=3", None], TypeError, "overrides[1]: None (NoneType) is not a string"),
+    ([b"train.epochs=3"], TypeError, "overrides[0]: b'train.epochs=3' (bytes) is not a string"),
+    ({"train.epochs": 3}, TypeError, "overrides: a dict is not a list of strings; write it as ['train.epochs=3']"),
+    (3, TypeError, "overrides: 3 (int) is not a list of strings"),
+])
+@pytest.mark.parametrize("entry", ["fit", "load_config", "apply_overrides"])
+def test_overrides_that_are_not_strings_are_named_up_front(entry, overrides, error, needle):
+    """``gemray.fit(cfg, overrides=[1])`` raised a bare ``TypeError: argument of type 'int' is not iterable`` from
+    inside apply_overrides (a new user's finding): every entry point now names the bad element, its type and the
+    form expected, with an example, before any config is read or any run starts."""
+    import gemray
+
+    call = {"fit": lambda: gemray.fit(JobConfig(), overrides=overrides, output_dir="/nonexistent/never-made"),
+            "load_config": lambda: load_config(ROOT / "configs" / "nonexistent.toml", overrides),
+            "apply_overrides": lambda: apply_overrides(JobConfig(), overrides)}[entry]
+    with pytest.raises(error) as err:
+        call()
+    msg = str(err.value)
+    assert msg.startswith(needle), msg
+    assert "section.key=value" in msg and "e.g. overrides=['train.epochs=3', 'ray.num_workers=2']" in msg, msg
+
+
 def test_set_takes_toml_arrays_as_a_config_file_writes_them():
     """--set list values as in a TOML file, quotes included (a new user copies them from a config): strings may
     hold commas (data.synthetic's feature entry could not be set before), numbers and the plain forms as before."""

@@ -23,7 +23,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from gemray.config import JobConfig, apply_overrides, load_config, shared_origin, to_toml
+from gemray.config import JobConfig, apply_overrides, check_overrides, load_config, shared_origin, to_toml
 from gemray.controller import console, output_lock, preflight, results, session
 from gemray.controller.results import Result
 from gemray.events import read_events
@@ -39,7 +39,8 @@ def fit(config: JobConfig | str | Path, *, output_dir: str | Path | None = None,
         overrides: list[str] | None = None) -> Result:
     """Train ``config`` with Ray Train and write results; returns :class:`Result`.
 
-    config: a JobConfig or a TOML path; overrides: ``section.key=value`` strings applied on top.
+    config: a JobConfig or a TOML path; overrides: ``section.key=value`` strings applied on top (a list, or one
+        string; an element that is not a string is a TypeError naming it, before anything else is read).
     output_dir: where ``metrics.json``, ``curves.png``, ``config.toml`` and ``ray/`` (Ray Train storage:
         checkpoints) go; default ``runs/<name>``. The run's full log goes to ``<output>/logs/gemray.log`` as under
         ``gemray train`` (:func:`gemray.controller.console.run_log`; the console is left as it is).
@@ -140,10 +141,9 @@ def _fit(cfg: JobConfig, out: Path, t0: float) -> Result:
 def _load(config: JobConfig | str | Path, overrides: list[str] | str | None) -> JobConfig:
     """The validated config with ``overrides`` applied (a JobConfig is copied, never changed) and its paths
     resolved (:func:`_resolve`)."""
-    if isinstance(overrides, str):  # one "section.key=value" given without a list
-        overrides = [overrides]
+    overrides = check_overrides(overrides)  # one string -> [it]; not strings: TypeError naming the element
     if isinstance(config, JobConfig):
-        cfg = apply_overrides(copy.deepcopy(config), overrides or [])
+        cfg = apply_overrides(copy.deepcopy(config), overrides)
     else:
         cfg = load_config(Path(config), overrides)
     cfg = _resolve(cfg)
