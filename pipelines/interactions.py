@@ -45,9 +45,12 @@ order that does not depend on how the input is split into files, on the memory b
   every kind evenly over the history files and shards. ``users.parquet`` maps them back.
 
 Each history is sorted by timestamp, stable: equal timestamps keep input order (files by path, rows by
-position). ``--k-core K`` keeps, iteratively until nothing changes, only users and items with at least K
-interactions (the "5-core" of the Amazon literature: ``--k-core 5``); what it removed is counted in the
-manifest (``k_core``). Users with fewer than 3 interactions stay in the files but are outside the splits.
+position). Rows that repeat the (user, item) pair of another row are kept, each an interaction, as by
+``prepare movielens``; the manifest counts them (``counts.repeated_user_item_rows``; ``exact_duplicate_rows``:
+those with the same timestamp too) and the summary names both. ``--k-core K`` keeps, iteratively until
+nothing changes, only users and items with at least K interactions (the "5-core" of the Amazon literature:
+``--k-core 5``); what it removed is counted in the manifest (``k_core``). Users with fewer than 3
+interactions stay in the files but are outside the splits.
 
 Bad rows: a row whose user, item or time is missing or cannot be converted, whose rating is not a star value,
 a CSV line with the wrong number of fields, bytes that are not UTF-8 -> ``--on-bad-rows error`` (default):
@@ -1797,7 +1800,7 @@ def prepare_interactions(src: str | list[str], out: str | Path, *, fmt: str = "a
                          spec.features)
         len_hist: dict[int, int] = {}
         rating_values: set[int] = set()
-        repeated = 0
+        repeated = duplicates = 0
         with _bar(progress, total=len(encs), desc="write", unit="part") as bar:
             for e in encs:
                 rows = paipc.open_file(pa.memory_map(e["rows_file"])).read_all().combine_chunks()
@@ -1826,6 +1829,10 @@ def prepare_interactions(src: str | list[str], out: str | Path, *, fmt: str = "a
                 ratings = rows.column("rating").to_numpy()
                 uid = np.repeat(np.arange(lengths.size, dtype=np.int64), lengths)
                 repeated += int(dense.size - _distinct(uid * (n_items + 1) + dense).size)
+                # rows are in (user, time) order: number each run of one user's equal times, then count repeats
+                # of (run, item), i.e. of (user, item, time)
+                run_id = np.cumsum(np.concatenate([[True], (uid[1:] != uid[:-1]) | (ts[1:] != ts[:-1])]))
+                duplicates += int(dense.size - _distinct(run_id * (n_items + 1) + dense).size)
                 rating_values.update(int(v) for v in np.flatnonzero(np.bincount(ratings.astype(np.int64), minlength=11)))
                 lv, lc = np.unique(lengths, return_counts=True)  # sort-based (return_counts)
                 for v, c in zip(lv.tolist(), lc.tolist()):
@@ -1895,6 +1902,7 @@ def prepare_interactions(src: str | list[str], out: str | Path, *, fmt: str = "a
             "time_unit": "position" if spec.time is None else "unix seconds",
             "counts": {"users": n_users, "items": n_items, "interactions": tokens_total,
                        "source_rows": source_rows, "quarantined": n_bad, "repeated_user_item_rows": repeated,
+                       "exact_duplicate_rows": duplicates,
                        "rows_per_file": [f["rows"] for f in asm.files],
                        "tokens_per_file": [f["tokens"] for f in asm.files]},
             "vocab": {"num_items": n_items, "max_item_id": n_items, "max_user_id": n_users,
@@ -1991,7 +1999,8 @@ def _rel_name(f: SourceFile, files: list[SourceFile]) -> str:
 
 
 def format_summary(manifest: dict[str, Any], out: str | Path | None = None) -> str:
-    """One paragraph for the CLI: counts, features, quarantine, k-core, time and peak memory of the run."""
+    """One paragraph for the CLI: counts, quarantine, repeated (user, item) rows, features, k-core, time and peak
+    memory of the run."""
     c, q, s = manifest["counts"], manifest["quarantine"], manifest["splits"]
     where = f" -> {out}" if out is not None else ""
     text = (f"prepared {manifest['input_format']} interactions{where}: {c['users']} users, {c['items']} items, "
@@ -1999,6 +2008,12 @@ def format_summary(manifest: dict[str, Any], out: str | Path | None = None) -> s
             f"{s['too_short_users']} too short (< {s['min_history']}); {q['total']} bad rows quarantined")
     if q["by_reason"]:
         text += " (" + ", ".join(f"{k}: {v}" for k, v in q["by_reason"].items()) + f"; see {q['file']})"
+    rep, dup = c.get("repeated_user_item_rows", 0), c.get("exact_duplicate_rows", 0)
+    if rep:
+        text += (f"; {rep} row{'s repeat' if rep > 1 else ' repeats'} the (user, item) pair of another row"
+                 + (f", {dup} of them with its timestamp too (exact duplicates; kept as interactions: remove them "
+                    "from the source if it logs events twice)" if dup else
+                    f" (kept as {'interactions' if rep > 1 else 'an interaction'})"))
     if manifest.get("features"):
         text += "; features " + ", ".join(f"{k} ({v['cardinality']} values)" for k, v in manifest["features"].items())
     if manifest.get("k_core"):

@@ -273,6 +273,36 @@ def test_csv_string_ids_hand_checked(tmp_path, capsys):
     assert dense == HAND_DENSE
 
 
+def test_repeated_rows_are_kept_and_named_in_the_summary(tmp_path, capsys):
+    """Rows repeating a (user, item) pair, exact duplicates (same user, item and timestamp: the same event logged
+    twice?) among them, were kept without a word: the manifest counted the repeats but the printed summary did not
+    say so (a new user's finding). They stay in the histories (each row is an interaction, as in prepare
+    movielens); the summary names both counts, the manifest has both; a log without repeats mentions none."""
+    src = tmp_path / "log.csv"
+    src.write_text("user_id,item_id,timestamp\n"
+                   "u1,a,100\nu1,b,200\nu1,a,100\n"    # u1: a at 100 twice (an exact duplicate)
+                   "u1,a,300\n"                         # ... and a again later (a repeat, not a duplicate)
+                   "u2,a,100\nu2,b,100\nu2,c,100\n"   # u2: equal times, distinct items: neither
+                   "u3,c,5\nu3,c,5\nu3,c,5\n")        # u3: c at 5 three times: 2 exact duplicates
+    out = tmp_path / "o"
+    rc, stdout, err = run_cli(["prepare", "interactions", "--src", str(src), "--out", str(out)], capsys)
+    assert rc == 0, err
+    m = load_manifest(out)
+    assert m["counts"]["interactions"] == 10
+    assert m["counts"]["repeated_user_item_rows"] == 4 and m["counts"]["exact_duplicate_rows"] == 3
+    assert read_prepared(out)["u3"] == [("c", 0, 5)] * 3  # kept
+    assert ("; 4 rows repeat the (user, item) pair of another row, 3 of them with its timestamp too (exact "
+            "duplicates; kept as interactions: remove them from the source if it logs events twice)") in stdout, stdout
+    src.write_text("user_id,item_id,timestamp\nu1,a,1\nu1,b,2\nu1,a,3\n")
+    rc, stdout, err = run_cli(["prepare", "interactions", "--src", str(src), "--out", str(out)], capsys)
+    assert rc == 0 and "; 1 row repeats the (user, item) pair of another row (kept as an interaction)" in stdout, stdout
+    assert load_manifest(out)["counts"]["exact_duplicate_rows"] == 0
+    src.write_text("user_id,item_id,timestamp\nu1,a,1\nu1,b,2\nu1,c,3\n")
+    rc, stdout, err = run_cli(["prepare", "interactions", "--src", str(src), "--out", str(out)], capsys)
+    said = stdout.split(str(out))[1]  # the counts, not the folder (the test's name is in it)
+    assert rc == 0 and "repeat" not in said and "duplicate" not in said, stdout
+
+
 @pytest.mark.parametrize("num_files, asked", [(["--num-files", "1000"], "--num-files 1000"),
                                                ([], "8 (--num-files 0 = auto)"),  # the default: auto, 8 here
                                                (["--num-files", "3"], None)])
