@@ -30,8 +30,12 @@ Units: ``ratings`` in half stars (int8, ``round(stars * 2)``, 0..10) as for Movi
 stars 0..5 in steps of 0.5; no rating column, or a null rating: 0. ``timestamps``: unix seconds (int64,
 >= 0): integer or decimal columns are taken in ``--time-unit`` (floored to seconds), Parquet timestamp / date
 columns are converted, strings are integers / decimals or ISO 8601 (``2024-01-31``, ``2024-01-31 12:00:00``,
-``...T12:00:00Z``, ``...+02:00``; without a zone: UTC). ``amazon-seq`` files carry no times: the position in
-the user's sequence (0, 1, ...) is the timestamp (``manifest["time_unit"] == "position"``).
+``...T12:00:00Z``, ``...+02:00``; without a zone: UTC). A number that comes out at or past 2200 in
+``--time-unit`` is a bad row (``out_of_range``) whose message names the unit it most likely is (milliseconds
+read as seconds: around the year 55,000) and the ``--time-unit`` to pass. The manifest records the times'
+range (``time_range``: ISO 8601 UTC and unix seconds; the summary prints its dates). ``amazon-seq`` files carry
+no times: the position in the user's sequence (0, 1, ...) is the timestamp (``manifest["time_unit"] ==
+"position"``, ``time_range`` null).
 
 Ids. Raw ids are integers or strings (CSV: always the exact text unless ``--id-type int``; Parquet: the column's
 type; ``--id-type string`` turns integer columns into their decimal text). Dense ids, in a fixed, documented
@@ -124,6 +128,12 @@ FEATURE_PREFIX = "feat_"
 FORMATS = ("auto", "parquet", "csv", *amazon.FORMATS)
 ID_TYPES = ("auto", "string", "int")
 TIME_UNITS = {"s": 1, "ms": 1000, "us": 10**6, "ns": 10**9}
+_UNIT_NAMES = {"s": "seconds", "ms": "milliseconds", "us": "microseconds", "ns": "nanoseconds"}
+#: 2200-01-01T00:00:00Z in unix seconds. A number in --time-unit at or past it is a bad row (``out_of_range``)
+#: whose message names the unit it most likely is: milliseconds read as seconds land ~54,000 years ahead.
+MAX_UNIX_SECONDS = 7258118400
+_SECONDS_PER_YEAR = 31556952  # the mean Gregorian year
+_YEAR_10000 = 253402300800  # 10000-01-01T00:00:00Z: datetime's limit
 DEFAULT_MEMORY_BUDGET = "1GiB"
 MIN_MEMORY_BUDGET = 256 << 20
 #: Memory every process needs before it holds any rows (interpreter, numpy, pyarrow, allocator slack; measured
@@ -972,7 +982,9 @@ def _fast_int(s: pa.Array) -> pa.Array | None:
 
 
 def _conv_time(arr: pa.Array, col: str, unit: str, probs: _Problems) -> np.ndarray:
-    """A time column -> [N] int64 unix seconds (>= 0); failures are problems."""
+    """A time column -> [N] int64 unix seconds (>= 0); failures are problems, and so are numbers in ``unit``
+    that come out at or past 2200 (:data:`MAX_UNIX_SECONDS`: most likely another unit, named by
+    :func:`_late_problem`). Parquet timestamps / dates and ISO text state their time: not checked."""
     if isinstance(arr, pa.ChunkedArray):
         arr = arr.combine_chunks()
     if pa.types.is_dictionary(arr.type):
@@ -981,9 +993,11 @@ def _conv_time(arr: pa.Array, col: str, unit: str, probs: _Problems) -> np.ndarr
     probs.add(_nullmask(arr), col, "missing", lambda i: "missing value")
     factor = TIME_UNITS[unit]
     t = arr.type
+    numeric: np.ndarray | bool = False  # rows whose time is a number in --time-unit
     if pa.types.is_integer(t):
         v = _np(arr.cast(pa.int64()), np.int64)
         secs = np.floor_divide(v, factor)
+        numeric = True
     elif pa.types.is_floating(t) or pa.types.is_decimal(t):
         v = _np(arr.cast(pa.float64()), np.float64)
         finite = np.isfinite(v)
@@ -992,6 +1006,7 @@ def _conv_time(arr: pa.Array, col: str, unit: str, probs: _Problems) -> np.ndarr
         too_big = np.abs(secs) >= 2.0**62
         probs.add(too_big, col, "out_of_range", lambda i: f"{arr[i].as_py()} is out of range")
         secs = np.where(too_big, 0, secs).astype(np.int64)
+        numeric = True
     elif pa.types.is_timestamp(t):
         per_s = TIME_UNITS[t.unit]
         secs = np.floor_divide(_np(arr.cast(pa.int64()), np.int64), per_s)
@@ -1003,9 +1018,25 @@ def _conv_time(arr: pa.Array, col: str, unit: str, probs: _Problems) -> np.ndarr
         secs = np.zeros(n, np.int64)
     else:  # text
         s = _text(arr, col, probs)
-        secs = _parse_time_text(s, col, factor, probs)
+        secs, numeric = _parse_time_text(s, col, factor, probs)
     probs.add(secs < 0, col, "out_of_range", lambda i: f"{_show(arr, i)} is before 1970 (unix seconds < 0)")
+    late = numeric & (secs >= MAX_UNIX_SECONDS)
+    if late.any():
+        probs.add(late, col, "out_of_range", lambda i: _late_problem(_show(arr, i), int(secs[i]), unit))
     return secs
+
+
+def _late_problem(shown: str, secs: int, unit: str) -> str:
+    """The problem of a number ``shown`` in ``unit`` that is ``secs`` unix seconds, at or past 2200: the time (or
+    year) it reads as and the first larger unit in which it is a time before 2200 (with that time and the option to
+    pass), e.g. milliseconds for 1700000000000 read as seconds."""
+    when = _iso(secs) if secs < _YEAR_10000 else f"around the year {1970 + secs // _SECONDS_PER_YEAR}"
+    text = f"{shown} in --time-unit {unit} is {when}, 2200 or later"
+    raw = secs * TIME_UNITS[unit]  # the number as given, floored to whole seconds
+    for u, factor in TIME_UNITS.items():
+        if factor > TIME_UNITS[unit] and raw // factor < MAX_UNIX_SECONDS:
+            return f"{text}: it looks like {_UNIT_NAMES[u]} ({_iso(raw // factor)}); pass --time-unit {u}"
+    return f"{text}: check the column's unit (--time-unit {'|'.join(TIME_UNITS)})"
 
 
 def _show(arr: pa.Array, i: int) -> str:
@@ -1013,11 +1044,12 @@ def _show(arr: pa.Array, i: int) -> str:
     return repr(v.decode("utf-8", "backslashreplace") if isinstance(v, bytes) else v)
 
 
-def _parse_time_text(s: pa.Array, col: str, factor: int, probs: _Problems) -> np.ndarray:
+def _parse_time_text(s: pa.Array, col: str, factor: int, probs: _Problems) -> tuple[np.ndarray, np.ndarray]:
+    """Time text -> ([N] int64 unix seconds, [N] bool: the text is a number in --time-unit, not ISO 8601)."""
     n = len(s)
     fast = _fast_int(s)
     if fast is not None:
-        return np.floor_divide(_np(fast, np.int64), factor)
+        return np.floor_divide(_np(fast, np.int64), factor), np.ones(n, bool)
     secs = np.zeros(n, np.int64)
     is_int = pc.fill_null(pc.match_substring_regex(s, _INT_RE), False).to_numpy(zero_copy_only=False)
     is_dec = pc.fill_null(pc.match_substring_regex(s, _DEC_RE), False).to_numpy(zero_copy_only=False) & ~is_int
@@ -1045,7 +1077,7 @@ def _parse_time_text(s: pa.Array, col: str, factor: int, probs: _Problems) -> np
         probs.add(m, col, "bad_time", lambda i: f"{s[i].as_py()!r} is not a time (an integer or decimal in "
                                                 "--time-unit, or ISO 8601 such as 2024-01-31T12:00:00Z)")
         secs[idx] = np.floor_divide(us, 10**6)
-    return secs
+    return secs, is_int | is_dec
 
 
 def _parse_iso(s: pa.Array) -> tuple[np.ndarray, np.ndarray]:
@@ -1697,7 +1729,7 @@ def prepare_interactions(src: str | list[str], out: str | Path, *, fmt: str = "a
         if good_rows == 0:
             raise ValueError(f"{', '.join(files[i].display for i in range(min(3, len(files))))}"
                              f"{' ...' if len(files) > 3 else ''}: no valid interaction rows "
-                             f"({n_bad} bad rows quarantined)")
+                             f"({n_bad} bad rows quarantined{_first_bad(facts)})")
         vocab_bytes = items.h.nbytes * 2 + items.raw.nbytes + sum(v.h.nbytes * 2 + v.raw.nbytes for v in fvocab.values())
 
         _phase("pass 1 (read, check, spill)", t0, f"{source_rows} rows, {n_bad} bad, {len(items.h)} items")
@@ -1801,6 +1833,7 @@ def prepare_interactions(src: str | list[str], out: str | Path, *, fmt: str = "a
         len_hist: dict[int, int] = {}
         rating_values: set[int] = set()
         repeated = duplicates = 0
+        t_min, t_max = None, None
         with _bar(progress, total=len(encs), desc="write", unit="part") as bar:
             for e in encs:
                 rows = paipc.open_file(pa.memory_map(e["rows_file"])).read_all().combine_chunks()
@@ -1826,6 +1859,9 @@ def prepare_interactions(src: str | list[str], out: str | Path, *, fmt: str = "a
                 if spec.time is None:  # positions in each user's sequence
                     starts = np.repeat(np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths)
                     ts = np.arange(ts.size, dtype=np.int64) - starts
+                if spec.time is not None:
+                    lo, hi = int(ts.min()), int(ts.max())
+                    t_min, t_max = lo if t_min is None else min(t_min, lo), hi if t_max is None else max(t_max, hi)
                 ratings = rows.column("rating").to_numpy()
                 uid = np.repeat(np.arange(lengths.size, dtype=np.int64), lengths)
                 repeated += int(dense.size - _distinct(uid * (n_items + 1) + dense).size)
@@ -1900,6 +1936,8 @@ def prepare_interactions(src: str | list[str], out: str | Path, *, fmt: str = "a
                         "item_id_type": spec.kinds[spec.item], "time_unit": spec.time_unit if spec.time else None,
                         "delimiter": spec.delimiter if input_fmt == "csv" else None},
             "time_unit": "position" if spec.time is None else "unix seconds",
+            "time_range": None if t_min is None else {"min": _iso(t_min), "max": _iso(t_max), "min_unix": t_min,
+                                                      "max_unix": t_max},
             "counts": {"users": n_users, "items": n_items, "interactions": tokens_total,
                        "source_rows": source_rows, "quarantined": n_bad, "repeated_user_item_rows": repeated,
                        "exact_duplicate_rows": duplicates,
@@ -1964,6 +2002,24 @@ def prepare_interactions(src: str | list[str], out: str | Path, *, fmt: str = "a
     return manifest
 
 
+def _iso(secs: int) -> str:
+    """Unix seconds -> ``2023-11-14T22:13:20Z``."""
+    from datetime import datetime, timezone
+
+    return datetime.fromtimestamp(secs, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _first_bad(facts: list[dict[str, Any]]) -> str:
+    """``; the first: <file>:<line>: field <f>: <problem> [<reason>]`` from pass 1's quarantine files (they are
+    deleted with the temporary folder when nothing is left to prepare), or "" when there is none."""
+    for f in facts:
+        if f["quarantine"]:
+            with open(f["quarantine"], encoding="utf-8") as q:
+                r = json.loads(q.readline())
+            return f"; the first: {BadRowError(r['file'], r['line'], r['field'], r['reason'], r['problem'])}"
+    return ""
+
+
 def _phase(name: str, t0: float, what: str) -> None:
     log.info("%s done at %.1f s: %s; peak RSS so far %.0f MiB", name, time.perf_counter() - t0, what,
              _peak_rss()["self"] / 2**20)
@@ -2004,8 +2060,12 @@ def format_summary(manifest: dict[str, Any], out: str | Path | None = None) -> s
     c, q, s = manifest["counts"], manifest["quarantine"], manifest["splits"]
     where = f" -> {out}" if out is not None else ""
     text = (f"prepared {manifest['input_format']} interactions{where}: {c['users']} users, {c['items']} items, "
-            f"{c['interactions']} interactions in {len(manifest['files'])} files; {s['users']} users in the splits, "
-            f"{s['too_short_users']} too short (< {s['min_history']}); {q['total']} bad rows quarantined")
+            f"{c['interactions']} interactions in {len(manifest['files'])} files; ")
+    if manifest.get("time_range"):
+        t = manifest["time_range"]
+        text += f"times from {t['min'][:10]} to {t['max'][:10]} (UTC); "
+    text += (f"{s['users']} users in the splits, {s['too_short_users']} too short (< {s['min_history']}); "
+             f"{q['total']} bad rows quarantined")
     if q["by_reason"]:
         text += " (" + ", ".join(f"{k}: {v}" for k, v in q["by_reason"].items()) + f"; see {q['file']})"
     rep, dup = c.get("repeated_user_item_rows", 0), c.get("exact_duplicate_rows", 0)

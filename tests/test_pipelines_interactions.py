@@ -26,8 +26,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from gemray import cli
-from gemray.pipelines.interactions import (InputError, hash_ids, parse_memory_budget, prepare_interactions,
-                                           resolve_sources)
+from gemray.pipelines.interactions import (InputError, format_summary, hash_ids, parse_memory_budget,
+                                           prepare_interactions, resolve_sources)
 from gemray.pipelines.movielens import load_manifest
 from gemray.pipelines.schema import HISTORY_SCHEMA
 
@@ -617,6 +617,90 @@ def test_quarantine_counts_every_kind(tmp_path):
     assert m["quarantine"]["by_reason"] == {"bad_time": 1, "encoding": 1, "field_count": 1, "missing": 2,
                                             "out_of_range": 2}
     assert read_prepared(out) == {"u1": [("i1", 8, 10)], "u2": [("i1", 5, 15)]}
+
+
+MS_LOG = "user_id,item_id,timestamp\nu1,a,1700000000000\nu1,b,1700000100000\nu1,c,1600000000000\n"
+
+
+@pytest.mark.parametrize("case", ["csv_ms", "csv_us_as_ms", "csv_decimal_ms", "parquet_ns", "parquet_float_ms",
+                                  "one_row_in_ms", "ns_past_2200"])
+def test_times_past_2200_name_the_likely_unit(tmp_path, capsys, case):
+    """A log in milliseconds (1700000000000) was read as seconds without a word: histories of the year ~55,000.
+    A number in --time-unit at or past 2200 is now a bad row (out_of_range), the error naming the file, line,
+    field, the year it reads as and the first larger unit that makes it a time before 2200 (with that time)."""
+    ms = "it looks like milliseconds (2023-11-14T22:13:20Z); pass --time-unit ms [out_of_range]"
+    if case in ("csv_ms", "csv_us_as_ms", "csv_decimal_ms", "one_row_in_ms", "ns_past_2200"):
+        src = tmp_path / "log.csv"
+        src.write_text({"csv_ms": MS_LOG,
+                        "csv_us_as_ms": "user_id,item_id,timestamp\nu1,a,1700000000000000\n",
+                        "csv_decimal_ms": "user_id,item_id,timestamp\nu1,a,1700000000000.5\n",
+                        "one_row_in_ms": "user_id,item_id,timestamp\nu1,a,1700000000\nu1,b,7258118399\n"
+                                         "u1,c,7258118400\n",  # 2199-12-31T23:59:59Z is taken, 2200 is not
+                        "ns_past_2200": "user_id,item_id,timestamp\nu1,a,9000000000000000000\n"}[case])
+    else:
+        src = tmp_path / "log.parquet"
+        ts = pa.array([1700000000000000000], pa.int64()) if case == "parquet_ns" else pa.array([1700000000000.5])
+        pq.write_table(pa.table({"user_id": [1], "item_id": [2], "timestamp": ts}), src)
+    want = {"csv_ms": f"'1700000000000' in --time-unit s is around the year 55840, 2200 or later: {ms}",
+            "csv_us_as_ms": "'1700000000000000' in --time-unit ms is around the year 55840, 2200 or later: it looks "
+                            "like microseconds (2023-11-14T22:13:20Z); pass --time-unit us [out_of_range]",
+            "csv_decimal_ms": f"'1700000000000.5' in --time-unit s is around the year 55840, 2200 or later: {ms}",
+            "parquet_ns": "1700000000000000000 in --time-unit s is around the year 53870857431, 2200 or later: it "
+                          "looks like nanoseconds (2023-11-14T22:13:20Z); pass --time-unit ns [out_of_range]",
+            "parquet_float_ms": f"1700000000000.5 in --time-unit s is around the year 55840, 2200 or later: {ms}",
+            "one_row_in_ms": "'7258118400' in --time-unit s is 2200-01-01T00:00:00Z, 2200 or later: it looks like "
+                             "milliseconds (1970-03-26T00:08:38Z); pass --time-unit ms [out_of_range]",
+            "ns_past_2200": "'9000000000000000000' in --time-unit ns is 2255-03-14T16:00:00Z, 2200 or later: check the "
+                            "column's unit (--time-unit s|ms|us|ns) [out_of_range]"}[case]
+    args = {"csv_us_as_ms": ["--time-unit", "ms"], "ns_past_2200": ["--time-unit", "ns"]}.get(case, [])
+    line = 4 if case == "one_row_in_ms" else 2 if src.suffix == ".csv" else 1
+    out = tmp_path / "prep"
+    rc, _, err = run_cli(["prepare", "interactions", "--src", str(src), "--out", str(out), *args], capsys)
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1, err
+    assert lines[0] == f"gemray: error: {src}:{line}: field 'timestamp': {want}", lines[0]
+    no_leftovers(out)
+
+
+def test_time_unit_ms_reads_milliseconds_and_the_time_range_is_recorded(tmp_path, capsys):
+    """The same log with --time-unit ms prepares (times floored to seconds), and the manifest records the range
+    of the times (ISO 8601 UTC and unix seconds), which the summary prints as dates: a unit mistake shows at a
+    glance. Quarantine mode sets such rows aside with the same problem; when that leaves no row, the error quotes
+    the first one (the quarantine file goes with the failed preparation)."""
+    src = tmp_path / "log.csv"
+    src.write_text(MS_LOG)
+    out = tmp_path / "prep"
+    rc, stdout, err = run_cli(["prepare", "interactions", "--src", str(src), "--out", str(out), "--time-unit", "ms"],
+                              capsys)
+    assert rc == 0, err
+    assert read_prepared(out) == {"u1": [("c", 0, 1600000000), ("a", 0, 1700000000), ("b", 0, 1700000100)]}
+    m = load_manifest(out)
+    assert m["time_range"] == {"min": "2020-09-13T12:26:40Z", "max": "2023-11-14T22:15:00Z",
+                               "min_unix": 1600000000, "max_unix": 1700000100}
+    assert "3 interactions in 1 files; times from 2020-09-13 to 2023-11-14 (UTC); 1 users in the splits" in stdout
+    # seconds (the default) as before, with their range; positions (amazon-seq) have none
+    (tmp_path / "hand.csv").write_text(HAND_CSV)
+    m = prepare_interactions(str(tmp_path / "hand.csv"), tmp_path / "hand", user_col="uid", item_col="sku",
+                             time_col="ts", progress=False)
+    assert m["time_range"] == {"min": "1970-01-01T00:00:50Z", "max": "2024-01-01T00:00:10Z", "min_unix": 50,
+                               "max_unix": 1704067210}
+    (tmp_path / "seq.txt").write_text("u1 a b c\n")
+    m = prepare_interactions(str(tmp_path / "seq.txt"), tmp_path / "seq", fmt="amazon-seq", progress=False)
+    assert m["time_range"] is None and "times from" not in format_summary(m)
+    # quarantine: the row in ms is set aside with the same problem, the others kept
+    src.write_text("user_id,item_id,timestamp\nu1,a,1700000000\nu1,b,1700000100000\nu1,c,1700000200\n")
+    m = prepare_interactions(str(src), tmp_path / "q", on_bad_rows="quarantine", progress=False)
+    q = [json.loads(x) for x in (tmp_path / "q" / "quarantine.jsonl").read_text().splitlines()]
+    assert [(r["line"], r["field"], r["reason"]) for r in q] == [(3, "timestamp", "out_of_range")]
+    assert q[0]["problem"].endswith("it looks like milliseconds (2023-11-14T22:15:00Z); pass --time-unit ms")
+    assert m["counts"]["interactions"] == 2 and m["time_range"]["max"] == "2023-11-14T22:16:40Z"
+    src.write_text(MS_LOG)
+    with pytest.raises(ValueError) as e:
+        prepare_interactions(str(src), tmp_path / "q2", on_bad_rows="quarantine", progress=False)
+    assert str(e.value) == (f"{src}: no valid interaction rows (3 bad rows quarantined; the first: {src}:2: field "
+                            "'timestamp': '1700000000000' in --time-unit s is around the year 55840, 2200 or later: it "
+                            "looks like milliseconds (2023-11-14T22:13:20Z); pass --time-unit ms [out_of_range])")
+    no_leftovers(tmp_path / "q2")
 
 
 # ------------------------------------------------------------------------------------------------ end to end
