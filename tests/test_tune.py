@@ -51,3 +51,32 @@ def test_two_trial_grid(tmp_path):
         assert load_config(out / "config.toml").train.lr == r.config["train.lr"]
     best = grid.get_best_result()
     assert best.metrics["ndcg@10"] == max(r.metrics["ndcg@10"] for r in results)
+
+
+@pytest.mark.parametrize("overrides, error, needle", [
+    (5, TypeError, "overrides: 5 (int) is not a list of strings; each override is a 'section.key=value' string"),
+    ([1], TypeError, "overrides[0]: 1 (int) is not a string"),
+    # one string is one override, not its characters (was: "--set 't': expected section.key=value")
+    ("train.epochs=nope", ValueError, "train.epochs: expected int, got 'nope'"),
+])
+def test_tune_fit_checks_overrides_up_front(overrides, error, needle):
+    """``tune_fit(..., overrides="train.epochs=3")`` split the string into characters and ``overrides=5`` raised a
+    bare "'int' object is not iterable": both now go through ``check_overrides`` as ``gemray.fit`` does, before
+    Ray Tune starts."""
+    from gemray.config import JobConfig
+    from gemray.controller.tune import tune_fit
+
+    with pytest.raises(error) as e:
+        tune_fit(JobConfig(), {"train.lr": 1e-3}, overrides=overrides)
+    assert needle in str(e.value), str(e.value)
+    assert "--set 't'" not in str(e.value)
+
+
+def test_tune_fit_takes_one_override_string():
+    """A single ``section.key=value`` string is applied as one override: the search gets as far as checking its
+    parameter keys (a bad one fails there, before any trial starts)."""
+    from gemray.config import JobConfig
+    from gemray.controller.tune import tune_fit
+
+    with pytest.raises(ValueError, match=r"tune: parameter 'lr' must name a config key as section.key"):
+        tune_fit(JobConfig(), {"lr": 1e-3}, overrides="train.epochs=3")

@@ -26,7 +26,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from gemray.config import JobConfig, load_config
+from gemray.config import JobConfig, check_overrides, load_config
 from gemray.controller import session
 
 log = logging.getLogger(__name__)
@@ -74,30 +74,34 @@ def run_trial(params: dict[str, Any], *, config: dict[str, Any], output_root: st
 
 def tune_fit(config: JobConfig | str | Path, param_space: dict[str, Any], *, metric: str = "ndcg@10",
              mode: str = "max", num_samples: int = 1, output_dir: str | Path = "runs/tune",
-             overrides: list[str] | None = None, max_concurrent_trials: int = 1, trial_cpus: float = 0.1,
+             overrides: list[str] | str | None = None, max_concurrent_trials: int = 1, trial_cpus: float = 0.1,
              search_alg: Any = None, scheduler: Any = None):
     """Search ``param_space`` (``{"section.key": value or a ray.tune search space}``) over ``gemray.fit``.
 
-    config: a JobConfig or TOML path (``overrides`` applied first, as ``--set``); metric / mode: what the best
-    trial maximises or minimises, a key of metrics.json (e.g. "ndcg@10", "hr@10"); num_samples: trials per
-    grid point (Ray Tune's ``num_samples``); output_dir: ``trials/<trial>`` run folders and Tune's own record
-    (``tune/``); max_concurrent_trials / trial_cpus: see the module docstring; search_alg / scheduler: Ray
-    Tune's, optional. Connects to the configured Ray cluster or starts an embedded one for the search.
+    config: a JobConfig or TOML path (``overrides``: ``section.key=value`` strings, or one such string, applied
+    first, as ``--set``); metric / mode: what the best trial maximises or minimises, a key of metrics.json (e.g.
+    "ndcg@10", "hr@10"); num_samples: trials per grid point (Ray Tune's ``num_samples``); output_dir:
+    ``trials/<trial>`` run folders and Tune's own record (``tune/``); max_concurrent_trials / trial_cpus: see the
+    module docstring; search_alg / scheduler: Ray Tune's, optional. Connects to the configured Ray cluster or starts an embedded one for the search.
 
     Returns Ray Tune's ``ResultGrid`` (``get_best_result(metric, mode)``: the trial's ``config`` and
-    ``metrics``, with ``output_dir`` its run folder). Raises ValueError for a bad parameter key, config or mode.
+    ``metrics``, with ``output_dir`` its run folder). Raises ValueError for a bad parameter key, config or mode,
+    TypeError for ``overrides`` that are not strings (:func:`gemray.config.check_overrides`), before Ray starts.
     """
-    import ray.tune
-
     if mode not in ("max", "min"):
         raise ValueError(f"tune: mode must be 'max' or 'min', got {mode!r}")
+    # one string -> [it] (not its characters); not strings (overrides=5, [1]): TypeError naming the element,
+    # before Ray is imported
+    overrides = check_overrides(overrides)
+    import ray.tune
+
     if isinstance(config, JobConfig):
         from gemray.config import apply_overrides
         import copy
 
-        cfg = apply_overrides(copy.deepcopy(config), list(overrides or []))
+        cfg = apply_overrides(copy.deepcopy(config), overrides)
     else:
-        cfg = load_config(Path(config), list(overrides or []))
+        cfg = load_config(Path(config), overrides)
     for key in param_space:
         trial_overrides({key: 0})  # bad keys fail here, before any trial starts
     from gemray.controller.run import _resolve
