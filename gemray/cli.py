@@ -281,7 +281,8 @@ def _add_prepare_interactions(prep_sub) -> None:
     it.add_argument("--time-unit", choices=tuple(TIME_UNITS), default="s",
                     help="unit of numeric times (default s); a number that reads as 2200 or later in it is a bad "
                          "row whose error names the likely unit (e.g. ms)")
-    it.add_argument("--delimiter", default=None, help="CSV field separator (default ',', tab for .tsv)")
+    it.add_argument("--delimiter", default=None, help="CSV field separator, one character: e.g. ';' or '|', "
+                    "'\\t' for a tab (default ',', tab for .tsv)")
     it.add_argument("--k-core", type=int, default=0, metavar="K",
                     help="keep only users and items with >= K interactions, repeated until stable (the Amazon "
                          "5-core: 5; default 0 = off)")

@@ -3,7 +3,7 @@
     gemray prepare interactions --src PATH|GLOB|URI [--src ...] --out DIR \\
         [--format auto|parquet|csv|amazon-ratings|amazon-seq] \\
         [--user-col C] [--item-col C] [--time-col C] [--rating-col C] [--feature-cols C1,C2] \\
-        [--id-type auto|string|int] [--time-unit s|ms|us|ns] [--k-core K] \\
+        [--id-type auto|string|int] [--time-unit s|ms|us|ns] [--delimiter C] [--k-core K] \\
         [--on-bad-rows error|quarantine] [--num-files N] [--memory-budget 1GiB] [--workers N]
 
 Input: Parquet or CSV files (optionally .gz / .bz2 / .zst / .lz4 compressed CSV), or the two Amazon layouts of
@@ -63,7 +63,9 @@ included; Parquet: 1-based row) and field; ``quarantine``: the row goes to ``qua
 by reason in the manifest (``source_rows == good rows + quarantined``). Bad input as a whole (a missing
 column, an id column that is integer in one file and text in another, a type that cannot be an id, a source
 that does not exist or cannot be reached) raises :class:`InputError` (a ValueError) naming the file and the
-column. Nothing is written to ``--out`` until everything succeeded: the output is built in a temporary folder
+column; a CSV header that lacks a column and reads as one column holding ``;``, a tab, ``|`` or ``,`` names that
+separator and the ``--delimiter`` to pass, one that reads as data says the file has no header row
+(:func:`header_hint`). Nothing is written to ``--out`` until everything succeeded: the output is built in a temporary folder
 beside it, fsynced, and renamed into place.
 
 Memory and parallelism: ``--memory-budget`` (default 1 GiB, at least 256 MiB) bounds the peak RSS of the
@@ -571,6 +573,34 @@ class _Spec:
         return flags.get(col, "--feature-cols")
 
 
+#: CSV field separators a header read as one column is checked for (:func:`header_hint`), with their names.
+_DELIMITER_NAMES = {",": "commas (',')", ";": "semicolons (';')", "\t": "tabs", "|": "pipes ('|')"}
+_DATA_RE = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?|[0-9]{4}-[0-9]{2}-[0-9]{2}([ T].*)?")
+
+
+def _delimiter_arg(d: str) -> str:
+    """``--delimiter X`` as typed in a shell (a tab as ``'\\t'``, which --delimiter reads as a tab)."""
+    return "--delimiter '\\t'" if d == "\t" else f"--delimiter {d!r}" if d in ";|" else f"--delimiter {d}"
+
+
+def header_hint(names: list[str], delimiter: str, expected: list[str]) -> str:
+    """Pure: why a CSV header (``names``, read with ``delimiter``) may lack the ``expected`` columns, or "".
+
+    One name holding another separator (``user;item;timestamp``): the file looks delimited by it, with the
+    --delimiter to pass. Names that read as data (numbers, ISO dates: ``1,31,1700000000``): the file seems to
+    have no header row, and its first line must name the ``expected`` columns (there is no option for a headerless
+    CSV). The missing-column error adds it, in parentheses."""
+    if len(names) == 1:
+        for d, what in _DELIMITER_NAMES.items():
+            if d != delimiter and d in names[0]:
+                return (f"one column: the file looks delimited by {what}, not "
+                        f"{_DELIMITER_NAMES.get(delimiter, repr(delimiter))}; pass {_delimiter_arg(d)}")
+    if any(_DATA_RE.fullmatch(n.strip()) for n in names):
+        return ("data, not names: the file seems to have no header row; its first line must name the columns: "
+                f"{', '.join(expected)} (--user-col, --item-col, --time-col name others)")
+    return ""
+
+
 def _type_kind(t: pa.DataType) -> str | None:
     if pa.types.is_dictionary(t):
         t = t.value_type
@@ -621,7 +651,9 @@ def _inspect(files: list[SourceFile], spec: _Spec) -> dict[str, int]:
         for col in spec.columns:
             if col not in types:
                 shown = ", ".join(names[:12]) + (f", ... ({len(names)} in all)" if len(names) > 12 else "")
-                raise InputError(f"{f.display}: no column {col!r} ({spec.role(col)}); the file has: {shown}")
+                hint = header_hint(names, spec.delimiter, spec.columns) if f.fmt == "csv" and spec.header else ""
+                raise InputError(f"{f.display}: no column {col!r} ({spec.role(col)}); the file has: {shown}"
+                                 + (f" ({hint})" if hint else ""))
         for col in (spec.user, spec.item, *spec.features):
             kind = _type_kind(types[col])
             if kind is None:
@@ -1601,7 +1633,8 @@ def prepare_interactions(src: str | list[str], out: str | Path, *, fmt: str = "a
     user_col / item_col / time_col (defaults user_id / item_id / timestamp; fixed for the Amazon formats),
     rating_col (stars 0..5; default none: ratings 0), feature_cols: categorical columns carried as
     ``feat_<name>``. id_type: "auto" (Parquet: the column type; CSV: text), "string" or "int". time_unit: unit of
-    numeric times. delimiter: CSV field separator (default ",", "\\t" for .tsv). k_core: 0 (off) or K >= 2.
+    numeric times. delimiter: CSV field separator (default ",", "\\t" for .tsv; the two characters ``\\t``: a
+    tab). k_core: 0 (off) or K >= 2.
     on_bad_rows: "error" | "quarantine". num_files: history files (0: max(8, ceil(interactions / 2**20)); capped
     at the user count, logged at INFO when it is). memory_budget: bytes or a size string (>= 256 MiB). workers:
     processes for passes 1-2. progress: tqdm bars on stderr. _tuning: tests only: overrides of the sizes derived from the budget
@@ -1652,8 +1685,10 @@ def prepare_interactions(src: str | list[str], out: str | Path, *, fmt: str = "a
     input_fmt = fmt if fmt in amazon.FORMATS else files[0].fmt
     if delimiter is None:
         delimiter = "\t" if input_fmt == "csv" and all(_split_ext(f.path)[0] == ".tsv" for f in files) else ","
+    if delimiter == "\\t":  # typed as backslash-t (a shell passes it unchanged): a tab
+        delimiter = "\t"
     if len(delimiter) != 1:
-        raise ValueError(f"--delimiter {delimiter!r}: expected one character")
+        raise ValueError(f"--delimiter {delimiter!r}: expected one character (a tab: '\\t')")
     spec = _Spec(fmt=input_fmt, user=user_col, item=item_col, time=time_col, rating=rating_col,
                  features=list(feature_cols), kinds={}, id_type=id_type, time_unit=time_unit, delimiter=delimiter,
                  quarantine=on_bad_rows == "quarantine", header=input_fmt == "csv")

@@ -574,6 +574,58 @@ def test_bad_input_is_one_error_line_and_nothing_written(tmp_path, capsys, kind)
     no_leftovers(out)
 
 
+SEMI_LOG = "user_id;item_id;timestamp\n1;31;1700000000\n1;32;1700000100\n"
+
+
+@pytest.mark.parametrize("case", ["semicolon", "tab", "pipe", "comma_in_tsv", "no_header", "no_header_string_ids",
+                                  "no_header_iso_times"])
+def test_missing_columns_say_the_delimiter_or_the_missing_header(tmp_path, capsys, case):
+    """A ';'- or tab-separated file read with ',' has one column named 'user_id;item_id;timestamp', and a file
+    without a header row has columns named by its first row ('1', '31', '1700000000'): both said only "no column
+    'user_id'". The error now says why: the separator the one column holds, with the --delimiter to pass (which
+    then prepares it: '\\t', as a shell passes it, is a tab), or that the first line is data, not names, and the
+    names it must give."""
+    body = {"semicolon": SEMI_LOG, "tab": SEMI_LOG.replace(";", "\t"), "pipe": SEMI_LOG.replace(";", "|"),
+            "comma_in_tsv": SEMI_LOG.replace(";", ","), "no_header": "1,31,1700000000\n1,32,1700000100\n",
+            "no_header_string_ids": "u1,sku-31,1700000000.5\n", "no_header_iso_times": "u1,a,2024-01-31\n"}[case]
+    src = tmp_path / ("log.tsv" if case == "comma_in_tsv" else "log.csv")
+    src.write_text(body)
+    out = tmp_path / "prep"
+    rc, _, err = run_cli(["prepare", "interactions", "--src", str(src), "--out", str(out)], capsys)
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1, err
+    header = body.partition("\n")[0]
+    fix = {"semicolon": "semicolons (';'), not commas (','); pass --delimiter ';'",
+           "tab": "tabs, not commas (','); pass --delimiter '\\t'",
+           "pipe": "pipes ('|'), not commas (','); pass --delimiter '|'",
+           "comma_in_tsv": "commas (','), not tabs; pass --delimiter ,"}.get(case)
+    if fix:
+        want = (f"gemray: error: {src}: no column 'user_id' (--user-col); the file has: {header} (one column: the "
+                f"file looks delimited by {fix})")
+    else:
+        want = (f"gemray: error: {src}: no column 'user_id' (--user-col); the file has: {header.replace(',', ', ')} "
+                "(data, not names: the file seems to have no header row; its first line must name the columns: "
+                "user_id, item_id, timestamp (--user-col, --item-col, --time-col name others))")
+    assert lines[0] == want, lines[0]
+    no_leftovers(out)
+    if fix:  # the option the error names prepares the file
+        arg = {"semicolon": ";", "tab": "\\t", "pipe": "|", "comma_in_tsv": ","}[case]
+        rc, _, err = run_cli(["prepare", "interactions", "--src", str(src), "--out", str(out), "--delimiter", arg],
+                             capsys)
+        assert rc == 0, err
+        assert read_prepared(out) == {"1": [("31", 0, 1700000000), ("32", 0, 1700000100)]}
+
+
+def test_a_header_without_the_column_gets_no_hint(tmp_path):
+    """Only a header that reads as one separated column or as data gets a hint: a header that names other
+    columns is said as before."""
+    src = tmp_path / "a.csv"
+    src.write_text("user_id,item_id,time\n1,2,3\n")
+    with pytest.raises(InputError) as e:
+        prepare_interactions(str(src), tmp_path / "prep", progress=False)
+    assert str(e.value) == f"{src}: no column 'timestamp' (--time-col); the file has: user_id, item_id, time"
+
+
 def test_an_error_keeps_the_previous_preparation(tmp_path, capsys):
     src = tmp_path / "log.csv"
     src.write_text(HAND_CSV)
