@@ -280,7 +280,8 @@ def _add_prepare_interactions(prep_sub) -> None:
                          "bad rows)")
     it.add_argument("--time-unit", choices=tuple(TIME_UNITS), default="s",
                     help="unit of numeric times (default s); a number that reads as 2200 or later in it is a bad "
-                         "row whose error names the likely unit (e.g. ms)")
+                         "row whose error names the likely unit (e.g. ms); when most read as before 1990 in ms, us "
+                         "or ns, a warning names the likely unit (e.g. s)")
     it.add_argument("--delimiter", default=None, help="CSV field separator, one character: e.g. ';' or '|', "
                     "'\\t' for a tab (default ',', tab for .tsv)")
     it.add_argument("--k-core", type=int, default=0, metavar="K",

@@ -32,10 +32,12 @@ stars 0..5 in steps of 0.5; no rating column, or a null rating: 0. ``timestamps`
 columns are converted, strings are integers / decimals or ISO 8601 (``2024-01-31``, ``2024-01-31 12:00:00``,
 ``...T12:00:00Z``, ``...+02:00``; without a zone: UTC). A number that comes out at or past 2200 in
 ``--time-unit`` is a bad row (``out_of_range``) whose message names the unit it most likely is (milliseconds
-read as seconds: around the year 55,000) and the ``--time-unit`` to pass. The manifest records the times'
-range (``time_range``: ISO 8601 UTC and unix seconds; the summary prints its dates). ``amazon-seq`` files carry
-no times: the position in the user's sequence (0, 1, ...) is the timestamp (``manifest["time_unit"] ==
-"position"``, ``time_range`` null).
+read as seconds: around the year 55,000) and the ``--time-unit`` to pass. When most numbers in a ``--time-unit``
+other than ``s`` come out before 1990 (seconds read as milliseconds: January 1970), the rows are kept as read
+but a WARNING (and the summary, beside the dates) names an example row and the unit they likely are
+(:func:`time_unit_warning`). The manifest records the times' range (``time_range``: ISO 8601 UTC and unix
+seconds; the summary prints its dates). ``amazon-seq`` files carry no times: the position in the user's
+sequence (0, 1, ...) is the timestamp (``manifest["time_unit"] == "position"``, ``time_range`` null).
 
 Ids. Raw ids are integers or strings (CSV: always the exact text unless ``--id-type int``; Parquet: the column's
 type; ``--id-type string`` turns integer columns into their decimal text). Dense ids, in a fixed, documented
@@ -134,6 +136,10 @@ _UNIT_NAMES = {"s": "seconds", "ms": "milliseconds", "us": "microseconds", "ns":
 #: 2200-01-01T00:00:00Z in unix seconds. A number in --time-unit at or past it is a bad row (``out_of_range``)
 #: whose message names the unit it most likely is: milliseconds read as seconds land ~54,000 years ahead.
 MAX_UNIX_SECONDS = 7258118400
+#: 1990-01-01T00:00:00Z in unix seconds. When most numbers in a --time-unit other than s come out before it, the
+#: unit is likely too fine (seconds read as milliseconds land in January 1970): a warning (:func:`time_unit_warning`)
+#: naming the likely unit, not an error (logs this old exist).
+MIN_PLAUSIBLE_UNIX_SECONDS = 631152000
 _SECONDS_PER_YEAR = 31556952  # the mean Gregorian year
 _YEAR_10000 = 253402300800  # 10000-01-01T00:00:00Z: datetime's limit
 DEFAULT_MEMORY_BUDGET = "1GiB"
@@ -1013,10 +1019,11 @@ def _fast_int(s: pa.Array) -> pa.Array | None:
     return out
 
 
-def _conv_time(arr: pa.Array, col: str, unit: str, probs: _Problems) -> np.ndarray:
-    """A time column -> [N] int64 unix seconds (>= 0); failures are problems, and so are numbers in ``unit``
-    that come out at or past 2200 (:data:`MAX_UNIX_SECONDS`: most likely another unit, named by
-    :func:`_late_problem`). Parquet timestamps / dates and ISO text state their time: not checked."""
+def _conv_time(arr: pa.Array, col: str, unit: str, probs: _Problems) -> tuple[np.ndarray, np.ndarray]:
+    """A time column -> ([N] int64 unix seconds (>= 0), [N] bool: the row's time is a number in ``unit``);
+    failures are problems, and so are numbers in ``unit`` that come out at or past 2200 (:data:`MAX_UNIX_SECONDS`:
+    most likely another unit, named by :func:`_late_problem`). Parquet timestamps / dates and ISO text state their
+    time: not checked, and not numbers in ``unit``."""
     if isinstance(arr, pa.ChunkedArray):
         arr = arr.combine_chunks()
     if pa.types.is_dictionary(arr.type):
@@ -1055,7 +1062,7 @@ def _conv_time(arr: pa.Array, col: str, unit: str, probs: _Problems) -> np.ndarr
     late = numeric & (secs >= MAX_UNIX_SECONDS)
     if late.any():
         probs.add(late, col, "out_of_range", lambda i: _late_problem(_show(arr, i), int(secs[i]), unit))
-    return secs
+    return secs, np.broadcast_to(np.asarray(numeric, bool), (n,))
 
 
 def _late_problem(shown: str, secs: int, unit: str) -> str:
@@ -1164,6 +1171,9 @@ class _Converted:
     seq: np.ndarray
     features: dict[str, pa.Array]
     rows: int
+    numeric_times: int = 0  # good rows whose time is a number in --time-unit
+    early_times: int = 0  # ... of them before 1990 (MIN_PLAUSIBLE_UNIX_SECONDS)
+    early_example: dict[str, Any] | None = None  # the first such row: file, line, value as shown, number
 
 
 def _convert(chunk: _Chunk, spec: _Spec, display: str) -> tuple[_Converted, list[dict[str, Any]]]:
@@ -1173,8 +1183,8 @@ def _convert(chunk: _Chunk, spec: _Spec, display: str) -> tuple[_Converted, list
     probs = _Problems(n)
     user = _conv_id(chunk.cols[spec.user], spec.user, spec.kinds[spec.user], probs, nullable=False)
     item = _conv_id(chunk.cols[spec.item], spec.item, spec.kinds[spec.item], probs, nullable=False)
-    ts = (_conv_time(chunk.cols[spec.time], spec.time, spec.time_unit, probs) if spec.time is not None
-          else np.zeros(n, np.int64))
+    ts, numeric = (_conv_time(chunk.cols[spec.time], spec.time, spec.time_unit, probs) if spec.time is not None
+                   else (np.zeros(n, np.int64), np.zeros(n, bool)))
     rating = _conv_rating(chunk.cols[spec.rating], spec.rating, probs) if spec.rating else np.zeros(n, np.int8)
     feats = {c: _conv_id(chunk.cols[c], c, spec.kinds[c], probs, nullable=True) for c in spec.features}
     bad = list(chunk.bad)
@@ -1200,12 +1210,21 @@ def _convert(chunk: _Chunk, spec: _Spec, display: str) -> tuple[_Converted, list
             bad.extend(probs.records(display, chunk.lines, raw_of, None if spec.quarantine else 1))
         bad.sort(key=lambda r: r["line"])
     keep = ~probs.bad
+    numeric = numeric & keep
+    early = np.flatnonzero(numeric & (ts < MIN_PLAUSIBLE_UNIX_SECONDS))
+    example = None
+    if early.size and spec.time_unit != "s":
+        i = int(early[0])
+        v = chunk.cols[spec.time][i].as_py()
+        example = {"file": display, "line": int(chunk.lines[i]), "value": _show(chunk.cols[spec.time], i),
+                   "number": float(v.decode("utf-8") if isinstance(v, bytes) else v)}
     if not keep.all():
         k = pa.array(keep)
         user, item = user.filter(k), item.filter(k)
         feats = {c: a.filter(k) for c, a in feats.items()}
         ts, rating = ts[keep], rating[keep]
-    return _Converted(user, item, ts, rating, chunk.seq[keep], feats, int(keep.sum())), bad
+    return _Converted(user, item, ts, rating, chunk.seq[keep], feats, int(keep.sum()), int(numeric.sum()),
+                      int(early.size), example), bad
 
 
 # ------------------------------------------------------------------------------------------------ pass 1: spill
@@ -1292,7 +1311,8 @@ def _scan_task(task: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"files": [], "error": None}
     try:
         for idx, f in files:
-            facts = {"index": idx, "rows": 0, "good": 0, "bad": 0, "by_reason": {}, "quarantine": None}
+            facts = {"index": idx, "rows": 0, "good": 0, "bad": 0, "by_reason": {}, "quarantine": None,
+                     "numeric_times": 0, "early_times": 0, "early_example": None}
             hashers: list[_HashingReader] = []
             try:
                 if f.fmt == "parquet":
@@ -1314,6 +1334,9 @@ def _scan_task(task: dict[str, Any]) -> dict[str, Any]:
                         qfile.write(json.dumps(r, sort_keys=True) + "\n")
                     facts["bad"] += len(bad)
                     facts["good"] += conv.rows
+                    facts["numeric_times"] += conv.numeric_times
+                    facts["early_times"] += conv.early_times
+                    facts["early_example"] = facts["early_example"] or conv.early_example
                     facts["rows"] += (len(_distinct(chunk.lines)) if spec.fmt == "amazon-seq" else len(chunk.lines)) \
                         + len(chunk.bad)
                     if conv.rows == 0:
@@ -1766,6 +1789,9 @@ def prepare_interactions(src: str | list[str], out: str | Path, *, fmt: str = "a
                              f"{' ...' if len(files) > 3 else ''}: no valid interaction rows "
                              f"({n_bad} bad rows quarantined{_first_bad(facts)})")
         vocab_bytes = items.h.nbytes * 2 + items.raw.nbytes + sum(v.h.nbytes * 2 + v.raw.nbytes for v in fvocab.values())
+        unit_check = None if spec.time is None else time_unit_warning(
+            spec.time_unit, sum(f["numeric_times"] for f in facts), sum(f["early_times"] for f in facts),
+            next((f["early_example"] for f in facts if f["early_example"]), None), spec.time)
 
         _phase("pass 1 (read, check, spill)", t0, f"{source_rows} rows, {n_bad} bad, {len(items.h)} items")
         # ---- pass 2: per partition (split again where it came out too large): sort, encode
@@ -2034,7 +2060,41 @@ def prepare_interactions(src: str | list[str], out: str | Path, *, fmt: str = "a
         raise
     warn_if_no_split_users(log, out, manifest)
     manifest["run"] = run  # for the caller (format_summary); not in the content manifest on disk
+    if unit_check:
+        log.warning("%s: %s", out, unit_check["message"])
+        manifest["time_unit_check"] = unit_check  # for the caller (format_summary), as "run"
     return manifest
+
+
+def time_unit_warning(unit: str, numeric: int, early: int, example: dict[str, Any] | None,
+                      col: str) -> dict[str, Any] | None:
+    """Pure: the warning for a --time-unit that looks too fine, or None.
+
+    unit: --time-unit; numeric: good rows whose time was a number in it; early: those before 1990
+    (:data:`MIN_PLAUSIBLE_UNIX_SECONDS`); example: the first of them (``file``, ``line``, ``value`` as shown,
+    ``number``); col: the time column. A warning when the unit is not ``s`` and most (more than half) of the
+    numeric times fall before 1990 (seconds read as milliseconds all land in January 1970): it names the rows, an
+    example and the coarser unit in which the example is a time from 1990 to 2200 (``likely_unit``, None when
+    none is). Not an error: logs this old exist. Returns {"early", "numeric", "unit", "likely_unit", "message"}."""
+    if unit == "s" or numeric <= 0 or 2 * early <= numeric:
+        return None
+    share = f"all {numeric}" if early == numeric else f"{early} of {numeric}"
+    text = f"{share} times in column {col!r} (numbers in --time-unit {unit}) are before 1990"
+    likely = None
+    if example is not None:
+        number = example["number"]
+        text += (f", e.g. {example['file']}:{example['line']}: {example['value']} is "
+                 f"{_iso(int(number // TIME_UNITS[unit]))}")
+        for u, factor in sorted(TIME_UNITS.items(), key=lambda x: -x[1]):  # the finest coarser unit first
+            if factor < TIME_UNITS[unit] and MIN_PLAUSIBLE_UNIX_SECONDS <= number // factor < MAX_UNIX_SECONDS:
+                likely = u
+                text += (f"; they look like {_UNIT_NAMES[u]} ({example['value']} in {u} is "
+                         f"{_iso(int(number // factor))}): prepare again with --time-unit {u}")
+                break
+    if likely is None:
+        text += f"; check the column's unit (--time-unit {'|'.join(TIME_UNITS)})"
+    text += " (the times are kept as read: logs this old exist)"
+    return {"early": early, "numeric": numeric, "unit": unit, "likely_unit": likely, "message": text}
 
 
 def _iso(secs: int) -> str:
@@ -2090,15 +2150,23 @@ def _rel_name(f: SourceFile, files: list[SourceFile]) -> str:
 
 
 def format_summary(manifest: dict[str, Any], out: str | Path | None = None) -> str:
-    """One paragraph for the CLI: counts, quarantine, repeated (user, item) rows, features, k-core, time and peak
-    memory of the run."""
+    """One paragraph for the CLI: counts, the times' dates (with the --time-unit warning of
+    :func:`time_unit_warning` when the run gave one), quarantine, repeated (user, item) rows, features, k-core,
+    time and peak memory of the run."""
     c, q, s = manifest["counts"], manifest["quarantine"], manifest["splits"]
     where = f" -> {out}" if out is not None else ""
     text = (f"prepared {manifest['input_format']} interactions{where}: {c['users']} users, {c['items']} items, "
             f"{c['interactions']} interactions in {len(manifest['files'])} files; ")
     if manifest.get("time_range"):
-        t = manifest["time_range"]
-        text += f"times from {t['min'][:10]} to {t['max'][:10]} (UTC); "
+        t, check = manifest["time_range"], manifest.get("time_unit_check")
+        text += f"times from {t['min'][:10]} to {t['max'][:10]} (UTC"
+        if check:  # most numbers in --time-unit before 1990 (time_unit_warning): say it where the dates are
+            share = f"all {check['early']}" if check["early"] == check["numeric"] else \
+                f"{check['early']} of {check['numeric']}"
+            text += (f"; WARNING: {share} before 1990 in --time-unit {check['unit']}"
+                     + (f": they look like {_UNIT_NAMES[check['likely_unit']]}, pass --time-unit "
+                        f"{check['likely_unit']}" if check["likely_unit"] else ": check the unit"))
+        text += "); "
     text += (f"{s['users']} users in the splits, {s['too_short_users']} too short (< {s['min_history']}); "
              f"{q['total']} bad rows quarantined")
     if q["by_reason"]:

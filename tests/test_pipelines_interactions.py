@@ -714,6 +714,69 @@ def test_times_past_2200_name_the_likely_unit(tmp_path, capsys, case):
     no_leftovers(out)
 
 
+def test_time_unit_warning_decides():
+    """Pure: a warning when the unit is not s and more than half of the numeric times are before 1990, naming the
+    coarser unit in which the first of them is a time from 1990 to 2200."""
+    from gemray.pipelines.interactions import time_unit_warning
+
+    ex = {"file": "log.csv", "line": 2, "value": "'1700000000'", "number": 1700000000.0}
+    w = time_unit_warning("ms", 3, 3, ex, "timestamp")
+    assert w == {"early": 3, "numeric": 3, "unit": "ms", "likely_unit": "s", "message":
+                 "all 3 times in column 'timestamp' (numbers in --time-unit ms) are before 1990, e.g. log.csv:2: "
+                 "'1700000000' is 1970-01-20T16:13:20Z; they look like seconds ('1700000000' in s is "
+                 "2023-11-14T22:13:20Z): prepare again with --time-unit s (the times are kept as read: logs this old "
+                 "exist)"}
+    ms = dict(ex, value="1700000000000", number=1700000000000.0)
+    assert time_unit_warning("ns", 5, 4, ms, "ts")["likely_unit"] == "ms"
+    assert time_unit_warning("ns", 5, 4, ms, "ts")["message"].startswith("4 of 5 times in column 'ts'")
+    assert time_unit_warning("us", 2, 2, ex, "ts")["likely_unit"] == "s"
+    small = dict(ex, value="5", number=5.0)  # no unit makes it a time after 1990
+    assert time_unit_warning("ms", 1, 1, small, "ts")["likely_unit"] is None
+    assert "check the column's unit (--time-unit s|ms|us|ns)" in time_unit_warning("ms", 1, 1, small, "ts")["message"]
+    assert time_unit_warning("s", 3, 3, ex, "ts") is None  # seconds before 1990: old logs, said by the time range
+    assert time_unit_warning("ms", 4, 2, ex, "ts") is None  # half: not most
+    assert time_unit_warning("ms", 0, 0, None, "ts") is None  # no numeric times (ISO text, Parquet timestamps)
+
+
+def test_seconds_read_as_milliseconds_warn(tmp_path, capsys, caplog):
+    """A log in seconds prepared with --time-unit ms (or us, ns) put every time in January 1970 without a word.
+    It is still prepared as read (old logs exist), but a WARNING names the file, line, column and the unit the
+    times look like, and the summary says it beside the dates."""
+    src = tmp_path / "log.csv"
+    src.write_text("user_id,item_id,timestamp\nu1,a,1700000000\nu1,b,1700000100\nu1,c,1600000000\n")
+    out = tmp_path / "prep"
+    with caplog.at_level("WARNING", logger="gemray.pipelines.interactions"):
+        rc, stdout, err = run_cli(["prepare", "interactions", "--src", str(src), "--out", str(out), "--time-unit",
+                                   "ms"], capsys)
+    assert rc == 0, err
+    assert read_prepared(out) == {"u1": [("c", 0, 1600000), ("a", 0, 1700000), ("b", 0, 1700000)]}
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert said == [f"{out}: all 3 times in column 'timestamp' (numbers in --time-unit ms) are before 1990, e.g. "
+                    f"{src}:2: '1700000000' is 1970-01-20T16:13:20Z; they look like seconds ('1700000000' in s is "
+                    "2023-11-14T22:13:20Z): prepare again with --time-unit s (the times are kept as read: logs this "
+                    "old exist)"], said
+    assert ("times from 1970-01-19 to 1970-01-20 (UTC; WARNING: all 3 before 1990 in --time-unit ms: they look like "
+            "seconds, pass --time-unit s); ") in stdout, stdout
+    assert "time_unit_check" not in load_manifest(out)  # the content manifest is unchanged
+    # Parquet nanoseconds holding milliseconds: the same, naming milliseconds
+    pq.write_table(pa.table({"user_id": [1, 1], "item_id": [2, 3], "timestamp": [1700000000000, 1700000000500]}),
+                   tmp_path / "log.parquet")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="gemray.pipelines.interactions"):
+        m = prepare_interactions(str(tmp_path / "log.parquet"), tmp_path / "pq", time_unit="ns", progress=False)
+    assert m["time_unit_check"]["likely_unit"] == "ms" and "pass --time-unit ms" in format_summary(m)
+    assert [r for r in caplog.records if f"{tmp_path / 'log.parquet'}:1: 1700000000000 is" in r.getMessage()]
+    # no warning: the right unit; times that state themselves (ISO text) whatever --time-unit says; seconds
+    for body, unit in (("u1,a,1700000000000\nu1,b,1700000100000\n", "ms"), ("u1,a,1985-01-01\n", "ms"),
+                       ("u1,a,500000000\n", "s")):
+        src.write_text("user_id,item_id,timestamp\n" + body)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="gemray.pipelines.interactions"):
+            m = prepare_interactions(str(src), tmp_path / "ok", time_unit=unit, progress=False)
+        assert "time_unit_check" not in m and "WARNING" not in format_summary(m), body
+        assert not [r for r in caplog.records if "1990" in r.getMessage()], body
+
+
 def test_time_unit_ms_reads_milliseconds_and_the_time_range_is_recorded(tmp_path, capsys):
     """The same log with --time-unit ms prepares (times floored to seconds), and the manifest records the range
     of the times (ISO 8601 UTC and unix seconds), which the summary prints as dates: a unit mistake shows at a
