@@ -496,6 +496,67 @@ def test_render_cli_errors_name_the_problem(tmp_path):
     assert out.read_text() == text and "-o" not in text.splitlines()[0]
 
 
+def test_config_in_image_is_repository_relative():
+    """Pure: the pods' --config is the config's path relative to its checkout (the image's working folder holds
+    the checkout's configs/); a path outside configs/ or outside any checkout is refused, saying configs must be
+    repository-relative, e.g. configs/x.toml."""
+    co = Path("/home/me/gemray")
+    assert render.config_in_image("/home/me/gemray/configs/x.toml", co / "configs/x.toml", co) == "configs/x.toml"
+    assert render.config_in_image("x.toml", co / "configs/x.toml", co) == "configs/x.toml"  # run from configs/
+    assert render.config_in_image("configs/sub/x.toml", co / "configs/sub/x.toml", co) == "configs/sub/x.toml"
+    assert render.config_in_image("configs/x.toml", Path("/srv/configs/x.toml"), None) == "configs/x.toml"
+    ship = ("configs ship in the image from the checkout's configs/ folder (deploy/Dockerfile): copy it there, "
+            "rebuild the image and pass it repository-relative, e.g. --config configs/x.toml")
+    for config, path, checkout, want in [
+            ("/tmp/x.toml", Path("/tmp/x.toml"), None, "--config /tmp/x.toml: an absolute path on this machine, not "
+             "in a gemray checkout (no deploy/Dockerfile above it): the pods would not find it; "),
+            ("/tmp/x.toml", Path("/tmp/x.toml"), co, "--config /tmp/x.toml: /tmp/x.toml is outside the checkout the "
+             "image is built from (/home/me/gemray): the pods would not find it; "),
+            ("runs/a/x.toml", co / "runs/a/x.toml", co, "--config runs/a/x.toml: runs/a/x.toml is not under configs/, "
+             "the only config folder the image holds: the pods would not find it; "),
+            ("/home/me/gemray/x.toml", co / "x.toml", co, "--config /home/me/gemray/x.toml: x.toml is not under "
+             "configs/")]:
+        with pytest.raises(ValueError) as e:
+            render.config_in_image(config, path, checkout)
+        assert str(e.value).startswith(want) and str(e.value).endswith(ship), str(e.value)
+    # what it relies on: the image copies the checkout's configs/ folder into its working folder
+    assert re.search(rf"^COPY\b.*\s{render.IMAGE_CONFIG_DIR}\s+\./{render.IMAGE_CONFIG_DIR}\s*$",
+                     (DEPLOY / "Dockerfile").read_text(), re.M)
+
+
+def test_render_maps_or_refuses_a_host_config_path(tmp_path, capsys):
+    """`gemray k8s render --config /absolute/host/path.toml` wrote that host path into the pods' entrypoint
+    (`gemray train --config /home/me/...`), where no pod has it. A config in the checkout's configs/ now goes in
+    repository-relative, as the image holds it; one elsewhere is refused in one line, writing nothing."""
+    out = tmp_path / "job.yaml"
+    assert cli.main(["render", "--config", str(REPO / "configs" / "ml-latest-small.toml"), "-o", str(out)]) == 0
+    m = yaml.safe_load(out.read_text())
+    argv = shlex.split(m["spec"]["entrypoint"])
+    assert argv[:4] == ["gemray", "train", "--config", "configs/ml-latest-small.toml"], argv
+    assert m["metadata"]["annotations"]["gemray.io/config"] == "configs/ml-latest-small.toml"
+    capsys.readouterr()
+    # a checkout of its own (deploy/Dockerfile marks it): its configs/ maps, its runs/ does not ship
+    co = tmp_path / "co"
+    (co / "deploy").mkdir(parents=True)
+    (co / "deploy" / "Dockerfile").write_text("FROM scratch\n")
+    text = (REPO / "configs" / "ml-latest-small.toml").read_text()
+    for rel in ("configs/mine.toml", "runs/old/config.toml"):
+        (co / rel).parent.mkdir(parents=True)
+        (co / rel).write_text(text)
+    (tmp_path / "elsewhere.toml").write_text(text)
+    m = yaml.safe_load(cli.render_cli(["--config", str(co / "configs" / "mine.toml"), "--kind", "raycluster"]))
+    assert shlex.split(m["metadata"]["annotations"]["gemray.io/entrypoint"])[3] == "configs/mine.toml"
+    for config, why in [(tmp_path / "elsewhere.toml", "an absolute path on this machine, not in a gemray checkout"),
+                        (co / "runs" / "old" / "config.toml", "runs/old/config.toml is not under configs/")]:
+        assert cli.main(["render", "--config", str(config), "-o", str(tmp_path / "refused.yaml")]) == 2
+        stdout, err = capsys.readouterr()
+        lines = err.strip().splitlines()
+        assert stdout == "" and len(lines) == 1, err
+        assert lines[0].startswith(f"gemray: error: --config {config}: {why}"), lines[0]
+        assert "pass it repository-relative, e.g. --config configs/" in lines[0], lines[0]
+        assert not (tmp_path / "refused.yaml").exists()
+
+
 # ---- Dockerfile lint (the engine is not available here) ----
 
 def test_dockerfile_lint():

@@ -18,15 +18,17 @@ from pathlib import Path
 from typing import Any
 
 from gemray.config import USER_ERRORS, load_config, writable_file
-from gemray.k8s.render import (DEFAULT_GPU_IMAGE, DEFAULT_IMAGE, GENERATED_HEADER, KINDS, POD_PATH_KEYS,
-                               PREEMPT_MARGIN_S, DeployOptions, check_pod_overrides, render, render_pvc, to_yaml)
+from gemray.k8s.render import (DEFAULT_GPU_IMAGE, DEFAULT_IMAGE, GENERATED_HEADER, IMAGE_CONFIG_DIR, KINDS,
+                               POD_PATH_KEYS, PREEMPT_MARGIN_S, DeployOptions, check_pod_overrides, config_in_image,
+                               render, render_pvc, to_yaml)
 from gemray.k8s.validate import NotAManifest, validate_files
 
 
 def add_render_arguments(p: Any) -> None:
     """Add the ``gemray k8s render`` options to an argparse parser."""
-    p.add_argument("--config", default="", help="gemray TOML config (path as seen inside the image); "
-                   "required except for --kind pvc")
+    p.add_argument("--config", default="", help=f"gemray TOML config in the checkout's {IMAGE_CONFIG_DIR}/ "
+                   "folder, which the image ships (deploy/Dockerfile): the pods get its repository-relative path "
+                   f"(e.g. {IMAGE_CONFIG_DIR}/ml-1m.toml); a path outside it is refused. Required except for --kind pvc")
     p.add_argument("--set", dest="overrides", nargs="+", action="extend", default=[], metavar="SECTION.KEY=VALUE",
                    help="config overrides, also passed on to `gemray train` (several per --set, as there; repeatable). "
                    "The job sets the pods' own data.raw_dir, data.prepared_dir (/mnt/gemray/raw|prepared/<last folder "
@@ -82,13 +84,25 @@ def render_from_args(ns: Any, argv: list[str] | None = None) -> str:
     # overrides: the config with them applied derives its pod paths from the refused value)
     base = load_config(ns.config, [o for o in ns.overrides if o.partition("=")[0].strip() not in POD_PATH_KEYS])
     check_pod_overrides(base, DeployOptions(storage=ns.storage, overrides=tuple(ns.overrides)), base)
+    path = Path(ns.config).expanduser().resolve()
+    in_image = config_in_image(ns.config, path, find_checkout(path.parent))  # a host path refused, never shipped
     cfg = load_config(ns.config, ns.overrides)
     opts = DeployOptions(
         kind=ns.kind, gpu=ns.gpu, image=ns.image, storage=ns.storage, name=ns.name,
-        namespace=ns.namespace, config_path=ns.config, data_cpus=ns.data_cpus,
+        namespace=ns.namespace, config_path=in_image, data_cpus=ns.data_cpus,
         worker_memory=ns.worker_memory, backoff_limit=ns.backoff_limit, redis_address=ns.redis_address,
         expose_dashboard=ns.expose_dashboard, overrides=tuple(ns.overrides), grace_period_s=ns.grace_period_s)
     return _write(to_yaml(render(cfg, opts), command), ns.output)
+
+
+def find_checkout(start: Path) -> Path | None:
+    """The folder the image is built from for a config in ``start``: the nearest of ``start`` and its parents that
+    holds deploy/Dockerfile (a gemray checkout, the build context of ``docker build -f deploy/Dockerfile .``), or
+    None."""
+    for folder in (start, *start.parents):
+        if (folder / "deploy" / "Dockerfile").is_file():
+            return folder
+    return None
 
 
 def check_output(output: str) -> None:
