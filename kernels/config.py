@@ -112,7 +112,9 @@ class RegimeConfig:
     registers and spill, sm_90 compiles 2026-12-05) for one more read of the dS scratch; not timed yet, off by
     default. ws_fwd: the softmax forward runs the warp-specialized Gluon kernel
     (kernels/ws_attention.py) where it applies, with ``ws_tiles`` (consumer warpgroups, BLOCK_N, STAGES,
-    ping-pong, persistent grid)."""
+    ping-pong, persistent grid). ws_bwd (with ds_store and dk_from_ds): the silu backward's dV + dS^T launch runs
+    the warp-specialized Gluon kernel (ws_attention.backward_dv_ds: 128 keys a program, two consumer warpgroups,
+    a TMA loader warp) where it applies, with ``ws_bwd_tiles`` (query rows per step, STAGES)."""
 
     tiles: TileSet
     heads_inner: bool = False
@@ -121,6 +123,8 @@ class RegimeConfig:
     dk_from_ds: bool = False
     ws_fwd: bool = False
     ws_tiles: WsTiles = (2, 128, 2, False, False)
+    ws_bwd: bool = False
+    ws_bwd_tiles: tuple[int, int] = (32, 2)
 
 
 # D=128 tiles: run 4's sweep winners (each timed on its regime's bench batch: short heavy B=128 N=1024, medium heavy
@@ -401,7 +405,7 @@ def registered() -> Mapping[str, KernelConfig]:
     return MappingProxyType(_REGISTRY)
 
 
-MODE_FIELDS = ("heads_inner", "tma_loads", "ds_store", "dk_from_ds")
+MODE_FIELDS = ("heads_inner", "tma_loads", "ds_store", "dk_from_ds", "ws_bwd")
 
 
 def _as_json(value) -> str:

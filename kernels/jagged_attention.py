@@ -1336,6 +1336,17 @@ def _use_ws_fwd(rc: kconfig.RegimeConfig, spec: _Spec, nt, bias, q: torch.Tensor
     return ws.eligible(q, k, v, spec.act, plain)
 
 
+def _use_ws_bwd(rc: kconfig.RegimeConfig, spec: _Spec, nt, bias, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor, do: torch.Tensor) -> bool:
+    """The regime's ws_bwd where the warp-specialized dV + dS^T launch takes the call (ws_attention.eligible_bwd):
+    silu over full rows, no targets / bias / prefix / block / window / PMA, on an sm_90 GPU (not the interpreter)."""
+    if ws is None or not rc.ws_bwd or _interpreting():
+        return False
+    plain = (nt is None and bias is None and not spec.context and not spec.att_block and not spec.window
+             and not spec.q_bcast)
+    return ws.eligible_bwd(q, k, v, do, spec.act, plain)
+
+
 def _fast_act(dtype: torch.dtype, cfg: KernelConfig) -> bool:
     """tanh.approx silu (one MUFU op per score) for 16-bit inputs on CUDA; exact path for fp32 and the
     interpreter (which cannot run inline PTX)."""
@@ -1579,10 +1590,16 @@ def _make_bwd_plan(fwd: _FwdPlan, q, k, v, bias, do, q_off, kv_off, nt, spec: _S
     fit = dict(d_v=d_v, rel=rel is not None, elem_bytes=q.element_size(), device=q.device)  # _tiles' smem fit
     steps, rel_rows = [], 0
     if ds_store:  # dK/dV (also storing dS^T), then dQ = dS K (and, dk_from_ds, dK = dS^T Q) from the stored tiles
-        kbm, kbn, kwarps, kstages = _tiles("dkdv_ds", d_qk, reg, spec.max_q_len, cfg, **fit)
-        table, ntk = _k_table(spec, q_off, kv_off, kbn, k.shape[0], grouped=cfg.seq_order_dkdv)
-        steps.append(bwd(table, (ntk, 1), kwarps, kstages, PART=1, DK_BM=kbm, DK_BN=kbn, DQ_BM=0, DQ_BN=0,
-                         STORE_DBIAS=want_dbias, STORE_DELTA=False, STORE_DS=True, NO_DK=rc.dk_from_ds))
+        if rc.dk_from_ds and not want_dbias and _use_ws_bwd(rc, spec, nt, bias, q, k, v, do):
+            table, ntk = _k_table(spec, q_off, kv_off, ws.BWD_KEYS, k.shape[0], grouped=cfg.seq_order_dkdv)
+            steps.append((functools.partial(ws.backward_dv_ds, n_tiles_k=ntk, causal=spec.causal, alpha=spec.alpha,
+                                            inv_n=spec.inv_n, tiles=rc.ws_bwd_tiles, fast=consts["FAST"]),
+                          table, "ws_dv_ds"))
+        else:
+            kbm, kbn, kwarps, kstages = _tiles("dkdv_ds", d_qk, reg, spec.max_q_len, cfg, **fit)
+            table, ntk = _k_table(spec, q_off, kv_off, kbn, k.shape[0], grouped=cfg.seq_order_dkdv)
+            steps.append(bwd(table, (ntk, 1), kwarps, kstages, PART=1, DK_BM=kbm, DK_BN=kbn, DQ_BM=0, DQ_BN=0,
+                             STORE_DBIAS=want_dbias, STORE_DELTA=False, STORE_DS=True, NO_DK=rc.dk_from_ds))
         qbm, qbn, qwarps, qstages = _tiles("dq_ds", d_qk, reg, spec.max_q_len, cfg, **fit)
         table, ntq = _q_table(spec, q_off, kv_off, qbm, t_out, grouped=cfg.seq_order_dq)
         steps.append((_Launch(_gdpa_dq_ds, grid(table.numel(), rc.heads_inner), [
@@ -1700,6 +1717,8 @@ def _backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             launch.planned([ds, k, dq, q_off, kv_off, ntarg, table])
         elif kind == "dk_ds":
             launch.planned([ds, q, dk, q_off, kv_off, ntarg, table])
+        elif kind == "ws_dv_ds":
+            launch(q, k, v, do, dv, ds, q_off, kv_off, table)
         else:
             tensors[13] = table
             launch.planned(tensors)

@@ -17,6 +17,15 @@ Low-precision", sections 3.1-3.2):
   program by default; a persistent grid of one program per SM is an option), counting slots and mbarrier
   phases across its items.
 
+The silu backward's dV + dS^T launch (``backward_dv_ds``, the regime's ``ws_bwd``; with ``dk_from_ds`` the
+Triton launches _gdpa_dq_ds / _gdpa_dk_ds then take dQ and dK from the stored dS^T) is built the same way: a
+program owns 128 keys, two consumer warpgroups of 64 key rows each keep their K and V tiles in shared memory and
+their [64, D] dV accumulator in registers, and a loader warp streams the query and dO tiles (BLOCK_M rows) through
+STAGES slots shared by both; per step a consumer computes S^T = K Q^T and dP^T = V dO^T, silu and silu' of S^T,
+dV += P^T dO with P^T from registers, and stores the dS^T tile by TMA from shared memory. The Triton launch it
+replaces holds one warpgroup at 255 registers and its products wait on its own pointwise work and stores; here
+the two warpgroups' products fill each other's gaps (2.54 -> 1.60 ms on a gem-h200 layer, H100, 2026-12-07).
+
 Same contract as ``jagged_attention._gdpa_fwd`` for the cases it takes (``eligible``): softmax, full rows
 (causal or not), no targets / bias / contextual prefix / block / window, not PMA, 16-bit inputs, head dim 64
 or 128 for queries, keys and values, rows 16-byte aligned and heads contiguous (one 2-D view [T, H * D] per
@@ -36,6 +45,7 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
     mbarrier,
     tma,
     warpgroup_mma,
@@ -275,6 +285,230 @@ def _ws_fwd(q_desc, k_desc, v_desc, O, LSE, Q_OFF, KV_OFF, WORK, stride_ot, stri
                                BLOCK_N, HEAD_D, STAGES))], [1], [40])
 
 
+_KROWS = gl.constexpr(64)  # key rows per consumer warpgroup of the backward (a wgmma's M)
+
+
+@gluon.jit
+def _act_and_grad(s, FAST: gl.constexpr):
+    """(silu(s), silu'(s)) of fp32 scores, as jagged_attention._act_and_grad's ACT 1: FAST (16-bit inputs) one
+    tanh.approx.f32 per score (sigmoid = (1 + tanh(s / 2)) / 2), else the fast-division sigmoid."""
+    h = 0.5 * s
+    if FAST:
+        t = gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [h], dtype=gl.float32, is_pure=True,
+                                      pack=1)
+        out = h * t + h
+        grad = (0.5 + 0.5 * t) * (1.0 + h - h * t)
+    else:
+        sig = gl.fdiv(s * 0.0 + 1.0, 1.0 + gl.exp2(-1.4426950408889634 * s), ieee_rounding=False)
+        out = s * sig
+        grad = sig * (1.0 + s * (1.0 - sig))
+    return out, grad
+
+
+@gluon.jit
+def _key_item(WORK, Q_OFF, KV_OFF, i, n_items, n_tiles_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Work item i of the backward launch (head-major: head i // n_items, key-tile table entry i % n_items, 128
+    keys per tile): (valid, head int64, first key row n0, q_start, lq, kv_start, lk, first query row lo, number of
+    query tiles of BLOCK_M rows to visit)."""
+    w = gl.load(WORK + i % n_items)
+    h = (i // n_items).to(gl.int64)
+    wv = gl.maximum(w, 0)
+    b = wv // n_tiles_k
+    n0 = (wv % n_tiles_k) * (2 * _KROWS)
+    q_start = gl.load(Q_OFF + b)
+    lq = (gl.load(Q_OFF + b + 1) - q_start).to(gl.int32)
+    kv_start = gl.load(KV_OFF + b)
+    lk = (gl.load(KV_OFF + b + 1) - kv_start).to(gl.int32)
+    lo = n0 * 0
+    if CAUSAL:
+        lo = (n0 // BLOCK_M) * BLOCK_M
+    n_steps = gl.maximum(gl.cdiv(lq - lo, BLOCK_M), 0)
+    return w >= 0, h, n0, q_start, lq, kv_start, lk, lo, n_steps
+
+
+@gluon.jit
+def _bwd_load_partition(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, kv_empty,
+                        q_ready, q_empty, do_ready, do_empty, WORK, Q_OFF, KV_OFF, n_items, n_tiles_k, total,
+                        CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+    """Loader warp of the backward: per work item the two consumers' key and value boxes (64 rows each) once the
+    previous item's are released, then query tile j and dO tile j into slot c % STAGES (c counts the program's
+    query steps across items) once both consumers released the slot's previous tiles."""
+    c = 0
+    it = 0
+    for i in range(gl.program_id(0), total, gl.num_programs(0)):
+        valid, h, n0, q_start, lq, kv_start, lk, lo, n_steps = _key_item(WORK, Q_OFF, KV_OFF, i, n_items,
+                                                                          n_tiles_k, CAUSAL, BLOCK_M)
+        if valid:
+            col = (h * HEAD_D).to(gl.int32)
+            kv_row = (kv_start + n0).to(gl.int32)
+            q_row = (q_start + lo).to(gl.int32)
+            mbarrier.wait(kv_empty, (it & 1) ^ 1)
+            mbarrier.expect(kv_bar, 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+            for w in gl.static_range(2):
+                tma.async_copy_global_to_shared(k_desc, [kv_row + w * _KROWS, col], kv_bar, k_smem.index(w))
+                tma.async_copy_global_to_shared(v_desc, [kv_row + w * _KROWS, col], kv_bar, v_smem.index(w))
+            for j in range(n_steps):
+                slot = (c + j) % STAGES
+                phase = (((c + j) // STAGES) & 1) ^ 1
+                mbarrier.wait(q_empty.index(slot), phase)
+                mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(q_desc, [q_row + j * BLOCK_M, col], q_ready.index(slot),
+                                                q_smem.index(slot))
+                mbarrier.wait(do_empty.index(slot), phase)
+                mbarrier.expect(do_ready.index(slot), do_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(do_desc, [q_row + j * BLOCK_M, col], do_ready.index(slot),
+                                                do_smem.index(slot))
+            c += n_steps
+            it += 1
+
+
+@gluon.jit
+def _ds_tile_store(dst, ds_buf, ds_desc, DS_ROW_PTRS, key_ok, cols, lq, desc_row, m0, full_rows, dtype: gl.constexpr):
+    """Write one dS^T tile [64, BLOCK_M] (fp32 registers, 0 where masked): with all 64 key rows inside the
+    sequence, through the warpgroup's shared-memory buffer and an asynchronous TMA store into the [H * Tk, W] view
+    (columns past lq receive the tile's zeros: they lie inside the row's W, which no reader takes unmasked);
+    otherwise masked stores from registers (rows past lk belong to the next sequence: never written). The TMA
+    store took the launch from 2.96 to 1.60 ms on a gem-h200 layer (H100, 2026-12-07): the registers' 4-byte
+    stores of the accumulator layout were a third of its time."""
+    if full_rows:
+        tma.store_wait(0)  # the buffer's previous tile has left
+        ds_buf.store(dst.to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()  # the warpgroup's named barrier: every thread's part is in the buffer
+        tma.async_copy_shared_to_global(ds_desc, [desc_row, m0], ds_buf)
+    else:
+        gl.store(DS_ROW_PTRS[:, None] + cols[None, :], dst.to(dtype), mask=key_ok[:, None] & (cols[None, :] < lq))
+
+
+@gluon.jit
+def _bwd_consumer_partition(q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, kv_empty, q_ready, q_empty, do_ready,
+                            do_empty, ds_desc, DS, DV, WORK, Q_OFF, KV_OFF, n_items, n_tiles_k, total, stride_dvt,
+                            stride_dvh, stride_dsh, stride_dst, t_k, alpha, inv_n, WG: gl.constexpr,
+                            CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr,
+                            STAGES: gl.constexpr, FAST: gl.constexpr):
+    """Consumer warpgroup WG: key rows [n0 + 64 WG, n0 + 64 WG + 64) of each work item. Steps whose pairs are
+    all masked for this warpgroup (keys past the sequence's end; causal: every query before its first key) come
+    first and only release their slots. Per live query step: S^T = K Q^T and dP^T = V dO^T (asynchronous), silu /
+    silu' of S^T while dP^T runs, dS^T = dP^T silu'(S^T), dV += silu(S^T) dO (P^T from registers) and the dS^T
+    tile's store beside the dV product; every product is waited for before the loop's back edge. The other
+    warpgroup's products fill this one's pointwise gaps. Then dV / N to global memory (rows past the sequence's
+    end are not written). Measured and lost (H100, 2026-12-07, one gem-h200 layer): issuing the next step's S^T /
+    dP^T before this step's store (1.60 -> 2.13 ms) and 16-row steps in 4 slots that way (2.51 ms)."""
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, BLOCK_M, 16])
+    DV_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                   instr_shape=[16, HEAD_D, 16])
+    P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=DV_L, k_width=2)
+    ROW_L: gl.constexpr = gl.SliceLayout(1, S_L)
+    COL_L: gl.constexpr = gl.SliceLayout(0, S_L)
+    dtype: gl.constexpr = q_smem.dtype
+    k = k_smem.index(WG)
+    v = v_smem.index(WG)
+    ds_buf = ds_smem.index(WG)
+    s_zero = gl.zeros([_KROWS, BLOCK_M], gl.float32, S_L)
+    c = 0
+    it = 0
+    for i in range(gl.program_id(0), total, gl.num_programs(0)):
+        valid, h, n0, q_start, lq, kv_start, lk, lo, n_steps = _key_item(WORK, Q_OFF, KV_OFF, i, n_items,
+                                                                          n_tiles_k, CAUSAL, BLOCK_M)
+        if valid:
+            nw = n0 + WG * _KROWS
+            keys = nw + gl.arange(0, _KROWS, layout=ROW_L)
+            key_ok = keys < lk
+            full_rows = nw + _KROWS <= lk
+            desc_row = (h * t_k + kv_start + nw).to(gl.int32)
+            ds_rows = DS + h * stride_dsh + (kv_start + keys.to(gl.int64)) * stride_dst
+            # leading steps with no valid pair for this warpgroup
+            j0 = n_steps * 0
+            if CAUSAL:
+                j0 = gl.cdiv(gl.maximum(nw - lo - BLOCK_M + 1, 0), BLOCK_M)
+            j0 = gl.where(nw < lk, gl.minimum(j0, n_steps), n_steps)
+            dv = gl.zeros([_KROWS, HEAD_D], gl.float32, DV_L)
+            mbarrier.wait(kv_bar, it & 1)
+            for j in range(j0):
+                cj = c + j
+                mbarrier.wait(q_ready.index(cj % STAGES), (cj // STAGES) & 1)
+                mbarrier.wait(do_ready.index(cj % STAGES), (cj // STAGES) & 1)
+                mbarrier.arrive(q_empty.index(cj % STAGES), count=1)
+                mbarrier.arrive(do_empty.index(cj % STAGES), count=1)
+            for j in range(j0, n_steps):
+                cj = c + j
+                slot = cj % STAGES
+                m0 = lo + j * BLOCK_M
+                mbarrier.wait(q_ready.index(slot), (cj // STAGES) & 1)
+                mbarrier.wait(do_ready.index(slot), (cj // STAGES) & 1)
+                do = do_smem.index(slot)
+                st = warpgroup_mma(k, q_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                dpt = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                st = warpgroup_mma_wait(1, deps=(st, ))
+                mbarrier.arrive(q_empty.index(slot), count=1)
+                pt, gt = _act_and_grad(st * alpha, FAST)
+                cols = m0 + gl.arange(0, BLOCK_M, layout=COL_L)
+                ok = key_ok[:, None] & (cols[None, :] < lq)
+                if CAUSAL:
+                    ok = ok & (keys[:, None] <= cols[None, :])
+                dpt = warpgroup_mma_wait(0, deps=(dpt, ))
+                dst = gl.where(ok, dpt * gt, 0.0)
+                p_op = gl.convert_layout(gl.where(ok, pt, 0.0).to(dtype), P_L)
+                dv = warpgroup_mma(p_op, do, dv, is_async=True)
+                _ds_tile_store(dst, ds_buf, ds_desc, ds_rows, key_ok, cols, lq, desc_row, m0, full_rows, dtype)
+                dv, p_op = warpgroup_mma_wait(0, deps=(dv, p_op))
+                mbarrier.arrive(do_empty.index(slot), count=1)
+            mbarrier.arrive(kv_empty, count=1)  # this item's K / V no longer read: the loader may bring the next
+            tma.store_wait(0)
+            dv = dv * inv_n
+            d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, DV_L))
+            r = nw + gl.arange(0, _KROWS, layout=gl.SliceLayout(1, DV_L))
+            gl.store(DV + (kv_start + r[:, None].to(gl.int64)) * stride_dvt + h * stride_dvh + d[None, :],
+                     dv.to(dtype), mask=r[:, None] < lk)
+            c += n_steps
+            it += 1
+
+
+# the launch's sizes are not specialized on (each new divisibility class of a batch's T / item count would compile
+# the kernel again in the middle of training: a 1.2 s step in the first gem-h200 run, 2026-12-07)
+@gluon.jit(do_not_specialize=["t_k", "n_tiles_k", "n_items", "total"])
+def _ws_dv_ds(q_desc, do_desc, k_desc, v_desc, ds_desc, DS, DV, Q_OFF, KV_OFF, WORK, stride_dvt, stride_dvh,
+              stride_dsh, stride_dst, t_k, alpha, inv_n, n_tiles_k, n_items, total, CAUSAL: gl.constexpr,
+              BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, FAST: gl.constexpr):
+    """The silu attention backward's dV + dS^T launch, warp-specialized (the regime's dk_from_ds path: dQ and dK
+    come from the stored dS^T in jagged_attention._gdpa_dq_ds / _gdpa_dk_ds). Work item i = head * n_items +
+    key-tile table entry (128 keys: two consumer warpgroups of 64 key rows and a TMA loader warp streaming
+    query / dO tiles of BLOCK_M rows through STAGES slots). Writes dS^T (unscaled, 0 where masked) of every
+    pair the item visits into DS [H, Tk, W] (rows past lk not written; ds_desc: its [H * Tk, W] view in [64,
+    BLOCK_M] boxes) and dV / N into DV."""
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BLOCK_M, HEAD_D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES, BLOCK_M, HEAD_D], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [2, _KROWS, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [2, _KROWS, HEAD_D], v_desc.layout)
+    ds_smem = gl.allocate_shared_memory(ds_desc.dtype, [2, _KROWS, BLOCK_M], ds_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    mbarrier.init(kv_empty, count=2)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)
+        mbarrier.init(do_ready.index(i), count=1)
+        mbarrier.init(do_empty.index(i), count=2)
+    gl.warp_specialize([
+        (_bwd_consumer_partition, (q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, kv_empty, q_ready, q_empty,
+                                   do_ready, do_empty, ds_desc, DS, DV, WORK, Q_OFF, KV_OFF, n_items, n_tiles_k,
+                                   total, stride_dvt, stride_dvh, stride_dsh, stride_dst, t_k, alpha, inv_n, 0,
+                                   CAUSAL, BLOCK_M, HEAD_D, STAGES, FAST)),
+        (_bwd_consumer_partition, (q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, kv_empty, q_ready, q_empty,
+                                   do_ready, do_empty, ds_desc, DS, DV, WORK, Q_OFF, KV_OFF, n_items, n_tiles_k,
+                                   total, stride_dvt, stride_dvh, stride_dsh, stride_dst, t_k, alpha, inv_n, 1,
+                                   CAUSAL, BLOCK_M, HEAD_D, STAGES, FAST)),
+        (_bwd_load_partition, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, kv_empty,
+                               q_ready, q_empty, do_ready, do_empty, WORK, Q_OFF, KV_OFF, n_items, n_tiles_k, total,
+                               CAUSAL, BLOCK_M, HEAD_D, STAGES))], [4, 1], [232, 40])
+
+
 def supports(device_type: str, capability: tuple[int, int], act: int, plain: bool, dtype: torch.dtype,
              dims: tuple[int, int, int], strides: tuple[tuple[int, int, int], ...], aligned: bool) -> bool:
     """The rule behind ``eligible`` (pure, testable without a GPU): a CUDA device of compute capability 9.0
@@ -312,6 +546,12 @@ def _smem_layout(rows: int, d: int, bf16: bool):
     return gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16 if bf16 else gl.float16)
 
 
+@functools.lru_cache(maxsize=16)
+def _smem_layout_2d(rows: int, cols: int, bf16: bool):
+    """The shared-memory layout of a [rows, cols] 16-bit box (the widest swizzle its rows allow)."""
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16 if bf16 else gl.float16)
+
+
 def _desc(x: torch.Tensor, rows: int) -> TensorDescriptor:
     """Descriptor of x [T, H, D] as the 2-D [T, H * D] view, [rows, D] boxes, 128-byte swizzle."""
     t, h, d = x.shape
@@ -341,6 +581,61 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
         num_warps=4)
 
 
+def supports_bwd(device_type: str, capability: tuple[int, int], act: int, plain: bool, dtype: torch.dtype,
+                 dims: tuple[int, int, int], strides: tuple[tuple[int, int, int], ...], aligned: bool) -> bool:
+    """The rule behind ``eligible_bwd`` (pure, testable without a GPU): as ``supports`` but for the silu (act 1)
+    backward's dV + dS^T launch, head dims all 128 or all 256 (two 64-row key / value boxes and STAGES query /
+    dO slots in shared memory)."""
+    d = dims[0]
+    if device_type != "cuda" or tuple(capability) != (9, 0) or act != 1 or not plain:
+        return False
+    if dtype not in (torch.bfloat16, torch.float16) or d not in (128, 256) or any(x != d for x in dims):
+        return False
+    return aligned and all(st[2] == 1 and st[1] == d and (st[0] * 2) % 16 == 0 for st in strides)
+
+
+def eligible_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, act: int,
+                 plain: bool) -> bool:
+    """Whether ``backward_dv_ds`` can run the call (``supports_bwd`` on the tensors); q / do: [Tq, H, D], k / v:
+    [Tk, H, D]."""
+    xs = (q, k, v, do)
+    if q.device.type != "cuda" or k.shape[0] == 0 or q.shape[0] == 0:  # a TMA descriptor needs >= 1 row
+        return False
+    return supports_bwd(q.device.type, _capability(q.device), act, plain, q.dtype,
+                        (q.shape[2], k.shape[2], v.shape[2]), tuple(x.stride() for x in xs),
+                        all(x.data_ptr() % 16 == 0 for x in xs) and all(x.dtype == q.dtype for x in xs))
+
+
+def backward_dv_ds(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, dv: torch.Tensor,
+                   ds: torch.Tensor, q_off: torch.Tensor, kv_off: torch.Tensor, table: torch.Tensor,
+                   n_tiles_k: int, causal: bool, alpha: float, inv_n: float, tiles: tuple[int, int],
+                   fast: bool = True) -> None:
+    """Launch the warp-specialized dV + dS^T part of the silu backward on one work table.
+
+    q / do: [Tq, H, D], k / v: [Tk, H, D] (bf16 or fp16, ``eligible_bwd``); dv: [Tk, H, D] output (rows of each
+    sequence written, unit dim stride); ds: [H, Tk, W] scratch (W >= max query length; unit column stride) that
+    receives dS^T = dP^T silu'(alpha S^T) (0 where masked) for _gdpa_dq_ds / _gdpa_dk_ds; q_off / kv_off: [B+1]
+    int64; table: [items] int32 key-tile table of 128-key tiles (``jagged_attention._k_table``), n_tiles_k its
+    tiles per sequence; alpha: score scale; inv_n: the 1/N factor applied to dV; tiles: (BLOCK_M query rows per
+    step, STAGES slots); fast: tanh.approx silu (16-bit inputs).
+    """
+    bm, stages = tiles
+    h, d = q.shape[1], q.shape[2]
+    total = table.numel() * h
+    t_k = k.shape[0]
+    ds2 = ds.view(h * t_k, ds.shape[2])
+    ds_desc = TensorDescriptor(ds2, list(ds2.shape), [ds2.stride(0), 1], [_ROWS, bm],
+                               _smem_layout_2d(_ROWS, bm, ds.dtype == torch.bfloat16))
+    _ws_dv_ds[(total,)](
+        _desc(q, bm), _desc(do, bm), _desc(k, 64), _desc(v, 64), ds_desc, ds, dv, q_off, kv_off, table,
+        dv.stride(0), dv.stride(1), ds.stride(0), ds.stride(1), t_k, float(alpha), float(inv_n), n_tiles_k,
+        table.numel(), total, CAUSAL=causal, BLOCK_M=bm, HEAD_D=d, STAGES=stages, FAST=bool(fast),
+        num_warps=4)
+
+
+BWD_KEYS = 2 * 64  # key rows per work item of backward_dv_ds (two consumer warpgroups of 64)
+
+
 @functools.lru_cache(maxsize=16)
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -351,4 +646,5 @@ def block_m(tiles: tuple) -> int:
     return _ROWS * tiles[0]
 
 
-__all__ = ["block_m", "eligible", "forward", "supports"]
+__all__ = ["BWD_KEYS", "backward_dv_ds", "block_m", "eligible", "eligible_bwd", "forward", "supports",
+           "supports_bwd"]

@@ -1167,8 +1167,8 @@ def test_gpu_ds_store_bf16(activation, pattern, dk):
 def test_gpu_gem_head_dim_256_ds_store(dk):
     """The GEM config's attention (4 heads x 256, silu, causal, bf16) on gem-like lengths up to 4096 with its
     shipped tiles (configs/kernel-tiles-h200.json), dK in the dK/dV launch or from the stored dS (dk_from_ds, with
-    the dK/dV tiles the sweep would try: 64x64/8w and 32x128/8w), the scratch NaN-filled: within the bf16
-    tolerance of the reference."""
+    the dK/dV tiles the sweep would try: 64x64/8w and 32x128/8w; with dk_from_ds the shipped ws_bwd runs the Gluon
+    dV + dS^T launch instead), the scratch NaN-filled: within the bf16 tolerance of the reference."""
     from pathlib import Path
 
     from gemray.model.hstu import kernel_config_of
@@ -1345,6 +1345,83 @@ def test_ws_forward_not_taken_where_it_does_not_apply(monkeypatch):
     assert calls == []
     spec = ja._spec(0, True, 0.25, 1.0, 0, 0, False, 37, 37, 0)
     assert not ja._use_ws_fwd(cfg.long, spec, None, None, q, k, v)  # CPU tensors
+
+
+# (query rows per step, STAGES) of the warp-specialized silu backward's dV + dS^T launch
+WS_BWD_TILES = [(32, 2), (16, 4)]  # (64, 1) spills (392 B of stack, sm_90 compile); (32, 3) exceeds shared memory
+
+
+def _ws_bwd_on(monkeypatch, tiles) -> tuple[KernelConfig, list]:
+    """A config whose every regime stores dS^T, computes dK from it and runs the Gluon dV + dS^T launch with
+    ``tiles``, and the list its launches are recorded in (a spy on ws_attention.backward_dv_ds)."""
+    from gemray.kernels import ws_attention as ws
+
+    cfg = DEFAULT.with_all_regimes(ds_store=True, dk_from_ds=True, ws_bwd=True, ws_bwd_tiles=tiles)
+    calls, real = [], ws.backward_dv_ds
+
+    def spy(*args, **kw):
+        calls.append(kw["tiles"])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(ws, "backward_dv_ds", spy)
+    return cfg, calls
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("tiles", WS_BWD_TILES)
+@pytest.mark.parametrize("pattern,d", [("causal", 256), ("full", 256), ("causal", 128)])
+def test_gpu_ws_backward_bf16(monkeypatch, tiles, pattern, d):
+    """The warp-specialized Gluon dV + dS^T launch (forced in every regime, with the stored dS^T's dQ and dK
+    launches) on a heavy-tailed bf16 silu batch with empty, length-1, tile-edge (63 / 64 / 65 / 127 / 128 / 129)
+    and maximal sequences: the forward and all three gradients match the float32 reference."""
+    cfg, calls = _ws_bwd_on(monkeypatch, tiles)
+    torch.manual_seed(25)
+    lengths = _heavy_lengths(24, 2048) + [0, 1, 2048, 63, 64, 65, 127, 128, 129, 0]
+    off = _offsets(lengths, "cuda")
+    q, k, v = (_leaf(int(off[-1]), 4, d, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+    _check_gpu_jfa(off, 2048, "silu", (q, k, v), causal=pattern == "causal", config=cfg)
+    assert calls == [tiles]
+
+
+def test_ws_backward_not_taken_where_it_does_not_apply(monkeypatch):
+    """With the Gluon backward switched on everywhere, the calls it cannot run (the interpreter / CPU, softmax,
+    targets) still give the reference's gradients through the Triton launches."""
+    from gemray.kernels import jagged_attention as ja
+
+    cfg, calls = _ws_bwd_on(monkeypatch, WS_BWD_TILES[0])
+    lengths = [0, 1, 5, 37, 3]
+    off = _offsets(lengths)
+    nt = torch.tensor([0, 1, 2, 3, 1])
+    for kw in (dict(activation="silu"), dict(activation="softmax"), dict(activation="silu", num_targets=nt)):
+        _check(lambda a, b, c: jagged_attention_triton(a, b, c, off, 37, config=cfg, **kw),
+               lambda a, b, c: ref.jagged_attention_ref(a, b, c, off, 37, **kw),
+               tuple(_leaf(int(off[-1]), 2, 16) for _ in range(3)), 1e-4)
+    assert calls == []
+    spec = ja._spec(1, True, 0.25, 1.0, 0, 0, False, 37, 37, 0)
+    q = _leaf(int(off[-1]), 2, 16)
+    assert not ja._use_ws_bwd(cfg.long, spec, None, None, q, q, q, q)  # CPU tensors
+
+
+@pytest.mark.parametrize("case,ok", [
+    ("base", True), ("d128", True), ("softmax", False), ("not_plain", False), ("fp32", False), ("d64", False),
+    ("d_mismatch", False), ("head_stride", False), ("misaligned_rows", False), ("sm80", False), ("cpu", False),
+    ("unaligned", False)])
+def test_ws_bwd_eligible_rules(case, ok):
+    """ws_attention.supports_bwd, the pure rule behind eligible_bwd: sm_90, 16-bit silu over plain full rows, equal
+    head dims 128 / 256, unit and contiguous head strides (q, k, v, dO), 16-byte aligned rows and bases."""
+    from gemray.kernels import ws_attention as ws
+
+    args = dict(device_type="cuda", capability=(9, 0), act=1, plain=True, dtype=torch.bfloat16,
+                dims=(256, 256, 256), strides=((4096, 256, 1),) * 4, aligned=True)
+    args.update({"d128": dict(dims=(128, 128, 128), strides=((512, 128, 1),) * 4), "softmax": dict(act=0),
+                 "not_plain": dict(plain=False), "fp32": dict(dtype=torch.float32),
+                 "d64": dict(dims=(64, 64, 64), strides=((256, 64, 1),) * 4),
+                 "d_mismatch": dict(dims=(256, 256, 128)),
+                 "head_stride": dict(strides=((4096, 256, 1), (4096, 512, 1), (4096, 256, 1), (4096, 256, 1))),
+                 "misaligned_rows": dict(strides=((1027, 256, 1),) * 4), "sm80": dict(capability=(8, 0)),
+                 "cpu": dict(device_type="cpu"), "unaligned": dict(aligned=False)}.get(case, {}))
+    assert ws.supports_bwd(**args) is ok
 
 
 @pytest.mark.parametrize("case,ok", [
