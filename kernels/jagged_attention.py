@@ -1592,9 +1592,9 @@ def _make_bwd_plan(fwd: _FwdPlan, q, k, v, bias, do, q_off, kv_off, nt, spec: _S
     if ds_store:  # dK/dV (also storing dS^T), then dQ = dS K (and, dk_from_ds, dK = dS^T Q) from the stored tiles
         if rc.dk_from_ds and not want_dbias and _use_ws_bwd(rc, spec, nt, bias, q, k, v, do):
             table, ntk = _k_table(spec, q_off, kv_off, ws.BWD_KEYS, k.shape[0], grouped=cfg.seq_order_dkdv)
-            steps.append((functools.partial(ws.backward_dv_ds, n_tiles_k=ntk, causal=spec.causal, alpha=spec.alpha,
-                                            inv_n=spec.inv_n, tiles=rc.ws_bwd_tiles, fast=consts["FAST"]),
-                          table, "ws_dv_ds"))
+            # the step holds the launch's arguments: ws.backward_dv_ds is looked up when it runs
+            steps.append((dict(n_tiles_k=ntk, causal=spec.causal, alpha=spec.alpha, inv_n=spec.inv_n,
+                               tiles=rc.ws_bwd_tiles, fast=consts["FAST"]), table, "ws_dv_ds"))
         else:
             kbm, kbn, kwarps, kstages = _tiles("dkdv_ds", d_qk, reg, spec.max_q_len, cfg, **fit)
             table, ntk = _k_table(spec, q_off, kv_off, kbn, k.shape[0], grouped=cfg.seq_order_dkdv)
@@ -1718,7 +1718,7 @@ def _backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         elif kind == "dk_ds":
             launch.planned([ds, q, dk, q_off, kv_off, ntarg, table])
         elif kind == "ws_dv_ds":
-            launch(q, k, v, do, dv, ds, q_off, kv_off, table)
+            ws.backward_dv_ds(q, k, v, do, dv, ds, q_off, kv_off, table, **launch)
         else:
             tensors[13] = table
             launch.planned(tensors)

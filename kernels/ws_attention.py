@@ -87,6 +87,16 @@ def _item(WORK, Q_OFF, KV_OFF, i, n_items, n_tiles_q, CAUSAL: gl.constexpr, BLOC
 
 
 @gluon.jit
+def _ring_copy(desc, row, col, ready, empty, smem, slot, phase):
+    """The producer's half of a ring slot: wait until the slot's consumers released it (its empty barrier at
+    ``phase``; a fresh barrier passes parity 1 at once), then one TMA copy of desc's box at [row, col] into it,
+    arriving on its ready barrier with the box's bytes."""
+    mbarrier.wait(empty.index(slot), phase)
+    mbarrier.expect(ready.index(slot), desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(desc, [row, col], ready.index(slot), smem.index(slot))
+
+
+@gluon.jit
 def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
                     v_empty, WORK, Q_OFF, KV_OFF, n_items, n_tiles_q, total, CAUSAL: gl.constexpr,
                     NUM_WG: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
@@ -110,14 +120,8 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_emp
             for j in range(n_tiles):
                 slot = (c + j) % STAGES
                 phase = (((c + j) // STAGES) & 1) ^ 1
-                mbarrier.wait(k_empty.index(slot), phase)
-                mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(k_desc, [kv_row + j * BLOCK_N, col], k_ready.index(slot),
-                                                k_smem.index(slot))
-                mbarrier.wait(v_empty.index(slot), phase)
-                mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, col], v_ready.index(slot),
-                                                v_smem.index(slot))
+                _ring_copy(k_desc, kv_row + j * BLOCK_N, col, k_ready, k_empty, k_smem, slot, phase)
+                _ring_copy(v_desc, kv_row + j * BLOCK_N, col, v_ready, v_empty, v_smem, slot, phase)
             c += n_tiles
             it += 1
 
@@ -350,14 +354,8 @@ def _bwd_load_partition(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem
             for j in range(n_steps):
                 slot = (c + j) % STAGES
                 phase = (((c + j) // STAGES) & 1) ^ 1
-                mbarrier.wait(q_empty.index(slot), phase)
-                mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(q_desc, [q_row + j * BLOCK_M, col], q_ready.index(slot),
-                                                q_smem.index(slot))
-                mbarrier.wait(do_empty.index(slot), phase)
-                mbarrier.expect(do_ready.index(slot), do_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(do_desc, [q_row + j * BLOCK_M, col], do_ready.index(slot),
-                                                do_smem.index(slot))
+                _ring_copy(q_desc, q_row + j * BLOCK_M, col, q_ready, q_empty, q_smem, slot, phase)
+                _ring_copy(do_desc, q_row + j * BLOCK_M, col, do_ready, do_empty, do_smem, slot, phase)
             c += n_steps
             it += 1
 

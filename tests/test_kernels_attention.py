@@ -1275,20 +1275,26 @@ WS_TILES = [(2, 128, 2, False, False), (2, 128, 2, True, True), (2, 128, 2, Fals
             (2, 64, 3, True, True)]
 
 
-def _ws_on(monkeypatch, tiles) -> tuple[KernelConfig, list]:
-    """A config with the warp-specialized Gluon forward and ``tiles`` in every regime, and the list its launches
-    are recorded in (a spy on ws_attention.forward, so a test can assert the path ran)."""
+def _ws_spy(monkeypatch, name: str, tiles_of) -> list:
+    """The list the launches of ws_attention.<name> are recorded in (``tiles_of(args, kwargs)`` each), through a spy
+    that still runs the kernel: a test can assert the Gluon path ran, with which tiles."""
     from gemray.kernels import ws_attention as ws
 
-    cfg = DEFAULT.with_all_regimes(ws_fwd=True, ws_tiles=tiles)
-    calls, real = [], ws.forward
+    calls, real = [], getattr(ws, name)
 
     def spy(*args, **kw):
-        calls.append(args[-1])
+        calls.append(tiles_of(args, kw))
         return real(*args, **kw)
 
-    monkeypatch.setattr(ws, "forward", spy)
-    return cfg, calls
+    monkeypatch.setattr(ws, name, spy)
+    return calls
+
+
+def _ws_on(monkeypatch, tiles) -> tuple[KernelConfig, list]:
+    """A config with the warp-specialized Gluon forward and ``tiles`` in every regime, and the list its launches
+    are recorded in (a spy on ws_attention.forward)."""
+    cfg = DEFAULT.with_all_regimes(ws_fwd=True, ws_tiles=tiles)
+    return cfg, _ws_spy(monkeypatch, "forward", lambda args, kw: args[-1])
 
 
 @gpu
@@ -1354,17 +1360,8 @@ WS_BWD_TILES = [(32, 2), (16, 4)]  # (64, 1) spills (392 B of stack, sm_90 compi
 def _ws_bwd_on(monkeypatch, tiles) -> tuple[KernelConfig, list]:
     """A config whose every regime stores dS^T, computes dK from it and runs the Gluon dV + dS^T launch with
     ``tiles``, and the list its launches are recorded in (a spy on ws_attention.backward_dv_ds)."""
-    from gemray.kernels import ws_attention as ws
-
     cfg = DEFAULT.with_all_regimes(ds_store=True, dk_from_ds=True, ws_bwd=True, ws_bwd_tiles=tiles)
-    calls, real = [], ws.backward_dv_ds
-
-    def spy(*args, **kw):
-        calls.append(kw["tiles"])
-        return real(*args, **kw)
-
-    monkeypatch.setattr(ws, "backward_dv_ds", spy)
-    return cfg, calls
+    return cfg, _ws_spy(monkeypatch, "backward_dv_ds", lambda args, kw: kw["tiles"])
 
 
 @gpu
