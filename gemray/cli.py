@@ -725,11 +725,12 @@ def _cmd_recommend(ns: argparse.Namespace) -> int:
     from gemray.serve.recommend import (IdMaps, check_k, check_recommendable, read_users_file, recommend,
                                         recs_format, users_file_locations, write_recs)
 
+    if ns.out:  # first of all: a name of another suffix is refused as such, before its folder is looked at
+        recs_format(ns.out)
     check_k(ns.k)  # >= 1, before the model is loaded (recommend() refuses it too, for Python callers)
     check_device(ns.device)
     if ns.out:
         _writable_file(ns.out, "--out")  # before the model is loaded and the users scored
-        recs_format(ns.out)  # .parquet or .csv, before the model is loaded too
     # a model recommend cannot serve is refused from its config, before any checkpoint is read
     cfg = run_config(ns.checkpoint, config=ns.config, overrides=ns.overrides)
     check_recommendable(cfg)

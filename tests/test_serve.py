@@ -318,6 +318,26 @@ def test_recommend_out_of_another_suffix_is_refused_before_the_model_loads(name,
     assert sorted(tmp_path.iterdir()) == []  # nothing written
 
 
+def test_recommend_out_suffix_is_refused_before_its_folder_or_anything_else(tmp_path, monkeypatch, capsys):
+    """`gemray recommend --out nowhere/r.xlsx`: the suffix is refused first, in one line naming the suffixes recommend
+    writes (was: the missing folder reported first, and only after fixing it the suffix); also before --k, --device
+    and the users file are looked at."""
+    import gemray.serve
+    import gemray.serve.model as serve_model
+    from gemray.cli import main
+
+    monkeypatch.setattr(gemray.serve, "load_trained", lambda *a, **k: pytest.fail("the model must not load"))
+    monkeypatch.setattr(serve_model, "find_config", lambda *a, **k: pytest.fail("the run must not be read"))
+    out = tmp_path / "nowhere" / "r.xlsx"
+    for extra in ([], ["--k", "0"], ["--device", "tpu"]):
+        assert main(["recommend", "--users-file", str(tmp_path / "no-users.csv"), "--checkpoint",
+                     str(tmp_path / "run"), "--out", str(out), *extra]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"gemray: error: --out {out}: suffix '.xlsx' is neither .parquet nor .csv; name a .parquet "
+                       "(Parquet) or .csv (CSV) file, the suffix picks the format"], (extra, err)
+    assert sorted(tmp_path.iterdir()) == []  # nothing written, no folder made
+
+
 @pytest.mark.parametrize("command", ["evaluate", "recommend"])
 def test_raw_movielens_data_is_refused_before_the_checkpoint_with_a_prepare_command(command, tmp_path, monkeypatch,
                                                                                     capsys):
