@@ -576,6 +576,62 @@ def test_header_records_the_config_repository_relative(tmp_path, monkeypatch):
     assert text.splitlines()[0] == want
 
 
+def _stale_copy(tmp_path: Path) -> tuple[Path, Path]:
+    src = DEPLOY / "rayjob-cpu.yaml"
+    stale = tmp_path / "manifests" / src.name
+    stale.parent.mkdir(parents=True, exist_ok=True)
+    stale.write_text(src.read_text().replace("minReplicas: 2", "minReplicas: 1"))
+    return src, stale
+
+
+def test_regenerate_works_outside_the_checkout(tmp_path, monkeypatch, capsys):
+    """`gemray k8s regenerate FILE` run outside the checkout read the header's configs/x.toml from the working
+    folder ("config file not found"). It now reads it from the checkout: the manifest's, the installed gemray's
+    (here: the manifest and the working folder are in tmp_path), or the one --root names; with none, one
+    `gemray: error:` line saying where to run it."""
+    from gemray.cli import main as gemray_main
+
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    src, stale = _stale_copy(tmp_path)
+    assert gemray_main(["k8s", "regenerate", str(stale)]) == 0, capsys.readouterr().err
+    assert stale.read_text() == src.read_text()
+    assert capsys.readouterr().out.splitlines() == [f"written: {stale} (RayJob gemray-small)"]
+    # --root: another checkout's configs/ (a copy with two workers fewer)
+    co = tmp_path / "co"
+    (co / "deploy").mkdir(parents=True)
+    (co / "deploy" / "Dockerfile").write_text("FROM scratch\n")
+    (co / "configs").mkdir()
+    text = (REPO / "configs" / "ml-latest-small.toml").read_text()
+    assert "num_workers = 2" in text
+    (co / "configs" / "ml-latest-small.toml").write_text(text.replace("num_workers = 2", "num_workers = 1"))
+    assert gemray_main(["k8s", "regenerate", "--root", str(co), str(stale)]) == 0, capsys.readouterr().err
+    regenerated = stale.read_text()
+    assert "replicas: 1" in regenerated and regenerated.splitlines()[0] == src.read_text().splitlines()[0]
+    capsys.readouterr()
+    assert gemray_main(["k8s", "regenerate", "--root", str(work), str(stale)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"gemray: error: --root {work}: not a gemray checkout (no deploy/Dockerfile in it); give the "
+                   "folder the image is built from, the one holding configs/ and deploy/"], err
+    # no checkout anywhere (gemray installed from a wheel): one line saying where to run it, the file left as it was
+    monkeypatch.setattr(cli, "PACKAGE_ROOT", tmp_path)
+    _, stale = _stale_copy(tmp_path)
+    before = stale.read_text()
+    assert gemray_main(["k8s", "regenerate", str(stale)]) == 2
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert out == "" and len(lines) == 1, err
+    assert lines[0].startswith(f"gemray: error: {stale}: its --config configs/ml-latest-small.toml is relative to a "
+                               "gemray checkout"), lines[0]
+    assert lines[0].endswith("run `gemray k8s regenerate` in the checkout, or pass --root CHECKOUT"), lines[0]
+    assert stale.read_text() == before
+    # the manifest in a checkout of its own: that checkout's configs/, whatever the working folder
+    (co / "deploy" / "job.yaml").write_text(before)
+    assert gemray_main(["k8s", "regenerate", str(co / "deploy" / "job.yaml")]) == 0, capsys.readouterr().err
+    assert "replicas: 1" in (co / "deploy" / "job.yaml").read_text()
+
+
 # ---- Dockerfile lint (the engine is not available here) ----
 
 def test_dockerfile_lint():
