@@ -42,7 +42,7 @@ import pyarrow.parquet as pq
 
 from gemray.config import check_num_files
 
-from .schema import (log_capped_files, HISTORIES_DIR, HISTORY_SCHEMA, ITEMS_FILE, ITEMS_SCHEMA, MANIFEST_FILE,
+from .schema import (log_capped_files, CANDIDATE_ITEMS, HISTORIES_DIR, HISTORY_SCHEMA, ITEMS_FILE, ITEMS_SCHEMA, MANIFEST_FILE,
                      MANIFEST_VERSION, MAX_ID, MIN_HISTORY_FOR_SPLITS, QUARANTINE_FILE, RUN_FILE, SPLIT_PROTOCOL,
                      BadRowError, warn_if_no_split_users)
 
@@ -668,6 +668,71 @@ def raw_folder_error(folder: str | Path, option: str, pass_as: str | None = None
             f"--out {out}` and pass {then}")
 
 
+#: The ``format`` of a manifest written by ``gemray prepare interactions`` (its Amazon inputs keep their own name:
+#: ``amazon-ratings`` / ``amazon-seq``) and by ``gemray prepare synthetic``.
+INTERACTIONS_FORMATS = ("interactions", "amazon-ratings", "amazon-seq")
+SYNTHETIC_FORMAT = "synthetic"
+
+
+def prepared_format(prepared_dir: str | Path) -> str | None:
+    """The manifest ``format`` of the prepared folder ``prepared_dir`` -- which ``gemray prepare`` made it -- read
+    from its manifest.json, or from what is left of it when that is damaged: the ``"format"`` entry of an unreadable
+    (e.g. truncated) manifest's text, else the folder's files (``users.parquet``: ``prepare interactions``; history
+    files with candidate columns: ``prepare synthetic``). None when none tells (no folder, an empty one, a MovieLens
+    folder without its manifest)."""
+    d = Path(prepared_dir)
+    try:
+        text = (d / MANIFEST_FILE).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        text = ""
+    try:
+        fmt = json.loads(text).get("format") if text else None
+    except (ValueError, AttributeError):
+        m = re.search(r'"format"\s*:\s*"([^"]+)"', text)
+        fmt = m.group(1) if m else None
+    if isinstance(fmt, str):
+        return fmt
+    if (d / "users.parquet").is_file():  # interactions.USERS_FILE (its raw user ids): no other preparation has one
+        return INTERACTIONS_FORMATS[0]
+    for part in sorted((d / HISTORIES_DIR).glob("*.parquet")) if (d / HISTORIES_DIR).is_dir() else []:
+        try:
+            names = pq.read_schema(part).names
+        except Exception:  # noqa: BLE001 - a damaged file tells nothing; the next may
+            continue
+        return SYNTHETIC_FORMAT if CANDIDATE_ITEMS in names else None
+    return None
+
+
+def remake_hint(prepared_dir: str | Path, fmt: str | None, manifest: dict[str, Any] | None = None, *,
+                again: bool = False) -> str:
+    """Pure: how to prepare ``prepared_dir`` (again, with ``again``: its files are damaged) with the command that
+    made data of its format ``fmt`` (:func:`prepared_format`; None: unknown, MovieLens assumed, the data
+    ``gemray train`` prepares itself): ``gemray prepare interactions --src ...`` (its recorded sources from
+    ``manifest`` where known), ``gemray prepare synthetic --out ... --users U --items N --seed S`` (its recorded
+    parameters), or ``gemray prepare movielens``. Was: advice to run ``prepare movielens`` whatever had made it."""
+    d = Path(prepared_dir)
+    src = (manifest or {}).get("source") if isinstance(manifest, dict) else None
+    src = src if isinstance(src, dict) else {}
+    if fmt in INTERACTIONS_FORMATS:
+        uris = [u for u in src.get("uris") or [] if isinstance(u, str)]
+        given = " ".join(f"--src {u}" for u in uris) if uris else "--src <your interaction files>"
+        how = f"`gemray prepare interactions {given} --out {d}` with the options it was prepared with"
+        return (f"prepare it again ({how}; `gemray train` does not make it from data.raw_dir)" if again
+                else f"run {how} first")
+    if fmt == SYNTHETIC_FORMAT:
+        params = src.get("params") if isinstance(src.get("params"), dict) else {}
+        flags = " ".join(f"--{k} {params[k]}" if k in params else f"--{k} {v}"
+                         for k, v in (("users", "U"), ("items", "N"), ("seed", "S")))
+        how = f"`gemray prepare synthetic --out {d} {flags}` with the other parameters it was made with"
+        if again:
+            return f"prepare it again ({how}, or delete {d}: `gemray train` generates it from data.synthetic)"
+        return f"run {how} first"
+    how = f"`gemray prepare movielens --src <MovieLens folder> --out {d}`"
+    if again:
+        return f"prepare it again ({how}, or delete {d}: `gemray train` prepares it from data.raw_dir)"
+    return f"run {how} first"
+
+
 def load_manifest(prepared_dir: str | Path, *, verify: bool = False) -> dict[str, Any]:
     """Read ``<prepared_dir>/manifest.json`` and check that every file it lists exists. With ``verify``
     (``gemray train`` / ``fit`` before Ray starts: once per run, it reads every byte) also that each Parquet
@@ -676,19 +741,23 @@ def load_manifest(prepared_dir: str | Path, *, verify: bool = False) -> dict[str
     before any worker reads it.
 
     Returns the manifest dict (with ``"prepared_dir"`` set to the resolved folder). Raises
-    FileNotFoundError (telling you to run ``gemray prepare movielens``) when the folder, the manifest or a
-    listed file is missing, ValueError for an unreadable or newer-version manifest or a file that is not
-    what was prepared (naming it).
+    FileNotFoundError when the folder, the manifest or a listed file is missing, ValueError for an unreadable or
+    newer-version manifest or a file that is not what was prepared (naming it); each says which command prepares
+    the folder again, the one that made data of its format (:func:`remake_hint`, :func:`prepared_format`).
     """
     d = Path(prepared_dir)
     mpath = d / MANIFEST_FILE
-    hint = f"run `gemray prepare movielens --src <MovieLens folder> --out {d}` first"
     if not mpath.is_file():
-        raise FileNotFoundError(f"{d}: no {MANIFEST_FILE}, not a prepared data folder; {hint}")
+        fmt = prepared_format(d)
+        what = "not a prepared data folder" if fmt is None else f"its {fmt} data is not usable without it"
+        raise FileNotFoundError(f"{d}: no {MANIFEST_FILE}, {what}; {remake_hint(d, fmt, again=fmt is not None)}")
     try:
         manifest = json.loads(mpath.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{mpath}: unreadable manifest ({e}); {hint}") from None
+        raise ValueError(f"{mpath}: unreadable manifest ({e}); {remake_hint(d, prepared_format(d), again=True)}"
+                         ) from None
+    hint = remake_hint(d, manifest.get("format") if isinstance(manifest, dict) else None,
+                       manifest if isinstance(manifest, dict) else None, again=True)
     version = manifest.get("manifest_version")
     if not isinstance(version, int) or version > MANIFEST_VERSION:
         raise ValueError(f"{mpath}: manifest_version {version!r} not supported (this gemray reads "
@@ -708,9 +777,7 @@ def load_manifest(prepared_dir: str | Path, *, verify: bool = False) -> dict[str
         checks = []
     checks.append((items_rel, manifest.get("items_sha256"), manifest.get("counts", {}).get("items"), None))
     for rel, digest, rows, row_groups in checks:
-        _verify_parquet(d / rel, digest, rows, row_groups,
-                        f"prepare it again (`gemray prepare movielens --src <MovieLens folder> --out {d}`, or "
-                        f"delete {d}: `gemray train` prepares it from data.raw_dir)")
+        _verify_parquet(d / rel, digest, rows, row_groups, hint)
     manifest["prepared_dir"] = str(d.resolve())
     return manifest
 

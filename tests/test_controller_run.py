@@ -705,6 +705,31 @@ def test_train_on_a_damaged_prepared_folder_exits_2_before_ray(tmp_path, monkeyp
     assert rc == 2 and len(err) == 1 and f"{part}: sha256 differs" in err[0], err
 
 
+@pytest.mark.parametrize("lost", ["manifest.json", "histories/part-00000.parquet"])
+def test_damaged_interactions_folder_is_not_remade_from_movielens(lost, tmp_path):
+    """`gemray train` on a folder of `gemray prepare interactions` missing its manifest.json or a history file went
+    the way of unprepared MovieLens data: re-prepared from data.raw_dir (ML ratings over the user's own logs) or
+    advice to point data.raw_dir at a MovieLens download. It is refused naming `gemray prepare interactions`, with
+    the folder left as it was."""
+    from gemray.pipelines.interactions import prepare_interactions
+
+    (tmp_path / "logs.csv").write_text("user_id,item_id,timestamp\n" + "".join(
+        f"u{u},i{i},{u * 100 + i}\n" for u in range(1, 5) for i in range(1, 6)))
+    prep = tmp_path / "prep"
+    prepare_interactions(str(tmp_path / "logs.csv"), prep, num_files=1)
+    (prep / lost).unlink()
+    before = sorted(p.relative_to(prep) for p in prep.rglob("*"))
+    cfg = JobConfig()
+    cfg.data.prepared_dir = str(prep)
+    for raw in (DATA / "ml-latest-small", tmp_path / "no-raw"):
+        cfg.data.raw_dir = str(raw)
+        with pytest.raises(FileNotFoundError) as e:
+            run._ensure_prepared(cfg)
+        assert "prepare it again (`gemray prepare interactions --src " in str(e.value), str(e.value)
+        assert "MovieLens" not in str(e.value) and "prepare movielens" not in str(e.value), str(e.value)
+        assert sorted(p.relative_to(prep) for p in prep.rglob("*")) == before
+
+
 def test_preflight_checks_prepared_data_came_from_raw_dir(tmp_path):
     import hashlib
 

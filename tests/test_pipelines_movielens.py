@@ -426,6 +426,83 @@ def test_load_manifest_errors(tmp_path):
         load_manifest(tmp_path / "o")
 
 
+def test_remake_hint_names_the_command_of_the_folders_format():
+    """Pure: the advice for a damaged or unprepared folder names the command that made data of its format, with what
+    its manifest recorded (interactions' sources, synthetic's users / items / seed); unknown: MovieLens."""
+    d = Path("/p")
+    src = {"source": {"uris": ["a.csv", "s3://b/c.parquet"], "params": {"users": 20, "items": 30, "seed": 1}}}
+    assert ml.remake_hint(d, "interactions", src, again=True) == (
+        "prepare it again (`gemray prepare interactions --src a.csv --src s3://b/c.parquet --out /p` with the options "
+        "it was prepared with; `gemray train` does not make it from data.raw_dir)")
+    assert "`gemray prepare interactions --src <your interaction files> --out /p`" in ml.remake_hint(d, "amazon-seq")
+    assert ml.remake_hint(d, "synthetic", src, again=True) == (
+        "prepare it again (`gemray prepare synthetic --out /p --users 20 --items 30 --seed 1` with the other "
+        "parameters it was made with, or delete /p: `gemray train` generates it from data.synthetic)")
+    assert "--users U --items N --seed S" in ml.remake_hint(d, "synthetic")
+    for fmt in ("ml-1m", None):
+        assert ml.remake_hint(d, fmt) == "run `gemray prepare movielens --src <MovieLens folder> --out /p` first"
+        assert ml.remake_hint(d, fmt, again=True).startswith("prepare it again (`gemray prepare movielens --src ")
+
+
+def _prepared_by(kind: str, tmp_path: Path) -> Path:
+    """A small folder prepared by `gemray prepare <kind>` (movielens / interactions / synthetic)."""
+    out = tmp_path / kind
+    rows = [(u, i, u * 100 + i) for u in range(1, 7) for i in range(1, 6)]
+    if kind == "movielens":
+        (tmp_path / "ml").mkdir()
+        (tmp_path / "ml" / "u.data").write_text("".join(f"{u}\t{i}\t3\t{t}\n" for u, i, t in rows))
+        ml.prepare_movielens(tmp_path / "ml", out, num_files=2)
+    elif kind == "interactions":
+        from gemray.pipelines.interactions import prepare_interactions
+
+        (tmp_path / "logs.csv").write_text("user_id,item_id,timestamp\n"
+                                           + "".join(f"u{u},i{i},{t}\n" for u, i, t in rows))
+        prepare_interactions(str(tmp_path / "logs.csv"), out, num_files=2)
+    else:
+        from gemray.pipelines.synthetic import prepare_synthetic, spec_from_params
+
+        prepare_synthetic(out, spec_from_params({"users": "12", "items": "20", "seed": "3"}, "test"), num_files=2)
+    return out
+
+
+@pytest.mark.parametrize("kind, command", [
+    ("movielens", "`gemray prepare movielens --src <MovieLens folder> --out {d}`"),
+    ("interactions", "`gemray prepare interactions --src {src} --out {d}`"),
+    ("synthetic", "`gemray prepare synthetic --out {d} --users 12 --items 20 --seed 3`")])
+def test_damaged_folder_advice_follows_the_command_that_made_it(kind, command, tmp_path):
+    """A folder of `gemray prepare interactions` / `synthetic` with a history file missing, damaged bytes, a corrupt
+    or a missing manifest.json was told to re-run `gemray prepare movielens`; the advice now names the command that
+    made it (from the manifest, from what is left of a truncated one, or from the folder's files)."""
+    d = _prepared_by(kind, tmp_path)
+    want = command.format(d=d, src=tmp_path / "logs.csv")
+    no_params = want.replace("--users 12 --items 20 --seed 3", "--users U --items N --seed S").replace(
+        f"--src {tmp_path / 'logs.csv'}", "--src <your interaction files>")
+    m = json.loads((d / "manifest.json").read_text())
+    part = d / m["files"][0]["path"]
+    good = part.read_bytes()
+    part.write_bytes(good[:-30])
+    with pytest.raises(ValueError, match=r"part-00000.parquet: ") as e:
+        load_manifest(d, verify=True)
+    assert f"prepare it again ({want}" in str(e.value), str(e.value)
+    part.unlink()
+    with pytest.raises(FileNotFoundError) as e:
+        load_manifest(d)
+    assert "part-00000.parquet but it is missing; prepare it again (" + want in str(e.value), str(e.value)
+    part.write_bytes(good)
+    text = (d / "manifest.json").read_text()
+    (d / "manifest.json").write_text(text[: len(text) // 2])  # truncated: its "format" entry is still there
+    with pytest.raises(ValueError, match="unreadable manifest") as e:
+        load_manifest(d)
+    assert f"prepare it again ({no_params}" in str(e.value), str(e.value)
+    (d / "manifest.json").unlink()
+    with pytest.raises(FileNotFoundError, match="no manifest.json") as e:
+        load_manifest(d)
+    if kind == "movielens":  # the folder's files tell MovieLens from nothing: not prepared, as before
+        assert str(e.value).endswith(f"; run {want} first"), str(e.value)
+    else:
+        assert f"its {kind} data is not usable without it; prepare it again ({no_params}" in str(e.value)
+
+
 def test_load_manifest_refuses_damaged_prepared_files(tmp_path):
     """A prepared folder whose Parquet files are not what prepare_movielens wrote is refused by load_manifest
     (verify=True: what `gemray train` calls before Ray starts), naming the file: a flipped byte (sha256), a

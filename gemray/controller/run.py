@@ -178,9 +178,11 @@ def _ensure_prepared(cfg: JobConfig) -> dict[str, Any]:
     """The prepared data's manifest (every file checked against it), preparing the data from
     ``data.raw_dir`` first when ``data.prepared_dir`` holds none. Raises FileNotFoundError when neither is
     there (:func:`no_data_message`) or ``data.prepared_dir`` holds raw MovieLens ratings (the command that prepares
-    them: :func:`~gemray.pipelines.movielens.raw_folder_error`), ValueError for a damaged prepared folder."""
-    from gemray.pipelines.movielens import (detect_format, format_summary, load_manifest, prepare_movielens,
-                                            raw_folder_error)
+    them: :func:`~gemray.pipelines.movielens.raw_folder_error`) or a folder of ``gemray prepare interactions`` /
+    ``synthetic`` misses a file (never re-made from ``data.raw_dir``: the error names the command that made it),
+    ValueError for a damaged prepared folder."""
+    from gemray.pipelines.movielens import (FORMATS, detect_format, format_summary, load_manifest, prepare_movielens,
+                                            prepared_format, raw_folder_error)
 
     out = Path(cfg.data.prepared_dir)
     if out.exists() and not out.is_dir():  # a mistyped path: refused before anything is said about preparing into it
@@ -197,6 +199,10 @@ def _ensure_prepared(cfg: JobConfig) -> dict[str, Any]:
                         cfg.data.prepared_dir)
         return manifest
     except FileNotFoundError as unprepared:
+        # a damaged folder of `gemray prepare interactions` / `synthetic` (a file or its manifest.json missing): the
+        # error names the command that made it; preparing MovieLens from data.raw_dir would not remake it
+        if prepared_format(cfg.data.prepared_dir) not in (None, *FORMATS):
+            raise
         # raw MovieLens files where the prepared data belongs: say so and how to prepare them, rather than prepare
         # data.raw_dir into that folder (refused only once preparation starts, or "not prepared" when raw_dir is off)
         raw_here = raw_folder_error(cfg.data.prepared_dir, "data.prepared_dir", "--set data.prepared_dir={out} (or "
