@@ -725,8 +725,8 @@ def _cmd_recommend(ns: argparse.Namespace) -> int:
     from gemray.serve.recommend import (IdMaps, check_k, check_recommendable, read_users_file, recommend,
                                         recs_format, users_file_locations, write_recs)
 
-    if ns.out:  # first of all: a name of another suffix is refused as such, before its folder is looked at
-        recs_format(ns.out)
+    if ns.out and not Path(ns.out).expanduser().is_dir():  # first of all: another suffix, before its folder is
+        recs_format(ns.out)  # looked at (an existing folder is refused as such below: it names no file at all)
     check_k(ns.k)  # >= 1, before the model is loaded (recommend() refuses it too, for Python callers)
     check_device(ns.device)
     if ns.out:

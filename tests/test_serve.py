@@ -294,9 +294,10 @@ def test_output_path_is_checked_before_the_model_loads(command, tmp_path, monkey
         raise OSError(errno.EROFS, "Read-only file system")
 
     monkeypatch.setattr(tempfile, "TemporaryFile", refuse)
-    assert main([*base, option, str(tmp_path / "r.out")]) == 2
+    name = "r.csv" if command == "recommend" else "r.out"  # (recommend refuses another suffix before the folder)
+    assert main([*base, option, str(tmp_path / name)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"gemray: error: {option} {tmp_path / 'r.out'} is not writable: Read-only file system"], err
+    assert err == [f"gemray: error: {option} {tmp_path / name} is not writable: Read-only file system"], err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adir"]  # nothing written
 
 
