@@ -1785,9 +1785,10 @@ def prepare_interactions(src: str | list[str], out: str | Path, *, fmt: str = "a
         n_bad = sum(f["bad"] for f in facts)
         source_rows = sum(f["rows"] for f in facts)
         if good_rows == 0:
+            why = (f"{n_bad} bad rows quarantined{_first_bad(facts)}" if n_bad
+                   else "the files hold a header and no data rows")
             raise ValueError(f"{', '.join(files[i].display for i in range(min(3, len(files))))}"
-                             f"{' ...' if len(files) > 3 else ''}: no valid interaction rows "
-                             f"({n_bad} bad rows quarantined{_first_bad(facts)})")
+                             f"{' ...' if len(files) > 3 else ''}: no valid interaction rows ({why})")
         vocab_bytes = items.h.nbytes * 2 + items.raw.nbytes + sum(v.h.nbytes * 2 + v.raw.nbytes for v in fvocab.values())
         unit_check = None if spec.time is None else time_unit_warning(
             spec.time_unit, sum(f["numeric_times"] for f in facts), sum(f["early_times"] for f in facts),

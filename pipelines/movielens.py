@@ -376,7 +376,8 @@ def prepare_movielens(src: str | Path, out: str | Path, *, on_bad_rows: str = "e
     if n_rows + len(parsed.bad) != parsed.data_lines:  # invariant: nothing silently dropped
         raise AssertionError(f"{path}: {parsed.data_lines} data lines != {n_rows} rows + {len(parsed.bad)} bad")
     if n_rows == 0:
-        raise ValueError(f"{path}: no valid rating rows ({len(parsed.bad)} bad rows quarantined)")
+        why = f"{len(parsed.bad)} bad rows quarantined" if parsed.bad else "the file holds no data rows"
+        raise ValueError(f"{path}: no valid rating rows ({why})")
 
     # Sort by (user, timestamp), stable: equal timestamps keep file order.
     order = np.lexsort((parsed.timestamps, parsed.users))  # lexsort is stable

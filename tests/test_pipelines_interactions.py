@@ -962,3 +962,13 @@ if __name__ == "__main__":
         _bench(sys.argv[2:])
     else:
         raise SystemExit("usage: python tests/test_pipelines_interactions.py bench --dir DIR [--rows N] [--budgets ...]")
+
+
+def test_a_header_only_csv_says_it_holds_no_data_rows(tmp_path):
+    """A CSV with its header and no data row: the refusal says so, not "(0 bad rows quarantined)" (a new user read
+    that as a quarantine having happened, without quarantine mode)."""
+    src = tmp_path / "log.csv"
+    src.write_text("user_id,item_id,timestamp\n")
+    with pytest.raises(ValueError) as e:
+        prepare_interactions(str(src), tmp_path / "out", progress=False)
+    assert str(e.value) == f"{src}: no valid interaction rows (the files hold a header and no data rows)"

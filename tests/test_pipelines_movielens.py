@@ -628,3 +628,13 @@ def test_preparing_twice_gives_an_identical_manifest(tmp_path, monkeypatch):
     m = json.loads(first)
     assert "created_unix" not in m and "seconds" not in m["conversion"] and m["run_file"] == ml.RUN_FILE
     load_manifest(tmp_path / "a", verify=True)
+
+
+def test_an_empty_ratings_file_says_it_holds_no_data_rows(tmp_path):
+    """An empty u.data: the refusal says the file holds no data rows, not "(0 bad rows quarantined)"."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "u.data").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"u\.data: no valid rating rows \(the file holds no data rows\)"):
+        prepare_movielens(src, tmp_path / "o")
+    assert not (tmp_path / "o").exists()
