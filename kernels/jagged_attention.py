@@ -1325,15 +1325,20 @@ def _use_ds_store(rc: kconfig.RegimeConfig, spec: _Spec, h: int, t_k: int, q: to
     return nbytes <= cfg.ds_max_bytes and (cap == 0 or nbytes <= cfg.ds_max_fraction * cap)
 
 
+def _plain_rows(spec: _Spec, nt, bias) -> bool:
+    """Whether a call attends over plain full rows (no targets, bias, contextual prefix, block, window or PMA's
+    broadcast queries): the only calls the Gluon kernels take."""
+    return (nt is None and bias is None and not spec.context and not spec.att_block and not spec.window
+            and not spec.q_bcast)
+
+
 def _use_ws_fwd(rc: kconfig.RegimeConfig, spec: _Spec, nt, bias, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor) -> bool:
     """The regime's ws_fwd where the warp-specialized forward takes the call (ws_attention.eligible): softmax over
     full rows, no targets / bias / prefix / block / window / PMA, on an sm_90 GPU (not the interpreter)."""
     if ws is None or not rc.ws_fwd or _interpreting():
         return False
-    plain = (nt is None and bias is None and not spec.context and not spec.att_block and not spec.window
-             and not spec.q_bcast)
-    return ws.eligible(q, k, v, spec.act, plain)
+    return ws.eligible(q, k, v, spec.act, _plain_rows(spec, nt, bias))
 
 
 def _use_ws_bwd(rc: kconfig.RegimeConfig, spec: _Spec, nt, bias, q: torch.Tensor, k: torch.Tensor,
@@ -1342,9 +1347,7 @@ def _use_ws_bwd(rc: kconfig.RegimeConfig, spec: _Spec, nt, bias, q: torch.Tensor
     silu over full rows, no targets / bias / prefix / block / window / PMA, on an sm_90 GPU (not the interpreter)."""
     if ws is None or not rc.ws_bwd or _interpreting():
         return False
-    plain = (nt is None and bias is None and not spec.context and not spec.att_block and not spec.window
-             and not spec.q_bcast)
-    return ws.eligible_bwd(q, k, v, do, spec.act, plain)
+    return ws.eligible_bwd(q, k, v, do, spec.act, _plain_rows(spec, nt, bias))
 
 
 def _fast_act(dtype: torch.dtype, cfg: KernelConfig) -> bool:

@@ -540,14 +540,9 @@ def _capability(device: torch.device) -> tuple[int, int]:
 
 @functools.lru_cache(maxsize=16)
 def _smem_layout(rows: int, d: int, bf16: bool):
-    """The shared-memory layout of a [rows, d] 16-bit box (128-byte swizzle), built once per shape."""
+    """The shared-memory layout of a [rows, d] 16-bit box (the widest swizzle its rows allow: 128 bytes for d >=
+    64), built once per shape."""
     return gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16 if bf16 else gl.float16)
-
-
-@functools.lru_cache(maxsize=16)
-def _smem_layout_2d(rows: int, cols: int, bf16: bool):
-    """The shared-memory layout of a [rows, cols] 16-bit box (the widest swizzle its rows allow)."""
-    return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16 if bf16 else gl.float16)
 
 
 def _desc(x: torch.Tensor, rows: int) -> TensorDescriptor:
@@ -623,7 +618,7 @@ def backward_dv_ds(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.
     t_k = k.shape[0]
     ds2 = ds.view(h * t_k, ds.shape[2])
     ds_desc = TensorDescriptor(ds2, list(ds2.shape), [ds2.stride(0), 1], [_ROWS, bm],
-                               _smem_layout_2d(_ROWS, bm, ds.dtype == torch.bfloat16))
+                               _smem_layout(_ROWS, bm, ds.dtype == torch.bfloat16))
     _ws_dv_ds[(total,)](
         _desc(q, bm), _desc(do, bm), _desc(k, 64), _desc(v, 64), ds_desc, ds, dv, q_off, kv_off, table,
         dv.stride(0), dv.stride(1), ds.stride(0), ds.stride(1), t_k, float(alpha), float(inv_n), n_tiles_k,
