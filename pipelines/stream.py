@@ -409,8 +409,11 @@ class ElasticTrainStream:
     epoch, ``consumed`` (a prefix of the order); a checkpoint storing (epoch, consumed) resumes at any
     world size with every sample trained exactly once per epoch.
 
-    Yields ``(batch, consumed_after)`` pairs: the rank's :class:`gemray.jagged.JaggedBatch` (B may be 0
-    at the epoch's end) and the global prefix consumed once this step is done (same on every rank).
+    Yields ``(batch, consumed_after)`` pairs: the rank's :class:`gemray.jagged.JaggedBatch` and the global
+    prefix consumed once this step is done (same on every rank). B = ``batch_size`` on every step but the
+    epoch's last when N is not a multiple of world_size * batch_size: that step's n samples are spread over all
+    ranks (B about n / world_size each, sizes within ``sub_batch_size`` with BBS, within 1 without), and a
+    rank's B is 0 only when n < world_size.
     """
 
     def __init__(self, base: "HistoryStream", *, rank: int, world_size: int):

@@ -90,6 +90,75 @@ def test_global_plan_edges():
     assert max(tok) / min(tok) < 1.1 < max(tok_plain) / min(tok_plain)
 
 
+@pytest.mark.parametrize("bbs", [True, False])
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_global_plan_tail_spreads_over_every_rank(world, bbs):
+    """The epoch's last, partial step spreads its n samples over all ranks (was: rank 0 got batch_size, the next
+    ranks the rest, later ranks nothing: ML-1M, 2 ranks, batch 128 ended on 128 / 24): part sizes within
+    sub_batch_size (BBS) or 1 (slices) of each other, no rank empty once n >= world_size, each sample once."""
+    batch, sub = 8, 2
+    lengths = np.random.default_rng(world).integers(1, 200, world * batch)
+    for n in range(1, world * batch):  # every partial chunk size
+        order = np.random.default_rng(n).permutation(world * batch)[:n]
+        parts, consumed = plan_global_step(order, lengths, consumed=0, world_size=world, batch_size=batch, bbs=bbs,
+                                           sub_batch_size=sub, seed=3, epoch=0)
+        sizes = [p.size for p in parts]
+        assert consumed == n and len(parts) == world and all(p.dtype == np.int64 for p in parts)
+        assert sorted(np.concatenate(parts).tolist()) == sorted(order.tolist())  # every sample of the chunk once
+        assert max(sizes) - min(sizes) <= (sub if bbs else 1), (n, sizes)
+        assert min(sizes) > 0 or n < world, (n, sizes)
+        if n >= world * sub:
+            assert min(sizes) > 0, (n, sizes)
+    # BBS also balances the tail's tokens: 12 samples sorted by length over 2 ranks (slices: 6 light, 6 heavy)
+    lengths = np.arange(1, 13) ** 2
+    parts, _ = plan_global_step(np.arange(12), lengths, consumed=0, world_size=2, batch_size=8, bbs=True,
+                                sub_batch_size=2, seed=0, epoch=0)
+    plain, _ = plan_global_step(np.arange(12), lengths, consumed=0, world_size=2, batch_size=8, bbs=False,
+                                sub_batch_size=2, seed=0, epoch=0)
+    tok, tok_plain = ([int(lengths[p].sum()) for p in ps] for ps in (parts, plain))
+    assert [p.size for p in parts] == [6, 6] and [p.size for p in plain] == [6, 6]
+    assert max(tok) / min(tok) < 1.05 < 3 < max(tok_plain) / min(tok_plain)
+
+
+@pytest.mark.parametrize("bbs", [True, False])
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_global_plan_epoch_exactly_once_with_an_even_tail(world, bbs):
+    """A whole epoch with random lengths: every sample once, global_steps_left steps, every step but the last
+    batch_size per rank, the last one spread evenly over all ranks."""
+    batch, sub = 8, 4
+    n = 5 * world * batch + 3 * world + 1  # 5 full steps, then a tail of 3 * world + 1 samples
+    lengths = np.random.default_rng(100 + world).integers(1, 300, n)
+    order = global_epoch_order(n, seed=9, epoch=2, shuffle=True)
+    consumed, steps = 0, []
+    while consumed < n:
+        parts, consumed = plan_global_step(order, lengths, consumed=consumed, world_size=world, batch_size=batch,
+                                           bbs=bbs, sub_batch_size=sub, seed=9, epoch=2)
+        steps.append(parts)
+    assert len(steps) == global_steps_left(n, 0, world, batch) == 6
+    flat = np.concatenate([p for parts in steps for p in parts])
+    assert np.array_equal(np.sort(flat), np.arange(n))  # every sample once: 0 lost, 0 duplicated
+    assert all(p.size == batch for parts in steps[:-1] for p in parts)
+    tail = [p.size for p in steps[-1]]
+    assert sum(tail) == 3 * world + 1 and min(tail) >= 3 and max(tail) - min(tail) <= (sub if bbs else 1), tail
+
+
+def test_global_plan_pinned():
+    """A seeded epoch's plan, pinned: its full steps are the plan before the tail was spread (form_batches /
+    slices of batch_size, rng seeded by (seed, epoch, consumed)); only the last, partial step changed
+    (was [[11, 19, 12, 13], [4]] with BBS, [[19, 11, 13, 4], [12]] without)."""
+    lengths = np.array([8, 8, 48, 30, 35, 36, 43, 2, 29, 9, 24, 55, 33, 5, 33, 8, 45, 56, 58, 37, 52])
+    want = {True: [[[18, 20, 1, 7], [16, 5, 3, 0]], [[6, 14, 8, 10], [17, 2, 9, 15]], [[19, 4, 13], [11, 12]]],
+            False: [[[1, 20, 7, 0], [5, 16, 3, 18]], [[15, 10, 8, 6], [14, 17, 9, 2]], [[19, 11, 13], [4, 12]]]}
+    for bbs, steps in want.items():
+        order = global_epoch_order(21, seed=5, epoch=1, shuffle=True)
+        consumed, got = 0, []
+        while consumed < 21:
+            parts, consumed = plan_global_step(order, lengths, consumed=consumed, world_size=2, batch_size=4,
+                                               bbs=bbs, sub_batch_size=2, seed=5, epoch=1)
+            got.append([p.tolist() for p in parts])
+        assert got == steps, bbs
+
+
 def test_ledger_audit_drops_rolled_back_steps(tmp_path):
     ids = list(range(100, 110))
     # attempt 1 (2 ranks) trains steps 1..3; checkpoint committed at step 2; crash after step 3

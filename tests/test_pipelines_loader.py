@@ -27,7 +27,9 @@ def prepared(tmp_path_factory):
     return out
 
 
-def _stream(prepared, rank: int = 1, world_size: int = 3) -> ElasticTrainStream:
+def _stream(prepared, rank: int = 2, world_size: int = 3) -> ElasticTrainStream:
+    """Rank 2 of 3 by default: 86 train users at 3 x 4 a step end on a step of 2 samples, which go to ranks 0 and 1,
+    so this rank's last batch is empty (B=0) and the tests below see one."""
     base = HistoryStream(prepared, "train", rank=0, world_size=1, batch_size=BATCH, max_seq_len=24, sub_batch_size=2,
                          seed=7, reader="arrow")
     return ElasticTrainStream(base, rank=rank, world_size=world_size)
@@ -71,7 +73,7 @@ def test_workers_yield_the_in_process_sequence(prepared):
     from the epoch's start and from mid-epoch positions (a step boundary and one that is not)."""
     stream = _stream(prepared)
     ref = list(stream.iter_epoch(2, 0))
-    assert len(ref) > 4 and any(b.batch_size == 0 for b, _ in ref)  # the epoch's end: empty on this rank
+    assert len(ref) > 4 and any(b.batch_size == 0 for b, _ in ref)  # the epoch's end: empty on this rank (_stream)
     assert any(b.features for b, _ in ref) and any(b.num_candidates for b, _ in ref)
     mid = ref[2][1]
     rng = torch.get_rng_state()
