@@ -455,14 +455,14 @@ def _cmd_bench_bbs(ns: argparse.Namespace) -> int:
     for bbs in (False, True):
         r = simulate_imbalance(Path(d.prepared_dir).resolve(), split="train", world_size=world,
                                batch_size=d.batch_size, max_seq_len=d.max_seq_len,
-                               sub_batch_size=d.sub_batch_size, window_batches=d.bbs_window_batches,
-                               bbs=bbs, seed=cfg.train.seed)
+                               sub_batch_size=d.sub_batch_size, bbs=bbs, seed=cfg.train.seed, shuffle=d.shuffle,
+                               train_includes_valid=d.train_includes_valid)
         rows.append(("with BBS" if bbs else "without BBS", r))
-    print(f"token imbalance (max/mean tokens per rank per step, mean over steps), {d.prepared_dir}, "
-          f"world size {world}, batch {d.batch_size}:")
+    print(f"token imbalance of the training plan (max/mean tokens per rank per step, mean over an epoch's steps), "
+          f"{d.prepared_dir}, world size {world}, batch {d.batch_size}:")
     for name, r in rows:
-        print(f"  {name:<12} {r['imbalance']:.3f}  ({r['steps']} steps, "
-              f"{r['tokens_per_step_mean']:.0f} tokens per rank-step)")
+        print(f"  {name:<12} {r['imbalance']:.3f}  ({r['steps']} step{'' if r['steps'] == 1 else 's'}, last step "
+              f"{r['last_step_imbalance']:.3f}, {r['tokens_per_step_mean']:.0f} tokens per rank-step)")
     return 0
 
 
@@ -831,7 +831,8 @@ def build_parser() -> argparse.ArgumentParser:
     bsub = bench.add_subparsers(dest="bench", required=True)
     bb = bsub.add_parser("bbs", help="token imbalance across ranks with and without BBS")
     bb.add_argument("--config", required=True,
-                    help="TOML config: its data.prepared_dir, batch sizes and bbs_window_batches are simulated")
+                    help="TOML config: the training plan of its data.prepared_dir, batch_size, sub_batch_size, "
+                    "max_seq_len, shuffle and train_includes_valid (and train.seed) is simulated")
     bb.add_argument("--world-size", type=int, default=None, help="default: ray.num_workers")
     _add_set(bb)
     bb.set_defaults(func=_cmd_bench_bbs)

@@ -319,28 +319,46 @@ def plan_epoch(input_lengths: np.ndarray, *, num_batches: int, batch_size: int, 
 
 
 def simulate_imbalance(prepared_dir: str | Path, *, split: str = "train", world_size: int, batch_size: int,
-                       max_seq_len: int, sub_batch_size: int, window_batches: int, bbs: bool,
-                       seed: int = 0, epoch: int = 0) -> dict[str, Any]:
-    """Token imbalance across ranks for one epoch, with the stream's exact shard assignment and plan.
+                       max_seq_len: int, sub_batch_size: int, bbs: bool, seed: int = 0, epoch: int = 0,
+                       shuffle: bool = True, train_includes_valid: bool = False) -> dict[str, Any]:
+    """Token imbalance across ranks for one epoch, with the exact plan the data path uses at ``world_size``.
 
-    Reads only the ``item_ids`` list lengths from Parquet (pyarrow, no Ray). Train uses the shuffled
-    plan of :class:`gemray.pipelines.stream.HistoryStream`; valid/test are never shuffled nor BBS'd
-    there, so ``bbs`` and ``seed`` only matter for train.
-    Returns {"imbalance": float (see :func:`imbalance`), "steps": int, "tokens_per_step_mean": float
-    (mean tokens per rank-batch over non-empty steps), "world_size": int, "bbs": bool}.
+    Reads only the ``item_ids`` list lengths from Parquet (pyarrow, no Ray). Train replays the elastic plan
+    training runs (:class:`gemray.pipelines.stream.ElasticTrainStream`): every split-eligible sample in
+    ascending user_id, :func:`global_epoch_order` (seed, epoch, ``shuffle``) and :func:`plan_global_step` step
+    by step, the epoch's last, partial step included; ``train_includes_valid`` as ``data.train_includes_valid``.
+    Valid/test replay the evaluation streams (:class:`gemray.pipelines.stream.HistoryStream`: the shards of
+    each rank, :func:`plan_epoch`, never shuffled nor BBS'd), so ``bbs``, ``seed`` and ``shuffle`` only matter
+    for train.
+    Returns {"imbalance": float (see :func:`imbalance`), "last_step_imbalance": float (max/mean tokens across
+    ranks of the epoch's last step with tokens; 1.0 when none has), "steps": int, "tokens_per_step_mean":
+    float (mean tokens per rank-batch over non-empty steps), "world_size": int, "bbs": bool}.
     """
     check_split(split)
     manifest = load_manifest(prepared_dir)
-    steps = num_batches_for(manifest, world_size, batch_size)
     train = split == "train"
-    tokens = np.zeros((steps, world_size), dtype=np.int64)
-    for rank in range(world_size):
-        full = read_shard_lengths(manifest, assign_shards(manifest, world_size, rank))
-        lengths = split_input_lengths(full, split, max_seq_len)
-        plan = plan_epoch(lengths, num_batches=steps, batch_size=batch_size, bbs=bbs and train,
-                          sub_batch_size=sub_batch_size, window_batches=window_batches, shuffle=train,
-                          seed=seed, epoch=epoch, rank=rank)
-        tokens[:, rank] = [int(lengths[b].sum()) for b in plan]
+    if train:
+        full = read_shard_lengths(manifest, assign_shards(manifest, 1, 0))  # every rank holds all train samples
+        lengths = split_input_lengths(full, split, max_seq_len, train_includes_valid=train_includes_valid)
+        order = global_epoch_order(lengths.size, seed=seed, epoch=epoch, shuffle=shuffle)
+        rows, consumed = [], 0
+        while consumed < order.size:
+            parts, consumed = plan_global_step(order, lengths, consumed=consumed, world_size=world_size,
+                                               batch_size=batch_size, bbs=bbs, sub_batch_size=sub_batch_size,
+                                               seed=seed, epoch=epoch)
+            rows.append([int(lengths[p].sum()) for p in parts])
+        tokens = np.array(rows, dtype=np.int64).reshape(len(rows), world_size)
+    else:
+        steps = num_batches_for(manifest, world_size, batch_size)
+        tokens = np.zeros((steps, world_size), dtype=np.int64)
+        for rank in range(world_size):
+            full = read_shard_lengths(manifest, assign_shards(manifest, world_size, rank))
+            lengths = split_input_lengths(full, split, max_seq_len)
+            plan = plan_epoch(lengths, num_batches=steps, batch_size=batch_size, bbs=False, sub_batch_size=1,
+                              window_batches=1, shuffle=False, seed=seed, epoch=epoch, rank=rank)
+            tokens[:, rank] = [int(lengths[b].sum()) for b in plan]
     busy = tokens.sum(axis=1) > 0
-    return {"imbalance": imbalance(tokens), "steps": steps, "world_size": world_size, "bbs": bool(bbs and train),
+    last = imbalance(tokens[np.flatnonzero(busy)[-1:]])
+    return {"imbalance": imbalance(tokens), "last_step_imbalance": last, "steps": int(tokens.shape[0]),
+            "world_size": world_size, "bbs": bool(bbs and train),
             "tokens_per_step_mean": float(tokens[busy].mean()) if busy.any() else 0.0}

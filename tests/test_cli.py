@@ -118,6 +118,12 @@ def test_prepare_then_bench_bbs(capsys, tmp_path):
     assert len(without) == 1 and len(with_) == 1
     vals = [float(ln.split()[2]) for ln in (without[0], with_[0])]
     assert all(v >= 1.0 for v in vals)
+    assert all("steps, last step " in ln for ln in (without[0], with_[0]))
+    # 610 users at 2 x 320: one (partial) step, spread over both ranks, said in the singular (was "(1 steps")
+    assert main(["bench", "bbs", "--config", CONFIG, "--world-size", "2",
+                 "--set", f"data.prepared_dir={out}", "data.batch_size=320"]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "BBS" in ln]
+    assert len(lines) == 2 and all("(1 step, last step " in ln for ln in lines), lines
 
 
 def test_console_script_exit_code(tmp_path):

@@ -99,10 +99,10 @@ def test_plan_epoch_covers_pads_and_is_seeded():
 def test_bbs_reduces_cross_rank_imbalance_on_real_lengths(fmt, tmp_path):
     out = tmp_path / fmt
     prepare_movielens(DATA / fmt, out, num_files=8)
-    kw = dict(world_size=2, batch_size=32, max_seq_len=200, sub_batch_size=8, window_batches=8)
+    kw = dict(world_size=2, batch_size=32, max_seq_len=200, sub_batch_size=8)
     res = {bbs: [simulate_imbalance(out, bbs=bbs, seed=0, epoch=e, **kw) for e in range(3)] for bbs in (False, True)}
     mean = {bbs: float(np.mean([r["imbalance"] for r in rs])) for bbs, rs in res.items()}
-    print(f"\n{fmt} train, world 2, batch 32, sub 8, window 8, 3 epochs: imbalance "
+    print(f"\n{fmt} train, world 2, batch 32, sub 8, 3 epochs: imbalance "
           f"without BBS {mean[False]:.4f}, with BBS {mean[True]:.4f}")
     assert res[True][0]["steps"] == res[False][0]["steps"] > 5
     assert res[True][0]["tokens_per_step_mean"] == pytest.approx(res[False][0]["tokens_per_step_mean"])
@@ -110,3 +110,34 @@ def test_bbs_reduces_cross_rank_imbalance_on_real_lengths(fmt, tmp_path):
     # valid/test are never BBS'd: the bbs flag does not change them
     v = [simulate_imbalance(out, split="valid", bbs=b, **kw)["imbalance"] for b in (False, True)]
     assert v[0] == v[1]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_simulate_imbalance_replays_the_training_plan(world, tmp_path):
+    """simulate_imbalance (``gemray bench bbs``) reports the plan training runs: the train stream's samples, the
+    epoch's global order and plan_global_step step by step, the last, partial step included (it replayed the
+    older per-rank plan_epoch, whose steps and figures training no longer had)."""
+    from gemray.pipelines.bbs import global_epoch_order, plan_global_step
+    from gemray.pipelines.stream import ElasticTrainStream, HistoryStream
+
+    out = tmp_path / "prep"
+    prepare_movielens(DATA / "ml-latest-small", out, num_files=4)  # 610 users
+    kw = dict(batch_size=48, max_seq_len=50, sub_batch_size=8, bbs=True, seed=3, epoch=1)
+    base = HistoryStream(out, "train", rank=0, world_size=1, batch_size=48, max_seq_len=50, sub_batch_size=8,
+                         seed=3, reader="arrow")
+    stream = ElasticTrainStream(base, rank=0, world_size=world)  # what every rank of the run plans from
+    d = base._load()
+    lengths = d["stop"] - d["start"]
+    order = global_epoch_order(lengths.size, seed=3, epoch=1, shuffle=True)
+    consumed, rows = 0, []
+    while consumed < lengths.size:
+        parts, consumed = plan_global_step(order, lengths, consumed=consumed, world_size=world, batch_size=48,
+                                           bbs=True, sub_batch_size=8, seed=3, epoch=1)
+        rows.append([int(lengths[p].sum()) for p in parts])
+    tokens = np.array(rows)
+    assert [int(b.num_tokens) for b, _ in stream.iter_epoch(1)] == tokens[:, 0].tolist()  # rank 0 trains these
+    r = simulate_imbalance(out, world_size=world, **kw)
+    assert r["steps"] == len(rows) == stream.num_steps()
+    assert r["imbalance"] == pytest.approx(imbalance(tokens))
+    assert r["last_step_imbalance"] == pytest.approx(imbalance(tokens[-1:])) and r["last_step_imbalance"] < 1.2
+    assert r["tokens_per_step_mean"] == pytest.approx(tokens.mean())
