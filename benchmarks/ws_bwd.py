@@ -3,10 +3,10 @@
 Times forward + backward of ``ops.attention`` (silu, causal, no bias: configs/gem-h200.toml's attention) on a
 batch of the gem-h200 config's log-normal lengths (B = 128, H = 4, D = 256, bf16) with the shipped tiles
 (configs/kernel-tiles-h200.json: ds_store + dk_from_ds) and the Triton dV + dS^T launch (ws_bwd off), then with
-that launch replaced by the Gluon kernel (ws_attention.backward_dv_ds, ws_bwd) at each (query rows per step,
-STAGES) tile; each variant's output and gradients are
-checked against the Triton launch's (bf16: relative error < 1e-2), then one profiled forward + backward per
-variant gives the kernel sums. Runs on a bare torch + triton image (no torchrec):
+that launch replaced by the Gluon kernel (ws_attention.backward_dv_ds, ws_bwd), then with dQ and dK from its
+stored dS^T also in Gluon (ws_attention.ds_gemm, ws_dkdq) at each number of ring slots, and once more with the
+dS^T scratch NaN-filled; each variant's output and gradients are checked against the Triton launch's (bf16:
+relative error < 1e-2), then one profiled forward + backward per variant gives the kernel sums. Runs on a bare torch + triton image (no torchrec):
 
     . benchmarks/h200_env.sh && python3 benchmarks/ws_bwd.py --out $OUT
 """
@@ -28,8 +28,8 @@ from attn_sweep_d256 import H, D, N, inputs  # noqa: E402
 from gemray import ops  # noqa: E402
 from gemray.kernels import config as kconfig  # noqa: E402
 
-# (query rows per step, STAGES)
-TILES = [(32, 2), (16, 4)]
+# ring slots of the Gluon dQ / dK products (ws_dkdq), on the shipped ws_bwd tiles
+DKDQ_STAGES = [2, 3, 4]
 
 
 def main() -> int:
@@ -64,8 +64,12 @@ def main() -> int:
 
     triton_bwd = base.with_regime(reg, ws_bwd=False)  # the Triton dK/dV launch (the shipped tiles before 2026-12-07)
     ref = result(triton_bwd)
-    variants = [("triton dV + dS^T", triton_bwd)]
-    variants += [(f"ws_bwd {t}", base.with_regime(reg, ws_bwd=True, ws_bwd_tiles=t)) for t in TILES]
+    ws_bwd = base.with_regime(reg, ws_bwd=True, ws_dkdq=False)
+    variants = [("triton dV + dS^T", triton_bwd), (f"ws_bwd {ws_bwd.regime(reg).ws_bwd_tiles}", ws_bwd)]
+    variants += [(f"ws_dkdq stages {n}", base.with_regime(reg, ws_bwd=True, ws_dkdq=True, ws_dkdq_stages=n))
+                 for n in DKDQ_STAGES]
+    # the products read only what the dV + dS^T launch wrote: a NaN-filled scratch must change nothing
+    variants += [("ws_dkdq, NaN scratch", variants[-1][1].replace(ds_scratch_nan=True))]
     rows = {}
     for name, cfg in variants:
         row = rows[name] = {"variant": name}

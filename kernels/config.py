@@ -114,7 +114,10 @@ class RegimeConfig:
     (kernels/ws_attention.py) where it applies, with ``ws_tiles`` (consumer warpgroups, BLOCK_N, STAGES,
     ping-pong, persistent grid). ws_bwd (with ds_store and dk_from_ds): the silu backward's dV + dS^T launch runs
     the warp-specialized Gluon kernel (ws_attention.backward_dv_ds: 128 keys a program, two consumer warpgroups,
-    a TMA loader warp) where it applies, with ``ws_bwd_tiles`` (query rows per step, STAGES)."""
+    a TMA loader warp) where it applies, with ``ws_bwd_tiles`` (query rows per step, STAGES). ws_dkdq (with ws_bwd,
+    where that launch runs): dQ and dK from its stored dS^T run the warp-specialized Gluon products
+    (ws_attention.ds_gemm: 128 output rows a program, two consumer warpgroups, a TMA loader warp, ``ws_dkdq_stages``
+    ring slots) instead of the Triton dq_ds / dk_ds launches."""
 
     tiles: TileSet
     heads_inner: bool = False
@@ -125,6 +128,8 @@ class RegimeConfig:
     ws_tiles: WsTiles = (2, 128, 2, False, False)
     ws_bwd: bool = False
     ws_bwd_tiles: tuple[int, int] = (32, 2)
+    ws_dkdq: bool = False
+    ws_dkdq_stages: int = 4
 
 
 # D=128 tiles: run 4's sweep winners (each timed on its regime's bench batch: short heavy B=128 N=1024, medium heavy
@@ -405,7 +410,7 @@ def registered() -> Mapping[str, KernelConfig]:
     return MappingProxyType(_REGISTRY)
 
 
-MODE_FIELDS = ("heads_inner", "tma_loads", "ds_store", "dk_from_ds", "ws_bwd")
+MODE_FIELDS = ("heads_inner", "tma_loads", "ds_store", "dk_from_ds", "ws_bwd", "ws_dkdq")
 
 
 def _as_json(value) -> str:

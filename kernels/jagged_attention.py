@@ -1593,7 +1593,9 @@ def _make_bwd_plan(fwd: _FwdPlan, q, k, v, bias, do, q_off, kv_off, nt, spec: _S
     fit = dict(d_v=d_v, rel=rel is not None, elem_bytes=q.element_size(), device=q.device)  # _tiles' smem fit
     steps, rel_rows = [], 0
     if ds_store:  # dK/dV (also storing dS^T), then dQ = dS K (and, dk_from_ds, dK = dS^T Q) from the stored tiles
-        if rc.dk_from_ds and not want_dbias and _use_ws_bwd(rc, spec, nt, bias, q, k, v, do):
+        ds_scale = spec.alpha * (1.0 if softmax else spec.inv_n)
+        ws_path = rc.dk_from_ds and not want_dbias and _use_ws_bwd(rc, spec, nt, bias, q, k, v, do)
+        if ws_path:
             table, ntk = _k_table(spec, q_off, kv_off, ws.BWD_KEYS, k.shape[0], grouped=cfg.seq_order_dkdv)
             # the step holds the launch's arguments: ws.backward_dv_ds is looked up when it runs
             steps.append((dict(n_tiles_k=ntk, causal=spec.causal, alpha=spec.alpha, inv_n=spec.inv_n,
@@ -1603,23 +1605,29 @@ def _make_bwd_plan(fwd: _FwdPlan, q, k, v, bias, do, q_off, kv_off, nt, spec: _S
             table, ntk = _k_table(spec, q_off, kv_off, kbn, k.shape[0], grouped=cfg.seq_order_dkdv)
             steps.append(bwd(table, (ntk, 1), kwarps, kstages, PART=1, DK_BM=kbm, DK_BN=kbn, DQ_BM=0, DQ_BN=0,
                              STORE_DBIAS=want_dbias, STORE_DELTA=False, STORE_DS=True, NO_DK=rc.dk_from_ds))
-        qbm, qbn, qwarps, qstages = _tiles("dq_ds", d_qk, reg, spec.max_q_len, cfg, **fit)
-        table, ntq = _q_table(spec, q_off, kv_off, qbm, t_out, grouped=cfg.seq_order_dq)
-        steps.append((_Launch(_gdpa_dq_ds, grid(table.numel(), rc.heads_inner), [
-            *ds_strides, *k.stride()[:2], *dq_strides, spec.alpha * (1.0 if softmax else spec.inv_n), ntq, d_qk, h],
-            dict(CAUSAL=spec.causal, HAS_TARGETS=nt is not None, CONTEXT=spec.context, BLOCK_M=qbm, BLOCK_N=qbn,
-                 BLOCK_DQK=bdk, DOT_PREC=consts["DOT_PREC"], HEADS_INNER=rc.heads_inner, TMA=use_tma),
-            qwarps, qstages, cfg.direct_launch), table, "dq_ds"))
-        if rc.dk_from_ds:
-            dbm, dbn, dwarps, dstages = _tiles("dk_ds", d_qk, reg, spec.max_q_len, cfg, **fit)
-            table, ntk = _k_table(spec, q_off, kv_off, dbn, k.shape[0], grouped=cfg.seq_order_dkdv)
-            steps.append((_Launch(_gdpa_dk_ds, grid(table.numel(), rc.heads_inner), [
-                *ds_strides, *q.stride()[:2], *dk_strides, spec.alpha * (1.0 if softmax else spec.inv_n), ntk,
-                d_qk, h],
-                dict(CAUSAL=spec.causal, HAS_TARGETS=nt is not None, CONTEXT=spec.context, Q_BCAST=spec.q_bcast,
-                     BLOCK_M=dbm, BLOCK_N=dbn, BLOCK_DQK=bdk, DOT_PREC=consts["DOT_PREC"],
-                     HEADS_INNER=rc.heads_inner, TMA=use_tma),
-                dwarps, dstages, cfg.direct_launch), table, "dk_ds"))
+        if ws_path and rc.ws_dkdq:  # the Gluon products read only what ws_dv_ds wrote (ws.ds_gemm)
+            qtable, ntq = _q_table(spec, q_off, kv_off, ws.BWD_KEYS, t_out, grouped=cfg.seq_order_dq)
+            gemm = dict(causal=spec.causal, scale=ds_scale, stages=rc.ws_dkdq_stages)
+            steps.append((dict(n_tiles=ntq, dq=True, **gemm), qtable, "ws_dq"))
+            steps.append((dict(n_tiles=ntk, dq=False, **gemm), table, "ws_dk"))  # ws_dv_ds's key tiles
+        else:
+            qbm, qbn, qwarps, qstages = _tiles("dq_ds", d_qk, reg, spec.max_q_len, cfg, **fit)
+            table, ntq = _q_table(spec, q_off, kv_off, qbm, t_out, grouped=cfg.seq_order_dq)
+            steps.append((_Launch(_gdpa_dq_ds, grid(table.numel(), rc.heads_inner), [
+                *ds_strides, *k.stride()[:2], *dq_strides, ds_scale, ntq, d_qk, h],
+                dict(CAUSAL=spec.causal, HAS_TARGETS=nt is not None, CONTEXT=spec.context, BLOCK_M=qbm,
+                     BLOCK_N=qbn, BLOCK_DQK=bdk, DOT_PREC=consts["DOT_PREC"], HEADS_INNER=rc.heads_inner,
+                     TMA=use_tma),
+                qwarps, qstages, cfg.direct_launch), table, "dq_ds"))
+            if rc.dk_from_ds:
+                dbm, dbn, dwarps, dstages = _tiles("dk_ds", d_qk, reg, spec.max_q_len, cfg, **fit)
+                table, ntk = _k_table(spec, q_off, kv_off, dbn, k.shape[0], grouped=cfg.seq_order_dkdv)
+                steps.append((_Launch(_gdpa_dk_ds, grid(table.numel(), rc.heads_inner), [
+                    *ds_strides, *q.stride()[:2], *dk_strides, ds_scale, ntk, d_qk, h],
+                    dict(CAUSAL=spec.causal, HAS_TARGETS=nt is not None, CONTEXT=spec.context,
+                         Q_BCAST=spec.q_bcast, BLOCK_M=dbm, BLOCK_N=dbn, BLOCK_DQK=bdk, DOT_PREC=consts["DOT_PREC"],
+                         HEADS_INNER=rc.heads_inner, TMA=use_tma),
+                    dwarps, dstages, cfg.direct_launch), table, "dk_ds"))
     else:  # two launches: dQ first (it writes softmax's delta), then dK/dV (reads it)
         qbm, qbn, qwarps, qstages = _tiles("dq", d_qk, reg, spec.max_q_len, cfg, **fit)
         table, ntq = _q_table(spec, q_off, kv_off, qbm, t_out)
@@ -1722,6 +1730,10 @@ def _backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             launch.planned([ds, q, dk, q_off, kv_off, ntarg, table])
         elif kind == "ws_dv_ds":
             ws.backward_dv_ds(q, k, v, do, dv, ds, q_off, kv_off, table, **launch)
+        elif kind == "ws_dq":
+            ws.ds_gemm(ds, k, dq, q_off, kv_off, table, **launch)
+        elif kind == "ws_dk":
+            ws.ds_gemm(ds, q, dk, q_off, kv_off, table, **launch)
         else:
             tensors[13] = table
             launch.planned(tensors)

@@ -25,6 +25,10 @@ STAGES slots shared by both; per step a consumer computes S^T = K Q^T and dP^T =
 dV += P^T dO with P^T from registers, and stores the dS^T tile by TMA from shared memory. The Triton launch it
 replaces holds one warpgroup at 255 registers and its products wait on its own pointwise work and stores; here
 the two warpgroups' products fill each other's gaps (2.54 -> 1.60 ms on a gem-h200 layer, H100, 2026-12-07).
+With the regime's ``ws_dkdq``, dQ = dS K and dK = dS^T Q from that stored dS^T are Gluon launches too
+(``ds_gemm``): jagged, causally blocked GEMMs, 128 output rows a program in two consumer warpgroups, a loader
+warp streaming 64-row steps of dS^T boxes (through a per-sequence descriptor made on the device, so rows and
+columns past the sequence read as zeros) and of the query / key rows.
 
 Same contract as ``jagged_attention._gdpa_fwd`` for the cases it takes (``eligible``): softmax, full rows
 (causal or not), no targets / bias / contextual prefix / block / window, not PMA, 16-bit inputs, head dim 64
@@ -507,6 +511,162 @@ def _ws_dv_ds(q_desc, do_desc, k_desc, v_desc, ds_desc, DS, DV, Q_OFF, KV_OFF, W
                                CAUSAL, BLOCK_M, HEAD_D, STAGES))], [4, 1], [232, 40])
 
 
+@gluon.jit
+def _gemm_item(WORK, Q_OFF, KV_OFF, i, n_items, n_tiles, DQ: gl.constexpr, CAUSAL: gl.constexpr):
+    """Work item i of a dS^T product launch (head-major as _key_item): (valid, head int64, first output row r0 of
+    its 128 rows (keys for dK, queries for dQ), q_start, lq, kv_start, lk, steps of 64 reduction rows, first step
+    row lo). dK: the key tile's query steps from lo = r0 (causal) to lq; dQ: the query tile's key steps from 0 to
+    min(lk, r0 + 128) (causal)."""
+    w = gl.load(WORK + i % n_items)
+    h = (i // n_items).to(gl.int64)
+    wv = gl.maximum(w, 0)
+    b = wv // n_tiles
+    r0 = (wv % n_tiles) * (2 * _KROWS)
+    q_start = gl.load(Q_OFF + b)
+    lq = (gl.load(Q_OFF + b + 1) - q_start).to(gl.int32)
+    kv_start = gl.load(KV_OFF + b)
+    lk = (gl.load(KV_OFF + b + 1) - kv_start).to(gl.int32)
+    lo = r0 * 0
+    if DQ:
+        hi = lk
+        if CAUSAL:
+            hi = gl.minimum(hi, r0 + 2 * _KROWS)
+    else:
+        hi = lq
+        if CAUSAL:
+            lo = r0
+    n_steps = gl.maximum(gl.cdiv(hi - lo, _KROWS), 0)
+    return w >= 0, h, r0, q_start, lq, kv_start, lk, n_steps, lo
+
+
+@gluon.jit
+def _gemm_load_partition(b_desc, b_smem, a_smem, ready, empty, DS, WORK, Q_OFF, KV_OFF, stride_dsh, stride_dst,
+                         n_items, n_tiles, total, DQ: gl.constexpr, CAUSAL: gl.constexpr, HEAD_D: gl.constexpr,
+                         STAGES: gl.constexpr, A_LAYOUT: gl.constexpr):
+    """Loader warp of the dS^T products: per item a tensor descriptor of the (head, sequence)'s dS^T block [lk,
+    lq] made on the device (TMA reads rows past lk and columns past lq as zeros: no mask in the consumers), then
+    per step the two consumers' dS^T boxes [64, 64] and the step's 64 rows of B (queries for dK, keys for dQ,
+    through the host descriptor of the whole tensor) into slot c % STAGES once both consumers released it."""
+    c = 0
+    for i in range(gl.program_id(0), total, gl.num_programs(0)):
+        valid, h, r0, q_start, lq, kv_start, lk, n_steps, lo = _gemm_item(WORK, Q_OFF, KV_OFF, i, n_items,
+                                                                          n_tiles, DQ, CAUSAL)
+        if valid:
+            ds_desc = tma.make_tensor_descriptor(DS + h * stride_dsh + kv_start * stride_dst,
+                                                 [gl.maximum(lk, 1), gl.maximum(lq, 1)], [stride_dst, 1],
+                                                 [_KROWS, _KROWS], A_LAYOUT)
+            col = (h * HEAD_D).to(gl.int32)
+            if DQ:
+                b_row = kv_start.to(gl.int32)
+            else:
+                b_row = (q_start + lo).to(gl.int32)
+            for j in range(n_steps):
+                slot = (c + j) % STAGES
+                mbarrier.wait(empty.index(slot), (((c + j) // STAGES) & 1) ^ 1)
+                mbarrier.expect(ready.index(slot), b_desc.block_type.nbytes + 2 * ds_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(b_desc, [b_row + j * _KROWS, col], ready.index(slot),
+                                                b_smem.index(slot))
+                for w in gl.static_range(2):
+                    if DQ:  # keys of step j, the warpgroup's 64 queries
+                        coord = [j * _KROWS, r0 + w * _KROWS]
+                    else:  # the warpgroup's 64 keys, queries of step j
+                        coord = [r0 + w * _KROWS, lo + j * _KROWS]
+                    tma.async_copy_global_to_shared(ds_desc, coord, ready.index(slot), a_smem.index(2 * slot + w))
+            c += n_steps
+
+
+@gluon.jit
+def _gemm_consumer_partition(b_smem, a_smem, ready, empty, OUT, WORK, Q_OFF, KV_OFF, n_items, n_tiles, total,
+                             stride_ot, stride_oh, scale, WG: gl.constexpr, DQ: gl.constexpr, CAUSAL: gl.constexpr,
+                             HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+    """Consumer warpgroup WG: output rows [r0 + 64 WG, r0 + 64 WG + 64) of each item, acc [64, D] fp32 in
+    registers. dK: acc += dS^T box [64 keys, 64 queries] @ Q [64, D]; dQ: acc += (dS^T box [64 keys, 64
+    queries])^T @ K [64, D] (the box's transpose read by the wgmma from shared memory). One product in flight
+    across steps: a slot is released once the product after it is issued and its own has completed. Steps with
+    no valid pair for this warpgroup (causal: dK's query steps before its first key, dQ's key steps after its
+    last query) only release their slots; every box a live step reads was written by backward_dv_ds (its
+    warpgroups write dS^T of each 64-key row block from the block's first key on) or is TMA's zero fill."""
+    ACC_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                    instr_shape=[16, HEAD_D, 16])
+    dtype: gl.constexpr = b_smem.dtype
+    c = 0
+    for i in range(gl.program_id(0), total, gl.num_programs(0)):
+        valid, h, r0, q_start, lq, kv_start, lk, n_steps, lo = _gemm_item(WORK, Q_OFF, KV_OFF, i, n_items,
+                                                                          n_tiles, DQ, CAUSAL)
+        if valid:
+            rw = r0 + WG * _KROWS
+            j0 = n_steps * 0
+            j1 = n_steps
+            if DQ:
+                live = rw < lq
+                if CAUSAL:
+                    j1 = gl.minimum(j1, rw // _KROWS + 1)
+            else:
+                live = rw < lk
+                if CAUSAL:  # (a query tile shorter than the key tile: none of its steps may be live)
+                    j0 = gl.minimum((rw - lo) // _KROWS, n_steps)
+            j1 = gl.where(live, j1, j0)
+            acc = gl.zeros([_KROWS, HEAD_D], gl.float32, ACC_L)
+            for j in range(j0):  # before the live steps
+                cj = c + j
+                mbarrier.wait(ready.index(cj % STAGES), (cj // STAGES) & 1)
+                mbarrier.arrive(empty.index(cj % STAGES), count=1)
+            for j in range(j0, j1):
+                cj = c + j
+                slot = cj % STAGES
+                mbarrier.wait(ready.index(slot), (cj // STAGES) & 1)
+                a = a_smem.index(2 * slot + WG)
+                if DQ:
+                    a = a.permute((1, 0))
+                acc = warpgroup_mma(a, b_smem.index(slot), acc, is_async=True)
+                acc = warpgroup_mma_wait(1, deps=(acc, ))
+                if j > j0:
+                    mbarrier.arrive(empty.index((cj - 1) % STAGES), count=1)
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            if j1 > j0:
+                mbarrier.arrive(empty.index((c + j1 - 1) % STAGES), count=1)
+            for j in range(j1, n_steps):  # after them
+                cj = c + j
+                mbarrier.wait(ready.index(cj % STAGES), (cj // STAGES) & 1)
+                mbarrier.arrive(empty.index(cj % STAGES), count=1)
+            if DQ:
+                row_start = q_start
+                n_rows = lq
+            else:
+                row_start = kv_start
+                n_rows = lk
+            d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, ACC_L))
+            r = rw + gl.arange(0, _KROWS, layout=gl.SliceLayout(1, ACC_L))
+            gl.store(OUT + (row_start + r[:, None].to(gl.int64)) * stride_ot + h * stride_oh + d[None, :],
+                     (acc * scale).to(dtype), mask=r[:, None] < n_rows)
+            c += n_steps
+
+
+@gluon.jit(do_not_specialize=["stride_dsh", "n_tiles", "n_items", "total"])
+def _ws_ds_gemm(b_desc, DS, OUT, WORK, Q_OFF, KV_OFF, stride_dsh, stride_dst, stride_ot, stride_oh, scale,
+                n_tiles, n_items, total, DQ: gl.constexpr, CAUSAL: gl.constexpr, HEAD_D: gl.constexpr,
+                STAGES: gl.constexpr, A_LAYOUT: gl.constexpr):
+    """dK = scale * dS^T Q (DQ false) or dQ = scale * dS K (DQ true) from the dS^T [H, Tk, W] that _ws_dv_ds
+    stored: one jagged, causally blocked GEMM per (head, sequence), 128 output rows a work item (two consumer
+    warpgroups of 64) and a TMA loader warp streaming 64-row steps of dS^T boxes and B rows through STAGES slots.
+    Replaces jagged_attention._gdpa_dk_ds / _gdpa_dq_ds (one warpgroup, no producer) on the ws_bwd path."""
+    b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES, _KROWS, HEAD_D], b_desc.layout)
+    a_smem = gl.allocate_shared_memory(b_desc.dtype, [2 * STAGES, _KROWS, _KROWS], A_LAYOUT)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    gl.warp_specialize([
+        (_gemm_consumer_partition, (b_smem, a_smem, ready, empty, OUT, WORK, Q_OFF, KV_OFF, n_items, n_tiles,
+                                    total, stride_ot, stride_oh, scale, 0, DQ, CAUSAL, HEAD_D, STAGES)),
+        (_gemm_consumer_partition, (b_smem, a_smem, ready, empty, OUT, WORK, Q_OFF, KV_OFF, n_items, n_tiles,
+                                    total, stride_ot, stride_oh, scale, 1, DQ, CAUSAL, HEAD_D, STAGES)),
+        (_gemm_load_partition, (b_desc, b_smem, a_smem, ready, empty, DS, WORK, Q_OFF, KV_OFF, stride_dsh,
+                                stride_dst, n_items, n_tiles, total, DQ, CAUSAL, HEAD_D, STAGES, A_LAYOUT))],
+        [4, 1], [232, 40])
+
+
 def supports(device_type: str, capability: tuple[int, int], act: int, plain: bool, dtype: torch.dtype,
              dims: tuple[int, int, int], strides: tuple[tuple[int, int, int], ...], aligned: bool) -> bool:
     """The rule behind ``eligible`` (pure, testable without a GPU): a CUDA device of compute capability 9.0
@@ -626,6 +786,28 @@ def backward_dv_ds(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.
         num_warps=4)
 
 
+def ds_gemm(ds: torch.Tensor, b: torch.Tensor, out: torch.Tensor, q_off: torch.Tensor, kv_off: torch.Tensor,
+            table: torch.Tensor, n_tiles: int, dq: bool, causal: bool, scale: float, stages: int) -> None:
+    """Launch dK = scale * dS^T Q (``dq`` false) or dQ = scale * dS K (``dq`` true) from the dS^T that
+    ``backward_dv_ds`` stored, warp-specialized (two consumer warpgroups of 64 output rows, a TMA loader warp).
+
+    ds: [H, Tk, W] (W a multiple of 64, unit column stride), the dS^T scratch ``backward_dv_ds`` wrote: only
+    entries it wrote are read (each 64-key row block from its first key on; rows past lk / columns past lq come
+    as zeros through a per-(head, sequence) descriptor made on the device, so the caller must have set Triton's
+    allocator); b: queries [Tq, H, D] for dK, keys [Tk, H, D] for dQ (``eligible_bwd``'s layout rules); out:
+    [Tk, H, D] dK or [Tq, H, D] dQ (unit dim stride; each sequence's rows written); q_off / kv_off: [B+1] int64;
+    table: [items] int32 of 128-row tiles (dK: ``jagged_attention._k_table`` with BWD_KEYS, as
+    ``backward_dv_ds``'s; dQ: ``_q_table`` with 128 rows), ``n_tiles`` its tiles per sequence; scale: the
+    gradient's factor (alpha / N for silu); stages: ring slots (48 KiB each at D = 256).
+    """
+    h, d = b.shape[1], b.shape[2]
+    total = table.numel() * h
+    _ws_ds_gemm[(total,)](
+        _desc(b, 64), ds, out, table, q_off, kv_off, ds.stride(0), ds.stride(1), out.stride(0), out.stride(1),
+        float(scale), n_tiles, table.numel(), total, DQ=bool(dq), CAUSAL=causal, HEAD_D=d, STAGES=stages,
+        A_LAYOUT=_smem_layout(64, 64, b.dtype == torch.bfloat16), num_warps=4)
+
+
 BWD_KEYS = 2 * 64  # key rows per work item of backward_dv_ds (two consumer warpgroups of 64)
 
 
@@ -639,5 +821,5 @@ def block_m(tiles: tuple) -> int:
     return _ROWS * tiles[0]
 
 
-__all__ = ["BWD_KEYS", "backward_dv_ds", "block_m", "eligible", "eligible_bwd", "forward", "supports",
+__all__ = ["BWD_KEYS", "backward_dv_ds", "block_m", "ds_gemm", "eligible", "eligible_bwd", "forward", "supports",
            "supports_bwd"]

@@ -1357,28 +1357,58 @@ def test_ws_forward_not_taken_where_it_does_not_apply(monkeypatch):
 WS_BWD_TILES = [(32, 2), (16, 4)]  # (64, 1) spills (392 B of stack, sm_90 compile); (32, 3) exceeds shared memory
 
 
-def _ws_bwd_on(monkeypatch, tiles) -> tuple[KernelConfig, list]:
-    """A config whose every regime stores dS^T, computes dK from it and runs the Gluon dV + dS^T launch with
-    ``tiles``, and the list its launches are recorded in (a spy on ws_attention.backward_dv_ds)."""
-    cfg = DEFAULT.with_all_regimes(ds_store=True, dk_from_ds=True, ws_bwd=True, ws_bwd_tiles=tiles)
-    return cfg, _ws_spy(monkeypatch, "backward_dv_ds", lambda args, kw: kw["tiles"])
+def _ws_bwd_on(monkeypatch, tiles, dkdq: bool = False) -> tuple[KernelConfig, list]:
+    """A config whose every regime stores dS^T (NaN-filled scratch: an entry read but never written shows), computes
+    dK from it and runs the Gluon dV + dS^T launch with ``tiles`` (``dkdq``: and the Gluon dQ / dK products), and
+    the list its launches are recorded in (spies on ws_attention.backward_dv_ds: its tiles, and ds_gemm: ("dq" |
+    "dk", stages))."""
+    cfg = DEFAULT.with_all_regimes(ds_store=True, dk_from_ds=True, ws_bwd=True, ws_bwd_tiles=tiles,
+                                   ws_dkdq=dkdq).replace(ds_scratch_nan=True)
+    calls = _ws_spy(monkeypatch, "backward_dv_ds", lambda args, kw: kw["tiles"])
+    real = _ws_spy(monkeypatch, "ds_gemm", lambda args, kw: ("dq" if kw["dq"] else "dk", kw["stages"]))
+    return cfg, calls, real
 
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("tiles", WS_BWD_TILES)
+@pytest.mark.parametrize("tiles,dkdq", [(t, False) for t in WS_BWD_TILES] + [(WS_BWD_TILES[0], True),
+                                                                           (WS_BWD_TILES[1], True)])
 @pytest.mark.parametrize("pattern,d", [("causal", 256), ("full", 256), ("causal", 128)])
-def test_gpu_ws_backward_bf16(monkeypatch, tiles, pattern, d):
+def test_gpu_ws_backward_bf16(monkeypatch, tiles, dkdq, pattern, d):
     """The warp-specialized Gluon dV + dS^T launch (forced in every regime, with the stored dS^T's dQ and dK
-    launches) on a heavy-tailed bf16 silu batch with empty, length-1, tile-edge (63 / 64 / 65 / 127 / 128 / 129)
-    and maximal sequences: the forward and all three gradients match the float32 reference."""
-    cfg, calls = _ws_bwd_on(monkeypatch, tiles)
+    launches: Triton's, or with ``dkdq`` the Gluon products, which read only what the dV + dS^T launch wrote) on a
+    heavy-tailed bf16 silu batch with empty, length-1, tile-edge (63 / 64 / 65 / 127 / 128 / 129) and maximal
+    sequences, the dS^T scratch NaN-filled: the forward and all three gradients match the float32 reference."""
+    cfg, calls, gemms = _ws_bwd_on(monkeypatch, tiles, dkdq)
     torch.manual_seed(25)
     lengths = _heavy_lengths(24, 2048) + [0, 1, 2048, 63, 64, 65, 127, 128, 129, 0]
     off = _offsets(lengths, "cuda")
     q, k, v = (_leaf(int(off[-1]), 4, d, dtype=torch.bfloat16, device="cuda") for _ in range(3))
     _check_gpu_jfa(off, 2048, "silu", (q, k, v), causal=pattern == "causal", config=cfg)
     assert calls == [tiles]
+    assert gemms == ([("dq", 4), ("dk", 4)] if dkdq else [])
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dkdq", [False, True])
+def test_gpu_ws_backward_cross_bf16(monkeypatch, dkdq):
+    """Cross-attention (silu, D 256) through the Gluon dV + dS^T launch (and with ``dkdq`` the Gluon dQ / dK
+    products): query and key lengths differ per sequence, either may be 0 or exceed the other, the dS^T scratch
+    NaN-filled; output and gradients match the float32 reference."""
+    cfg, calls, gemms = _ws_bwd_on(monkeypatch, WS_BWD_TILES[0], dkdq)
+    torch.manual_seed(26)
+    kv_len = _heavy_lengths(24, 2048) + [0, 2048, 1, 0, 130, 64]
+    q_len = [(x * 7) % 300 for x in range(len(kv_len) - 2)] + [700, 0]
+    ko, qo = _offsets(kv_len, "cuda"), _offsets(q_len, "cuda")
+    bf = dict(dtype=torch.bfloat16, device="cuda")
+    q, k, v = _leaf(int(qo[-1]), 4, 256, **bf), _leaf(int(ko[-1]), 4, 256, **bf), _leaf(int(ko[-1]), 4, 256, **bf)
+    _check(lambda a, b, c: jagged_cross_attention_triton(a, qo, b, c, ko, max(q_len), 2048, activation="silu",
+                                                         config=cfg),
+           lambda a, b, c: ref.jagged_cross_attention_ref(a, qo, b, c, ko, max(q_len), 2048, activation="silu"),
+           (q, k, v), 2e-2)
+    assert calls == [WS_BWD_TILES[0]]
+    assert gemms == ([("dq", 4), ("dk", 4)] if dkdq else [])
 
 
 def test_ws_backward_not_taken_where_it_does_not_apply(monkeypatch):
@@ -1386,7 +1416,7 @@ def test_ws_backward_not_taken_where_it_does_not_apply(monkeypatch):
     targets) still give the reference's gradients through the Triton launches."""
     from gemray.kernels import jagged_attention as ja
 
-    cfg, calls = _ws_bwd_on(monkeypatch, WS_BWD_TILES[0])
+    cfg, calls, gemms = _ws_bwd_on(monkeypatch, WS_BWD_TILES[0], dkdq=True)
     lengths = [0, 1, 5, 37, 3]
     off = _offsets(lengths)
     nt = torch.tensor([0, 1, 2, 3, 1])
@@ -1394,10 +1424,41 @@ def test_ws_backward_not_taken_where_it_does_not_apply(monkeypatch):
         _check(lambda a, b, c: jagged_attention_triton(a, b, c, off, 37, config=cfg, **kw),
                lambda a, b, c: ref.jagged_attention_ref(a, b, c, off, 37, **kw),
                tuple(_leaf(int(off[-1]), 2, 16) for _ in range(3)), 1e-4)
-    assert calls == []
+    assert calls == [] and gemms == []
     spec = ja._spec(1, True, 0.25, 1.0, 0, 0, False, 37, 37, 0)
     q = _leaf(int(off[-1]), 2, 16)
     assert not ja._use_ws_bwd(cfg.long, spec, None, None, q, q, q, q)  # CPU tensors
+
+
+@pytest.mark.parametrize("dkdq", [False, True])
+def test_ws_backward_plan_steps(monkeypatch, dkdq):
+    """The backward plan where the Gluon dV + dS^T launch takes the call (eligibility forced: it needs an sm_90
+    GPU): dQ and dK from the stored dS^T are the Triton dq_ds / dk_ds launches, or with ws_dkdq the Gluon products
+    (dQ over 128-query tiles, dK over the dV + dS^T launch's own 128-key tiles, the gradient's scale alpha / N and
+    the regime's stages), in that order."""
+    from gemray.kernels import jagged_attention as ja
+
+    monkeypatch.setattr(ja, "_use_ws_bwd", lambda *a: True)
+    monkeypatch.setattr(ja, "_use_ds_store", lambda *a: True)
+    cfg = DEFAULT.with_all_regimes(ds_store=True, dk_from_ds=True, ws_bwd=True, ws_dkdq=dkdq, ws_dkdq_stages=3)
+    off = _offsets([0, 1, 200, 129, 64])
+    t = int(off[-1])
+    q = torch.randn(t, 2, 128, dtype=torch.bfloat16)
+    spec = ja._spec(1, True, 0.1, 1 / 200, 0, 0, False, 200, 200, 0)
+    fwd = ja._make_fwd_plan(q, q, q, None, off, off, None, spec, t, cfg)
+    steps = ja._make_bwd_plan(fwd, q, q, q, None, q, off, off, None, spec, False, True, cfg).steps
+    kinds = [kind for _, _, kind in steps]
+    if not dkdq:
+        assert kinds == ["ws_dv_ds", "dq_ds", "dk_ds"]
+        return
+    assert kinds == ["ws_dv_ds", "ws_dq", "ws_dk"]
+    (_, k_table, _), (dq, q_table, _), (dk, dk_table, _) = steps
+    assert dk_table is k_table  # the key tiles whose dS^T rows the dV + dS^T launch wrote
+    want_q, ntq = ja._q_table(spec, off, off, 128, t, grouped=cfg.seq_order_dq)
+    assert torch.equal(q_table, want_q) and dq["n_tiles"] == ntq == 2
+    for launch, is_dq in ((dq, True), (dk, False)):
+        assert launch["dq"] is is_dq and launch["causal"] and launch["stages"] == 3
+        assert launch["scale"] == pytest.approx(0.1 / 200)
 
 
 @pytest.mark.parametrize("case,ok", [
