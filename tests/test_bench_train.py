@@ -115,7 +115,8 @@ def test_stall_check_flags_only_above_twice_the_median():
 
 @pytest.mark.parametrize("name,cat", [
     ("_gdpa_fwd", "attention"), ("_gdpa_bwd", "attention"), ("_gdpa_dq_ds", "attention"), ("_ws_fwd", "attention"),
-    ("_bwd_delta", "attention"), ("flash_fwd_kernel", "attention"),
+    ("_bwd_delta", "attention"), ("_ws_dv_ds", "attention"), ("_ws_ds_gemm", "attention"),
+    ("flash_fwd_kernel", "attention"),
     ("void pytorch_flash::flash_bwd_dq_dk_dv_loop_kernel<...>", "attention"),
     ("fmha_cutlassF_f32_aligned_64x64_rf_sm80", "attention"),
     ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "gemm"),

@@ -56,8 +56,9 @@ device kernel; on CPU, where there are no kernels, on the self time of each oper
 2. embeddings_bwd / embeddings_fwd: FBGEMM table-batched embedding kernels and TorchRec's helpers (``embedding``,
    ``tbe``, ``fbgemm``, ``bounds_check_indices``, ``linearize_cache``, ``jagged``/``permute`` index ops of
    the KJT path are *not* matched); backward when the name has ``backward`` / ``bwd`` / ``grad``;
-3. attention: our Triton and Gluon kernels (``_gdpa_``, ``_ws_fwd``, ``_ws_dv_ds``, ``_bwd_delta``), SDPA / flash / memory-efficient
-   kernels (``flash``, ``fmha``, ``sdpa``, ``attention``, ``scaled_dot_product``);
+3. attention: our Triton and Gluon kernels (``_gdpa_``, ``_ws_fwd``, ``_ws_dv_ds``, ``_ws_ds_gemm``,
+   ``_bwd_delta``), SDPA / flash / memory-efficient kernels (``flash``, ``fmha``, ``sdpa``, ``attention``,
+   ``scaled_dot_product``);
 4. optimizer: ``adam``, ``adagrad``, ``multi_tensor_apply``, ``foreach``, ``optimizer``, ``sgd``;
 5. gemm: cuBLAS / CUTLASS / Hopper GEMM kernels (``gemm``, ``cublas``, ``cutlass``, ``nvjet``, ``xmma``,
    ``sm90_``, ``sm80_``, ``splitk``, ``matmul``) and the CPU operators ``aten::mm`` / ``addmm`` / ``bmm`` /
@@ -100,8 +101,8 @@ STALL_FACTOR = 2.0  # "no compile stalls": every measured step within 2x the med
 _RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("communication", ("nccl",)),
     ("embeddings", ("embedding", "tbe_", "_tbe", "fbgemm", "bounds_check_indices", "linearize_cache")),
-    ("attention", ("_gdpa_", "gdpa", "_ws_fwd", "_ws_dv_ds", "_bwd_delta", "flash", "fmha", "sdpa", "attention",
-                   "scaled_dot_product")),
+    ("attention", ("_gdpa_", "gdpa", "_ws_fwd", "_ws_dv_ds", "_ws_ds_gemm", "_bwd_delta", "flash", "fmha", "sdpa",
+                   "attention", "scaled_dot_product")),
     ("optimizer", ("adam", "adagrad", "multi_tensor_apply", "foreach", "optimizer", "sgd")),
     ("gemm", ("gemm", "cublas", "cutlass", "nvjet", "xmma", "sm90_", "sm80_", "splitk", "matmul", "aten::mm",
               "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm", "aten::linear")),
