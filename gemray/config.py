@@ -37,8 +37,12 @@ class DataConfig:
     prepared_dir: Parquet output of ``gemray prepare movielens`` (created by ``gemray train`` if missing).
     max_seq_len: longest history (items) fed to the model; longer histories keep the most recent items.
     batch_size: samples per rank per step.
-    bbs: base batch shuffling on/off; sub_batch_size: samples per BBS sub-batch;
-    bbs_window_batches: how many rank batches one BBS window forms at once.
+    bbs: base batch shuffling on/off; sub_batch_size: samples per BBS sub-batch.
+    bbs_window_batches: no effect on training. Training plans each step from that step's ``world_size *
+    batch_size`` samples of one global epoch order (``gemray.pipelines.stream.ElasticTrainStream``,
+    ``gemray.pipelines.bbs.plan_global_step``), with no window; the key only sizes the windows of
+    ``HistoryStream``'s own per-rank train plan (``plan_epoch``), which training does not use. Kept so that
+    configs which set it, and the config.toml of every earlier run (which lists every key), still load.
     on_bad_rows: "error" (stop with file:line) or "quarantine" (write bad rows aside, count them).
     reader: how a worker reads its Parquet shards: "ray_data" (``ray.data.read_parquet`` tasks) or "arrow"
     (pyarrow in the worker process itself: no Ray tasks, so a worker group restarted on a fresh node does

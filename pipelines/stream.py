@@ -13,8 +13,9 @@ tuple therefore names exactly which samples were consumed: the hook for exactly-
 Every rank yields exactly :meth:`HistoryStream.num_batches` batches per epoch, the same number on every
 rank, computed from the manifest alone (ceil(max over ranks of the rank's split users / batch_size)).
 A rank with fewer samples yields **empty trailing batches** (B=0, ``offsets == [0]``, empty tensors,
-``targets`` empty for valid/test) so that collective ops in the training step never hang; the model must
-accept B=0.
+``targets`` empty for valid/test) so that collective ops (the sharded embedding lookups of evaluation) never
+hang; the model must accept B=0. Training does not use these per-rank batches: :class:`ElasticTrainStream` plans
+the train split step by step from one global order (see there).
 
 The rank's split-eligible histories are held in memory as flat Arrow buffers (ML-1M: ~1M tokens,
 ~17 MB in all, less per rank); batches are collated straight from them with ``pyarrow.compute``
@@ -167,7 +168,9 @@ class HistoryStream:
     rank / world_size: this rank's place; shards via :func:`assign_shards`.
     batch_size: samples per batch (B <= batch_size).
     bbs / sub_batch_size / bbs_window_batches: base batch shuffling (:mod:`gemray.pipelines.bbs`);
-        train only. shuffle: seeded permutation by (seed, epoch, rank); train only.
+        train only. shuffle: seeded permutation by (seed, epoch, rank); train only. These shape this stream's
+        own train plan (:meth:`plan`, :meth:`iter_epoch`), which training does not use: it reads the train split
+        through :class:`ElasticTrainStream`, which plans each global step itself (no window).
     Valid and test are never shuffled nor BBS'd: batches follow ascending user_id.
     reader: "ray_data" (``ray.data.read_parquet`` tasks; needs Ray initialised) or "arrow" (pyarrow in
         this process; no Ray tasks): same table either way.

@@ -6,6 +6,7 @@ from __future__ import annotations
 import multiprocessing
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -156,3 +157,22 @@ def test_cuda_loader_pins_in_its_thread(prepared):
     assert all(b.is_pinned() for b, _ in got) and any(b.batch_size == 0 for b, _ in got)
     assert not any(b.is_pinned() for b, _ in want if b.batch_size)
     assert _no_children()
+
+
+def test_training_batches_do_not_depend_on_bbs_window_batches(prepared):
+    """data.bbs_window_batches has no effect on training (its docs say so): the train loader the trainer builds
+    from the config plans each global step itself, with no window. The key only sizes the windows of
+    HistoryStream's own per-rank train plan, which does change with it."""
+    from gemray.config import DataConfig
+
+    def config(window: int) -> DataConfig:
+        return DataConfig(prepared_dir=str(prepared), max_seq_len=24, batch_size=BATCH, sub_batch_size=2,
+                          bbs_window_batches=window, reader="arrow", loader_workers=0)
+
+    def batches(window: int) -> list[tuple[JaggedBatch, int]]:
+        loader = TrainLoader.from_config(config(window), rank=1, world_size=3, seed=7, device_type="cpu")
+        return list(loader.iter_epoch(1, 0))
+
+    _same_sequence(batches(1), batches(8))
+    plans = [HistoryStream.from_config(config(w), "train", rank=0, world_size=1, seed=7).plan(1) for w in (1, 8)]
+    assert any(not np.array_equal(a, b) for a, b in zip(*plans))  # the window is live there, not in training

@@ -9,10 +9,17 @@ rank, DDP or FSDP2 / HSDP over the ``[parallel]`` layout's device mesh -> optimi
 ``CheckpointPolicy`` (when to checkpoint), ``gemray.preemption.preemption_action`` (what a vote means),
 ``gemray.events`` (what the previous attempt left).
 
-Collective discipline: every rank runs the same number of steps per epoch (``HistoryStream.num_batches`` is
-identical on all ranks; trailing batches may be empty, B=0, and still run forward/backward so DDP and the
-sharded embedding all-to-alls line up), the same number of evaluation lookups, and the same number of
-``ray.train.report`` calls.
+Collective discipline: every rank runs the same number of steps per epoch, the same number of evaluation
+lookups, and the same number of ``ray.train.report`` calls. Training reads the train split through
+``gemray.pipelines.stream.ElasticTrainStream`` (via ``gemray.pipelines.loader.TrainLoader``): every rank holds
+all train samples and plans each step from the same next ``world_size * batch_size`` samples of one seeded,
+world-size-independent epoch order (``gemray.pipelines.bbs.plan_global_step``), so the steps left,
+``num_steps(consumed)`` = ceil((N - consumed) / (world_size * batch_size)), are the same on every rank without
+communication. Every step but the epoch's last has B = ``batch_size`` on every rank; the last, partial one is
+spread over all ranks, and a rank's batch is empty (B=0) only when fewer samples than ranks are left: it still
+runs forward/backward, so DDP and the sharded embedding all-to-alls line up. Evaluation reads ``HistoryStream``s
+(each rank its own shards, unshuffled, no BBS), whose ``num_batches`` is identical on all ranks; a rank with
+fewer users gets empty trailing batches, evaluated all the same.
 
 Evaluation follows the HSTU protocol (Zhai et al. 2024, sec. 4.1.1; ``gemray.metrics``,
 ``gemray.train.evaluation``): each user's held-out item is ranked against ALL items, HR@K / NDCG@K sums are
