@@ -976,6 +976,20 @@ class JobConfig:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
 
+def cutoff_advice(ks: list[int], num_items: int, spell: typing.Callable[[list[int]], str]) -> str:
+    """Pure: what to give instead of HR@K / NDCG@K cut-offs ``ks`` of which some reach the ``num_items`` items of a
+    catalogue (K >= N makes HR@K trivially 1): the largest cut-off allowed, N - 1, and cut-offs that would be
+    accepted, written by ``spell`` (e.g. ``[10, 50]`` -> ``"train.eval_ks=[10,50]"`` or ``"--k 10 50"``): ``ks``
+    without those at or above N, in their order, or [N - 1] when none is left. The refusals of ``train.eval_ks``
+    (gemray train, submit) and of ``gemray evaluate --k`` end with it; they named the catalogue's size but no value
+    that would do."""
+    n = int(num_items)
+    if n < 2:
+        return f"a catalogue of {n} item{'s' * (n != 1)} allows no cut-off (K must be at least 1 and below {n})"
+    kept = [int(k) for k in ks if int(k) < n] or [n - 1]
+    return f"the largest cut-off allowed is {n - 1}: e.g. {spell(kept)}"
+
+
 def check_num_files(value: Any, name: str = "--num-files", *, auto: bool = False) -> None:
     """Raise ValueError for a count of history files below 1 (below 0 with ``auto``: 0 = chosen from the data), in
     one wording wherever it is given: ``name`` is the flag or config key it came from (``--num-files``,

@@ -225,6 +225,31 @@ def test_a_job_of_another_name_in_a_run_folder_is_refused(tmp_path, capsys):
     preflight.preflight_run_name(same, None, run_dir)
 
 
+@pytest.mark.parametrize("ks, n_items, too_large, largest, suggested", [
+    ([10, 50, 200], 100, "200", 99, [10, 50]),  # the cut-offs below the catalogue, in their order
+    ([200, 10, 1000], 150, "200, 1000", 149, [10]),
+    ([50, 200], 40, "50, 200", 39, [39]),  # none left: the largest allowed
+    ([10, 1000], 1000, "1000", 999, [10]),  # K = N: HR@N is 1 too
+])
+def test_a_cutoff_refusal_names_the_largest_allowed_and_a_value_that_passes(ks, n_items, too_large, largest,
+                                                                             suggested):
+    """The refusal of a train.eval_ks cut-off at or above the catalogue named its size but no value that would do;
+    it now names the cut-offs too large, the largest allowed (N - 1) and a train.eval_ks that passes as written."""
+    with pytest.raises(ValueError) as err:
+        preflight.check_cutoffs(ks, n_items)
+    msg = str(err.value)
+    assert msg.startswith(f"train.eval_ks={ks}: a cut-off at or above the {n_items} items of the catalogue makes")
+    assert msg.endswith(f"too large: {too_large}; the largest cut-off allowed is {largest}: e.g. "
+                        f"train.eval_ks=[{','.join(map(str, suggested))}]"), msg
+    setting = msg.rsplit("e.g. ", 1)[1]
+    cfg = apply_overrides(JobConfig(), [setting])  # the suggestion, pasted after --set, is a valid setting
+    assert cfg.train.eval_ks == suggested
+    preflight.check_cutoffs(cfg.train.eval_ks, n_items)  # and passes
+    with pytest.raises(ValueError, match=r"a catalogue of 1 item allows no cut-off \(K must be at least 1 and "
+                                         r"below 1\)$"):
+        preflight.check_cutoffs([1], 1)
+
+
 def test_cutoffs_beyond_a_synthetic_catalogue_are_refused_before_generating(tmp_path, capsys):
     """`gemray train --set train.eval_ks=[10,100000]` on a synthetic config was refused only after the data was
     generated (minutes at GEM scale): the catalogue's size is in data.synthetic, so the refusal comes first, with
@@ -238,6 +263,7 @@ def test_cutoffs_beyond_a_synthetic_catalogue_are_refused_before_generating(tmp_
     err = capsys.readouterr().err
     assert rc == 2 and "train.eval_ks=[10, 100000]: a cut-off at or above the 400 items of the catalogue " \
         "(data.synthetic: items)" in err, err
+    assert err.rstrip().endswith("too large: 100000; the largest cut-off allowed is 399: e.g. train.eval_ks=[10]"), err
     assert not data.exists() and not out.exists()
     cfg = apply_overrides(JobConfig(), ["data.synthetic=[users=64,items=50]", "train.eval_ks=[10,49]",
                                         "model.num_negatives=50"])

@@ -705,7 +705,7 @@ def test_k_above_the_item_count_is_refused_before_the_model_loads(with_data, sma
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["gemray: error: --k 10 5000: a cut-off at or above the 200 items of the catalogue (5000) makes "
                    "HR@K trivially 1 (every target ranks below N, a history-excluded one at N-1; as gemray train "
-                   "refuses it)"], err
+                   "refuses it); the largest cut-off allowed is 199: e.g. --k 10"], err
     # K = N too: a target excluded with the history ranks N-1, so HR@N was 1.0000 (a new user's --k 400 on 400 items)
     assert main(["evaluate", "--checkpoint", str(ckpt), "--k", "200", *(["--data", str(data)] * with_data)]) == 2
     assert "--k 200: a cut-off at or above the 200 items" in capsys.readouterr().err

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from gemray.checkpoint import checkpoint_data, committed_checkpoints, data_record, file_sha256
-from gemray.config import JobConfig, shape_changes, usable_cpus
+from gemray.config import JobConfig, cutoff_advice, shape_changes, usable_cpus
 from gemray.controller.session import embedded_num_cpus
 from gemray.preemption import (ACTIVE_HEARTBEAT_S, ACTIVE_STALE_S, NOTICE_NAME, active_path, marker_is_stale,
                                pid_alive)
@@ -243,10 +243,15 @@ def preflight_layout(cfg: JobConfig) -> None:
 
 def check_cutoffs(eval_ks: list[int], n_items: int, where: str = "") -> None:
     """Pure: refuse HR@K / NDCG@K cut-offs ``eval_ks`` (``train.eval_ks``) at or above the catalogue's ``n_items``
-    items (``where``: how the size is known, for the message). Raises ValueError naming train.eval_ks."""
-    if max(int(k) for k in eval_ks) >= n_items:
+    items (``where``: how the size is known, for the message). Raises ValueError naming train.eval_ks, the
+    catalogue's size, the cut-offs at or above it, the largest allowed and a value that would pass
+    (:func:`gemray.config.cutoff_advice`)."""
+    above = [int(k) for k in eval_ks if int(k) >= n_items]
+    if above:
+        advice = cutoff_advice(eval_ks, n_items, lambda ks: f"train.eval_ks=[{','.join(map(str, ks))}]")
         raise ValueError(f"train.eval_ks={eval_ks}: a cut-off at or above the {n_items} items of the catalogue{where} "
-                         "makes HR@K trivially 1 (every target ranks below N, a history-excluded one at N-1)")
+                         f"makes HR@K trivially 1 (every target ranks below N, a history-excluded one at N-1); too "
+                         f"large: {', '.join(map(str, above))}; {advice}")
 
 
 def check_negatives(cfg: JobConfig, n_items: int, where: str = "") -> None:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from gemray.config import usable_cpus
+from gemray.config import cutoff_advice, usable_cpus
 from gemray.serve.model import TrainedModel, check_data
 
 log = logging.getLogger(__name__)
@@ -49,14 +49,16 @@ def check_cutoffs(ks: list[int] | None, num_items: int) -> None:
     """Pure: refuse cut-offs ``ks`` (None: the run's ``train.eval_ks``, which ``gemray train`` checked) at or above
     the ``num_items`` items of the catalogue, which make HR@K trivially 1. ``gemray evaluate`` calls it with the item
     count of the data's manifest before the model is loaded (it was refused only after the load);
-    :func:`evaluate` with the model's. Raises ValueError naming ``--k`` and the count."""
+    :func:`evaluate` with the model's. Raises ValueError naming ``--k``, the count, the largest cut-off allowed and
+    ``--k`` values that would pass (:func:`gemray.config.cutoff_advice`)."""
     if ks is None:
         return
     above = [int(k) for k in ks if int(k) >= num_items]
     if above:
+        advice = cutoff_advice(ks, num_items, lambda kept: "--k " + " ".join(map(str, kept)))
         raise ValueError(f"--k {' '.join(str(k) for k in ks)}: a cut-off at or above the {num_items} items of the "
                          f"catalogue ({', '.join(str(k) for k in above)}) makes HR@K trivially 1 (every target ranks "
-                         "below N, a history-excluded one at N-1; as gemray train refuses it)")
+                         f"below N, a history-excluded one at N-1; as gemray train refuses it); {advice}")
 
 
 def result_path(base: str | Path, split: str, prepared_dir: str | Path | None = None,
