@@ -29,7 +29,7 @@ from gemray import ops  # noqa: E402
 from gemray.kernels import config as kconfig  # noqa: E402
 
 # ring slots of the Gluon dQ / dK products (ws_dkdq), on the shipped ws_bwd tiles
-DKDQ_STAGES = [2, 3, 4]
+DKDQ_STAGES = [3, 4]
 
 
 def main() -> int:
