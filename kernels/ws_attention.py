@@ -314,24 +314,32 @@ def _act_and_grad(s, FAST: gl.constexpr):
 
 
 @gluon.jit
-def _key_item(WORK, Q_OFF, KV_OFF, i, n_items, n_tiles_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr):
-    """Work item i of the backward launch (head-major: head i // n_items, key-tile table entry i % n_items, 128
-    keys per tile): (valid, head int64, first key row n0, q_start, lq, kv_start, lk, first query row lo, number of
-    query tiles of BLOCK_M rows to visit)."""
+def _seq_tile(WORK, Q_OFF, KV_OFF, i, n_items, n_tiles):
+    """Work item i of a backward launch over 128-row tiles (head-major: head i // n_items, table entry i %
+    n_items = sequence * n_tiles + tile): (valid, head int64, first row r0 of the tile, q_start, lq, kv_start,
+    lk)."""
     w = gl.load(WORK + i % n_items)
     h = (i // n_items).to(gl.int64)
     wv = gl.maximum(w, 0)
-    b = wv // n_tiles_k
-    n0 = (wv % n_tiles_k) * (2 * _KROWS)
+    b = wv // n_tiles
+    r0 = (wv % n_tiles) * (2 * _KROWS)
     q_start = gl.load(Q_OFF + b)
     lq = (gl.load(Q_OFF + b + 1) - q_start).to(gl.int32)
     kv_start = gl.load(KV_OFF + b)
     lk = (gl.load(KV_OFF + b + 1) - kv_start).to(gl.int32)
+    return w >= 0, h, r0, q_start, lq, kv_start, lk
+
+
+@gluon.jit
+def _key_item(WORK, Q_OFF, KV_OFF, i, n_items, n_tiles_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Work item i of a key-tile launch (``_seq_tile``, 128 keys per tile): (valid, head int64, first key row n0,
+    q_start, lq, kv_start, lk, first query row lo, number of query tiles of BLOCK_M rows to visit)."""
+    valid, h, n0, q_start, lq, kv_start, lk = _seq_tile(WORK, Q_OFF, KV_OFF, i, n_items, n_tiles_k)
     lo = n0 * 0
     if CAUSAL:
         lo = (n0 // BLOCK_M) * BLOCK_M
     n_steps = gl.maximum(gl.cdiv(lq - lo, BLOCK_M), 0)
-    return w >= 0, h, n0, q_start, lq, kv_start, lk, lo, n_steps
+    return valid, h, n0, q_start, lq, kv_start, lk, lo, n_steps
 
 
 @gluon.jit
@@ -513,19 +521,11 @@ def _ws_dv_ds(q_desc, do_desc, k_desc, v_desc, ds_desc, DS, DV, Q_OFF, KV_OFF, W
 
 @gluon.jit
 def _gemm_item(WORK, Q_OFF, KV_OFF, i, n_items, n_tiles, DQ: gl.constexpr, CAUSAL: gl.constexpr):
-    """Work item i of a dS^T product launch (head-major as _key_item): (valid, head int64, first output row r0 of
-    its 128 rows (keys for dK, queries for dQ), q_start, lq, kv_start, lk, steps of 64 reduction rows, first step
-    row lo). dK: the key tile's query steps from lo = r0 (causal) to lq; dQ: the query tile's key steps from 0 to
-    min(lk, r0 + 128) (causal)."""
-    w = gl.load(WORK + i % n_items)
-    h = (i // n_items).to(gl.int64)
-    wv = gl.maximum(w, 0)
-    b = wv // n_tiles
-    r0 = (wv % n_tiles) * (2 * _KROWS)
-    q_start = gl.load(Q_OFF + b)
-    lq = (gl.load(Q_OFF + b + 1) - q_start).to(gl.int32)
-    kv_start = gl.load(KV_OFF + b)
-    lk = (gl.load(KV_OFF + b + 1) - kv_start).to(gl.int32)
+    """Work item i of a dS^T product launch: (valid, head int64, first output row r0 of its 128 rows (keys for dK,
+    queries for dQ), q_start, lq, kv_start, lk, steps of 64 reduction rows, first step row lo). dK: the key
+    tile's query steps from lo = r0 (causal) to lq; dQ: the query tile's key steps from 0 to min(lk, r0 + 128)
+    (causal)."""
+    valid, h, r0, q_start, lq, kv_start, lk = _seq_tile(WORK, Q_OFF, KV_OFF, i, n_items, n_tiles)
     lo = r0 * 0
     if DQ:
         hi = lk
@@ -536,7 +536,7 @@ def _gemm_item(WORK, Q_OFF, KV_OFF, i, n_items, n_tiles, DQ: gl.constexpr, CAUSA
         if CAUSAL:
             lo = r0
     n_steps = gl.maximum(gl.cdiv(hi - lo, _KROWS), 0)
-    return w >= 0, h, r0, q_start, lq, kv_start, lk, n_steps, lo
+    return valid, h, r0, q_start, lq, kv_start, lk, n_steps, lo
 
 
 @gluon.jit
