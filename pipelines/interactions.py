@@ -116,8 +116,9 @@ from gemray.config import check_num_files
 
 from . import amazon
 from .movielens import _file_sha256, _fsync_path, check_replaceable, swap_into_place, warn_if_replacing
-from .schema import (log_capped_files, HISTORIES_DIR, HISTORY_SCHEMA, ITEMS_FILE, MANIFEST_FILE, MANIFEST_VERSION,
-                     MIN_HISTORY_FOR_SPLITS, QUARANTINE_FILE, SPLIT_PROTOCOL, BadRowError, warn_if_no_split_users)
+from .schema import (log_capped_files, FEATURE_NAME_RE, HISTORIES_DIR, HISTORY_SCHEMA, ITEMS_FILE, MANIFEST_FILE,
+                     MANIFEST_VERSION, MIN_HISTORY_FOR_SPLITS, QUARANTINE_FILE, SPLIT_PROTOCOL, BadRowError,
+                     warn_if_no_split_users)
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +158,6 @@ _EXT_FORMAT = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".tsv": "
 _COMPRESSION = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd", ".lz4": "lz4"}
 _INT_RE = r"^-?[0-9]+$"
 _DEC_RE = r"^[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?$"
-_NAME_RE = re.compile(r"[A-Za-z0-9_]+")
 
 
 class InputError(ValueError):
@@ -1699,10 +1699,12 @@ def prepare_interactions(src: str | list[str], out: str | Path, *, fmt: str = "a
     if dup:
         raise ValueError(f"column {dup[0]!r} is named for more than one role (--user-col, --item-col, --time-col, "
                          "--rating-col, --feature-cols must be distinct)")
-    for c in feature_cols:
-        if not _NAME_RE.fullmatch(c):
-            raise ValueError(f"--feature-cols {c!r}: feature names must be letters, digits and _ (they name the "
-                             f"{FEATURE_PREFIX}<name> column and features/<name>.parquet)")
+    for c in feature_cols:  # the model's rule (schema.feature_column): checked here, not a minute into training
+        if not FEATURE_NAME_RE.fullmatch(c):
+            hint = re.sub(r"[^a-z0-9_]", "_", c.lower()).lstrip("_0123456789")[:64] or "f"
+            raise ValueError(f"--feature-cols {c!r}: a feature name must be lowercase letters, digits and _, starting "
+                             f"with a letter (at most 64 characters): it names the {FEATURE_PREFIX}<name> column the "
+                             f"model reads and features/<name>.parquet; rename the source column (e.g. to {hint!r})")
 
     files = resolve_sources(src, "csv" if fmt == "amazon-ratings" else fmt)
     input_fmt = fmt if fmt in amazon.FORMATS else files[0].fmt

@@ -302,6 +302,19 @@ def test_data_with_no_user_in_the_splits_is_refused_before_ray_starts(tmp_path, 
     preflight.check_split_users(_manifest(), data)  # no splits recorded: nothing to check
 
 
+def test_prepared_features_the_model_cannot_read_are_refused():
+    """A folder prepared before `gemray prepare interactions` applied the model's feature-name rule (a column 'Cat'
+    made feat_Cat) failed a minute into training, in the workers: preflight_data's check refuses it up front,
+    naming the folder, the feature and what to do; readable names pass."""
+    ok = {"features": {"genre": {"level": "token", "column": "feat_genre"}, "hour": {"level": "request"}}}
+    preflight.check_feature_names(ok, "/data/x")
+    preflight.check_feature_names({}, "/data/x")  # MovieLens: no declared features
+    bad = {"features": {**ok["features"], "Cat": {"level": "token", "column": "feat_Cat"}}}
+    with pytest.raises(ValueError, match=r"^data.prepared_dir /data/x: feature name 'Cat': expected lowercase "
+                                         r"letters.*rename that column in the source and prepare it again"):
+        preflight.check_feature_names(bad, "/data/x")
+
+
 def test_more_negatives_than_items_are_refused_before_ray_starts(tmp_path, capsys):
     """`--set model.num_negatives=100000` on ml-latest-small's 5,605 items was accepted and the run died inside the
     Ray worker allocating 34 GB (a new user's finding). The negatives are drawn with replacement, so no count is

@@ -548,6 +548,12 @@ def _bad_case(tmp_path: Path, kind: str) -> tuple[list[str], str]:
             (d / name).write_bytes(b"")
         return ["--src", str(d), "--workers", "2"], \
             f"all 2 files ({d / 'part-0.csv'}, ...): empty (0 bytes), no CSV header and no rows"
+    if kind == "feature_name_case":  # prepared fine, then refused by the model a minute into `gemray train`
+        (tmp_path / "a.csv").write_text("user_id,item_id,timestamp,Cat\n1,2,3,x\n")
+        return ["--src", str(tmp_path / "a.csv"), "--feature-cols", "Cat"], \
+            ("--feature-cols 'Cat': a feature name must be lowercase letters, digits and _, starting with a letter "
+             "(at most 64 characters): it names the feat_<name> column the model reads and features/<name>.parquet; "
+             "rename the source column (e.g. to 'cat')")
     if kind == "unknown_scheme":
         return ["--src", "nosuch://bucket/x.csv"], "--src nosuch://bucket/x.csv: no filesystem for scheme 'nosuch'"
     if kind == "unreachable_http":
@@ -562,7 +568,7 @@ def _bad_case(tmp_path: Path, kind: str) -> tuple[list[str], str]:
 
 
 @pytest.mark.parametrize("kind", ["missing_column", "mixed_id_types", "bad_time", "int_ids", "empty_file",
-                                  "empty_files", "unknown_scheme", "unreachable_http", "unreachable_s3",
+                                  "empty_files", "feature_name_case", "unknown_scheme", "unreachable_http", "unreachable_s3",
                                   "missing_file"])
 def test_bad_input_is_one_error_line_and_nothing_written(tmp_path, capsys, kind):
     args, want = _bad_case(tmp_path, kind)

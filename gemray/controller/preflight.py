@@ -303,16 +303,34 @@ def check_split_users(manifest: dict[str, Any], prepared_dir: str | Path) -> Non
                          "source and prepare it again (gemray prepare, or a new data.prepared_dir)")
 
 
+def check_feature_names(manifest: dict[str, Any], prepared_dir: str | Path) -> None:
+    """Pure: refuse prepared data whose declared features (manifest ``features``: name -> {"level", ...}) the model
+    cannot read (``gemray.pipelines.schema.feature_column``'s rule: lowercase letters, digits and _, starting with a
+    letter). ``gemray prepare interactions`` took any letters until 2026-12-07, and such a folder failed a minute
+    into training, in the workers (a new user's finding). Raises ValueError naming data.prepared_dir, the feature
+    and what to do."""
+    from gemray.pipelines.schema import feature_column
+
+    for name, spec in (manifest.get("features") or {}).items():
+        try:
+            feature_column(name, (spec or {}).get("level", "token"))
+        except ValueError as e:
+            raise ValueError(f"data.prepared_dir {prepared_dir}: {e}; rename that column in the source and prepare "
+                             "it again (gemray prepare interactions --feature-cols ...)") from None
+
+
 def preflight_data(cfg: JobConfig, manifest: dict[str, Any], *, previous: JobConfig | None = None) -> None:
     """Refuse a job its data or output folder cannot serve: a cut-off K at or above the size of the catalogue of ``manifest``
     (the prepared data's), more ``model.num_negatives`` than its items (:func:`check_negatives`), prepared data made from other raw files than ``data.raw_dir`` holds, prepared data with
-    no user in the splits (:func:`check_split_users`), an output folder holding a model of another shape
+    no user in the splits (:func:`check_split_users`) or a feature the model cannot read
+    (:func:`check_feature_names`), an output folder holding a model of another shape
     (``previous``: the config.toml of an earlier run there that left checkpoints). Raises ValueError naming the
     field."""
     n_items = int(manifest["vocab"]["num_items"])
     check_cutoffs(cfg.train.eval_ks, n_items)
     _check_source(cfg, manifest)
     check_split_users(manifest, cfg.data.prepared_dir)  # after the source check: stale data is refused as such
+    check_feature_names(manifest, cfg.data.prepared_dir)
     check_negatives(cfg, n_items)  # after it: data with no users is the first thing to fix
     if previous is not None:
         changed = shape_changes(previous, cfg)
