@@ -929,7 +929,8 @@ class JobConfig:
         their defaults without ``precision = "fp8"``; a ``model.retrieval_kernel`` off its default without
         "uniform_shared" retrieval negatives; a ``model.uvqk_kernel`` off its default under ``precision = "fp8"``;
         ``model.kernel_tiles`` where the attention is not the Triton kernels'
-        (backend "reference", or "auto" without a GPU); ``model.fp32_residual = false`` without autocast; an
+        (backend "reference", or "auto" without a GPU); ``model.fp32_residual = false`` without autocast;
+        ``data.bbs_window_batches`` off its default (training has no BBS window); an
         ``activation_memory_budget`` with a checkpointing mode that does not read it (only "auto" and "torch" do)."""
         t = self.train
         parts = []
@@ -963,6 +964,10 @@ class JobConfig:
         if not m.fp32_residual and t.precision == "fp32":
             parts.append("model.fp32_residual = false has no effect with train.precision = \"fp32\" (no autocast: the "
                          "residual stream is float32)")
+        if self.data.bbs_window_batches != DataConfig().bbs_window_batches:
+            parts.append(f"data.bbs_window_batches = {self.data.bbs_window_batches} has no effect: training balances "
+                         "each global step's world_size x batch_size samples (plan_global_step), with no window; the "
+                         "key is still read so that earlier configs load")
         if t.activation_memory_budget and t.activation_checkpointing not in ("auto", "torch"):
             parts.append(f"train.activation_memory_budget = {_toml_value(t.activation_memory_budget)} has no effect "
                          f"with train.activation_checkpointing = {_toml_value(t.activation_checkpointing)} (only "

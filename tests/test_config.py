@@ -295,6 +295,15 @@ def test_compile_settings_without_compile_warn_and_are_kept(caplog):
     assert msg.startswith("train.compile_tower = false has no effect") and "never the tower" in msg
 
 
+def test_bbs_window_batches_off_its_default_is_warned_about():
+    """data.bbs_window_batches is still read (earlier runs' config.toml list it) but training has no BBS window
+    (plan_global_step balances each global step): off its default the one idle-settings warning names it; a new
+    user's config setting it trained with no word (2026-12-07)."""
+    msg = apply_overrides(JobConfig(), ["data.bbs_window_batches=4"]).ineffective_settings_warning()
+    assert msg.startswith("data.bbs_window_batches = 4 has no effect: training balances each global step"), msg
+    assert apply_overrides(JobConfig(), ["data.bbs_window_batches=8"]).ineffective_settings_warning() is None
+
+
 def test_retrieval_kernel_without_effect_is_warned_about():
     """model.retrieval_kernel off its default only acts on "uniform_shared" retrieval negatives: elsewhere the same
     one warning as the other idle settings."""
