@@ -644,7 +644,9 @@ class TrainConfig:
                              f"0 < f <= 1 (torch._functorch.config.activation_memory_budget), got {b}")
         if self.weight_decay < 0:
             raise ValueError(f"train.weight_decay: expected >= 0, got {self.weight_decay}")
-        if not self.eval_ks or any(int(k) <= 0 for k in self.eval_ks):
+        if not self.eval_ks:
+            raise ValueError("train.eval_ks: give at least one cut-off K for HR@K / NDCG@K, e.g. [10, 50, 200]")
+        if any(int(k) <= 0 for k in self.eval_ks):
             raise ValueError(f"train.eval_ks: expected positive cut-offs, got {self.eval_ks}")
         if len(set(int(k) for k in self.eval_ks)) != len(self.eval_ks):  # metrics.json has one hr@K per K
             raise ValueError(f"train.eval_ks: a cut-off given twice in {self.eval_ks}; give each once")

@@ -55,6 +55,8 @@ def test_load_config_takes_one_override_string():
     ("train.eval_ks=[10,", "train.eval_ks: malformed list"),  # was read as [10]
     ("train.eval_ks=10]]]", "train.eval_ks: malformed list"),
     ("train.eval_ks=[10,50,10]", "train.eval_ks: a cut-off given twice in [10, 50, 10]"),  # was accepted
+    ("train.eval_ks=[]", "train.eval_ks: give at least one cut-off K"),  # was "expected positive cut-offs, got []"
+    ("train.eval_ks=[10,0]", "train.eval_ks: expected positive cut-offs, got [10, 0]"),
     ("train.adam_betas=[0.9,,0.98]", "train.adam_betas: malformed list"),
     ('model.tasks=["retrieval", ', "model.tasks: malformed TOML array"),
     ('model.tasks=[["retrieval"]]', "model.tasks: malformed list"),
