@@ -89,6 +89,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import difflib
 import fnmatch
 import hashlib
 import json
@@ -589,6 +590,17 @@ def _delimiter_arg(d: str) -> str:
     return "--delimiter '\\t'" if d == "\t" else f"--delimiter {d!r}" if d in ";|" else f"--delimiter {d}"
 
 
+def _near_column(col: str, names: list[str]) -> str | None:
+    """The file's column a wanted name was most likely meant as: one that differs only in letter case, else a close
+    spelling (difflib ratio >= 0.8, e.g. 'ratings' for 'rating'); None when there is none. Column names are
+    case-sensitive (Arrow, Parquet), so a --rating-col Rating for a 'rating' column is refused, with this name."""
+    same = [n for n in names if n.lower() == col.lower()]
+    if same:
+        return same[0]
+    close = difflib.get_close_matches(col, names, n=1, cutoff=0.8)
+    return close[0] if close else None
+
+
 def header_hint(names: list[str], delimiter: str, expected: list[str]) -> str:
     """Pure: why a CSV header (``names``, read with ``delimiter``) may lack the ``expected`` columns, or "".
 
@@ -658,8 +670,9 @@ def _inspect(files: list[SourceFile], spec: _Spec) -> dict[str, int]:
             if col not in types:
                 shown = ", ".join(names[:12]) + (f", ... ({len(names)} in all)" if len(names) > 12 else "")
                 hint = header_hint(names, spec.delimiter, spec.columns) if f.fmt == "csv" and spec.header else ""
+                near = _near_column(col, names)
                 raise InputError(f"{f.display}: no column {col!r} ({spec.role(col)}); the file has: {shown}"
-                                 + (f" ({hint})" if hint else ""))
+                                 + (f" ({hint})" if hint else "") + (f"; did you mean {near!r}?" if near else ""))
         for col in (spec.user, spec.item, *spec.features):
             kind = _type_kind(types[col])
             if kind is None:

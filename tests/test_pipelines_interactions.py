@@ -978,3 +978,15 @@ def test_a_header_only_csv_says_it_holds_no_data_rows(tmp_path):
     with pytest.raises(ValueError) as e:
         prepare_interactions(str(src), tmp_path / "out", progress=False)
     assert str(e.value) == f"{src}: no valid interaction rows (the files hold a header and no data rows)"
+
+
+@pytest.mark.parametrize("given,near", [("Rating", "rating"), ("ratings", "rating"), ("score", None)])
+def test_a_missing_column_names_its_near_match(tmp_path, given, near):
+    """A --rating-col that differs from the file's column only in letter case (or by a close spelling) was refused
+    with the column list alone; the refusal now names the column it was likely meant as."""
+    src = tmp_path / "a.csv"
+    src.write_text("user_id,item_id,timestamp,rating\n1,2,3,4\n")
+    with pytest.raises(InputError) as e:
+        prepare_interactions(str(src), tmp_path / "prep", rating_col=given, progress=False)
+    want = f"{src}: no column {given!r} (--rating-col); the file has: user_id, item_id, timestamp, rating"
+    assert str(e.value) == want + (f"; did you mean {near!r}?" if near else "")
