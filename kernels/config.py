@@ -118,7 +118,12 @@ class RegimeConfig:
     where that launch runs): dQ and dK from its stored dS^T run the warp-specialized Gluon products
     (ws_attention.ds_gemm: 128 output rows a program, two consumer warpgroups, a TMA loader warp, ``ws_dkdq_stages``
     ring slots) instead of the Triton dq_ds / dk_ds launches: 1.566 -> 1.298 ms for the two on a gem-h200 layer and
-    -2.43 ms a step paired (H100, 2026-12-07); on in configs/kernel-tiles-h200.json."""
+    -2.43 ms a step paired (H100, 2026-12-07); on in configs/kernel-tiles-h200.json. ws_fwd_silu: the silu forward
+    (head dims 128 / 256) runs the warp-specialized Gluon kernel (ws_attention.forward_silu: 128 query rows a
+    program in two consumer warpgroups, a TMA loader warp streaming key / value tiles) where it applies, instead of
+    _gdpa_fwd, with ``ws_fwd_silu_tiles`` (BLOCK_N key rows per tile, STAGES ring slots; a choice that does not fit
+    sm_90's shared memory or the consumers' registers at the call's head dim, ``ws_attention.silu_tiles_fit``, leaves
+    the call to _gdpa_fwd); not timed yet, off everywhere."""
 
     tiles: TileSet
     heads_inner: bool = False
@@ -131,6 +136,8 @@ class RegimeConfig:
     ws_bwd_tiles: tuple[int, int] = (32, 2)
     ws_dkdq: bool = False
     ws_dkdq_stages: int = 4
+    ws_fwd_silu: bool = False
+    ws_fwd_silu_tiles: tuple[int, int] = (64, 2)
 
 
 # D=128 tiles: run 4's sweep winners (each timed on its regime's bench batch: short heavy B=128 N=1024, medium heavy
@@ -411,7 +418,7 @@ def registered() -> Mapping[str, KernelConfig]:
     return MappingProxyType(_REGISTRY)
 
 
-MODE_FIELDS = ("heads_inner", "tma_loads", "ds_store", "dk_from_ds", "ws_bwd", "ws_dkdq")
+MODE_FIELDS = ("heads_inner", "tma_loads", "ds_store", "dk_from_ds", "ws_bwd", "ws_dkdq", "ws_fwd_silu")
 
 
 def _as_json(value) -> str:
@@ -426,7 +433,8 @@ def _as_json(value) -> str:
 def apply_tiles(spec: Mapping, config: KernelConfig | None = None) -> KernelConfig:
     """``config`` (None: DEFAULT) with the tiles and launch modes of ``spec``: {regime: {kind: {"<head-dim
     bucket>": [BLOCK_M, BLOCK_N, num_warps, num_stages], ...}, "mode": {"heads_inner": bool, "tma_loads": bool,
-    "ds_store": bool, "dk_from_ds": bool}}} -- the "chosen tiles" JSON the sweeps print (``gemray bench kernels --sweep``,
+    "ds_store": bool, "dk_from_ds": bool, "ws_bwd": bool, "ws_dkdq": bool, "ws_fwd_silu": bool}}} -- the "chosen
+    tiles" JSON the sweeps print (``gemray bench kernels --sweep``,
     benchmarks/attn_sweep_d256.py) and what ``model.kernel_tiles`` and ``gemray bench kernels --tiles`` read.
     A mode entry changes only the keys it names. Raises ValueError naming the entry for an unknown regime, tile
     kind, head-dim bucket or mode, a mode value that is not a JSON boolean, or a tile that is not 4 positive ints

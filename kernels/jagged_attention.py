@@ -1334,11 +1334,17 @@ def _plain_rows(spec: _Spec, nt, bias) -> bool:
 
 def _use_ws_fwd(rc: kconfig.RegimeConfig, spec: _Spec, nt, bias, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor) -> bool:
-    """The regime's ws_fwd where the warp-specialized forward takes the call (ws_attention.eligible): softmax over
-    full rows, no targets / bias / prefix / block / window / PMA, on an sm_90 GPU (not the interpreter)."""
-    if ws is None or not rc.ws_fwd or _interpreting():
+    """Whether a warp-specialized forward takes the call (ws_attention.eligible): softmax where the regime's ws_fwd
+    is on (ws_attention.forward), silu where its ws_fwd_silu is and its ws_fwd_silu_tiles fit the head dim
+    (ws_attention.forward_silu); full rows, no targets / bias / prefix / block / window / PMA, on an sm_90 GPU (not
+    the interpreter)."""
+    if ws is None or _interpreting():
         return False
-    return ws.eligible(q, k, v, spec.act, _plain_rows(spec, nt, bias))
+    if spec.act == 0:
+        on = rc.ws_fwd
+    else:
+        on = spec.act == 1 and rc.ws_fwd_silu and ws.silu_tiles_fit(q.shape[2], rc.ws_fwd_silu_tiles)
+    return on and ws.eligible(q, k, v, spec.act, _plain_rows(spec, nt, bias))
 
 
 def _use_ws_bwd(rc: kconfig.RegimeConfig, spec: _Spec, nt, bias, q: torch.Tensor, k: torch.Tensor,
@@ -1449,8 +1455,9 @@ def _rel_tensors(rel: tuple | None, max_q_len: int, dummy: torch.Tensor) -> list
 class _FwdPlan:
     """What a forward call launches, decided once per batch and call configuration (:func:`_fwd_plan`).
 
-    reg: the batch's regime; ws: (tiles, work table, tiles per sequence) when the Gluon forward runs the call,
-    else None; launch: (_Launch of _gdpa_fwd, its work table) or None (Gluon); tma: the launch makes tensor
+    reg: the batch's regime; ws: (tiles, work table, tiles per sequence) when the Gluon softmax forward runs the
+    call, (tiles, work table, tiles per sequence, tanh.approx silu) when the Gluon silu forward does, else None;
+    launch: (_Launch of _gdpa_fwd, its work table) or None (Gluon); tma: the launch makes tensor
     descriptors on the device, so Triton's allocator is set first; bwd: the backward plans made from this one
     (:func:`_bwd_plan`)."""
     reg: str
@@ -1505,8 +1512,12 @@ def _make_fwd_plan(q, k, v, bias, q_off, kv_off, nt, spec: _Spec, t_out: int, cf
     reg = cfg.regime_of(t_out, q_off.numel() - 1)
     rc = cfg.regime(reg)
     if rel is None and _use_ws_fwd(rc, spec, nt, bias, q, k, v):  # Hopper: warp-specialized forward (Gluon)
-        table, n_tiles = _q_table(spec, q_off, kv_off, ws.block_m(rc.ws_tiles), t_out, grouped=cfg.seq_order_fwd)
-        return _FwdPlan(reg, (rc.ws_tiles, table, n_tiles), None, False, {})
+        if spec.act == 0:
+            table, n_tiles = _q_table(spec, q_off, kv_off, ws.block_m(rc.ws_tiles), t_out,
+                                      grouped=cfg.seq_order_fwd)
+            return _FwdPlan(reg, (rc.ws_tiles, table, n_tiles), None, False, {})
+        table, n_tiles = _q_table(spec, q_off, kv_off, ws.SILU_ROWS, t_out, grouped=cfg.seq_order_fwd)
+        return _FwdPlan(reg, (rc.ws_fwd_silu_tiles, table, n_tiles, _fast_act(q.dtype, cfg)), None, False, {})
     even_d = bdk == d_qk and bdv == d_v
     # o is allocated contiguous [T_out, H, Dv]; softmax's lse is [H, T_out] (pointwise activations: o stands in)
     o_strides, stride_lh = (h * d_v, d_v), (t_out if spec.act == 0 else 0)
@@ -1662,8 +1673,13 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tens
     o = q.new_empty((t_out, h, v.shape[2]))
     lse = torch.empty((h, t_out), device=q.device, dtype=torch.float32) if softmax else None
     if plan.ws is not None:
-        tiles, table, n_tiles = plan.ws
-        ws.forward(q, k, v, o, lse, q_off, kv_off, table, n_tiles, spec.causal, spec.alpha, tiles)
+        if softmax:
+            tiles, table, n_tiles = plan.ws
+            ws.forward(q, k, v, o, lse, q_off, kv_off, table, n_tiles, spec.causal, spec.alpha, tiles)
+        else:
+            tiles, table, n_tiles, fast = plan.ws
+            ws.forward_silu(q, k, v, o, q_off, kv_off, table, n_tiles, spec.causal, spec.alpha, spec.inv_n, tiles,
+                            fast=fast)
         return o, lse
     if plan.tma:
         triton.set_allocator(_scratch)  # a context variable: set per call

@@ -293,6 +293,165 @@ def _ws_fwd(q_desc, k_desc, v_desc, O, LSE, Q_OFF, KV_OFF, WORK, stride_ot, stri
                                BLOCK_N, HEAD_D, STAGES))], [1], [40])
 
 
+
+@gluon.jit
+def _silu(s, alpha, FAST: gl.constexpr):
+    """silu(alpha s) of raw fp32 scores s, without the 1/N factor, in jagged_attention._fwd_inner's arithmetic (the
+    same roundings): FAST (16-bit inputs) h = s (alpha / 2), silu = h tanh.approx(h) + h (one MUFU op a score); else
+    x = alpha s, x / (1 + 2^(-x log2 e)) with the fast division."""
+    if FAST:
+        h = s * (0.5 * alpha)
+        t = gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [h], dtype=gl.float32, is_pure=True,
+                                      pack=1)
+        p = h * t + h
+    else:
+        x = s * alpha
+        p = gl.fdiv(x, 1.0 + gl.exp2(-1.4426950408889634 * x), ieee_rounding=False)
+    return p
+
+
+@gluon.jit
+def _silu_step(s, rows, n0, lk, alpha, masked, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, COL_L: gl.constexpr,
+               P_L: gl.constexpr, dtype: gl.constexpr, FAST: gl.constexpr):
+    """P = silu(alpha S) of one score tile s [64, BLOCK_N] fp32 (raw q.k), 0 where ``masked`` says the tile holds
+    pairs past the key length or (CAUSAL) after the query position, rounded to ``dtype`` (as the Triton forward
+    rounds P before its P V product) in the wgmma A-operand layout P_L."""
+    p = _silu(s, alpha, FAST)
+    if masked:
+        cols = n0 + gl.arange(0, BLOCK_N, layout=COL_L)
+        ok = cols[None, :] < lk
+        if CAUSAL:
+            ok = ok & (cols[None, :] <= rows[:, None])
+        p = gl.where(ok, p, 0.0)
+    return gl.convert_layout(p.to(dtype), P_L)
+
+
+@gluon.jit
+def _silu_consumer_partition(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, O, WORK,
+                             Q_OFF, KV_OFF, n_items, n_tiles_q, total, stride_ot, stride_oh, alpha, inv_n,
+                             WG: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+                             STAGES: gl.constexpr, FAST: gl.constexpr):
+    """Consumer warpgroup WG of the silu forward: rows [m0 + 64 WG, m0 + 64 WG + 64) of each item's 128-row query
+    tile, O [64, HEAD_D] fp32 in registers. Per key step j, as _consumer_partition (FlashAttention-3's
+    intra-warpgroup overlap) without a running max or rescale: issue S_{j+1} = Q K_{j+1}^T, issue O += P_j V_j, wait
+    for S_{j+1} only, P_{j+1} = silu(alpha S_{j+1}) (bf16) while P_j V_j runs, wait for it; nothing stays in flight
+    across the loop's back edge. The warpgroup computes only the key tiles [0, n_mine) that hold a valid pair for
+    one of its rows that exists (causal: keys <= its last row; a warpgroup whose rows all lie past the sequence's
+    end computes tile 0 only, its store masked off) and only waits for / releases the item's later tiles, which the
+    other warpgroup reads. Then O / N to global memory from the accumulator's registers (rows past the sequence's
+    end are not written; a row with no valid key gets 0). Slots and phases count the program's key tiles across
+    items (c) and its items (it)."""
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, BLOCK_N, 16])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, HEAD_D, 16])
+    P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+    ROW_L: gl.constexpr = gl.SliceLayout(1, S_L)
+    COL_L: gl.constexpr = gl.SliceLayout(0, S_L)
+    dtype: gl.constexpr = q_smem.dtype
+    q = q_smem.index(WG)
+    s_zero = gl.zeros([64, BLOCK_N], gl.float32, S_L)
+    c = 0
+    it = 0
+    for i in range(gl.program_id(0), total, gl.num_programs(0)):
+        valid, h, m0, q_start, lq, kv_start, lk, n_tiles = _item(WORK, Q_OFF, KV_OFF, i, n_items, n_tiles_q,
+                                                                 CAUSAL, 128, BLOCK_N)
+        if valid:
+            row0 = m0 + WG * 64
+            rows = row0 + gl.arange(0, 64, layout=ROW_L)
+            # key tiles [0, n_full) hold only valid pairs for all 64 rows; later ones are masked
+            if CAUSAL:
+                n_full = gl.minimum(row0 + 1, lk) // BLOCK_N
+                n_mine = gl.cdiv(gl.minimum(row0 + 64, lk), BLOCK_N)
+            else:
+                n_full = lk // BLOCK_N
+                n_mine = n_tiles
+            n_mine = gl.where(row0 < lq, gl.minimum(gl.maximum(n_mine, 1), n_tiles), 1)
+            acc = gl.zeros([64, HEAD_D], gl.float32, O_L)
+
+            mbarrier.wait(q_bar, it & 1)
+            mbarrier.wait(k_ready.index(c % STAGES), (c // STAGES) & 1)
+            s = warpgroup_mma(q, k_smem.index(c % STAGES).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(0, deps=(s, ))
+            mbarrier.arrive(k_empty.index(c % STAGES), count=1)
+            p = _silu_step(s, rows, 0, lk, alpha, 0 >= n_full, CAUSAL, BLOCK_N, COL_L, P_L, dtype, FAST)
+            for j in range(n_mine - 1):
+                cj = c + j
+                cn = cj + 1
+                p_op = p
+                mbarrier.wait(k_ready.index(cn % STAGES), (cn // STAGES) & 1)
+                mbarrier.wait(v_ready.index(cj % STAGES), (cj // STAGES) & 1)
+                s_next = warpgroup_mma(q, k_smem.index(cn % STAGES).permute((1, 0)), s_zero, use_acc=False,
+                                       is_async=True)
+                acc = warpgroup_mma(p_op, v_smem.index(cj % STAGES), acc, is_async=True)
+                s = warpgroup_mma_wait(1, deps=(s_next, ))  # S_{j+1} done; O += P_j V_j runs during its silu
+                mbarrier.arrive(k_empty.index(cn % STAGES), count=1)
+                p = _silu_step(s, rows, (j + 1) * BLOCK_N, lk, alpha, j + 1 >= n_full, CAUSAL, BLOCK_N, COL_L,
+                               P_L, dtype, FAST)
+                acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+                mbarrier.arrive(v_empty.index(cj % STAGES), count=1)
+            mbarrier.arrive(q_empty, count=1)  # every S of the item is done: the loader may bring the next Q
+            cl = c + n_mine - 1
+            mbarrier.wait(v_ready.index(cl % STAGES), (cl // STAGES) & 1)
+            acc = warpgroup_mma(p, v_smem.index(cl % STAGES), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            mbarrier.arrive(v_empty.index(cl % STAGES), count=1)
+            for j in range(n_mine, n_tiles):  # the other warpgroup's tiles: wait for each, release it
+                cj = c + j
+                mbarrier.wait(k_ready.index(cj % STAGES), (cj // STAGES) & 1)
+                mbarrier.arrive(k_empty.index(cj % STAGES), count=1)
+                mbarrier.wait(v_ready.index(cj % STAGES), (cj // STAGES) & 1)
+                mbarrier.arrive(v_empty.index(cj % STAGES), count=1)
+
+            # the accumulator's layout written as it is (4-byte stores): a layout change through shared memory
+            # needs a [64, HEAD_D] scratch per warpgroup, 64 KiB at D = 256 beyond the ring's 192 KiB
+            d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, O_L))
+            r = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, O_L))
+            gl.store(O + (q_start + r[:, None].to(gl.int64)) * stride_ot + h * stride_oh + d[None, :],
+                     (acc * inv_n).to(dtype), mask=r[:, None] < lq)
+            c += n_tiles
+            it += 1
+
+
+# the launch's sizes are not specialized on (a new divisibility class of a batch's item count would compile again)
+@gluon.jit(do_not_specialize=["n_tiles_q", "n_items", "total"])
+def _ws_fwd_silu(q_desc, k_desc, v_desc, O, Q_OFF, KV_OFF, WORK, stride_ot, stride_oh, alpha, inv_n, n_tiles_q,
+                 n_items, total, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+                 STAGES: gl.constexpr, FAST: gl.constexpr):
+    """The silu attention forward, warp-specialized: o = silu(alpha Q K^T) V / N over valid pairs. Work items i =
+    head * n_items + table entry (jagged_attention._q_table's 128-row query tiles, -1 = no item), program p runs
+    items p, p + grid, ...; two consumer warpgroups of 64 query rows (_silu_consumer_partition) and the softmax
+    forward's TMA loader warp (_load_partition: the query tile once per item, key / value tiles of BLOCK_N rows
+    through STAGES slots). Shared memory: Q [2, 64, HEAD_D], K and V [STAGES, BLOCK_N, HEAD_D] (16-bit), mbarriers:
+    192 KiB at HEAD_D 256, BLOCK_N 64, STAGES 2."""
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, 64, HEAD_D], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    mbarrier.init(q_empty, count=2)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(v_empty.index(i), count=2)
+    gl.warp_specialize([
+        (_silu_consumer_partition, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, O,
+                                    WORK, Q_OFF, KV_OFF, n_items, n_tiles_q, total, stride_ot, stride_oh, alpha,
+                                    inv_n, 0, CAUSAL, BLOCK_N, HEAD_D, STAGES, FAST)),
+        (_silu_consumer_partition, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, O,
+                                    WORK, Q_OFF, KV_OFF, n_items, n_tiles_q, total, stride_ot, stride_oh, alpha,
+                                    inv_n, 1, CAUSAL, BLOCK_N, HEAD_D, STAGES, FAST)),
+        (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty,
+                           v_ready, v_empty, WORK, Q_OFF, KV_OFF, n_items, n_tiles_q, total, CAUSAL, 2, BLOCK_N,
+                           HEAD_D, STAGES))], [4, 1], [232, 40])
+
+
 _KROWS = gl.constexpr(64)  # key rows per consumer warpgroup of the backward (a wgmma's M)
 
 
@@ -670,26 +829,45 @@ def _ws_ds_gemm(b_desc, DS, OUT, WORK, Q_OFF, KV_OFF, stride_dsh, stride_dst, st
 def supports(device_type: str, capability: tuple[int, int], act: int, plain: bool, dtype: torch.dtype,
              dims: tuple[int, int, int], strides: tuple[tuple[int, int, int], ...], aligned: bool) -> bool:
     """The rule behind ``eligible`` (pure, testable without a GPU): a CUDA device of compute capability 9.0
-    (wgmma and TMA as compiled here), softmax (act 0) over ``plain`` rows (the caller's check: full rows
-    without targets, bias, prefix, block, window or PMA), bf16 / fp16, head dims (q, k, v) all 64 or all
-    128, each tensor's strides (token, head, dim) with unit dim stride, contiguous heads (head stride = D)
-    and 16-byte aligned rows, and ``aligned`` 16-byte base addresses (TMA's rules)."""
+    (wgmma and TMA as compiled here), softmax (act 0, ``forward``: head dims 64 / 128) or silu (act 1,
+    ``forward_silu``: head dims 128 / 256) over ``plain`` rows (the caller's check: full rows without targets,
+    bias, prefix, block, window or PMA), bf16 / fp16, the head dims of q, k and v equal, each tensor's strides
+    (token, head, dim) with unit dim stride, contiguous heads (head stride = D) and 16-byte aligned rows, and
+    ``aligned`` 16-byte base addresses (TMA's rules)."""
     d = dims[0]
-    if device_type != "cuda" or tuple(capability) != (9, 0) or act != 0 or not plain:
+    if device_type != "cuda" or tuple(capability) != (9, 0) or act not in _FWD_DIMS or not plain:
         return False
-    if dtype not in (torch.bfloat16, torch.float16) or d not in (64, 128) or any(x != d for x in dims):
+    if dtype not in (torch.bfloat16, torch.float16) or d not in _FWD_DIMS[act] or any(x != d for x in dims):
         return False
     return aligned and all(st[2] == 1 and st[1] == d and (st[0] * 2) % 16 == 0 for st in strides)
 
 
+_FWD_DIMS = {0: (64, 128), 1: (128, 256)}  # the forwards' head dims by activation (softmax, silu)
+
+
 def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, act: int, plain: bool) -> bool:
-    """Whether this forward can run the call (``supports`` on the tensors' device, dtype, shapes, strides and
-    addresses); q: [Tq, H, D], k / v: [Tk, H, D]."""
+    """Whether a forward of this module can run the call (``supports`` on the tensors' device, dtype, shapes,
+    strides and addresses): ``forward`` for softmax (act 0), ``forward_silu`` for silu (act 1); q: [Tq, H, D], k /
+    v: [Tk, H, D]."""
     if q.device.type != "cuda" or k.shape[0] == 0:  # a TMA descriptor needs >= 1 row
+        return False
+    if act == 1 and q.shape[0] == 0:  # (the silu forward reads queries through a descriptor too)
         return False
     return supports(q.device.type, _capability(q.device), act, plain, q.dtype,
                     (q.shape[2], k.shape[2], v.shape[2]), (q.stride(), k.stride(), v.stride()),
                     all(x.data_ptr() % 16 == 0 for x in (q, k, v)) and q.dtype == k.dtype == v.dtype)
+
+
+def silu_tiles_fit(d: int, tiles: tuple[int, int]) -> bool:
+    """Whether ``forward_silu`` compiles tiles = (BLOCK_N, STAGES) at head dim ``d`` within sm_90's limits: BLOCK_N
+    64 or 128 with the score tile [64, BLOCK_N] and the accumulator [64, d] (fp32, 128 threads) within 128 * 128
+    values a thread's worth (at d = 256 only BLOCK_N = 64: with 128 the consumer's 232 registers would spill), and
+    the shared memory of the query tile [128, d] and STAGES key + value slots [BLOCK_N, d] (16-bit) plus 1 KiB of
+    barriers under the 232,448-byte limit (d = 256: BLOCK_N 64 with 2 stages = 192 KiB)."""
+    block_n, stages = tiles
+    if block_n not in (64, 128) or stages < 1 or block_n * d > 128 * 128:
+        return False
+    return 2 * (128 * d + 2 * stages * block_n * d) + 1024 <= 232448
 
 
 @functools.lru_cache(maxsize=16)
@@ -732,6 +910,31 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
         o.stride(0), o.stride(1), lse.stride(0), alpha * 1.4426950408889634, n_tiles_q, table.numel(), total,
         CAUSAL=causal, NUM_WG=num_wg, BLOCK_N=block_n, HEAD_D=d, STAGES=stages, PINGPONG=bool(pingpong),
         num_warps=4)
+
+
+def forward_silu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, q_off: torch.Tensor,
+                 kv_off: torch.Tensor, table: torch.Tensor, n_tiles_q: int, causal: bool, alpha: float,
+                 inv_n: float, tiles: tuple[int, int], fast: bool = True) -> None:
+    """Launch the warp-specialized silu forward on one work table: o[i] = sum over valid keys j of silu(alpha q_i .
+    k_j) / N v_j (valid: j < lk and, causal, j <= i), P rounded to the inputs' dtype before its product with V, as
+    jagged_attention._gdpa_fwd with ACT 1; no lse.
+
+    q: [Tq, H, D], k / v: [Tk, H, D] (bf16 or fp16, D 128 or 256, ``eligible`` with act 1); o: [Tq, H, D] output
+    (each sequence's rows written, a row with no valid key gets 0; unit dim stride); q_off / kv_off: [B+1] int64;
+    table: [items] int32 from ``jagged_attention._q_table`` with BLOCK_M = 128 (``SILU_ROWS``), n_tiles_q its tiles
+    per sequence; alpha: score scale; inv_n: the 1/N factor; tiles: (BLOCK_N, STAGES) (``silu_tiles_fit``); fast:
+    tanh.approx silu (16-bit inputs, as the Triton forward's FAST). One program per work item.
+    """
+    block_n, stages = tiles
+    h, d = q.shape[1], q.shape[2]
+    total = table.numel() * h
+    _ws_fwd_silu[(total,)](
+        _desc(q, _ROWS), _desc(k, block_n), _desc(v, block_n), o, q_off, kv_off, table, o.stride(0), o.stride(1),
+        float(alpha), float(inv_n), n_tiles_q, table.numel(), total, CAUSAL=causal, BLOCK_N=block_n, HEAD_D=d,
+        STAGES=stages, FAST=bool(fast), num_warps=4)
+
+
+SILU_ROWS = 2 * _ROWS  # query rows per work item of forward_silu (two consumer warpgroups of 64)
 
 
 def supports_bwd(device_type: str, capability: tuple[int, int], act: int, plain: bool, dtype: torch.dtype,
@@ -821,5 +1024,5 @@ def block_m(tiles: tuple) -> int:
     return _ROWS * tiles[0]
 
 
-__all__ = ["BWD_KEYS", "backward_dv_ds", "block_m", "ds_gemm", "eligible", "eligible_bwd", "forward", "supports",
-           "supports_bwd"]
+__all__ = ["BWD_KEYS", "SILU_ROWS", "backward_dv_ds", "block_m", "ds_gemm", "eligible", "eligible_bwd", "forward",
+           "forward_silu", "silu_tiles_fit", "supports", "supports_bwd"]
