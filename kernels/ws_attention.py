@@ -17,6 +17,12 @@ Low-precision", sections 3.1-3.2):
   program by default; a persistent grid of one program per SM is an option), counting slots and mbarrier
   phases across its items.
 
+The silu forward (``forward_silu``, the regime's ``ws_fwd_silu``; head dims 128 and 256) is the same pipeline without
+the running max: two consumer warpgroups of 64 query rows and the same loader warp, P = silu(alpha S) rounded to
+the inputs' dtype as jagged_attention._gdpa_fwd rounds it, O / N written at the end; at D = 256 the [64, 256] fp32
+accumulator takes 128 of a consumer's 232 registers, so key tiles are 64 rows ([64, 64] scores) and the query tile
+plus two key / value slots fill 192 KiB of shared memory.
+
 The silu backward's dV + dS^T launch (``backward_dv_ds``, the regime's ``ws_bwd``; with ``dk_from_ds`` the
 Triton launches _gdpa_dq_ds / _gdpa_dk_ds then take dQ and dK from the stored dS^T) is built the same way: a
 program owns 128 keys, two consumer warpgroups of 64 key rows each keep their K and V tiles in shared memory and
@@ -30,14 +36,14 @@ With the regime's ``ws_dkdq``, dQ = dS K and dK = dS^T Q from that stored dS^T a
 warp streaming 64-row steps of dS^T boxes (through a per-sequence descriptor made on the device, so rows and
 columns past the sequence read as zeros) and of the query / key rows.
 
-Same contract as ``jagged_attention._gdpa_fwd`` for the cases it takes (``eligible``): softmax, full rows
-(causal or not), no targets / bias / contextual prefix / block / window, not PMA, 16-bit inputs, head dim 64
-or 128 for queries, keys and values, rows 16-byte aligned and heads contiguous (one 2-D view [T, H * D] per
-tensor). It writes o [Tq, H, D] and the base-2 log-sum-exp ``lse[h, t] = m + log2(l)`` (inf for a row with
-no valid key) that the Triton backward reads. Key / value tiles are read through a descriptor of the whole
-tensor: the rows of a tile past a sequence's end belong to the next sequence (or are TMA's zero fill) and
-get probability 0, so a non-finite value in one sequence's values can reach a neighbour's output as 0 * inf;
-the Triton path has no such coupling. There is no CPU (interpreter) path: Gluon kernels run on the GPU only,
+Same contract as ``jagged_attention._gdpa_fwd`` for the cases it takes (``eligible``): softmax (head dim 64 or
+128) or silu (128 or 256), full rows (causal or not), no targets / bias / contextual prefix / block / window, not
+PMA, 16-bit inputs, one head dim for queries, keys and values, rows 16-byte aligned and heads contiguous (one 2-D
+view [T, H * D] per tensor). The softmax forward writes o [Tq, H, D] and the base-2 log-sum-exp ``lse[h, t] = m +
+log2(l)`` (inf for a row with no valid key) that the Triton backward reads; the silu forward o only. Key / value
+tiles are read through a descriptor of the whole tensor: the rows of a tile past a sequence's end belong to the
+next sequence (or are TMA's zero fill) and get probability (silu: P) 0, so a non-finite value in one sequence's
+values can reach a neighbour's output as 0 * inf; the Triton path has no such coupling. There is no CPU (interpreter) path: Gluon kernels run on the GPU only,
 and the GPU-marked tests compare them with the reference.
 """
 
