@@ -516,6 +516,31 @@ def test_kernel_tile_modes_and_tiles_take_json_types_only():
     assert apply_tiles({}) == DEFAULT
 
 
+
+def test_kernel_tile_mode_ws_fwd_silu_round_trips_through_json():
+    """The Gluon silu forward's switch (RegimeConfig.ws_fwd_silu) is a kernel-tiles JSON mode: written as JSON and
+    read back it turns on the named regime only (its tiles stay the default (BLOCK_N 64, 2 stages)), a quoted
+    "true" is refused, and it is off by default and in the shipped H200 tiles file (not timed yet)."""
+    import json
+    from pathlib import Path
+
+    from gemray.kernels.config import DEFAULT, MODE_FIELDS, REGIMES, apply_tiles
+
+    assert "ws_fwd_silu" in MODE_FIELDS
+    spec = json.loads(json.dumps({"xlong": {"mode": {"ws_fwd_silu": True, "ws_bwd": True}}}))
+    cfg = apply_tiles(spec)
+    assert cfg.regime("xlong").ws_fwd_silu and cfg.regime("xlong").ws_bwd
+    assert cfg.regime("xlong").ws_fwd_silu_tiles == (64, 2)
+    assert not any(cfg.regime(r).ws_fwd_silu for r in REGIMES if r != "xlong")
+    assert apply_tiles({"xlong": {"mode": {"ws_fwd_silu": False}}}, cfg).regime("xlong").ws_fwd_silu is False
+    with pytest.raises(ValueError, match=r'^kernel tiles: xlong\.mode\.ws_fwd_silu: expected true or false, '
+                                         r'got "true"$'):
+        apply_tiles({"xlong": {"mode": {"ws_fwd_silu": "true"}}})
+    assert not any(DEFAULT.regime(r).ws_fwd_silu for r in REGIMES)
+    shipped = apply_tiles(json.loads((Path(__file__).resolve().parents[1] / "configs" / "kernel-tiles-h200.json")
+                                     .read_text()))
+    assert not any(shipped.regime(r).ws_fwd_silu for r in REGIMES)
+
 def test_loader_workers_is_a_count_or_auto_from_toml_and_set_alike(tmp_path):
     """data.loader_workers: "auto" (default; 1 on CUDA, 0 on the CPU) or an integer >= 0, from a TOML file (an int
     or the string "auto") and --set alike; anything else is refused naming the key. data.prefetch_batches >= 1."""

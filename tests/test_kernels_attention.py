@@ -1353,6 +1353,144 @@ def test_ws_forward_not_taken_where_it_does_not_apply(monkeypatch):
     assert not ja._use_ws_fwd(cfg.long, spec, None, None, q, k, v)  # CPU tensors
 
 
+# (BLOCK_N, STAGES) of the warp-specialized silu forward; (128, 2) at head dim 128 only (silu_tiles_fit)
+WS_SILU_TILES = [(64, 2), (128, 2), (64, 3)]
+
+
+def _ws_silu_on(monkeypatch, tiles, bwd: str = "triton") -> tuple[KernelConfig, list]:
+    """A config with the Gluon silu forward and ``tiles`` in every regime (``bwd`` "ws": with the Gluon dV + dS^T
+    launch and dQ / dK products behind it, the dS^T scratch NaN-filled; "triton": the default backward), and the
+    list its launches are recorded in (a spy on ws_attention.forward_silu: (tiles, causal, fast))."""
+    cfg = DEFAULT.with_all_regimes(ws_fwd_silu=True, ws_fwd_silu_tiles=tiles)
+    if bwd == "ws":
+        cfg = cfg.with_all_regimes(ds_store=True, dk_from_ds=True, ws_bwd=True, ws_dkdq=True).replace(
+            ds_scratch_nan=True)
+    return cfg, _ws_spy(monkeypatch, "forward_silu", lambda args, kw: (args[11], args[8], kw["fast"]))
+
+
+def test_ws_silu_tiles_fit():
+    """ws_attention.silu_tiles_fit: BLOCK_N 64 / 128 with the score tile and the [64, D] accumulator within the
+    consumers' registers (no 128-key tiles at D 256) and the query tile + STAGES key / value slots under sm_90's
+    227 KiB of shared memory (D 256: 2 stages of 64 keys, 192 KiB; 3 do not fit)."""
+    from gemray.kernels import ws_attention as ws
+
+    assert ws.silu_tiles_fit(256, (64, 2)) and not ws.silu_tiles_fit(256, (64, 3))
+    assert not ws.silu_tiles_fit(256, (128, 1))  # registers: [64, 128] scores beside the [64, 256] accumulator
+    assert ws.silu_tiles_fit(128, (128, 2)) and ws.silu_tiles_fit(128, (128, 3))
+    assert not ws.silu_tiles_fit(128, (128, 4))
+    assert ws.silu_tiles_fit(128, (64, 5)) and not ws.silu_tiles_fit(128, (64, 7))
+    assert not ws.silu_tiles_fit(128, (32, 2)) and not ws.silu_tiles_fit(128, (64, 0))
+    assert DEFAULT.long.ws_fwd_silu_tiles == (64, 2) and ws.silu_tiles_fit(256, DEFAULT.long.ws_fwd_silu_tiles)
+
+
+@pytest.mark.parametrize("d", [128, 256])
+def test_ws_silu_forward_plan(monkeypatch, d):
+    """The forward plan with eligibility forced (the Gluon kernels need an sm_90 GPU): silu takes the Gluon forward
+    where the regime's ws_fwd_silu is on and its tiles fit the head dim (a 128-query-row table, the tiles, the fast
+    silu for bf16), and _gdpa_fwd where it is off (default), where the tiles do not fit, for softmax (ws_fwd off)
+    and with the in-kernel relative bias; _forward hands the plan's launch to ws_attention.forward_silu with the
+    call's causal flag, alpha and 1/N, and returns no lse."""
+    from gemray.kernels import jagged_attention as ja
+    from gemray.kernels import ws_attention as ws
+
+    monkeypatch.setattr(ja, "_interpreting", lambda: False)
+    monkeypatch.setattr(ws, "eligible", lambda *a: True)
+    off = _offsets([0, 1, 200, 129, 64])
+    t = int(off[-1])
+    q = torch.randn(t, 2, d, dtype=torch.bfloat16)
+    spec = ja._spec(1, True, 0.1, 1 / 200, 0, 0, False, 200, 200, 0)
+    on = DEFAULT.with_all_regimes(ws_fwd_silu=True, ws_fwd=False)
+    plan = ja._make_fwd_plan(q, q, q, None, off, off, None, spec, t, on)
+    assert plan.launch is None and not plan.tma
+    tiles, table, n_tiles, fast = plan.ws
+    want, want_n = ja._q_table(spec, off, off, 128, t, grouped=on.seq_order_fwd)
+    assert tiles == (64, 2) and fast is True and n_tiles == want_n == 2 and torch.equal(table, want)
+    assert ja._make_fwd_plan(q, q, q, None, off, off, None, spec, t, DEFAULT).ws is None  # off by default
+    big = on.with_all_regimes(ws_fwd_silu_tiles=(128, 2))  # fits at D 128 only
+    assert (ja._make_fwd_plan(q, q, q, None, off, off, None, spec, t, big).ws is not None) is (d == 128)
+    softmax = ja._spec(0, True, 0.1, 1.0, 0, 0, False, 200, 200, 0)
+    assert ja._make_fwd_plan(q, q, q, None, off, off, None, softmax, t, on).ws is None
+    gelu = ja._spec(2, True, 0.1, 1 / 200, 0, 0, False, 200, 200, 0)
+    assert ja._make_fwd_plan(q, q, q, None, off, off, None, gelu, t, on).ws is None
+    calls = []
+
+    def fake(q_, k_, v_, o, q_off, kv_off, table_, n, causal, alpha, inv_n, tiles_, fast=None):
+        calls.append((table_ is table, n, causal, alpha, inv_n, tiles_, fast))
+        o.fill_(3.0)
+
+    monkeypatch.setattr(ws, "forward_silu", fake)
+    o, lse = ja._forward(q, q, q, None, off, off, None, spec, t, on, plan)
+    assert lse is None and o.shape == (t, 2, d) and o.dtype == torch.bfloat16 and bool((o == 3.0).all())
+    assert calls == [(True, 2, True, 0.1, 1 / 200, (64, 2), True)]
+
+
+def test_ws_silu_forward_not_taken_where_it_does_not_apply(monkeypatch):
+    """With the Gluon silu forward switched on everywhere, the calls it cannot run (the interpreter / CPU, softmax,
+    targets, float32) still give the reference's output and gradients through the Triton path."""
+    from gemray.kernels import jagged_attention as ja
+
+    cfg, calls = _ws_silu_on(monkeypatch, WS_SILU_TILES[0])
+    soft = _ws_spy(monkeypatch, "forward", lambda args, kw: args[-1])
+    off = _offsets([0, 1, 5, 37, 3])
+    nt = torch.tensor([0, 1, 2, 3, 1])
+    for kw in (dict(activation="silu"), dict(activation="silu", causal=False), dict(activation="softmax"),
+               dict(activation="silu", num_targets=nt)):
+        _check(lambda a, b, c: jagged_attention_triton(a, b, c, off, 37, config=cfg, **kw),
+               lambda a, b, c: ref.jagged_attention_ref(a, b, c, off, 37, **kw),
+               tuple(_leaf(int(off[-1]), 2, 16) for _ in range(3)), 1e-4)
+    assert calls == [] and soft == []
+    spec = ja._spec(1, True, 0.25, 1.0, 0, 0, False, 37, 37, 0)
+    q = _leaf(int(off[-1]), 2, 128)
+    assert not ja._use_ws_fwd(cfg.long, spec, None, None, q, q, q)  # CPU tensors
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("tiles", WS_SILU_TILES)
+@pytest.mark.parametrize("bwd", ["triton", "ws"])
+@pytest.mark.parametrize("pattern,d", [("causal", 256), ("full", 256), ("causal", 128)])
+def test_gpu_ws_silu_forward_bf16(monkeypatch, tiles, bwd, pattern, d):
+    """The warp-specialized Gluon silu forward (forced in every regime) on a heavy-tailed bf16 batch with empty,
+    length-1, tile-edge (63 / 64 / 65 / 127 / 128 / 129) and maximal sequences: the output and all three gradients
+    (the Triton backward, or the Gluon dV + dS^T launch and dQ / dK products) match the float32 reference, and the
+    output agrees with the Triton forward's to bf16 rounding. Tiles that do not fit the head dim leave the call to
+    _gdpa_fwd (no Gluon launch)."""
+    from gemray.kernels import ws_attention as ws
+
+    cfg, calls = _ws_silu_on(monkeypatch, tiles, bwd)
+    torch.manual_seed(27)
+    lengths = _heavy_lengths(24, 2048) + [0, 1, 2048, 63, 64, 65, 127, 128, 129, 0]
+    off = _offsets(lengths, "cuda")
+    q, k, v = (_leaf(int(off[-1]), 4, d, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+    causal = pattern == "causal"
+    out, _ = _check_gpu_jfa(off, 2048, "silu", (q, k, v), causal=causal, config=cfg)
+    fits = ws.silu_tiles_fit(d, tiles)
+    assert calls == ([(tiles, causal, True)] if fits else [])
+    triton_out = jagged_attention_triton(q, k, v, off, 2048, activation="silu", alpha=0.05, causal=causal)
+    assert _rel(out, triton_out) < 4e-3
+    assert bool(torch.isfinite(out.float()).all())
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("bwd", ["triton", "ws"])
+@pytest.mark.parametrize("d", [256, 128])
+def test_gpu_ws_silu_cross_bf16(monkeypatch, bwd, d):
+    """Cross-attention (silu, not causal) through the Gluon silu forward: query and key lengths differ per sequence,
+    either may be 0 or exceed the other; output and gradients match the float32 reference."""
+    cfg, calls = _ws_silu_on(monkeypatch, WS_SILU_TILES[0], bwd)
+    torch.manual_seed(28)
+    kv_len = _heavy_lengths(24, 2048) + [0, 2048, 1, 0, 130, 64]
+    q_len = [(x * 7) % 300 for x in range(len(kv_len) - 2)] + [700, 0]
+    ko, qo = _offsets(kv_len, "cuda"), _offsets(q_len, "cuda")
+    bf = dict(dtype=torch.bfloat16, device="cuda")
+    q, k, v = _leaf(int(qo[-1]), 4, d, **bf), _leaf(int(ko[-1]), 4, d, **bf), _leaf(int(ko[-1]), 4, d, **bf)
+    _check(lambda a, b, c: jagged_cross_attention_triton(a, qo, b, c, ko, max(q_len), 2048, activation="silu",
+                                                         config=cfg),
+           lambda a, b, c: ref.jagged_cross_attention_ref(a, qo, b, c, ko, max(q_len), 2048, activation="silu"),
+           (q, k, v), 2e-2)
+    assert calls == [(WS_SILU_TILES[0], False, True)]
+
 # (query rows per step, STAGES) of the warp-specialized silu backward's dV + dS^T launch
 WS_BWD_TILES = [(32, 2), (16, 4)]  # (64, 1) spills (392 B of stack, sm_90 compile); (32, 3) exceeds shared memory
 
@@ -1483,16 +1621,25 @@ def test_ws_bwd_eligible_rules(case, ok):
 
 
 @pytest.mark.parametrize("case,ok", [
-    ("base", True), ("silu", False), ("not_plain", False), ("fp32", False), ("d96", False), ("d_mismatch", False),
-    ("head_stride", False), ("misaligned_rows", False), ("sm80", False), ("cpu", False)])
+    ("base", True), ("d64", True), ("softmax_d256", False), ("silu", True), ("silu_d256", True), ("silu_d64", False),
+    ("gelu", False), ("silu_not_plain", False), ("silu_d_mismatch", False), ("silu_fp16", True),
+    ("silu_fp32", False), ("not_plain", False), ("fp32", False), ("d96", False), ("d_mismatch", False),
+    ("head_stride", False), ("misaligned_rows", False), ("sm80", False), ("cpu", False), ("unaligned", False)])
 def test_ws_eligible_rules(case, ok):
-    """ws_attention.supports, the pure rule behind eligible: sm_90, 16-bit softmax over plain full rows, equal
-    head dims 64 / 128, unit and contiguous head strides, 16-byte aligned rows."""
+    """ws_attention.supports, the pure rule behind eligible: sm_90, 16-bit softmax (head dims 64 / 128) or silu (128
+    / 256) over plain full rows, equal head dims, unit and contiguous head strides, 16-byte aligned rows and bases."""
     from gemray.kernels import ws_attention as ws
 
     args = dict(device_type="cuda", capability=(9, 0), act=0, plain=True, dtype=torch.bfloat16,
                 dims=(128, 128, 128), strides=((512, 128, 1),) * 3, aligned=True)
-    args.update({"silu": dict(act=1), "not_plain": dict(plain=False), "fp32": dict(dtype=torch.float32),
+    d256 = dict(dims=(256, 256, 256), strides=((1024, 256, 1),) * 3)
+    d64 = dict(dims=(64, 64, 64), strides=((256, 64, 1),) * 3)
+    args.update({"d64": d64, "softmax_d256": d256, "silu": dict(act=1), "silu_d256": dict(act=1, **d256),
+                 "silu_d64": dict(act=1, **d64), "gelu": dict(act=2), "silu_not_plain": dict(act=1, plain=False),
+                 "silu_d_mismatch": dict(act=1, dims=(256, 256, 128), strides=d256["strides"]),
+                 "silu_fp16": dict(act=1, dtype=torch.float16), "silu_fp32": dict(act=1, dtype=torch.float32),
+                 "unaligned": dict(aligned=False),
+                 "not_plain": dict(plain=False), "fp32": dict(dtype=torch.float32),
                  "d96": dict(dims=(96, 96, 96), strides=((384, 96, 1),) * 3),
                  "d_mismatch": dict(dims=(128, 128, 64)),
                  "head_stride": dict(strides=((512, 128, 1), (1024, 256, 1), (512, 128, 1))),
