@@ -333,8 +333,8 @@ def _silu_step(s, rows, n0, lk, alpha, masked, CAUSAL: gl.constexpr, BLOCK_N: gl
 
 
 @gluon.jit
-def _silu_consumer_partition(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, O, WORK,
-                             Q_OFF, KV_OFF, n_items, n_tiles_q, total, stride_ot, stride_oh, alpha, inv_n,
+def _silu_consumer_partition(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc,
+                             O, WORK, Q_OFF, KV_OFF, n_items, n_tiles_q, total, stride_ot, stride_oh, alpha, inv_n,
                              WG: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                              STAGES: gl.constexpr, FAST: gl.constexpr):
     """Consumer warpgroup WG of the silu forward: rows [m0 + 64 WG, m0 + 64 WG + 64) of each item's 128-row query
@@ -344,9 +344,10 @@ def _silu_consumer_partition(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_
     across the loop's back edge. The warpgroup computes only the key tiles [0, n_mine) that hold a valid pair for
     one of its rows that exists (causal: keys <= its last row; a warpgroup whose rows all lie past the sequence's
     end computes tile 0 only, its store masked off) and only waits for / releases the item's later tiles, which the
-    other warpgroup reads. Then O / N to global memory from the accumulator's registers (rows past the sequence's
-    end are not written; a row with no valid key gets 0). Slots and phases count the program's key tiles across
-    items (c) and its items (it)."""
+    other warpgroup reads. Then O / N in the inputs' dtype to global memory (rows past the sequence's end are not
+    written; a row with no valid key gets 0): 64 rows inside the sequence through the warpgroup's query buffer and a
+    TMA store, a sequence's last rows by masked stores from registers; the query buffer is released to the loader
+    after that. Slots and phases count the program's key tiles across items (c) and its items (it)."""
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BLOCK_N, 16])
     O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -396,7 +397,6 @@ def _silu_consumer_partition(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_
                                P_L, dtype, FAST)
                 acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
                 mbarrier.arrive(v_empty.index(cj % STAGES), count=1)
-            mbarrier.arrive(q_empty, count=1)  # every S of the item is done: the loader may bring the next Q
             cl = c + n_mine - 1
             mbarrier.wait(v_ready.index(cl % STAGES), (cl // STAGES) & 1)
             acc = warpgroup_mma(p, v_smem.index(cl % STAGES), acc, is_async=True)
@@ -409,27 +409,39 @@ def _silu_consumer_partition(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_
                 mbarrier.wait(v_ready.index(cj % STAGES), (cj // STAGES) & 1)
                 mbarrier.arrive(v_empty.index(cj % STAGES), count=1)
 
-            # the accumulator's layout written as it is (4-byte stores): a layout change through shared memory
-            # needs a [64, HEAD_D] scratch per warpgroup, 64 KiB at D = 256 beyond the ring's 192 KiB
-            d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, O_L))
-            r = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, O_L))
-            gl.store(O + (q_start + r[:, None].to(gl.int64)) * stride_ot + h * stride_oh + d[None, :],
-                     (acc * inv_n).to(dtype), mask=r[:, None] < lq)
+            out = (acc * inv_n).to(dtype)
+            if row0 + 64 <= lq:
+                # all 64 rows inside the sequence: through the warpgroup's query buffer (every S of the item is
+                # done: no product reads it) and one asynchronous TMA store, as FA3's epilogue (the scratch of a
+                # layout change would need 32 KiB per warpgroup beyond the 192 KiB of D = 256)
+                q.store(out)
+                fence_async_shared()
+                gl.thread_barrier()  # the warpgroup's named barrier: every thread's part is in the buffer
+                tma.async_copy_shared_to_global(o_desc, [(q_start + row0).to(gl.int32), (h * HEAD_D).to(gl.int32)],
+                                                q)
+                tma.store_wait(0)  # the buffer has been read: the loader may bring the next item's Q into it
+            else:  # the sequence's last rows: masked 4-byte stores from the accumulator's layout
+                d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, O_L))
+                r = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, O_L))
+                gl.store(O + (q_start + r[:, None].to(gl.int64)) * stride_ot + h * stride_oh + d[None, :], out,
+                         mask=r[:, None] < lq)
+            mbarrier.arrive(q_empty, count=1)
             c += n_tiles
             it += 1
 
 
 # the launch's sizes are not specialized on (a new divisibility class of a batch's item count would compile again)
 @gluon.jit(do_not_specialize=["n_tiles_q", "n_items", "total"])
-def _ws_fwd_silu(q_desc, k_desc, v_desc, O, Q_OFF, KV_OFF, WORK, stride_ot, stride_oh, alpha, inv_n, n_tiles_q,
-                 n_items, total, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+def _ws_fwd_silu(q_desc, k_desc, v_desc, o_desc, O, Q_OFF, KV_OFF, WORK, stride_ot, stride_oh, alpha, inv_n,
+                 n_tiles_q, n_items, total, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                  STAGES: gl.constexpr, FAST: gl.constexpr):
     """The silu attention forward, warp-specialized: o = silu(alpha Q K^T) V / N over valid pairs. Work items i =
     head * n_items + table entry (jagged_attention._q_table's 128-row query tiles, -1 = no item), program p runs
     items p, p + grid, ...; two consumer warpgroups of 64 query rows (_silu_consumer_partition) and the softmax
     forward's TMA loader warp (_load_partition: the query tile once per item, key / value tiles of BLOCK_N rows
-    through STAGES slots). Shared memory: Q [2, 64, HEAD_D], K and V [STAGES, BLOCK_N, HEAD_D] (16-bit), mbarriers:
-    192 KiB at HEAD_D 256, BLOCK_N 64, STAGES 2."""
+    through STAGES slots). Writes O [Tq, H, HEAD_D] (o_desc: its [Tq, H * HEAD_D] view in [64, HEAD_D] boxes, the
+    query boxes' layout). Shared memory: Q [2, 64, HEAD_D] (also the output's staging buffers), K and V [STAGES,
+    BLOCK_N, HEAD_D] (16-bit), mbarriers: 192 KiB at HEAD_D 256, BLOCK_N 64, STAGES 2."""
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, 64, HEAD_D], q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
@@ -447,12 +459,12 @@ def _ws_fwd_silu(q_desc, k_desc, v_desc, O, Q_OFF, KV_OFF, WORK, stride_ot, stri
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(v_empty.index(i), count=2)
     gl.warp_specialize([
-        (_silu_consumer_partition, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, O,
-                                    WORK, Q_OFF, KV_OFF, n_items, n_tiles_q, total, stride_ot, stride_oh, alpha,
-                                    inv_n, 0, CAUSAL, BLOCK_N, HEAD_D, STAGES, FAST)),
-        (_silu_consumer_partition, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, O,
-                                    WORK, Q_OFF, KV_OFF, n_items, n_tiles_q, total, stride_ot, stride_oh, alpha,
-                                    inv_n, 1, CAUSAL, BLOCK_N, HEAD_D, STAGES, FAST)),
+        (_silu_consumer_partition, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
+                                    o_desc, O, WORK, Q_OFF, KV_OFF, n_items, n_tiles_q, total, stride_ot, stride_oh,
+                                    alpha, inv_n, 0, CAUSAL, BLOCK_N, HEAD_D, STAGES, FAST)),
+        (_silu_consumer_partition, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
+                                    o_desc, O, WORK, Q_OFF, KV_OFF, n_items, n_tiles_q, total, stride_ot, stride_oh,
+                                    alpha, inv_n, 1, CAUSAL, BLOCK_N, HEAD_D, STAGES, FAST)),
         (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty,
                            v_ready, v_empty, WORK, Q_OFF, KV_OFF, n_items, n_tiles_q, total, CAUSAL, 2, BLOCK_N,
                            HEAD_D, STAGES))], [4, 1], [232, 40])
@@ -935,9 +947,9 @@ def forward_silu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Ten
     h, d = q.shape[1], q.shape[2]
     total = table.numel() * h
     _ws_fwd_silu[(total,)](
-        _desc(q, _ROWS), _desc(k, block_n), _desc(v, block_n), o, q_off, kv_off, table, o.stride(0), o.stride(1),
-        float(alpha), float(inv_n), n_tiles_q, table.numel(), total, CAUSAL=causal, BLOCK_N=block_n, HEAD_D=d,
-        STAGES=stages, FAST=bool(fast), num_warps=4)
+        _desc(q, _ROWS), _desc(k, block_n), _desc(v, block_n), _desc(o, _ROWS), o, q_off, kv_off, table, o.stride(0),
+        o.stride(1), float(alpha), float(inv_n), n_tiles_q, table.numel(), total, CAUSAL=causal, BLOCK_N=block_n,
+        HEAD_D=d, STAGES=stages, FAST=bool(fast), num_warps=4)
 
 
 SILU_ROWS = 2 * _ROWS  # query rows per work item of forward_silu (two consumer warpgroups of 64)
