@@ -1251,6 +1251,24 @@ def test_sass_check_compiles_for_hopper_without_a_gpu():
     assert dq32["hgmma"] == 0 and dq32["loops"]
 
 
+def test_sass_check_lists_the_gluon_forwards():
+    """``sass_check --ws`` compiles the softmax Gluon forward at head dims 64 / 128 (causal or not, with and without
+    ping-pong) and the silu one at 128 / 256 with only the tiles ws_attention.silu_tiles_fit allows (at D 256: 64
+    keys, 2 stages), causal and not, and the exact silu once (the compile itself needs the device's triton 3.6)."""
+    from gemray.bench import sass_check as s
+    from gemray.kernels import ws_attention as ws
+
+    variants = s.ws_fwd_variants()
+    soft = [c for _, fn, _, c in variants if fn is ws._ws_fwd]
+    silu = [c for _, fn, _, c in variants if fn is ws._ws_fwd_silu]
+    assert {(c["HEAD_D"], c["CAUSAL"], c["PINGPONG"]) for c in soft} == {
+        (d, causal, pp) for d in (64, 128) for causal in (True, False) for pp in (True, False)}
+    assert {(c["BLOCK_N"], c["STAGES"]) for c in silu if c["HEAD_D"] == 256} == {(64, 2)}
+    assert {(c["BLOCK_N"], c["STAGES"]) for c in silu if c["HEAD_D"] == 128} == {(64, 2), (128, 2), (64, 3), (128, 3)}
+    assert all(ws.silu_tiles_fit(c["HEAD_D"], (c["BLOCK_N"], c["STAGES"])) for c in silu)
+    assert {c["CAUSAL"] for c in silu} == {True, False} and [c["HEAD_D"] for c in silu if not c["FAST"]] == [256]
+    assert len({name for name, *_ in variants}) == len(variants)
+
 @cpu_only
 def test_tma_loads_only_where_they_apply():
     """TMA tile loads are used only in regimes that enable them (the default: xlong), for full attention rows

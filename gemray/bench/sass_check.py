@@ -1,6 +1,6 @@
 """Compile-only check of the jagged attention kernels for Hopper (sm_90), no GPU needed.
 
-``python -m gemray.bench.sass_check [--all | --smem]`` compiles kernel variants with ``triton.compile(...,
+``python -m gemray.bench.sass_check [--all | --smem | --ws]`` compiles kernel variants with ``triton.compile(...,
 target=GPUTarget("cuda", 90, 32))`` (ptxas and cuobjdump come with the triton wheel) and prints, per
 variant: shared memory, registers, ptxas stack (local memory) bytes, whether the matrix products use
 wgmma (HGMMA in SASS), and for each loop of the SASS (a backward branch and its target) the spill stores
@@ -8,7 +8,10 @@ and loads (STL / LDL) executed per iteration. Spills inside a loop cost every ti
 loops (values kept across them) cost once per program. the kernel run reports (benchmarks/reports/kernels_h200_*.md) records what this showed.
 The device may run another triton version: re-check there when a number matters. The relative-bias
 variants take the int32 time-threshold table (``jagged_attention._kernel_thresholds``: up to 71 time buckets,
-e.g. the GEM config's 64).
+e.g. the GEM config's 64). ``--ws`` compiles the warp-specialized Gluon forwards instead (kernels/ws_attention.py:
+ptxas's spill figures for the whole kernel, the partitions' setmaxnreg budgets, a SASS hash to show a change left a
+kernel's code as it was); they need the device's triton 3.6 (``PYTHONPATH=<dir holding triton 3.6>``): the CPU
+stack's triton 3.9 removed a call they make.
 """
 
 from __future__ import annotations
@@ -276,6 +279,88 @@ def check_smem(config: KernelConfig = DEFAULT, dims: tuple[int, ...] = (64, 128,
     return bad
 
 
+def ws_fwd_variants() -> list[tuple]:
+    """The warp-specialized Gluon forwards (kernels/ws_attention.py), bf16, as (name, kernel, arg types, constexprs):
+    the softmax _ws_fwd at head dims 64 / 128 with its default tiles (two consumer warpgroups, 128-key tiles, 2
+    stages) and ping-pong, the silu _ws_fwd_silu at 128 / 256 with every (BLOCK_N, STAGES) of (64, 2), (128, 2),
+    (64, 3), (128, 3) that ws_attention.silu_tiles_fit allows, causal and not, tanh.approx silu (FAST) and, at
+    D 256 causal, the exact one."""
+    from gemray.kernels import ws_attention as ws
+
+    out = []
+    for d in (64, 128):
+        for causal in (True, False):
+            for pp in (False, True):
+                out.append((f"_ws_fwd softmax D={d} causal={causal} 2wg/128/2s{' pingpong' if pp else ''}",
+                            ws._ws_fwd, dict(q_desc=(64, d), k_desc=(128, d), v_desc=(128, d), O="*bf16",
+                                             LSE="*fp32", qk_scale="fp32"),
+                            dict(CAUSAL=causal, NUM_WG=2, BLOCK_N=128, HEAD_D=d, STAGES=2, PINGPONG=pp)))
+    for d in (128, 256):
+        for bn, stages in ((64, 2), (128, 2), (64, 3), (128, 3)):
+            if not ws.silu_tiles_fit(d, (bn, stages)):
+                continue
+            for causal in (True, False):
+                for fast in ((True, False) if (d, bn, stages, causal) == (256, 64, 2, True) else (True,)):
+                    out.append((f"_ws_fwd_silu D={d} causal={causal} {bn}/{stages}s{'' if fast else ' exact silu'}",
+                                ws._ws_fwd_silu, dict(q_desc=(64, d), k_desc=(bn, d), v_desc=(bn, d), o_desc=(64, d),
+                                                      O="*bf16", alpha="fp32", inv_n="fp32"),
+                                dict(CAUSAL=causal, BLOCK_N=bn, HEAD_D=d, STAGES=stages, FAST=fast)))
+    return out
+
+
+def check_ws(variant: tuple) -> dict:
+    """Compile one Gluon variant of :func:`ws_fwd_variants` for sm_90: shared memory, the registers ptxas gives the
+    launch (a warp-specialized kernel's partitions then move them with setmaxnreg: the values listed), ptxas's
+    spill stores / loads and stack frame, HGMMA count and a hash of the SASS (addresses stripped: equal hashes =
+    the same code). Tensor descriptors are typed with ws_attention's 128-byte-swizzle layout of their [rows, D]
+    boxes; pointers 16-byte aligned and strides multiples of 16, as the JIT launcher's hints for the bench's
+    tensors. The kernels are written for the device's triton (3.6, ``tma.async_copy_global_to_shared``); a newer
+    CPU triton that removed that call fails to compile them: put triton 3.6 first on PYTHONPATH."""
+    import hashlib
+
+    import torch
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    from gemray.kernels import ws_attention as ws
+
+    name, fn, types, consts = variant
+    sig = {}
+    for a in fn.arg_names:
+        t = "constexpr" if a in consts else types.get(a, "i32")
+        if isinstance(t, tuple):  # a descriptor's box: its type string from a CPU tensor's descriptor
+            rows, d = t
+            x = torch.empty(64, 4 * d, dtype=torch.bfloat16)
+            t = mangle_type(TensorDescriptor(x, [64, 4 * d], [4 * d, 1], [rows, d], ws._smem_layout(rows, d, True)))
+        sig[a] = t
+    hints = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+             if sig[a].startswith("*") or a.startswith("stride_")}
+    k = triton.compile(GluonASTSource(fn, sig, consts, hints), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=4))
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(os.path.join(tmp, "k.ptx"), "w") as f:
+            f.write(k.asm["ptx"])
+        ptxas = subprocess.run([os.path.join(bin_dir, "ptxas"), "-v", "-arch=sm_90a", os.path.join(tmp, "k.ptx"),
+                                "-o", os.path.join(tmp, "k.cubin")], capture_output=True, text=True, check=True).stderr
+        with open(os.path.join(tmp, "c.cubin"), "wb") as f:
+            f.write(k.asm["cubin"])
+        sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", os.path.join(tmp, "c.cubin")],
+                              capture_output=True, text=True, check=True).stdout
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", ptxas)
+    code = [re.sub(r"/\*[0-9a-f]{4,}\*/", "", line).split(";")[0].strip() for line in sass.splitlines()
+            if re.search(r"/\*[0-9a-f]{4,}\*/", line)]
+    return dict(name=name, shared=k.metadata.shared,
+                regs=int(re.search(r"Used (\d+) registers", ptxas).group(1)),
+                setmaxnreg=sorted({int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
+                                                              k.asm["ptx"])}),
+                spill_stores=sum(int(a) for a, _ in spills), spill_loads=sum(int(b) for _, b in spills),
+                stack=max((int(x) for x in re.findall(r"(\d+) bytes stack frame", ptxas)), default=0),
+                warnings=[line for line in ptxas.splitlines() if "warning" in line],
+                hgmma=sum("HGMMA" in c for c in code), instructions=len(code),
+                sass_sha=hashlib.sha1("\n".join(code).encode()).hexdigest()[:12])
+
 def main(argv: list[str] | None = None) -> int:
     """Print one line per compiled variant; exit code 1 when a variant fails to compile."""
     p = argparse.ArgumentParser(prog="python -m gemray.bench.sass_check", description=__doc__.split("\n\n")[0])
@@ -289,8 +374,26 @@ def main(argv: list[str] | None = None) -> int:
                    "(dk_from_ds), by pointers and TMA, and the dK = dS^T Q launch's candidates")
     p.add_argument("--ssm", action="store_true", help="instead: the fused sampled softmax's forward / dH / dE "
                    "kernels at the GEM head's width (E = 64), float32 and bf16")
+    p.add_argument("--ws", action="store_true", help="instead: the warp-specialized Gluon forwards (softmax _ws_fwd, "
+                   "silu _ws_fwd_silu; needs the device's triton 3.6 first on PYTHONPATH): shared memory, registers, "
+                   "ptxas spills and stack, a SASS hash per variant")
     args = p.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)
+    if args.ws:
+        bad = 0
+        for v in ws_fwd_variants():
+            try:
+                r = check_ws(v)
+            except Exception as e:  # report and go on
+                bad += 1
+                print(f"{v[0]}: COMPILE FAILED {e!r}"[:400], flush=True)
+                continue
+            bad += bool(r["spill_stores"] or r["spill_loads"])
+            print(f"{r['name']}: smem {r['shared']} B, {r['regs']} regs (setmaxnreg {r['setmaxnreg']}), spills "
+                  f"{r['spill_stores']} B stored / {r['spill_loads']} B loaded, stack {r['stack']} B, {r['hgmma']} "
+                  f"HGMMA, {r['instructions']} SASS instructions sha {r['sass_sha']}"
+                  + "".join(f"; {w}" for w in r["warnings"]), flush=True)
+        return 1 if bad else 0
     if args.smem:
         return 1 if check_smem(dims=tuple(int(x) for x in args.dims.split(","))) else 0
     bad = 0
