@@ -279,6 +279,9 @@ def check_smem(config: KernelConfig = DEFAULT, dims: tuple[int, ...] = (64, 128,
     return bad
 
 
+_WS_PTRS = dict(O="*bf16", Q_OFF="*i64", KV_OFF="*i64", WORK="*i32")  # the Gluon forwards' pointers
+
+
 def ws_fwd_variants() -> list[tuple]:
     """The warp-specialized Gluon forwards (kernels/ws_attention.py), bf16, as (name, kernel, arg types, constexprs):
     the softmax _ws_fwd at head dims 64 / 128 with its default tiles (two consumer warpgroups, 128-key tiles, 2
@@ -292,7 +295,7 @@ def ws_fwd_variants() -> list[tuple]:
         for causal in (True, False):
             for pp in (False, True):
                 out.append((f"_ws_fwd softmax D={d} causal={causal} 2wg/128/2s{' pingpong' if pp else ''}",
-                            ws._ws_fwd, dict(q_desc=(64, d), k_desc=(128, d), v_desc=(128, d), O="*bf16",
+                            ws._ws_fwd, dict(_WS_PTRS, q_desc=(64, d), k_desc=(128, d), v_desc=(128, d),
                                              LSE="*fp32", qk_scale="fp32"),
                             dict(CAUSAL=causal, NUM_WG=2, BLOCK_N=128, HEAD_D=d, STAGES=2, PINGPONG=pp)))
     for d in (128, 256):
@@ -302,8 +305,8 @@ def ws_fwd_variants() -> list[tuple]:
             for causal in (True, False):
                 for fast in ((True, False) if (d, bn, stages, causal) == (256, 64, 2, True) else (True,)):
                     out.append((f"_ws_fwd_silu D={d} causal={causal} {bn}/{stages}s{'' if fast else ' exact silu'}",
-                                ws._ws_fwd_silu, dict(q_desc=(64, d), k_desc=(bn, d), v_desc=(bn, d), o_desc=(64, d),
-                                                      O="*bf16", alpha="fp32", inv_n="fp32"),
+                                ws._ws_fwd_silu, dict(_WS_PTRS, q_desc=(64, d), k_desc=(bn, d), v_desc=(bn, d),
+                                                      o_desc=(64, d), alpha="fp32", inv_n="fp32"),
                                 dict(CAUSAL=causal, BLOCK_N=bn, HEAD_D=d, STAGES=stages, FAST=fast)))
     return out
 
