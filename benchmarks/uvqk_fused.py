@@ -7,7 +7,7 @@ attention backward writes dq / dk, bias_silu's backward reads them back with x),
 ``uvqk_attention.vqk_attention_triton`` (dQ / dK's epilogue writes q / k's d_x and bias partial sums). Checked
 against each other first: out and dx must be the same bits, dbias close (rel < 1e-3: q / k's columns are summed in
 another order); then best-of-``--reps`` interleaved timings of forward + backward and one profiled pass per variant
-(kernel sums, ms). Prints a table and writes ``$OUT/uvqk_fused.json``. Runs on a bare torch + triton image:
+(kernel sums, ms), the fused op also without its L2 prefetch of x (``ws_attention.ACT_PREFETCH``). Prints a table and writes ``$OUT/uvqk_fused.json``. Runs on a bare torch + triton image:
 
     . benchmarks/h200_env.sh && python3 benchmarks/uvqk_fused.py --out $OUT
 """
@@ -81,7 +81,14 @@ def main() -> int:
         epilogue.append(kw.get("act") is not None)
         return real(*a, **kw)
 
-    variants = [("unfused", unfused), ("fused", fused)]
+    def fused_no_prefetch(xx, bb):  # the epilogue's x loads from DRAM (ws_attention.ACT_PREFETCH off)
+        ws.ACT_PREFETCH = False
+        try:
+            return fused(xx, bb)
+        finally:
+            ws.ACT_PREFETCH = True
+
+    variants = [("unfused", unfused), ("fused", fused), ("fused, no L2 prefetch", fused_no_prefetch)]
     rows = {name: {"variant": name, "ms": []} for name, _ in variants}
     try:
         want = result(unfused)
@@ -128,10 +135,10 @@ def main() -> int:
             print(f"| {row['variant']} | {row['best_ms']:.3f} | " + " | ".join(f"{m:.3f}" for m in row["ms"]) + " |")
     kernels = sorted({k for r in rows.values() for k in r.get("kernels_ms", {})},
                      key=lambda k: -max(r.get("kernels_ms", {}).get(k, 0.0) for r in rows.values()))
-    print("\n| kernel (ms per fwd+bwd) | unfused | fused |\n|---|---|---|")
+    names = [name for name, _ in variants]
+    print(f"\n| kernel (ms per fwd+bwd) | {' | '.join(names)} |\n|---|" + "---|" * len(names))
     for k in kernels:
-        print(f"| {k} | " + " | ".join(f"{rows[n].get('kernels_ms', {}).get(k, 0.0):.3f}" for n in ("unfused", "fused"))
-              + " |")
+        print(f"| {k} | " + " | ".join(f"{rows[n].get('kernels_ms', {}).get(k, 0.0):.3f}" for n in names) + " |")
     (args.out / "uvqk_fused.json").write_text(json.dumps(list(rows.values()), indent=1))
     ok = "error" not in rows["fused"] and rows["fused"]["check"]["dx_equal"] and rows["fused"]["check"]["out_equal"]
     return 0 if ok else 1

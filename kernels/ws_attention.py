@@ -753,6 +753,22 @@ def _gemm_load_partition(b_desc, b_smem, a_smem, ready, empty, DS, WORK, Q_OFF, 
 
 
 @gluon.jit
+def _prefetch_l2(X, row0, n_rows, stride_t, col, HEAD_D: gl.constexpr):
+    """Ask L2 for the x rows [row0, row0 + min(n_rows, 64)) of columns [col, col + HEAD_D) (16-bit: HEAD_D / 64
+    lines of 128 bytes a row), one ``prefetch.global.L2`` per line spread over the warpgroup's 128 threads, so that
+    the ACT_GRAD epilogue's loads of x at the end of the item hit L2 instead of waiting on DRAM. Rows past n_rows
+    are clamped to the last valid one (n_rows >= 1)."""
+    LINES: gl.constexpr = HEAD_D // 64
+    L: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[32 // LINES, LINES],
+                                       warps_per_cta=[4, 1], order=[1, 0])
+    r = gl.minimum(gl.arange(0, _KROWS, layout=gl.SliceLayout(1, L)), n_rows - 1)
+    c = col + 64 * gl.arange(0, LINES, layout=gl.SliceLayout(0, L))
+    ptrs = X + (row0 + r[:, None].to(gl.int64)) * stride_t + c[None, :]
+    gl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
 def _act_grad_chunk(g, c0: gl.constexpr, OUT, X, XB, PART, row0, n_rows, stride_t, col):
     """One column chunk g [64, C] (16-bit, any distributed layout) of a gradient tile whose first row is row0 (an
     absolute token row) and first column col + c0: OUT[row, col + c0 + j] = g silu'(X[row, ...] + XB[col + c0 +
@@ -806,7 +822,7 @@ def _act_grad_store(g, OUT, X, XB, PART, row0, n_rows, stride_t, col):
 def _gemm_consumer_partition(b_smem, a_smem, ready, empty, OUT, WORK, Q_OFF, KV_OFF, n_items, n_tiles, total,
                              stride_ot, stride_oh, scale, WG: gl.constexpr, DQ: gl.constexpr, CAUSAL: gl.constexpr,
                              HEAD_D: gl.constexpr, STAGES: gl.constexpr, X, XB, PART, stride_pt,
-                             ACT_GRAD: gl.constexpr):
+                             ACT_GRAD: gl.constexpr, ACT_PREFETCH: gl.constexpr):
     """Consumer warpgroup WG: output rows [r0 + 64 WG, r0 + 64 WG + 64) of each item, acc [64, D] fp32 in
     registers. dK: acc += dS^T box [64 keys, 64 queries] @ Q [64, D]; dQ: acc += (dS^T box [64 keys, 64
     queries])^T @ K [64, D] (the box's transpose read by the wgmma from shared memory). One product in flight
@@ -836,6 +852,12 @@ def _gemm_consumer_partition(b_smem, a_smem, ready, empty, OUT, WORK, Q_OFF, KV_
                 if CAUSAL:  # (a query tile shorter than the key tile: none of its steps may be live)
                     j0 = gl.minimum((rw - lo) // _KROWS, n_steps)
             j1 = gl.where(live, j1, j0)
+            if ACT_PREFETCH:  # the epilogue's x rows into L2 while the products run
+                if live:
+                    if DQ:
+                        _prefetch_l2(X, q_start + rw, lq - rw, stride_ot, h * stride_oh, HEAD_D)
+                    else:
+                        _prefetch_l2(X, kv_start + rw, lk - rw, stride_ot, h * stride_oh, HEAD_D)
             acc = gl.zeros([_KROWS, HEAD_D], gl.float32, ACC_L)
             for j in range(j0):  # before the live steps
                 cj = c + j
@@ -881,13 +903,14 @@ def _gemm_consumer_partition(b_smem, a_smem, ready, empty, OUT, WORK, Q_OFF, KV_
 def _ws_ds_gemm(b_desc, DS, OUT, WORK, Q_OFF, KV_OFF, stride_dsh, stride_dst, stride_ot, stride_oh, scale,
                 n_tiles, n_items, total, DQ: gl.constexpr, CAUSAL: gl.constexpr, HEAD_D: gl.constexpr,
                 STAGES: gl.constexpr, A_LAYOUT: gl.constexpr, X=None, XB=None, PART=None, stride_pt=0,
-                ACT_GRAD: gl.constexpr = False):
+                ACT_GRAD: gl.constexpr = False, ACT_PREFETCH: gl.constexpr = False):
     """dK = scale * dS^T Q (DQ false) or dQ = scale * dS K (DQ true) from the dS^T [H, Tk, W] that _ws_dv_ds
     stored: one jagged, causally blocked GEMM per (head, sequence), 128 output rows a work item (two consumer
     warpgroups of 64) and a TMA loader warp streaming 64-row steps of dS^T boxes and B rows through STAGES slots.
     Replaces jagged_attention._gdpa_dk_ds / _gdpa_dq_ds (one warpgroup, no producer) on the ws_bwd path.
 
-    ACT_GRAD (the fused q / k activation backward, ``uvqk_attention``): OUT is the q or k column range of d_x
+    ACT_GRAD (the fused q / k activation backward, ``uvqk_attention``; ACT_PREFETCH: x's rows into L2 first): OUT
+    is the q or k column range of d_x
     [T, W] (row stride stride_ot, head stride HEAD_D) and receives d_x = round(scale * acc) silu'(X + XB)
     instead of the gradient itself; X: the same range of the pre-activation x (x's layout = d_x's), XB: its bias
     (fp32), PART: [2 n_items, H HEAD_D] fp32 partial column sums (row stride stride_pt; row 2 e + w holds table
@@ -903,10 +926,10 @@ def _ws_ds_gemm(b_desc, DS, OUT, WORK, Q_OFF, KV_OFF, stride_dsh, stride_dst, st
     gl.warp_specialize([
         (_gemm_consumer_partition, (b_smem, a_smem, ready, empty, OUT, WORK, Q_OFF, KV_OFF, n_items, n_tiles,
                                     total, stride_ot, stride_oh, scale, 0, DQ, CAUSAL, HEAD_D, STAGES, X, XB,
-                                    PART, stride_pt, ACT_GRAD)),
+                                    PART, stride_pt, ACT_GRAD, ACT_PREFETCH)),
         (_gemm_consumer_partition, (b_smem, a_smem, ready, empty, OUT, WORK, Q_OFF, KV_OFF, n_items, n_tiles,
                                     total, stride_ot, stride_oh, scale, 1, DQ, CAUSAL, HEAD_D, STAGES, X, XB,
-                                    PART, stride_pt, ACT_GRAD)),
+                                    PART, stride_pt, ACT_GRAD, ACT_PREFETCH)),
         (_gemm_load_partition, (b_desc, b_smem, a_smem, ready, empty, DS, WORK, Q_OFF, KV_OFF, stride_dsh,
                                 stride_dst, n_items, n_tiles, total, DQ, CAUSAL, HEAD_D, STAGES, A_LAYOUT))],
         [4, 1], [232, 40])
@@ -1096,7 +1119,8 @@ def ds_gemm(ds: torch.Tensor, b: torch.Tensor, out: torch.Tensor, q_off: torch.T
     the [T, H, D] view of the q or k column range of d_x [T, W] (row stride W, head stride D), x the same view of
     the pre-activation (same strides as out), xbias [H D] fp32 that range's bias and part [2 table.numel(), >= H
     D] fp32 (unit column stride, zero-filled: rows of invalid table entries are not written) the partial column
-    sums, at the range's first column; out receives round(scale * product) silu'(x + xbias) in out's dtype.
+    sums, at the range's first column; out receives round(scale * product) silu'(x + xbias) in out's dtype. With
+    the module's ACT_PREFETCH each consumer first asks L2 for its x rows (``_prefetch_l2``).
     """
     h, d = b.shape[1], b.shape[2]
     total = table.numel() * h
@@ -1107,7 +1131,8 @@ def ds_gemm(ds: torch.Tensor, b: torch.Tensor, out: torch.Tensor, q_off: torch.T
                 or part.dtype != torch.float32 or part.stride(1) != 1 or part.shape[0] < 2 * table.numel():
             raise ValueError("ws ds_gemm: ACT_GRAD needs x with out's strides (head stride D), an fp32 bias and "
                              f"fp32 partial sums of >= {2 * table.numel()} rows with unit column stride")
-        extra = dict(X=x, XB=xbias, PART=part, stride_pt=part.stride(0), ACT_GRAD=True)
+        extra = dict(X=x, XB=xbias, PART=part, stride_pt=part.stride(0), ACT_GRAD=True,
+                     ACT_PREFETCH=bool(ACT_PREFETCH))
     _ws_ds_gemm[(total,)](
         _desc(b, 64), ds, out, table, q_off, kv_off, ds.stride(0), ds.stride(1), out.stride(0), out.stride(1),
         float(scale), n_tiles, table.numel(), total, DQ=bool(dq), CAUSAL=causal, HEAD_D=d, STAGES=stages,
@@ -1115,6 +1140,11 @@ def ds_gemm(ds: torch.Tensor, b: torch.Tensor, out: torch.Tensor, q_off: torch.T
 
 
 BWD_KEYS = 2 * 64  # key rows per work item of backward_dv_ds (two consumer warpgroups of 64)
+# ACT_GRAD (ds_gemm's act): prefetch each item's x rows into L2 before its products, so that the epilogue's x loads
+# (issued after the last product, with both warpgroups idle on the tensor cores) wait on L2, not DRAM. Compiled for
+# sm_90 it adds two CCTL.E.PF2 a thread and item and no spills; whether it pays is for a GPU to show
+# (benchmarks/uvqk_fused.py times the fused op with it on and off).
+ACT_PREFETCH = True
 
 
 @functools.lru_cache(maxsize=16)

@@ -347,15 +347,17 @@ def _heavy_lengths(b: int, n: int) -> list[int]:
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("d", [256, 128])
-@pytest.mark.parametrize("stages", [4, 3])
-def test_gpu_fused_epilogue_matches_unfused_bf16(monkeypatch, d, stages):
+@pytest.mark.parametrize("stages,prefetch", [(4, True), (4, False), (3, True)])
+def test_gpu_fused_epilogue_matches_unfused_bf16(monkeypatch, d, stages, prefetch):
     """The Gluon dQ / dK products' ACT_GRAD epilogue (ws_bwd + ws_dkdq forced in every regime, the dS^T scratch
     NaN-filled) on a heavy-tailed bf16 silu batch with empty, length-1, tile-edge (63 / 64 / 65 / 127 / 128 / 129)
     and 2048-token sequences, H = 4, head dim d (v / q / k): against the unfused path (bias_silu's kernels + the
     same attention) out and dx are the same bits (d_x of q / k is the same rounding of dq / dk through the same
-    float32 formula), dbias is close (its q / k columns are summed in another order); the epilogue ran."""
+    float32 formula), dbias is close (its q / k columns are summed in another order); the epilogue ran, with and
+    without its L2 prefetch of x (ws_attention.ACT_PREFETCH)."""
     from gemray.kernels import ws_attention as ws
 
+    monkeypatch.setattr(ws, "ACT_PREFETCH", prefetch)
     cfg = DEFAULT.with_all_regimes(ds_store=True, dk_from_ds=True, ws_bwd=True, ws_dkdq=True,
                                    ws_dkdq_stages=stages).replace(ds_scratch_nan=True)
     acts, real = [], ws.ds_gemm

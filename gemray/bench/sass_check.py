@@ -119,7 +119,7 @@ def _jit_hints(fn, sig: dict) -> dict:
 def ws_gemm_variants(dims: tuple[int, ...] = (256, 128), stages: int = 4) -> list[tuple]:
     """The Gluon dS^T products (``ws_attention._ws_ds_gemm``: dQ and dK, bf16, causal) at head dims ``dims`` and
     ``stages`` ring slots, each plain and with the fused q / k activation's ACT_GRAD epilogue
-    (``model.uvqk_kernel = "fused"``). The plain variant's X / XB / PART are None, as ``ws_attention.ds_gemm``
+    (``model.uvqk_kernel = "fused"``), without and with its L2 prefetch of x (ACT_PREFETCH). The plain variant's X / XB / PART are None, as ``ws_attention.ds_gemm``
     launches it (its parameter list is the kernel's from before the epilogue existed)."""
     from triton.experimental.gluon import language as gl
 
@@ -131,13 +131,14 @@ def ws_gemm_variants(dims: tuple[int, ...] = (256, 128), stages: int = 4) -> lis
         types = dict(b_desc=f"tensordesc<bf16[64, {d}],{b_layout!r}>", DS="*bf16", OUT="*bf16", WORK="*i32",
                      Q_OFF="*i64", KV_OFF="*i64", scale="fp32", X="*bf16", XB="*fp32", PART="*fp32")
         for dq in (True, False):
-            for act in (False, True):
+            for act, prefetch in ((False, False), (True, False), (True, True)):
                 consts = dict(DQ=dq, CAUSAL=True, HEAD_D=d, STAGES=stages,
-                              A_LAYOUT=gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16), ACT_GRAD=act)
+                              A_LAYOUT=gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16), ACT_GRAD=act,
+                              ACT_PREFETCH=prefetch)
                 if not act:
                     consts.update(X=None, XB=None, PART=None, stride_pt=0)
-                out.append((f"ws_ds_gemm D={d} {'dq' if dq else 'dk'}/{stages}s{' act-grad' if act else ''}",
-                            ws._ws_ds_gemm, types, consts, 4, 1))
+                out.append((f"ws_ds_gemm D={d} {'dq' if dq else 'dk'}/{stages}s{' act-grad' if act else ''}"
+                            f"{' prefetch' if prefetch else ''}", ws._ws_ds_gemm, types, consts, 4, 1))
     return out
 
 
