@@ -136,6 +136,21 @@ def test_fused_op_argument_checks():
         ua.vqk_attention_triton(x.float(), bias.float(), off, n, heads, a, v, alpha=-1.0)
 
 
+@cpu_only
+@pytest.mark.parametrize("activation", ["silu", "softmax"])
+def test_opcheck_vqk_attention(activation):
+    """torch.library.opcheck of gemray::vqk_attention (schema, autograd registration, fake tensors, AOT dispatch) and
+    of gemray::vqk_attention_bwd on the forward's outputs."""
+    heads, a, v = 2, 16, 8
+    off, n, x, bias, d_out = _batch(8, heads, a, v, lengths=[0, 1, 7, 13])
+    x, bias = x.float().requires_grad_(), bias.float().requires_grad_()
+    args = (x, bias, off, heads, a, v, n, activation, True, 0.25, DEFAULT.name)
+    torch.library.opcheck(ua.vqk_attention_op, args)
+    out, vv, q, k, lse = ua.vqk_attention_op(x.detach(), bias.detach(), *args[2:])
+    torch.library.opcheck(ua.vqk_attention_bwd_op, (d_out.float(), x.detach(), bias.detach(), vv, q, k, out, lse,
+                                                    *args[2:]))
+
+
 # ------------------------------------------------------------------- the epilogue's hand-over (Gluon emulated)
 
 
