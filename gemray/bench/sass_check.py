@@ -1,6 +1,6 @@
 """Compile-only check of the jagged attention kernels for Hopper (sm_90), no GPU needed.
 
-``python -m gemray.bench.sass_check [--all | --smem | --ws]`` compiles kernel variants with ``triton.compile(...,
+``python -m gemray.bench.sass_check [--all | --smem | --gem | --ssm | --ws | --ws-gemm]`` compiles kernel variants with ``triton.compile(...,
 target=GPUTarget("cuda", 90, 32))`` (ptxas and cuobjdump come with the triton wheel) and prints, per
 variant: shared memory, registers, ptxas stack (local memory) bytes, whether the matrix products use
 wgmma (HGMMA in SASS), and for each loop of the SASS (a backward branch and its target) the spill stores
@@ -147,7 +147,7 @@ def _gluon_tma_shim() -> None:
     the device image's Triton has it) to ``async_load``, same arguments: alias it for a CPU compile."""
     from triton.experimental.gluon.language.nvidia.hopper import tma
 
-    if hasattr(tma, "async_load"):
+    if tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 9):  # the old name is a stub that raises
         tma.async_copy_global_to_shared = tma.async_load
 
 
