@@ -187,14 +187,6 @@ class ModelConfig:
     (the fused Triton kernels on CUDA: the bias, the SiLU and the split in one pass forward, the SiLU derivative, the
     concatenation of the four gradients and the bias gradient in one pass backward; ``gemray.kernels.bias_silu``),
     "triton" or "reference" (PyTorch, fused by ``train.compile``); default "reference" until measured on a GPU.
-    "fused": "triton"'s forward, and v / q / k's activation and the attention as one op (``gemray.ops.uvqk_attention``,
-    ``gemray.kernels.uvqk_attention``) whose backward, where the attention's dQ / dK are the Gluon products (an
-    sm_90 GPU, the regime's ws_bwd + ws_dkdq), writes q / k's SiLU derivative and bias-gradient partial sums from
-    those products' epilogue (no dq / dk tensors read back; elsewhere it runs "triton"'s launches). It needs the
-    Triton attention (``attention_backend`` "triton" or "auto"; "auto" off CUDA raises at the first forward),
-    ``relative_bias = false`` and ``train.precision`` other than "fp8" (all three refused by the config).
-    "triton" and "fused" without a GPU only in Triton's interpreter, ``TRITON_INTERPRET=1``, refused before Ray
-    starts otherwise.
     The FP8 projections (``train.precision = "fp8"``) keep their own bias and ignore it.
     kernel_tiles: "" (the kernels' defaults) or the Triton attention kernels' tiles / launch modes for this
     machine, as inline JSON (a value starting with "{", e.g. ``--set 'model.kernel_tiles={"long": {...}}'``) or
@@ -374,13 +366,7 @@ class ModelConfig:
         _choice(self, "negatives", ("uniform", "uniform_shared", "in_batch"))
         _choice(self, "attention_backend", ("auto", "triton", "reference"))
         _choice(self, "retrieval_kernel", ("auto", "triton", "reference"))
-        _choice(self, "uvqk_kernel", ("auto", "triton", "reference", "fused"))
-        if self.uvqk_kernel == "fused" and (self.relative_bias or self.attention_backend == "reference"):
-            # the fused op's attention is the Triton kernels' without an attention bias (kernels/uvqk_attention.py)
-            raise ValueError(f"model.uvqk_kernel = \"fused\" needs the Triton attention without the relative bias: "
-                             f"model.relative_bias = false and model.attention_backend \"triton\" or \"auto\" (got "
-                             f"relative_bias = {str(self.relative_bias).lower()}, attention_backend = "
-                             f"\"{self.attention_backend}\"); use uvqk_kernel = \"triton\" otherwise")
+        _choice(self, "uvqk_kernel", ("auto", "triton", "reference"))
         _choice(self, "time_bias_query", ("next", "self"))
         if self.kernel_tiles:
             kernel_tiles_spec(self.kernel_tiles)  # ValueError naming model.kernel_tiles before any worker starts
@@ -932,11 +918,6 @@ class JobConfig:
                     if any(isinstance(x, float) and not math.isfinite(x) for x in vals):
                         raise ValueError(f"{f.name}.{sf.name}: expected a finite number, got {v}")
                 sub.validate()
-        if self.model.uvqk_kernel == "fused" and self.train.precision == "fp8":
-            # the FP8 projections add their own bias and SiLU (HSTUBlock._fp8_uvqk): nothing for the op to fuse
-            raise ValueError("model.uvqk_kernel = \"fused\" does not apply with train.precision = \"fp8\" (the FP8 "
-                             "projections add their own bias and SiLU); use train.precision \"bf16\" or "
-                             "uvqk_kernel \"triton\"")
         if self.parallel.collectives != "nccl" and not self.ray.use_gpu:
             raise ValueError(f"parallel.collectives={self.parallel.collectives!r} needs NCCL on CUDA GPUs "
                              f"(ray.use_gpu=true): gloo on CPU has no copy-engine / symmetric-memory collectives; "

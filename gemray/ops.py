@@ -229,7 +229,7 @@ def choose_backend(requested: AttentionBackend, device_type: str, triton_error: 
 
 #: the config key whose value an op's ``backend`` is (the model passes it through), named in the logged choice
 _SETTINGS = {"attention": "model.attention_backend", "sampled_softmax_lse": "model.retrieval_kernel",
-             "uvqk_projection": "model.uvqk_kernel", "uvqk_attention": "model.uvqk_kernel"}
+             "uvqk_projection": "model.uvqk_kernel"}
 
 
 def choice_message(op: str, requested: AttentionBackend, device_type: str, chosen: AttentionBackend,
@@ -388,50 +388,6 @@ def uvqk_projection(x_norm: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     else:
         vqk = torch.split(torch.nn.functional.silu(torch.addmm(b_vqk, x_norm, w_vqk)), sizes[1:], 1)
     return [z_u, *vqk]
-
-
-UVQK_ATTENTION_MODULE = "gemray.kernels.uvqk_attention"
-
-
-def uvqk_attention(x_norm: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, sizes: list[int],
-                   offsets: torch.Tensor, max_len: int, heads: int, *, activation: str = "silu",
-                   alpha: float | None = None, attention_backend: AttentionBackend | str = AttentionBackend.AUTO,
-                   config: KernelConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The HSTU block's projection, v / q / k's activation and the causal self-attention with one differentiable op
-    for the last two (``model.uvqk_kernel = "fused"``): ``z_u`` as :func:`uvqk_projection` returns it (u's own
-    ``addmm``, no SiLU) and ``out = attention(silu(z_q), silu(z_k), silu(z_v))`` with ``z_vqk = x_norm @ W_vqk`` and
-    the bias added in the op (``gemray.kernels.uvqk_attention``: forward the same kernels as "triton" +
-    :func:`attention`; backward the q / k SiLU derivative and bias gradient from the attention's dQ / dK epilogue
-    where the Gluon products run, else the unfused launches).
-
-    x_norm: [T, D] float, weight: [D, W], bias: [W], sizes: (u, v, q, k) = (H V, H V, H A, H A) summing to W,
-    offsets: [B+1] int64, max_len: host int >= every length (the N of the pointwise activations). Returns (z_u
-    [T, H V], out [T, H, V]) in the GEMM's dtype. ``attention_backend`` (``model.attention_backend``): where it
-    resolves to the reference ("auto" off CUDA; the config refuses "reference" with "fused") this is today's
-    composition, :func:`uvqk_projection` (backend "auto") then :func:`attention`; "triton" where the kernels cannot
-    run raises RuntimeError (:func:`choose_backend`). No attention bias. Raises ValueError for bad shapes /
-    options."""
-    sizes = [int(s) for s in sizes]
-    if len(sizes) != 4 or min(sizes) < 1 or weight.dim() != 2 or sum(sizes) != weight.shape[1] \
-            or bias.shape != (weight.shape[1],) or sizes[2] != sizes[3] or sizes[0] != sizes[1] \
-            or sizes[1] % heads or sizes[2] % heads:
-        raise ValueError(f"uvqk_attention: sizes {sizes} must be (H V, H V, H A, H A) for H = {heads} heads, summing "
-                         f"to W, the width of weight {tuple(weight.shape)} and of bias {tuple(bias.shape)}")
-    if resolve_backend(attention_backend, x_norm.device) is not AttentionBackend.TRITON:
-        T = x_norm.shape[0]
-        z_u, v, q, k = uvqk_projection(x_norm, weight, bias, sizes, backend=AttentionBackend.AUTO)
-        a, lin = sizes[2] // heads, sizes[1] // heads
-        return z_u, attention(q.reshape(T, heads, a), k.reshape(T, heads, a), v.reshape(T, heads, lin), offsets,
-                              max_len, activation=activation, causal=True, alpha=alpha, backend=attention_backend,
-                              config=config)
-    _resolve(AttentionBackend.TRITON, x_norm.device, UVQK_ATTENTION_MODULE, "uvqk_attention")
-    mod = _kernel_module(UVQK_ATTENTION_MODULE)[0]
-    hv = sizes[0]
-    z_u = torch.addmm(bias[:hv], x_norm, weight[:, :hv])
-    out = mod.vqk_attention_triton(torch.mm(x_norm, weight[:, hv:]), bias[hv:], offsets, max_len, heads,
-                                   sizes[2] // heads, sizes[1] // heads, activation=activation, causal=True,
-                                   alpha=alpha, config=config)
-    return z_u, out
 
 
 def _triton_rel_bias(mod, rel_bias: RelativeBiasInputs):

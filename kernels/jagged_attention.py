@@ -1692,19 +1692,11 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tens
 def _backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor | None,
               lse: torch.Tensor | None, bias: torch.Tensor | None, q_off: torch.Tensor, kv_off: torch.Tensor,
               nt: torch.Tensor | None, spec: _Spec, want_dbias: bool, cfg: KernelConfig,
-              plan: _FwdPlan | None, rel: tuple | None = None, act: tuple | None = None
+              plan: _FwdPlan | None, rel: tuple | None = None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, tuple | None]:
     """Run a backward: (dq like q, dk like k, dv like v, dbias like bias or None, (d pos_w, d ts_w) like the
     weights with ``rel``, else None). o / lse: the forward's (softmax; None for the pointwise activations);
-    ``plan``: the forward's plan (None: empty batch, zeros); ``rel``: as :func:`_forward`'s.
-
-    ``act`` = (x_q, b_q, dx_q, x_k, b_k, dx_k): the fused q / k activation backward (``uvqk_attention``): q =
-    silu(x_q + b_q) and k = silu(x_k + b_k), x_* / dx_* [T, H, D] views with equal strides (head stride D), b_*
-    [H D] fp32. Where the plan's dQ and dK are the Gluon products (steps ws_dq and ws_dk), those launches store
-    d x_q = dq silu'(x_q + b_q) into dx_q (and the same for k) instead of dq / dk, and their fp32 partial column
-    sums into two zero-filled buffers: the result's dq and dk are then None and its dbias slot holds (part_q
-    [Rq, H D], part_k [Rk, H D]) fp32, whose column sums are the biases' gradients. Elsewhere act is ignored
-    (dq, dk returned as without it)."""
+    ``plan``: the forward's plan (None: empty batch, zeros); ``rel``: as :func:`_forward`'s."""
     if plan is None:
         return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v),
                 torch.zeros_like(bias) if want_dbias else None,
@@ -1730,19 +1722,9 @@ def _backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         o = lse = delta = do
     if bplan.delta is not None:
         bplan.delta.planned([o, do, delta])
-    if act is not None and (spec.q_bcast or bias is not None or rel is not None):
-        raise ValueError("gdpa backward: the fused q / k activation gradient supports neither q_broadcast nor an "
-                         "attention bias")
+    dk = torch.empty_like(k)
     dv = torch.empty_like(v)
-    fused = act is not None and {"ws_dq", "ws_dk"} <= {kind for _, _, kind in bplan.steps}
-    if fused:  # the Gluon products' ACT_GRAD epilogue: one partial-sum row per (table entry, warpgroup)
-        rows = {kind: 2 * table.numel() for _, table, kind in bplan.steps if kind in ("ws_dq", "ws_dk")}
-        parts = tuple(torch.zeros((rows[kind], h * d_qk), device=q.device, dtype=torch.float32)
-                      for kind in ("ws_dq", "ws_dk"))
-        dq = dk = None
-    else:
-        dk = torch.empty_like(k)
-        dq = q.new_empty((t_out, h, d_qk)) if spec.q_bcast else torch.empty_like(q)
+    dq = q.new_empty((t_out, h, d_qk)) if spec.q_bcast else torch.empty_like(q)
     # dbias per head, fp32, zero where no program writes (pairs outside the mask / key range)
     dbias = (torch.zeros(bplan.dbias_shape, device=q.device, dtype=torch.float32)
              if bplan.dbias_shape is not None else None)
@@ -1765,15 +1747,9 @@ def _backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         elif kind == "ws_dv_ds":
             ws.backward_dv_ds(q, k, v, do, dv, ds, q_off, kv_off, table, **launch)
         elif kind == "ws_dq":
-            if fused:
-                ws.ds_gemm(ds, k, act[2], q_off, kv_off, table, **launch, act=(act[0], act[1], parts[0]))
-            else:
-                ws.ds_gemm(ds, k, dq, q_off, kv_off, table, **launch)
+            ws.ds_gemm(ds, k, dq, q_off, kv_off, table, **launch)
         elif kind == "ws_dk":
-            if fused:
-                ws.ds_gemm(ds, q, act[5], q_off, kv_off, table, **launch, act=(act[3], act[4], parts[1]))
-            else:
-                ws.ds_gemm(ds, q, dk, q_off, kv_off, table, **launch)
+            ws.ds_gemm(ds, q, dk, q_off, kv_off, table, **launch)
         else:
             tensors[13] = table
             launch.planned(tensors)
@@ -1781,8 +1757,6 @@ def _backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         dq = dq.view(-1, q.shape[0], h, d_qk).sum(0, dtype=torch.float32).to(q.dtype)
     if dbias is not None:
         dbias = (dbias if bias.dim() == 4 else dbias.sum(1)).to(bias.dtype)
-    if fused:
-        dbias = parts
     drel = None if rel is None else (dpw.sum(0)[:rel[2].numel()].to(rel[2].dtype),
                                      dtw.sum(0)[:rel[3].numel()].to(rel[3].dtype))
     return dq, dk, dv, dbias, drel

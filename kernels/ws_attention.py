@@ -753,85 +753,16 @@ def _gemm_load_partition(b_desc, b_smem, a_smem, ready, empty, DS, WORK, Q_OFF, 
 
 
 @gluon.jit
-def _prefetch_l2(X, row0, n_rows, stride_t, col, HEAD_D: gl.constexpr):
-    """Ask L2 for the x rows [row0, row0 + min(n_rows, 64)) of columns [col, col + HEAD_D) (16-bit: HEAD_D / 64
-    lines of 128 bytes a row), one ``prefetch.global.L2`` per line spread over the warpgroup's 128 threads, so that
-    the ACT_GRAD epilogue's loads of x at the end of the item hit L2 instead of waiting on DRAM. Rows past n_rows
-    are clamped to the last valid one (n_rows >= 1)."""
-    LINES: gl.constexpr = HEAD_D // 64
-    L: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[32 // LINES, LINES],
-                                       warps_per_cta=[4, 1], order=[1, 0])
-    r = gl.minimum(gl.arange(0, _KROWS, layout=gl.SliceLayout(1, L)), n_rows - 1)
-    c = col + 64 * gl.arange(0, LINES, layout=gl.SliceLayout(0, L))
-    ptrs = X + (row0 + r[:, None].to(gl.int64)) * stride_t + c[None, :]
-    gl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=gl.int32,
-                              is_pure=False, pack=1)
-
-
-@gluon.jit
-def _act_grad_chunk(g, c0: gl.constexpr, OUT, X, XB, PART, row0, n_rows, stride_t, col):
-    """One column chunk g [64, C] (16-bit, any distributed layout) of a gradient tile whose first row is row0 (an
-    absolute token row) and first column col + c0: OUT[row, col + c0 + j] = g silu'(X[row, ...] + XB[col + c0 +
-    j]) for the rows r < n_rows of the tile, rounded to OUT's dtype, and PART[col + c0 + j] = the chunk's fp32
-    column sums of the unrounded product (0 where no row is valid). The math is ``bias_silu._bias_silu_bwd``'s,
-    term for term (sigmoid as ``tl.sigmoid``: 1 / (1 + exp(-z)))."""
-    L: gl.constexpr = g.type.layout
-    C: gl.constexpr = g.shape[1]
-    r = gl.arange(0, _KROWS, layout=gl.SliceLayout(1, L))
-    j = col + c0 + gl.arange(0, C, layout=gl.SliceLayout(0, L))
-    ok = r[:, None] < n_rows
-    offs = (row0 + r[:, None].to(gl.int64)) * stride_t + j[None, :]
-    x = gl.load(X + offs, mask=ok, other=0.0)
-    b = gl.load(XB + j).to(gl.float32)
-    z = x.to(gl.float32) + b[None, :]
-    s = 1 / (1 + gl.exp(-z))
-    dz = gl.where(ok, g.to(gl.float32) * s * (1.0 + z * (1.0 - s)), 0.0)
-    gl.store(OUT + offs, dz.to(OUT.dtype.element_ty), mask=ok)
-    gl.store(PART + j, gl.sum(dz, axis=0))
-
-
-@gluon.jit
-def _act_grad_half(g, c0: gl.constexpr, OUT, X, XB, PART, row0, n_rows, stride_t, col):
-    """Columns [c0, c0 + C) of a tile as g [64, C]: split into its two halves of C / 2 columns (a register
-    relabelling: each thread of the wgmma layout holds columns of both halves), each through _act_grad_chunk."""
-    C: gl.constexpr = g.shape[1]
-    lo, hi = gl.split(gl.permute(gl.reshape(g, [_KROWS, 2, C // 2]), (0, 2, 1)))
-    _act_grad_chunk(lo, c0, OUT, X, XB, PART, row0, n_rows, stride_t, col)
-    _act_grad_chunk(hi, c0 + C // 2, OUT, X, XB, PART, row0, n_rows, stride_t, col)
-
-
-@gluon.jit
-def _act_grad_store(g, OUT, X, XB, PART, row0, n_rows, stride_t, col):
-    """The ACT_GRAD epilogue of a dQ / dK tile g [64, D] (the scaled product already rounded to the input dtype,
-    as the plain store writes it; wgmma layout): d_x = g silu'(x + bias) into OUT, its fp32 column sums into
-    PART, in four column chunks of D / 4 so that the tile, x, the bias and the sums of one chunk are what lives
-    in registers at once (the whole [64, D] fp32 accumulator, x and the bias together spilled at D = 256 in the
-    reverted Triton attempt, 4d92400).
-
-    OUT / X: the q or k column range of d_x / x (pointers at that range's first column; row stride stride_t,
-    head h's columns at ``col`` = h D); XB: that range's bias (fp32); PART: this warpgroup's partial-sum row at
-    the range's first column; row0: the tile's first token row; n_rows: rows of the tile inside its sequence
-    (<= 0: none, every column sum 0)."""
-    D: gl.constexpr = g.shape[1]
-    lo, hi = gl.split(gl.permute(gl.reshape(g, [_KROWS, 2, D // 2]), (0, 2, 1)))
-    _act_grad_half(lo, 0, OUT, X, XB, PART, row0, n_rows, stride_t, col)
-    _act_grad_half(hi, D // 2, OUT, X, XB, PART, row0, n_rows, stride_t, col)
-
-
-@gluon.jit
 def _gemm_consumer_partition(b_smem, a_smem, ready, empty, OUT, WORK, Q_OFF, KV_OFF, n_items, n_tiles, total,
                              stride_ot, stride_oh, scale, WG: gl.constexpr, DQ: gl.constexpr, CAUSAL: gl.constexpr,
-                             HEAD_D: gl.constexpr, STAGES: gl.constexpr, X, XB, PART, stride_pt,
-                             ACT_GRAD: gl.constexpr, ACT_PREFETCH: gl.constexpr):
+                             HEAD_D: gl.constexpr, STAGES: gl.constexpr):
     """Consumer warpgroup WG: output rows [r0 + 64 WG, r0 + 64 WG + 64) of each item, acc [64, D] fp32 in
     registers. dK: acc += dS^T box [64 keys, 64 queries] @ Q [64, D]; dQ: acc += (dS^T box [64 keys, 64
     queries])^T @ K [64, D] (the box's transpose read by the wgmma from shared memory). One product in flight
     across steps: a slot is released once the product after it is issued and its own has completed. Steps with
     no valid pair for this warpgroup (causal: dK's query steps before its first key, dQ's key steps after its
     last query) only release their slots; every box a live step reads was written by backward_dv_ds (its
-    warpgroups write dS^T of each 64-key row block from the block's first key on) or is TMA's zero fill.
-    ACT_GRAD: the store goes through the q / k activation's SiLU (``_act_grad_store``): X / XB / PART as there,
-    partial-sum row 2 (i % n_items) + WG."""
+    warpgroups write dS^T of each 64-key row block from the block's first key on) or is TMA's zero fill."""
     ACC_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                     instr_shape=[16, HEAD_D, 16])
     dtype: gl.constexpr = b_smem.dtype
@@ -852,12 +783,6 @@ def _gemm_consumer_partition(b_smem, a_smem, ready, empty, OUT, WORK, Q_OFF, KV_
                 if CAUSAL:  # (a query tile shorter than the key tile: none of its steps may be live)
                     j0 = gl.minimum((rw - lo) // _KROWS, n_steps)
             j1 = gl.where(live, j1, j0)
-            if ACT_PREFETCH:  # the epilogue's x rows into L2 while the products run
-                if live:
-                    if DQ:
-                        _prefetch_l2(X, q_start + rw, lq - rw, stride_ot, h * stride_oh, HEAD_D)
-                    else:
-                        _prefetch_l2(X, kv_start + rw, lk - rw, stride_ot, h * stride_oh, HEAD_D)
             acc = gl.zeros([_KROWS, HEAD_D], gl.float32, ACC_L)
             for j in range(j0):  # before the live steps
                 cj = c + j
@@ -887,35 +812,21 @@ def _gemm_consumer_partition(b_smem, a_smem, ready, empty, OUT, WORK, Q_OFF, KV_
             else:
                 row_start = kv_start
                 n_rows = lk
-            if ACT_GRAD:
-                # the fp32 accumulator dies here: the epilogue works on its 16-bit rounding, in column chunks
-                _act_grad_store((acc * scale).to(dtype), OUT, X, XB, PART + (2 * (i % n_items) + WG) * stride_pt,
-                                row_start + rw, n_rows - rw, stride_ot, h * stride_oh)
-            else:
-                d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, ACC_L))
-                r = rw + gl.arange(0, _KROWS, layout=gl.SliceLayout(1, ACC_L))
-                gl.store(OUT + (row_start + r[:, None].to(gl.int64)) * stride_ot + h * stride_oh + d[None, :],
-                         (acc * scale).to(dtype), mask=r[:, None] < n_rows)
+            d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, ACC_L))
+            r = rw + gl.arange(0, _KROWS, layout=gl.SliceLayout(1, ACC_L))
+            gl.store(OUT + (row_start + r[:, None].to(gl.int64)) * stride_ot + h * stride_oh + d[None, :],
+                     (acc * scale).to(dtype), mask=r[:, None] < n_rows)
             c += n_steps
 
 
 @gluon.jit(do_not_specialize=["stride_dsh", "n_tiles", "n_items", "total"])
 def _ws_ds_gemm(b_desc, DS, OUT, WORK, Q_OFF, KV_OFF, stride_dsh, stride_dst, stride_ot, stride_oh, scale,
                 n_tiles, n_items, total, DQ: gl.constexpr, CAUSAL: gl.constexpr, HEAD_D: gl.constexpr,
-                STAGES: gl.constexpr, A_LAYOUT: gl.constexpr, X=None, XB=None, PART=None, stride_pt=0,
-                ACT_GRAD: gl.constexpr = False, ACT_PREFETCH: gl.constexpr = False):
+                STAGES: gl.constexpr, A_LAYOUT: gl.constexpr):
     """dK = scale * dS^T Q (DQ false) or dQ = scale * dS K (DQ true) from the dS^T [H, Tk, W] that _ws_dv_ds
     stored: one jagged, causally blocked GEMM per (head, sequence), 128 output rows a work item (two consumer
     warpgroups of 64) and a TMA loader warp streaming 64-row steps of dS^T boxes and B rows through STAGES slots.
-    Replaces jagged_attention._gdpa_dk_ds / _gdpa_dq_ds (one warpgroup, no producer) on the ws_bwd path.
-
-    ACT_GRAD (the fused q / k activation backward, ``uvqk_attention``; ACT_PREFETCH: x's rows into L2 first): OUT
-    is the q or k column range of d_x
-    [T, W] (row stride stride_ot, head stride HEAD_D) and receives d_x = round(scale * acc) silu'(X + XB)
-    instead of the gradient itself; X: the same range of the pre-activation x (x's layout = d_x's), XB: its bias
-    (fp32), PART: [2 n_items, H HEAD_D] fp32 partial column sums (row stride stride_pt; row 2 e + w holds table
-    entry e's warpgroup w for every head: rows of invalid entries are not written, so the caller zero-fills).
-    The extra arguments come last: the plain variant's parameters and SASS are unchanged."""
+    Replaces jagged_attention._gdpa_dk_ds / _gdpa_dq_ds (one warpgroup, no producer) on the ws_bwd path."""
     b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES, _KROWS, HEAD_D], b_desc.layout)
     a_smem = gl.allocate_shared_memory(b_desc.dtype, [2 * STAGES, _KROWS, _KROWS], A_LAYOUT)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -925,11 +836,9 @@ def _ws_ds_gemm(b_desc, DS, OUT, WORK, Q_OFF, KV_OFF, stride_dsh, stride_dst, st
         mbarrier.init(empty.index(i), count=2)
     gl.warp_specialize([
         (_gemm_consumer_partition, (b_smem, a_smem, ready, empty, OUT, WORK, Q_OFF, KV_OFF, n_items, n_tiles,
-                                    total, stride_ot, stride_oh, scale, 0, DQ, CAUSAL, HEAD_D, STAGES, X, XB,
-                                    PART, stride_pt, ACT_GRAD, ACT_PREFETCH)),
+                                    total, stride_ot, stride_oh, scale, 0, DQ, CAUSAL, HEAD_D, STAGES)),
         (_gemm_consumer_partition, (b_smem, a_smem, ready, empty, OUT, WORK, Q_OFF, KV_OFF, n_items, n_tiles,
-                                    total, stride_ot, stride_oh, scale, 1, DQ, CAUSAL, HEAD_D, STAGES, X, XB,
-                                    PART, stride_pt, ACT_GRAD, ACT_PREFETCH)),
+                                    total, stride_ot, stride_oh, scale, 1, DQ, CAUSAL, HEAD_D, STAGES)),
         (_gemm_load_partition, (b_desc, b_smem, a_smem, ready, empty, DS, WORK, Q_OFF, KV_OFF, stride_dsh,
                                 stride_dst, n_items, n_tiles, total, DQ, CAUSAL, HEAD_D, STAGES, A_LAYOUT))],
         [4, 1], [232, 40])
@@ -1101,8 +1010,7 @@ def backward_dv_ds(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.
 
 
 def ds_gemm(ds: torch.Tensor, b: torch.Tensor, out: torch.Tensor, q_off: torch.Tensor, kv_off: torch.Tensor,
-            table: torch.Tensor, n_tiles: int, dq: bool, causal: bool, scale: float, stages: int,
-            act: tuple | None = None) -> None:
+            table: torch.Tensor, n_tiles: int, dq: bool, causal: bool, scale: float, stages: int) -> None:
     """Launch dK = scale * dS^T Q (``dq`` false) or dQ = scale * dS K (``dq`` true) from the dS^T that
     ``backward_dv_ds`` stored, warp-specialized (two consumer warpgroups of 64 output rows, a TMA loader warp).
 
@@ -1114,37 +1022,16 @@ def ds_gemm(ds: torch.Tensor, b: torch.Tensor, out: torch.Tensor, q_off: torch.T
     table: [items] int32 of 128-row tiles (dK: ``jagged_attention._k_table`` with BWD_KEYS, as
     ``backward_dv_ds``'s; dQ: ``_q_table`` with 128 rows), ``n_tiles`` its tiles per sequence; scale: the
     gradient's factor (alpha / N for silu); stages: ring slots (48 KiB each at D = 256).
-
-    act = (x, xbias, part): the fused q / k activation backward (``_ws_ds_gemm``'s ACT_GRAD): ``out`` is then
-    the [T, H, D] view of the q or k column range of d_x [T, W] (row stride W, head stride D), x the same view of
-    the pre-activation (same strides as out), xbias [H D] fp32 that range's bias and part [2 table.numel(), >= H
-    D] fp32 (unit column stride, zero-filled: rows of invalid table entries are not written) the partial column
-    sums, at the range's first column; out receives round(scale * product) silu'(x + xbias) in out's dtype. With
-    the module's ACT_PREFETCH each consumer first asks L2 for its x rows (``_prefetch_l2``).
     """
     h, d = b.shape[1], b.shape[2]
     total = table.numel() * h
-    extra = {}
-    if act is not None:
-        x, xbias, part = act
-        if x.stride() != out.stride() or out.stride(1) != d or xbias.dtype != torch.float32 \
-                or part.dtype != torch.float32 or part.stride(1) != 1 or part.shape[0] < 2 * table.numel():
-            raise ValueError("ws ds_gemm: ACT_GRAD needs x with out's strides (head stride D), an fp32 bias and "
-                             f"fp32 partial sums of >= {2 * table.numel()} rows with unit column stride")
-        extra = dict(X=x, XB=xbias, PART=part, stride_pt=part.stride(0), ACT_GRAD=True,
-                     ACT_PREFETCH=bool(ACT_PREFETCH))
     _ws_ds_gemm[(total,)](
         _desc(b, 64), ds, out, table, q_off, kv_off, ds.stride(0), ds.stride(1), out.stride(0), out.stride(1),
         float(scale), n_tiles, table.numel(), total, DQ=bool(dq), CAUSAL=causal, HEAD_D=d, STAGES=stages,
-        A_LAYOUT=_smem_layout(64, 64, b.dtype == torch.bfloat16), num_warps=4, **extra)
+        A_LAYOUT=_smem_layout(64, 64, b.dtype == torch.bfloat16), num_warps=4)
 
 
 BWD_KEYS = 2 * 64  # key rows per work item of backward_dv_ds (two consumer warpgroups of 64)
-# ACT_GRAD (ds_gemm's act): prefetch each item's x rows into L2 before its products, so that the epilogue's x loads
-# (issued after the last product, with both warpgroups idle on the tensor cores) wait on L2, not DRAM. Compiled for
-# sm_90 it adds two CCTL.E.PF2 a thread and item and no spills; whether it pays is for a GPU to show
-# (benchmarks/uvqk_fused.py times the fused op with it on and off).
-ACT_PREFETCH = True
 
 
 @functools.lru_cache(maxsize=16)

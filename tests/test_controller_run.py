@@ -112,8 +112,6 @@ def test_preflight_refuses_jobs_that_would_fail_in_the_workers(tmp_path, monkeyp
         ("model.retrieval_kernel='triton' needs ray.use_gpu",
          dict(model={"retrieval_kernel": "triton", "negatives": "uniform_shared"})),
         ("model.uvqk_kernel='triton' needs ray.use_gpu", dict(model={"uvqk_kernel": "triton"})),
-        ("model.uvqk_kernel='fused' needs ray.use_gpu",
-         dict(model={"uvqk_kernel": "fused", "relative_bias": False})),
         # the kernel tiles' keys (not only their JSON syntax) are checked before Ray starts
         ("model.kernel_tiles: long.mode: expected an object with keys from",
          dict(model={"kernel_tiles": '{"long": {"mode": {"dk_from_dz": true}}}'})),

@@ -1,6 +1,6 @@
 """Compile-only check of the jagged attention kernels for Hopper (sm_90), no GPU needed.
 
-``python -m gemray.bench.sass_check [--all | --smem | --gem | --ssm | --ws | --ws-gemm]`` compiles kernel variants with ``triton.compile(...,
+``python -m gemray.bench.sass_check [--all | --smem | --ws]`` compiles kernel variants with ``triton.compile(...,
 target=GPUTarget("cuda", 90, 32))`` (ptxas and cuobjdump come with the triton wheel) and prints, per
 variant: shared memory, registers, ptxas stack (local memory) bytes, whether the matrix products use
 wgmma (HGMMA in SASS), and for each loop of the SASS (a backward branch and its target) the spill stores
@@ -110,59 +110,17 @@ def _jit_hints(fn, sig: dict) -> dict:
     pointer 16-byte aligned, every tensor stride and head dim a multiple of 16 (not stride_lh = T, which a
     heavy batch's T need not be). Without them every tile load compiles to 2-byte LDG + STS (no cp.async,
     no vector loads), which is not what the device runs."""
-    plain = {fn.arg_names[i] if isinstance(i, int) else i for i in getattr(fn, "do_not_specialize", ())}
-    hinted = [i for i, a in enumerate(fn.arg_names) if sig[a] != "constexpr" and a not in plain and (
+    hinted = [i for i, a in enumerate(fn.arg_names) if sig[a] != "constexpr" and (
         sig[a].startswith("*") or (a.startswith("stride_") and a != "stride_lh") or a in ("D_QK", "D_V"))]
     return {(i,): [["tt.divisibility", 16]] for i in hinted}
-
-
-def ws_gemm_variants(dims: tuple[int, ...] = (256, 128), stages: int = 4) -> list[tuple]:
-    """The Gluon dS^T products (``ws_attention._ws_ds_gemm``: dQ and dK, bf16, causal) at head dims ``dims`` and
-    ``stages`` ring slots, each plain and with the fused q / k activation's ACT_GRAD epilogue
-    (``model.uvqk_kernel = "fused"``), without and with its L2 prefetch of x (ACT_PREFETCH). The plain variant's X / XB / PART are None, as ``ws_attention.ds_gemm``
-    launches it (its parameter list is the kernel's from before the epilogue existed)."""
-    from triton.experimental.gluon import language as gl
-
-    from gemray.kernels import ws_attention as ws
-
-    out = []
-    for d in dims:
-        b_layout = gl.NVMMASharedLayout.get_default_for([64, d], gl.bfloat16)
-        types = dict(b_desc=f"tensordesc<bf16[64, {d}],{b_layout!r}>", DS="*bf16", OUT="*bf16", WORK="*i32",
-                     Q_OFF="*i64", KV_OFF="*i64", scale="fp32", X="*bf16", XB="*fp32", PART="*fp32")
-        for dq in (True, False):
-            for act, prefetch in ((False, False), (True, False), (True, True)):
-                consts = dict(DQ=dq, CAUSAL=True, HEAD_D=d, STAGES=stages,
-                              A_LAYOUT=gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16), ACT_GRAD=act,
-                              ACT_PREFETCH=prefetch)
-                if not act:
-                    consts.update(X=None, XB=None, PART=None, stride_pt=0)
-                out.append((f"ws_ds_gemm D={d} {'dq' if dq else 'dk'}/{stages}s{' act-grad' if act else ''}"
-                            f"{' prefetch' if prefetch else ''}", ws._ws_ds_gemm, types, consts, 4, 1))
-    return out
-
-
-def _gluon_tma_shim() -> None:
-    """Triton 3.9 (the CPU pin) renamed Gluon's ``tma.async_copy_global_to_shared`` (the name ws_attention uses, as
-    the device image's Triton has it) to ``async_load``, same arguments: alias it for a CPU compile."""
-    from triton.experimental.gluon.language.nvidia.hopper import tma
-
-    if tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 9):  # the old name is a stub that raises
-        tma.async_copy_global_to_shared = tma.async_load
 
 
 def check(variant: tuple) -> dict:
     """Compile one variant for sm_90 and return its resource and spill figures (raises on compile errors)."""
     name, fn, types, consts, warps, stages = variant
     sig = {a: ("constexpr" if a in consts else types.get(a, "i32")) for a in fn.arg_names}
-    if getattr(fn, "is_gluon", lambda: False)():
-        from triton.experimental.gluon._runtime import GluonASTSource
-
-        _gluon_tma_shim()
-        source = GluonASTSource(fn, sig, consts, _jit_hints(fn, sig))
-    else:
-        source = ASTSource(fn, sig, consts, _jit_hints(fn, sig))
-    k = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+    k = triton.compile(ASTSource(fn, sig, consts, _jit_hints(fn, sig)), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=warps, num_stages=stages))
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])
@@ -173,7 +131,7 @@ def check(variant: tuple) -> dict:
     m = re.search(r"REG:(\d+) STACK:(\d+)", usage)
     return dict(name=name, shared=k.metadata.shared, regs=int(m.group(1)) if m else -1,
                 stack=int(m.group(2)) if m else -1, hgmma=sass.count("HGMMA"), loops=_loops(sass),
-                stl=len(re.findall(r"\bSTL\b", sass)), ldl=len(re.findall(r"\bLDL\b", sass)), sass=sass)
+                stl=len(re.findall(r"\bSTL\b", sass)), ldl=len(re.findall(r"\bLDL\b", sass)))
 
 
 def default_variants(full: bool = False, config: KernelConfig = DEFAULT) -> list[tuple]:
@@ -422,8 +380,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ws", action="store_true", help="instead: the warp-specialized Gluon forwards (softmax _ws_fwd, "
                    "silu _ws_fwd_silu; needs the device's triton 3.6 first on PYTHONPATH): shared memory, registers, "
                    "ptxas spills and stack, a SASS hash per variant")
-    p.add_argument("--ws-gemm", action="store_true", help="instead: the Gluon dS^T products (_ws_ds_gemm, dQ and "
-                   "dK) at head dims 256 / 128, plain and with the fused q / k activation's ACT_GRAD epilogue")
     args = p.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)
     if args.ws:
@@ -444,8 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.smem:
         return 1 if check_smem(dims=tuple(int(x) for x in args.dims.split(","))) else 0
     bad = 0
-    variants = (gem_variants() if args.gem else ssm_variants() if args.ssm else ws_gemm_variants() if args.ws_gemm
-                else default_variants(args.all))
+    variants = gem_variants() if args.gem else ssm_variants() if args.ssm else default_variants(args.all)
     for v in variants:
         try:
             r = check(v)

@@ -205,9 +205,9 @@ def preflight_resources(cfg: JobConfig, *, embedded: bool, num_gpus: int | None 
         raise ValueError("model.retrieval_kernel='triton' needs ray.use_gpu=true (the fused sampled softmax runs on "
                          "CUDA; on CPU only in Triton's interpreter, TRITON_INTERPRET=1, for tests); use 'auto' or "
                          "'reference' on CPU")
-    if not gpu and m.uvqk_kernel in ("triton", "fused") and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"model.uvqk_kernel='{m.uvqk_kernel}' needs ray.use_gpu=true (the fused uvqk activation runs "
-                         "on CUDA; on CPU only in Triton's interpreter, TRITON_INTERPRET=1, for tests); use 'auto' or "
+    if not gpu and m.uvqk_kernel == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("model.uvqk_kernel='triton' needs ray.use_gpu=true (the fused uvqk activation runs on CUDA; "
+                         "on CPU only in Triton's interpreter, TRITON_INTERPRET=1, for tests); use 'auto' or "
                          "'reference' on CPU")
     preflight_kernel_tiles(cfg)  # here, not in every worker after Ray starts
     if embedded and cfg.ray.cpus_per_worker > embedded_num_cpus(cfg):

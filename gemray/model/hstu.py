@@ -11,9 +11,6 @@ One block (generative-recommenders' ``SequentialTransductionUnitJagged``, "uvqk"
                                                                u's SiLU applied in the gate below, where
                                                                train.compile fuses it into the gate's pass)
     a          = silu(q k^T * alpha + rab^{p,t}) / N, causal   per head, via gemray.ops.attention
-                                                               (model.uvqk_kernel = "fused": v / q / k's SiLU and
-                                                               this line are one op, gemray.ops.uvqk_attention;
-                                                               no rab^{p,t})
     y          = LayerNorm(a @ v) * u                          [T, H*V]
     x          = x + Dropout(y) @ W_o + b_o                    [T, D]   (dropout before W_o, as GR)
 
@@ -153,16 +150,6 @@ class HSTUBlock(nn.Module):
         T = x.shape[0]
         sizes = [self.h * self.v, self.h * self.v, self.h * self.a, self.h * self.a]
         # z_u: u before its SiLU (ops.uvqk_projection says why the gate applies it)
-        if self.fp8 is None and self.uvqk_backend == "fused":
-            # v / q / k's activation and the attention as one op whose backward writes q / k's activation gradient
-            # from the attention's dQ / dK epilogue (ops.uvqk_attention); the config guarantees no relative bias
-            if self.rel_bias is not None:
-                raise ValueError('model.uvqk_kernel = "fused" does not support model.relative_bias = true')
-            x_norm = F.layer_norm(x, (self.d,), eps=LN_EPS)
-            z_u, attn = ops.uvqk_attention(x_norm, self.uvqk_weight, self.uvqk_bias, sizes, offsets,
-                                           self.max_seq_len, self.h, activation=self.activation,
-                                           attention_backend=self.backend, config=self.kernel_config)
-            return self._output(x, attn, z_u)
         if self.fp8 is None:
             x_norm = F.layer_norm(x, (self.d,), eps=LN_EPS)
             z_u, v, q, k = ops.uvqk_projection(x_norm, self.uvqk_weight, self.uvqk_bias, sizes,
@@ -177,12 +164,6 @@ class HSTUBlock(nn.Module):
             rel_bias=(None if self.rel_bias is None else self.rel_bias.inputs(timestamps, buckets, cache,
                                                                                query_timestamps)),
             backend=self.backend, config=self.kernel_config)
-        return self._output(x, attn, z_u)
-
-    def _output(self, x: torch.Tensor, attn: torch.Tensor, z_u: torch.Tensor) -> torch.Tensor:
-        """x [T, D], attn [T, H, V], z_u [T, H V] (u before its SiLU) -> x + Dropout(LayerNorm(attn) * silu(z_u)) @
-        W_o + b_o [T, D]."""
-        T = x.shape[0]
         y = F.layer_norm(attn.reshape(T, self.h * self.v), (self.h * self.v,), eps=LN_EPS) * F.silu(z_u)
         if self.fp8 is not None:
             from gemray.model.fp8 import fp8_linear

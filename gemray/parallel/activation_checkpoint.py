@@ -125,11 +125,9 @@ MODES = TrainConfig.CHECKPOINTING  # ("none", "full", "selective", "auto", "torc
 #: a candidate's checkpointing level, cheapest (and keeping the most) first
 LEVELS = ("none", "selective", "full")
 #: the ops whose outputs selective checkpointing keeps (qualified names, every overload): the GEMMs and the jagged
-#: attention custom ops (gemray.kernels.jagged_attention: gdpa_fwd; gemray.ops: cross_attention, pma;
-#: gemray.kernels.uvqk_attention: vqk_attention, v / q / k's activation + the attention of model.uvqk_kernel =
-#: "fused", whose outputs are the attention's output and the post-activation v / q / k its backward reads)
+#: attention custom ops (gemray.kernels.jagged_attention: gdpa_fwd; gemray.ops: cross_attention, pma)
 SAVED_OPS = frozenset({"aten::mm", "aten::addmm", "aten::_scaled_mm", "gemray::gdpa_fwd",
-                       "gemray::cross_attention", "gemray::pma", "gemray::vqk_attention"})
+                       "gemray::cross_attention", "gemray::pma"})
 
 
 def saves_output(op) -> bool:
