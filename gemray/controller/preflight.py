@@ -400,15 +400,20 @@ def _data_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
         out.append(f"format {old.get('format')} -> {new.get('format')}")
     a, b = dict(map(tuple, old.get("source_files", []))), dict(map(tuple, new.get("source_files", [])))
     for name in sorted(set(a) | set(b)):
-        if a.get(name) != b.get(name):
-            out.append(f"{name} sha256 {str(a.get(name))[:12]}.. -> {str(b.get(name))[:12]}..")
+        if name not in b:
+            out.append(f"{name} (sha256 {str(a[name])[:12]}..) no longer a source file")
+        elif name not in a:
+            out.append(f"{name} (sha256 {str(b[name])[:12]}..) a new source file")
+        elif a[name] != b[name]:
+            out.append(f"{name} sha256 {str(a[name])[:12]}.. -> {str(b[name])[:12]}..")
     for k in ("users", "items", "interactions"):
         x, y = (old.get("counts") or {}).get(k), (new.get("counts") or {}).get(k)
         if x != y:
             out.append(f"{k} {x} -> {y}")
     if old.get("params_sha256") != new.get("params_sha256"):
-        out.append(f"generator parameters (params_sha256) {str(old.get('params_sha256'))[:12]}.. -> "
-                   f"{str(new.get('params_sha256'))[:12]}..")
+        a_p, b_p = (f"{p[:12]}.." if p else "none (not generated)" for p in (old.get("params_sha256"),
+                                                                           new.get("params_sha256")))
+        out.append(f"generator parameters (params_sha256) {a_p} -> {b_p}")
     return out or ["source files and counts recorded differently"]
 
 
