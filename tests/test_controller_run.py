@@ -1417,3 +1417,24 @@ def test_a_file_as_prepared_dir_is_refused_before_preparing_is_announced(tmp_pat
                                "replace it"], err
     assert not [r for r in caplog.records if "preparing it from" in r.getMessage()]
     assert f.read_text() == "not data" and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("sets, cores, want", [
+    (["ray.num_workers=8", "ray.cpus_per_worker=1"], 2,
+     "ray.num_workers=8 x ray.cpus_per_worker=1 = 8 CPUs of training workers on this machine's 2 cores: their steps "
+     "share the cores, each about 4.0x slower; ray.num_workers=2 fits here, or give ray.address a cluster"),
+    (["ray.num_workers=2", "ray.cpus_per_worker=1"], 2, None),  # the demo's: fits
+    (["ray.num_workers=8", "ray.cpus_per_worker=1", "ray.use_gpu=true"], 2, None),  # the step is the GPU's
+    (["ray.num_workers=8", "ray.cpus_per_worker=1", "ray.address=10.0.0.1:6379"], 2, None),  # a cluster's cores
+    (["ray.num_workers=1", "ray.cpus_per_worker=4"], 2,
+     "ray.num_workers=1 x ray.cpus_per_worker=4 = 4 CPUs of training workers on this machine's 2 cores: their steps "
+     "share the cores, each about 2.0x slower; ray.num_workers=1 fits here, or give ray.address a cluster"),
+])
+def test_more_cpu_workers_than_cores_is_warned(sets, cores, want, monkeypatch):
+    """A new user's 8 CPU workers on a 2-core machine trained several times slower with no word (the embedded
+    cluster advertises CPUs the machine does not have); now the driver warns, naming a worker count that fits."""
+    from gemray.config import JobConfig, apply_overrides
+    from gemray.controller.session import oversubscription_warning
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert oversubscription_warning(apply_overrides(JobConfig(), sets), cores) == want

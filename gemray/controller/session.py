@@ -15,7 +15,7 @@ import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
-from gemray.config import JobConfig
+from gemray.config import JobConfig, usable_cpus
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +29,22 @@ def embedded_num_cpus(cfg: JobConfig) -> int:
     """CPUs an embedded local cluster advertises: ``ray.num_cpus``, or 2 per worker (at least 4), since 2
     workers + Ray Data read tasks starve on 2 real CPUs."""
     return cfg.ray.num_cpus or max(4, 2 * max(cfg.ray.num_workers, cfg.ray.max_workers))
+
+
+def oversubscription_warning(cfg: JobConfig, cores: int) -> str | None:
+    """The warning for a CPU run on an embedded cluster whose workers ask for more CPUs than the machine has
+    (``ray.num_workers`` x ``ray.cpus_per_worker`` > ``cores``): the embedded cluster advertises
+    :func:`embedded_num_cpus` CPUs whatever the machine has, so Ray places every worker and their training steps
+    share the real cores (a new user's 8 workers on 2 cores trained with no word of it). None when they fit, on a GPU
+    run (the step is the GPU's) or on a cluster (``ray.address``)."""
+    workers = max(cfg.ray.num_workers, cfg.ray.max_workers)
+    wanted = workers * cfg.ray.cpus_per_worker
+    if cfg.ray.use_gpu or ray_address(cfg) or wanted <= cores:
+        return None
+    fit = max(1, int(cores // max(cfg.ray.cpus_per_worker, 1e-9)))
+    return (f"ray.num_workers={workers} x ray.cpus_per_worker={cfg.ray.cpus_per_worker:g} = {wanted:g} CPUs of "
+            f"training workers on this machine's {cores} core{'' if cores == 1 else 's'}: their steps share the cores, "
+            f"each about {wanted / cores:.1f}x slower; ray.num_workers={fit} fits here, or give ray.address a cluster")
 
 
 def check_gcs_reachable(address: str, timeout_s: float = 10.0) -> None:
@@ -102,6 +118,9 @@ def connect(cfg: JobConfig) -> bool:
         ray.init(address=address, **kw)
         return False
     num_cpus = embedded_num_cpus(cfg)
+    warning = oversubscription_warning(cfg, usable_cpus())
+    if warning:
+        log.warning("%s", warning)
     # address="local": always a new cluster, never one that `ray start` left running on this machine.
     # Ray 2.60 gives a new raylet a fixed 30 s to register with the GCS; on an overloaded machine (seen at
     # load average 22 on 2 cores) that can run out, so try a second time before giving up.
