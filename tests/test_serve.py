@@ -1028,3 +1028,31 @@ def test_wrong_kind_of_path_is_named_as_such(tmp_path):
         check_out_dir(tmp_path)
     assert check_out_dir(tmp_path / "new") == (tmp_path / "new").resolve() and not (tmp_path / "new").exists()
 
+
+
+def test_a_run_whose_only_checkpoint_is_corrupt_gets_one_error_not_a_warning_that_contradicts_it(tmp_path, monkeypatch,
+                                                                                                  caplog):
+    """`gemray evaluate --checkpoint` on a run whose one checkpoint was truncated warned "taking the previous committed
+    one" and then failed with "no committed checkpoint ... verifies"; now only the error names it. With an older
+    checkpoint that verifies, the skipped one is still warned about."""
+    import logging
+
+    from gemray.serve import model as serve_model
+
+    bad, good = tmp_path / "checkpoint_000002", tmp_path / "checkpoint_000001"
+    verdict = {bad: "shard 0 truncated", good: None}
+    monkeypatch.setattr(serve_model, "committed_checkpoints", lambda run_dir: [c for c in (bad, good) if c in cands])
+    monkeypatch.setattr(serve_model, "choose_checkpoint", lambda cs: (
+        next((c for c in cs if verdict[c] is None), None), [(c, verdict[c]) for c in cs if verdict[c]]))
+    (tmp_path / "config.toml").write_text('name = "t"\n')
+    cands = {bad}
+    with caplog.at_level(logging.WARNING, logger=serve_model.log.name):
+        with pytest.raises(ValueError, match=r"no committed checkpoint of .* verifies: checkpoint_000002: shard 0 "
+                                             r"truncated$"):
+            serve_model.locate_checkpoint(tmp_path)
+    assert not caplog.records
+    cands = {bad, good}
+    with caplog.at_level(logging.WARNING, logger=serve_model.log.name):
+        assert serve_model.locate_checkpoint(tmp_path)[0] == good
+    assert [r.getMessage() for r in caplog.records] == [
+        f"checkpoint {bad} is unusable (shard 0 truncated); taking the previous committed one"]

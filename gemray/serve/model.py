@@ -115,8 +115,9 @@ def locate_checkpoint(path: str | Path, config: str | Path | None = None) -> tup
         raise FileNotFoundError(f"--checkpoint {path}: no committed checkpoint in {run_dir} (give a "
                                 "`gemray train --output` folder, its ray/<name> run or a checkpoint_* folder)")
     ckpt, skipped = choose_checkpoint(candidates)
-    for c, why in skipped:
-        log.warning("checkpoint %s is unusable (%s); taking the previous committed one", c, why)
+    if ckpt is not None:  # (none verifies: the error below names each one and why, once)
+        for c, why in skipped:
+            log.warning("checkpoint %s is unusable (%s); taking the previous committed one", c, why)
     if ckpt is None:
         raise ValueError(f"--checkpoint {path}: no committed checkpoint of {run_dir} verifies: "
                          + "; ".join(f"{c.name}: {w}" for c, w in skipped))
