@@ -70,9 +70,10 @@ class Head:
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
+            if self.proc.poll() is not None:  # read its log before stop() removes the folder that holds it
+                log = (self.tmp / "head.log").read_text(errors="replace")[-3000:]
                 self.stop()
-                raise RuntimeError(f"ray start exited: {(self.tmp / 'head.log').read_text()[-3000:]}")
+                raise RuntimeError(f"ray start exited with {self.proc.returncode}: {log}")
             try:
                 req = urllib.request.Request(f"{self.address}/api/version",
                                              headers={"Authorization": f"Bearer {self.token}"})
