@@ -77,6 +77,7 @@ def test_bench_train_smoke_json_fields_and_arithmetic(synthetic, tmp_path, capsy
     assert any("train_step" in n for n in cum), list(cum)[:10]  # the step itself is on the cumulative list
     assert 0 < max(own.values()) <= hp["wall_s"] / 2 * 1.05  # own seconds per step fit inside a step
     assert all(s["host_s"] == s["step_s"] for s in r["steps"])  # CPU: operators run as called
+    assert all(1 <= s["max_len"] <= 48 and "device_allocs" not in s for s in r["steps"])  # no allocator on CPU
 
 
 def test_summarize_mfu_is_flops_over_time_over_peak():

@@ -21,7 +21,9 @@ only at the start and end of each phase (warm-up, measured, profiled). Per step 
   the CPU ``train_step``'s wall time;
 * ``host_s``: the host's time inside ``train_step`` (on CUDA: enqueueing; ``host_s`` near ``step_s`` means
   the step is host-bound);
-* the step's model FLOPs (``gemray.train.throughput.batch_flops``), tokens and samples.
+* the step's model FLOPs (``gemray.train.throughput.batch_flops``), tokens, samples and ``max_len`` (the batch's
+  longest sequence); on CUDA ``device_allocs``, the caching allocator's cudaMalloc calls while the step was
+  enqueued (a step that reaches a new peak of some buffer size pays for them: a slow step's first suspect).
 
 The result (:func:`run_bench`, the ``--json`` file; steps after the first ``warmup`` only):
 
@@ -419,6 +421,7 @@ def _run_steps(trainer: Any, batches: _Batches, n: int, device: torch.device, re
         for _ in range(n):
             gc0, full0 = pauses.seconds, pauses.full
             batch, data_s = batches.next()
+            allocs0 = _allocator_counts(device) if cuda else None
             t0 = time.perf_counter()
             nxt = batches.peek() if getattr(trainer, "pipeline", None) is not None else None  # sparse-dist: prefetched
             loss = trainer.train_step(batch, next_batch=nxt)
@@ -429,7 +432,10 @@ def _run_steps(trainer: Any, batches: _Batches, n: int, device: torch.device, re
                 marks.append(ev)
             records.append({"phase": phase, "data_s": data_s, "host_s": host_s, "step_s": host_s,
                             "flops": trainer.last_step_flops, "tokens": batch.num_tokens, "samples": batch.batch_size,
-                            "loss": loss, "gc_s": pauses.seconds - gc0, "gc_full": pauses.full - full0})
+                            "max_len": batch.max_len, "loss": loss, "gc_s": pauses.seconds - gc0,
+                            "gc_full": pauses.full - full0})
+            if allocs0 is not None:  # the caching allocator's cudaMalloc calls while this step was enqueued
+                records[-1]["device_allocs"] = _allocator_counts(device)["device_allocs"] - allocs0["device_allocs"]
             if after_first is not None:
                 after_first()
                 after_first = None
