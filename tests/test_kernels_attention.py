@@ -1251,11 +1251,13 @@ def test_sass_check_compiles_for_hopper_without_a_gpu():
     assert dq32["hgmma"] == 0 and dq32["loops"]
 
 
-def test_sass_check_lists_the_gluon_forwards():
+def test_sass_check_lists_the_gluon_kernels():
     """``sass_check --ws`` compiles the softmax Gluon forward at head dims 64 / 128 (causal or not, with and without
     ping-pong) and the silu one at 128 / 256 with only the tiles ws_attention.silu_tiles_fit allows (at D 256: 64
-    keys, 2 stages), causal and not, and the exact silu once (the compile itself needs the device's triton 3.6)."""
+    keys, 2 stages), causal and not, and the exact silu once; and the silu backward's dV + dS^T launch and dS^T
+    products at 128 / 256, causal and not, at the shipped tiles (the compile itself needs the device's triton 3.6)."""
     from gemray.bench import sass_check as s
+    from gemray.kernels import config as kconfig
     from gemray.kernels import ws_attention as ws
 
     variants = s.ws_fwd_variants()
@@ -1268,6 +1270,15 @@ def test_sass_check_lists_the_gluon_forwards():
     assert all(ws.silu_tiles_fit(c["HEAD_D"], (c["BLOCK_N"], c["STAGES"])) for c in silu)
     assert {c["CAUSAL"] for c in silu} == {True, False} and [c["HEAD_D"] for c in silu if not c["FAST"]] == [256]
     assert len({name for name, *_ in variants}) == len(variants)
+    bwd = s.ws_bwd_variants()  # the silu backward's two Gluon launches, at the shipped tiles
+    dv = [c for _, fn, _, c in bwd if fn is ws._ws_dv_ds]
+    gemm = [c for _, fn, _, c in bwd if fn is ws._ws_ds_gemm]
+    assert {(c["HEAD_D"], c["CAUSAL"]) for c in dv} == {(d, causal) for d in (128, 256) for causal in (True, False)}
+    assert {(c["BLOCK_M"], c["STAGES"]) for c in dv} == {kconfig.RegimeConfig.ws_bwd_tiles}
+    assert {(c["HEAD_D"], c["CAUSAL"], c["DQ"]) for c in gemm} == {
+        (d, causal, dq) for d in (128, 256) for causal in (True, False) for dq in (True, False)}
+    assert {c["STAGES"] for c in gemm} == {kconfig.RegimeConfig.ws_dkdq_stages}
+    assert len({name for name, *_ in variants + bwd}) == len(variants) + len(bwd)
 
 @cpu_only
 def test_tma_loads_only_where_they_apply():

@@ -8,7 +8,7 @@ and loads (STL / LDL) executed per iteration. Spills inside a loop cost every ti
 loops (values kept across them) cost once per program. the kernel run reports (benchmarks/reports/kernels_h200_*.md) records what this showed.
 The device may run another triton version: re-check there when a number matters. The relative-bias
 variants take the int32 time-threshold table (``jagged_attention._kernel_thresholds``: up to 71 time buckets,
-e.g. the GEM config's 64). ``--ws`` compiles the warp-specialized Gluon forwards instead (kernels/ws_attention.py:
+e.g. the GEM config's 64). ``--ws`` compiles the warp-specialized Gluon kernels instead (the forwards and the silu backward's two launches) (kernels/ws_attention.py:
 ptxas's spill figures for the whole kernel, the partitions' setmaxnreg budgets, a SASS hash to show a change left a
 kernel's code as it was); they need the device's triton 3.6 (``PYTHONPATH=<dir holding triton 3.6>``): the CPU
 stack's triton 3.9 removed a call they make.
@@ -311,6 +311,33 @@ def ws_fwd_variants() -> list[tuple]:
     return out
 
 
+def ws_bwd_variants() -> list[tuple]:
+    """The warp-specialized Gluon backward launches of the silu attention (kernels/ws_attention.py), bf16, as
+    :func:`ws_fwd_variants`: the dV + dS^T launch _ws_dv_ds at head dims 128 / 256 with the default tiles
+    (RegimeConfig.ws_bwd_tiles: 32 query rows a step, 2 slots), causal and not, tanh.approx silu; and the dS^T
+    products _ws_ds_gemm (dK and dQ) at 128 / 256 with RegimeConfig.ws_dkdq_stages slots, causal and not."""
+    from gemray.kernels import ws_attention as ws
+    from gemray.kernels.config import RegimeConfig
+
+    bm, stages = RegimeConfig.ws_bwd_tiles
+    gemm_stages = RegimeConfig.ws_dkdq_stages
+    ptrs = dict(Q_OFF="*i64", KV_OFF="*i64", WORK="*i32", stride_dsh="i64", alpha="fp32", inv_n="fp32",
+                scale="fp32")
+    out = []
+    for d in (128, 256):
+        for causal in (True, False):
+            out.append((f"_ws_dv_ds D={d} causal={causal} {bm}/{stages}s", ws._ws_dv_ds,
+                        dict(ptrs, q_desc=(bm, d), do_desc=(bm, d), k_desc=(64, d), v_desc=(64, d),
+                             ds_desc=(64, bm), DS="*bf16", DV="*bf16"),
+                        dict(CAUSAL=causal, BLOCK_M=bm, HEAD_D=d, STAGES=stages, FAST=True)))
+            for dq in (False, True):
+                out.append((f"_ws_ds_gemm {'dQ' if dq else 'dK'} D={d} causal={causal} {gemm_stages}s",
+                            ws._ws_ds_gemm, dict(ptrs, b_desc=(64, d), DS="*bf16", OUT="*bf16"),
+                            dict(DQ=dq, CAUSAL=causal, HEAD_D=d, STAGES=gemm_stages,
+                                 A_LAYOUT=ws._smem_layout(64, 64, True))))
+    return out
+
+
 def check_ws(variant: tuple) -> dict:
     """Compile one Gluon variant of :func:`ws_fwd_variants` for sm_90: shared memory, the registers ptxas gives the
     launch (a warp-specialized kernel's partitions then move them with setmaxnreg: the values listed), ptxas's
@@ -377,14 +404,15 @@ def main(argv: list[str] | None = None) -> int:
                    "(dk_from_ds), by pointers and TMA, and the dK = dS^T Q launch's candidates")
     p.add_argument("--ssm", action="store_true", help="instead: the fused sampled softmax's forward / dH / dE "
                    "kernels at the GEM head's width (E = 64), float32 and bf16")
-    p.add_argument("--ws", action="store_true", help="instead: the warp-specialized Gluon forwards (softmax _ws_fwd, "
-                   "silu _ws_fwd_silu; needs the device's triton 3.6 first on PYTHONPATH): shared memory, registers, "
-                   "ptxas spills and stack, a SASS hash per variant")
+    p.add_argument("--ws", action="store_true", help="instead: the warp-specialized Gluon kernels (the forwards softmax "
+                   "_ws_fwd and silu _ws_fwd_silu, the silu backward's _ws_dv_ds and _ws_ds_gemm; needs the device's "
+                   "triton 3.6 first on PYTHONPATH): shared memory, registers, ptxas spills and stack, a SASS hash per "
+                   "variant")
     args = p.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)
     if args.ws:
         bad = 0
-        for v in ws_fwd_variants():
+        for v in ws_fwd_variants() + ws_bwd_variants():
             try:
                 r = check_ws(v)
             except Exception as e:  # report and go on
