@@ -47,6 +47,8 @@ demo: $(BIN)/.installed data
 # workers took 12.7 minutes where one took 22.8 (2026-12-07). TEST_WORKERS=0 runs them in this process.
 TEST_WORKERS ?= 2
 test: $(BIN)/.installed
+	@[[ "$(TEST_WORKERS)" =~ ^([0-9]+|auto)$$ ]] || { echo "make test: TEST_WORKERS=$(TEST_WORKERS): expected a \
+	number of pytest-xdist processes (0 = all tests in one process) or auto (one per core)" >&2; exit 2; }
 	$(BIN)/python -m pytest -x -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" tests
 
 test-slow: $(BIN)/.installed

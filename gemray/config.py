@@ -1150,6 +1150,12 @@ def _did_you_mean_in(section: str, name: str, cfg: "JobConfig") -> str:
     return _did_you_mean(name, _field_types(type(getattr(cfg, section))))
 
 
+def _known(hint: str, types: typing.Mapping[str, Any]) -> str:
+    """The tail of an unknown-key error: the section's keys when there is no suggestion (``hint`` empty), else
+    nothing (a section's list runs to ~700 characters on one line and buries the "did you mean")."""
+    return "" if hint else f" (known: {sorted(types)})"
+
+
 def _owners(name: str, cfg: "JobConfig", but: str | None = None) -> list[str]:
     """Where the key ``name`` is known outside section ``but`` (None: the top level): ``"name"`` for a top-level
     key that is not a section, then ``"train.epochs"`` for each other section that has it."""
@@ -1183,7 +1189,7 @@ def from_dict(raw: dict[str, Any], headers: typing.Collection[str] = ()) -> JobC
                     hint = _did_you_mean_in(key, k, cfg)
                     if key in headers and _owners(k, cfg, but=key):  # e.g. name = "x" at the end of the file
                         hint += f"; a key written after [{key}] belongs to that section"
-                    raise ValueError(f"unknown key {key}.{k}{hint} (known: {sorted(types)})")
+                    raise ValueError(f"unknown key {key}.{k}{hint}{_known(hint, types)}")
                 setattr(sub, k, _coerce(v, types[k], f"{key}.{k}", strict=True))
         else:
             setattr(cfg, key, _coerce(val, top_types[key], key, strict=True))
@@ -1319,8 +1325,8 @@ def apply_overrides(cfg: JobConfig, overrides: list[str]) -> JobConfig:
                              f"{_did_you_mean(section, _sections(cfg))} (sections: {_sections(cfg)})")
         types = _field_types(type(sub))
         if key not in types:
-            raise ValueError(f"--set {item!r}: unknown key {section}.{key}{_did_you_mean_in(section, key, cfg)} "
-                             f"(known: {sorted(types)})")
+            hint = _did_you_mean_in(section, key, cfg)
+            raise ValueError(f"--set {item!r}: unknown key {section}.{key}{hint}{_known(hint, types)}")
         setattr(sub, key, _coerce(value, types[key], f"{section}.{key}"))
     origins = dict(getattr(cfg, _SHARED_ORIGINS, {}))
     for f in dataclasses.fields(cfg):

@@ -259,7 +259,23 @@ def test_a_key_of_another_section_in_toml_names_it(tmp_path, text, suggestion, h
     if header is None:
         assert "belongs to that section" not in str(err.value)
     else:
-        assert f"; a key written after [{header}] belongs to that section (known: " in str(err.value)
+        assert str(err.value).endswith(f"; a key written after [{header}] belongs to that section")
+    assert "known:" not in str(err.value)  # a suggestion, so not the section's whole key list (~700 characters)
+
+
+def test_an_unknown_key_without_a_suggestion_lists_the_sections_keys(tmp_path):
+    """No key is close enough to suggest: the error lists the section's keys instead (from a file and from --set);
+    with a suggestion it stays one short line."""
+    path = tmp_path / "c.toml"
+    path.write_text("[train]\nzzqqx = 1\n")
+    with pytest.raises(ValueError, match=r"unknown key train\.zzqqx \(known: \[.*'epochs'") as err:
+        load_config(path)
+    assert "did you mean" not in str(err.value)
+    with pytest.raises(ValueError, match=r"unknown key train\.zzqqx \(known: \[.*'epochs'"):
+        apply_overrides(JobConfig(), ["train.zzqqx=1"])
+    with pytest.raises(ValueError, match=r"did you mean 'epochs'\?\)$") as err:
+        apply_overrides(JobConfig(), ["train.epoch=1"])
+    assert len(str(err.value)) < 120
 
 
 def _config_warnings(caplog) -> list[str]:
