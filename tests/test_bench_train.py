@@ -78,6 +78,10 @@ def test_bench_train_smoke_json_fields_and_arithmetic(synthetic, tmp_path, capsy
     assert 0 < max(own.values()) <= hp["wall_s"] / 2 * 1.05  # own seconds per step fit inside a step
     assert all(s["host_s"] == s["step_s"] for s in r["steps"])  # CPU: operators run as called
     assert all(1 <= s["max_len"] <= 48 and "device_allocs" not in s for s in r["steps"])  # no allocator on CPU
+    # the interpreter compiles nothing: no JIT cache misses, counted per step and in all
+    assert r["jit_misses"] == {"count": 0, "steps": 0, "kernels": []}
+    assert all(s["jit_misses"] == 0 and s["jit_kernels"] == [] for s in r["steps"])
+    assert "kernel compiles 0 JIT cache misses in 0 of the measured steps" in printed
 
 
 def test_summarize_mfu_is_flops_over_time_over_peak():
@@ -730,3 +734,36 @@ def test_bench_leaves_sigterm_to_the_process(synthetic, tmp_path):
             assert tr.vote is not None and signal.getsignal(signal.SIGTERM) is not sentinel
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_jit_misses_counts_through_triton_hook_and_restores_it():
+    """JitMisses installs a counting ``jit_cache_hook`` (the JIT calls it on each launch that misses its kernel
+    cache), calls on a hook installed before it with the same arguments and returns its answer (a true answer
+    skips the compile), and puts the earlier hook back on exit."""
+    from triton import knobs
+
+    from gemray.bench.train import JitMisses
+
+    seen = []
+
+    def earlier(*args, **kwargs):
+        seen.append(kwargs["key"])
+        return False
+
+    class Fn:
+        name = "_gdpa_fwd"
+
+    old = knobs.runtime.jit_cache_hook
+    knobs.runtime.jit_cache_hook = earlier
+    try:
+        with JitMisses() as jit:
+            hook = knobs.runtime.jit_cache_hook
+            assert hook is not earlier
+            assert hook(key="k1", fn=Fn()) is False and hook(key="k2", fn=object()) is False
+        assert knobs.runtime.jit_cache_hook is earlier
+        assert jit.count == 2 and jit.names == ["_gdpa_fwd", "?"] and seen == ["k1", "k2"]
+    finally:
+        knobs.runtime.jit_cache_hook = old
+    with JitMisses() as jit:  # no earlier hook: the JIT is told to compile (None)
+        assert knobs.runtime.jit_cache_hook(key="k3", fn=Fn()) is None
+    assert jit.count == 1 and knobs.runtime.jit_cache_hook is old

@@ -41,7 +41,9 @@ device_allocs / device_frees: cudaMalloc / cudaFree calls});
 ``compile_stall`` {max_over_median, flagged (> 2)}; ``loader`` {workers (0 = in-process), in_process,
 prefetch_batches, pin_memory, cpu_cores};
 ``gc`` (Python's garbage-collection pauses during the measured steps: seconds, generation-2 collections, the
-largest one step had; each step record has its own ``gc_s`` / ``gc_full``); ``warmup_compile`` (the kernel
+largest one step had; each step record has its own ``gc_s`` / ``gc_full``); ``jit_misses`` ({count, steps,
+kernels}: launches of Triton / Gluon kernels that missed the JIT's kernel cache in the measured steps, i.e. compiled
+or read triton's disk cache, :class:`JitMisses`; each step record has ``jit_misses`` / ``jit_kernels``); ``warmup_compile`` (the kernel
 warm-up's regimes and seconds); ``torch_compile`` (``train.compile``:
 :func:`compile_report` -- the modules compiled, graphs, graph breaks, dynamo / AOT / inductor seconds, split into
 before the measured steps and during them: compile time is never inside the measured figures unless a batch
@@ -287,6 +289,10 @@ def summarize(records: list[dict[str, Any]], peak: float | None, wall_s: float |
         "gc": {"seconds": sum(r.get("gc_s", 0.0) for r in records),
                "full_collections": sum(r.get("gc_full", 0) for r in records),
                "max_step_s": max((r.get("gc_s", 0.0) for r in records), default=0.0)},
+        # Triton / Gluon launches that missed the JIT's kernel cache in the measured steps (records' jit_misses)
+        "jit_misses": {"count": sum(r.get("jit_misses", 0) for r in records),
+                       "steps": sum(1 for r in records if r.get("jit_misses")),
+                       "kernels": sorted({k for r in records for k in r.get("jit_kernels", ())})},
     }
 
 
@@ -309,6 +315,39 @@ def _allocator_counts(device: torch.device) -> dict[str, int] | None:
         return None
     stats = torch.cuda.memory_stats(device)
     return {k: int(stats.get(v, 0)) for k, v in _ALLOCATOR_STATS.items()}
+
+
+class JitMisses:
+    """Launches of Triton / Gluon kernels that missed the JIT's in-memory kernel cache while entered (each one
+    compiles, or reads triton's disk cache: tens of ms to seconds of host time in a training step), counted
+    through triton's ``knobs.runtime.jit_cache_hook`` (triton >= 3.3; with none, nothing is counted).
+    ``count``; ``names``: the kernels' names in order. A hook installed before is called on and its answer
+    returned (a true answer makes the JIT skip the compile: that stays its decision)."""
+
+    def __init__(self) -> None:
+        self.count, self.names = 0, []
+        self._runtime, self._prev = None, None
+
+    def _hook(self, *args, **kwargs):
+        self.count += 1
+        self.names.append(getattr(kwargs.get("fn"), "name", "?"))
+        return self._prev(*args, **kwargs) if self._prev is not None else None
+
+    def __enter__(self) -> "JitMisses":
+        try:
+            from triton import knobs
+            runtime = knobs.runtime
+            self._prev = runtime.jit_cache_hook
+        except (ImportError, AttributeError):  # an older triton: no hook to count with
+            return self
+        self._runtime = runtime
+        runtime.jit_cache_hook = self._hook
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._runtime is not None:
+            self._runtime.jit_cache_hook = self._prev
+            self._runtime = None
 
 
 def _sync(device: torch.device) -> None:
@@ -417,9 +456,9 @@ def _run_steps(trainer: Any, batches: _Batches, n: int, device: torch.device, re
         prev = torch.cuda.Event(enable_timing=True)
         prev.record()
     marks = []
-    with GcPauses() as pauses:  # per step: Python's collection pauses inside it (a host stall's first suspect)
+    with GcPauses() as pauses, JitMisses() as jit:  # per step: a host stall's first suspects
         for _ in range(n):
-            gc0, full0 = pauses.seconds, pauses.full
+            gc0, full0, jit0 = pauses.seconds, pauses.full, jit.count
             batch, data_s = batches.next()
             allocs0 = _allocator_counts(device) if cuda else None
             t0 = time.perf_counter()
@@ -433,7 +472,8 @@ def _run_steps(trainer: Any, batches: _Batches, n: int, device: torch.device, re
             records.append({"phase": phase, "data_s": data_s, "host_s": host_s, "step_s": host_s,
                             "flops": trainer.last_step_flops, "tokens": batch.num_tokens, "samples": batch.batch_size,
                             "max_len": batch.max_len, "loss": loss, "gc_s": pauses.seconds - gc0,
-                            "gc_full": pauses.full - full0})
+                            "gc_full": pauses.full - full0, "jit_misses": jit.count - jit0,
+                            "jit_kernels": sorted(set(jit.names[jit0:]))})
             if allocs0 is not None:  # the caching allocator's cudaMalloc calls while this step was enqueued
                 records[-1]["device_allocs"] = _allocator_counts(device)["device_allocs"] - allocs0["device_allocs"]
             if after_first is not None:
@@ -870,6 +910,10 @@ def format_table(res: dict[str, Any]) -> str:
             f"  GC pauses       {res['gc']['seconds'] * 1e3:.1f} ms in the measured steps "
             f"({res['gc']['full_collections']} full collections; at most {res['gc']['max_step_s'] * 1e3:.1f} ms "
             "in one step)"]),
+        *([] if "jit_misses" not in res else [
+            f"  kernel compiles {res['jit_misses']['count']} JIT cache misses in {res['jit_misses']['steps']} of the "
+            "measured steps" + (f" ({', '.join(res['jit_misses']['kernels'][:6])})" if res['jit_misses']['count']
+                                else "")]),
         f"  kernel warm-up  {res['warmup_compile'].get('seconds', 0.0):.1f} s over "
         f"{len(res['warmup_compile'].get('regimes', []))} regime(s)"
         + ("" if res["warmup_compile"].get("ran") else f" (skipped: {res['warmup_compile'].get('why')})"),
