@@ -8,9 +8,9 @@ and loads (STL / LDL) executed per iteration. Spills inside a loop cost every ti
 loops (values kept across them) cost once per program. the kernel run reports (benchmarks/reports/kernels_h200_*.md) records what this showed.
 The device may run another triton version: re-check there when a number matters. The relative-bias
 variants take the int32 time-threshold table (``jagged_attention._kernel_thresholds``: up to 71 time buckets,
-e.g. the GEM config's 64). ``--ws`` compiles the warp-specialized Gluon kernels instead (the forwards and the silu backward's two launches) (kernels/ws_attention.py:
-ptxas's spill figures for the whole kernel, the partitions' setmaxnreg budgets, a SASS hash to show a change left a
-kernel's code as it was); they need the device's triton 3.6 (``PYTHONPATH=<dir holding triton 3.6>``): the CPU
+e.g. the GEM config's 64). ``--ws`` compiles the warp-specialized Gluon kernels instead
+(kernels/ws_attention.py: the forwards and the silu backward's two launches; ptxas's spill figures for the whole
+kernel, the partitions' setmaxnreg budgets, a SASS hash to show a change left a kernel's code as it was); they need the device's triton 3.6 (``PYTHONPATH=<dir holding triton 3.6>``): the CPU
 stack's triton 3.9 removed a call they make.
 """
 

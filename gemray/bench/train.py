@@ -22,8 +22,9 @@ only at the start and end of each phase (warm-up, measured, profiled). Per step 
 * ``host_s``: the host's time inside ``train_step`` (on CUDA: enqueueing; ``host_s`` near ``step_s`` means
   the step is host-bound);
 * the step's model FLOPs (``gemray.train.throughput.batch_flops``), tokens, samples and ``max_len`` (the batch's
-  longest sequence); on CUDA ``device_allocs``, the caching allocator's cudaMalloc calls while the step was
-  enqueued (a step that reaches a new peak of some buffer size pays for them: a slow step's first suspect).
+  longest sequence); on CUDA ``device_allocs``, the caching allocator's cudaMalloc calls since the previous step
+  was enqueued (its batch's read and its own enqueueing: a step that reaches a new peak of some buffer size pays
+  for them, a slow step's first suspect).
 
 The result (:func:`run_bench`, the ``--json`` file; steps after the first ``warmup`` only):
 
@@ -456,11 +457,12 @@ def _run_steps(trainer: Any, batches: _Batches, n: int, device: torch.device, re
         prev = torch.cuda.Event(enable_timing=True)
         prev.record()
     marks = []
+    # cudaMalloc calls so far (torch.cuda.memory_stats builds a ~200-key dict: read once per step, not twice)
+    allocs = _allocator_counts(device)["device_allocs"] if cuda else None
     with GcPauses() as pauses, JitMisses() as jit:  # per step: a host stall's first suspects
         for _ in range(n):
             gc0, full0, jit0 = pauses.seconds, pauses.full, jit.count
             batch, data_s = batches.next()
-            allocs0 = _allocator_counts(device) if cuda else None
             t0 = time.perf_counter()
             nxt = batches.peek() if getattr(trainer, "pipeline", None) is not None else None  # sparse-dist: prefetched
             loss = trainer.train_step(batch, next_batch=nxt)
@@ -474,8 +476,9 @@ def _run_steps(trainer: Any, batches: _Batches, n: int, device: torch.device, re
                             "max_len": batch.max_len, "loss": loss, "gc_s": pauses.seconds - gc0,
                             "gc_full": pauses.full - full0, "jit_misses": jit.count - jit0,
                             "jit_kernels": sorted(set(jit.names[jit0:]))})
-            if allocs0 is not None:  # the caching allocator's cudaMalloc calls while this step was enqueued
-                records[-1]["device_allocs"] = _allocator_counts(device)["device_allocs"] - allocs0["device_allocs"]
+            if cuda:  # the caching allocator's cudaMalloc calls since the previous step was enqueued
+                allocs0, allocs = allocs, _allocator_counts(device)["device_allocs"]
+                records[-1]["device_allocs"] = allocs - allocs0
             if after_first is not None:
                 after_first()
                 after_first = None
