@@ -189,9 +189,10 @@ def test_unknown_key_suggests_the_close_one(item, suggestion):
         apply_overrides(JobConfig(), [item])
 
 
-def test_an_empty_config_file_warns(tmp_path, caplog):
+def test_an_empty_config_file_warns(tmp_path, caplog, monkeypatch):
     """An empty (or all-comment) config file trained ML-1M's defaults without a word (a new user's finding): one
     warning naming the file; a file that sets something says nothing."""
+    monkeypatch.delenv("GEMRAY_SHARED", raising=False)  # (set, it moves the default ../shared/... paths)
     empty, some = tmp_path / "empty.toml", tmp_path / "some.toml"
     empty.write_text("# nothing yet\n")
     some.write_text("[train]\nepochs = 2\n")
@@ -204,8 +205,9 @@ def test_an_empty_config_file_warns(tmp_path, caplog):
 
 
 @pytest.mark.parametrize("text", ["[train]\n", "[data]\n\n[model]\n# nothing yet\n"])
-def test_a_config_file_of_empty_sections_warns(tmp_path, caplog, text):
+def test_a_config_file_of_empty_sections_warns(tmp_path, caplog, text, monkeypatch):
     """A file of section headers with no keys sets nothing either: the same warning as an empty file."""
+    monkeypatch.delenv("GEMRAY_SHARED", raising=False)  # (set, it moves the default ../shared/... paths)
     path = tmp_path / "c.toml"
     path.write_text(text)
     with caplog.at_level("WARNING", logger="gemray.config"):
