@@ -309,6 +309,13 @@ def _cmd_train(ns: argparse.Namespace) -> int:
 
     cfg = load_config(ns.config, ns.overrides)  # validate before anything starts
     out = Path(ns.output or Path("runs") / cfg.name).expanduser().resolve()  # fit's default
+    if ns.dry_run:  # the resolved config (every key), nothing started, nothing written
+        from gemray.config import to_toml
+
+        print(to_toml(cfg), end="")
+        print(f"gemray train --dry-run: {ns.config} is valid with {len(ns.overrides)} --set value(s); "
+              f"output would be {out}", file=sys.stderr)
+        return 0
     with console_session(out, level=log_level(ns), verbose=ns.verbose) as run_log:
         try:
             res = fit(cfg, output_dir=ns.output)
@@ -346,6 +353,7 @@ examples:
   gemray train --config configs/ml-1m.toml
   gemray train --config configs/ml-1m.toml --set train.epochs=2 data.batch_size=64 --output runs/try
   gemray preempt --output runs/try --wait 300     # from another shell: checkpoint and stop
+  gemray train --config configs/ml-1m.toml --set train.epochs=2 --dry-run   # the resolved config, nothing run
 """
 
 
@@ -804,6 +812,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--config", required=True, help="TOML config, e.g. configs/ml-1m.toml")
     _add_set(tr)
     tr.add_argument("--output", default=None, help="output folder (default runs/<name>)")
+    tr.add_argument("--dry-run", action="store_true",
+                    help="validate the config and its --set values, print the resolved config (TOML, every key) and "
+                    "exit 0 without starting Ray or writing anything (exit 2 on a bad value, as training would)")
     tr.set_defaults(func=_cmd_train)
 
     pre = sub.add_parser("preempt", help="ask a running `gemray train` to take an emergency checkpoint and stop",

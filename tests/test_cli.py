@@ -36,6 +36,28 @@ def test_bad_set_is_one_line_exit_2(capsys, sets, needle):
     assert needle in _err_line(capsys)
 
 
+def test_train_dry_run_prints_the_resolved_config_and_starts_nothing(capsys, tmp_path):
+    """``gemray train --dry-run`` (what ``make demo`` runs before it prepares data): the config with its --set values
+    as TOML (loadable again, the values applied), exit 0, no output folder; a bad value is the same one-line exit 2."""
+    import tomllib
+
+    from gemray.config import load_config
+
+    out = tmp_path / "run"
+    assert main(["train", "--config", CONFIG, "--set", "train.epochs=3", "data.batch_size=48", "--output", str(out),
+                 "--dry-run"]) == 0
+    cap = capsys.readouterr()
+    resolved = tomllib.loads(cap.out)
+    assert resolved["train"]["epochs"] == 3 and resolved["data"]["batch_size"] == 48
+    written = tmp_path / "resolved.toml"
+    written.write_text(cap.out)
+    assert load_config(written) == load_config(CONFIG, ["train.epochs=3", "data.batch_size=48"])
+    assert "is valid with 2 --set value(s)" in cap.err and str(out) in cap.err
+    assert not out.exists()
+    assert main(["train", "--config", CONFIG, "--set", "train.epochs=0", "--dry-run"]) == 2
+    assert "train.epochs: expected > 0" in _err_line(capsys)
+
+
 @pytest.mark.parametrize("argv, line", [
     (["prepare", "movielens", "--src", "{src}", "--out", "{out}", "--num-files", "0"],
      "--num-files: expected an integer >= 1, got 0"),
