@@ -560,6 +560,7 @@ def test_gpu_bench_train_compiled_with_sync_debug(synthetic, tmp_path, capsys):
     tc = r["torch_compile"]
     assert tc["enabled"] and tc["modules"] and tc["until_measured"]["frames"] >= 1
     assert tc["during_measured"]["frames"] == 0 and not r["compile_stall"]["flagged"]
+    assert all({"device_allocs", "host_allocs", "host_alloc_ms"} <= s.keys() for s in r["steps"])
     sd = r["sync_debug"]
     assert "host syncs" in printed and sd["total"] == sum(s["count"] for s in sd["sites"])
 
@@ -767,3 +768,21 @@ def test_jit_misses_counts_through_triton_hook_and_restores_it():
     with JitMisses() as jit:  # no earlier hook: the JIT is told to compile (None)
         assert knobs.runtime.jit_cache_hook(key="k3", fn=Fn()) is None
     assert jit.count == 1 and knobs.runtime.jit_cache_hook is old
+
+
+def test_allocator_counts_merge_the_pinned_host_allocators(monkeypatch):
+    """On CUDA the per-step allocator window counts the device allocator's cudaMalloc calls and the pinned host
+    allocator's cudaHostAlloc calls and microseconds (torch.cuda.host_memory_stats); a torch without the host stats
+    counts 0 for them; off CUDA there is nothing to count."""
+    from gemray.bench import train as bt
+
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {
+        "num_alloc_retries": 1, "num_device_alloc": 7, "num_device_free": 2, "active.all.current": 99})
+    monkeypatch.setattr(torch.cuda, "host_memory_stats", lambda: {
+        "num_host_alloc": 3, "host_alloc_time.total": 4500, "num_host_free": 0}, raising=False)
+    got = bt._allocator_counts(torch.device("cuda", 0))
+    assert got == {"alloc_retries": 1, "device_allocs": 7, "device_frees": 2, "host_allocs": 3, "host_alloc_us": 4500}
+    monkeypatch.delattr(torch.cuda, "host_memory_stats")
+    got = bt._allocator_counts(torch.device("cuda", 0))
+    assert got["device_allocs"] == 7 and got["host_allocs"] == 0 and got["host_alloc_us"] == 0
+    assert bt._allocator_counts(torch.device("cpu")) is None

@@ -24,7 +24,8 @@ only at the start and end of each phase (warm-up, measured, profiled). Per step 
 * the step's model FLOPs (``gemray.train.throughput.batch_flops``), tokens, samples and ``max_len`` (the batch's
   longest sequence); on CUDA ``device_allocs``, the caching allocator's cudaMalloc calls since the previous step
   was enqueued (its batch's read and its own enqueueing: a step that reaches a new peak of some buffer size pays
-  for them, a slow step's first suspect).
+  for them, a slow step's first suspect), ``host_allocs`` / ``host_alloc_ms``, the pinned host allocator's
+  cudaHostAlloc calls in that window and their milliseconds (a batch pinned into new pages).
 
 The result (:func:`run_bench`, the ``--json`` file; steps after the first ``warmup`` only):
 
@@ -38,7 +39,8 @@ null on CPU), ``local_mfu_compute`` (the same over step_s only: what a loader th
 settling); ``peak_memory`` ({allocated_bytes, reserved_bytes} from torch.cuda.max_memory_* on CUDA, {rss_bytes} on
 CPU); ``allocator`` (CUDA: the caching allocator's events during the measured steps, from torch.cuda.memory_stats:
 {alloc_retries: allocations that found the device full and freed the cache first, a device synchronisation each;
-device_allocs / device_frees: cudaMalloc / cudaFree calls});
+device_allocs / device_frees: cudaMalloc / cudaFree calls; host_allocs / host_alloc_us: the pinned host allocator's
+cudaHostAlloc calls and their microseconds});
 ``compile_stall`` {max_over_median, flagged (> 2)}; ``loader`` {workers (0 = in-process), in_process,
 prefetch_batches, pin_memory, cpu_cores};
 ``gc`` (Python's garbage-collection pauses during the measured steps: seconds, generation-2 collections, the
@@ -310,12 +312,22 @@ _ALLOCATOR_STATS = {"alloc_retries": "num_alloc_retries", "device_allocs": "num_
                     "device_frees": "num_device_free"}
 
 
+# the pinned host allocator's (torch.cuda.host_memory_stats, torch >= 2.6): cudaHostAlloc calls that grew its pool
+# (the loader's pin thread pins each batch; a batch larger than every cached block pins new pages) and their
+# microseconds
+_HOST_ALLOCATOR_STATS = {"host_allocs": "num_host_alloc", "host_alloc_us": "host_alloc_time.total"}
+
+
 def _allocator_counts(device: torch.device) -> dict[str, int] | None:
-    """CUDA: the caching allocator's cumulative event counts (``torch.cuda.memory_stats``); None elsewhere."""
+    """CUDA: the caching allocators' cumulative event counts (``torch.cuda.memory_stats``; the pinned host
+    allocator's from ``torch.cuda.host_memory_stats`` where this torch has it, else 0); None elsewhere."""
     if device.type != "cuda":
         return None
     stats = torch.cuda.memory_stats(device)
-    return {k: int(stats.get(v, 0)) for k, v in _ALLOCATOR_STATS.items()}
+    out = {k: int(stats.get(v, 0)) for k, v in _ALLOCATOR_STATS.items()}
+    host = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
+    out.update({k: int(host.get(v, 0)) for k, v in _HOST_ALLOCATOR_STATS.items()})
+    return out
 
 
 class JitMisses:
@@ -458,7 +470,7 @@ def _run_steps(trainer: Any, batches: _Batches, n: int, device: torch.device, re
         prev.record()
     marks = []
     # cudaMalloc calls so far (torch.cuda.memory_stats builds a ~200-key dict: read once per step, not twice)
-    allocs = _allocator_counts(device)["device_allocs"] if cuda else None
+    allocs = _allocator_counts(device) if cuda else None
     with GcPauses() as pauses, JitMisses() as jit:  # per step: a host stall's first suspects
         for _ in range(n):
             gc0, full0, jit0 = pauses.seconds, pauses.full, jit.count
@@ -476,9 +488,10 @@ def _run_steps(trainer: Any, batches: _Batches, n: int, device: torch.device, re
                             "max_len": batch.max_len, "loss": loss, "gc_s": pauses.seconds - gc0,
                             "gc_full": pauses.full - full0, "jit_misses": jit.count - jit0,
                             "jit_kernels": sorted(set(jit.names[jit0:]))})
-            if cuda:  # the caching allocator's cudaMalloc calls since the previous step was enqueued
-                allocs0, allocs = allocs, _allocator_counts(device)["device_allocs"]
-                records[-1]["device_allocs"] = allocs - allocs0
+            if cuda:  # the allocators' cudaMalloc / cudaHostAlloc calls since the previous step was enqueued
+                allocs0, allocs = allocs, _allocator_counts(device)
+                records[-1].update({k: allocs[k] - allocs0[k] for k in ("device_allocs", "host_allocs")})
+                records[-1]["host_alloc_ms"] = (allocs["host_alloc_us"] - allocs0["host_alloc_us"]) / 1e3
             if after_first is not None:
                 after_first()
                 after_first = None
@@ -905,7 +918,8 @@ def format_table(res: dict[str, Any]) -> str:
         f"(loader {describe_workers(res['loader'].get('workers', 0))}, {res['loader']['cpu_cores']} cores)",
         f"  peak memory     {mem}" + ("" if not res.get("allocator") else
                                           "; allocator during the steps: {alloc_retries} retries (cache freed "
-                                          "when full), {device_allocs} cudaMalloc, {device_frees} cudaFree"
+                                          "when full), {device_allocs} cudaMalloc, {device_frees} cudaFree, "
+                                          "{host_allocs} cudaHostAlloc"
                                           .format(**res["allocator"])),
         f"  compile stalls  max/median step {cs['max_over_median'] or 0:.2f}"
         + (f"  FLAGGED (> {cs['factor']:g}x)" if cs["flagged"] else "  ok"),
