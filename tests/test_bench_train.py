@@ -786,3 +786,57 @@ def test_allocator_counts_merge_the_pinned_host_allocators(monkeypatch):
     got = bt._allocator_counts(torch.device("cuda", 0))
     assert got["device_allocs"] == 7 and got["host_allocs"] == 0 and got["host_alloc_us"] == 0
     assert bt._allocator_counts(torch.device("cpu")) is None
+
+
+def _steps_from(tokens_flops, extra_ms=None, **fields):
+    """Records whose step time is exactly 0.9 ms per 1k tokens + 1.5 ms per TFLOP + 4 ms, plus extra_ms[i]."""
+    extra_ms = extra_ms or {}
+    return [{"step_s": (0.9 * t / 1e3 + 1.5 * f / 1e12 + 4.0 + extra_ms.get(i, 0.0)) / 1e3, "tokens": t, "flops": f,
+             **{k: v[i] for k, v in fields.items()}} for i, (t, f) in enumerate(tokens_flops)]
+
+
+def test_slow_steps_finds_the_steps_over_their_work_even_the_largest_batches():
+    """Steps that pay a fixed ~20 ms on top of their work are found among batches whose sizes spread the step
+    times more than that (the largest batch among them: the most leverage on a squares fit), each with its
+    suspects; the rest define the fit, recovered exactly; local MFU without them is theirs alone."""
+    import random
+
+    from gemray.bench.train import _slow_steps_line, slow_steps
+
+    rnd = random.Random(3)
+    tf = [(t, t * (300 + rnd.uniform(-60, 60)) * 1e6) for t in (rnd.randint(110_000, 150_000) for _ in range(30))]
+    tf[7] = (160_000, 160_000 * 330e6)  # the largest batch, and slow
+    slow_at = {2: 25.0, 7: 23.0, 13: 28.0, 14: 22.0, 28: 26.0}  # on steps of ~180 ms: the threshold ~18 ms
+    allocs = [1 if i in (7, 13) else 0 for i in range(30)]
+    recs = _steps_from(tf, slow_at, device_allocs=allocs, jit_misses=[0] * 30)
+    r = slow_steps(recs, peak=989e12)
+    assert [s["index"] for s in r["steps"]] == sorted(slow_at)
+    for s in r["steps"]:
+        assert s["excess_ms"] == pytest.approx(slow_at[s["index"]], abs=1e-6)
+        assert s["device_allocs"] == allocs[s["index"]] and s["jit_misses"] == 0
+    assert r["fit_ms"] == pytest.approx({"per_1k_tokens": 0.9, "per_tflop": 1.5, "fixed": 4.0}, abs=1e-6)
+    assert r["excess_ms"] == pytest.approx(sum(slow_at.values()), abs=1e-5)
+    rest = [x for i, x in enumerate(recs) if i not in slow_at]
+    assert r["local_mfu_without"] == pytest.approx(sum(x["flops"] for x in rest) / sum(x["step_s"] for x in rest)
+                                                   / 989e12)
+    line = _slow_steps_line(r, 30)
+    assert "5 of 30" in line and "2 with cudaMalloc" in line and "0 with JIT misses" in line
+    assert "steps 2, 7, 13, 14, 28" in line
+
+
+def test_slow_steps_lists_none_on_steady_steps_and_needs_six():
+    """Steps their work explains (within a 5% jitter of the median step) are not slow; under 6 records there is
+    nothing to fit; a step 20% of the median over its work is slow at the default 10%, not at 30%."""
+    from gemray.bench.train import slow_steps
+
+    tf = [(100_000 + 5_000 * i, (100_000 + 5_000 * i) * 300e6) for i in range(12)]
+    jitter = {i: (-1) ** i * 0.05 * 100 for i in range(12)}  # +-5 ms on ~100-150 ms steps
+    r = slow_steps(_steps_from(tf, jitter))
+    assert r["steps"] == [] and r["local_mfu_without"] is None
+    assert slow_steps(_steps_from(tf[:5])) is None
+    import statistics
+
+    median_ms = statistics.median(x["step_s"] for x in _steps_from(tf)) * 1e3
+    recs = _steps_from(tf, {4: 0.2 * median_ms})
+    assert [s["index"] for s in slow_steps(recs)["steps"]] == [4]
+    assert slow_steps(recs, excess=0.3)["steps"] == []

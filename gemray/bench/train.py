@@ -41,7 +41,8 @@ CPU); ``allocator`` (CUDA: the caching allocator's events during the measured st
 {alloc_retries: allocations that found the device full and freed the cache first, a device synchronisation each;
 device_allocs / device_frees: cudaMalloc / cudaFree calls; host_allocs / host_alloc_us: the pinned host allocator's
 cudaHostAlloc calls and their microseconds});
-``compile_stall`` {max_over_median, flagged (> 2)}; ``loader`` {workers (0 = in-process), in_process,
+``compile_stall`` {max_over_median, flagged (> 2)}; ``slow_steps`` (:func:`slow_steps`: the steps over the time their
+tokens and FLOPs predict by more than 10% of the median step, with their suspects; null under 6 steps); ``loader`` {workers (0 = in-process), in_process,
 prefetch_batches, pin_memory, cpu_cores};
 ``gc`` (Python's garbage-collection pauses during the measured steps: seconds, generation-2 collections, the
 largest one step had; each step record has its own ``gc_s`` / ``gc_full``); ``jit_misses`` ({count, steps,
@@ -254,6 +255,74 @@ def stall_check(step_s: list[float], factor: float = STALL_FACTOR) -> dict[str, 
     return {"max_over_median": r, "flagged": r > factor, "factor": factor}
 
 
+SLOW_STEP_EXCESS = 0.10  # a step over the time its tokens and FLOPs predict by this fraction of the median step is slow
+
+
+def slow_steps(records: list[dict[str, Any]], peak: float | None = None,
+               excess: float = SLOW_STEP_EXCESS) -> dict[str, Any] | None:
+    """Pure: the measured steps slower than their batch explains. A step's time is fitted as ``a * tokens + b *
+    flops + c`` (per-token work: projections, norms, memory-bound kernels; FLOPs: the attention's quadratic part on
+    top; c: fixed per-step cost), first by least trimmed squares over 60% of the steps (robust to the slow steps
+    themselves, seeded: the same records give the same answer), then by least squares over the steps within
+    ``excess`` x the median step of it until that set stops changing; the steps more than that over the fit are
+    the slow steps: a fixed cost some batches pay on top of their work (a new allocator segment, a kernel-cache
+    miss, a collection, the host falling behind), which the batch-to-batch spread of step times hides (session
+    37's H100 runs: the same 6-9 of 30 batches ~20 ms over in all four runs, benchmarks/reports/gem_h200_2026-12-08.md). Records need ``step_s``, ``tokens`` and ``flops``; each slow step
+    is listed with the suspects its record has (``device_allocs``, ``host_allocs``, ``jit_misses``, ``gc_s``).
+
+    Returns None with fewer than 6 records (too few to fit three coefficients), else {"excess": the threshold,
+    "fit_ms": {"per_1k_tokens", "per_tflop", "fixed"} (ms; the tokens and the FLOPs of real batches go together,
+    so the split between a and b is loose, the prediction is not), "steps": [{index (0 = the first measured step),
+    step_ms, expected_ms, excess_ms, and the suspects present}], "excess_ms": their excess in all,
+    "local_mfu_without": local MFU over the other steps' step times (None without a peak)}."""
+    import numpy as np
+
+    n = len(records)
+    if n < 6:
+        return None
+    y = np.array([r["step_s"] for r in records], dtype=np.float64) * 1e3
+    x = np.array([[r["tokens"] / 1e3, r["flops"] / 1e12, 1.0] for r in records], dtype=np.float64)
+    # least trimmed squares (Rousseeuw's LTS, random starts + concentration steps): the fit of the ~60% of steps it
+    # fits best, so up to ~40% slow steps cannot pull it up; the largest batches (the most leverage) are among the
+    # slow ones as often as not, which a squares or least-absolute fit follows
+    h = max(4, (3 * n + 4) // 5)
+    rng = np.random.default_rng(0)
+    best, coef = np.inf, None
+    for _ in range(200):
+        sub = rng.choice(n, size=3, replace=False)
+        for _ in range(20):
+            c, *_ = np.linalg.lstsq(x[sub], y[sub], rcond=None)
+            nxt = np.sort(np.argsort((y - x @ c) ** 2)[:h])
+            if np.array_equal(nxt, sub):
+                break
+            sub = nxt
+        cost = np.sort((y - x @ c) ** 2)[:h].sum()
+        if cost < best:
+            best, coef = cost, c
+    keep = np.ones(n, dtype=bool)
+    for _ in range(n):  # then squares over the steps within the threshold, until that set stops changing
+        pred = x @ coef
+        slow = y - pred > excess * np.median(y)
+        if (~slow).sum() < 3 or np.array_equal(~slow, keep):
+            break
+        keep = ~slow
+        coef, *_ = np.linalg.lstsq(x[keep], y[keep], rcond=None)
+    steps = []
+    for i in np.flatnonzero(slow):
+        r = records[i]
+        item = {"index": int(i), "step_ms": float(y[i]), "expected_ms": float(pred[i]),
+                "excess_ms": float(y[i] - pred[i])}
+        item.update({k: r[k] for k in ("device_allocs", "host_allocs", "jit_misses") if k in r})
+        if "gc_s" in r:
+            item["gc_ms"] = r["gc_s"] * 1e3
+        steps.append(item)
+    rest = [r for r, s in zip(records, slow) if not s]
+    return {"excess": excess,
+            "fit_ms": {"per_1k_tokens": float(coef[0]), "per_tflop": float(coef[1]), "fixed": float(coef[2])},
+            "steps": steps, "excess_ms": float(sum(s["excess_ms"] for s in steps)),
+            "local_mfu_without": mfu_or_none(sum(r["flops"] for r in rest), sum(r["step_s"] for r in rest), peak)}
+
+
 def summarize(records: list[dict[str, Any]], peak: float | None, wall_s: float | None = None) -> dict[str, Any]:
     """Pure: the bench's figures from the measured steps' records ({data_s, step_s, flops, tokens, samples,
     optionally host_s}); see the module docstring for the keys. wall_s: the measured window's wall seconds
@@ -288,6 +357,7 @@ def summarize(records: list[dict[str, Any]], peak: float | None, wall_s: float |
                                              sum(step[len(step) // 2:]), peak) if len(records) > 1 else None,
         "peak_flops": peak,
         "compile_stall": stall_check(step),
+        "slow_steps": slow_steps(records, peak),
         # Python's collection pauses in the measured steps (records' gc_s / gc_full; absent in older records)
         "gc": {"seconds": sum(r.get("gc_s", 0.0) for r in records),
                "full_collections": sum(r.get("gc_full", 0) for r in records),
@@ -893,6 +963,23 @@ def run_bench(cfg: JobConfig, *, steps: int, warmup: int, profile: bool = False,
             dist.destroy_process_group()
 
 
+def _slow_steps_line(slow: dict[str, Any], n: int) -> str:
+    """The table's line for :func:`slow_steps`' result over ``n`` measured steps."""
+    st = slow["steps"]
+    head = (f"  slow steps      {len(st)} of {n} over the fit of step time on tokens and FLOPs by more than "
+            f"{slow['excess']:.0%} of the median step")
+    if not st:
+        return head
+    has = [f"{sum(1 for s in st if s.get(k))} with {what}" for k, what in
+           (("device_allocs", "cudaMalloc"), ("host_allocs", "cudaHostAlloc"), ("jit_misses", "JIT misses"),
+            ("gc_ms", "GC")) if any(k in s for s in st)]
+    mfu = slow.get("local_mfu_without")
+    return (f"{head}: +{slow['excess_ms'] / len(st):.1f} ms each on average (steps "
+            f"{', '.join(str(s['index']) for s in st[:12])}{', ...' if len(st) > 12 else ''}"
+            f"{'; ' + ', '.join(has) if has else ''})"
+            + ("" if mfu is None else f"; local MFU without them {100 * mfu:.2f}%"))
+
+
 def format_table(res: dict[str, Any]) -> str:
     """The bench result as the printed table (text)."""
     from gemray.pipelines.loader import describe_workers
@@ -927,6 +1014,7 @@ def format_table(res: dict[str, Any]) -> str:
             f"  GC pauses       {res['gc']['seconds'] * 1e3:.1f} ms in the measured steps "
             f"({res['gc']['full_collections']} full collections; at most {res['gc']['max_step_s'] * 1e3:.1f} ms "
             "in one step)"]),
+        *([] if not res.get("slow_steps") else [_slow_steps_line(res["slow_steps"], res["measured_steps"])]),
         *([] if "jit_misses" not in res else [
             f"  kernel compiles {res['jit_misses']['count']} JIT cache misses in {res['jit_misses']['steps']} of the "
             "measured steps" + (f" ({', '.join(res['jit_misses']['kernels'][:6])})" if res['jit_misses']['count']
