@@ -42,8 +42,8 @@ CPU); ``allocator`` (CUDA: the caching allocator's events during the measured st
 device_allocs / device_frees: cudaMalloc / cudaFree calls; host_allocs / host_alloc_us: the pinned host allocator's
 cudaHostAlloc calls and their microseconds});
 ``compile_stall`` {max_over_median, flagged (> 2)}; ``slow_steps`` (:func:`slow_steps`: the steps over the time their
-tokens and FLOPs predict by more than 10% of the median step, with their suspects; null under 6 steps); ``loader`` {workers (0 = in-process), in_process,
-prefetch_batches, pin_memory, cpu_cores};
+tokens and FLOPs predict by more than 10% of the median step, with their suspects; null under 6 steps); ``loader``
+{workers (0 = in-process), in_process, prefetch_batches, pin_memory, cpu_cores};
 ``gc`` (Python's garbage-collection pauses during the measured steps: seconds, generation-2 collections, the
 largest one step had; each step record has its own ``gc_s`` / ``gc_full``); ``jit_misses`` ({count, steps,
 kernels}: launches of Triton / Gluon kernels that missed the JIT's kernel cache in the measured steps, i.e. compiled
@@ -255,7 +255,8 @@ def stall_check(step_s: list[float], factor: float = STALL_FACTOR) -> dict[str, 
     return {"max_over_median": r, "flagged": r > factor, "factor": factor}
 
 
-SLOW_STEP_EXCESS = 0.10  # a step over the time its tokens and FLOPs predict by this fraction of the median step is slow
+# a step over the time its tokens and FLOPs predict by this fraction of the median step is slow (slow_steps)
+SLOW_STEP_EXCESS = 0.10
 
 
 def slow_steps(records: list[dict[str, Any]], peak: float | None = None,
@@ -267,7 +268,8 @@ def slow_steps(records: list[dict[str, Any]], peak: float | None = None,
     ``excess`` x the median step of it until that set stops changing; the steps more than that over the fit are
     the slow steps: a fixed cost some batches pay on top of their work (a new allocator segment, a kernel-cache
     miss, a collection, the host falling behind), which the batch-to-batch spread of step times hides (session
-    37's H100 runs: the same 6-9 of 30 batches ~20 ms over in all four runs, benchmarks/reports/gem_h200_2026-12-08.md). Records need ``step_s``, ``tokens`` and ``flops``; each slow step
+    37's H100 runs: the same 5-9 of 30 batches ~20 ms over in all four runs,
+    benchmarks/reports/gem_h200_2026-12-08.md). Records need ``step_s``, ``tokens`` and ``flops``; each slow step
     is listed with the suspects its record has (``device_allocs``, ``host_allocs``, ``jit_misses``, ``gc_s``).
 
     Returns None with fewer than 6 records (too few to fit three coefficients), else {"excess": the threshold,
