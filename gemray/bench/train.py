@@ -47,8 +47,8 @@ tokens and FLOPs predict by more than 10% of the median step, with their suspect
 ``gc`` (Python's garbage-collection pauses during the measured steps: seconds, generation-2 collections, the
 largest one step had; each step record has its own ``gc_s`` / ``gc_full``); ``jit_misses`` ({count, steps,
 kernels}: launches of Triton / Gluon kernels that missed the JIT's kernel cache in the measured steps, i.e. compiled
-or read triton's disk cache, :class:`JitMisses`; each step record has ``jit_misses`` / ``jit_kernels``); ``warmup_compile`` (the kernel
-warm-up's regimes and seconds); ``torch_compile`` (``train.compile``:
+or read triton's disk cache, :class:`JitMisses`; each step record has ``jit_misses`` / ``jit_kernels``);
+``warmup_compile`` (the kernel warm-up's regimes and seconds); ``torch_compile`` (``train.compile``:
 :func:`compile_report` -- the modules compiled, graphs, graph breaks, dynamo / AOT / inductor seconds, split into
 before the measured steps and during them: compile time is never inside the measured figures unless a batch
 recompiles there, which ``during_measured`` shows and the max/median stall flag catches); ``steps`` (per-step
