@@ -42,6 +42,25 @@ def test_session_processes_takes_the_drivers_ray_children_and_their_descendants(
     assert watchdog.still_running(found, later) == {101: 11, 102: 12, 105: 14}
 
 
+def test_the_last_look_adds_what_surviving_cluster_processes_started_since_the_last_poll():
+    """After the driver dies the watchdog looks once more: children the known raylet started after its last poll
+    (an agent, a worker, their own children) are reaped too; nothing outside the known processes' trees is, and a
+    known pid reused by another process (other start time) is neither reaped nor followed."""
+    known = {101: 11, 102: 12, 103: 13}
+    table = {
+        101: (1, f"gcs_server --session_name={SESSION}", 11),  # reparented after the driver's death
+        102: (1, f"raylet --session_dir=/tmp/ray/{SESSION}", 12),
+        103: (1, "an unrelated process on a reused pid", 99),
+        110: (102, "ray::DashboardAgent", 20),  # started after the last poll
+        111: (110, "python default_worker.py", 21),
+        112: (103, "the unrelated process's child", 22),
+        113: (1, "tee log", 23),
+    }
+    alive = watchdog.still_running(known, table)
+    assert watchdog.descendants(table, alive) == {101: 11, 102: 12, 110: 20, 111: 21}
+    assert watchdog.descendants(table, [999]) == {}
+
+
 def _group(pgid: int) -> dict[int, str]:
     out = {}
     for d in Path("/proc").iterdir():

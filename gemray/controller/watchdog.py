@@ -50,10 +50,16 @@ def session_processes(table: ProcTable, driver_pid: int, session: str, exclude: 
     """The embedded cluster's processes in ``table``: children of ``driver_pid`` whose command line contains
     the session name (``session_<date>_<pid>``), and all their descendants, but not ``exclude`` (the watchdog,
     whose own command line names the session). Returns ``{pid: starttime}``."""
+    return descendants(table, [p for p, (ppid, cmd, _) in table.items()
+                               if ppid == driver_pid and session in cmd and p != exclude])
+
+
+def descendants(table: ProcTable, roots: "list[int] | dict[int, int]") -> dict[int, int]:
+    """``roots`` that are in ``table`` and all their descendants there: ``{pid: starttime}``."""
     children: dict[int, list[int]] = {}
     for pid, (ppid, _, _) in table.items():
         children.setdefault(ppid, []).append(pid)
-    todo = [p for p in children.get(driver_pid, []) if session in table[p][1] and p != exclude]
+    todo = [p for p in roots if p in table]
     found: dict[int, int] = {}
     while todo:
         pid = todo.pop()
@@ -102,6 +108,10 @@ def main(argv: list[str] | None = None) -> int:
         ready, _, _ = select.select([sys.stdin], [], [], ns.poll)
         if ready and not os.read(sys.stdin.fileno(), 4096):  # EOF: the driver closed it or died
             break
+    # a last look: what the cluster's surviving processes started since the last poll (the raylet starts its agents
+    # and workers at any time; one started within the poll before the driver died was not known yet and lingered)
+    table = read_procs()
+    known = {**still_running(known, table), **descendants(table, still_running(known, table))}
     _reap(known)
     return 0
 
