@@ -824,8 +824,8 @@ def test_slow_steps_finds_the_steps_over_their_work_even_the_largest_batches():
     assert "steps 2, 7, 13, 14, 28" in line
 
 
-def test_slow_steps_lists_none_on_steady_steps_and_needs_six():
-    """Steps their work explains (within a 5% jitter of the median step) are not slow; under 6 records there is
+def test_slow_steps_lists_none_on_steady_steps_and_needs_ten():
+    """Steps their work explains (within a 5% jitter of the median step) are not slow; under 10 records there is
     nothing to fit; a step 20% of the median over its work is slow at the default 10%, not at 30%."""
     from gemray.bench.train import slow_steps
 
@@ -833,7 +833,7 @@ def test_slow_steps_lists_none_on_steady_steps_and_needs_six():
     jitter = {i: (-1) ** i * 0.05 * 100 for i in range(12)}  # +-5 ms on ~100-150 ms steps
     r = slow_steps(_steps_from(tf, jitter))
     assert r["steps"] == [] and r["local_mfu_without"] is None
-    assert slow_steps(_steps_from(tf[:5])) is None
+    assert slow_steps(_steps_from(tf[:9])) is None
     import statistics
 
     median_ms = statistics.median(x["step_s"] for x in _steps_from(tf)) * 1e3

@@ -42,7 +42,7 @@ CPU); ``allocator`` (CUDA: the caching allocator's events during the measured st
 device_allocs / device_frees: cudaMalloc / cudaFree calls; host_allocs / host_alloc_us: the pinned host allocator's
 cudaHostAlloc calls and their microseconds});
 ``compile_stall`` {max_over_median, flagged (> 2)}; ``slow_steps`` (:func:`slow_steps`: the steps over the time their
-tokens and FLOPs predict by more than 10% of the median step, with their suspects; null under 6 steps); ``loader``
+tokens and FLOPs predict by more than 10% of the median step, with their suspects; null under 10 steps); ``loader``
 {workers (0 = in-process), in_process, prefetch_batches, pin_memory, cpu_cores};
 ``gc`` (Python's garbage-collection pauses during the measured steps: seconds, generation-2 collections, the
 largest one step had; each step record has its own ``gc_s`` / ``gc_full``); ``jit_misses`` ({count, steps,
@@ -272,15 +272,15 @@ def slow_steps(records: list[dict[str, Any]], peak: float | None = None,
     benchmarks/reports/gem_h200_2026-12-08.md). Records need ``step_s``, ``tokens`` and ``flops``; each slow step
     is listed with the suspects its record has (``device_allocs``, ``host_allocs``, ``jit_misses``, ``gc_s``).
 
-    Returns None with fewer than 6 records (too few to fit three coefficients), else {"excess": the threshold,
-    "fit_ms": {"per_1k_tokens", "per_tflop", "fixed"} (ms; the tokens and the FLOPs of real batches go together,
+    Returns None with fewer than 10 records (the trimmed fit of three coefficients needs some to spare), else
+    {"excess": the threshold, "fit_ms": {"per_1k_tokens", "per_tflop", "fixed"} (ms; the tokens and the FLOPs of real batches go together,
     so the split between a and b is loose, the prediction is not), "steps": [{index (0 = the first measured step),
     step_ms, expected_ms, excess_ms, and the suspects present}], "excess_ms": their excess in all,
     "local_mfu_without": local MFU over the other steps' step times (None without a peak)}."""
     import numpy as np
 
     n = len(records)
-    if n < 6:
+    if n < 10:
         return None
     y = np.array([r["step_s"] for r in records], dtype=np.float64) * 1e3
     x = np.array([[r["tokens"] / 1e3, r["flops"] / 1e12, 1.0] for r in records], dtype=np.float64)
