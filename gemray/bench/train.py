@@ -274,8 +274,9 @@ def slow_steps(records: list[dict[str, Any]], peak: float | None = None,
 
     Returns None with fewer than 10 records (the trimmed fit of three coefficients needs some to spare), else
     {"excess": the threshold, "fit_ms": {"per_1k_tokens", "per_tflop", "fixed"} (ms; the tokens and the FLOPs of
-    real batches go together, so the split between a and b is loose, the prediction is not), "steps": [{index (0 = the first measured step),
-    step_ms, expected_ms, excess_ms, and the suspects present}], "excess_ms": their excess in all,
+    real batches go together, so the split between a and b is loose, the prediction is not), "steps": [{index (0 =
+    the first measured step), step_ms, expected_ms, excess_ms, and the suspects present}], "excess_ms": their excess
+    in all,
     "local_mfu_without": local MFU over the other steps' step times (None without a peak)}."""
     import numpy as np
 
