@@ -38,13 +38,14 @@ data: $(BIN)/.installed
 	and data.prepared_dir at it (configs/ml-latest-small.toml, README \"Configuration\")" >&2; exit 2; }
 	$(BIN)/gemray prepare movielens --src $(DATA_SRC) --out data/ml-1m
 
+DEMO_TRAIN = $(BIN)/gemray train --config configs/ml-1m.toml --set train.epochs=$(DEMO_EPOCHS) $(DEMO_SET) --output $(OUT)
+
 # demo-config first: a bad DEMO_EPOCHS / DEMO_SET is refused before the data are prepared
 demo: $(BIN)/.installed demo-config data
-	$(BIN)/gemray train --config configs/ml-1m.toml --set train.epochs=$(DEMO_EPOCHS) $(DEMO_SET) --output $(OUT)
+	$(DEMO_TRAIN)
 
 demo-config: $(BIN)/.installed
-	$(BIN)/gemray train --config configs/ml-1m.toml --set train.epochs=$(DEMO_EPOCHS) $(DEMO_SET) --output $(OUT) \
-	--dry-run > /dev/null
+	$(DEMO_TRAIN) --dry-run > /dev/null
 
 # make test: everything but the multi-process / Ray-cluster tests marked slow (pyproject.toml), which
 # make test-slow runs; CI (.ci/run) runs both. TEST_WORKERS pytest-xdist processes share the files (a file's tests

@@ -542,7 +542,7 @@ def _run_steps(trainer: Any, batches: _Batches, n: int, device: torch.device, re
         prev = torch.cuda.Event(enable_timing=True)
         prev.record()
     marks = []
-    # cudaMalloc calls so far (torch.cuda.memory_stats builds a ~200-key dict: read once per step, not twice)
+    # the allocators' counters so far (torch.cuda.memory_stats builds a ~200-key dict: read once per step, not twice)
     allocs = _allocator_counts(device) if cuda else None
     with GcPauses() as pauses, JitMisses() as jit:  # per step: a host stall's first suspects
         for _ in range(n):

@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     # a last look: what the cluster's surviving processes started since the last poll (the raylet starts its agents
     # and workers at any time; one started within the poll before the driver died was not known yet and lingered)
     table = read_procs()
-    known = {**still_running(known, table), **descendants(table, still_running(known, table))}
+    known = descendants(table, still_running(known, table))  # the survivors (same pid, same start) and below
     _reap(known)
     return 0
 
